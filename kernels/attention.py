@@ -1,0 +1,86 @@
+"""Attention over a paged KV cache, for mixed batches of prefill chunks and decodes.
+
+Each request r owns query tokens query_start_loc[r]:query_start_loc[r+1] of the flat
+batch; its context is seq_lens[r] tokens long and ends with those queries:
+
+    context  [---------- cached / earlier -----------|====== this step's queries ======]
+             0                           seq_lens[r] - num_queries[r]           seq_lens[r]
+
+Query i of request r sees context positions <= seq_lens[r] - num_queries[r] + i (causal).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int
+    seq_lens: torch.Tensor,  # [num_reqs] int
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    device = query.device
+    num_queries = query_start_loc[1:] - query_start_loc[:-1]  # [R]
+
+    # Pad the flat queries into [R, max_query_len].
+    q_offsets = torch.arange(max_query_len, device=device)
+    q_valid = q_offsets[None, :] < num_queries[:, None]  # [R, Q]
+    q_index = (query_start_loc[:-1, None] + q_offsets[None, :]).clamp(max=num_tokens - 1)
+    q = query[q_index]  # [R, Q, H, D]
+
+    # Gather each request's context from its blocks.
+    positions = torch.arange(max_seq_len, device=device)
+    blocks = block_tables[:, positions // block_size].long()  # [R, S]
+    slots = blocks * block_size + positions % block_size  # [R, S]
+    in_context = (positions[None, :] < seq_lens[:, None])[:, :, None, None]  # [R, S, 1, 1]
+    # Slots past a context hold stale or uninitialised memory: zero them, or a NaN there
+    # would leak through `0 * NaN` in the weighted sum even though it is masked out.
+    k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].where(in_context, 0.0)  # [R,S,KV,D]
+    v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].where(in_context, 0.0)  # [R,S,KV,D]
+
+    first_query_pos = (seq_lens - num_queries)[:, None]  # [R, 1]
+    query_pos = first_query_pos + q_offsets[None, :]  # [R, Q]
+    visible = positions[None, None, :] <= query_pos[:, :, None]  # [R, Q, S]
+    # Padding rows see position 0 only, so softmax stays finite; they are dropped below.
+    visible |= ~q_valid[:, :, None] & (positions == 0)[None, None, :]
+
+    group = num_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=2)  # [R, S, H, D]
+    v = v.repeat_interleave(group, dim=2)  # [R, S, H, D]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),  # [R, H, Q, D]
+        k.transpose(1, 2),  # [R, H, S, D]
+        v.transpose(1, 2),  # [R, H, S, D]
+        attn_mask=visible[:, None, :, :],  # [R, 1, Q, S]
+        scale=scale,
+    )  # [R, H, Q, D]
+    return out.transpose(1, 2)[q_valid]  # [num_tokens, H, D]
+
+
+def contiguous_attention_reference(
+    query: torch.Tensor,  # [num_queries, num_heads, head_dim], the last queries of the context
+    key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    scale: float,
+) -> torch.Tensor:  # [num_queries, num_heads, head_dim]
+    """Naive causal attention of one request over a contiguous context (test oracle)."""
+    num_queries, num_heads, _ = query.shape
+    seq_len = key.shape[0]
+    group = num_heads // key.shape[1]
+    k = key.repeat_interleave(group, dim=1).float()  # [S, H, D]
+    v = value.repeat_interleave(group, dim=1).float()  # [S, H, D]
+    scores = torch.einsum("qhd,shd->hqs", query.float(), k) * scale  # [H, Q, S]
+    query_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
+    mask = torch.arange(seq_len)[None, :] > query_pos  # [Q, S]
+    scores = scores.masked_fill(mask[None], float("-inf"))
+    out = torch.einsum("hqs,shd->qhd", scores.softmax(dim=-1), v)  # [Q, H, D]
+    return out.to(query.dtype)

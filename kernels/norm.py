@@ -1,0 +1,26 @@
+"""RMSNorm, plain and fused with the residual add."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_reference(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, hidden]
+    # Computed in float32 and cast back, as the reference models do.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = x + residual)
+    residual = x + residual
+    return rms_norm_reference(residual, weight, eps), residual

@@ -1,0 +1,17 @@
+"""Per-step tensors that tell attention where each request's tokens and context live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token is written to
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: offsets of each request's tokens
+    max_query_len: int
+    max_seq_len: int

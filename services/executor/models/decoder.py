@@ -1,0 +1,178 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+
+The families differ only in switches read from ModelConfig: a bias on the qkv projection
+(Qwen2), an RMSNorm on each head of q and k (Qwen3), Llama 3's RoPE scaling, and tied
+embeddings. Weights load from Hugging Face names (see `load_weights`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels import ops
+from services.executor.attention_metadata import AttentionMetadata
+from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from shared.model_config import ModelConfig
+
+# HF parameter name piece -> (our fused parameter, shard index within it)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        x: torch.Tensor,  # [T, hidden]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        ops.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        out = ops.paged_attention(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.max_query_len,
+            meta.max_seq_len,
+            self.scale,
+        )  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+        super().__init__()
+        self.config = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, KV, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], final-normed
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be present."""
+        params = dict(self.named_parameters())  # a tied lm_head is not listed twice
+        num_loaded: Counter[str] = Counter()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name not in params and name == "lm_head.weight"):
+                continue  # rotary tables are computed; a tied head is the embedding
+            piece = next((p for p in _STACKED if f".{p}." in name), None)
+            if piece is None:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {hf_name!r}")
+                _copy(params[name].data, tensor, hf_name)
+            else:
+                fused, shard = _STACKED[piece]
+                name = name.replace(piece, fused)
+                _copy(self._shard(params[name], fused, shard), tensor, hf_name)
+            num_loaded[name] += 1
+        missing = [n for n in params if num_loaded[n] != _num_shards(n)]
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")
+
+    def _shard(self, param: torch.Tensor, fused: str, shard: int) -> torch.Tensor:
+        cfg = self.config
+        if fused == "qkv_proj":
+            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+        else:
+            sizes = [cfg.intermediate_size] * 2
+        start = sum(sizes[:shard])
+        return param.data.narrow(0, start, sizes[shard])
+
+
+def _num_shards(name: str) -> int:
+    return (
+        3
+        if "qkv_proj.weight" in name or "qkv_proj.bias" in name
+        else (2 if "gate_up_proj" in name else 1)
+    )
+
+
+def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if target.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+    target.copy_(tensor)

@@ -1,0 +1,289 @@
+"""Turn one step's logits into one token per request, as batched tensor ops (vLLM semantics).
+
+    raw logits ──> raw logprobs (what the user sees in `logprobs`)
+        └─> logit_bias, min_tokens masks ─> repetition / frequency / presence penalties
+              ├─> greedy rows: argmax
+              └─> other rows: / temperature ─> top_k ─> top_p ─> min_p ─> exponential race
+
+Per-row parameters become tensors once per step (`SamplingTensors`); everything after that is
+a pure function of (logits, tensors), so tests can check each stage on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.protocol import SamplingParams, TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """One request's row in the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated so far (the next one is being sampled)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one sampled id per row
+    logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
+
+
+@dataclass
+class Penalties:
+    repetition: torch.Tensor  # [R] float32; 1.0 = off
+    frequency: torch.Tensor  # [R] float32; 0.0 = off
+    presence: torch.Tensor  # [R] float32; 0.0 = off
+    seen: torch.Tensor  # [R, V] bool: token occurs in the prompt or the output
+    output_counts: torch.Tensor  # [R, V] float32: occurrences in the output
+
+
+@dataclass
+class SamplingTensors:
+    """One step's per-row parameters. A feature no row uses is None, so its op is skipped."""
+
+    greedy: torch.Tensor  # [R] bool
+    all_greedy: bool  # a Python bool, so the common all-greedy case needs no device sync
+    temperature: torch.Tensor  # [R] float32; 1.0 on greedy rows so the division is harmless
+    top_k: torch.Tensor | None  # [R] int64; vocab_size keeps all
+    top_p: torch.Tensor | None  # [R] float32; 1.0 keeps all
+    min_p: torch.Tensor | None  # [R] float32; 0.0 keeps all
+    additions: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row, token, value) [A]
+    penalties: Penalties | None
+    seeds: list[tuple[int, int]]  # (row, generator seed) for sampled rows with params.seed
+    num_logprobs: list[int | None]  # params.logprobs per row
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        return max((n for n in self.num_logprobs if n is not None), default=None)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Generator seed for a request's `step`-th output token.
+
+    A pure function of (seed, step), not a counter: the draw is the same whatever else is in
+    the batch, and again when a preempted request is recomputed.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+
+
+def _splitmix64(x: int) -> int:
+    # Why: nearby seeds/steps must give unrelated streams; plain seed + step would collide.
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def build_sampling_tensors(
+    rows: list[SamplingRow], vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device
+) -> SamplingTensors:
+    params = [row.params for row in rows]
+    # Why greedy rows get neutral values: argmax ignores temperature and the filters.
+    temperature = [1.0 if p.greedy else p.temperature for p in params]
+    top_k = [
+        vocab_size if p.greedy or p.top_k is None else min(p.top_k, vocab_size) for p in params
+    ]
+    top_p = [1.0 if p.greedy else p.top_p for p in params]
+    min_p = [0.0 if p.greedy else p.min_p for p in params]
+    return SamplingTensors(
+        greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
+        all_greedy=all(p.greedy for p in params),
+        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        top_k=_unless_neutral(top_k, vocab_size, torch.int64, device),
+        top_p=_unless_neutral(top_p, 1.0, torch.float32, device),
+        min_p=_unless_neutral(min_p, 0.0, torch.float32, device),
+        additions=_additions(rows, eos_token_ids, device),
+        penalties=_penalties(rows, vocab_size, device),
+        seeds=[
+            (i, step_seed(row.params.seed, len(row.output_token_ids)))
+            for i, row in enumerate(rows)
+            if row.params.seed is not None and not row.params.greedy
+        ],
+        num_logprobs=[p.logprobs for p in params],
+    )
+
+
+def _unless_neutral(
+    values: list[float] | list[int], neutral: float, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor | None:
+    if all(v == neutral for v in values):
+        return None
+    return torch.tensor(values, dtype=dtype, device=device)  # [R]
+
+
+def _additions(
+    rows: list[SamplingRow], eos_token_ids: tuple[int, ...], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """logit_bias and the min_tokens mask as one sparse add: -inf + bias is still -inf."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        p = row.params
+        adds = dict(p.logit_bias or {})
+        if len(row.output_token_ids) < p.min_tokens:
+            # Why not EOS under ignore_eos: it is then no stop token, so nothing to hold back.
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
+            adds.update(dict.fromkeys(stops, float("-inf")))
+        row_ids += [i] * len(adds)
+        token_ids += adds.keys()
+        values += adds.values()
+    if not row_ids:
+        return None
+    return (
+        torch.tensor(row_ids, dtype=torch.int64, device=device),
+        torch.tensor(token_ids, dtype=torch.int64, device=device),
+        torch.tensor(values, dtype=torch.float32, device=device),
+    )  # [A] each
+
+
+def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> Penalties | None:
+    params = [row.params for row in rows]
+    values = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
+    on = [v != [1.0, 0.0, 0.0] for v in values]
+    if not any(on):
+        return None
+    # Why empty lists for rows without penalties: their neutral values ignore the counts anyway.
+    prompts = [row.prompt_token_ids if o else [] for row, o in zip(rows, on, strict=True)]
+    outputs = [row.output_token_ids if o else [] for row, o in zip(rows, on, strict=True)]
+    output_counts = _token_counts(outputs, vocab_size, device)  # [R, V]
+    seen = (_token_counts(prompts, vocab_size, device) > 0) | (output_counts > 0)  # [R, V]
+    repetition, frequency, presence = torch.tensor(values, device=device).unbind(dim=1)  # [R] x3
+    return Penalties(repetition, frequency, presence, seen, output_counts)
+
+
+def _token_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    width = max(map(len, token_ids), default=0)
+    # Why pad with vocab_size: padding lands in an extra column that is sliced off.
+    padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
+    index = torch.tensor(padded, dtype=torch.int64, device=device)  # [R, width]
+    counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)  # [R, V + 1]
+    counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
+    return counts[:, :vocab_size]  # [R, V]
+
+
+def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """logit_bias, min_tokens, then penalties on float32 `logits` [R, V] (modified in place)."""
+    if t.additions is not None:
+        logits.index_put_(t.additions[:2], t.additions[2], accumulate=True)
+    if t.penalties is not None:
+        logits = apply_penalties(logits, t.penalties)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
+    repetition = torch.where(p.seen, p.repetition[:, None], 1.0)  # [R, V]
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)  # [R, V]
+    logits -= p.frequency[:, None] * p.output_counts
+    logits -= p.presence[:, None] * (p.output_counts > 0)
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Temperature, top_k, top_p, min_p; returns probs [R, V], filtered tokens at 0.
+
+    Rows are not renormalized after min_p: the exponential race is blind to a row's scale.
+    """
+    logits = logits / t.temperature[:, None]  # [R, V]
+    if t.top_k is not None or t.top_p is not None:
+        logits = apply_top_k_top_p(logits, t.top_k, t.top_p)
+    probs = logits.softmax(dim=-1)  # [R, V]
+    if t.min_p is not None:
+        threshold = t.min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [R, 1]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """One ascending sort serves both filters; excluded logits become -inf (vLLM's method)."""
+    sorted_logits, order = logits.sort(dim=-1)  # [R, V] ascending
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (logits.shape[1] - top_k)[:, None])  # [R, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
+        # Drop the longest low tail whose mass is <= 1 - top_p; always keep the top token.
+        drop = cumulative <= 1.0 - top_p[:, None]  # [R, V]
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return sorted_logits.scatter(1, order, sorted_logits)  # [R, V] back in vocab order
+
+
+def gather_logprobs(
+    raw_logprobs: torch.Tensor,
+    token_ids: torch.Tensor,
+    token_list: list[int],
+    num_logprobs: list[int | None],
+) -> list[TokenLogprobs | None]:
+    """Logprob, rank and top entries of the raw (unprocessed) distribution, per row."""
+    max_k = max(n for n in num_logprobs if n is not None)
+    sampled = raw_logprobs.gather(1, token_ids[:, None])  # [R, 1]
+    ranks = (raw_logprobs > sampled).sum(dim=-1) + 1  # [R]
+    top_values, top_ids = raw_logprobs.topk(max_k, dim=-1)  # [R, max_k] descending
+    columns = [sampled[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()]
+    return [
+        None if k is None else TokenLogprobs(token, logprob, rank, ids[:k], values[:k])
+        for k, token, logprob, rank, ids, values in zip(
+            num_logprobs, token_list, *columns, strict=True
+        )
+    ]
+
+
+class Sampler:
+    def __init__(
+        self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.device = device
+        self.generator = torch.Generator(device=device)  # draws for rows without params.seed
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        t = build_sampling_tensors(rows, self.vocab_size, self.eos_token_ids, self.device)
+        # Why slice and copy: a padded lm_head may add columns; processing below is in place.
+        logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # [R, V]
+        raw_logprobs = None
+        if t.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)  # [R, V], before any processing
+        logits = process_logits(logits, t)
+        token_ids = self._sample(logits, t)  # [R]
+        token_list = token_ids.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * len(rows))
+        logprobs = gather_logprobs(raw_logprobs, token_ids, token_list, t.num_logprobs)
+        return SamplerOutput(token_list, logprobs)
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1)  # [R]
+        if t.all_greedy:
+            return greedy_ids
+        probs = filtered_probs(logits, t)  # [R, V]
+        # Exponential race: argmax(p / q), q ~ Exp(1), picks i with probability p_i / sum(p).
+        random_ids = (probs / self._exponentials(probs, t.seeds)).argmax(dim=-1)  # [R]
+        return torch.where(t.greedy, greedy_ids, random_ids)
+
+    def _exponentials(self, like: torch.Tensor, seeds: list[tuple[int, int]]) -> torch.Tensor:
+        q = torch.empty_like(like).exponential_(generator=self.generator)  # [R, V]
+        for row, seed in seeds:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+            # Why a fresh [V] tensor: the draw then depends on nothing but the seed.
+            q[row] = torch.empty(like.shape[1], device=self.device).exponential_(
+                generator=generator
+            )
+        # Why clamp: q == 0 would make 0 / 0 = NaN, and argmax picks NaN.
+        return q.clamp_(min=torch.finfo(q.dtype).tiny)

@@ -1,0 +1,133 @@
+"""Weight sources, each yielding (Hugging Face name, tensor): safetensors folders, GGUF files,
+and random dummy weights for benchmarks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from services.executor.models.decoder import DecoderForCausalLM
+from shared.model_config import ModelConfig, ModelSource
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [folder / f for f in files]
+    else:
+        paths = sorted(folder.glob("*.safetensors"))
+    if not paths:
+        raise FileNotFoundError(f"no .safetensors files in {folder}")
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (interleaved RoPE pairs) back to rotate-half order."""
+    # llama.cpp stores each head's rows as (pairs, 2); the checkpoint had (2, pairs).
+    pairs = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, pairs, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def iter_gguf(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    for tensor in reader.tensors:
+        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+        name = _hf_name(tensor.name)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            weight = _unpermute_rope(weight, cfg.num_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            weight = _unpermute_rope(weight, cfg.num_kv_heads)
+        yield name, weight
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    _, layer, piece, suffix = gguf_name.split(".")
+    if piece not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[piece]}.{suffix}"
+
+
+def init_dummy(model: DecoderForCausalLM, seed: int) -> None:
+    """Random weights with realistic scale (norms at 1), for benchmarks and tests."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=generator) * 0.02
+            param.data.copy_(values.to(param.dtype))
+
+
+def load_model(
+    source: ModelSource,
+    cfg: ModelConfig,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    seed: int,
+) -> DecoderForCausalLM:
+    start = time.perf_counter()
+    with torch.device(device):
+        model = DecoderForCausalLM(cfg, max_position)
+    for param in model.parameters():  # buffers (the rotary table) stay float32
+        param.data = param.data.to(dtype)
+    fmt = source.format if load_format == "auto" else load_format
+    if fmt == "dummy" or source.format == "preset":
+        init_dummy(model, seed)
+    elif fmt == "gguf":
+        model.load_weights(iter_gguf(source.path, cfg))
+    elif fmt == "safetensors":
+        model.load_weights(iter_safetensors(source.path))
+    else:
+        raise ValueError(f"cannot load {source.path} with --load-format {load_format}")
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s (%s, %.1fM parameters, %s, %s) in %.1f s",
+        source.name,
+        fmt,
+        num_params / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
+        time.perf_counter() - start,
+    )
+    return model.eval()

@@ -1,0 +1,70 @@
+"""The scheduler and the executor joined in one process: the engine behind offline generation.
+
+They meet only through the messages of `shared.protocol`, exactly as they do across
+processes when serving.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.executor.model_runner import ModelRunner
+from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from shared.config import Config
+from shared.model_config import (
+    ModelConfig,
+    ModelSource,
+    derive_max_model_len,
+    load_model_config,
+    resolve_model_source,
+)
+from shared.protocol import EngineRequest, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.source: ModelSource = resolve_model_source(config.model)
+        self.model_config: ModelConfig = load_model_config(self.source)
+        self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
+        self.runner = ModelRunner(config, self.source, self.model_config, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=self.runner.num_blocks,
+                block_size=config.block_size,
+                max_model_len=self.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                enable_prefix_caching=config.enable_prefix_caching,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                eos_token_ids=self.model_config.eos_token_ids,
+                vocab_size=self.model_config.vocab_size,
+            )
+        )
+        logger.info(
+            "engine ready: %s, max_model_len=%d, %d KV blocks",
+            self.source.name,
+            self.max_model_len,
+            self.runner.num_blocks,
+        )
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        return self.scheduler.abort(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.num_scheduled_tokens and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not schedule any waiting request")
+        result = self.runner.execute(plan)
+        return self.scheduler.update(plan, result)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()

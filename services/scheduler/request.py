@@ -1,0 +1,68 @@
+"""The scheduler's view of one request: its tokens, progress and block hashes."""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from array import array
+
+from shared.protocol import EngineRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """Key of a full block: sha256 over the parent's key and this block's token ids.
+
+    NOTE: chaining the parent makes the key name the whole prefix, not just this block,
+    and sha256 keeps clients from crafting two prefixes with one key.
+    """
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+class Request:
+    def __init__(self, engine_request: EngineRequest, max_tokens: int, block_size: int) -> None:
+        self.request_id = engine_request.request_id
+        self.prompt_token_ids = list(engine_request.prompt_token_ids)
+        self.sampling_params: SamplingParams = engine_request.sampling_params
+        self.arrival_time = engine_request.arrival_time
+        self.max_tokens = max_tokens  # resolved against max_model_len
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is (or will be, this step) in the cache
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.block_hashes: list[bytes] = []
+        self._block_size = block_size
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    def append_output(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        size = self._block_size
+        for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
+            parent = self.block_hashes[-1] if self.block_hashes else b""
+            self.block_hashes.append(hash_block(parent, self.all_token_ids[start : start + size]))

@@ -1,0 +1,303 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+One budget model covers every case: a request owes `num_tokens - num_computed_tokens`
+tokens of forward pass (a whole prompt, the rest of a chunked prompt, or the one token of
+a decode step); each step pays as many of those as the budget allows.
+
+    prompt  [=========== computed ==========|--- scheduled now ---|... owed later ...]
+            0                    num_computed_tokens        num_computed + n      num_tokens
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request, RequestStatus
+from shared.protocol import (
+    CachedRequestData,
+    EngineRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    ParameterError,
+    RequestOutput,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self._dropped_ids: list[str] = []  # executor state to drop at the next step
+        self._step = 0
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(self, engine_request: EngineRequest) -> None:
+        """Queue a request, or raise ParameterError if it can never be served."""
+        request_id = engine_request.request_id
+        if request_id in self.requests:
+            raise ParameterError("request_id", f"{request_id!r} is already in flight")
+        max_tokens = self._admissible_max_tokens(engine_request)
+        request = Request(engine_request, max_tokens, self.config.block_size)
+        self.requests[request_id] = request
+        self.waiting.append(request)
+
+    def _admissible_max_tokens(self, engine_request: EngineRequest) -> int:
+        cfg = self.config
+        params = engine_request.sampling_params
+        params.validate(cfg.vocab_size)
+        num_prompt = len(engine_request.prompt_token_ids)
+        if num_prompt == 0:
+            raise ParameterError("prompt", "the prompt is empty")
+        if cfg.vocab_size is not None and not all(
+            0 <= t < cfg.vocab_size for t in engine_request.prompt_token_ids
+        ):
+            raise ParameterError("prompt", f"token ids must be in [0, {cfg.vocab_size})")
+        room = cfg.max_model_len - num_prompt
+        if room < 1:
+            raise ParameterError(
+                "prompt", f"the prompt has {num_prompt} tokens; max_model_len is "
+                f"{cfg.max_model_len}, which leaves no room to generate")
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise ParameterError(
+                "max_tokens", f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds max_model_len ({cfg.max_model_len})")
+        if not cfg.enable_chunked_prefill and num_prompt > cfg.max_num_batched_tokens:
+            raise ParameterError(
+                "prompt", f"the prompt has {num_prompt} tokens, more than "
+                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) without chunked prefill")
+        if self.kv.num_blocks_for(num_prompt + max_tokens) > cfg.num_blocks:
+            raise ParameterError(
+                "max_tokens", f"prompt + max_tokens ({num_prompt + max_tokens} tokens) needs "
+                f"more KV blocks than the whole cache holds ({cfg.num_blocks})")
+        return max_tokens
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status is RequestStatus.WAITING:
+                self.waiting.remove(request)
+            self._finish(request, FinishReason.ABORT)
+            outputs.append(self._output(request, []))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ planning
+
+    def schedule(self) -> SchedulerOutput:
+        self._step += 1
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        cached_data, budget, preempted = self._schedule_running(budget, scheduled)
+        new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
+        for request_id, num_tokens in scheduled.items():
+            self.requests[request_id].num_computed_tokens += num_tokens
+        dropped, self._dropped_ids = self._dropped_ids, []
+        return SchedulerOutput(
+            step=self._step,
+            new_requests=new_data,
+            cached_requests=cached_data,
+            num_scheduled_tokens=scheduled,
+            finished_request_ids=dropped,
+        )
+
+    def _schedule_running(
+        self, budget: int, scheduled: dict[str, int]
+    ) -> tuple[list[CachedRequestData], int, bool]:
+        cached_data: list[CachedRequestData] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            num_held = len(self.kv.block_ids.get(request.request_id, []))
+            while not self.kv.allocate(request, num_new):
+                preempted = True
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break
+            blocks = self.kv.block_ids[request.request_id]
+            cached_data.append(CachedRequestData(
+                request_id=request.request_id,
+                new_block_ids=blocks[num_held:],
+                num_computed_tokens=request.num_computed_tokens,
+            ))
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            index += 1
+        return cached_data, budget, preempted
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> list[NewRequestData]:
+        new_data: list[NewRequestData] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.find_cached_prefix(request)
+            num_new = request.num_tokens - len(cached) * self.config.block_size
+            # NOTE: admission keeps a prompt within max_num_batched_tokens, but a preempted
+            # request recomputes its outputs too and may never fit whole: chunk only that one.
+            fits_one_step = num_new <= self.config.max_num_batched_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill and fits_one_step:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            self._admit(request, num_computed=len(cached) * self.config.block_size)
+            new_data.append(self._new_request_data(request))
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+        return new_data
+
+    def _admit(self, request: Request, num_computed: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_computed
+        self.running.append(request)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            sampling_params=request.sampling_params,
+            block_ids=list(self.kv.block_ids[request.request_id]),
+            num_computed_tokens=request.num_computed_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Release the request's blocks (they stay findable by prefix) and requeue it first."""
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info(
+            "preempted request_id=%s (%d tokens) to free KV blocks; total preemptions=%d",
+            request.request_id, request.num_tokens, self.num_preemptions)
+
+    # ------------------------------------------------------------------ results
+
+    def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """Append sampled tokens, apply stop conditions, and report what each request got."""
+        outputs = []
+        for request_id in plan.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            token_id = result.sampled.get(request_id)
+            if request is None or token_id is None:
+                continue  # finished meanwhile, or a prompt chunk that samples nothing
+            request.append_output(token_id)
+            self.num_generation_tokens += 1
+            if request.num_output_tokens == 1:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                self._finish(request, reason)
+            logprobs = result.logprobs.get(request_id)
+            outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
+        return outputs
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+            if not params.ignore_eos and token_id in self.config.eos_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= request.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._dropped_ids.append(request.request_id)
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+
+    def _output(self, request: Request, token_ids: list[int], logprobs: list = ()) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=token_ids,
+            new_logprobs=list(logprobs),
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
+
+    # ------------------------------------------------------------------ observing
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )
+
+    def check_invariants(self) -> None:
+        self.kv.check_invariants()
+        assert len(self.running) <= self.config.max_num_seqs
+        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(
+            self.requests), "a live request is neither running nor waiting"
+        for request in self.waiting:
+            assert request.request_id not in self.kv.block_ids, "a waiting request holds blocks"

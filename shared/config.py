@@ -1,0 +1,198 @@
+"""The one configuration object, its CLI flags and its environment variables.
+
+Precedence: field defaults < config file (`--config`, JSON or TOML) < `KVFLOW_*` environment
+< command-line flags. `--help` is generated from the field docs below. Nothing else in
+kvflow reads `os.environ`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "KVFLOW_"
+
+
+def _opt(default: Any, group: str, doc: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"group": group, "doc": doc, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Config:
+    # -- model
+    model: str | None = _opt(
+        None,
+        "model",
+        "HF folder (config.json + safetensors), a .gguf file, or a preset name "
+        "for --load-format dummy. Default: the embedded SmolLM2-135M-Instruct GGUF.",
+    )
+    tokenizer: str | None = _opt(None, "model", "Tokenizer folder or .gguf; default: the model's.")
+    load_format: str = _opt(
+        "auto", "model", "How to load weights.", ("auto", "safetensors", "gguf", "dummy")
+    )
+    dtype: str = _opt(
+        "auto",
+        "model",
+        "Weight and activation dtype; auto is float32 on CPU, bfloat16 on CUDA.",
+        ("auto", "float32", "bfloat16", "float16"),
+    )
+    max_model_len: int | None = _opt(
+        None, "model", "Longest prompt + output, in tokens; default: the model's context length."
+    )
+    seed: int = _opt(0, "model", "Seed for dummy weights and unseeded sampling.")
+    # -- cache
+    block_size: int = _opt(16, "cache", "Tokens per KV cache block.")
+    enable_prefix_caching: bool = _opt(True, "cache", "Reuse KV blocks of shared prefixes.")
+    gpu_memory_utilization: float = _opt(
+        0.9, "cache", "Fraction of GPU memory kvflow may use (weights, activations, KV cache)."
+    )
+    kv_cache_memory_bytes: int | None = _opt(
+        None,
+        "cache",
+        "KV cache size in bytes; overrides --gpu-memory-utilization. Default on CPU: 1 GiB.",
+    )
+    num_gpu_blocks_override: int | None = _opt(
+        None, "cache", "Use exactly this many KV blocks (testing and experiments)."
+    )
+    # -- scheduler
+    max_num_seqs: int = _opt(256, "scheduler", "Most requests in one step.")
+    max_num_batched_tokens: int = _opt(2048, "scheduler", "Most tokens in one step (token budget).")
+    enable_chunked_prefill: bool = _opt(
+        True, "scheduler", "Split long prompts across steps to fit the token budget."
+    )
+    # -- device
+    device: str = _opt("auto", "device", "Where the model runs.", ("auto", "cpu", "cuda"))
+    log_level: str = _opt("info", "device", "Logging level.", ("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        _require(
+            self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8..128, a power of 2"
+        )
+        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(
+            0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"
+        )
+        _require(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+            "num_gpu_blocks_override",
+            "must be >= 1",
+        )
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ConfigError(f"--{_flag(f.name)}: must be one of {', '.join(choices)}")
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+    def summary(self) -> str:
+        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"--{_flag(name)}: {message}")
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _base_type(name: str) -> type:
+    hint = typing.get_type_hints(Config)[name]
+    if isinstance(hint, types.UnionType):
+        return next(a for a in typing.get_args(hint) if a is not type(None))
+    return hint
+
+
+def _parse_value(name: str, text: str) -> Any:
+    kind = _base_type(name)
+    if text.lower() in ("", "none", "null") and kind is not str:
+        return None
+    if kind is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}: not a boolean: {text!r}")
+    try:
+        return kind(text)
+    except ValueError:
+        raise ConfigError(f"{name}: expected {kind.__name__}, got {text!r}") from None
+
+
+def add_config_flags(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> None:
+    """Add one flag per Config field of the given groups; defaults stay unset (None)."""
+    parser.add_argument("--config", help="JSON or TOML file of config values.")
+    by_group: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(Config):
+        group = f.metadata["group"]
+        if group not in groups:
+            continue
+        if group not in by_group:
+            by_group[group] = parser.add_argument_group(f"{group} options")
+        doc = f"{f.metadata['doc']} [env {ENV_PREFIX}{f.name.upper()}; default: {f.default}]"
+        kind = _base_type(f.name)
+        flag = f"--{_flag(f.name)}"
+        if kind is bool:
+            by_group[group].add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=doc
+            )
+        elif f.name == "model":
+            continue  # positional, added by the command
+        else:
+            by_group[group].add_argument(
+                flag,
+                type=str,
+                default=None,
+                choices=f.metadata.get("choices"),
+                help=doc,
+                metavar=None if f.metadata.get("choices") else kind.__name__.upper(),
+            )
+
+
+def config_from_args(args: argparse.Namespace, **overrides: Any) -> Config:
+    """Layer defaults < --config file < KVFLOW_* env < flags < explicit overrides."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(_read_file(Path(args.config)))
+    for f in dataclasses.fields(Config):
+        env = os.environ.get(ENV_PREFIX + f.name.upper())
+        if env is not None:
+            values[f.name] = _parse_value(f.name, env)
+        flag = getattr(args, f.name, None)
+        if flag is not None:
+            values[f.name] = flag if isinstance(flag, bool) else _parse_value(f.name, str(flag))
+    values.update(overrides)
+    return Config(**values)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown config keys {unknown}")
+    return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def env_flag(name: str) -> str | None:
+    """Read a non-config environment variable (the one sanctioned place)."""
+    return os.environ.get(name)

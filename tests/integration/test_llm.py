@@ -1,0 +1,97 @@
+"""The offline `LLM` API end to end on CPU: sampling through the engine, bad input, text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvflow import LLM, SamplingParams
+from shared.protocol import ParameterError
+
+PROMPTS = [[5, 9, 11, 40], [7] * 20, list(range(3, 40))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Path) -> LLM:
+    return LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128)
+
+
+def assert_idle(llm: LLM) -> None:
+    stats = llm.stats()
+    assert (stats.num_running, stats.num_waiting, stats.kv_usage) == (0, 0, 0.0)
+    llm.engine.scheduler.check_invariants()
+
+
+def sample(llm: LLM, prompts: list[list[int]], **params: object) -> list[list[int]]:
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True, **params)
+    return [r.token_ids for r in llm.generate(prompts, sampling)]
+
+
+def test_seeded_sampling_reproduces_whatever_the_batch(tiny: LLM) -> None:
+    alone = sample(tiny, PROMPTS[:1], temperature=1.0, seed=7)
+    batched = sample(tiny, PROMPTS, temperature=1.0, seed=7)
+    assert batched[0] == alone[0]
+    assert sample(tiny, PROMPTS[:1], temperature=1.0, seed=8) != alone
+    assert_idle(tiny)
+
+
+def test_top_k_one_is_greedy(tiny: LLM) -> None:
+    assert sample(tiny, PROMPTS, temperature=1.0, top_k=1) == sample(tiny, PROMPTS, temperature=0)
+
+
+def test_n_completions_share_the_prompt_and_differ(tiny: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=12, ignore_eos=True)
+    [result] = tiny.generate(PROMPTS[1:2], params)
+    assert [c.index for c in result.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in result.outputs}) == 3
+    assert_idle(tiny)
+
+
+def test_logprobs_are_returned_per_token(tiny: LLM) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+    [result] = tiny.generate(PROMPTS[:1], params)
+    assert len(result.outputs[0].logprobs) == 5
+    for token_id, lp in zip(result.token_ids, result.outputs[0].logprobs, strict=True):
+        assert lp.token_id == token_id and lp.rank == 1  # greedy picks the top token
+        assert lp.top_token_ids[0] == token_id and len(lp.top_logprobs) == 3
+        assert lp.logprob == pytest.approx(lp.top_logprobs[0]) and lp.logprob <= 0.0
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "param"),
+    [
+        ([], {}, "prompt"),
+        ([5] * 128, {}, "prompt"),
+        ([5] * 100, {"max_tokens": 50}, "max_tokens"),
+        ([5, 6], {"max_tokens": 0}, "max_tokens"),
+        ([5, 6], {"temperature": -0.5}, "temperature"),
+        ([5, 6], {"top_p": 0.0}, "top_p"),
+        ([5, 6], {"top_p": 1.5}, "top_p"),
+        ([5, 6], {"top_k": 0}, "top_k"),
+        ([5, 999], {}, "prompt"),
+    ],
+)
+def test_bad_input_raises_naming_the_parameter(
+    tiny: LLM, prompt: list[int], params: dict, param: str
+) -> None:
+    with pytest.raises(ParameterError) as error:
+        tiny.generate([[1, 2, 3], prompt], SamplingParams(**params))
+    assert error.value.param == param
+    assert param in str(error.value)
+    assert_idle(tiny)  # the valid request of the batch was withdrawn too
+    assert len(sample(tiny, PROMPTS[:1])[0]) == 12  # and the engine still serves
+
+
+def test_text_prompt_stop_string_and_chat(smollm2: LLM) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=16)
+    [plain] = smollm2.generate("The capital of France is", greedy)
+    assert plain.text.startswith(" Paris")
+    stop = SamplingParams(temperature=0.0, max_tokens=16, stop=["."])
+    [stopped] = smollm2.generate("The capital of France is", stop)
+    assert (stopped.text, stopped.finish_reason) == (" Paris", "stop")
+    [reply] = smollm2.chat([[{"role": "user", "content": "What is the capital of France?"}]],
+                           SamplingParams(temperature=0.0, max_tokens=32))
+    assert "Paris" in reply.text
+    assert reply.finish_reason in ("stop", "length")
+    assert_idle(smollm2)

@@ -1,0 +1,160 @@
+"""Greedy generation is token-for-token identical to transformers, for every model family.
+
+transformers generates each prompt alone (no padding); kvflow generates all of them in one
+continuous batch, under several engine settings that must not change a single token:
+prefix caching, small prefill chunks, and a KV pool so small that requests get preempted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvflow import LLM, SamplingParams
+from shared.model_config import embedded_model_path
+
+NUM_NEW_TOKENS = 64
+PROMPT_LENGTHS = (3, 9, 16, 17, 30, 41, 57, 70)  # below, at and across block boundaries
+
+TINY = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+)
+FAMILIES = {
+    "llama": (
+        transformers.LlamaConfig,
+        dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
+    "mistral": (transformers.MistralConfig, dict(sliding_window=None, head_dim=16)),
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
+}
+# Settings that must not change the output. "small pool" forces preemptions.
+VARIANTS = {
+    "no prefix cache": dict(enable_prefix_caching=False),
+    "chunked prefill 32": dict(max_num_batched_tokens=32),
+    "small pool": dict(num_gpu_blocks_override=14, block_size=16),
+}
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab_size, (20,), generator=generator).tolist()
+    prompts = []
+    for i, length in enumerate(PROMPT_LENGTHS):
+        ids = torch.randint(3, vocab_size, (length,), generator=generator).tolist()
+        # Half the prompts share a 20-token prefix, so the prefix cache has work to do.
+        prompts.append((shared + ids)[:length] if i % 2 else ids)
+    return prompts
+
+
+def hf_greedy(
+    model: torch.nn.Module, prompts: list[list[int]], **kwargs: object
+) -> list[list[int]]:
+    outputs = []
+    for ids in prompts:
+        tokens = model.generate(
+            torch.tensor([ids]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False, **kwargs
+        )
+        outputs.append(tokens[0, len(ids) :].tolist())
+    return outputs
+
+
+def kvflow_greedy(llm: LLM, prompts: list[list[int]], ignore_eos: bool) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=ignore_eos)
+    return [r.token_ids for r in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    family = request.param
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random biases, or the qkv-bias path would test nothing
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.2)
+    folder = tmp_path_factory.mktemp(family)
+    model.save_pretrained(folder)
+    prompts = make_prompts(config.vocab_size)
+    return family, Path(folder), prompts, hf_greedy(model, prompts, eos_token_id=None)
+
+
+def test_tiny_model_matches_transformers(tiny_model) -> None:
+    family, folder, prompts, expected = tiny_model
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
+    # A second pass over the same prompts is served from the prefix cache.
+    assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
+    assert llm.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tiny_model_output_survives_engine_settings(tiny_model, variant: str) -> None:
+    family, folder, prompts, expected = tiny_model
+    llm = LLM(str(folder), dtype="float32", device="cpu", **VARIANTS[variant])
+    assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, (family, variant)
+    if variant == "small pool":
+        assert llm.stats().num_preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference():
+    path = embedded_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    texts = [
+        "The capital of France is",
+        "My favourite food is",
+        "def fibonacci(n):",
+        "List three colors:",
+        "Once upon a time, in a small village at the edge of a dark forest, there lived",
+        "Q: What is 12 times 12?\nA:",
+        "Translate to French: I like apples.",
+        "The theory of relativity, proposed by Albert Einstein in the early twentieth "
+        "century, changed how physicists think about space, time and gravity. In simple terms,",
+    ]
+    prompts = [tokenizer.encode(t) for t in texts]
+    return prompts, hf_greedy(model, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 12},
+    ],
+    ids=["default", "chunked+preempting"],
+)
+def test_embedded_smollm2_matches_transformers(smollm2_reference, settings: dict) -> None:
+    prompts, expected = smollm2_reference
+    llm = LLM(dtype="float32", device="cpu", **settings)
+    assert kvflow_greedy(llm, prompts, ignore_eos=False) == expected
+    if settings:
+        assert llm.stats().num_preemptions > 0

@@ -1,0 +1,55 @@
+"""Config layering: defaults < --config file < KVFLOW_* environment < flags; clear errors."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from shared.config import Config, ConfigError, add_config_flags, config_from_args
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_config_flags(parser, ("model", "cache", "scheduler", "device"))
+    return parser.parse_args(argv)
+
+
+def test_layers_override_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    file = tmp_path / "kvflow.toml"
+    file.write_text("max_num_seqs = 8\nblock_size = 32\nmax_model_len = 512\n")
+    monkeypatch.setenv("KVFLOW_BLOCK_SIZE", "64")
+    monkeypatch.setenv("KVFLOW_ENABLE_PREFIX_CACHING", "false")
+    config = config_from_args(parse(["--config", str(file), "--max-model-len", "1024"]))
+    assert config.max_num_seqs == 8  # file
+    assert config.block_size == 64  # env beats file
+    assert config.enable_prefix_caching is False  # env boolean
+    assert config.max_model_len == 1024  # flag beats file
+    assert config.max_num_batched_tokens == Config().max_num_batched_tokens  # default
+
+
+def test_boolean_flags_have_a_negative_form() -> None:
+    assert config_from_args(parse(["--no-enable-prefix-caching"])).enable_prefix_caching is False
+    assert config_from_args(parse([])).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--block-size", "12"], "--block-size"),
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--max-model-len", "abc"], "max_model_len"),
+    ],
+)
+def test_invalid_values_name_the_flag(argv: list[str], flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        config_from_args(parse(argv))
+
+
+def test_unknown_file_keys_are_rejected(tmp_path: Path) -> None:
+    file = tmp_path / "kvflow.json"
+    file.write_text('{"max_num_seqz": 3}')
+    with pytest.raises(ConfigError, match="max_num_seqz"):
+        config_from_args(parse(["--config", str(file)]))
