@@ -47,7 +47,7 @@ class Config:
     max_model_len: int | None = _opt(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."
     )
-    seed: int = _opt(0, "model", "Seed for dummy weights and unseeded sampling.")
+    seed: int = _opt(0, "model", "Random seed: dummy weights, sampling, `generate` prompts.")
     # -- cache
     block_size: int = _opt(16, "cache", "Tokens per KV cache block.")
     enable_prefix_caching: bool = _opt(True, "cache", "Reuse KV blocks of shared prefixes.")
@@ -68,6 +68,34 @@ class Config:
     enable_chunked_prefill: bool = _opt(
         True, "scheduler", "Split long prompts across steps to fit the token budget."
     )
+    # -- server
+    host: str = _opt("127.0.0.1", "server", "HTTP address to listen on (0.0.0.0 for all).")
+    port: int = _opt(8000, "server", "HTTP port.")
+    api_key: str | None = _opt(
+        None, "server", "Require this bearer token on every route but /health."
+    )
+    served_model_name: str | None = _opt(
+        None, "server", "The model name the API shows and accepts; default: the model's."
+    )
+    tokenizer_pool_size: int = _opt(2, "server", "Tokenizer worker processes.")
+    max_queued_requests: int = _opt(
+        4096, "server", "Requests waiting for the engine before new ones get 429."
+    )
+    max_request_body_bytes: int = _opt(8 << 20, "server", "Larger request bodies get 413.")
+    drain_timeout: float = _opt(
+        30.0, "server", "On SIGTERM, seconds to let in-flight requests finish before exiting."
+    )
+    # -- components (addresses for running them apart; `serve` picks private ipc:// ones)
+    frontend_address: str | None = _opt(
+        None, "components", "ZMQ address the frontend binds (e.g. tcp://0.0.0.0:5557)."
+    )
+    scheduler_address: str | None = _opt(
+        None, "components", "ZMQ address the scheduler binds (e.g. tcp://0.0.0.0:5558)."
+    )
+    worker_index: int = _opt(0, "components", "This tokenizer worker's index in the pool.")
+    component_timeout: float = _opt(
+        3.0, "components", "Seconds without a heartbeat before a component counts as dead."
+    )
     # -- device
     device: str = _opt("auto", "device", "Where the model runs.", ("auto", "cpu", "cuda"))
     log_level: str = _opt("info", "device", "Logging level.", ("debug", "info", "warning", "error"))
@@ -77,6 +105,9 @@ class Config:
             self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8..128, a power of 2"
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.tokenizer_pool_size >= 1, "tokenizer_pool_size", "must be >= 1")
+        _require(1 <= self.port <= 65535, "port", "must be in 1..65535")
+        _require(self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(
             0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"

@@ -11,6 +11,13 @@ from shared.config import Config, ConfigError, add_config_flags, config_from_arg
 from shared.protocol import ParameterError, SamplingParams
 
 ENGINE_GROUPS = ("model", "cache", "scheduler", "device")
+ALL_GROUPS = (*ENGINE_GROUPS, "server", "components")
+COMPONENTS = {
+    "frontend": "The HTTP API process (FastAPI on uvicorn).",
+    "tokenizer": "One tokenizer worker (tokenize in, detokenize out).",
+    "scheduler": "The scheduler process (batching, KV blocks, prefix cache).",
+    "executor": "One executor process (the model on one device).",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,11 +31,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate completions offline. With no MODEL, runs the embedded "
         "SmolLM2-135M-Instruct.",
     )
-    generate.add_argument(
-        "model", nargs="?", help=Config.__dataclass_fields__["model"].metadata["doc"]
-    )
+    model_doc = Config.__dataclass_fields__["model"].metadata["doc"]
+    generate.add_argument("model", nargs="?", help=model_doc)
     _add_sampling_flags(generate)
     add_config_flags(generate, ENGINE_GROUPS)
+    serve = commands.add_parser(
+        "serve",
+        help="Serve the OpenAI API: every process on this machine.",
+        description="Start the frontend, tokenizer pool, scheduler and executor, and serve "
+        "the OpenAI API. With no MODEL, serves the embedded SmolLM2-135M-Instruct.",
+    )
+    serve.add_argument("model", nargs="?", help=model_doc)
+    add_config_flags(serve, ALL_GROUPS)
+    for name, doc in COMPONENTS.items():
+        component = commands.add_parser(
+            name, help=f"{doc} Alone, with --frontend-address/--scheduler-address.", description=doc
+        )
+        component.add_argument("model", nargs="?", help=model_doc)
+        add_config_flags(component, ALL_GROUPS)
     return parser
 
 
@@ -48,7 +68,6 @@ def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=None)
     group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
     group.add_argument("--ignore-eos", action="store_true", help="Keep generating past EOS.")
     group.add_argument("--stop", action="append", default=[], help="A stop string; repeatable.")
 
@@ -63,7 +82,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         min_p=args.min_p,
         max_tokens=args.max_tokens,
-        seed=args.sampling_seed,
+        seed=config.seed,  # --seed: the same output every run, whatever the batch
         ignore_eos=args.ignore_eos,
         stop=args.stop,
     )
@@ -92,6 +111,33 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_component(command: str, config: Config) -> int:
+    logging.getLogger().handlers[0].setFormatter(
+        logging.Formatter(f"%(asctime)s %(levelname)s [{command}] %(name)s: %(message)s")
+    )
+    if command == "serve":
+        from services.launcher.serve import Launcher
+
+        return Launcher(config).run()
+    if command == "frontend":
+        from services.frontend.process import run_frontend
+
+        run_frontend(config)
+    elif command == "scheduler":
+        from services.scheduler.process import SchedulerProcess
+
+        SchedulerProcess(config).run()
+    elif command == "executor":
+        from services.executor.process import run_executor
+
+        run_executor(config)
+    elif command == "tokenizer":
+        from services.tokenizer.process import run_tokenizer
+
+        run_tokenizer(config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", None) or "info"
@@ -103,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        return _run_component(args.command, config_from_args(args))
     except (ConfigError, ParameterError, FileNotFoundError, ValueError) as exc:
         print(f"kvflow: error: {exc}", file=sys.stderr)
         return 2

@@ -223,6 +223,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._dropped_ids.append(request.request_id)
         logger.info(
             "preempted request_id=%s (%d tokens) to free KV blocks; total preemptions=%d",
             request.request_id, request.num_tokens, self.num_preemptions)

@@ -1,0 +1,320 @@
+"""Random interleavings of add / step / abort against the scheduler's invariants.
+
+A state machine plays the engine: it replays the executor's side of every plan (its
+per-request state built from the incremental deltas, and a fake KV cache that stores the
+token id written at each slot), so a prefix hit on a block that was never written, a delta
+that disagrees with the scheduler, or a leaked block all fail here.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from shared.protocol import (
+    EngineRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    ParameterError,
+    RequestOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
+
+BLOCK_SIZE = 4
+VOCAB = 4  # prompts use token ids 0..3, so prefixes collide and the prefix cache hits
+EOS = VOCAB
+STOP = VOCAB + 1  # a stop_token_id some requests ask for
+BASES = [random.Random(seed).choices(range(VOCAB), k=40) for seed in range(3)]
+MAX_DRAIN_STEPS = 2_000
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> list[int]:
+    """1..40 tokens: the start of one of a few shared sequences, then random tokens."""
+    length = draw(st.integers(1, 12) | st.integers(1, 40))
+    num_shared = draw(st.integers(0, length) | st.just(length))
+    tail = st.integers(0, VOCAB - 1)
+    num_tail = length - num_shared
+    return draw(st.sampled_from(BASES))[:num_shared] + draw(
+        st.lists(tail, min_size=num_tail, max_size=num_tail))
+
+
+request_params = st.builds(
+    SamplingParams, max_tokens=(st.integers(1, 8) | st.integers(0, 24)).map(lambda n: n or None),
+    min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
+    stop_token_ids=st.sampled_from([[], [STOP]]))
+# Mostly ordinary tokens; now and then EOS or the stop token.
+sampled_tokens = st.sampled_from([*range(VOCAB)] * 6 + [EOS, STOP])
+
+
+def expected_rejection(
+    config: SchedulerConfig, prompt_len: int, max_tokens: int | None, min_tokens: int
+) -> str | None:
+    """The parameter admission must reject, in the order the scheduler checks them."""
+    if max_tokens is not None and min_tokens > max_tokens:
+        return "min_tokens"
+    if prompt_len >= config.max_model_len:
+        return "prompt"
+    total = config.max_model_len if max_tokens is None else prompt_len + max_tokens
+    if total > config.max_model_len:
+        return "max_tokens"
+    if not config.enable_chunked_prefill and prompt_len > config.max_num_batched_tokens:
+        return "prompt"
+    if -(-total // config.block_size) > config.num_blocks:
+        return "max_tokens"
+    return None
+
+
+@dataclass
+class Tracked:
+    """What the test knows of one admitted request, from the outputs it was sent."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    outputs: list[int] = field(default_factory=list)
+    ends: list[FinishReason] = field(default_factory=list)
+
+
+@dataclass
+class ExecutorState:
+    """The executor's memory of one request, built only from plans."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+def expected_finish(config: SchedulerConfig, tracked: Tracked) -> FinishReason | None:
+    params, num_out, last = tracked.params, len(tracked.outputs), tracked.outputs[-1]
+    is_stop = last in params.stop_token_ids or (last == EOS and not params.ignore_eos)
+    if is_stop and num_out >= params.min_tokens:
+        return FinishReason.STOP
+    if num_out >= tracked.max_tokens or len(tracked.prompt) + num_out >= config.max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        # Half the time a tight pool and budget, where preemption and chunking happen.
+        num_blocks=st.integers(6, 12) | st.integers(6, 40),
+        budget=st.integers(4, 16) | st.integers(4, 64), max_num_seqs=st.integers(1, 8),
+        max_model_len=st.integers(24, 96), prefix_caching=st.booleans(), chunked=st.booleans(),
+        initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
+        end_by_abort=st.sampled_from([False, False, True]))
+    def configure(
+        self, num_blocks: int, budget: int, max_num_seqs: int, max_model_len: int,
+        prefix_caching: bool, chunked: bool,
+        initial_requests: list[tuple[list[int], SamplingParams]], end_by_abort: bool,
+    ) -> None:
+        self.config = SchedulerConfig(
+            num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+            enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked,
+            eos_token_ids=(EOS,))
+        self.scheduler = Scheduler(self.config)
+        self.tracked: dict[str, Tracked] = {}
+        self.executor: dict[str, ExecutorState] = {}
+        self.kv_slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token id written
+        self.next_id = 0
+        self.end_by_abort = end_by_abort  # else teardown runs everything to completion
+        for prompt, params in initial_requests:
+            self.add(prompt, params)
+
+    # ------------------------------------------------------------ rules
+
+    @rule(prompt=prompts(), params=request_params)
+    def add(self, prompt: list[int], params: SamplingParams) -> None:
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        max_tokens = params.max_tokens
+        rejection = expected_rejection(self.config, len(prompt), max_tokens, params.min_tokens)
+        request = EngineRequest(request_id=request_id, prompt_token_ids=prompt,
+                                sampling_params=params)
+        try:
+            self.scheduler.add_request(request)
+        except ParameterError as error:
+            event(f"rejected: {error.param}")
+            assert error.param == rejection
+            return
+        assert rejection is None
+        resolved = self.config.max_model_len - len(prompt) if max_tokens is None else max_tokens
+        self.tracked[request_id] = Tracked(prompt, params, resolved)
+
+    @rule(data=st.data())
+    def add_duplicate(self, data: st.DataObject) -> None:
+        if not self.live_ids():
+            return
+        request_id = data.draw(st.sampled_from(self.live_ids()))
+        request = EngineRequest(request_id=request_id, prompt_token_ids=[0],
+                                sampling_params=SamplingParams())
+        try:
+            self.scheduler.add_request(request)
+        except ParameterError as error:
+            assert error.param == "request_id"
+        else:
+            raise AssertionError("a duplicate request_id was admitted")
+
+    @rule(
+        data=st.data(), num_steps=st.integers(1, 8),
+        abort_in_flight=st.sampled_from([False, False, False, True]))
+    def step(self, data: st.DataObject, num_steps: int, abort_in_flight: bool) -> None:
+        """Run steps; maybe abort one request of the last step between its plan and its tokens."""
+        def abort_one(plan: SchedulerOutput) -> None:
+            if plan.num_scheduled_tokens:
+                victim = data.draw(st.sampled_from(sorted(plan.num_scheduled_tokens)))
+                self.record(self.scheduler.abort([victim]))
+
+        for index in range(num_steps):
+            last = index == num_steps - 1
+            before_update = abort_one if abort_in_flight and last else lambda plan: None
+            self.run_step(lambda: data.draw(sampled_tokens), before_update)
+
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        if not self.live_ids():
+            return
+        request_id = data.draw(st.sampled_from(self.live_ids()))
+        ended = [rid for rid, tracked in self.tracked.items() if tracked.ends][-2:]
+        # Ended and unknown ids are no-ops: only `request_id` ends.
+        outputs = self.scheduler.abort([*ended, request_id, "no-such-request", request_id])
+        assert [(o.request_id, o.finish_reason) for o in outputs] == [
+            (request_id, FinishReason.ABORT)]
+        self.record(outputs)
+
+    # ------------------------------------------------------------ one engine step
+
+    def run_step(
+        self, draw_token: Callable[[], int],
+        before_update: Callable[[SchedulerOutput], None] = lambda plan: None,
+    ) -> None:
+        plan = self.scheduler.schedule()
+        self.check_plan(plan)
+        sampled = self.execute(plan, draw_token)
+        before_update(plan)
+        self.record(self.scheduler.update(plan, ModelRunnerOutput(step=plan.step, sampled=sampled)))
+
+    def check_plan(self, plan: SchedulerOutput) -> None:
+        assert plan.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
+        assert len(plan.num_scheduled_tokens) <= self.config.max_num_seqs
+        assert all(n > 0 for n in plan.num_scheduled_tokens.values())
+        if any(c.request_id in plan.finished_request_ids for c in self.scheduler.waiting):
+            event("preempted")
+        if any(plan.num_scheduled_tokens[c.request_id] > 1 for c in plan.cached_requests):
+            event("chunked prefill")
+        for new in plan.new_requests:
+            event("prefix hit" if new.num_computed_tokens else "prefix miss")
+            if new.output_token_ids:
+                event("resumed after preemption")
+
+    def execute(self, plan: SchedulerOutput, draw_token: Callable[[], int]) -> dict[str, int]:
+        """The executor's side: apply the deltas, write and read the fake KV, sample."""
+        self.apply_plan(plan)
+        for request_id, num_new in plan.num_scheduled_tokens.items():
+            state = self.executor[request_id]
+            assert state.block_ids == self.scheduler.kv.block_ids[request_id]
+            start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
+            assert end <= len(state.token_ids)
+            assert self.scheduler.requests[request_id].num_computed_tokens == end
+            for position in range(start, end):
+                self.kv_slots[self.slot(state, position)] = state.token_ids[position]
+            state.num_computed_tokens = end
+        # NOTE: every write of the step lands before any read, as in the executor's layers.
+        for request_id in plan.num_scheduled_tokens:
+            state = self.executor[request_id]
+            for position in range(state.num_computed_tokens):
+                written = self.kv_slots.get(self.slot(state, position))
+                assert written == state.token_ids[position], f"{request_id} reads stale KV"
+        sampled = {}
+        for request_id in plan.num_scheduled_tokens:
+            state = self.executor[request_id]
+            if state.num_computed_tokens == len(state.token_ids):
+                sampled[request_id] = draw_token()
+                state.token_ids.append(sampled[request_id])
+        return sampled
+
+    def apply_plan(self, plan: SchedulerOutput) -> None:
+        for request_id in plan.finished_request_ids:
+            self.executor.pop(request_id, None)
+        for new in plan.new_requests:
+            assert new.request_id not in self.executor, "new request the executor already holds"
+            tracked = self.tracked[new.request_id]
+            assert new.prompt_token_ids == tracked.prompt
+            assert new.output_token_ids == tracked.outputs
+            self.executor[new.request_id] = ExecutorState(
+                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
+                new.num_computed_tokens)
+        for delta in plan.cached_requests:
+            state = self.executor[delta.request_id]
+            assert delta.num_computed_tokens == state.num_computed_tokens
+            state.block_ids.extend(delta.new_block_ids)
+        assert set(self.executor) == {r.request_id for r in self.scheduler.running}
+
+    @staticmethod
+    def slot(state: ExecutorState, position: int) -> tuple[int, int]:
+        return state.block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE
+
+    def record(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            tracked = self.tracked[output.request_id]
+            assert not tracked.ends, f"{output.request_id} got output after it ended"
+            if output.finish_reason is FinishReason.ABORT:
+                assert output.new_token_ids == []
+            else:
+                assert len(output.new_token_ids) == 1
+                tracked.outputs += output.new_token_ids
+                assert output.finish_reason == expected_finish(self.config, tracked)
+            if output.finished:
+                event(f"finished: {output.finish_reason.value}")
+                tracked.ends.append(output.finish_reason)
+
+    def live_ids(self) -> list[str]:
+        return sorted(self.scheduler.requests)
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def blocks_are_accounted_for(self) -> None:
+        scheduler = self.scheduler
+        scheduler.check_invariants()
+        assert sum(scheduler.kv.pool.counts()) == self.config.num_blocks
+        for request in scheduler.waiting:
+            assert request.request_id not in scheduler.kv.block_ids, "a waiting request holds KV"
+        for request in scheduler.running:
+            blocks = scheduler.kv.block_ids[request.request_id]
+            assert len(blocks) == scheduler.kv.num_blocks_for(request.num_computed_tokens)
+            for index, block in enumerate(blocks):
+                block_hash = scheduler.kv.pool.block_hash[block]
+                if block_hash is not None:
+                    assert block_hash == request.block_hashes[index], "block under a wrong key"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "scheduler"):
+            return
+        if self.end_by_abort:
+            self.record(self.scheduler.abort(self.live_ids()))
+        for _ in range(MAX_DRAIN_STEPS):
+            if not self.scheduler.has_unfinished():
+                break
+            self.run_step(lambda: 0)
+            self.blocks_are_accounted_for()
+        assert not self.scheduler.has_unfinished(), "requests never finished"
+        self.run_step(lambda: 0)  # the executor drops the last finished requests
+        assert self.executor == {}
+        assert self.scheduler.kv.pool.counts()[2] == 0
+        for request_id, tracked in self.tracked.items():
+            assert len(tracked.ends) == 1, f"{request_id} ended {len(tracked.ends)} times"
+            assert tracked.ends[0] in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.ABORT)
+
+
+SchedulerMachine.TestCase.settings = settings(
+    derandomize=True, database=None, max_examples=150, stateful_step_count=40, deadline=None)
+TestScheduler = SchedulerMachine.TestCase
