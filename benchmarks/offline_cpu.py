@@ -50,17 +50,24 @@ def run_transformers(prompts: list[list[int]], output_len: int, batch_size: int)
         batch = torch.tensor(prompts[i : i + batch_size])  # equal lengths: no padding needed
         with torch.no_grad():
             tokens = model.generate(
-                batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
-                min_new_tokens=output_len, do_sample=False, eos_token_id=None,
-                pad_token_id=0)
+                batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=output_len,
+                min_new_tokens=output_len,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         outputs.extend(tokens[:, batch.shape[1] :].tolist())
     elapsed = time.perf_counter() - start
-    return _report(f"transformers generate (static batch {batch_size})", elapsed, prompts,
-                   output_len, outputs)
+    return _report(
+        f"transformers generate (static batch {batch_size})", elapsed, prompts, output_len, outputs
+    )
 
 
-def _report(name: str, elapsed: float, prompts: list[list[int]], output_len: int,
-            outputs: list[list[int]]) -> dict:
+def _report(
+    name: str, elapsed: float, prompts: list[list[int]], output_len: int, outputs: list[list[int]]
+) -> dict:
     num_out = sum(len(o) for o in outputs)
     num_in = sum(len(p) for p in prompts)
     return {
@@ -92,20 +99,27 @@ def main() -> None:
         run["identical_outputs_to_kvflow"] = f"{same}/{len(prompts)}"
     for run in runs:
         del run["outputs"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     report = {
-        "benchmark": "offline_cpu", "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)",
-        "date": time.strftime("%Y-%m-%d"), "commit": commit, "machine": platform.processor()
-        or platform.machine(), "torch_threads": torch.get_num_threads(), **vars(args),
+        "benchmark": "offline_cpu",
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, float32)",
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit,
+        "machine": platform.processor() or platform.machine(),
+        "torch_threads": torch.get_num_threads(),
+        **vars(args),
         "runs": runs,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\n{'system':45} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>12}")
     for run in runs:
-        print(f"{run['system']:45} {run['seconds']:8.1f} {run['output_tok_per_s']:10.1f} "
-              f"{run['total_tok_per_s']:12.1f}")
+        print(
+            f"{run['system']:45} {run['seconds']:8.1f} {run['output_tok_per_s']:10.1f} "
+            f"{run['total_tok_per_s']:12.1f}"
+        )
 
 
 if __name__ == "__main__":

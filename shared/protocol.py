@@ -175,7 +175,121 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True):
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error_param: str | None = None  # the invalid request parameter, for a client error
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class OutputBatch(msgspec.Struct, tag=True):
+    """One scheduler step's outputs for the requests of one tokenizer worker."""
+
+    outputs: list[RequestOutput]
+
+
+# ------------------------------------------------------ frontend <-> tokenizer pool
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, tag=True, kw_only=True):
+    """An API request before tokenization; exactly one of the prompt fields is set."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    echo: bool = False  # return the prompt text (and its token ids) in the first delta
+    arrival_time: float = 0.0
+
+
+class TokenizeRequest(msgspec.Struct, tag=True, kw_only=True):
+    """/tokenize (text or messages -> ids) and /detokenize (ids -> text)."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    token_ids: list[int] | None = None
+    add_special_tokens: bool = True
+
+
+class TokenizeResult(msgspec.Struct, tag=True, kw_only=True):
+    request_id: str
+    token_ids: list[int] = []
+    text: str = ""
+    max_model_len: int = 0
+    error: str | None = None
+    error_param: str | None = None
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """A logprob entry with token text, as OpenAI shows it."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+class TextDelta(msgspec.Struct, tag=True, kw_only=True):
+    """New text for one request, from its tokenizer worker to the frontend."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] = []
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_text: str | None = None  # first delta of an echo request
+    prompt_token_ids: list[int] | None = None  # first delta of an echo request
+    error: str | None = None  # with finish_reason ERROR
+    error_param: str | None = None  # the invalid parameter, when the error is the client's
+
+
+# ------------------------------------------------------------ health and stats
+
+
+class Heartbeat(msgspec.Struct, tag=True, kw_only=True):
+    """Every component says it is alive, from a thread, a few times a second."""
+
+    component: str  # "scheduler", "executor-0", "tokenizer-1", ...
+    pid: int
+    sent_at: float
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class ComponentDown(msgspec.Struct, tag=True):
+    """The launcher saw a component's process exit."""
+
+    component: str
+    exit_code: int
+
+
+class StatsSnapshot(msgspec.Struct, tag=True, kw_only=True):
+    """The scheduler's gauges and counters, for /metrics and admission control."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_blocks: int
+    max_model_len: int
+
+
+class ExecutorReady(msgspec.Struct, tag=True, kw_only=True):
+    """The executor loaded the model; the scheduler sizes its block pool from this."""
+
+    protocol_version: int
+    num_blocks: int
+    max_model_len: int
+    model_name: str

@@ -15,9 +15,16 @@ from kvflow import LLM
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.2, eos_token_id=2, bos_token_id=1,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        eos_token_id=2,
+        bos_token_id=1,
     )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     folder = tmp_path_factory.mktemp("tiny-llama")

@@ -34,9 +34,13 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(blocks) * self.block_size
         return blocks
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count one admission's lookup (a lookup that fails to get blocks is retried)."""
+        if self.enable_prefix_caching:
+            self.prefix_queries += num_queried
+            self.prefix_hits += num_hit
 
     def allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after `cached` prefix hits).

@@ -94,21 +94,29 @@ class Scheduler:
         room = cfg.max_model_len - num_prompt
         if room < 1:
             raise ParameterError(
-                "prompt", f"the prompt has {num_prompt} tokens; max_model_len is "
-                f"{cfg.max_model_len}, which leaves no room to generate")
+                "prompt",
+                f"the prompt has {num_prompt} tokens; max_model_len is "
+                f"{cfg.max_model_len}, which leaves no room to generate",
+            )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if max_tokens > room:
             raise ParameterError(
-                "max_tokens", f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) "
-                f"exceeds max_model_len ({cfg.max_model_len})")
+                "max_tokens",
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) "
+                f"exceeds max_model_len ({cfg.max_model_len})",
+            )
         if not cfg.enable_chunked_prefill and num_prompt > cfg.max_num_batched_tokens:
             raise ParameterError(
-                "prompt", f"the prompt has {num_prompt} tokens, more than "
-                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) without chunked prefill")
+                "prompt",
+                f"the prompt has {num_prompt} tokens, more than "
+                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) without chunked prefill",
+            )
         if self.kv.num_blocks_for(num_prompt + max_tokens) > cfg.num_blocks:
             raise ParameterError(
-                "max_tokens", f"prompt + max_tokens ({num_prompt + max_tokens} tokens) needs "
-                f"more KV blocks than the whole cache holds ({cfg.num_blocks})")
+                "max_tokens",
+                f"prompt + max_tokens ({num_prompt + max_tokens} tokens) needs "
+                f"more KV blocks than the whole cache holds ({cfg.num_blocks})",
+            )
         return max_tokens
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -167,11 +175,13 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 break
             blocks = self.kv.block_ids[request.request_id]
-            cached_data.append(CachedRequestData(
-                request_id=request.request_id,
-                new_block_ids=blocks[num_held:],
-                num_computed_tokens=request.num_computed_tokens,
-            ))
+            cached_data.append(
+                CachedRequestData(
+                    request_id=request.request_id,
+                    new_block_ids=blocks[num_held:],
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
             scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
@@ -192,7 +202,9 @@ class Scheduler:
             if not self.kv.allocate(request, num_new, cached):
                 break
             self.waiting.popleft()
-            self._admit(request, num_computed=len(cached) * self.config.block_size)
+            num_cached = len(cached) * self.config.block_size
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
+            self._admit(request, num_computed=num_cached)
             new_data.append(self._new_request_data(request))
             scheduled[request.request_id] = num_new
             budget -= num_new
@@ -226,7 +238,10 @@ class Scheduler:
         self._dropped_ids.append(request.request_id)
         logger.info(
             "preempted request_id=%s (%d tokens) to free KV blocks; total preemptions=%d",
-            request.request_id, request.num_tokens, self.num_preemptions)
+            request.request_id,
+            request.num_tokens,
+            self.num_preemptions,
+        )
 
     # ------------------------------------------------------------------ results
 
@@ -299,6 +314,7 @@ class Scheduler:
         self.kv.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(
-            self.requests), "a live request is neither running nor waiting"
+            self.requests
+        ), "a live request is neither running nor waiting"
         for request in self.waiting:
             assert request.request_id not in self.kv.block_ids, "a waiting request holds blocks"

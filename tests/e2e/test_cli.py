@@ -9,12 +9,23 @@ import sys
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services", *args], capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "services", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_json_on_the_embedded_model() -> None:
-    done = run_cli("generate", "--prompt", "The capital of France is", "--prompt", "2 + 2 =",
-                   "--max-tokens", "8", "--json", "--max-model-len", "512")
+    done = run_cli(
+        "generate",
+        "--prompt",
+        "The capital of France is",
+        "--prompt",
+        "2 + 2 =",
+        "--max-tokens",
+        "8",
+        "--json",
+        "--max-model-len",
+        "512",
+    )
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
     assert [line["prompt"] for line in lines] == ["The capital of France is", "2 + 2 ="]
@@ -36,7 +47,17 @@ def test_bad_flag_value_is_a_clear_error() -> None:
 
 def test_help_lists_vllm_style_flags() -> None:
     done = run_cli("generate", "--help")
-    for flag in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens",
-                 "--enable-prefix-caching", "--no-enable-prefix-caching", "--block-size",
-                 "--gpu-memory-utilization", "--dtype", "--load-format", "--json", "--chat"):
+    for flag in (
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--block-size",
+        "--gpu-memory-utilization",
+        "--dtype",
+        "--load-format",
+        "--json",
+        "--chat",
+    ):
         assert flag in done.stdout

@@ -90,8 +90,10 @@ def test_text_prompt_stop_string_and_chat(smollm2: LLM) -> None:
     stop = SamplingParams(temperature=0.0, max_tokens=16, stop=["."])
     [stopped] = smollm2.generate("The capital of France is", stop)
     assert (stopped.text, stopped.finish_reason) == (" Paris", "stop")
-    [reply] = smollm2.chat([[{"role": "user", "content": "What is the capital of France?"}]],
-                           SamplingParams(temperature=0.0, max_tokens=32))
+    [reply] = smollm2.chat(
+        [[{"role": "user", "content": "What is the capital of France?"}]],
+        SamplingParams(temperature=0.0, max_tokens=32),
+    )
     assert "Paris" in reply.text
     assert reply.finish_reason in ("stop", "length")
     assert_idle(smollm2)

@@ -35,7 +35,8 @@ def cached_pool(num_blocks: int, num_cached: int) -> tuple[BlockPool, list[int]]
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:
     engine_request = EngineRequest(
-        request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams())
+        request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams()
+    )
     return Request(engine_request, max_tokens=16, block_size=BLOCK_SIZE)
 
 

@@ -50,7 +50,12 @@ def test_embedded_gguf_metadata() -> None:
     assert source.path == embedded_model_path() and source.is_gguf
     cfg = load_model_config(source)
     assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (
-        "llama", 30, 576, 9, 3)
+        "llama",
+        30,
+        576,
+        9,
+        3,
+    )
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,)
     assert num_parameters(cfg) / 1e6 == pytest.approx(134.5, rel=0.01)
 
@@ -70,9 +75,16 @@ def test_max_model_len_is_checked_against_the_model() -> None:
 
 def test_dummy_weights_from_a_config_file(tmp_path: Path) -> None:
     config = {
-        "model_type": "qwen3", "vocab_size": 128, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 8, "max_position_embeddings": 64, "eos_token_id": 1,
+        "model_type": "qwen3",
+        "vocab_size": 128,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+        "eos_token_id": 1,
     }
     path = tmp_path / "tiny-qwen3.json"
     path.write_text(json.dumps(config))

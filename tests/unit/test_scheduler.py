@@ -24,17 +24,24 @@ TokenFn = Callable[[Request], int]
 
 def make_scheduler(**overrides: object) -> Scheduler:
     config = dict(
-        num_blocks=64, block_size=4, max_model_len=256, max_num_seqs=8,
-        max_num_batched_tokens=64, eos_token_ids=(EOS,))
+        num_blocks=64,
+        block_size=4,
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        eos_token_ids=(EOS,),
+    )
     config.update(overrides)
     return Scheduler(SchedulerConfig(**config))  # type: ignore[arg-type]
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], **params: object) -> None:
     params.setdefault("max_tokens", 4)
-    scheduler.add_request(EngineRequest(
-        request_id=request_id, prompt_token_ids=prompt,
-        sampling_params=SamplingParams(**params)))  # type: ignore[arg-type]
+    scheduler.add_request(
+        EngineRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling_params=SamplingParams(**params)
+        )
+    )  # type: ignore[arg-type]
 
 
 def constant(token_id: int) -> TokenFn:
@@ -299,8 +306,11 @@ def test_a_resumed_request_is_sent_as_new_with_its_generated_tokens():
 def test_a_preempted_request_longer_than_the_budget_resumes_without_chunked_prefill():
     # Regression: b recomputes 13 tokens against a 9-token budget and used to wait forever.
     scheduler = make_scheduler(
-        num_blocks=7, max_num_batched_tokens=9, enable_chunked_prefill=False,
-        enable_prefix_caching=False)
+        num_blocks=7,
+        max_num_batched_tokens=9,
+        enable_chunked_prefill=False,
+        enable_prefix_caching=False,
+    )
     add(scheduler, "a", prompt_of(8), max_tokens=12)
     add(scheduler, "b", prompt_of(8, 40), max_tokens=12)
     outputs = run_to_end(scheduler)
@@ -434,8 +444,13 @@ def test_aborting_twice_ends_a_request_once():
         (4, {"max_tokens": 0}, "max_tokens"),
     ],
     ids=[
-        "empty-prompt", "prompt-at-max-model-len", "prompt-over-max-model-len",
-        "max-tokens-over-max-model-len", "negative-temperature", "zero-top-p", "top-p-over-1",
+        "empty-prompt",
+        "prompt-at-max-model-len",
+        "prompt-over-max-model-len",
+        "max-tokens-over-max-model-len",
+        "negative-temperature",
+        "zero-top-p",
+        "top-p-over-1",
         "zero-max-tokens",
     ],
 )
@@ -487,6 +502,7 @@ def test_every_request_ends_exactly_once():
 
     run_step(scheduler)
     record(scheduler.abort(["r0", "r7"]))  # one running, one waiting
+
     def eos_for_r3(request: Request) -> int:
         return EOS if request.request_id == "r3" else 7
 
@@ -496,7 +512,9 @@ def test_every_request_ends_exactly_once():
         record(run_step(scheduler, eos_for_r3)[1])
     record(scheduler.abort([f"r{n}" for n in range(8)]))
     assert ends == {
-        "r0": [FinishReason.ABORT], "r7": [FinishReason.ABORT], "r3": [FinishReason.STOP],
+        "r0": [FinishReason.ABORT],
+        "r7": [FinishReason.ABORT],
+        "r3": [FinishReason.STOP],
         **{f"r{n}": [FinishReason.LENGTH] for n in (1, 2, 4, 5, 6)},
     }
     assert scheduler.kv.pool.counts()[2] == 0

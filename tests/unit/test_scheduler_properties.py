@@ -43,13 +43,17 @@ def prompts(draw: st.DrawFn) -> list[int]:
     tail = st.integers(0, VOCAB - 1)
     num_tail = length - num_shared
     return draw(st.sampled_from(BASES))[:num_shared] + draw(
-        st.lists(tail, min_size=num_tail, max_size=num_tail))
+        st.lists(tail, min_size=num_tail, max_size=num_tail)
+    )
 
 
 request_params = st.builds(
-    SamplingParams, max_tokens=(st.integers(1, 8) | st.integers(0, 24)).map(lambda n: n or None),
-    min_tokens=st.integers(0, 2), ignore_eos=st.booleans(),
-    stop_token_ids=st.sampled_from([[], [STOP]]))
+    SamplingParams,
+    max_tokens=(st.integers(1, 8) | st.integers(0, 24)).map(lambda n: n or None),
+    min_tokens=st.integers(0, 2),
+    ignore_eos=st.booleans(),
+    stop_token_ids=st.sampled_from([[], [STOP]]),
+)
 # Mostly ordinary tokens; now and then EOS or the stop token.
 sampled_tokens = st.sampled_from([*range(VOCAB)] * 6 + [EOS, STOP])
 
@@ -106,20 +110,35 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(
         # Half the time a tight pool and budget, where preemption and chunking happen.
         num_blocks=st.integers(6, 12) | st.integers(6, 40),
-        budget=st.integers(4, 16) | st.integers(4, 64), max_num_seqs=st.integers(1, 8),
-        max_model_len=st.integers(24, 96), prefix_caching=st.booleans(), chunked=st.booleans(),
+        budget=st.integers(4, 16) | st.integers(4, 64),
+        max_num_seqs=st.integers(1, 8),
+        max_model_len=st.integers(24, 96),
+        prefix_caching=st.booleans(),
+        chunked=st.booleans(),
         initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
-        end_by_abort=st.sampled_from([False, False, True]))
+        end_by_abort=st.sampled_from([False, False, True]),
+    )
     def configure(
-        self, num_blocks: int, budget: int, max_num_seqs: int, max_model_len: int,
-        prefix_caching: bool, chunked: bool,
-        initial_requests: list[tuple[list[int], SamplingParams]], end_by_abort: bool,
+        self,
+        num_blocks: int,
+        budget: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        prefix_caching: bool,
+        chunked: bool,
+        initial_requests: list[tuple[list[int], SamplingParams]],
+        end_by_abort: bool,
     ) -> None:
         self.config = SchedulerConfig(
-            num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-            enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked,
-            eos_token_ids=(EOS,))
+            num_blocks=num_blocks,
+            block_size=BLOCK_SIZE,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            enable_prefix_caching=prefix_caching,
+            enable_chunked_prefill=chunked,
+            eos_token_ids=(EOS,),
+        )
         self.scheduler = Scheduler(self.config)
         self.tracked: dict[str, Tracked] = {}
         self.executor: dict[str, ExecutorState] = {}
@@ -137,8 +156,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         max_tokens = params.max_tokens
         rejection = expected_rejection(self.config, len(prompt), max_tokens, params.min_tokens)
-        request = EngineRequest(request_id=request_id, prompt_token_ids=prompt,
-                                sampling_params=params)
+        request = EngineRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling_params=params
+        )
         try:
             self.scheduler.add_request(request)
         except ParameterError as error:
@@ -154,8 +174,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not self.live_ids():
             return
         request_id = data.draw(st.sampled_from(self.live_ids()))
-        request = EngineRequest(request_id=request_id, prompt_token_ids=[0],
-                                sampling_params=SamplingParams())
+        request = EngineRequest(
+            request_id=request_id, prompt_token_ids=[0], sampling_params=SamplingParams()
+        )
         try:
             self.scheduler.add_request(request)
         except ParameterError as error:
@@ -164,10 +185,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             raise AssertionError("a duplicate request_id was admitted")
 
     @rule(
-        data=st.data(), num_steps=st.integers(1, 8),
-        abort_in_flight=st.sampled_from([False, False, False, True]))
+        data=st.data(),
+        num_steps=st.integers(1, 8),
+        abort_in_flight=st.sampled_from([False, False, False, True]),
+    )
     def step(self, data: st.DataObject, num_steps: int, abort_in_flight: bool) -> None:
         """Run steps; maybe abort one request of the last step between its plan and its tokens."""
+
         def abort_one(plan: SchedulerOutput) -> None:
             if plan.num_scheduled_tokens:
                 victim = data.draw(st.sampled_from(sorted(plan.num_scheduled_tokens)))
@@ -187,13 +211,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Ended and unknown ids are no-ops: only `request_id` ends.
         outputs = self.scheduler.abort([*ended, request_id, "no-such-request", request_id])
         assert [(o.request_id, o.finish_reason) for o in outputs] == [
-            (request_id, FinishReason.ABORT)]
+            (request_id, FinishReason.ABORT)
+        ]
         self.record(outputs)
 
     # ------------------------------------------------------------ one engine step
 
     def run_step(
-        self, draw_token: Callable[[], int],
+        self,
+        draw_token: Callable[[], int],
         before_update: Callable[[SchedulerOutput], None] = lambda plan: None,
     ) -> None:
         plan = self.scheduler.schedule()
@@ -250,8 +276,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert new.prompt_token_ids == tracked.prompt
             assert new.output_token_ids == tracked.outputs
             self.executor[new.request_id] = ExecutorState(
-                new.prompt_token_ids + new.output_token_ids, list(new.block_ids),
-                new.num_computed_tokens)
+                new.prompt_token_ids + new.output_token_ids,
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
         for delta in plan.cached_requests:
             state = self.executor[delta.request_id]
             assert delta.num_computed_tokens == state.num_computed_tokens
@@ -316,5 +344,6 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 SchedulerMachine.TestCase.settings = settings(
-    derandomize=True, database=None, max_examples=150, stateful_step_count=40, deadline=None)
+    derandomize=True, database=None, max_examples=150, stateful_step_count=40, deadline=None
+)
 TestScheduler = SchedulerMachine.TestCase

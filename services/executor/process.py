@@ -1,0 +1,47 @@
+"""The executor process: loads the model, announces how many KV blocks fit, then runs one
+forward pass per plan the scheduler sends."""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from services.executor.model_runner import ModelRunner
+from shared.config import Config
+from shared.ipc import Decoder, connect_dealer, encode, start_heartbeat
+from shared.model_config import derive_max_model_len, load_model_config, resolve_model_source
+from shared.protocol import PROTOCOL_VERSION, ExecutorReady, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def run_executor(config: Config, rank: int = 0) -> None:
+    if config.scheduler_address is None or config.frontend_address is None:
+        raise ValueError("the executor needs --scheduler-address and --frontend-address")
+    name = f"executor-{rank}"
+    heartbeat = start_heartbeat(config.frontend_address, name)
+    source = resolve_model_source(config.model)
+    model_config = load_model_config(source)
+    max_model_len = derive_max_model_len(config.max_model_len, model_config)
+    runner = ModelRunner(config, source, model_config, max_model_len)
+    socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name)
+    socket.send(
+        encode(
+            ExecutorReady(
+                protocol_version=PROTOCOL_VERSION,
+                num_blocks=runner.num_blocks,
+                max_model_len=max_model_len,
+                model_name=source.name,
+            )
+        )
+    )
+    logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
+    decoder = Decoder(SchedulerOutput, name)
+    try:
+        while True:
+            plan = decoder.decode(socket.recv())
+            if plan is not None:
+                socket.send(encode(runner.execute(plan)))
+    finally:
+        heartbeat.set()

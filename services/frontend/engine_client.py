@@ -1,0 +1,195 @@
+"""The frontend's view of the engine: one ROUTER socket, one asyncio queue per live request,
+and the health of every component (heartbeats, the launcher's ComponentDown notices)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections.abc import AsyncIterator
+
+import zmq
+import zmq.asyncio
+
+from shared.config import Config
+from shared.ipc import Decoder, bind_router, encode
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequests,
+    ComponentDown,
+    FinishReason,
+    GenerateRequest,
+    Heartbeat,
+    StatsSnapshot,
+    TextDelta,
+    TokenizeRequest,
+    TokenizeResult,
+)
+
+logger = logging.getLogger(__name__)
+Inbound = TextDelta | TokenizeResult | Heartbeat | StatsSnapshot | ComponentDown
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is dead, still starting, or draining."""
+
+
+class EngineClient:
+    def __init__(self, config: Config) -> None:
+        assert config.frontend_address is not None
+        self.config = config
+        self.context = zmq.asyncio.Context()
+        self.socket = bind_router(self.context, config.frontend_address)
+        self.decoder = Decoder(Inbound, "frontend")
+        self.queues: dict[str, asyncio.Queue[TextDelta]] = {}
+        self.tokenize_waiters: dict[str, asyncio.Future[TokenizeResult]] = {}
+        self.last_seen: dict[str, float] = {}
+        self.expected = ["scheduler", "executor-0"] + [
+            f"tokenizer-{k}" for k in range(config.tokenizer_pool_size)
+        ]
+        self.down: str | None = None  # why the engine is dead, once it is
+        self.stats: StatsSnapshot | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self.socket.close()
+        self.context.term()
+
+    # ---------------------------------------------------------------- health
+
+    @property
+    def ready(self) -> bool:
+        return self.stats is not None and self.healthy
+
+    @property
+    def healthy(self) -> bool:
+        if self.down is not None:
+            return False
+        now = time.monotonic()
+        return all(
+            now - self.last_seen.get(c, -1e9) < self.config.component_timeout for c in self.expected
+        )
+
+    async def _watchdog(self) -> None:
+        started = time.monotonic()
+        while self.down is None:
+            await asyncio.sleep(0.25)
+            if self.stats is None and time.monotonic() - started < 600:
+                continue  # still loading: the launcher watches startup
+            stale = [
+                c
+                for c in self.expected
+                if time.monotonic() - self.last_seen.get(c, -1e9) > self.config.component_timeout
+            ]
+            if stale:
+                self._mark_down(f"no heartbeat from {', '.join(stale)}")
+
+    def _mark_down(self, reason: str) -> None:
+        if self.down is None:
+            logger.error(
+                "engine unavailable: %s; failing %d in-flight requests", reason, len(self.queues)
+            )
+            self.down = reason
+        for request_id, queue in list(self.queues.items()):
+            queue.put_nowait(_error_delta(request_id, f"engine unavailable: {reason}"))
+        for future in self.tokenize_waiters.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(reason))
+
+    # ---------------------------------------------------------------- traffic
+
+    async def _receive_loop(self) -> None:
+        while True:
+            _identity, data = await self.socket.recv_multipart()
+            message = self.decoder.decode(data)
+            if isinstance(message, TextDelta):
+                queue = self.queues.get(message.request_id)
+                if queue is not None:
+                    queue.put_nowait(message)
+            elif isinstance(message, Heartbeat):
+                if message.protocol_version != PROTOCOL_VERSION:
+                    self._mark_down(
+                        f"{message.component} speaks protocol "
+                        f"{message.protocol_version}, not {PROTOCOL_VERSION}"
+                    )
+                self.last_seen[message.component] = time.monotonic()
+            elif isinstance(message, StatsSnapshot):
+                self.stats = message
+            elif isinstance(message, TokenizeResult):
+                future = self.tokenize_waiters.pop(message.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            elif isinstance(message, ComponentDown):
+                self._mark_down(f"{message.component} exited with code {message.exit_code}")
+
+    def _worker_for(self, request_id: str) -> bytes:
+        # Sticky: a request's outputs come back through the worker holding its detokenizer.
+        index = zlib.crc32(request_id.encode()) % self.config.tokenizer_pool_size
+        return f"tokenizer-{index}".encode()
+
+    async def _send(self, request_id: str, message: object) -> None:
+        try:
+            await self.socket.send_multipart([self._worker_for(request_id), encode(message)])
+        except zmq.ZMQError as exc:
+            raise EngineUnavailable(f"tokenizer worker unreachable: {exc}") from exc
+
+    def check_available(self) -> None:
+        if not self.ready:
+            raise EngineUnavailable(self.down or "the engine is starting")
+
+    async def generate(self, requests: list[GenerateRequest]) -> AsyncIterator[TextDelta]:
+        """Yield the deltas of one API call's sub-requests as they come, until all finish.
+
+        Whatever ends the iteration early (a client gone, an error) aborts what is left.
+        """
+        self.check_available()
+        queue: asyncio.Queue[TextDelta] = asyncio.Queue()
+        live = {r.request_id for r in requests}
+        for request in requests:
+            self.queues[request.request_id] = queue
+        try:
+            for request in requests:
+                await self._send(request.request_id, request)
+            while live:
+                delta = await queue.get()
+                if delta.finish_reason is not None:
+                    live.discard(delta.request_id)
+                yield delta
+        finally:
+            for request in requests:
+                self.queues.pop(request.request_id, None)
+            if live and self.down is None:
+                for request_id in live:
+                    await self._send(request_id, AbortRequests([request_id]))
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        self.check_available()
+        future: asyncio.Future[TokenizeResult] = asyncio.get_running_loop().create_future()
+        self.tokenize_waiters[request.request_id] = future
+        await self._send(request.request_id, request)
+        return await future
+
+    @property
+    def num_pending(self) -> int:
+        """Requests accepted here that the scheduler is not running yet."""
+        running = self.stats.num_running if self.stats else 0
+        return max(len(self.queues) - running, 0)
+
+
+def _error_delta(request_id: str, message: str) -> TextDelta:
+    return TextDelta(
+        request_id=request_id,
+        text="",
+        token_ids=[],
+        finish_reason=FinishReason.ERROR,
+        error=message,
+    )

@@ -1,0 +1,183 @@
+"""OpenAI request bodies, decoded and validated with msgspec, and their sampling parameters.
+
+Unknown fields are ignored, as OpenAI clients send more than any server uses; wrong types
+and out-of-range values become a 400 that names the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from shared.protocol import ChatMessage, ParameterError, SamplingParams
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    seed: int | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        params = SamplingParams(
+            temperature=_default(self.temperature, 1.0),
+            top_p=_default(self.top_p, 1.0),
+            top_k=None if self.top_k in (None, 0, -1) else self.top_k,
+            min_p=_default(self.min_p, 0.0),
+            seed=self.seed,
+            presence_penalty=_default(self.presence_penalty, 0.0),
+            frequency_penalty=_default(self.frequency_penalty, 0.0),
+            repetition_penalty=_default(self.repetition_penalty, 1.0),
+            logit_bias=_logit_bias(self.logit_bias),
+            logprobs=logprobs,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
+        )
+        params.validate()
+        if self.n > 16:
+            raise ParameterError("n", "must be <= 16")
+        return params
+
+
+class CompletionRequest(_Common, kw_only=True):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked in prompts()
+    suffix: str | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list of texts or token-id lists."""
+        if self.suffix is not None:
+            raise ParameterError("suffix", "suffix is not supported")
+        if self.best_of not in (None, self.n):
+            raise ParameterError("best_of", "best_of must equal n (or be omitted)")
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(p, str) for p in prompt):
+                return list(prompt)
+            if all(_is_int(t) for t in prompt):
+                return [list(prompt)]
+            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+                return [list(p) for p in prompt]
+        raise ParameterError(
+            "prompt",
+            "must be a non-empty string, list of strings, list of token ids, "
+            "or list of lists of token ids",
+        )
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True):
+    messages: list[Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        if not self.messages:
+            raise ParameterError("messages", "must be a non-empty list")
+        out = []
+        for message in self.messages:
+            if message.role not in ("system", "user", "assistant", "developer"):
+                raise ParameterError("messages", f"unsupported role {message.role!r}")
+            out.append(ChatMessage(message.role, _text_of(message.content)))
+        return out
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ParameterError("top_logprobs", "needs logprobs=true")
+            return None
+        return self.top_logprobs or 0
+
+
+def _text_of(content: str | list[ContentPart] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if any(part.type != "text" for part in content):
+        raise ParameterError("messages", "only text content parts are supported")
+    return "".join(part.text or "" for part in content)
+
+
+def decode_body(body: bytes, kind: type) -> Any:
+    """Decode and type-check a JSON body, raising ParameterError naming the bad field."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise ParameterError(_field_of(str(exc)), str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise ParameterError("body", f"invalid JSON: {exc}") from None
+
+
+def _field_of(message: str) -> str:
+    # msgspec says "... - at `$.temperature`" or "Object missing required field `messages`".
+    if "`$." in message:
+        return message.split("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0]
+    if "field `" in message:
+        return message.split("field `", 1)[1].split("`", 1)[0]
+    return "body"
+
+
+def _default(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if not bias:
+        return None
+    try:
+        parsed = {int(k): float(v) for k, v in bias.items()}
+    except ValueError:
+        raise ParameterError("logit_bias", "keys must be token ids") from None
+    if any(not -100.0 <= v <= 100.0 for v in parsed.values()):
+        raise ParameterError("logit_bias", "values must be in [-100, 100]")
+    return parsed

@@ -1,0 +1,180 @@
+"""OpenAI response bodies and stream chunks, built from the tokenizer pool's text deltas."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.protocol import FinishReason, TextDelta, TokenLogprob
+
+
+@dataclass
+class Choice:
+    """What one sub-request (one prompt x one of n samples) has produced so far."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    prompt_text: str = ""
+
+    def absorb(self, delta: TextDelta) -> None:
+        self.text.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
+        self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
+        self.num_output_tokens = delta.num_output_tokens or self.num_output_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_text is not None:
+            self.prompt_text = delta.prompt_text
+        if delta.finish_reason is not None:
+            self.finish_reason = _openai_reason(delta.finish_reason)
+
+
+def _openai_reason(reason: FinishReason) -> str:
+    return "stop" if reason is FinishReason.ABORT else reason.value
+
+
+def usage(choices: list[Choice], num_prompts: int) -> dict[str, Any]:
+    # Each prompt counts once, however many samples share it.
+    per_prompt = {c.index // max(len(choices) // num_prompts, 1): c for c in choices}
+    prompt_tokens = sum(c.num_prompt_tokens for c in per_prompt.values())
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    cached = sum(c.num_cached_tokens for c in per_prompt.values())
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+# ------------------------------------------------------------------ completions
+
+
+def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [dict(e.top) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def completion_body(
+    request_id: str, model: str, choices: list[Choice], num_prompts: int, logprobs: bool
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "text": c.prompt_text + "".join(c.text),
+                "logprobs": completion_logprobs(c.logprobs, len(c.prompt_text))
+                if logprobs
+                else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(choices, num_prompts),
+    }
+
+
+def completion_chunk(
+    request_id: str, model: str, choice: Choice, delta: TextDelta, text: str, logprobs: bool
+) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": choice.index,
+                "text": text,
+                "logprobs": completion_logprobs(delta.logprobs, 0) if logprobs else None,
+                "finish_reason": choice.finish_reason if delta.finish_reason else None,
+            }
+        ],
+    }
+
+
+# ------------------------------------------------------------------ chat
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": list(e.token.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top
+                ],
+            }
+            for e in entries
+        ]
+    }
+
+
+def chat_body(request_id: str, model: str, choices: list[Choice], logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            for c in choices
+        ],
+        "usage": usage(choices, 1),
+    }
+
+
+def chat_chunk(
+    request_id: str, model: str, choice: Choice, delta: TextDelta, first: bool, logprobs: bool
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant"} if first else {}
+    message["content"] = delta.text
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": choice.index,
+                "delta": message,
+                "logprobs": chat_logprobs(delta.logprobs) if logprobs else None,
+                "finish_reason": choice.finish_reason if delta.finish_reason else None,
+            }
+        ],
+    }
+
+
+def usage_chunk(request_id: str, model: str, obj: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": body,
+    }

@@ -1,0 +1,157 @@
+"""`kvflow serve`: start every component on this machine, watch them, stop them together.
+
+Components talk over ipc:// sockets in a private runtime directory (or the tcp:// addresses
+given). If any process dies, the frontend is told at once (in-flight requests end with an
+error, /health turns 503), and serve exits non-zero so a supervisor restarts it. SIGTERM
+drains: the frontend stops admitting and finishes what is in flight, then all exit 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import zmq
+
+from shared.config import ENV_PREFIX, Config
+from shared.ipc import connect_dealer, encode
+from shared.protocol import ComponentDown
+
+logger = logging.getLogger(__name__)
+STARTUP_TIMEOUT_S = 900
+DEATH_GRACE_S = 2.0  # lets in-flight requests receive their error before the frontend stops
+
+
+class Launcher:
+    def __init__(self, config: Config) -> None:
+        self.runtime = Path(tempfile.mkdtemp(prefix="kvflow-"))
+        self.config = config.replace(
+            frontend_address=config.frontend_address or f"ipc://{self.runtime}/frontend",
+            scheduler_address=config.scheduler_address or f"ipc://{self.runtime}/scheduler",
+        )
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        try:
+            self._start_all()
+            if not self._wait_ready():
+                return 1
+            return self._watch()
+        finally:
+            self._stop_all()
+            shutil.rmtree(self.runtime, ignore_errors=True)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.stopping:  # a second signal: stop now
+            self._stop_all()
+            sys.exit(1)
+        logger.info("received %s: draining", signal.Signals(signum).name)
+        self.stopping = True
+
+    # ---------------------------------------------------------------- processes
+
+    def _start_all(self) -> None:
+        config_path = self.runtime / "config.json"
+        config_path.write_text(json.dumps(dataclasses.asdict(self.config)))
+        # The file holds the resolved config; KVFLOW_* variables must not override it again.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+        base = [sys.executable, "-m", "services"]
+        args = ["--config", str(config_path)]
+        self._spawn("frontend", [*base, "frontend", *args], env)
+        self._spawn("scheduler", [*base, "scheduler", *args], env)
+        self._spawn("executor-0", [*base, "executor", *args], env)
+        for k in range(self.config.tokenizer_pool_size):
+            self._spawn(
+                f"tokenizer-{k}", [*base, "tokenizer", *args, "--worker-index", str(k)], env
+            )
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True)
+
+    def _dead(self) -> tuple[str, int] | None:
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def _wait_ready(self) -> bool:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        url = f"http://{host}:{self.config.port}/health"
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stopping:
+            dead = self._dead()
+            if dead is not None:
+                logger.error("%s exited with code %d during startup", *dead)
+                return False
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        logger.info(
+                            "kvflow is serving %s on http://%s:%d",
+                            self.config.model or "the embedded SmolLM2-135M-Instruct",
+                            host,
+                            self.config.port,
+                        )
+                        return True
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        logger.error("startup did not finish" if not self.stopping else "stopped during startup")
+        return False
+
+    def _watch(self) -> int:
+        while not self.stopping:
+            dead = self._dead()
+            if dead is not None:
+                name, code = dead
+                logger.error("%s exited with code %d; stopping kvflow", name, code)
+                self._tell_frontend(name, code)
+                time.sleep(DEATH_GRACE_S)
+                return 1
+            time.sleep(0.1)
+        return self._drain()
+
+    def _tell_frontend(self, name: str, code: int) -> None:
+        if name == "frontend":
+            return
+        socket = connect_dealer(zmq.Context.instance(), self.config.frontend_address, "launcher")
+        socket.send(encode(ComponentDown(name, code)))
+        time.sleep(0.1)  # LINGER is 0: give the message time to leave
+        socket.close()
+
+    def _drain(self) -> int:
+        frontend = self.procs["frontend"]
+        frontend.send_signal(signal.SIGTERM)
+        try:
+            code = frontend.wait(timeout=self.config.drain_timeout + 10)
+        except subprocess.TimeoutExpired:
+            logger.error("the frontend did not drain in time")
+            return 1
+        logger.info("drained; frontend exited with code %d", code)
+        return 0 if code == 0 else 1
+
+    def _stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()

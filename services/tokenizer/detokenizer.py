@@ -1,0 +1,166 @@
+"""Turning generated token ids, a few at a time, into streamed text deltas.
+
+Two layers, each O(new tokens + a small window) per step:
+
+1. Decoding. Byte-level BPE splits one character over several tokens (Chinese, emoji), and
+   SentencePiece drops the leading space of the first token it decodes, so a token cannot be
+   decoded alone. We decode a short window of tokens whose text was already emitted (the
+   context) plus the new ones, and emit the part past the context's text:
+
+       window:  | context (text emitted) | held: text ends mid-character | new ids |
+                 decode(window) = context text + delta
+                                  ^ _num_window_chars_emitted
+
+   While the window's text ends in U+FFFD the last character may still be incomplete, so that
+   tail is held and the window grows until a token completes it; then the window slides to
+   its last few tokens.
+
+2. Stop strings. Text that might be the start of a stop string is held until the next tokens
+   show whether it is; a match cuts the text and ends the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+REPLACEMENT_CHAR = "\ufffd"  # what decoders emit for incomplete or invalid UTF-8
+# Tokens kept as context; enough for merges and leading-space rules at the window's start.
+_NUM_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Streams the text of one sequence: `add()` per scheduler step, `flush()` at the end.
+
+    The concatenated deltas equal `tokenizer.decode(output_ids)` (with an empty prompt; with a
+    prompt, the text that output adds to the prompt's), cut at the first stop string.
+    After a stop string or `flush()`, `add()` returns "".
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = [s for s in stop if s]  # "" would match everywhere: treat it as absent
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+        self._include_stop_str = include_stop_str_in_output
+        # Seeding with the prompt's tail makes the first output token decode as it does after
+        # the prompt (a leading space SentencePiece would drop at the start of a text).
+        self._window_ids = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
+        self._num_window_chars_emitted = len(self._decode(self._window_ids))
+        self._held_text = ""  # decoded, not yet emitted: might start a stop string
+        self._emitted_parts: list[str] = []
+        self._finished = False
+        self.stop_hit: str | None = None
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if len(self._emitted_parts) > 1:
+            self._emitted_parts = ["".join(self._emitted_parts)]
+        return self._emitted_parts[0] if self._emitted_parts else ""
+
+    @property
+    def finished(self) -> bool:
+        """A stop string was found or `flush()` was called; no more text will come."""
+        return self._finished
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append newly generated ids; return the new text that is safe to emit now."""
+        if self._finished:
+            return ""
+        self._window_ids.extend(token_ids)
+        return self._emit(self._decode_new_text(), final=False)
+
+    def flush(self) -> str:
+        """The request finished for another reason (length, EOS): emit all held text.
+
+        An incomplete character at the very end comes out as the tokenizer decodes it (U+FFFD).
+        """
+        if self._finished:
+            return ""
+        text = self._decode(self._window_ids)
+        return self._emit(text[self._num_window_chars_emitted :], final=True)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        # NOTE: clean_up_tokenization_spaces rewrites " ." to "." across the window's edge, so
+        # it is not stable under appending; the tokenizers kvflow serves leave it off anyway.
+        return self._tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self._skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _decode_new_text(self) -> str:
+        text = self._decode(self._window_ids)
+        if text.endswith(REPLACEMENT_CHAR):
+            # The tail may be a character whose remaining bytes are in the next tokens: emit
+            # only what precedes it, keep the window so those tokens can complete it.
+            end = len(text.rstrip(REPLACEMENT_CHAR))
+            new_text = text[self._num_window_chars_emitted : end]
+            self._num_window_chars_emitted = max(self._num_window_chars_emitted, end)
+            return new_text
+        new_text = text[self._num_window_chars_emitted :]
+        # NOTE: the text ends on a whole character, so the last tokens make a valid context: a
+        # window that starts mid-character decodes to the same leading U+FFFD every time.
+        self._window_ids = self._window_ids[-_NUM_CONTEXT_TOKENS:]
+        self._num_window_chars_emitted = len(self._decode(self._window_ids))
+        return new_text
+
+    def _emit(self, new_text: str, final: bool) -> str:
+        """Pass decoded text through the stop-string filter; return what can be emitted."""
+        text = self._held_text + new_text
+        match = self._find_stop(text)
+        if match is not None:
+            start, stop = match
+            out = text[: start + len(stop) if self._include_stop_str else start]
+            self.stop_hit, self._held_text, self._finished = stop, "", True
+        else:
+            num_held = 0 if final else self._num_chars_to_hold(text)
+            out, self._held_text = text[: len(text) - num_held], text[len(text) - num_held :]
+            self._finished = self._finished or final
+        if out:
+            self._emitted_parts.append(out)
+        return out
+
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """The stop string that completes first in `text`, and where it starts.
+
+        `text` is the held text plus the new text, so this searches only where a match can
+        newly end: held text is shorter than any stop string, so earlier positions were searched.
+        "First" is by end so the result does not depend on how tokens were chunked: a streaming
+        reader sees "bc" before "abcd" in "abcd". On a tie the longer (earlier-starting) wins.
+        """
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stop:
+            start = text.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
+
+    def _num_chars_to_hold(self, text: str) -> int:
+        """The length of the longest tail of `text` that is a proper prefix of a stop string."""
+        for num_chars in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-num_chars:]
+            if any(stop.startswith(tail) for stop in self._stop):
+                return num_chars
+        return 0
+
+
+def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
+    """The displayable text of one token, for logprobs.
+
+    A token holding part of a multi-byte character decodes to U+FFFD alone; its token string
+    (byte-level form such as "ä½") at least tells such tokens apart.
+    """
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    if text and not text.strip(REPLACEMENT_CHAR):
+        return str(tokenizer.convert_ids_to_tokens(token_id))
+    return text

@@ -1,0 +1,121 @@
+"""Start `kvflow serve` as a real subprocess on a free port, and read its /metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import openai
+
+API_KEY = "sk-kvflow-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics", headers=self.headers()).text
+        values: dict[str, float] = {}
+        for line in text.splitlines():
+            match = re.match(r"^kvflow:(\w+)\{([^}]*)\} (\S+)$", line)
+            if match is None or match.group(1).endswith("_bucket"):
+                continue
+            reason = re.search(r'finished_reason="(\w+)"', match.group(2))
+            name = match.group(1) + (f":{reason.group(1)}" if reason else "")
+            values[name] = float(match.group(3))
+        return values
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Metrics once nothing runs, nothing waits and no KV block is referenced."""
+        deadline = time.monotonic() + timeout
+        while True:
+            values = self.metrics()
+            idle = (
+                values.get("num_requests_running"),
+                values.get("num_requests_waiting"),
+                values.get("kv_cache_usage_perc"),
+            ) == (0, 0, 0)
+            if idle or time.monotonic() > deadline:
+                return values
+            time.sleep(0.1)
+
+    def child_pid(self, component: str) -> int:
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid), "-f", f"services {component}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+        assert out, f"no {component} process under kvflow serve"
+        return int(out[0])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def start_server(*flags: str, timeout: float = 240.0) -> Server:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services",
+            "serve",
+            "--port",
+            str(port),
+            "--api-key",
+            API_KEY,
+            "--max-model-len",
+            "1024",
+            *flags,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=sys.stderr,
+    )
+    server = Server(proc, port)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvflow serve exited with {proc.returncode} during startup")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    server.stop()
+    raise TimeoutError("kvflow serve did not become healthy")

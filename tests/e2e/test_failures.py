@@ -1,0 +1,110 @@
+"""What a supervisor relies on: a dead component fails loudly, SIGTERM drains cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+
+from tests.e2e.server import Server, start_server
+
+
+def stream_in_background(server: Server, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A streaming completion read in a thread; the dict records chunks, errors and the end."""
+    record: dict = {"chunks": 0, "error": None, "finish_reason": None, "started": threading.Event()}
+
+    def run() -> None:
+        body = {
+            "prompt": "Write a long story:",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        try:
+            with httpx.stream(
+                "POST",
+                f"{server.url}/v1/completions",
+                json=body,
+                headers=server.headers(),
+                timeout=60,
+            ) as response:
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        record["error"] = event["error"]
+                        continue
+                    record["chunks"] += 1
+                    record["started"].set()
+                    record["finish_reason"] = (
+                        event["choices"][0]["finish_reason"] or record["finish_reason"]
+                    )
+        except httpx.HTTPError as exc:
+            record["error"] = repr(exc)
+        finally:
+            record["started"].set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, record
+
+
+def wait_for(condition, timeout: float) -> float:
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout, "timed out"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def health(server: Server) -> int | None:
+    try:
+        return httpx.get(f"{server.url}/health", timeout=1).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def test_killing_the_executor_fails_requests_health_and_serve() -> None:
+    server = start_server()
+    try:
+        streams = [stream_in_background(server, max_tokens=400) for _ in range(3)]
+        for _, record in streams:
+            assert record["started"].wait(60) and record["chunks"] > 0
+        os.kill(server.child_pid("executor"), signal.SIGKILL)
+        assert wait_for(lambda: health(server) == 503, timeout=5) < 5
+        for thread, record in streams:
+            thread.join(timeout=30)
+            assert record["error"] is not None and record["finish_reason"] is None
+        assert server.proc.wait(timeout=30) != 0
+    finally:
+        server.stop()
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
+    server = start_server()
+    try:
+        streams = [stream_in_background(server, max_tokens=120) for _ in range(3)]
+        for _, record in streams:
+            assert record["started"].wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: health(server) == 503, timeout=5)
+        refused = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"prompt": "hi"},
+            headers=server.headers(),
+            timeout=10,
+        )
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        for thread, record in streams:
+            thread.join(timeout=60)
+            assert record["error"] is None and record["finish_reason"] == "length"
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()
