@@ -22,23 +22,36 @@ from kvflow import LLM, SamplingParams
 from shared.model_config import embedded_model_path
 
 
-def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def make_workload(
+    num: int, input_len: int, output_len: int, mixed: bool, seed: int
+) -> tuple[list[list[int]], list[int]]:
+    """Prompts and output lengths: fixed, or (mixed) uniform in [len / 4, len]."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, vocab, (num, length), generator=generator).tolist()
+
+    def lengths(top: int) -> list[int]:
+        if not mixed:
+            return [top] * num
+        return torch.randint(top // 4, top + 1, (num,), generator=generator).tolist()
+
+    prompts = [
+        torch.randint(100, 49152, (n,), generator=generator).tolist() for n in lengths(input_len)
+    ]
+    return prompts, lengths(output_len)
 
 
-def run_kvflow(prompts: list[list[int]], output_len: int) -> dict:
+def run_kvflow(prompts: list[list[int]], output_lens: list[int]) -> dict:
     llm = LLM(dtype="float32", device="cpu")
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    assert all(len(r.token_ids) == output_len for r in results)
-    return _report("kvflow", elapsed, prompts, output_len, [r.token_ids for r in results])
+    assert [len(r.token_ids) for r in results] == output_lens
+    return _report("kvflow", elapsed, prompts, [r.token_ids for r in results])
 
 
-def run_transformers(prompts: list[list[int]], output_len: int, batch_size: int) -> dict:
+def run_transformers(prompts: list[list[int]], output_lens: list[int], batch_size: int) -> dict:
+    """Static batches, left-padded; each batch runs until its longest request is done."""
     path = embedded_model_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
@@ -47,27 +60,29 @@ def run_transformers(prompts: list[list[int]], output_len: int, batch_size: int)
     outputs: list[list[int]] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        batch = torch.tensor(prompts[i : i + batch_size])  # equal lengths: no padding needed
+        batch, wanted = prompts[i : i + batch_size], output_lens[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
             tokens = model.generate(
-                batch,
-                attention_mask=torch.ones_like(batch),
-                max_new_tokens=output_len,
-                min_new_tokens=output_len,
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(wanted),
+                min_new_tokens=max(wanted),
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        outputs.extend(tokens[:, batch.shape[1] :].tolist())
+        # Tokens past a request's own length are waste that static batching pays for.
+        rows = tokens.tolist()
+        outputs.extend(row[width : width + n] for row, n in zip(rows, wanted, strict=True))
     elapsed = time.perf_counter() - start
-    return _report(
-        f"transformers generate (static batch {batch_size})", elapsed, prompts, output_len, outputs
-    )
+    name = f"transformers generate (static batch {batch_size})"
+    return _report(name, elapsed, prompts, outputs)
 
 
-def _report(
-    name: str, elapsed: float, prompts: list[list[int]], output_len: int, outputs: list[list[int]]
-) -> dict:
+def _report(name: str, elapsed: float, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
     num_out = sum(len(o) for o in outputs)
     num_in = sum(len(p) for p in prompts)
     return {
@@ -85,15 +100,20 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[32, 1])
+    parser.add_argument(
+        "--mixed", action="store_true", help="Lengths uniform in [len/4, len] instead of fixed."
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/offline_cpu.json")
     args = parser.parse_args()
 
-    prompts = make_prompts(args.num_prompts, args.input_len, 49152, args.seed)
-    runs = [run_kvflow(prompts, args.output_len)]
-    runs += [run_transformers(prompts, args.output_len, b) for b in args.hf_batch_sizes]
-    # Greedy on the same weights: agreement is a sanity check, not a requirement (fp32
-    # padding-free batches may still differ where two logits nearly tie).
+    prompts, output_lens = make_workload(
+        args.num_prompts, args.input_len, args.output_len, args.mixed, args.seed
+    )
+    runs = [run_kvflow(prompts, output_lens)]
+    runs += [run_transformers(prompts, output_lens, b) for b in args.hf_batch_sizes]
+    # Greedy on the same weights: agreement is a sanity check, not a requirement (padding
+    # changes fp32 rounding, which may flip near-ties).
     for run in runs[1:]:
         same = sum(a == b for a, b in zip(runs[0]["outputs"], run["outputs"], strict=True))
         run["identical_outputs_to_kvflow"] = f"{same}/{len(prompts)}"

@@ -37,15 +37,15 @@ def paged_attention_reference(
     q_index = (query_start_loc[:-1, None] + q_offsets[None, :]).clamp(max=num_tokens - 1)
     q = query[q_index]  # [R, Q, H, D]
 
-    # Gather each request's context from its blocks.
+    # Gather each request's context from its blocks. Slots past a context hold stale or
+    # uninitialised memory (NaN * 0 would still poison the sum): read the request's first
+    # slot there instead, which is finite and masked out anyway.
     positions = torch.arange(max_seq_len, device=device)
     blocks = block_tables[:, positions // block_size].long()  # [R, S]
     slots = blocks * block_size + positions % block_size  # [R, S]
-    in_context = (positions[None, :] < seq_lens[:, None])[:, :, None, None]  # [R, S, 1, 1]
-    # Slots past a context hold stale or uninitialised memory: zero them, or a NaN there
-    # would leak through `0 * NaN` in the weighted sum even though it is masked out.
-    k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].where(in_context, 0.0)  # [R,S,KV,D]
-    v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].where(in_context, 0.0)  # [R,S,KV,D]
+    slots = torch.where(positions[None, :] < seq_lens[:, None], slots, slots[:, :1])
+    k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # [R, S, KV, D]
+    v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # [R, S, KV, D]
 
     first_query_pos = (seq_lens - num_queries)[:, None]  # [R, 1]
     query_pos = first_query_pos + q_offsets[None, :]  # [R, Q]
@@ -53,17 +53,22 @@ def paged_attention_reference(
     # Padding rows see position 0 only, so softmax stays finite; they are dropped below.
     visible |= ~q_valid[:, :, None] & (positions == 0)[None, None, :]
 
-    group = num_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=2)  # [R, S, H, D]
-    v = v.repeat_interleave(group, dim=2)  # [R, S, H, D]
+    # GQA: the `group` query heads of one KV head attend together, as one longer query
+    # block, so keys and values are never copied per query head.
+    num_reqs, group = q.shape[0], num_heads // num_kv_heads
+    q = q.view(num_reqs, max_query_len, num_kv_heads, group, head_dim)
+    q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * max_query_len, head_dim)
+    mask = visible[:, None].expand(num_reqs, group, max_query_len, max_seq_len)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2),  # [R, H, Q, D]
-        k.transpose(1, 2),  # [R, H, S, D]
-        v.transpose(1, 2),  # [R, H, S, D]
-        attn_mask=visible[:, None, :, :],  # [R, 1, Q, S]
+        q,  # [R, KV, G*Q, D]
+        k.transpose(1, 2),  # [R, KV, S, D]
+        v.transpose(1, 2),  # [R, KV, S, D]
+        attn_mask=mask.reshape(num_reqs, 1, group * max_query_len, max_seq_len),
         scale=scale,
-    )  # [R, H, Q, D]
-    return out.transpose(1, 2)[q_valid]  # [num_tokens, H, D]
+    )  # [R, KV, G*Q, D]
+    out = out.view(num_reqs, num_kv_heads, group, max_query_len, head_dim)
+    out = out.permute(0, 3, 1, 2, 4).reshape(num_reqs, max_query_len, num_heads, head_dim)
+    return out[q_valid]  # [num_tokens, H, D]
 
 
 def contiguous_attention_reference(

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from services.launcher.engine import Engine
+from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.hf_tokenizer import apply_chat_template, load_tokenizer
 from shared.config import Config
 from shared.protocol import (
@@ -67,16 +68,22 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | list[Prompt],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         show_progress: bool = False,
     ) -> list[GenerationResult]:
-        """Generate for every prompt (text or token ids) in one continuous batch."""
-        params = sampling_params or SamplingParams()
+        """Generate for every prompt (text or token ids) in one continuous batch.
+
+        `sampling_params` is one for all prompts, or a list with one per prompt.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ParameterError("sampling_params", "give one per prompt, or a single one")
         results = [self._result(p) for p in prompts]  # type: ignore[union-attr]
-        return self._run(results, params, show_progress)
+        return self._run(results, per_prompt, show_progress)
 
     def chat(
         self,
@@ -102,11 +109,14 @@ class LLM:
         return self.tokenizer
 
     def _run(
-        self, results: list[GenerationResult], params: SamplingParams, show_progress: bool
+        self,
+        results: list[GenerationResult],
+        per_prompt: list[SamplingParams],
+        show_progress: bool,
     ) -> list[GenerationResult]:
-        owners: dict[str, tuple[GenerationResult, Completion]] = {}
+        pending: dict[str, _Pending] = {}
         try:
-            for result in results:
+            for result, params in zip(results, per_prompt, strict=True):
                 for index in range(params.n):
                     request_id = f"gen-{self._next_id}"
                     self._next_id += 1
@@ -119,52 +129,68 @@ class LLM:
                         )
                     )
                     result.outputs.append(Completion(index))
-                    owners[request_id] = (result, result.outputs[-1])
+                    pending[request_id] = _Pending(
+                        result,
+                        result.outputs[-1],
+                        self._detokenizer(result.prompt_token_ids, params),
+                    )
         except ParameterError:
-            self.engine.abort(list(owners))
+            self.engine.abort(list(pending))
             raise
-        progress = _Progress(len(owners), show_progress)
+        progress = _Progress(len(pending), show_progress)
         while self.engine.has_unfinished():
             for out in self.engine.step():
-                self._absorb(out, *owners[out.request_id], params)
-                progress.update(out)
+                if out.request_id in pending:
+                    done = self._absorb(out, pending[out.request_id])
+                    progress.update(len(out.new_token_ids), done)
+                    if done:
+                        del pending[out.request_id]
         progress.close()
         return results
 
-    def _absorb(
-        self,
-        out: RequestOutput,
-        result: GenerationResult,
-        completion: Completion,
-        params: SamplingParams,
-    ) -> None:
+    def _detokenizer(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+        )
+
+    def _absorb(self, out: RequestOutput, pending: _Pending) -> bool:
+        """Take one step's output for a request; True when the request is done."""
+        completion, detokenizer = pending.completion, pending.detokenizer
         completion.token_ids.extend(out.new_token_ids)
         completion.logprobs.extend(out.new_logprobs)
-        result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-        if out.finish_reason is not None:
-            self._finalize(completion, out.finish_reason.value, params)
-        elif params.stop and self._hits_stop_string(completion, params):
-            # Decodes the whole output each token: fine offline; the serving path
-            # detokenizes incrementally in the tokenizer pool.
-            self.engine.abort([out.request_id])
-            self._finalize(completion, FinishReason.STOP.value, params)
-
-    def _hits_stop_string(self, completion: Completion, params: SamplingParams) -> bool:
-        text = self._require_tokenizer().decode(completion.token_ids, skip_special_tokens=True)
-        return _cut_at_stop(text, params.stop)[1]
-
-    def _finalize(self, completion: Completion, reason: str, params: SamplingParams) -> None:
-        completion.finish_reason = reason
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(
-                completion.token_ids, skip_special_tokens=params.skip_special_tokens
-            )
-            completion.text, hit = _cut_at_stop(text, params.stop)
-            if hit:
-                completion.finish_reason = FinishReason.STOP.value
+        pending.result.num_cached_tokens = max(
+            pending.result.num_cached_tokens, out.num_cached_tokens
+        )
+        reason = out.finish_reason
+        if detokenizer is not None:
+            detokenizer.add(out.new_token_ids)
+            if detokenizer.stop_hit is not None:
+                if reason is None:
+                    self.engine.abort([out.request_id])
+                reason = FinishReason.STOP
+            elif reason is not None:
+                detokenizer.flush()
+            completion.text = detokenizer.text
+        if reason is not None:
+            completion.finish_reason = reason.value
+        return reason is not None
 
     def stats(self) -> Any:
         return self.engine.stats()
+
+
+@dataclass
+class _Pending:
+    result: GenerationResult
+    completion: Completion
+    detokenizer: IncrementalDetokenizer | None
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -172,11 +198,6 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     if params.seed is None or index == 0:
         return params
     return msgspec.structs.replace(params, seed=params.seed + index)
-
-
-def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return (text[: min(hits)], True) if hits else (text, False)
 
 
 class _Progress:
@@ -187,9 +208,9 @@ class _Progress:
         self.done = self.tokens = 0
         self.start = self.last = time.perf_counter()
 
-    def update(self, out: RequestOutput) -> None:
-        self.tokens += len(out.new_token_ids)
-        self.done += out.finished
+    def update(self, num_tokens: int, done: bool) -> None:
+        self.tokens += num_tokens
+        self.done += done
         now = time.perf_counter()
         if self.enabled and (now - self.last > 0.5 or self.done == self.total):
             self.last = now

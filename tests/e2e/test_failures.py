@@ -108,3 +108,33 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
         assert server.proc.wait(timeout=60) == 0
     finally:
         server.stop()
+
+
+def test_full_waiting_queue_gets_429() -> None:
+    server = start_server(
+        "--max-num-seqs", "1", "--max-queued-requests", "1", "--drain-timeout", "1"
+    )
+    try:
+        streams = [stream_in_background(server, max_tokens=300) for _ in range(2)]
+        wait_for(
+            lambda: (
+                (
+                    server.metrics().get("num_requests_running"),
+                    server.metrics().get("num_requests_waiting"),
+                )
+                == (1, 1)
+            ),
+            timeout=60,
+        )
+        refused = httpx.post(
+            f"{server.url}/v1/completions",
+            json={"prompt": "hi"},
+            headers=server.headers(),
+            timeout=10,
+        )
+        assert refused.status_code == 429
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        for thread, _ in streams:
+            thread.join(timeout=1)
+    finally:
+        server.stop()
