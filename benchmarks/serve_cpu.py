@@ -15,6 +15,7 @@ import itertools
 import json
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -22,6 +23,9 @@ import openai
 import torch
 
 from kvflow import LLM, SamplingParams
+
+# The e2e tests' server helper starts `kvflow serve` exactly as the tests do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.e2e.server import API_KEY, start_server
 
 
@@ -51,9 +55,10 @@ async def one_stream(client: openai.AsyncOpenAI, prompt: list[int], output_len: 
 def run_served(prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
     server = start_server("--max-model-len", "2048")
     try:
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
 
         async def run_all(batch: list[list[int]]) -> list[dict]:
+            # One client per event loop: its connections belong to the loop that made them.
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
             limit = asyncio.Semaphore(concurrency)
 
             async def limited(prompt: list[int]) -> dict:

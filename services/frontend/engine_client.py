@@ -37,7 +37,8 @@ class EngineUnavailable(RuntimeError):
 
 class EngineClient:
     def __init__(self, config: Config) -> None:
-        assert config.frontend_address is not None
+        if config.frontend_address is None:
+            raise ValueError("the frontend needs --frontend-address")
         self.config = config
         self.context = zmq.asyncio.Context()
         self.socket = bind_router(self.context, config.frontend_address)
