@@ -94,7 +94,10 @@ class Config:
     )
     worker_index: int = _opt(0, "components", "This tokenizer worker's index in the pool.")
     component_timeout: float = _opt(
-        3.0, "components", "Seconds without a heartbeat before a component counts as dead."
+        10.0, "components", "Seconds without a heartbeat before a component counts as dead."
+    )
+    step_timeout: float = _opt(
+        600.0, "components", "Seconds the scheduler waits for one step before giving up."
     )
     # -- device
     device: str = _opt("auto", "device", "Where the model runs.", ("auto", "cpu", "cuda"))

@@ -46,6 +46,7 @@ class Decoder:
 def bind_router(context: zmq.Context, address: str) -> zmq.Socket:
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises, not vanishes
+    socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its identity back
     socket.setsockopt(zmq.LINGER, 0)
     socket.bind(address)
     return socket

@@ -77,6 +77,12 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise ParameterError(param, message)
 
 
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queued-requests; the client should retry later."""
+
+    code = "queue_full"
+
+
 class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
@@ -176,6 +182,7 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error_param: str | None = None  # the invalid request parameter, for a client error
+    error_code: str | None = None  # "queue_full" when the waiting queue refused the request
 
     @property
     def finished(self) -> bool:
@@ -250,6 +257,7 @@ class TextDelta(msgspec.Struct, tag=True, kw_only=True):
     prompt_token_ids: list[int] | None = None  # first delta of an echo request
     error: str | None = None  # with finish_reason ERROR
     error_param: str | None = None  # the invalid parameter, when the error is the client's
+    error_code: str | None = None  # "queue_full": retry later (HTTP 429)
 
 
 # ------------------------------------------------------------ health and stats

@@ -36,3 +36,11 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smollm2() -> LLM:
     """The embedded SmolLM2-135M-Instruct, loaded once for every test that reads text."""
     return LLM(dtype="float32", device="cpu", max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from services.tokenizer.hf_tokenizer import load_tokenizer
+    from shared.model_config import resolve_model_source
+
+    return load_tokenizer(resolve_model_source(None))

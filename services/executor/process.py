@@ -41,7 +41,8 @@ def run_executor(config: Config, rank: int = 0) -> None:
     try:
         while True:
             plan = decoder.decode(socket.recv())
-            if plan is not None:
-                socket.send(encode(runner.execute(plan)))
+            if plan is None:  # skipping it would leave the scheduler waiting forever
+                raise RuntimeError(f"{name} received an unreadable plan")
+            socket.send(encode(runner.execute(plan)))
     finally:
         heartbeat.set()

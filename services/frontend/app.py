@@ -21,10 +21,15 @@ from services.frontend.calls import APICall
 from services.frontend.engine_client import EngineClient, EngineUnavailable
 from services.frontend.errors import APIError, bad_request, unavailable
 from services.frontend.metrics import Metrics
-from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest, decode_body
+from services.frontend.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    TokenizeBody,
+    decode_body,
+)
 from shared.config import Config
 from shared.protocol import (
-    ChatMessage,
     GenerateRequest,
     ParameterError,
     SamplingParams,
@@ -33,6 +38,24 @@ from shared.protocol import (
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"
+
+
+class InFlightCounter:
+    """Counts HTTP requests from their first byte to their response's last (streams too), so
+    a draining server waits for requests not yet registered with the engine as well."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.count = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+            return await self.app(scope, receive, send)
+        self.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1
 
 
 def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI:
@@ -61,9 +84,8 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     async def health() -> Response:
         if engine.ready and not app.state.draining:
             return Response(status_code=200)
-        return unavailable(
-            engine.down or ("draining" if app.state.draining else "starting")
-        ).response()
+        reason = "draining" if app.state.draining else engine.unavailable_reason()
+        return unavailable(reason or "starting").response()
 
     @app.get("/version")
     async def version(request: Request) -> dict[str, str]:
@@ -98,15 +120,14 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         await admit(request, post=True)
-        body = _json_object(request.state.body)
-        messages = body.get("messages")
+        body = _decode(request, TokenizeBody)
         result = await _tokenize(
             engine,
             TokenizeRequest(
                 request_id=_new_id("tok"),
-                prompt=body.get("prompt"),
-                messages=msgspec.convert(messages, list[ChatMessage]) if messages else None,
-                add_special_tokens=bool(body.get("add_special_tokens", True)),
+                prompt=body.prompt,
+                messages=body.chat_messages(),
+                add_special_tokens=body.add_special_tokens,
             ),
         )
         return {
@@ -118,9 +139,10 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         await admit(request, post=True)
-        tokens = _json_object(request.state.body).get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise bad_request("tokens must be a list of token ids", "tokens")
+        try:
+            tokens = _decode(request, DetokenizeBody).token_ids()
+        except ParameterError as exc:
+            raise bad_request(exc) from None
         result = await _tokenize(
             engine, TokenizeRequest(request_id=_new_id("tok"), token_ids=tokens)
         )
@@ -221,16 +243,6 @@ def _decode(request: Request, kind: type) -> Any:
         return decode_body(request.state.body, kind)
     except ParameterError as exc:
         raise bad_request(exc) from None
-
-
-def _json_object(body: bytes) -> dict[str, Any]:
-    try:
-        value = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"invalid JSON: {exc}", "body") from None
-    if not isinstance(value, dict):
-        raise bad_request("the body must be a JSON object", "body")
-    return value
 
 
 async def _tokenize(engine: EngineClient, request: TokenizeRequest) -> Any:

@@ -4,6 +4,7 @@ whether its client is still there."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,7 +17,7 @@ from services.frontend import responses as r
 from services.frontend.engine_client import EngineClient, EngineUnavailable
 from services.frontend.errors import APIError, bad_request, unavailable
 from services.frontend.metrics import Metrics
-from shared.protocol import GenerateRequest, TextDelta
+from shared.protocol import GenerateRequest, QueueFullError, TextDelta
 
 
 class APICall:
@@ -38,8 +39,6 @@ class APICall:
         self.last_token_at: dict[str, float] = {}
 
     def _check_pressure(self) -> None:
-        if self.engine.num_pending >= self.engine.config.max_queued_requests:
-            raise APIError(429, "too many requests are waiting; retry later", "rate_limit_error")
         try:
             self.engine.check_available()
         except EngineUnavailable as exc:
@@ -60,17 +59,19 @@ class APICall:
 
     async def _deltas(self) -> AsyncIterator[tuple[r.Choice, TextDelta]]:
         try:
-            async for delta in self.engine.generate(self.subs):
-                self._observe(delta)
-                choice = self.choices[delta.request_id]
-                if delta.error is not None:
-                    raise (
-                        bad_request(delta.error, delta.error_param)
-                        if delta.error_param
-                        else unavailable(delta.error)
-                    )
-                choice.absorb(delta)
-                yield choice, delta
+            # aclosing: leaving early (an error, a client gone) aborts the other
+            # sub-requests now, not whenever the generator is garbage-collected.
+            async with contextlib.aclosing(self.engine.generate(self.subs)) as deltas:
+                async for delta in deltas:
+                    self._observe(delta)
+                    choice = self.choices[delta.request_id]
+                    if delta.error is not None:
+                        choice.finish_reason = "error"
+                        raise _error_of(delta)
+                    choice.absorb(delta)
+                    yield choice, delta
+        except EngineUnavailable as exc:
+            raise unavailable(str(exc)) from None
         finally:
             # Requests left unfinished here were aborted (client gone, or an error).
             unfinished = sum(c.finish_reason is None for c in self.choices.values())
@@ -137,6 +138,14 @@ class APICall:
         finally:
             await deltas.aclose()
         yield b"data: [DONE]\n\n"
+
+
+def _error_of(delta: TextDelta) -> APIError:
+    if delta.error_code == QueueFullError.code:
+        return APIError(429, delta.error or "too many requests", "rate_limit_error")
+    if delta.error_param:
+        return bad_request(delta.error or "invalid request", delta.error_param)
+    return unavailable(delta.error or "unknown error")
 
 
 async def _unless_disconnected(request: Request, work: Any) -> Any:

@@ -29,6 +29,7 @@ from shared.protocol import (
 
 logger = logging.getLogger(__name__)
 Inbound = TextDelta | TokenizeResult | Heartbeat | StatsSnapshot | ComponentDown
+TOKENIZE_TIMEOUT_S = 30.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -51,6 +52,7 @@ class EngineClient:
         ]
         self.down: str | None = None  # why the engine is dead, once it is
         self.stats: StatsSnapshot | None = None
+        self.stats_at = 0.0
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -69,37 +71,41 @@ class EngineClient:
 
     @property
     def ready(self) -> bool:
-        return self.stats is not None and self.healthy
+        return self.stats is not None and self.unavailable_reason() is None
 
-    @property
-    def healthy(self) -> bool:
+    def unavailable_reason(self) -> str | None:
+        """Why the engine cannot serve now: a dead component (for good), or a silent one."""
         if self.down is not None:
-            return False
-        now = time.monotonic()
-        return all(
-            now - self.last_seen.get(c, -1e9) < self.config.component_timeout for c in self.expected
-        )
+            return self.down
+        now, timeout = time.monotonic(), self.config.component_timeout
+        stale = [c for c in self.expected if now - self.last_seen.get(c, -1e9) > timeout]
+        if stale:
+            return f"no heartbeat from {', '.join(stale)}"
+        if self.stats is not None and now - self.stats_at > timeout:
+            return "the scheduler has stopped reporting"  # alive but stuck
+        return None
 
     async def _watchdog(self) -> None:
-        started = time.monotonic()
+        started, failing = time.monotonic(), False
         while self.down is None:
             await asyncio.sleep(0.25)
-            if self.stats is None and time.monotonic() - started < 600:
+            if self.stats is None and time.monotonic() - started < 900:
                 continue  # still loading: the launcher watches startup
-            stale = [
-                c
-                for c in self.expected
-                if time.monotonic() - self.last_seen.get(c, -1e9) > self.config.component_timeout
-            ]
-            if stale:
-                self._mark_down(f"no heartbeat from {', '.join(stale)}")
+            reason = self.unavailable_reason()
+            if reason is not None and not failing:
+                self._fail_in_flight(reason)
+            failing = reason is not None  # silence can end: then serve again
 
     def _mark_down(self, reason: str) -> None:
+        """A component is gone for good (its process exited, or it speaks another protocol)."""
         if self.down is None:
-            logger.error(
-                "engine unavailable: %s; failing %d in-flight requests", reason, len(self.queues)
-            )
             self.down = reason
+            self._fail_in_flight(reason)
+
+    def _fail_in_flight(self, reason: str) -> None:
+        logger.error(
+            "engine unavailable: %s; failing %d in-flight requests", reason, len(self.queues)
+        )
         for request_id, queue in list(self.queues.items()):
             queue.put_nowait(_error_delta(request_id, f"engine unavailable: {reason}"))
         for future in self.tokenize_waiters.values():
@@ -117,14 +123,14 @@ class EngineClient:
                 if queue is not None:
                     queue.put_nowait(message)
             elif isinstance(message, Heartbeat):
-                if message.protocol_version != PROTOCOL_VERSION:
+                if message.protocol_version != PROTOCOL_VERSION and self.down is None:
                     self._mark_down(
                         f"{message.component} speaks protocol "
                         f"{message.protocol_version}, not {PROTOCOL_VERSION}"
                     )
                 self.last_seen[message.component] = time.monotonic()
             elif isinstance(message, StatsSnapshot):
-                self.stats = message
+                self.stats, self.stats_at = message, time.monotonic()
             elif isinstance(message, TokenizeResult):
                 future = self.tokenize_waiters.pop(message.request_id, None)
                 if future is not None and not future.done():
@@ -145,7 +151,7 @@ class EngineClient:
 
     def check_available(self) -> None:
         if not self.ready:
-            raise EngineUnavailable(self.down or "the engine is starting")
+            raise EngineUnavailable(self.unavailable_reason() or "the engine is starting")
 
     async def generate(self, requests: list[GenerateRequest]) -> AsyncIterator[TextDelta]:
         """Yield the deltas of one API call's sub-requests as they come, until all finish.
@@ -168,22 +174,23 @@ class EngineClient:
         finally:
             for request in requests:
                 self.queues.pop(request.request_id, None)
-            if live and self.down is None:
-                for request_id in live:
+            for request_id in live:  # best effort, one by one: each may be unreachable
+                try:
                     await self._send(request_id, AbortRequests([request_id]))
+                except EngineUnavailable as exc:
+                    logger.warning("could not abort request_id=%s: %s", request_id, exc)
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
         self.check_available()
         future: asyncio.Future[TokenizeResult] = asyncio.get_running_loop().create_future()
         self.tokenize_waiters[request.request_id] = future
-        await self._send(request.request_id, request)
-        return await future
-
-    @property
-    def num_pending(self) -> int:
-        """Requests accepted here that the scheduler is not running yet."""
-        running = self.stats.num_running if self.stats else 0
-        return max(len(self.queues) - running, 0)
+        try:
+            await self._send(request.request_id, request)
+            return await asyncio.wait_for(future, TOKENIZE_TIMEOUT_S)
+        except TimeoutError:
+            raise EngineUnavailable("the tokenizer pool did not answer") from None
+        finally:
+            self.tokenize_waiters.pop(request.request_id, None)
 
 
 def _error_delta(request_id: str, message: str) -> TextDelta:

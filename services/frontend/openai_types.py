@@ -89,9 +89,9 @@ class CompletionRequest(_Common, kw_only=True):
         if isinstance(prompt, list) and prompt:
             if all(isinstance(p, str) for p in prompt):
                 return list(prompt)
-            if all(_is_int(t) for t in prompt):
+            if all(_is_token_id(t) for t in prompt):
                 return [list(prompt)]
-            if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
                 return [list(p) for p in prompt]
         raise ParameterError(
             "prompt",
@@ -136,6 +136,26 @@ class ChatCompletionRequest(_Common, kw_only=True):
         return self.top_logprobs or 0
 
 
+class TokenizeBody(msgspec.Struct, kw_only=True):
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+
+    def chat_messages(self) -> list[ChatMessage] | None:
+        if self.messages is None:
+            return None
+        return [ChatMessage(m.role, _text_of(m.content)) for m in self.messages]
+
+
+class DetokenizeBody(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+
+    def token_ids(self) -> list[int]:
+        if not all(_is_token_id(t) for t in self.tokens):
+            raise ParameterError("tokens", "token ids must be in [0, 2**31)")
+        return self.tokens
+
+
 def _text_of(content: str | list[ContentPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -167,8 +187,8 @@ def _default(value: float | None, default: float) -> float:
     return default if value is None else value
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

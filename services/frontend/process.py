@@ -10,7 +10,7 @@ from types import FrameType
 import uvicorn
 import uvloop
 
-from services.frontend.app import create_app
+from services.frontend.app import InFlightCounter, create_app
 from services.frontend.engine_client import EngineClient
 from shared.config import Config
 from shared.model_config import resolve_model_source
@@ -22,9 +22,15 @@ class DrainingServer(uvicorn.Server):
     """First SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish (up to
     --drain-timeout), then exit. A second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_timeout: float) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        engine: EngineClient,
+        in_flight: InFlightCounter,
+        drain_timeout: float,
+    ) -> None:
         super().__init__(config)
-        self.engine, self.drain_timeout = engine, drain_timeout
+        self.engine, self.in_flight, self.drain_timeout = engine, in_flight, drain_timeout
         self.loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
@@ -32,16 +38,16 @@ class DrainingServer(uvicorn.Server):
         if self._draining or self.loop is None:
             return super().handle_exit(sig, frame)
         self._draining = True
-        self.config.app.state.draining = True
-        logger.info("draining: %d requests in flight", len(self.engine.queues))
+        self.in_flight.app.state.draining = True
+        logger.info("draining: %d requests in flight", self.in_flight.count)
         self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
-        while self.engine.queues and time.monotonic() < deadline:
+        while self.in_flight.count and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.engine.queues:
-            logger.warning("drain timeout: %d requests still in flight", len(self.engine.queues))
+        if self.in_flight.count:
+            logger.warning("drain timeout: %d requests still in flight", self.in_flight.count)
         self.should_exit = True
 
 
@@ -49,9 +55,10 @@ def run_frontend(config: Config) -> None:
     model_name = config.served_model_name or resolve_model_source(config.model).name
     engine = EngineClient(config)
     app = create_app(config, engine, model_name)
+    in_flight = InFlightCounter(app)
     server = DrainingServer(
         uvicorn.Config(
-            app,
+            in_flight,
             host=config.host,
             port=config.port,
             loop="none",
@@ -59,6 +66,7 @@ def run_frontend(config: Config) -> None:
             timeout_graceful_shutdown=5,
         ),
         engine,
+        in_flight,
         config.drain_timeout,
     )
 

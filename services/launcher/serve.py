@@ -31,6 +31,7 @@ from shared.protocol import ComponentDown
 logger = logging.getLogger(__name__)
 STARTUP_TIMEOUT_S = 900
 DEATH_GRACE_S = 2.0  # lets in-flight requests receive their error before the frontend stops
+UNHEALTHY_LIMIT_S = 30
 
 
 class Launcher:
@@ -89,32 +90,31 @@ class Launcher:
                 return name, code
         return None
 
-    def _wait_ready(self) -> bool:
+    @property
+    def _health_url(self) -> str:
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
-        url = f"http://{host}:{self.config.port}/health"
+        return f"http://{host}:{self.config.port}/health"
+
+    def _wait_ready(self) -> bool:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline and not self.stopping:
             dead = self._dead()
             if dead is not None:
                 logger.error("%s exited with code %d during startup", *dead)
                 return False
-            try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        logger.info(
-                            "kvflow is serving %s on http://%s:%d",
-                            self.config.model or "the embedded SmolLM2-135M-Instruct",
-                            host,
-                            self.config.port,
-                        )
-                        return True
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+            if self._healthy():
+                logger.info(
+                    "kvflow is serving %s at %s",
+                    self.config.model or "the embedded SmolLM2-135M-Instruct",
+                    self._health_url.removesuffix("/health"),
+                )
+                return True
             time.sleep(0.2)
         logger.error("startup did not finish" if not self.stopping else "stopped during startup")
         return False
 
     def _watch(self) -> int:
+        healthy_at = time.monotonic()
         while not self.stopping:
             dead = self._dead()
             if dead is not None:
@@ -123,8 +123,22 @@ class Launcher:
                 self._tell_frontend(name, code)
                 time.sleep(DEATH_GRACE_S)
                 return 1
-            time.sleep(0.1)
+            if self._healthy():
+                healthy_at = time.monotonic()
+            elif time.monotonic() - healthy_at > UNHEALTHY_LIMIT_S and not self.stopping:
+                logger.error(
+                    "unhealthy for %d s (a component is hung); stopping kvflow", UNHEALTHY_LIMIT_S
+                )
+                return 1
+            time.sleep(0.5)
         return self._drain()
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self._health_url, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
 
     def _tell_frontend(self, name: str, code: int) -> None:
         if name == "frontend":

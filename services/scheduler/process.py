@@ -7,6 +7,7 @@ then receives one plan per step and answers each with the sampled tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -27,6 +28,7 @@ from shared.protocol import (
     ModelRunnerOutput,
     OutputBatch,
     ParameterError,
+    QueueFullError,
     RequestOutput,
     SchedulerOutput,
     StatsSnapshot,
@@ -96,6 +98,7 @@ class SchedulerProcess:
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
                 eos_token_ids=model_config.eos_token_ids,
                 vocab_size=model_config.vocab_size,
+                max_queued_requests=self.config.max_queued_requests,
             )
         )
 
@@ -122,25 +125,28 @@ class SchedulerProcess:
             logger.warning("unexpected %s from %r", type(message).__name__, identity)
 
     def _add(self, identity: bytes, request: EngineRequest) -> None:
-        self.owners[request.request_id] = identity
         try:
             if self.scheduler is None:
                 raise RuntimeError("the engine is still starting")
             self.scheduler.add_request(request)
-        except (ParameterError, RuntimeError) as exc:
+        except Exception as exc:
             param = exc.param if isinstance(exc, ParameterError) else None
-            self._publish(
-                [
-                    RequestOutput(
-                        request_id=request.request_id,
-                        new_token_ids=[],
-                        finish_reason=FinishReason.ERROR,
-                        error=str(exc),
-                        error_param=param,
-                        num_prompt_tokens=len(request.prompt_token_ids),
-                    )
-                ]
+            code = exc.code if isinstance(exc, QueueFullError) else None
+            if param is None and code is None:
+                logger.exception("request_id=%s could not be added", request.request_id)
+            error = RequestOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=FinishReason.ERROR,
+                error=str(exc),
+                error_param=param,
+                error_code=code,
+                num_prompt_tokens=len(request.prompt_token_ids),
             )
+            self._send_outputs(identity, [error])
+            return
+        # Only now: a refused duplicate id must not take over the original's owner.
+        self.owners[request.request_id] = identity
 
     # ---------------------------------------------------------------- stepping
 
@@ -156,12 +162,19 @@ class SchedulerProcess:
         # Requests and aborts that arrive meanwhile are handled now: an abort frees blocks
         # the in-flight step may still write, which is safe because no later step can run
         # (and reuse them) before this one has returned.
-        while True:
+        deadline = time.monotonic() + self.config.step_timeout
+        while time.monotonic() < deadline:
+            self._maybe_send_stats()  # a long step is not a dead scheduler
+            if not self.router.poll(500):
+                continue
             identity, message = self._recv()
             if isinstance(message, ModelRunnerOutput) and message.step == plan.step:
                 return message
             if message is not None:
                 self._handle(identity, message)
+        raise RuntimeError(
+            f"the executor did not answer step {plan.step} within {self.config.step_timeout} s"
+        )
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         by_owner: dict[bytes, list[RequestOutput]] = defaultdict(list)
@@ -173,12 +186,24 @@ class SchedulerProcess:
             if output.finished:
                 del self.owners[output.request_id]
         for owner, batch in by_owner.items():
-            try:
-                self.router.send_multipart([owner, encode(OutputBatch(batch))])
-            except zmq.ZMQError as exc:  # the worker is gone; the frontend will notice
-                logger.error("cannot reach tokenizer worker %r: %s", owner, exc)
+            self._send_outputs(owner, batch)
+
+    def _send_outputs(self, owner: bytes, batch: list[RequestOutput]) -> None:
+        try:
+            self.router.send_multipart([owner, encode(OutputBatch(batch))], flags=zmq.DONTWAIT)
+        except zmq.ZMQError as exc:
+            # The worker is gone or not reading: nobody will read these requests' outputs,
+            # so stop them rather than let them hold KV blocks (the frontend fails them).
+            logger.error("cannot reach tokenizer worker %r (%s): aborting its requests", owner, exc)
+            lost = [o.request_id for o in batch if not o.finished]
+            if self.scheduler is not None:
+                self.scheduler.abort(lost)
+            for request_id in lost:
+                self.owners.pop(request_id, None)
 
     def _maybe_send_stats(self) -> None:
+        if self.scheduler is None:
+            return
         now = time.monotonic()
         if now - self._last_stats < STATS_INTERVAL_S:
             return
@@ -188,4 +213,6 @@ class SchedulerProcess:
             max_model_len=self.scheduler.config.max_model_len,
             **dataclasses.asdict(self.scheduler.stats()),
         )
-        self.frontend.send(encode(snapshot))
+        # If the frontend is not reading, drop it: a later snapshot replaces this one.
+        with contextlib.suppress(zmq.Again):
+            self.frontend.send(encode(snapshot), flags=zmq.DONTWAIT)

@@ -23,6 +23,7 @@ from shared.protocol import (
     ModelRunnerOutput,
     NewRequestData,
     ParameterError,
+    QueueFullError,
     RequestOutput,
     SchedulerOutput,
 )
@@ -41,6 +42,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
+    max_queued_requests: int | None = None  # waiting requests beyond which new ones are refused
 
 
 @dataclass
@@ -75,6 +77,9 @@ class Scheduler:
         request_id = engine_request.request_id
         if request_id in self.requests:
             raise ParameterError("request_id", f"{request_id!r} is already in flight")
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting; retry later")
         max_tokens = self._admissible_max_tokens(engine_request)
         request = Request(engine_request, max_tokens, self.config.block_size)
         self.requests[request_id] = request

@@ -53,21 +53,54 @@ def _serve(worker: TokenizerWorker, frontend: zmq.Socket, scheduler: zmq.Socket,
     while True:
         ready = dict(poller.poll())
         if frontend in ready:
-            message = from_frontend.decode(frontend.recv())
-            if isinstance(message, GenerateRequest):
-                admitted = worker.admit(message)  # a request, or an error delta
-                target = scheduler if isinstance(admitted, EngineRequest) else frontend
-                target.send(encode(admitted))
-            elif isinstance(message, TokenizeRequest):
-                frontend.send(encode(worker.tokenize(message)))
-            elif isinstance(message, AbortRequests):
-                worker.abort(message.request_ids)
-                scheduler.send(encode(message))
+            _guarded(
+                name,
+                _from_frontend,
+                worker,
+                frontend,
+                scheduler,
+                from_frontend.decode(frontend.recv()),
+            )
         if scheduler in ready:
-            batch = from_scheduler.decode(scheduler.recv())
-            if batch is not None:
-                deltas, stopped = worker.on_outputs(batch.outputs)
-                for delta in deltas:
-                    frontend.send(encode(delta))
-                if stopped:  # a stop string ended these: the scheduler stops them too
-                    scheduler.send(encode(AbortRequests(stopped)))
+            _guarded(
+                name,
+                _from_scheduler,
+                worker,
+                frontend,
+                scheduler,
+                from_scheduler.decode(scheduler.recv()),
+            )
+
+
+def _guarded(name: str, handler, *args: object) -> None:
+    # One message's failure is logged; it must never take the worker (and the server) down.
+    try:
+        handler(*args)
+    except Exception:
+        logger.exception("%s failed to handle a message", name)
+
+
+def _from_frontend(
+    worker: TokenizerWorker, frontend: zmq.Socket, scheduler: zmq.Socket, message: object
+) -> None:
+    if isinstance(message, GenerateRequest):
+        admitted = worker.admit(message)  # a request, or an error delta
+        target = scheduler if isinstance(admitted, EngineRequest) else frontend
+        target.send(encode(admitted))
+    elif isinstance(message, TokenizeRequest):
+        frontend.send(encode(worker.tokenize(message)))
+    elif isinstance(message, AbortRequests):
+        worker.abort(message.request_ids)
+        scheduler.send(encode(message))
+
+
+def _from_scheduler(
+    worker: TokenizerWorker, frontend: zmq.Socket, scheduler: zmq.Socket, batch: object
+) -> None:
+    if not isinstance(batch, OutputBatch):
+        return
+    deltas, stopped = worker.on_outputs(batch.outputs)
+    for delta in deltas:
+        frontend.send(encode(delta))
+    if stopped:  # a stop string ended these: the scheduler stops them too
+        scheduler.send(encode(AbortRequests(stopped)))

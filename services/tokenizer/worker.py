@@ -49,8 +49,12 @@ class TokenizerWorker:
         """Tokenize a request for the scheduler, or answer it with an error delta."""
         try:
             token_ids = self._prompt_ids(request)
-        except (ParameterError, ValueError) as exc:
-            param = exc.param if isinstance(exc, ParameterError) else "messages"
+        except Exception as exc:  # chat templates raise jinja2 errors for bad conversations
+            param = (
+                exc.param
+                if isinstance(exc, ParameterError)
+                else ("messages" if request.messages is not None else "prompt")
+            )
             return _error(request.request_id, str(exc), param)
         params = request.sampling_params
         self.live[request.request_id] = _LiveRequest(
@@ -99,7 +103,7 @@ class TokenizerWorker:
                 ids = self.tokenizer.encode(
                     request.prompt or "", add_special_tokens=request.add_special_tokens
                 )
-        except (ValueError, OverflowError, TypeError) as exc:
+        except Exception as exc:  # a bad conversation or id is the client's error
             return TokenizeResult(
                 request_id=request.request_id, error=str(exc), error_param="tokens"
             )
@@ -144,6 +148,7 @@ class TokenizerWorker:
             num_cached_tokens=output.num_cached_tokens,
             error=output.error,
             error_param=output.error_param,
+            error_code=output.error_code,
         )
         if live.echo_prompt_ids is not None:
             delta.prompt_token_ids = live.echo_prompt_ids

@@ -132,7 +132,7 @@ def test_full_waiting_queue_gets_429() -> None:
             headers=server.headers(),
             timeout=10,
         )
-        assert refused.status_code == 429
+        assert refused.status_code == 429, refused.text
         assert refused.json()["error"]["type"] == "rate_limit_error"
         for thread, _ in streams:
             thread.join(timeout=1)

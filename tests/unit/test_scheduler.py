@@ -518,3 +518,16 @@ def test_every_request_ends_exactly_once():
         **{f"r{n}": [FinishReason.LENGTH] for n in (1, 2, 4, 5, 6)},
     }
     assert scheduler.kv.pool.counts()[2] == 0
+
+
+def test_a_full_waiting_queue_refuses_new_requests() -> None:
+    from shared.protocol import QueueFullError
+
+    scheduler = make_scheduler(max_queued_requests=2)
+    add(scheduler, "a", prompt_of(4))
+    add(scheduler, "b", prompt_of(4))
+    with pytest.raises(QueueFullError):
+        add(scheduler, "c", prompt_of(4))
+    scheduler.schedule()  # a and b start running: the queue has room again
+    add(scheduler, "c", prompt_of(4))
+    scheduler.check_invariants()
