@@ -87,14 +87,21 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def init_dummy(model: DecoderForCausalLM, seed: int) -> None:
-    """Random weights with realistic scale (norms at 1), for benchmarks and tests."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
+    """Random weights with realistic scale (norms at 1), for benchmarks and tests.
+
+    Drawn on the parameters' device: an 8B model's worth of randn on the host takes minutes.
+    """
+    generator: torch.Generator | None = None
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.fill_(1.0)
-        else:
-            values = torch.randn(param.shape, generator=generator) * 0.02
-            param.data.copy_(values.to(param.dtype))
+            continue
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        values = torch.randn(
+            param.shape, generator=generator, device=param.device, dtype=torch.float32
+        )
+        param.data.copy_(values.mul_(0.02))
 
 
 def load_model(
