@@ -39,6 +39,11 @@ def main() -> None:
     parser.add_argument("--model", default="Llama-3.1-8B")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--kv-gib", type=float, default=16.0)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="Also print a torch profiler table of a batch-1 decode run.",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     llm = LLM(
@@ -71,6 +76,12 @@ def main() -> None:
             "output_tok_per_s": round(args.num_prompts * 256 / offline_s, 1),
         },
     }
+    if args.profile:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            timed_generate(llm, prompts(1, 128, vocab, 5), 16)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
     out = Path(os.environ.get("OUT", ".")) / "gpu_baseline.json"
     out.write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))

@@ -68,7 +68,12 @@ def paged_attention_reference(
     )  # [R, KV, G*Q, D]
     out = out.view(num_reqs, num_kv_heads, group, max_query_len, head_dim)
     out = out.permute(0, 3, 1, 2, 4).reshape(num_reqs, max_query_len, num_heads, head_dim)
-    return out[q_valid]  # [num_tokens, H, D]
+    # Back to the flat layout by index arithmetic: a boolean mask would cost a device-to-host
+    # sync in every layer, leaving the GPU idle while the host catches up.
+    requests = torch.arange(num_reqs, device=device)
+    token_req = torch.repeat_interleave(requests, num_queries.long(), output_size=num_tokens)
+    token_offset = torch.arange(num_tokens, device=device) - query_start_loc[:-1].long()[token_req]
+    return out[token_req, token_offset]  # [num_tokens, H, D]
 
 
 def contiguous_attention_reference(
