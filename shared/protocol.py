@@ -259,6 +259,18 @@ class TextDelta(msgspec.Struct, tag=True, kw_only=True):
     error_param: str | None = None  # the invalid parameter, when the error is the client's
     error_code: str | None = None  # "queue_full": retry later (HTTP 429)
 
+    @classmethod
+    def failure(cls, request_id: str, message: str, param: str | None = None) -> TextDelta:
+        """The last delta of a request that ended in an error."""
+        return cls(
+            request_id=request_id,
+            text="",
+            token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            error=message,
+            error_param=param,
+        )
+
 
 # ------------------------------------------------------------ health and stats
 

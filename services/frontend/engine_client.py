@@ -18,7 +18,6 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,
     ComponentDown,
-    FinishReason,
     GenerateRequest,
     Heartbeat,
     StatsSnapshot,
@@ -107,7 +106,7 @@ class EngineClient:
             "engine unavailable: %s; failing %d in-flight requests", reason, len(self.queues)
         )
         for request_id, queue in list(self.queues.items()):
-            queue.put_nowait(_error_delta(request_id, f"engine unavailable: {reason}"))
+            queue.put_nowait(TextDelta.failure(request_id, f"engine unavailable: {reason}"))
         for future in self.tokenize_waiters.values():
             if not future.done():
                 future.set_exception(EngineUnavailable(reason))
@@ -191,13 +190,3 @@ class EngineClient:
             raise EngineUnavailable("the tokenizer pool did not answer") from None
         finally:
             self.tokenize_waiters.pop(request.request_id, None)
-
-
-def _error_delta(request_id: str, message: str) -> TextDelta:
-    return TextDelta(
-        request_id=request_id,
-        text="",
-        token_ids=[],
-        finish_reason=FinishReason.ERROR,
-        error=message,
-    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from services.executor.model_runner import ModelRunner
-from services.scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
 from shared.config import Config
 from shared.model_config import (
     ModelConfig,
@@ -18,7 +18,7 @@ from shared.model_config import (
     load_model_config,
     resolve_model_source,
 )
-from shared.protocol import EngineRequest, RequestOutput
+from shared.protocol import EngineRequest, RequestOutput, StatsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -66,5 +66,5 @@ class Engine:
         result = self.runner.execute(plan)
         return self.scheduler.update(plan, result)
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> StatsSnapshot:
         return self.scheduler.stats()

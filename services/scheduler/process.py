@@ -8,7 +8,6 @@ then receives one plan per step and answers each with the sampled tokens.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -31,7 +30,6 @@ from shared.protocol import (
     QueueFullError,
     RequestOutput,
     SchedulerOutput,
-    StatsSnapshot,
 )
 
 logger = logging.getLogger(__name__)
@@ -208,11 +206,7 @@ class SchedulerProcess:
         if now - self._last_stats < STATS_INTERVAL_S:
             return
         self._last_stats = now
-        snapshot = StatsSnapshot(
-            num_blocks=self.scheduler.config.num_blocks,
-            max_model_len=self.scheduler.config.max_model_len,
-            **dataclasses.asdict(self.scheduler.stats()),
-        )
+        snapshot = self.scheduler.stats()
         # If the frontend is not reading, drop it: a later snapshot replaces this one.
         with contextlib.suppress(zmq.Again):
             self.frontend.send(encode(snapshot), flags=zmq.DONTWAIT)

@@ -26,6 +26,7 @@ from shared.protocol import (
     QueueFullError,
     RequestOutput,
     SchedulerOutput,
+    StatsSnapshot,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,18 +44,6 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
     max_queued_requests: int | None = None  # waiting requests beyond which new ones are refused
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
 
 
 class Scheduler:
@@ -303,8 +292,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ observing
 
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+    def stats(self) -> StatsSnapshot:
+        return StatsSnapshot(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_usage=self.kv.usage,
@@ -313,6 +302,8 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_blocks=self.config.num_blocks,
+            max_model_len=self.config.max_model_len,
         )
 
     def check_invariants(self) -> None:

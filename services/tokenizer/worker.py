@@ -55,7 +55,7 @@ class TokenizerWorker:
                 if isinstance(exc, ParameterError)
                 else ("messages" if request.messages is not None else "prompt")
             )
-            return _error(request.request_id, str(exc), param)
+            return TextDelta.failure(request.request_id, str(exc), param)
         params = request.sampling_params
         self.live[request.request_id] = _LiveRequest(
             IncrementalDetokenizer(
@@ -162,14 +162,3 @@ class TokenizerWorker:
             for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
         ]
         return TokenLogprob(token_text(self.tokenizer, lp.token_id), lp.logprob, top)
-
-
-def _error(request_id: str, message: str, param: str | None) -> TextDelta:
-    return TextDelta(
-        request_id=request_id,
-        text="",
-        token_ids=[],
-        finish_reason=FinishReason.ERROR,
-        error=message,
-        error_param=param,
-    )
