@@ -1,0 +1,242 @@
+"""Paged attention for decodes (one query token per request), in Triton, flash-decoding style.
+
+Each request's context is cut into `num_splits` partitions of whole cache blocks; one program
+handles one (request, KV head, partition) and attends all `group = num_heads // num_kv_heads`
+query heads of that KV head at once, so every key and value is read once per KV head:
+
+    context   [ split 0 ......... | split 1 ......... | split 2 ....... )     seq_lens[r]
+    program   (r, kv, 0)            (r, kv, 1)          (r, kv, 2)
+              -> max, sum, acc      -> max, sum, acc    -> max, sum, acc  (float32 scratch)
+
+A second small kernel merges the partitions of each (request, query head) with the usual
+log-sum-exp rescaling. Same math as `kernels.attention.paged_attention_reference` with one
+query per request.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_PARTITION_TOKENS = 256  # a split shorter than this costs more to merge than it saves
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_partition_kernel(
+    query_ptr,  # [R, H, D]
+    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
+    block_tables_ptr,  # [R, max_blocks] int32
+    seq_lens_ptr,  # [R] int32
+    part_max_ptr,  # [R, H, S] float32, running max of log2-scaled scores
+    part_sum_ptr,  # [R, H, S] float32, sum of exp2(score - max)
+    part_acc_ptr,  # [R, H, S, D] float32, unnormalised weighted sum of values
+    qk_scale,  # softmax scale * log2(e)
+    partition_tokens,  # tokens per split, a multiple of BLOCK_SIZE
+    max_blocks,
+    stride_q_req,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_req,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16, for tl.dot
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,  # context tokens per loop step, may span several cache blocks
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # NOTE: the context is clamped to the table's capacity, so no slot outside the request's
+    # own blocks is ever addressed, whatever seq_lens says.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + req), max_blocks * BLOCK_SIZE)
+    split_start = split * partition_tokens
+    split_end = tl.minimum(split_start + partition_tokens, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head (padding rows masked)
+    dims = tl.arange(0, HEAD_DIM)
+    row_valid = rows < GROUP
+    heads = kv_head * GROUP + rows  # [G]
+    q_ptrs = query_ptr + req * stride_q_req + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [G, D]
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+
+    table_row = block_tables_ptr + req * stride_table_req
+    head_offset = kv_head * stride_cache_head
+    # An empty split (split_start >= split_end) skips the loop and reports max=-inf, sum=0.
+    for tile_start in range(split_start, split_end, TILE):
+        pos = tile_start + tl.arange(0, TILE)  # [T] context positions
+        pos_valid = pos < split_end
+        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0)  # [T]
+        slot_offsets = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (pos % BLOCK_SIZE) * stride_cache_slot
+            + head_offset
+        )  # [T]
+        kv_offsets = slot_offsets[:, None] + dims[None, :]  # [T, D]
+        # Masked loads: slots past the context are never read, so garbage there cannot leak.
+        k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
+        v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
+        scores = tl.where(pos_valid[None, :], scores, float("-inf"))
+        # The first tile of a split always holds a valid position, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [G]
+        alpha = tl.exp2(m_i - m_new)  # [G], 0 on the first step
+        p = tl.exp2(scores - m_new[:, None])  # [G, T]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype), v, input_precision=DOT_PRECISION
+        )  # [G, D]
+        m_i = m_new
+
+    part = (req * NUM_HEADS + heads) * NUM_SPLITS + split  # [G] index into [R, H, S]
+    tl.store(part_max_ptr + part, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+    acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(acc_ptrs, acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _merge_partitions_kernel(
+    out_ptr,  # [R, H, D]
+    part_max_ptr,  # [R, H, S] float32
+    part_sum_ptr,  # [R, H, S] float32
+    part_acc_ptr,  # [R, H, S, D] float32
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0)  # flat (request, query head)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM)
+    split_valid = splits < NUM_SPLITS
+    base = row * NUM_SPLITS + splits  # [S]
+    m = tl.load(part_max_ptr + base, mask=split_valid, other=float("-inf"))  # [S]
+    s = tl.load(part_sum_ptr + base, mask=split_valid, other=0.0)  # [S]
+    acc_ptrs = part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :]
+    acc = tl.load(acc_ptrs, mask=split_valid[:, None], other=0.0)  # [S, D]
+    # NOTE: split 0 always holds position 0 (seq_len >= 1), so the max is finite and empty
+    # splits get weight exp2(-inf) = 0.
+    m_all = tl.max(m, axis=0)
+    w = tl.exp2(m - m_all)  # [S]
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(s * w, axis=0)  # [D]
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _pick_num_splits(num_reqs: int, num_kv_heads: int, max_context: int, device: torch.device):
+    """Enough programs for a few waves on the GPU, without splits shorter than 256 tokens."""
+    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    wanted = triton.cdiv(4 * num_sms, num_reqs * num_kv_heads)
+    useful = triton.cdiv(max_context, MIN_PARTITION_TOKENS)
+    return max(1, min(wanted, useful, MAX_SPLITS))
+
+
+def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if key_cache.shape[3] != head_dim or value_cache.shape != key_cache.shape:
+        raise ValueError("key_cache and value_cache must be [num_blocks, block_size, kv, D]")
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(3) != 1:
+        raise ValueError("key_cache and value_cache need the same strides, head_dim contiguous")
+    if query.stride(2) != 1:
+        raise ValueError("query must be contiguous in head_dim")
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [num_reqs, num_heads, head_dim], one token per request
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32, context length including the query token
+    scale: float,
+    num_splits: int | None = None,  # split-KV partitions; None picks from context / batch
+) -> torch.Tensor:  # [num_reqs, num_heads, head_dim], query.dtype
+    """Decode attention over a paged KV cache; every seq_lens[r] must be >= 1.
+
+    The context bound for choosing splits is the block table's capacity, not max(seq_lens),
+    so no device-to-host sync is needed; splits past a request's context exit at once.
+    """
+    _check_shapes(query, key_cache, value_cache)
+    num_reqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_blocks = block_tables.shape[1]
+    group = num_heads // num_kv_heads
+    max_context = max_blocks * block_size
+    if num_splits is None:
+        num_splits = _pick_num_splits(num_reqs, num_kv_heads, max_context, query.device)
+    num_splits = max(1, min(num_splits, max_blocks))
+    partition_tokens = triton.cdiv(max_blocks, num_splits) * block_size
+
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [R, H, D]
+    if num_reqs == 0:
+        return out
+    block_tables = block_tables.to(torch.int32).contiguous()  # [R, max_blocks]
+    seq_lens = seq_lens.to(torch.int32).contiguous()
+    f32 = dict(device=query.device, dtype=torch.float32)
+    part_max = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
+    part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
+    part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
+
+    _decode_partition_kernel[(num_reqs, num_kv_heads, num_splits)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        part_max,
+        part_sum,
+        part_acc,
+        scale * LOG2E,
+        partition_tokens,
+        max_blocks,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        TILE=max(block_size, 64),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    _merge_partitions_kernel[(num_reqs * num_heads,)](
+        out,
+        part_max,
+        part_sum,
+        part_acc,
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim,
+    )
+    return out

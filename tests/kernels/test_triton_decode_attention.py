@@ -1,0 +1,147 @@
+"""The Triton decode attention kernel against the torch paged reference, pages scattered at random.
+
+On CPU the kernel runs under the Triton interpreter (TRITON_INTERPRET=1, which must be set
+before triton is imported), so the CPU cases keep shapes small.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from kernels.attention import paged_attention_reference
+from kernels.triton_decode_attention import paged_decode_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_SIZE = 16
+
+
+def scattered_cache(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V for each context in randomly chosen blocks; every other slot holds NaN.
+
+    Block 0 pads the block tables and the reference reads it for padding, so it is finite.
+    """
+    blocks_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_req) + 8
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    key_cache[0] = 0.0
+    value_cache[0] = 0.0
+    free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    tables = []
+    for seq_len, num_req_blocks in zip(seq_lens, blocks_per_req, strict=True):
+        block_ids = [free.pop() for _ in range(num_req_blocks)]
+        positions = torch.arange(seq_len)
+        blocks = torch.tensor(block_ids)[positions // BLOCK_SIZE]  # [S]
+        offsets = positions % BLOCK_SIZE  # [S]
+        kv_shape = (seq_len, num_kv_heads, head_dim)
+        key_cache[blocks, offsets] = torch.randn(kv_shape, generator=generator).to(dtype)
+        value_cache[blocks, offsets] = torch.randn(kv_shape, generator=generator).to(dtype)
+        tables.append(block_ids)
+    width = max(len(t) for t in tables) + 1  # one spare column of padding, as in the engine
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return key_cache, value_cache, block_tables
+
+
+def make_case(
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    key_cache, value_cache, block_tables = scattered_cache(
+        seq_lens, num_kv_heads, head_dim, dtype, generator
+    )
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    tensors = (query, key_cache, value_cache, block_tables, lens)
+    return tuple(t.to(DEVICE) for t in tensors)
+
+
+def reference(query, key_cache, value_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    num_reqs = query.shape[0]
+    query_start_loc = torch.arange(num_reqs + 1, device=query.device, dtype=torch.int32)
+    return paged_attention_reference(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        scale=scale,
+    )  # [R, H, D]
+
+
+SEQ_LENS = [1, 37, 100, 16, 5]  # a lone token, non-multiples of 16, a full block, several splits
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_matches_reference(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        SEQ_LENS, num_heads, num_kv_heads, head_dim, torch.float32, seed=num_heads + head_dim
+    )
+    scale = head_dim**-0.5
+    expected = reference(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    assert torch.isfinite(expected).all()
+    for num_splits in (1, 3, None):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits=num_splits
+        )
+        assert out.shape == query.shape and out.dtype == query.dtype
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")
+
+
+def test_split_count_does_not_change_result() -> None:
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        [70, 3], 8, 2, 64, torch.float32, seed=7
+    )
+    one = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125, 1)
+    # 5 splits of 32 tokens over 96 slots: request 1 leaves four splits empty.
+    many = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125, 5)
+    torch.testing.assert_close(many, one, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_head_dim_not_power_of_two() -> None:
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        [4], 2, 2, 48, torch.float32, seed=0
+    )
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_bf16_real_shapes() -> None:
+    generator = torch.Generator().manual_seed(1)
+    seq_lens = torch.randint(1, 4097, (64,), generator=generator)
+    seq_lens[:4] = torch.tensor([1, 4096, 4095, 17])
+    query, key_cache, value_cache, block_tables, lens = make_case(
+        seq_lens.tolist(), 32, 8, 128, torch.bfloat16, seed=2
+    )
+    scale = 128**-0.5
+    expected = reference(query, key_cache, value_cache, block_tables, lens, scale)
+    for num_splits in (1, 8, None):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, block_tables, lens, scale, num_splits=num_splits
+        )
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=f"{num_splits=}")
