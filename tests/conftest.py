@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under the interpreter, which only takes effect when set
+# before anything (transformers included) first imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import transformers
 
 from kvflow import LLM

@@ -1,18 +1,13 @@
 """The Triton decode attention kernel against the torch paged reference, pages scattered at random.
 
-On CPU the kernel runs under the Triton interpreter (TRITON_INTERPRET=1, which must be set
-before triton is imported), so the CPU cases keep shapes small.
+On CPU the kernel runs under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before anything imports triton), so the CPU cases keep shapes small.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 
