@@ -10,8 +10,12 @@ def write_kv_reference(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64: block_id * block_size + offset
+    slot_mapping: torch.Tensor,  # [num_tokens] int: block_id * block_size + offset, or < 0
 ) -> None:
+    """Write token t's K/V to slot `slot_mapping[t]`; a negative slot marks padding, skipped."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
-    key_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = key.to(key_cache.dtype)
-    value_cache.view(-1, num_kv_heads, head_dim)[slot_mapping] = value.to(value_cache.dtype)
+    # NOTE: the boolean mask syncs with the device; fine for a reference, not for the engine.
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    key_cache.view(-1, num_kv_heads, head_dim)[slots] = key[keep].to(key_cache.dtype)
+    value_cache.view(-1, num_kv_heads, head_dim)[slots] = value[keep].to(value_cache.dtype)

@@ -1,21 +1,99 @@
-"""The kernel entry points the executor calls.
+"""The kernel entry points the executor calls: Triton on CUDA tensors, torch references elsewhere.
 
-Only the torch references exist so far; Triton versions with the same signatures will be
-picked here when the tensors live on CUDA.
+Each Triton kernel has the signature of its reference. The Triton modules are imported on
+first use on a GPU, so CPU-only processes never import triton. `use_reference_kernels(True)`
+forces the references everywhere (the GPU tests compare the two paths end to end).
 """
 
-from kernels.activation import silu_and_mul_reference as silu_and_mul
-from kernels.attention import paged_attention_reference as paged_attention
-from kernels.cache import write_kv_reference as write_kv
-from kernels.norm import fused_add_rms_norm_reference as fused_add_rms_norm
-from kernels.norm import rms_norm_reference as rms_norm
-from kernels.rotary import rotary_embedding_reference as rotary_embedding
+from __future__ import annotations
 
-__all__ = [
-    "fused_add_rms_norm",
-    "paged_attention",
-    "rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "write_kv",
-]
+import importlib
+from types import ModuleType
+
+import torch
+
+from kernels.activation import silu_and_mul_reference
+from kernels.attention import paged_attention_reference
+from kernels.cache import write_kv_reference
+from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from kernels.rotary import rotary_embedding_reference
+
+_force_reference = False
+_modules: dict[str, ModuleType] = {}
+
+
+def use_reference_kernels(enabled: bool) -> None:
+    global _force_reference
+    _force_reference = enabled
+
+
+def _triton(name: str, tensor: torch.Tensor) -> ModuleType | None:
+    """The Triton module `kernels.triton_<name>` when `tensor` is on CUDA, else None."""
+    if not tensor.is_cuda or _force_reference:
+        return None
+    module = _modules.get(name)
+    if module is None:
+        module = _modules[name] = importlib.import_module(f"kernels.triton_{name}")
+    return module
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    args = (query, key_cache, value_cache, block_tables, seq_lens)
+    if max_query_len == 1 and (decode := _triton("decode_attention", query)) is not None:
+        # One query per request: the split-KV kernel, which fills the GPU at batch 1 too.
+        return decode.paged_decode_attention(*args, scale)
+    if (prefill := _triton("prefill_attention", query)) is not None:
+        return prefill.paged_prefill_attention(
+            *args, query_start_loc, max_query_len, max_seq_len, scale
+        )
+    return paged_attention_reference(*args, query_start_loc, max_query_len, max_seq_len, scale)
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]; negative: padding, not written
+) -> None:
+    module = _triton("cache", key)
+    kernel = module.write_kv if module is not None else write_kv_reference
+    kernel(key, value, key_cache, value_cache, slot_mapping)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    module = _triton("norm", x)
+    return (module.rms_norm if module is not None else rms_norm_reference)(x, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, x + residual); the Triton version writes both in place of its inputs."""
+    module = _triton("norm", x)
+    kernel = module.fused_add_rms_norm if module is not None else fused_add_rms_norm_reference
+    return kernel(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated (query, key); the Triton version rotates them in place."""
+    module = _triton("rotary", query)
+    kernel = module.rotary_embedding if module is not None else rotary_embedding_reference
+    return kernel(positions, query, key, cos_sin_cache)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    module = _triton("activation", gate_up)
+    return (module.silu_and_mul if module is not None else silu_and_mul_reference)(gate_up)

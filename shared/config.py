@@ -101,6 +101,9 @@ class Config:
     )
     # -- device
     device: str = _opt("auto", "device", "Where the model runs.", ("auto", "cpu", "cuda"))
+    enforce_eager: bool = _opt(
+        False, "device", "Run every step eagerly: no CUDA graphs for decode (CUDA only)."
+    )
     log_level: str = _opt("info", "device", "Logging level.", ("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:

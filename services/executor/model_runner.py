@@ -4,12 +4,13 @@ each step's plan into one forward pass and one batched sampling call."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from services.executor.attention_metadata import AttentionMetadata
+from services.executor.cuda_graphs import DecodeGraphs
 from services.executor.sampler import Sampler, SamplingRow
+from services.executor.step_buffers import StepBuffers, StepView
 from services.executor.weights import load_model
 from shared.config import Config
 from shared.model_config import ModelConfig, ModelSource
@@ -19,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_BYTES = 1 << 30
+CUDA_GRAPH_RESERVE = 512 << 20  # decode graphs' activations and workspace, a loose bound
 
 
 def resolve_device(name: str) -> torch.device:
@@ -33,41 +35,37 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    sample_ids: list[str]  # requests that sample a token this step
-    sample_rows: torch.Tensor  # [S]: the flat index of each one's last token
-
-
-@dataclass
+@dataclass(eq=False)
 class RequestState:
     """What the executor remembers of a request between steps."""
 
     params: SamplingParams
     token_ids: list[int]  # prompt + output so far
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    table_len: int = field(default=0)  # blocks already in its block-table row
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
         return cls(
             params=data.sampling_params,
             token_ids=data.prompt_token_ids + data.output_token_ids,
-            num_prompt_tokens=len(data.prompt_token_ids),
+            prompt_token_ids=list(data.prompt_token_ids),
+            output_token_ids=list(data.output_token_ids),
             block_ids=list(data.block_ids),
             num_computed_tokens=data.num_computed_tokens,
         )
 
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
     def sampling_row(self) -> SamplingRow:
-        return SamplingRow(
-            self.params,
-            self.token_ids[: self.num_prompt_tokens],
-            self.token_ids[self.num_prompt_tokens :],
-        )
+        # Why no copies: the sampler only reads the lists, and copying a long prompt for
+        # every request in every step adds up.
+        return SamplingRow(self.params, self.prompt_token_ids, self.output_token_ids)
 
 
 class ModelRunner:
@@ -78,6 +76,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.model_config = model_config
+        self.max_model_len = max_model_len
         torch.manual_seed(config.seed)
         self.model = load_model(
             source,
@@ -88,34 +87,52 @@ class ModelRunner:
             max_position=max_model_len,
             seed=config.seed,
         )
-        self.num_blocks = self._num_kv_blocks(config)
-        shape = (
-            2,
-            self.num_blocks,
+        max_blocks = -(-max_model_len // self.block_size)
+        self.buffers = StepBuffers(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            max_blocks,
             self.block_size,
-            model_config.num_kv_heads,
-            model_config.head_dim,
+            self.device,
         )
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(model_config.num_layers)
-        ]
+        self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.num_blocks = self._num_kv_blocks(config)
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %.1f sequences of %d",
             self.num_blocks,
             self.block_size,
             self.num_blocks * self.block_size,
             self.num_blocks * self._bytes_per_block() / 2**30,
+            self.num_blocks * self.block_size / max_model_len,
+            max_model_len,
         )
         self.sampler = Sampler(
             model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed
         )
         self.requests: dict[str, RequestState] = {}
+        self.graphs: DecodeGraphs | None = None
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(
+                self._forward, self.buffers, config.max_num_seqs, max_model_len
+            )
+            with torch.inference_mode():
+                self.graphs.capture()
+
+    # ------------------------------------------------------------------ memory
 
     def _bytes_per_block(self) -> int:
         cfg = self.model_config
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
         return per_token * self.block_size
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        cfg = self.model_config
+        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
+        ]
 
     def _num_kv_blocks(self, config: Config) -> int:
         if config.num_gpu_blocks_override is not None:
@@ -123,15 +140,67 @@ class ModelRunner:
         if config.kv_cache_memory_bytes is not None:
             budget = config.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            budget = int(total * config.gpu_memory_utilization) - used
+            budget = self._cuda_kv_budget(config.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_BYTES
         num_blocks = budget // self._bytes_per_block()
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache; raise --gpu-memory-utilization")
         return num_blocks
+
+    def _cuda_kv_budget(self, utilization: float) -> int:
+        """What is left under `utilization` after weights and the peak of a largest step."""
+        peak = self._profile_step_peak()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free  # weights, CUDA context, libraries
+        reserve = CUDA_GRAPH_RESERVE if self.use_graphs else 0
+        budget = int(total * utilization) - used - peak - reserve
+        logger.info(
+            "memory: %.1f GiB total, %.1f GiB in use, %.2f GiB peak activations, "
+            "%.1f GiB left for the KV cache at --gpu-memory-utilization %.2f",
+            total / 2**30,
+            used / 2**30,
+            peak / 2**30,
+            max(budget, 0) / 2**30,
+            utilization,
+        )
+        return budget
+
+    @torch.inference_mode()
+    def _profile_step_peak(self) -> int:
+        """Bytes one step of max_num_batched_tokens prompt tokens allocates beyond the weights."""
+        num_tokens = self.buffers.max_tokens
+        per_request = min(num_tokens, self.max_model_len)
+        counts = [per_request] * (num_tokens // per_request)
+        if num_tokens % per_request:
+            counts.append(num_tokens % per_request)
+        counts = counts[: self.buffers.max_reqs]
+        num_blocks = sum(-(-c // self.block_size) for c in counts)
+        kv_caches = self._allocate_kv_cache(num_blocks)
+        tables, next_block = [], 0
+        for count in counts:
+            size = -(-count // self.block_size)
+            tables.append(list(range(next_block, next_block + size)))
+            next_block += size
+        vocab = self.model_config.vocab_size
+        token_ids = torch.randint(0, vocab, (sum(counts),)).tolist()
+        num_samples = min(self.buffers.max_reqs, len(token_ids))
+        for row, block_ids in enumerate(tables):
+            self.buffers.set_table_row(row, block_ids)
+        self.buffers.write(token_ids, [0] * len(counts), counts, list(range(num_samples)))
+        self.buffers.copy_to_device()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        view = self.buffers.view()
+        hidden = self.model(view.input_ids, view.positions, kv_caches, view.meta)
+        logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab] float32
+        logits.sort(dim=-1)  # the sampler's top-k/top-p sort is its largest temporary
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        del kv_caches, hidden, logits
+        torch.cuda.empty_cache()
+        return peak
 
     # ------------------------------------------------------------------ a step
 
@@ -140,19 +209,26 @@ class ModelRunner:
         self._apply_plan(plan)
         if not plan.num_scheduled_tokens:
             return ModelRunnerOutput(step=plan.step, sampled={})
-        inputs = self._prepare_inputs(plan)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [S, vocab]
-        states = [self.requests[rid] for rid in inputs.sample_ids]
+        sample_ids, graph_size = self._write_inputs(plan)
+        view = self.buffers.view()
+        if graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.replay(graph_size)
+        else:
+            hidden = self._forward(view)
+        logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
+        states = [self.requests[rid] for rid in sample_ids]
         result = self.sampler(logits, [s.sampling_row() for s in states])
         for state, token_id in zip(states, result.token_ids, strict=True):
-            state.token_ids.append(token_id)
-        pairs = zip(inputs.sample_ids, result.logprobs, strict=True)
+            state.append(token_id)
+        pairs = zip(sample_ids, result.logprobs, strict=True)
         return ModelRunnerOutput(
             step=plan.step,
-            sampled=dict(zip(inputs.sample_ids, result.token_ids, strict=True)),
+            sampled=dict(zip(sample_ids, result.token_ids, strict=True)),
             logprobs={rid: lp for rid, lp in pairs if lp is not None},
         )
+
+    def _forward(self, view: StepView) -> torch.Tensor:
+        return self.model(view.input_ids, view.positions, self.kv_caches, view.meta)
 
     def _apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
@@ -164,57 +240,37 @@ class ModelRunner:
             state.block_ids.extend(delta.new_block_ids)
             state.num_computed_tokens = delta.num_computed_tokens
 
-    def _prepare_inputs(self, plan: SchedulerOutput) -> StepInputs:
+    def _write_inputs(self, plan: SchedulerOutput) -> tuple[list[str], int | None]:
+        """Fill and send the step's inputs; returns who samples, and the graph size if any."""
         token_ids: list[int] = []
-        starts, counts, seq_lens, tables = [], [], [], []
+        starts, counts = [], []
         sample_ids: list[str] = []
         sample_rows: list[int] = []
-        for request_id, num_new in plan.num_scheduled_tokens.items():
+        for row, (request_id, num_new) in enumerate(plan.num_scheduled_tokens.items()):
             state = self.requests[request_id]
             start = state.num_computed_tokens
             token_ids.extend(state.token_ids[start : start + num_new])
             starts.append(start)
             counts.append(num_new)
-            seq_lens.append(start + num_new)
-            tables.append(state.block_ids)
+            self._write_table_row(row, state)
             state.num_computed_tokens = start + num_new
             if start + num_new == len(state.token_ids):  # reached the end: sample the next
                 sample_ids.append(request_id)
                 sample_rows.append(len(token_ids) - 1)
-        input_ids, positions, meta = self._tensors(token_ids, starts, counts, seq_lens, tables)
-        rows = torch.tensor(sample_rows, device=self.device)
-        return StepInputs(input_ids, positions, meta, sample_ids, rows)
+        graph_size = None
+        if self.graphs is not None:
+            graph_size = self.graphs.padded_size(len(counts), len(token_ids))
+        self.buffers.write(token_ids, starts, counts, sample_rows, pad_to=graph_size)
+        for row in range(len(counts), graph_size or 0):
+            self.row_owner[row] = None  # padding overwrote it
+        self.buffers.copy_to_device()
+        return sample_ids, graph_size
 
-    def _tensors(
-        self,
-        token_ids: list[int],
-        starts: list[int],
-        counts: list[int],
-        seq_lens: list[int],
-        tables: list[list[int]],
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        device = self.device
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor(
-            [t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.int32
-        )  # [R, MB]
-        count_t = torch.tensor(counts)  # [R]
-        req_index = torch.repeat_interleave(torch.arange(len(counts)), count_t)  # [T]
-        first = torch.cumsum(count_t, 0) - count_t  # [R] offset of each request's first token
-        positions = (
-            torch.tensor(starts)[req_index] + torch.arange(len(token_ids)) - first[req_index]
-        )
-        slots = block_tables[req_index, positions // self.block_size].long() * self.block_size
-        slot_mapping = slots + positions % self.block_size  # [T]
-        query_start_loc = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(count_t, 0)
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_tables.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=query_start_loc.to(device),
-            max_query_len=max(counts),
-            max_seq_len=max(seq_lens),
-        )
-        input_ids = torch.tensor(token_ids, device=device)
-        return input_ids, positions.to(device), meta
+    def _write_table_row(self, row: int, state: RequestState) -> None:
+        # Why track owners: a request usually keeps its row, so only new blocks are written.
+        if self.row_owner[row] is state:
+            self.buffers.set_table_row(row, state.block_ids, state.table_len)
+        else:
+            self.buffers.set_table_row(row, state.block_ids)
+            self.row_owner[row] = state
+        state.table_len = len(state.block_ids)

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from services.launcher.bench import add_bench_parser
 from shared.config import Config, ConfigError, add_config_flags, config_from_args
 from shared.protocol import ParameterError, SamplingParams
 
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("model", nargs="?", help=model_doc)
     add_config_flags(serve, ALL_GROUPS)
+    add_bench_parser(commands, lambda parser: add_config_flags(parser, ENGINE_GROUPS))
     for name, doc in COMPONENTS.items():
         component = commands.add_parser(
             name, help=f"{doc} Alone, with --frontend-address/--scheduler-address.", description=doc
@@ -149,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            from services.launcher.bench import run_bench
+
+            return run_bench(args)
         return _run_component(args.command, config_from_args(args))
     except (ConfigError, ParameterError, FileNotFoundError, ValueError) as exc:
         print(f"kvflow: error: {exc}", file=sys.stderr)

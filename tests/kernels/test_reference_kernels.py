@@ -103,6 +103,19 @@ def test_write_kv_places_each_token_at_its_slot() -> None:
     assert key_cache.count_nonzero() == key.numel()
 
 
+def test_write_kv_skips_negative_slots() -> None:
+    """A negative slot marks a padding token: its K/V land nowhere, not even at slot -1."""
+    key, value = torch.randn(4, 2, 4), torch.randn(4, 2, 4)
+    key_cache = torch.full((2, BLOCK_SIZE, 2, 4), float("nan"))
+    value_cache = torch.full((2, BLOCK_SIZE, 2, 4), float("nan"))
+    slot_mapping = torch.tensor([5, -1, 12, -1], dtype=torch.int32)
+    write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+    torch.testing.assert_close(key_cache[0, 5], key[0])
+    torch.testing.assert_close(value_cache[1, 4], value[2])
+    assert key_cache.isnan().sum() == key_cache.numel() - 2 * key[0].numel()
+    assert value_cache.isnan().sum() == value_cache.numel() - 2 * value[0].numel()
+
+
 def test_rms_norm_matches_formula() -> None:
     x, weight = torch.randn(5, 32), torch.randn(32)
     expected = weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)

@@ -1,0 +1,166 @@
+"""RMSNorm in Triton, plain and fused with the residual add.
+
+Same math as `kernels.norm`: the mean square in float32, and the normalised row cast back to the
+input dtype *before* the weight multiply, as the Hugging Face models round, so bf16 and fp16
+results match the reference up to the order of the float32 sum.
+
+One program normalises BLOCK_ROWS whole rows held in registers, so each row is read once and
+written once. Short rows (Qwen3's per-head q/k norm, head_dim 128) are packed many to a program
+so that each program still moves a few KiB.
+
+Rows are addressed as [outer, inner, hidden] with two strides: the q/k views into the fused qkv
+output ([T, H, D] with stride(0) = (H + 2 KV) * D) are normalised where they lie, without a copy.
+
+`fused_add_rms_norm` works in place (residual <- x + residual, x <- norm(residual)) because the
+decoder drops both inputs right after the call: no allocation, and the sum is normalised while
+still in registers instead of being written out and read back.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_TILE_ELEMENTS = 2048  # rows are packed into a program until it holds about this many elements
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [outer, inner, hidden]
+    residual_ptr,  # [outer, inner, hidden], read and written only when HAS_RESIDUAL
+    out_ptr,  # [outer, inner, hidden], may be x_ptr itself
+    weight_ptr,  # [hidden]
+    num_rows,  # outer * inner
+    inner_rows,  # row r lies at (r // inner_rows, r % inner_rows)
+    stride_x_outer,
+    stride_x_inner,
+    stride_res_outer,
+    stride_res_inner,
+    stride_out_outer,
+    stride_out_inner,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
+    cols = tl.arange(0, BLOCK_N)  # [N]
+    col_ok = cols < hidden
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]  # [R, N]
+    outer = rows // inner_rows
+    inner = rows % inner_rows
+    x_offs = (outer * stride_x_outer + inner * stride_x_inner)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)  # [R, N] in x's dtype
+    if HAS_RESIDUAL:
+        res_offs = (outer * stride_res_outer + inner * stride_res_inner)[:, None] + cols[None, :]
+        res = tl.load(residual_ptr + res_offs, mask=mask, other=0.0)
+        # Rounded to the input dtype before normalising, as the reference's `x + residual`.
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_ptr + res_offs, x, mask=mask)
+
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / hidden + eps)  # [R]; padding columns add 0
+    normed = (x32 * rstd[:, None]).to(x_ptr.dtype.element_ty)  # the reference's rounding point
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [N]
+    out = normed.to(tl.float32) * weight[None, :]
+    out_offs = (outer * stride_out_outer + inner * stride_out_inner)[:, None] + cols[None, :]
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden], last dim contiguous
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [..., hidden], new and contiguous, dtype promote(x, weight) as the reference
+    _check_weight(x, weight)
+    rows = _as_rows(x)
+    if rows is None:
+        # NOTE: only layouts no [outer, inner, hidden] view can express are copied; the model's
+        # activations and its q/k views never are.
+        rows = _as_rows(x.contiguous())
+        assert rows is not None  # a contiguous tensor always has the view
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch(rows, None, out.view(rows.shape), weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [..., hidden], overwritten with the normed sum
+    residual: torch.Tensor,  # [..., hidden], overwritten with x + residual
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual): the inputs themselves, updated
+    """In place: residual <- x + residual, then x <- rms_norm(residual) in x's dtype."""
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(
+            f"x {tuple(x.shape)} {x.dtype} and residual {tuple(residual.shape)} "
+            f"{residual.dtype} must match in shape and dtype"
+        )
+    _check_weight(x, weight)
+    x_rows, res_rows = _as_rows(x), _as_rows(residual)
+    if x_rows is None or res_rows is None:
+        # NOTE: odd layouts run on contiguous copies that are copied back, which keeps the
+        # in-place contract; the decoder's activations are contiguous, so this path is cold.
+        x_copy, res_copy = x.contiguous(), residual.contiguous()
+        fused_add_rms_norm(x_copy, res_copy, weight, eps)
+        return x.copy_(x_copy), residual.copy_(res_copy)
+    _launch(x_rows, res_rows, x_rows, weight, eps)
+    return x, residual
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() == 0 or weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """A view [outer, inner, hidden] of `t` with its last dim contiguous, or None if none exists."""
+    if t.stride(-1) != 1:
+        return None
+    if t.dim() <= 2:
+        return t.view(-1, 1, t.shape[-1]) if t.dim() == 1 else t.unsqueeze(1)
+    try:
+        return t.view(-1, t.shape[-2], t.shape[-1])
+    except RuntimeError:  # leading dims that no single stride can step through
+        return None
+
+
+def _launch(
+    x: torch.Tensor,  # [outer, inner, hidden]
+    residual: torch.Tensor | None,  # [outer, inner, hidden]
+    out: torch.Tensor,  # [outer, inner, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> None:
+    outer, inner, hidden = x.shape
+    num_rows = outer * inner
+    if num_rows == 0:
+        return
+    block_n = triton.next_power_of_2(hidden)
+    block_rows = min(triton.next_power_of_2(num_rows), max(1, _TILE_ELEMENTS // block_n))
+    # About 16 elements per thread: two 128-bit loads of bf16, enough to hide the latency.
+    num_warps = min(max(block_rows * block_n // 512, 1), 16)
+    res = x if residual is None else residual  # never dereferenced without HAS_RESIDUAL
+    grid = (triton.cdiv(num_rows, block_rows),)
+    _rms_norm_kernel[grid](
+        x,
+        res,
+        out,
+        weight.contiguous(),
+        num_rows,
+        inner,
+        x.stride(0),
+        x.stride(1),
+        res.stride(0),
+        res.stride(1),
+        out.stride(0),
+        out.stride(1),
+        hidden,
+        eps,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_ROWS=block_rows,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,297 @@
+"""Paged attention for mixed batches (prefill, chunked prefill, decode) in Triton, flash style.
+
+One program handles one (query tile, request, KV head). A tile is BLOCK_Q consecutive query
+tokens of one request times the GROUP query heads of one KV head, flattened into BLOCK_M rows
+(token-major), so each key and value is read once per KV head per tile:
+
+    rows of a tile (GROUP = 4)       context of request r, BLOCK_N tokens per step
+    m = 0  token t0, head 0          [ full | full | full |diag |diag ]
+    m = 1  token t0, head 1           0                    ^            ^
+    m = 2  token t0, head 2                                |            last tile query
+    m = 3  token t0, head 3                                first tile query
+    m = 4  token t1, head 0
+    ...                                full: every row sees every key, no masks
+    m = M-1 token t(Q-1), head 3       diag: causal mask per row; past the last query: skipped
+
+The tile walks the context with the online softmax (exp2 of log2e-scaled scores) and writes
+its rows once. Tiles past a request's queries (it is shorter than max_query_len) exit at
+once. Same math as `kernels.attention.paged_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_decode_attention import LOG2E, _check_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTiles:
+    """Launch shape; `paged_prefill_attention` picks one, tests and tuning may pass their own."""
+
+    block_m: int  # rows per program (query tokens x query heads of one KV head), power of two
+    block_n: int  # context tokens per inner step, a power of two >= 16
+    num_warps: int
+    num_stages: int  # software pipelining depth of the K/V loads (ignored by the interpreter)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            size = getattr(self, name)
+            if size < 16 or size & (size - 1):  # tl.dot needs both sides >= 16
+                raise ValueError(f"{name} must be a power of two >= 16, got {size}")
+
+
+@triton.jit
+def _attend_context(
+    acc,  # [M, D] float32, unnormalised weighted sum of values
+    l_i,  # [M] float32, sum of exp2(score - max)
+    m_i,  # [M] float32, running max of log2-scaled scores
+    q,  # [M, D]
+    query_pos,  # [M] context position of each row's query token
+    key_cache_ptr,
+    value_cache_ptr,
+    table_row,  # this request's row of the block table
+    head_offset,  # kv_head * stride_cache_head
+    start,  # first context position, a multiple of BLOCK_N
+    end,  # loop bound
+    kv_end,  # one past the last position any row of the tile may see
+    qk_scale,
+    stride_cache_block,
+    stride_cache_slot,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,  # False only where every row sees every position of the tile
+    DOT_PRECISION: tl.constexpr,
+):
+    dims = tl.arange(0, HEAD_DIM)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)  # [N] context positions
+        pos_valid = pos < kv_end
+        # Masked loads: slots past the context are never read, so garbage there cannot leak.
+        if MASKED:
+            block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0)  # [N]
+        else:
+            block_ids = tl.load(table_row + pos // BLOCK_SIZE)  # [N]
+        slot_offsets = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (pos % BLOCK_SIZE) * stride_cache_slot
+            + head_offset
+        )  # [N]
+        kv_offsets = slot_offsets[:, None] + dims[None, :]  # [N, D]
+        if MASKED:
+            k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)
+            v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)
+        else:
+            k = tl.load(key_cache_ptr + kv_offsets)  # [N, D]
+            v = tl.load(value_cache_ptr + kv_offsets)  # [N, D]
+
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
+        if MASKED:
+            visible = (pos[None, :] <= query_pos[:, None]) & pos_valid[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+        # NOTE: the first tile a row meets holds position 0, which every row sees, so m_new
+        # is finite from the first step on and exp2(m_i - m_new) never sees -inf - -inf.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1) * qk_scale)  # [M]
+        alpha = tl.exp2(m_i - m_new)  # [M], 0 on the first step
+        # Scaling inside the exponent makes one fused multiply-add per score.
+        p = tl.exp2(scores * qk_scale - m_new[:, None])  # [M, N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    out_ptr,  # [T, H, D]
+    query_ptr,  # [T, H, D]
+    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
+    block_tables_ptr,  # [R, max_blocks] int32
+    seq_lens_ptr,  # [R] int32
+    query_start_loc_ptr,  # [R + 1] int32
+    qk_scale,  # softmax scale * log2(e)
+    max_blocks,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_req,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (padding rows masked)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per tile; BLOCK_M = BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # The last tiles of a request see the most context: launch them first, so the long
+    # programs do not form the tail of the grid.
+    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    req = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + req)
+    num_queries = tl.load(query_start_loc_ptr + req + 1) - q_start
+    first_tok = q_tile * BLOCK_Q
+    if first_tok >= num_queries:
+        return
+
+    # The request's first query sits at context position seq_len - num_queries.
+    ctx_start = tl.load(seq_lens_ptr + req) - num_queries
+    last_tok = tl.minimum(first_tok + BLOCK_Q, num_queries) - 1
+    # NOTE: clamped to the table's capacity, so no slot outside the request's own blocks is
+    # ever addressed, whatever seq_lens says.
+    kv_end = tl.minimum(ctx_start + last_tok + 1, max_blocks * BLOCK_SIZE)
+    # [0, full_end) is visible to every row of the tile: no masks needed there.
+    full_end = tl.maximum(tl.minimum(ctx_start + first_tok + 1, kv_end), 0)
+    full_end = full_end // BLOCK_N * BLOCK_N
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [M]
+    dims = tl.arange(0, HEAD_DIM)
+    tok = first_tok + rows // GROUP_PAD  # [M] query index within the request
+    heads = kv_head * GROUP + rows % GROUP_PAD  # [M] query head
+    row_valid = (tok < num_queries) & (rows % GROUP_PAD < GROUP)
+    token_index = (q_start + tok).to(tl.int64)  # [M] row of the flat batch
+    q_ptrs = query_ptr + token_index[:, None] * stride_q_token + heads[:, None] * stride_q_head
+    q = tl.load(q_ptrs + dims[None, :], mask=row_valid[:, None], other=0.0)  # [M, D]
+    # Rows past the request's queries get later positions: they stay finite, and are not stored.
+    query_pos = ctx_start + tok  # [M]
+
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    table_row = block_tables_ptr + req * stride_table_req
+    head_offset = kv_head * stride_cache_head
+    # fmt: off
+    acc, l_i, m_i = _attend_context(
+        acc, l_i, m_i, q, query_pos, key_cache_ptr, value_cache_ptr, table_row, head_offset,
+        0, full_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+    )
+    acc, l_i, m_i = _attend_context(
+        acc, l_i, m_i, q, query_pos, key_cache_ptr, value_cache_ptr, table_row, head_offset,
+        full_end, kv_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+    )
+    # fmt: on
+    out = acc / l_i[:, None]  # [M, D]
+    out_ptrs = out_ptr + token_index[:, None] * stride_out_token + heads[:, None] * stride_out_head
+    tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+def default_tiles(
+    head_dim: int, group: int, max_query_len: int, element_size: int = 2
+) -> PrefillTiles:
+    """Large tiles for prompts; fewer rows when every query run in the batch is short.
+
+    The picks are the best of sweeps on an H200 (prompts of 512-2048 tokens, 8 KV heads).
+    """
+    if element_size > 2:
+        # float32 (tests, debugging) takes the non-tensor-core dot ("ieee"); bigger tiles
+        # spill registers and ran ~9x slower.
+        block_m, block_n, num_warps, num_stages = 32, 32, 4, 2
+    elif head_dim <= 64:
+        block_m, block_n, num_warps, num_stages = 64, 64, 4, 2
+    elif head_dim <= 128:
+        # NOTE: 3 K/V stages and the Q tile take ~224 KB of the 227 KB of shared memory a
+        # Hopper program may have.
+        block_m, block_n, num_warps, num_stages = 128, 128, 8, 3
+    else:
+        block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
+    rows_needed = triton.next_power_of_2(max_query_len) * triton.next_power_of_2(group)
+    if rows_needed < block_m:
+        block_m, num_warps = max(16, rows_needed), 4
+    return PrefillTiles(block_m, block_n, num_warps, num_stages)
+
+
+def _check_metadata(
+    query: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    num_reqs = seq_lens.shape[0]
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {query.shape}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_reqs:
+        raise ValueError(f"block_tables must be [{num_reqs}, max_blocks], got {block_tables.shape}")
+    if query_start_loc.shape != (num_reqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_reqs + 1}], got {query_start_loc.shape}")
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    *,
+    tiles: PrefillTiles | None = None,  # None picks from head_dim, GQA group and max_query_len
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
+    """Causal attention of each request's queries over its paged context, any mix of rows.
+
+    The grid comes from host ints only (num_reqs, max_query_len, num_kv_heads), so there is
+    no device-to-host sync; max_seq_len is unused (each program reads its own seq_len) and
+    kept for the shared attention signature.
+    """
+    del max_seq_len
+    _check_shapes(query, key_cache, value_cache)
+    _check_metadata(query, block_tables, seq_lens, query_start_loc)
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_reqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    tiles = tiles or default_tiles(head_dim, group, max_query_len, query.element_size())
+    block_q = max(1, tiles.block_m // group_pad)
+
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
+    if num_reqs == 0 or max_query_len == 0 or query.shape[0] == 0:
+        return out
+    block_tables = block_tables.to(torch.int32).contiguous()  # [R, max_blocks]
+    seq_lens = seq_lens.to(torch.int32).contiguous()  # [R]
+    query_start_loc = query_start_loc.to(torch.int32).contiguous()  # [R + 1]
+
+    grid = (triton.cdiv(max_query_len, block_q), num_reqs, num_kv_heads)
+    _prefill_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * LOG2E,
+        block_tables.shape[1],
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_N=tiles.block_n,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The whole GPU run in one call (see docs/benchmarks.md): carried wheels, the GPU kernel tests,
+# kvflow's benchmarks, the transformers peer on the same prompts, then the summary table.
+#
+#   bash scripts/device_bench.sh                      # every part
+#   PARTS="tests latency" bash scripts/device_bench.sh
+#
+# Needs .whl/ with msgspec and gguf wheels for the device's Python (carried by the device tool).
+set -uo pipefail
+OUT=${OUT:-$PWD/bench-out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+MODEL=${MODEL:-Llama-3.1-8B}
+SMALL_MODEL=${SMALL_MODEL:-Qwen3-0.6B}
+PARTS=${PARTS:-"tests floors attention latency throughput small peer"}
+COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
+status=0
+
+run() {
+    echo "=== $1: ${*:2}"
+    "${@:2}" || { echo "=== $1 failed (exit $?)"; status=1; }
+}
+
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+for part in $PARTS; do
+    case $part in
+    tests)
+        run tests python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider \
+            --junitxml="$OUT/gpu_tests.xml" ;;
+    floors)
+        run floors python3 -m services bench floors --output-json "$OUT/floors.json" ;;
+    attention)
+        run attention python3 -m services bench attention --output-json "$OUT/attention.json" ;;
+    latency)
+        run latency python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
+            --input-len 128 --output-len 256 --output-json "$OUT/latency.json" ;;
+    throughput)
+        run throughput python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
+            --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
+            --output-json "$OUT/throughput.json" ;;
+    small)
+        run small python3 -m services bench throughput "$SMALL_MODEL" "${COMMON[@]}" \
+            --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --ignore-eos \
+            --output-json "$OUT/small.json" ;;
+    peer)
+        run peer python3 benchmarks/peer_transformers.py --model "$MODEL" --seed 0 \
+            --num-prompts "${PEER_PROMPTS:-256}" --input-len 512 --output-len 256 \
+            --out "$OUT/peer_transformers.json" ;;
+    *) echo "unknown part $part"; status=1 ;;
+    esac
+done
+python3 benchmarks/summarize.py "$OUT" | tee "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,153 @@
+"""One step's integer inputs, packed so that a step costs one host-to-device copy.
+
+Every field lives at a fixed offset of one int32 buffer, sized for the largest step:
+
+    input_ids [T] | positions [T] | slot_mapping [T] | query_start_loc [R+1] | seq_lens [R]
+    | sample_rows [R] | block_tables [R, max_blocks]            (T, R: the configured maxima)
+
+The host fills a pinned mirror, and one asynchronous copy moves the used prefix to the GPU.
+Fixed offsets also make the device views stable, which CUDA graphs need: a graph captured on
+`view(...)` reads whatever the latest copy put there. On the CPU the mirror is the buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.executor.attention_metadata import AttentionMetadata
+
+PADDING_SLOT = -1  # write_kv skips it: padded graph rows must not touch the cache
+
+
+@dataclass
+class StepView:
+    input_ids: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int32
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [S] int32: flat index of each sampling request's last token
+
+
+class StepBuffers:
+    def __init__(
+        self, max_tokens: int, max_reqs: int, max_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        self.block_size = block_size
+        sizes = {
+            "input_ids": max_tokens,
+            "positions": max_tokens,
+            "slot_mapping": max_tokens,
+            "query_start_loc": max_reqs + 1,
+            "seq_lens": max_reqs,
+            "sample_rows": max_reqs,
+            "block_tables": max_reqs * max_blocks,
+        }
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, size in sizes.items():
+            self.offsets[name] = total
+            total += size
+        pin = device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
+        self.device_buffer = self.host.to(device) if pin else self.host
+        self.np = self.host.numpy()
+        self.tables = self._host("block_tables", max_reqs * max_blocks).reshape(
+            max_reqs, max_blocks
+        )
+        self.last_step: tuple[int, int, int, int] = (0, 0, 0, 0)  # T, R, S, max_seq_len
+
+    def _host(self, name: str, size: int) -> np.ndarray:
+        start = self.offsets[name]
+        return self.np[start : start + size]
+
+    def _device(self, name: str, size: int) -> torch.Tensor:
+        start = self.offsets[name]
+        return self.device_buffer[start : start + size]
+
+    def set_table_row(self, row: int, block_ids: Sequence[int], start: int = 0) -> None:
+        """Blocks start.. of the request in `row`; rows persist between steps."""
+        if len(block_ids) > start:
+            self.tables[row, start : len(block_ids)] = block_ids[start:]
+
+    def write(
+        self,
+        token_ids: Sequence[int],
+        starts: Sequence[int],
+        counts: Sequence[int],
+        sample_rows: Sequence[int],
+        pad_to: int | None = None,
+    ) -> None:
+        """Fill the host mirror for one step; `pad_to` pads a decode batch for a CUDA graph.
+
+        Request r computes tokens starts[r] : starts[r] + counts[r], whose ids are the
+        concatenated `token_ids`; its blocks are in table row r (`set_table_row`).
+        """
+        num_reqs, num_tokens = len(counts), len(token_ids)
+        if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
+            raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds buffers")
+        count = np.asarray(counts, dtype=np.int64)
+        first = np.cumsum(count) - count  # [R] offset of each request's first token
+        req_index = np.repeat(np.arange(num_reqs), count)  # [T]
+        positions = np.asarray(starts, dtype=np.int64)[req_index] + np.arange(num_tokens)
+        positions -= first[req_index]
+        block_of = self.tables[req_index, positions // self.block_size].astype(np.int64)
+        slots = block_of * self.block_size + positions % self.block_size  # [T]
+
+        self._host("input_ids", num_tokens)[:] = token_ids
+        self._host("positions", num_tokens)[:] = positions
+        self._host("slot_mapping", num_tokens)[:] = slots
+        qsl = self._host("query_start_loc", num_reqs + 1)
+        qsl[0] = 0
+        qsl[1:] = np.cumsum(count)
+        seq_lens = self._host("seq_lens", num_reqs)
+        seq_lens[:] = positions[first + count - 1] + 1 if num_reqs else 0
+        self._host("sample_rows", len(sample_rows))[:] = sample_rows
+        max_seq_len = int(seq_lens.max()) if num_reqs else 0
+        if pad_to is not None and pad_to > num_reqs:
+            self._pad_decode(num_reqs, pad_to)
+            num_reqs = num_tokens = pad_to
+        self.last_step = (num_tokens, num_reqs, len(sample_rows), max_seq_len)
+
+    def _pad_decode(self, num_reqs: int, size: int) -> None:
+        """Rows num_reqs..size: one harmless token each (read block 0, write nowhere)."""
+        pad = slice(num_reqs, size)
+        self._host("input_ids", size)[pad] = 0
+        self._host("positions", size)[pad] = 0
+        self._host("slot_mapping", size)[pad] = PADDING_SLOT
+        self._host("query_start_loc", size + 1)[num_reqs + 1 :] = np.arange(num_reqs + 1, size + 1)
+        self._host("seq_lens", size)[pad] = 1
+        self.tables[pad, 0] = 0
+
+    def copy_to_device(self) -> None:
+        """One copy of everything up to the last used block-table row."""
+        if self.device_buffer is self.host:
+            return
+        num_reqs = self.last_step[1]
+        end = self.offsets["block_tables"] + num_reqs * self.max_blocks
+        self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+
+    def view(self, max_seq_len: int | None = None) -> StepView:
+        """Device tensors of the last written step (max_seq_len: override for graphs)."""
+        num_tokens, num_reqs, num_samples, step_max_seq_len = self.last_step
+        qsl_host = self._host("query_start_loc", num_reqs + 1)
+        max_query_len = int(np.diff(qsl_host).max()) if num_reqs else 0
+        start = self.offsets["block_tables"]
+        block_tables = self.device_buffer[start : start + num_reqs * self.max_blocks]
+        meta = AttentionMetadata(
+            slot_mapping=self._device("slot_mapping", num_tokens),
+            block_tables=block_tables.view(num_reqs, self.max_blocks),
+            seq_lens=self._device("seq_lens", num_reqs),
+            query_start_loc=self._device("query_start_loc", num_reqs + 1),
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len if max_seq_len is not None else step_max_seq_len,
+        )
+        return StepView(
+            input_ids=self._device("input_ids", num_tokens),
+            positions=self._device("positions", num_tokens),
+            meta=meta,
+            sample_rows=self._device("sample_rows", num_samples),
+        )

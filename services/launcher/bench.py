@@ -1,0 +1,209 @@
+"""`kvflow bench`: offline throughput, decode latency, the attention kernel, and the device floors.
+
+Prompts are random token ids (distinct, seeded), so any model shape runs without a tokenizer:
+`kvflow bench throughput Llama-3.1-8B --load-format dummy --num-prompts 256`. Every command
+prints a short table and, with --output-json, writes its figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.config import Config, config_from_args
+from shared.protocol import EngineRequest, SamplingParams
+
+
+def random_prompts(num: int, lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
+    """`num` prompts of random token ids; lengths[i] tokens each (the same seed, the same ids)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def parse_length(text: str) -> tuple[int, int]:
+    """`512` or a uniform range `100:1024`."""
+    low, _, high = text.partition(":")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"bad length {text!r}: want N or LOW:HIGH, 1 <= LOW")
+    return bounds
+
+
+def draw_lengths(bounds: tuple[int, int], num: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(bounds[0], bounds[1] + 1, (num,), generator=generator).tolist()
+
+
+def add_bench_parser(commands: Any, engine_flags: Any) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="Benchmarks: throughput, latency, attention, floors.",
+        description="Measure kvflow with random-token prompts; figures to stdout and JSON.",
+    )
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    throughput = kinds.add_parser("throughput", help="Offline engine throughput (tok/s).")
+    latency = kinds.add_parser("latency", help="Decode inter-token latency at batch 1, 8, 32.")
+    attention = kinds.add_parser("attention", help="Decode attention kernel GB/s vs copy.")
+    floors = kinds.add_parser("floors", help="Measured copy bandwidth and bf16 matmul rate.")
+    for parser in (throughput, latency):
+        parser.add_argument("model", nargs="?", help="Model or preset (see kvflow generate).")
+        parser.add_argument("--input-len", type=parse_length, default=(512, 512))
+        parser.add_argument("--output-len", type=parse_length, default=(256, 256))
+        engine_flags(parser)
+    throughput.add_argument("--num-prompts", type=int, default=256)
+    throughput.add_argument(
+        "--ignore-eos", action="store_true", help="Always generate --output-len tokens."
+    )
+    latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    attention.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    attention.add_argument("--context-lens", type=int, nargs="+", default=[1024, 4096, 32768])
+    attention.add_argument("--num-heads", type=int, default=32)
+    attention.add_argument("--num-kv-heads", type=int, default=8)
+    attention.add_argument("--head-dim", type=int, default=128)
+    for parser in (throughput, latency, attention, floors):
+        parser.add_argument("--output-json", type=Path, help="Write the figures here.")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "throughput":
+        report = throughput(config_from_args(args), args)
+    elif args.bench == "latency":
+        report = latency(config_from_args(args), args)
+    elif args.bench == "attention":
+        from services.launcher.bench_kernels import attention_bench
+
+        report = attention_bench(args)
+    else:
+        from services.launcher.bench_kernels import floors_bench
+
+        report = floors_bench()
+    print(json.dumps(report, indent=2))
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _llm(config: Config) -> Any:
+    from services.launcher.llm import LLM
+
+    return LLM(**{k: getattr(config, k) for k in Config.__dataclass_fields__})
+
+
+def _device_name(llm: Any) -> str:
+    device = llm.engine.runner.device
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
+    llm = _llm(config)
+    vocab = llm.engine.model_config.vocab_size
+    input_lens = draw_lengths(args.input_len, args.num_prompts, config.seed + 1)
+    output_lens = draw_lengths(args.output_len, args.num_prompts, config.seed + 2)
+    prompts = random_prompts(args.num_prompts, input_lens, vocab, config.seed)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=args.ignore_eos)
+        for n in output_lens
+    ]
+    llm.generate(random_prompts(2, [16, 16], vocab, config.seed + 3), params[:2])  # warm-up
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, show_progress=True)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(r.token_ids) for r in results)
+    stats = llm.stats()
+    return {
+        "benchmark": "throughput",
+        "model": llm.engine.source.name,
+        "device": _device_name(llm),
+        "num_prompts": args.num_prompts,
+        "input_len": list(args.input_len),
+        "output_len": list(args.output_len),
+        "seconds": round(elapsed, 3),
+        "requests_per_s": round(args.num_prompts / elapsed, 2),
+        "output_tok_per_s": round(num_out / elapsed, 1),
+        "total_tok_per_s": round((num_out + sum(input_lens)) / elapsed, 1),
+        "output_tokens": num_out,
+        "total_tokens": num_out + sum(input_lens),
+        "matmul_parameters": _matmul_parameters(llm.engine.runner.model),
+        "num_preemptions": stats.num_preemptions,
+        "config": _engine_summary(config),
+    }
+
+
+def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
+    llm = _llm(config)
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    input_len, output_len = args.input_len[0], args.output_len[0]
+    _decode_step_times(engine, 2, 16, 8, vocab, seed=config.seed + 100)  # warm-up
+    rows = []
+    for batch in args.batch_sizes:
+        times = _decode_step_times(engine, batch, input_len, output_len, vocab, seed=batch)
+        # The last half of the steps are pure decode whatever the prefill took.
+        decode = sorted(times[len(times) // 2 :])
+        rows.append(
+            {
+                "batch_size": batch,
+                "itl_ms_median": round(1000 * statistics.median(decode), 3),
+                "itl_ms_p90": round(1000 * decode[int(0.9 * (len(decode) - 1))], 3),
+                "decode_tok_per_s": round(batch / statistics.median(decode), 1),
+            }
+        )
+    return {
+        "benchmark": "latency",
+        "model": engine.source.name,
+        "device": _device_name(llm),
+        "input_len": input_len,
+        "output_len": output_len,
+        "weight_bytes_per_step": engine.runner.dtype.itemsize
+        * _matmul_parameters(engine.runner.model),
+        "results": rows,
+        "config": _engine_summary(config),
+    }
+
+
+def _decode_step_times(
+    engine: Any, batch: int, input_len: int, output_len: int, vocab: int, seed: int
+) -> list[float]:
+    """Wall time of every engine step while `batch` requests generate `output_len` tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, [input_len] * batch, vocab, seed)):
+        engine.add_request(
+            EngineRequest(
+                request_id=f"bench-{seed}-{i}", prompt_token_ids=prompt, sampling_params=params
+            )
+        )
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()  # returns after sampling, which waits for the GPU
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _matmul_parameters(model: torch.nn.Module) -> int:
+    """Parameters a step multiplies by: all but an untied embedding, of which it reads rows."""
+    total = sum(p.numel() for p in model.parameters())  # a tied weight counts once
+    if not model.config.tie_word_embeddings:
+        total -= model.embed_tokens.weight.numel()
+    return total
+
+
+def _engine_summary(config: Config) -> dict[str, Any]:
+    keys = (
+        "load_format",
+        "dtype",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+        "enforce_eager",
+        "gpu_memory_utilization",
+    )
+    return {k: getattr(config, k) for k in keys}

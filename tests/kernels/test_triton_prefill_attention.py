@@ -1,0 +1,159 @@
+"""The Triton mixed-batch attention kernel against the torch paged reference, pages scattered.
+
+On CPU the kernel runs under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1
+before anything imports triton), so the CPU cases keep shapes small. A request is written
+(num_queries, seq_len): (n, n) is a fresh prompt, (n, s > n) a chunk after a cached prefix,
+(1, s) a decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.attention import paged_attention_reference
+from kernels.triton_prefill_attention import PrefillTiles, paged_prefill_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_SIZE = 16
+
+
+def scattered_cache(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V for each context in randomly chosen blocks; every other slot holds NaN.
+
+    Block 0 pads the block tables and the reference reads it for padding, so it is finite.
+    """
+    blocks_per_req = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_req) + 8
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    key_cache[0] = 0.0
+    value_cache[0] = 0.0
+    free = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
+    tables = []
+    for seq_len, num_req_blocks in zip(seq_lens, blocks_per_req, strict=True):
+        block_ids = [free.pop() for _ in range(num_req_blocks)]
+        positions = torch.arange(seq_len)
+        blocks = torch.tensor(block_ids, dtype=torch.long)[positions // BLOCK_SIZE]  # [S]
+        offsets = positions % BLOCK_SIZE  # [S]
+        kv_shape = (seq_len, num_kv_heads, head_dim)
+        key_cache[blocks, offsets] = torch.randn(kv_shape, generator=generator).to(dtype)
+        value_cache[blocks, offsets] = torch.randn(kv_shape, generator=generator).to(dtype)
+        tables.append(block_ids)
+    width = max(len(t) for t in tables) + 1  # one spare column of padding, as in the engine
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return key_cache, value_cache, block_tables
+
+
+def make_case(
+    requests: list[tuple[int, int]],  # (num_queries, seq_len) per request
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> dict[str, torch.Tensor | int | float]:
+    """Keyword arguments for `paged_prefill_attention` and the reference."""
+    generator = torch.Generator().manual_seed(seed)
+    num_queries = [q for q, _ in requests]
+    seq_lens = [s for _, s in requests]
+    key_cache, value_cache, block_tables = scattered_cache(
+        seq_lens, num_kv_heads, head_dim, dtype, generator
+    )
+    query_shape = (sum(num_queries), num_heads, head_dim)
+    query = torch.randn(query_shape, generator=generator).to(dtype)
+    query_start_loc = torch.tensor([0, *num_queries], dtype=torch.int32).cumsum(0)
+    tensors = dict(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=query_start_loc.to(torch.int32),
+    )
+    return {
+        **{name: t.to(DEVICE) for name, t in tensors.items()},
+        "max_query_len": max(num_queries),
+        "max_seq_len": max(seq_lens),
+        "scale": head_dim**-0.5,
+    }
+
+
+BATCHES = {
+    # lengths off the tile and block sizes, a one-token prompt, a multi-tile prompt
+    "prefill": [(37, 37), (16, 16), (5, 5), (70, 70), (1, 1)],
+    # chunks after cached prefixes, one prefix ending mid-block
+    "chunked": [(20, 90), (33, 50), (16, 64)],
+    # decodes beside prompts and a chunk; a request with no queries this step
+    "mixed": [(1, 40), (25, 25), (1, 1), (0, 9), (12, 60), (1, 17)],
+}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_matches_reference(batch: str, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    case = make_case(
+        BATCHES[batch], num_heads, num_kv_heads, head_dim, torch.float32, seed=num_heads + head_dim
+    )
+    expected = paged_attention_reference(**case)
+    assert torch.isfinite(expected).all()
+    out = paged_prefill_attention(**case)
+    assert out.shape == case["query"].shape and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        PrefillTiles(block_m=16, block_n=16, num_warps=4, num_stages=2),  # many tiles each way
+        PrefillTiles(block_m=128, block_n=128, num_warps=8, num_stages=3),  # the bf16 default
+        PrefillTiles(block_m=16, block_n=64, num_warps=4, num_stages=2),  # wide context steps
+    ],
+    ids=lambda t: f"m{t.block_m}-n{t.block_n}",
+)
+def test_tile_shapes_do_not_change_result(tiles: PrefillTiles) -> None:
+    """Full (unmasked) and diagonal steps fall at many offsets; GQA group 3 pads to 4 rows."""
+    case = make_case(BATCHES["mixed"] + BATCHES["chunked"], 6, 2, 64, torch.float32, seed=3)
+    expected = paged_attention_reference(**case)
+    out = paged_prefill_attention(**case, tiles=tiles)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_rejects_inconsistent_metadata() -> None:
+    case = make_case([(4, 4), (2, 6)], 2, 2, 64, torch.float32, seed=0)
+    case["query_start_loc"] = case["query_start_loc"][:-1]
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_prefill_attention(**case)
+    with pytest.raises(ValueError, match="block_n"):
+        PrefillTiles(block_m=16, block_n=8, num_warps=4, num_stages=2)
+
+
+FLOAT_INPUTS = ("query", "key_cache", "value_cache")
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.float() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_shapes(dtype: torch.dtype) -> None:
+    requests = [(512, 512), (2000, 2000), (1024, 1500), (777, 1800), (1, 3000), (1, 17)]
+    case = make_case(requests, 32, 8, 128, dtype, seed=5)
+    upcast = {k: v.float() if k in FLOAT_INPUTS else v for k, v in case.items()}
+    expected = paged_attention_reference(**upcast)  # float32 on the same rounded inputs
+    out = paged_prefill_attention(**case)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert relative_error(out, expected) < 1e-2
