@@ -57,6 +57,13 @@ def add_bench_parser(commands: Any, engine_flags: Any) -> None:
         parser.add_argument("--output-len", type=parse_length, default=(256, 256))
         engine_flags(parser)
     throughput.add_argument("--num-prompts", type=int, default=256)
+    for parser in (throughput, latency):
+        parser.add_argument(
+            "--profile-steps",
+            type=int,
+            default=0,
+            help="Also profile this many decode steps (CUDA): GPU busy and top kernels.",
+        )
     throughput.add_argument(
         "--ignore-eos", action="store_true", help="Always generate --output-len tokens."
     )
@@ -117,7 +124,7 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.perf_counter() - start
     num_out = sum(len(r.token_ids) for r in results)
     stats = llm.stats()
-    return {
+    report = {
         "benchmark": "throughput",
         "model": llm.engine.source.name,
         "device": _device_name(llm),
@@ -134,6 +141,12 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "num_preemptions": stats.num_preemptions,
         "config": _engine_summary(config),
     }
+    if args.profile_steps:
+        from services.launcher.bench_profile import profile_decode
+
+        report["decode_profile"] = profile_decode(llm.engine, prompts, params, args.profile_steps)
+        report["gpu_busy_fraction"] = report["decode_profile"]["gpu_busy_fraction"]
+    return report
 
 
 def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
@@ -155,7 +168,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
                 "decode_tok_per_s": round(batch / statistics.median(decode), 1),
             }
         )
-    return {
+    report = {
         "benchmark": "latency",
         "model": engine.source.name,
         "device": _device_name(llm),
@@ -166,6 +179,20 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "results": rows,
         "config": _engine_summary(config),
     }
+    if args.profile_steps:
+        from services.launcher.bench_profile import profile_decode
+
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        report["decode_profiles"] = {
+            batch: profile_decode(
+                engine,
+                random_prompts(batch, [input_len] * batch, vocab, seed=batch + 1000),
+                [params] * batch,
+                args.profile_steps,
+            )
+            for batch in args.batch_sizes
+        }
+    return report
 
 
 def _decode_step_times(

@@ -1,0 +1,82 @@
+"""How busy the GPU is while the engine steps, and where its time goes (torch profiler).
+
+GPU busy = the union of kernel intervals over the span from the first kernel's start to the
+last one's end: the fraction of wall time the GPU computes rather than waits for the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+
+def busy_fraction(intervals: list[tuple[float, float]]) -> float:
+    """Covered length of the union of [start, end) intervals over their whole span."""
+    if not intervals:
+        return 0.0
+    intervals = sorted(intervals)
+    covered, (run_start, run_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > run_end:
+            covered += run_end - run_start
+            run_start, run_end = start, end
+        else:
+            run_end = max(run_end, end)
+    covered += run_end - run_start
+    span = max(end for _, end in intervals) - intervals[0][0]
+    return covered / span if span > 0 else 0.0
+
+
+def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
+    """Profile `num_steps` engine steps; GPU busy fraction and the costliest kernels."""
+    if not torch.cuda.is_available():
+        raise SystemExit("profiling measures the GPU: it needs a CUDA device")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    span_us = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    totals: dict[str, float] = {}
+    for event in kernels:
+        totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us()
+    costliest = sorted(totals.items(), key=lambda item: -item[1])[:top]
+    return {
+        "steps": num_steps,
+        "gpu_busy_fraction": round(busy_fraction(intervals), 3),
+        "span_ms_per_step": round(span_us / 1000 / num_steps, 3),
+        "kernel_ms_per_step": round(sum(totals.values()) / 1000 / num_steps, 3),
+        "kernels_per_step": round(len(kernels) / num_steps, 1),
+        "top_kernels_ms_per_step": {
+            name[:90]: round(us / 1000 / num_steps, 4) for name, us in costliest
+        },
+    }
+
+
+def profile_decode(
+    engine: Any, prompts: list[list[int]], params: list[Any], num_steps: int
+) -> dict[str, Any]:
+    """Admit `prompts`, step until all are decoding, then profile `num_steps` steps; abort."""
+    from shared.protocol import EngineRequest
+
+    ids = [f"profile-{i}" for i in range(len(prompts))]
+    for request_id, prompt, sampling in zip(ids, prompts, params, strict=True):
+        engine.add_request(
+            EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling)
+        )
+    while engine.scheduler.waiting:
+        engine.step()
+    for _ in range(3):  # the last admitted prompts may still be mid-chunk
+        engine.step()
+    report = profile_steps(engine, num_steps)
+    engine.abort(ids)
+    while engine.has_unfinished():
+        engine.step()
+    return report
