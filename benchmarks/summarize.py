@@ -46,6 +46,7 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
             )
         )
     out += throughput_rows(load(folder, "throughput"), peer, floors, "offline")
+    out += throughput_rows(load(folder, "throughput_2048"), peer, floors, "offline, budget 2048")
     out += throughput_rows(load(folder, "small"), {}, floors, "small")
     return out
 
@@ -76,7 +77,7 @@ def throughput_rows(
     if tflops and params and "total_tokens" in run:
         seconds = 2 * params * run["total_tokens"] / (tflops * 1e12)
         floor = f"floor {run['output_tokens'] / seconds:,.0f} tok/s (matmul)"
-    target = "; target >= 8,000" if name == "offline" else ""
+    target = "; target >= 8,000" if name.startswith("offline") else ""
     peers = []
     for mode in ("continuous", "static"):
         rate = peer.get(mode, {}).get("output_tok_per_s")

@@ -17,7 +17,7 @@ fi
 export PYTHONUNBUFFERED=1
 MODEL=${MODEL:-Llama-3.1-8B}
 SMALL_MODEL=${SMALL_MODEL:-Qwen3-0.6B}
-PARTS=${PARTS:-"tests floors attention latency throughput small peer"}
+PARTS=${PARTS:-"tests floors attention latency throughput throughput-2048 small peer"}
 COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
 status=0
 
@@ -30,8 +30,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 for part in $PARTS; do
     case $part in
     tests)
-        run tests python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider \
-            --junitxml="$OUT/gpu_tests.xml" ;;
+        run tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels \
+            tests/integration/test_gpu_parity.py ;;
     floors)
         run floors python3 -m services bench floors --output-json "$OUT/floors.json" ;;
     attention)
@@ -39,14 +39,18 @@ for part in $PARTS; do
     latency)
         run latency python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
             --input-len 128 --output-len 256 --output-json "$OUT/latency.json" ;;
-    throughput)
+    throughput)  # an offline budget of 8192 tokens per step, as vLLM's LLM class uses
         run throughput python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
-            --output-json "$OUT/throughput.json" ;;
+            --max-num-batched-tokens 8192 --output-json "$OUT/throughput.json" ;;
+    throughput-2048)  # the serving default budget
+        run throughput-2048 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
+            --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
+            --max-num-batched-tokens 2048 --output-json "$OUT/throughput_2048.json" ;;
     small)
         run small python3 -m services bench throughput "$SMALL_MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --ignore-eos \
-            --output-json "$OUT/small.json" ;;
+            --max-num-batched-tokens 8192 --profile-steps 30 --output-json "$OUT/small.json" ;;
     peer)
         run peer python3 benchmarks/peer_transformers.py --model "$MODEL" --seed 0 \
             --num-prompts "${PEER_PROMPTS:-256}" --input-len 512 --output-len 256 \

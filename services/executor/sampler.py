@@ -240,6 +240,20 @@ def gather_logprobs(
     ]
 
 
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Greedy with nothing that changes the argmax or asks for logprobs."""
+    p = row.params
+    return (
+        p.greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and len(row.output_token_ids) >= p.min_tokens
+        and p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+    )
+
+
 class Sampler:
     def __init__(
         self, vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device, seed: int = 0
@@ -253,6 +267,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if not rows:
             return SamplerOutput(token_ids=[], logprobs=[])
+        if all(_plain_greedy(row) for row in rows):
+            # The common offline case: one argmax, no per-row tensors to build and upload.
+            token_list = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
+            return SamplerOutput(token_list, [None] * len(rows))
         t = build_sampling_tensors(rows, self.vocab_size, self.eos_token_ids, self.device)
         # Why slice and copy: a padded lm_head may add columns; processing below is in place.
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # [R, V]

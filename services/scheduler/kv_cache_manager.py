@@ -49,6 +49,10 @@ class KVCacheManager:
         """
         held = self.block_ids.get(request.request_id, [])
         num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
+        if not cached and num_tokens <= len(held) * self.block_size:
+            # Most decode steps: the last block has room, so only a newly full block to hash.
+            self._cache_full_blocks(request, num_tokens)
+            return True
         num_needed = self.num_blocks_for(num_tokens) - len(held) - len(cached)
         # Touching an evictable hit takes it out of the available count too.
         num_revived = sum(1 for block in cached if self.pool.ref_cnt[block] == 0)
