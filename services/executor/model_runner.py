@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.executor.cuda_graphs import DecodeGraphs
-from services.executor.sampler import Sampler, SamplingRow
+from services.executor.sampler import PendingSample, Sampler, SamplingRow
 from services.executor.step_buffers import StepBuffers, StepView
 from services.executor.weights import load_model
 from shared.config import Config
@@ -68,6 +68,14 @@ class RequestState:
         return SamplingRow(self.params, self.prompt_token_ids, self.output_token_ids)
 
 
+@dataclass
+class InFlightStep:
+    step: int
+    sample_ids: list[str]
+    states: list[RequestState]
+    pending: PendingSample | None
+
+
 class ModelRunner:
     def __init__(
         self, config: Config, source: ModelSource, model_config: ModelConfig, max_model_len: int
@@ -112,6 +120,7 @@ class ModelRunner:
             model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed
         )
         self.requests: dict[str, RequestState] = {}
+        self._in_flight: InFlightStep | None = None
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             self.graphs = DecodeGraphs(
@@ -204,11 +213,24 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ a step
 
-    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its tokens."""
+        self.submit(plan)
+        return self.collect()
+
+    @torch.inference_mode()
+    def submit(self, plan: SchedulerOutput) -> None:
+        """Queue the step's work on the device and return without waiting for it.
+
+        A pipelined caller schedules the next step meanwhile; its decode tokens are the ones
+        `collect` appends, so `collect` must come before the next `submit`.
+        """
+        if self._in_flight is not None:
+            raise RuntimeError("submit() while a step is in flight: collect() it first")
         self._apply_plan(plan)
         if not plan.num_scheduled_tokens:
-            return ModelRunnerOutput(step=plan.step, sampled={})
+            self._in_flight = InFlightStep(plan.step, [], [], None)
+            return
         sample_ids, graph_size = self._write_inputs(plan)
         view = self.buffers.view()
         if graph_size is not None and self.graphs is not None:
@@ -217,13 +239,23 @@ class ModelRunner:
             hidden = self._forward(view)
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in sample_ids]
-        result = self.sampler(logits, [s.sampling_row() for s in states])
-        for state, token_id in zip(states, result.token_ids, strict=True):
+        pending = self.sampler.sample(logits, [s.sampling_row() for s in states])
+        self._in_flight = InFlightStep(plan.step, sample_ids, states, pending)
+
+    def collect(self) -> ModelRunnerOutput:
+        """Wait for the step in flight; its tokens join their requests."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            raise RuntimeError("collect() without a step in flight")
+        if step.pending is None:
+            return ModelRunnerOutput(step=step.step, sampled={})
+        result = step.pending.result()
+        for state, token_id in zip(step.states, result.token_ids, strict=True):
             state.append(token_id)
-        pairs = zip(sample_ids, result.logprobs, strict=True)
+        pairs = zip(step.sample_ids, result.logprobs, strict=True)
         return ModelRunnerOutput(
-            step=plan.step,
-            sampled=dict(zip(sample_ids, result.token_ids, strict=True)),
+            step=step.step,
+            sampled=dict(zip(step.sample_ids, result.token_ids, strict=True)),
             logprobs={rid: lp for rid, lp in pairs if lp is not None},
         )
 

@@ -240,6 +240,24 @@ def gather_logprobs(
     ]
 
 
+@dataclass
+class PendingSample:
+    """Sampled ids still on the device; `result()` is the one host sync of a step."""
+
+    token_ids: torch.Tensor | None  # [R]
+    raw_logprobs: torch.Tensor | None  # [R, V] where a row asked for logprobs
+    num_logprobs: list[int | None]
+
+    def result(self) -> SamplerOutput:
+        if self.token_ids is None:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        token_list = self.token_ids.tolist()
+        if self.raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * len(token_list))
+        logprobs = gather_logprobs(self.raw_logprobs, self.token_ids, token_list, self.num_logprobs)
+        return SamplerOutput(token_list, logprobs)
+
+
 def _plain_greedy(row: SamplingRow) -> bool:
     """Greedy with nothing that changes the argmax or asks for logprobs."""
     p = row.params
@@ -265,12 +283,15 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).result()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
+        """Queue the sampling on the device; `result()` then waits for it."""
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return PendingSample(None, None, [])
         if all(_plain_greedy(row) for row in rows):
             # The common offline case: one argmax, no per-row tensors to build and upload.
-            token_list = logits[:, : self.vocab_size].argmax(dim=-1).tolist()
-            return SamplerOutput(token_list, [None] * len(rows))
+            return PendingSample(logits[:, : self.vocab_size].argmax(dim=-1), None, [])
         t = build_sampling_tensors(rows, self.vocab_size, self.eos_token_ids, self.device)
         # Why slice and copy: a padded lm_head may add columns; processing below is in place.
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # [R, V]
@@ -278,12 +299,7 @@ class Sampler:
         if t.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)  # [R, V], before any processing
         logits = process_logits(logits, t)
-        token_ids = self._sample(logits, t)  # [R]
-        token_list = token_ids.tolist()
-        if raw_logprobs is None:
-            return SamplerOutput(token_list, [None] * len(rows))
-        logprobs = gather_logprobs(raw_logprobs, token_ids, token_list, t.num_logprobs)
-        return SamplerOutput(token_list, logprobs)
+        return PendingSample(self._sample(logits, t), raw_logprobs, t.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1)  # [R]

@@ -18,7 +18,7 @@ from shared.model_config import (
     load_model_config,
     resolve_model_source,
 )
-from shared.protocol import EngineRequest, RequestOutput, StatsSnapshot
+from shared.protocol import EngineRequest, RequestOutput, SchedulerOutput, StatsSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class Engine:
                 vocab_size=self.model_config.vocab_size,
             )
         )
+        self._in_flight: SchedulerOutput | None = None  # submitted, not yet collected
         logger.info(
             "engine ready: %s, max_model_len=%d, %d KV blocks",
             self.source.name,
@@ -60,11 +61,22 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """One pipelined step: the outputs of the step in flight, with the next one queued.
+
+        The next plan is scheduled while the device runs the current one; the device then
+        gets the next step before the host digests the current one's tokens, so scheduling,
+        output handling and the caller's own work overlap the forward pass.
+        """
         plan = self.scheduler.schedule()
-        if not plan.num_scheduled_tokens and self.scheduler.has_unfinished():
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None and not plan.num_scheduled_tokens and self.has_unfinished():
             raise RuntimeError("the scheduler could not schedule any waiting request")
-        result = self.runner.execute(plan)
-        return self.scheduler.update(plan, result)
+        result = self.runner.collect() if in_flight is not None else None
+        self.runner.submit(plan)
+        self._in_flight = plan
+        if in_flight is None or result is None:
+            return []
+        return self.scheduler.update(in_flight, result)
 
     def stats(self) -> StatsSnapshot:
         return self.scheduler.stats()

@@ -75,7 +75,8 @@ class KVCacheManager:
             return
         blocks = self.block_ids[request.request_id]
         start = self._num_cached_blocks.get(request.request_id, 0)
-        end = num_tokens // self.block_size
+        # A block whose last token is still being sampled has no hash yet: cached next time.
+        end = min(num_tokens // self.block_size, len(request.block_hashes))
         for index in range(start, end):
             self.pool.cache(blocks[index], request.block_hashes[index])
         self._num_cached_blocks[request.request_id] = max(start, end)

@@ -33,6 +33,9 @@ class Request:
         self.max_tokens = max_tokens  # resolved against max_model_len
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is (or will be, this step) in the cache
+        # Tokens being sampled by steps not yet reported: a pipelined engine schedules the
+        # next step before the last one's token arrives, and the next step computes it.
+        self.num_pending_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
@@ -57,8 +60,14 @@ class Request:
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
+    @property
+    def num_scheduled_tokens_end(self) -> int:
+        """Length of the sequence once every pending token arrives."""
+        return len(self.all_token_ids) + self.num_pending_tokens
+
     def append_output(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+        self.num_pending_tokens = max(self.num_pending_tokens - 1, 0)
         self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:

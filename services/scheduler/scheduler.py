@@ -6,6 +6,11 @@ a decode step); each step pays as many of those as the budget allows.
 
     prompt  [=========== computed ==========|--- scheduled now ---|... owed later ...]
             0                    num_computed_tokens        num_computed + n      num_tokens
+
+A pipelined engine schedules step k+1 before step k's sampled tokens arrive: a request whose
+step k samples owes that token too (`num_pending_tokens`), so its decode is scheduled on a
+placeholder the executor fills in once the token is known. Limits (max_tokens,
+max_model_len) count pending tokens; a stop token found late costs one discarded step.
 """
 
 from __future__ import annotations
@@ -119,8 +124,6 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            if request.status is RequestStatus.WAITING:
-                self.waiting.remove(request)
             self._finish(request, FinishReason.ABORT)
             outputs.append(self._output(request, []))
         return outputs
@@ -137,7 +140,10 @@ class Scheduler:
         cached_data, budget, preempted = self._schedule_running(budget, scheduled)
         new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
         for request_id, num_tokens in scheduled.items():
-            self.requests[request_id].num_computed_tokens += num_tokens
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_scheduled_tokens_end:
+                request.num_pending_tokens += 1  # this step samples the next token
         dropped, self._dropped_ids = self._dropped_ids, []
         return SchedulerOutput(
             step=self._step,
@@ -155,8 +161,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_scheduled_tokens_end - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._ends_with_pending(request):
                 index += 1
                 continue
             num_held = len(self.kv.block_ids.get(request.request_id, []))
@@ -185,6 +191,8 @@ class Scheduler:
         new_data: list[NewRequestData] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token in flight: readmit it once the token is in
             cached = self.kv.find_cached_prefix(request)
             num_new = request.num_tokens - len(cached) * self.config.block_size
             # NOTE: admission keeps a prompt within max_num_batched_tokens, but a preempted
@@ -258,6 +266,16 @@ class Scheduler:
             outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
         return outputs
 
+    def _ends_with_pending(self, request: Request) -> bool:
+        """Whether the tokens in flight already take the request to its length limit."""
+        if not request.num_pending_tokens:
+            return False
+        num_outputs = request.num_output_tokens + request.num_pending_tokens
+        return (
+            num_outputs >= request.max_tokens
+            or request.num_scheduled_tokens_end >= self.config.max_model_len
+        )
+
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
@@ -275,6 +293,9 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._dropped_ids.append(request.request_id)
+        elif request.status is RequestStatus.WAITING:
+            # Aborted while queued, or preempted while its last token was in flight.
+            self.waiting.remove(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
