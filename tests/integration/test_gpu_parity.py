@@ -1,10 +1,10 @@
-"""On a GPU in bfloat16, kvflow's greedy tokens agree with transformers' own forward pass.
+"""On a GPU in bfloat16, kvflow's greedy tokens agree with transformers' own generation.
 
-Exact equality is not expected in bf16: two engines round differently, so where the top two
-logits are within rounding of each other either may win. The check (in the style of vLLM's
-logprob-closeness tests): teacher-force kvflow's output through transformers; at every
-position transformers' argmax must be kvflow's token, unless transformers' top-2 gap is
-within bf16 rounding, in which case the sequences may diverge there and the rest is skipped.
+Exact equality is not expected in bf16: the two engines round differently, so where the top
+logits are within rounding of each other either may win (logits near 10 have a bf16 step of
+1/16, so exact ties are common). The check is vLLM's logprob-closeness rule: both greedy
+sequences agree up to their first difference, where each engine's token must be among the
+other's top 5; after that they may part.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from test_parity import FAMILIES, TINY, kvflow_greedy, make_prompts
+from test_parity import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
 
-from kvflow import LLM
+from kvflow import LLM, SamplingParams
+
+TOP = 5
 
 SHAPE = dict(
     vocab_size=2048,
@@ -25,11 +27,6 @@ SHAPE = dict(
     num_key_value_heads=2,
     head_dim=32,
 )
-
-
-def rounding_tolerance(top_logit: float) -> float:
-    # bf16 keeps 8 significant bits; a few layers of rounding stay within a few ulps.
-    return 0.05 + 4 * 2**-8 * abs(top_logit)
 
 
 def build(family: str, folder: object) -> torch.nn.Module:
@@ -45,6 +42,20 @@ def build(family: str, folder: object) -> torch.nn.Module:
     return model.cuda().eval()
 
 
+def hf_greedy_top(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
+    """transformers' greedy tokens and the top-5 ids at each step."""
+    out = model.generate(
+        torch.tensor([prompt], device="cuda"),
+        max_new_tokens=NUM_NEW_TOKENS,
+        do_sample=False,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, [set(scores[0].topk(TOP).indices.tolist()) for scores in out.scores]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -58,22 +69,22 @@ def test_bf16_greedy_agrees_with_transformers(family: str, tmp_path: object) -> 
         kv_cache_memory_bytes=256 << 20,
     )
     prompts = make_prompts(SHAPE["vocab_size"])
-    compared = total = 0
-    for prompt, tokens in zip(prompts, kvflow_greedy(llm, prompts, ignore_eos=True), strict=True):
-        ids = torch.tensor([prompt + tokens], device="cuda")
-        with torch.no_grad():
-            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # predicts each token
-        total += len(tokens)
-        for position, token in enumerate(tokens):
-            top2 = logits[position].topk(2).values
-            compared += 1
-            if int(logits[position].argmax()) == token:
-                continue
-            gap = float(top2[0] - top2[1])
-            tolerance = rounding_tolerance(float(top2[0]))
-            assert gap <= tolerance, (
-                f"{family}: prompt of {len(prompt)}, token {position}: kvflow picked {token}, "
-                f"transformers' argmax leads its runner-up by {gap:.3f} > {tolerance:.3f}"
-            )
-            break  # a legitimate tie-break: the sequences part here
-    assert compared >= total // 2, f"only {compared} of {total} tokens compared"
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
+    )
+    agreed = 0
+    for prompt, result in zip(prompts, llm.generate(prompts, params), strict=True):
+        ours = result.token_ids
+        theirs, their_top = hf_greedy_top(model, prompt)
+        pairs = enumerate(zip(ours, theirs, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), len(ours))
+        agreed += same
+        if same == len(ours):
+            continue
+        our_top = set(result.outputs[0].logprobs[same].top_token_ids)
+        assert ours[same] in their_top[same] and theirs[same] in our_top, (
+            f"{family}: prompt of {len(prompt)}, token {same}: kvflow {ours[same]} "
+            f"(top {sorted(our_top)}), transformers {theirs[same]} (top {sorted(their_top[same])})"
+        )
+    # A guard against a vacuous pass: the sequences do share real prefixes.
+    assert agreed >= len(prompts) * NUM_NEW_TOKENS // 10, f"only {agreed} tokens agreed"
