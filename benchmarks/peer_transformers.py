@@ -299,7 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--static-batch-size", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=4, help="prompt seed (4: gpu_baseline's)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt seed (kvflow bench: --seed)")
     parser.add_argument("--latency-prompt-len", type=int, default=128)
     parser.add_argument("--latency-tokens", type=int, default=128, help="N in (1+N) - 1")
     parser.add_argument("--skip", nargs="*", default=[], choices=MODES, help="modes to skip")
