@@ -46,7 +46,6 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     table_len: int = field(default=0)  # blocks already in its block-table row
-    num_in_flight: int = field(default=0)  # tokens launched for sampling, not yet collected
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
@@ -62,21 +61,11 @@ class RequestState:
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-        self.num_in_flight -= 1
 
     def sampling_row(self) -> SamplingRow:
         # Why no copies: the sampler only reads the lists, and copying a long prompt for
         # every request in every step adds up.
         return SamplingRow(self.params, self.prompt_token_ids, self.output_token_ids)
-
-
-@dataclass
-class PreparedStep:
-    step: int
-    num_tokens: int
-    sample_ids: list[str]
-    graph_size: int | None  # the CUDA graph it replays, if any
-    late_tokens: list[tuple[int, RequestState, int]]  # (input index, request, position)
 
 
 @dataclass
@@ -131,7 +120,6 @@ class ModelRunner:
             model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed
         )
         self.requests: dict[str, RequestState] = {}
-        self._prepared: PreparedStep | None = None
         self._in_flight: InFlightStep | None = None
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
@@ -227,46 +215,32 @@ class ModelRunner:
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step and wait for its tokens."""
-        self.prepare(plan)
-        self.launch()
+        self.submit(plan)
         return self.collect()
 
-    def prepare(self, plan: SchedulerOutput) -> None:
-        """The host side of a step: apply the plan and pack its inputs.
-
-        A pipelined caller prepares step k+1 while step k is still in flight; the tokens
-        step k samples are inputs of step k+1, so `launch` fills them in after `collect`.
-        """
-        if self._prepared is not None:
-            raise RuntimeError("prepare() twice: launch() the prepared step first")
-        self._apply_plan(plan)
-        self._prepared = self._write_inputs(plan)
-
     @torch.inference_mode()
-    def launch(self) -> None:
-        """Queue the prepared step on the device; returns without waiting for it."""
-        step, self._prepared = self._prepared, None
-        if step is None:
-            raise RuntimeError("launch() without a prepared step")
+    def submit(self, plan: SchedulerOutput) -> None:
+        """Queue the step's work on the device and return without waiting for it.
+
+        A pipelined caller schedules the next step meanwhile; its decode tokens are the ones
+        `collect` appends, so `collect` must come before the next `submit`.
+        """
         if self._in_flight is not None:
-            raise RuntimeError("launch() while a step is in flight: collect() it first")
-        if step.num_tokens == 0:
-            self._in_flight = InFlightStep(step.step, [], [], None)
+            raise RuntimeError("submit() while a step is in flight: collect() it first")
+        self._apply_plan(plan)
+        if not plan.num_scheduled_tokens:
+            self._in_flight = InFlightStep(plan.step, [], [], None)
             return
-        for index, state, position in step.late_tokens:
-            self.buffers.set_input_token(index, state.token_ids[position])
-        self.buffers.copy_to_device()
+        sample_ids, graph_size = self._write_inputs(plan)
         view = self.buffers.view()
-        if step.graph_size is not None and self.graphs is not None:
-            hidden = self.graphs.replay(step.graph_size)
+        if graph_size is not None and self.graphs is not None:
+            hidden = self.graphs.replay(graph_size)
         else:
             hidden = self._forward(view)
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
-        states = [self.requests[rid] for rid in step.sample_ids]
+        states = [self.requests[rid] for rid in sample_ids]
         pending = self.sampler.sample(logits, [s.sampling_row() for s in states])
-        for state in states:
-            state.num_in_flight += 1
-        self._in_flight = InFlightStep(step.step, step.sample_ids, states, pending)
+        self._in_flight = InFlightStep(plan.step, sample_ids, states, pending)
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the step in flight; its tokens join their requests."""
@@ -298,28 +272,21 @@ class ModelRunner:
             state.block_ids.extend(delta.new_block_ids)
             state.num_computed_tokens = delta.num_computed_tokens
 
-    def _write_inputs(self, plan: SchedulerOutput) -> PreparedStep:
-        """Pack the step's inputs on the host; tokens still being sampled come later."""
-        self.buffers.wait_for_copy()
+    def _write_inputs(self, plan: SchedulerOutput) -> tuple[list[str], int | None]:
+        """Fill and send the step's inputs; returns who samples, and the graph size if any."""
         token_ids: list[int] = []
         starts, counts = [], []
         sample_ids: list[str] = []
         sample_rows: list[int] = []
-        late: list[tuple[int, RequestState, int]] = []
         for row, (request_id, num_new) in enumerate(plan.num_scheduled_tokens.items()):
             state = self.requests[request_id]
             start = state.num_computed_tokens
-            end = start + num_new
-            known = len(state.token_ids)
-            token_ids.extend(state.token_ids[start:end])
-            for position in range(max(start, known), end):  # in flight: placeholders
-                late.append((len(token_ids), state, position))
-                token_ids.append(0)
+            token_ids.extend(state.token_ids[start : start + num_new])
             starts.append(start)
             counts.append(num_new)
             self._write_table_row(row, state)
-            state.num_computed_tokens = end
-            if end == known + state.num_in_flight:  # reached the end: sample the next
+            state.num_computed_tokens = start + num_new
+            if start + num_new == len(state.token_ids):  # reached the end: sample the next
                 sample_ids.append(request_id)
                 sample_rows.append(len(token_ids) - 1)
         graph_size = None
@@ -328,7 +295,8 @@ class ModelRunner:
         self.buffers.write(token_ids, starts, counts, sample_rows, pad_to=graph_size)
         for row in range(len(counts), graph_size or 0):
             self.row_owner[row] = None  # padding overwrote it
-        return PreparedStep(plan.step, len(token_ids), sample_ids, graph_size, late)
+        self.buffers.copy_to_device()
+        return sample_ids, graph_size
 
     def _write_table_row(self, row: int, state: RequestState) -> None:
         # Why track owners: a request usually keeps its row, so only new blocks are written.

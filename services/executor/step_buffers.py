@@ -59,7 +59,6 @@ class StepBuffers:
             max_reqs, max_blocks
         )
         self.last_step: tuple[int, int, int, int] = (0, 0, 0, 0)  # T, R, S, max_seq_len
-        self._copied = torch.cuda.Event() if pin else None  # the last copy has read the mirror
 
     def _host(self, name: str, size: int) -> np.ndarray:
         start = self.offsets[name]
@@ -73,10 +72,6 @@ class StepBuffers:
         """Blocks start.. of the request in `row`; rows persist between steps."""
         if len(block_ids) > start:
             self.tables[row, start : len(block_ids)] = block_ids[start:]
-
-    def set_input_token(self, index: int, token_id: int) -> None:
-        """Fill in a token id that was not known when the step was written."""
-        self.np[self.offsets["input_ids"] + index] = token_id
 
     def write(
         self,
@@ -134,17 +129,6 @@ class StepBuffers:
         num_reqs = self.last_step[1]
         end = self.offsets["block_tables"] + num_reqs * self.max_blocks
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
-
-    def wait_for_copy(self) -> None:
-        """Block until the last copy has read the mirror, so the host may overwrite it.
-
-        The copy is queued ahead of its step's forward pass, so this waits microseconds, not
-        for the step: a pipelined engine writes step k+1 while step k still runs.
-        """
-        if self._copied is not None:
-            self._copied.synchronize()
 
     def view(self, max_seq_len: int | None = None) -> StepView:
         """Device tensors of the last written step (max_seq_len: override for graphs)."""

@@ -71,9 +71,8 @@ class Engine:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None and not plan.num_scheduled_tokens and self.has_unfinished():
             raise RuntimeError("the scheduler could not schedule any waiting request")
-        self.runner.prepare(plan)  # the host work, while the device still runs `in_flight`
         result = self.runner.collect() if in_flight is not None else None
-        self.runner.launch()
+        self.runner.submit(plan)
         self._in_flight = plan
         if in_flight is None or result is None:
             return []
