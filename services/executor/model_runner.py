@@ -4,10 +4,12 @@ each step's plan into one forward pass and one batched sampling call."""
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from kernels import ops
 from services.executor.cuda_graphs import DecodeGraphs
 from services.executor.sampler import PendingSample, Sampler, SamplingRow
 from services.executor.step_buffers import StepBuffers, StepView
@@ -40,12 +42,14 @@ class RequestState:
     """What the executor remembers of a request between steps."""
 
     params: SamplingParams
-    token_ids: list[int]  # prompt + output so far
+    token_ids: list[int]  # prompt + output so far, without the tokens in flight
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
     table_len: int = field(default=0)  # blocks already in its block-table row
+    num_pending: int = field(default=0)  # tokens being sampled by steps in flight
+    sample_row: int = field(default=0)  # its row in the last sampled ids, if num_pending
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
@@ -58,22 +62,58 @@ class RequestState:
             num_computed_tokens=data.num_computed_tokens,
         )
 
+    @property
+    def num_tokens(self) -> int:
+        """Its length once every token in flight has arrived."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def needs_output_values(self) -> bool:
+        """Penalties read the generated tokens themselves, not only their count."""
+        p = self.params
+        return (
+            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        )
+
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        self.num_pending -= 1
 
     def sampling_row(self) -> SamplingRow:
         # Why no copies: the sampler only reads the lists, and copying a long prompt for
         # every request in every step adds up.
-        return SamplingRow(self.params, self.prompt_token_ids, self.output_token_ids)
+        return SamplingRow(
+            self.params, self.prompt_token_ids, self.output_token_ids, self.num_pending
+        )
 
 
 @dataclass
 class InFlightStep:
+    """A submitted step; `finish` waits for its tokens and hands them to their requests."""
+
     step: int
     sample_ids: list[str]
     states: list[RequestState]
     pending: PendingSample | None
+    output: ModelRunnerOutput | None = None
+
+    def finish(self) -> ModelRunnerOutput:
+        if self.output is not None:
+            return self.output
+        if self.pending is None:
+            self.output = ModelRunnerOutput(step=self.step, sampled={})
+            return self.output
+        result = self.pending.result()
+        for state, token_id in zip(self.states, result.token_ids, strict=True):
+            state.append(token_id)
+        pairs = zip(self.sample_ids, result.logprobs, strict=True)
+        self.output = ModelRunnerOutput(
+            step=self.step,
+            sampled=dict(zip(self.sample_ids, result.token_ids, strict=True)),
+            logprobs={rid: lp for rid, lp in pairs if lp is not None},
+        )
+        return self.output
 
 
 class ModelRunner:
@@ -120,7 +160,9 @@ class ModelRunner:
             model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed
         )
         self.requests: dict[str, RequestState] = {}
-        self._in_flight: InFlightStep | None = None
+        self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
+        # The last step's sampled ids, where the next step's decodes read their input token.
+        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             self.graphs = DecodeGraphs(
@@ -222,15 +264,18 @@ class ModelRunner:
     def submit(self, plan: SchedulerOutput) -> None:
         """Queue the step's work on the device and return without waiting for it.
 
-        A pipelined caller schedules the next step meanwhile; its decode tokens are the ones
-        `collect` appends, so `collect` must come before the next `submit`.
+        The step may run before the step in flight has been collected: a decode whose input
+        is that step's token reads it on the device (`sampled_ids`), so the device goes from
+        one step to the next without waiting for the host. At most two steps are in flight.
         """
-        if self._in_flight is not None:
-            raise RuntimeError("submit() while a step is in flight: collect() it first")
+        if len(self._in_flight) > 1:
+            raise RuntimeError("submit() with two steps in flight: collect() one first")
         self._apply_plan(plan)
         if not plan.num_scheduled_tokens:
-            self._in_flight = InFlightStep(plan.step, [], [], None)
+            self._in_flight.append(InFlightStep(plan.step, [], [], None))
             return
+        if any(self.requests[rid].needs_output_values for rid in plan.num_scheduled_tokens):
+            self._finish_in_flight()  # their penalties need the tokens in flight on the host
         sample_ids, graph_size = self._write_inputs(plan)
         view = self.buffers.view()
         if graph_size is not None and self.graphs is not None:
@@ -240,26 +285,25 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in sample_ids]
         pending = self.sampler.sample(logits, [s.sampling_row() for s in states])
-        self._in_flight = InFlightStep(plan.step, sample_ids, states, pending)
+        if pending.token_ids is not None:
+            self.sampled_ids[: len(states)].copy_(pending.token_ids, non_blocking=True)
+        for row, state in enumerate(states):
+            state.num_pending += 1
+            state.sample_row = row
+        self._in_flight.append(InFlightStep(plan.step, sample_ids, states, pending))
 
     def collect(self) -> ModelRunnerOutput:
-        """Wait for the step in flight; its tokens join their requests."""
-        step, self._in_flight = self._in_flight, None
-        if step is None:
+        """Wait for the oldest step in flight; its tokens join their requests."""
+        if not self._in_flight:
             raise RuntimeError("collect() without a step in flight")
-        if step.pending is None:
-            return ModelRunnerOutput(step=step.step, sampled={})
-        result = step.pending.result()
-        for state, token_id in zip(step.states, result.token_ids, strict=True):
-            state.append(token_id)
-        pairs = zip(step.sample_ids, result.logprobs, strict=True)
-        return ModelRunnerOutput(
-            step=step.step,
-            sampled=dict(zip(step.sample_ids, result.token_ids, strict=True)),
-            logprobs={rid: lp for rid, lp in pairs if lp is not None},
-        )
+        return self._in_flight.popleft().finish()
+
+    def _finish_in_flight(self) -> None:
+        for step in self._in_flight:
+            step.finish()
 
     def _forward(self, view: StepView) -> torch.Tensor:
+        ops.gather_sampled_inputs(view.input_ids, view.source_rows, self.sampled_ids)
         return self.model(view.input_ids, view.positions, self.kv_caches, view.meta)
 
     def _apply_plan(self, plan: SchedulerOutput) -> None:
@@ -278,21 +322,31 @@ class ModelRunner:
         starts, counts = [], []
         sample_ids: list[str] = []
         sample_rows: list[int] = []
+        sources: list[tuple[int, int]] = []  # (token index, row of sampled_ids)
         for row, (request_id, num_new) in enumerate(plan.num_scheduled_tokens.items()):
             state = self.requests[request_id]
             start = state.num_computed_tokens
-            token_ids.extend(state.token_ids[start : start + num_new])
+            end = start + num_new
+            first = len(token_ids)
+            token_ids.extend(state.token_ids[start:end])
+            if len(token_ids) < first + num_new:
+                # NOTE: only a request's last token can be in flight (the scheduler readmits
+                # a preempted request once its tokens are in), so one is missing at most.
+                if end != state.num_tokens or state.num_pending != 1:
+                    raise RuntimeError(f"request_id={request_id}: inputs {start}:{end} unknown")
+                sources.append((len(token_ids), state.sample_row))
+                token_ids.append(0)  # a placeholder the device overwrites
             starts.append(start)
             counts.append(num_new)
             self._write_table_row(row, state)
-            state.num_computed_tokens = start + num_new
-            if start + num_new == len(state.token_ids):  # reached the end: sample the next
+            state.num_computed_tokens = end
+            if end == state.num_tokens:  # reached the end: sample the next
                 sample_ids.append(request_id)
                 sample_rows.append(len(token_ids) - 1)
         graph_size = None
         if self.graphs is not None:
             graph_size = self.graphs.padded_size(len(counts), len(token_ids))
-        self.buffers.write(token_ids, starts, counts, sample_rows, pad_to=graph_size)
+        self.buffers.write(token_ids, starts, counts, sample_rows, graph_size, sources)
         for row in range(len(counts), graph_size or 0):
             self.row_owner[row] = None  # padding overwrote it
         self.buffers.copy_to_device()

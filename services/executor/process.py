@@ -1,5 +1,9 @@
 """The executor process: loads the model, announces how many KV blocks fit, then runs one
-forward pass per plan the scheduler sends."""
+forward pass per plan the scheduler sends.
+
+Each plan is queued on the device before the step before it is waited for and answered, so
+the device runs step k+1 while the host sends step k's tokens and the scheduler plans k+2.
+"""
 
 from __future__ import annotations
 
@@ -38,11 +42,15 @@ def run_executor(config: Config, rank: int = 0) -> None:
     )
     logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
     decoder = Decoder(SchedulerOutput, name)
+    has_step_in_flight = False
     try:
         while True:
             plan = decoder.decode(socket.recv())
             if plan is None:  # skipping it would leave the scheduler waiting forever
                 raise RuntimeError(f"{name} received an unreadable plan")
-            socket.send(encode(runner.execute(plan)))
+            runner.submit(plan)
+            if has_step_in_flight:
+                socket.send(encode(runner.collect()))
+            has_step_in_flight = True
     finally:
         heartbeat.set()

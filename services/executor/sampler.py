@@ -27,6 +27,13 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated so far (the next one is being sampled)
+    # Generated tokens still in flight, not in output_token_ids yet. NOTE: only rows without
+    # penalties may have any: penalties read the tokens themselves, counts are enough elsewhere.
+    num_pending: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
 
 
 @dataclass
@@ -81,6 +88,16 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for the device.
+
+    Why pinned: a copy from pageable memory waits for all work queued before it, which would
+    stall the host behind the step in flight that it is meant to overlap.
+    """
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
 def build_sampling_tensors(
     rows: list[SamplingRow], vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device
 ) -> SamplingTensors:
@@ -93,16 +110,16 @@ def build_sampling_tensors(
     top_p = [1.0 if p.greedy else p.top_p for p in params]
     min_p = [0.0 if p.greedy else p.min_p for p in params]
     return SamplingTensors(
-        greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
+        greedy=to_device([p.greedy for p in params], torch.bool, device),
         all_greedy=all(p.greedy for p in params),
-        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+        temperature=to_device(temperature, torch.float32, device),
         top_k=_unless_neutral(top_k, vocab_size, torch.int64, device),
         top_p=_unless_neutral(top_p, 1.0, torch.float32, device),
         min_p=_unless_neutral(min_p, 0.0, torch.float32, device),
         additions=_additions(rows, eos_token_ids, device),
         penalties=_penalties(rows, vocab_size, device),
         seeds=[
-            (i, step_seed(row.params.seed, len(row.output_token_ids)))
+            (i, step_seed(row.params.seed, row.num_output_tokens))
             for i, row in enumerate(rows)
             if row.params.seed is not None and not row.params.greedy
         ],
@@ -115,7 +132,7 @@ def _unless_neutral(
 ) -> torch.Tensor | None:
     if all(v == neutral for v in values):
         return None
-    return torch.tensor(values, dtype=dtype, device=device)  # [R]
+    return to_device(values, dtype, device)  # [R]
 
 
 def _additions(
@@ -128,7 +145,7 @@ def _additions(
     for i, row in enumerate(rows):
         p = row.params
         adds = dict(p.logit_bias or {})
-        if len(row.output_token_ids) < p.min_tokens:
+        if row.num_output_tokens < p.min_tokens:
             # Why not EOS under ignore_eos: it is then no stop token, so nothing to hold back.
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
             adds.update(dict.fromkeys(stops, float("-inf")))
@@ -138,9 +155,9 @@ def _additions(
     if not row_ids:
         return None
     return (
-        torch.tensor(row_ids, dtype=torch.int64, device=device),
-        torch.tensor(token_ids, dtype=torch.int64, device=device),
-        torch.tensor(values, dtype=torch.float32, device=device),
+        to_device(row_ids, torch.int64, device),
+        to_device(token_ids, torch.int64, device),
+        to_device(values, torch.float32, device),
     )  # [A] each
 
 
@@ -155,7 +172,7 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -
     outputs = [row.output_token_ids if o else [] for row, o in zip(rows, on, strict=True)]
     output_counts = _token_counts(outputs, vocab_size, device)  # [R, V]
     seen = (_token_counts(prompts, vocab_size, device) > 0) | (output_counts > 0)  # [R, V]
-    repetition, frequency, presence = torch.tensor(values, device=device).unbind(dim=1)  # [R] x3
+    repetition, frequency, presence = to_device(values, torch.float32, device).unbind(dim=1)
     return Penalties(repetition, frequency, presence, seen, output_counts)
 
 
@@ -165,7 +182,7 @@ def _token_counts(
     width = max(map(len, token_ids), default=0)
     # Why pad with vocab_size: padding lands in an extra column that is sliced off.
     padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]
-    index = torch.tensor(padded, dtype=torch.int64, device=device)  # [R, width]
+    index = to_device(padded, torch.int64, device)  # [R, width]
     counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)  # [R, V + 1]
     counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
     return counts[:, :vocab_size]  # [R, V]
@@ -220,18 +237,20 @@ def apply_top_k_top_p(
     return sorted_logits.scatter(1, order, sorted_logits)  # [R, V] back in vocab order
 
 
-def gather_logprobs(
-    raw_logprobs: torch.Tensor,
-    token_ids: torch.Tensor,
-    token_list: list[int],
-    num_logprobs: list[int | None],
-) -> list[TokenLogprobs | None]:
-    """Logprob, rank and top entries of the raw (unprocessed) distribution, per row."""
-    max_k = max(n for n in num_logprobs if n is not None)
-    sampled = raw_logprobs.gather(1, token_ids[:, None])  # [R, 1]
-    ranks = (raw_logprobs > sampled).sum(dim=-1) + 1  # [R]
+def logprob_tensors(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, max_k: int
+) -> tuple[torch.Tensor, ...]:
+    """Per row: the sampled token's raw logprob [R], its rank [R], top ids and values [R, k]."""
+    sampled = raw_logprobs.gather(1, token_ids[:, None])[:, 0]  # [R]
+    ranks = (raw_logprobs > sampled[:, None]).sum(dim=-1) + 1  # [R]
     top_values, top_ids = raw_logprobs.topk(max_k, dim=-1)  # [R, max_k] descending
-    columns = [sampled[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_values.tolist()]
+    return sampled, ranks, top_ids, top_values
+
+
+def to_token_logprobs(
+    columns: list[list], token_list: list[int], num_logprobs: list[int | None]
+) -> list[TokenLogprobs | None]:
+    """The host lists of `logprob_tensors` as one TokenLogprobs per row that asked."""
     return [
         None if k is None else TokenLogprobs(token, logprob, rank, ids[:k], values[:k])
         for k, token, logprob, rank, ids, values in zip(
@@ -240,22 +259,38 @@ def gather_logprobs(
     ]
 
 
-@dataclass
 class PendingSample:
-    """Sampled ids still on the device; `result()` is the one host sync of a step."""
+    """Sampled ids on their way to the host; `result()` is the one wait of a step.
 
-    token_ids: torch.Tensor | None  # [R]
-    raw_logprobs: torch.Tensor | None  # [R, V] where a row asked for logprobs
-    num_logprobs: list[int | None]
+    The copies start at once (into pinned memory, on the device's queue), and an event marks
+    their end, so `result()` waits for this step only, not for steps queued after it.
+    """
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor | None,  # [R]
+        logprobs: tuple[torch.Tensor, ...] | None = None,  # logprob_tensors(...)
+        num_logprobs: list[int | None] | None = None,
+    ) -> None:
+        self.token_ids = token_ids
+        self.num_logprobs = num_logprobs or []
+        tensors = [t for t in (token_ids, *(logprobs or ())) if t is not None]
+        on_cuda = bool(tensors) and tensors[0].is_cuda
+        self._host = [t.to("cpu", non_blocking=on_cuda) for t in tensors]
+        self._ready: torch.cuda.Event | None = None
+        if on_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
 
     def result(self) -> SamplerOutput:
         if self.token_ids is None:
             return SamplerOutput(token_ids=[], logprobs=[])
-        token_list = self.token_ids.tolist()
-        if self.raw_logprobs is None:
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_list, *columns = (t.tolist() for t in self._host)
+        if not columns:
             return SamplerOutput(token_list, [None] * len(token_list))
-        logprobs = gather_logprobs(self.raw_logprobs, self.token_ids, token_list, self.num_logprobs)
-        return SamplerOutput(token_list, logprobs)
+        return SamplerOutput(token_list, to_token_logprobs(columns, token_list, self.num_logprobs))
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
@@ -265,7 +300,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
         p.greedy
         and p.logprobs is None
         and not p.logit_bias
-        and len(row.output_token_ids) >= p.min_tokens
+        and row.num_output_tokens >= p.min_tokens
         and p.repetition_penalty == 1.0
         and p.frequency_penalty == 0.0
         and p.presence_penalty == 0.0
@@ -288,18 +323,22 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
         """Queue the sampling on the device; `result()` then waits for it."""
         if not rows:
-            return PendingSample(None, None, [])
+            return PendingSample(None)
         if all(_plain_greedy(row) for row in rows):
             # The common offline case: one argmax, no per-row tensors to build and upload.
-            return PendingSample(logits[:, : self.vocab_size].argmax(dim=-1), None, [])
+            return PendingSample(logits[:, : self.vocab_size].argmax(dim=-1))
         t = build_sampling_tensors(rows, self.vocab_size, self.eos_token_ids, self.device)
         # Why slice and copy: a padded lm_head may add columns; processing below is in place.
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # [R, V]
-        raw_logprobs = None
-        if t.max_num_logprobs is not None:
-            raw_logprobs = logits.log_softmax(dim=-1)  # [R, V], before any processing
+        max_k = t.max_num_logprobs
+        # The raw distribution, before any processing, is what `logprobs` reports.
+        raw_logprobs = logits.log_softmax(dim=-1) if max_k is not None else None  # [R, V]
         logits = process_logits(logits, t)
-        return PendingSample(self._sample(logits, t), raw_logprobs, t.num_logprobs)
+        token_ids = self._sample(logits, t)  # [R]
+        if raw_logprobs is None or max_k is None:
+            return PendingSample(token_ids)
+        parts = logprob_tensors(raw_logprobs, token_ids, max_k)
+        return PendingSample(token_ids, parts, t.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1)  # [R]

@@ -2,12 +2,16 @@
 
 Every field lives at a fixed offset of one int32 buffer, sized for the largest step:
 
-    input_ids [T] | positions [T] | slot_mapping [T] | query_start_loc [R+1] | seq_lens [R]
-    | sample_rows [R] | block_tables [R, max_blocks]            (T, R: the configured maxima)
+    input_ids [T] | positions [T] | slot_mapping [T] | source_rows [T] | query_start_loc [R+1]
+    | seq_lens [R] | sample_rows [R] | block_tables [R, max_blocks]   (T, R: the configured maxima)
 
 The host fills a pinned mirror, and one asynchronous copy moves the used prefix to the GPU.
 Fixed offsets also make the device views stable, which CUDA graphs need: a graph captured on
 `view(...)` reads whatever the latest copy put there. On the CPU the mirror is the buffer.
+
+`source_rows` is how a step runs before the host knows all of its input tokens: a decode
+whose input is the token the step in flight is still sampling names that token's row in the
+device's last sampled ids (-1 elsewhere), and the forward pass gathers it on the device.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ PADDING_SLOT = -1  # write_kv skips it: padded graph rows must not touch the cac
 class StepView:
     input_ids: torch.Tensor  # [T] int32
     positions: torch.Tensor  # [T] int32
+    source_rows: torch.Tensor  # [T] int32: row of the last sampled ids to take, or -1
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] int32: flat index of each sampling request's last token
 
@@ -41,6 +46,7 @@ class StepBuffers:
             "input_ids": max_tokens,
             "positions": max_tokens,
             "slot_mapping": max_tokens,
+            "source_rows": max_tokens,
             "query_start_loc": max_reqs + 1,
             "seq_lens": max_reqs,
             "sample_rows": max_reqs,
@@ -58,6 +64,9 @@ class StepBuffers:
         self.tables = self._host("block_tables", max_reqs * max_blocks).reshape(
             max_reqs, max_blocks
         )
+        # Set once the last copy has read the mirror: a pipelined caller fills the mirror for
+        # step k+1 while step k may still be queued, copy included.
+        self._copied: torch.cuda.Event | None = None
         self.last_step: tuple[int, int, int, int] = (0, 0, 0, 0)  # T, R, S, max_seq_len
 
     def _host(self, name: str, size: int) -> np.ndarray:
@@ -70,6 +79,7 @@ class StepBuffers:
 
     def set_table_row(self, row: int, block_ids: Sequence[int], start: int = 0) -> None:
         """Blocks start.. of the request in `row`; rows persist between steps."""
+        self.wait_for_copy()
         if len(block_ids) > start:
             self.tables[row, start : len(block_ids)] = block_ids[start:]
 
@@ -80,15 +90,19 @@ class StepBuffers:
         counts: Sequence[int],
         sample_rows: Sequence[int],
         pad_to: int | None = None,
+        sources: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Fill the host mirror for one step; `pad_to` pads a decode batch for a CUDA graph.
 
         Request r computes tokens starts[r] : starts[r] + counts[r], whose ids are the
-        concatenated `token_ids`; its blocks are in table row r (`set_table_row`).
+        concatenated `token_ids`; its blocks are in table row r (`set_table_row`). Each
+        (token index, row) of `sources` replaces that token id by the row of the last sampled
+        ids, on the device.
         """
         num_reqs, num_tokens = len(counts), len(token_ids)
         if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
             raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds buffers")
+        self.wait_for_copy()
         count = np.asarray(counts, dtype=np.int64)
         first = np.cumsum(count) - count  # [R] offset of each request's first token
         req_index = np.repeat(np.arange(num_reqs), count)  # [T]
@@ -100,6 +114,11 @@ class StepBuffers:
         self._host("input_ids", num_tokens)[:] = token_ids
         self._host("positions", num_tokens)[:] = positions
         self._host("slot_mapping", num_tokens)[:] = slots
+        source_rows = self._host("source_rows", num_tokens)
+        source_rows[:] = -1
+        if sources:
+            indices, rows = zip(*sources, strict=True)
+            source_rows[list(indices)] = rows
         qsl = self._host("query_start_loc", num_reqs + 1)
         qsl[0] = 0
         qsl[1:] = np.cumsum(count)
@@ -118,6 +137,7 @@ class StepBuffers:
         self._host("input_ids", size)[pad] = 0
         self._host("positions", size)[pad] = 0
         self._host("slot_mapping", size)[pad] = PADDING_SLOT
+        self._host("source_rows", size)[pad] = -1
         self._host("query_start_loc", size + 1)[num_reqs + 1 :] = np.arange(num_reqs + 1, size + 1)
         self._host("seq_lens", size)[pad] = 1
         self.tables[pad, 0] = 0
@@ -129,6 +149,14 @@ class StepBuffers:
         num_reqs = self.last_step[1]
         end = self.offsets["block_tables"] + num_reqs * self.max_blocks
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def wait_for_copy(self) -> None:
+        """Block until the last copy has read the mirror (at once, unless it is still queued)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
 
     def view(self, max_seq_len: int | None = None) -> StepView:
         """Device tensors of the last written step (max_seq_len: override for graphs)."""
@@ -148,6 +176,7 @@ class StepBuffers:
         return StepView(
             input_ids=self._device("input_ids", num_tokens),
             positions=self._device("positions", num_tokens),
+            source_rows=self._device("source_rows", num_tokens),
             meta=meta,
             sample_rows=self._device("sample_rows", num_samples),
         )

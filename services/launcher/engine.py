@@ -61,22 +61,21 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One pipelined step: the outputs of the step in flight, with the next one queued.
+        """One pipelined step: the next plan goes to the device, then the last one's outputs.
 
-        The next plan is scheduled while the device runs the current one; the device then
-        gets the next step before the host digests the current one's tokens, so scheduling,
-        output handling and the caller's own work overlap the forward pass.
+        The next plan is scheduled while the device runs the current one and queued behind it
+        before the host waits for the current one's tokens (the device reads the decodes'
+        input tokens from the step before), so the device never waits for the host while
+        the host schedules, digests outputs and does the caller's work.
         """
         plan = self.scheduler.schedule()
-        in_flight, self._in_flight = self._in_flight, None
+        in_flight, self._in_flight = self._in_flight, plan
         if in_flight is None and not plan.num_scheduled_tokens and self.has_unfinished():
             raise RuntimeError("the scheduler could not schedule any waiting request")
-        result = self.runner.collect() if in_flight is not None else None
         self.runner.submit(plan)
-        self._in_flight = plan
-        if in_flight is None or result is None:
+        if in_flight is None:
             return []
-        return self.scheduler.update(in_flight, result)
+        return self.scheduler.update(in_flight, self.runner.collect())
 
     def stats(self) -> StatsSnapshot:
         return self.scheduler.stats()

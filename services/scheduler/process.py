@@ -3,6 +3,10 @@
 It binds one ROUTER. Tokenizer workers send requests and aborts through it and get their
 requests' outputs back; the executor connects to it, announces itself with ExecutorReady,
 then receives one plan per step and answers each with the sampled tokens.
+
+The loop is pipelined like the offline engine: plan k+1 is sent before the scheduler waits for
+step k's tokens, and the executor answers step k once plan k+1 is queued on its device. So
+every plan but the first is answered one plan late; an empty plan flushes the last step.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class SchedulerProcess:
         self.owners: dict[str, bytes] = {}  # request_id -> identity of its tokenizer worker
         self.executor: bytes | None = None
         self.scheduler: Scheduler | None = None
+        self._in_flight: SchedulerOutput | None = None  # sent, not yet answered
         self._last_stats = 0.0
         self._heartbeat = start_heartbeat(config.frontend_address, "scheduler")
 
@@ -150,16 +155,19 @@ class SchedulerProcess:
 
     def _step(self) -> None:
         plan = self.scheduler.schedule()
-        if not plan.num_scheduled_tokens:
+        in_flight = self._in_flight
+        if in_flight is None and not plan.num_scheduled_tokens:
             return
         self.router.send_multipart([self.executor, encode(plan)])
-        result = self._wait_for_result(plan)
-        self._publish(self.scheduler.update(plan, result))
+        self._in_flight = plan
+        if in_flight is not None:
+            result = self._wait_for_result(in_flight)
+            self._publish(self.scheduler.update(in_flight, result))
 
     def _wait_for_result(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         # Requests and aborts that arrive meanwhile are handled now: an abort frees blocks
-        # the in-flight step may still write, which is safe because no later step can run
-        # (and reuse them) before this one has returned.
+        # that steps in flight may still write, which is safe because any later step that
+        # reuses them runs after those on the executor's device queue.
         deadline = time.monotonic() + self.config.step_timeout
         while time.monotonic() < deadline:
             self._maybe_send_stats()  # a long step is not a dead scheduler
