@@ -15,8 +15,10 @@ import torch
 from kernels.activation import silu_and_mul_reference
 from kernels.attention import paged_attention_reference
 from kernels.cache import write_kv_reference
+from kernels.inputs import gather_sampled_inputs_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
+from kernels.rotary_cache import rotary_write_kv_reference
 
 _force_reference = False
 _modules: dict[str, ModuleType] = {}
@@ -97,3 +99,48 @@ def rotary_embedding(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     module = _triton("activation", gate_up)
     return (module.silu_and_mul if module is not None else silu_and_mul_reference)(gate_up)
+
+
+def gather_sampled_inputs(
+    input_ids: torch.Tensor,  # [num_tokens] int32, updated in place
+    source_rows: torch.Tensor,  # [num_tokens] int32: row of sampled_ids to take, or -1
+    sampled_ids: torch.Tensor,  # [max_reqs] int64
+) -> None:
+    module = _triton("inputs", input_ids)
+    kernel = module.gather_sampled_inputs if module is not None else gather_sampled_inputs_reference
+    kernel(input_ids, source_rows, sampled_ids)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,  # [num_tokens] int
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, 2, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]; negative: padding, not written
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim], Qwen3's per-head q/k norm
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """(q/k norm,) rotary, and the rotated key and the value into the cache; returns the query.
+
+    One kernel on CUDA instead of two to four: at small batches launches are the cost. The
+    Triton version rotates the query in place.
+    """
+    module = _triton("rotary_cache", query)
+    kernel = module.rotary_write_kv if module is not None else rotary_write_kv_reference
+    return kernel(
+        positions,
+        query,
+        key,
+        value,
+        cos_sin_cache,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+    )

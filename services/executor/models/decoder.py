@@ -45,6 +45,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
+        self.eps = cfg.rms_norm_eps  # of q_norm / k_norm
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -59,10 +60,19 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        ops.write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        q = ops.rotary_write_kv(
+            positions,
+            q,
+            k,
+            v,
+            self.rotary.cos_sin_cache,
+            kv_cache[0],
+            kv_cache[1],
+            meta.slot_mapping,
+            self.q_norm.weight if self.q_norm is not None else None,
+            self.k_norm.weight if self.k_norm is not None else None,
+            self.eps,
+        )  # [T, H, D], rotated; the rotated keys and the values are in the cache now
         out = ops.paged_attention(
             q,
             kv_cache[0],
