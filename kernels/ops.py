@@ -16,10 +16,12 @@ from kernels.activation import silu_and_mul_reference
 from kernels.attention import paged_attention_reference
 from kernels.cache import write_kv_reference
 from kernels.inputs import gather_sampled_inputs_reference
+from kernels.linear import linear_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
 from kernels.rotary_cache import rotary_write_kv_reference
 
+SKINNY_MAX_ROWS = 16  # decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS
 _force_reference = False
 _modules: dict[str, ModuleType] = {}
 
@@ -144,3 +146,16 @@ def rotary_write_kv(
         k_norm_weight,
         eps,
     )
+
+
+def linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    gated: bool = False,  # x is [M, 2K] (gate | up): the down projection of silu(gate) * up
+) -> torch.Tensor:  # [M, N]
+    """A linear layer; up to SKINNY_MAX_ROWS rows on CUDA, the weight-streaming Triton GEMV."""
+    if 1 <= x.shape[0] <= SKINNY_MAX_ROWS and (module := _triton("linear", x)) is not None:
+        return module.skinny_linear(x, weight, bias, gated=gated)
+    return linear_reference(silu_and_mul(x) if gated else x, weight, bias)

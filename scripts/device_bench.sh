@@ -17,7 +17,7 @@ fi
 export PYTHONUNBUFFERED=1
 MODEL=${MODEL:-Llama-3.1-8B}
 SMALL_MODEL=${SMALL_MODEL:-Qwen3-0.6B}
-PARTS=${PARTS:-"tests floors attention latency throughput throughput-2048 small peer"}
+PARTS=${PARTS:-"tests floors attention sweep latency throughput throughput-2048 small peer"}
 COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
 status=0
 
@@ -36,9 +36,12 @@ for part in $PARTS; do
         run floors python3 -m services bench floors --output-json "$OUT/floors.json" ;;
     attention)
         run attention python3 -m services bench attention --output-json "$OUT/attention.json" ;;
+    sweep)  # decode GEMV tiles against cuBLAS at the Llama-3.1-8B shapes
+        run sweep python3 benchmarks/linear_sweep.py --out "$OUT/linear_sweep.json" ;;
     latency)
         run latency python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
-            --input-len 128 --output-len 256 --output-json "$OUT/latency.json" ;;
+            --input-len 128 --output-len 256 --profile-steps 20 \
+            --output-json "$OUT/latency.json" ;;
     throughput)  # an offline budget of 8192 tokens per step, as vLLM's LLM class uses
         run throughput python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \

@@ -68,4 +68,5 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = ops.linear(x, self.gate_up_proj.weight)  # [T, 2 * intermediate]
+        return ops.linear(gate_up, self.down_proj.weight, gated=True)  # [T, hidden]

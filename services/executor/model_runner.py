@@ -245,7 +245,7 @@ class ModelRunner:
         baseline = torch.cuda.memory_allocated(self.device)
         view = self.buffers.view()
         hidden = self.model(view.input_ids, view.positions, kv_caches, view.meta)
-        logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab] float32
+        logits = self.model.compute_logits(hidden[view.sample_rows]).float()  # [S, vocab]
         logits.sort(dim=-1)  # the sampler's top-k/top-p sort is its largest temporary
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - baseline

@@ -56,7 +56,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -84,7 +85,7 @@ class Attention(nn.Module):
             meta.max_seq_len,
             self.scale,
         )  # [T, H, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -140,7 +141,9 @@ class DecoderForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, vocab]
+        # Why not float32 here: greedy argmax is the same on the model dtype, and the sampler
+        # copies to float32 where it computes probabilities.
+        return ops.linear(hidden, self.lm_head.weight)  # [N, vocab], model dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be present."""
