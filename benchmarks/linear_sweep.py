@@ -1,10 +1,10 @@
 """Skinny (decode) linear layers at Llama-3.1-8B shapes: Triton tile configs against cuBLAS.
 
-For each shape (qkv, o, gate_up, down, down with the gated SiLU-and-mul fused into its input,
-lm_head) and each M in --m, times torch's F.linear (cuBLAS; for the gated down, Triton
-silu_and_mul then F.linear) and every config in CANDIDATES of `kernels.triton_linear`, and
-reports microseconds per call and GB/s of weights read. Then times one decode step's worth of
-linear layers, 32 x (qkv, o, gate_up, down) + lm_head, with the best config per shape.
+For each shape (qkv, o, gate_up, down, lm_head) and each M in --m, times torch's F.linear (cuBLAS)
+and every config in CANDIDATES of `kernels.triton_linear`, and reports microseconds per call and
+GB/s of weights read. Then times one decode step's worth of linear layers, 32 x (qkv, o, gate_up,
+down) + lm_head, with torch and with the best Triton config per shape. `default_tiles` holds the
+picks of the last run.
 
 Not an L2 measurement: each shape has one weight copy per layer (32, as the model has; 2 for
 lm_head, 1 GB each), 16 GB in all against the H100's 50 MB L2, and a timed CUDA graph calls the
@@ -12,7 +12,7 @@ layer on every copy in turn, so each weight comes from HBM. The graph also takes
 overhead out (a Triton launch costs more host time than an o projection takes on the GPU).
 Every config is first checked against F.linear (relative error < 2e-2) and skipped, with the
 reason, if it fails or does not compile. Kernels are compiled in parallel processes first, to
-fill Triton's disk cache (about 1 s of compile each, ~40 kernels).
+fill Triton's disk cache (about 1 s of compile each, ~20 kernels).
 
     python3 benchmarks/linear_sweep.py --out $OUT/linear_sweep.json
 
@@ -42,7 +42,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # runs from a checkout whether or not kvflow is installed
 
-from kernels.triton_activation import silu_and_mul  # noqa: E402
 from kernels.triton_linear import LinearTiles, skinny_linear  # noqa: E402
 
 DEVICE = "cuda"
@@ -56,25 +55,17 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> 
 @dataclasses.dataclass(frozen=True)
 class Shape:
     name: str
-    n: int
-    k: int
-    gated: bool = False  # x is [M, 2K] (gate | up): the down projection fed by SiLU-and-mul
-    shares: str | None = None  # the shape whose weights it reads; None: its own
-
-    @property
-    def weight_name(self) -> str:
-        return self.shares or self.name
+    n: int  # output features (weight rows)
+    k: int  # input features
 
 
-SHAPES = [
+SHAPES = [  # one decode step: 32 (layers) of each but lm_head
     Shape("qkv", 6144, 4096),
     Shape("o", 4096, 4096),
     Shape("gate_up", 28672, 4096),
     Shape("down", 4096, 14336),
-    Shape("down_gated", 4096, 14336, gated=True, shares="down"),
     Shape("lm_head", 128256, 4096),
 ]
-STEP_SHAPES = ("qkv", "o", "gate_up", "down", "lm_head")  # one decode step: 32 of all but lm_head
 
 # (block_n, block_k, num_warps, num_stages): BLOCK_N 16/32/64 x BLOCK_K 128..512, tl.dot; and
 # the multiply-add variant, whose accumulator caps it at M <= 4 (M = 1 for the widest).
@@ -94,13 +85,9 @@ def label(tiles: LinearTiles | None) -> str:
     return f"{kind} n{tiles.block_n} k{tiles.block_k} w{tiles.num_warps} s{tiles.num_stages}"
 
 
-def linear_fn(shape: Shape, tiles: LinearTiles | None) -> Linear:
+def linear_fn(tiles: LinearTiles | None) -> Linear:
     """The layer as (x, weight) -> out: torch (tiles None) or skinny_linear with `tiles`."""
-    if tiles is not None:
-        return functools.partial(skinny_linear, gated=shape.gated, tiles=tiles)
-    if shape.gated:
-        return lambda x, weight: F.linear(silu_and_mul(x), weight)
-    return F.linear
+    return F.linear if tiles is None else functools.partial(skinny_linear, tiles=tiles)
 
 
 # --- Timing -------------------------------------------------------------------------------------
@@ -158,8 +145,6 @@ def make_weights(layers: int, dtype: torch.dtype, seed: int) -> dict[str, list[t
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     weights: dict[str, list[torch.Tensor]] = {}
     for shape in SHAPES:
-        if shape.shares is not None:
-            continue
         copies = 2 if shape.name == "lm_head" else layers
         weights[shape.name] = [random_weight(shape, dtype, gen) for _ in range(copies)]
     return weights
@@ -172,8 +157,7 @@ def random_weight(shape: Shape, dtype: torch.dtype, gen: torch.Generator) -> tor
 
 def make_input(shape: Shape, m: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    width = 2 * shape.k if shape.gated else shape.k
-    return torch.randn(m, width, generator=gen, device=DEVICE).to(dtype)  # [M, K or 2K]
+    return torch.randn(m, shape.k, generator=gen, device=DEVICE).to(dtype)  # [M, K]
 
 
 def rel_error(out: torch.Tensor, expected: torch.Tensor) -> float:
@@ -187,8 +171,8 @@ def measure(
     shape: Shape, m: int, tiles: LinearTiles | None, x: torch.Tensor, weights: list[torch.Tensor]
 ) -> dict[str, Any]:
     """One result row; raises when the config fails the check against torch."""
-    fn = linear_fn(shape, tiles)
-    error = rel_error(fn(x, weights[0]), linear_fn(shape, None)(x, weights[0]))
+    fn = linear_fn(tiles)
+    error = rel_error(fn(x, weights[0]), F.linear(x, weights[0]))
     if not error < MAX_REL_ERR:  # NaN fails too
         raise ValueError(f"relative error {error:.2e} >= {MAX_REL_ERR}")
     seconds = time_layer(fn, x, weights)
@@ -215,7 +199,7 @@ def sweep_impl(
     for (name, m), x in inputs.items():
         shape = shapes[name]
         try:
-            results.append(measure(shape, m, tiles, x, weights[shape.weight_name]))
+            results.append(measure(shape, m, tiles, x, weights[name]))
         except Exception as error:  # a config that fails to compile or to match is skipped
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
             skipped.append({"impl": label(tiles), "shape": name, "m": m, "reason": reason})
@@ -247,32 +231,26 @@ def best_results(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[st
 def step_variants(
     best: dict[tuple[str, int], dict[str, Any]], m: int
 ) -> dict[str, dict[str, Linear]]:
-    """Layer functions of a step: torch, and Triton's best per shape with down fused or not."""
-    shapes = {s.name: s for s in SHAPES}
-    torch_fns = {name: linear_fn(shapes[name], None) for name in STEP_SHAPES}
-    torch_fns["down"] = linear_fn(shapes["down_gated"], None)  # silu_and_mul, then F.linear
-    variants = {"torch": torch_fns}
-    rows = {name: best.get((name, m)) for name in (*STEP_SHAPES, "down_gated")}
+    """Layer functions of a step: torch, and Triton's best per shape (if every shape has one)."""
+    variants = {"torch": {shape.name: linear_fn(None) for shape in SHAPES}}
+    rows = {shape.name: best.get((shape.name, m)) for shape in SHAPES}
     if any(row is None for row in rows.values()):
         return variants  # a shape with no working config: no Triton step
-    tiles = {name: LinearTiles(**row["tiles"]) for name, row in rows.items() if row is not None}
-    fused = {name: linear_fn(shapes[name], tiles[name]) for name in STEP_SHAPES}
-    fused["down"] = linear_fn(shapes["down_gated"], tiles["down_gated"])
-    down = linear_fn(shapes["down"], tiles["down"])
-    unfused = {**fused, "down": lambda x, weight: down(silu_and_mul(x), weight)}
-    return {**variants, "triton_fused": fused, "triton_unfused": unfused}
+    triton_fns = {name: linear_fn(LinearTiles(**row["tiles"])) for name, row in rows.items() if row}
+    return {**variants, "triton": triton_fns}
 
 
 def decode_step(
-    fns: dict[str, Linear], weights: dict[str, list[torch.Tensor]], x: torch.Tensor, layers: int
+    fns: dict[str, Linear],
+    weights: dict[str, list[torch.Tensor]],
+    inputs: dict[str, torch.Tensor],  # shape name -> x [M, K]
+    layers: int,
 ) -> Callable[[], None]:
     def run() -> None:
         for layer in range(layers):
-            fns["qkv"](x, weights["qkv"][layer])
-            fns["o"](x, weights["o"][layer])
-            gate_up = fns["gate_up"](x, weights["gate_up"][layer])  # [M, 2 * inter]
-            fns["down"](gate_up, weights["down"][layer])
-        fns["lm_head"](x, weights["lm_head"][0])
+            for name in ("qkv", "o", "gate_up", "down"):
+                fns[name](inputs[name], weights[name][layer])
+        fns["lm_head"](inputs["lm_head"], weights["lm_head"][0])
 
     return run
 
@@ -283,12 +261,13 @@ def time_steps(
     m: int,
     layers: int,
 ) -> list[dict[str, Any]]:
-    x = make_input(SHAPES[0], m, weights["qkv"][0].dtype, seed=m)  # [M, hidden]
-    per_layer = sum(weights[name][0].nbytes for name in STEP_SHAPES if name != "lm_head")
+    dtype = weights["qkv"][0].dtype
+    inputs = {shape.name: make_input(shape, m, dtype, seed=m) for shape in SHAPES}
+    per_layer = sum(weights[s.name][0].nbytes for s in SHAPES if s.name != "lm_head")
     step_bytes = layers * per_layer + weights["lm_head"][0].nbytes
     rows = []
     for variant, fns in step_variants(best, m).items():
-        graph = capture(decode_step(fns, weights, x, layers))
+        graph = capture(decode_step(fns, weights, inputs, layers))
         seconds = time_graph(graph)
         del graph
         rows.append(
@@ -314,11 +293,10 @@ def _compile(job: tuple[LinearTiles, str, tuple[int, ...]]) -> None:
     dtype = DTYPES[dtype_name]
     weight = torch.randn(256, 1024, device=DEVICE).to(dtype)  # [N, K]
     row_tiles = {tiles.rows(m): m for m in ms}  # one M per compiled row tile
-    for gated in (False, True):
-        for m in row_tiles.values():
-            x = torch.randn(m, 2048 if gated else 1024, device=DEVICE).to(dtype)
-            with contextlib.suppress(Exception):  # the sweep reports it
-                skinny_linear(x, weight, gated=gated, tiles=tiles)
+    for m in row_tiles.values():
+        x = torch.randn(m, 1024, device=DEVICE).to(dtype)  # [M, K]
+        with contextlib.suppress(Exception):  # the sweep reports it
+            skinny_linear(x, weight, tiles=tiles)
     torch.cuda.synchronize()
 
 

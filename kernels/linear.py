@@ -1,21 +1,15 @@
-"""A linear layer, optionally fed by the gated MLP's SiLU-and-mul (the down projection's input)."""
+"""A linear layer: the torch reference that `kernels.triton_linear` is checked against."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_reference
-
 
 def linear_reference(
-    x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) when gated
+    x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K], nn.Linear layout
     bias: torch.Tensor | None = None,  # [N]
-    *,
-    gated: bool = False,
 ) -> torch.Tensor:  # [M, N], x.dtype
-    """x @ weight.T + bias; with `gated`, silu(gate) * up (in x.dtype) takes the place of x."""
-    if gated:
-        x = silu_and_mul_reference(x)  # [M, K]
+    """x @ weight.T + bias."""
     return F.linear(x, weight, bias)

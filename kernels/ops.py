@@ -13,6 +13,7 @@ from types import ModuleType
 import torch
 
 from kernels.activation import silu_and_mul_reference
+from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
 from kernels.cache import write_kv_reference
 from kernels.inputs import gather_sampled_inputs_reference
@@ -152,10 +153,14 @@ def linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    *,
-    gated: bool = False,  # x is [M, 2K] (gate | up): the down projection of silu(gate) * up
 ) -> torch.Tensor:  # [M, N]
     """A linear layer; up to SKINNY_MAX_ROWS rows on CUDA, the weight-streaming Triton GEMV."""
     if 1 <= x.shape[0] <= SKINNY_MAX_ROWS and (module := _triton("linear", x)) is not None:
-        return module.skinny_linear(x, weight, bias, gated=gated)
-    return linear_reference(silu_and_mul(x) if gated else x, weight, bias)
+        return module.skinny_linear(x, weight, bias)
+    return linear_reference(x, weight, bias)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64
+    """The first index of each row's maximum of logits [R, V]."""
+    module = _triton("argmax", logits)
+    return (module.argmax if module is not None else argmax_reference)(logits)

@@ -20,14 +20,11 @@ Two inner products, picked by `LinearTiles.use_dot`:
        BM = next_power_of_2(M): no padding and no per-step reduction, for M = 1 GEMVs. The
        accumulator lives in registers, so it is limited to `FMA_MAX_ACC_PER_THREAD` floats.
 
-With `gated`, x is [M, 2K] (gate | up) and each step computes silu(gate) * up in float32,
-rounded once to x.dtype, as `kernels.triton_activation.silu_and_mul` does: the fused layer equals
-silu_and_mul followed by this linear, and the [M, K] product is never written.
-
-Every size is a runtime argument except the tile shape, so one compile per (tiles, dtype, gated,
-bias) serves every layer and every M. No host sync and no allocation besides the output: it can
-be captured in a CUDA graph. There is no split-K: it would need a zeroed output or a float32
-workspace and a second pass, and BLOCK_N = 16 already gives N = 4096 two programs per H100 SM.
+Every size is a runtime argument except the tile shape, so one compile per (tiles, dtype, bias)
+serves every layer and every M. No host sync and no allocation besides the output: it can be
+captured in a CUDA graph. There is no split-K: it would need a zeroed output or a float32
+workspace and a second pass, and with the default tiles N = 4096 already makes 128 programs
+(BLOCK_N = 32) or 512 (BLOCK_N = 8, M = 1) for an H100's 132 SMs, measured faster than cuBLAS.
 """
 
 from __future__ import annotations
@@ -77,41 +74,31 @@ class LinearTiles:
 
 
 def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
-    """A configuration for [m, k] x [n, k]^T; to be replaced by benchmarks/linear_sweep.py's picks.
+    """The configuration for [m, k] x [n, k]^T: benchmarks/linear_sweep.py's picks.
 
-    Narrow programs when N is small, so that N = 4096 still gives 256 programs (two per SM
-    on an H100) without split-K; float32 tiles are halved along K to keep the pipelined
-    shared memory (num_stages weight tiles) the same size.
+    Measured on an H100 (bf16, Triton 3.6, 2026-11-23, `python3 benchmarks/linear_sweep.py`):
+    microseconds per call at Llama-3.1-8B shapes, these tiles / cuBLAS (at M = 4 for M >= 2):
+
+        M = 1                  fma n8 k512 w4 s3   qkv 19.3 / 20.9, o 14.0 / 16.3,
+                                                   gate_up 78.4 / 81.5, lm_head 337.3 / 374.8,
+                                                   down 42.9 / 44.2 (the best, dot: 42.5)
+        M >= 2, K >= 8192      dot n32 k512 w4 s4  down 42.8 / 44.2, lm_head 342.1 / 376.1
+          or N >= 65536
+        M >= 2, the rest       dot n32 k128 w4 s5  qkv 20.0 / 21.0, o 14.5 / 16.3,
+                                                   gate_up 82.0 / 81.9
+
+    float32 (the CPU interpreter, tests) halves block_k, to keep the bytes of a weight tile and
+    so the pipelined shared memory the same; block_k never exceeds K rounded up to a power of two.
     """
-    del m  # one row tile serves every M <= 16
-    block_n = 16 if n <= 8192 else 32
-    block_k = 128 if dtype == torch.float32 else 256
-    block_k = max(DOT_MIN, min(block_k, triton.next_power_of_2(k)))
-    return LinearTiles(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4)
-
-
-@triton.jit
-def _load_input(x_ptrs, mask, k, GATED: tl.constexpr, LAYOUT_BARRIER: tl.constexpr):
-    """The x tile [BM, BK] in x's dtype; with GATED, silu(gate) * up from x [M, 2K]."""
-    if GATED:
-        gate = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)  # [BM, BK]
-        up = tl.load(x_ptrs + k, mask=mask, other=0.0).to(tl.float32)  # [BM, BK]
-        # Same formula as triton_activation: exp overflows to inf for gate << 0, silu -> -0.
-        x = gate / (1.0 + tl.exp(-gate)) * up  # [BM, BK] float32
-        if LAYOUT_BARRIER:
-            # NOTE: an opaque copy that Triton cannot see through. Without it, Triton moves the
-            # conversion to tl.dot's operand layout above the math, where every warp holds the
-            # whole x tile, so each warp computes silu on all 16 x BK elements: num_warps times
-            # the work (SASS for sm_90: 256 MUFU per thread per BK=256 step instead of 64, an
-            # MUFU-bound loop). With it, each element is computed once and the product goes
-            # through shared memory into the dot layout.
-            x = tl.inline_asm_elementwise(
-                "mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=False, pack=1
-            )
-        x = x.to(x_ptrs.dtype.element_ty)
+    if m == 1:
+        tiles = LinearTiles(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+    elif k >= 8192 or n >= 65536:
+        tiles = LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
     else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0)  # [BM, BK]
-    return x
+        tiles = LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
+    block_k = tiles.block_k // 2 if dtype == torch.float32 else tiles.block_k
+    block_k = max(DOT_MIN, min(block_k, triton.next_power_of_2(k)))
+    return dataclasses.replace(tiles, block_k=block_k)
 
 
 # NOTE: m is not specialised, so M = 1 (Triton's "== 1" case) and M = 16 ("divisible by 16")
@@ -119,7 +106,7 @@ def _load_input(x_ptrs, mask, k, GATED: tl.constexpr, LAYOUT_BARRIER: tl.constex
 # loads be 16-byte vectors.
 @triton.jit(do_not_specialize=["m"])
 def _skinny_linear_kernel(
-    x_ptr,  # [M, K], or [M, 2K] (gate | up) when GATED
+    x_ptr,  # [M, K]
     w_ptr,  # [N, K]
     bias_ptr,  # [N]; any pointer when not HAS_BIAS
     out_ptr,  # [M, N]
@@ -133,11 +120,10 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
-    GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     DOT_PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,  # under TRITON_INTERPRET: no inline asm, and see UPCAST below
+    INTERPRETED: tl.constexpr,  # under TRITON_INTERPRET: see UPCAST below
 ):
     rows = tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
@@ -154,8 +140,7 @@ def _skinny_linear_kernel(
     for k_start in range(0, k, BLOCK_K):
         # When K % BLOCK_K == 0 the mask is a constant: no per-element predicate on the loads.
         k_valid = tl.full([BLOCK_K], True, tl.int1) if EVEN_K else k_start + ks < k  # [BK]
-        x_mask = row_valid[:, None] & k_valid[None, :]  # [BM, BK]
-        x = _load_input(x_ptrs, x_mask, k, GATED, USE_DOT and not INTERPRETED)  # [BM, BK]
+        x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)  # [BM, BK]
         w = tl.load(w_ptrs, mask=col_valid[:, None] & k_valid[None, :], other=0.0)  # [BN, BK]
         if USE_DOT and INTERPRETED:  # the interpreter's tl.dot is wrong for bf16 (see UPCAST)
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -175,18 +160,14 @@ def _skinny_linear_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _check_inputs(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
-) -> None:
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} must be 2-D")
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"skinny_linear takes 1 to {MAX_ROWS} rows, got {m}")
-    expected_k = 2 * k if gated else k
-    if x.shape[1] != expected_k:
-        layout = "[M, 2K] (gate | up)" if gated else "[M, K]"
-        raise ValueError(f"x {tuple(x.shape)} must be {layout} for weight [N={n}, K={k}]")
+    if x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} must be [M, K] for weight [N={n}, K={k}]")
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight need one dtype of {DTYPES}, got {x.dtype}, {weight.dtype}")
     if x.stride(1) != 1 or weight.stride(1) != 1:
@@ -202,15 +183,14 @@ def _check_inputs(
 
 
 def skinny_linear(
-    x: torch.Tensor,  # [M, K], or [M, 2K] (gate | up) when gated; 1 <= M <= 16
+    x: torch.Tensor,  # [M, K], 1 <= M <= 16
     weight: torch.Tensor,  # [N, K], nn.Linear layout; rows may be strided
     bias: torch.Tensor | None = None,  # [N]
     *,
-    gated: bool = False,
     tiles: LinearTiles | None = None,  # None: default_tiles(M, N, K, dtype)
 ) -> torch.Tensor:  # [M, N], x.dtype, new and contiguous
-    """x @ weight.T + bias for decode-sized M; with `gated`, silu(gate) * up takes x's place."""
-    _check_inputs(x, weight, bias, gated)
+    """x @ weight.T + bias for decode-sized M."""
+    _check_inputs(x, weight, bias)
     m, (n, k) = x.shape[0], weight.shape
     tiles = tiles or default_tiles(m, n, k, x.dtype)
     if tiles.acc_per_thread(m) > FMA_MAX_ACC_PER_THREAD:
@@ -236,7 +216,6 @@ def skinny_linear(
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot,
-        GATED=gated,
         HAS_BIAS=bias is not None,
         EVEN_K=k % tiles.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -69,4 +69,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = ops.linear(x, self.gate_up_proj.weight)  # [T, 2 * intermediate]
-        return ops.linear(gate_up, self.down_proj.weight, gated=True)  # [T, hidden]
+        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)  # [T, hidden]

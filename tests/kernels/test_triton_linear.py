@@ -16,12 +16,9 @@ import torch
 
 pytest.importorskip("triton")
 
-import triton
-
 import kernels.triton_linear as triton_linear
 from kernels.linear import linear_reference
-from kernels.triton_activation import silu_and_mul
-from kernels.triton_linear import LinearTiles, default_tiles, skinny_linear
+from kernels.triton_linear import FMA_MAX_ACC_PER_THREAD, LinearTiles, default_tiles, skinny_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -51,11 +48,11 @@ def randn(*shape: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor
 
 
 def make_case(
-    m: int, n: int, k: int, dtype: torch.dtype, gated: bool, seed: int
+    m: int, n: int, k: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [m, k] (or [m, 2k] gate | up), weight [n, k], bias [n]."""
+    """x [m, k], weight [n, k], bias [n]."""
     gen = torch.Generator().manual_seed(seed)
-    x = randn(m, 2 * k if gated else k, gen=gen, dtype=dtype)
+    x = randn(m, k, gen=gen, dtype=dtype)
     return x, randn(n, k, gen=gen, dtype=dtype), randn(n, gen=gen, dtype=dtype)
 
 
@@ -72,59 +69,65 @@ def check(out: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
 # --- The reference ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_reference_matches_float64(gated: bool) -> None:
-    x, weight, bias = make_case(5, N, K, torch.float32, gated, seed=0)
-    x64, w64 = x.double(), weight.double()
-    if gated:
-        gate, up = x64[:, :K], x64[:, K:]
-        x64 = gate * torch.sigmoid(gate) * up  # [5, K]
-    expected = x64 @ w64.T + bias.double()  # [5, N]
-    out = linear_reference(x, weight, bias, gated=gated)
+def test_reference_matches_float64() -> None:
+    x, weight, bias = make_case(5, N, K, torch.float32, seed=0)
+    expected = x.double() @ weight.double().T + bias.double()  # [5, N]
+    out = linear_reference(x, weight, bias)
     assert out.dtype == torch.float32 and rel_error(out, expected) < 1e-6
 
 
 # --- Triton against the reference ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tiles", [DOT, FMA], ids=["dot", "fma"])
+@pytest.mark.parametrize("tiles", [DOT, FMA, None], ids=["dot", "fma", "default"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_matches_reference(
-    m: int, with_bias: bool, gated: bool, dtype: torch.dtype, tiles: LinearTiles
+    m: int, with_bias: bool, dtype: torch.dtype, tiles: LinearTiles | None
 ) -> None:
-    x, weight, bias = make_case(m, N, K, dtype, gated, seed=m)
+    """None: default_tiles, fma at M = 1 and dot above, K = 100 in steps of 64 or 128."""
+    x, weight, bias = make_case(m, N, K, dtype, seed=m)
     bias = bias if with_bias else None
-    out = skinny_linear(x, weight, bias, gated=gated, tiles=tiles)
-    # bf16 gated: the reference rounds silu(gate) and its product with up, the kernel once.
-    tol = 2 * REL_TOL[dtype] if gated else REL_TOL[dtype]
-    check(out, linear_reference(x, weight, bias, gated=gated), tol)
+    check(
+        skinny_linear(x, weight, bias, tiles=tiles),
+        linear_reference(x, weight, bias),
+        REL_TOL[dtype],
+    )
 
 
-@pytest.mark.parametrize("tiles", [DOT, FMA], ids=["dot", "fma"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_equals_silu_and_mul_then_linear(dtype: torch.dtype, tiles: LinearTiles) -> None:
-    """Fused, silu(gate) * up is rounded to x.dtype once, as triton silu_and_mul rounds it."""
-    x, weight, bias = make_case(4, N, K, dtype, gated=True, seed=9)
-    fused = skinny_linear(x, weight, bias, gated=True, tiles=tiles)
-    unfused = skinny_linear(silu_and_mul(x), weight, bias, tiles=tiles)
-    assert torch.equal(fused, unfused)
+@pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "expected"),
+    [  # Llama-3.1-8B's down and lm_head are the wide cases; float32 halves block_k
+        (1, 4096, 14336, torch.bfloat16, LinearTiles(8, 512, 4, 3, use_dot=False)),
+        (1, 6144, 4096, torch.float32, LinearTiles(8, 256, 4, 3, use_dot=False)),
+        (2, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),
+        (16, 128256, 4096, torch.float16, LinearTiles(32, 512, 4, 4)),
+        (16, 28672, 4096, torch.bfloat16, LinearTiles(32, 128, 4, 5)),
+        (4, 4096, 4096, torch.float32, LinearTiles(32, 64, 4, 5)),
+        (4, 48, 20, torch.bfloat16, LinearTiles(32, 32, 4, 5)),  # block_k <= next pow2 of K
+        (1, 48, 8, torch.float32, LinearTiles(8, 16, 4, 3, use_dot=False)),  # and >= 16
+    ],
+)
+def test_default_tiles_picks(
+    m: int, n: int, k: int, dtype: torch.dtype, expected: LinearTiles
+) -> None:
+    tiles = default_tiles(m, n, k, dtype)
+    assert tiles == expected and tiles.acc_per_thread(m) <= FMA_MAX_ACC_PER_THREAD
 
 
-@pytest.mark.parametrize("k", [64, 200])  # a multiple of every block_k tried, and not
-def test_default_tiles(k: int) -> None:
-    x, weight, bias = make_case(2, 48, k, torch.float32, gated=False, seed=k)
-    tiles = default_tiles(2, 48, k, torch.float32)
-    assert tiles.block_k <= max(16, triton.next_power_of_2(k))
+@pytest.mark.parametrize("m", [1, 2])  # fma, dot
+@pytest.mark.parametrize("k", [64, 200])  # a multiple of every default block_k, and not
+def test_default_tiles(k: int, m: int) -> None:
+    x, weight, bias = make_case(m, 48, k, torch.float32, seed=k + m)
+    assert default_tiles(m, 48, k, torch.float32).use_dot == (m > 1)
     check(skinny_linear(x, weight, bias), linear_reference(x, weight, bias), 1e-5)
 
 
-def test_float16() -> None:
-    x, weight, bias = make_case(2, N, K, torch.float16, gated=True, seed=3)
-    out = skinny_linear(x, weight, bias, gated=True, tiles=DOT)
-    check(out, linear_reference(x, weight, bias, gated=True), 2e-2)
+@pytest.mark.parametrize("tiles", [DOT, FMA], ids=["dot", "fma"])
+def test_float16(tiles: LinearTiles) -> None:
+    x, weight, bias = make_case(2, N, K, torch.float16, seed=3)
+    check(skinny_linear(x, weight, bias, tiles=tiles), linear_reference(x, weight, bias), 1e-2)
 
 
 def test_strided_rows() -> None:
@@ -136,10 +139,11 @@ def test_strided_rows() -> None:
         check(skinny_linear(x, weight, tiles=tiles), linear_reference(x, weight), 1e-5)
 
 
-def test_one_column_block_and_long_k() -> None:
+@pytest.mark.parametrize("tiles", [DOT, FMA], ids=["dot", "fma"])
+def test_one_column_block_and_long_k(tiles: LinearTiles) -> None:
     """N smaller than block_n, K over many steps."""
-    x, weight, bias = make_case(16, 5, 1000, torch.float32, gated=False, seed=5)
-    check(skinny_linear(x, weight, bias, tiles=DOT), linear_reference(x, weight, bias), 1e-5)
+    x, weight, bias = make_case(16, 5, 1000, torch.float32, seed=5)
+    check(skinny_linear(x, weight, bias, tiles=tiles), linear_reference(x, weight, bias), 1e-5)
 
 
 # --- Bad inputs ---------------------------------------------------------------------------------
@@ -153,7 +157,6 @@ def bad_inputs() -> list[tuple[str, dict[str, Any], str]]:
         ("17 rows", {"x": randn(17, 32, gen=gen, dtype=torch.float32), "weight": w}, "17"),
         ("3-D x", {"x": x[None], "weight": w}, "2-D"),
         ("K mismatch", {"x": x[:, :16], "weight": w}, r"\[M, K\]"),
-        ("gated K", {"x": x, "weight": w, "gated": True}, "gate"),
         ("dtypes differ", {"x": x, "weight": w.double()}, "dtype"),
         ("int dtype", {"x": x.int(), "weight": w.int()}, "dtype"),
         ("x strided K", {"x": randn(32, 2, gen=gen, dtype=torch.float32).t(), "weight": w}, "K"),
@@ -188,21 +191,20 @@ def test_fma_takes_narrow_tiles() -> None:
 # --- GPU: Llama-3.1-8B decode shapes --------------------------------------------------------------
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-LLAMA_8B = {  # name: (N, K, gated)
-    "qkv": (6144, 4096, False),
-    "o": (4096, 4096, False),
-    "gate_up": (28672, 4096, False),
-    "down": (4096, 14336, False),
-    "down_gated": (4096, 14336, True),
-    "lm_head": (128256, 4096, False),
+LLAMA_8B = {  # name: (N, K)
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
 }
 
 
 def gpu_case(
-    m: int, n: int, k: int, dtype: torch.dtype, gated: bool, seed: int
+    m: int, n: int, k: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(m, 2 * k if gated else k, generator=gen, device="cuda").to(dtype)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
     weight = torch.randn(n, k, generator=gen, device="cuda").mul_(k**-0.5).to(dtype)
     return x, weight, torch.randn(n, generator=gen, device="cuda").to(dtype)
 
@@ -213,25 +215,23 @@ def gpu_case(
 @pytest.mark.parametrize("shape", list(LLAMA_8B))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_llama_shapes(dtype: torch.dtype, shape: str, m: int) -> None:
-    n, k, gated = LLAMA_8B[shape]
-    x, weight, bias = gpu_case(m, n, k, dtype, gated, seed=m)
-    expected = linear_reference(x, weight, gated=gated)
-    check(skinny_linear(x, weight, gated=gated), expected, 2e-2 if gated else 1e-2)
-    if gated:  # the same rounding as silu_and_mul then the same kernel: equal but for ulps
-        unfused = skinny_linear(silu_and_mul(x), weight)
-        check(skinny_linear(x, weight, gated=True), unfused, 2e-3)
+    """The default tiles (fma at M = 1, dot above), and the other variant at M = 1."""
+    n, k = LLAMA_8B[shape]
+    x, weight, bias = gpu_case(m, n, k, dtype, seed=m)
+    expected = linear_reference(x, weight)
+    check(skinny_linear(x, weight), expected, 1e-2)
     if m == 1:
-        fma = LinearTiles(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
-        check(skinny_linear(x, weight, gated=gated, tiles=fma), expected, 2e-2)
-    with_bias = linear_reference(x, weight, bias, gated=gated)
-    check(skinny_linear(x, weight, bias, gated=gated), with_bias, 2e-2)
+        dot = LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
+        check(skinny_linear(x, weight, tiles=dot), expected, 1e-2)
+    check(skinny_linear(x, weight, bias), linear_reference(x, weight, bias), 1e-2)
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_cuda_graph_replays_with_new_inputs() -> None:
+@pytest.mark.parametrize("m", [1, 8])  # fma, dot
+def test_gpu_cuda_graph_replays_with_new_inputs(m: int) -> None:
     """No host sync and no allocation but the output: capturable, and correct on replay."""
-    x, weight, bias = gpu_case(8, 4096, 4096, torch.bfloat16, gated=False, seed=7)
+    x, weight, bias = gpu_case(m, 4096, 4096, torch.bfloat16, seed=7)
     skinny_linear(x, weight, bias)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
