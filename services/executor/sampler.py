@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import ops
 from shared.protocol import SamplingParams, TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -326,7 +327,7 @@ class Sampler:
             return PendingSample(None)
         if all(_plain_greedy(row) for row in rows):
             # The common offline case: one argmax, no per-row tensors to build and upload.
-            return PendingSample(logits[:, : self.vocab_size].argmax(dim=-1))
+            return PendingSample(ops.argmax(logits[:, : self.vocab_size]))
         t = build_sampling_tensors(rows, self.vocab_size, self.eos_token_ids, self.device)
         # Why slice and copy: a padded lm_head may add columns; processing below is in place.
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # [R, V]
@@ -341,7 +342,7 @@ class Sampler:
         return PendingSample(token_ids, parts, t.num_logprobs)
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)  # [R]
+        greedy_ids = ops.argmax(logits)  # [R]
         if t.all_greedy:
             return greedy_ids
         probs = filtered_probs(logits, t)  # [R, V]
