@@ -156,8 +156,8 @@ class SchedulerProcess:
     def _step(self) -> None:
         plan = self.scheduler.schedule()
         in_flight = self._in_flight
-        if in_flight is None and not plan.num_scheduled_tokens:
-            return
+        if in_flight is None and not plan.num_scheduled_tokens and not plan.finished_request_ids:
+            return  # nothing to run, to flush, or for the executor to forget
         self.router.send_multipart([self.executor, encode(plan)])
         self._in_flight = plan
         if in_flight is not None:
