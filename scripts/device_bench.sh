@@ -17,7 +17,7 @@ fi
 export PYTHONUNBUFFERED=1
 MODEL=${MODEL:-Llama-3.1-8B}
 SMALL_MODEL=${SMALL_MODEL:-Qwen3-0.6B}
-PARTS=${PARTS:-"tests floors attention sweep latency throughput throughput-2048 small peer"}
+PARTS=${PARTS:-"tests floors latency throughput small attention throughput-2048 sweep peer"}
 COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
 status=0
 
