@@ -15,11 +15,9 @@ import torch
 from kernels.activation import silu_and_mul_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
-from kernels.cache import write_kv_reference
 from kernels.inputs import gather_sampled_inputs_reference
 from kernels.linear import linear_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
-from kernels.rotary import rotary_embedding_reference
 from kernels.rotary_cache import rotary_write_kv_reference
 
 SKINNY_MAX_ROWS = 16  # decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS
@@ -64,18 +62,6 @@ def paged_attention(
     return paged_attention_reference(*args, query_start_loc, max_query_len, max_seq_len, scale)
 
 
-def write_kv(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens]; negative: padding, not written
-) -> None:
-    module = _triton("cache", key)
-    kernel = module.write_kv if module is not None else write_kv_reference
-    kernel(key, value, key_cache, value_cache, slot_mapping)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     module = _triton("norm", x)
     return (module.rms_norm if module is not None else rms_norm_reference)(x, weight, eps)
@@ -88,15 +74,6 @@ def fused_add_rms_norm(
     module = _triton("norm", x)
     kernel = module.fused_add_rms_norm if module is not None else fused_add_rms_norm_reference
     return kernel(x, residual, weight, eps)
-
-
-def rotary_embedding(
-    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated (query, key); the Triton version rotates them in place."""
-    module = _triton("rotary", query)
-    kernel = module.rotary_embedding if module is not None else rotary_embedding_reference
-    return kernel(positions, query, key, cos_sin_cache)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
+    """The cos/sin table rotary reads by position (`ops.rotary_write_kv` applies it)."""
+
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
@@ -54,11 +56,6 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         cache = torch.stack((angles.cos(), angles.sin()), dim=1)  # [max_position, 2, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rotary_embedding(positions, q, k, self.cos_sin_cache)
 
 
 class GatedMLP(nn.Module):
