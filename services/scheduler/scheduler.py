@@ -9,7 +9,7 @@ a decode step); each step pays as many of those as the budget allows.
 
 A pipelined engine schedules step k+1 before step k's sampled tokens arrive: a request whose
 step k samples owes that token too (`num_pending_tokens`), so its decode is scheduled on a
-placeholder the executor fills in once the token is known. Limits (max_tokens,
+placeholder the executor fills in on the device (see ModelRunner.submit). Limits (max_tokens,
 max_model_len) count pending tokens; a stop token found late costs one discarded step.
 """
 
