@@ -116,7 +116,9 @@ def test_full_waiting_queue_gets_429() -> None:
         "--max-num-seqs", "1", "--max-queued-requests", "1", "--drain-timeout", "1"
     )
     try:
-        streams = [stream_in_background(server, max_tokens=300) for _ in range(2)]
+        # Long enough that the first cannot finish before the second is queued behind it,
+        # however slowly the second is tokenized (the drain timeout ends both at once).
+        streams = [stream_in_background(server, max_tokens=900) for _ in range(2)]
         wait_for(
             lambda: (
                 (
@@ -125,7 +127,7 @@ def test_full_waiting_queue_gets_429() -> None:
                 )
                 == (1, 1)
             ),
-            timeout=60,
+            timeout=120,
         )
         refused = httpx.post(
             f"{server.url}/v1/completions",
