@@ -71,6 +71,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty reads the tokens seen so far (not only how many there are)."""
+        penalties = (self.repetition_penalty, self.frequency_penalty, self.presence_penalty)
+        return penalties != (1.0, 0.0, 0.0)
+
 
 def _check(ok: bool, param: str, message: str) -> None:
     if not ok:

@@ -50,6 +50,8 @@ class RequestState:
     table_len: int = field(default=0)  # blocks already in its block-table row
     num_pending: int = field(default=0)  # tokens being sampled by steps in flight
     sample_row: int = field(default=0)  # its row in the last sampled ids, if num_pending
+    # Read per step: penalties need the tokens in flight on the host (see submit).
+    has_penalties: bool = field(default=False)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
@@ -60,20 +62,13 @@ class RequestState:
             output_token_ids=list(data.output_token_ids),
             block_ids=list(data.block_ids),
             num_computed_tokens=data.num_computed_tokens,
+            has_penalties=data.sampling_params.has_penalties,
         )
 
     @property
     def num_tokens(self) -> int:
         """Its length once every token in flight has arrived."""
         return len(self.token_ids) + self.num_pending
-
-    @property
-    def needs_output_values(self) -> bool:
-        """Penalties read the generated tokens themselves, not only their count."""
-        p = self.params
-        return (
-            p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-        )
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -274,8 +269,8 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             self._in_flight.append(InFlightStep(plan.step, [], [], None))
             return
-        if any(self.requests[rid].needs_output_values for rid in plan.num_scheduled_tokens):
-            self._finish_in_flight()  # their penalties need the tokens in flight on the host
+        if any(self.requests[rid].has_penalties for rid in plan.num_scheduled_tokens):
+            self._finish_in_flight()  # penalties need the tokens in flight on the host
         sample_ids, graph_size = self._write_inputs(plan)
         view = self.buffers.view()
         if graph_size is not None and self.graphs is not None:
@@ -323,6 +318,7 @@ class ModelRunner:
         sample_ids: list[str] = []
         sample_rows: list[int] = []
         sources: list[tuple[int, int]] = []  # (token index, row of sampled_ids)
+        self.buffers.wait_for_copy()  # the table rows below go into the copy's source
         for row, (request_id, num_new) in enumerate(plan.num_scheduled_tokens.items()):
             state = self.requests[request_id]
             start = state.num_computed_tokens

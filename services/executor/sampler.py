@@ -164,8 +164,7 @@ def _additions(
 
 def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> Penalties | None:
     params = [row.params for row in rows]
-    values = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
-    on = [v != [1.0, 0.0, 0.0] for v in values]
+    on = [p.has_penalties for p in params]
     if not any(on):
         return None
     # Why empty lists for rows without penalties: their neutral values ignore the counts anyway.
@@ -173,6 +172,7 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -
     outputs = [row.output_token_ids if o else [] for row, o in zip(rows, on, strict=True)]
     output_counts = _token_counts(outputs, vocab_size, device)  # [R, V]
     seen = (_token_counts(prompts, vocab_size, device) > 0) | (output_counts > 0)  # [R, V]
+    values = [[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params]
     repetition, frequency, presence = to_device(values, torch.float32, device).unbind(dim=1)
     return Penalties(repetition, frequency, presence, seen, output_counts)
 
@@ -302,9 +302,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
         and p.logprobs is None
         and not p.logit_bias
         and row.num_output_tokens >= p.min_tokens
-        and p.repetition_penalty == 1.0
-        and p.frequency_penalty == 0.0
-        and p.presence_penalty == 0.0
+        and not p.has_penalties
     )
 
 

@@ -78,8 +78,10 @@ class StepBuffers:
         return self.device_buffer[start : start + size]
 
     def set_table_row(self, row: int, block_ids: Sequence[int], start: int = 0) -> None:
-        """Blocks start.. of the request in `row`; rows persist between steps."""
-        self.wait_for_copy()
+        """Blocks start.. of the request in `row`; rows persist between steps.
+
+        NOTE: the caller calls `wait_for_copy` first once per step (not here: once per row).
+        """
         if len(block_ids) > start:
             self.tables[row, start : len(block_ids)] = block_ids[start:]
 
