@@ -116,19 +116,14 @@ def test_full_waiting_queue_gets_429() -> None:
         "--max-num-seqs", "1", "--max-queued-requests", "1", "--drain-timeout", "1"
     )
     try:
-        # Long enough that the first cannot finish before the second is queued behind it,
-        # however slowly the second is tokenized (the drain timeout ends both at once).
-        streams = [stream_in_background(server, max_tokens=900) for _ in range(2)]
-        wait_for(
-            lambda: (
-                (
-                    server.metrics().get("num_requests_running"),
-                    server.metrics().get("num_requests_waiting"),
-                )
-                == (1, 1)
-            ),
-            timeout=120,
-        )
+        # One at a time: sent together, both could reach the waiting queue before the first
+        # is admitted, and the second would be the one refused. Long enough that the first
+        # cannot finish before the second is queued (the drain timeout ends both at once).
+        streams = [stream_in_background(server, max_tokens=900)]
+        wait_for(lambda: server.metrics().get("num_requests_running") == 1, timeout=120)
+        streams.append(stream_in_background(server, max_tokens=900))
+        wait_for(lambda: server.metrics().get("num_requests_waiting") == 1, timeout=120)
+        assert server.metrics().get("num_requests_running") == 1
         refused = httpx.post(
             f"{server.url}/v1/completions",
             json={"prompt": "hi"},
