@@ -16,95 +16,116 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ENV_PREFIX = "KVFLOW_"
 
 
-def _opt(default: Any, group: str, doc: str, choices: tuple[str, ...] | None = None) -> Any:
+T = TypeVar("T")
+
+
+def option(default: Any, group: str, doc: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A documented field: its flag's group, help text and allowed values."""
     return field(default=default, metadata={"group": group, "doc": doc, "choices": choices})
 
 
 @dataclass(frozen=True)
 class Config:
     # -- model
-    model: str | None = _opt(
+    model: str | None = option(
         None,
         "model",
         "HF folder (config.json + safetensors), a .gguf file, or a preset name "
         "for --load-format dummy. Default: the embedded SmolLM2-135M-Instruct GGUF.",
     )
-    tokenizer: str | None = _opt(None, "model", "Tokenizer folder or .gguf; default: the model's.")
-    load_format: str = _opt(
+    tokenizer: str | None = option(
+        None, "model", "Tokenizer folder or .gguf; default: the model's."
+    )
+    load_format: str = option(
         "auto", "model", "How to load weights.", ("auto", "safetensors", "gguf", "dummy")
     )
-    dtype: str = _opt(
+    dtype: str = option(
         "auto",
         "model",
         "Weight and activation dtype; auto is float32 on CPU, bfloat16 on CUDA.",
         ("auto", "float32", "bfloat16", "float16"),
     )
-    max_model_len: int | None = _opt(
+    max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."
     )
-    seed: int = _opt(0, "model", "Random seed: dummy weights, sampling, `generate` prompts.")
+    seed: int = option(0, "model", "Random seed: dummy weights, sampling, `generate` prompts.")
     # -- cache
-    block_size: int = _opt(16, "cache", "Tokens per KV cache block.")
-    enable_prefix_caching: bool = _opt(True, "cache", "Reuse KV blocks of shared prefixes.")
-    gpu_memory_utilization: float = _opt(
+    block_size: int = option(16, "cache", "Tokens per KV cache block.")
+    enable_prefix_caching: bool = option(True, "cache", "Reuse KV blocks of shared prefixes.")
+    gpu_memory_utilization: float = option(
         0.9, "cache", "Fraction of GPU memory kvflow may use (weights, activations, KV cache)."
     )
-    kv_cache_memory_bytes: int | None = _opt(
+    kv_cache_memory_bytes: int | None = option(
         None,
         "cache",
         "KV cache size in bytes; overrides --gpu-memory-utilization. Default on CPU: 1 GiB.",
     )
-    num_gpu_blocks_override: int | None = _opt(
+    num_gpu_blocks_override: int | None = option(
         None, "cache", "Use exactly this many KV blocks (testing and experiments)."
     )
     # -- scheduler
-    max_num_seqs: int = _opt(256, "scheduler", "Most requests in one step.")
-    max_num_batched_tokens: int = _opt(2048, "scheduler", "Most tokens in one step (token budget).")
-    enable_chunked_prefill: bool = _opt(
+    max_num_seqs: int = option(256, "scheduler", "Most requests in one step.")
+    max_num_batched_tokens: int = option(
+        2048, "scheduler", "Most tokens in one step (token budget)."
+    )
+    enable_chunked_prefill: bool = option(
         True, "scheduler", "Split long prompts across steps to fit the token budget."
     )
     # -- server
-    host: str = _opt("127.0.0.1", "server", "HTTP address to listen on (0.0.0.0 for all).")
-    port: int = _opt(8000, "server", "HTTP port.")
-    api_key: str | None = _opt(
+    host: str = option("127.0.0.1", "server", "HTTP address to listen on (0.0.0.0 for all).")
+    port: int = option(8000, "server", "HTTP port.")
+    api_key: str | None = option(
         None, "server", "Require this bearer token on every route but /health."
     )
-    served_model_name: str | None = _opt(
+    served_model_name: str | None = option(
         None, "server", "The model name the API shows and accepts; default: the model's."
     )
-    tokenizer_pool_size: int = _opt(2, "server", "Tokenizer worker processes.")
-    max_queued_requests: int = _opt(
+    tokenizer_pool_size: int = option(2, "server", "Tokenizer worker processes.")
+    max_queued_requests: int = option(
         4096, "server", "Requests waiting for the engine before new ones get 429."
     )
-    max_request_body_bytes: int = _opt(8 << 20, "server", "Larger request bodies get 413.")
-    drain_timeout: float = _opt(
+    max_request_body_bytes: int = option(8 << 20, "server", "Larger request bodies get 413.")
+    drain_timeout: float = option(
         30.0, "server", "On SIGTERM, seconds to let in-flight requests finish before exiting."
     )
+    disable_log_stats: bool = option(
+        False, "server", "Do not log the engine's throughput, queue and KV usage every 10 s."
+    )
+    enable_log_requests: bool = option(
+        False, "server", "Log one line per API request (route, status, tokens, duration)."
+    )
     # -- components (addresses for running them apart; `serve` picks private ipc:// ones)
-    frontend_address: str | None = _opt(
+    frontend_address: str | None = option(
         None, "components", "ZMQ address the frontend binds (e.g. tcp://0.0.0.0:5557)."
     )
-    scheduler_address: str | None = _opt(
+    scheduler_address: str | None = option(
         None, "components", "ZMQ address the scheduler binds (e.g. tcp://0.0.0.0:5558)."
     )
-    worker_index: int = _opt(0, "components", "This tokenizer worker's index in the pool.")
-    component_timeout: float = _opt(
+    worker_index: int = option(0, "components", "This tokenizer worker's index in the pool.")
+    component_timeout: float = option(
         10.0, "components", "Seconds without a heartbeat before a component counts as dead."
     )
-    step_timeout: float = _opt(
+    step_timeout: float = option(
         600.0, "components", "Seconds the scheduler waits for one step before giving up."
     )
+    startup_timeout: float = option(
+        900.0,
+        "components",
+        "Seconds to load the model and start every component before startup counts as failed.",
+    )
     # -- device
-    device: str = _opt("auto", "device", "Where the model runs.", ("auto", "cpu", "cuda"))
-    enforce_eager: bool = _opt(
+    device: str = option("auto", "device", "Where the model runs.", ("auto", "cpu", "cuda"))
+    enforce_eager: bool = option(
         False, "device", "Run every step eagerly: no CUDA graphs for decode (CUDA only)."
     )
-    log_level: str = _opt("info", "device", "Logging level.", ("debug", "info", "warning", "error"))
+    log_level: str = option(
+        "info", "device", "Logging level.", ("debug", "info", "warning", "error")
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -135,7 +156,15 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     def summary(self) -> str:
-        return " ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        """Every field as name=value, secrets masked: what startup logs."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name in _SECRETS:
+            if values[name] is not None:
+                values[name] = "***"
+        return " ".join(f"{name}={value}" for name, value in values.items())
+
+
+_SECRETS = ("api_key",)
 
 
 class ConfigError(ValueError):
@@ -151,15 +180,15 @@ def _flag(name: str) -> str:
     return name.replace("_", "-")
 
 
-def _base_type(name: str) -> type:
-    hint = typing.get_type_hints(Config)[name]
+def _base_type(options: type, name: str) -> type:
+    hint = typing.get_type_hints(options)[name]
     if isinstance(hint, types.UnionType):
         return next(a for a in typing.get_args(hint) if a is not type(None))
     return hint
 
 
-def _parse_value(name: str, text: str) -> Any:
-    kind = _base_type(name)
+def _parse_value(options: type, name: str, text: str) -> Any:
+    kind = _base_type(options, name)
     if text.lower() in ("", "none", "null") and kind is not str:
         return None
     if kind is bool:
@@ -174,25 +203,29 @@ def _parse_value(name: str, text: str) -> Any:
         raise ConfigError(f"{name}: expected {kind.__name__}, got {text!r}") from None
 
 
-def add_config_flags(parser: argparse.ArgumentParser, groups: tuple[str, ...]) -> None:
-    """Add one flag per Config field of the given groups; defaults stay unset (None)."""
-    parser.add_argument("--config", help="JSON or TOML file of config values.")
+def add_config_flags(
+    parser: argparse.ArgumentParser, groups: tuple[str, ...], options: type = Config
+) -> None:
+    """Add one flag per field of the given groups; defaults stay unset (None).
+
+    `options` is Config or another dataclass whose fields are declared with `option()`.
+    """
+    if options is Config:
+        parser.add_argument("--config", help="JSON or TOML file of config values.")
     by_group: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(Config):
+    for f in dataclasses.fields(options):
         group = f.metadata["group"]
-        if group not in groups:
+        if group not in groups or f.name == "model":  # the model is positional
             continue
         if group not in by_group:
             by_group[group] = parser.add_argument_group(f"{group} options")
         doc = f"{f.metadata['doc']} [env {ENV_PREFIX}{f.name.upper()}; default: {f.default}]"
-        kind = _base_type(f.name)
         flag = f"--{_flag(f.name)}"
+        kind = _base_type(options, f.name)
         if kind is bool:
             by_group[group].add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=doc
             )
-        elif f.name == "model":
-            continue  # positional, added by the command
         else:
             by_group[group].add_argument(
                 flag,
@@ -209,15 +242,28 @@ def config_from_args(args: argparse.Namespace, **overrides: Any) -> Config:
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(_read_file(Path(args.config)))
-    for f in dataclasses.fields(Config):
-        env = os.environ.get(ENV_PREFIX + f.name.upper())
-        if env is not None:
-            values[f.name] = _parse_value(f.name, env)
-        flag = getattr(args, f.name, None)
-        if flag is not None:
-            values[f.name] = flag if isinstance(flag, bool) else _parse_value(f.name, str(flag))
+    values.update(_env_and_flags(Config, args))
     values.update(overrides)
     return Config(**values)
+
+
+def options_from_args(options: type[T], args: argparse.Namespace) -> T:
+    """Another options dataclass, layered defaults < KVFLOW_* env < flags."""
+    return options(**_env_and_flags(options, args))
+
+
+def _env_and_flags(options: type, args: argparse.Namespace) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        env = os.environ.get(ENV_PREFIX + f.name.upper())
+        if env is not None:
+            values[f.name] = _parse_value(options, f.name, env)
+        flag = getattr(args, f.name, None)
+        if flag is not None:
+            values[f.name] = (
+                flag if isinstance(flag, bool) else _parse_value(options, f.name, str(flag))
+            )
+    return values
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -228,8 +274,3 @@ def _read_file(path: Path) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"{path}: unknown config keys {unknown}")
     return {k.replace("-", "_"): v for k, v in data.items()}
-
-
-def env_flag(name: str) -> str | None:
-    """Read a non-config environment variable (the one sanctioned place)."""
-    return os.environ.get(name)

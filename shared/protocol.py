@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ParameterError(ValueError):
@@ -67,6 +67,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
             _check(not bad, "logit_bias", f"ids out of vocabulary: {bad[:5]}")
 
+    def fan_out(self) -> list[SamplingParams]:
+        """The parameters of the n completions of one prompt, each its own request.
+
+        They must differ, seeded or not: a seeded request's k-th completion uses seed + k.
+        """
+        return [
+            msgspec.structs.replace(
+                self, n=1, seed=None if self.seed is None else self.seed + index
+            )
+            for index in range(self.n)
+        ]
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -86,7 +98,35 @@ def _check(ok: bool, param: str, message: str) -> None:
 class QueueFullError(RuntimeError):
     """The waiting queue is at --max-queued-requests; the client should retry later."""
 
-    code = "queue_full"
+
+class ErrorKind(enum.StrEnum):
+    """Why a request failed. The HTTP edge maps each kind to one status code."""
+
+    INVALID_REQUEST = "invalid_request"  # the client's: a bad parameter or prompt (400)
+    QUEUE_FULL = "queue_full"  # the waiting queue is full: retry later (429)
+    UNAVAILABLE = "unavailable"  # the engine is starting, draining, or lost a component (503)
+    INTERNAL = "internal"  # a fault in kvflow or the device (500)
+
+
+class RequestError(msgspec.Struct, kw_only=True):
+    """One request's error, as every message that can carry one nests it."""
+
+    kind: ErrorKind
+    message: str
+    param: str | None = None  # the invalid request parameter, for INVALID_REQUEST
+
+    @classmethod
+    def of(cls, exc: Exception) -> RequestError:
+        """The error an exception raised while handling a request stands for."""
+        if isinstance(exc, ParameterError):
+            return cls(kind=ErrorKind.INVALID_REQUEST, message=str(exc), param=exc.param)
+        if isinstance(exc, QueueFullError):
+            return cls(kind=ErrorKind.QUEUE_FULL, message=str(exc))
+        return cls(kind=ErrorKind.INTERNAL, message=f"{type(exc).__name__}: {exc}")
+
+    @classmethod
+    def unavailable(cls, reason: str) -> RequestError:
+        return cls(kind=ErrorKind.UNAVAILABLE, message=reason)
 
 
 class FinishReason(enum.StrEnum):
@@ -184,11 +224,9 @@ class RequestOutput(msgspec.Struct, tag=True, kw_only=True):
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] = []
     finish_reason: FinishReason | None = None
-    error: str | None = None
+    error: RequestError | None = None  # with finish_reason ERROR
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    error_param: str | None = None  # the invalid request parameter, for a client error
-    error_code: str | None = None  # "queue_full" when the waiting queue refused the request
 
     @property
     def finished(self) -> bool:
@@ -235,17 +273,23 @@ class TokenizeResult(msgspec.Struct, tag=True, kw_only=True):
     request_id: str
     token_ids: list[int] = []
     text: str = ""
-    max_model_len: int = 0
-    error: str | None = None
-    error_param: str | None = None
+    error: RequestError | None = None
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    token: str  # its text
+    logprob: float
 
 
 class TokenLogprob(msgspec.Struct, array_like=True):
-    """A logprob entry with token text, as OpenAI shows it."""
+    """A sampled token's logprob and rank with its text, and the top alternatives."""
 
+    token_id: int
     token: str
     logprob: float
-    top: list[tuple[str, float]]
+    rank: int  # 1 for the most likely token
+    top: list[TopLogprob]
 
 
 class TextDelta(msgspec.Struct, tag=True, kw_only=True):
@@ -261,20 +305,17 @@ class TextDelta(msgspec.Struct, tag=True, kw_only=True):
     num_cached_tokens: int = 0
     prompt_text: str | None = None  # first delta of an echo request
     prompt_token_ids: list[int] | None = None  # first delta of an echo request
-    error: str | None = None  # with finish_reason ERROR
-    error_param: str | None = None  # the invalid parameter, when the error is the client's
-    error_code: str | None = None  # "queue_full": retry later (HTTP 429)
+    error: RequestError | None = None  # with finish_reason ERROR
 
     @classmethod
-    def failure(cls, request_id: str, message: str, param: str | None = None) -> TextDelta:
+    def failure(cls, request_id: str, error: RequestError) -> TextDelta:
         """The last delta of a request that ended in an error."""
         return cls(
             request_id=request_id,
             text="",
             token_ids=[],
             finish_reason=FinishReason.ERROR,
-            error=message,
-            error_param=param,
+            error=error,
         )
 
 
@@ -313,9 +354,19 @@ class StatsSnapshot(msgspec.Struct, tag=True, kw_only=True):
 
 
 class ExecutorReady(msgspec.Struct, tag=True, kw_only=True):
-    """The executor loaded the model; the scheduler sizes its block pool from this."""
+    """The executor loaded the model: the facts and limits the scheduler is built from.
+
+    Only the executor reads model files; the scheduler takes the vocabulary, EOS ids and
+    context length from here, and refuses to start if its own flags disagree with the limits
+    the executor sized its buffers, graphs and KV cache for.
+    """
 
     protocol_version: int
-    num_blocks: int
-    max_model_len: int
     model_name: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int

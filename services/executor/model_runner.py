@@ -11,18 +11,35 @@ import torch
 
 from kernels import ops
 from services.executor.cuda_graphs import DecodeGraphs
+from services.executor.kv_cache import (
+    KVCacheLayout,
+    log_kv_cache,
+    num_kv_blocks,
+    profile_step_peak,
+)
 from services.executor.sampler import PendingSample, Sampler, SamplingRow
 from services.executor.step_buffers import StepBuffers, StepView
 from services.executor.weights import load_model
 from shared.config import Config
-from shared.model_config import ModelConfig, ModelSource
-from shared.protocol import ModelRunnerOutput, NewRequestData, SamplingParams, SchedulerOutput
+from shared.model_config import (
+    ModelConfig,
+    ModelSource,
+    derive_max_model_len,
+    load_model_config,
+    resolve_model_source,
+)
+from shared.protocol import (
+    PROTOCOL_VERSION,
+    ExecutorReady,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CPU_KV_BYTES = 1 << 30
-CUDA_GRAPH_RESERVE = 512 << 20  # decode graphs' activations and workspace, a loose bound
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,25 +129,27 @@ class InFlightStep:
 
 
 class ModelRunner:
-    def __init__(
-        self, config: Config, source: ModelSource, model_config: ModelConfig, max_model_len: int
-    ) -> None:
+    """The executor's core: resolves and loads the model, sizes the KV cache, runs steps."""
+
+    def __init__(self, config: Config) -> None:
+        self.source: ModelSource = resolve_model_source(config.model)
+        self.model_config: ModelConfig = load_model_config(self.source)
+        self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
-        self.model_config = model_config
-        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         torch.manual_seed(config.seed)
         self.model = load_model(
-            source,
-            model_config,
+            self.source,
+            self.model_config,
             config.load_format,
             self.dtype,
             self.device,
-            max_position=max_model_len,
+            max_position=self.max_model_len,
             seed=config.seed,
         )
-        max_blocks = -(-max_model_len // self.block_size)
+        max_blocks = -(-self.max_model_len // self.block_size)
         self.buffers = StepBuffers(
             config.max_num_batched_tokens,
             config.max_num_seqs,
@@ -139,114 +158,43 @@ class ModelRunner:
             self.device,
         )
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
-        self.num_blocks = self._num_kv_blocks(config)
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB), %.1f sequences of %d",
-            self.num_blocks,
-            self.block_size,
-            self.num_blocks * self.block_size,
-            self.num_blocks * self._bytes_per_block() / 2**30,
-            self.num_blocks * self.block_size / max_model_len,
-            max_model_len,
+        self.kv_layout = KVCacheLayout.of(self.model_config, self.block_size, self.dtype)
+        self.num_blocks = num_kv_blocks(
+            config,
+            self.kv_layout,
+            self.device,
+            lambda: profile_step_peak(self.model, self.buffers, self.kv_layout, self.max_model_len),
         )
+        self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
+        log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len)
         self.sampler = Sampler(
-            model_config.vocab_size, model_config.eos_token_ids, self.device, config.seed
+            self.model_config.vocab_size, self.model_config.eos_token_ids, self.device, config.seed
         )
         self.requests: dict[str, RequestState] = {}
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
         # The last step's sampled ids, where the next step's decodes read their input token.
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs: DecodeGraphs | None = None
-        if self.use_graphs:
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
-                self._forward, self.buffers, config.max_num_seqs, max_model_len
+                self._forward, self.buffers, config.max_num_seqs, self.max_model_len
             )
             with torch.inference_mode():
                 self.graphs.capture()
 
-    # ------------------------------------------------------------------ memory
-
-    def _bytes_per_block(self) -> int:
-        cfg = self.model_config
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
-        return per_token * self.block_size
-
-    def _allocate_kv_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        cfg = self.model_config
-        shape = (2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_layers)
-        ]
-
-    def _num_kv_blocks(self, config: Config) -> int:
-        if config.num_gpu_blocks_override is not None:
-            return config.num_gpu_blocks_override
-        if config.kv_cache_memory_bytes is not None:
-            budget = config.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            budget = self._cuda_kv_budget(config.gpu_memory_utilization)
-        else:
-            budget = DEFAULT_CPU_KV_BYTES
-        num_blocks = budget // self._bytes_per_block()
-        if num_blocks < 1:
-            raise RuntimeError("no memory left for the KV cache; raise --gpu-memory-utilization")
-        return num_blocks
-
-    def _cuda_kv_budget(self, utilization: float) -> int:
-        """What is left under `utilization` after weights and the peak of a largest step."""
-        peak = self._profile_step_peak()
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free  # weights, CUDA context, libraries
-        reserve = CUDA_GRAPH_RESERVE if self.use_graphs else 0
-        budget = int(total * utilization) - used - peak - reserve
-        logger.info(
-            "memory: %.1f GiB total, %.1f GiB in use, %.2f GiB peak activations, "
-            "%.1f GiB left for the KV cache at --gpu-memory-utilization %.2f",
-            total / 2**30,
-            used / 2**30,
-            peak / 2**30,
-            max(budget, 0) / 2**30,
-            utilization,
+    def ready_message(self, model_name: str) -> ExecutorReady:
+        """What the scheduler is built from: the model's facts and this runner's limits."""
+        return ExecutorReady(
+            protocol_version=PROTOCOL_VERSION,
+            model_name=model_name,
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=list(self.model_config.eos_token_ids),
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_num_seqs=self.buffers.max_reqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
-        return budget
-
-    @torch.inference_mode()
-    def _profile_step_peak(self) -> int:
-        """Bytes one step of max_num_batched_tokens prompt tokens allocates beyond the weights."""
-        num_tokens = self.buffers.max_tokens
-        per_request = min(num_tokens, self.max_model_len)
-        counts = [per_request] * (num_tokens // per_request)
-        if num_tokens % per_request:
-            counts.append(num_tokens % per_request)
-        counts = counts[: self.buffers.max_reqs]
-        num_blocks = sum(-(-c // self.block_size) for c in counts)
-        kv_caches = self._allocate_kv_cache(num_blocks)
-        tables, next_block = [], 0
-        for count in counts:
-            size = -(-count // self.block_size)
-            tables.append(list(range(next_block, next_block + size)))
-            next_block += size
-        vocab = self.model_config.vocab_size
-        token_ids = torch.randint(0, vocab, (sum(counts),)).tolist()
-        num_samples = min(self.buffers.max_reqs, len(token_ids))
-        for row, block_ids in enumerate(tables):
-            self.buffers.set_table_row(row, block_ids)
-        self.buffers.write(token_ids, [0] * len(counts), counts, list(range(num_samples)))
-        self.buffers.copy_to_device()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        baseline = torch.cuda.memory_allocated(self.device)
-        view = self.buffers.view()
-        hidden = self.model(view.input_ids, view.positions, kv_caches, view.meta)
-        logits = self.model.compute_logits(hidden[view.sample_rows]).float()  # [S, vocab]
-        logits.sort(dim=-1)  # the sampler's top-k/top-p sort is its largest temporary
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(self.device) - baseline
-        del kv_caches, hidden, logits
-        torch.cuda.empty_cache()
-        return peak
 
     # ------------------------------------------------------------------ a step
 

@@ -1,5 +1,5 @@
-"""The executor process: loads the model, announces how many KV blocks fit, then runs one
-forward pass per plan the scheduler sends.
+"""The executor process: loads the model, reports what it loaded and what it is sized for,
+then runs one forward pass per plan the scheduler sends.
 
 Each plan is queued on the device before the step before it is waited for and answered, so
 the device runs step k+1 while the host sends step k's tokens and the scheduler plans k+2.
@@ -14,8 +14,7 @@ import zmq
 from services.executor.model_runner import ModelRunner
 from shared.config import Config
 from shared.ipc import Decoder, connect_dealer, encode, start_heartbeat
-from shared.model_config import derive_max_model_len, load_model_config, resolve_model_source
-from shared.protocol import PROTOCOL_VERSION, ExecutorReady, SchedulerOutput
+from shared.protocol import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -25,21 +24,9 @@ def run_executor(config: Config, rank: int = 0) -> None:
         raise ValueError("the executor needs --scheduler-address and --frontend-address")
     name = f"executor-{rank}"
     heartbeat = start_heartbeat(config.frontend_address, name)
-    source = resolve_model_source(config.model)
-    model_config = load_model_config(source)
-    max_model_len = derive_max_model_len(config.max_model_len, model_config)
-    runner = ModelRunner(config, source, model_config, max_model_len)
+    runner = ModelRunner(config)
     socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name)
-    socket.send(
-        encode(
-            ExecutorReady(
-                protocol_version=PROTOCOL_VERSION,
-                num_blocks=runner.num_blocks,
-                max_model_len=max_model_len,
-                model_name=source.name,
-            )
-        )
-    )
+    socket.send(encode(runner.ready_message(config.served_model_name or runner.source.name)))
     logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
     decoder = Decoder(SchedulerOutput, name)
     has_step_in_flight = False

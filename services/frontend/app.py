@@ -12,14 +12,13 @@ import time
 import uuid
 from typing import Any
 
-import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services.frontend import responses as r
 from services.frontend.calls import APICall
 from services.frontend.engine_client import EngineClient, EngineUnavailable
-from services.frontend.errors import APIError, bad_request, unavailable
+from services.frontend.errors import APIError, api_error, bad_request, unavailable
 from services.frontend.metrics import Metrics
 from services.frontend.openai_types import (
     ChatCompletionRequest,
@@ -29,15 +28,10 @@ from services.frontend.openai_types import (
     decode_body,
 )
 from shared.config import Config
-from shared.protocol import (
-    GenerateRequest,
-    ParameterError,
-    SamplingParams,
-    TokenizeRequest,
-)
+from shared.protocol import GenerateRequest, ParameterError, TokenizeRequest
+from shared.version import VERSION
 
 logger = logging.getLogger(__name__)
-VERSION = "0.1.0"
 
 
 class InFlightCounter:
@@ -132,7 +126,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
         )
         return {
             "count": len(result.token_ids),
-            "max_model_len": result.max_model_len,
+            "max_model_len": engine.stats.max_model_len if engine.stats else None,
             "tokens": result.token_ids,
         }
 
@@ -164,14 +158,14 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
         subs = [
             GenerateRequest(
                 request_id=f"{request_id}-{p * body.n + j}",
-                sampling_params=_child(params, j),
+                sampling_params=child,
                 prompt=prompt if isinstance(prompt, str) else None,
                 prompt_token_ids=prompt if isinstance(prompt, list) else None,
                 echo=body.echo,
                 arrival_time=time.time(),
             )
             for p, prompt in enumerate(prompts)
-            for j in range(body.n)
+            for j, child in enumerate(params.fan_out())
         ]
         call = APICall(engine, metrics, request_id, model_name, subs, len(prompts))
         if body.stream:
@@ -200,11 +194,11 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
         subs = [
             GenerateRequest(
                 request_id=f"{request_id}-{j}",
-                sampling_params=_child(params, j),
+                sampling_params=child,
                 messages=messages,
                 arrival_time=time.time(),
             )
-            for j in range(body.n)
+            for j, child in enumerate(params.fan_out())
         ]
         call = APICall(engine, metrics, request_id, model_name, subs, 1)
         if body.stream:
@@ -220,11 +214,6 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def _child(params: SamplingParams, index: int) -> SamplingParams:
-    seed = None if params.seed is None else params.seed + index
-    return msgspec.structs.replace(params, n=1, seed=seed)
 
 
 def _check_model(requested: str | None, served: str) -> None:
@@ -251,7 +240,7 @@ async def _tokenize(engine: EngineClient, request: TokenizeRequest) -> Any:
     except EngineUnavailable as exc:
         raise unavailable(str(exc)) from None
     if result.error is not None:
-        raise bad_request(result.error, result.error_param)
+        raise api_error(result.error)
     return result
 
 

@@ -15,9 +15,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from services.frontend import responses as r
 from services.frontend.engine_client import EngineClient, EngineUnavailable
-from services.frontend.errors import APIError, bad_request, unavailable
+from services.frontend.errors import APIError, api_error, unavailable
 from services.frontend.metrics import Metrics
-from shared.protocol import GenerateRequest, QueueFullError, TextDelta
+from shared.protocol import GenerateRequest, TextDelta
 
 
 class APICall:
@@ -67,7 +67,7 @@ class APICall:
                     choice = self.choices[delta.request_id]
                     if delta.error is not None:
                         choice.finish_reason = "error"
-                        raise _error_of(delta)
+                        raise api_error(delta.error)
                     choice.absorb(delta)
                     yield choice, delta
         except EngineUnavailable as exc:
@@ -138,14 +138,6 @@ class APICall:
         finally:
             await deltas.aclose()
         yield b"data: [DONE]\n\n"
-
-
-def _error_of(delta: TextDelta) -> APIError:
-    if delta.error_code == QueueFullError.code:
-        return APIError(429, delta.error or "too many requests", "rate_limit_error")
-    if delta.error_param:
-        return bad_request(delta.error or "invalid request", delta.error_param)
-    return unavailable(delta.error or "unknown error")
 
 
 async def _unless_disconnected(request: Request, work: Any) -> Any:

@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from shared.config import Config
+from shared.constants import TOKENIZE_TIMEOUT_S
 from shared.ipc import Decoder, bind_router, encode
 from shared.protocol import (
     PROTOCOL_VERSION,
@@ -20,6 +21,7 @@ from shared.protocol import (
     ComponentDown,
     GenerateRequest,
     Heartbeat,
+    RequestError,
     StatsSnapshot,
     TextDelta,
     TokenizeRequest,
@@ -28,7 +30,6 @@ from shared.protocol import (
 
 logger = logging.getLogger(__name__)
 Inbound = TextDelta | TokenizeResult | Heartbeat | StatsSnapshot | ComponentDown
-TOKENIZE_TIMEOUT_S = 30.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -88,7 +89,7 @@ class EngineClient:
         started, failing = time.monotonic(), False
         while self.down is None:
             await asyncio.sleep(0.25)
-            if self.stats is None and time.monotonic() - started < 900:
+            if self.stats is None and time.monotonic() - started < self.config.startup_timeout:
                 continue  # still loading: the launcher watches startup
             reason = self.unavailable_reason()
             if reason is not None and not failing:
@@ -106,7 +107,7 @@ class EngineClient:
             "engine unavailable: %s; failing %d in-flight requests", reason, len(self.queues)
         )
         for request_id, queue in list(self.queues.items()):
-            queue.put_nowait(TextDelta.failure(request_id, f"engine unavailable: {reason}"))
+            queue.put_nowait(TextDelta.failure(request_id, RequestError.unavailable(reason)))
         for future in self.tokenize_waiters.values():
             if not future.done():
                 future.set_exception(EngineUnavailable(reason))

@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from shared.protocol import ParameterError
+from shared.protocol import ErrorKind, ParameterError, RequestError
 
 
 class APIError(Exception):
@@ -49,3 +49,14 @@ def bad_request(exc: ParameterError | str, param: str | None = None) -> APIError
 
 def unavailable(reason: str) -> APIError:
     return APIError(503, f"the engine is unavailable: {reason}", "service_unavailable")
+
+
+def api_error(error: RequestError) -> APIError:
+    """The HTTP error a request's error stands for: the one mapping from kinds to statuses."""
+    if error.kind is ErrorKind.INVALID_REQUEST:
+        return APIError(400, error.message, "invalid_request_error", error.param)
+    if error.kind is ErrorKind.QUEUE_FULL:
+        return APIError(429, error.message, "rate_limit_error", code="queue_full")
+    if error.kind is ErrorKind.UNAVAILABLE:
+        return unavailable(error.message)
+    return APIError(500, error.message, "internal_error")

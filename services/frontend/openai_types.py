@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from shared.constants import MAX_N
 from shared.protocol import ChatMessage, ParameterError, SamplingParams
 
 
@@ -64,8 +65,8 @@ class _Common(msgspec.Struct, kw_only=True):
             n=self.n,
         )
         params.validate()
-        if self.n > 16:
-            raise ParameterError("n", "must be <= 16")
+        if self.n > MAX_N:
+            raise ParameterError("n", f"must be <= {MAX_N}")
         return params
 
 

@@ -63,7 +63,7 @@ def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, A
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [dict(e.top) for e in entries],
+        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
         "text_offset": offsets,
     }
 
@@ -121,7 +121,8 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
                 "logprob": e.logprob,
                 "bytes": list(e.token.encode()),
                 "top_logprobs": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in e.top
+                    {"token": t.token, "logprob": t.logprob, "bytes": list(t.token.encode())}
+                    for t in e.top
                 ],
             }
             for e in entries

@@ -25,13 +25,11 @@ from pathlib import Path
 import zmq
 
 from shared.config import ENV_PREFIX, Config
+from shared.constants import DEATH_GRACE_S, UNHEALTHY_LIMIT_S
 from shared.ipc import connect_dealer, encode
 from shared.protocol import ComponentDown
 
 logger = logging.getLogger(__name__)
-STARTUP_TIMEOUT_S = 900
-DEATH_GRACE_S = 2.0  # lets in-flight requests receive their error before the frontend stops
-UNHEALTHY_LIMIT_S = 30
 
 
 class Launcher:
@@ -62,6 +60,10 @@ class Launcher:
             sys.exit(1)
         logger.info("received %s: draining", signal.Signals(signum).name)
         self.stopping = True
+        # Now, not at the watch loop's next turn: new requests are refused from this moment.
+        frontend = self.procs.get("frontend")
+        if frontend is not None and frontend.poll() is None:
+            frontend.send_signal(signal.SIGTERM)
 
     # ---------------------------------------------------------------- processes
 
@@ -71,7 +73,7 @@ class Launcher:
         # The file holds the resolved config; KVFLOW_* variables must not override it again.
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         base = [sys.executable, "-m", "services"]
-        args = ["--config", str(config_path)]
+        args = ["--config", str(config_path), "--supervised"]
         self._spawn("frontend", [*base, "frontend", *args], env)
         self._spawn("scheduler", [*base, "scheduler", *args], env)
         self._spawn("executor-0", [*base, "executor", *args], env)
@@ -96,7 +98,7 @@ class Launcher:
         return f"http://{host}:{self.config.port}/health"
 
     def _wait_ready(self) -> bool:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.config.startup_timeout
         while time.monotonic() < deadline and not self.stopping:
             dead = self._dead()
             if dead is not None:
@@ -149,8 +151,7 @@ class Launcher:
         socket.close()
 
     def _drain(self) -> int:
-        frontend = self.procs["frontend"]
-        frontend.send_signal(signal.SIGTERM)
+        frontend = self.procs["frontend"]  # told to drain by _on_signal
         try:
             code = frontend.wait(timeout=self.config.drain_timeout + 10)
         except subprocess.TimeoutExpired:

@@ -34,7 +34,8 @@ class IncrementalDetokenizer:
     """Streams the text of one sequence: `add()` per scheduler step, `flush()` at the end.
 
     The concatenated deltas equal `tokenizer.decode(output_ids)` (with an empty prompt; with a
-    prompt, the text that output adds to the prompt's), cut at the first stop string.
+    prompt, the text that output adds to the prompt's), cut at the first stop string, without
+    the U+FFFD of a character left incomplete at the end.
     After a stop string or `flush()`, `add()` returns "".
     """
 
@@ -82,11 +83,14 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """The request finished for another reason (length, EOS): emit all held text.
 
-        An incomplete character at the very end comes out as the tokenizer decodes it (U+FFFD).
+        A character the output ends inside of (max_tokens cut a multi-byte character) is
+        dropped: its tokens decode to U+FFFD, which the model did not produce.
+        NOTE: this also drops a U+FFFD that the model spelled out whole as its very last
+        character; the tokenizer's decode cannot tell the two apart (nor can vLLM's).
         """
         if self._finished:
             return ""
-        text = self._decode(self._window_ids)
+        text = self._decode(self._window_ids).rstrip(REPLACEMENT_CHAR)
         return self._emit(text[self._num_window_chars_emitted :], final=True)
 
     def _decode(self, token_ids: list[int]) -> str:

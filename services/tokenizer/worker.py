@@ -1,7 +1,12 @@
-"""A tokenizer worker's core: text in, token ids to the scheduler; token ids back, text out.
+"""A tokenizer worker's core: text in, token ids to the engine; token ids back, text out.
 
 It keeps one incremental detokenizer per live request (requests are sticky to a worker),
-finds stop strings, and turns logprobs into token text. No sockets here.
+finds stop strings, and turns logprobs into token text. No sockets here: the tokenizer
+process wraps it for serving, and `kvflow.LLM` uses it in-process, so both paths produce
+text the same way.
+
+A model without a tokenizer (a dummy preset) still runs: prompts are token ids, and the
+text of every output is empty.
 """
 
 from __future__ import annotations
@@ -14,16 +19,19 @@ from transformers import PreTrainedTokenizerBase
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
 from services.tokenizer.hf_tokenizer import apply_chat_template
 from shared.protocol import (
+    ChatMessage,
     EngineRequest,
     FinishReason,
     GenerateRequest,
     ParameterError,
+    RequestError,
     RequestOutput,
     TextDelta,
     TokenizeRequest,
     TokenizeResult,
     TokenLogprob,
     TokenLogprobs,
+    TopLogprob,
 )
 
 logger = logging.getLogger(__name__)
@@ -31,39 +39,35 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _LiveRequest:
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None without a tokenizer
     num_prompt_tokens: int
     echo_prompt_ids: list[int] | None  # sent back with the first delta when echo is asked
     num_output_tokens: int = 0
 
 
 class TokenizerWorker:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
-        self.max_model_len = max_model_len
         self.live: dict[str, _LiveRequest] = {}
 
     # ---------------------------------------------------------------- inbound
 
-    def admit(self, request: GenerateRequest) -> EngineRequest | TextDelta:
-        """Tokenize a request for the scheduler, or answer it with an error delta."""
-        try:
-            token_ids = self._prompt_ids(request)
-        except Exception as exc:  # chat templates raise jinja2 errors for bad conversations
-            param = (
-                exc.param
-                if isinstance(exc, ParameterError)
-                else ("messages" if request.messages is not None else "prompt")
-            )
-            return TextDelta.failure(request.request_id, str(exc), param)
+    def admit(self, request: GenerateRequest) -> EngineRequest:
+        """Tokenize a request for the engine; raises ParameterError for a bad prompt."""
+        token_ids = self._prompt_ids(request)
         params = request.sampling_params
-        self.live[request.request_id] = _LiveRequest(
-            IncrementalDetokenizer(
+        if self.tokenizer is None and params.stop:
+            raise ParameterError("stop", "stop strings need a tokenizer; this model has none")
+        detokenizer = None
+        if self.tokenizer is not None:
+            detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
-            ),
+            )
+        self.live[request.request_id] = _LiveRequest(
+            detokenizer,
             num_prompt_tokens=len(token_ids),
             echo_prompt_ids=token_ids if request.echo else None,
         )
@@ -75,41 +79,53 @@ class TokenizerWorker:
         )
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        if request.messages is not None:
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return apply_chat_template(self.tokenizer, messages)
         if request.prompt_token_ids is not None:
-            vocab = len(self.tokenizer)
-            if any(not 0 <= t < vocab for t in request.prompt_token_ids):
+            vocab = None if self.tokenizer is None else len(self.tokenizer)
+            if vocab is not None and any(not 0 <= t < vocab for t in request.prompt_token_ids):
                 raise ParameterError("prompt", f"token ids must be in [0, {vocab})")
             return list(request.prompt_token_ids)
-        return self.tokenizer.encode(request.prompt or "")
+        if request.messages is not None:
+            return self._chat_ids(request.messages)
+        return self._require_tokenizer("prompt").encode(request.prompt or "")
+
+    def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        tokenizer = self._require_tokenizer("messages")
+        try:
+            return apply_chat_template(
+                tokenizer, [{"role": m.role, "content": m.content} for m in messages]
+            )
+        except Exception as exc:  # chat templates raise jinja2 errors for bad conversations
+            raise ParameterError("messages", str(exc)) from exc
+
+    def _require_tokenizer(self, param: str) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            raise ParameterError(param, "this model has no tokenizer: pass token ids")
+        return self.tokenizer
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.live.pop(request_id, None)
 
     def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        """/tokenize (text or messages to ids) and /detokenize (ids to text)."""
         try:
             if request.token_ids is not None:
-                text = self.tokenizer.decode(request.token_ids)
+                text = self._require_tokenizer("tokens").decode(request.token_ids)
                 return TokenizeResult(
                     request_id=request.request_id, text=text, token_ids=request.token_ids
                 )
             if request.messages is not None:
-                messages = [{"role": m.role, "content": m.content} for m in request.messages]
-                ids = apply_chat_template(self.tokenizer, messages)
+                ids = self._chat_ids(request.messages)
             else:
-                ids = self.tokenizer.encode(
+                ids = self._require_tokenizer("prompt").encode(
                     request.prompt or "", add_special_tokens=request.add_special_tokens
                 )
-        except Exception as exc:  # a bad conversation or id is the client's error
-            return TokenizeResult(
-                request_id=request.request_id, error=str(exc), error_param="tokens"
-            )
-        return TokenizeResult(
-            request_id=request.request_id, token_ids=ids, max_model_len=self.max_model_len
-        )
+        except ParameterError as exc:
+            return TokenizeResult(request_id=request.request_id, error=RequestError.of(exc))
+        except Exception as exc:  # ids the tokenizer cannot decode are the client's error
+            error = RequestError.of(ParameterError("tokens", str(exc)))
+            return TokenizeResult(request_id=request.request_id, error=error)
+        return TokenizeResult(request_id=request.request_id, token_ids=ids)
 
     # ---------------------------------------------------------------- outbound
 
@@ -129,13 +145,14 @@ class TokenizerWorker:
         return deltas, stopped
 
     def _delta(self, output: RequestOutput, live: _LiveRequest) -> TextDelta:
+        finish, text = output.finish_reason, ""
         detokenizer = live.detokenizer
-        text = detokenizer.add(output.new_token_ids)
-        finish = output.finish_reason
-        if detokenizer.stop_hit is not None:
-            finish = FinishReason.STOP
-        elif finish is not None:
-            text += detokenizer.flush()
+        if detokenizer is not None:
+            text = detokenizer.add(output.new_token_ids)
+            if detokenizer.stop_hit is not None:
+                finish = FinishReason.STOP
+            elif finish is not None:
+                text += detokenizer.flush()
         live.num_output_tokens += len(output.new_token_ids)
         delta = TextDelta(
             request_id=output.request_id,
@@ -147,18 +164,22 @@ class TokenizerWorker:
             num_output_tokens=live.num_output_tokens,
             num_cached_tokens=output.num_cached_tokens,
             error=output.error,
-            error_param=output.error_param,
-            error_code=output.error_code,
         )
         if live.echo_prompt_ids is not None:
             delta.prompt_token_ids = live.echo_prompt_ids
-            delta.prompt_text = self.tokenizer.decode(live.echo_prompt_ids)
+            delta.prompt_text = self._text(live.echo_prompt_ids)
             live.echo_prompt_ids = None
         return delta
 
+    def _text(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+    def _token_text(self, token_id: int) -> str:
+        return "" if self.tokenizer is None else token_text(self.tokenizer, token_id)
+
     def _logprob(self, lp: TokenLogprobs) -> TokenLogprob:
         top = [
-            (token_text(self.tokenizer, t), v)
+            TopLogprob(t, self._token_text(t), v)
             for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
         ]
-        return TokenLogprob(token_text(self.tokenizer, lp.token_id), lp.logprob, top)
+        return TokenLogprob(lp.token_id, self._token_text(lp.token_id), lp.logprob, lp.rank, top)

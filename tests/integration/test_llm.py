@@ -54,8 +54,8 @@ def test_logprobs_are_returned_per_token(tiny: LLM) -> None:
     assert len(result.outputs[0].logprobs) == 5
     for token_id, lp in zip(result.token_ids, result.outputs[0].logprobs, strict=True):
         assert lp.token_id == token_id and lp.rank == 1  # greedy picks the top token
-        assert lp.top_token_ids[0] == token_id and len(lp.top_logprobs) == 3
-        assert lp.logprob == pytest.approx(lp.top_logprobs[0]) and lp.logprob <= 0.0
+        assert lp.top[0].token_id == token_id and len(lp.top) == 3
+        assert lp.logprob == pytest.approx(lp.top[0].logprob) and lp.logprob <= 0.0
 
 
 @pytest.mark.parametrize(
@@ -110,7 +110,7 @@ def test_sharded_checkpoint_and_half_precision(tiny_llama_dir: Path, tmp_path: P
     assert sample(LLM(str(tmp_path), device="cpu"), PROMPTS, temperature=0) == reference
     for dtype in ("bfloat16", "float16"):
         half = LLM(str(tmp_path), device="cpu", dtype=dtype)
-        assert half.engine.runner.kv_caches[0].dtype == getattr(torch, dtype)
+        assert half.runner.kv_caches[0].dtype == getattr(torch, dtype)
         tokens = sample(half, PROMPTS, temperature=0)
         # Rounding may change late tokens, but the first ones have clear margins.
         assert [t[:2] for t in tokens] == [t[:2] for t in reference]

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from kvflow import LLM, SamplingParams
-from services.launcher.engine import Engine
+from services.executor.model_runner import ModelRunner
+from services.scheduler.engine_core import EngineCore
 from shared.protocol import EngineRequest, RequestOutput
 
 PROMPTS = [[5, 9, 11, 40], [7] * 20, list(range(3, 40)), [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -24,7 +25,7 @@ MIXED = [
 ]
 
 
-def add_all(engine: Engine, params: list[SamplingParams]) -> None:
+def add_all(engine: EngineCore, params: list[SamplingParams]) -> None:
     for i, (prompt, p) in enumerate(zip(PROMPTS, params, strict=True)):
         engine.add_request(
             EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=p)
@@ -37,20 +38,20 @@ def collect(outputs: list[RequestOutput], tokens: dict[str, list], logprobs: dic
         logprobs.setdefault(out.request_id, []).extend(out.new_logprobs)
 
 
-def run_one_step_at_a_time(engine: Engine) -> tuple[dict, dict]:
+def run_one_step_at_a_time(engine: EngineCore, runner: ModelRunner) -> tuple[dict, dict]:
     tokens: dict[str, list] = {}
     logprobs: dict[str, list] = {}
     while engine.has_unfinished():
         plan = engine.scheduler.schedule()
-        collect(engine.scheduler.update(plan, engine.runner.execute(plan)), tokens, logprobs)
+        collect(engine.scheduler.update(plan, runner.execute(plan)), tokens, logprobs)
     return tokens, logprobs
 
 
-def run_pipelined(engine: Engine) -> tuple[dict, dict, int]:
+def run_pipelined(engine: EngineCore, runner: ModelRunner) -> tuple[dict, dict, int]:
     """Outputs, and how many decode inputs the device had to fill in itself."""
     tokens: dict[str, list] = {}
     logprobs: dict[str, list] = {}
-    buffers = engine.runner.buffers
+    buffers = runner.buffers
     num_gathered = 0
     while engine.has_unfinished():
         collect(engine.step(), tokens, logprobs)
@@ -62,13 +63,13 @@ def run_pipelined(engine: Engine) -> tuple[dict, dict, int]:
 
 
 def test_pipelined_steps_equal_serial_steps(tiny_llama_dir: Path) -> None:
-    serial = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128).engine
-    pipelined = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128).engine
+    serial = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128)
+    pipelined = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", max_model_len=128)
     for params in ([p for p in MIXED[:1] for _ in PROMPTS], MIXED):
-        add_all(serial, params)
-        add_all(pipelined, params)
-        expected_tokens, expected_logprobs = run_one_step_at_a_time(serial)
-        tokens, logprobs, num_gathered = run_pipelined(pipelined)
+        add_all(serial.engine, params)
+        add_all(pipelined.engine, params)
+        expected_tokens, expected_logprobs = run_one_step_at_a_time(serial.engine, serial.runner)
+        tokens, logprobs, num_gathered = run_pipelined(pipelined.engine, pipelined.runner)
         assert tokens == expected_tokens
         assert logprobs == expected_logprobs
         assert [len(tokens[str(i)]) for i in range(len(PROMPTS))] == [p.max_tokens for p in params]

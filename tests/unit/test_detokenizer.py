@@ -108,11 +108,19 @@ def test_split_character_is_held_until_complete(tok: PreTrainedTokenizerBase) ->
     assert detok.add([]) == ""
 
 
-def test_flush_emits_an_incomplete_character_as_decoded(tok: PreTrainedTokenizerBase) -> None:
-    ids = encode(tok, "ok 你")[:-1]  # drop the token that completes "你"
-    deltas, _ = stream(tok, one_at_a_time(ids))
-    assert deltas[-1].endswith("\ufffd")
-    assert "".join(deltas) == tok.decode(ids)
+@pytest.mark.parametrize("text", ["ok 你", "I ❤️ 🍕", "日本語のテキスト"])
+def test_a_character_cut_by_the_end_is_dropped_not_replaced(
+    tok: PreTrainedTokenizerBase, text: str
+) -> None:
+    """max_tokens can end generation inside a multi-byte character: no U+FFFD comes out."""
+    ids = encode(tok, text)
+    cuts = [n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd")]
+    assert cuts, "the text has no token boundary inside a character"
+    for n in cuts:
+        for chunks in (one_at_a_time(ids[:n]), cyclic_chunks(ids[:n], [3])):
+            deltas, detok = stream(tok, chunks)
+            assert_exact(deltas, tok.decode(ids[:n]).rstrip("\ufffd"))
+            assert "\ufffd" not in detok.text
 
 
 def test_decode_window_stays_small(tok: PreTrainedTokenizerBase) -> None:

@@ -1,61 +1,63 @@
-"""The tokenizer worker's core: admission errors, stop strings, echo, logprob text."""
+"""The tokenizer worker's core: admission errors, stop strings, echo, logprob text, and a
+model without a tokenizer."""
 
 from __future__ import annotations
 
 import copy
 
+import pytest
+
 from services.tokenizer.worker import TokenizerWorker
 from shared.protocol import (
     ChatMessage,
-    EngineRequest,
+    ErrorKind,
     FinishReason,
     GenerateRequest,
+    ParameterError,
     RequestOutput,
     SamplingParams,
-    TextDelta,
     TokenizeRequest,
     TokenLogprobs,
 )
 
 
 def make_worker(tokenizer) -> TokenizerWorker:
-    return TokenizerWorker(copy.copy(tokenizer), max_model_len=512)
+    return TokenizerWorker(copy.copy(tokenizer))
+
+
+def request(**fields: object) -> GenerateRequest:
+    fields.setdefault("sampling_params", SamplingParams())
+    return GenerateRequest(request_id="r", **fields)  # type: ignore[arg-type]
 
 
 def test_a_chat_template_error_is_the_clients_error(smollm2_tokenizer) -> None:
     worker = make_worker(smollm2_tokenizer)
     worker.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
-    out = worker.admit(
-        GenerateRequest(
-            request_id="r", sampling_params=SamplingParams(), messages=[ChatMessage("user", "hi")]
-        )
-    )
-    assert isinstance(out, TextDelta)
-    assert (out.finish_reason, out.error_param) == (FinishReason.ERROR, "messages")
-    assert "roles must alternate" in out.error
+    with pytest.raises(ParameterError, match="roles must alternate") as error:
+        worker.admit(request(messages=[ChatMessage("user", "hi")]))
+    assert error.value.param == "messages"
     result = worker.tokenize(TokenizeRequest(request_id="t", messages=[ChatMessage("user", "x")]))
-    assert result.error is not None and not worker.live
+    assert result.error is not None
+    assert (result.error.kind, result.error.param) == (ErrorKind.INVALID_REQUEST, "messages")
+    assert not worker.live
 
 
 def test_out_of_vocabulary_prompt_ids_are_rejected(smollm2_tokenizer) -> None:
-    worker = make_worker(smollm2_tokenizer)
-    out = worker.admit(
-        GenerateRequest(
-            request_id="r", sampling_params=SamplingParams(), prompt_token_ids=[1, 10**9]
-        )
-    )
-    assert isinstance(out, TextDelta) and out.error_param == "prompt"
+    with pytest.raises(ParameterError) as error:
+        make_worker(smollm2_tokenizer).admit(request(prompt_token_ids=[1, 10**9]))
+    assert error.value.param == "prompt"
 
 
 def test_stop_string_ends_the_request_and_asks_the_scheduler_to_stop(smollm2_tokenizer) -> None:
     worker = make_worker(smollm2_tokenizer)
-    params = SamplingParams(stop=["."])
-    request = worker.admit(
-        GenerateRequest(
-            request_id="r", sampling_params=params, prompt="The capital of France is", echo=True
+    admitted = worker.admit(
+        request(
+            sampling_params=SamplingParams(stop=["."]),
+            prompt="The capital of France is",
+            echo=True,
         )
     )
-    assert isinstance(request, EngineRequest)
+    assert admitted.prompt_token_ids == smollm2_tokenizer.encode("The capital of France is")
     ids = smollm2_tokenizer.encode(" Paris. It is big")
     lp = TokenLogprobs(ids[0], -0.1, 1, [ids[0]], [-0.1])
     deltas, stopped = worker.on_outputs(
@@ -65,8 +67,48 @@ def test_stop_string_ends_the_request_and_asks_the_scheduler_to_stop(smollm2_tok
         ]
     )
     assert deltas[0].prompt_text == "The capital of France is"  # echo, first delta only
-    assert deltas[0].logprobs[0].token == " Paris" and deltas[1].prompt_text is None
+    assert deltas[1].prompt_text is None
+    [logprob] = deltas[0].logprobs
+    assert (logprob.token_id, logprob.token, logprob.rank) == (ids[0], " Paris", 1)
+    assert (logprob.top[0].token_id, logprob.top[0].token) == (ids[0], " Paris")
     assert "".join(d.text for d in deltas) == " Paris"
     assert deltas[-1].finish_reason is FinishReason.STOP and stopped == ["r"]
     assert not worker.live  # later outputs for "r" are ignored
     assert worker.on_outputs([RequestOutput(request_id="r", new_token_ids=ids)]) == ([], [])
+
+
+def test_max_tokens_inside_a_character_leaves_no_replacement_character(smollm2_tokenizer) -> None:
+    """The text of a request cut by its length limit in the middle of "🍕" ends before it."""
+    worker = make_worker(smollm2_tokenizer)
+    worker.admit(request(prompt="Food:"))
+    ids = smollm2_tokenizer.encode(" pizza 🍕", add_special_tokens=False)
+    cut = next(
+        n for n in range(1, len(ids)) if smollm2_tokenizer.decode(ids[:n]).endswith("\ufffd")
+    )
+    outputs = [RequestOutput(request_id="r", new_token_ids=[i]) for i in ids[:cut]]
+    outputs[-1].finish_reason = FinishReason.LENGTH
+    deltas, _ = worker.on_outputs(outputs)
+    text = "".join(d.text for d in deltas)
+    assert text == " pizza " and "\ufffd" not in text
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
+
+
+def test_a_model_without_a_tokenizer_takes_token_ids_only() -> None:
+    worker = TokenizerWorker(None)
+    admitted = worker.admit(request(prompt_token_ids=[5, 6, 7], echo=True))
+    assert admitted.prompt_token_ids == [5, 6, 7]
+    lp = TokenLogprobs(9, -0.5, 2, [8], [-0.1])
+    output = RequestOutput(
+        request_id="r", new_token_ids=[9], new_logprobs=[lp], finish_reason=FinishReason.LENGTH
+    )
+    [delta], _ = worker.on_outputs([output])
+    assert (delta.text, delta.prompt_text, delta.token_ids) == ("", "", [9])
+    assert (delta.logprobs[0].token_id, delta.logprobs[0].token) == (9, "")
+    for fields, param in [
+        ({"prompt": "hello"}, "prompt"),
+        ({"messages": [ChatMessage("user", "hi")]}, "messages"),
+        ({"prompt_token_ids": [1], "sampling_params": SamplingParams(stop=["x"])}, "stop"),
+    ]:
+        with pytest.raises(ParameterError) as error:
+            worker.admit(request(**fields))
+        assert error.value.param == param

@@ -1,23 +1,21 @@
-"""`kvflow bench`: offline throughput, decode latency, the attention kernel, and the device floors.
+"""Offline throughput and decode latency of the engine, through kvflow's Python API.
 
-Prompts are random token ids (distinct, seeded), so any model shape runs without a tokenizer:
-`kvflow bench throughput Llama-3.1-8B --load-format dummy --num-prompts 256`. Every command
-prints a short table and, with --output-json, writes its figures as JSON.
+Prompts are random token ids (distinct, seeded), so any model shape runs without a tokenizer.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from shared.config import Config, config_from_args
-from shared.protocol import EngineRequest, SamplingParams
+from kvflow import LLM, SamplingParams
+from services.scheduler.engine_core import EngineCore
+from shared.config import Config
+from shared.protocol import EngineRequest
 
 
 def random_prompts(num: int, lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
@@ -26,91 +24,23 @@ def random_prompts(num: int, lengths: list[int], vocab: int, seed: int) -> list[
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-def parse_length(text: str) -> tuple[int, int]:
-    """`512` or a uniform range `100:1024`."""
-    low, _, high = text.partition(":")
-    bounds = (int(low), int(high or low))
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise argparse.ArgumentTypeError(f"bad length {text!r}: want N or LOW:HIGH, 1 <= LOW")
-    return bounds
-
-
 def draw_lengths(bounds: tuple[int, int], num: int, seed: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(bounds[0], bounds[1] + 1, (num,), generator=generator).tolist()
 
 
-def add_bench_parser(commands: Any, engine_flags: Any) -> None:
-    bench = commands.add_parser(
-        "bench",
-        help="Benchmarks: throughput, latency, attention, floors.",
-        description="Measure kvflow with random-token prompts; figures to stdout and JSON.",
-    )
-    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    throughput = kinds.add_parser("throughput", help="Offline engine throughput (tok/s).")
-    latency = kinds.add_parser("latency", help="Decode inter-token latency at batch 1, 8, 32.")
-    attention = kinds.add_parser("attention", help="Decode attention kernel GB/s vs copy.")
-    floors = kinds.add_parser("floors", help="Measured copy bandwidth and bf16 matmul rate.")
-    for parser in (throughput, latency):
-        parser.add_argument("model", nargs="?", help="Model or preset (see kvflow generate).")
-        parser.add_argument("--input-len", type=parse_length, default=(512, 512))
-        parser.add_argument("--output-len", type=parse_length, default=(256, 256))
-        engine_flags(parser)
-    throughput.add_argument("--num-prompts", type=int, default=256)
-    for parser in (throughput, latency):
-        parser.add_argument(
-            "--profile-steps",
-            type=int,
-            default=0,
-            help="Also profile this many decode steps (CUDA): GPU busy and top kernels.",
-        )
-    throughput.add_argument(
-        "--ignore-eos", action="store_true", help="Always generate --output-len tokens."
-    )
-    latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    attention.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
-    attention.add_argument("--context-lens", type=int, nargs="+", default=[1024, 4096, 32768])
-    attention.add_argument("--num-heads", type=int, default=32)
-    attention.add_argument("--num-kv-heads", type=int, default=8)
-    attention.add_argument("--head-dim", type=int, default=128)
-    for parser in (throughput, latency, attention, floors):
-        parser.add_argument("--output-json", type=Path, help="Write the figures here.")
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    if args.bench == "throughput":
-        report = throughput(config_from_args(args), args)
-    elif args.bench == "latency":
-        report = latency(config_from_args(args), args)
-    elif args.bench == "attention":
-        from services.launcher.bench_kernels import attention_bench
-
-        report = attention_bench(args)
-    else:
-        from services.launcher.bench_kernels import floors_bench
-
-        report = floors_bench()
-    print(json.dumps(report, indent=2))
-    if args.output_json is not None:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
-
-
-def _llm(config: Config) -> Any:
-    from services.launcher.llm import LLM
-
+def _llm(config: Config) -> LLM:
     return LLM(**{k: getattr(config, k) for k in Config.__dataclass_fields__})
 
 
-def _device_name(llm: Any) -> str:
-    device = llm.engine.runner.device
+def _device_name(llm: LLM) -> str:
+    device = llm.runner.device
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     llm = _llm(config)
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.runner.model_config.vocab_size
     input_lens = draw_lengths(args.input_len, args.num_prompts, config.seed + 1)
     output_lens = draw_lengths(args.output_len, args.num_prompts, config.seed + 2)
     prompts = random_prompts(args.num_prompts, input_lens, vocab, config.seed)
@@ -126,7 +56,7 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     stats = llm.stats()
     report = {
         "benchmark": "throughput",
-        "model": llm.engine.source.name,
+        "model": llm.runner.source.name,
         "device": _device_name(llm),
         "num_prompts": args.num_prompts,
         "input_len": list(args.input_len),
@@ -137,12 +67,12 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "total_tok_per_s": round((num_out + sum(input_lens)) / elapsed, 1),
         "output_tokens": num_out,
         "total_tokens": num_out + sum(input_lens),
-        "matmul_parameters": _matmul_parameters(llm.engine.runner.model),
+        "matmul_parameters": _matmul_parameters(llm.runner.model),
         "num_preemptions": stats.num_preemptions,
         "config": _engine_summary(config),
     }
     if args.profile_steps:
-        from services.launcher.bench_profile import profile_decode
+        from benchmarks.step_profile import profile_decode
 
         report["decode_profile"] = profile_decode(llm.engine, prompts, params, args.profile_steps)
         report["gpu_busy_fraction"] = report["decode_profile"]["gpu_busy_fraction"]
@@ -152,7 +82,7 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
 def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     llm = _llm(config)
     engine = llm.engine
-    vocab = engine.model_config.vocab_size
+    vocab = llm.runner.model_config.vocab_size
     input_len, output_len = args.input_len[0], args.output_len[0]
     _decode_step_times(engine, 2, 16, 8, vocab, seed=config.seed + 100)  # warm-up
     rows = []
@@ -170,17 +100,16 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         )
     report = {
         "benchmark": "latency",
-        "model": engine.source.name,
+        "model": llm.runner.source.name,
         "device": _device_name(llm),
         "input_len": input_len,
         "output_len": output_len,
-        "weight_bytes_per_step": engine.runner.dtype.itemsize
-        * _matmul_parameters(engine.runner.model),
+        "weight_bytes_per_step": llm.runner.dtype.itemsize * _matmul_parameters(llm.runner.model),
         "results": rows,
         "config": _engine_summary(config),
     }
     if args.profile_steps:
-        from services.launcher.bench_profile import profile_decode
+        from benchmarks.step_profile import profile_decode
 
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         report["decode_profiles"] = {
@@ -196,7 +125,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _decode_step_times(
-    engine: Any, batch: int, input_len: int, output_len: int, vocab: int, seed: int
+    engine: EngineCore, batch: int, input_len: int, output_len: int, vocab: int, seed: int
 ) -> list[float]:
     """Wall time of every engine step while `batch` requests generate `output_len` tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)

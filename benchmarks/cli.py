@@ -1,0 +1,89 @@
+"""`kvflow bench`: the command line of kvflow's engine and kernel benchmarks.
+
+Every benchmark prints its figures and, with --output-json, writes them as JSON. Prompts are
+random token ids, so any model shape runs without a tokenizer:
+
+    kvflow bench throughput Llama-3.1-8B --load-format dummy --num-prompts 256
+
+This module only builds the parser (the `kvflow` command imports it); the benchmarks
+themselves import torch when they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shared.config import config_from_args
+
+
+def parse_length(text: str) -> tuple[int, int]:
+    """`512` or a uniform range `100:1024`."""
+    low, _, high = text.partition(":")
+    bounds = (int(low), int(high or low))
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"bad length {text!r}: want N or LOW:HIGH, 1 <= LOW")
+    return bounds
+
+
+def add_bench_parser(
+    commands: Any, engine_flags: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    bench = commands.add_parser(
+        "bench",
+        help="Benchmarks: throughput, latency, attention, floors.",
+        description="Measure kvflow with random-token prompts; figures to stdout and JSON.",
+    )
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    throughput = kinds.add_parser("throughput", help="Offline engine throughput (tok/s).")
+    latency = kinds.add_parser("latency", help="Decode inter-token latency at batch 1, 8, 32.")
+    attention = kinds.add_parser("attention", help="Decode attention kernel GB/s vs copy.")
+    floors = kinds.add_parser("floors", help="Measured copy bandwidth and bf16 matmul rate.")
+    for parser in (throughput, latency):
+        parser.add_argument("model", nargs="?", help="Model or preset (see kvflow generate).")
+        parser.add_argument("--input-len", type=parse_length, default=(512, 512))
+        parser.add_argument("--output-len", type=parse_length, default=(256, 256))
+        engine_flags(parser)
+    throughput.add_argument("--num-prompts", type=int, default=256)
+    for parser in (throughput, latency):
+        parser.add_argument(
+            "--profile-steps",
+            type=int,
+            default=0,
+            help="Also profile this many decode steps (CUDA): GPU busy and top kernels.",
+        )
+    throughput.add_argument(
+        "--ignore-eos", action="store_true", help="Always generate --output-len tokens."
+    )
+    latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    attention.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    attention.add_argument("--context-lens", type=int, nargs="+", default=[1024, 4096, 32768])
+    attention.add_argument("--num-heads", type=int, default=32)
+    attention.add_argument("--num-kv-heads", type=int, default=8)
+    attention.add_argument("--head-dim", type=int, default=128)
+    for parser in (throughput, latency, attention, floors):
+        parser.add_argument("--output-json", type=Path, help="Write the figures here.")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    # Imported here: building the `kvflow` parser must not import torch.
+    if args.bench in ("throughput", "latency"):
+        from benchmarks import engine_bench
+
+        bench = engine_bench.throughput if args.bench == "throughput" else engine_bench.latency
+        report = bench(config_from_args(args), args)
+    else:
+        from benchmarks import kernel_bench
+
+        if args.bench == "attention":
+            report = kernel_bench.attention_bench(args)
+        else:
+            report = kernel_bench.floors_bench()
+    print(json.dumps(report, indent=2))
+    if args.output_json is not None:
+        args.output_json.parent.mkdir(parents=True, exist_ok=True)
+        args.output_json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0

@@ -1,0 +1,160 @@
+"""Offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+The serving engine's own parts in one process: the executor's `ModelRunner`, the scheduler's
+`EngineCore` (the same pipelined loop the scheduler process runs), and the tokenizer worker's
+core, which tokenizes prompts and turns tokens into text and stop strings as when serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvflow.outputs import Completion, GenerationResult
+from kvflow.progress import Progress
+from services.executor.model_runner import ModelRunner
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.handshake import scheduler_config
+from services.scheduler.scheduler import Scheduler
+from services.tokenizer.hf_tokenizer import load_tokenizer
+from services.tokenizer.worker import TokenizerWorker
+from shared.config import Config
+from shared.protocol import (
+    ChatMessage,
+    GenerateRequest,
+    ParameterError,
+    SamplingParams,
+    StatsSnapshot,
+)
+
+logger = logging.getLogger(__name__)
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **config: Any) -> None:
+        self.config = Config(model=model, **config)
+        self.runner = ModelRunner(self.config)
+        name = self.config.served_model_name or self.runner.source.name
+        ready = self.runner.ready_message(name)
+        self.engine = EngineCore(Scheduler(scheduler_config(self.config, ready)), self.runner)
+        self.worker = TokenizerWorker(load_tokenizer(self.runner.source, self.config.tokenizer))
+        self._next_id = 0
+        logger.info(
+            "engine ready: %s, max_model_len=%d, %d KV blocks",
+            name,
+            ready.max_model_len,
+            ready.num_blocks,
+        )
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        show_progress: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate for every prompt (text or token ids) in one continuous batch.
+
+        `sampling_params` is one for all prompts, or a list with one per prompt.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        requests = [
+            GenerateRequest(
+                request_id="",
+                sampling_params=SamplingParams(),
+                prompt=prompt if isinstance(prompt, str) else None,
+                prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+            )
+            for prompt in prompts
+        ]
+        return self._run(requests, sampling_params, show_progress)
+
+    def chat(
+        self,
+        conversations: Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        show_progress: bool = False,
+    ) -> list[GenerationResult]:
+        """Generate a reply for each conversation, through the model's chat template."""
+        requests = [
+            GenerateRequest(
+                request_id="",
+                sampling_params=SamplingParams(),
+                messages=[ChatMessage(m["role"], m["content"]) for m in messages],
+            )
+            for messages in conversations
+        ]
+        return self._run(requests, sampling_params, show_progress)
+
+    def stats(self) -> StatsSnapshot:
+        return self.engine.stats()
+
+    # ---------------------------------------------------------------- the run
+
+    def _run(
+        self,
+        prompts: list[GenerateRequest],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        show_progress: bool,
+    ) -> list[GenerationResult]:
+        params = sampling_params or SamplingParams()
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if len(per_prompt) != len(prompts):
+            raise ParameterError("sampling_params", "give one per prompt, or a single one")
+        results: list[GenerationResult] = []
+        owners: dict[str, tuple[GenerationResult, Completion]] = {}
+        try:
+            for prompt, prompt_params in zip(prompts, per_prompt, strict=True):
+                results.append(self._add(prompt, prompt_params, owners))
+            self._step_until_done(owners, Progress(len(owners), show_progress))
+        finally:
+            if owners:  # an error or an interrupt: withdraw what is left
+                self.engine.abort(list(owners))
+                self.worker.abort(list(owners))
+        return results
+
+    def _add(
+        self,
+        prompt: GenerateRequest,
+        params: SamplingParams,
+        owners: dict[str, tuple[GenerationResult, Completion]],
+    ) -> GenerationResult:
+        """Admit the prompt's n requests; raises ParameterError for a bad prompt or params."""
+        result = GenerationResult(prompt.prompt, [], [])
+        for index, child_params in enumerate(params.fan_out()):
+            request_id = f"gen-{self._next_id}"
+            self._next_id += 1
+            request = msgspec.structs.replace(
+                prompt, request_id=request_id, sampling_params=child_params
+            )
+            engine_request = self.worker.admit(request)
+            result.outputs.append(Completion(index))
+            owners[request_id] = (result, result.outputs[-1])
+            self.engine.add_request(engine_request)
+            result.prompt_token_ids = engine_request.prompt_token_ids
+        return result
+
+    def _step_until_done(
+        self, owners: dict[str, tuple[GenerationResult, Completion]], progress: Progress
+    ) -> None:
+        while owners and self.engine.has_unfinished():
+            deltas, stopped = self.worker.on_outputs(self.engine.step())
+            if stopped:  # a stop string ended these: the engine stops them too
+                self.engine.abort(stopped)
+            for delta in deltas:
+                owner = owners.get(delta.request_id)
+                if owner is None:
+                    continue
+                result, completion = owner
+                completion.absorb(delta)
+                result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+                if delta.finish_reason is not None:
+                    del owners[delta.request_id]
+                progress.update(len(delta.token_ids), delta.finish_reason is not None)
+        progress.close()

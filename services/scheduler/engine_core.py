@@ -1,0 +1,73 @@
+"""The engine loop: the scheduler and an executor, pipelined.
+
+There is one loop for both paths. Offline, `kvflow.LLM` drives it with the executor's
+`ModelRunner` in its own process; when serving, the scheduler process drives it with a
+`RemoteExecutor` that carries plans and tokens over ZeroMQ to the executor process.
+
+Plan k+1 is scheduled and queued on the executor before the loop waits for step k's tokens
+(the executor reads the decodes' input tokens of step k+1 from step k's on the device), so
+the device does not wait while the host schedules, digests outputs and does its caller's work:
+
+    host:    schedule k+1 ─ submit k+1 ─ collect k ─ update k ─ schedule k+2 ─ submit k+2 ─ ...
+    device:  ── step k ─────────────────┴── step k+1 ──────────────────────────┴── step k+2
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from services.scheduler.scheduler import Scheduler
+from shared.protocol import (
+    EngineRequest,
+    ModelRunnerOutput,
+    RequestOutput,
+    SchedulerOutput,
+    StatsSnapshot,
+)
+
+
+class Executor(Protocol):
+    """Runs plans in order. `submit` queues one and returns; `collect` waits for the oldest
+    plan submitted and not yet collected. At most two are in flight."""
+
+    def submit(self, plan: SchedulerOutput) -> None: ...
+
+    def collect(self) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self._in_flight: SchedulerOutput | None = None  # submitted, not yet collected
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises ParameterError or QueueFullError if it is refused."""
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        return self.scheduler.abort(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> StatsSnapshot:
+        return self.scheduler.stats()
+
+    def step(self) -> list[RequestOutput]:
+        """Submit the next plan, then collect the one before it: what its requests got."""
+        plan = self.scheduler.schedule()
+        in_flight = self._in_flight
+        if in_flight is None and _is_empty(plan):
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler could not schedule any waiting request")
+            return []  # nothing to run, to wait for, or for the executor to forget
+        self.executor.submit(plan)
+        self._in_flight = plan
+        if in_flight is None:
+            return []
+        return self.scheduler.update(in_flight, self.executor.collect())
+
+
+def _is_empty(plan: SchedulerOutput) -> bool:
+    return not plan.num_scheduled_tokens and not plan.finished_request_ids

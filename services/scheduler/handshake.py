@@ -1,0 +1,51 @@
+"""The scheduler's settings: the executor's report, checked against the scheduler's own flags.
+
+Only the executor reads model files. It reports the vocabulary, the EOS ids and the limits it
+sized its buffers, CUDA graphs and KV cache for (`ExecutorReady`); a scheduler whose flags
+disagree would plan steps the executor cannot run, so it refuses to start instead.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.scheduler import SchedulerConfig
+from shared.config import Config, ConfigError
+from shared.protocol import PROTOCOL_VERSION, ExecutorReady
+
+# Flags the executor's sizes depend on: the scheduler must plan with the same values.
+_SHARED_LIMITS = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+
+
+def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
+    """The scheduler core's settings; raises ConfigError when config and executor disagree."""
+    if ready.protocol_version != PROTOCOL_VERSION:
+        raise ConfigError(
+            f"the executor speaks protocol {ready.protocol_version}, "
+            f"this scheduler {PROTOCOL_VERSION}: run the same kvflow version in both"
+        )
+    mismatches = [
+        f"--{name.replace('_', '-')} {getattr(config, name)} (executor: {getattr(ready, name)})"
+        for name in _SHARED_LIMITS
+        if getattr(config, name) != getattr(ready, name)
+    ]
+    if config.max_model_len is not None and config.max_model_len != ready.max_model_len:
+        mismatches.append(
+            f"--max-model-len {config.max_model_len} (executor: {ready.max_model_len})"
+        )
+    if mismatches:
+        raise ConfigError(
+            "the scheduler's flags disagree with the executor's: "
+            + ", ".join(mismatches)
+            + "; start every component with the same engine flags"
+        )
+    return SchedulerConfig(
+        num_blocks=ready.num_blocks,
+        block_size=ready.block_size,
+        max_model_len=ready.max_model_len,
+        max_num_seqs=ready.max_num_seqs,
+        max_num_batched_tokens=ready.max_num_batched_tokens,
+        enable_prefix_caching=config.enable_prefix_caching,
+        enable_chunked_prefill=config.enable_chunked_prefill,
+        eos_token_ids=tuple(ready.eos_token_ids),
+        vocab_size=ready.vocab_size,
+        max_queued_requests=config.max_queued_requests,
+    )

@@ -1,0 +1,44 @@
+"""The one-line engine stats that a serving scheduler logs while it has work, as vLLM does."""
+
+from __future__ import annotations
+
+from shared.protocol import StatsSnapshot
+
+
+class StatsLog:
+    """Turns snapshots into a log line every `interval` seconds while tokens flow.
+
+    Rates are over the interval since the last line. Idle intervals log nothing, except the
+    first one, so that the log shows when the work stopped.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: tuple[float, StatsSnapshot] | None = None
+        self._last_was_idle = True
+
+    def line(self, now: float, stats: StatsSnapshot) -> str | None:
+        if self._last is None:
+            self._last = (now, stats)
+            return None
+        last_at, last = self._last
+        elapsed = now - last_at
+        if elapsed < self.interval:
+            return None
+        self._last = (now, stats)
+        num_prompt = stats.num_prompt_tokens - last.num_prompt_tokens
+        num_generated = stats.num_generation_tokens - last.num_generation_tokens
+        idle = num_prompt == num_generated == 0 and stats.num_running == stats.num_waiting == 0
+        was_idle, self._last_was_idle = self._last_was_idle, idle
+        if idle and was_idle:
+            return None
+        queries = stats.prefix_cache_queries - last.prefix_cache_queries
+        hits = stats.prefix_cache_hits - last.prefix_cache_hits
+        return (
+            f"prompt throughput: {num_prompt / elapsed:.1f} tok/s, "
+            f"generation throughput: {num_generated / elapsed:.1f} tok/s, "
+            f"running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
+            f"KV cache usage: {stats.kv_usage:.1%}, "
+            f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}, "
+            f"preemptions: {stats.num_preemptions}"
+        )

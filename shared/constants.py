@@ -1,0 +1,19 @@
+"""kvflow's fixed tunables, in one place: how often things happen, how long to wait, and the
+built-in limits that are not flags. Settings an operator changes are `Config` fields instead."""
+
+# -- liveness: every process says it is alive; the frontend judges health from that
+HEARTBEAT_INTERVAL_S = 0.5  # between heartbeats; --component-timeout is how long one may lapse
+STATS_INTERVAL_S = 0.1  # between the scheduler's snapshots to the frontend (/metrics, admission)
+STATS_LOG_INTERVAL_S = 10.0  # between the scheduler's one-line stats logs while it has work
+
+# -- the supervisor (`kvflow serve`)
+DEATH_GRACE_S = 2.0  # after a component died: time for in-flight requests to get their error
+UNHEALTHY_LIMIT_S = 30.0  # /health failing this long after startup means a hung component
+
+# -- the HTTP API
+TOKENIZE_TIMEOUT_S = 30.0  # /tokenize and /detokenize wait this long for the tokenizer pool
+MAX_N = 16  # completions per prompt (`n`)
+
+# -- the executor's memory
+DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV cache on CPU, unless --kv-cache-memory-bytes
+CUDA_GRAPH_RESERVE_BYTES = 512 << 20  # decode graphs' activations and workspace, a loose bound
