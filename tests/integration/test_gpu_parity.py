@@ -81,7 +81,7 @@ def test_bf16_greedy_agrees_with_transformers(family: str, tmp_path: object) -> 
         agreed += same
         if same == len(ours):
             continue
-        our_top = set(result.outputs[0].logprobs[same].top_token_ids)
+        our_top = {top.token_id for top in result.outputs[0].logprobs[same].top}
         assert ours[same] in their_top[same] and theirs[same] in our_top, (
             f"{family}: prompt of {len(prompt)}, token {same}: kvflow {ours[same]} "
             f"(top {sorted(our_top)}), transformers {theirs[same]} (top {sorted(their_top[same])})"
