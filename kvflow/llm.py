@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -62,13 +62,13 @@ class LLM:
         `sampling_params` is one for all prompts, or a list with one per prompt.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [cast(Prompt, prompts)]
         requests = [
             GenerateRequest(
                 request_id="",
                 sampling_params=SamplingParams(),
                 prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+                prompt_token_ids=None if isinstance(prompt, str) else list(cast(list[int], prompt)),
             )
             for prompt in prompts
         ]

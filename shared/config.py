@@ -182,9 +182,9 @@ def _flag(name: str) -> str:
 
 def _base_type(options: type, name: str) -> type:
     hint = typing.get_type_hints(options)[name]
-    if isinstance(hint, types.UnionType):
-        return next(a for a in typing.get_args(hint) if a is not type(None))
-    return hint
+    if isinstance(hint, types.UnionType):  # `int | None` parses as int
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.cast(type, hint)
 
 
 def _parse_value(options: type, name: str, text: str) -> Any:

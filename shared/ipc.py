@@ -17,11 +17,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from shared.constants import HEARTBEAT_INTERVAL_S
 from shared.protocol import Heartbeat
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.msgpack.Encoder()
-HEARTBEAT_INTERVAL_S = 0.5
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -43,8 +43,8 @@ class Decoder:
             return None
 
 
-def bind_router(context: zmq.Context, address: str) -> zmq.Socket:
-    socket = context.socket(zmq.ROUTER)
+def bind_router(context: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
+    socket: zmq.Socket[Any] = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises, not vanishes
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its identity back
     socket.setsockopt(zmq.LINGER, 0)
@@ -52,8 +52,8 @@ def bind_router(context: zmq.Context, address: str) -> zmq.Socket:
     return socket
 
 
-def connect_dealer(context: zmq.Context, address: str, identity: str) -> zmq.Socket:
-    socket = context.socket(zmq.DEALER)
+def connect_dealer(context: zmq.Context[Any], address: str, identity: str) -> zmq.Socket[Any]:
+    socket: zmq.Socket[Any] = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, identity.encode())
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
@@ -65,7 +65,7 @@ def start_heartbeat(address: str, component: str) -> threading.Event:
     stop = threading.Event()
 
     def beat() -> None:
-        context = zmq.Context.instance()
+        context: zmq.Context[Any] = zmq.Context.instance()
         socket = connect_dealer(context, address, f"{component}-heartbeat")
         while True:
             beat_msg = Heartbeat(component=component, pid=os.getpid(), sent_at=time.time())

@@ -44,7 +44,9 @@ class BlockPool:
                 block = self._free.pop()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._cached[self.block_hash[block]]  # type: ignore[index]
+                evicted_hash = self.block_hash[block]
+                assert evicted_hash is not None, "an evictable block is always cached"
+                del self._cached[evicted_hash]
                 self.block_hash[block] = None
                 self.num_evictions += 1
             self.ref_cnt[block] = 1

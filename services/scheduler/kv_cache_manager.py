@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.scheduler.block_pool import BlockPool
 from services.scheduler.request import Request
 
@@ -42,7 +44,7 @@ class KVCacheManager:
             self.prefix_queries += num_queried
             self.prefix_hits += num_hit
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after `cached` prefix hits).
 
         Returns False, changing nothing, when the pool cannot supply them.

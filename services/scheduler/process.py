@@ -16,6 +16,7 @@ import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -52,7 +53,7 @@ class RemoteExecutor:
     """
 
     def __init__(
-        self, router: zmq.Socket, handle: Handler, tick: Callable[[], None], timeout: float
+        self, router: zmq.Socket[Any], handle: Handler, tick: Callable[[], None], timeout: float
     ) -> None:
         self.router, self.handle, self.tick, self.timeout = router, handle, tick, timeout
         self.decoder = Decoder(Inbound, "scheduler")
@@ -78,6 +79,8 @@ class RemoteExecutor:
                 self.handle(identity, message)
 
     def submit(self, plan: SchedulerOutput) -> None:
+        if self.identity is None:
+            raise RuntimeError("submit() before the executor reported ready")
         self.router.send_multipart([self.identity, encode(plan)])
         self._submitted.append(plan.step)
 
@@ -102,7 +105,7 @@ class SchedulerProcess:
         if config.scheduler_address is None or config.frontend_address is None:
             raise ValueError("the scheduler needs --scheduler-address and --frontend-address")
         self.config = config
-        context = zmq.Context.instance()
+        context: zmq.Context[Any] = zmq.Context.instance()
         self.router = bind_router(context, config.scheduler_address)
         self.frontend = connect_dealer(context, config.frontend_address, "scheduler")
         self.executor = RemoteExecutor(

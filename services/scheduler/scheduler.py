@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -32,6 +33,7 @@ from shared.protocol import (
     RequestOutput,
     SchedulerOutput,
     StatsSnapshot,
+    TokenLogprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -301,7 +303,12 @@ class Scheduler:
         request.finish_reason = reason
         del self.requests[request.request_id]
 
-    def _output(self, request: Request, token_ids: list[int], logprobs: list = ()) -> RequestOutput:
+    def _output(
+        self,
+        request: Request,
+        token_ids: list[int],
+        logprobs: Sequence[TokenLogprobs] = (),
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             new_token_ids=token_ids,

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from services.tokenizer.hf_tokenizer import decode
+
 REPLACEMENT_CHAR = "\ufffd"  # what decoders emit for incomplete or invalid UTF-8
 # Tokens kept as context; enough for merges and leading-space rules at the window's start.
 _NUM_CONTEXT_TOKENS = 5
@@ -96,7 +98,8 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         # NOTE: clean_up_tokenization_spaces rewrites " ." to "." across the window's edge, so
         # it is not stable under appending; the tokenizers kvflow serves leave it off anyway.
-        return self._tokenizer.decode(
+        return decode(
+            self._tokenizer,
             token_ids,
             skip_special_tokens=self._skip_special_tokens,
             clean_up_tokenization_spaces=False,
@@ -164,7 +167,7 @@ def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:
     A token holding part of a multi-byte character decodes to U+FFFD alone; its token string
     (byte-level form such as "ä½") at least tells such tokens apart.
     """
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    text = decode(tokenizer, [token_id], skip_special_tokens=False)
     if text and not text.strip(REPLACEMENT_CHAR):
         return str(tokenizer.convert_ids_to_tokens(token_id))
     return text

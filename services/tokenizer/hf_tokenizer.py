@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -37,4 +37,13 @@ def apply_chat_template(
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    return encode(tokenizer, str(text), add_special_tokens=False)
+
+
+# transformers declares `str | list[str]` and `Any`; for one sequence these are what it returns.
+def decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], **kwargs: Any) -> str:
+    return cast(str, tokenizer.decode(token_ids, **kwargs))
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str, **kwargs: Any) -> list[int]:
+    return cast(list[int], tokenizer.encode(text, **kwargs))

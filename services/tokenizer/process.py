@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -37,7 +38,7 @@ class TokenizerProcess:
         if tokenizer is None:
             raise ValueError(f"{source.name} ships no tokenizer; pass --tokenizer")
         self.worker = TokenizerWorker(tokenizer)
-        context = zmq.Context.instance()
+        context: zmq.Context[Any] = zmq.Context.instance()
         self.frontend = connect_dealer(context, config.frontend_address, self.name)
         self.scheduler = connect_dealer(context, config.scheduler_address, self.name)
         self.heartbeat = start_heartbeat(config.frontend_address, self.name)
@@ -45,7 +46,7 @@ class TokenizerProcess:
     def run(self) -> None:
         logger.info("%s ready", self.name)
         name = self.name
-        inbound: dict[zmq.Socket, tuple[Decoder, Callable[[object], None]]] = {
+        inbound: dict[zmq.Socket[Any], tuple[Decoder, Callable[[object], None]]] = {
             self.frontend: (Decoder(FromFrontend, f"{name} (frontend)"), self._from_frontend),
             self.scheduler: (Decoder(OutputBatch, f"{name} (scheduler)"), self._from_scheduler),
         }

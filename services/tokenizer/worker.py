@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
-from services.tokenizer.hf_tokenizer import apply_chat_template
+from services.tokenizer.hf_tokenizer import apply_chat_template, decode, encode
 from shared.protocol import (
     ChatMessage,
     EngineRequest,
@@ -86,7 +86,7 @@ class TokenizerWorker:
             return list(request.prompt_token_ids)
         if request.messages is not None:
             return self._chat_ids(request.messages)
-        return self._require_tokenizer("prompt").encode(request.prompt or "")
+        return encode(self._require_tokenizer("prompt"), request.prompt or "")
 
     def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         tokenizer = self._require_tokenizer("messages")
@@ -110,15 +110,17 @@ class TokenizerWorker:
         """/tokenize (text or messages to ids) and /detokenize (ids to text)."""
         try:
             if request.token_ids is not None:
-                text = self._require_tokenizer("tokens").decode(request.token_ids)
+                text = decode(self._require_tokenizer("tokens"), request.token_ids)
                 return TokenizeResult(
                     request_id=request.request_id, text=text, token_ids=request.token_ids
                 )
             if request.messages is not None:
                 ids = self._chat_ids(request.messages)
             else:
-                ids = self._require_tokenizer("prompt").encode(
-                    request.prompt or "", add_special_tokens=request.add_special_tokens
+                ids = encode(
+                    self._require_tokenizer("prompt"),
+                    request.prompt or "",
+                    add_special_tokens=request.add_special_tokens,
                 )
         except ParameterError as exc:
             return TokenizeResult(request_id=request.request_id, error=RequestError.of(exc))
@@ -172,7 +174,7 @@ class TokenizerWorker:
         return delta
 
     def _text(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+        return "" if self.tokenizer is None else decode(self.tokenizer, token_ids)
 
     def _token_text(self, token_id: int) -> str:
         return "" if self.tokenizer is None else token_text(self.tokenizer, token_id)

@@ -13,10 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from paged_cache import scattered_cache
-
 from kernels.attention import paged_attention_reference
 from kernels.triton_prefill_attention import PrefillTiles, paged_prefill_attention
+from tests.kernels.paged_cache import scattered_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -7,41 +7,17 @@ from collections.abc import Callable
 import pytest
 
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from shared.protocol import (
-    EngineRequest,
     FinishReason,
     ModelRunnerOutput,
     ParameterError,
     RequestOutput,
-    SamplingParams,
     SchedulerOutput,
 )
+from tests.unit.scheduler_setup import EOS, add, make_scheduler
 
-EOS = 2
 TokenFn = Callable[[Request], int]
-
-
-def make_scheduler(**overrides: object) -> Scheduler:
-    config = dict(
-        num_blocks=64,
-        block_size=4,
-        max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        eos_token_ids=(EOS,),
-    )
-    config.update(overrides)
-    return Scheduler(SchedulerConfig(**config))  # type: ignore[arg-type]
-
-
-def add(scheduler: Scheduler, request_id: str, prompt: list[int], **params: object) -> None:
-    params.setdefault("max_tokens", 4)
-    scheduler.add_request(
-        EngineRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling_params=SamplingParams(**params)
-        )
-    )  # type: ignore[arg-type]
 
 
 def constant(token_id: int) -> TokenFn:

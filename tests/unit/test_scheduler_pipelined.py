@@ -3,10 +3,9 @@ k's tokens are reported, so decodes run on tokens still in flight."""
 
 from __future__ import annotations
 
-from test_scheduler import EOS, add, make_scheduler
-
 from services.scheduler.scheduler import Scheduler
 from shared.protocol import FinishReason, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from tests.unit.scheduler_setup import EOS, add, make_scheduler
 
 
 def schedule(scheduler: Scheduler) -> tuple[SchedulerOutput, set[str]]:

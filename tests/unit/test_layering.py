@@ -1,0 +1,103 @@
+"""The house rules of the layout, checked on the source: they fail the build when broken.
+
+- A service never imports another service; only the launcher (the CLI and the supervisor
+  that starts every component) and the `kvflow` package (the offline engine, which composes
+  the services' cores in one process) reach into several.
+- `shared/` imports no service, `kvflow`, `kernels` or `benchmarks`.
+- Only the executor imports `kernels`; only the `kvflow bench` entry imports `benchmarks`.
+- The scheduler and the frontend never load torch, however indirectly.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ("kvflow", "services", "shared")
+SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").is_file())
+COMPOSITION_ROOTS = ("services/launcher", "kvflow")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module name a file imports (`from a.b import c` counts as `a.b`)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+    return names
+
+
+def product_files() -> list[Path]:
+    return sorted(f for package in PRODUCT for f in (ROOT / package).rglob("*.py"))
+
+
+def owner(path: Path) -> str:
+    """`services/<name>` for a service's file, else the top-level package."""
+    parts = path.relative_to(ROOT).parts
+    return "/".join(parts[:2]) if parts[0] == "services" and len(parts) > 2 else parts[0]
+
+
+def violations(rule: str) -> list[str]:
+    found = []
+    for path in product_files():
+        where = owner(path)
+        for module in imported_modules(path):
+            top, _, rest = module.partition(".")
+            target = f"services/{rest.split('.')[0]}" if top == "services" and rest else top
+            if _breaks(rule, where, target):
+                found.append(f"{path.relative_to(ROOT)} imports {module}")
+    return found
+
+
+def _breaks(rule: str, where: str, target: str) -> bool:
+    if rule == "services":
+        return (
+            where.startswith("services/")
+            and target.startswith("services/")
+            and target != where
+            and where not in COMPOSITION_ROOTS
+        )
+    if rule == "shared":
+        return where == "shared" and target in ("services", "kvflow", "kernels", "benchmarks")
+    if rule == "kernels":
+        return target == "kernels" and where != "services/executor"
+    if rule == "benchmarks":
+        return target == "benchmarks" and where != "services/launcher"
+    raise ValueError(rule)
+
+
+@pytest.mark.parametrize("rule", ["services", "shared", "kernels", "benchmarks"])
+def test_imports_follow_the_layering(rule: str) -> None:
+    assert violations(rule) == []
+
+
+def test_the_rules_see_every_service() -> None:
+    assert SERVICES == ["executor", "frontend", "launcher", "scheduler", "tokenizer"]
+    assert len(product_files()) > 30
+
+
+@pytest.mark.parametrize("service", ["scheduler", "frontend"])
+def test_service_never_loads_torch(service: str) -> None:
+    modules = sorted(
+        ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        for p in (ROOT / "services" / service).glob("*.py")
+        if p.name != "__main__.py"
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}: importlib.import_module(name)\n"
+        "heavy = sorted(m for m in ('torch', 'triton', 'kernels', 'transformers') "
+        "if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert loaded == "", f"importing services.{service} loads {loaded}"
