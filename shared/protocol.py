@@ -370,3 +370,13 @@ class ExecutorReady(msgspec.Struct, tag=True, kw_only=True):
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+
+
+# ------------------------------------------------------------ what each socket receives
+# One typed decoder per receiving socket (shared.ipc.Decoder); anything else is dropped.
+
+ToScheduler = EngineRequest | AbortRequests | ExecutorReady | ModelRunnerOutput
+ToExecutor = SchedulerOutput
+FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests
+SchedulerToTokenizer = OutputBatch
+ToFrontend = TextDelta | TokenizeResult | Heartbeat | StatsSnapshot | ComponentDown

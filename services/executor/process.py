@@ -14,7 +14,7 @@ import zmq
 from services.executor.model_runner import ModelRunner
 from shared.config import Config
 from shared.ipc import Decoder, connect_dealer, encode, start_heartbeat
-from shared.protocol import SchedulerOutput
+from shared.protocol import ToExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ def run_executor(config: Config, rank: int = 0) -> None:
     socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name)
     socket.send(encode(runner.ready_message(config.served_model_name or runner.source.name)))
     logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
-    decoder = Decoder(SchedulerOutput, name)
+    decoder = Decoder(ToExecutor, name)
     has_step_in_flight = False
     try:
         while True:

@@ -38,10 +38,10 @@ from shared.protocol import (
     RequestError,
     RequestOutput,
     SchedulerOutput,
+    ToScheduler,
 )
 
 logger = logging.getLogger(__name__)
-Inbound = EngineRequest | AbortRequests | ExecutorReady | ModelRunnerOutput
 Handler = Callable[[bytes, object], None]
 
 
@@ -56,7 +56,7 @@ class RemoteExecutor:
         self, router: zmq.Socket[Any], handle: Handler, tick: Callable[[], None], timeout: float
     ) -> None:
         self.router, self.handle, self.tick, self.timeout = router, handle, tick, timeout
-        self.decoder = Decoder(Inbound, "scheduler")
+        self.decoder = Decoder(ToScheduler, "scheduler")
         self.identity: bytes | None = None
         self._submitted: deque[int] = deque()  # steps sent, not yet answered
 

@@ -16,16 +16,17 @@ from shared.ipc import Decoder, connect_dealer, encode, start_heartbeat
 from shared.model_config import resolve_model_source
 from shared.protocol import (
     AbortRequests,
+    FrontendToTokenizer,
     GenerateRequest,
     OutputBatch,
     ParameterError,
     RequestError,
+    SchedulerToTokenizer,
     TextDelta,
     TokenizeRequest,
 )
 
 logger = logging.getLogger(__name__)
-FromFrontend = GenerateRequest | TokenizeRequest | AbortRequests
 
 
 class TokenizerProcess:
@@ -47,8 +48,14 @@ class TokenizerProcess:
         logger.info("%s ready", self.name)
         name = self.name
         inbound: dict[zmq.Socket[Any], tuple[Decoder, Callable[[object], None]]] = {
-            self.frontend: (Decoder(FromFrontend, f"{name} (frontend)"), self._from_frontend),
-            self.scheduler: (Decoder(OutputBatch, f"{name} (scheduler)"), self._from_scheduler),
+            self.frontend: (
+                Decoder(FrontendToTokenizer, f"{name} (frontend)"),
+                self._from_frontend,
+            ),
+            self.scheduler: (
+                Decoder(SchedulerToTokenizer, f"{name} (scheduler)"),
+                self._from_scheduler,
+            ),
         }
         poller = zmq.Poller()
         for socket in inbound:
