@@ -1,8 +1,7 @@
 """The kernel entry points the executor calls: Triton on CUDA tensors, torch references elsewhere.
 
 Each Triton kernel has the signature of its reference. The Triton modules are imported on
-first use on a GPU, so CPU-only processes never import triton. `use_reference_kernels(True)`
-forces the references everywhere (the GPU tests compare the two paths end to end).
+first use on a GPU, so CPU-only processes never import triton.
 """
 
 from __future__ import annotations
@@ -21,18 +20,12 @@ from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.rotary_cache import rotary_write_kv_reference
 
 SKINNY_MAX_ROWS = 16  # decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS
-_force_reference = False
 _modules: dict[str, ModuleType] = {}
-
-
-def use_reference_kernels(enabled: bool) -> None:
-    global _force_reference
-    _force_reference = enabled
 
 
 def _triton(name: str, tensor: torch.Tensor) -> ModuleType | None:
     """The Triton module `kernels.triton_<name>` when `tensor` is on CUDA, else None."""
-    if not tensor.is_cuda or _force_reference:
+    if not tensor.is_cuda:
         return None
     module = _modules.get(name)
     if module is None:

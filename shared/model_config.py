@@ -36,7 +36,6 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
-    torch_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,6 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         qk_norm=family == "qwen3",
         eos_token_ids=eos_ids,
         sliding_window=window,
-        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
     )
 
 
