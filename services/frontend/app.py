@@ -76,10 +76,10 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.ready and not app.state.draining:
-            return Response(status_code=200)
         reason = "draining" if app.state.draining else engine.unavailable_reason()
-        return unavailable(reason or "starting").response()
+        if reason is None:
+            return Response(status_code=200)
+        return unavailable(reason).response()
 
     @app.get("/version")
     async def version(request: Request) -> dict[str, str]:

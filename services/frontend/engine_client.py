@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import zmq
 import zmq.asyncio
 
+from services.frontend.health import unavailable_reason
 from shared.config import Config
 from shared.constants import TOKENIZE_TIMEOUT_S
 from shared.ipc import Decoder, bind_router, encode
@@ -52,7 +53,7 @@ class EngineClient:
         ]
         self.down: str | None = None  # why the engine is dead, once it is
         self.stats: StatsSnapshot | None = None
-        self.stats_at = 0.0
+        self.stats_at: float | None = None  # when the last StatsSnapshot came
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -69,21 +70,16 @@ class EngineClient:
 
     # ---------------------------------------------------------------- health
 
-    @property
-    def ready(self) -> bool:
-        return self.stats is not None and self.unavailable_reason() is None
-
     def unavailable_reason(self) -> str | None:
-        """Why the engine cannot serve now: a dead component (for good), or a silent one."""
-        if self.down is not None:
-            return self.down
-        now, timeout = time.monotonic(), self.config.component_timeout
-        stale = [c for c in self.expected if now - self.last_seen.get(c, -1e9) > timeout]
-        if stale:
-            return f"no heartbeat from {', '.join(stale)}"
-        if self.stats is not None and now - self.stats_at > timeout:
-            return "the scheduler has stopped reporting"  # alive but stuck
-        return None
+        """Why the engine cannot serve now (starting, a silent or dead component), or None."""
+        return unavailable_reason(
+            now=time.monotonic(),
+            timeout=self.config.component_timeout,
+            expected=self.expected,
+            last_seen=self.last_seen,
+            stats_at=self.stats_at,
+            down=self.down,
+        )
 
     async def _watchdog(self) -> None:
         started, failing = time.monotonic(), False
@@ -150,8 +146,9 @@ class EngineClient:
             raise EngineUnavailable(f"tokenizer worker unreachable: {exc}") from exc
 
     def check_available(self) -> None:
-        if not self.ready:
-            raise EngineUnavailable(self.unavailable_reason() or "the engine is starting")
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise EngineUnavailable(reason)
 
     async def generate(self, requests: list[GenerateRequest]) -> AsyncIterator[TextDelta]:
         """Yield the deltas of one API call's sub-requests as they come, until all finish.
