@@ -89,19 +89,24 @@ class EngineClient:
                 continue  # still loading: the launcher watches startup
             reason = self.unavailable_reason()
             if reason is not None and not failing:
-                self._fail_in_flight(reason)
+                self._lost(reason)
             failing = reason is not None  # silence can end: then serve again
 
     def _mark_down(self, reason: str) -> None:
         """A component is gone for good (its process exited, or it speaks another protocol)."""
         if self.down is None:
             self.down = reason
-            self._fail_in_flight(reason)
+            self._lost(reason)
 
-    def _fail_in_flight(self, reason: str) -> None:
+    def _lost(self, reason: str) -> None:
         logger.error(
             "engine unavailable: %s; failing %d in-flight requests", reason, len(self.queues)
         )
+        self.fail_in_flight(reason)
+
+    def fail_in_flight(self, reason: str) -> None:
+        """End every request in flight with an UNAVAILABLE error (the engine is lost, or the
+        server stops before they finish); each caller turns it into a 503 or an error event."""
         for request_id, queue in list(self.queues.items()):
             queue.put_nowait(TextDelta.failure(request_id, RequestError.unavailable(reason)))
         for future in self.tokenize_waiters.values():

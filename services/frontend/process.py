@@ -18,6 +18,8 @@ from shared.config import Config
 from shared.model_config import resolve_model_source
 
 logger = logging.getLogger(__name__)
+# After the drain timeout: how long the requests just failed get to write their error.
+FAILED_WRITE_GRACE_S = 2.0
 
 
 class InFlightCounter:
@@ -40,7 +42,8 @@ class InFlightCounter:
 
 class DrainingServer(uvicorn.Server):
     """First SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish (up to
-    --drain-timeout), then exit. A second signal exits at once."""
+    --drain-timeout), fail those still running (an error event ends each stream), then exit.
+    A second signal exits at once."""
 
     def __init__(
         self, config: uvicorn.Config, state: FrontendState, in_flight: InFlightCounter
@@ -60,7 +63,13 @@ class DrainingServer(uvicorn.Server):
     async def _drain(self) -> None:
         await self._wait_in_flight(self.state.config.drain_timeout)
         if self.in_flight.count:
-            logger.warning("drain timeout: %d requests still in flight", self.in_flight.count)
+            logger.warning(
+                "drain timeout: failing the %d requests still in flight", self.in_flight.count
+            )
+            # Through the engine client, so each ends the way it would if the engine were
+            # lost (a 503, or an error event and [DONE]), not cut off by a cancelled task.
+            self.state.engine.fail_in_flight("the server is shutting down")
+            await self._wait_in_flight(FAILED_WRITE_GRACE_S)
         self.should_exit = True
 
     async def _wait_in_flight(self, timeout: float) -> None:
