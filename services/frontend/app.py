@@ -16,6 +16,7 @@ from services.frontend.engine_client import EngineClient
 from services.frontend.errors import APIError
 from services.frontend.guards import admit, authorize
 from services.frontend.metrics import Metrics
+from services.frontend.request_log import RequestLog
 from services.frontend.routes import generate, info, tokenize
 from services.frontend.state import FrontendState
 from shared.config import Config
@@ -33,6 +34,8 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     app.include_router(info.router, dependencies=[Depends(authorize)])
     app.include_router(tokenize.router, dependencies=[Depends(admit)])
     app.include_router(generate.router, dependencies=[Depends(admit)])
+    if config.enable_log_requests:
+        app.add_middleware(RequestLog)
     return app
 
 

@@ -17,6 +17,7 @@ from services.frontend import responses as r
 from services.frontend.engine_client import EngineClient, EngineUnavailable
 from services.frontend.errors import APIError, api_error, unavailable
 from services.frontend.metrics import Metrics
+from services.frontend.request_log import record_of
 from services.frontend.validation import CallPlan
 from shared.protocol import TextDelta
 
@@ -34,6 +35,7 @@ class APICall:
         self.choices = {s.request_id: r.Choice(i) for i, s in enumerate(plan.sub_requests)}
         self.start = time.monotonic()
         self.last_token_at: dict[str, float] = {}
+        record_of(request).request_id = plan.request_id
 
     async def respond(self) -> Response:
         """Run the call: an SSE stream, or the whole body once every choice has finished."""
@@ -86,6 +88,13 @@ class APICall:
             # Requests left unfinished here were aborted (client gone, or an error).
             unfinished = sum(c.finish_reason is None for c in self.choices.values())
             self.metrics.finished["abort"] += unfinished
+            self._record_usage()
+
+    def _record_usage(self) -> None:
+        usage = r.usage(list(self.choices.values()), self.plan.num_prompts)
+        record = record_of(self.request)
+        record.num_prompt_tokens = usage["prompt_tokens"]
+        record.num_completion_tokens = usage["completion_tokens"]
 
     async def _consume(self) -> None:
         async for _ in self._deltas():

@@ -1,10 +1,11 @@
-"""The assembled app in-process (no `kvflow serve`, no engine processes): its guards, and
-/health while the engine starts. The engine client is real, bound to an inproc address that
-nothing else joins, so the engine stays "starting" unless a test says otherwise."""
+"""The assembled app in-process (no `kvflow serve`, no engine processes): its guards, /health
+while the engine starts, and the request log. The engine client is real, bound to an inproc
+address that nothing else joins, so the engine stays "starting" unless a test says otherwise."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator
 
@@ -25,11 +26,12 @@ _addresses = itertools.count()
 App = tuple[TestClient, EngineClient]
 
 
-def make_client() -> Iterator[App]:
+def make_client(enable_log_requests: bool = False) -> Iterator[App]:
     settings = Config(
         frontend_address=f"inproc://frontend-{next(_addresses)}",
         api_key=KEY,
         max_request_body_bytes=1000,
+        enable_log_requests=enable_log_requests,
     )
     engine = EngineClient(settings)
     try:
@@ -41,6 +43,11 @@ def make_client() -> Iterator[App]:
 @pytest.fixture
 def app() -> Iterator[App]:
     yield from make_client()
+
+
+@pytest.fixture
+def logged_app() -> Iterator[App]:
+    yield from make_client(enable_log_requests=True)
 
 
 def stats(max_model_len: int = 512) -> StatsSnapshot:
@@ -144,3 +151,29 @@ def test_a_body_over_the_limit_is_413_declared_or_streamed(app: App) -> None:
     assert streamed.json()["error"]["message"] == "the request body exceeds 1000 bytes"
     at_limit = client.post("/v1/completions", headers=AUTH, content=b" " * 1000)
     assert at_limit.status_code == 400  # read whole, then refused as JSON
+
+
+def test_request_log_off_logs_nothing(app: App, caplog: pytest.LogCaptureFixture) -> None:
+    client, _ = app
+    with caplog.at_level(logging.INFO, logger="services.frontend"):
+        client.get("/version", headers=AUTH)
+        client.post("/v1/completions", headers=AUTH, json={"prompt": "hi"})
+    assert [r for r in caplog.records if r.name == "services.frontend.request_log"] == []
+
+
+def test_request_log_on_logs_one_line_per_api_request(
+    logged_app: App, caplog: pytest.LogCaptureFixture
+) -> None:
+    client, _ = logged_app
+    with caplog.at_level(logging.INFO, logger="services.frontend.request_log"):
+        client.get("/health")
+        client.get("/metrics", headers=AUTH)
+        client.get("/version")
+        client.post("/v1/chat/completions", headers=AUTH, json={"messages": []})
+        client.post("/v1/completions", headers=AUTH, json={"prompt": "hi"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "services.frontend.request_log"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("GET /version request_id=- status=401 ")
+    assert lines[1].startswith("POST /v1/chat/completions request_id=- status=400 ")
+    assert lines[2].startswith("POST /v1/completions request_id=cmpl-")
+    assert " status=503 prompt_tokens=0 completion_tokens=0 duration=" in lines[2]

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from services.frontend.engine_client import EngineUnavailable
 from services.frontend.errors import api_error, bad_request, unavailable
 from services.frontend.openai_types import DetokenizeBody, TokenizeBody
+from services.frontend.request_log import record_of
 from services.frontend.routes import new_request_id
 from services.frontend.routes.info import max_model_len
 from services.frontend.state import AppState, FrontendState
@@ -54,6 +55,7 @@ async def detokenize(request: Request, state: AppState) -> dict[str, Any]:
 async def _ask_pool(
     request: Request, state: FrontendState, tokenize_request: TokenizeRequest
 ) -> TokenizeResult:
+    record_of(request).request_id = tokenize_request.request_id
     try:
         result = await state.engine.tokenize(tokenize_request)
     except EngineUnavailable as exc:
