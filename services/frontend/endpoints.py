@@ -27,7 +27,7 @@ ChunkBuilder = Callable[[str, str, r.Choice, TextDelta, bool], dict[str, Any]]
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt of a call, in the form its endpoint takes; exactly one field is set."""
+    """One prompt of a call, in the form its endpoint takes: text, token ids or messages."""
 
     text: str | None = None
     token_ids: list[int] | None = None
@@ -59,6 +59,8 @@ class Inputs:
 
 @dataclass(frozen=True)
 class Endpoint(Generic[Body]):
+    """One generate route: everything it does its own way; the rest of the flow is shared."""
+
     body_type: type[Body]
     read: Callable[[Body], Inputs]  # raises ParameterError naming the bad parameter
     id_prefix: str  # of the call's request_id: "cmpl-..." or "chatcmpl-..."

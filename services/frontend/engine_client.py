@@ -7,8 +7,9 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -144,7 +145,7 @@ class EngineClient:
         index = zlib.crc32(request_id.encode()) % self.config.tokenizer_pool_size
         return f"tokenizer-{index}".encode()
 
-    async def _send(self, request_id: str, message: object) -> None:
+    async def _send(self, request_id: str, message: msgspec.Struct) -> None:
         try:
             await self.socket.send_multipart([self._worker_for(request_id), encode(message)])
         except zmq.ZMQError as exc:
@@ -155,7 +156,7 @@ class EngineClient:
         if reason is not None:
             raise EngineUnavailable(reason)
 
-    async def generate(self, requests: list[GenerateRequest]) -> AsyncIterator[TextDelta]:
+    async def generate(self, requests: list[GenerateRequest]) -> AsyncGenerator[TextDelta, None]:
         """Yield the deltas of one API call's sub-requests as they come, until all finish.
 
         Whatever ends the iteration early (a client gone, an error) aborts what is left.

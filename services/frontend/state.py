@@ -20,6 +20,11 @@ class FrontendState:
     metrics: Metrics
     draining: bool = False  # set on SIGTERM: new requests get 503, /health too
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length, once the scheduler has said it."""
+        return self.engine.stats.max_model_len if self.engine.stats else None
+
 
 def frontend_state(request: Request) -> FrontendState:
     """The app's shared objects, as a route or a dependency reaches them."""

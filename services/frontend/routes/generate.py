@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -26,7 +27,7 @@ async def chat_completions(request: Request, state: AppState) -> Response:
     return await _generate(request, state, CHAT)
 
 
-async def _generate(request: Request, state: FrontendState, endpoint: Endpoint) -> Response:
+async def _generate(request: Request, state: FrontendState, endpoint: Endpoint[Any]) -> Response:
     """Validate the body, run its sub-requests, answer with a stream or a body."""
     plan = plan_call(
         endpoint,

@@ -10,7 +10,7 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse, Response
 
 from services.frontend.errors import unavailable
-from services.frontend.state import AppState, FrontendState
+from services.frontend.state import AppState
 from shared.version import VERSION
 
 health_router = APIRouter()
@@ -41,7 +41,7 @@ async def models(state: AppState) -> dict[str, Any]:
                 "created": int(time.time()),
                 "owned_by": "kvflow",
                 "root": state.model_name,
-                "max_model_len": max_model_len(state),
+                "max_model_len": state.max_model_len,
             }
         ],
     }
@@ -51,8 +51,3 @@ async def models(state: AppState) -> dict[str, Any]:
 async def prometheus(state: AppState) -> PlainTextResponse:
     text = state.metrics.render(state.engine.stats)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-
-def max_model_len(state: FrontendState) -> int | None:
-    """The context length, once the scheduler has said it."""
-    return state.engine.stats.max_model_len if state.engine.stats else None

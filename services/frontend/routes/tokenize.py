@@ -12,7 +12,6 @@ from services.frontend.errors import api_error, bad_request, unavailable
 from services.frontend.openai_types import DetokenizeBody, TokenizeBody
 from services.frontend.request_log import record_of
 from services.frontend.routes import new_request_id
-from services.frontend.routes.info import max_model_len
 from services.frontend.state import AppState, FrontendState
 from services.frontend.validation import decode
 from shared.protocol import ParameterError, TokenizeRequest, TokenizeResult
@@ -35,7 +34,7 @@ async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
     )
     return {
         "count": len(result.token_ids),
-        "max_model_len": max_model_len(state),
+        "max_model_len": state.max_model_len,
         "tokens": result.token_ids,
     }
 
