@@ -6,43 +6,55 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.frontend import responses as r
 from services.frontend.engine_client import EngineClient, EngineUnavailable
 from services.frontend.errors import APIError, api_error, unavailable
 from services.frontend.metrics import Metrics
-from shared.protocol import GenerateRequest, TextDelta
+from services.frontend.request_log import record_of
+from services.frontend.validation import CallPlan
+from shared.protocol import TextDelta
+
+T = TypeVar("T")
+Item = tuple[r.Choice, TextDelta]
 
 
 class APICall:
     """One API call: its sub-requests, their choices, metrics, and the client's presence."""
 
     def __init__(
-        self,
-        engine: EngineClient,
-        metrics: Metrics,
-        request_id: str,
-        model: str,
-        subs: list[GenerateRequest],
-        num_prompts: int,
+        self, engine: EngineClient, metrics: Metrics, plan: CallPlan, request: Request
     ) -> None:
-        self.engine, self.metrics, self.request_id, self.model = engine, metrics, request_id, model
-        self.subs, self.num_prompts = subs, num_prompts
-        self.choices = {s.request_id: r.Choice(i) for i, s in enumerate(subs)}
+        self.engine, self.metrics, self.plan, self.request = engine, metrics, plan, request
+        self.choices = {s.request_id: r.Choice(i) for i, s in enumerate(plan.sub_requests)}
         self.start = time.monotonic()
         self.last_token_at: dict[str, float] = {}
+        record_of(request).request_id = plan.request_id
 
-    def _check_pressure(self) -> None:
+    async def respond(self) -> Response:
+        """Run the call: an SSE stream, or the whole body once every choice has finished."""
         try:
             self.engine.check_available()
         except EngineUnavailable as exc:
             raise unavailable(str(exc)) from None
+        if self.plan.stream:
+            return await self._stream()
+        await self._unless_disconnected(self._consume())
+        choices = list(self.choices.values())
+        body = self.plan.endpoint.response_body(
+            self.plan.request_id,
+            self.plan.model,
+            choices,
+            self.plan.num_prompts,
+            self.plan.logprobs,
+        )
+        return JSONResponse(body)
 
     def _observe(self, delta: TextDelta) -> None:
         now = time.monotonic()
@@ -57,11 +69,11 @@ class APICall:
             self.metrics.finished[delta.finish_reason.value] += 1
             self.metrics.e2e.observe(now - self.start)
 
-    async def _deltas(self) -> AsyncIterator[tuple[r.Choice, TextDelta]]:
+    async def _deltas(self) -> AsyncGenerator[Item, None]:
         try:
             # aclosing: leaving early (an error, a client gone) aborts the other
             # sub-requests now, not whenever the generator is garbage-collected.
-            async with contextlib.aclosing(self.engine.generate(self.subs)) as deltas:
+            async with contextlib.aclosing(self.engine.generate(self.plan.sub_requests)) as deltas:
                 async for delta in deltas:
                     self._observe(delta)
                     choice = self.choices[delta.request_id]
@@ -76,87 +88,65 @@ class APICall:
             # Requests left unfinished here were aborted (client gone, or an error).
             unfinished = sum(c.finish_reason is None for c in self.choices.values())
             self.metrics.finished["abort"] += unfinished
+            self._record_usage()
 
-    async def collect(self, request: Request) -> list[r.Choice]:
-        self._check_pressure()
+    def _record_usage(self) -> None:
+        usage = r.usage(list(self.choices.values()), self.plan.num_prompts)
+        record = record_of(self.request)
+        record.num_prompt_tokens = usage["prompt_tokens"]
+        record.num_completion_tokens = usage["completion_tokens"]
 
-        async def consume() -> None:
-            async for _ in self._deltas():
-                pass
+    async def _consume(self) -> None:
+        async for _ in self._deltas():
+            pass
 
-        await _unless_disconnected(request, consume())
-        return list(self.choices.values())
-
-    async def stream(
-        self, request: Request, include_usage: bool, completion: bool, logprobs: bool
-    ) -> Response:
-        self._check_pressure()
+    async def _stream(self) -> Response:
         deltas = self._deltas()
         # Wait for the first delta so that an invalid prompt is still a plain 400.
-        first = await _unless_disconnected(request, anext(deltas, None))
-        return StreamingResponse(
-            self._events(first, deltas, include_usage, completion, logprobs),
-            media_type="text/event-stream",
-        )
+        first = await self._unless_disconnected(anext(deltas, None))
+        return StreamingResponse(self._events(first, deltas), media_type="text/event-stream")
 
     async def _events(
-        self,
-        first: Any,
-        deltas: AsyncIterator,
-        include_usage: bool,
-        completion: bool,
-        logprobs: bool,
+        self, first: Item | None, deltas: AsyncGenerator[Item, None]
     ) -> AsyncIterator[bytes]:
-        started: set[int] = set()
+        plan = self.plan
         try:
             item = first
             while item is not None:
                 choice, delta = item
-                if completion:
-                    text = (delta.prompt_text or "") + delta.text
-                    chunk = r.completion_chunk(
-                        self.request_id, self.model, choice, delta, text, logprobs
-                    )
-                else:
-                    chunk = r.chat_chunk(
-                        self.request_id,
-                        self.model,
-                        choice,
-                        delta,
-                        choice.index not in started,
-                        logprobs,
-                    )
-                started.add(choice.index)
-                yield _sse(chunk)
+                yield _sse(
+                    plan.endpoint.chunk(plan.request_id, plan.model, choice, delta, plan.logprobs)
+                )
                 item = await anext(deltas, None)
-            if include_usage:
-                obj = "text_completion" if completion else "chat.completion.chunk"
-                body = r.usage(list(self.choices.values()), self.num_prompts)
-                yield _sse(r.usage_chunk(self.request_id, self.model, obj, body))
+            if plan.include_usage:
+                usage = r.usage(list(self.choices.values()), plan.num_prompts)
+                chunk = r.usage_chunk(
+                    plan.request_id, plan.model, plan.endpoint.chunk_object, usage
+                )
+                yield _sse(chunk)
         except APIError as exc:
             yield _sse(exc.body())
         finally:
             await deltas.aclose()
         yield b"data: [DONE]\n\n"
 
+    async def _unless_disconnected(self, work: Awaitable[T]) -> T:
+        """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
+        task = asyncio.ensure_future(work)
 
-async def _unless_disconnected(request: Request, work: Any) -> Any:
-    """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
-    task = asyncio.ensure_future(work)
+        async def wait_disconnect() -> None:
+            while (await self.request.receive())["type"] != "http.disconnect":
+                pass
 
-    async def wait_disconnect() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(wait_disconnect())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        raise APIError(499, "client disconnected", "client_closed_request")
-    return task.result()
+        watcher = asyncio.ensure_future(wait_disconnect())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if not task.done():
+            task.cancel()
+            raise APIError(499, "client disconnected", "client_closed_request")
+        return task.result()
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -7,11 +7,13 @@ import asyncio
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
+from services.frontend.health import unavailable_reason
 from shared.config import Config
 from shared.constants import TOKENIZE_TIMEOUT_S
 from shared.ipc import Decoder, bind_router, encode
@@ -52,7 +54,7 @@ class EngineClient:
         ]
         self.down: str | None = None  # why the engine is dead, once it is
         self.stats: StatsSnapshot | None = None
-        self.stats_at = 0.0
+        self.stats_at: float | None = None  # when the last StatsSnapshot came
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -69,21 +71,16 @@ class EngineClient:
 
     # ---------------------------------------------------------------- health
 
-    @property
-    def ready(self) -> bool:
-        return self.stats is not None and self.unavailable_reason() is None
-
     def unavailable_reason(self) -> str | None:
-        """Why the engine cannot serve now: a dead component (for good), or a silent one."""
-        if self.down is not None:
-            return self.down
-        now, timeout = time.monotonic(), self.config.component_timeout
-        stale = [c for c in self.expected if now - self.last_seen.get(c, -1e9) > timeout]
-        if stale:
-            return f"no heartbeat from {', '.join(stale)}"
-        if self.stats is not None and now - self.stats_at > timeout:
-            return "the scheduler has stopped reporting"  # alive but stuck
-        return None
+        """Why the engine cannot serve now (starting, a silent or dead component), or None."""
+        return unavailable_reason(
+            now=time.monotonic(),
+            timeout=self.config.component_timeout,
+            expected=self.expected,
+            last_seen=self.last_seen,
+            stats_at=self.stats_at,
+            down=self.down,
+        )
 
     async def _watchdog(self) -> None:
         started, failing = time.monotonic(), False
@@ -93,19 +90,24 @@ class EngineClient:
                 continue  # still loading: the launcher watches startup
             reason = self.unavailable_reason()
             if reason is not None and not failing:
-                self._fail_in_flight(reason)
+                self._lost(reason)
             failing = reason is not None  # silence can end: then serve again
 
     def _mark_down(self, reason: str) -> None:
         """A component is gone for good (its process exited, or it speaks another protocol)."""
         if self.down is None:
             self.down = reason
-            self._fail_in_flight(reason)
+            self._lost(reason)
 
-    def _fail_in_flight(self, reason: str) -> None:
+    def _lost(self, reason: str) -> None:
         logger.error(
             "engine unavailable: %s; failing %d in-flight requests", reason, len(self.queues)
         )
+        self.fail_in_flight(reason)
+
+    def fail_in_flight(self, reason: str) -> None:
+        """End every request in flight with an UNAVAILABLE error (the engine is lost, or the
+        server stops before they finish); each caller turns it into a 503 or an error event."""
         for request_id, queue in list(self.queues.items()):
             queue.put_nowait(TextDelta.failure(request_id, RequestError.unavailable(reason)))
         for future in self.tokenize_waiters.values():
@@ -143,17 +145,18 @@ class EngineClient:
         index = zlib.crc32(request_id.encode()) % self.config.tokenizer_pool_size
         return f"tokenizer-{index}".encode()
 
-    async def _send(self, request_id: str, message: object) -> None:
+    async def _send(self, request_id: str, message: msgspec.Struct) -> None:
         try:
             await self.socket.send_multipart([self._worker_for(request_id), encode(message)])
         except zmq.ZMQError as exc:
             raise EngineUnavailable(f"tokenizer worker unreachable: {exc}") from exc
 
     def check_available(self) -> None:
-        if not self.ready:
-            raise EngineUnavailable(self.unavailable_reason() or "the engine is starting")
+        reason = self.unavailable_reason()
+        if reason is not None:
+            raise EngineUnavailable(reason)
 
-    async def generate(self, requests: list[GenerateRequest]) -> AsyncIterator[TextDelta]:
+    async def generate(self, requests: list[GenerateRequest]) -> AsyncGenerator[TextDelta, None]:
         """Yield the deltas of one API call's sub-requests as they come, until all finish.
 
         Whatever ends the iteration early (a client gone, an error) aborts what is left.

@@ -9,46 +9,73 @@ from types import FrameType
 
 import uvicorn
 import uvloop
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.frontend.app import InFlightCounter, create_app
+from services.frontend.app import create_app
 from services.frontend.engine_client import EngineClient
+from services.frontend.state import FrontendState
 from shared.config import Config
 from shared.model_config import resolve_model_source
 
 logger = logging.getLogger(__name__)
+# After the drain timeout: how long the requests just failed get to write their error.
+FAILED_WRITE_GRACE_S = 2.0
+
+
+class InFlightCounter:
+    """Counts HTTP requests from their first byte to their response's last (streams too), so
+    a draining server waits for requests not yet registered with the engine as well."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.count = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+            return await self.app(scope, receive, send)
+        self.count += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.count -= 1
 
 
 class DrainingServer(uvicorn.Server):
     """First SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish (up to
-    --drain-timeout), then exit. A second signal exits at once."""
+    --drain-timeout), fail those still running (an error event ends each stream), then exit.
+    A second signal exits at once."""
 
     def __init__(
-        self,
-        config: uvicorn.Config,
-        engine: EngineClient,
-        in_flight: InFlightCounter,
-        drain_timeout: float,
+        self, config: uvicorn.Config, state: FrontendState, in_flight: InFlightCounter
     ) -> None:
         super().__init__(config)
-        self.engine, self.in_flight, self.drain_timeout = engine, in_flight, drain_timeout
+        self.state, self.in_flight = state, in_flight
         self.loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining or self.loop is None:
+        if self.state.draining or self.loop is None:
             return super().handle_exit(sig, frame)
-        self._draining = True
-        self.in_flight.app.state.draining = True
+        self.state.draining = True
         logger.info("draining: %d requests in flight", self.in_flight.count)
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
+        loop = self.loop
+        loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
 
     async def _drain(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout
+        await self._wait_in_flight(self.state.config.drain_timeout)
+        if self.in_flight.count:
+            logger.warning(
+                "drain timeout: failing the %d requests still in flight", self.in_flight.count
+            )
+            # Through the engine client, so each ends the way it would if the engine were
+            # lost (a 503, or an error event and [DONE]), not cut off by a cancelled task.
+            self.state.engine.fail_in_flight("the server is shutting down")
+            await self._wait_in_flight(FAILED_WRITE_GRACE_S)
+        self.should_exit = True
+
+    async def _wait_in_flight(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         while self.in_flight.count and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.in_flight.count:
-            logger.warning("drain timeout: %d requests still in flight", self.in_flight.count)
-        self.should_exit = True
 
 
 def run_frontend(config: Config) -> None:
@@ -65,9 +92,8 @@ def run_frontend(config: Config) -> None:
             log_level="warning",
             timeout_graceful_shutdown=5,
         ),
-        engine,
+        app.state.frontend,
         in_flight,
-        config.drain_timeout,
     )
 
     async def serve() -> None:

@@ -21,8 +21,10 @@ class Choice:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_text: str = ""
+    num_deltas: int = 0  # a chat stream's first chunk of each choice names the role
 
     def absorb(self, delta: TextDelta) -> None:
+        self.num_deltas += 1
         self.text.append(delta.text)
         self.logprobs.extend(delta.logprobs)
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
@@ -92,8 +94,9 @@ def completion_body(
 
 
 def completion_chunk(
-    request_id: str, model: str, choice: Choice, delta: TextDelta, text: str, logprobs: bool
+    request_id: str, model: str, choice: Choice, delta: TextDelta, logprobs: bool
 ) -> dict[str, Any]:
+    text = (delta.prompt_text or "") + delta.text  # an echo request's first delta has the prompt
     return {
         "id": request_id,
         "object": "text_completion",
@@ -130,7 +133,9 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
-def chat_body(request_id: str, model: str, choices: list[Choice], logprobs: bool) -> dict[str, Any]:
+def chat_body(
+    request_id: str, model: str, choices: list[Choice], num_prompts: int, logprobs: bool
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -145,14 +150,15 @@ def chat_body(request_id: str, model: str, choices: list[Choice], logprobs: bool
             }
             for c in choices
         ],
-        "usage": usage(choices, 1),
+        "usage": usage(choices, num_prompts),
     }
 
 
 def chat_chunk(
-    request_id: str, model: str, choice: Choice, delta: TextDelta, first: bool, logprobs: bool
+    request_id: str, model: str, choice: Choice, delta: TextDelta, logprobs: bool
 ) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant"} if first else {}
+    """`delta` was the last absorbed into `choice`; the first of each choice names the role."""
+    message: dict[str, Any] = {"role": "assistant"} if choice.num_deltas == 1 else {}
     message["content"] = delta.text
     return {
         "id": request_id,

@@ -136,3 +136,67 @@ def test_full_waiting_queue_gets_429() -> None:
             thread.join(timeout=1)
     finally:
         server.stop()
+
+
+def test_drain_timeout_ends_streams_with_an_error_and_exits_zero() -> None:
+    server = start_server("--drain-timeout", "1")
+    try:
+        # Far more than a second of decoding on CPU: both are still running when the drain
+        # timeout expires, and must end with the server's error, not a cut connection.
+        body = {
+            "prompt": "Write a long story:",
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
+        lines: list[str] = []
+        first_chunk = threading.Event()
+        whole: dict = {}
+
+        def read_stream() -> None:
+            try:
+                with httpx.stream(
+                    "POST",
+                    f"{server.url}/v1/completions",
+                    json={**body, "stream": True},
+                    headers=server.headers(),
+                    timeout=60,
+                ) as response:
+                    for line in response.iter_lines():
+                        if line:
+                            lines.append(line)
+                            first_chunk.set()
+            except httpx.HTTPError as exc:
+                lines.append(f"cut off: {exc!r}")
+            finally:
+                first_chunk.set()
+
+        def post_whole() -> None:
+            whole["response"] = httpx.post(
+                f"{server.url}/v1/completions", json=body, headers=server.headers(), timeout=60
+            )
+
+        stream = threading.Thread(target=read_stream, daemon=True)
+        stream.start()
+        assert first_chunk.wait(60)
+        blocking = threading.Thread(target=post_whole, daemon=True)
+        blocking.start()
+        wait_for(lambda: server.metrics().get("num_requests_running") == 2, timeout=60)
+        server.proc.send_signal(signal.SIGTERM)
+        stream.join(timeout=30)
+        blocking.join(timeout=30)
+        assert not stream.is_alive() and not blocking.is_alive()
+
+        assert lines[-1] == "data: [DONE]", lines[-1]
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["type"] == "service_unavailable" and "shutting down" in error["message"]
+        chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-2]]
+        assert chunks and all(c["choices"][0]["finish_reason"] is None for c in chunks)
+
+        refused = whole["response"]
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert "shutting down" in refused.json()["error"]["message"]
+        assert server.proc.wait(timeout=60) == 0
+    finally:
+        server.stop()

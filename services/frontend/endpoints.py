@@ -1,0 +1,111 @@
+"""What /v1/completions and /v1/chat/completions do differently, as data.
+
+Both run one flow (validation.py, calls.py); an Endpoint says how its body is read (prompts
+or messages, max_tokens, logprobs) and which builders of responses.py shape its answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from services.frontend import responses as r
+from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+from shared.protocol import (
+    ChatMessage,
+    GenerateRequest,
+    ParameterError,
+    SamplingParams,
+    TextDelta,
+)
+
+Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
+BodyBuilder = Callable[[str, str, list[r.Choice], int, bool], dict[str, Any]]
+ChunkBuilder = Callable[[str, str, r.Choice, TextDelta, bool], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a call, in the form its endpoint takes: text, token ids or messages."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    echo: bool = False  # completions only: return the prompt before its completion
+
+    def request(
+        self, request_id: str, params: SamplingParams, arrival_time: float
+    ) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=request_id,
+            sampling_params=params,
+            prompt=self.text,
+            prompt_token_ids=self.token_ids,
+            messages=self.messages,
+            echo=self.echo,
+            arrival_time=arrival_time,
+        )
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a body asks for, read the endpoint's way."""
+
+    prompts: list[Prompt]
+    params: SamplingParams  # for one sample: fanned out to n sub-requests per prompt
+    logprobs: bool  # whether the response carries logprobs
+
+
+@dataclass(frozen=True)
+class Endpoint(Generic[Body]):
+    """One generate route: everything it does its own way; the rest of the flow is shared."""
+
+    body_type: type[Body]
+    read: Callable[[Body], Inputs]  # raises ParameterError naming the bad parameter
+    id_prefix: str  # of the call's request_id: "cmpl-..." or "chatcmpl-..."
+    chunk_object: str  # the `object` of its stream chunks, the usage chunk's too
+    response_body: BodyBuilder  # (request_id, model, choices, num_prompts, logprobs)
+    chunk: ChunkBuilder  # (request_id, model, choice, delta, logprobs)
+
+
+def _read_completion(body: CompletionRequest) -> Inputs:
+    prompts = body.prompts()
+    params = body.sampling_params(body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:
+        raise ParameterError("echo", "echo together with logprobs is not supported")
+    return Inputs(
+        prompts=[
+            Prompt(text=p, echo=body.echo)
+            if isinstance(p, str)
+            else Prompt(token_ids=p, echo=body.echo)
+            for p in prompts
+        ],
+        params=params,
+        logprobs=body.logprobs is not None,
+    )
+
+
+def _read_chat(body: ChatCompletionRequest) -> Inputs:
+    messages = body.chat_messages()
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = body.sampling_params(max_tokens, body.num_logprobs)
+    return Inputs(prompts=[Prompt(messages=messages)], params=params, logprobs=body.logprobs)
+
+
+COMPLETIONS = Endpoint(
+    body_type=CompletionRequest,
+    read=_read_completion,
+    id_prefix="cmpl",
+    chunk_object="text_completion",
+    response_body=r.completion_body,
+    chunk=r.completion_chunk,
+)
+CHAT = Endpoint(
+    body_type=ChatCompletionRequest,
+    read=_read_chat,
+    id_prefix="chatcmpl",
+    chunk_object="chat.completion.chunk",
+    response_body=r.chat_body,
+    chunk=r.chat_chunk,
+)

@@ -1,0 +1,44 @@
+"""The engine's health, judged from what the frontend has heard: heartbeats, stats, deaths.
+
+Pure: the engine client passes in what it has seen and when, and gets back why the engine
+cannot serve now, or None when it can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+def unavailable_reason(
+    *,
+    now: float,
+    timeout: float,
+    expected: Sequence[str],
+    last_seen: Mapping[str, float],
+    stats_at: float | None,
+    down: str | None,
+) -> str | None:
+    """Why the engine cannot serve at `now`, or None when it can.
+
+    `last_seen` holds each component's last heartbeat time, `stats_at` the scheduler's last
+    snapshot (None before the first), `down` why a component is gone for good. A component
+    never heard from is still starting; one heard from and then silent has failed, and that
+    is said first, as it is what an operator must act on.
+    """
+    if down is not None:
+        return down
+    silent = [
+        f"{name} for {now - last_seen[name]:.0f} s"
+        for name in expected
+        if name in last_seen and now - last_seen[name] > timeout
+    ]
+    if silent:
+        return f"no heartbeat from {', '.join(silent)}"
+    unseen = [name for name in expected if name not in last_seen]
+    if unseen:
+        return f"starting: waiting for {', '.join(unseen)}"
+    if stats_at is None:
+        return "starting: loading the model"  # every process beats; the executor is loading
+    if now - stats_at > timeout:
+        return "the scheduler has stopped reporting"  # alive but stuck
+    return None

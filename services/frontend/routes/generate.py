@@ -1,0 +1,39 @@
+"""/v1/completions and /v1/chat/completions: one flow, told apart by their Endpoint."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from services.frontend.calls import APICall
+from services.frontend.endpoints import CHAT, COMPLETIONS, Endpoint
+from services.frontend.routes import new_request_id
+from services.frontend.state import AppState, FrontendState
+from services.frontend.validation import plan_call
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, state: AppState) -> Response:
+    return await _generate(request, state, COMPLETIONS)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: AppState) -> Response:
+    return await _generate(request, state, CHAT)
+
+
+async def _generate(request: Request, state: FrontendState, endpoint: Endpoint[Any]) -> Response:
+    """Validate the body, run its sub-requests, answer with a stream or a body."""
+    plan = plan_call(
+        endpoint,
+        request.state.body,
+        state.model_name,
+        new_request_id(endpoint.id_prefix),
+        time.time(),
+    )
+    return await APICall(state.engine, state.metrics, plan, request).respond()

@@ -1,0 +1,64 @@
+"""/tokenize (text or messages -> token ids) and /detokenize (token ids -> text), answered by
+the tokenizer pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from services.frontend.engine_client import EngineUnavailable
+from services.frontend.errors import api_error, bad_request, unavailable
+from services.frontend.openai_types import DetokenizeBody, TokenizeBody
+from services.frontend.request_log import record_of
+from services.frontend.routes import new_request_id
+from services.frontend.state import AppState, FrontendState
+from services.frontend.validation import decode
+from shared.protocol import ParameterError, TokenizeRequest, TokenizeResult
+
+router = APIRouter()
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
+    body = decode(request.state.body, TokenizeBody)
+    result = await _ask_pool(
+        request,
+        state,
+        TokenizeRequest(
+            request_id=new_request_id("tok"),
+            prompt=body.prompt,
+            messages=body.chat_messages(),
+            add_special_tokens=body.add_special_tokens,
+        ),
+    )
+    return {
+        "count": len(result.token_ids),
+        "max_model_len": state.max_model_len,
+        "tokens": result.token_ids,
+    }
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request, state: AppState) -> dict[str, Any]:
+    try:
+        token_ids = decode(request.state.body, DetokenizeBody).token_ids()
+    except ParameterError as exc:
+        raise bad_request(exc) from None
+    result = await _ask_pool(
+        request, state, TokenizeRequest(request_id=new_request_id("tok"), token_ids=token_ids)
+    )
+    return {"prompt": result.text}
+
+
+async def _ask_pool(
+    request: Request, state: FrontendState, tokenize_request: TokenizeRequest
+) -> TokenizeResult:
+    record_of(request).request_id = tokenize_request.request_id
+    try:
+        result = await state.engine.tokenize(tokenize_request)
+    except EngineUnavailable as exc:
+        raise unavailable(str(exc)) from None
+    if result.error is not None:
+        raise api_error(result.error)
+    return result

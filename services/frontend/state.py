@@ -1,0 +1,35 @@
+"""What every route shares, kept on the app (`app.state.frontend`) rather than in closures."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from services.frontend.engine_client import EngineClient
+from services.frontend.metrics import Metrics
+from shared.config import Config
+
+
+@dataclass
+class FrontendState:
+    config: Config
+    engine: EngineClient
+    model_name: str  # the one model served, as the API names it
+    metrics: Metrics
+    draining: bool = False  # set on SIGTERM: new requests get 503, /health too
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length, once the scheduler has said it."""
+        return self.engine.stats.max_model_len if self.engine.stats else None
+
+
+def frontend_state(request: Request) -> FrontendState:
+    """The app's shared objects, as a route or a dependency reaches them."""
+    return request.app.state.frontend
+
+
+# A route parameter typed `AppState` receives the FrontendState.
+AppState = Annotated[FrontendState, Depends(frontend_state)]

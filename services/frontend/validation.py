@@ -1,0 +1,81 @@
+"""A generate call's body, validated: the sub-requests the engine runs (prompts x n) and what
+the response needs. Pure: the request id and the arrival time are given, not drawn here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from services.frontend.endpoints import Endpoint
+from services.frontend.errors import APIError, bad_request
+from services.frontend.openai_types import decode_body
+from shared.protocol import GenerateRequest, ParameterError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """A validated generate call."""
+
+    request_id: str
+    model: str  # the served model, as the response names it
+    endpoint: Endpoint[Any]
+    sub_requests: list[GenerateRequest]  # prompt p, sample j is sub-request p * n + j
+    num_prompts: int
+    stream: bool
+    include_usage: bool  # streams end with a usage chunk
+    logprobs: bool  # choices carry logprobs
+
+
+def plan_call(
+    endpoint: Endpoint[Any],
+    raw_body: bytes,
+    served_model: str,
+    request_id: str,
+    arrival_time: float,
+) -> CallPlan:
+    """Decode and validate a body; raise APIError (400 naming the parameter, 404 for another
+    model) at the first problem, in the order a client would fix them."""
+    body = decode(raw_body, endpoint.body_type)
+    check_model(body.model, served_model)
+    try:
+        inputs = endpoint.read(body)
+    except ParameterError as exc:
+        raise bad_request(exc) from None
+    samples = inputs.params.fan_out()  # n of them, each its own seed
+    sub_requests = [
+        prompt.request(f"{request_id}-{p * len(samples) + j}", params, arrival_time)
+        for p, prompt in enumerate(inputs.prompts)
+        for j, params in enumerate(samples)
+    ]
+    return CallPlan(
+        request_id=request_id,
+        model=served_model,
+        endpoint=endpoint,
+        sub_requests=sub_requests,
+        num_prompts=len(inputs.prompts),
+        stream=body.stream,
+        include_usage=body.include_usage,
+        logprobs=inputs.logprobs,
+    )
+
+
+def decode(raw_body: bytes, kind: type[T]) -> T:
+    """A JSON body as `kind`; a 400 naming the field when it does not fit."""
+    try:
+        return decode_body(raw_body, kind)
+    except ParameterError as exc:
+        raise bad_request(exc) from None
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """Only the served model; no model named means that one."""
+    if requested is not None and requested != served:
+        raise APIError(
+            404,
+            f"The model `{requested}` does not exist.",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )

@@ -1,0 +1,179 @@
+"""The assembled app in-process (no `kvflow serve`, no engine processes): its guards, /health
+while the engine starts, and the request log. The engine client is real, bound to an inproc
+address that nothing else joins, so the engine stays "starting" unless a test says otherwise."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from services.frontend.app import create_app
+from services.frontend.engine_client import EngineClient
+from shared.config import Config
+from shared.protocol import StatsSnapshot
+from shared.version import VERSION
+
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+_addresses = itertools.count()
+
+
+App = tuple[TestClient, EngineClient]
+
+
+def make_client(enable_log_requests: bool = False) -> Iterator[App]:
+    settings = Config(
+        frontend_address=f"inproc://frontend-{next(_addresses)}",
+        api_key=KEY,
+        max_request_body_bytes=1000,
+        enable_log_requests=enable_log_requests,
+    )
+    engine = EngineClient(settings)
+    try:
+        yield TestClient(create_app(settings, engine, "test-model")), engine
+    finally:
+        engine.close()
+
+
+@pytest.fixture
+def app() -> Iterator[App]:
+    yield from make_client()
+
+
+@pytest.fixture
+def logged_app() -> Iterator[App]:
+    yield from make_client(enable_log_requests=True)
+
+
+def stats(max_model_len: int = 512) -> StatsSnapshot:
+    return StatsSnapshot(
+        num_running=0,
+        num_waiting=0,
+        kv_usage=0.0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        num_preemptions=0,
+        num_prompt_tokens=0,
+        num_generation_tokens=0,
+        num_blocks=10,
+        max_model_len=max_model_len,
+    )
+
+
+def health_message(client: TestClient) -> str:
+    response = client.get("/health")
+    assert response.status_code == 503
+    return response.json()["error"]["message"]
+
+
+def test_health_says_starting_then_loading_then_ready(app: App) -> None:
+    client, engine = app
+    assert health_message(client) == (
+        "the engine is unavailable: starting: waiting for scheduler, executor-0, "
+        "tokenizer-0, tokenizer-1"
+    )
+    engine.last_seen = dict.fromkeys(engine.expected, time.monotonic())
+    assert health_message(client) == "the engine is unavailable: starting: loading the model"
+    engine.stats, engine.stats_at = stats(), time.monotonic()
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models", headers=AUTH).json()
+    assert models["data"][0]["max_model_len"] == 512
+    assert models["data"][0]["id"] == "test-model"
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/version"),
+        ("GET", "/v1/models"),
+        ("GET", "/metrics"),
+        ("POST", "/tokenize"),
+        ("POST", "/detokenize"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+    ],
+)
+def test_every_route_but_health_needs_the_key(app: App, method: str, path: str) -> None:
+    client, _ = app
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+        response = client.request(method, path, headers=headers, json={})
+        assert response.status_code == 401
+        assert response.json()["error"] == {
+            "message": "invalid or missing API key",
+            "type": "authentication_error",
+            "param": None,
+            "code": "invalid_api_key",
+        }
+    assert client.get("/health").status_code == 503  # no key needed: it answers
+
+
+def test_the_key_opens_the_routes(app: App) -> None:
+    client, _ = app
+    assert client.get("/version", headers=AUTH).json() == {"version": VERSION}
+    assert "kvflow:request_success_total" in client.get("/metrics", headers=AUTH).text
+    # Valid, but the engine is starting: 503, after validation (a bad body is still 400).
+    response = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi"})
+    assert response.status_code == 503 and "starting" in response.json()["error"]["message"]
+    response = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "n": 0})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "n")
+
+
+def test_draining_refuses_posts_only(app: App) -> None:
+    client, _ = app
+    client.app.state.frontend.draining = True
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        response = client.post(path, headers=AUTH, json={"prompt": "hi"})
+        assert response.status_code == 503
+        assert response.json()["error"]["message"] == (
+            "the engine is unavailable: the server is shutting down"
+        )
+    assert client.get("/v1/models", headers=AUTH).status_code == 200
+    assert health_message(client) == "the engine is unavailable: draining"
+
+
+def test_a_body_over_the_limit_is_413_declared_or_streamed(app: App) -> None:
+    client, _ = app
+    declared = client.post("/v1/completions", headers=AUTH, content=b"x" * 1001)
+    assert declared.status_code == 413
+
+    def chunks() -> Iterator[bytes]:  # no content-length: only the bytes read tell
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"y" * 100
+
+    streamed = client.post("/v1/completions", headers=AUTH, content=chunks())
+    assert streamed.status_code == 413
+    assert streamed.json()["error"]["message"] == "the request body exceeds 1000 bytes"
+    at_limit = client.post("/v1/completions", headers=AUTH, content=b" " * 1000)
+    assert at_limit.status_code == 400  # read whole, then refused as JSON
+
+
+def test_request_log_off_logs_nothing(app: App, caplog: pytest.LogCaptureFixture) -> None:
+    client, _ = app
+    with caplog.at_level(logging.INFO, logger="services.frontend"):
+        client.get("/version", headers=AUTH)
+        client.post("/v1/completions", headers=AUTH, json={"prompt": "hi"})
+    assert [r for r in caplog.records if r.name == "services.frontend.request_log"] == []
+
+
+def test_request_log_on_logs_one_line_per_api_request(
+    logged_app: App, caplog: pytest.LogCaptureFixture
+) -> None:
+    client, _ = logged_app
+    with caplog.at_level(logging.INFO, logger="services.frontend.request_log"):
+        client.get("/health")
+        client.get("/metrics", headers=AUTH)
+        client.get("/version")
+        client.post("/v1/chat/completions", headers=AUTH, json={"messages": []})
+        client.post("/v1/completions", headers=AUTH, json={"prompt": "hi"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "services.frontend.request_log"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("GET /version request_id=- status=401 ")
+    assert lines[1].startswith("POST /v1/chat/completions request_id=- status=400 ")
+    assert lines[2].startswith("POST /v1/completions request_id=cmpl-")
+    assert " status=503 prompt_tokens=0 completion_tokens=0 duration=" in lines[2]

@@ -1,0 +1,252 @@
+"""Text deltas -> OpenAI bodies and stream chunks, and request errors -> HTTP errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from services.frontend import responses as r
+from services.frontend.endpoints import CHAT, COMPLETIONS
+from services.frontend.errors import APIError, api_error, bad_request, unavailable
+from shared.protocol import (
+    ErrorKind,
+    FinishReason,
+    ParameterError,
+    RequestError,
+    TextDelta,
+    TokenLogprob,
+    TopLogprob,
+)
+
+
+def entry(token: str, logprob: float, *top: tuple[str, float]) -> TokenLogprob:
+    alternatives = [TopLogprob(token_id=i, token=t, logprob=lp) for i, (t, lp) in enumerate(top)]
+    return TokenLogprob(token_id=99, token=token, logprob=logprob, rank=1, top=alternatives)
+
+
+def delta(request_id: str, text: str, **fields: object) -> TextDelta:
+    return TextDelta(request_id=request_id, text=text, token_ids=[1] * len(text), **fields)
+
+
+def finished(index: int, prompt: int, output: int, cached: int = 0) -> r.Choice:
+    choice = r.Choice(index)
+    choice.absorb(
+        delta(
+            "x",
+            "done",
+            finish_reason=FinishReason.STOP,
+            num_prompt_tokens=prompt,
+            num_output_tokens=output,
+            num_cached_tokens=cached,
+        )
+    )
+    return choice
+
+
+def check_envelope(body: dict, request_id: str, obj: str) -> None:
+    assert (body["id"], body["object"], body["model"]) == (request_id, obj, "m")
+    assert abs(body["created"] - time.time()) < 5 and isinstance(body["created"], int)
+
+
+# ------------------------------------------------------------------ choices and usage
+
+
+def test_choice_absorbs_deltas() -> None:
+    choice = r.Choice(3)
+    choice.absorb(delta("x", "Hel", num_prompt_tokens=4, num_cached_tokens=2, prompt_text="P"))
+    choice.absorb(delta("x", "lo", logprobs=[entry("lo", -0.5)], num_output_tokens=2))
+    assert (choice.index, "".join(choice.text), choice.prompt_text) == (3, "Hello", "P")
+    assert (choice.num_prompt_tokens, choice.num_output_tokens, choice.num_cached_tokens) == (
+        4,
+        2,
+        2,
+    )
+    assert choice.num_deltas == 2 and choice.finish_reason is None
+    assert [e.token for e in choice.logprobs] == ["lo"]
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        (FinishReason.STOP, "stop"),
+        (FinishReason.LENGTH, "length"),
+        (FinishReason.ABORT, "stop"),
+        (FinishReason.ERROR, "error"),
+    ],
+)
+def test_finish_reasons_in_openai_terms(reason: FinishReason, expected: str) -> None:
+    choice = r.Choice(0)
+    choice.absorb(delta("x", "", finish_reason=reason))
+    assert choice.finish_reason == expected
+
+
+def test_usage_counts_each_prompt_once_however_many_samples() -> None:
+    # Two prompts (5 and 7 tokens, 3 and 0 of them cached), two samples each.
+    choices = [finished(0, 5, 10, 3), finished(1, 5, 20, 3), finished(2, 7, 1), finished(3, 7, 2)]
+    assert r.usage(choices, num_prompts=2) == {
+        "prompt_tokens": 12,
+        "completion_tokens": 33,
+        "total_tokens": 45,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    assert r.usage(choices[:2], num_prompts=1)["prompt_tokens"] == 5
+    assert r.usage(choices[::2], num_prompts=2)["prompt_tokens"] == 12
+
+
+# ------------------------------------------------------------------ completions
+
+
+def test_completion_body_with_echo_and_logprobs() -> None:
+    choice = r.Choice(0)
+    choice.absorb(
+        delta(
+            "x",
+            " Paris",
+            prompt_text="Capital:",
+            logprobs=[entry(" Par", -0.1, (" Par", -0.1), (" Lon", -2.0)), entry("is", -0.2)],
+        )
+    )
+    choice.absorb(delta("x", ".", finish_reason=FinishReason.LENGTH, num_output_tokens=3))
+    body = r.completion_body("cmpl-1", "m", [choice], 1, logprobs=True)
+    check_envelope(body, "cmpl-1", "text_completion")
+    assert body["choices"] == [
+        {
+            "index": 0,
+            "text": "Capital: Paris.",
+            "logprobs": {
+                "tokens": [" Par", "is"],
+                "token_logprobs": [-0.1, -0.2],
+                "top_logprobs": [{" Par": -0.1, " Lon": -2.0}, {}],
+                "text_offset": [8, 12],  # after the echoed prompt
+            },
+            "finish_reason": "length",
+        }
+    ]
+    assert body["usage"]["completion_tokens"] == 3
+    assert r.completion_body("cmpl-1", "m", [choice], 1, False)["choices"][0]["logprobs"] is None
+
+
+def test_completion_chunks_carry_the_echoed_prompt_once() -> None:
+    choice = r.Choice(1)
+    first = delta("x", " Hi", prompt_text="Say:")
+    choice.absorb(first)
+    chunk = r.completion_chunk("cmpl-1", "m", choice, first, False)
+    check_envelope(chunk, "cmpl-1", "text_completion")
+    assert chunk["choices"] == [
+        {"index": 1, "text": "Say: Hi", "logprobs": None, "finish_reason": None}
+    ]
+    last = delta("x", "!", finish_reason=FinishReason.STOP, logprobs=[entry("!", -1.5)])
+    choice.absorb(last)
+    (out,) = r.completion_chunk("cmpl-1", "m", choice, last, True)["choices"]
+    assert (out["text"], out["finish_reason"]) == ("!", "stop")
+    assert out["logprobs"] == {
+        "tokens": ["!"],
+        "token_logprobs": [-1.5],
+        "top_logprobs": [{}],
+        "text_offset": [0],
+    }
+
+
+# ------------------------------------------------------------------ chat
+
+
+def test_chat_body_and_its_logprobs() -> None:
+    choice = r.Choice(0)
+    choice.absorb(delta("x", "é", logprobs=[entry("é", -0.3, ("é", -0.3), ("e", -1.0))]))
+    choice.absorb(delta("x", "", finish_reason=FinishReason.STOP, num_prompt_tokens=9))
+    body = r.chat_body("chatcmpl-1", "m", [choice], 1, logprobs=True)
+    check_envelope(body, "chatcmpl-1", "chat.completion")
+    (out,) = body["choices"]
+    assert out["message"] == {"role": "assistant", "content": "é"}
+    assert out["finish_reason"] == "stop"
+    assert out["logprobs"] == {
+        "content": [
+            {
+                "token": "é",
+                "logprob": -0.3,
+                "bytes": [195, 169],
+                "top_logprobs": [
+                    {"token": "é", "logprob": -0.3, "bytes": [195, 169]},
+                    {"token": "e", "logprob": -1.0, "bytes": [101]},
+                ],
+            }
+        ]
+    }
+    assert body["usage"]["prompt_tokens"] == 9
+    assert r.chat_body("chatcmpl-1", "m", [choice], 1, False)["choices"][0]["logprobs"] is None
+
+
+def test_chat_chunks_name_the_role_in_each_choices_first_chunk_only() -> None:
+    choices = [r.Choice(0), r.Choice(1)]
+    deltas = [(0, delta("a", "Hel")), (1, delta("b", "Yo")), (0, delta("a", "lo"))]
+    messages = []
+    for index, d in deltas:
+        choices[index].absorb(d)
+        chunk = r.chat_chunk("chatcmpl-1", "m", choices[index], d, False)
+        check_envelope(chunk, "chatcmpl-1", "chat.completion.chunk")
+        messages.append((chunk["choices"][0]["index"], chunk["choices"][0]["delta"]))
+    assert messages == [
+        (0, {"role": "assistant", "content": "Hel"}),
+        (1, {"role": "assistant", "content": "Yo"}),
+        (0, {"content": "lo"}),
+    ]
+
+
+def test_usage_chunk_has_no_choices() -> None:
+    usage = r.usage([finished(0, 2, 3)], 1)
+    chunk = r.usage_chunk("chatcmpl-1", "m", CHAT.chunk_object, usage)
+    check_envelope(chunk, "chatcmpl-1", "chat.completion.chunk")
+    assert (chunk["choices"], chunk["usage"]["total_tokens"]) == ([], 5)
+    assert COMPLETIONS.chunk_object == "text_completion"
+
+
+def test_endpoints_pick_their_builders() -> None:
+    choice = finished(0, 2, 3)
+    assert COMPLETIONS.response_body("c", "m", [choice], 1, False)["object"] == "text_completion"
+    assert CHAT.response_body("c", "m", [choice], 1, False)["object"] == "chat.completion"
+    assert (COMPLETIONS.id_prefix, CHAT.id_prefix) == ("cmpl", "chatcmpl")
+
+
+# ------------------------------------------------------------------ errors
+
+
+# kind -> (status, type, param, code, message) for RequestError(kind, "too long", "prompt")
+ERROR_CASES = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", "prompt", None, "too long"),
+    ErrorKind.QUEUE_FULL: (429, "rate_limit_error", None, "queue_full", "too long"),
+    ErrorKind.UNAVAILABLE: (
+        503,
+        "service_unavailable",
+        None,
+        None,
+        "the engine is unavailable: too long",
+    ),
+    ErrorKind.INTERNAL: (500, "internal_error", None, None, "too long"),
+}
+
+
+@pytest.mark.parametrize("kind", list(ErrorKind))  # a new kind without a case fails here
+def test_api_error_for_every_error_kind(kind: ErrorKind) -> None:
+    status, type_, param, code, message = ERROR_CASES[kind]
+    error = api_error(RequestError(kind=kind, message="too long", param="prompt"))
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    assert (error.status, error.body()) == (status, body)
+    response = error.response()
+    assert (response.status_code, json.loads(response.body)) == (status, body)
+
+
+def test_bad_request_and_unavailable() -> None:
+    from_exception = bad_request(ParameterError("top_p", "must be in (0, 1]"))
+    assert (from_exception.status, from_exception.param) == (400, "top_p")
+    assert from_exception.message == "top_p: must be in (0, 1]"
+    from_text = bad_request("no", param="x")
+    assert (from_text.status, from_text.message, from_text.param) == (400, "no", "x")
+    down = unavailable("draining")
+    assert (down.status, down.kind, down.message) == (
+        503,
+        "service_unavailable",
+        "the engine is unavailable: draining",
+    )
+    assert isinstance(down, APIError)
