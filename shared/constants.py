@@ -13,6 +13,7 @@ UNHEALTHY_LIMIT_S = 30.0  # /health failing this long after startup means a hung
 # -- the HTTP API
 TOKENIZE_TIMEOUT_S = 30.0  # /tokenize and /detokenize wait this long for the tokenizer pool
 MAX_N = 16  # completions per prompt (`n`)
+DRAIN_ERROR_GRACE_S = 2.0  # after the drain timeout: time for the cut requests' errors to go out
 
 # -- the executor's memory
 DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV cache on CPU, unless --kv-cache-memory-bytes

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -22,6 +22,7 @@ from shared.protocol import Heartbeat
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.msgpack.Encoder()
+SocketT = TypeVar("SocketT", bound=zmq.Socket[Any])  # a sync or an asyncio socket
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -43,8 +44,8 @@ class Decoder:
             return None
 
 
-def bind_router(context: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
-    socket: zmq.Socket[Any] = context.socket(zmq.ROUTER)
+def bind_router(context: zmq.Context[SocketT], address: str) -> SocketT:
+    socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises, not vanishes
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its identity back
     socket.setsockopt(zmq.LINGER, 0)
@@ -52,8 +53,8 @@ def bind_router(context: zmq.Context[Any], address: str) -> zmq.Socket[Any]:
     return socket
 
 
-def connect_dealer(context: zmq.Context[Any], address: str, identity: str) -> zmq.Socket[Any]:
-    socket: zmq.Socket[Any] = context.socket(zmq.DEALER)
+def connect_dealer(context: zmq.Context[SocketT], address: str, identity: str) -> SocketT:
+    socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, identity.encode())
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)

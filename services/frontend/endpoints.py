@@ -88,7 +88,9 @@ def _read_completion(body: CompletionRequest) -> Inputs:
 
 def _read_chat(body: ChatCompletionRequest) -> Inputs:
     messages = body.chat_messages()
-    max_tokens = body.max_completion_tokens or body.max_tokens
+    max_tokens = body.max_completion_tokens
+    if max_tokens is None:  # the older name; 0 in either is refused, not taken as unset
+        max_tokens = body.max_tokens
     params = body.sampling_params(max_tokens, body.num_logprobs)
     return Inputs(prompts=[Prompt(messages=messages)], params=params, logprobs=body.logprobs)
 

@@ -26,12 +26,12 @@ from shared.protocol import (
     RequestError,
     StatsSnapshot,
     TextDelta,
+    ToFrontend,
     TokenizeRequest,
     TokenizeResult,
 )
 
 logger = logging.getLogger(__name__)
-Inbound = TextDelta | TokenizeResult | Heartbeat | StatsSnapshot | ComponentDown
 
 
 class EngineUnavailable(RuntimeError):
@@ -45,7 +45,7 @@ class EngineClient:
         self.config = config
         self.context = zmq.asyncio.Context()
         self.socket = bind_router(self.context, config.frontend_address)
-        self.decoder = Decoder(Inbound, "frontend")
+        self.decoder = Decoder(ToFrontend, "frontend")
         self.queues: dict[str, asyncio.Queue[TextDelta]] = {}
         self.tokenize_waiters: dict[str, asyncio.Future[TokenizeResult]] = {}
         self.last_seen: dict[str, float] = {}
@@ -55,7 +55,7 @@ class EngineClient:
         self.down: str | None = None  # why the engine is dead, once it is
         self.stats: StatsSnapshot | None = None
         self.stats_at: float | None = None  # when the last StatsSnapshot came
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         self._tasks = [

@@ -6,12 +6,14 @@ and out-of-range values become a 400 that names the parameter.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from shared.constants import MAX_N
 from shared.protocol import ChatMessage, ParameterError, SamplingParams
+
+T = TypeVar("T")
 
 
 class StreamOptions(msgspec.Struct):
@@ -165,7 +167,7 @@ def _text_of(content: str | list[ContentPart] | None) -> str:
     return "".join(part.text or "" for part in content)
 
 
-def decode_body(body: bytes, kind: type) -> Any:
+def decode_body(body: bytes, kind: type[T]) -> T:
     """Decode and type-check a JSON body, raising ParameterError naming the bad field."""
     try:
         return msgspec.json.decode(body, type=kind)

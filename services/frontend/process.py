@@ -15,11 +15,10 @@ from services.frontend.app import create_app
 from services.frontend.engine_client import EngineClient
 from services.frontend.state import FrontendState
 from shared.config import Config
+from shared.constants import DRAIN_ERROR_GRACE_S
 from shared.model_config import resolve_model_source
 
 logger = logging.getLogger(__name__)
-# After the drain timeout: how long the requests just failed get to write their error.
-FAILED_WRITE_GRACE_S = 2.0
 
 
 class InFlightCounter:
@@ -69,7 +68,7 @@ class DrainingServer(uvicorn.Server):
             # Through the engine client, so each ends the way it would if the engine were
             # lost (a 503, or an error event and [DONE]), not cut off by a cancelled task.
             self.state.engine.fail_in_flight("the server is shutting down")
-            await self._wait_in_flight(FAILED_WRITE_GRACE_S)
+            await self._wait_in_flight(DRAIN_ERROR_GRACE_S)
         self.should_exit = True
 
     async def _wait_in_flight(self, timeout: float) -> None:

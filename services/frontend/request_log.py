@@ -31,7 +31,8 @@ class RequestRecord:
 def record_of(connection: HTTPConnection) -> RequestRecord:
     """The request's record: the middleware's when logging is on, else a new one to ignore."""
     state: dict[str, Any] = connection.scope.setdefault("state", {})
-    return state.setdefault(_RECORD, RequestRecord())
+    record: RequestRecord = state.setdefault(_RECORD, RequestRecord())
+    return record
 
 
 def log_line(

@@ -28,7 +28,8 @@ class FrontendState:
 
 def frontend_state(request: Request) -> FrontendState:
     """The app's shared objects, as a route or a dependency reaches them."""
-    return request.app.state.frontend
+    state: FrontendState = request.app.state.frontend
+    return state
 
 
 # A route parameter typed `AppState` receives the FrontendState.

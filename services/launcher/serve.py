@@ -35,11 +35,12 @@ logger = logging.getLogger(__name__)
 class Launcher:
     def __init__(self, config: Config) -> None:
         self.runtime = Path(tempfile.mkdtemp(prefix="kvflow-"))
+        self.frontend_address = config.frontend_address or f"ipc://{self.runtime}/frontend"
         self.config = config.replace(
-            frontend_address=config.frontend_address or f"ipc://{self.runtime}/frontend",
+            frontend_address=self.frontend_address,
             scheduler_address=config.scheduler_address or f"ipc://{self.runtime}/scheduler",
         )
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = False
 
     def run(self) -> int:
@@ -138,14 +139,15 @@ class Launcher:
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self._health_url, timeout=2) as response:
-                return response.status == 200
+                return bool(response.status == 200)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
     def _tell_frontend(self, name: str, code: int) -> None:
         if name == "frontend":
             return
-        socket = connect_dealer(zmq.Context.instance(), self.config.frontend_address, "launcher")
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        socket = connect_dealer(context, self.frontend_address, "launcher")
         socket.send(encode(ComponentDown(name, code)))
         time.sleep(0.1)  # LINGER is 0: give the message time to leave
         socket.close()

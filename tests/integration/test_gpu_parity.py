@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from test_parity import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
 
 from kvflow import LLM, SamplingParams
+from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
 
 TOP = 5
 

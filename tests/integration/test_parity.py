@@ -15,58 +15,14 @@ import transformers
 
 from kvflow import LLM, SamplingParams
 from shared.model_config import embedded_model_path
+from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
 
-NUM_NEW_TOKENS = 64
-PROMPT_LENGTHS = (3, 9, 16, 17, 30, 41, 57, 70)  # below, at and across block boundaries
-
-TINY = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,
-    eos_token_id=None,
-    bos_token_id=None,
-    pad_token_id=None,
-)
-FAMILIES = {
-    "llama": (
-        transformers.LlamaConfig,
-        dict(
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            rope_theta=500000.0,
-        ),
-    ),
-    "mistral": (transformers.MistralConfig, dict(sliding_window=None, head_dim=16)),
-    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
-    "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
-}
 # Settings that must not change the output. "small pool" forces preemptions.
 VARIANTS = {
     "no prefix cache": dict(enable_prefix_caching=False),
     "chunked prefill 32": dict(max_num_batched_tokens=32),
     "small pool": dict(num_gpu_blocks_override=14, block_size=16),
 }
-
-
-def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    shared = torch.randint(3, vocab_size, (20,), generator=generator).tolist()
-    prompts = []
-    for i, length in enumerate(PROMPT_LENGTHS):
-        ids = torch.randint(3, vocab_size, (length,), generator=generator).tolist()
-        # Half the prompts share a 20-token prefix, so the prefix cache has work to do.
-        prompts.append((shared + ids)[:length] if i % 2 else ids)
-    return prompts
 
 
 def hf_greedy(

@@ -6,6 +6,7 @@
 - `shared/` imports no service, `kvflow`, `kernels` or `benchmarks`.
 - Only the executor imports `kernels`; only the `kvflow bench` entry imports `benchmarks`.
 - The scheduler and the frontend never load torch, however indirectly.
+- Tests reach their helpers as modules of the `tests` package.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def test_the_rules_see_every_service() -> None:
 def test_service_never_loads_torch(service: str) -> None:
     modules = sorted(
         ".".join(p.relative_to(ROOT).with_suffix("").parts)
-        for p in (ROOT / "services" / service).glob("*.py")
+        for p in (ROOT / "services" / service).rglob("*.py")
         if p.name != "__main__.py"
     )
     code = (
@@ -101,3 +102,17 @@ def test_service_never_loads_torch(service: str) -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
     assert loaded == "", f"importing services.{service} loads {loaded}"
+
+
+def test_tests_import_their_helpers_through_the_tests_package() -> None:
+    """`from tests.kernels.paged_cache import ...`, never a bare `from paged_cache import ...`,
+    which works only by the accident of pytest's sys.path."""
+    test_files = sorted((ROOT / "tests").rglob("*.py"))
+    stems = {p.stem for p in test_files} - {"__init__", "conftest"}
+    bare = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in test_files
+        for module in imported_modules(path)
+        if module.partition(".")[0] in stems
+    ]
+    assert bare == []

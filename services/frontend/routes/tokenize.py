@@ -22,13 +22,17 @@ router = APIRouter()
 @router.post("/tokenize")
 async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
     body = decode(request.state.body, TokenizeBody)
+    try:
+        messages = body.chat_messages()
+    except ParameterError as exc:
+        raise bad_request(exc) from None
     result = await _ask_pool(
         request,
         state,
         TokenizeRequest(
             request_id=new_request_id("tok"),
             prompt=body.prompt,
-            messages=body.chat_messages(),
+            messages=messages,
             add_special_tokens=body.add_special_tokens,
         ),
     )
