@@ -121,6 +121,9 @@ def test_the_key_opens_the_routes(app: App) -> None:
     assert response.status_code == 503 and "starting" in response.json()["error"]["message"]
     response = client.post("/v1/completions", headers=AUTH, json={"prompt": "hi", "n": 0})
     assert (response.status_code, response.json()["error"]["param"]) == (400, "n")
+    image = {"role": "user", "content": [{"type": "image_url"}]}
+    response = client.post("/tokenize", headers=AUTH, json={"messages": [image]})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "messages")
 
 
 def test_draining_refuses_posts_only(app: App) -> None:

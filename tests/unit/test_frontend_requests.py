@@ -235,6 +235,7 @@ def test_chat_logprobs(logprobs: bool, top_logprobs: int | None, expected: int |
         (chat(USER_HI, logprobs=2), "logprobs"),
         (chat(USER_HI, max_tokens=0), "max_tokens"),
         (chat(USER_HI, max_completion_tokens=-1), "max_tokens"),
+        (chat(USER_HI, max_completion_tokens=0, max_tokens=5), "max_tokens"),
         (chat(USER_HI, temperature="hot"), "temperature"),
         (chat(USER_HI, n=MAX_N + 1), "n"),
     ],
