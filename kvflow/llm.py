@@ -7,6 +7,7 @@ core, which tokenizes prompts and turns tokens into text and stop strings as whe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any, cast
@@ -40,7 +41,11 @@ class LLM:
         self.runner = ModelRunner(self.config)
         name = self.config.served_model_name or self.runner.source.name
         ready = self.runner.ready_message(name)
-        self.engine = EngineCore(Scheduler(scheduler_config(self.config, ready)), self.runner)
+        # Offline, the whole batch is queued at once: no cap on waiting requests.
+        settings = dataclasses.replace(
+            scheduler_config(self.config, ready), max_queued_requests=None
+        )
+        self.engine = EngineCore(Scheduler(settings), self.runner)
         self.worker = TokenizerWorker(load_tokenizer(self.runner.source, self.config.tokenizer))
         self._next_id = 0
         logger.info(
@@ -84,9 +89,7 @@ class LLM:
         """Generate a reply for each conversation, through the model's chat template."""
         requests = [
             GenerateRequest(
-                request_id="",
-                sampling_params=SamplingParams(),
-                messages=[ChatMessage(m["role"], m["content"]) for m in messages],
+                request_id="", sampling_params=SamplingParams(), messages=_chat_messages(messages)
             )
             for messages in conversations
         ]
@@ -144,9 +147,9 @@ class LLM:
         self, owners: dict[str, tuple[GenerationResult, Completion]], progress: Progress
     ) -> None:
         while owners and self.engine.has_unfinished():
-            deltas, stopped = self.worker.on_outputs(self.engine.step())
-            if stopped:  # a stop string ended these: the engine stops them too
-                self.engine.abort(stopped)
+            deltas, ended = self.worker.on_outputs(self.engine.step())
+            if ended:  # ended by the worker (a stop string): the engine stops them too
+                self.engine.abort(ended)
             for delta in deltas:
                 owner = owners.get(delta.request_id)
                 if owner is None:
@@ -158,3 +161,14 @@ class LLM:
                     del owners[delta.request_id]
                 progress.update(len(delta.token_ids), delta.finish_reason is not None)
         progress.close()
+
+
+def _chat_messages(messages: Sequence[dict[str, str]]) -> list[ChatMessage]:
+    """A conversation as the tokenizer worker takes it (role and text content, as served)."""
+    chat = []
+    for message in messages:
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise ParameterError("messages", "each message needs a string role and content")
+        chat.append(ChatMessage(role, content))
+    return chat

@@ -72,6 +72,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
         They must differ, seeded or not: a seeded request's k-th completion uses seed + k.
         """
+        _check(self.n >= 1, "n", "must be >= 1")
         return [
             msgspec.structs.replace(
                 self, n=1, seed=None if self.seed is None else self.seed + index
@@ -370,6 +371,13 @@ class ExecutorReady(msgspec.Struct, tag=True, kw_only=True):
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+
+
+class ExecutorVersion(msgspec.Struct, tag="ExecutorReady"):
+    """The part of ExecutorReady that every protocol version keeps: read on its own when the
+    whole message does not decode, so an executor of another version is refused by name."""
+
+    protocol_version: int
 
 
 # ------------------------------------------------------------ what each socket receives

@@ -159,28 +159,38 @@ class EngineClient:
     async def generate(self, requests: list[GenerateRequest]) -> AsyncGenerator[TextDelta, None]:
         """Yield the deltas of one API call's sub-requests as they come, until all finish.
 
-        Whatever ends the iteration early (a client gone, an error) aborts what is left.
+        Whatever ends the iteration early (a client gone, an error) aborts what is left. So
+        does an error: it may have been decided here (the engine lost, the drain deadline)
+        while the engine still runs the request; for one the engine refused, it is a no-op.
         """
         self.check_available()
         queue: asyncio.Queue[TextDelta] = asyncio.Queue()
-        live = {r.request_id for r in requests}
+        unfinished = {r.request_id for r in requests}
+        to_abort = set(unfinished)
         for request in requests:
             self.queues[request.request_id] = queue
         try:
             for request in requests:
                 await self._send(request.request_id, request)
-            while live:
+            while unfinished:
                 delta = await queue.get()
                 if delta.finish_reason is not None:
-                    live.discard(delta.request_id)
+                    unfinished.discard(delta.request_id)
+                    if delta.error is None:
+                        to_abort.discard(delta.request_id)
                 yield delta
         finally:
             for request in requests:
                 self.queues.pop(request.request_id, None)
-            for request_id in live:  # best effort, one by one: each may be unreachable
-                try:
-                    await self._send(request_id, AbortRequests([request_id]))
-                except EngineUnavailable as exc:
+            await self._abort(sorted(to_abort))
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        # One by one: each goes to its own worker, and any of them may be unreachable.
+        for request_id in request_ids:
+            try:
+                await self._send(request_id, AbortRequests([request_id]))
+            except EngineUnavailable as exc:
+                if self.down is None:  # once the engine is known down, this says nothing new
                     logger.warning("could not abort request_id=%s: %s", request_id, exc)
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:

@@ -58,16 +58,17 @@ class EngineCore:
         """Submit the next plan, then collect the one before it: what its requests got."""
         plan = self.scheduler.schedule()
         in_flight = self._in_flight
-        if in_flight is None and _is_empty(plan):
+        if not plan.num_scheduled_tokens and (
+            in_flight is None or not in_flight.num_scheduled_tokens
+        ):
+            # NOTE: nothing runs and nothing is in flight, so no later step sees anything new:
+            # unfinished requests would wait forever (a bug: admission guarantees each fits).
             if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler could not schedule any waiting request")
-            return []  # nothing to run, to wait for, or for the executor to forget
+                raise RuntimeError("the scheduler could not schedule any unfinished request")
+            if in_flight is None and not plan.finished_request_ids:
+                return []  # nothing to run, to wait for, or for the executor to forget
         self.executor.submit(plan)
         self._in_flight = plan
         if in_flight is None:
             return []
         return self.scheduler.update(in_flight, self.executor.collect())
-
-
-def _is_empty(plan: SchedulerOutput) -> bool:
-    return not plan.num_scheduled_tokens and not plan.finished_request_ids

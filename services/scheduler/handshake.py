@@ -7,21 +7,36 @@ disagree would plan steps the executor cannot run, so it refuses to start instea
 
 from __future__ import annotations
 
+import msgspec
+
 from services.scheduler.scheduler import SchedulerConfig
 from shared.config import Config, ConfigError
-from shared.protocol import PROTOCOL_VERSION, ExecutorReady
+from shared.protocol import PROTOCOL_VERSION, ExecutorReady, ExecutorVersion
 
 # Flags the executor's sizes depend on: the scheduler must plan with the same values.
 _SHARED_LIMITS = ("block_size", "max_num_seqs", "max_num_batched_tokens")
 
 
+def check_protocol(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ConfigError(
+            f"the executor speaks protocol {version}, this scheduler {PROTOCOL_VERSION}: "
+            "run the same kvflow version in both"
+        )
+
+
+def refuse_other_versions(frame: bytes) -> None:
+    """A frame that did not decode: if it is another version's ExecutorReady, say so."""
+    try:
+        hello = msgspec.msgpack.decode(frame, type=ExecutorVersion)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return  # not an ExecutorReady at all
+    check_protocol(hello.protocol_version)
+
+
 def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
     """The scheduler core's settings; raises ConfigError when config and executor disagree."""
-    if ready.protocol_version != PROTOCOL_VERSION:
-        raise ConfigError(
-            f"the executor speaks protocol {ready.protocol_version}, "
-            f"this scheduler {PROTOCOL_VERSION}: run the same kvflow version in both"
-        )
+    check_protocol(ready.protocol_version)
     mismatches = [
         f"--{name.replace('_', '-')} {getattr(config, name)} (executor: {getattr(ready, name)})"
         for name in _SHARED_LIMITS

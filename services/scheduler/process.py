@@ -21,7 +21,7 @@ from typing import Any
 import zmq
 
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.handshake import scheduler_config
+from services.scheduler.handshake import refuse_other_versions, scheduler_config
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats_log import StatsLog
 from shared.config import Config
@@ -45,37 +45,57 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[bytes, object], None]
 
 
-class RemoteExecutor:
-    """The executor process, as an `Executor` behind the scheduler's ROUTER.
+class Inbox:
+    """What reaches the scheduler's ROUTER, decoded; a malformed frame is logged and dropped."""
 
-    While it waits for the executor, whatever else arrives (requests, aborts) goes to
-    `handle`, and `tick` runs, so a long step neither stalls intake nor looks like a hang.
+    def __init__(self, router: zmq.Socket[Any]) -> None:
+        self.router = router
+        self.decoder = Decoder(ToScheduler, "scheduler")
+
+    def receive(self, timeout_ms: int) -> tuple[bytes, object | None, bytes] | None:
+        """(sender, message or None if malformed, raw frame); None if nothing came in time."""
+        if not self.router.poll(timeout_ms):
+            return None
+        identity, frame = self.router.recv_multipart()
+        return identity, self.decoder.decode(frame), frame
+
+
+class RemoteExecutor:
+    """The executor process, as an `Executor`: plans go out through the ROUTER, and `collect`
+    waits in the inbox for the oldest plan's answer.
+
+    While it waits, whatever else arrives (requests, aborts) goes to `handle`, and `tick`
+    runs, so a long step neither stalls intake nor looks like a hang. NOTE: an abort handled
+    here frees blocks that steps in flight may still write; that is safe because any later
+    step that reuses them runs after those on the executor's device queue.
     """
 
     def __init__(
-        self, router: zmq.Socket[Any], handle: Handler, tick: Callable[[], None], timeout: float
+        self,
+        router: zmq.Socket[Any],
+        inbox: Inbox,
+        handle: Handler,
+        tick: Callable[[], None],
+        timeout: float,
     ) -> None:
-        self.router, self.handle, self.tick, self.timeout = router, handle, tick, timeout
-        self.decoder = Decoder(ToScheduler, "scheduler")
+        self.router, self.inbox, self.handle, self.tick = router, inbox, handle, tick
+        self.timeout = timeout
         self.identity: bytes | None = None
         self._submitted: deque[int] = deque()  # steps sent, not yet answered
 
-    def receive(self, timeout_ms: int) -> tuple[bytes, object | None] | None:
-        if not self.router.poll(timeout_ms):
-            return None
-        identity, data = self.router.recv_multipart()
-        return identity, self.decoder.decode(data)
-
     def wait_until_ready(self) -> ExecutorReady:
+        """The executor's report; requests that come first are handled (and refused)."""
         while True:
-            received = self.receive(500)
+            received = self.inbox.receive(500)
             if received is None:
                 continue
-            identity, message = received
+            identity, message, frame = received
             if isinstance(message, ExecutorReady):
                 self.identity = identity
                 return message
-            if message is not None:
+            if message is None:
+                refuse_other_versions(frame)
+            else:
                 self.handle(identity, message)
 
     def submit(self, plan: SchedulerOutput) -> None:
@@ -89,10 +109,10 @@ class RemoteExecutor:
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
             self.tick()
-            received = self.receive(500)
+            received = self.inbox.receive(500)
             if received is None:
                 continue
-            identity, message = received
+            identity, message, _ = received
             if isinstance(message, ModelRunnerOutput) and message.step == step:
                 return message
             if message is not None:
@@ -108,8 +128,9 @@ class SchedulerProcess:
         context: zmq.Context[Any] = zmq.Context.instance()
         self.router = bind_router(context, config.scheduler_address)
         self.frontend = connect_dealer(context, config.frontend_address, "scheduler")
+        self.inbox = Inbox(self.router)
         self.executor = RemoteExecutor(
-            self.router, self._handle, self._report_stats, config.step_timeout
+            self.router, self.inbox, self._handle, self._report_stats, config.step_timeout
         )
         self.owners: dict[str, bytes] = {}  # request_id -> identity of its tokenizer worker
         self.core: EngineCore | None = None
@@ -131,12 +152,12 @@ class SchedulerProcess:
             self.config.scheduler_address,
         )
         while True:
-            received = self.executor.receive(0 if core.has_unfinished() else 50)
+            received = self.inbox.receive(0 if core.has_unfinished() else 50)
             while received is not None:
-                identity, message = received
+                identity, message, _ = received
                 if message is not None:
                     self._handle(identity, message)
-                received = self.executor.receive(0)
+                received = self.inbox.receive(0)
             if core.has_unfinished():
                 self._publish(core.step())
             self._report_stats()

@@ -80,10 +80,15 @@ class TokenizerProcess:
     def _from_frontend(self, message: object) -> None:
         if isinstance(message, GenerateRequest):
             try:
-                self.scheduler.send(encode(self.worker.admit(message)))
-            except ParameterError as exc:
+                admitted = self.worker.admit(message)
+            except Exception as exc:  # the client's (ParameterError, 400) or ours (500)
+                if not isinstance(exc, ParameterError):
+                    logger.exception("request_id=%s could not be tokenized", message.request_id)
+                self.worker.abort([message.request_id])
                 failure = TextDelta.failure(message.request_id, RequestError.of(exc))
                 self.frontend.send(encode(failure))
+                return
+            self.scheduler.send(encode(admitted))
         elif isinstance(message, TokenizeRequest):
             self.frontend.send(encode(self.worker.tokenize(message)))
         elif isinstance(message, AbortRequests):
@@ -93,8 +98,8 @@ class TokenizerProcess:
     def _from_scheduler(self, batch: object) -> None:
         if not isinstance(batch, OutputBatch):
             return
-        deltas, stopped = self.worker.on_outputs(batch.outputs)
+        deltas, ended = self.worker.on_outputs(batch.outputs)
         for delta in deltas:
             self.frontend.send(encode(delta))
-        if stopped:  # a stop string ended these: the scheduler stops them too
-            self.scheduler.send(encode(AbortRequests(stopped)))
+        if ended:  # ended here (a stop string): the scheduler stops them too
+            self.scheduler.send(encode(AbortRequests(ended)))

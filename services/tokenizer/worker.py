@@ -49,6 +49,7 @@ class TokenizerWorker:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
         self.live: dict[str, _LiveRequest] = {}
+        self._token_texts: dict[int, str] = {}  # logprob text by token id: decoded once
 
     # ---------------------------------------------------------------- inbound
 
@@ -132,19 +133,26 @@ class TokenizerWorker:
     # ---------------------------------------------------------------- outbound
 
     def on_outputs(self, outputs: list[RequestOutput]) -> tuple[list[TextDelta], list[str]]:
-        """Text deltas for the frontend, and the requests a stop string has ended."""
-        deltas, stopped = [], []
+        """Text deltas for the frontend, and the requests this worker ended (a stop string, or
+        text it could not make) that the engine is still running and must stop."""
+        deltas, ended = [], []
         for output in outputs:
             live = self.live.get(output.request_id)
             if live is None:
-                continue  # aborted, or ended by a stop string already
-            delta = self._delta(output, live)
-            if delta.finish_reason is FinishReason.STOP and not output.finished:
-                stopped.append(output.request_id)
+                continue  # aborted, or ended here already
+            try:
+                delta = self._delta(output, live)
+            except Exception as exc:  # one request's failure must not lose the others' text
+                logger.exception(
+                    "request_id=%s: its output could not be detokenized", output.request_id
+                )
+                delta = TextDelta.failure(output.request_id, RequestError.of(exc))
             if delta.finish_reason is not None:
                 del self.live[output.request_id]
+                if not output.finished:
+                    ended.append(output.request_id)
             deltas.append(delta)
-        return deltas, stopped
+        return deltas, ended
 
     def _delta(self, output: RequestOutput, live: _LiveRequest) -> TextDelta:
         finish, text = output.finish_reason, ""
@@ -177,7 +185,11 @@ class TokenizerWorker:
         return "" if self.tokenizer is None else decode(self.tokenizer, token_ids)
 
     def _token_text(self, token_id: int) -> str:
-        return "" if self.tokenizer is None else token_text(self.tokenizer, token_id)
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = "" if self.tokenizer is None else token_text(self.tokenizer, token_id)
+            self._token_texts[token_id] = text
+        return text
 
     def _logprob(self, lp: TokenLogprobs) -> TokenLogprob:
         top = [

@@ -48,6 +48,18 @@ def test_n_completions_share_the_prompt_and_differ(tiny: LLM) -> None:
     assert_idle(tiny)
 
 
+def test_a_batch_larger_than_the_serving_queue_limit_runs(tiny_llama_dir: Path) -> None:
+    """Offline, the whole batch waits at once: --max-queued-requests is a serving limit."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128, max_queued_requests=1)
+    assert len(sample(llm, PROMPTS)) == len(PROMPTS)
+
+
+def test_chat_messages_need_a_role_and_text(tiny: LLM) -> None:
+    with pytest.raises(ParameterError) as error:
+        tiny.chat([[{"role": "user"}]])
+    assert error.value.param == "messages"
+
+
 def test_logprobs_are_returned_per_token(tiny: LLM) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
     [result] = tiny.generate(PROMPTS[:1], params)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.scheduler.handshake import scheduler_config
+from services.scheduler.handshake import refuse_other_versions, scheduler_config
 from shared.config import Config, ConfigError
-from shared.protocol import PROTOCOL_VERSION, ExecutorReady
+from shared.ipc import Decoder, encode
+from shared.protocol import PROTOCOL_VERSION, ExecutorReady, ToScheduler
 
 READY = ExecutorReady(
     protocol_version=PROTOCOL_VERSION,
@@ -55,3 +56,22 @@ def test_another_protocol_version_is_refused() -> None:
     old = msgspec.structs.replace(READY, protocol_version=PROTOCOL_VERSION - 1)
     with pytest.raises(ConfigError, match="protocol"):
         scheduler_config(Config(), old)
+
+
+def test_an_older_executors_report_is_refused_by_its_version_not_dropped() -> None:
+    """A version-1 ExecutorReady has other fields: it does not decode as this version's, and
+    the scheduler reads its version alone to say why."""
+    v1_frame = msgspec.msgpack.encode(
+        {
+            "type": "ExecutorReady",
+            "protocol_version": 1,
+            "num_blocks": 9,
+            "max_model_len": 512,
+            "model_name": "m",
+        }
+    )
+    assert Decoder(ToScheduler, "scheduler").decode(v1_frame) is None
+    with pytest.raises(ConfigError, match="the executor speaks protocol 1"):
+        refuse_other_versions(v1_frame)
+    refuse_other_versions(b"\xc1 not msgpack")  # other garbage: only dropped
+    refuse_other_versions(encode(READY))  # this version's: nothing to refuse

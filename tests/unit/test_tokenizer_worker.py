@@ -112,3 +112,21 @@ def test_a_model_without_a_tokenizer_takes_token_ids_only() -> None:
         with pytest.raises(ParameterError) as error:
             worker.admit(request(**fields))
         assert error.value.param == param
+
+
+def test_a_request_whose_text_fails_ends_alone_and_is_stopped(smollm2_tokenizer) -> None:
+    worker = make_worker(smollm2_tokenizer)
+    for request_id in ("bad", "good"):
+        worker.admit(
+            GenerateRequest(request_id=request_id, sampling_params=SamplingParams(), prompt="Hi")
+        )
+    deltas, ended = worker.on_outputs(
+        [
+            RequestOutput(request_id="bad", new_token_ids=[-1]),  # the tokenizer cannot decode it
+            RequestOutput(request_id="good", new_token_ids=smollm2_tokenizer.encode(" there")),
+        ]
+    )
+    failed, fine = deltas
+    assert failed.error is not None and failed.error.kind is ErrorKind.INTERNAL
+    assert ended == ["bad"] and list(worker.live) == ["good"]  # the engine stops "bad" too
+    assert fine.text == " there" and fine.error is None

@@ -1,0 +1,98 @@
+"""The frontend's engine client with a real socket: a tokenizer worker stand-in joins it over
+inproc, says the engine is up, and sees what the client sends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import zmq
+import zmq.asyncio
+
+from services.frontend.engine_client import EngineClient
+from shared.config import Config
+from shared.ipc import Decoder, encode
+from shared.protocol import (
+    AbortRequests,
+    FrontendToTokenizer,
+    GenerateRequest,
+    Heartbeat,
+    SamplingParams,
+    TextDelta,
+)
+from tests.unit.test_frontend_app import stats
+
+
+async def ready_engine(address: str) -> tuple[EngineClient, zmq.asyncio.Socket]:
+    """A started client whose components all beat, and the socket of its one tokenizer worker."""
+    engine = EngineClient(Config(frontend_address=address, tokenizer_pool_size=1))
+    await engine.start()
+    worker = engine.context.socket(zmq.DEALER)
+    worker.setsockopt(zmq.IDENTITY, b"tokenizer-0")
+    worker.connect(address)
+    for component in engine.expected:
+        await worker.send(encode(Heartbeat(component=component, pid=1, sent_at=time.time())))
+    await worker.send(encode(stats()))
+    deadline = time.monotonic() + 10
+    while engine.unavailable_reason() is not None:
+        assert time.monotonic() < deadline, engine.unavailable_reason()
+        await asyncio.sleep(0.01)
+    return engine, worker
+
+
+def test_a_request_failed_by_the_frontend_is_aborted_in_the_engine() -> None:
+    """The drain deadline (or a lost component) ends a request here while the engine may still
+    run it: the engine is told to stop, as for a client that went away."""
+
+    async def scenario() -> tuple[list[TextDelta], object]:
+        engine, worker = await ready_engine("inproc://engine-client-abort")
+        decoder = Decoder(FrontendToTokenizer, "worker")
+        try:
+            request = GenerateRequest(request_id="r", sampling_params=SamplingParams(), prompt="x")
+            deltas: list[TextDelta] = []
+
+            async def consume() -> None:
+                async for delta in engine.generate([request]):
+                    deltas.append(delta)
+
+            consumer = asyncio.create_task(consume())
+            assert isinstance(decoder.decode(await worker.recv()), GenerateRequest)
+            engine.fail_in_flight("the server is shutting down")
+            await asyncio.wait_for(consumer, 10)
+            return deltas, decoder.decode(await asyncio.wait_for(worker.recv(), 10))
+        finally:
+            worker.close()
+            engine.close()
+
+    deltas, after = asyncio.run(scenario())
+    [failure] = deltas
+    assert failure.error is not None and "shutting down" in failure.error.message
+    assert after == AbortRequests(["r"])
+
+
+def test_a_request_that_finished_normally_is_not_aborted() -> None:
+    async def scenario() -> list[object]:
+        engine, worker = await ready_engine("inproc://engine-client-finish")
+        decoder = Decoder(FrontendToTokenizer, "worker")
+        try:
+            request = GenerateRequest(request_id="r", sampling_params=SamplingParams(), prompt="x")
+            generator = engine.generate([request])
+            first = asyncio.create_task(anext(generator))
+            assert isinstance(decoder.decode(await worker.recv()), GenerateRequest)
+            done = TextDelta(request_id="r", text="y", token_ids=[5], finish_reason="length")
+            await worker.send(encode(done))
+            assert (await asyncio.wait_for(first, 10)).finish_reason == "length"
+            assert await anext(generator, None) is None
+            return [decoder.decode(f) for f in await _drain(worker)]
+        finally:
+            worker.close()
+            engine.close()
+
+    assert asyncio.run(scenario()) == []  # nothing was sent after the request itself
+
+
+async def _drain(socket: zmq.asyncio.Socket) -> list[bytes]:
+    frames = []
+    while await socket.poll(200):
+        frames.append(await socket.recv())
+    return frames
