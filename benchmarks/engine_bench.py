@@ -12,10 +12,8 @@ from typing import Any
 
 import torch
 
-from kvflow import LLM, SamplingParams
-from services.scheduler.engine_core import EngineCore
+from kvflow import LLM, EngineCore, EngineRequest, SamplingParams
 from shared.config import Config
-from shared.protocol import EngineRequest
 
 
 def random_prompts(num: int, lengths: list[int], vocab: int, seed: int) -> list[list[int]]:

@@ -64,7 +64,7 @@ def profile_decode(
     engine: Any, prompts: list[list[int]], params: list[Any], num_steps: int
 ) -> dict[str, Any]:
     """Admit `prompts`, step until all are decoding, then profile `num_steps` steps; abort."""
-    from shared.protocol import EngineRequest
+    from kvflow import EngineRequest
 
     ids = [f"profile-{i}" for i in range(len(prompts))]
     for request_id, prompt, sampling in zip(ids, prompts, params, strict=True):

@@ -5,16 +5,22 @@ from kvflow import LLM, SamplingParams
 llm = LLM()  # the embedded SmolLM2-135M-Instruct; or LLM("/path/to/model", ...)
 for result in llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)):
     print(result.text)
+
+`LLM.engine` is the engine loop itself (`EngineCore`: add_request, step, abort), for callers
+that drive steps one by one, as the benchmarks do.
 """
 
 from kvflow.llm import LLM
 from kvflow.outputs import Completion, GenerationResult
-from shared.protocol import SamplingParams, TokenLogprob, TopLogprob
+from services.scheduler.engine_core import EngineCore
+from shared.protocol import EngineRequest, SamplingParams, TokenLogprob, TopLogprob
 from shared.version import VERSION as __version__
 
 __all__ = [
     "LLM",
     "Completion",
+    "EngineCore",
+    "EngineRequest",
     "GenerationResult",
     "SamplingParams",
     "TokenLogprob",

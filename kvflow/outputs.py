@@ -16,7 +16,7 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when SamplingParams.logprobs
     text: str = ""  # cut at a stop string; empty for a model without a tokenizer
     finish_reason: str | None = None  # "stop", "length" or "abort"
-    _text_parts: list[str] = field(default_factory=list, repr=False)
+    _text_parts: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def absorb(self, delta: TextDelta) -> None:
         self.token_ids.extend(delta.token_ids)

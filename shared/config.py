@@ -142,6 +142,9 @@ class Config:
         _require(
             self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"
         )
+        for name in ("startup_timeout", "step_timeout", "component_timeout"):
+            _require(getattr(self, name) > 0, name, "must be > 0 seconds")
+        _require(self.drain_timeout >= 0, "drain_timeout", "must be >= 0 seconds")
         _require(
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
             "num_gpu_blocks_override",
@@ -165,6 +168,12 @@ class Config:
 
 
 _SECRETS = ("api_key",)
+
+
+def field_doc(name: str) -> str:
+    """A Config field's help text (for positional arguments, which have no generated flag)."""
+    doc: str = Config.__dataclass_fields__[name].metadata["doc"]
+    return doc
 
 
 class ConfigError(ValueError):

@@ -75,7 +75,8 @@ def _cuda_budget(device: torch.device, utilization: float, step_bytes: int) -> i
     used = total - free  # weights, CUDA context, libraries
     budget = int(total * utilization) - used - step_bytes
     logger.info(
-        "memory: %.1f GiB total, %.1f GiB in use, %.2f GiB for a step's activations, "
+        "memory: %.1f GiB total, %.1f GiB in use, %.2f GiB for a step's activations and "
+        "CUDA graphs, "
         "%.1f GiB left for the KV cache at --gpu-memory-utilization %.2f",
         total / 2**30,
         used / 2**30,

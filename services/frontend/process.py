@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.frontend.app import create_app
 from services.frontend.engine_client import EngineClient
+from services.frontend.request_log import PROBE_PATHS
 from services.frontend.state import FrontendState
 from shared.config import Config
 from shared.constants import DRAIN_ERROR_GRACE_S
@@ -30,7 +31,7 @@ class InFlightCounter:
         self.count = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in ("/health", "/metrics"):
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
             return await self.app(scope, receive, send)
         self.count += 1
         try:

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 _RECORD = "request_record"  # its key in the request's state (scope["state"])
-UNLOGGED_PATHS = ("/health", "/metrics")  # probes polled every few seconds, not API requests
+PROBE_PATHS = ("/health", "/metrics")  # polled every few seconds; not API requests
 
 
 @dataclass
@@ -55,7 +55,7 @@ class RequestLog:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNLOGGED_PATHS:
+        if scope["type"] != "http" or scope["path"] in PROBE_PATHS:
             return await self.app(scope, receive, send)
         record = RequestRecord()
         scope.setdefault("state", {})[_RECORD] = record

@@ -8,7 +8,7 @@ import sys
 
 from benchmarks.cli import add_bench_parser
 from services.launcher.generate import add_generate_parser
-from shared.config import Config, ConfigError, add_config_flags, config_from_args
+from shared.config import ConfigError, add_config_flags, config_from_args, field_doc
 from shared.protocol import ParameterError
 from shared.version import VERSION
 
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvflow {VERSION}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(commands, ENGINE_GROUPS)
-    model_doc = Config.__dataclass_fields__["model"].metadata["doc"]
+    model_doc = field_doc("model")
     serve = commands.add_parser(
         "serve",
         help="Serve the OpenAI API: every process on this machine.",
@@ -57,12 +57,14 @@ def _run_component(args: argparse.Namespace) -> int:
         logging.Formatter(f"%(asctime)s %(levelname)s [{command}] %(name)s: %(message)s")
     )
     config = config_from_args(args)
-    if not getattr(args, "supervised", False):
-        logger.info("config: %s", config.summary())
     if command == "serve":
         from services.launcher.serve import Launcher
 
-        return Launcher(config).run()
+        launcher = Launcher(config)  # picks the private addresses its processes use
+        logger.info("config: %s", launcher.config.summary())
+        return launcher.run()
+    if not args.supervised:
+        logger.info("config: %s", config.summary())
     if command == "frontend":
         from services.frontend.process import run_frontend
 

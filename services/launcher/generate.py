@@ -8,7 +8,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from shared.config import Config, add_config_flags, config_from_args, option, options_from_args
+from shared.config import (
+    Config,
+    add_config_flags,
+    config_from_args,
+    field_doc,
+    option,
+    options_from_args,
+)
 from shared.protocol import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -29,7 +36,6 @@ class GenerateOptions:
 
 
 def add_generate_parser(commands: Any, engine_groups: tuple[str, ...]) -> None:
-    model_doc = Config.__dataclass_fields__["model"].metadata["doc"]
     parser = commands.add_parser(
         "generate",
         help="Generate offline for the given prompts (one batch, one process).",
@@ -37,7 +43,7 @@ def add_generate_parser(commands: Any, engine_groups: tuple[str, ...]) -> None:
         "SmolLM2-135M-Instruct. Each generation and engine option also reads KVFLOW_<NAME> "
         "from the environment (KVFLOW_TEMPERATURE, KVFLOW_MAX_MODEL_LEN, ...).",
     )
-    parser.add_argument("model", nargs="?", help=model_doc)
+    parser.add_argument("model", nargs="?", help=field_doc("model"))
     group = parser.add_argument_group("prompts")
     group.add_argument("--prompt", action="append", required=True, help="A prompt; repeatable.")
     group.add_argument(

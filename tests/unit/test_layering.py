@@ -4,7 +4,9 @@
   that starts every component) and the `kvflow` package (the offline engine, which composes
   the services' cores in one process) reach into several.
 - `shared/` imports no service, `kvflow`, `kernels` or `benchmarks`.
-- Only the executor imports `kernels`; only the `kvflow bench` entry imports `benchmarks`.
+- Only the executor imports `kernels`; only the launcher (the `kvflow bench` entry) imports
+  `benchmarks`, and benchmarks reach the engine through `kvflow` (and its messages, config and
+  kernels), never through a service's internals.
 - The scheduler and the frontend never load torch, however indirectly.
 - Tests reach their helpers as modules of the `tests` package.
 """
@@ -77,6 +79,16 @@ def _breaks(rule: str, where: str, target: str) -> bool:
 @pytest.mark.parametrize("rule", ["services", "shared", "kernels", "benchmarks"])
 def test_imports_follow_the_layering(rule: str) -> None:
     assert violations(rule) == []
+
+
+def test_benchmarks_use_the_public_api() -> None:
+    reaching_in = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in sorted((ROOT / "benchmarks").rglob("*.py"))
+        for module in imported_modules(path)
+        if module.partition(".")[0] == "services"
+    ]
+    assert reaching_in == []
 
 
 def test_the_rules_see_every_service() -> None:
