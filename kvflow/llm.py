@@ -150,16 +150,23 @@ class LLM:
             deltas, ended = self.worker.on_outputs(self.engine.step())
             if ended:  # ended by the worker (a stop string): the engine stops them too
                 self.engine.abort(ended)
+            # NOTE: this loop runs for every request in every step, on the host's critical path
+            # while the device runs the next step: keep it lean.
+            num_tokens = num_done = 0
             for delta in deltas:
                 owner = owners.get(delta.request_id)
                 if owner is None:
                     continue
                 result, completion = owner
                 completion.absorb(delta)
-                result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+                num_tokens += len(delta.token_ids)
                 if delta.finish_reason is not None:
+                    result.num_cached_tokens = max(
+                        result.num_cached_tokens, delta.num_cached_tokens
+                    )
                     del owners[delta.request_id]
-                progress.update(len(delta.token_ids), delta.finish_reason is not None)
+                    num_done += 1
+            progress.update(num_tokens, num_done)
         progress.close()
 
 

@@ -14,9 +14,9 @@ class Progress:
         self.done = self.tokens = 0
         self.start = self.last = time.perf_counter()
 
-    def update(self, num_tokens: int, done: bool) -> None:
+    def update(self, num_tokens: int, num_done: int) -> None:
         self.tokens += num_tokens
-        self.done += done
+        self.done += num_done
         now = time.perf_counter()
         if self.enabled and (now - self.last > 0.5 or self.done == self.total):
             self.last = now

@@ -168,7 +168,9 @@ class TokenizerWorker:
             request_id=output.request_id,
             text=text,
             token_ids=output.new_token_ids,
-            logprobs=[self._logprob(lp) for lp in output.new_logprobs],
+            logprobs=[self._logprob(lp) for lp in output.new_logprobs]
+            if output.new_logprobs
+            else [],
             finish_reason=finish,
             num_prompt_tokens=live.num_prompt_tokens,
             num_output_tokens=live.num_output_tokens,
