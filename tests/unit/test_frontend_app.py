@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from services.frontend.app import create_app
 from services.frontend.engine_client import EngineClient
 from shared.config import Config
-from shared.protocol import StatsSnapshot
 from shared.version import VERSION
+from tests.unit.snapshots import stats
 
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -48,21 +48,6 @@ def app() -> Iterator[App]:
 @pytest.fixture
 def logged_app() -> Iterator[App]:
     yield from make_client(enable_log_requests=True)
-
-
-def stats(max_model_len: int = 512) -> StatsSnapshot:
-    return StatsSnapshot(
-        num_running=0,
-        num_waiting=0,
-        kv_usage=0.0,
-        prefix_cache_queries=0,
-        prefix_cache_hits=0,
-        num_preemptions=0,
-        num_prompt_tokens=0,
-        num_generation_tokens=0,
-        num_blocks=10,
-        max_model_len=max_model_len,
-    )
 
 
 def health_message(client: TestClient) -> str:

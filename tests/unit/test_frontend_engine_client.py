@@ -20,7 +20,7 @@ from shared.protocol import (
     SamplingParams,
     TextDelta,
 )
-from tests.unit.test_frontend_app import stats
+from tests.unit.snapshots import stats
 
 
 async def ready_engine(address: str) -> tuple[EngineClient, zmq.asyncio.Socket]:

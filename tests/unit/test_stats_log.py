@@ -6,19 +6,9 @@ import msgspec
 
 from services.scheduler.stats_log import StatsLog
 from shared.protocol import StatsSnapshot
+from tests.unit.snapshots import stats
 
-IDLE = StatsSnapshot(
-    num_running=0,
-    num_waiting=0,
-    kv_usage=0.0,
-    prefix_cache_queries=0,
-    prefix_cache_hits=0,
-    num_preemptions=0,
-    num_prompt_tokens=0,
-    num_generation_tokens=0,
-    num_blocks=100,
-    max_model_len=512,
-)
+IDLE = stats(num_blocks=100)
 
 
 def busy(**fields: float) -> StatsSnapshot:
