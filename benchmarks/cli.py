@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.serve.flags import add_serve_flags
 from shared.config import config_from_args
 
 
@@ -34,10 +35,17 @@ def add_bench_parser(
 ) -> None:
     bench = commands.add_parser(
         "bench",
-        help="Benchmarks: throughput, latency, attention, floors.",
+        help="Benchmarks: serve, throughput, latency, attention, floors.",
         description="Measure kvflow with random-token prompts; figures to stdout and JSON.",
     )
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    serve = kinds.add_parser(
+        "serve",
+        help="Load a running OpenAI-compatible server over HTTP/SSE: TTFT, TPOT, ITL, goodput.",
+        description="Send a dataset's requests to any OpenAI-compatible server at a request "
+        "rate and measure it at the client; vLLM's `bench serve` flag names.",
+    )
+    add_serve_flags(serve)
     throughput = kinds.add_parser("throughput", help="Offline engine throughput (tok/s).")
     latency = kinds.add_parser("latency", help="Decode inter-token latency at batch 1, 8, 32.")
     attention = kinds.add_parser("attention", help="Decode attention kernel GB/s vs copy.")
@@ -69,6 +77,10 @@ def add_bench_parser(
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        from benchmarks.serve.bench import main
+
+        return main(args)
     # Imported here: building the `kvflow` parser must not import torch.
     if args.bench in ("throughput", "latency"):
         from benchmarks import engine_bench

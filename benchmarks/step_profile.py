@@ -48,6 +48,7 @@ def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
     for event in kernels:
         totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us()
     costliest = sorted(totals.items(), key=lambda item: -item[1])[:top]
+    host_ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     return {
         "steps": num_steps,
         "gpu_busy_fraction": round(busy_fraction(intervals), 3),
@@ -56,6 +57,9 @@ def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
         "kernels_per_step": round(len(kernels) / num_steps, 1),
         "top_kernels_ms_per_step": {
             name[:90]: round(us / 1000 / num_steps, 4) for name, us in costliest
+        },
+        "top_host_ops_self_ms_per_step": {
+            e.key[:90]: round(e.self_cpu_time_total / 1000 / num_steps, 4) for e in host_ops
         },
     }
 

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The `serve` workload on a GPU machine (docs/benchmarks.md): kvflow and vLLM 0.26 side by side,
+# measured by the same client (`kvflow bench serve`), Qwen3-8B shape with dummy weights.
+#
+#   PARTS="probe kvflow" bash scripts/device_serve.sh    # kvflow only
+#   PARTS="vllm kvflow" bash scripts/device_serve.sh     # vLLM (installed from .peer/), then kvflow
+#
+# Carried: .whl/ (wheels the GPU machine lacks), .peer/qwen3-8b.tar.xz and, for vLLM, the three
+# vllm_bundle parts in .peer/ or already in /tmp/vllm-parts (an earlier call on a warm machine).
+set -uo pipefail
+OUT=${OUT:-$PWD/bench-out}  # gets serve-out.tgz (every JSON, log and plot) and summary.txt
+RESULTS=/tmp/serve-results
+mkdir -p "$OUT" "$RESULTS"
+SITE=/tmp/site
+PARTS=${PARTS:-"probe kvflow"}
+NUM_PROMPTS=${NUM_PROMPTS:-500}
+export PYTHONUNBUFFERED=1
+status=0
+
+mkdir -p /tmp/vllm-parts
+cp .peer/vllm_bundle.tar.xz.part* .peer/SHA256SUMS .peer/install_vllm.sh /tmp/vllm-parts/ 2>/dev/null
+if [ ! -f "$SITE/.kvflow-wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+        .whl/*.whl && touch "$SITE/.kvflow-wheels" || exit 1
+fi
+MODEL_DIR=/tmp/qwen3-8b
+[ -d "$MODEL_DIR" ] || tar -xJf .peer/qwen3-8b.tar.xz -C /tmp || exit 1
+export PYTHONPATH=$SITE:$PWD
+
+run() {
+    echo "=== $1: ${*:2}"
+    "${@:2}" || { echo "=== $1 failed (exit $?)"; status=1; }
+}
+
+wait_healthy() {  # URL PID
+    local start=$SECONDS
+    until curl -sf "$1/health" >/dev/null; do
+        kill -0 "$2" 2>/dev/null || { echo "server exited during startup"; return 1; }
+        sleep 0.5
+    done
+    echo "ready after $((SECONDS - start)) s"
+}
+
+# The `serve` workload: 200 prompt tokens (random ids, fresh per run), 200 output tokens.
+bench() {  # NAME PORT
+    local common=(--port "$2" --tokenizer "$MODEL_DIR" --random-input-len 200
+        --random-output-len 200 --ignore-eos --disable-tqdm)
+    run "$1 first request" python3 -m services bench serve "${common[@]}" --num-prompts 1 \
+        --num-warmups 0 --seed 100 --output-json "$RESULTS/$1_first.json"
+    run "$1 single stream" python3 -m services bench serve "${common[@]}" --num-prompts 40 \
+        --max-concurrency 1 --seed 200 --output-json "$RESULTS/$1_single.json"
+    run "$1 load" python3 -m services bench serve "${common[@]}" --num-prompts "$NUM_PROMPTS" \
+        --request-rate 16,inf --seed 300 --save-detailed --plot "$RESULTS/plots_$1" \
+        --output-json "$RESULTS/$1_load.json"
+}
+
+serve_kvflow() {
+    local start=$SECONDS
+    python3 -m services serve "$MODEL_DIR" --load-format dummy --max-model-len 4096 \
+        --port 8100 >"$RESULTS/kvflow_serve.log" 2>&1 &
+    local pid=$!
+    wait_healthy http://127.0.0.1:8100 $pid && echo "kvflow start to ready: $((SECONDS - start)) s" \
+        && bench kvflow 8100
+    kill -INT $pid; wait $pid
+}
+
+serve_vllm() {
+    if [ ! -f "$SITE/vllm_env.sh" ]; then
+        (cd /tmp/vllm-parts && VLLM_SKIP_SMOKE=1 bash install_vllm.sh "$SITE") || return 1
+    fi
+    local start=$SECONDS
+    # Its own working directory and Python path: it must not import kvflow's packages.
+    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$MODEL_DIR" \
+        --load-format dummy --max-model-len 4096 --served-model-name m --port 8200 \
+        >"$RESULTS/vllm_serve.log" 2>&1) &
+    local pid=$!
+    wait_healthy http://127.0.0.1:8200 $pid && echo "vLLM start to ready: $((SECONDS - start)) s" \
+        && bench vllm 8200
+    kill -INT $pid; wait $pid
+    sleep 5
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+for part in $PARTS; do
+    case $part in
+    probe)
+        run probe python3 -m benchmarks.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
+            --output-json "$RESULTS/step_mix.json" ;;
+    kvflow) serve_kvflow ;;
+    vllm) serve_vllm ;;
+    *) echo "unknown part $part"; status=1 ;;
+    esac
+done
+{
+python3 - "$RESULTS" <<'PY'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    data = json.loads(path.read_text())
+    for run in data.get("runs", []):
+        print(f"{path.stem:16} rate={run['request_rate']!s:5} ok={run['completed']} "
+              f"fail={run['failed']} req/s={run['request_throughput']:.2f} "
+              f"TTFT med/p99={run['median_ttft_ms']:.1f}/{run['p99_ttft_ms']:.1f} "
+              f"TPOT med/p99={run['median_tpot_ms']:.2f}/{run['p99_tpot_ms']:.2f} "
+              f"ITL p99={run['p99_itl_ms']:.1f}")
+PY
+} | tee "$OUT/summary.txt"
+tar -czf "$OUT/serve-out.tgz" -C "$RESULTS" .
+exit $status
