@@ -78,8 +78,12 @@ def add_bench_parser(
 
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "serve":
-        from benchmarks.serve.bench import main
-
+        try:
+            from benchmarks.serve.bench import main
+        except ImportError as exc:
+            raise SystemExit(
+                f"kvflow bench serve needs {exc.name}: pip install 'kvflow[bench]'"
+            ) from exc
         return main(args)
     # Imported here: building the `kvflow` parser must not import torch.
     if args.bench in ("throughput", "latency"):

@@ -1,6 +1,6 @@
 """Paged attention for mixed batches (prefill, chunked prefill, decode) in Triton, flash style.
 
-One program handles one (query tile, request, KV head). A tile is BLOCK_Q consecutive query
+The work is (request, query tile) items, for each KV head. A tile is BLOCK_Q consecutive query
 tokens of one request times the GROUP query heads of one KV head, flattened into BLOCK_M rows
 (token-major), so each key and value is read once per KV head per tile:
 
@@ -14,13 +14,17 @@ tokens of one request times the GROUP query heads of one KV head, flattened into
     m = M-1 token t(Q-1), head 3       diag: causal mask per row; past the last query: skipped
 
 The tile walks the context with the online softmax (exp2 of log2e-scaled scores) and writes
-its rows once. Tiles past a request's queries (it is shorter than max_query_len) exit at
-once. Same math as `kernels.attention.paged_attention_reference`.
+its rows once. Programs find their items from query_start_loc on the device and loop over
+them, so the launch depends on tensor shapes only: a CUDA graph captured on padded buffers
+replays it for any mix of requests (zero-query requests have no items; tokens past
+query_start_loc[-1] belong to no request and their rows are left unwritten). Same math as
+`kernels.attention.paged_attention_reference`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -106,7 +110,7 @@ def _attend_context(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # one compile for every batch size
 def _prefill_kernel(
     out_ptr,  # [T, H, D]
     query_ptr,  # [T, H, D]
@@ -125,6 +129,7 @@ def _prefill_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_table_req,
+    num_reqs,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (padding rows masked)
     HEAD_DIM: tl.constexpr,
@@ -132,18 +137,91 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per tile; BLOCK_M = BLOCK_Q * GROUP_PAD rows
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    REQS_POW2: tl.constexpr,  # num_reqs rounded up to a power of two
 ):
-    # The last tiles of a request see the most context: launch them first, so the long
-    # programs do not form the tail of the grid.
-    q_tile = tl.num_programs(0) - 1 - tl.program_id(0)
-    req = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(1)
+    # Work items are (request, query tile) pairs, numbered request by request; the kernel
+    # finds them from query_start_loc alone, so the grid depends on shapes only and the same
+    # launch serves any mix of requests (what a CUDA graph of a padded step needs).
+    reqs = tl.arange(0, REQS_POW2)
+    in_batch = reqs < num_reqs
+    req_starts = tl.load(query_start_loc_ptr + reqs, mask=in_batch, other=0)
+    req_ends = tl.load(query_start_loc_ptr + reqs + 1, mask=in_batch, other=0)
+    num_tiles = (req_ends - req_starts + BLOCK_Q - 1) // BLOCK_Q  # [R]
+    items_through = tl.cumsum(num_tiles, 0)  # [R] items of requests 0..r
+    num_items = tl.sum(num_tiles, 0)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        req = tl.sum((items_through <= item).to(tl.int32), 0)
+        first_item = tl.sum(tl.where(reqs == req, items_through - num_tiles, 0), 0)
+        # A request's last tiles see the most context: they come first, so long items do
+        # not form the tail of the work.
+        tiles_of_req = tl.sum(tl.where(reqs == req, num_tiles, 0), 0)
+        q_tile = tiles_of_req - 1 - (item - first_item)
+        _attend_tile(
+            out_ptr,
+            query_ptr,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_tables_ptr,
+            seq_lens_ptr,
+            query_start_loc_ptr,
+            qk_scale,
+            max_blocks,
+            stride_q_token,
+            stride_q_head,
+            stride_out_token,
+            stride_out_head,
+            stride_cache_block,
+            stride_cache_slot,
+            stride_cache_head,
+            stride_table_req,
+            req,
+            q_tile,
+            kv_head,
+            GROUP,
+            GROUP_PAD,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_Q,
+            BLOCK_N,
+            DOT_PRECISION,
+        )
 
+
+@triton.jit
+def _attend_tile(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    max_blocks,
+    stride_q_token,
+    stride_q_head,
+    stride_out_token,
+    stride_out_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_table_req,
+    req,
+    q_tile,
+    kv_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (request, query tile, KV head): attend over the context, write the tile's rows."""
     q_start = tl.load(query_start_loc_ptr + req)
     num_queries = tl.load(query_start_loc_ptr + req + 1) - q_start
     first_tok = q_tile * BLOCK_Q
-    if first_tok >= num_queries:
-        return
 
     # The request's first query sits at context position seq_len - num_queries.
     ctx_start = tl.load(seq_lens_ptr + req) - num_queries
@@ -213,6 +291,16 @@ def default_tiles(
     return PrefillTiles(block_m, block_n, num_warps, num_stages)
 
 
+@functools.cache
+def _programs_per_kv_head(device: torch.device, num_kv_heads: int) -> int:
+    """Programs per KV head: eight per SM in all (a few waves, so the hardware balances
+    uneven items); four on the CPU interpreter, so tests loop over several items each."""
+    if device.type != "cuda":
+        return 4
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, 8 * num_sms // num_kv_heads)
+
+
 def _check_metadata(
     query: torch.Tensor,
     block_tables: torch.Tensor,
@@ -243,9 +331,10 @@ def paged_prefill_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
     """Causal attention of each request's queries over its paged context, any mix of rows.
 
-    The grid comes from host ints only (num_reqs, max_query_len, num_kv_heads), so there is
-    no device-to-host sync; max_seq_len is unused (each program reads its own seq_len) and
-    kept for the shared attention signature.
+    The grid comes from shapes only (num_tokens, num_reqs, num_kv_heads), so there is no
+    device-to-host sync and a CUDA graph can replay the launch; max_query_len only picks the
+    tiles; max_seq_len is unused (each program reads its own seq_len) and kept for the shared
+    attention signature.
     """
     del max_seq_len
     _check_shapes(query, key_cache, value_cache)
@@ -265,7 +354,10 @@ def paged_prefill_attention(
     seq_lens = seq_lens.to(torch.int32).contiguous()  # [R]
     query_start_loc = query_start_loc.to(torch.int32).contiguous()  # [R + 1]
 
-    grid = (triton.cdiv(max_query_len, block_q), num_reqs, num_kv_heads)
+    # Every program loops over work items; enough programs to fill the GPU a few times over,
+    # fewer where the step has fewer items. Shapes alone fix the grid (see the kernel).
+    max_items = num_reqs + triton.cdiv(query.shape[0], block_q)
+    grid = (min(max_items, _programs_per_kv_head(query.device, num_kv_heads)), num_kv_heads)
     _prefill_kernel[grid](
         out,
         query,
@@ -284,6 +376,7 @@ def paged_prefill_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_tables.stride(0),
+        num_reqs,
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -291,6 +384,8 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_N=tiles.block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        # One variant for every batch up to 256 requests: no compile when the mix changes.
+        REQS_POW2=max(256, triton.next_power_of_2(num_reqs)),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -36,6 +36,7 @@ wait_healthy() {  # URL PID
     local start=$SECONDS
     until curl -sf "$1/health" >/dev/null; do
         kill -0 "$2" 2>/dev/null || { echo "server exited during startup"; return 1; }
+        ((SECONDS - start < 400)) || { echo "not ready after 400 s"; return 1; }
         sleep 0.5
     done
     echo "ready after $((SECONDS - start)) s"
@@ -66,8 +67,12 @@ serve_kvflow() {
 
 serve_vllm() {
     if [ ! -f "$SITE/vllm_env.sh" ]; then
+        # vLLM's dependencies that neither the machine nor the bundle has (.vwhl/), first:
+        # install_vllm.sh must come last (a later pip --target would drop its bin/vllm).
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .vwhl/*.whl
         (cd /tmp/vllm-parts && VLLM_SKIP_SMOKE=1 bash install_vllm.sh "$SITE") || return 1
     fi
+    (cd /tmp && PYTHONPATH=$SITE python3 -c "import vllm.entrypoints.openai.api_server") || return 1
     local start=$SECONDS
     # Its own working directory and Python path: it must not import kvflow's packages.
     (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$MODEL_DIR" \
@@ -83,6 +88,9 @@ serve_vllm() {
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do
     case $part in
+    tests)
+        run tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels \
+            tests/integration/test_gpu_parity.py tests/integration/test_gpu_graphs.py ;;
     probe)
         run probe python3 -m benchmarks.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;

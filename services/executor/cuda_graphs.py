@@ -1,10 +1,16 @@
-"""CUDA graphs of the decode forward pass, one per padded batch size.
+"""CUDA graphs of the forward pass: decode batches by size, mixed steps by token count.
 
-A decode step of a large model is a few hundred kernel launches of a few microseconds each;
+A forward pass of a large model is a few hundred kernel launches of a few microseconds each;
 launched one by one from Python, the host is the bottleneck and the GPU idles. A graph
 replays the whole forward pass with one launch. Graphs have fixed shapes and addresses, so
-batches are padded up to the next captured size, and every input is read from the fixed
-offsets of `StepBuffers` (padding rows read block 0 and write no KV).
+steps are padded up to the next captured shape, and every input is read from the fixed
+offsets of `StepBuffers`:
+- decode graphs (one token per request, the split-KV decode attention), by batch size;
+  padding rows read block 0 and write no KV;
+- mixed graphs (prompts or chunks beside decodes, the prefill attention, whose launch
+  depends on shapes only), by token count up to MIXED_GRAPH_MAX_TOKENS; padding tokens
+  belong to no request and padding requests have no tokens. Larger steps run eagerly: there
+  the device's work outlasts the launches anyway.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from collections.abc import Callable
 
 import torch
 
-from services.executor.step_buffers import StepBuffers, StepView
+from services.executor.step_buffers import PaddedShape, StepBuffers, StepView
 
 logger = logging.getLogger(__name__)
 
 Forward = Callable[[StepView], torch.Tensor]  # -> hidden states [T, hidden]
+
+MIXED_GRAPH_MAX_TOKENS = 512
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -28,46 +36,70 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
 
 
-class DecodeGraphs:
+def mixed_token_sizes(max_tokens: int) -> list[int]:
+    """16, then every 16 up to 64, every 32 up to 256, every 64 up to 512; capped."""
+    sizes = [*range(16, 64, 16), *range(64, 256, 32), *range(256, 513, 64)]
+    limit = min(max_tokens, MIXED_GRAPH_MAX_TOKENS)
+    return sorted({s for s in sizes if s < limit} | {limit})
+
+
+class StepGraphs:
     def __init__(self, forward: Forward, buffers: StepBuffers, max_batch: int, max_seq_len: int):
         self.forward = forward
         self.buffers = buffers
         self.max_seq_len = max_seq_len  # attention's context bound, fixed at capture
-        self.sizes = graph_batch_sizes(min(max_batch, buffers.max_reqs, buffers.max_tokens))
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.max_reqs = min(max_batch, buffers.max_reqs)
+        self.decode_sizes = graph_batch_sizes(min(self.max_reqs, buffers.max_tokens))
+        self.mixed_sizes = mixed_token_sizes(buffers.max_tokens)
+        self.graphs: dict[PaddedShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def padded_size(self, num_reqs: int, num_tokens: int) -> int | None:
-        """The captured size a step runs at, or None if it is no pure decode that fits."""
-        if num_tokens != num_reqs or num_reqs > self.sizes[-1]:
-            return None
-        return next(s for s in self.sizes if s >= num_reqs)
+    def shape_for(self, num_reqs: int, num_tokens: int) -> PaddedShape | None:
+        """The captured shape a step runs at, or None if it runs eagerly."""
+        if num_tokens == num_reqs and num_reqs <= self.decode_sizes[-1]:
+            size = next(s for s in self.decode_sizes if s >= num_reqs)
+            return PaddedShape(size, size, decode=True)
+        if num_tokens <= self.mixed_sizes[-1]:
+            size = next(s for s in self.mixed_sizes if s >= num_tokens)
+            # Every request has a token, so min(size, max_reqs) requests hold any step.
+            return PaddedShape(size, min(size, self.max_reqs), decode=False)
+        return None
+
+    def _shapes(self) -> list[PaddedShape]:
+        decode = [PaddedShape(s, s, decode=True) for s in self.decode_sizes]
+        mixed = [PaddedShape(s, min(s, self.max_reqs), decode=False) for s in self.mixed_sizes]
+        return decode + mixed
 
     def capture(self) -> None:
         start = time.perf_counter()
         pool = None
         # Largest first: smaller graphs then reuse its memory from the shared pool.
-        for size in reversed(self.sizes):
-            self.buffers.write([], [], [], [], pad_to=size)
+        for shape in sorted(self._shapes(), key=lambda s: -s.num_tokens):
+            self.buffers.write([], [], [], [], pad_to=shape)
             self.buffers.copy_to_device()
-            view = self.buffers.view(self.max_seq_len)
+            # A decode graph runs the decode kernel (one query each); a mixed one the prefill
+            # kernel, with tiles for queries as long as the whole step.
+            view = self.buffers.view(self.max_seq_len, 1 if shape.decode else shape.num_tokens)
             self.forward(view)  # warm-up outside the graph: Triton compiles, cuBLAS picks
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.forward(view)
             pool = graph.pool()
-            self.graphs[size] = (graph, hidden)
+            self.graphs[shape] = (graph, hidden)
         torch.cuda.synchronize()
         logger.info(
-            "captured %d CUDA graphs for decode batches of %d..%d in %.1f s",
-            len(self.sizes),
-            self.sizes[0],
-            self.sizes[-1],
+            "captured %d CUDA graphs in %.1f s: decode batches of %d..%d, mixed steps of "
+            "%d..%d tokens",
+            len(self.graphs),
             time.perf_counter() - start,
+            self.decode_sizes[0],
+            self.decode_sizes[-1],
+            self.mixed_sizes[0],
+            self.mixed_sizes[-1],
         )
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of `size` on what the buffers hold; hidden states [size, hidden]."""
-        graph, hidden = self.graphs[size]
+    def replay(self, shape: PaddedShape) -> torch.Tensor:
+        """Run the graph of `shape` on what the buffers hold; hidden states [T, hidden]."""
+        graph, hidden = self.graphs[shape]
         graph.replay()
         return hidden

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import ops
-from services.executor.cuda_graphs import DecodeGraphs
+from services.executor.cuda_graphs import StepGraphs
 from services.executor.kv_cache import (
     KVCacheLayout,
     log_kv_cache,
@@ -18,7 +18,8 @@ from services.executor.kv_cache import (
     profile_step_peak,
 )
 from services.executor.sampler import PendingSample, Sampler, SamplingRow
-from services.executor.step_buffers import StepBuffers, StepView
+from services.executor.step_buffers import PaddedShape, StepBuffers, StepView
+from services.executor.warm_up import warm_up
 from services.executor.weights import load_model
 from shared.config import Config
 from shared.model_config import (
@@ -174,13 +175,15 @@ class ModelRunner:
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
         # The last step's sampled ids, where the next step's decodes read their input token.
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(
+            self.graphs = StepGraphs(
                 self._forward, self.buffers, config.max_num_seqs, self.max_model_len
             )
             with torch.inference_mode():
                 self.graphs.capture()
+        if self.device.type == "cuda":
+            warm_up(self)
 
     def ready_message(self, model_name: str) -> ExecutorReady:
         """What the scheduler is built from: the model's facts and this runner's limits."""
@@ -219,10 +222,10 @@ class ModelRunner:
             return
         if any(self.requests[rid].has_penalties for rid in plan.num_scheduled_tokens):
             self._finish_in_flight()  # penalties need the tokens in flight on the host
-        sample_ids, graph_size = self._write_inputs(plan)
+        sample_ids, graph_shape = self._write_inputs(plan)
         view = self.buffers.view()
-        if graph_size is not None and self.graphs is not None:
-            hidden = self.graphs.replay(graph_size)
+        if graph_shape is not None and self.graphs is not None:
+            hidden = self.graphs.replay(graph_shape)
         else:
             hidden = self._forward(view)
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
@@ -259,8 +262,8 @@ class ModelRunner:
             state.block_ids.extend(delta.new_block_ids)
             state.num_computed_tokens = delta.num_computed_tokens
 
-    def _write_inputs(self, plan: SchedulerOutput) -> tuple[list[str], int | None]:
-        """Fill and send the step's inputs; returns who samples, and the graph size if any."""
+    def _write_inputs(self, plan: SchedulerOutput) -> tuple[list[str], PaddedShape | None]:
+        """Fill and send the step's inputs; returns who samples, and the graph shape if any."""
         token_ids: list[int] = []
         starts, counts = [], []
         sample_ids: list[str] = []
@@ -287,14 +290,15 @@ class ModelRunner:
             if end == state.num_tokens:  # reached the end: sample the next
                 sample_ids.append(request_id)
                 sample_rows.append(len(token_ids) - 1)
-        graph_size = None
+        shape = None
         if self.graphs is not None:
-            graph_size = self.graphs.padded_size(len(counts), len(token_ids))
-        self.buffers.write(token_ids, starts, counts, sample_rows, graph_size, sources)
-        for row in range(len(counts), graph_size or 0):
-            self.row_owner[row] = None  # padding overwrote it
+            shape = self.graphs.shape_for(len(counts), len(token_ids))
+        self.buffers.write(token_ids, starts, counts, sample_rows, shape, sources)
+        if shape is not None and shape.decode:
+            for row in range(len(counts), shape.num_reqs):
+                self.row_owner[row] = None  # decode padding overwrote it
         self.buffers.copy_to_device()
-        return sample_ids, graph_size
+        return sample_ids, shape
 
     def _write_table_row(self, row: int, state: RequestState) -> None:
         # Why track owners: a request usually keeps its row, so only new blocks are written.

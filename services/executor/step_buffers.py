@@ -27,6 +27,15 @@ from services.executor.attention_metadata import AttentionMetadata
 PADDING_SLOT = -1  # write_kv skips it: padded graph rows must not touch the cache
 
 
+@dataclass(frozen=True)
+class PaddedShape:
+    """The fixed shape a step is padded to, so that a CUDA graph captured on it replays it."""
+
+    num_tokens: int
+    num_reqs: int
+    decode: bool  # one token per request (decode attention), else any mix (prefill attention)
+
+
 @dataclass
 class StepView:
     input_ids: torch.Tensor  # [T] int32
@@ -91,10 +100,10 @@ class StepBuffers:
         starts: Sequence[int],
         counts: Sequence[int],
         sample_rows: Sequence[int],
-        pad_to: int | None = None,
+        pad_to: PaddedShape | None = None,
         sources: Sequence[tuple[int, int]] = (),
     ) -> None:
-        """Fill the host mirror for one step; `pad_to` pads a decode batch for a CUDA graph.
+        """Fill the host mirror for one step; `pad_to` pads it to a CUDA graph's shape.
 
         Request r computes tokens starts[r] : starts[r] + counts[r], whose ids are the
         concatenated `token_ids`; its blocks are in table row r (`set_table_row`). Each
@@ -128,9 +137,12 @@ class StepBuffers:
         seq_lens[:] = positions[first + count - 1] + 1 if num_reqs else 0
         self._host("sample_rows", len(sample_rows))[:] = sample_rows
         max_seq_len = int(seq_lens.max()) if num_reqs else 0
-        if pad_to is not None and pad_to > num_reqs:
-            self._pad_decode(num_reqs, pad_to)
-            num_reqs = num_tokens = pad_to
+        if pad_to is not None:
+            if pad_to.decode:
+                self._pad_decode(num_reqs, pad_to.num_reqs)
+            else:
+                self._pad_mixed(num_tokens, num_reqs, pad_to)
+            num_tokens, num_reqs = pad_to.num_tokens, pad_to.num_reqs
         self.last_step = (num_tokens, num_reqs, len(sample_rows), max_seq_len)
 
     def _pad_decode(self, num_reqs: int, size: int) -> None:
@@ -143,6 +155,19 @@ class StepBuffers:
         self._host("query_start_loc", size + 1)[num_reqs + 1 :] = np.arange(num_reqs + 1, size + 1)
         self._host("seq_lens", size)[pad] = 1
         self.tables[pad, 0] = 0
+
+    def _pad_mixed(self, num_tokens: int, num_reqs: int, shape: PaddedShape) -> None:
+        """Tokens past num_tokens belong to no request and write nowhere; requests past
+        num_reqs have no tokens (no attention work, no block-table reads)."""
+        if num_tokens > shape.num_tokens or num_reqs > shape.num_reqs:
+            raise ValueError(f"a step of {num_tokens} tokens / {num_reqs} requests > {shape}")
+        pad = slice(num_tokens, shape.num_tokens)
+        self._host("input_ids", shape.num_tokens)[pad] = 0
+        self._host("positions", shape.num_tokens)[pad] = 0
+        self._host("slot_mapping", shape.num_tokens)[pad] = PADDING_SLOT
+        self._host("source_rows", shape.num_tokens)[pad] = -1
+        self._host("query_start_loc", shape.num_reqs + 1)[num_reqs + 1 :] = num_tokens
+        self._host("seq_lens", shape.num_reqs)[num_reqs:] = 0
 
     def copy_to_device(self) -> None:
         """One copy of everything up to the last used block-table row."""
@@ -160,11 +185,13 @@ class StepBuffers:
             self._copied.synchronize()
             self._copied = None
 
-    def view(self, max_seq_len: int | None = None) -> StepView:
-        """Device tensors of the last written step (max_seq_len: override for graphs)."""
+    def view(self, max_seq_len: int | None = None, max_query_len: int | None = None) -> StepView:
+        """Device tensors of the last written step; a graph's capture fixes the bounds that
+        pick kernels (max_seq_len, max_query_len) for every step it will replay."""
         num_tokens, num_reqs, num_samples, step_max_seq_len = self.last_step
-        qsl_host = self._host("query_start_loc", num_reqs + 1)
-        max_query_len = int(np.diff(qsl_host).max()) if num_reqs else 0
+        if max_query_len is None:
+            qsl_host = self._host("query_start_loc", num_reqs + 1)
+            max_query_len = int(np.diff(qsl_host).max()) if num_reqs else 0
         start = self.offsets["block_tables"]
         block_tables = self.device_buffer[start : start + num_reqs * self.max_blocks]
         meta = AttentionMetadata(

@@ -96,6 +96,29 @@ def test_tile_shapes_do_not_change_result(tiles: PrefillTiles) -> None:
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_padded_step_matches_unpadded() -> None:
+    """A CUDA graph's padded step: extra requests with no queries and extra tokens owned by no
+    request, launched as the largest step; the owned rows are what the unpadded step gives."""
+    case = make_case(BATCHES["mixed"], 8, 2, 64, torch.float32, seed=11)
+    expected = paged_attention_reference(**case)
+    num_tokens, num_reqs = case["query"].shape[0], case["seq_lens"].shape[0]
+    pad_tokens, pad_reqs = 9, 5
+    padded = dict(case)
+    padded["query"] = torch.cat([case["query"], torch.randn(pad_tokens, 8, 64, device=DEVICE)])
+    padded["seq_lens"] = torch.cat(
+        [case["seq_lens"], torch.zeros(pad_reqs, dtype=torch.int32, device=DEVICE)]
+    )
+    last = case["query_start_loc"][-1:]
+    padded["query_start_loc"] = torch.cat([case["query_start_loc"], last.repeat(pad_reqs)])
+    padded["block_tables"] = torch.cat(
+        [case["block_tables"], case["block_tables"][:1].repeat(pad_reqs, 1)]
+    )
+    padded["max_query_len"] = num_tokens + pad_tokens  # as captured: the largest possible
+    out = paged_prefill_attention(**padded)
+    assert out.shape[0] == num_tokens + pad_tokens and num_reqs + pad_reqs == 11
+    torch.testing.assert_close(out[:num_tokens], expected, atol=1e-4, rtol=1e-4)
+
+
 def test_rejects_inconsistent_metadata() -> None:
     case = make_case([(4, 4), (2, 6)], 2, 2, 64, torch.float32, seed=0)
     case["query_start_loc"] = case["query_start_loc"][:-1]

@@ -1,0 +1,126 @@
+"""Warm-up steps at start, so that no request pays for a first-use compile.
+
+Triton compiles a kernel variant the first time it meets new constants (a token count that is
+or is not a multiple of 16, another tile size); cuBLAS picks algorithms per shape; the sampler
+has a greedy, a random and a logprob path. On a fresh machine that cost 0.2-0.5 s, paid by
+the first request. These steps meet them before the server says it is ready: a mixed step
+(graph), decode steps (graphs), and eager steps of more tokens than the largest mixed graph,
+one of an odd token count and one of a multiple of 16. They use blocks from 0 up; nothing is
+registered in the prefix cache, so real requests never read what they wrote.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from services.executor.cuda_graphs import MIXED_GRAPH_MAX_TOKENS
+from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+
+if TYPE_CHECKING:
+    from services.executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_FIRST_STEP = {  # request id -> (prompt length, sampling): every sampler path at once
+    "warm-greedy": (37, SamplingParams(temperature=0.0, max_tokens=8)),
+    "warm-random": (150, SamplingParams(temperature=0.8, top_p=0.9, top_k=40, logprobs=2)),
+    "warm-penalty": (5, SamplingParams(temperature=0.0, repetition_penalty=1.1)),
+}
+_FIRST_STEP_TOKENS = sum(n for n, _ in _FIRST_STEP.values())
+_NUM_DECODES = 3
+
+
+class _Plans:
+    """Hands out blocks and step numbers for the warm-up plans."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.vocab_size = runner.model_config.vocab_size
+        self.next_block = 0
+        self.step = -1000  # apart from the engine's own steps, which start at 0
+
+    def run(self, **fields: object) -> None:
+        self.step += 1
+        self.runner.execute(SchedulerOutput(step=self.step, **fields))  # type: ignore[arg-type]
+
+    def new(self, request_id: str, prompt_len: int, params: SamplingParams) -> NewRequestData:
+        num_blocks = -(-(prompt_len + _NUM_DECODES + 1) // self.runner.block_size)
+        blocks = list(range(self.next_block, self.next_block + num_blocks))
+        self.next_block += num_blocks
+        return NewRequestData(
+            request_id=request_id,
+            prompt_token_ids=[(7 * i) % self.vocab_size for i in range(prompt_len)],
+            output_token_ids=[],
+            sampling_params=params,
+            block_ids=blocks,
+            num_computed_tokens=0,
+        )
+
+
+def eager_lengths(runner: ModelRunner) -> list[int]:
+    """Token counts past the largest mixed graph that fit a step: odd, then a multiple of 16."""
+    limit = min(runner.max_num_batched_tokens, runner.max_model_len - _NUM_DECODES - 1)
+    lengths = [MIXED_GRAPH_MAX_TOKENS + 19, (limit // 16) * 16]
+    return [n for n in lengths if MIXED_GRAPH_MAX_TOKENS < n <= limit]
+
+
+def first_step_lengths(runner: ModelRunner) -> list[int]:
+    """The first step's prompt lengths, scaled down to fit the token budget and the context."""
+    scale = min(1.0, runner.max_num_batched_tokens / _FIRST_STEP_TOKENS)
+    longest = runner.max_model_len - _NUM_DECODES - 1
+    return [max(1, min(int(n * scale), longest)) for n, _ in _FIRST_STEP.values()]
+
+
+def blocks_needed(runner: ModelRunner) -> int:
+    lengths = first_step_lengths(runner) + eager_lengths(runner)
+    return sum(-(-(n + _NUM_DECODES + 1) // runner.block_size) for n in lengths)
+
+
+def warm_up(runner: ModelRunner) -> None:
+    if blocks_needed(runner) > runner.num_blocks:
+        logger.info("warm-up skipped: the KV cache is smaller than its steps need")
+        return
+    start = time.perf_counter()
+    plans = _Plans(runner)
+    first = [
+        plans.new(rid, n, params)
+        for (rid, (_, params)), n in zip(
+            _FIRST_STEP.items(), first_step_lengths(runner), strict=True
+        )
+    ]
+    plans.run(
+        new_requests=first,
+        cached_requests=[],
+        num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in first},
+        finished_request_ids=[],
+    )
+    for i in range(1, _NUM_DECODES + 1):
+        plans.run(
+            new_requests=[],
+            cached_requests=[
+                CachedRequestData(
+                    request_id=r.request_id,
+                    new_block_ids=[],
+                    num_computed_tokens=len(r.prompt_token_ids) + i - 1,
+                )
+                for r in first
+            ],
+            num_scheduled_tokens={r.request_id: 1 for r in first},
+            finished_request_ids=[],
+        )
+    finished = [r.request_id for r in first]
+    for index, length in enumerate(eager_lengths(runner)):
+        request = plans.new(f"warm-eager-{index}", length, SamplingParams(temperature=0.0))
+        plans.run(
+            new_requests=[request],
+            cached_requests=[],
+            num_scheduled_tokens={request.request_id: length},
+            finished_request_ids=finished,
+        )
+        finished = [request.request_id]
+    plans.run(
+        new_requests=[], cached_requests=[], num_scheduled_tokens={}, finished_request_ids=finished
+    )
+    logger.info("warm-up steps ran in %.1f s", time.perf_counter() - start)

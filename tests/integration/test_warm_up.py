@@ -1,0 +1,74 @@
+"""The start-up warm-up steps (run on GPUs) run on any device, leave no request state behind,
+and change nothing a later request computes (their KV blocks are never read)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvflow import LLM, SamplingParams
+from services.executor.warm_up import (
+    blocks_needed,
+    eager_lengths,
+    first_step_lengths,
+    warm_up,
+)
+from tests.integration.tiny_models import FAMILIES, TINY
+
+PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 2, 6, 1, 9, 3, 3, 7, 2, 5, 8, 1, 6, 2, 4, 9]]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def make_llm(folder: Path) -> LLM:
+    # A budget past the largest mixed graph, so the eager warm-up steps run too.
+    return LLM(
+        str(folder),
+        dtype="float32",
+        device="cpu",
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        num_gpu_blocks_override=256,
+    )
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-qwen3-long")
+    config_cls, extra = FAMILIES["qwen3"]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra, "max_position_embeddings": 2048})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+def test_warm_up_leaves_nothing_behind(long_context_dir: Path) -> None:
+    cold = make_llm(long_context_dir)
+    expected = [r.outputs[0].token_ids for r in cold.generate(PROMPTS, PARAMS)]
+
+    llm = make_llm(long_context_dir)
+    assert eager_lengths(llm.runner) == [531, 1008]
+    assert blocks_needed(llm.runner) <= llm.runner.num_blocks
+    warm_up(llm.runner)
+    assert llm.runner.requests == {}
+    got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
+    assert got == expected
+
+
+def test_warm_up_fits_a_small_budget(long_context_dir: Path) -> None:
+    """The first step (three prompts at once) shrinks to the token budget and the context."""
+    llm = LLM(
+        str(long_context_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=64,
+        max_num_batched_tokens=48,
+        num_gpu_blocks_override=64,
+    )
+    lengths = first_step_lengths(llm.runner)
+    assert sum(lengths) <= 48 and max(lengths) <= 64 - 4
+    assert eager_lengths(llm.runner) == []
+    warm_up(llm.runner)
+    assert llm.runner.requests == {}

@@ -1,0 +1,74 @@
+"""The packed step inputs and how steps are padded to the CUDA graphs' shapes (on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.executor.cuda_graphs import MIXED_GRAPH_MAX_TOKENS, StepGraphs
+from services.executor.step_buffers import PADDING_SLOT, PaddedShape, StepBuffers
+
+BLOCK = 4
+
+
+def buffers_with_two_requests() -> StepBuffers:
+    """A decode of request 0 (position 5) and a 3-token prompt chunk of request 1."""
+    buffers = StepBuffers(
+        max_tokens=64, max_reqs=8, max_blocks=4, block_size=BLOCK, device=torch.device("cpu")
+    )
+    buffers.set_table_row(0, [7, 2])
+    buffers.set_table_row(1, [5])
+    return buffers
+
+
+def test_mixed_padding_adds_ownerless_tokens_and_empty_requests() -> None:
+    buffers = buffers_with_two_requests()
+    shape = PaddedShape(num_tokens=16, num_reqs=8, decode=False)
+    buffers.write([11, 12, 13, 14], [5, 0], [1, 3], [0, 3], pad_to=shape)
+    view = buffers.view()
+    assert view.input_ids.tolist()[:4] == [11, 12, 13, 14]
+    assert view.input_ids.shape == (16,) and view.meta.seq_lens.shape == (8,)
+    assert view.meta.slot_mapping.tolist()[:4] == [
+        2 * BLOCK + 1,
+        5 * BLOCK,
+        5 * BLOCK + 1,
+        5 * BLOCK + 2,
+    ]
+    assert view.meta.slot_mapping.tolist()[4:] == [PADDING_SLOT] * 12  # no KV written
+    assert view.source_rows.tolist()[4:] == [-1] * 12
+    # Requests 2..7 hold no tokens, and the padding tokens belong to none.
+    assert view.meta.query_start_loc.tolist() == [0, 1, 4, 4, 4, 4, 4, 4, 4]
+    assert view.meta.seq_lens.tolist() == [6, 3, 0, 0, 0, 0, 0, 0]
+    assert view.meta.max_query_len == 3
+    assert view.sample_rows.tolist() == [0, 3]
+
+
+def test_decode_padding_gives_each_row_one_harmless_token() -> None:
+    buffers = buffers_with_two_requests()
+    buffers.write([11, 12], [5, 3], [1, 1], [0, 1], pad_to=PaddedShape(4, 4, decode=True))
+    view = buffers.view()
+    assert view.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert view.meta.seq_lens.tolist() == [6, 4, 1, 1]
+    assert view.meta.slot_mapping.tolist()[2:] == [PADDING_SLOT] * 2
+
+
+def test_a_step_larger_than_its_shape_is_refused() -> None:
+    buffers = buffers_with_two_requests()
+    with pytest.raises(ValueError, match="tokens"):
+        buffers.write([11, 12, 13, 14], [5, 0], [1, 3], [0, 3], pad_to=PaddedShape(2, 2, False))
+
+
+def test_graph_shapes_cover_every_step_up_to_the_limit() -> None:
+    buffers = StepBuffers(2048, 256, 8, BLOCK, torch.device("cpu"))
+    graphs = StepGraphs(lambda view: view.input_ids, buffers, max_batch=256, max_seq_len=32)
+    assert graphs.shape_for(1, 1) == PaddedShape(1, 1, decode=True)
+    assert graphs.shape_for(3, 3) == PaddedShape(4, 4, decode=True)
+    assert graphs.shape_for(33, 232) == PaddedShape(256, 256, decode=False)
+    assert graphs.shape_for(1, 17) == PaddedShape(32, 32, decode=False)
+    assert graphs.shape_for(2, MIXED_GRAPH_MAX_TOKENS + 1) is None  # eager
+    for num_tokens in range(1, MIXED_GRAPH_MAX_TOKENS + 1):
+        for num_reqs in {1, num_tokens // 2 or 1, min(num_tokens, 256)}:
+            shape = graphs.shape_for(num_reqs, num_tokens)
+            assert shape is not None
+            assert shape.num_tokens >= num_tokens and shape.num_reqs >= num_reqs
+            assert shape.decode == (num_reqs == num_tokens)
