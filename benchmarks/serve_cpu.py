@@ -4,29 +4,27 @@ The same random-token prompts, greedy, ignore EOS, run (1) through `kvflow serve
 concurrent streaming clients and (2) offline through `LLM.generate`, one after the other
 on the same machine. Writes JSON; prints a short table last.
 
-    python benchmarks/serve_cpu.py --num-prompts 64 --input-len 128 --output-len 64
+    python -m benchmarks.serve_cpu --num-prompts 64 --input-len 128 --output-len 64
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
-import statistics
+import math
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import openai
 import torch
 
+from benchmarks.serve.client import COMPLETIONS
+from benchmarks.serve.datasets import SampleRequest
+from benchmarks.serve.metrics import summarize
+from benchmarks.serve.runner import Target, run_requests
 from kvflow import LLM, SamplingParams
-
-# The e2e tests' server helper starts `kvflow serve` exactly as the tests do.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.e2e.server import API_KEY, start_server
+from tests.e2e.server import start_server  # starts `kvflow serve` exactly as the tests do
 
 
 def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
@@ -34,55 +32,34 @@ def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(100, 49152, (num, length), generator=generator).tolist()
 
 
-async def one_stream(client: openai.AsyncOpenAI, prompt: list[int], output_len: int) -> dict:
-    start = time.perf_counter()
-    stamps: list[float] = []
-    stream = await client.completions.create(
-        model="SmolLM2-135M-Instruct",
-        prompt=prompt,
-        max_tokens=output_len,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return {"ttft": stamps[0] - start, "itl": gaps, "end": stamps[-1]}
-
-
 def run_served(prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    """The prompts through `kvflow serve`, measured by `kvflow bench serve`'s client."""
     server = start_server("--max-model-len", "2048")
     try:
-
-        async def run_all(batch: list[list[int]]) -> list[dict]:
-            # One client per event loop: its connections belong to the loop that made them.
-            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-            limit = asyncio.Semaphore(concurrency)
-
-            async def limited(prompt: list[int]) -> dict:
-                async with limit:
-                    return await one_stream(client, prompt, output_len)
-
-            return await asyncio.gather(*(limited(p) for p in batch))
-
-        asyncio.run(run_all(prompts[:2]))  # warm-up
-        start = time.perf_counter()
-        results = asyncio.run(run_all(prompts))
-        elapsed = time.perf_counter() - start
+        target = Target(
+            base_url=server.url,
+            endpoint=COMPLETIONS,  # token-id prompts
+            model="SmolLM2-135M-Instruct",
+            headers=server.headers(),
+            ignore_eos=True,
+            extra_body={"temperature": 0.0},
+        )
+        requests = [SampleRequest(p, len(p), output_len) for p in prompts]
+        asyncio.run(run_requests(target, requests[:2], math.inf, 1.0, 2, seed=0))  # warm-up
+        run = asyncio.run(run_requests(target, requests, math.inf, 1.0, concurrency, seed=0))
     finally:
         server.stop()
-    itl = sorted(g for r in results for g in r["itl"])
-    ttft = sorted(r["ttft"] for r in results)
+    summary = summarize(run.results, run.duration, [99], [])
+    if summary["failed"]:
+        raise SystemExit(f"served requests failed: {summary['errors']}")
     return {
         "system": f"kvflow serve ({concurrency} concurrent streams over HTTP)",
-        "seconds": round(elapsed, 3),
-        "output_tok_per_s": round(len(prompts) * output_len / elapsed, 1),
-        "ttft_p50_ms": round(1000 * statistics.median(ttft), 1),
-        "ttft_p99_ms": round(1000 * ttft[int(0.99 * (len(ttft) - 1))], 1),
-        "itl_p50_ms": round(1000 * statistics.median(itl), 1),
-        "itl_p99_ms": round(1000 * itl[int(0.99 * (len(itl) - 1))], 1),
+        "seconds": round(run.duration, 3),
+        "output_tok_per_s": round(summary["output_throughput"], 1),
+        "ttft_p50_ms": round(summary["median_ttft_ms"], 1),
+        "ttft_p99_ms": round(summary["p99_ttft_ms"], 1),
+        "itl_p50_ms": round(summary["median_itl_ms"], 1),
+        "itl_p99_ms": round(summary["p99_itl_ms"], 1),
     }
 
 
