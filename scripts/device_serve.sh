@@ -55,13 +55,25 @@ bench() {  # NAME PORT
         --output-json "$RESULTS/$1_load.json"
 }
 
-serve_kvflow() {
+# The `prefix` workload: one shared 2048-token prefix + 64 tokens of each request's own.
+bench_prefix() {  # NAME PORT
+    run "$1 prefix" python3 -m services bench serve --port "$2" --tokenizer "$MODEL_DIR" \
+        --dataset-name prefix-repetition --prefix-repetition-prefix-len 2048 \
+        --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 1 \
+        --prefix-repetition-output-len 64 --num-prompts 200 --request-rate 8 --ignore-eos \
+        --seed 400 --disable-tqdm --output-json "$RESULTS/$1_prefix.json"
+}
+
+serve_kvflow() {  # NAME WORKLOADS [FLAGS...]
     local start=$SECONDS
     python3 -m services serve "$MODEL_DIR" --load-format dummy --max-model-len 4096 \
-        --port 8100 >"$RESULTS/kvflow_serve.log" 2>&1 &
+        --port 8100 "${@:3}" >"$RESULTS/$1_serve.log" 2>&1 &
     local pid=$!
-    wait_healthy http://127.0.0.1:8100 $pid && echo "kvflow start to ready: $((SECONDS - start)) s" \
-        && bench kvflow 8100
+    if wait_healthy http://127.0.0.1:8100 $pid; then
+        echo "$1 start to ready: $((SECONDS - start)) s"
+        [[ $2 == *serve* ]] && bench "$1" 8100
+        [[ $2 == *prefix* ]] && bench_prefix "$1" 8100
+    fi
     kill -INT $pid; wait $pid
 }
 
@@ -79,8 +91,8 @@ serve_vllm() {
         --load-format dummy --max-model-len 4096 --served-model-name m --port 8200 \
         >"$RESULTS/vllm_serve.log" 2>&1) &
     local pid=$!
-    wait_healthy http://127.0.0.1:8200 $pid && echo "vLLM start to ready: $((SECONDS - start)) s" \
-        && bench vllm 8200
+    wait_healthy http://127.0.0.1:8200 $pid && echo "vllm start to ready: $((SECONDS - start)) s" \
+        && bench vllm 8200 && bench_prefix vllm 8200
     kill -INT $pid; wait $pid
     sleep 5
 }
@@ -94,10 +106,24 @@ for part in $PARTS; do
     probe)
         run probe python3 -m benchmarks.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;
-    kvflow) serve_kvflow ;;
+    kvflow) serve_kvflow kvflow serve,prefix ;;
+    kvflow-no-prefix-cache) serve_kvflow kvflow_nocache prefix --no-enable-prefix-caching ;;
     vllm) serve_vllm ;;
+    offline-long-kvflow)  # 1000 requests, lengths U[100, 1024] in and out: KV pressure
+        run offline-long-kvflow python3 -m services bench throughput "$MODEL_DIR" \
+            --load-format dummy --max-model-len 4096 --seed 0 --num-prompts 1000 \
+            --input-len 100:1024 --output-len 100:1024 --ignore-eos \
+            --max-num-batched-tokens 8192 --output-json "$RESULTS/offline_long_kvflow.json" ;;
+    offline-long-vllm)  # the same distribution: 562 +- 82.2 %
+        (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE vllm bench throughput \
+            --model "$MODEL_DIR" --load-format dummy --max-model-len 4096 --num-prompts 1000 \
+            --dataset-name random --random-input-len 562 --random-output-len 562 \
+            --random-range-ratio 0.822 --output-json "$RESULTS/offline_long_vllm.json" \
+            >"$RESULTS/offline_long_vllm.log" 2>&1)
+        tail -5 "$RESULTS/offline_long_vllm.log" ;;
     *) echo "unknown part $part"; status=1 ;;
     esac
+    tar -czf "$OUT/serve-out.tgz" -C "$RESULTS" .  # after each part: a cut-off call keeps it
 done
 {
 python3 - "$RESULTS" <<'PY'

@@ -19,14 +19,16 @@ def rate_label(rate: float) -> str:
     return "all at once" if math.isinf(rate) else f"{rate:g} req/s"
 
 
-def latency_cdfs(runs: list[Run], path: Path) -> None:
+def latency_cdfs(runs: list[Run], path: Path, labels: list[str] | None = None) -> None:
+    """One panel per metric, one line per run (labelled by its rate unless `labels`)."""
+    labels = labels or [rate_label(run.request_rate) for run in runs]
     figure, axes = plt.subplots(2, 2, figsize=(11, 8))
     for axis, name in zip(axes.flat, METRICS, strict=True):
-        for run in runs:
+        for run, label in zip(runs, labels, strict=True):
             values = sorted(v * 1000 for v in samples(run.results)[name])
             if values:
                 fractions = [(i + 1) / len(values) for i in range(len(values))]
-                axis.plot(values, fractions, label=rate_label(run.request_rate))
+                axis.plot(values, fractions, label=label)
         axis.set(title=METRIC_NAMES[name], xlabel="ms", ylabel="fraction of samples")
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
