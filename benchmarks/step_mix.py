@@ -4,8 +4,8 @@ Serving at a moderate rate, most steps decode a running batch and some also carr
 request's prompt. This measures, in-process through `EngineCore`:
 - the first request's time to first token on a fresh engine (compiles included), then warm;
 - a decode step of `--batch` running requests (CUDA graph), with the torch profiler;
-- steps that each add one `--prompt-len` prompt to that batch (eager): the first few timed
-  (they compile), then profiled the same way.
+- steps that each add one `--prompt-len` prompt to that batch (a mixed-step CUDA graph up to
+  512 tokens, eager above): the first few timed apart, then profiled the same way.
 
     python -m benchmarks.step_mix Qwen3-8B --load-format dummy --batch 32 --prompt-len 200
 """

@@ -17,4 +17,6 @@ DRAIN_ERROR_GRACE_S = 2.0  # after the drain timeout: time for the cut requests'
 
 # -- the executor's memory
 DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV cache on CPU, unless --kv-cache-memory-bytes
-CUDA_GRAPH_RESERVE_BYTES = 512 << 20  # decode graphs' activations and workspace, a loose bound
+# The CUDA graphs' activations and workspace (decode batches, mixed steps up to 512 tokens; all
+# share one pool, sized by the largest), a loose bound.
+CUDA_GRAPH_RESERVE_BYTES = 512 << 20

@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.serve.client import CHAT
 from benchmarks.serve.datasets import (
     DEFAULT_VOCAB_BOUND,
     SampleRequest,
@@ -101,6 +102,8 @@ async def run_all(args: argparse.Namespace) -> tuple[dict[str, Any], list[Run]]:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     model = args.model or await served_model(base_url, headers)
+    if args.endpoint == CHAT and args.dataset_name != "sharegpt":
+        raise SystemExit(f"{CHAT} needs text prompts: --dataset-name sharegpt")
     target = target_of(args, model, headers)
     tokenizer = load_tokenizer(args.tokenizer)
     progress = None if args.disable_tqdm else print_progress

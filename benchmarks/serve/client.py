@@ -31,6 +31,7 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # each chunk with text
     prompt_tokens: int = 0  # from the usage chunk
     completion_tokens: int = 0
+    usage_seen: bool = False
 
     @property
     def itl(self) -> list[float]:
@@ -90,7 +91,8 @@ async def stream_request(
     body: dict[str, Any],
     headers: dict[str, str],
 ) -> RequestResult:
-    """Send `body` to `url`, read its event stream to the end; never raises for a bad reply."""
+    """Send `body` to `url`, read its event stream to the end; a bad reply (HTTP error, error
+    event, malformed data, no [DONE] or no usage) fails the request and never raises."""
     result = RequestResult(output_len=int(body["max_tokens"]))
     result.start = time.perf_counter()
     try:
@@ -99,14 +101,25 @@ async def stream_request(
                 result.error = f"HTTP {response.status}: {(await response.text())[:300]}"
                 return result
             done = await _read_events(response, result)
-        result.latency = time.perf_counter() - result.start
-        if not result.chunk_times:
-            result.ttft = result.latency  # no text at all (e.g. only special tokens)
-        if not result.error and not done:
-            result.error = "the stream ended without [DONE]"
-        result.success = not result.error
+            result.latency = time.perf_counter() - result.start
+            # To the end of the body (the chunked encoding's last frame may come apart from
+            # [DONE]): a body left unread makes aiohttp close the connection instead of
+            # reusing it, and every later request would pay a new handshake.
+            async for _ in response.content.iter_any():
+                pass
     except (aiohttp.ClientError, TimeoutError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    except Exception as exc:  # a malformed reply fails this request, not the benchmark
+        result.error = f"bad reply: {type(exc).__name__}: {exc}"
+        return result
+    if not result.chunk_times:
+        result.ttft = result.latency  # no text at all (e.g. only special tokens)
+    if not result.error and not done:
+        result.error = "the stream ended without [DONE]"
+    if not result.error and not result.usage_seen:
+        result.error = "no usage chunk: the server ignored stream_options.include_usage"
+    result.success = not result.error
     return result
 
 
@@ -125,6 +138,7 @@ async def _read_events(response: aiohttp.ClientResponse, result: RequestResult) 
             result.error = f"error event: {json.dumps(chunk['error'])[:300]}"
             return False
         if usage := chunk.get("usage"):
+            result.usage_seen = True
             result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             result.completion_tokens = int(usage.get("completion_tokens") or 0)
         if _chunk_text(chunk):

@@ -44,6 +44,17 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def parse_percentiles(text: str) -> list[float]:
+    """`50,90,99`: each in [0, 100]."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad percentiles {text!r}") from None
+    if not all(0 <= p <= 100 for p in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be in [0, 100], got {text!r}")
+    return values
+
+
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     """vLLM's `bench serve` flag names where the two overlap."""
     where = parser.add_argument_group("server")
@@ -108,7 +119,7 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     report.add_argument(
         "--metric-percentiles",
-        type=lambda text: [float(p) for p in text.split(",")],
+        type=parse_percentiles,
         default=[99.0],
         help="Comma list of percentiles reported beside mean and median (default 99).",
     )

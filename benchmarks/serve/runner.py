@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 import sys
@@ -103,11 +104,13 @@ async def run_requests(
         if progress is not None:
             watchers.append(asyncio.create_task(_report(progress, done, len(requests), stop)))
         tasks = []
-        for request, gap in zip(
-            requests, arrival_gaps(len(requests), rate, burstiness, seed), strict=True
-        ):
-            if gap > 0:
-                await asyncio.sleep(gap)
+        # Each send at its own time from the start, so late wake-ups (the loop also reads
+        # every stream) do not add up into a lower rate; the first goes at once.
+        send_at = itertools.accumulate(arrival_gaps(len(requests), rate, burstiness, seed)[:-1])
+        for request, offset in zip(requests, itertools.chain([0.0], send_at), strict=True):
+            delay = origin + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(request)))
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - origin

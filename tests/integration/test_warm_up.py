@@ -14,6 +14,7 @@ from services.executor.warm_up import (
     blocks_needed,
     eager_lengths,
     first_step_lengths,
+    skip_reason,
     warm_up,
 )
 from tests.integration.tiny_models import FAMILIES, TINY
@@ -71,4 +72,20 @@ def test_warm_up_fits_a_small_budget(long_context_dir: Path) -> None:
     assert sum(lengths) <= 48 and max(lengths) <= 64 - 4
     assert eager_lengths(llm.runner) == []
     warm_up(llm.runner)
+    assert llm.runner.requests == {}
+
+
+@pytest.mark.parametrize(
+    ("limits", "reason"),
+    [
+        (dict(max_num_seqs=2), "--max-num-seqs"),
+        (dict(max_num_batched_tokens=4), "--max-num-batched-tokens"),
+    ],
+)
+def test_warm_up_skips_limits_it_does_not_fit(
+    long_context_dir: Path, limits: dict[str, int], reason: str
+) -> None:
+    llm = LLM(str(long_context_dir), dtype="float32", device="cpu", max_model_len=64, **limits)
+    assert reason in (skip_reason(llm.runner) or "")
+    warm_up(llm.runner)  # logs and returns
     assert llm.runner.requests == {}

@@ -17,7 +17,7 @@ from benchmarks.serve.datasets import (
     random_requests,
     sharegpt_requests,
 )
-from benchmarks.serve.flags import Slo, parse_rates
+from benchmarks.serve.flags import Slo, parse_percentiles, parse_rates
 from benchmarks.serve.metrics import percentile, summarize
 from benchmarks.serve.monitor import parse_gauges
 from benchmarks.serve.runner import arrival_gaps
@@ -83,6 +83,10 @@ def test_rates_and_slos_parse_or_say_why() -> None:
     for bad in ("0", "-1", "fast", "nan"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_rates(bad)
+    assert parse_percentiles("50,99.9") == [50.0, 99.9]
+    for bad in ("101", "-1", "p99"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_percentiles(bad)
     assert Slo.parse("ttft:200") == Slo("ttft", 200.0)
     for bad in ("itl:5", "ttft", "ttft:-1"):
         with pytest.raises(argparse.ArgumentTypeError):

@@ -1,0 +1,88 @@
+"""`kvflow bench serve`'s client against a small SSE server that misbehaves on request: each
+bad reply fails its request (never the benchmark), and connections are reused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from aiohttp import web
+
+from benchmarks.serve.client import COMPLETIONS, RequestResult, request_body, stream_request
+from benchmarks.serve.runner import session
+
+PEERS = web.AppKey("peers", set)
+GOOD = [
+    {"choices": [{"text": "Hel"}]},
+    {"choices": [{"text": "lo"}]},
+    {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}},
+]
+
+
+async def sse(request: web.Request) -> web.StreamResponse:
+    kind = (await request.json())["prompt"]
+    request.app[PEERS].add(request.transport.get_extra_info("peername"))
+    if kind == "http-error":
+        return web.json_response({"error": {"message": "nope"}}, status=400)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    events = {
+        "good": [json.dumps(e) for e in GOOD] + ["[DONE]"],
+        "no-usage": [json.dumps(e) for e in GOOD[:2]] + ["[DONE]"],
+        "malformed": [json.dumps(GOOD[0]), "{not json", "[DONE]"],
+        "no-done": [json.dumps(e) for e in GOOD],
+        "error-event": [json.dumps(GOOD[0]), json.dumps({"error": {"message": "boom"}})],
+    }[kind]
+    for event in events:
+        await response.write(f"data: {event}\n\n".encode())
+    # The body's last frame apart from [DONE], as uvicorn sends it: a client that stops
+    # reading at [DONE] leaves the body unread and loses the connection.
+    await asyncio.sleep(0.05)
+    await response.write_eof()
+    return response
+
+
+async def run(kinds: list[str]) -> tuple[list[RequestResult], int]:
+    app = web.Application()
+    app[PEERS] = set()
+    app.router.add_post(COMPLETIONS, sse)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}{COMPLETIONS}"
+    results = []
+    async with session() as http:
+        for kind in kinds:  # one after another: each may reuse the last connection
+            body = request_body(COMPLETIONS, "m", kind, 2, False, {})
+            results.append(await stream_request(http, url, body, {}))
+    await runner.cleanup()
+    return results, len(app[PEERS])
+
+
+def test_a_good_stream_is_timed_and_counted() -> None:
+    (result,), _ = asyncio.run(run(["good"]))
+    assert result.success and result.error == ""
+    assert (result.prompt_tokens, result.completion_tokens) == (3, 2)
+    assert len(result.chunk_times) == 2 and len(result.itl) == 1
+    assert result.tpot is not None
+
+
+def test_sequential_requests_share_one_connection() -> None:
+    results, connections = asyncio.run(run(["good"] * 4))
+    assert all(r.success for r in results)
+    assert connections == 1
+
+
+def test_each_bad_reply_fails_its_request_only() -> None:
+    kinds = ["http-error", "no-usage", "malformed", "no-done", "error-event", "good"]
+    results, _ = asyncio.run(run(kinds))
+    errors = {kind: r.error for kind, r in zip(kinds, results, strict=True)}
+    assert errors["http-error"].startswith("HTTP 400")
+    assert errors["no-usage"].startswith("no usage chunk")
+    assert errors["malformed"].startswith("bad reply: JSONDecodeError")
+    assert errors["no-done"] == "the stream ended without [DONE]"
+    assert errors["error-event"].startswith("error event")
+    assert errors["good"] == "" and results[-1].success
+    assert not any(r.success for r in results[:-1])
