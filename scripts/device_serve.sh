@@ -5,8 +5,11 @@
 #   PARTS="probe kvflow" bash scripts/device_serve.sh    # kvflow only
 #   PARTS="vllm kvflow" bash scripts/device_serve.sh     # vLLM (installed from .peer/), then kvflow
 #
-# Carried: .whl/ (wheels the GPU machine lacks), .peer/qwen3-8b.tar.xz and, for vLLM, the three
-# vllm_bundle parts in .peer/ or already in /tmp/vllm-parts (an earlier call on a warm machine).
+# Carried: .whl/ and .vwhl/ (wheels the GPU machine lacks: bash scripts/device_wheels.sh),
+# .peer/qwen3-8b.tar.xz and, for vLLM, the three vllm_bundle parts with SHA256SUMS and
+# install_vllm.sh (copied from the steering repo's peer/ folder). A call carries 64 MiB at most:
+# parts 00 and 01 in one call, part 02 and .vwhl/ in the next while the machine is warm; each
+# call leaves its parts in /tmp/vllm-parts.
 set -uo pipefail
 OUT=${OUT:-$PWD/bench-out}  # gets serve-out.tgz (every JSON, log and plot) and summary.txt
 RESULTS=/tmp/serve-results
