@@ -17,22 +17,15 @@ import subprocess
 import time
 from pathlib import Path
 
-import torch
-
 from benchmarks.serve.client import COMPLETIONS
-from benchmarks.serve.datasets import SampleRequest
+from benchmarks.serve.datasets import SampleRequest, random_requests
 from benchmarks.serve.metrics import summarize
 from benchmarks.serve.runner import Target, run_requests
 from kvflow import LLM, SamplingParams
 from tests.e2e.server import start_server  # starts `kvflow serve` exactly as the tests do
 
 
-def make_prompts(num: int, length: int, seed: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(100, 49152, (num, length), generator=generator).tolist()
-
-
-def run_served(prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+def run_served(requests: list[SampleRequest], concurrency: int) -> dict:
     """The prompts through `kvflow serve`, measured by `kvflow bench serve`'s client."""
     server = start_server("--max-model-len", "2048")
     try:
@@ -44,7 +37,6 @@ def run_served(prompts: list[list[int]], output_len: int, concurrency: int) -> d
             ignore_eos=True,
             extra_body={"temperature": 0.0},
         )
-        requests = [SampleRequest(p, len(p), output_len) for p in prompts]
         asyncio.run(run_requests(target, requests[:2], math.inf, 1.0, 2, seed=0))  # warm-up
         run = asyncio.run(run_requests(target, requests, math.inf, 1.0, concurrency, seed=0))
     finally:
@@ -63,7 +55,8 @@ def run_served(prompts: list[list[int]], output_len: int, concurrency: int) -> d
     }
 
 
-def run_offline(prompts: list[list[int]], output_len: int) -> dict:
+def run_offline(requests: list[SampleRequest], output_len: int) -> dict:
+    prompts = [list(r.prompt) for r in requests]
     llm = LLM(dtype="float32", device="cpu", max_model_len=2048)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
@@ -87,9 +80,12 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/serve_cpu.json")
     args = parser.parse_args()
 
-    prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
-    served = run_served(prompts, args.output_len, args.concurrency)
-    offline = run_offline(prompts, args.output_len)
+    # SmolLM2's vocabulary; lengths fixed (range ratio 0)
+    requests = random_requests(
+        args.num_prompts, args.input_len, args.output_len, 0.0, args.seed, vocab_bound=49152
+    )
+    served = run_served(requests, args.concurrency)
+    offline = run_offline(requests, args.output_len)
     overhead = 1 - served["output_tok_per_s"] / offline["output_tok_per_s"]
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True

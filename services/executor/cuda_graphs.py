@@ -15,6 +15,7 @@ offsets of `StepBuffers`:
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Callable
@@ -56,18 +57,20 @@ class StepGraphs:
     def shape_for(self, num_reqs: int, num_tokens: int) -> PaddedShape | None:
         """The captured shape a step runs at, or None if it runs eagerly."""
         if num_tokens == num_reqs and num_reqs <= self.decode_sizes[-1]:
-            size = next(s for s in self.decode_sizes if s >= num_reqs)
-            return PaddedShape(size, size, decode=True)
+            return self._decode(self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_reqs)])
         if num_tokens <= self.mixed_sizes[-1]:
-            size = next(s for s in self.mixed_sizes if s >= num_tokens)
-            # Every request has a token, so min(size, max_reqs) requests hold any step.
-            return PaddedShape(size, min(size, self.max_reqs), decode=False)
+            return self._mixed(self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)])
         return None
 
+    def _decode(self, size: int) -> PaddedShape:
+        return PaddedShape(size, size, decode=True)
+
+    def _mixed(self, size: int) -> PaddedShape:
+        # Every request has a token, so min(size, max_reqs) requests hold any step.
+        return PaddedShape(size, min(size, self.max_reqs), decode=False)
+
     def _shapes(self) -> list[PaddedShape]:
-        decode = [PaddedShape(s, s, decode=True) for s in self.decode_sizes]
-        mixed = [PaddedShape(s, min(s, self.max_reqs), decode=False) for s in self.mixed_sizes]
-        return decode + mixed
+        return [*map(self._decode, self.decode_sizes), *map(self._mixed, self.mixed_sizes)]
 
     def capture(self) -> None:
         start = time.perf_counter()

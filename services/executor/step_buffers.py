@@ -145,27 +145,27 @@ class StepBuffers:
             num_tokens, num_reqs = pad_to.num_tokens, pad_to.num_reqs
         self.last_step = (num_tokens, num_reqs, len(sample_rows), max_seq_len)
 
-    def _pad_decode(self, num_reqs: int, size: int) -> None:
-        """Rows num_reqs..size: one harmless token each (read block 0, write nowhere)."""
-        pad = slice(num_reqs, size)
+    def _pad_tokens(self, num_tokens: int, size: int) -> None:
+        """Tokens num_tokens..size: token 0 at position 0, writing no KV, gathering nothing."""
+        pad = slice(num_tokens, size)
         self._host("input_ids", size)[pad] = 0
         self._host("positions", size)[pad] = 0
         self._host("slot_mapping", size)[pad] = PADDING_SLOT
         self._host("source_rows", size)[pad] = -1
+
+    def _pad_decode(self, num_reqs: int, size: int) -> None:
+        """Rows num_reqs..size: one harmless token each (read block 0, write nowhere)."""
+        self._pad_tokens(num_reqs, size)
         self._host("query_start_loc", size + 1)[num_reqs + 1 :] = np.arange(num_reqs + 1, size + 1)
-        self._host("seq_lens", size)[pad] = 1
-        self.tables[pad, 0] = 0
+        self._host("seq_lens", size)[num_reqs:] = 1
+        self.tables[num_reqs:size, 0] = 0
 
     def _pad_mixed(self, num_tokens: int, num_reqs: int, shape: PaddedShape) -> None:
         """Tokens past num_tokens belong to no request and write nowhere; requests past
         num_reqs have no tokens (no attention work, no block-table reads)."""
         if num_tokens > shape.num_tokens or num_reqs > shape.num_reqs:
             raise ValueError(f"a step of {num_tokens} tokens / {num_reqs} requests > {shape}")
-        pad = slice(num_tokens, shape.num_tokens)
-        self._host("input_ids", shape.num_tokens)[pad] = 0
-        self._host("positions", shape.num_tokens)[pad] = 0
-        self._host("slot_mapping", shape.num_tokens)[pad] = PADDING_SLOT
-        self._host("source_rows", shape.num_tokens)[pad] = -1
+        self._pad_tokens(num_tokens, shape.num_tokens)
         self._host("query_start_loc", shape.num_reqs + 1)[num_reqs + 1 :] = num_tokens
         self._host("seq_lens", shape.num_reqs)[num_reqs:] = 0
 

@@ -43,9 +43,22 @@ class _Plans:
         self.next_block = 0
         self.step = -1000  # apart from the engine's own steps, which start at 0
 
-    def run(self, **fields: object) -> None:
+    def run(
+        self,
+        scheduled: dict[str, int],
+        new: list[NewRequestData] | None = None,
+        cached: list[CachedRequestData] | None = None,
+        finished: list[str] | None = None,
+    ) -> None:
         self.step += 1
-        self.runner.execute(SchedulerOutput(step=self.step, **fields))  # type: ignore[arg-type]
+        plan = SchedulerOutput(
+            step=self.step,
+            new_requests=new or [],
+            cached_requests=cached or [],
+            num_scheduled_tokens=scheduled,
+            finished_request_ids=finished or [],
+        )
+        self.runner.execute(plan)
 
     def new(self, request_id: str, prompt_len: int, params: SamplingParams) -> NewRequestData:
         num_blocks = -(-(prompt_len + _NUM_DECODES + 1) // self.runner.block_size)
@@ -106,16 +119,11 @@ def warm_up(runner: ModelRunner) -> None:
             _FIRST_STEP.items(), first_step_lengths(runner), strict=True
         )
     ]
-    plans.run(
-        new_requests=first,
-        cached_requests=[],
-        num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in first},
-        finished_request_ids=[],
-    )
+    plans.run({r.request_id: len(r.prompt_token_ids) for r in first}, new=first)
     for i in range(1, _NUM_DECODES + 1):
         plans.run(
-            new_requests=[],
-            cached_requests=[
+            {r.request_id: 1 for r in first},
+            cached=[
                 CachedRequestData(
                     request_id=r.request_id,
                     new_block_ids=[],
@@ -123,20 +131,11 @@ def warm_up(runner: ModelRunner) -> None:
                 )
                 for r in first
             ],
-            num_scheduled_tokens={r.request_id: 1 for r in first},
-            finished_request_ids=[],
         )
     finished = [r.request_id for r in first]
     for index, length in enumerate(eager_lengths(runner)):
         request = plans.new(f"warm-eager-{index}", length, SamplingParams(temperature=0.0))
-        plans.run(
-            new_requests=[request],
-            cached_requests=[],
-            num_scheduled_tokens={request.request_id: length},
-            finished_request_ids=finished,
-        )
+        plans.run({request.request_id: length}, new=[request], finished=finished)
         finished = [request.request_id]
-    plans.run(
-        new_requests=[], cached_requests=[], num_scheduled_tokens={}, finished_request_ids=finished
-    )
+    plans.run({}, finished=finished)
     logger.info("warm-up steps ran in %.1f s", time.perf_counter() - start)

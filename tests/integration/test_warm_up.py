@@ -23,16 +23,10 @@ PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 2, 6, 1, 9, 3, 3, 7, 2, 5, 8, 1, 6, 2, 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_llm(folder: Path) -> LLM:
-    # A budget past the largest mixed graph, so the eager warm-up steps run too.
-    return LLM(
-        str(folder),
-        dtype="float32",
-        device="cpu",
-        max_model_len=1024,
-        max_num_batched_tokens=1024,
-        num_gpu_blocks_override=256,
-    )
+def make_llm(folder: Path, **limits: int) -> LLM:
+    # By default a budget past the largest mixed graph, so the eager warm-up steps run too.
+    limits = {"max_model_len": 1024, "max_num_batched_tokens": 1024, **limits}
+    return LLM(str(folder), dtype="float32", device="cpu", **limits)
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +40,10 @@ def long_context_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_warm_up_leaves_nothing_behind(long_context_dir: Path) -> None:
-    cold = make_llm(long_context_dir)
+    cold = make_llm(long_context_dir, num_gpu_blocks_override=256)
     expected = [r.outputs[0].token_ids for r in cold.generate(PROMPTS, PARAMS)]
 
-    llm = make_llm(long_context_dir)
+    llm = make_llm(long_context_dir, num_gpu_blocks_override=256)
     assert eager_lengths(llm.runner) == [531, 1008]
     assert blocks_needed(llm.runner) <= llm.runner.num_blocks
     warm_up(llm.runner)
@@ -60,13 +54,8 @@ def test_warm_up_leaves_nothing_behind(long_context_dir: Path) -> None:
 
 def test_warm_up_fits_a_small_budget(long_context_dir: Path) -> None:
     """The first step (three prompts at once) shrinks to the token budget and the context."""
-    llm = LLM(
-        str(long_context_dir),
-        dtype="float32",
-        device="cpu",
-        max_model_len=64,
-        max_num_batched_tokens=48,
-        num_gpu_blocks_override=64,
+    llm = make_llm(
+        long_context_dir, max_model_len=64, max_num_batched_tokens=48, num_gpu_blocks_override=64
     )
     lengths = first_step_lengths(llm.runner)
     assert sum(lengths) <= 48 and max(lengths) <= 64 - 4
@@ -85,7 +74,7 @@ def test_warm_up_fits_a_small_budget(long_context_dir: Path) -> None:
 def test_warm_up_skips_limits_it_does_not_fit(
     long_context_dir: Path, limits: dict[str, int], reason: str
 ) -> None:
-    llm = LLM(str(long_context_dir), dtype="float32", device="cpu", max_model_len=64, **limits)
+    llm = make_llm(long_context_dir, max_model_len=64, **limits)
     assert reason in (skip_reason(llm.runner) or "")
     warm_up(llm.runner)  # logs and returns
     assert llm.runner.requests == {}
