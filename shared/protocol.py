@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class Message(msgspec.Struct, gc=False):
@@ -194,13 +194,33 @@ class SchedulerOutput(Message, tag=True, kw_only=True):
     cached_requests: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]
     finished_request_ids: list[str]
+    # Rows to append to plan `step`, which the executor holds and has not launched yet: new
+    # requests that arrived after the plan was sent (see DeviceReady).
+    addendum: bool = False
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
 
+class LaunchStep(Message, tag=True):
+    """Launch plan `step` (with its addenda): the scheduler will not amend it any more."""
+
+    step: int
+
+
 # ---------------------------------------------------------- executor -> scheduler
+
+
+class DeviceReady(Message, tag=True):
+    """The device is about to run out of launched work (the last step launched has finished
+    its forward pass, or none is in flight): the next plan should launch now.
+
+    Why the scheduler says when, not the executor: until then it may still append requests
+    that arrived meanwhile to that plan (`SchedulerOutput.addendum`), so a prompt that comes
+    in while step k runs is computed in step k+1, not one pipelined step later in k+2. The
+    round trip is hidden behind the end of the step (its lm_head and sampling).
+    """
 
 
 class TokenLogprobs(Message, array_like=True):
@@ -389,8 +409,8 @@ class ExecutorVersion(Message, tag="ExecutorReady"):
 # ------------------------------------------------------------ what each socket receives
 # One typed decoder per receiving socket (shared.ipc.Decoder); anything else is dropped.
 
-ToScheduler = EngineRequest | AbortRequests | ExecutorReady | ModelRunnerOutput
-ToExecutor = SchedulerOutput
+ToScheduler = EngineRequest | AbortRequests | ExecutorReady | ModelRunnerOutput | DeviceReady
+ToExecutor = SchedulerOutput | LaunchStep
 FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests
 SchedulerToTokenizer = OutputBatch
 ToFrontend = TextDelta | TokenizeResult | Heartbeat | StatsSnapshot | ComponentDown

@@ -103,12 +103,15 @@ class RequestState:
 
 @dataclass
 class InFlightStep:
-    """A submitted step; `finish` waits for its tokens and hands them to their requests."""
+    """A launched step; `finish` waits for its tokens and hands them to their requests."""
 
     step: int
     sample_ids: list[str]
     states: list[RequestState]
     pending: PendingSample | None
+    # Recorded after the forward pass: what is left of the step (lm_head, sampling) covers
+    # the launch of the next one, which waits for this (see ModelRunner.launch_point_passed).
+    forward_done: torch.cuda.Event | None = None
     output: ModelRunnerOutput | None = None
 
     def finish(self) -> ModelRunnerOutput:
@@ -127,6 +130,30 @@ class InFlightStep:
             logprobs={rid: lp for rid, lp in pairs if lp is not None},
         )
         return self.output
+
+    @property
+    def finished(self) -> bool:
+        """Whether `finish` would not wait. NOTE: a step of prompt chunks samples nothing, so
+        only its forward pass says when it ends; answered earlier, its answer could overtake
+        the DeviceReady of the step after it (see services/executor/process.py)."""
+        if self.output is not None:
+            return True
+        forward_ended = self.forward_done is None or self.forward_done.query()
+        return forward_ended and (self.pending is None or self.pending.ready)
+
+
+@dataclass
+class PreparedStep:
+    """A plan whose inputs are in the host mirror, not launched: addenda can still join it."""
+
+    step: int
+    token_ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    sample_ids: list[str] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sources: list[tuple[int, int]] = field(default_factory=list)  # (token index, sampled row)
+    shape: PaddedShape | None = None
 
 
 class ModelRunner:
@@ -173,6 +200,7 @@ class ModelRunner:
         )
         self.requests: dict[str, RequestState] = {}
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
+        self._prepared: PreparedStep | None = None
         # The last step's sampled ids, where the next step's decodes read their input token.
         self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
         self.graphs: StepGraphs | None = None
@@ -206,7 +234,6 @@ class ModelRunner:
         self.submit(plan)
         return self.collect()
 
-    @torch.inference_mode()
     def submit(self, plan: SchedulerOutput) -> None:
         """Queue the step's work on the device and return without waiting for it.
 
@@ -214,35 +241,84 @@ class ModelRunner:
         is that step's token reads it on the device (`sampled_ids`), so the device goes from
         one step to the next without waiting for the host. At most two steps are in flight.
         """
-        if len(self._in_flight) > 1:
-            raise RuntimeError("submit() with two steps in flight: collect() one first")
+        self.prepare(plan)
+        self.launch(plan.step)
+
+    @torch.inference_mode()
+    def prepare(self, plan: SchedulerOutput) -> None:
+        """Take the plan and fill its inputs on the host; `launch` sends them to the device."""
+        if self._prepared is not None:
+            raise RuntimeError(f"plan {plan.step} before plan {self._prepared.step} launched")
         self._apply_plan(plan)
-        if not plan.num_scheduled_tokens:
-            self._in_flight.append(InFlightStep(plan.step, [], [], None))
+        self._prepared = PreparedStep(plan.step)
+        self._add_rows(plan)
+
+    @torch.inference_mode()
+    def amend(self, addendum: SchedulerOutput) -> None:
+        """Append an addendum's requests to the prepared plan of the same step."""
+        if self._prepared is None or self._prepared.step != addendum.step:
+            raise RuntimeError(f"an addendum to plan {addendum.step}, which is not held")
+        self._apply_plan(addendum)
+        self._add_rows(addendum)
+
+    def accepts_addendum(self, step: int) -> bool:
+        return self._prepared is not None and self._prepared.step == step
+
+    @torch.inference_mode()
+    def launch(self, step: int) -> None:
+        """Send the prepared plan's inputs and queue its forward pass and sampling."""
+        prepared = self._prepared
+        if prepared is None or prepared.step != step:
+            raise RuntimeError(f"launch of plan {step}, which is not prepared")
+        if len(self._in_flight) > 1:
+            raise RuntimeError("launch() with two steps in flight: collect() one first")
+        self._prepared = None
+        if not prepared.counts:
+            self._in_flight.append(InFlightStep(step, [], [], None))
             return
-        if any(self.requests[rid].has_penalties for rid in plan.num_scheduled_tokens):
-            self._finish_in_flight()  # penalties need the tokens in flight on the host
-        sample_ids, graph_shape = self._write_inputs(plan)
+        self.buffers.copy_to_device()
         view = self.buffers.view()
-        if graph_shape is not None and self.graphs is not None:
-            hidden = self.graphs.replay(graph_shape)
+        if prepared.shape is not None and self.graphs is not None:
+            hidden = self.graphs.replay(prepared.shape)
         else:
             hidden = self._forward(view)
+        forward_done = None
+        if self.device.type == "cuda":
+            forward_done = torch.cuda.Event()
+            forward_done.record()
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
-        states = [self.requests[rid] for rid in sample_ids]
+        states = [self.requests[rid] for rid in prepared.sample_ids]
         pending = self.sampler.sample(logits, [s.sampling_row() for s in states])
         if pending.token_ids is not None:
             self.sampled_ids[: len(states)].copy_(pending.token_ids, non_blocking=True)
         for row, state in enumerate(states):
             state.num_pending += 1
             state.sample_row = row
-        self._in_flight.append(InFlightStep(plan.step, sample_ids, states, pending))
+        self._in_flight.append(
+            InFlightStep(step, prepared.sample_ids, states, pending, forward_done)
+        )
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest step in flight; its tokens join their requests."""
         if not self._in_flight:
             raise RuntimeError("collect() without a step in flight")
         return self._in_flight.popleft().finish()
+
+    @property
+    def has_in_flight(self) -> bool:
+        return bool(self._in_flight)
+
+    def oldest_finished(self) -> bool:
+        """Whether `collect` would return without waiting."""
+        return bool(self._in_flight) and self._in_flight[0].finished
+
+    def launch_point_passed(self) -> bool:
+        """Whether the last step launched has finished its forward pass (or none is in
+        flight): launched now, the next step keeps the device busy without waiting long."""
+        if not self._in_flight:
+            return True
+        event = self._in_flight[-1].forward_done
+        return event is None or event.query()
 
     def _finish_in_flight(self) -> None:
         for step in self._in_flight:
@@ -262,43 +338,56 @@ class ModelRunner:
             state.block_ids.extend(delta.new_block_ids)
             state.num_computed_tokens = delta.num_computed_tokens
 
-    def _write_inputs(self, plan: SchedulerOutput) -> tuple[list[str], PaddedShape | None]:
-        """Fill and send the step's inputs; returns who samples, and the graph shape if any."""
-        token_ids: list[int] = []
-        starts, counts = [], []
-        sample_ids: list[str] = []
-        sample_rows: list[int] = []
-        sources: list[tuple[int, int]] = []  # (token index, row of sampled_ids)
+    def _add_rows(self, plan: SchedulerOutput) -> None:
+        """Append the plan's requests to the prepared step and rewrite the host mirror."""
+        prepared = self._prepared
+        assert prepared is not None
+        if not plan.num_scheduled_tokens:
+            return
+        # Penalties need the tokens in flight on the host (a new request has none).
+        if any(
+            self.requests[rid].has_penalties and self.requests[rid].num_pending
+            for rid in plan.num_scheduled_tokens
+        ):
+            self._finish_in_flight()
         self.buffers.wait_for_copy()  # the table rows below go into the copy's source
-        for row, (request_id, num_new) in enumerate(plan.num_scheduled_tokens.items()):
-            state = self.requests[request_id]
-            start = state.num_computed_tokens
-            end = start + num_new
-            first = len(token_ids)
-            token_ids.extend(state.token_ids[start:end])
-            if len(token_ids) < first + num_new:
-                # NOTE: only a request's last token can be in flight (the scheduler readmits
-                # a preempted request once its tokens are in), so one is missing at most.
-                if end != state.num_tokens or state.num_pending != 1:
-                    raise RuntimeError(f"request_id={request_id}: inputs {start}:{end} unknown")
-                sources.append((len(token_ids), state.sample_row))
-                token_ids.append(0)  # a placeholder the device overwrites
-            starts.append(start)
-            counts.append(num_new)
-            self._write_table_row(row, state)
-            state.num_computed_tokens = end
-            if end == state.num_tokens:  # reached the end: sample the next
-                sample_ids.append(request_id)
-                sample_rows.append(len(token_ids) - 1)
-        shape = None
+        for request_id, num_new in plan.num_scheduled_tokens.items():
+            self._add_row(prepared, request_id, num_new)
         if self.graphs is not None:
-            shape = self.graphs.shape_for(len(counts), len(token_ids))
-        self.buffers.write(token_ids, starts, counts, sample_rows, shape, sources)
-        if shape is not None and shape.decode:
-            for row in range(len(counts), shape.num_reqs):
+            prepared.shape = self.graphs.shape_for(len(prepared.counts), len(prepared.token_ids))
+        self.buffers.write(
+            prepared.token_ids,
+            prepared.starts,
+            prepared.counts,
+            prepared.sample_rows,
+            prepared.shape,
+            prepared.sources,
+        )
+        if prepared.shape is not None and prepared.shape.decode:
+            for row in range(len(prepared.counts), prepared.shape.num_reqs):
                 self.row_owner[row] = None  # decode padding overwrote it
-        self.buffers.copy_to_device()
-        return sample_ids, shape
+
+    def _add_row(self, prepared: PreparedStep, request_id: str, num_new: int) -> None:
+        state = self.requests[request_id]
+        start = state.num_computed_tokens
+        end = start + num_new
+        token_ids = prepared.token_ids
+        first = len(token_ids)
+        token_ids.extend(state.token_ids[start:end])
+        if len(token_ids) < first + num_new:
+            # NOTE: only a request's last token can be in flight (the scheduler readmits
+            # a preempted request once its tokens are in), so one is missing at most.
+            if end != state.num_tokens or state.num_pending != 1:
+                raise RuntimeError(f"request_id={request_id}: inputs {start}:{end} unknown")
+            prepared.sources.append((len(token_ids), state.sample_row))
+            token_ids.append(0)  # a placeholder the device overwrites
+        prepared.starts.append(start)
+        prepared.counts.append(num_new)
+        self._write_table_row(len(prepared.counts) - 1, state)
+        state.num_computed_tokens = end
+        if end == state.num_tokens:  # reached the end: sample the next
+            prepared.sample_ids.append(request_id)
+            prepared.sample_rows.append(len(token_ids) - 1)
 
     def _write_table_row(self, row: int, state: RequestState) -> None:
         # Why track owners: a request usually keeps its row, so only new blocks are written.

@@ -1,22 +1,31 @@
 """The executor process: loads the model, reports what it loaded and what it is sized for,
 then runs one forward pass per plan the scheduler sends.
 
-On a GPU each plan is queued on the device before the step before it is waited for and
-answered, so the device runs step k+1 while the host sends step k's tokens and the scheduler
-plans k+2. On a CPU `submit` computes the step itself, so step k is answered first: answered
-after k+1 it would reach its requests a whole step late.
+A plan is prepared on the host when it arrives and launched when the scheduler says so
+(LaunchStep). The executor asks for that (DeviceReady) as soon as the step in flight has
+finished its forward pass, so the next one is queued while the device still computes the
+last one's logits and samples: the device stays busy, and until then the scheduler can
+still append requests that just arrived to the held plan (addenda). Each step is answered
+as soon as its tokens are on the host.
+
+    scheduler:  plan k+1 ─ (addenda) ─────────────── LaunchStep k+1 ──────────── plan k+2
+    executor:      prepare k+1 ─ amend ─ DeviceReady ──┴ launch k+1 ─ answer k ─┘
+    device:     ── step k: forward ──────────────────┴ lm_head, sample ┴ step k+1 ...
+
+On a CPU the forward pass runs inside `launch`, so each step is answered right after it.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import zmq
 
 from services.executor.model_runner import ModelRunner
 from shared.config import Config
 from shared.ipc import Decoder, connect_dealer, encode, start_heartbeat
-from shared.protocol import ToExecutor
+from shared.protocol import DeviceReady, LaunchStep, SchedulerOutput, ToExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +39,41 @@ def run_executor(config: Config, rank: int = 0) -> None:
     socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name)
     socket.send(encode(runner.ready_message(config.served_model_name or runner.source.name)))
     logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
-    decoder = Decoder(ToExecutor, name)
-    overlaps = runner.device.type == "cuda"
-    has_step_in_flight = False
     try:
-        while True:
-            plan = decoder.decode(socket.recv())
-            if plan is None:  # skipping it would leave the scheduler waiting forever
-                raise RuntimeError(f"{name} received an unreadable plan")
-            if has_step_in_flight and not overlaps:
-                socket.send(encode(runner.collect()))
-            runner.submit(plan)
-            if has_step_in_flight and overlaps:
-                socket.send(encode(runner.collect()))
-            has_step_in_flight = True
+        serve_plans(runner, socket, Decoder(ToExecutor, name))
     finally:
         heartbeat.set()
+
+
+def serve_plans(runner: ModelRunner, socket: zmq.Socket[Any], decoder: Decoder) -> None:
+    """Answer finished steps, ask for the next launch, and take plans, addenda and launches.
+
+    While steps are in flight it polls without blocking: their ends are seen within
+    microseconds, which a blocking wait on the socket would not allow.
+    """
+    asked = False  # DeviceReady sent, LaunchStep not received yet
+
+    def ask_when_due() -> None:
+        nonlocal asked
+        if not asked and runner.launch_point_passed():
+            socket.send(encode(DeviceReady()))
+            asked = True
+
+    while True:
+        ask_when_due()
+        while runner.oldest_finished():
+            # NOTE: asked again right before each answer, as the device may have moved on
+            # since the last look: the scheduler holds one plan at a time, so the plan after
+            # a step must be launched before that step's answer lets it send the next one.
+            ask_when_due()
+            socket.send(encode(runner.collect()))
+        if not socket.poll(0 if runner.has_in_flight else None):
+            continue
+        message = decoder.decode(socket.recv())
+        if isinstance(message, LaunchStep):
+            runner.launch(message.step)
+            asked = False
+        elif isinstance(message, SchedulerOutput):
+            (runner.amend if message.addendum else runner.prepare)(message)
+        else:  # skipping it could leave the scheduler waiting forever
+            raise RuntimeError("the executor received an unreadable message")

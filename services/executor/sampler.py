@@ -283,6 +283,11 @@ class PendingSample:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
+    @property
+    def ready(self) -> bool:
+        """Whether `result()` would return without waiting."""
+        return self._ready is None or self._ready.query()
+
     def result(self) -> SamplerOutput:
         if self.token_ids is None:
             return SamplerOutput(token_ids=[], logprobs=[])

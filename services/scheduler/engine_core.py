@@ -10,6 +10,10 @@ the device does not wait while the host schedules, digests outputs and does its 
 
     host:    schedule k+1 ─ submit k+1 ─ collect k ─ update k ─ schedule k+2 ─ submit k+2 ─ ...
     device:  ── step k ─────────────────┴── step k+1 ──────────────────────────┴── step k+2
+
+A request that arrives while step k runs would so wait for k+2, one whole step more than
+without pipelining. Where the executor launches a plan only when told (the executor process:
+see DeviceReady), `amend` appends such requests to plan k+1 while it is still held.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ class Executor(Protocol):
 
     def collect(self) -> ModelRunnerOutput: ...
 
+    def accepts_addendum(self, step: int) -> bool:
+        """Whether plan `step` is submitted and not launched yet, so rows can still join it."""
+        ...
+
+    def amend(self, addendum: SchedulerOutput) -> None: ...
+
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
@@ -44,6 +54,17 @@ class EngineCore:
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; raises ParameterError or QueueFullError if it is refused."""
         self.scheduler.add_request(request)
+
+    def amend(self) -> None:
+        """Admit waiting requests into the plan in flight, if the executor still holds it."""
+        plan = self._in_flight
+        if plan is None or not self.scheduler.waiting:
+            return
+        if not self.executor.accepts_addendum(plan.step):
+            return
+        addendum = self.scheduler.schedule_addendum(plan)
+        if addendum is not None:
+            self.executor.amend(addendum)
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         return self.scheduler.abort(request_ids)

@@ -5,8 +5,8 @@ requests' outputs back; the executor connects to it, reports what it loaded (Exe
 then receives one plan per step and answers each with the sampled tokens.
 
 The loop is `EngineCore`, the same as offline; only the executor differs: `RemoteExecutor`
-sends plans over the socket. The executor process queues plan k+1 on its device before it
-answers step k, so every plan but the first is answered one plan late, as `collect` expects.
+sends plans over the socket and launches each when the executor's device is ready for it,
+holding it until then so that requests arriving meanwhile can join it (`EngineCore.amend`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ from shared.constants import STATS_INTERVAL_S, STATS_LOG_INTERVAL_S
 from shared.ipc import Decoder, bind_router, connect_dealer, encode, start_heartbeat
 from shared.protocol import (
     AbortRequests,
+    DeviceReady,
     EngineRequest,
     ErrorKind,
     ExecutorReady,
     FinishReason,
+    LaunchStep,
     ModelRunnerOutput,
     OutputBatch,
     RequestError,
@@ -64,10 +66,12 @@ class RemoteExecutor:
     """The executor process, as an `Executor`: plans go out through the ROUTER, and `collect`
     waits in the inbox for the oldest plan's answer.
 
-    While it waits, whatever else arrives (requests, aborts) goes to `handle`, and `tick`
-    runs, so a long step neither stalls intake nor looks like a hang. NOTE: an abort handled
-    here frees blocks that steps in flight may still write; that is safe because any later
-    step that reuses them runs after those on the executor's device queue.
+    A plan is launched when the executor's device is ready for it (DeviceReady answered by
+    LaunchStep); until then it is held and takes addenda. While `collect` waits, whatever else
+    arrives (requests, aborts) goes to `handle`, and `tick` runs after each batch of messages,
+    so a long step neither stalls intake nor looks like a hang. NOTE: an abort handled here
+    frees blocks that steps in flight may still write; that is safe because any later step
+    that reuses them runs after those on the executor's device queue.
     """
 
     def __init__(
@@ -81,7 +85,10 @@ class RemoteExecutor:
         self.router, self.inbox, self.handle, self.tick = router, inbox, handle, tick
         self.timeout = timeout
         self.identity: bytes | None = None
-        self._submitted: deque[int] = deque()  # steps sent, not yet answered
+        self._submitted: deque[int] = deque()  # steps sent, not yet collected
+        self._answers: dict[int, ModelRunnerOutput] = {}  # answered, not yet collected
+        self._held: int | None = None  # the step sent and not launched yet
+        self._device_ready = False  # DeviceReady came while no plan was held
 
     def wait_until_ready(self) -> ExecutorReady:
         """The executor's report; requests that come first are handled (and refused)."""
@@ -99,25 +106,59 @@ class RemoteExecutor:
                 self.handle(identity, message)
 
     def submit(self, plan: SchedulerOutput) -> None:
-        if self.identity is None:
-            raise RuntimeError("submit() before the executor reported ready")
-        self.router.send_multipart([self.identity, encode(plan)])
+        if self._held is not None:
+            # The executor asks to launch a step before it answers the step before it.
+            raise RuntimeError(f"plan {plan.step} while plan {self._held} is not launched")
+        self._send(plan)
         self._submitted.append(plan.step)
+        self._held = plan.step
+        self._launch_if_ready()
+
+    def accepts_addendum(self, step: int) -> bool:
+        return self._held == step
+
+    def amend(self, addendum: SchedulerOutput) -> None:
+        self._send(addendum)
+
+    def take(self, message: object) -> bool:
+        """Keep the executor's messages (answers, DeviceReady), wherever they are received:
+        the executor answers a step as soon as it ends, `collect` or not."""
+        if isinstance(message, ModelRunnerOutput):
+            self._answers[message.step] = message
+        elif isinstance(message, DeviceReady):
+            self._device_ready = True
+            self._launch_if_ready()
+        else:
+            return False
+        return True
 
     def collect(self) -> ModelRunnerOutput:
         step = self._submitted.popleft()
         deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
+        while step not in self._answers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the executor did not answer step {step} in {self.timeout} s")
             self.tick()
             received = self.inbox.receive(500)
-            if received is None:
-                continue
-            identity, message, _ = received
-            if isinstance(message, ModelRunnerOutput) and message.step == step:
-                return message
-            if message is not None:
-                self.handle(identity, message)
-        raise RuntimeError(f"the executor did not answer step {step} within {self.timeout} s")
+            while received is not None:  # all that came in, before the next tick
+                identity, message, _ = received
+                if message is not None and not self.take(message):
+                    self.handle(identity, message)
+                if step in self._answers:
+                    break
+                received = self.inbox.receive(0)
+        return self._answers.pop(step)
+
+    def _launch_if_ready(self) -> None:
+        if self._device_ready and self._held is not None:
+            self._send(LaunchStep(self._held))
+            self._held = None
+            self._device_ready = False
+
+    def _send(self, message: SchedulerOutput | LaunchStep) -> None:
+        if self.identity is None:
+            raise RuntimeError("a plan before the executor reported ready")
+        self.router.send_multipart([self.identity, encode(message)])
 
 
 class SchedulerProcess:
@@ -130,7 +171,7 @@ class SchedulerProcess:
         self.frontend = connect_dealer(context, config.frontend_address, "scheduler")
         self.inbox = Inbox(self.router)
         self.executor = RemoteExecutor(
-            self.router, self.inbox, self._handle, self._report_stats, config.step_timeout
+            self.router, self.inbox, self._handle, self._tick, config.step_timeout
         )
         self.owners: dict[str, bytes] = {}  # request_id -> identity of its tokenizer worker
         self.core: EngineCore | None = None
@@ -158,11 +199,20 @@ class SchedulerProcess:
                 if message is not None:
                     self._handle(identity, message)
                 received = self.inbox.receive(0)
+            core.amend()
             if core.has_unfinished():
                 self._publish(core.step())
             self._report_stats()
 
+    def _tick(self) -> None:
+        """Between batches of messages while a step runs: new requests join the held plan."""
+        if self.core is not None:
+            self.core.amend()
+        self._report_stats()
+
     def _handle(self, identity: bytes, message: object) -> None:
+        if self.executor.take(message):
+            return
         if isinstance(message, EngineRequest):
             self._add(identity, message)
         elif isinstance(message, AbortRequests):

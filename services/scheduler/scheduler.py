@@ -141,11 +141,7 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         cached_data, budget, preempted = self._schedule_running(budget, scheduled)
         new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
-        for request_id, num_tokens in scheduled.items():
-            request = self.requests[request_id]
-            request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_scheduled_tokens_end:
-                request.num_pending_tokens += 1  # this step samples the next token
+        self._commit(scheduled)
         dropped, self._dropped_ids = self._dropped_ids, []
         return SchedulerOutput(
             step=self._step,
@@ -154,6 +150,37 @@ class Scheduler:
             num_scheduled_tokens=scheduled,
             finished_request_ids=dropped,
         )
+
+    def schedule_addendum(self, plan: SchedulerOutput) -> SchedulerOutput | None:
+        """Admit waiting requests into `plan`, already sent but not launched, within what is
+        left of its budget; returns the rows added (merged into `plan` too), or None.
+
+        Only first admissions: a preempted request waits for a whole plan, because the
+        executor drops its old state at the start of the next one (`finished_request_ids`).
+        """
+        budget = self.config.max_num_batched_tokens - plan.total_num_scheduled_tokens
+        scheduled: dict[str, int] = {}
+        new_data = self._schedule_waiting(budget, scheduled, first_admissions_only=True)
+        if not new_data:
+            return None
+        self._commit(scheduled)
+        plan.new_requests.extend(new_data)
+        plan.num_scheduled_tokens.update(scheduled)
+        return SchedulerOutput(
+            step=plan.step,
+            new_requests=new_data,
+            cached_requests=[],
+            num_scheduled_tokens=scheduled,
+            finished_request_ids=[],
+            addendum=True,
+        )
+
+    def _commit(self, scheduled: dict[str, int]) -> None:
+        for request_id, num_tokens in scheduled.items():
+            request = self.requests[request_id]
+            request.num_computed_tokens += num_tokens
+            if request.num_computed_tokens == request.num_scheduled_tokens_end:
+                request.num_pending_tokens += 1  # this step samples the next token
 
     def _schedule_running(
         self, budget: int, scheduled: dict[str, int]
@@ -189,12 +216,16 @@ class Scheduler:
             index += 1
         return cached_data, budget, preempted
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> list[NewRequestData]:
+    def _schedule_waiting(
+        self, budget: int, scheduled: dict[str, int], first_admissions_only: bool = False
+    ) -> list[NewRequestData]:
         new_data: list[NewRequestData] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: readmit it once the token is in
+            if first_admissions_only and request.num_preemptions:
+                break
             cached = self.kv.find_cached_prefix(request)
             num_new = request.num_tokens - len(cached) * self.config.block_size
             # NOTE: admission keeps a prompt within max_num_batched_tokens, but a preempted

@@ -51,6 +51,12 @@ class RecordingExecutor:
         self.calls.append(("collect", output.step))
         return output
 
+    def accepts_addendum(self, step: int) -> bool:
+        return False  # it runs each plan as it is submitted
+
+    def amend(self, addendum: SchedulerOutput) -> None:
+        raise AssertionError("an addendum to a plan already run")
+
 
 def make_core(**overrides: object) -> tuple[EngineCore, RecordingExecutor]:
     executor = RecordingExecutor()

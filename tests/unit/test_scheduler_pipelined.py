@@ -76,3 +76,45 @@ def test_preempted_with_its_last_token_in_flight_leaves_the_waiting_queue() -> N
     assert not scheduler.waiting and "b" not in scheduler.requests
     report(scheduler, second, second_samples, 101)
     assert scheduler.requests["a"].output_token_ids == [100, 101]
+
+
+def test_an_addendum_admits_new_requests_into_the_held_plan_within_its_budget() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=16, max_num_seqs=3)
+    add(scheduler, "a", [1, 3, 4, 5, 6], max_tokens=5)
+    first, first_samples = schedule(scheduler)
+    held, _ = schedule(scheduler)  # a's decode, on the token in flight
+    assert scheduler.schedule_addendum(held) is None  # nobody waits
+    add(scheduler, "b", list(range(3, 9)))  # 6 tokens: fits the 15 left
+    add(scheduler, "c", list(range(30, 47)))  # 17 tokens: 9 of them fit
+    add(scheduler, "d", [7, 8])  # no room left: a whole plan later
+    addendum = scheduler.schedule_addendum(held)
+    scheduler.check_invariants()
+    assert addendum is not None and addendum.addendum and addendum.step == held.step
+    assert addendum.num_scheduled_tokens == {"b": 6, "c": 9}
+    assert [n.request_id for n in addendum.new_requests] == ["b", "c"]
+    assert not addendum.cached_requests and not addendum.finished_request_ids
+    # Merged into the held plan, which the scheduler reports tokens against.
+    assert held.num_scheduled_tokens == {"a": 1, "b": 6, "c": 9}
+    assert [r.request_id for r in scheduler.waiting] == ["d"]
+    assert scheduler.requests["b"].num_pending_tokens == 1  # its prompt is done: it samples
+    assert scheduler.requests["c"].num_pending_tokens == 0  # a chunk samples nothing
+    report(scheduler, first, first_samples, 100)
+    (a_out, b_out) = report(scheduler, held, {"a", "b"}, 101)
+    assert (a_out.request_id, b_out.request_id) == ("a", "b")
+    nxt, _ = schedule(scheduler)
+    assert nxt.num_scheduled_tokens == {"a": 1, "b": 1, "c": 8}
+
+
+def test_an_addendum_leaves_a_preempted_request_to_a_whole_plan() -> None:
+    # Two blocks of 4 tokens: b's growth preempts a, which must not rejoin the held plan,
+    # whose executor would drop its state at the next plan (finished_request_ids).
+    scheduler = make_scheduler(num_blocks=3, max_num_batched_tokens=32)
+    add(scheduler, "a", [1, 3, 4, 5], max_tokens=8)
+    add(scheduler, "b", [6, 7, 8, 9], max_tokens=8)
+    first, first_samples = schedule(scheduler)
+    report(scheduler, first, first_samples, 100)
+    held, _ = schedule(scheduler)
+    assert scheduler.num_preemptions == 1 and scheduler.waiting[0].request_id == "b"
+    assert scheduler.schedule_addendum(held) is None
+    add(scheduler, "c", [5, 5])
+    assert scheduler.schedule_addendum(held) is None  # FIFO: c waits behind b
