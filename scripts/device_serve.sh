@@ -8,8 +8,8 @@
 # Carried: .whl/ and .vwhl/ (wheels the GPU machine lacks: bash scripts/device_wheels.sh),
 # .peer/qwen3-8b.tar.xz and, for vLLM, the three vllm_bundle parts with SHA256SUMS and
 # install_vllm.sh (copied from the steering repo's peer/ folder). A call carries 64 MiB at most:
-# parts 00 and 01 in one call, part 02 and .vwhl/ in the next while the machine is warm; each
-# call leaves its parts in /tmp/vllm-parts.
+# parts 00 and 01 (in .peerA/) in one call, part 02 (in .peerB/) and .vwhl/ in the next while the
+# machine is warm; each call leaves its parts in /tmp/vllm-parts.
 set -uo pipefail
 OUT=${OUT:-$PWD/bench-out}  # gets serve-out.tgz (every JSON, log and plot) and summary.txt
 RESULTS=/tmp/serve-results
@@ -21,7 +21,7 @@ export PYTHONUNBUFFERED=1
 status=0
 
 mkdir -p /tmp/vllm-parts
-cp .peer/vllm_bundle.tar.xz.part* .peer/SHA256SUMS .peer/install_vllm.sh /tmp/vllm-parts/ 2>/dev/null
+cp .peer*/vllm_bundle.tar.xz.part* .peer/SHA256SUMS .peer/install_vllm.sh /tmp/vllm-parts/ 2>/dev/null
 if [ ! -f "$SITE/.kvflow-wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
         .whl/*.whl && touch "$SITE/.kvflow-wheels" || exit 1
@@ -105,7 +105,8 @@ for part in $PARTS; do
     case $part in
     tests)
         run tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels \
-            tests/integration/test_gpu_parity.py tests/integration/test_gpu_graphs.py ;;
+            tests/integration/test_gpu_parity.py tests/integration/test_gpu_graphs.py \
+            tests/integration/test_pipelined_engine.py ;;
     probe)
         run probe python3 -m benchmarks.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;
@@ -131,14 +132,16 @@ done
 {
 python3 - "$RESULTS" <<'PY'
 import json, pathlib, sys
+def ms(run, key):  # a run whose requests all failed has no latencies
+    return "-" if run[key] is None else f"{run[key]:.1f}"
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     data = json.loads(path.read_text())
     for run in data.get("runs", []):
         print(f"{path.stem:16} rate={run['request_rate']!s:5} ok={run['completed']} "
               f"fail={run['failed']} req/s={run['request_throughput']:.2f} "
-              f"TTFT med/p99={run['median_ttft_ms']:.1f}/{run['p99_ttft_ms']:.1f} "
-              f"TPOT med/p99={run['median_tpot_ms']:.2f}/{run['p99_tpot_ms']:.2f} "
-              f"ITL p99={run['p99_itl_ms']:.1f}")
+              f"TTFT med/p99={ms(run, 'median_ttft_ms')}/{ms(run, 'p99_ttft_ms')} "
+              f"TPOT med/p99={ms(run, 'median_tpot_ms')}/{ms(run, 'p99_tpot_ms')} "
+              f"ITL p99={ms(run, 'p99_itl_ms')}")
 PY
 } | tee "$OUT/summary.txt"
 tar -czf "$OUT/serve-out.tgz" -C "$RESULTS" .
