@@ -345,14 +345,14 @@ class ModelRunner:
         if not plan.num_scheduled_tokens:
             return
         # Penalties need the tokens in flight on the host (a new request has none).
-        if any(
-            self.requests[rid].has_penalties and self.requests[rid].num_pending
-            for rid in plan.num_scheduled_tokens
-        ):
+        states = [self.requests[rid] for rid in plan.num_scheduled_tokens]
+        if any(state.has_penalties and state.num_pending for state in states):
             self._finish_in_flight()
         self.buffers.wait_for_copy()  # the table rows below go into the copy's source
-        for request_id, num_new in plan.num_scheduled_tokens.items():
-            self._add_row(prepared, request_id, num_new)
+        for state, (request_id, num_new) in zip(
+            states, plan.num_scheduled_tokens.items(), strict=True
+        ):
+            self._add_row(prepared, request_id, state, num_new)
         if self.graphs is not None:
             prepared.shape = self.graphs.shape_for(len(prepared.counts), len(prepared.token_ids))
         self.buffers.write(
@@ -367,8 +367,9 @@ class ModelRunner:
             for row in range(len(prepared.counts), prepared.shape.num_reqs):
                 self.row_owner[row] = None  # decode padding overwrote it
 
-    def _add_row(self, prepared: PreparedStep, request_id: str, num_new: int) -> None:
-        state = self.requests[request_id]
+    def _add_row(
+        self, prepared: PreparedStep, request_id: str, state: RequestState, num_new: int
+    ) -> None:
         start = state.num_computed_tokens
         end = start + num_new
         token_ids = prepared.token_ids

@@ -196,7 +196,7 @@ class SchedulerProcess:
             received = self.inbox.receive(0 if core.has_unfinished() else 50)
             while received is not None:
                 identity, message, _ = received
-                if message is not None:
+                if message is not None and not self.executor.take(message):
                     self._handle(identity, message)
                 received = self.inbox.receive(0)
             core.amend()
@@ -211,8 +211,7 @@ class SchedulerProcess:
         self._report_stats()
 
     def _handle(self, identity: bytes, message: object) -> None:
-        if self.executor.take(message):
-            return
+        """A message for the scheduler itself (the executor's go to `RemoteExecutor.take`)."""
         if isinstance(message, EngineRequest):
             self._add(identity, message)
         elif isinstance(message, AbortRequests):
