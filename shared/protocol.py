@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class Message(msgspec.Struct, gc=False):
@@ -239,6 +239,7 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     step: int
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = {}
+    device_ms: float = 0.0  # how long the step kept the device busy (0 where not measured)
 
 
 # ------------------------------------------------------------- outputs out
@@ -376,6 +377,7 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     num_preemptions: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    device_busy_seconds: float  # summed over steps, so busy fraction = its rate
     num_blocks: int
     max_model_len: int
 

@@ -4,6 +4,7 @@ each step's plan into one forward pass and one batched sampling call."""
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -102,6 +103,31 @@ class RequestState:
 
 
 @dataclass
+class DeviceSpan:
+    """A step's time on the device: CUDA timing events around its work on the stream, or on
+    CPU, where a step runs synchronously, the wall clock around it (perf_counter seconds)."""
+
+    start: torch.cuda.Event | float
+    end: torch.cuda.Event | float
+
+    @classmethod
+    def mark(cls, device: torch.device) -> torch.cuda.Event | float:
+        """A point in time on `device`'s stream: a recorded timing event, or the clock."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def milliseconds(self) -> float:
+        if isinstance(self.start, float) and isinstance(self.end, float):
+            return (self.end - self.start) * 1000
+        assert isinstance(self.start, torch.cuda.Event) and isinstance(self.end, torch.cuda.Event)
+        self.end.synchronize()  # recorded right after the sampled ids' copy: microseconds
+        return self.start.elapsed_time(self.end)
+
+
+@dataclass
 class InFlightStep:
     """A launched step; `finish` waits for its tokens and hands them to their requests."""
 
@@ -112,13 +138,14 @@ class InFlightStep:
     # Recorded after the forward pass: what is left of the step (lm_head, sampling) covers
     # the launch of the next one, which waits for this (see ModelRunner.launch_point_passed).
     forward_done: torch.cuda.Event | None = None
+    span: DeviceSpan | None = None  # how long the step kept the device busy
     output: ModelRunnerOutput | None = None
 
     def finish(self) -> ModelRunnerOutput:
         if self.output is not None:
             return self.output
         if self.pending is None:
-            self.output = ModelRunnerOutput(step=self.step, sampled={})
+            self.output = ModelRunnerOutput(step=self.step, sampled={}, device_ms=self.device_ms)
             return self.output
         result = self.pending.result()
         for state, token_id in zip(self.states, result.token_ids, strict=True):
@@ -128,8 +155,13 @@ class InFlightStep:
             step=self.step,
             sampled=dict(zip(self.sample_ids, result.token_ids, strict=True)),
             logprobs={rid: lp for rid, lp in pairs if lp is not None},
+            device_ms=self.device_ms,
         )
         return self.output
+
+    @property
+    def device_ms(self) -> float:
+        return 0.0 if self.span is None else self.span.milliseconds()
 
     @property
     def finished(self) -> bool:
@@ -276,6 +308,7 @@ class ModelRunner:
         if not prepared.counts:
             self._in_flight.append(InFlightStep(step, [], [], None))
             return
+        started = DeviceSpan.mark(self.device)
         self.buffers.copy_to_device()
         view = self.buffers.view()
         if prepared.shape is not None and self.graphs is not None:
@@ -294,8 +327,9 @@ class ModelRunner:
         for row, state in enumerate(states):
             state.num_pending += 1
             state.sample_row = row
+        span = DeviceSpan(started, DeviceSpan.mark(self.device))
         self._in_flight.append(
-            InFlightStep(step, prepared.sample_ids, states, pending, forward_done)
+            InFlightStep(step, prepared.sample_ids, states, pending, forward_done, span)
         )
 
     def collect(self) -> ModelRunnerOutput:

@@ -76,6 +76,10 @@ class Metrics:
                 "num_preemptions": (stats.num_preemptions, "Preemptions by recompute."),
                 "prompt_tokens": (stats.num_prompt_tokens, "Prompt tokens processed."),
                 "generation_tokens": (stats.num_generation_tokens, "Tokens generated."),
+                "device_busy_seconds": (
+                    stats.device_busy_seconds,
+                    "Seconds the device ran steps (its rate is the busy fraction; 0 on CPU).",
+                ),
             }
             for name, (value, doc) in gauges.items():
                 lines += _sample(f"kvflow:{name}", "gauge", doc, self.labels, value)

@@ -65,6 +65,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.device_busy_seconds = 0.0
 
     # ------------------------------------------------------------------ intake
 
@@ -283,6 +284,7 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Append sampled tokens, apply stop conditions, and report what each request got."""
         outputs = []
+        self.device_busy_seconds += result.device_ms / 1000
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
             token_id = result.sampled.get(request_id)
@@ -361,6 +363,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            device_busy_seconds=self.device_busy_seconds,
             num_blocks=self.config.num_blocks,
             max_model_len=self.config.max_model_len,
         )

@@ -32,6 +32,7 @@ class StatsLog:
         was_idle, self._last_was_idle = self._last_was_idle, idle
         if idle and was_idle:
             return None
+        busy = (stats.device_busy_seconds - last.device_busy_seconds) / elapsed
         queries = stats.prefix_cache_queries - last.prefix_cache_queries
         hits = stats.prefix_cache_hits - last.prefix_cache_hits
         return (
@@ -40,5 +41,6 @@ class StatsLog:
             f"running: {stats.num_running} reqs, waiting: {stats.num_waiting} reqs, "
             f"KV cache usage: {stats.kv_usage:.1%}, "
             f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}, "
-            f"preemptions: {stats.num_preemptions}"
+            f"preemptions: {stats.num_preemptions}, "
+            f"device busy: {busy:.1%}"
         )

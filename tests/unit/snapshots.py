@@ -18,6 +18,7 @@ def stats(**fields: Any) -> StatsSnapshot:
         num_preemptions=0,
         num_prompt_tokens=0,
         num_generation_tokens=0,
+        device_busy_seconds=0.0,
         num_blocks=10,
         max_model_len=512,
     )

@@ -129,6 +129,7 @@ MESSAGES = {
             num_preemptions=0,
             num_prompt_tokens=30,
             num_generation_tokens=12,
+            device_busy_seconds=0.5,
             num_blocks=64,
             max_model_len=512,
         ),

@@ -26,12 +26,13 @@ def test_a_line_every_interval_with_rates_over_that_interval() -> None:
         prefix_cache_hits=100,
         num_prompt_tokens=2000,
         num_generation_tokens=500,
+        device_busy_seconds=9.25,
     )
     assert log.line(5.0, working) is None  # not yet
     assert log.line(10.0, working) == (
         "prompt throughput: 200.0 tok/s, generation throughput: 50.0 tok/s, "
         "running: 3 reqs, waiting: 1 reqs, KV cache usage: 12.5%, "
-        "prefix cache hit rate: 25.0%, preemptions: 0"
+        "prefix cache hit rate: 25.0%, preemptions: 0, device busy: 92.5%"
     )
     later = busy(num_running=3, num_prompt_tokens=2000, num_generation_tokens=1500)
     line = log.line(30.0, later)
