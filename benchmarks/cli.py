@@ -61,7 +61,8 @@ def add_bench_parser(
             "--profile-steps",
             type=int,
             default=0,
-            help="Also profile this many decode steps (CUDA): GPU busy and top kernels.",
+            help="Also profile this many decode steps (CUDA): GPU busy and top kernels"
+            " (throughput: and the first 3 steps of fresh prompts).",
         )
     throughput.add_argument(
         "--ignore-eos", action="store_true", help="Always generate --output-len tokens."

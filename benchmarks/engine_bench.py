@@ -70,8 +70,11 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "config": _engine_summary(config),
     }
     if args.profile_steps:
-        from benchmarks.step_profile import profile_decode
+        from benchmarks.step_profile import profile_decode, profile_prefill
 
+        # Prompts the prefix cache has not seen, or the profiled steps would compute little.
+        fresh = random_prompts(args.num_prompts, input_lens, vocab, config.seed + 7)
+        report["prefill_profile"] = profile_prefill(llm.engine, fresh, params, num_steps=3)
         report["decode_profile"] = profile_decode(llm.engine, prompts, params, args.profile_steps)
         report["gpu_busy_fraction"] = report["decode_profile"]["gpu_busy_fraction"]
     return report

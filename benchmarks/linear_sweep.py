@@ -1,22 +1,23 @@
-"""Skinny (decode) linear layers at Llama-3.1-8B shapes: Triton tile configs against cuBLAS.
+"""Skinny (decode) linear layers at 8B shapes: Triton tile configs against cuBLAS.
 
-For each shape (qkv, o, gate_up, down, lm_head) and each M in --m, times torch's F.linear (cuBLAS)
-and every config in CANDIDATES of `kernels.triton_linear`, and reports microseconds per call and
-GB/s of weights read. Then times one decode step's worth of linear layers, 32 x (qkv, o, gate_up,
-down) + lm_head, with torch and with the best Triton config per shape. `default_tiles` holds the
-picks of the last run.
+For each shape (qkv, o, gate_up, down, lm_head) of --model (Llama-3.1-8B or Qwen3-8B) and each M
+in --m, times torch's F.linear (cuBLAS) and every config in CANDIDATES of `kernels.triton_linear`,
+and reports microseconds per call and GB/s of weights read. Then times one decode step's worth of
+linear layers, layers x (qkv, o, gate_up, down) + lm_head, with torch and with the best Triton
+config per shape. `default_tiles` holds the picks of the last run.
 
-Not an L2 measurement: each shape has one weight copy per layer (32, as the model has; 2 for
-lm_head, 1 GB each), 16 GB in all against the H100's 50 MB L2, and a timed CUDA graph calls the
-layer on every copy in turn, so each weight comes from HBM. The graph also takes Python launch
-overhead out (a Triton launch costs more host time than an o projection takes on the GPU).
+Not an L2 measurement: each shape has one weight copy per layer (32 or 36, as the model has; 2
+for lm_head, 1 GB each), 15-16 GB in all against the H100's 50 MB L2, and a timed CUDA graph
+calls the layer on every copy in turn, so each weight comes from HBM. The graph also takes Python
+launch overhead out (a Triton launch costs more host time than an o projection takes on the GPU).
 Every config is first checked against F.linear (relative error < 2e-2) and skipped, with the
 reason, if it fails or does not compile. Kernels are compiled in parallel processes first, to
 fill Triton's disk cache (about 1 s of compile each, ~20 kernels).
 
     python3 benchmarks/linear_sweep.py --out $OUT/linear_sweep.json
+    python3 benchmarks/linear_sweep.py --model qwen3 --m 1 16 32 64 --step-m 32 64
 
-Needs a CUDA GPU and ~17 GB of its memory; about a minute on an H100.
+Needs a CUDA GPU and ~17 GB of its memory; a minute or two on an H100.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # runs from a checkout whether or not kvflow is installed
 
-from kernels.triton_linear import LinearTiles, skinny_linear  # noqa: E402
+from kernels.triton_linear import MAX_ROWS, LinearTiles, skinny_linear  # noqa: E402
 
 DEVICE = "cuda"
 FLOOR_BYTES_PER_S = 3.0e12  # H100 copy bandwidth, measured 3.02 TB/s (results/h100/floors.json)
@@ -59,20 +60,32 @@ class Shape:
     k: int  # input features
 
 
-SHAPES = [  # one decode step: 32 (layers) of each but lm_head
-    Shape("qkv", 6144, 4096),
-    Shape("o", 4096, 4096),
-    Shape("gate_up", 28672, 4096),
-    Shape("down", 4096, 14336),
-    Shape("lm_head", 128256, 4096),
-]
-
+MODEL_LAYERS = {"llama": 32, "qwen3": 36}
+MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
+    "llama": [  # Llama-3.1-8B, 32 layers
+        Shape("qkv", 6144, 4096),
+        Shape("o", 4096, 4096),
+        Shape("gate_up", 28672, 4096),
+        Shape("down", 4096, 14336),
+        Shape("lm_head", 128256, 4096),
+    ],
+    "qwen3": [  # Qwen3-8B, 36 layers
+        Shape("qkv", 6144, 4096),
+        Shape("o", 4096, 4096),
+        Shape("gate_up", 24576, 4096),
+        Shape("down", 4096, 12288),
+        Shape("lm_head", 151936, 4096),
+    ],
+}
 # (block_n, block_k, num_warps, num_stages): BLOCK_N 16/32/64 x BLOCK_K 128..512, tl.dot; and
 # the multiply-add variant, whose accumulator caps it at M <= 4 (M = 1 for the widest).
+# A config whose tiles do not fit shared memory at some M fails to compile there and is skipped.
 CANDIDATES = [LinearTiles(*c) for c in [
     (16, 128, 4, 5), (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4),
     (32, 128, 4, 5), (32, 256, 4, 4), (32, 256, 8, 5), (32, 512, 4, 4), (32, 512, 8, 3),
     (64, 128, 4, 4), (64, 256, 4, 5), (64, 256, 8, 3),
+    # for 32 and 64 rows, whose x tiles take shared memory too
+    (32, 64, 4, 8), (64, 64, 4, 6), (64, 128, 8, 4), (128, 64, 8, 4), (128, 128, 8, 3),
 ]] + [LinearTiles(*c, use_dot=False) for c in [
     (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 4, 3),
 ]]  # fmt: skip
@@ -140,11 +153,13 @@ def time_layer(fn: Linear, x: torch.Tensor, weights: list[torch.Tensor]) -> floa
 # --- Inputs -------------------------------------------------------------------------------------
 
 
-def make_weights(layers: int, dtype: torch.dtype, seed: int) -> dict[str, list[torch.Tensor]]:
+def make_weights(
+    shapes: list[Shape], layers: int, dtype: torch.dtype, seed: int
+) -> dict[str, list[torch.Tensor]]:
     """One [N, K] weight per layer and shape (2 for lm_head), normal(0, 1 / K)."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     weights: dict[str, list[torch.Tensor]] = {}
-    for shape in SHAPES:
+    for shape in shapes:
         copies = 2 if shape.name == "lm_head" else layers
         weights[shape.name] = [random_weight(shape, dtype, gen) for _ in range(copies)]
     return weights
@@ -190,14 +205,15 @@ def measure(
 
 def sweep_impl(
     tiles: LinearTiles | None,
+    shapes: list[Shape],
     inputs: dict[tuple[str, int], torch.Tensor],
     weights: dict[str, list[torch.Tensor]],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(results, skipped) of one implementation over every shape and M."""
-    shapes = {shape.name: shape for shape in SHAPES}
+    by_name = {shape.name: shape for shape in shapes}
     results, skipped = [], []
     for (name, m), x in inputs.items():
-        shape = shapes[name]
+        shape = by_name[name]
         try:
             results.append(measure(shape, m, tiles, x, weights[name]))
         except Exception as error:  # a config that fails to compile or to match is skipped
@@ -229,11 +245,11 @@ def best_results(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[st
 
 
 def step_variants(
-    best: dict[tuple[str, int], dict[str, Any]], m: int
+    best: dict[tuple[str, int], dict[str, Any]], shapes: list[Shape], m: int
 ) -> dict[str, dict[str, Linear]]:
     """Layer functions of a step: torch, and Triton's best per shape (if every shape has one)."""
-    variants = {"torch": {shape.name: linear_fn(None) for shape in SHAPES}}
-    rows = {shape.name: best.get((shape.name, m)) for shape in SHAPES}
+    variants = {"torch": {shape.name: linear_fn(None) for shape in shapes}}
+    rows = {shape.name: best.get((shape.name, m)) for shape in shapes}
     if any(row is None for row in rows.values()):
         return variants  # a shape with no working config: no Triton step
     triton_fns = {name: linear_fn(LinearTiles(**row["tiles"])) for name, row in rows.items() if row}
@@ -257,16 +273,17 @@ def decode_step(
 
 def time_steps(
     best: dict[tuple[str, int], dict[str, Any]],
+    shapes: list[Shape],
     weights: dict[str, list[torch.Tensor]],
     m: int,
     layers: int,
 ) -> list[dict[str, Any]]:
     dtype = weights["qkv"][0].dtype
-    inputs = {shape.name: make_input(shape, m, dtype, seed=m) for shape in SHAPES}
-    per_layer = sum(weights[s.name][0].nbytes for s in SHAPES if s.name != "lm_head")
+    inputs = {shape.name: make_input(shape, m, dtype, seed=m) for shape in shapes}
+    per_layer = sum(weights[s.name][0].nbytes for s in shapes if s.name != "lm_head")
     step_bytes = layers * per_layer + weights["lm_head"][0].nbytes
     rows = []
-    for variant, fns in step_variants(best, m).items():
+    for variant, fns in step_variants(best, shapes, m).items():
         graph = capture(decode_step(fns, weights, inputs, layers))
         seconds = time_graph(graph)
         del graph
@@ -342,14 +359,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("linear_sweep.json"), help="JSON path")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 8, 16], help="rows, 1..16")
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama", help="shapes")
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 8, 16], help="rows, 1..64")
     parser.add_argument("--step-m", type=int, nargs="+", default=[1, 8], help="M of step timings")
-    parser.add_argument("--layers", type=int, default=32, help="weight copies per layer shape")
+    parser.add_argument("--layers", type=int, help="weight copies per shape (default: the model's)")
     parser.add_argument("--jobs", type=int, default=8, help="compile processes; 0: in the sweep")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if not all(1 <= m <= 16 for m in args.m) or not set(args.step_m) <= set(args.m):
-        parser.error("--m must be in 1..16, and --step-m a subset of --m")
+    if not all(1 <= m <= MAX_ROWS for m in args.m) or not set(args.step_m) <= set(args.m):
+        parser.error(f"--m must be in 1..{MAX_ROWS}, and --step-m a subset of --m")
+    args.layers = args.layers or MODEL_LAYERS[args.model]
     return args
 
 
@@ -362,24 +381,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[device] {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}, {args.dtype}", flush=True)  # fmt: skip
     precompile(CANDIDATES, args.dtype, tuple(args.m), args.jobs)
-    weights = make_weights(args.layers, dtype, args.seed)
-    inputs = {(s.name, m): make_input(s, m, dtype, seed=m) for s in SHAPES for m in args.m}
-    results, skipped = sweep_impl(None, inputs, weights)
+    shapes = MODEL_SHAPES[args.model]
+    weights = make_weights(shapes, args.layers, dtype, args.seed)
+    inputs = {(s.name, m): make_input(s, m, dtype, seed=m) for s in shapes for m in args.m}
+    results, skipped = sweep_impl(None, shapes, inputs, weights)
     for index, tiles in enumerate(CANDIDATES):
         tick = time.perf_counter()
-        rows, skips = sweep_impl(tiles, inputs, weights)
+        rows, skips = sweep_impl(tiles, shapes, inputs, weights)
         results, skipped = results + rows, skipped + skips
         print(f"[{index + 1}/{len(CANDIDATES)}] {label(tiles)}: {len(rows)} timed, "
               f"{len(skips)} skipped, {time.perf_counter() - tick:.1f} s", flush=True)  # fmt: skip
         report_skips(skips)
     best = best_results(results)
-    steps = [row for m in args.step_m for row in time_steps(best, weights, m, args.layers)]
+    steps = [row for m in args.step_m for row in time_steps(best, shapes, weights, m, args.layers)]
     report = {
         "benchmark": "linear_sweep",
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "dtype": args.dtype,
+        "model": args.model,
         "layers": args.layers,
         "candidates": [dataclasses.asdict(t) for t in CANDIDATES],
         "results": results,

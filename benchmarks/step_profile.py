@@ -64,23 +64,42 @@ def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
     }
 
 
-def profile_decode(
+def profile_prefill(
     engine: Any, prompts: list[list[int]], params: list[Any], num_steps: int
 ) -> dict[str, Any]:
-    """Admit `prompts`, step until all are decoding, then profile `num_steps` steps; abort."""
+    """Admit `prompts` and profile the first `num_steps` steps (prompt-heavy ones); abort."""
+    ids = _admit(engine, prompts, params, "prefill-profile")
+    report = profile_steps(engine, num_steps)
+    _abort(engine, ids)
+    return report
+
+
+def _admit(engine: Any, prompts: list[list[int]], params: list[Any], prefix: str) -> list[str]:
     from kvflow import EngineRequest
 
-    ids = [f"profile-{i}" for i in range(len(prompts))]
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
     for request_id, prompt, sampling in zip(ids, prompts, params, strict=True):
         engine.add_request(
             EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling)
         )
+    return ids
+
+
+def _abort(engine: Any, ids: list[str]) -> None:
+    engine.abort(ids)
+    while engine.has_unfinished():
+        engine.step()
+
+
+def profile_decode(
+    engine: Any, prompts: list[list[int]], params: list[Any], num_steps: int
+) -> dict[str, Any]:
+    """Admit `prompts`, step until all are decoding, then profile `num_steps` steps; abort."""
+    ids = _admit(engine, prompts, params, "profile")
     while engine.scheduler.waiting:
         engine.step()
     for _ in range(3):  # the last admitted prompts may still be mid-chunk
         engine.step()
     report = profile_steps(engine, num_steps)
-    engine.abort(ids)
-    while engine.has_unfinished():
-        engine.step()
+    _abort(engine, ids)
     return report

@@ -19,7 +19,9 @@ from kernels.linear import linear_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.rotary_cache import rotary_write_kv_reference
 
-SKINNY_MAX_ROWS = 16  # decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS
+# Decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS up to 16 rows; past
+# that cuBLAS is within 3 % of it (benchmarks/linear_sweep.py), so it keeps those.
+SKINNY_MAX_ROWS = 16
 _modules: dict[str, ModuleType] = {}
 
 

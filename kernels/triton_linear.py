@@ -1,7 +1,7 @@
-"""A "skinny" linear layer for decode (1 <= M <= 16 rows), in Triton, streaming the weights once.
+"""A "skinny" linear layer for decode (1 <= M <= 64 rows), in Triton, streaming the weights once.
 
 Same math as `kernels.linear.linear_reference`. At decode batch sizes a linear layer is a
-weight-bandwidth problem: each weight is used by at most 16 rows, so the kernel is built to
+weight-bandwidth problem: each weight is used by at most 64 rows, so the kernel is built to
 keep many weight bytes in flight, and nothing else. One program owns BLOCK_N output columns
 (BLOCK_N weight rows) and walks K; every program reads the whole (tiny) x:
 
@@ -13,9 +13,9 @@ keep many weight bytes in flight, and nothing else. One program owns BLOCK_N out
     +-------------------------------+
 
 Two inner products, picked by `LinearTiles.use_dot`:
-  dot  acc[16, BN] += x[16, BK] @ w[BN, BK]^T with tl.dot (tensor cores; the x tile is padded to
-       16 rows, the minimum of tl.dot, so one compile serves every M). Triton pipelines the
-       weight loads into shared memory over `num_stages` steps.
+  dot  acc[BM, BN] += x[BM, BK] @ w[BN, BK]^T with tl.dot (tensor cores; the x tile is M padded
+       to 16, 32 or 64 rows, 16 being the minimum of tl.dot, so three compiles serve every M).
+       Triton pipelines the weight loads into shared memory over `num_stages` steps.
   fma  acc[BM, BN, BK] += x[BM, 1, BK] * w[1, BN, BK], reduced over K once after the loop, with
        BM = next_power_of_2(M): no padding and no per-step reduction, for M = 1 GEMVs. The
        accumulator lives in registers, so it is limited to `FMA_MAX_ACC_PER_THREAD` floats.
@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # the dot variant's row tile, and the most rows this layer takes
+MAX_ROWS = 64  # the most rows this layer takes: past it a GEMM reuses weights enough for cuBLAS
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
 FMA_MAX_ACC_PER_THREAD = 128  # float32 accumulator registers per thread, past which it spills
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,7 +49,7 @@ class LinearTiles:
     block_k: int = 256  # K per loop step; a power of two >= 16
     num_warps: int = 4  # warps per program
     num_stages: int = 4  # software-pipelined loop steps in flight (weight tiles in smem)
-    use_dot: bool = True  # tl.dot on a 16-row tile; False: multiply-add + one reduction
+    use_dot: bool = True  # tl.dot on a 16/32/64-row tile; False: multiply-add + one reduction
 
     def __post_init__(self) -> None:
         min_n = DOT_MIN if self.use_dot else 1
@@ -64,8 +64,9 @@ class LinearTiles:
             raise ValueError(f"LinearTiles.num_stages must be >= 1, got {self.num_stages}")
 
     def rows(self, m: int) -> int:
-        """The row tile for M rows: 16 for tl.dot, else M rounded up to a power of two."""
-        return MAX_ROWS if self.use_dot else triton.next_power_of_2(m)
+        """The row tile for M rows: M rounded up to a power of two, at least 16 for tl.dot."""
+        rows = triton.next_power_of_2(m)
+        return max(DOT_MIN, rows) if self.use_dot else rows
 
     def acc_per_thread(self, m: int) -> int:
         """float32 accumulator registers per thread (the fma variant keeps [BM, BN, BK])."""
@@ -87,11 +88,22 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
         M >= 2, the rest       dot n32 k128 w4 s5  qkv 20.0 / 21.0, o 14.5 / 16.3,
                                                    gate_up 82.0 / 81.9
 
+        M = 17..64             dot n32 k256 w4 s4  Qwen3-8B shapes at M = 32 (2026-11-24,
+                                                   `--model qwen3 --m 1 16 32 48 64`): qkv
+                                                   22.6 / 21.6, o 15.2 / 14.7, gate_up 73.1 /
+                                                   73.7, down 40.1 / 40.7, lm_head 425.5 / 444.6
+
+    Above 16 rows a step's linear layers take as long as with cuBLAS (at M = 32: 5.86 against
+    5.87 ms; the best config per shape, 5.72 against 5.90), so the engine keeps cuBLAS there
+    (kernels.ops.SKINNY_MAX_ROWS).
+
     float32 (the CPU interpreter, tests) halves block_k, to keep the bytes of a weight tile and
     so the pipelined shared memory the same; block_k never exceeds K rounded up to a power of two.
     """
     if m == 1:
         tiles = LinearTiles(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+    elif m > 16:  # x tiles of 32 or 64 rows share the pipelined shared memory
+        tiles = LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)
     elif k >= 8192 or n >= 65536:
         tiles = LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
     else:
@@ -102,8 +114,8 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
 
 
 # NOTE: m is not specialised, so M = 1 (Triton's "== 1" case) and M = 16 ("divisible by 16")
-# share the compile of every other M. n, k and the strides are: K % 16 == 0 lets the weight
-# loads be 16-byte vectors.
+# share the compile of the other M of their row tile. n, k and the strides are: K % 16 == 0 lets
+# the weight loads be 16-byte vectors.
 @triton.jit(do_not_specialize=["m"])
 def _skinny_linear_kernel(
     x_ptr,  # [M, K]
@@ -116,7 +128,7 @@ def _skinny_linear_kernel(
     stride_x_row,
     stride_w_row,
     stride_out_row,
-    BLOCK_M: tl.constexpr,  # 16 with USE_DOT, else next_power_of_2(M)
+    BLOCK_M: tl.constexpr,  # next_power_of_2(M), at least 16 with USE_DOT
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -183,7 +195,7 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def skinny_linear(
-    x: torch.Tensor,  # [M, K], 1 <= M <= 16
+    x: torch.Tensor,  # [M, K], 1 <= M <= MAX_ROWS
     weight: torch.Tensor,  # [N, K], nn.Linear layout; rows may be strided
     bias: torch.Tensor | None = None,  # [N]
     *,

@@ -80,14 +80,18 @@ serve_kvflow() {  # NAME WORKLOADS [FLAGS...]
     kill -INT $pid; wait $pid
 }
 
-serve_vllm() {
+install_vllm() {
     if [ ! -f "$SITE/vllm_env.sh" ]; then
         # vLLM's dependencies that neither the machine nor the bundle has (.vwhl/), first:
         # install_vllm.sh must come last (a later pip --target would drop its bin/vllm).
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .vwhl/*.whl
         (cd /tmp/vllm-parts && VLLM_SKIP_SMOKE=1 bash install_vllm.sh "$SITE") || return 1
     fi
-    (cd /tmp && PYTHONPATH=$SITE python3 -c "import vllm.entrypoints.openai.api_server") || return 1
+    (cd /tmp && PYTHONPATH=$SITE python3 -c "import vllm.entrypoints.openai.api_server")
+}
+
+serve_vllm() {
+    install_vllm || return 1
     local start=$SECONDS
     # Its own working directory and Python path: it must not import kvflow's packages.
     (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$MODEL_DIR" \
@@ -113,12 +117,37 @@ for part in $PARTS; do
     kvflow) serve_kvflow kvflow serve,prefix ;;
     kvflow-no-prefix-cache) serve_kvflow kvflow_nocache prefix --no-enable-prefix-caching ;;
     vllm) serve_vllm ;;
+    offline-kvflow)  # 256 x 512 in / 256 out, all at once; then prompts only (the prefill share)
+        for budget in 8192 16384; do
+            run "offline-kvflow $budget" python3 -m services bench throughput "$MODEL_DIR" \
+                --load-format dummy --max-model-len 4096 --seed 0 --num-prompts 256 \
+                --input-len 512 --output-len 256 --ignore-eos --max-num-batched-tokens $budget \
+                --profile-steps 20 --output-json "$RESULTS/offline_kvflow_$budget.json"
+        done
+        run "offline-kvflow prompts only" python3 -m services bench throughput "$MODEL_DIR" \
+            --load-format dummy --max-model-len 4096 --seed 0 --num-prompts 256 \
+            --input-len 512 --output-len 1 --ignore-eos --max-num-batched-tokens 8192 \
+            --output-json "$RESULTS/offline_kvflow_prompts_only.json" ;;
+    offline-vllm)  # the same; vLLM's bench samples at temperature 1 and always ignores EOS
+        install_vllm || { status=1; continue; }
+        (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE vllm bench throughput \
+            --model "$MODEL_DIR" --load-format dummy --max-model-len 4096 --num-prompts 256 \
+            --dataset-name random --random-input-len 512 --random-output-len 256 \
+            --output-json "$RESULTS/offline_vllm.json" >"$RESULTS/offline_vllm.log" 2>&1)
+        tail -5 "$RESULTS/offline_vllm.log" ;;
+    sweep-qwen3)  # the decode linear layers at 1..64 rows: Triton tiles against cuBLAS
+        run sweep-qwen3 python3 benchmarks/linear_sweep.py --model qwen3 --m 1 16 32 48 64 \
+            --step-m 32 64 --out "$RESULTS/linear_sweep_qwen3.json" ;;
     offline-long-kvflow)  # 1000 requests, lengths U[100, 1024] in and out: KV pressure
-        run offline-long-kvflow python3 -m services bench throughput "$MODEL_DIR" \
-            --load-format dummy --max-model-len 4096 --seed 0 --num-prompts 1000 \
-            --input-len 100:1024 --output-len 100:1024 --ignore-eos \
-            --max-num-batched-tokens 8192 --output-json "$RESULTS/offline_long_kvflow.json" ;;
+        for seqs in 256 1024; do  # kvflow's default, and vLLM's offline default on an H100
+            run "offline-long-kvflow $seqs" python3 -m services bench throughput "$MODEL_DIR" \
+                --load-format dummy --max-model-len 4096 --seed 0 --num-prompts 1000 \
+                --input-len 100:1024 --output-len 100:1024 --ignore-eos \
+                --max-num-batched-tokens 16384 --max-num-seqs $seqs \
+                --output-json "$RESULTS/offline_long_kvflow_$seqs.json"
+        done ;;
     offline-long-vllm)  # the same distribution: 562 +- 82.2 %
+        install_vllm || { status=1; continue; }
         (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE vllm bench throughput \
             --model "$MODEL_DIR" --load-format dummy --max-model-len 4096 --num-prompts 1000 \
             --dataset-name random --random-input-len 562 --random-output-len 562 \

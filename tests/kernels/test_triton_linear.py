@@ -82,7 +82,7 @@ def test_reference_matches_float64() -> None:
 @pytest.mark.parametrize("tiles", [DOT, FMA, None], ids=["dot", "fma", "default"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 64])
 def test_matches_reference(
     m: int, with_bias: bool, dtype: torch.dtype, tiles: LinearTiles | None
 ) -> None:
@@ -104,6 +104,7 @@ def test_matches_reference(
         (2, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),
         (16, 128256, 4096, torch.float16, LinearTiles(32, 512, 4, 4)),
         (16, 28672, 4096, torch.bfloat16, LinearTiles(32, 128, 4, 5)),
+        (17, 4096, 14336, torch.bfloat16, LinearTiles(32, 256, 4, 4)),
         (4, 4096, 4096, torch.float32, LinearTiles(32, 64, 4, 5)),
         (4, 48, 20, torch.bfloat16, LinearTiles(32, 32, 4, 5)),  # block_k <= next pow2 of K
         (1, 48, 8, torch.float32, LinearTiles(8, 16, 4, 3, use_dot=False)),  # and >= 16
@@ -153,8 +154,8 @@ def bad_inputs() -> list[tuple[str, dict[str, Any], str]]:
     gen = torch.Generator().manual_seed(6)
     x, w, b = (randn(*s, gen=gen, dtype=torch.float32) for s in ((2, 32), (8, 32), (8,)))
     return [
-        ("no rows", {"x": x[:0], "weight": w}, "1 to 16 rows"),
-        ("17 rows", {"x": randn(17, 32, gen=gen, dtype=torch.float32), "weight": w}, "17"),
+        ("no rows", {"x": x[:0], "weight": w}, "1 to 64 rows"),
+        ("65 rows", {"x": randn(65, 32, gen=gen, dtype=torch.float32), "weight": w}, "65"),
         ("3-D x", {"x": x[None], "weight": w}, "2-D"),
         ("K mismatch", {"x": x[:, :16], "weight": w}, r"\[M, K\]"),
         ("dtypes differ", {"x": x, "weight": w.double()}, "dtype"),
@@ -211,7 +212,7 @@ def gpu_case(
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
 @pytest.mark.parametrize("shape", list(LLAMA_8B))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_llama_shapes(dtype: torch.dtype, shape: str, m: int) -> None:
