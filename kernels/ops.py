@@ -47,13 +47,17 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     args = (query, key_cache, value_cache, block_tables, seq_lens)
-    if max_query_len == 1 and (decode := _triton("decode_attention", query)) is not None:
+    decode = _triton("decode_attention", query)
+    if max_query_len == 1 and decode is not None:
         # One query per request: the split-KV kernel, which fills the GPU at batch 1 too.
         return decode.paged_decode_attention(*args, scale)
-    if (prefill := _triton("prefill_attention", query)) is not None:
-        return prefill.paged_prefill_attention(
-            *args, query_start_loc, max_query_len, max_seq_len, scale
+    if decode is not None and (prefill := _triton("prefill_attention", query)) is not None:
+        # A mixed batch: prompts through the prefill kernel, and the decodes riding along
+        # through the split-KV kernel, which reads their contexts with many programs each.
+        out = prefill.paged_prefill_attention(
+            *args, query_start_loc, max_query_len, max_seq_len, scale, skip_single_queries=True
         )
+        return decode.paged_decode_attention(*args, scale, query_start_loc=query_start_loc, out=out)
     return paged_attention_reference(*args, query_start_loc, max_query_len, max_seq_len, scale)
 
 

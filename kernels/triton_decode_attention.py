@@ -11,6 +11,11 @@ query heads of that KV head at once, so every key and value is read once per KV 
 A second small kernel merges the partitions of each (request, query head) with the usual
 log-sum-exp rescaling. Same math as `kernels.attention.paged_attention_reference` with one
 query per request.
+
+In a mixed batch (`query_start_loc` given) the kernels attend only the requests with exactly one
+query token, at their rows of the step's tokens, and leave every other row to the prefill kernel:
+a decode riding along with a prompt gets split-KV parallelism instead of one program walking its
+whole context.
 """
 
 from __future__ import annotations
@@ -36,13 +41,14 @@ def _decode_partition_kernel(
     value_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
     block_tables_ptr,  # [R, max_blocks] int32
     seq_lens_ptr,  # [R] int32
+    query_start_loc_ptr,  # [R + 1] int32 with HAS_QUERY_LOC, else unused
     part_max_ptr,  # [R, H, S] float32, running max of log2-scaled scores
     part_sum_ptr,  # [R, H, S] float32, sum of exp2(score - max)
     part_acc_ptr,  # [R, H, S, D] float32, unnormalised weighted sum of values
     qk_scale,  # softmax scale * log2(e)
     partition_tokens,  # tokens per split, a multiple of BLOCK_SIZE
     max_blocks,
-    stride_q_req,
+    stride_q_token,
     stride_q_head,
     stride_cache_block,
     stride_cache_slot,
@@ -56,10 +62,14 @@ def _decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,  # context tokens per loop step, may span several cache blocks
     DOT_PRECISION: tl.constexpr,
+    HAS_QUERY_LOC: tl.constexpr,  # a mixed batch: only one-token requests, at their own rows
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    token = _query_row(query_start_loc_ptr, req, HAS_QUERY_LOC)
+    if token < 0:
+        return  # a prompt (chunk) or an empty padding request: the prefill kernel's
 
     # NOTE: the context is clamped to the table's capacity, so no slot outside the request's
     # own blocks is ever addressed, whatever seq_lens says.
@@ -71,7 +81,7 @@ def _decode_partition_kernel(
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < GROUP
     heads = kv_head * GROUP + rows  # [G]
-    q_ptrs = query_ptr + req * stride_q_req + heads[:, None] * stride_q_head + dims[None, :]
+    q_ptrs = query_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [G, D]
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -115,16 +125,33 @@ def _decode_partition_kernel(
 
 
 @triton.jit
+def _query_row(query_start_loc_ptr, req, HAS_QUERY_LOC: tl.constexpr):
+    """Request req's query row; -1 in a mixed batch where it has not exactly one token."""
+    if not HAS_QUERY_LOC:
+        return req
+    start = tl.load(query_start_loc_ptr + req)
+    end = tl.load(query_start_loc_ptr + req + 1)
+    return tl.where(end - start == 1, start, -1)
+
+
+@triton.jit
 def _merge_partitions_kernel(
-    out_ptr,  # [R, H, D]
+    out_ptr,  # [T, H, D]
+    query_start_loc_ptr,  # [R + 1] int32 with HAS_QUERY_LOC, else unused
     part_max_ptr,  # [R, H, S] float32
     part_sum_ptr,  # [R, H, S] float32
     part_acc_ptr,  # [R, H, S, D] float32
+    stride_out_token,
+    NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HAS_QUERY_LOC: tl.constexpr,
 ):
     row = tl.program_id(0)  # flat (request, query head)
+    token = _query_row(query_start_loc_ptr, row // NUM_HEADS, HAS_QUERY_LOC)
+    if token < 0:
+        return
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
     split_valid = splits < NUM_SPLITS
@@ -138,7 +165,8 @@ def _merge_partitions_kernel(
     m_all = tl.max(m, axis=0)
     w = tl.exp2(m - m_all)  # [S]
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(s * w, axis=0)  # [D]
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+    out_ptrs = out_ptr + token * stride_out_token + (row % NUM_HEADS) * HEAD_DIM + dims
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -172,21 +200,28 @@ def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 
 
 def paged_decode_attention(
-    query: torch.Tensor,  # [num_reqs, num_heads, head_dim], one token per request
+    query: torch.Tensor,  # [num_reqs, num_heads, head_dim]; [num_tokens, ...] with query_start_loc
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32, context length including the query token
     scale: float,
     num_splits: int | None = None,  # split-KV partitions; None picks from context / batch
-) -> torch.Tensor:  # [num_reqs, num_heads, head_dim], query.dtype
+    *,
+    query_start_loc: torch.Tensor | None = None,  # [num_reqs + 1] int32: a mixed batch
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into
+) -> torch.Tensor:  # out, or a new [num_tokens, num_heads, head_dim] of query.dtype
     """Decode attention over a paged KV cache; every seq_lens[r] must be >= 1.
 
+    With query_start_loc, only requests with exactly one query token are attended, at their
+    rows; the other rows of the result are left as they were (see the module docstring).
     The context bound for choosing splits is the block table's capacity, not max(seq_lens),
     so no device-to-host sync is needed; splits past a request's context exit at once.
     """
     _check_shapes(query, key_cache, value_cache)
-    num_reqs, num_heads, head_dim = query.shape
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_reqs = seq_lens.shape[0]
+    _check_rows(query, num_reqs, query_start_loc, out)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_blocks = block_tables.shape[1]
     group = num_heads // num_kv_heads
@@ -196,11 +231,14 @@ def paged_decode_attention(
     num_splits = max(1, min(num_splits, max_blocks))
     partition_tokens = triton.cdiv(max_blocks, num_splits) * block_size
 
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [R, H, D]
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
     if num_reqs == 0:
         return out
     block_tables = block_tables.to(torch.int32).contiguous()  # [R, max_blocks]
     seq_lens = seq_lens.to(torch.int32).contiguous()
+    has_query_loc = query_start_loc is not None
+    query_loc = query_start_loc.to(torch.int32).contiguous() if has_query_loc else seq_lens
     f32 = dict(device=query.device, dtype=torch.float32)
     part_max = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
     part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
@@ -212,6 +250,7 @@ def paged_decode_attention(
         value_cache,
         block_tables,
         seq_lens,
+        query_loc,
         part_max,
         part_sum,
         part_acc,
@@ -232,14 +271,38 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE=max(block_size, 64),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_QUERY_LOC=has_query_loc,
     )
     _merge_partitions_kernel[(num_reqs * num_heads,)](
         out,
+        query_loc,
         part_max,
         part_sum,
         part_acc,
+        out.stride(0),
+        NUM_HEADS=num_heads,
         NUM_SPLITS=num_splits,
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
+        HAS_QUERY_LOC=has_query_loc,
     )
     return out
+
+
+def _check_rows(
+    query: torch.Tensor,
+    num_reqs: int,
+    query_start_loc: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> None:
+    if query_start_loc is None and query.shape[0] != num_reqs:
+        raise ValueError(
+            f"query has {query.shape[0]} rows for {num_reqs} requests: one token per request,"
+            " or pass query_start_loc"
+        )
+    if query_start_loc is not None and query_start_loc.shape != (num_reqs + 1,):
+        raise ValueError(f"query_start_loc must be [{num_reqs + 1}], got {query_start_loc.shape}")
+    if out is not None and (
+        out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous()
+    ):
+        raise ValueError(f"out must be a contiguous {query.dtype} {tuple(query.shape)} tensor")

@@ -138,6 +138,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     REQS_POW2: tl.constexpr,  # num_reqs rounded up to a power of two
+    SKIP_SINGLE: tl.constexpr,  # leave one-token requests to the decode kernel
 ):
     kv_head = tl.program_id(1)
     # Work items are (request, query tile) pairs, numbered request by request; the kernel
@@ -148,6 +149,8 @@ def _prefill_kernel(
     req_starts = tl.load(query_start_loc_ptr + reqs, mask=in_batch, other=0)
     req_ends = tl.load(query_start_loc_ptr + reqs + 1, mask=in_batch, other=0)
     num_tiles = (req_ends - req_starts + BLOCK_Q - 1) // BLOCK_Q  # [R]
+    if SKIP_SINGLE:
+        num_tiles = tl.where(req_ends - req_starts == 1, 0, num_tiles)
     items_through = tl.cumsum(num_tiles, 0)  # [R] items of requests 0..r
     num_items = tl.sum(num_tiles, 0)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -328,9 +331,12 @@ def paged_prefill_attention(
     scale: float,
     *,
     tiles: PrefillTiles | None = None,  # None picks from head_dim, GQA group and max_query_len
+    skip_single_queries: bool = False,  # leave one-token requests' rows unwritten
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
     """Causal attention of each request's queries over its paged context, any mix of rows.
 
+    With skip_single_queries, requests of one query token get no work here: the caller runs
+    the split-KV decode kernel on their rows (`paged_decode_attention` with query_start_loc).
     The grid comes from shapes only (num_tokens, num_reqs, num_kv_heads), so there is no
     device-to-host sync and a CUDA graph can replay the launch; max_query_len only picks the
     tiles; max_seq_len is unused (each program reads its own seq_len) and kept for the shared
@@ -386,6 +392,7 @@ def paged_prefill_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         # One variant for every batch up to 256 requests: no compile when the mix changes.
         REQS_POW2=max(256, triton.next_power_of_2(num_reqs)),
+        SKIP_SINGLE=skip_single_queries,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )

@@ -90,6 +90,19 @@ def test_rejects_head_dim_not_power_of_two() -> None:
         paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 1.0)
 
 
+def test_rejects_rows_that_do_not_match_requests() -> None:
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        [4, 9], 2, 2, 64, torch.float32, seed=0
+    )
+    args = (key_cache, value_cache, block_tables, seq_lens, 1.0)
+    with pytest.raises(ValueError, match="one token per request"):
+        paged_decode_attention(torch.cat([query, query]), *args)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_decode_attention(query, *args, query_start_loc=seq_lens)
+    with pytest.raises(ValueError, match="out"):
+        paged_decode_attention(query, *args, out=query[:1])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_decode_bf16_real_shapes() -> None:

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.attention import paged_attention_reference
+from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_prefill_attention import PrefillTiles, paged_prefill_attention
 from tests.kernels.paged_cache import scattered_cache
 
@@ -119,6 +120,34 @@ def test_padded_step_matches_unpadded() -> None:
     torch.testing.assert_close(out[:num_tokens], expected, atol=1e-4, rtol=1e-4)
 
 
+def split_mixed(case: dict[str, torch.Tensor | int | float]) -> torch.Tensor:
+    """ops.paged_attention's mixed step: prompts here, one-token requests by the decode kernel."""
+    out = paged_prefill_attention(**case, skip_single_queries=True)
+    args = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+    return paged_decode_attention(
+        *args, case["scale"], query_start_loc=case["query_start_loc"], out=out
+    )
+
+
+@pytest.mark.parametrize("batch", ["prefill", "mixed"])
+def test_decodes_split_off_match_reference(batch: str) -> None:
+    """Each kernel writes its own rows: every row ends up as the reference's, each row once."""
+    case = make_case(BATCHES[batch], 8, 2, 64, torch.float32, seed=13)
+    expected = paged_attention_reference(**case)
+    torch.testing.assert_close(split_mixed(case), expected, atol=1e-4, rtol=1e-4)
+    # The decode kernel leaves the prompts' rows as they were, and only those.
+    single = (case["query_start_loc"].diff() == 1).nonzero().flatten()
+    rows = case["query_start_loc"][single].long()
+    args = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+    sentinel = torch.full_like(case["query"], 7.0)
+    out = paged_decode_attention(
+        *args, case["scale"], query_start_loc=case["query_start_loc"], out=sentinel.clone()
+    )
+    written = (out != sentinel).any(dim=(1, 2)).nonzero().flatten()
+    assert written.tolist() == rows.tolist() and len(rows) > 0
+    torch.testing.assert_close(out[rows], expected[rows], atol=1e-4, rtol=1e-4)
+
+
 def test_rejects_inconsistent_metadata() -> None:
     case = make_case([(4, 4), (2, 6)], 2, 2, 64, torch.float32, seed=0)
     case["query_start_loc"] = case["query_start_loc"][:-1]
@@ -146,3 +175,16 @@ def test_real_shapes(dtype: torch.dtype) -> None:
     out = paged_prefill_attention(**case)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert relative_error(out, expected) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_shapes_decodes_split_off() -> None:
+    """A serving step: 32 decodes of up to 4k context riding along with a 200-token prompt."""
+    generator = torch.Generator().manual_seed(8)
+    contexts = torch.randint(1, 4097, (32,), generator=generator).tolist()
+    case = make_case([(1, n) for n in contexts] + [(200, 200)], 32, 8, 128, torch.bfloat16, 6)
+    upcast = {k: v.float() if k in FLOAT_INPUTS else v for k, v in case.items()}
+    expected = paged_attention_reference(**upcast)
+    out = split_mixed(case)
+    assert torch.isfinite(out).all() and relative_error(out, expected) < 1e-2
