@@ -36,6 +36,8 @@ for part in $PARTS; do
         run floors python3 -m services bench floors --output-json "$OUT/floors.json" ;;
     attention)
         run attention python3 -m services bench attention --output-json "$OUT/attention.json" ;;
+    overlap)  # decode attention and linear layers on two streams at once: do they overlap?
+        run overlap python3 benchmarks/overlap_probe.py --out "$OUT/overlap.json" ;;
     sweep)  # decode GEMV tiles against cuBLAS at the Llama-3.1-8B shapes
         run sweep python3 benchmarks/linear_sweep.py --out "$OUT/linear_sweep.json" ;;
     latency)
