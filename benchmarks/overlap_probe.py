@@ -110,10 +110,46 @@ def measure(run: Callable[[], None]) -> float:
     return seconds * 1e3
 
 
+def overlap_row(
+    batch: int,
+    context: int,
+    carveout: int,
+    attention_ms: float,
+    linear: Callable[[], None],
+    attention: Callable[[], None],
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "batch": batch,
+        "context": context,
+        "carveout_sms": carveout,
+        "attention_ms": attention_ms,
+        "linear_ms": measure(linear),
+        "both_ms": measure(concurrently(attention, linear)),
+    }
+    row["sum_ms"] = row["attention_ms"] + row["linear_ms"]
+    row["max_ms"] = max(row["attention_ms"], row["linear_ms"])
+    row["saved_of_possible"] = (row["sum_ms"] - row["both_ms"]) / (row["sum_ms"] - row["max_ms"])
+    print(
+        f"batch {batch}, {carveout} SMs kept from the GEMMs: attention "
+        f"{row['attention_ms']:.2f} ms, linear {row['linear_ms']:.2f} ms, both at once "
+        f"{row['both_ms']:.2f} ms (sum {row['sum_ms']:.2f}, max {row['max_ms']:.2f}: "
+        f"{row['saved_of_possible']:.0%} of the possible overlap)",
+        flush=True,
+    )
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--context", type=int, default=640)
+    parser.add_argument(
+        "--carveouts",
+        type=int,
+        nargs="*",
+        default=[0, 16, 32, 48],
+        help="SMs kept from cuBLASLt GEMMs (torch's experimental SM carveout), one run each",
+    )
     parser.add_argument("--out", type=Path, default=Path("overlap.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -121,29 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    if any(args.carveouts):
+        torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout is cuBLASLt's
     for batch in args.batch:
         attention = make_attention(batch, args.context, device)
         linear = make_linear(batch, device)
-        row = {
-            "batch": batch,
-            "context": args.context,
-            "attention_ms": measure(attention),
-            "linear_ms": measure(linear),
-            "both_ms": measure(concurrently(attention, linear)),
-        }
-        row["sum_ms"] = row["attention_ms"] + row["linear_ms"]
-        row["max_ms"] = max(row["attention_ms"], row["linear_ms"])
-        row["saved_of_possible"] = (row["sum_ms"] - row["both_ms"]) / (
-            row["sum_ms"] - row["max_ms"]
-        )
-        rows.append(row)
-        print(
-            f"batch {batch}: attention {row['attention_ms']:.2f} ms, linear "
-            f"{row['linear_ms']:.2f} ms, both at once {row['both_ms']:.2f} ms (sum "
-            f"{row['sum_ms']:.2f}, max {row['max_ms']:.2f}: "
-            f"{row['saved_of_possible']:.0%} of the possible overlap)",
-            flush=True,
-        )
+        attention_ms = measure(attention)
+        for carveout in args.carveouts:
+            torch._C._set_sm_carveout_experimental(carveout or None)
+            row = overlap_row(batch, args.context, carveout, attention_ms, linear, attention)
+            rows.append(row)
+        torch._C._set_sm_carveout_experimental(None)
         del attention, linear
         torch.cuda.empty_cache()
     report = {
