@@ -2,7 +2,8 @@
 run at the same time on one GPU? The question behind a decode step of two nano-batches.
 
 Times three CUDA graphs at Qwen3-8B decode shapes, every layer's weights and KV distinct so
-nothing is served from L2:
+nothing is served from L2, for each SM partition (attention as that many persistent programs,
+the GEMMs kept off that many SMs by torch's experimental cuBLASLt carveout; 0: no partition):
   attention   36 layers of split-KV decode attention for --batch requests of --context tokens
   linear      36 layers of qkv, o, gate_up and down (cuBLAS) for --batch rows
   both        the two above on two streams at once, forked and joined inside one graph
@@ -43,8 +44,11 @@ LINEAR_SHAPES = {  # (N, K) of Qwen3-8B's projections
 BLOCK_SIZE = 16
 
 
-def make_attention(batch: int, context: int, device: torch.device) -> Callable[[], None]:
-    """36 layers of decode attention, each over its own KV cache, blocks shuffled."""
+def make_attention(
+    batch: int, context: int, device: torch.device
+) -> Callable[[int | None], Callable[[], None]]:
+    """36 layers of decode attention, each over its own KV cache, blocks shuffled; the
+    returned function takes the number of persistent programs (None: the kernel's own grid)."""
     blocks_per_req = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_req
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -61,11 +65,22 @@ def make_attention(batch: int, context: int, device: torch.device) -> Callable[[
     query = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     scale = HEAD_DIM**-0.5
 
-    def run() -> None:
-        for key_cache, value_cache in caches:
-            paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
+    def runner(num_programs: int | None) -> Callable[[], None]:
+        def run() -> None:
+            for key_cache, value_cache in caches:
+                paged_decode_attention(
+                    query,
+                    key_cache,
+                    value_cache,
+                    tables,
+                    seq_lens,
+                    scale,
+                    num_programs=num_programs,
+                )
 
-    return run
+        return run
+
+    return runner
 
 
 def make_linear(batch: int, device: torch.device) -> Callable[[], None]:
@@ -113,16 +128,16 @@ def measure(run: Callable[[], None]) -> float:
 def overlap_row(
     batch: int,
     context: int,
-    carveout: int,
-    attention_ms: float,
-    linear: Callable[[], None],
+    partition: int,
     attention: Callable[[], None],
+    linear: Callable[[], None],
 ) -> dict[str, Any]:
+    """Each alone and both at once; `partition` SMs are kept from the GEMMs (0: none)."""
     row: dict[str, Any] = {
         "batch": batch,
         "context": context,
-        "carveout_sms": carveout,
-        "attention_ms": attention_ms,
+        "partition_sms": partition,
+        "attention_ms": measure(attention),
         "linear_ms": measure(linear),
         "both_ms": measure(concurrently(attention, linear)),
     }
@@ -130,8 +145,8 @@ def overlap_row(
     row["max_ms"] = max(row["attention_ms"], row["linear_ms"])
     row["saved_of_possible"] = (row["sum_ms"] - row["both_ms"]) / (row["sum_ms"] - row["max_ms"])
     print(
-        f"batch {batch}, {carveout} SMs kept from the GEMMs: attention "
-        f"{row['attention_ms']:.2f} ms, linear {row['linear_ms']:.2f} ms, both at once "
+        f"batch {batch}, attention on {partition or 'all'} SMs and the GEMMs on the rest: "
+        f"attention {row['attention_ms']:.2f} ms, linear {row['linear_ms']:.2f} ms, both at once "
         f"{row['both_ms']:.2f} ms (sum {row['sum_ms']:.2f}, max {row['max_ms']:.2f}: "
         f"{row['saved_of_possible']:.0%} of the possible overlap)",
         flush=True,
@@ -144,11 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument(
-        "--carveouts",
+        "--partitions",
         type=int,
         nargs="*",
-        default=[0, 16, 32, 48],
-        help="SMs kept from cuBLASLt GEMMs (torch's experimental SM carveout), one run each",
+        default=[0, 16, 32, 48, 64],
+        help="SMs for attention (persistent programs), kept from cuBLASLt's GEMMs by torch's"
+        " experimental SM carveout; 0: neither",
     )
     parser.add_argument("--out", type=Path, default=Path("overlap.json"))
     args = parser.parse_args(argv)
@@ -157,16 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
-    if any(args.carveouts):
+    if any(args.partitions):
         torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout is cuBLASLt's
     for batch in args.batch:
         attention = make_attention(batch, args.context, device)
         linear = make_linear(batch, device)
-        attention_ms = measure(attention)
-        for carveout in args.carveouts:
-            torch._C._set_sm_carveout_experimental(carveout or None)
-            row = overlap_row(batch, args.context, carveout, attention_ms, linear, attention)
-            rows.append(row)
+        for partition in args.partitions:
+            torch._C._set_sm_carveout_experimental(partition or None)
+            rows.append(
+                overlap_row(batch, args.context, partition, attention(partition or None), linear)
+            )
         torch._C._set_sm_carveout_experimental(None)
         del attention, linear
         torch.cuda.empty_cache()
