@@ -166,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
         help="SMs for attention (persistent programs), kept from cuBLASLt's GEMMs by torch's"
         " experimental SM carveout; 0: neither",
     )
+    parser.add_argument(
+        "--programs-per-sm",
+        type=int,
+        default=1,
+        help="persistent attention programs per partition SM (alone, more than one spread over"
+        " every SM; beside the GEMMs they find room only where the GEMMs leave it)",
+    )
     parser.add_argument("--out", type=Path, default=Path("overlap.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -181,7 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         for partition in args.partitions:
             torch._C._set_sm_carveout_experimental(partition or None)
             rows.append(
-                overlap_row(batch, args.context, partition, attention(partition or None), linear)
+                overlap_row(
+                    batch,
+                    args.context,
+                    partition,
+                    attention(partition * args.programs_per_sm or None),
+                    linear,
+                )
             )
         torch._C._set_sm_carveout_experimental(None)
         del attention, linear
@@ -191,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "sm_carveout_available": hasattr(torch._C, "_set_sm_carveout_experimental"),
+        "programs_per_sm": args.programs_per_sm,
         "rows": rows,
         "elapsed_s": time.perf_counter() - started,
     }
