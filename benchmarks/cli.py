@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.serve.flags import add_serve_flags
-from shared.config import config_from_args
+from shared.config import OFFLINE_DEFAULTS, config_from_args
 
 
 def parse_length(text: str) -> tuple[int, int]:
@@ -91,7 +91,7 @@ def run_bench(args: argparse.Namespace) -> int:
         from benchmarks import engine_bench
 
         bench = engine_bench.throughput if args.bench == "throughput" else engine_bench.latency
-        report = bench(config_from_args(args), args)
+        report = bench(config_from_args(args, defaults=OFFLINE_DEFAULTS), args)
     else:
         from benchmarks import kernel_bench
 

@@ -22,7 +22,7 @@ from services.scheduler.handshake import scheduler_config
 from services.scheduler.scheduler import Scheduler
 from services.tokenizer.hf_tokenizer import load_tokenizer
 from services.tokenizer.worker import TokenizerWorker
-from shared.config import Config
+from shared.config import OFFLINE_DEFAULTS, Config
 from shared.protocol import (
     ChatMessage,
     GenerateRequest,
@@ -37,7 +37,7 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
-        self.config = Config(model=model, **config)
+        self.config = Config(model=model, **{**OFFLINE_DEFAULTS, **config})
         self.runner = ModelRunner(self.config)
         name = self.config.served_model_name or self.runner.source.name
         ready = self.runner.ready_message(name)

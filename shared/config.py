@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 ENV_PREFIX = "KVFLOW_"
+# Offline generation (the `LLM` class, `kvflow generate`, `kvflow bench`) trades step latency
+# for throughput, as vLLM's LLM class does: larger steps. Layered above the field defaults and
+# below everything a user sets. Offline 256 x 512/256 on an H100 (docs/benchmarks.md): 8,946
+# output tok/s at 16384 and 8,900 at 8192 in one run; 8,683 at 2048 in an earlier one.
+OFFLINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 16384}
 
 
 T = TypeVar("T")
@@ -71,7 +76,10 @@ class Config:
     # -- scheduler
     max_num_seqs: int = option(256, "scheduler", "Most requests in one step.")
     max_num_batched_tokens: int = option(
-        2048, "scheduler", "Most tokens in one step (token budget)."
+        2048,
+        "scheduler",
+        "Most tokens in one step (token budget); offline (`LLM`, `generate`, `bench`) default:"
+        " 16384, as vLLM's LLM class on large GPUs.",
     )
     enable_chunked_prefill: bool = option(
         True, "scheduler", "Split long prompts across steps to fit the token budget."
@@ -246,9 +254,12 @@ def add_config_flags(
             )
 
 
-def config_from_args(args: argparse.Namespace, **overrides: Any) -> Config:
-    """Layer defaults < --config file < KVFLOW_* env < flags < explicit overrides."""
-    values: dict[str, Any] = {}
+def config_from_args(
+    args: argparse.Namespace, defaults: dict[str, Any] | None = None, **overrides: Any
+) -> Config:
+    """Layer field defaults < `defaults` (e.g. OFFLINE_DEFAULTS) < --config file < KVFLOW_* env
+    < flags < explicit overrides."""
+    values: dict[str, Any] = dict(defaults or {})
     if getattr(args, "config", None):
         values.update(_read_file(Path(args.config)))
     values.update(_env_and_flags(Config, args))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config import (
+    OFFLINE_DEFAULTS,
     Config,
     add_config_flags,
     config_from_args,
@@ -60,7 +61,7 @@ def add_generate_parser(commands: Any, engine_groups: tuple[str, ...]) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from kvflow import LLM  # imports torch: only when needed
 
-    config = config_from_args(args)
+    config = config_from_args(args, defaults=OFFLINE_DEFAULTS)
     logger.info("config: %s", config.summary())
     options = options_from_args(GenerateOptions, args)
     params = SamplingParams(

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvflow import LLM, SamplingParams
+from shared.config import OFFLINE_DEFAULTS
 from shared.protocol import ParameterError
 
 PROMPTS = [[5, 9, 11, 40], [7] * 20, list(range(3, 40))]
@@ -52,6 +53,17 @@ def test_a_batch_larger_than_the_serving_queue_limit_runs(tiny_llama_dir: Path) 
     """Offline, the whole batch waits at once: --max-queued-requests is a serving limit."""
     llm = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128, max_queued_requests=1)
     assert len(sample(llm, PROMPTS)) == len(PROMPTS)
+
+
+def test_offline_steps_default_to_the_offline_budget(tiny: LLM, tiny_llama_dir: Path) -> None:
+    """LLM plans larger steps than a server by default (OFFLINE_DEFAULTS), unless told."""
+    offline = OFFLINE_DEFAULTS["max_num_batched_tokens"]
+    assert tiny.engine.scheduler.config.max_num_batched_tokens == offline
+    assert tiny.runner.max_num_batched_tokens == offline
+    small = LLM(str(tiny_llama_dir), device="cpu", max_model_len=128, max_num_batched_tokens=16)
+    assert small.engine.scheduler.config.max_num_batched_tokens == 16
+    greedy = sample(tiny, PROMPTS, temperature=0)
+    assert sample(small, PROMPTS, temperature=0) == greedy  # chunked, the same tokens
 
 
 def test_chat_messages_need_a_role_and_text(tiny: LLM) -> None:

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import Config, ConfigError, add_config_flags, config_from_args
+from shared.config import (
+    OFFLINE_DEFAULTS,
+    Config,
+    ConfigError,
+    add_config_flags,
+    config_from_args,
+)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -27,6 +33,24 @@ def test_layers_override_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert config.enable_prefix_caching is False  # env boolean
     assert config.max_model_len == 1024  # flag beats file
     assert config.max_num_batched_tokens == Config().max_num_batched_tokens  # default
+
+
+def test_offline_defaults_sit_between_field_defaults_and_what_a_user_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    offline = OFFLINE_DEFAULTS["max_num_batched_tokens"]
+    assert offline != Config().max_num_batched_tokens
+    assert config_from_args(parse([]), defaults=OFFLINE_DEFAULTS).max_num_batched_tokens == offline
+    file = tmp_path / "kvflow.toml"
+    file.write_text("max_num_batched_tokens = 4096\n")
+    by_file = config_from_args(parse(["--config", str(file)]), defaults=OFFLINE_DEFAULTS)
+    assert by_file.max_num_batched_tokens == 4096
+    monkeypatch.setenv("KVFLOW_MAX_NUM_BATCHED_TOKENS", "1024")
+    assert config_from_args(parse([]), defaults=OFFLINE_DEFAULTS).max_num_batched_tokens == 1024
+    by_flag = config_from_args(
+        parse(["--max-num-batched-tokens", "512"]), defaults=OFFLINE_DEFAULTS
+    )
+    assert by_flag.max_num_batched_tokens == 512
 
 
 def test_boolean_flags_have_a_negative_form() -> None:
