@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class Message(msgspec.Struct, gc=False):
@@ -209,6 +209,18 @@ class LaunchStep(Message, tag=True):
     step: int
 
 
+class SchedulerHello(Message, tag=True):
+    """A scheduler without an executor asks for one: the executor drops whatever it ran for
+    another scheduler (another `session`) and answers with ExecutorReady(session=session).
+
+    Sent again every second until answered, so a scheduler (re)started before or after the
+    executor finds it; an executor answers a repeated hello of its own session again, and
+    resets nothing for it.
+    """
+
+    session: int  # random, new each time a scheduler (re)starts or adopts a new executor
+
+
 # ---------------------------------------------------------- executor -> scheduler
 
 
@@ -399,6 +411,9 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    # The SchedulerHello answered; None: sent unasked when the executor starts, which tells a
+    # running scheduler that its executor was replaced (see services/scheduler/process.py).
+    session: int | None = None
 
 
 class ExecutorVersion(Message, tag="ExecutorReady"):
@@ -412,7 +427,7 @@ class ExecutorVersion(Message, tag="ExecutorReady"):
 # One typed decoder per receiving socket (shared.ipc.Decoder); anything else is dropped.
 
 ToScheduler = EngineRequest | AbortRequests | ExecutorReady | ModelRunnerOutput | DeviceReady
-ToExecutor = SchedulerOutput | LaunchStep
+ToExecutor = SchedulerOutput | LaunchStep | SchedulerHello
 FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests
 SchedulerToTokenizer = OutputBatch
 ToFrontend = TextDelta | TokenizeResult | Heartbeat | StatsSnapshot | ComponentDown

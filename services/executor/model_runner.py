@@ -245,8 +245,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             warm_up(self)
 
-    def ready_message(self, model_name: str) -> ExecutorReady:
-        """What the scheduler is built from: the model's facts and this runner's limits."""
+    def ready_message(self, model_name: str, session: int | None = None) -> ExecutorReady:
+        """What the scheduler is built from: the model's facts and this runner's limits;
+        `session`: the SchedulerHello this answers (None: unasked, at start)."""
         return ExecutorReady(
             protocol_version=PROTOCOL_VERSION,
             model_name=model_name,
@@ -257,7 +258,21 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             max_num_seqs=self.buffers.max_reqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            session=session,
         )
+
+    def reset(self) -> None:
+        """Forget every request and step, for a new scheduler that starts from nothing.
+
+        Steps still on the device finish first (their tokens are dropped): the pinned buffers
+        their results go to must not be reused while copies into them are queued.
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.requests.clear()
+        self._in_flight.clear()
+        self._prepared = None
+        self.row_owner = [None] * len(self.row_owner)
 
     # ------------------------------------------------------------------ a step
 

@@ -13,6 +13,11 @@ as soon as its tokens are on the host.
     device:     ── step k: forward ──────────────────┴ lm_head, sample ┴ step k+1 ...
 
 On a CPU the forward pass runs inside `launch`, so each step is answered right after it.
+
+A scheduler with no executor yet says hello (SchedulerHello, with its session); the executor
+answers with ExecutorReady for that session, after dropping all it ran for another session.
+So a restarted scheduler adopts the running executor, and a restarted executor, whose
+unasked ExecutorReady at start tells the scheduler its old one is gone, is adopted in turn.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ import zmq
 from services.executor.model_runner import ModelRunner
 from shared.config import Config
 from shared.ipc import Decoder, connect_dealer, encode, start_heartbeat
-from shared.protocol import DeviceReady, LaunchStep, SchedulerOutput, ToExecutor
+from shared.protocol import (
+    DeviceReady,
+    LaunchStep,
+    SchedulerHello,
+    SchedulerOutput,
+    ToExecutor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,21 +48,26 @@ def run_executor(config: Config, rank: int = 0) -> None:
     heartbeat = start_heartbeat(config.frontend_address, name)
     runner = ModelRunner(config)
     socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name)
-    socket.send(encode(runner.ready_message(config.served_model_name or runner.source.name)))
+    model_name = config.served_model_name or runner.source.name
+    socket.send(encode(runner.ready_message(model_name)))
     logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
     try:
-        serve_plans(runner, socket, Decoder(ToExecutor, name))
+        serve_plans(runner, socket, Decoder(ToExecutor, name), model_name)
     finally:
         heartbeat.set()
 
 
-def serve_plans(runner: ModelRunner, socket: zmq.Socket[Any], decoder: Decoder) -> None:
-    """Answer finished steps, ask for the next launch, and take plans, addenda and launches.
+def serve_plans(
+    runner: ModelRunner, socket: zmq.Socket[Any], decoder: Decoder, model_name: str
+) -> None:
+    """Answer finished steps, ask for the next launch, and take plans, addenda, launches and
+    hellos.
 
     While steps are in flight it polls without blocking: their ends are seen within
     microseconds, which a blocking wait on the socket would not allow.
     """
     asked = False  # DeviceReady sent, LaunchStep not received yet
+    session: int | None = None  # the scheduler session whose plans run here
 
     def ask_when_due() -> None:
         nonlocal asked
@@ -75,5 +91,11 @@ def serve_plans(runner: ModelRunner, socket: zmq.Socket[Any], decoder: Decoder) 
             asked = False
         elif isinstance(message, SchedulerOutput):
             (runner.amend if message.addendum else runner.prepare)(message)
+        elif isinstance(message, SchedulerHello):
+            if message.session != session:  # a new scheduler: nothing from before carries on
+                logger.info("adopted by scheduler session %d", message.session)
+                runner.reset()
+                session, asked = message.session, False
+            socket.send(encode(runner.ready_message(model_name, session)))
         else:  # skipping it could leave the scheduler waiting forever
             raise RuntimeError("the executor received an unreadable message")

@@ -7,12 +7,19 @@ then receives one plan per step and answers each with the sampled tokens.
 The loop is `EngineCore`, the same as offline; only the executor differs: `RemoteExecutor`
 sends plans over the socket and launches each when the executor's device is ready for it,
 holding it until then so that requests arriving meanwhile can join it (`EngineCore.amend`).
+
+Either side may restart (compose and Kubernetes restart a container that dies). The scheduler
+adopts an executor with a hello of a new session, answered by ExecutorReady for it, so a
+restarted scheduler takes over the running executor. An executor that starts sends an unasked
+ExecutorReady; a running scheduler that sees one, or cannot reach its executor, has lost it:
+it ends every request with an error, drops its state and adopts the new one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -21,7 +28,7 @@ from typing import Any
 import zmq
 
 from services.scheduler.engine_core import EngineCore
-from services.scheduler.handshake import refuse_other_versions, scheduler_config
+from services.scheduler.handshake import check_protocol, refuse_other_versions, scheduler_config
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats_log import StatsLog
 from shared.config import Config
@@ -39,12 +46,19 @@ from shared.protocol import (
     OutputBatch,
     RequestError,
     RequestOutput,
+    SchedulerHello,
     SchedulerOutput,
     ToScheduler,
 )
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[bytes, object], None]
+EXECUTOR_IDENTITY = b"executor-0"  # the executor's DEALER identity (services/executor/process.py)
+HELLO_INTERVAL_S = 1.0
+
+
+class ExecutorLost(RuntimeError):
+    """The executor this scheduler ran steps on is gone: restarted, or unreachable."""
 
 
 class Inbox:
@@ -84,26 +98,46 @@ class RemoteExecutor:
     ) -> None:
         self.router, self.inbox, self.handle, self.tick = router, inbox, handle, tick
         self.timeout = timeout
+        self.session = 0  # of the last hello; answered by the executor being adopted
         self.identity: bytes | None = None
         self._submitted: deque[int] = deque()  # steps sent, not yet collected
         self._answers: dict[int, ModelRunnerOutput] = {}  # answered, not yet collected
         self._held: int | None = None  # the step sent and not launched yet
         self._device_ready = False  # DeviceReady came while no plan was held
 
-    def wait_until_ready(self) -> ExecutorReady:
-        """The executor's report; requests that come first are handled (and refused)."""
+    def adopt(self) -> ExecutorReady:
+        """Say hello (a new session) until the executor answers; its report. Requests that
+        come meanwhile are handled (and refused); so is the unasked report of an executor
+        that just started, which only makes the next hello go out at once."""
+        self.session = random.getrandbits(62)
+        self.identity = None
+        self._submitted.clear()
+        self._answers.clear()
+        self._held, self._device_ready = None, False
+        next_hello = 0.0
         while True:
-            received = self.inbox.receive(500)
+            if time.monotonic() >= next_hello:
+                self._hello()
+                next_hello = time.monotonic() + HELLO_INTERVAL_S
+            received = self.inbox.receive(100)
             if received is None:
                 continue
             identity, message, frame = received
             if isinstance(message, ExecutorReady):
-                self.identity = identity
-                return message
-            if message is None:
+                check_protocol(message.protocol_version)
+                if message.session == self.session:
+                    self.identity = identity
+                    return message
+                next_hello = 0.0  # an executor that just started: greet it now
+            elif message is None:
                 refuse_other_versions(frame)
-            else:
+            elif not isinstance(message, ModelRunnerOutput | DeviceReady):  # the last session's
                 self.handle(identity, message)
+
+    def _hello(self) -> None:
+        # ROUTER_MANDATORY: an executor not connected yet raises; the next hello will do.
+        with contextlib.suppress(zmq.ZMQError):
+            self.router.send_multipart([EXECUTOR_IDENTITY, encode(SchedulerHello(self.session))])
 
     def submit(self, plan: SchedulerOutput) -> None:
         if self._held is not None:
@@ -128,6 +162,10 @@ class RemoteExecutor:
         elif isinstance(message, DeviceReady):
             self._device_ready = True
             self._launch_if_ready()
+        elif isinstance(message, ExecutorReady):
+            if message.session != self.session:  # unasked: a new executor process started
+                raise ExecutorLost("the executor restarted")
+            # else: the answer to a repeated hello of this session, already adopted
         else:
             return False
         return True
@@ -158,7 +196,10 @@ class RemoteExecutor:
     def _send(self, message: SchedulerOutput | LaunchStep) -> None:
         if self.identity is None:
             raise RuntimeError("a plan before the executor reported ready")
-        self.router.send_multipart([self.identity, encode(message)])
+        try:
+            self.router.send_multipart([self.identity, encode(message)])
+        except zmq.ZMQError as exc:  # its connection closed: the process is gone
+            raise ExecutorLost(f"the executor is unreachable ({exc})") from exc
 
 
 class SchedulerProcess:
@@ -180,7 +221,21 @@ class SchedulerProcess:
         self._heartbeat = start_heartbeat(config.frontend_address, "scheduler")
 
     def run(self) -> None:
-        ready = self.executor.wait_until_ready()
+        while True:
+            core = self._start_engine()
+            try:
+                self._serve(core)
+            except ExecutorLost as lost:
+                logger.error(
+                    "%s: ending %d requests with an error, waiting for an executor",
+                    lost,
+                    len(self.owners),
+                )
+                self.core = None
+                self._fail_all(core, f"{lost}; the request was lost")
+
+    def _start_engine(self) -> EngineCore:
+        ready = self.executor.adopt()
         core = self.core = EngineCore(
             Scheduler(scheduler_config(self.config, ready)), self.executor
         )
@@ -192,6 +247,9 @@ class SchedulerProcess:
             ready.max_model_len,
             self.config.scheduler_address,
         )
+        return core
+
+    def _serve(self, core: EngineCore) -> None:
         while True:
             received = self.inbox.receive(0 if core.has_unfinished() else 50)
             while received is not None:
@@ -203,6 +261,25 @@ class SchedulerProcess:
             if core.has_unfinished():
                 self._publish(core.step())
             self._report_stats()
+
+    def _fail_all(self, core: EngineCore, reason: str) -> None:
+        """End every request the lost engine held with an UNAVAILABLE error, each once."""
+        requests = core.scheduler.requests
+        by_owner: dict[bytes, list[RequestOutput]] = defaultdict(list)
+        for request_id, owner in self.owners.items():
+            request = requests.get(request_id)
+            by_owner[owner].append(
+                RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ERROR,
+                    error=RequestError.unavailable(reason),
+                    num_prompt_tokens=request.num_prompt_tokens if request else 0,
+                )
+            )
+        self.owners.clear()
+        for owner, batch in by_owner.items():
+            self._send_outputs(owner, batch)
 
     def _tick(self) -> None:
         """Between batches of messages while a step runs: new requests join the held plan."""

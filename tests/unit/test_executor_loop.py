@@ -95,7 +95,7 @@ def test_the_next_launch_is_asked_for_before_a_step_is_answered(sockets) -> None
 
     def run_loop() -> None:
         try:
-            serve_plans(device, executor, Decoder(ToExecutor, "executor-0"))  # type: ignore[arg-type]
+            serve_plans(device, executor, Decoder(ToExecutor, "executor-0"), "m")  # type: ignore[arg-type]
         except RuntimeError as exc:  # the unreadable message that ends the test
             ended.append(exc)
 

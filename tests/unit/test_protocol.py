@@ -13,6 +13,7 @@ from shared.protocol import (
     CachedRequestData,
     ChatMessage,
     ComponentDown,
+    DeviceReady,
     EngineRequest,
     ErrorKind,
     ExecutorReady,
@@ -20,6 +21,7 @@ from shared.protocol import (
     FrontendToTokenizer,
     GenerateRequest,
     Heartbeat,
+    LaunchStep,
     ModelRunnerOutput,
     NewRequestData,
     OutputBatch,
@@ -28,6 +30,7 @@ from shared.protocol import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    SchedulerHello,
     SchedulerOutput,
     SchedulerToTokenizer,
     StatsSnapshot,
@@ -63,8 +66,10 @@ MESSAGES = {
             num_blocks=64,
             max_num_seqs=8,
             max_num_batched_tokens=256,
+            session=12345,
         ),
-        ModelRunnerOutput(step=4, sampled={"r": 7}, logprobs={"r": LOGPROBS}),
+        ModelRunnerOutput(step=4, sampled={"r": 7}, logprobs={"r": LOGPROBS}, device_ms=7.5),
+        DeviceReady(),
     ],
     ToExecutor: [
         SchedulerOutput(
@@ -84,7 +89,9 @@ MESSAGES = {
             ],
             num_scheduled_tokens={"r": 3, "s": 1},
             finished_request_ids=["t"],
-        )
+        ),
+        LaunchStep(4),
+        SchedulerHello(2**61 + 5),
     ],
     FrontendToTokenizer: [
         GenerateRequest(
