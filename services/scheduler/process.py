@@ -236,6 +236,8 @@ class SchedulerProcess:
 
     def _start_engine(self) -> EngineCore:
         ready = self.executor.adopt()
+        if self.stats_log is not None:  # a new engine counts from zero: rates start over
+            self.stats_log = StatsLog(STATS_LOG_INTERVAL_S)
         core = self.core = EngineCore(
             Scheduler(scheduler_config(self.config, ready)), self.executor
         )

