@@ -2,8 +2,7 @@
 run at the same time on one GPU? The question behind a decode step of two nano-batches.
 
 Times three CUDA graphs at Qwen3-8B decode shapes, every layer's weights and KV distinct so
-nothing is served from L2, for each SM partition (attention as that many persistent programs,
-the GEMMs kept off that many SMs by torch's experimental cuBLASLt carveout; 0: no partition):
+nothing is served from L2:
   attention   36 layers of split-KV decode attention for --batch requests of --context tokens
   linear      36 layers of qkv, o, gate_up and down (cuBLAS) for --batch rows
   both        the two above on two streams at once, forked and joined inside one graph
@@ -44,11 +43,8 @@ LINEAR_SHAPES = {  # (N, K) of Qwen3-8B's projections
 BLOCK_SIZE = 16
 
 
-def make_attention(
-    batch: int, context: int, device: torch.device
-) -> Callable[[int | None], Callable[[], None]]:
-    """36 layers of decode attention, each over its own KV cache, blocks shuffled; the
-    returned function takes the number of persistent programs (None: the kernel's own grid)."""
+def make_attention(batch: int, context: int, device: torch.device) -> Callable[[], None]:
+    """36 layers of decode attention, each over its own KV cache, blocks shuffled."""
     blocks_per_req = -(-context // BLOCK_SIZE)
     num_blocks = batch * blocks_per_req
     shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
@@ -65,22 +61,11 @@ def make_attention(
     query = torch.randn(batch, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
     scale = HEAD_DIM**-0.5
 
-    def runner(num_programs: int | None) -> Callable[[], None]:
-        def run() -> None:
-            for key_cache, value_cache in caches:
-                paged_decode_attention(
-                    query,
-                    key_cache,
-                    value_cache,
-                    tables,
-                    seq_lens,
-                    scale,
-                    num_programs=num_programs,
-                )
+    def run() -> None:
+        for key_cache, value_cache in caches:
+            paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, scale)
 
-        return run
-
-    return runner
+    return run
 
 
 def make_linear(batch: int, device: torch.device) -> Callable[[], None]:
@@ -128,16 +113,16 @@ def measure(run: Callable[[], None]) -> float:
 def overlap_row(
     batch: int,
     context: int,
-    partition: int,
-    attention: Callable[[], None],
+    carveout: int,
+    attention_ms: float,
     linear: Callable[[], None],
+    attention: Callable[[], None],
 ) -> dict[str, Any]:
-    """Each alone and both at once; `partition` SMs are kept from the GEMMs (0: none)."""
     row: dict[str, Any] = {
         "batch": batch,
         "context": context,
-        "partition_sms": partition,
-        "attention_ms": measure(attention),
+        "carveout_sms": carveout,
+        "attention_ms": attention_ms,
         "linear_ms": measure(linear),
         "both_ms": measure(concurrently(attention, linear)),
     }
@@ -145,8 +130,8 @@ def overlap_row(
     row["max_ms"] = max(row["attention_ms"], row["linear_ms"])
     row["saved_of_possible"] = (row["sum_ms"] - row["both_ms"]) / (row["sum_ms"] - row["max_ms"])
     print(
-        f"batch {batch}, attention on {partition or 'all'} SMs and the GEMMs on the rest: "
-        f"attention {row['attention_ms']:.2f} ms, linear {row['linear_ms']:.2f} ms, both at once "
+        f"batch {batch}, {carveout} SMs kept from the GEMMs: attention "
+        f"{row['attention_ms']:.2f} ms, linear {row['linear_ms']:.2f} ms, both at once "
         f"{row['both_ms']:.2f} ms (sum {row['sum_ms']:.2f}, max {row['max_ms']:.2f}: "
         f"{row['saved_of_possible']:.0%} of the possible overlap)",
         flush=True,
@@ -159,19 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument(
-        "--partitions",
+        "--carveouts",
         type=int,
         nargs="*",
-        default=[0, 16, 32, 48, 64],
-        help="SMs for attention (persistent programs), kept from cuBLASLt's GEMMs by torch's"
-        " experimental SM carveout; 0: neither",
-    )
-    parser.add_argument(
-        "--programs-per-sm",
-        type=int,
-        default=1,
-        help="persistent attention programs per partition SM (alone, more than one spread over"
-        " every SM; beside the GEMMs they find room only where the GEMMs leave it)",
+        default=[0, 16, 32, 48],
+        help="SMs kept from cuBLASLt GEMMs (torch's experimental SM carveout), one run each",
     )
     parser.add_argument("--out", type=Path, default=Path("overlap.json"))
     args = parser.parse_args(argv)
@@ -180,22 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
-    if any(args.partitions):
+    if any(args.carveouts):
         torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout is cuBLASLt's
     for batch in args.batch:
         attention = make_attention(batch, args.context, device)
         linear = make_linear(batch, device)
-        for partition in args.partitions:
-            torch._C._set_sm_carveout_experimental(partition or None)
-            rows.append(
-                overlap_row(
-                    batch,
-                    args.context,
-                    partition,
-                    attention(partition * args.programs_per_sm or None),
-                    linear,
-                )
-            )
+        attention_ms = measure(attention)
+        for carveout in args.carveouts:
+            torch._C._set_sm_carveout_experimental(carveout or None)
+            row = overlap_row(batch, args.context, carveout, attention_ms, linear, attention)
+            rows.append(row)
         torch._C._set_sm_carveout_experimental(None)
         del attention, linear
         torch.cuda.empty_cache()
@@ -204,7 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "sm_carveout_available": hasattr(torch._C, "_set_sm_carveout_experimental"),
-        "programs_per_sm": args.programs_per_sm,
         "rows": rows,
         "elapsed_s": time.perf_counter() - started,
     }

@@ -48,7 +48,6 @@ def _decode_partition_kernel(
     qk_scale,  # softmax scale * log2(e)
     partition_tokens,  # tokens per split, a multiple of BLOCK_SIZE
     max_blocks,
-    num_reqs,
     stride_q_token,
     stride_q_head,
     stride_cache_block,
@@ -64,121 +63,65 @@ def _decode_partition_kernel(
     TILE: tl.constexpr,  # context tokens per loop step, may span several cache blocks
     DOT_PRECISION: tl.constexpr,
     HAS_QUERY_LOC: tl.constexpr,  # a mixed batch: only one-token requests, at their own rows
-    PERSISTENT: tl.constexpr,  # a 1-D grid of fewer programs, each looping over work items
 ):
-    if not PERSISTENT:  # one program per (request, KV head, split), from the 3-D grid
-        _attend_split(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2), query_ptr, key_cache_ptr,
-            value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, part_max_ptr,
-            part_sum_ptr, part_acc_ptr, qk_scale, partition_tokens, max_blocks, stride_q_token,
-            stride_q_head, stride_cache_block, stride_cache_slot, stride_cache_head,
-            stride_table_req, NUM_HEADS, NUM_SPLITS, GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE,
-            DOT_PRECISION, HAS_QUERY_LOC,
-        )  # fmt: skip
-    else:  # the same items in the same order (request fastest), num_programs(0) at a time
-        num_kv_heads = NUM_HEADS // GROUP
-        for item in range(
-            tl.program_id(0), num_reqs * num_kv_heads * NUM_SPLITS, tl.num_programs(0)
-        ):
-            req, kv_head = item % num_reqs, (item // num_reqs) % num_kv_heads
-            _attend_split(
-                req, kv_head, item // (num_reqs * num_kv_heads), query_ptr, key_cache_ptr,
-                value_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                part_max_ptr, part_sum_ptr, part_acc_ptr, qk_scale, partition_tokens,
-                max_blocks, stride_q_token, stride_q_head, stride_cache_block,
-                stride_cache_slot, stride_cache_head, stride_table_req, NUM_HEADS, NUM_SPLITS,
-                GROUP, GROUP_PAD, HEAD_DIM, BLOCK_SIZE, TILE, DOT_PRECISION, HAS_QUERY_LOC,
-            )  # fmt: skip
-
-
-@triton.jit
-def _attend_split(
-    req,
-    kv_head,
-    split,
-    query_ptr,  # [R, H, D]
-    key_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
-    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
-    block_tables_ptr,  # [R, max_blocks] int32
-    seq_lens_ptr,  # [R] int32
-    query_start_loc_ptr,  # [R + 1] int32 with HAS_QUERY_LOC, else unused
-    part_max_ptr,  # [R, H, S] float32, running max of log2-scaled scores
-    part_sum_ptr,  # [R, H, S] float32, sum of exp2(score - max)
-    part_acc_ptr,  # [R, H, S, D] float32, unnormalised weighted sum of values
-    qk_scale,  # softmax scale * log2(e)
-    partition_tokens,  # tokens per split, a multiple of BLOCK_SIZE
-    max_blocks,
-    stride_q_token,
-    stride_q_head,
-    stride_cache_block,
-    stride_cache_slot,
-    stride_cache_head,
-    stride_table_req,
-    NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16, for tl.dot
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    TILE: tl.constexpr,  # context tokens per loop step, may span several cache blocks
-    DOT_PRECISION: tl.constexpr,
-    HAS_QUERY_LOC: tl.constexpr,
-):
-    """One (request, KV head, split): the split's max, sum and weighted values, per query head."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     token = _query_row(query_start_loc_ptr, req, HAS_QUERY_LOC)
-    # token < 0: a prompt (chunk) or an empty padding request, the prefill kernel's.
-    if token >= 0:
-        # NOTE: the context is clamped to the table's capacity, so no slot outside the request's
-        # own blocks is ever addressed, whatever seq_lens says.
-        seq_len = tl.minimum(tl.load(seq_lens_ptr + req), max_blocks * BLOCK_SIZE)
-        split_start = split * partition_tokens
-        split_end = tl.minimum(split_start + partition_tokens, seq_len)
+    if token < 0:
+        return  # a prompt (chunk) or an empty padding request: the prefill kernel's
 
-        rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head (padding rows masked)
-        dims = tl.arange(0, HEAD_DIM)
-        row_valid = rows < GROUP
-        heads = kv_head * GROUP + rows  # [G]
-        q_ptrs = query_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
-        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [G, D]
+    # NOTE: the context is clamped to the table's capacity, so no slot outside the request's
+    # own blocks is ever addressed, whatever seq_lens says.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + req), max_blocks * BLOCK_SIZE)
+    split_start = split * partition_tokens
+    split_end = tl.minimum(split_start + partition_tokens, seq_len)
 
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head (padding rows masked)
+    dims = tl.arange(0, HEAD_DIM)
+    row_valid = rows < GROUP
+    heads = kv_head * GROUP + rows  # [G]
+    q_ptrs = query_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [G, D]
 
-        table_row = block_tables_ptr + req * stride_table_req
-        head_offset = kv_head * stride_cache_head
-        # An empty split (split_start >= split_end) skips the loop and reports max=-inf, sum=0.
-        for tile_start in range(split_start, split_end, TILE):
-            pos = tile_start + tl.arange(0, TILE)  # [T] context positions
-            pos_valid = pos < split_end
-            block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0)  # [T]
-            slot_offsets = (
-                block_ids.to(tl.int64) * stride_cache_block
-                + (pos % BLOCK_SIZE) * stride_cache_slot
-                + head_offset
-            )  # [T]
-            kv_offsets = slot_offsets[:, None] + dims[None, :]  # [T, D]
-            # Masked loads: slots past the context are never read, so garbage there cannot leak.
-            k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
-            v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
 
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
-            scores = tl.where(pos_valid[None, :], scores, float("-inf"))
-            # The first tile of a split always holds a valid position, so m_new is finite.
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [G]
-            alpha = tl.exp2(m_i - m_new)  # [G], 0 on the first step
-            p = tl.exp2(scores - m_new[:, None])  # [G, T]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(
-                p.to(v.dtype), v, input_precision=DOT_PRECISION
-            )  # [G, D]
-            m_i = m_new
+    table_row = block_tables_ptr + req * stride_table_req
+    head_offset = kv_head * stride_cache_head
+    # An empty split (split_start >= split_end) skips the loop and reports max=-inf, sum=0.
+    for tile_start in range(split_start, split_end, TILE):
+        pos = tile_start + tl.arange(0, TILE)  # [T] context positions
+        pos_valid = pos < split_end
+        block_ids = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0)  # [T]
+        slot_offsets = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (pos % BLOCK_SIZE) * stride_cache_slot
+            + head_offset
+        )  # [T]
+        kv_offsets = slot_offsets[:, None] + dims[None, :]  # [T, D]
+        # Masked loads: slots past the context are never read, so garbage there cannot leak.
+        k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
+        v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
 
-        part = (req * NUM_HEADS + heads) * NUM_SPLITS + split  # [G] index into [R, H, S]
-        tl.store(part_max_ptr + part, m_i, mask=row_valid)
-        tl.store(part_sum_ptr + part, l_i, mask=row_valid)
-        acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
-        tl.store(acc_ptrs, acc, mask=row_valid[:, None])
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
+        scores = tl.where(pos_valid[None, :], scores, float("-inf"))
+        # The first tile of a split always holds a valid position, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [G]
+        alpha = tl.exp2(m_i - m_new)  # [G], 0 on the first step
+        p = tl.exp2(scores - m_new[:, None])  # [G, T]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(v.dtype), v, input_precision=DOT_PRECISION
+        )  # [G, D]
+        m_i = m_new
+
+    part = (req * NUM_HEADS + heads) * NUM_SPLITS + split  # [G] index into [R, H, S]
+    tl.store(part_max_ptr + part, m_i, mask=row_valid)
+    tl.store(part_sum_ptr + part, l_i, mask=row_valid)
+    acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(acc_ptrs, acc, mask=row_valid[:, None])
 
 
 @triton.jit
@@ -267,14 +210,11 @@ def paged_decode_attention(
     *,
     query_start_loc: torch.Tensor | None = None,  # [num_reqs + 1] int32: a mixed batch
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into
-    num_programs: int | None = None,  # a persistent launch of this many programs; None: one each
 ) -> torch.Tensor:  # out, or a new [num_tokens, num_heads, head_dim] of query.dtype
     """Decode attention over a paged KV cache; every seq_lens[r] must be >= 1.
 
     With query_start_loc, only requests with exactly one query token are attended, at their
     rows; the other rows of the result are left as they were (see the module docstring).
-    With num_programs, that many programs loop over the (request, KV head, split) items: on a
-    GPU, at most one per SM, so the kernel keeps to part of the SMs (an SM partition).
     The context bound for choosing splits is the block table's capacity, not max(seq_lens),
     so no device-to-host sync is needed; splits past a request's context exit at once.
     """
@@ -304,10 +244,7 @@ def paged_decode_attention(
     part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
 
-    if num_programs is not None and num_programs < 1:
-        raise ValueError(f"num_programs must be >= 1, got {num_programs}")
-    grid = (num_reqs, num_kv_heads, num_splits) if num_programs is None else (num_programs,)
-    _decode_partition_kernel[grid](
+    _decode_partition_kernel[(num_reqs, num_kv_heads, num_splits)](
         query,
         key_cache,
         value_cache,
@@ -320,7 +257,6 @@ def paged_decode_attention(
         scale * LOG2E,
         partition_tokens,
         max_blocks,
-        num_reqs,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -336,7 +272,6 @@ def paged_decode_attention(
         TILE=max(block_size, 64),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_QUERY_LOC=has_query_loc,
-        PERSISTENT=num_programs is not None,
     )
     _merge_partitions_kernel[(num_reqs * num_heads,)](
         out,

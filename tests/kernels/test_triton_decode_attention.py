@@ -82,18 +82,6 @@ def test_split_count_does_not_change_result() -> None:
     torch.testing.assert_close(many, one, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("num_programs", [1, 3, 64])
-def test_persistent_launch_matches_grid(num_programs: int) -> None:
-    """Fewer programs than (request, KV head, split) items, each looping: the same result."""
-    query, key_cache, value_cache, block_tables, seq_lens = make_case(
-        SEQ_LENS, 8, 2, 64, torch.float32, seed=21
-    )
-    args = (query, key_cache, value_cache, block_tables, seq_lens, 0.125, 3)
-    expected = paged_decode_attention(*args)
-    out = paged_decode_attention(*args, num_programs=num_programs)
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
-
-
 def test_rejects_head_dim_not_power_of_two() -> None:
     query, key_cache, value_cache, block_tables, seq_lens = make_case(
         [4], 2, 2, 48, torch.float32, seed=0
@@ -113,8 +101,6 @@ def test_rejects_rows_that_do_not_match_requests() -> None:
         paged_decode_attention(query, *args, query_start_loc=seq_lens)
     with pytest.raises(ValueError, match="out"):
         paged_decode_attention(query, *args, out=query[:1])
-    with pytest.raises(ValueError, match="num_programs"):
-        paged_decode_attention(query, *args, num_programs=0)
 
 
 @pytest.mark.gpu
@@ -133,7 +119,3 @@ def test_decode_bf16_real_shapes() -> None:
             query, key_cache, value_cache, block_tables, lens, scale, num_splits=num_splits
         )
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=f"{num_splits=}")
-    persistent = paged_decode_attention(
-        query, key_cache, value_cache, block_tables, lens, scale, num_programs=32
-    )
-    torch.testing.assert_close(persistent, expected, atol=2e-2, rtol=2e-2)
