@@ -272,6 +272,17 @@ class RequestOutput(Message, tag=True, kw_only=True):
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def failure(cls, request_id: str, error: RequestError, num_prompt_tokens: int) -> RequestOutput:
+        """The last output of a request that ended in an error."""
+        return cls(
+            request_id=request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            error=error,
+            num_prompt_tokens=num_prompt_tokens,
+        )
+
 
 class OutputBatch(Message, tag=True):
     """One scheduler step's outputs for the requests of one tokenizer worker."""

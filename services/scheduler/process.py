@@ -40,7 +40,6 @@ from shared.protocol import (
     EngineRequest,
     ErrorKind,
     ExecutorReady,
-    FinishReason,
     LaunchStep,
     ModelRunnerOutput,
     OutputBatch,
@@ -266,22 +265,13 @@ class SchedulerProcess:
 
     def _fail_all(self, core: EngineCore, reason: str) -> None:
         """End every request the lost engine held with an UNAVAILABLE error, each once."""
-        requests = core.scheduler.requests
-        by_owner: dict[bytes, list[RequestOutput]] = defaultdict(list)
-        for request_id, owner in self.owners.items():
+        error = RequestError.unavailable(reason)
+        requests, outputs = core.scheduler.requests, []
+        for request_id in self.owners:
             request = requests.get(request_id)
-            by_owner[owner].append(
-                RequestOutput(
-                    request_id=request_id,
-                    new_token_ids=[],
-                    finish_reason=FinishReason.ERROR,
-                    error=RequestError.unavailable(reason),
-                    num_prompt_tokens=request.num_prompt_tokens if request else 0,
-                )
-            )
-        self.owners.clear()
-        for owner, batch in by_owner.items():
-            self._send_outputs(owner, batch)
+            prompt_len = request.num_prompt_tokens if request else 0
+            outputs.append(RequestOutput.failure(request_id, error, prompt_len))
+        self._publish(outputs)  # finished outputs: their owners go too
 
     def _tick(self) -> None:
         """Between batches of messages while a step runs: new requests join the held plan."""
@@ -304,13 +294,7 @@ class SchedulerProcess:
             # Only now: a refused duplicate id must not take over the original's owner.
             self.owners[request.request_id] = identity
             return
-        refusal = RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[],
-            finish_reason=FinishReason.ERROR,
-            error=error,
-            num_prompt_tokens=len(request.prompt_token_ids),
-        )
+        refusal = RequestOutput.failure(request.request_id, error, len(request.prompt_token_ids))
         self._send_outputs(identity, [refusal])
 
     def _admit(self, request: EngineRequest) -> RequestError | None:
