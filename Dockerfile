@@ -18,7 +18,8 @@ RUN python3 -m venv /opt/kvflow \
 
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/kvflow /opt/kvflow
-RUN useradd --system --uid 10001 --home-dir /home/kvflow --create-home kvflow \
+RUN groupadd --system --gid 10001 kvflow \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /home/kvflow --create-home kvflow \
  && mkdir /models && chown kvflow /models
 ENV PATH=/opt/kvflow/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -93,7 +93,9 @@ class Config:
     served_model_name: str | None = option(
         None, "server", "The model name the API shows and accepts; default: the model's."
     )
-    tokenizer_pool_size: int = option(2, "server", "Tokenizer worker processes.")
+    tokenizer_pool_size: int = option(
+        2, "server", "Tokenizer worker processes `serve` starts (apart, the pool is who joins)."
+    )
     max_queued_requests: int = option(
         4096, "server", "Requests waiting for the engine before new ones get 429."
     )
@@ -114,7 +116,12 @@ class Config:
     scheduler_address: str | None = option(
         None, "components", "ZMQ address the scheduler binds (e.g. tcp://0.0.0.0:5558)."
     )
-    worker_index: int = option(0, "components", "This tokenizer worker's index in the pool.")
+    worker_index: int | None = option(
+        None,
+        "components",
+        "Name this tokenizer worker tokenizer-<index>; default: after its host and process, so"
+        " replicas (compose --scale, Kubernetes) need none.",
+    )
     component_timeout: float = option(
         10.0, "components", "Seconds without a heartbeat before a component counts as dead."
     )

@@ -61,15 +61,25 @@ def connect_dealer(context: zmq.Context[SocketT], address: str, identity: str) -
     return socket
 
 
-def start_heartbeat(address: str, component: str) -> threading.Event:
-    """Tell the frontend this process is alive, from a daemon thread; set the event to stop."""
+def start_heartbeat(
+    address: str, component: str, draining: threading.Event | None = None
+) -> threading.Event:
+    """Tell the frontend this process is alive, from a daemon thread; set the event to stop.
+    Each beat also says whether `draining` is set."""
     stop = threading.Event()
+    session = os.urandom(8).hex()
 
     def beat() -> None:
         context: zmq.Context[Any] = zmq.Context.instance()
         socket = connect_dealer(context, address, f"{component}-heartbeat")
         while True:
-            beat_msg = Heartbeat(component=component, pid=os.getpid(), sent_at=time.time())
+            beat_msg = Heartbeat(
+                component=component,
+                pid=os.getpid(),
+                sent_at=time.time(),
+                session=session,
+                draining=draining is not None and draining.is_set(),
+            )
             socket.send(encode(beat_msg))
             if stop.wait(HEARTBEAT_INTERVAL_S):
                 break

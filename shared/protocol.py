@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class Message(msgspec.Struct, gc=False):
@@ -380,6 +380,8 @@ class Heartbeat(Message, tag=True, kw_only=True):
     pid: int
     sent_at: float
     protocol_version: int = PROTOCOL_VERSION
+    session: str = ""  # random per process: the same name with a new session is a restart
+    draining: bool = False  # a tokenizer worker finishing its requests before it exits
 
 
 class ComponentDown(Message, tag=True):

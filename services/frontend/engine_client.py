@@ -1,12 +1,12 @@
 """The frontend's view of the engine: one ROUTER socket, one asyncio queue per live request,
-and the health of every component (heartbeats, the launcher's ComponentDown notices)."""
+the pool of tokenizer workers, and the health of every component (heartbeats, the launcher's
+ComponentDown notices)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-import zlib
 from collections.abc import AsyncGenerator
 
 import msgspec
@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from services.frontend.health import unavailable_reason
+from services.frontend.tokenizer_pool import TokenizerPool
 from shared.config import Config
 from shared.constants import TOKENIZE_TIMEOUT_S
 from shared.ipc import Decoder, bind_router, encode
@@ -49,9 +50,8 @@ class EngineClient:
         self.queues: dict[str, asyncio.Queue[TextDelta]] = {}
         self.tokenize_waiters: dict[str, asyncio.Future[TokenizeResult]] = {}
         self.last_seen: dict[str, float] = {}
-        self.expected = ["scheduler", "executor-0"] + [
-            f"tokenizer-{k}" for k in range(config.tokenizer_pool_size)
-        ]
+        self.expected = ["scheduler", "executor-0"]
+        self.tokenizers = TokenizerPool()
         self.down: str | None = None  # why the engine is dead, once it is
         self.stats: StatsSnapshot | None = None
         self.stats_at: float | None = None  # when the last StatsSnapshot came
@@ -80,12 +80,17 @@ class EngineClient:
             last_seen=self.last_seen,
             stats_at=self.stats_at,
             down=self.down,
+            num_tokenizers=len(self.tokenizers.accepting),
+            tokenizer_heard_at=self.tokenizers.last_heard,
         )
 
     async def _watchdog(self) -> None:
         started, failing = time.monotonic(), False
         while self.down is None:
             await asyncio.sleep(0.25)
+            now, timeout = time.monotonic(), self.config.component_timeout
+            for name, request_ids in self.tokenizers.expire(now, timeout).items():
+                self._fail(request_ids, f"{name} stopped answering")
             if self.stats is None and time.monotonic() - started < self.config.startup_timeout:
                 continue  # still loading: the launcher watches startup
             reason = self.unavailable_reason()
@@ -108,10 +113,17 @@ class EngineClient:
     def fail_in_flight(self, reason: str) -> None:
         """End every request in flight with an UNAVAILABLE error (the engine is lost, or the
         server stops before they finish); each caller turns it into a 503 or an error event."""
-        for request_id, queue in list(self.queues.items()):
-            queue.put_nowait(TextDelta.failure(request_id, RequestError.unavailable(reason)))
-        for future in self.tokenize_waiters.values():
-            if not future.done():
+        self._fail([*self.queues, *self.tokenize_waiters], reason)
+
+    def _fail(self, request_ids: list[str], reason: str) -> None:
+        if request_ids:
+            logger.warning("failing %d requests: %s", len(request_ids), reason)
+        for request_id in request_ids:
+            queue = self.queues.get(request_id)
+            if queue is not None:
+                queue.put_nowait(TextDelta.failure(request_id, RequestError.unavailable(reason)))
+            future = self.tokenize_waiters.get(request_id)
+            if future is not None and not future.done():
                 future.set_exception(EngineUnavailable(reason))
 
     # ---------------------------------------------------------------- traffic
@@ -130,7 +142,7 @@ class EngineClient:
                         f"{message.component} speaks protocol "
                         f"{message.protocol_version}, not {PROTOCOL_VERSION}"
                     )
-                self.last_seen[message.component] = time.monotonic()
+                self._heard(message)
             elif isinstance(message, StatsSnapshot):
                 self.stats, self.stats_at = message, time.monotonic()
             elif isinstance(message, TokenizeResult):
@@ -140,16 +152,35 @@ class EngineClient:
             elif isinstance(message, ComponentDown):
                 self._mark_down(f"{message.component} exited with code {message.exit_code}")
 
-    def _worker_for(self, request_id: str) -> bytes:
-        # Sticky: a request's outputs come back through the worker holding its detokenizer.
-        index = zlib.crc32(request_id.encode()) % self.config.tokenizer_pool_size
-        return f"tokenizer-{index}".encode()
+    def _heard(self, beat: Heartbeat) -> None:
+        now = time.monotonic()
+        if not beat.component.startswith("tokenizer-"):
+            self.last_seen[beat.component] = now
+        elif lost := self.tokenizers.beat(beat.component, beat.session, now, beat.draining):
+            self._fail(lost, f"{beat.component} restarted")
+
+    async def _submit(self, request_id: str, message: msgspec.Struct) -> None:
+        """Send a new request to the least-loaded tokenizer worker, which keeps it to the end
+        (the engine sends its outputs there); one that cannot be reached leaves the pool."""
+        while (name := self.tokenizers.assign(request_id)) is not None:
+            try:
+                await self.socket.send_multipart([name.encode(), encode(message)])
+                return
+            except zmq.ZMQError as exc:
+                lost = self.tokenizers.leave(name)
+                self._fail([r for r in lost if r != request_id], f"{name} unreachable: {exc}")
+        raise EngineUnavailable("no tokenizer worker takes requests")
 
     async def _send(self, request_id: str, message: msgspec.Struct) -> None:
+        """Send to the worker holding the request (an abort); for one whose worker is gone,
+        to any worker, which passes it on to the scheduler."""
+        name = self.tokenizers.owner(request_id) or next(iter(self.tokenizers.accepting), None)
+        if name is None:
+            raise EngineUnavailable("no tokenizer worker takes requests")
         try:
-            await self.socket.send_multipart([self._worker_for(request_id), encode(message)])
+            await self.socket.send_multipart([name.encode(), encode(message)])
         except zmq.ZMQError as exc:
-            raise EngineUnavailable(f"tokenizer worker unreachable: {exc}") from exc
+            raise EngineUnavailable(f"{name} unreachable: {exc}") from exc
 
     def check_available(self) -> None:
         reason = self.unavailable_reason()
@@ -171,7 +202,7 @@ class EngineClient:
             self.queues[request.request_id] = queue
         try:
             for request in requests:
-                await self._send(request.request_id, request)
+                await self._submit(request.request_id, request)
             while unfinished:
                 delta = await queue.get()
                 if delta.finish_reason is not None:
@@ -183,6 +214,8 @@ class EngineClient:
             for request in requests:
                 self.queues.pop(request.request_id, None)
             await self._abort(sorted(to_abort))
+            for request in requests:
+                self.tokenizers.release(request.request_id)
 
     async def _abort(self, request_ids: list[str]) -> None:
         # One by one: each goes to its own worker, and any of them may be unreachable.
@@ -198,9 +231,10 @@ class EngineClient:
         future: asyncio.Future[TokenizeResult] = asyncio.get_running_loop().create_future()
         self.tokenize_waiters[request.request_id] = future
         try:
-            await self._send(request.request_id, request)
+            await self._submit(request.request_id, request)
             return await asyncio.wait_for(future, TOKENIZE_TIMEOUT_S)
         except TimeoutError:
             raise EngineUnavailable("the tokenizer pool did not answer") from None
         finally:
             self.tokenize_waiters.pop(request.request_id, None)
+            self.tokenizers.release(request.request_id)

@@ -62,8 +62,14 @@ class Metrics:
         self.e2e = Histogram("kvflow:e2e_request_latency_seconds", "End-to-end latency.")
         self.finished: Counter[str] = Counter()
 
-    def render(self, stats: StatsSnapshot | None) -> str:
-        lines: list[str] = []
+    def render(self, stats: StatsSnapshot | None, num_tokenizer_workers: int) -> str:
+        lines = _sample(
+            "kvflow:num_tokenizer_workers",
+            "gauge",
+            "Tokenizer workers taking requests (alive and not draining).",
+            self.labels,
+            num_tokenizer_workers,
+        )
         if stats is not None:
             gauges = {
                 "num_requests_running": (stats.num_running, "Requests in the running batch."),

@@ -4,7 +4,12 @@ to the scheduler."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable
+from socket import gethostname
 from typing import Any
 
 import zmq
@@ -27,13 +32,22 @@ from shared.protocol import (
 )
 
 logger = logging.getLogger(__name__)
+POLL_MS = 200  # how often a draining worker checks whether it is done
+
+
+def worker_name(index: int | None) -> str:
+    """The worker's ZeroMQ identity, unique in the pool: the frontend and the scheduler send
+    its requests' traffic to it by name."""
+    if index is not None:
+        return f"tokenizer-{index}"
+    return f"tokenizer-{gethostname()}-{os.getpid()}"
 
 
 class TokenizerProcess:
     def __init__(self, config: Config) -> None:
         if config.scheduler_address is None or config.frontend_address is None:
             raise ValueError("a tokenizer worker needs --scheduler-address and --frontend-address")
-        self.name = f"tokenizer-{config.worker_index}"
+        self.name = worker_name(config.worker_index)
         source = resolve_model_source(config.model)
         tokenizer = load_tokenizer(source, config.tokenizer)
         if tokenizer is None:
@@ -42,9 +56,28 @@ class TokenizerProcess:
         context: zmq.Context[Any] = zmq.Context.instance()
         self.frontend = connect_dealer(context, config.frontend_address, self.name)
         self.scheduler = connect_dealer(context, config.scheduler_address, self.name)
-        self.heartbeat = start_heartbeat(config.frontend_address, self.name)
+        self.drain_timeout = config.drain_timeout
+        self.draining = threading.Event()
+        self.drain_deadline = float("inf")
+        self.heartbeat = start_heartbeat(config.frontend_address, self.name, self.draining)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        """First SIGTERM/SIGINT: take no new requests (the heartbeat says so), finish the
+        running ones within --drain-timeout, then exit. A second: exit now."""
+        if self.draining.is_set():
+            raise SystemExit(1)
+        logger.info(
+            "%s: %s, draining %d requests",
+            self.name,
+            signal.Signals(signum).name,
+            len(self.worker.live),
+        )
+        self.draining.set()
+        self.drain_deadline = time.monotonic() + self.drain_timeout
 
     def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
         logger.info("%s ready", self.name)
         name = self.name
         inbound: dict[zmq.Socket[Any], tuple[Decoder, Callable[[object], None]]] = {
@@ -61,14 +94,36 @@ class TokenizerProcess:
         for socket in inbound:
             poller.register(socket, zmq.POLLIN)
         try:
-            while True:
-                for socket in dict(poller.poll()):
+            while not self._drained():
+                for socket in dict(poller.poll(timeout=POLL_MS)):
                     decoder, handler = inbound[socket]
                     message = decoder.decode(socket.recv())
                     if message is not None:
                         self._guarded(handler, message)
+            logger.info("%s drained: exiting", self.name)
         finally:
             self.heartbeat.set()
+
+    def _drained(self) -> bool:
+        if not self.draining.is_set():
+            return False
+        if self.worker.live and time.monotonic() < self.drain_deadline:
+            return False
+        if self.worker.live:
+            self._cut(sorted(self.worker.live))
+        return True
+
+    def _cut(self, request_ids: list[str]) -> None:
+        """The drain timeout: end what is left with an error here, rather than leave the
+        frontend to notice this worker's silence."""
+        logger.warning("%s: drain timeout, %d requests cut", self.name, len(request_ids))
+        error = RequestError.unavailable(f"{self.name} stopped (drain timeout)")
+        self.worker.abort(request_ids)
+        self.scheduler.send(encode(AbortRequests(request_ids)))
+        for request_id in request_ids:
+            self.frontend.send(encode(TextDelta.failure(request_id, error)))
+        for socket in (self.frontend, self.scheduler):
+            socket.close(linger=1000)  # let these last messages out
 
     def _guarded(self, handler: Callable[[object], None], message: object) -> None:
         # One message's failure is logged; it must never take the worker (and the server) down.

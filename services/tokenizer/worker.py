@@ -139,7 +139,11 @@ class TokenizerWorker:
         for output in outputs:
             live = self.live.get(output.request_id)
             if live is None:
-                continue  # aborted, or ended here already
+                # Aborted or ended here already (stopping it again is harmless), or admitted by
+                # this worker's previous process, whose client is gone: stop it.
+                if not output.finished:
+                    ended.append(output.request_id)
+                continue
             try:
                 delta = self._delta(output, live)
             except Exception as exc:  # one request's failure must not lose the others' text

@@ -1,6 +1,6 @@
 """`docker compose up` for real: the image builds with no registry, the split stack serves
 through the official client, outlives a crashed executor without restarting the frontend,
-drains on SIGTERM, and `docker compose down` leaves nothing behind.
+scales its tokenizer pool, drains on SIGTERM, and `docker compose down` leaves nothing behind.
 
 Needs a Docker engine with the compose plugin (scripts/docker_engine.sh starts one on CI).
 Where none answers the test is skipped, unless KVFLOW_TEST_DOCKER=1 demands it, as CI does.
@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -78,6 +79,7 @@ def url() -> Iterator[str]:
         wait_until(lambda: healthy(base), 300, "the stack never became healthy")
         yield base
     finally:
+        print(compose("logs", "--no-color", "--timestamps", "--tail", "60"))  # shown on failure
         compose("down", "--timeout", "60")
         left = docker("ps", "-a", "--filter", f"label=com.docker.compose.project={PROJECT}", "-q")
         networks = docker("network", "ls", "--filter", f"name={PROJECT}", "-q")
@@ -112,6 +114,25 @@ def completes(base: str) -> bool:
     return out.choices[0].text.startswith(" Paris")
 
 
+def test_compose_files_match_the_compose_spec() -> None:
+    """The schema docker compose itself follows (check-jsonschema's vendored copy); needs no
+    Docker engine."""
+    files = [str(ROOT / name) for name in ("docker-compose.yml", "docker-compose.gpu.yml")]
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "check_jsonschema",
+            "--builtin-schema",
+            "vendor.compose-spec",
+            *files,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def test_compose_files_validate() -> None:
     require_docker()
     compose("config", "--quiet")
@@ -130,8 +151,13 @@ def test_completions_and_chat_stream_through_the_split_stack(url: str) -> None:
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
-    names = {c["Service"] for c in map(json.loads, compose("ps", "--format", "json").splitlines())}
-    assert names == {"frontend", "scheduler", "executor", "tokenizer-0", "tokenizer-1"}
+    services = [
+        c["Service"] for c in map(json.loads, compose("ps", "--format", "json").splitlines())
+    ]
+    assert sorted(services) == ["executor", "frontend", "scheduler", "tokenizer", "tokenizer"]
+    for service in ("frontend", "scheduler", "executor", "tokenizer"):
+        inspected = container(service)  # as the Helm chart runs them: read-only, not root
+        assert inspected["HostConfig"]["ReadonlyRootfs"] and inspected["Config"]["User"] == "kvflow"
 
 
 def test_a_crashed_executor_is_restarted_and_the_frontend_serves_on(url: str) -> None:
@@ -145,6 +171,62 @@ def test_a_crashed_executor_is_restarted_and_the_frontend_serves_on(url: str) ->
     after = container("frontend")
     assert after["Id"] == frontend["Id"] and after["RestartCount"] == frontend["RestartCount"]
     assert after["State"]["StartedAt"] == frontend["State"]["StartedAt"]
+
+
+def gauge(base: str, name: str) -> int:
+    """A gauge of the frontend's /metrics, e.g. kvflow:num_tokenizer_workers."""
+    for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{"):
+            return int(float(line.split()[-1]))
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_tokenizers_scale_and_a_crashed_one_fails_only_its_own_streams(url: str) -> None:
+    """`--scale tokenizer=3` grows the pool with no other change; three streams go one to each
+    worker (least loaded); killing one worker ends its stream with an error, not a hang, the
+    other two complete, and the restarted worker joins again."""
+    port = url.rsplit(":", 1)[1]
+    compose("up", "-d", "--no-recreate", "--scale", "tokenizer=3", env={"KVFLOW_HOST_PORT": port})
+    wait_until(
+        lambda: gauge(url, "kvflow:num_tokenizer_workers") == 3,
+        120,
+        "the third worker never joined",
+    )
+    results: list[str] = []
+
+    def stream() -> None:
+        try:  # a stream cut before its first token fails with a status, later with an event
+            events = client(url).completions.create(
+                model=MODEL,
+                prompt="Count:",
+                max_tokens=600,  # long enough to be running when a worker is killed
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            finish = [e.choices[0].finish_reason for e in events if e.choices][-1]
+            results.append(str(finish))
+        except openai.APIError as exc:
+            results.append(f"error: {exc}")
+
+    readers = [threading.Thread(target=stream) for _ in range(3)]
+    for reader in readers:
+        reader.start()
+    wait_until(
+        lambda: gauge(url, "kvflow:num_requests_running") == 3, 60, "the streams never all ran"
+    )
+    init = container("tokenizer")["State"]["Pid"]
+    [child] = Path(f"/proc/{init}/task/{init}/children").read_text().split()
+    os.kill(int(child), signal.SIGKILL)
+    for reader in readers:
+        reader.join(180)
+    failed, *completed = sorted(results)  # "error: ..." sorts first
+    assert completed == ["length", "length"] and "tokenizer" in failed, results
+    wait_until(
+        lambda: gauge(url, "kvflow:num_tokenizer_workers") == 3,
+        120,
+        "the restarted worker never joined",
+    )
+    assert completes(url)
 
 
 def test_sigterm_drains_the_frontend_then_it_exits_zero(url: str) -> None:

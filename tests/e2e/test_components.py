@@ -20,8 +20,6 @@ def test_components_started_apart_over_tcp() -> None:
     common = [
         "--frontend-address",
         f"tcp://127.0.0.1:{frontend_port}",
-        "--tokenizer-pool-size",
-        "1",
         "--max-model-len",
         "512",
     ]
@@ -32,7 +30,8 @@ def test_components_started_apart_over_tcp() -> None:
         ["frontend", "--port", str(http_port)],
         ["scheduler"],
         ["executor"],
-        ["tokenizer", "--worker-index", "0"],
+        ["tokenizer"],  # two replicas with no index, named after host and process
+        ["tokenizer"],
     ]
     procs = [
         subprocess.Popen([sys.executable, "-m", "services", *cmd, *common], env=env)
@@ -49,6 +48,11 @@ def test_components_started_apart_over_tcp() -> None:
                     break
             except httpx.HTTPError:
                 pass
+            time.sleep(0.25)
+        while "kvflow:num_tokenizer_workers{" + 'model_name="SmolLM2-135M-Instruct"} 2' not in (
+            httpx.get(f"{url}/metrics").text
+        ):
+            assert time.monotonic() < deadline, "the second tokenizer worker never joined"
             time.sleep(0.25)
         send_garbage(f"tcp://127.0.0.1:{frontend_port}", f"tcp://127.0.0.1:{scheduler_port}")
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")

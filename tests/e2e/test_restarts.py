@@ -1,5 +1,6 @@
 """Components started apart over tcp:// (as compose and Kubernetes run them) outlive each
-other's restarts: a new executor or scheduler is adopted, and the frontend never restarts."""
+other's restarts: a new executor or scheduler is adopted, and the frontend never restarts; a
+tokenizer worker told to stop drains its requests while another takes the new ones."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tests.e2e.test_failures import stream_in_background, wait_for
 
 
 class Components:
-    """frontend, scheduler, executor and one tokenizer worker, each its own process."""
+    """frontend, scheduler, executor and tokenizer workers, each its own process."""
 
     def __init__(self) -> None:
         self.http_port = free_port()
@@ -23,8 +24,8 @@ class Components:
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
         self.env["KVFLOW_FRONTEND_ADDRESS"] = f"tcp://127.0.0.1:{frontend}"
         self.env["KVFLOW_SCHEDULER_ADDRESS"] = f"tcp://127.0.0.1:{scheduler}"
-        self.env["KVFLOW_TOKENIZER_POOL_SIZE"] = "1"
         self.env["KVFLOW_MAX_MODEL_LEN"] = "1024"
+        self.env["KVFLOW_DRAIN_TIMEOUT"] = "600"  # a drain ends when its requests do
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str) -> None:
@@ -32,7 +33,8 @@ class Components:
             "frontend": ["frontend", "--port", str(self.http_port), "--api-key", API_KEY],
             "scheduler": ["scheduler"],
             "executor": ["executor"],
-            "tokenizer": ["tokenizer", "--worker-index", "0"],
+            "tokenizer-0": ["tokenizer", "--worker-index", "0"],
+            "tokenizer-1": ["tokenizer", "--worker-index", "1"],
         }[name]
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "services", *args], env=self.env, stdout=subprocess.DEVNULL
@@ -54,7 +56,10 @@ def completes(server: Server) -> bool:
     client = server.client(max_retries=0, timeout=20)
     try:
         out = client.completions.create(
-            model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=4
+            model="SmolLM2-135M-Instruct",
+            prompt="The capital of France is",
+            max_tokens=4,
+            temperature=0,
         )
     except openai.APIError:
         return False
@@ -63,7 +68,7 @@ def completes(server: Server) -> bool:
 
 def test_a_restarted_executor_or_scheduler_is_adopted_and_the_frontend_stays() -> None:
     components = Components()
-    for name in ("frontend", "scheduler", "executor", "tokenizer"):
+    for name in ("frontend", "scheduler", "executor", "tokenizer-0"):
         components.start(name)
     frontend = components.procs["frontend"]
     server = Server(frontend, components.http_port)
@@ -86,8 +91,33 @@ def test_a_restarted_executor_or_scheduler_is_adopted_and_the_frontend_stays() -
         components.start("scheduler")
         wait_for(lambda: completes(server), 240)
 
-        alive = ("frontend", "tokenizer", "scheduler", "executor")
+        alive = ("frontend", "tokenizer-0", "scheduler", "executor")
         assert all(components.procs[name].poll() is None for name in alive)
         assert components.procs["frontend"] is frontend  # never restarted
+    finally:
+        components.stop()
+
+
+def test_a_tokenizer_worker_told_to_stop_finishes_its_streams_and_exits_zero() -> None:
+    """SIGTERM to a worker (a rolling update, a scale-down): it takes no new requests (the
+    frontend sends them to the other worker), finishes the stream it holds, and exits 0."""
+    components = Components()
+    for name in ("frontend", "scheduler", "executor", "tokenizer-0", "tokenizer-1"):
+        components.start(name)
+    server = Server(components.procs["frontend"], components.http_port)
+    try:
+        wait_for(lambda: completes(server), 240)
+        wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 2, 60)
+        # Both idle: the stream goes to tokenizer-0 (ties go by name).
+        thread, record = stream_in_background(server, max_tokens=900)
+        assert record["started"].wait(60)
+        draining = components.procs["tokenizer-0"]
+        draining.send_signal(signal.SIGTERM)
+        wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 1, 30)
+        assert completes(server)  # through tokenizer-1
+        thread.join(300)
+        assert record["finish_reason"] == "length" and record["error"] is None
+        assert draining.wait(timeout=30) == 0
+        assert completes(server)
     finally:
         components.stop()

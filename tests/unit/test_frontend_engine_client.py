@@ -30,14 +30,55 @@ async def ready_engine(address: str) -> tuple[EngineClient, zmq.asyncio.Socket]:
     worker = engine.context.socket(zmq.DEALER)
     worker.setsockopt(zmq.IDENTITY, b"tokenizer-0")
     worker.connect(address)
-    for component in engine.expected:
-        await worker.send(encode(Heartbeat(component=component, pid=1, sent_at=time.time())))
+    for component in [*engine.expected, "tokenizer-0"]:
+        await worker.send(encode(beat(component)))
     await worker.send(encode(stats()))
     deadline = time.monotonic() + 10
     while engine.unavailable_reason() is not None:
         assert time.monotonic() < deadline, engine.unavailable_reason()
         await asyncio.sleep(0.01)
     return engine, worker
+
+
+def beat(component: str, session: str = "s1") -> Heartbeat:
+    return Heartbeat(component=component, pid=1, sent_at=time.time(), session=session)
+
+
+def test_a_restarted_tokenizer_worker_fails_the_requests_it_held() -> None:
+    """Its previous process took their detokenizers with it: they end with an error now,
+    rather than wait forever, the engine is told to stop them (through a live worker), and
+    the worker takes new requests."""
+
+    async def scenario() -> tuple[list[TextDelta], object, object]:
+        engine, worker = await ready_engine("inproc://engine-client-restart")
+        decoder = Decoder(FrontendToTokenizer, "worker")
+        try:
+            request = GenerateRequest(request_id="r", sampling_params=SamplingParams(), prompt="x")
+            deltas = []
+
+            async def consume() -> None:
+                async for delta in engine.generate([request]):
+                    deltas.append(delta)
+
+            consumer = asyncio.create_task(consume())
+            assert isinstance(decoder.decode(await worker.recv()), GenerateRequest)
+            await worker.send(encode(beat("tokenizer-0", session="s2")))
+            await asyncio.wait_for(consumer, 10)
+            abort = decoder.decode(await asyncio.wait_for(worker.recv(), 10))
+            after = GenerateRequest(request_id="r2", sampling_params=SamplingParams(), prompt="y")
+            second = asyncio.create_task(anext(engine.generate([after])))
+            received = decoder.decode(await asyncio.wait_for(worker.recv(), 10))
+            second.cancel()
+            return deltas, abort, received
+        finally:
+            worker.close()
+            engine.close()
+
+    deltas, abort, received = asyncio.run(scenario())
+    [failure] = deltas
+    assert failure.error is not None and "tokenizer-0 restarted" in failure.error.message
+    assert abort == AbortRequests(["r"])
+    assert isinstance(received, GenerateRequest) and received.request_id == "r2"
 
 
 def test_a_request_failed_by_the_frontend_is_aborted_in_the_engine() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.frontend.health import unavailable_reason
 
-EXPECTED = ["scheduler", "executor-0", "tokenizer-0", "tokenizer-1"]
+EXPECTED = ["scheduler", "executor-0"]
 TIMEOUT = 10.0
 
 
@@ -13,6 +13,8 @@ def reason(
     stats_at: float | None = None,
     down: str | None = None,
     now: float = 100.0,
+    num_tokenizers: int = 2,
+    tokenizer_heard_at: float | None = 99.0,
 ) -> str | None:
     return unavailable_reason(
         now=now,
@@ -21,6 +23,8 @@ def reason(
         last_seen=last_seen,
         stats_at=stats_at,
         down=down,
+        num_tokenizers=num_tokenizers,
+        tokenizer_heard_at=tokenizer_heard_at,
     )
 
 
@@ -29,12 +33,32 @@ def beating(*names: str, at: float = 99.0) -> dict[str, float]:
 
 
 def test_nothing_heard_yet_is_starting() -> None:
-    assert reason({}) == "starting: waiting for scheduler, executor-0, tokenizer-0, tokenizer-1"
+    assert reason({}, num_tokenizers=0, tokenizer_heard_at=None) == (
+        "starting: waiting for scheduler, executor-0, a tokenizer worker"
+    )
 
 
 def test_waits_only_for_the_components_not_heard_from() -> None:
-    assert reason(beating("scheduler", "executor-0")) == (
-        "starting: waiting for tokenizer-0, tokenizer-1"
+    assert reason(beating("scheduler")) == "starting: waiting for executor-0"
+    assert reason(beating(), num_tokenizers=0, tokenizer_heard_at=None) == (
+        "starting: waiting for a tokenizer worker"
+    )
+
+
+def test_any_number_of_tokenizer_workers_will_do() -> None:
+    assert reason(beating(), stats_at=99.9, num_tokenizers=1) is None
+    assert reason(beating(), stats_at=99.9, num_tokenizers=7) is None
+
+
+def test_tokenizer_workers_that_all_drain_take_no_requests() -> None:
+    assert reason(beating(), stats_at=99.9, num_tokenizers=0, tokenizer_heard_at=99.5) == (
+        "every tokenizer worker is draining"
+    )
+
+
+def test_the_last_tokenizer_worker_gone_is_a_failure() -> None:
+    assert reason(beating(), stats_at=99.9, num_tokenizers=0, tokenizer_heard_at=85.0) == (
+        "no heartbeat from any tokenizer worker for 15 s"
     )
 
 
@@ -48,11 +72,11 @@ def test_healthy_once_stats_come() -> None:
 
 
 def test_a_component_heard_then_silent_is_a_failure_with_its_silence() -> None:
-    last_seen = {**beating(), "tokenizer-1": 87.6}
-    assert reason(last_seen, stats_at=99.9) == "no heartbeat from tokenizer-1 for 12 s"
-    last_seen["executor-0"] = 70.0
+    last_seen = {**beating(), "executor-0": 87.6}
+    assert reason(last_seen, stats_at=99.9) == "no heartbeat from executor-0 for 12 s"
+    last_seen["scheduler"] = 70.0
     assert reason(last_seen, stats_at=99.9) == (
-        "no heartbeat from executor-0 for 30 s, tokenizer-1 for 12 s"
+        "no heartbeat from scheduler for 30 s, executor-0 for 12 s"
     )
 
 

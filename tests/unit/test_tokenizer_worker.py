@@ -73,8 +73,17 @@ def test_stop_string_ends_the_request_and_asks_the_scheduler_to_stop(smollm2_tok
     assert (logprob.top[0].token_id, logprob.top[0].token) == (ids[0], " Paris")
     assert "".join(d.text for d in deltas) == " Paris"
     assert deltas[-1].finish_reason is FinishReason.STOP and stopped == ["r"]
-    assert not worker.live  # later outputs for "r" are ignored
-    assert worker.on_outputs([RequestOutput(request_id="r", new_token_ids=ids)]) == ([], [])
+    assert not worker.live  # later outputs for "r" make no text (stopping it again is harmless)
+    assert worker.on_outputs([RequestOutput(request_id="r", new_token_ids=ids)]) == ([], ["r"])
+
+
+def test_outputs_of_a_request_this_worker_never_admitted_stop_it() -> None:
+    """A worker restarted under the same name gets its previous process's requests: their
+    clients are gone with it, so the engine is told to stop them."""
+    worker = TokenizerWorker(None)
+    running = RequestOutput(request_id="orphan", new_token_ids=[5])
+    done = RequestOutput(request_id="done", new_token_ids=[6], finish_reason=FinishReason.LENGTH)
+    assert worker.on_outputs([running, done]) == ([], ["orphan"])
 
 
 def test_max_tokens_inside_a_character_leaves_no_replacement_character(smollm2_tokenizer) -> None:
