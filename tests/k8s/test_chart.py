@@ -1,0 +1,276 @@
+"""The Helm chart (k8s/kvflow): it lints, every values file renders objects that pass the
+Kubernetes schemas strictly, and the rendered objects agree with kvflow itself: its
+components and flags, the image's user, the compose file's ports, the drain timeout.
+
+No cluster runs here. Needs helm (scripts/helm.sh installs it); without one the tests are
+skipped, unless KVFLOW_TEST_HELM=1 demands it, as CI does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from shared.config import ENV_PREFIX, config_from_args
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "k8s" / "kvflow"
+VALUES = sorted(p.name for p in CHART.glob("values*.yaml"))
+KUBERNETES_VERSION = "1.37.0"
+COMPONENTS = {"frontend", "tokenizer", "scheduler", "executor"}
+Obj = dict[str, Any]
+
+
+def helm() -> str:
+    tools = Path(os.environ.get("KVFLOW_TOOLS", Path.home() / ".cache/kvflow/tools"))
+    found = shutil.which("helm") or (str(tools / "helm") if (tools / "helm").exists() else None)
+    if found is None:
+        if os.environ.get("KVFLOW_TEST_HELM") == "1":
+            pytest.fail("KVFLOW_TEST_HELM=1 but no helm (bash scripts/helm.sh installs it)")
+        pytest.skip("no helm (bash scripts/helm.sh installs it)")
+    return found
+
+
+def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
+
+
+def render(values: str = "values.yaml", *sets: str) -> list[Obj]:
+    flags = [arg for s in sets for arg in ("--set", s)]
+    result = run_helm("template", "kvflow", str(CHART), "-f", str(CHART / values), *flags)
+    assert result.returncode == 0, result.stderr
+    return [obj for obj in yaml.safe_load_all(result.stdout) if obj]
+
+
+def by_kind(objects: list[Obj], kind: str) -> dict[str, Obj]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def pods(objects: list[Obj]) -> Iterator[Obj]:
+    for deployment in by_kind(objects, "Deployment").values():
+        yield deployment["spec"]["template"]
+
+
+def containers(objects: list[Obj]) -> dict[str, Obj]:
+    """Every container by its kvflow component (its first argument)."""
+    found = {c["args"][0]: c for pod in pods(objects) for c in pod["spec"]["containers"]}
+    assert set(found) == COMPONENTS
+    return found
+
+
+def environment(objects: list[Obj], container: Obj) -> dict[str, str]:
+    """What the container's process sees: its ConfigMaps, then its own env (a Secret's value
+    stands in as "secret")."""
+    maps = by_kind(objects, "ConfigMap")
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]]["data"])
+    for var in container.get("env", []):
+        env[var["name"]] = var.get("value", "secret")
+    return env
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_the_chart_lints_strictly(values: str) -> None:
+    result = run_helm("lint", "--strict", str(CHART), "-f", str(CHART / values))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_every_object_passes_the_kubernetes_schema_strictly(values: str) -> None:
+    objects = render(values, "apiKey.value=sk-test")
+    for obj in objects:
+        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # a CRD: no schema offline (its shape is checked below)
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    assert {"Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy"} <= {
+        o["kind"] for o in objects
+    }
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_every_component_gets_settings_kvflow_accepts(values: str, monkeypatch) -> None:
+    """Every KVFLOW_ variable names a real flag and parses as kvflow parses it."""
+    objects = render(values, "apiKey.value=sk-test")
+    for component, container in containers(objects).items():
+        env = environment(objects, container)
+        for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        config = config_from_args(argparse.Namespace())
+        known = {ENV_PREFIX + name.upper() for name in vars(config)}
+        assert set(env) <= known, f"{component}: unknown {sorted(set(env) - known)}"
+        assert config.drain_timeout > 0
+
+
+def test_the_addresses_meet_the_services_and_ports() -> None:
+    objects = render()
+    services, found = by_kind(objects, "Service"), containers(objects)
+    tokenizer_env = environment(objects, found["tokenizer"])
+    for address_var, binder, port_name in [
+        ("KVFLOW_FRONTEND_ADDRESS", "frontend", "zmq-frontend"),
+        ("KVFLOW_SCHEDULER_ADDRESS", "scheduler", "zmq-scheduler"),
+    ]:
+        host, port = re.fullmatch(r"tcp://([\w.-]+):(\d+)", tokenizer_env[address_var]).groups()
+        service = services[host]
+        [service_port] = service["spec"]["ports"]
+        assert service_port["port"] == int(port) and service_port["targetPort"] == port_name
+        assert service["spec"]["publishNotReadyAddresses"]  # reachable while /health is 503
+        binds = environment(objects, found[binder])[address_var]
+        assert binds == f"tcp://0.0.0.0:{port}"
+        assert {"name": port_name, "containerPort": int(port)} in found[binder]["ports"]
+        pod = next(p for p in pods(objects) if found[binder] in p["spec"]["containers"])
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    executor = environment(objects, found["executor"])["KVFLOW_SCHEDULER_ADDRESS"]
+    assert executor.startswith("tcp://127.0.0.1:")  # beside its scheduler, in the engine pod
+
+
+def test_the_api_port_is_the_compose_files() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    published = compose["services"]["frontend"]["ports"][0].rsplit(":", 1)[1]
+    objects = render()
+    frontend = containers(objects)["frontend"]
+    assert {"name": "http", "containerPort": int(published)} in frontend["ports"]
+    assert environment(objects, frontend)["KVFLOW_PORT"] == published
+    [api] = [
+        s for s in by_kind(objects, "Service").values() if s["spec"]["ports"][0]["name"] == "http"
+    ]
+    assert api["spec"]["ports"][0]["targetPort"] == "http"
+
+
+def test_probes_and_drain_fit_the_frontend() -> None:
+    objects = render()
+    frontend = containers(objects)["frontend"]
+    assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert frontend["readinessProbe"]["failureThreshold"] == 1  # out of the Service at once
+    assert frontend["livenessProbe"]["tcpSocket"] == {"port": "http"}  # not /health: a dead
+    # engine is not cured by restarting the frontend
+    startup = frontend["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 60
+    drain = float(environment(objects, frontend)["KVFLOW_DRAIN_TIMEOUT"])
+    pre_stop = frontend["lifecycle"]["preStop"]["sleep"]["seconds"]
+    pod = next(p for p in pods(objects) if frontend in p["spec"]["containers"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + drain
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert int(compose["services"]["frontend"]["stop_grace_period"].rstrip("s")) > drain
+
+
+def test_every_pod_runs_as_the_images_user_with_a_read_only_root() -> None:
+    uid = int(re.search(r"--uid (\d+)", (ROOT / "Dockerfile").read_text()).group(1))
+    objects = render("values-gpu.yaml")
+    for pod in pods(objects):
+        security = pod["spec"]["securityContext"]
+        assert security["runAsNonRoot"] and security["runAsUser"] == uid
+        writable = {v["name"] for v in pod["spec"]["volumes"] if "emptyDir" in v}
+        for container in pod["spec"]["containers"]:
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] and context["capabilities"] == {
+                "drop": ["ALL"]
+            }
+            assert not context["allowPrivilegeEscalation"]
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            for path in ("/tmp", "/home/kvflow"):
+                assert mounts[path]["name"] in writable
+            assert mounts["/models"]["readOnly"]
+
+
+def test_the_gpu_values_give_the_executor_alone_a_gpu_and_shared_memory() -> None:
+    objects = render("values-gpu.yaml")
+    found = containers(objects)
+    for component, container in found.items():
+        gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
+        assert gpus == (1 if component == "executor" else None), component
+    engine = by_kind(objects, "Deployment")["kvflow-engine"]["spec"]
+    assert engine["strategy"] == {"type": "Recreate"}  # the new pod needs the old one's GPU
+    shm = {v["name"]: v for v in engine["template"]["spec"]["volumes"]}["dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in found["executor"]["volumeMounts"]
+    assert not any("nvidia.com/gpu" in str(c) for c in render("values-cpu.yaml"))
+
+
+def test_the_autoscaler_scales_the_tokenizer_pool_and_the_budget_keeps_one() -> None:
+    objects = render("values-gpu.yaml")
+    [hpa] = by_kind(objects, "HorizontalPodAutoscaler").values()
+    target = hpa["spec"]["scaleTargetRef"]
+    tokenizer = by_kind(objects, "Deployment")[target["name"]]
+    assert tokenizer["spec"]["template"]["spec"]["containers"][0]["args"] == ["tokenizer"]
+    assert "replicas" not in tokenizer["spec"]  # the HPA owns it
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    [pdb] = by_kind(objects, "PodDisruptionBudget").values()
+    labels = tokenizer["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["minAvailable"] == 1
+
+
+def test_the_api_key_comes_from_a_secret_only() -> None:
+    objects = render("values.yaml", "apiKey.value=sk-very-secret")
+    [secret] = by_kind(objects, "Secret").values()
+    assert base64.b64decode(secret["data"]["api-key"]) == b"sk-very-secret"
+    others = [o for o in objects if o["kind"] != "Secret"]
+    assert "sk-very-secret" not in yaml.safe_dump_all(others)
+    [key] = [v for v in containers(objects)["frontend"]["env"] if v["name"] == "KVFLOW_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"] == {
+        "name": secret["metadata"]["name"],
+        "key": "api-key",
+    }
+    existing = render("values.yaml", "apiKey.existingSecret=mine")
+    assert not by_kind(existing, "Secret")
+    [key] = [v for v in containers(existing)["frontend"]["env"] if v["name"] == "KVFLOW_API_KEY"]
+    assert key["valueFrom"]["secretKeyRef"]["name"] == "mine"
+    assert all(v["name"] != "KVFLOW_API_KEY" for v in containers(render())["frontend"]["env"])
+
+
+def test_only_the_releases_pods_reach_the_zeromq_ports() -> None:
+    objects = render()
+    policies = by_kind(objects, "NetworkPolicy")
+    labels = [pod["metadata"]["labels"] for pod in pods(objects)]
+    zmq_ports = {5557, 5558}
+    for policy in policies.values():
+        for rule in policy["spec"]["ingress"]:
+            ports = {p["port"] for p in rule["ports"]}
+            if ports & zmq_ports:
+                [peer] = rule["from"]
+                selector = peer["podSelector"]["matchLabels"]
+                assert selector["app.kubernetes.io/instance"] == "kvflow"
+                assert all(selector.items() <= pod_labels.items() for pod_labels in labels)
+    tokenizer = next(p for n, p in policies.items() if n.endswith("-tokenizer"))
+    assert tokenizer["spec"]["ingress"] == []
+    api = render("values.yaml", "networkPolicy.apiFrom[0].namespaceSelector.matchLabels.team=ml")
+    frontend = next(p for n, p in by_kind(api, "NetworkPolicy").items() if n.endswith("-frontend"))
+    http_rule = frontend["spec"]["ingress"][0]
+    assert http_rule["from"] == [{"namespaceSelector": {"matchLabels": {"team": "ml"}}}]
+
+
+def test_the_service_monitor_scrapes_the_api_services_metrics() -> None:
+    objects = render("values-gpu.yaml", "apiKey.value=sk-x")
+    [monitor] = [o for o in objects if o["kind"] == "ServiceMonitor"]
+    [endpoint] = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")
+    assert endpoint["authorization"]["credentials"]["key"] == "api-key"  # /metrics needs the key
+    api = by_kind(objects, "Service")["kvflow"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= api["metadata"]["labels"].items()
+    assert not [o for o in render() if o["kind"] == "ServiceMonitor"]  # off unless asked
+
+
+def test_flag_values_render_exactly() -> None:
+    """Large integers must not turn into floats on their way through helm."""
+    objects = render("values.yaml", "flags.max-num-batched-tokens=16777216")
+    [config] = by_kind(objects, "ConfigMap").values()
+    assert config["data"]["KVFLOW_MAX_NUM_BATCHED_TOKENS"] == "16777216"
+
+
+def test_a_model_volume_needs_a_source() -> None:
+    result = run_helm("template", "kvflow", str(CHART), "--set", "modelVolume.enabled=true")
+    assert result.returncode != 0 and "existingClaim or modelVolume.hostPath" in result.stderr
