@@ -111,7 +111,10 @@ class Config:
     )
     # -- components (addresses for running them apart; `serve` picks private ipc:// ones)
     frontend_address: str | None = option(
-        None, "components", "ZMQ address the frontend binds (e.g. tcp://0.0.0.0:5557)."
+        None,
+        "components",
+        "ZMQ address the frontend binds (e.g. tcp://0.0.0.0:5557); the other components report"
+        " to every frontend it names: a comma list, or a host name resolving to several.",
     )
     scheduler_address: str | None = option(
         None, "components", "ZMQ address the scheduler binds (e.g. tcp://0.0.0.0:5558)."

@@ -9,16 +9,10 @@ and a malformed message is logged and dropped, never raised.
 from __future__ import annotations
 
 import logging
-import os
-import threading
-import time
 from typing import Any, TypeVar
 
 import msgspec
 import zmq
-
-from shared.constants import HEARTBEAT_INTERVAL_S
-from shared.protocol import Heartbeat
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -59,31 +53,3 @@ def connect_dealer(context: zmq.Context[SocketT], address: str, identity: str) -
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
     return socket
-
-
-def start_heartbeat(
-    address: str, component: str, draining: threading.Event | None = None
-) -> threading.Event:
-    """Tell the frontend this process is alive, from a daemon thread; set the event to stop.
-    Each beat also says whether `draining` is set."""
-    stop = threading.Event()
-    session = os.urandom(8).hex()
-
-    def beat() -> None:
-        context: zmq.Context[Any] = zmq.Context.instance()
-        socket = connect_dealer(context, address, f"{component}-heartbeat")
-        while True:
-            beat_msg = Heartbeat(
-                component=component,
-                pid=os.getpid(),
-                sent_at=time.time(),
-                session=session,
-                draining=draining is not None and draining.is_set(),
-            )
-            socket.send(encode(beat_msg))
-            if stop.wait(HEARTBEAT_INTERVAL_S):
-                break
-        socket.close()
-
-    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
-    return stop

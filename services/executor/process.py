@@ -29,7 +29,8 @@ import zmq
 
 from services.executor.model_runner import ModelRunner
 from shared.config import Config
-from shared.ipc import Decoder, connect_dealer, encode, start_heartbeat
+from shared.frontend_links import start_heartbeat
+from shared.ipc import Decoder, connect_dealer, encode
 from shared.protocol import (
     DeviceReady,
     LaunchStep,

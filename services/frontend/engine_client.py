@@ -43,6 +43,11 @@ class EngineClient:
     def __init__(self, config: Config) -> None:
         if config.frontend_address is None:
             raise ValueError("the frontend needs --frontend-address")
+        if "," in config.frontend_address:
+            raise ValueError(
+                "a frontend binds one --frontend-address; the list form is for the components"
+                " that connect to several frontends"
+            )
         self.config = config
         self.context = zmq.asyncio.Context()
         self.socket = bind_router(self.context, config.frontend_address)

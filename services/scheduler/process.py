@@ -32,8 +32,9 @@ from services.scheduler.handshake import check_protocol, refuse_other_versions, 
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats_log import StatsLog
 from shared.config import Config
-from shared.constants import STATS_INTERVAL_S, STATS_LOG_INTERVAL_S
-from shared.ipc import Decoder, bind_router, connect_dealer, encode, start_heartbeat
+from shared.constants import LINKS_REFRESH_S, STATS_INTERVAL_S, STATS_LOG_INTERVAL_S
+from shared.frontend_links import FrontendLinks, start_heartbeat
+from shared.ipc import Decoder, bind_router, encode
 from shared.protocol import (
     AbortRequests,
     DeviceReady,
@@ -208,7 +209,8 @@ class SchedulerProcess:
         self.config = config
         context: zmq.Context[Any] = zmq.Context.instance()
         self.router = bind_router(context, config.scheduler_address)
-        self.frontend = connect_dealer(context, config.frontend_address, "scheduler")
+        self.frontends = FrontendLinks(context, config.frontend_address, "scheduler")
+        self._links_refreshed = time.monotonic()
         self.inbox = Inbox(self.router)
         self.executor = RemoteExecutor(
             self.router, self.inbox, self._handle, self._tick, config.step_timeout
@@ -341,9 +343,10 @@ class SchedulerProcess:
             return
         self._last_stats = now
         snapshot = self.core.stats()
-        # If the frontend is not reading, drop it: a later snapshot replaces this one.
-        with contextlib.suppress(zmq.Again):
-            self.frontend.send(encode(snapshot), flags=zmq.DONTWAIT)
+        if now - self._links_refreshed > LINKS_REFRESH_S:
+            self.frontends.refresh()
+            self._links_refreshed = now
+        self.frontends.send_all(encode(snapshot))  # one missed is replaced by the next
         line = self.stats_log.line(now, snapshot) if self.stats_log else None
         if line is not None:
             logger.info("%s", line)

@@ -1,8 +1,9 @@
-"""A tokenizer worker process: the worker core between a DEALER to the frontend and a DEALER
-to the scheduler."""
+"""A tokenizer worker process: the worker core between DEALERs to every frontend (each request
+is answered on the link it came from) and a DEALER to the scheduler."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -17,7 +18,9 @@ import zmq
 from services.tokenizer.hf_tokenizer import load_tokenizer
 from services.tokenizer.worker import TokenizerWorker
 from shared.config import Config
-from shared.ipc import Decoder, connect_dealer, encode, start_heartbeat
+from shared.constants import LINKS_REFRESH_S
+from shared.frontend_links import FrontendLinks, start_heartbeat
+from shared.ipc import Decoder, connect_dealer, encode
 from shared.model_config import resolve_model_source
 from shared.protocol import (
     AbortRequests,
@@ -29,6 +32,7 @@ from shared.protocol import (
     SchedulerToTokenizer,
     TextDelta,
     TokenizeRequest,
+    TokenizeResult,
 )
 
 logger = logging.getLogger(__name__)
@@ -54,8 +58,10 @@ class TokenizerProcess:
             raise ValueError(f"{source.name} ships no tokenizer; pass --tokenizer")
         self.worker = TokenizerWorker(tokenizer)
         context: zmq.Context[Any] = zmq.Context.instance()
-        self.frontend = connect_dealer(context, config.frontend_address, self.name)
+        self.frontends = FrontendLinks(context, config.frontend_address, self.name)
+        self.origin: dict[str, zmq.Socket[Any]] = {}  # request_id -> the frontend that sent it
         self.scheduler = connect_dealer(context, config.scheduler_address, self.name)
+        self.poller = zmq.Poller()
         self.drain_timeout = config.drain_timeout
         self.draining = threading.Event()
         self.drain_deadline = float("inf")
@@ -79,30 +85,46 @@ class TokenizerProcess:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         logger.info("%s ready", self.name)
-        name = self.name
-        inbound: dict[zmq.Socket[Any], tuple[Decoder, Callable[[object], None]]] = {
-            self.frontend: (
-                Decoder(FrontendToTokenizer, f"{name} (frontend)"),
-                self._from_frontend,
-            ),
-            self.scheduler: (
-                Decoder(SchedulerToTokenizer, f"{name} (scheduler)"),
-                self._from_scheduler,
-            ),
-        }
-        poller = zmq.Poller()
-        for socket in inbound:
-            poller.register(socket, zmq.POLLIN)
+        from_frontend = Decoder(FrontendToTokenizer, f"{self.name} (frontend)")
+        from_scheduler = Decoder(SchedulerToTokenizer, f"{self.name} (scheduler)")
+        self.poller.register(self.scheduler, zmq.POLLIN)
+        for link in self.frontends.sockets.values():
+            self.poller.register(link, zmq.POLLIN)
+        refreshed = time.monotonic()
         try:
             while not self._drained():
-                for socket in dict(poller.poll(timeout=POLL_MS)):
-                    decoder, handler = inbound[socket]
-                    message = decoder.decode(socket.recv())
-                    if message is not None:
-                        self._guarded(handler, message)
+                for socket in dict(self.poller.poll(timeout=POLL_MS)):
+                    if socket is self.scheduler:
+                        message = from_scheduler.decode(socket.recv())
+                        self._guarded(self._from_scheduler, message)
+                    else:
+                        message = from_frontend.decode(socket.recv())
+                        self._guarded(functools.partial(self._from_frontend, socket), message)
+                if time.monotonic() - refreshed > LINKS_REFRESH_S:
+                    self._refresh_frontends()
+                    refreshed = time.monotonic()
             logger.info("%s drained: exiting", self.name)
         finally:
             self.heartbeat.set()
+
+    def _refresh_frontends(self) -> None:
+        """Link to frontends that appeared; stop the requests of those that went (their
+        clients went with them)."""
+        added, removed = self.frontends.refresh()
+        for link in added:
+            self.poller.register(link, zmq.POLLIN)
+        for link in removed:
+            self.poller.unregister(link)
+        orphans = sorted(r for r, link in self.origin.items() if link in removed)
+        if orphans:
+            logger.warning("%s: a frontend went: stopping its %d requests", self.name, len(orphans))
+            self._stop(orphans)
+
+    def _stop(self, request_ids: list[str]) -> None:
+        self.worker.abort(request_ids)
+        for request_id in request_ids:
+            self.origin.pop(request_id, None)
+        self.scheduler.send(encode(AbortRequests(request_ids)))
 
     def _drained(self) -> bool:
         if not self.draining.is_set():
@@ -118,21 +140,31 @@ class TokenizerProcess:
         frontend to notice this worker's silence."""
         logger.warning("%s: drain timeout, %d requests cut", self.name, len(request_ids))
         error = RequestError.unavailable(f"{self.name} stopped (drain timeout)")
-        self.worker.abort(request_ids)
-        self.scheduler.send(encode(AbortRequests(request_ids)))
         for request_id in request_ids:
-            self.frontend.send(encode(TextDelta.failure(request_id, error)))
-        for socket in (self.frontend, self.scheduler):
+            self._reply(request_id, TextDelta.failure(request_id, error))
+        self._stop(request_ids)
+        for socket in (*self.frontends.sockets.values(), self.scheduler):
             socket.close(linger=1000)  # let these last messages out
 
-    def _guarded(self, handler: Callable[[object], None], message: object) -> None:
+    def _guarded(self, handler: Callable[[object], None], message: object | None) -> None:
         # One message's failure is logged; it must never take the worker (and the server) down.
+        if message is None:
+            return
         try:
             handler(message)
         except Exception:
             logger.exception("%s failed to handle a %s", self.name, type(message).__name__)
 
-    def _from_frontend(self, message: object) -> None:
+    def _reply(self, request_id: str, message: TextDelta | TokenizeResult) -> None:
+        """To the frontend the request came from; ends its link when the request ends."""
+        ends = not isinstance(message, TextDelta) or message.finish_reason is not None
+        link = self.origin.pop(request_id, None) if ends else self.origin.get(request_id)
+        if link is not None:
+            link.send(encode(message))
+
+    def _from_frontend(self, link: zmq.Socket[Any], message: object) -> None:
+        if isinstance(message, GenerateRequest | TokenizeRequest):
+            self.origin[message.request_id] = link
         if isinstance(message, GenerateRequest):
             try:
                 admitted = self.worker.admit(message)
@@ -141,20 +173,19 @@ class TokenizerProcess:
                     logger.exception("request_id=%s could not be tokenized", message.request_id)
                 self.worker.abort([message.request_id])
                 failure = TextDelta.failure(message.request_id, RequestError.of(exc))
-                self.frontend.send(encode(failure))
+                self._reply(message.request_id, failure)
                 return
             self.scheduler.send(encode(admitted))
         elif isinstance(message, TokenizeRequest):
-            self.frontend.send(encode(self.worker.tokenize(message)))
+            self._reply(message.request_id, self.worker.tokenize(message))
         elif isinstance(message, AbortRequests):
-            self.worker.abort(message.request_ids)
-            self.scheduler.send(encode(message))
+            self._stop(message.request_ids)
 
     def _from_scheduler(self, batch: object) -> None:
         if not isinstance(batch, OutputBatch):
             return
         deltas, ended = self.worker.on_outputs(batch.outputs)
         for delta in deltas:
-            self.frontend.send(encode(delta))
+            self._reply(delta.request_id, delta)
         if ended:  # ended here (a stop string): the scheduler stops them too
             self.scheduler.send(encode(AbortRequests(ended)))

@@ -237,7 +237,7 @@ def test_sigterm_drains_the_frontend_then_it_exits_zero(url: str) -> None:
         events = client(url).completions.create(
             model=MODEL,
             prompt="Tell a story:",
-            max_tokens=200,
+            max_tokens=100,  # long enough to be running at SIGTERM, short enough for the drain
             stream=True,
             extra_body={"ignore_eos": True},
         )

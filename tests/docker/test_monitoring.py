@@ -38,6 +38,23 @@ def test_the_dashboard_plots_only_metrics_kvflow_exports() -> None:
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
 
+def test_the_engines_figures_are_not_counted_once_per_frontend() -> None:
+    """Every frontend exports the scheduler's snapshot (and the same tokenizer pool): with two
+    frontends, a sum would double them; only the frontends' own request figures add up."""
+    own = ("time_to_first_token", "inter_token_latency", "e2e_request", "request_success")
+    dashboard = json.loads((MONITORING / "grafana" / "kvflow-dashboard.json").read_text())
+    aggregated = re.compile(
+        r"\b(sum|max|min|avg)\b(?:\s*by\s*\([^)]*\))?\s*\((?:rate\()?(kvflow:[a-z0-9_]+)"
+    )
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            found = aggregated.findall(target["expr"])
+            assert len(found) == len(re.findall(r"kvflow:", target["expr"])), target["expr"]
+            for aggregation, name in found:
+                expected = "sum" if name.startswith(tuple(f"kvflow:{o}" for o in own)) else "max"
+                assert aggregation == expected, target["expr"]
+
+
 def test_prometheus_scrapes_the_frontend_where_compose_runs_it() -> None:
     config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     [job] = config["scrape_configs"]

@@ -1,8 +1,10 @@
-"""Each component started alone over tcp://, as docker-compose and Kubernetes run them."""
+"""Each component started alone over tcp://, as docker-compose and Kubernetes run them; two
+frontends in front of one engine."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -87,3 +89,56 @@ def send_garbage(*addresses: str) -> None:
         for payload in bad:
             socket.send(payload)
         socket.close()
+
+
+def test_two_frontends_share_one_engine_and_one_drains_alone() -> None:
+    """The components report to every frontend they are given (a list here; a name that
+    resolves to several in compose or Kubernetes): both serve, each sees the whole engine,
+    and one told to stop drains and exits while the other serves on."""
+    http_ports, zmq_ports = [free_port(), free_port()], [free_port(), free_port()]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
+    env["KVFLOW_SCHEDULER_ADDRESS"] = f"tcp://127.0.0.1:{free_port()}"
+    env["KVFLOW_MAX_MODEL_LEN"] = "512"
+    both = ",".join(f"tcp://127.0.0.1:{port}" for port in zmq_ports)
+    commands = [
+        ["frontend", "--port", str(http), "--frontend-address", f"tcp://127.0.0.1:{port}"]
+        for http, port in zip(http_ports, zmq_ports, strict=True)
+    ]
+    commands += [[c, "--frontend-address", both] for c in ("scheduler", "executor", "tokenizer")]
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "services", *cmd], env=env) for cmd in commands
+    ]
+    urls = [f"http://127.0.0.1:{port}" for port in http_ports]
+    try:
+        deadline = time.monotonic() + 240
+        while not all(healthy(url) for url in urls):
+            assert all(p.poll() is None for p in procs), "a component exited"
+            assert time.monotonic() < deadline, "the frontends never both became healthy"
+            time.sleep(0.25)
+        for url in urls:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+            out = client.completions.create(
+                model="SmolLM2-135M-Instruct",
+                prompt="The capital of France is",
+                max_tokens=4,
+                temperature=0,
+            )
+            assert out.choices[0].text.startswith(" Paris")
+        procs[0].send_signal(signal.SIGTERM)
+        assert procs[0].wait(timeout=60) == 0
+        client = openai.OpenAI(base_url=f"{urls[1]}/v1", api_key="unused")
+        out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2 and healthy(urls[1])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

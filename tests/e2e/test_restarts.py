@@ -109,13 +109,13 @@ def test_a_tokenizer_worker_told_to_stop_finishes_its_streams_and_exits_zero() -
         wait_for(lambda: completes(server), 240)
         wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 2, 60)
         # Both idle: the stream goes to tokenizer-0 (ties go by name).
-        thread, record = stream_in_background(server, max_tokens=900)
+        thread, record = stream_in_background(server, max_tokens=300)
         assert record["started"].wait(60)
         draining = components.procs["tokenizer-0"]
         draining.send_signal(signal.SIGTERM)
         wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 1, 30)
         assert completes(server)  # through tokenizer-1
-        thread.join(300)
+        thread.join(600)
         assert record["finish_reason"] == "length" and record["error"] is None
         assert draining.wait(timeout=30) == 0
         assert completes(server)

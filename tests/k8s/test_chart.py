@@ -163,6 +163,9 @@ def test_probes_and_drain_fit_the_frontend() -> None:
     pre_stop = frontend["lifecycle"]["preStop"]["sleep"]["seconds"]
     pod = next(p for p in pods(objects) if frontend in p["spec"]["containers"])
     assert pod["spec"]["terminationGracePeriodSeconds"] > pre_stop + drain
+    tokenizer = containers(objects)["tokenizer"]  # drains its own requests on SIGTERM too
+    pod = next(p for p in pods(objects) if tokenizer in p["spec"]["containers"])
+    assert pod["spec"]["terminationGracePeriodSeconds"] > drain
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     assert int(compose["services"]["frontend"]["stop_grace_period"].rstrip("s")) > drain
 
@@ -200,18 +203,54 @@ def test_the_gpu_values_give_the_executor_alone_a_gpu_and_shared_memory() -> Non
     assert not any("nvidia.com/gpu" in str(c) for c in render("values-cpu.yaml"))
 
 
-def test_the_autoscaler_scales_the_tokenizer_pool_and_the_budget_keeps_one() -> None:
+def test_autoscalers_scale_the_frontends_and_the_tokenizer_pool() -> None:
     objects = render("values-gpu.yaml")
-    [hpa] = by_kind(objects, "HorizontalPodAutoscaler").values()
-    target = hpa["spec"]["scaleTargetRef"]
-    tokenizer = by_kind(objects, "Deployment")[target["name"]]
-    assert tokenizer["spec"]["template"]["spec"]["containers"][0]["args"] == ["tokenizer"]
-    assert "replicas" not in tokenizer["spec"]  # the HPA owns it
-    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
-    [pdb] = by_kind(objects, "PodDisruptionBudget").values()
-    labels = tokenizer["spec"]["template"]["metadata"]["labels"]
-    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    assert pdb["spec"]["minAvailable"] == 1
+    deployments = by_kind(objects, "Deployment")
+    hpas = by_kind(objects, "HorizontalPodAutoscaler").values()
+    targets = {}
+    for hpa in hpas:
+        target = deployments[hpa["spec"]["scaleTargetRef"]["name"]]
+        assert "replicas" not in target["spec"]  # the HPA owns it
+        assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+        targets[target["spec"]["template"]["spec"]["containers"][0]["args"][0]] = target
+    assert set(targets) == {"frontend", "tokenizer"}  # never the engine: it holds the GPU
+    strategy = targets["frontend"]["spec"]["strategy"]
+    assert strategy["rollingUpdate"]["maxUnavailable"] == 0  # a new one is ready first
+    for pdb in by_kind(objects, "PodDisruptionBudget").values():
+        selected = [
+            d
+            for d in targets.values()
+            if pdb["spec"]["selector"]["matchLabels"].items()
+            <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
+        assert len(selected) == 1 and pdb["spec"]["minAvailable"] == 1
+    assert len(by_kind(objects, "PodDisruptionBudget")) == 2
+
+
+def test_extra_autoscaling_metrics_pass_through_valid() -> None:
+    metric = "frontend.autoscaling.extraMetrics[0]"
+    objects = render(
+        "values-gpu.yaml",
+        f"{metric}.type=Pods",
+        f"{metric}.pods.metric.name=kvflow_num_requests_waiting",
+        f"{metric}.pods.target.type=AverageValue",
+        f"{metric}.pods.target.averageValue=8",
+    )
+    hpa = by_kind(objects, "HorizontalPodAutoscaler")["kvflow-frontend"]
+    kubernetes_validate.validate(hpa, KUBERNETES_VERSION, strict=True)
+    assert hpa["spec"]["metrics"][1]["pods"]["metric"]["name"] == "kvflow_num_requests_waiting"
+
+
+def test_the_frontends_zeromq_name_resolves_to_every_frontend() -> None:
+    """Headless: each component links to every frontend pod, ready or not."""
+    objects = render("values-gpu.yaml")
+    zmq_service = next(
+        s
+        for s in by_kind(objects, "Service").values()
+        if s["spec"]["ports"][0]["name"] == "zmq-frontend"
+    )
+    assert zmq_service["spec"]["clusterIP"] == "None"
+    assert zmq_service["spec"]["publishNotReadyAddresses"]
 
 
 def test_the_api_key_comes_from_a_secret_only() -> None:
