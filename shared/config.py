@@ -94,7 +94,9 @@ class Config:
         None, "server", "The model name the API shows and accepts; default: the model's."
     )
     tokenizer_pool_size: int = option(
-        2, "server", "Tokenizer worker processes `serve` starts (apart, the pool is who joins)."
+        2,
+        "server",
+        "Tokenizer worker processes `serve` starts (run apart, the pool is whoever joins).",
     )
     max_queued_requests: int = option(
         4096, "server", "Requests waiting for the engine before new ones get 429."
@@ -125,6 +127,11 @@ class Config:
         "Name this tokenizer worker tokenizer-<index>; default: after its host and process, so"
         " replicas (compose --scale, Kubernetes) need none.",
     )
+    ready_file: str | None = option(
+        None,
+        "components",
+        "A tokenizer worker creates this file once it takes requests (a readiness probe).",
+    )
     component_timeout: float = option(
         10.0, "components", "Seconds without a heartbeat before a component counts as dead."
     )
@@ -151,6 +158,9 @@ class Config:
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.tokenizer_pool_size >= 1, "tokenizer_pool_size", "must be >= 1")
+        _require(
+            self.worker_index is None or self.worker_index >= 0, "worker_index", "must be >= 0"
+        )
         _require(1 <= self.port <= 65535, "port", "must be in 1..65535")
         _require(self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

@@ -4,6 +4,7 @@ built-in limits that are not flags. Settings an operator changes are `Config` fi
 # -- liveness: every process says it is alive; the frontend judges health from that
 HEARTBEAT_INTERVAL_S = 0.5  # between heartbeats; --component-timeout is how long one may lapse
 LINKS_REFRESH_S = 1.0  # between lookups of the frontends behind --frontend-address
+MISSING_GRACE_S = 10.0  # a frontend missing from the lookups this long is gone
 STATS_INTERVAL_S = 0.1  # between the scheduler's snapshots to the frontend (/metrics, admission)
 STATS_LOG_INTERVAL_S = 10.0  # between the scheduler's one-line stats logs while it has work
 

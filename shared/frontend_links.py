@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from shared.constants import HEARTBEAT_INTERVAL_S, LINKS_REFRESH_S
+from shared.constants import HEARTBEAT_INTERVAL_S, LINKS_REFRESH_S, MISSING_GRACE_S
 from shared.ipc import connect_dealer, encode
 from shared.protocol import Heartbeat
 
@@ -42,41 +42,92 @@ def split_addresses(address: str) -> list[str]:
 
 
 class FrontendLinks:
+    """`refresh()` never blocks: names are looked up every `lookup_every` seconds on a thread
+    of its own (a DNS stall must not stall a loop), and a frontend leaves only after it has
+    been missing from the answers for `missing_grace` seconds (one short answer must not cut
+    its streams)."""
+
     def __init__(
         self,
         context: zmq.Context[Any],
         address: str,
         identity: str,
         resolve: Resolver = resolve_host,
+        lookup_every: float | None = LINKS_REFRESH_S,
+        missing_grace: float = MISSING_GRACE_S,
     ) -> None:
         self.context, self.identity, self.resolve = context, identity, resolve
         self.addresses = split_addresses(address)
+        self.missing_grace = missing_grace
         self.sockets: dict[str, zmq.Socket[Any]] = {}  # endpoint -> its DEALER
+        self._found: frozenset[str] | None = None  # the last complete answer
+        self._missing_since: dict[str, float] = {}
+        self._unresolved_since: float | None = None
+        self.lookup()
         self.refresh()
+        needs_dns = any(_needs_lookup(a) for a in self.addresses)
+        if lookup_every is not None and needs_dns:
+            threading.Thread(
+                target=self._lookup_forever,
+                args=(lookup_every,),
+                name="frontend-lookup",
+                daemon=True,
+            ).start()
 
-    def endpoints(self) -> set[str] | None:
-        """Every frontend endpoint now; None when a name does not resolve (keep what is)."""
+    def lookup(self) -> None:
+        """Resolve every address now (blocking); a name that fails keeps the last answer."""
         found: set[str] = set()
         for address in self.addresses:
-            host, port = _host_and_port(address)
-            if host is None or _is_ip(host):
+            if not _needs_lookup(address):
                 found.add(address)
                 continue
+            host, port = _host_and_port(address)
             try:
                 ips = self.resolve(host, port)
             except OSError as exc:
-                logger.debug("%s: %s does not resolve yet (%s)", self.identity, host, exc)
-                return None
+                self._unresolved(host, exc)
+                return
             found.update(f"tcp://{_bracketed(ip)}:{port}" for ip in ips)
-        return found
+        self._unresolved_since = None
+        self._found = frozenset(found)
+
+    def _unresolved(self, host: str, exc: OSError) -> None:
+        now = time.monotonic()
+        if self._unresolved_since is None:
+            self._unresolved_since = now
+        elif now - self._unresolved_since > MISSING_GRACE_S:
+            logger.warning(
+                "%s: %s has not resolved for %.0f s (%s)",
+                self.identity,
+                host,
+                now - self._unresolved_since,
+                exc,
+            )
+            self._unresolved_since = now  # say it again in as long, not every second
+
+    def _lookup_forever(self, every: float) -> None:
+        while True:
+            time.sleep(every)
+            try:
+                self.lookup()
+            except Exception:  # the thread must outlive one bad answer
+                logger.exception("%s: looking up the frontends failed", self.identity)
 
     def refresh(self) -> tuple[list[zmq.Socket[Any]], list[zmq.Socket[Any]]]:
-        """Connect new frontends, close gone ones; returns (added, removed) sockets."""
-        wanted = self.endpoints()
+        """Connect new frontends, close those gone for the grace; returns (added, removed)."""
+        wanted, now = self._found, time.monotonic()
         if wanted is None:
             return [], []
-        added = [self._connect(endpoint) for endpoint in sorted(wanted - self.sockets.keys())]
-        removed = [self.sockets.pop(e) for e in sorted(self.sockets.keys() - wanted)]
+        added = [self._connect(e) for e in sorted(wanted - self.sockets.keys())]
+        for endpoint in wanted:
+            self._missing_since.pop(endpoint, None)
+        gone = []
+        for endpoint in sorted(self.sockets.keys() - wanted):
+            since = self._missing_since.setdefault(endpoint, now)
+            if now - since >= self.missing_grace:
+                gone.append(endpoint)
+                del self._missing_since[endpoint]
+        removed = [self.sockets.pop(e) for e in gone]
         for socket in removed:
             socket.close()
         if added or removed:
@@ -94,48 +145,64 @@ class FrontendLinks:
             with contextlib.suppress(zmq.Again):
                 socket.send(data, flags=zmq.DONTWAIT)
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         for socket in self.sockets.values():
-            socket.close()
+            socket.close(linger=linger_ms)
         self.sockets.clear()
 
 
-def start_heartbeat(
-    address: str, component: str, draining: threading.Event | None = None
-) -> threading.Event:
-    """Tell every frontend this process is alive, from a daemon thread; set the event to
-    stop. Each beat also says whether `draining` is set."""
-    stop = threading.Event()
-    session = os.urandom(8).hex()
+class HeartbeatThread:
+    """Tells every frontend this process is alive, a few times a second, from a daemon thread;
+    each beat also says whether `draining` is set."""
 
-    def beat() -> None:
-        links = FrontendLinks(zmq.Context.instance(), address, f"{component}-heartbeat")
-        refreshed = time.monotonic()
-        while True:
-            if time.monotonic() - refreshed > LINKS_REFRESH_S:
-                links.refresh()
-                refreshed = time.monotonic()
-            beat_msg = Heartbeat(
-                component=component,
-                pid=os.getpid(),
-                sent_at=time.time(),
-                session=session,
-                draining=draining is not None and draining.is_set(),
-            )
-            links.send_all(encode(beat_msg))
-            if stop.wait(HEARTBEAT_INTERVAL_S):
-                break
-        links.close()
+    def __init__(
+        self, address: str, component: str, draining: threading.Event | None = None
+    ) -> None:
+        self.address, self.component, self.draining = address, component, draining
+        self.session = os.urandom(8).hex()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._thread.start()
 
-    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
-    return stop
+    def stop(self) -> None:
+        """Stop beating and close the thread's sockets (before the context is terminated)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        links = FrontendLinks(zmq.Context.instance(), self.address, f"{self.component}-heartbeat")
+        try:
+            while not self._stop.is_set():
+                try:
+                    links.refresh()
+                    links.send_all(encode(self._message()))
+                except Exception:  # a beat missed is no reason to stop beating
+                    logger.exception("%s: a heartbeat failed", self.component)
+                self._stop.wait(HEARTBEAT_INTERVAL_S)
+        finally:
+            links.close()
+
+    def _message(self) -> Heartbeat:
+        return Heartbeat(
+            component=self.component,
+            pid=os.getpid(),
+            sent_at=time.time(),
+            session=self.session,
+            draining=self.draining is not None and self.draining.is_set(),
+        )
 
 
-def _host_and_port(address: str) -> tuple[str | None, int]:
-    """The host and port of a tcp:// address; (None, 0) for any other transport."""
+def _needs_lookup(address: str) -> bool:
+    """A tcp:// address naming a host (not ipc://, inproc://, an IP or *)."""
     if not address.startswith("tcp://"):
-        return None, 0
+        return False
+    return not _is_ip(_host_and_port(address)[0])
+
+
+def _host_and_port(address: str) -> tuple[str, int]:
     host, _, port = address[len("tcp://") :].rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"--frontend-address {address!r}: a tcp:// address needs a port")
     return host.strip("[]"), int(port)
 
 

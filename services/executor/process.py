@@ -29,7 +29,7 @@ import zmq
 
 from services.executor.model_runner import ModelRunner
 from shared.config import Config
-from shared.frontend_links import start_heartbeat
+from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder, connect_dealer, encode
 from shared.protocol import (
     DeviceReady,
@@ -46,7 +46,7 @@ def run_executor(config: Config, rank: int = 0) -> None:
     if config.scheduler_address is None or config.frontend_address is None:
         raise ValueError("the executor needs --scheduler-address and --frontend-address")
     name = f"executor-{rank}"
-    heartbeat = start_heartbeat(config.frontend_address, name)
+    heartbeat = HeartbeatThread(config.frontend_address, name)
     runner = ModelRunner(config)
     socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name)
     model_name = config.served_model_name or runner.source.name
@@ -55,7 +55,7 @@ def run_executor(config: Config, rank: int = 0) -> None:
     try:
         serve_plans(runner, socket, Decoder(ToExecutor, name), model_name)
     finally:
-        heartbeat.set()
+        heartbeat.stop()
 
 
 def serve_plans(

@@ -13,7 +13,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from services.frontend.health import unavailable_reason
+from services.frontend.health import tokenizer_pool_reason, unavailable_reason
 from services.frontend.tokenizer_pool import TokenizerPool
 from shared.config import Config
 from shared.constants import TOKENIZE_TIMEOUT_S
@@ -77,7 +77,16 @@ class EngineClient:
     # ---------------------------------------------------------------- health
 
     def unavailable_reason(self) -> str | None:
-        """Why the engine cannot serve now (starting, a silent or dead component), or None."""
+        """Why a new request cannot be served now, or None."""
+        return self._engine_reason() or tokenizer_pool_reason(
+            now=time.monotonic(),
+            timeout=self.config.component_timeout,
+            num_accepting=len(self.tokenizers.accepting),
+            heard_at=self.tokenizers.last_heard,
+        )
+
+    def _engine_reason(self) -> str | None:
+        """Why the engine cannot serve (starting, a silent or dead component), or None."""
         return unavailable_reason(
             now=time.monotonic(),
             timeout=self.config.component_timeout,
@@ -85,8 +94,6 @@ class EngineClient:
             last_seen=self.last_seen,
             stats_at=self.stats_at,
             down=self.down,
-            num_tokenizers=len(self.tokenizers.accepting),
-            tokenizer_heard_at=self.tokenizers.last_heard,
         )
 
     async def _watchdog(self) -> None:
@@ -98,7 +105,8 @@ class EngineClient:
                 self._fail(request_ids, f"{name} stopped answering")
             if self.stats is None and time.monotonic() - started < self.config.startup_timeout:
                 continue  # still loading: the launcher watches startup
-            reason = self.unavailable_reason()
+            # The engine's failures end what runs; the pool fails what a worker held itself.
+            reason = self._engine_reason()
             if reason is not None and not failing:
                 self._lost(reason)
             failing = reason is not None  # silence can end: then serve again
@@ -161,8 +169,8 @@ class EngineClient:
         now = time.monotonic()
         if not beat.component.startswith("tokenizer-"):
             self.last_seen[beat.component] = now
-        elif lost := self.tokenizers.beat(beat.component, beat.session, now, beat.draining):
-            self._fail(lost, f"{beat.component} restarted")
+        elif lost_ids := self.tokenizers.beat(beat.component, beat.session, now, beat.draining):
+            self._fail(lost_ids, f"{beat.component} restarted")
 
     async def _submit(self, request_id: str, message: msgspec.Struct) -> None:
         """Send a new request to the least-loaded tokenizer worker, which keeps it to the end
@@ -172,16 +180,16 @@ class EngineClient:
                 await self.socket.send_multipart([name.encode(), encode(message)])
                 return
             except zmq.ZMQError as exc:
-                lost = self.tokenizers.leave(name)
-                self._fail([r for r in lost if r != request_id], f"{name} unreachable: {exc}")
+                lost_ids = self.tokenizers.leave(name)
+                self._fail([r for r in lost_ids if r != request_id], f"{name} unreachable: {exc}")
         raise EngineUnavailable("no tokenizer worker takes requests")
 
     async def _send(self, request_id: str, message: msgspec.Struct) -> None:
         """Send to the worker holding the request (an abort); for one whose worker is gone,
         to any worker, which passes it on to the scheduler."""
-        name = self.tokenizers.owner(request_id) or next(iter(self.tokenizers.accepting), None)
+        name = self.tokenizers.owner(request_id) or next(iter(self.tokenizers.names), None)
         if name is None:
-            raise EngineUnavailable("no tokenizer worker takes requests")
+            raise EngineUnavailable("no tokenizer worker is alive")
         try:
             await self.socket.send_multipart([name.encode(), encode(message)])
         except zmq.ZMQError as exc:
@@ -210,6 +218,8 @@ class EngineClient:
                 await self._submit(request.request_id, request)
             while unfinished:
                 delta = await queue.get()
+                if delta.request_id not in unfinished:
+                    continue  # ended here already (failed while its worker still ran it)
                 if delta.finish_reason is not None:
                     unfinished.discard(delta.request_id)
                     if delta.error is None:
@@ -218,9 +228,11 @@ class EngineClient:
         finally:
             for request in requests:
                 self.queues.pop(request.request_id, None)
-            await self._abort(sorted(to_abort))
-            for request in requests:
-                self.tokenizers.release(request.request_id)
+            try:
+                await self._abort(sorted(to_abort))
+            finally:
+                for request in requests:
+                    self.tokenizers.release(request.request_id)
 
     async def _abort(self, request_ids: list[str]) -> None:
         # One by one: each goes to its own worker, and any of them may be unreachable.

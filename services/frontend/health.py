@@ -1,7 +1,7 @@
 """The engine's health, judged from what the frontend has heard: heartbeats, stats, deaths.
 
 Pure: the engine client passes in what it has seen and when, and gets back why the engine
-cannot serve now, or None when it can.
+(or the tokenizer pool) cannot serve now, or None when it can.
 """
 
 from __future__ import annotations
@@ -17,18 +17,13 @@ def unavailable_reason(
     last_seen: Mapping[str, float],
     stats_at: float | None,
     down: str | None,
-    num_tokenizers: int,
-    tokenizer_heard_at: float | None,
 ) -> str | None:
     """Why the engine cannot serve at `now`, or None when it can.
 
     `last_seen` holds each expected component's last heartbeat time, `stats_at` the
     scheduler's last snapshot (None before the first), `down` why a component is gone for
-    good. Tokenizer workers come and go (the pool is whoever beats): the engine needs one
-    that takes requests, `num_tokenizers` do (alive, not draining), and one beat last at
-    `tokenizer_heard_at` (None: never). A
-    component never heard from is still starting; one heard from and then silent has failed,
-    and that is said first, as it is what an operator must act on.
+    good. A component never heard from is still starting; one heard from and then silent has
+    failed, and that is said first, as it is what an operator must act on.
     """
     if down is not None:
         return down
@@ -37,15 +32,9 @@ def unavailable_reason(
         for name in expected
         if name in last_seen and now - last_seen[name] > timeout
     ]
-    if num_tokenizers == 0 and tokenizer_heard_at is not None:
-        if now - tokenizer_heard_at <= timeout:
-            return "every tokenizer worker is draining"
-        silent.append(f"any tokenizer worker for {now - tokenizer_heard_at:.0f} s")
     if silent:
         return f"no heartbeat from {', '.join(silent)}"
     unseen = [name for name in expected if name not in last_seen]
-    if tokenizer_heard_at is None:
-        unseen.append("a tokenizer worker")
     if unseen:
         return f"starting: waiting for {', '.join(unseen)}"
     if stats_at is None:
@@ -53,3 +42,21 @@ def unavailable_reason(
     if now - stats_at > timeout:
         return "the scheduler has stopped reporting"  # alive but stuck
     return None
+
+
+def tokenizer_pool_reason(
+    *, now: float, timeout: float, num_accepting: int, heard_at: float | None
+) -> str | None:
+    """Why no new request can be taken by a tokenizer worker, or None when one can.
+
+    Workers come and go (the pool is whoever beats): `num_accepting` take requests now (alive,
+    not draining), and one beat last at `heard_at` (None: never). This refuses new requests
+    only: the requests a worker held end when it goes, the others run on.
+    """
+    if heard_at is None:
+        return "starting: waiting for a tokenizer worker"
+    if num_accepting:
+        return None
+    if now - heard_at > timeout:
+        return f"no heartbeat from any tokenizer worker for {now - heard_at:.0f} s"
+    return "no tokenizer worker takes requests (every one is draining or unreachable)"

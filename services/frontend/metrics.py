@@ -62,13 +62,22 @@ class Metrics:
         self.e2e = Histogram("kvflow:e2e_request_latency_seconds", "End-to-end latency.")
         self.finished: Counter[str] = Counter()
 
-    def render(self, stats: StatsSnapshot | None, num_tokenizer_workers: int) -> str:
+    def render(
+        self, stats: StatsSnapshot | None, num_tokenizer_workers: int, num_in_flight: int
+    ) -> str:
         lines = _sample(
             "kvflow:num_tokenizer_workers",
             "gauge",
             "Tokenizer workers taking requests (alive and not draining).",
             self.labels,
             num_tokenizer_workers,
+        )
+        lines += _sample(
+            "kvflow:frontend_requests_in_flight",
+            "gauge",
+            "Requests this frontend has sent to the engine and not seen end (its own load).",
+            self.labels,
+            num_in_flight,
         )
         if stats is not None:
             gauges = {

@@ -75,6 +75,11 @@ class TokenizerPool:
     def owner(self, request_id: str) -> str | None:
         return self._owner.get(request_id)
 
+    def check_invariants(self) -> None:
+        """Each owned request is held by its owner alone, and only by it."""
+        held = {r: n for n, w in self._workers.items() for r in w.request_ids}
+        assert held == self._owner, (held, self._owner)
+
     def release(self, request_id: str) -> None:
         """The request is over here: it no longer counts against its worker."""
         name = self._owner.pop(request_id, None)

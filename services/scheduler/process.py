@@ -32,8 +32,8 @@ from services.scheduler.handshake import check_protocol, refuse_other_versions, 
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats_log import StatsLog
 from shared.config import Config
-from shared.constants import LINKS_REFRESH_S, STATS_INTERVAL_S, STATS_LOG_INTERVAL_S
-from shared.frontend_links import FrontendLinks, start_heartbeat
+from shared.constants import STATS_INTERVAL_S, STATS_LOG_INTERVAL_S
+from shared.frontend_links import FrontendLinks, HeartbeatThread
 from shared.ipc import Decoder, bind_router, encode
 from shared.protocol import (
     AbortRequests,
@@ -210,7 +210,6 @@ class SchedulerProcess:
         context: zmq.Context[Any] = zmq.Context.instance()
         self.router = bind_router(context, config.scheduler_address)
         self.frontends = FrontendLinks(context, config.frontend_address, "scheduler")
-        self._links_refreshed = time.monotonic()
         self.inbox = Inbox(self.router)
         self.executor = RemoteExecutor(
             self.router, self.inbox, self._handle, self._tick, config.step_timeout
@@ -219,7 +218,7 @@ class SchedulerProcess:
         self.core: EngineCore | None = None
         self.stats_log = None if config.disable_log_stats else StatsLog(STATS_LOG_INTERVAL_S)
         self._last_stats = 0.0
-        self._heartbeat = start_heartbeat(config.frontend_address, "scheduler")
+        self._heartbeat = HeartbeatThread(config.frontend_address, "scheduler")
 
     def run(self) -> None:
         while True:
@@ -343,9 +342,7 @@ class SchedulerProcess:
             return
         self._last_stats = now
         snapshot = self.core.stats()
-        if now - self._links_refreshed > LINKS_REFRESH_S:
-            self.frontends.refresh()
-            self._links_refreshed = now
+        self.frontends.refresh()
         self.frontends.send_all(encode(snapshot))  # one missed is replaced by the next
         line = self.stats_log.line(now, snapshot) if self.stats_log else None
         if line is not None:

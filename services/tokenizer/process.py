@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from socket import gethostname
 from typing import Any
 
@@ -18,8 +19,8 @@ import zmq
 from services.tokenizer.hf_tokenizer import load_tokenizer
 from services.tokenizer.worker import TokenizerWorker
 from shared.config import Config
-from shared.constants import LINKS_REFRESH_S
-from shared.frontend_links import FrontendLinks, start_heartbeat
+from shared.constants import HEARTBEAT_INTERVAL_S
+from shared.frontend_links import FrontendLinks, HeartbeatThread
 from shared.ipc import Decoder, connect_dealer, encode
 from shared.model_config import resolve_model_source
 from shared.protocol import (
@@ -37,6 +38,7 @@ from shared.protocol import (
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often a draining worker checks whether it is done
+DRAIN_NOTICE_BEATS = 3  # heartbeats a draining worker waits for, so every frontend knows
 
 
 def worker_name(index: int | None) -> str:
@@ -52,6 +54,8 @@ class TokenizerProcess:
         if config.scheduler_address is None or config.frontend_address is None:
             raise ValueError("a tokenizer worker needs --scheduler-address and --frontend-address")
         self.name = worker_name(config.worker_index)
+        if config.ready_file is not None:  # one left by a previous process is not true now
+            Path(config.ready_file).unlink(missing_ok=True)
         source = resolve_model_source(config.model)
         tokenizer = load_tokenizer(source, config.tokenizer)
         if tokenizer is None:
@@ -64,33 +68,30 @@ class TokenizerProcess:
         self.poller = zmq.Poller()
         self.drain_timeout = config.drain_timeout
         self.draining = threading.Event()
-        self.drain_deadline = float("inf")
-        self.heartbeat = start_heartbeat(config.frontend_address, self.name, self.draining)
+        self.drain_started = float("inf")
+        self.ready_file = config.ready_file
+        self.heartbeat = HeartbeatThread(config.frontend_address, self.name, self.draining)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         """First SIGTERM/SIGINT: take no new requests (the heartbeat says so), finish the
         running ones within --drain-timeout, then exit. A second: exit now."""
         if self.draining.is_set():
             raise SystemExit(1)
-        logger.info(
-            "%s: %s, draining %d requests",
-            self.name,
-            signal.Signals(signum).name,
-            len(self.worker.live),
-        )
-        self.draining.set()
-        self.drain_deadline = time.monotonic() + self.drain_timeout
+        self.drain_started = time.monotonic()
+        self.draining.set()  # the loop logs it: no logging inside a signal handler
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        logger.info("%s ready", self.name)
         from_frontend = Decoder(FrontendToTokenizer, f"{self.name} (frontend)")
         from_scheduler = Decoder(SchedulerToTokenizer, f"{self.name} (scheduler)")
         self.poller.register(self.scheduler, zmq.POLLIN)
         for link in self.frontends.sockets.values():
             self.poller.register(link, zmq.POLLIN)
-        refreshed = time.monotonic()
+        if self.ready_file is not None:
+            Path(self.ready_file).touch()
+        logger.info("%s ready", self.name)
+        said_draining = False
         try:
             while not self._drained():
                 for socket in dict(self.poller.poll(timeout=POLL_MS)):
@@ -100,12 +101,23 @@ class TokenizerProcess:
                     else:
                         message = from_frontend.decode(socket.recv())
                         self._guarded(functools.partial(self._from_frontend, socket), message)
-                if time.monotonic() - refreshed > LINKS_REFRESH_S:
-                    self._refresh_frontends()
-                    refreshed = time.monotonic()
+                self._refresh_frontends()
+                if self.draining.is_set() and not said_draining:
+                    logger.info("%s: draining %d requests", self.name, len(self.worker.live))
+                    said_draining = True
+            if self.worker.live:  # the drain timeout
+                self._cut(sorted(self.worker.live))
             logger.info("%s drained: exiting", self.name)
         finally:
-            self.heartbeat.set()
+            self._close()
+
+    def _close(self) -> None:
+        """Let the last replies out: every socket closes with a linger, then the context
+        ends, which is when a linger is honoured."""
+        self.heartbeat.stop()
+        self.frontends.close(linger_ms=1000)
+        self.scheduler.close(linger=1000)
+        zmq.Context.instance().term()
 
     def _refresh_frontends(self) -> None:
         """Link to frontends that appeared; stop the requests of those that went (their
@@ -115,10 +127,10 @@ class TokenizerProcess:
             self.poller.register(link, zmq.POLLIN)
         for link in removed:
             self.poller.unregister(link)
-        orphans = sorted(r for r, link in self.origin.items() if link in removed)
-        if orphans:
-            logger.warning("%s: a frontend went: stopping its %d requests", self.name, len(orphans))
-            self._stop(orphans)
+        orphan_ids = sorted(r for r, link in self.origin.items() if link in removed)
+        if orphan_ids:
+            logger.warning("%s: a frontend went: stopping %s", self.name, orphan_ids)
+            self._stop(orphan_ids)
 
     def _stop(self, request_ids: list[str]) -> None:
         self.worker.abort(request_ids)
@@ -127,24 +139,24 @@ class TokenizerProcess:
         self.scheduler.send(encode(AbortRequests(request_ids)))
 
     def _drained(self) -> bool:
+        """Draining, and done: nothing left or out of time. Never before every frontend has
+        heard that this worker drains (a few heartbeats), so none sends it a request it
+        would not read."""
         if not self.draining.is_set():
             return False
-        if self.worker.live and time.monotonic() < self.drain_deadline:
+        elapsed = time.monotonic() - self.drain_started
+        if elapsed < DRAIN_NOTICE_BEATS * HEARTBEAT_INTERVAL_S:
             return False
-        if self.worker.live:
-            self._cut(sorted(self.worker.live))
-        return True
+        return not self.worker.live or elapsed >= self.drain_timeout
 
     def _cut(self, request_ids: list[str]) -> None:
         """The drain timeout: end what is left with an error here, rather than leave the
         frontend to notice this worker's silence."""
-        logger.warning("%s: drain timeout, %d requests cut", self.name, len(request_ids))
+        logger.warning("%s: drain timeout, cutting %s", self.name, request_ids)
         error = RequestError.unavailable(f"{self.name} stopped (drain timeout)")
         for request_id in request_ids:
             self._reply(request_id, TextDelta.failure(request_id, error))
         self._stop(request_ids)
-        for socket in (*self.frontends.sockets.values(), self.scheduler):
-            socket.close(linger=1000)  # let these last messages out
 
     def _guarded(self, handler: Callable[[object], None], message: object | None) -> None:
         # One message's failure is logged; it must never take the worker (and the server) down.
@@ -159,8 +171,13 @@ class TokenizerProcess:
         """To the frontend the request came from; ends its link when the request ends."""
         ends = not isinstance(message, TextDelta) or message.finish_reason is not None
         link = self.origin.pop(request_id, None) if ends else self.origin.get(request_id)
-        if link is not None:
-            link.send(encode(message))
+        if link is None:
+            return
+        try:
+            link.send(encode(message), flags=zmq.DONTWAIT)
+        except zmq.Again:  # that frontend stopped reading: never let it stall the others
+            logger.warning("request_id=%s: its frontend is not reading: stopping it", request_id)
+            self._stop([request_id])
 
     def _from_frontend(self, link: zmq.Socket[Any], message: object) -> None:
         if isinstance(message, GenerateRequest | TokenizeRequest):

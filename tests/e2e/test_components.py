@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -124,7 +125,29 @@ def test_two_frontends_share_one_engine_and_one_drains_alone() -> None:
                 temperature=0,
             )
             assert out.choices[0].text.startswith(" Paris")
+        # A stream through the first frontend finishes while it drains.
+        finish: list[str | None] = []
+        streaming = threading.Event()
+
+        def stream() -> None:
+            client = openai.OpenAI(base_url=f"{urls[0]}/v1", api_key="unused")
+            events = client.completions.create(
+                model="SmolLM2-135M-Instruct",
+                prompt="Count:",
+                max_tokens=60,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for event in events:
+                streaming.set()
+                finish.append(event.choices[0].finish_reason)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert streaming.wait(60)
         procs[0].send_signal(signal.SIGTERM)
+        reader.join(120)
+        assert finish[-1] == "length"
         assert procs[0].wait(timeout=60) == 0
         client = openai.OpenAI(base_url=f"{urls[1]}/v1", api_key="unused")
         out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)

@@ -48,7 +48,11 @@ class Components:
         for proc in self.procs.values():
             proc.terminate()
         for proc in self.procs.values():
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # a worker still draining: this is the end
+                proc.kill()
+                proc.wait(timeout=30)
 
 
 def completes(server: Server) -> bool:
@@ -115,6 +119,9 @@ def test_a_tokenizer_worker_told_to_stop_finishes_its_streams_and_exits_zero() -
         draining.send_signal(signal.SIGTERM)
         wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 1, 30)
         assert completes(server)  # through tokenizer-1
+        chunks = record["chunks"]
+        wait_for(lambda: record["chunks"] > chunks, 60)  # still streaming, through tokenizer-0
+        assert draining.poll() is None
         thread.join(600)
         assert record["finish_reason"] == "length" and record["error"] is None
         assert draining.wait(timeout=30) == 0

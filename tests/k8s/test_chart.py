@@ -223,8 +223,31 @@ def test_autoscalers_scale_the_frontends_and_the_tokenizer_pool() -> None:
             if pdb["spec"]["selector"]["matchLabels"].items()
             <= d["spec"]["template"]["metadata"]["labels"].items()
         ]
-        assert len(selected) == 1 and pdb["spec"]["minAvailable"] == 1
+        assert len(selected) == 1 and pdb["spec"]["maxUnavailable"] == 1
     assert len(by_kind(objects, "PodDisruptionBudget")) == 2
+
+
+def test_tokenizer_workers_roll_without_emptying_the_pool() -> None:
+    """A new worker is ready (its file made once it takes requests) before an old one drains."""
+    objects = render()
+    tokenizer = containers(objects)["tokenizer"]
+    ready_file = environment(objects, tokenizer)["KVFLOW_READY_FILE"]
+    assert tokenizer["readinessProbe"]["exec"]["command"] == ["test", "-f", ready_file]
+    assert ready_file.startswith("/tmp/")  # an emptyDir: writable under the read-only root
+    deployment = next(
+        d
+        for d in by_kind(objects, "Deployment").values()
+        if tokenizer in d["spec"]["template"]["spec"]["containers"]
+    )
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert deployment["spec"]["minReadySeconds"] >= 1
+
+
+def test_a_chart_upgrade_alone_restarts_no_pod() -> None:
+    """Pod templates carry no chart or app version: only a real change rolls them."""
+    for pod in pods(render()):
+        labels = pod["metadata"]["labels"]
+        assert "helm.sh/chart" not in labels and "app.kubernetes.io/version" not in labels
 
 
 def test_extra_autoscaling_metrics_pass_through_valid() -> None:
@@ -232,13 +255,15 @@ def test_extra_autoscaling_metrics_pass_through_valid() -> None:
     objects = render(
         "values-gpu.yaml",
         f"{metric}.type=Pods",
-        f"{metric}.pods.metric.name=kvflow_num_requests_waiting",
+        f"{metric}.pods.metric.name=kvflow_frontend_requests_in_flight",
         f"{metric}.pods.target.type=AverageValue",
         f"{metric}.pods.target.averageValue=8",
     )
     hpa = by_kind(objects, "HorizontalPodAutoscaler")["kvflow-frontend"]
     kubernetes_validate.validate(hpa, KUBERNETES_VERSION, strict=True)
-    assert hpa["spec"]["metrics"][1]["pods"]["metric"]["name"] == "kvflow_num_requests_waiting"
+    assert hpa["spec"]["metrics"][1]["pods"]["metric"]["name"] == (
+        "kvflow_frontend_requests_in_flight"
+    )
 
 
 def test_the_frontends_zeromq_name_resolves_to_every_frontend() -> None:
@@ -293,7 +318,7 @@ def test_only_the_releases_pods_reach_the_zeromq_ports() -> None:
 
 
 def test_the_service_monitor_scrapes_the_api_services_metrics() -> None:
-    objects = render("values-gpu.yaml", "apiKey.value=sk-x")
+    objects = render("values-gpu.yaml", "apiKey.value=sk-x", "serviceMonitor.enabled=true")
     [monitor] = [o for o in objects if o["kind"] == "ServiceMonitor"]
     [endpoint] = monitor["spec"]["endpoints"]
     assert (endpoint["port"], endpoint["path"]) == ("http", "/metrics")

@@ -59,12 +59,15 @@ def health_message(client: TestClient) -> str:
 def test_health_says_starting_then_loading_then_ready(app: App) -> None:
     client, engine = app
     assert health_message(client) == (
-        "the engine is unavailable: starting: waiting for scheduler, executor-0, a tokenizer worker"
+        "the engine is unavailable: starting: waiting for scheduler, executor-0"
     )
     engine.last_seen = dict.fromkeys(engine.expected, time.monotonic())
-    engine.tokenizers.beat("tokenizer-0", "s1", time.monotonic())
     assert health_message(client) == "the engine is unavailable: starting: loading the model"
     engine.stats, engine.stats_at = stats(), time.monotonic()
+    assert health_message(client) == (
+        "the engine is unavailable: starting: waiting for a tokenizer worker"
+    )
+    engine.tokenizers.beat("tokenizer-0", "s1", time.monotonic())
     assert client.get("/health").status_code == 200
     models = client.get("/v1/models", headers=AUTH).json()
     assert models["data"][0]["max_model_len"] == 512

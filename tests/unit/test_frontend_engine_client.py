@@ -25,7 +25,7 @@ from tests.unit.snapshots import stats
 
 async def ready_engine(address: str) -> tuple[EngineClient, zmq.asyncio.Socket]:
     """A started client whose components all beat, and the socket of its one tokenizer worker."""
-    engine = EngineClient(Config(frontend_address=address, tokenizer_pool_size=1))
+    engine = EngineClient(Config(frontend_address=address))
     await engine.start()
     worker = engine.context.socket(zmq.DEALER)
     worker.setsockopt(zmq.IDENTITY, b"tokenizer-0")
@@ -40,8 +40,10 @@ async def ready_engine(address: str) -> tuple[EngineClient, zmq.asyncio.Socket]:
     return engine, worker
 
 
-def beat(component: str, session: str = "s1") -> Heartbeat:
-    return Heartbeat(component=component, pid=1, sent_at=time.time(), session=session)
+def beat(component: str, session: str = "s1", draining: bool = False) -> Heartbeat:
+    return Heartbeat(
+        component=component, pid=1, sent_at=time.time(), session=session, draining=draining
+    )
 
 
 def test_a_restarted_tokenizer_worker_fails_the_requests_it_held() -> None:
@@ -79,6 +81,37 @@ def test_a_restarted_tokenizer_worker_fails_the_requests_it_held() -> None:
     assert failure.error is not None and "tokenizer-0 restarted" in failure.error.message
     assert abort == AbortRequests(["r"])
     assert isinstance(received, GenerateRequest) and received.request_id == "r2"
+
+
+def test_a_draining_worker_finishes_its_requests_while_new_ones_are_refused() -> None:
+    """The last worker draining (SIGTERM, a rolling update): nothing new can start, but what
+    it holds runs to its end."""
+
+    async def scenario() -> tuple[list[TextDelta], str | None]:
+        engine, worker = await ready_engine("inproc://engine-client-drain")
+        try:
+            request = GenerateRequest(request_id="r", sampling_params=SamplingParams(), prompt="x")
+            generator = engine.generate([request])
+            first = asyncio.create_task(anext(generator))
+            await worker.recv()
+            await worker.send(encode(beat("tokenizer-0", draining=True)))
+            deadline = time.monotonic() + 10
+            while engine.unavailable_reason() is None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.6)  # the watchdog runs every 0.25 s: it must leave "r" be
+            done = TextDelta(request_id="r", text="y", token_ids=[5], finish_reason="length")
+            await worker.send(encode(done))
+            deltas = [await asyncio.wait_for(first, 10)]
+            deltas += [d async for d in generator]
+            return deltas, engine.unavailable_reason()
+        finally:
+            worker.close()
+            engine.close()
+
+    deltas, reason = asyncio.run(scenario())
+    assert [(d.text, d.finish_reason, d.error) for d in deltas] == [("y", "length", None)]
+    assert reason is not None and "draining" in reason
 
 
 def test_a_request_failed_by_the_frontend_is_aborted_in_the_engine() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.frontend.health import unavailable_reason
+from services.frontend.health import tokenizer_pool_reason, unavailable_reason
 
 EXPECTED = ["scheduler", "executor-0"]
 TIMEOUT = 10.0
@@ -13,8 +13,6 @@ def reason(
     stats_at: float | None = None,
     down: str | None = None,
     now: float = 100.0,
-    num_tokenizers: int = 2,
-    tokenizer_heard_at: float | None = 99.0,
 ) -> str | None:
     return unavailable_reason(
         now=now,
@@ -23,8 +21,12 @@ def reason(
         last_seen=last_seen,
         stats_at=stats_at,
         down=down,
-        num_tokenizers=num_tokenizers,
-        tokenizer_heard_at=tokenizer_heard_at,
+    )
+
+
+def pool_reason(num_accepting: int, heard_at: float | None) -> str | None:
+    return tokenizer_pool_reason(
+        now=100.0, timeout=TIMEOUT, num_accepting=num_accepting, heard_at=heard_at
     )
 
 
@@ -33,33 +35,27 @@ def beating(*names: str, at: float = 99.0) -> dict[str, float]:
 
 
 def test_nothing_heard_yet_is_starting() -> None:
-    assert reason({}, num_tokenizers=0, tokenizer_heard_at=None) == (
-        "starting: waiting for scheduler, executor-0, a tokenizer worker"
-    )
+    assert reason({}) == "starting: waiting for scheduler, executor-0"
+    assert pool_reason(0, heard_at=None) == "starting: waiting for a tokenizer worker"
 
 
 def test_waits_only_for_the_components_not_heard_from() -> None:
     assert reason(beating("scheduler")) == "starting: waiting for executor-0"
-    assert reason(beating(), num_tokenizers=0, tokenizer_heard_at=None) == (
-        "starting: waiting for a tokenizer worker"
-    )
 
 
 def test_any_number_of_tokenizer_workers_will_do() -> None:
-    assert reason(beating(), stats_at=99.9, num_tokenizers=1) is None
-    assert reason(beating(), stats_at=99.9, num_tokenizers=7) is None
+    assert pool_reason(1, heard_at=99.0) is None
+    assert pool_reason(7, heard_at=99.0) is None
 
 
 def test_tokenizer_workers_that_all_drain_take_no_requests() -> None:
-    assert reason(beating(), stats_at=99.9, num_tokenizers=0, tokenizer_heard_at=99.5) == (
-        "every tokenizer worker is draining"
+    assert pool_reason(0, heard_at=99.5) == (
+        "no tokenizer worker takes requests (every one is draining or unreachable)"
     )
 
 
 def test_the_last_tokenizer_worker_gone_is_a_failure() -> None:
-    assert reason(beating(), stats_at=99.9, num_tokenizers=0, tokenizer_heard_at=85.0) == (
-        "no heartbeat from any tokenizer worker for 15 s"
-    )
+    assert pool_reason(0, heard_at=85.0) == "no heartbeat from any tokenizer worker for 15 s"
 
 
 def test_every_component_beating_without_stats_is_loading() -> None:

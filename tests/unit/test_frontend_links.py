@@ -25,32 +25,60 @@ class Names:
         return self.ips
 
 
+def links_to(address: str, names: Names, missing_grace: float = 0.0) -> FrontendLinks:
+    """Links that look up only when the test says (`lookup()`), not on a thread."""
+    context = zmq.Context.instance()
+    return FrontendLinks(context, address, "scheduler", names, None, missing_grace)
+
+
 def test_a_name_becomes_one_link_per_address_it_resolves_to() -> None:
-    names = Names(["10.0.0.4"])
-    links = FrontendLinks(zmq.Context.instance(), "tcp://frontend:5557", "scheduler", names)
+    names = Names(["127.0.0.4"])
+    links = links_to("tcp://frontend:5557", names)
     try:
-        assert list(links.sockets) == ["tcp://10.0.0.4:5557"] and names.asked == [
-            ("frontend", 5557)
-        ]
-        names.ips = ["10.0.0.4", "10.0.0.9"]
+        assert list(links.sockets) == ["tcp://127.0.0.4:5557"]
+        assert names.asked == [("frontend", 5557)]
+        names.ips = ["127.0.0.4", "127.0.0.9"]
+        assert links.refresh() == ([], [])  # nothing new until a lookup says so
+        links.lookup()
         added, removed = links.refresh()
         assert len(added) == 1 and not removed
-        assert sorted(links.sockets) == ["tcp://10.0.0.4:5557", "tcp://10.0.0.9:5557"]
-        kept = links.sockets["tcp://10.0.0.9:5557"]
-        names.ips = ["10.0.0.9"]
+        assert sorted(links.sockets) == ["tcp://127.0.0.4:5557", "tcp://127.0.0.9:5557"]
+        kept = links.sockets["tcp://127.0.0.9:5557"]
+        names.ips = ["127.0.0.9"]
+        links.lookup()
         added, removed = links.refresh()
         assert not added and len(removed) == 1 and removed[0].closed
-        assert links.sockets == {"tcp://10.0.0.9:5557": kept}
+        assert links.sockets == {"tcp://127.0.0.9:5557": kept}
         names.ips = None  # the name does not resolve for a while: keep what is
-        assert links.refresh() == ([], []) and list(links.sockets) == ["tcp://10.0.0.9:5557"]
+        links.lookup()
+        assert links.refresh() == ([], []) and list(links.sockets) == ["tcp://127.0.0.9:5557"]
     finally:
         links.close()
+
+
+def test_a_frontend_missing_from_one_answer_is_kept_for_the_grace() -> None:
+    names = Names(["127.0.0.4", "127.0.0.9"])
+    links = links_to("tcp://frontend:5557", names, missing_grace=3600.0)
+    try:
+        names.ips = ["127.0.0.4"]
+        links.lookup()
+        assert links.refresh() == ([], [])  # missing once: not gone
+        names.ips = ["127.0.0.4", "127.0.0.9"]
+        links.lookup()
+        assert links.refresh() == ([], []) and len(links.sockets) == 2
+    finally:
+        links.close()
+
+
+def test_a_tcp_address_without_a_port_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="needs a port"):
+        links_to("tcp://frontend", Names([]))
 
 
 def test_ip_addresses_lists_and_ipc_need_no_lookup() -> None:
     names = Names([])
     address = "tcp://127.0.0.1:5557, ipc:///tmp/kvflow-frontend,tcp://[::1]:5557"
-    links = FrontendLinks(zmq.Context.instance(), address, "executor-0", names)
+    links = links_to(address, names)
     try:
         assert sorted(links.sockets) == [
             "ipc:///tmp/kvflow-frontend",

@@ -101,5 +101,4 @@ def test_every_request_has_exactly_one_live_owner(ops: list[tuple[str, int]]) ->
             pool.beat(name, str(sessions[name]), 0.0)
         else:
             pool.leave(name)
-        held = {r: n for n, w in pool._workers.items() for r in w.request_ids}
-        assert held == pool._owner
+        pool.check_invariants()

@@ -49,5 +49,7 @@ async def models(state: AppState) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def prometheus(state: AppState) -> PlainTextResponse:
-    text = state.metrics.render(state.engine.stats, len(state.engine.tokenizers.accepting))
+    text = state.metrics.render(
+        state.engine.stats, len(state.engine.tokenizers.accepting), len(state.engine.queues)
+    )
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
