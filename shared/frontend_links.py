@@ -61,6 +61,7 @@ class FrontendLinks:
         self.missing_grace = missing_grace
         self.sockets: dict[str, zmq.Socket[Any]] = {}  # endpoint -> its DEALER
         self._found: frozenset[str] | None = None  # the last complete answer
+        self._applied: frozenset[str] | None = None  # the answer the sockets follow
         self._missing_since: dict[str, float] = {}
         self._unresolved_since: float | None = None
         self.lookup()
@@ -116,8 +117,9 @@ class FrontendLinks:
     def refresh(self) -> tuple[list[zmq.Socket[Any]], list[zmq.Socket[Any]]]:
         """Connect new frontends, close those gone for the grace; returns (added, removed)."""
         wanted, now = self._found, time.monotonic()
-        if wanted is None:
-            return [], []
+        if wanted is None or (wanted is self._applied and not self._missing_since):
+            return [], []  # nothing new since the last call: cheap enough for every loop turn
+        self._applied = wanted
         added = [self._connect(e) for e in sorted(wanted - self.sockets.keys())]
         for endpoint in wanted:
             self._missing_since.pop(endpoint, None)
