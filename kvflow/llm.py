@@ -43,7 +43,7 @@ class LLM:
         ready = self.runner.ready_message(name)
         # Offline, the whole batch is queued at once: no cap on waiting requests.
         settings = dataclasses.replace(
-            scheduler_config(self.config, ready), max_queued_requests=None
+            scheduler_config(self.config, ready), max_queued_requests=None, max_queued_tokens=None
         )
         self.engine = EngineCore(Scheduler(settings), self.runner)
         self.worker = TokenizerWorker(load_tokenizer(self.runner.source, self.config.tokenizer))

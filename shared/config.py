@@ -84,11 +84,29 @@ class Config:
     enable_chunked_prefill: bool = option(
         True, "scheduler", "Split long prompts across steps to fit the token budget."
     )
+    scheduling_policy: str = option(
+        "fcfs",
+        "scheduler",
+        "Order of waiting requests: fcfs (arrival), or priority (a request's `priority`, lower"
+        " first, then arrival; the lowest is preempted first).",
+        ("fcfs", "priority"),
+    )
     # -- server
     host: str = option("127.0.0.1", "server", "HTTP address to listen on (0.0.0.0 for all).")
     port: int = option(8000, "server", "HTTP port.")
     api_key: str | None = option(
-        None, "server", "Require this bearer token on every route but /health."
+        None,
+        "server",
+        "Require this bearer token on every route but /health and /ready; several may be given"
+        " comma-separated.",
+    )
+    api_key_file: str | None = option(
+        None,
+        "server",
+        "Also accept the keys in this file, one per line (blank lines and # comments ignored).",
+    )
+    metrics_without_auth: bool = option(
+        False, "server", "Serve /metrics without the API key (for Prometheus scrapers)."
     )
     served_model_name: str | None = option(
         None, "server", "The model name the API shows and accepts; default: the model's."
@@ -101,7 +119,18 @@ class Config:
     max_queued_requests: int = option(
         4096, "server", "Requests waiting for the engine before new ones get 429."
     )
-    max_request_body_bytes: int = option(8 << 20, "server", "Larger request bodies get 413.")
+    max_queued_tokens: int | None = option(
+        1 << 20,
+        "server",
+        "Prompt tokens waiting for the engine before new requests get 429 (an empty queue"
+        " takes any request); none: no bound.",
+    )
+    request_timeout: float | None = option(
+        None,
+        "server",
+        "Seconds a generate request may run (a request's `timeout` may ask for less) before it"
+        " ends with an error; none: no limit.",
+    )
     drain_timeout: float = option(
         30.0, "server", "On SIGTERM, seconds to let in-flight requests finish before exiting."
     )
@@ -111,6 +140,21 @@ class Config:
     enable_log_requests: bool = option(
         False, "server", "Log one line per API request (route, status, tokens, duration)."
     )
+    # -- limits: what one request may ask for (400 or 413 naming the limit beyond)
+    max_request_body_bytes: int = option(8 << 20, "limits", "Larger request bodies get 413.")
+    max_num_messages: int = option(1024, "limits", "Most chat messages in one request.")
+    max_num_prompts: int = option(1024, "limits", "Most prompts in one completions request.")
+    max_prompt_chars: int = option(
+        1 << 21, "limits", "Longest prompt or message text, in characters (before tokenizing)."
+    )
+    max_n: int = option(16, "limits", "Most completions per prompt (`n`).")
+    max_tokens_limit: int | None = option(
+        None, "limits", "Largest `max_tokens` a request may ask for; none: up to max_model_len."
+    )
+    max_logprobs: int = option(20, "limits", "Largest `logprobs` / `top_logprobs`.")
+    max_stop_strings: int = option(16, "limits", "Most stop strings in one request.")
+    max_stop_string_chars: int = option(256, "limits", "Longest stop string, in characters.")
+    max_logit_bias: int = option(1024, "limits", "Most `logit_bias` entries in one request.")
     # -- components (addresses for running them apart; `serve` picks private ipc:// ones)
     frontend_address: str | None = option(
         None,
@@ -135,8 +179,28 @@ class Config:
     component_timeout: float = option(
         10.0, "components", "Seconds without a heartbeat before a component counts as dead."
     )
-    step_timeout: float = option(
-        600.0, "components", "Seconds the scheduler waits for one step before giving up."
+    engine_stall_timeout: float = option(
+        120.0,
+        "components",
+        "Seconds an engine step (or the scheduler's loop) may make no progress: then requests"
+        " in flight fail, /health turns 503 and the stuck process exits, so it is restarted.",
+    )
+    allow_remote_components: bool = option(
+        False,
+        "components",
+        "Let components bind a non-loopback tcp:// address (use --curve-key-dir across hosts).",
+    )
+    curve_key_dir: str | None = option(
+        None,
+        "components",
+        "Folder of ZeroMQ CURVE keys (`kvflow keys DIR` makes them): every socket is then"
+        " authenticated and encrypted, and only holders of the keys may connect.",
+    )
+    fault_hang_step: int | None = option(
+        None,
+        "components",
+        "Testing only: the executor's step N never ends (its heartbeats go on), to exercise"
+        " --engine-stall-timeout.",
     )
     startup_timeout: float = option(
         900.0,
@@ -170,9 +234,22 @@ class Config:
         _require(
             self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"
         )
-        for name in ("startup_timeout", "step_timeout", "component_timeout"):
+        for name in ("startup_timeout", "engine_stall_timeout", "component_timeout"):
             _require(getattr(self, name) > 0, name, "must be > 0 seconds")
         _require(self.drain_timeout >= 0, "drain_timeout", "must be >= 0 seconds")
+        _require(
+            self.request_timeout is None or self.request_timeout > 0,
+            "request_timeout",
+            "must be > 0 seconds",
+        )
+        _require(
+            self.max_queued_tokens is None or self.max_queued_tokens >= 1,
+            "max_queued_tokens",
+            "must be >= 1",
+        )
+        for name in _LIMITS:
+            value = getattr(self, name)
+            _require(value is None or value >= 1, name, "must be >= 1")
         _require(
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
             "num_gpu_blocks_override",
@@ -196,6 +273,18 @@ class Config:
 
 
 _SECRETS = ("api_key",)
+_LIMITS = (
+    "max_request_body_bytes",
+    "max_num_messages",
+    "max_num_prompts",
+    "max_prompt_chars",
+    "max_n",
+    "max_tokens_limit",
+    "max_logprobs",
+    "max_stop_strings",
+    "max_stop_string_chars",
+    "max_logit_bias",
+)
 
 
 def field_doc(name: str) -> str:

@@ -14,7 +14,11 @@ UNHEALTHY_LIMIT_S = 30.0  # /health failing this long after startup means a hung
 
 # -- the HTTP API
 TOKENIZE_TIMEOUT_S = 30.0  # /tokenize and /detokenize wait this long for the tokenizer pool
-MAX_N = 16  # completions per prompt (`n`)
+QUEUE_FULL_RETRY_AFTER_S = 1  # the Retry-After of a 429: the queue moves within a second or two
+SSE_KEEPALIVE_S = 15.0  # a stream silent this long gets a comment, so proxies keep it open
+# A streaming client that takes no bytes for this long (its socket buffers full) has stopped
+# reading: its stream is dropped and its requests aborted.
+STREAM_SEND_TIMEOUT_S = 30.0
 DRAIN_ERROR_GRACE_S = 2.0  # after the drain timeout: time for the cut requests' errors to go out
 
 # -- the executor's memory

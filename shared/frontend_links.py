@@ -27,6 +27,8 @@ import zmq
 from shared.constants import HEARTBEAT_INTERVAL_S, LINKS_REFRESH_S, MISSING_GRACE_S
 from shared.ipc import connect_dealer, encode
 from shared.protocol import Heartbeat
+from shared.stall_watch import StallWatch
+from shared.wire_security import LOCAL, WireSecurity
 
 logger = logging.getLogger(__name__)
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> IP addresses
@@ -55,8 +57,10 @@ class FrontendLinks:
         resolve: Resolver = resolve_host,
         lookup_every: float | None = LINKS_REFRESH_S,
         missing_grace: float = MISSING_GRACE_S,
+        security: WireSecurity = LOCAL,
     ) -> None:
         self.context, self.identity, self.resolve = context, identity, resolve
+        self.security = security
         self.addresses = split_addresses(address)
         self.missing_grace = missing_grace
         self.sockets: dict[str, zmq.Socket[Any]] = {}  # endpoint -> its DEALER
@@ -137,7 +141,9 @@ class FrontendLinks:
         return added, removed
 
     def _connect(self, endpoint: str) -> zmq.Socket[Any]:
-        socket: zmq.Socket[Any] = connect_dealer(self.context, endpoint, self.identity)
+        socket: zmq.Socket[Any] = connect_dealer(
+            self.context, endpoint, self.identity, self.security
+        )
         self.sockets[endpoint] = socket
         return socket
 
@@ -155,12 +161,20 @@ class FrontendLinks:
 
 class HeartbeatThread:
     """Tells every frontend this process is alive, a few times a second, from a daemon thread;
-    each beat also says whether `draining` is set."""
+    each beat also says whether `draining` is set, and whether the main loop is stuck (then
+    `stall_watch` ends the process)."""
 
     def __init__(
-        self, address: str, component: str, draining: threading.Event | None = None
+        self,
+        address: str,
+        component: str,
+        draining: threading.Event | None = None,
+        stall_watch: StallWatch | None = None,
+        security: WireSecurity = LOCAL,
     ) -> None:
         self.address, self.component, self.draining = address, component, draining
+        self.stall_watch = stall_watch
+        self.security = security
         self.session = os.urandom(8).hex()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
@@ -172,7 +186,12 @@ class HeartbeatThread:
         self._thread.join(timeout=5)
 
     def _beat(self) -> None:
-        links = FrontendLinks(zmq.Context.instance(), self.address, f"{self.component}-heartbeat")
+        links = FrontendLinks(
+            zmq.Context.instance(),
+            self.address,
+            f"{self.component}-heartbeat",
+            security=self.security,
+        )
         try:
             while not self._stop.is_set():
                 try:
@@ -191,6 +210,7 @@ class HeartbeatThread:
             sent_at=time.time(),
             session=self.session,
             draining=self.draining is not None and self.draining.is_set(),
+            stalled=self.stall_watch.exit_if_stalled(self.component) if self.stall_watch else None,
         )
 
 

@@ -3,7 +3,9 @@
 Only the frontend and the scheduler bind (ROUTER); tokenizer workers and executors connect
 (DEALER) under a stable identity, so a pool grows without new addresses and a reply goes
 back to whoever asked. Messages are msgpack-encoded msgspec Structs; decoding is validation,
-and a malformed message is logged and dropped, never raised.
+and a malformed message is logged and dropped, never raised. Every bind and connect goes
+through here, so `shared.wire_security` decides, for each, what it may expose and which keys
+it uses.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from typing import Any, TypeVar
 
 import msgspec
 import zmq
+
+from shared.wire_security import LOCAL, WireSecurity, stop_authenticator
 
 logger = logging.getLogger(__name__)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -38,18 +42,31 @@ class Decoder:
             return None
 
 
-def bind_router(context: zmq.Context[SocketT], address: str) -> SocketT:
+def bind_router(
+    context: zmq.Context[SocketT], address: str, security: WireSecurity = LOCAL
+) -> SocketT:
+    security.check_bind(address)
     socket = context.socket(zmq.ROUTER)
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises, not vanishes
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its identity back
     socket.setsockopt(zmq.LINGER, 0)
+    security.secure_server(socket)
     socket.bind(address)
     return socket
 
 
-def connect_dealer(context: zmq.Context[SocketT], address: str, identity: str) -> SocketT:
+def connect_dealer(
+    context: zmq.Context[SocketT], address: str, identity: str, security: WireSecurity = LOCAL
+) -> SocketT:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, identity.encode())
     socket.setsockopt(zmq.LINGER, 0)
+    security.secure_client(socket)
     socket.connect(address)
     return socket
+
+
+def terminate(context: zmq.Context[Any]) -> None:
+    """End a context whose sockets are closed, with its CURVE authenticator if it has one."""
+    stop_authenticator(context)
+    context.term()

@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 class Message(msgspec.Struct, gc=False):
@@ -65,13 +65,18 @@ class SamplingParams(Message, kw_only=True, omit_defaults=True):
             "min_tokens",
             "must be <= max_tokens",
         )
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0")
         _check(self.n >= 1, "n", "must be >= 1")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids out of vocabulary: {bad[:5]}")
             bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
             _check(not bad, "logit_bias", f"ids out of vocabulary: {bad[:5]}")
+            _check(
+                self.logprobs is None or self.logprobs <= vocab_size,
+                "logprobs",
+                f"must be <= the vocabulary size ({vocab_size})",
+            )
 
     def fan_out(self) -> list[SamplingParams]:
         """The parameters of the n completions of one prompt, each its own request.
@@ -153,6 +158,7 @@ class EngineRequest(Message, tag=True, kw_only=True):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
 
 
 class AbortRequests(Message, tag=True):
@@ -308,6 +314,7 @@ class GenerateRequest(Message, tag=True, kw_only=True):
     messages: list[ChatMessage] | None = None
     echo: bool = False  # return the prompt text (and its token ids) in the first delta
     arrival_time: float = 0.0
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
 
 
 class TokenizeRequest(Message, tag=True, kw_only=True):
@@ -382,6 +389,9 @@ class Heartbeat(Message, tag=True, kw_only=True):
     protocol_version: int = PROTOCOL_VERSION
     session: str = ""  # random per process: the same name with a new session is a restart
     draining: bool = False  # a tokenizer worker finishing its requests before it exits
+    # Why the process's main loop is stuck while this thread still beats (a step that has run
+    # past --engine-stall-timeout); None while it makes progress. The process exits soon after.
+    stalled: str | None = None
 
 
 class ComponentDown(Message, tag=True):
@@ -405,6 +415,20 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     device_busy_seconds: float  # summed over steps, so busy fraction = its rate
     num_blocks: int
     max_model_len: int
+    # The waiting queue's exact size and bounds: a frontend refuses new requests up front, before
+    # any tokenization, while it is full (the scheduler still checks each request exactly).
+    num_waiting_tokens: int = 0
+    max_queued_requests: int | None = None
+    max_queued_tokens: int | None = None
+
+    @property
+    def queue_full(self) -> str | None:
+        """Why the waiting queue takes no new request now, or None."""
+        if self.max_queued_requests is not None and self.num_waiting >= self.max_queued_requests:
+            return f"{self.num_waiting} requests are waiting (--max-queued-requests)"
+        if self.max_queued_tokens is not None and self.num_waiting_tokens >= self.max_queued_tokens:
+            return f"{self.num_waiting_tokens} prompt tokens are waiting (--max-queued-tokens)"
+        return None
 
 
 class ExecutorReady(Message, tag=True, kw_only=True):

@@ -23,6 +23,8 @@ unasked ExecutorReady at start tells the scheduler its old one is gone, is adopt
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from typing import Any
 
 import zmq
@@ -38,6 +40,8 @@ from shared.protocol import (
     SchedulerOutput,
     ToExecutor,
 )
+from shared.stall_watch import StallWatch
+from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -46,26 +50,64 @@ def run_executor(config: Config, rank: int = 0) -> None:
     if config.scheduler_address is None or config.frontend_address is None:
         raise ValueError("the executor needs --scheduler-address and --frontend-address")
     name = f"executor-{rank}"
-    heartbeat = HeartbeatThread(config.frontend_address, name)
+    watch = StallWatch(config.engine_stall_timeout)
+    security = WireSecurity.of(config)
+    heartbeat = HeartbeatThread(config.frontend_address, name, stall_watch=watch, security=security)
     runner = ModelRunner(config)
-    socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name)
+    socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name, security)
     model_name = config.served_model_name or runner.source.name
     socket.send(encode(runner.ready_message(model_name)))
     logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
     try:
-        serve_plans(runner, socket, Decoder(ToExecutor, name), model_name)
+        steps = StepWatch(watch, config.fault_hang_step)
+        serve_plans(runner, socket, Decoder(ToExecutor, name), model_name, steps)
     finally:
         heartbeat.stop()
 
 
+class StepWatch:
+    """The steps launched and not answered yet, oldest first, as the stall watch sees them:
+    the oldest must end within --engine-stall-timeout."""
+
+    def __init__(self, watch: StallWatch, hang_step: int | None = None) -> None:
+        self.watch, self.hang_step = watch, hang_step
+        self.launched: deque[int] = deque()
+
+    def launching(self, step: int) -> None:
+        self.launched.append(step)
+        if len(self.launched) == 1:
+            self.watch.working(f"step {step}")
+        if step == self.hang_step:  # testing only (--fault-hang-step): heartbeats go on
+            logger.warning("--fault-hang-step: step %d hangs", step)
+            threading.Event().wait()
+
+    def answered(self, step: int) -> None:
+        if self.launched and self.launched[0] == step:
+            self.launched.popleft()
+        if self.launched:
+            self.watch.working(f"step {self.launched[0]}")
+        else:
+            self.watch.idle()
+
+    def reset(self) -> None:
+        self.launched.clear()
+        self.watch.idle()
+
+
 def serve_plans(
-    runner: ModelRunner, socket: zmq.Socket[Any], decoder: Decoder, model_name: str
+    runner: ModelRunner,
+    socket: zmq.Socket[Any],
+    decoder: Decoder,
+    model_name: str,
+    steps: StepWatch,
 ) -> None:
     """Answer finished steps, ask for the next launch, and take plans, addenda, launches and
     hellos.
 
     While steps are in flight it polls without blocking: their ends are seen within
-    microseconds, which a blocking wait on the socket would not allow.
+    microseconds, which a blocking wait on the socket would not allow. A message it cannot
+    read is dropped (the decoder logs it): were it a plan, the scheduler gives the step up
+    after its stall timeout rather than wait forever.
     """
     asked = False  # DeviceReady sent, LaunchStep not received yet
     session: int | None = None  # the scheduler session whose plans run here
@@ -83,11 +125,14 @@ def serve_plans(
             # since the last look: the scheduler holds one plan at a time, so the plan after
             # a step must be launched before that step's answer lets it send the next one.
             ask_when_due()
-            socket.send(encode(runner.collect()))
+            answer = runner.collect()
+            socket.send(encode(answer))
+            steps.answered(answer.step)
         if not socket.poll(0 if runner.has_in_flight else None):
             continue
         message = decoder.decode(socket.recv())
         if isinstance(message, LaunchStep):
+            steps.launching(message.step)
             runner.launch(message.step)
             asked = False
         elif isinstance(message, SchedulerOutput):
@@ -96,7 +141,6 @@ def serve_plans(
             if message.session != session:  # a new scheduler: nothing from before carries on
                 logger.info("adopted by scheduler session %d", message.session)
                 runner.reset()
+                steps.reset()
                 session, asked = message.session, False
             socket.send(encode(runner.ready_message(model_name, session)))
-        else:  # skipping it could leave the scheduler waiting forever
-            raise RuntimeError("the executor received an unreadable message")

@@ -14,11 +14,13 @@ from fastapi.responses import JSONResponse
 
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import APIError
-from services.frontend.guards import admit, authorize
+from services.frontend.guards import admit, authorize, load_api_keys
+from services.frontend.limits import RequestLimits
 from services.frontend.metrics import Metrics
 from services.frontend.request_log import RequestLog
 from services.frontend.routes import generate, info, tokenize
 from services.frontend.state import FrontendState
+from services.frontend.validation import Served
 from shared.config import Config
 from shared.version import VERSION
 
@@ -27,11 +29,16 @@ logger = logging.getLogger(__name__)
 
 def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI:
     app = FastAPI(title="kvflow", version=VERSION)
-    app.state.frontend = FrontendState(config, engine, model_name, Metrics(model_name))
+    served = Served(model_name, RequestLimits.of(config), config.request_timeout)
+    app.state.frontend = FrontendState(
+        config, engine, model_name, Metrics(model_name), served, load_api_keys(config)
+    )
     app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _on_error)
     app.include_router(info.health_router)  # probes need no key
     app.include_router(info.router, dependencies=[Depends(authorize)])
+    metrics_guards = [] if config.metrics_without_auth else [Depends(authorize)]
+    app.include_router(info.metrics_router, dependencies=metrics_guards)
     app.include_router(tokenize.router, dependencies=[Depends(admit)])
     app.include_router(generate.router, dependencies=[Depends(admit)])
     if config.enable_log_requests:

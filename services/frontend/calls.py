@@ -11,18 +11,26 @@ from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from services.frontend import responses as r
-from services.frontend.engine_client import EngineClient, EngineUnavailable
-from services.frontend.errors import APIError, api_error, unavailable
+from services.frontend.engine_client import (
+    EngineClient,
+    EngineUnavailable,
+    Idle,
+    QueueFull,
+    RequestTimeout,
+)
+from services.frontend.errors import APIError, api_error, queue_full, timed_out, unavailable
+from services.frontend.event_stream import EventStream
 from services.frontend.metrics import Metrics
 from services.frontend.request_log import record_of
 from services.frontend.validation import CallPlan
-from shared.protocol import TextDelta
+from shared.constants import SSE_KEEPALIVE_S
+from shared.protocol import ErrorKind, TextDelta
 
 T = TypeVar("T")
-Item = tuple[r.Choice, TextDelta]
+Item = tuple[r.Choice, TextDelta] | Idle  # Idle: nothing came for SSE_KEEPALIVE_S
 
 
 class APICall:
@@ -35,14 +43,22 @@ class APICall:
         self.choices = {s.request_id: r.Choice(i) for i, s in enumerate(plan.sub_requests)}
         self.start = time.monotonic()
         self.last_token_at: dict[str, float] = {}
+        # The deadline, on the event loop's clock (what asyncio.timeout_at reads).
+        loop_now = asyncio.get_running_loop().time()
+        self.deadline = None if plan.timeout is None else loop_now + plan.timeout
+        self.timed_out = False
         record_of(request).request_id = plan.request_id
 
     async def respond(self) -> Response:
         """Run the call: an SSE stream, or the whole body once every choice has finished."""
         try:
             self.engine.check_available()
+            self.engine.check_queue_room()
         except EngineUnavailable as exc:
             raise unavailable(str(exc)) from None
+        except QueueFull as exc:
+            self.metrics.refused["queue_full"] += 1
+            raise queue_full(str(exc)) from None
         if self.plan.stream:
             return await self._stream()
         await self._unless_disconnected(self._consume())
@@ -70,24 +86,34 @@ class APICall:
             self.metrics.e2e.observe(now - self.start)
 
     async def _deltas(self) -> AsyncGenerator[Item, None]:
+        idle_after = SSE_KEEPALIVE_S if self.plan.stream else None
+        generate = self.engine.generate(self.plan.sub_requests, self.deadline, idle_after)
         try:
             # aclosing: leaving early (an error, a client gone) aborts the other
             # sub-requests now, not whenever the generator is garbage-collected.
-            async with contextlib.aclosing(self.engine.generate(self.plan.sub_requests)) as deltas:
+            async with contextlib.aclosing(generate) as deltas:
                 async for delta in deltas:
+                    if isinstance(delta, Idle):
+                        yield delta
+                        continue
                     self._observe(delta)
                     choice = self.choices[delta.request_id]
                     if delta.error is not None:
                         choice.finish_reason = "error"
+                        if delta.error.kind is ErrorKind.QUEUE_FULL:
+                            self.metrics.refused["queue_full"] += 1
                         raise api_error(delta.error)
                     choice.absorb(delta)
                     yield choice, delta
         except EngineUnavailable as exc:
             raise unavailable(str(exc)) from None
+        except RequestTimeout:
+            self.timed_out = True
+            raise timed_out(self.plan.timeout) from None
         finally:
-            # Requests left unfinished here were aborted (client gone, or an error).
+            # Requests left unfinished here were aborted (client gone, an error, the deadline).
             unfinished = sum(c.finish_reason is None for c in self.choices.values())
-            self.metrics.finished["abort"] += unfinished
+            self.metrics.finished["timeout" if self.timed_out else "abort"] += unfinished
             self._record_usage()
 
     def _record_usage(self) -> None:
@@ -102,9 +128,10 @@ class APICall:
 
     async def _stream(self) -> Response:
         deltas = self._deltas()
-        # Wait for the first delta so that an invalid prompt is still a plain 400.
+        # Wait for the first delta so that an invalid prompt is still a plain 400, or a 429; a
+        # request that waits longer than SSE_KEEPALIVE_S starts its stream with a keep-alive.
         first = await self._unless_disconnected(anext(deltas, None))
-        return StreamingResponse(self._events(first, deltas), media_type="text/event-stream")
+        return EventStream(self._events(first, deltas), self.plan.request_id)
 
     async def _events(
         self, first: Item | None, deltas: AsyncGenerator[Item, None]
@@ -113,10 +140,14 @@ class APICall:
         try:
             item = first
             while item is not None:
-                choice, delta = item
-                yield _sse(
-                    plan.endpoint.chunk(plan.request_id, plan.model, choice, delta, plan.logprobs)
-                )
+                if isinstance(item, Idle):
+                    yield b": keep-alive\n\n"  # an SSE comment: clients skip it
+                else:
+                    choice, delta = item
+                    chunk = plan.endpoint.chunk(
+                        plan.request_id, plan.model, choice, delta, plan.logprobs
+                    )
+                    yield _sse(chunk)
                 item = await anext(deltas, None)
             if plan.include_usage:
                 usage = r.usage(list(self.choices.values()), plan.num_prompts)

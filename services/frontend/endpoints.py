@@ -35,7 +35,7 @@ class Prompt:
     echo: bool = False  # completions only: return the prompt before its completion
 
     def request(
-        self, request_id: str, params: SamplingParams, arrival_time: float
+        self, request_id: str, params: SamplingParams, arrival_time: float, priority: int
     ) -> GenerateRequest:
         return GenerateRequest(
             request_id=request_id,
@@ -45,6 +45,7 @@ class Prompt:
             messages=self.messages,
             echo=self.echo,
             arrival_time=arrival_time,
+            priority=priority,
         )
 
 
@@ -55,6 +56,8 @@ class Inputs:
     prompts: list[Prompt]
     params: SamplingParams  # for one sample: fanned out to n sub-requests per prompt
     logprobs: bool  # whether the response carries logprobs
+    priority: int = 0
+    timeout: float | None = None  # seconds the call may run, as the body asks
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,7 @@ class Endpoint(Generic[Body]):
 
     body_type: type[Body]
     read: Callable[[Body], Inputs]  # raises ParameterError naming the bad parameter
+    logprobs_param: str  # the body field that asks for top logprobs
     id_prefix: str  # of the call's request_id: "cmpl-..." or "chatcmpl-..."
     chunk_object: str  # the `object` of its stream chunks, the usage chunk's too
     response_body: BodyBuilder  # (request_id, model, choices, num_prompts, logprobs)
@@ -83,6 +87,8 @@ def _read_completion(body: CompletionRequest) -> Inputs:
         ],
         params=params,
         logprobs=body.logprobs is not None,
+        priority=body.priority,
+        timeout=body.timeout,
     )
 
 
@@ -92,12 +98,19 @@ def _read_chat(body: ChatCompletionRequest) -> Inputs:
     if max_tokens is None:  # the older name; 0 in either is refused, not taken as unset
         max_tokens = body.max_tokens
     params = body.sampling_params(max_tokens, body.num_logprobs)
-    return Inputs(prompts=[Prompt(messages=messages)], params=params, logprobs=body.logprobs)
+    return Inputs(
+        prompts=[Prompt(messages=messages)],
+        params=params,
+        logprobs=body.logprobs,
+        priority=body.priority,
+        timeout=body.timeout,
+    )
 
 
 COMPLETIONS = Endpoint(
     body_type=CompletionRequest,
     read=_read_completion,
+    logprobs_param="logprobs",
     id_prefix="cmpl",
     chunk_object="text_completion",
     response_body=r.completion_body,
@@ -106,6 +119,7 @@ COMPLETIONS = Endpoint(
 CHAT = Endpoint(
     body_type=ChatCompletionRequest,
     read=_read_chat,
+    logprobs_param="top_logprobs",
     id_prefix="chatcmpl",
     chunk_object="chat.completion.chunk",
     response_body=r.chat_body,

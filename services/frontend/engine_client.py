@@ -13,11 +13,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from services.frontend.health import tokenizer_pool_reason, unavailable_reason
+from services.frontend.health import engine_failure, tokenizer_pool_reason, unavailable_reason
 from services.frontend.tokenizer_pool import TokenizerPool
 from shared.config import Config
 from shared.constants import TOKENIZE_TIMEOUT_S
-from shared.ipc import Decoder, bind_router, encode
+from shared.ipc import Decoder, bind_router, encode, terminate
 from shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -31,12 +31,28 @@ from shared.protocol import (
     TokenizeRequest,
     TokenizeResult,
 )
+from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
 
 
 class EngineUnavailable(RuntimeError):
     """The engine is dead, still starting, or draining."""
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is full (as its last snapshot said): retry later."""
+
+
+class RequestTimeout(RuntimeError):
+    """A call ran past its deadline (--request-timeout or the body's `timeout`)."""
+
+
+class Idle:
+    """No delta came for `idle_after` seconds: a streaming caller sends a keep-alive."""
+
+
+IDLE = Idle()
 
 
 class EngineClient:
@@ -50,11 +66,12 @@ class EngineClient:
             )
         self.config = config
         self.context = zmq.asyncio.Context()
-        self.socket = bind_router(self.context, config.frontend_address)
+        self.socket = bind_router(self.context, config.frontend_address, WireSecurity.of(config))
         self.decoder = Decoder(ToFrontend, "frontend")
         self.queues: dict[str, asyncio.Queue[TextDelta]] = {}
         self.tokenize_waiters: dict[str, asyncio.Future[TokenizeResult]] = {}
         self.last_seen: dict[str, float] = {}
+        self.stalled: dict[str, str] = {}  # component -> why its main loop is stuck
         self.expected = ["scheduler", "executor-0"]
         self.tokenizers = TokenizerPool()
         self.down: str | None = None  # why the engine is dead, once it is
@@ -72,12 +89,24 @@ class EngineClient:
         for task in self._tasks:
             task.cancel()
         self.socket.close()
-        self.context.term()
+        terminate(self.context)
 
     # ---------------------------------------------------------------- health
 
+    def failure_reason(self) -> str | None:
+        """Why the engine has failed (a component dead, silent or stuck), or None while it is
+        alive, even if still starting: what /health answers."""
+        return engine_failure(
+            now=time.monotonic(),
+            timeout=self.config.component_timeout,
+            last_seen=self.last_seen,
+            stats_at=self.stats_at,
+            down=self.down,
+            stalled=self.stalled,
+        )
+
     def unavailable_reason(self) -> str | None:
-        """Why a new request cannot be served now, or None."""
+        """Why a new request cannot be served now, or None: what /ready answers."""
         return self._engine_reason() or tokenizer_pool_reason(
             now=time.monotonic(),
             timeout=self.config.component_timeout,
@@ -94,6 +123,7 @@ class EngineClient:
             last_seen=self.last_seen,
             stats_at=self.stats_at,
             down=self.down,
+            stalled=self.stalled,
         )
 
     async def _watchdog(self) -> None:
@@ -169,6 +199,10 @@ class EngineClient:
         now = time.monotonic()
         if not beat.component.startswith("tokenizer-"):
             self.last_seen[beat.component] = now
+            if beat.stalled is None:
+                self.stalled.pop(beat.component, None)
+            else:
+                self.stalled[beat.component] = beat.stalled
         elif lost_ids := self.tokenizers.beat(beat.component, beat.session, now, beat.draining):
             self._fail(lost_ids, f"{beat.component} restarted")
 
@@ -200,12 +234,28 @@ class EngineClient:
         if reason is not None:
             raise EngineUnavailable(reason)
 
-    async def generate(self, requests: list[GenerateRequest]) -> AsyncGenerator[TextDelta, None]:
-        """Yield the deltas of one API call's sub-requests as they come, until all finish.
+    def check_queue_room(self) -> None:
+        """Refuse a new request before any work is spent on it while the engine's waiting
+        queue is full (its last snapshot, at most STATS_INTERVAL_S old, or sent at once when
+        the scheduler refuses one); the scheduler still checks each request exactly."""
+        reason = self.stats.queue_full if self.stats is not None else None
+        if reason is not None:
+            raise QueueFull(reason)
 
-        Whatever ends the iteration early (a client gone, an error) aborts what is left. So
-        does an error: it may have been decided here (the engine lost, the drain deadline)
-        while the engine still runs the request; for one the engine refused, it is a no-op.
+    async def generate(
+        self,
+        requests: list[GenerateRequest],
+        deadline: float | None = None,
+        idle_after: float | None = None,
+    ) -> AsyncGenerator[TextDelta | Idle, None]:
+        """Yield the deltas of one API call's sub-requests as they come, until all finish;
+        IDLE whenever none came for `idle_after` seconds; RequestTimeout once the event loop's
+        clock passes `deadline`.
+
+        Whatever ends the iteration early (a client gone, an error, the deadline) aborts what
+        is left. So does an error: it may have been decided here (the engine lost, the drain
+        deadline) while the engine still runs the request; for one the engine refused, it is
+        a no-op.
         """
         self.check_available()
         queue: asyncio.Queue[TextDelta] = asyncio.Queue()
@@ -217,7 +267,10 @@ class EngineClient:
             for request in requests:
                 await self._submit(request.request_id, request)
             while unfinished:
-                delta = await queue.get()
+                delta = await _next_delta(queue, deadline, idle_after)
+                if isinstance(delta, Idle):
+                    yield delta
+                    continue
                 if delta.request_id not in unfinished:
                     continue  # ended here already (failed while its worker still ran it)
                 if delta.finish_reason is not None:
@@ -255,3 +308,22 @@ class EngineClient:
         finally:
             self.tokenize_waiters.pop(request.request_id, None)
             self.tokenizers.release(request.request_id)
+
+
+async def _next_delta(
+    queue: asyncio.Queue[TextDelta], deadline: float | None, idle_after: float | None
+) -> TextDelta | Idle:
+    """The next delta; IDLE after `idle_after` seconds without one; RequestTimeout past the
+    deadline. A delta already queued is taken without arming a timer."""
+    if not queue.empty() or (deadline is None and idle_after is None):
+        return await queue.get()
+    loop = asyncio.get_running_loop()
+    wake = None if idle_after is None else loop.time() + idle_after
+    at = min(t for t in (deadline, wake) if t is not None)
+    try:
+        async with asyncio.timeout_at(at):
+            return await queue.get()
+    except TimeoutError:
+        if deadline is not None and loop.time() >= deadline:
+            raise RequestTimeout("the request ran past its deadline") from None
+        return IDLE

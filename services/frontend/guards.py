@@ -4,21 +4,42 @@ routes take which): the API key; for POSTs also draining and the body-size limit
 from __future__ import annotations
 
 import hmac
+from pathlib import Path
 
 from fastapi import Request
 
 from services.frontend.errors import APIError, unavailable
 from services.frontend.state import frontend_state
+from shared.config import Config, ConfigError
+
+
+def load_api_keys(config: Config) -> tuple[bytes, ...]:
+    """The keys --api-key (comma-separated) and --api-key-file (one per line) give."""
+    keys = [k.strip() for k in (config.api_key or "").split(",")]
+    if config.api_key_file is not None:
+        path = Path(config.api_key_file)
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file: cannot read {path}: {exc.strerror}") from None
+        keys += [line.strip() for line in lines if not line.strip().startswith("#")]
+        if not any(keys):
+            raise ConfigError(f"--api-key-file: {path} holds no key")
+    return tuple(k.encode() for k in keys if k)
 
 
 async def authorize(request: Request) -> None:
-    """With --api-key, a matching bearer token (compared in constant time), else 401."""
-    api_key = frontend_state(request).config.api_key
-    if api_key is None:
+    """With API keys set, a bearer token matching one of them, else 401. Every key is compared,
+    each in constant time, so the time taken tells nothing of which one (nearly) matched."""
+    keys = frontend_state(request).api_keys
+    if not keys:
         return
     header = request.headers.get("authorization", "")
-    token = header[7:] if header.lower().startswith("bearer ") else ""
-    if not hmac.compare_digest(token.encode(), api_key.encode()):
+    token = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(token, key)
+    if not matched:
         raise APIError(
             401, "invalid or missing API key", "authentication_error", code="invalid_api_key"
         )

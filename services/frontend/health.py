@@ -17,29 +17,54 @@ def unavailable_reason(
     last_seen: Mapping[str, float],
     stats_at: float | None,
     down: str | None,
+    stalled: Mapping[str, str] | None = None,
 ) -> str | None:
-    """Why the engine cannot serve at `now`, or None when it can.
+    """Why the engine cannot serve at `now`, or None when it can (readiness: /ready).
 
     `last_seen` holds each expected component's last heartbeat time, `stats_at` the
     scheduler's last snapshot (None before the first), `down` why a component is gone for
-    good. A component never heard from is still starting; one heard from and then silent has
-    failed, and that is said first, as it is what an operator must act on.
+    good, `stalled` what each component whose main loop is stuck says of it. A component never
+    heard from is still starting; a failure is said first, as it is what an operator must act on.
     """
-    if down is not None:
-        return down
-    silent = [
-        f"{name} for {now - last_seen[name]:.0f} s"
-        for name in expected
-        if name in last_seen and now - last_seen[name] > timeout
-    ]
-    if silent:
-        return f"no heartbeat from {', '.join(silent)}"
+    failure = engine_failure(
+        now=now,
+        timeout=timeout,
+        last_seen=last_seen,
+        stats_at=stats_at,
+        down=down,
+        stalled=stalled,
+    )
+    if failure is not None:
+        return failure
     unseen = [name for name in expected if name not in last_seen]
     if unseen:
         return f"starting: waiting for {', '.join(unseen)}"
     if stats_at is None:
         return "starting: loading the model"  # every process beats; the executor is loading
-    if now - stats_at > timeout:
+    return None
+
+
+def engine_failure(
+    *,
+    now: float,
+    timeout: float,
+    last_seen: Mapping[str, float],
+    stats_at: float | None,
+    down: str | None,
+    stalled: Mapping[str, str] | None = None,
+) -> str | None:
+    """Why the engine has failed (liveness: /health), or None while it is alive, starting
+    or not: a component gone, silent, or stuck while it still beats."""
+    if down is not None:
+        return down
+    if stalled:
+        return "; ".join(f"{name} is stalled: {why}" for name, why in sorted(stalled.items()))
+    silent = [
+        f"{name} for {now - seen:.0f} s" for name, seen in last_seen.items() if now - seen > timeout
+    ]
+    if silent:
+        return f"no heartbeat from {', '.join(silent)}"
+    if stats_at is not None and now - stats_at > timeout:
         return "the scheduler has stopped reporting"  # alive but stuck
     return None
 

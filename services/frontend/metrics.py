@@ -61,6 +61,7 @@ class Metrics:
         self.itl = Histogram("kvflow:inter_token_latency_seconds", "Time between tokens.")
         self.e2e = Histogram("kvflow:e2e_request_latency_seconds", "End-to-end latency.")
         self.finished: Counter[str] = Counter()
+        self.refused: Counter[str] = Counter()  # requests refused up front, by reason
 
     def render(
         self, stats: StatsSnapshot | None, num_tokenizer_workers: int, num_in_flight: int
@@ -83,6 +84,10 @@ class Metrics:
             gauges = {
                 "num_requests_running": (stats.num_running, "Requests in the running batch."),
                 "num_requests_waiting": (stats.num_waiting, "Requests waiting to be scheduled."),
+                "num_prompt_tokens_waiting": (
+                    stats.num_waiting_tokens,
+                    "Tokens the waiting requests owe (bounded by --max-queued-tokens).",
+                ),
                 "kv_cache_usage_perc": (stats.kv_usage, "Fraction of KV blocks in use (0-1)."),
             }
             counters = {
@@ -104,11 +109,18 @@ class Metrics:
             "# HELP kvflow:request_success_total Finished requests by reason.",
             "# TYPE kvflow:request_success_total counter",
         ]
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in ("stop", "length", "abort", "error", "timeout"):
             lines.append(
                 f'kvflow:request_success_total{{{self.labels},finished_reason="{reason}"}}'
                 f" {self.finished[reason]}"
             )
+        lines += [
+            "# HELP kvflow:request_refused_total Requests refused (429) because the waiting"
+            " queue was full.",
+            "# TYPE kvflow:request_refused_total counter",
+            f'kvflow:request_refused_total{{{self.labels},reason="queue_full"}}'
+            f" {self.refused['queue_full']}",
+        ]
         for histogram in (self.ttft, self.itl, self.e2e):
             lines += histogram.render(self.labels)
         return "\n".join(lines) + "\n"

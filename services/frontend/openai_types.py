@@ -10,7 +10,6 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from shared.constants import MAX_N
 from shared.protocol import ChatMessage, ParameterError, SamplingParams
 
 T = TypeVar("T")
@@ -41,6 +40,8 @@ class _Common(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
+    timeout: float | None = None  # seconds this request may run (at most --request-timeout)
 
     @property
     def include_usage(self) -> bool:
@@ -67,8 +68,8 @@ class _Common(msgspec.Struct, kw_only=True):
             n=self.n,
         )
         params.validate()
-        if self.n > MAX_N:
-            raise ParameterError("n", f"must be <= {MAX_N}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise ParameterError("timeout", "must be > 0 seconds")
         return params
 
 
@@ -119,8 +120,15 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template: str | None = None  # vLLM takes one; refused here (see chat_messages)
 
     def chat_messages(self) -> list[ChatMessage]:
+        if self.chat_template is not None:
+            # A template is Jinja code that runs in the tokenizer pool: it comes from the model
+            # or the operator, never from a client.
+            raise ParameterError(
+                "chat_template", "this server takes chat templates from the model, not requests"
+            )
         if not self.messages:
             raise ParameterError("messages", "must be a non-empty list")
         out = []

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from services.frontend.engine_client import EngineClient
 from services.frontend.metrics import Metrics
+from services.frontend.validation import Served
 from shared.config import Config
 
 
@@ -18,7 +19,9 @@ class FrontendState:
     engine: EngineClient
     model_name: str  # the one model served, as the API names it
     metrics: Metrics
-    draining: bool = False  # set on SIGTERM: new requests get 503, /health too
+    served: Served  # the model's name, limits and timeout, for plan_call
+    api_keys: tuple[bytes, ...] = ()  # a bearer token must match one; none: no key needed
+    draining: bool = False  # set on SIGTERM: new requests get 503, /ready too
 
     @property
     def max_model_len(self) -> int | None:

@@ -8,10 +8,20 @@ from typing import Any, TypeVar
 
 from services.frontend.endpoints import Endpoint
 from services.frontend.errors import APIError, bad_request
+from services.frontend.limits import RequestLimits
 from services.frontend.openai_types import decode_body
 from shared.protocol import GenerateRequest, ParameterError
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the server serves and allows: the model's name, the limits, the longest run."""
+
+    model: str
+    limits: RequestLimits
+    request_timeout: float | None = None
 
 
 @dataclass(frozen=True)
@@ -26,38 +36,44 @@ class CallPlan:
     stream: bool
     include_usage: bool  # streams end with a usage chunk
     logprobs: bool  # choices carry logprobs
+    timeout: float | None  # seconds the call may run: the body's, within --request-timeout
 
 
 def plan_call(
     endpoint: Endpoint[Any],
     raw_body: bytes,
-    served_model: str,
+    served: Served,
     request_id: str,
     arrival_time: float,
 ) -> CallPlan:
-    """Decode and validate a body; raise APIError (400 naming the parameter, 404 for another
-    model) at the first problem, in the order a client would fix them."""
+    """Decode and validate a body; raise APIError (400 naming the parameter or the limit, 404
+    for another model) at the first problem, in the order a client would fix them."""
     body = decode(raw_body, endpoint.body_type)
-    check_model(body.model, served_model)
+    check_model(body.model, served.model)
     try:
         inputs = endpoint.read(body)
+        served.limits.check(inputs, endpoint.logprobs_param)
     except ParameterError as exc:
         raise bad_request(exc) from None
     samples = inputs.params.fan_out()  # n of them, each its own seed
     sub_requests = [
-        prompt.request(f"{request_id}-{p * len(samples) + j}", params, arrival_time)
+        prompt.request(
+            f"{request_id}-{p * len(samples) + j}", params, arrival_time, inputs.priority
+        )
         for p, prompt in enumerate(inputs.prompts)
         for j, params in enumerate(samples)
     ]
+    timeouts = [t for t in (inputs.timeout, served.request_timeout) if t is not None]
     return CallPlan(
         request_id=request_id,
-        model=served_model,
+        model=served.model,
         endpoint=endpoint,
         sub_requests=sub_requests,
         num_prompts=len(inputs.prompts),
         stream=body.stream,
         include_usage=body.include_usage,
         logprobs=inputs.logprobs,
+        timeout=min(timeouts, default=None),
     )
 
 

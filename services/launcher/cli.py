@@ -1,20 +1,22 @@
-"""The `kvflow` command line: generate, serve, bench, and each component on its own."""
+"""The `kvflow` command line: generate, serve, bench, keys, and each component on its own."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from benchmarks.cli import add_bench_parser
 from services.launcher.generate import add_generate_parser
 from shared.config import ConfigError, add_config_flags, config_from_args, field_doc
 from shared.protocol import ParameterError
 from shared.version import VERSION
+from shared.wire_security import make_keys
 
 logger = logging.getLogger(__name__)
 ENGINE_GROUPS = ("model", "cache", "scheduler", "device")
-ALL_GROUPS = (*ENGINE_GROUPS, "server", "components")
+ALL_GROUPS = (*ENGINE_GROUPS, "server", "limits", "components")
 COMPONENTS = {
     "frontend": "The HTTP API process (FastAPI on uvicorn).",
     "tokenizer": "One tokenizer worker (tokenize in, detokenize out).",
@@ -48,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_config_flags(component, ALL_GROUPS)
         # Set by `kvflow serve` for the processes it starts: it has logged the config already.
         component.add_argument("--supervised", action="store_true", help=argparse.SUPPRESS)
+    keys = commands.add_parser(
+        "keys",
+        help="Make the ZeroMQ CURVE keys that --curve-key-dir reads.",
+        description="Write a server and a client CURVE key pair into DIR (made 0700 if new;"
+        " secret files 0600). Never overwrites keys.",
+    )
+    keys.add_argument("directory", metavar="DIR", help="The folder for the key files.")
     return parser
 
 
@@ -101,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             from benchmarks.cli import run_bench
 
             return run_bench(args)
+        if args.command == "keys":
+            print("\n".join(str(path) for path in make_keys(Path(args.directory))))
+            return 0
         return _run_component(args)
     except (ConfigError, ParameterError, FileNotFoundError, ValueError) as exc:
         print(f"kvflow: error: {exc}", file=sys.stderr)

@@ -16,11 +16,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import zmq
 
@@ -28,13 +26,15 @@ from shared.config import ENV_PREFIX, Config
 from shared.constants import DEATH_GRACE_S, UNHEALTHY_LIMIT_S
 from shared.ipc import connect_dealer, encode
 from shared.protocol import ComponentDown
+from shared.wire_security import WireSecurity, private_runtime_dir
 
 logger = logging.getLogger(__name__)
 
 
 class Launcher:
     def __init__(self, config: Config) -> None:
-        self.runtime = Path(tempfile.mkdtemp(prefix="kvflow-"))
+        self.security = WireSecurity.of(config)  # a key it cannot read stops serve right here
+        self.runtime = private_runtime_dir()  # 0700: no other user reaches the ipc:// sockets
         self.frontend_address = config.frontend_address or f"ipc://{self.runtime}/frontend"
         self.config = config.replace(
             frontend_address=self.frontend_address,
@@ -94,9 +94,9 @@ class Launcher:
         return None
 
     @property
-    def _health_url(self) -> str:
+    def _base_url(self) -> str:
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
-        return f"http://{host}:{self.config.port}/health"
+        return f"http://{host}:{self.config.port}"
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.config.startup_timeout
@@ -105,11 +105,11 @@ class Launcher:
             if dead is not None:
                 logger.error("%s exited with code %d during startup", *dead)
                 return False
-            if self._healthy():
+            if self._probe("/ready"):
                 logger.info(
                     "kvflow is serving %s at %s",
                     self.config.model or "the embedded SmolLM2-135M-Instruct",
-                    self._health_url.removesuffix("/health"),
+                    self._base_url,
                 )
                 return True
             time.sleep(0.2)
@@ -126,7 +126,7 @@ class Launcher:
                 self._tell_frontend(name, code)
                 time.sleep(DEATH_GRACE_S)
                 return 1
-            if self._healthy():
+            if self._probe("/health"):
                 healthy_at = time.monotonic()
             elif time.monotonic() - healthy_at > UNHEALTHY_LIMIT_S and not self.stopping:
                 logger.error(
@@ -136,9 +136,10 @@ class Launcher:
             time.sleep(0.5)
         return self._drain()
 
-    def _healthy(self) -> bool:
+    def _probe(self, path: str) -> bool:
+        """Whether /ready (startup) or /health (afterwards: alive) answers 200."""
         try:
-            with urllib.request.urlopen(self._health_url, timeout=2) as response:
+            with urllib.request.urlopen(self._base_url + path, timeout=2) as response:
                 return bool(response.status == 200)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
@@ -147,7 +148,7 @@ class Launcher:
         if name == "frontend":
             return
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        socket = connect_dealer(context, self.frontend_address, "launcher")
+        socket = connect_dealer(context, self.frontend_address, "launcher", self.security)
         socket.send(encode(ComponentDown(name, code)))
         time.sleep(0.1)  # LINGER is 0: give the message time to leave
         socket.close()

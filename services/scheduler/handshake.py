@@ -63,4 +63,6 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         eos_token_ids=tuple(ready.eos_token_ids),
         vocab_size=ready.vocab_size,
         max_queued_requests=config.max_queued_requests,
+        max_queued_tokens=config.max_queued_tokens,
+        scheduling_policy=config.scheduling_policy,
     )

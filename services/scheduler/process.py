@@ -50,6 +50,8 @@ from shared.protocol import (
     SchedulerOutput,
     ToScheduler,
 )
+from shared.stall_watch import StallWatch
+from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
 Handler = Callable[[bytes, object], None]
@@ -175,7 +177,7 @@ class RemoteExecutor:
         deadline = time.monotonic() + self.timeout
         while step not in self._answers:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the executor did not answer step {step} in {self.timeout} s")
+                raise ExecutorLost(f"the executor did not answer step {step} in {self.timeout} s")
             self.tick()
             received = self.inbox.receive(500)
             while received is not None:  # all that came in, before the next tick
@@ -208,17 +210,25 @@ class SchedulerProcess:
             raise ValueError("the scheduler needs --scheduler-address and --frontend-address")
         self.config = config
         context: zmq.Context[Any] = zmq.Context.instance()
-        self.router = bind_router(context, config.scheduler_address)
-        self.frontends = FrontendLinks(context, config.frontend_address, "scheduler")
-        self.inbox = Inbox(self.router)
-        self.executor = RemoteExecutor(
-            self.router, self.inbox, self._handle, self._tick, config.step_timeout
+        security = WireSecurity.of(config)
+        self.router = bind_router(context, config.scheduler_address, security)
+        self.frontends = FrontendLinks(
+            context, config.frontend_address, "scheduler", security=security
         )
+        self.inbox = Inbox(self.router)
+        # A backstop: the executor ends a stalled step itself (its StallWatch), unless it is
+        # stuck so hard that its heartbeat thread stopped too.
+        backstop = config.engine_stall_timeout + 2 * config.component_timeout
+        self.executor = RemoteExecutor(self.router, self.inbox, self._handle, self._tick, backstop)
         self.owners: dict[str, bytes] = {}  # request_id -> identity of its tokenizer worker
         self.core: EngineCore | None = None
         self.stats_log = None if config.disable_log_stats else StatsLog(STATS_LOG_INTERVAL_S)
         self._last_stats = 0.0
-        self._heartbeat = HeartbeatThread(config.frontend_address, "scheduler")
+        self._said_full = False  # the last snapshot sent said the waiting queue was full
+        self.watch = StallWatch(config.engine_stall_timeout)
+        self._heartbeat = HeartbeatThread(
+            config.frontend_address, "scheduler", stall_watch=self.watch, security=security
+        )
 
     def run(self) -> None:
         while True:
@@ -253,6 +263,7 @@ class SchedulerProcess:
 
     def _serve(self, core: EngineCore) -> None:
         while True:
+            self.watch.working("a turn of the scheduler loop")
             received = self.inbox.receive(0 if core.has_unfinished() else 50)
             while received is not None:
                 identity, message, _ = received
@@ -276,6 +287,7 @@ class SchedulerProcess:
 
     def _tick(self) -> None:
         """Between batches of messages while a step runs: new requests join the held plan."""
+        self.watch.working("a turn of the scheduler loop")
         if self.core is not None:
             self.core.amend()
         self._report_stats()
@@ -297,6 +309,8 @@ class SchedulerProcess:
             return
         refusal = RequestOutput.failure(request.request_id, error, len(request.prompt_token_ids))
         self._send_outputs(identity, [refusal])
+        if error.kind is ErrorKind.QUEUE_FULL and not self._said_full:
+            self._report_stats(now=True)  # frontends refuse up front from now on
 
     def _admit(self, request: EngineRequest) -> RequestError | None:
         if self.core is None:
@@ -335,15 +349,17 @@ class SchedulerProcess:
             for request_id in lost:
                 self.owners.pop(request_id, None)
 
-    def _report_stats(self) -> None:
-        """A snapshot to the frontend every STATS_INTERVAL_S, and the stats log line."""
-        now = time.monotonic()
-        if self.core is None or now - self._last_stats < STATS_INTERVAL_S:
+    def _report_stats(self, now: bool = False) -> None:
+        """A snapshot to every frontend every STATS_INTERVAL_S (or `now`), and the stats log
+        line."""
+        at = time.monotonic()
+        if self.core is None or (at - self._last_stats < STATS_INTERVAL_S and not now):
             return
-        self._last_stats = now
+        self._last_stats = at
         snapshot = self.core.stats()
+        self._said_full = snapshot.queue_full is not None
         self.frontends.refresh()
         self.frontends.send_all(encode(snapshot))  # one missed is replaced by the next
-        line = self.stats_log.line(now, snapshot) if self.stats_log else None
+        line = self.stats_log.line(at, snapshot) if self.stats_log else None
         if line is not None:
             logger.info("%s", line)

@@ -25,11 +25,19 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
 
 
 class Request:
-    def __init__(self, engine_request: EngineRequest, max_tokens: int, block_size: int) -> None:
+    def __init__(
+        self,
+        engine_request: EngineRequest,
+        max_tokens: int,
+        block_size: int,
+        arrival_index: int = 0,
+    ) -> None:
         self.request_id = engine_request.request_id
         self.prompt_token_ids = list(engine_request.prompt_token_ids)
         self.sampling_params: SamplingParams = engine_request.sampling_params
         self.arrival_time = engine_request.arrival_time
+        self.arrival_index = arrival_index  # the scheduler's count: breaks arrival-time ties
+        self.priority = engine_request.priority
         self.max_tokens = max_tokens  # resolved against max_model_len
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is (or will be, this step) in the cache

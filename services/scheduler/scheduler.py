@@ -15,13 +15,14 @@ max_model_len) count pending tokens; a stop token found late costs one discarded
 
 from __future__ import annotations
 
+import bisect
 import logging
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.waiting_queue import WaitingQueue, priority_key
 from shared.protocol import (
     CachedRequestData,
     EngineRequest,
@@ -51,6 +52,8 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None
     max_queued_requests: int | None = None  # waiting requests beyond which new ones are refused
+    max_queued_tokens: int | None = None  # waiting tokens beyond which new ones are refused
+    scheduling_policy: str = "fcfs"  # or "priority" (see WaitingQueue)
 
 
 class Scheduler:
@@ -58,8 +61,10 @@ class Scheduler:
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order: the last is preempted first
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        # fcfs: in admission order; priority: by priority_key. The last is preempted first.
+        self.running: list[Request] = []
+        self._num_arrivals = 0
         self._dropped_ids: list[str] = []  # executor state to drop at the next step
         self._step = 0
         self.num_preemptions = 0
@@ -74,18 +79,40 @@ class Scheduler:
         request_id = engine_request.request_id
         if request_id in self.requests:
             raise ParameterError("request_id", f"{request_id!r} is already in flight")
-        limit = self.config.max_queued_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting; retry later")
         max_tokens = self._admissible_max_tokens(engine_request)
-        request = Request(engine_request, max_tokens, self.config.block_size)
+        self._check_queue_room(len(engine_request.prompt_token_ids))
+        self._num_arrivals += 1
+        request = Request(engine_request, max_tokens, self.config.block_size, self._num_arrivals)
         self.requests[request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
+
+    def _check_queue_room(self, num_prompt_tokens: int) -> None:
+        """Raise QueueFullError if the waiting queue cannot take one more request.
+
+        NOTE: an empty queue takes any request, so the token bound never makes a prompt that
+        fits the model unservable; requests already queued (preempted ones too) stay.
+        """
+        cfg, waiting = self.config, self.waiting
+        if cfg.max_queued_requests is not None and len(waiting) >= cfg.max_queued_requests:
+            raise QueueFullError(
+                f"{len(waiting)} requests are waiting (--max-queued-requests "
+                f"{cfg.max_queued_requests})"
+            )
+        limit = cfg.max_queued_tokens
+        if limit is not None and waiting and waiting.num_tokens + num_prompt_tokens > limit:
+            raise QueueFullError(
+                f"{waiting.num_tokens} prompt tokens are waiting and this request brings "
+                f"{num_prompt_tokens} (--max-queued-tokens {limit})"
+            )
 
     def _admissible_max_tokens(self, engine_request: EngineRequest) -> int:
         cfg = self.config
         params = engine_request.sampling_params
         params.validate(cfg.vocab_size)
+        if engine_request.priority != 0 and cfg.scheduling_policy != "priority":
+            raise ParameterError(
+                "priority", "needs --scheduling-policy priority (this server is fcfs)"
+            )
         num_prompt = len(engine_request.prompt_token_ids)
         if num_prompt == 0:
             raise ParameterError("prompt", "the prompt is empty")
@@ -158,10 +185,15 @@ class Scheduler:
 
         Only first admissions: a preempted request waits for a whole plan, because the
         executor drops its old state at the start of the next one (`finished_request_ids`).
+        NOTE: the plan keeps the rows of requests that finished since it was made (their
+        tokens are discarded), so its rows, not the running requests, bound what joins it.
         """
         budget = self.config.max_num_batched_tokens - plan.total_num_scheduled_tokens
+        num_rows = self.config.max_num_seqs - len(plan.num_scheduled_tokens)
         scheduled: dict[str, int] = {}
-        new_data = self._schedule_waiting(budget, scheduled, first_admissions_only=True)
+        new_data = self._schedule_waiting(
+            budget, scheduled, first_admissions_only=True, max_new_rows=num_rows
+        )
         if not new_data:
             return None
         self._commit(scheduled)
@@ -198,7 +230,7 @@ class Scheduler:
             num_held = len(self.kv.block_ids.get(request.request_id, []))
             while not self.kv.allocate(request, num_new):
                 preempted = True
-                victim = self.running.pop()  # the most recently admitted
+                victim = self.running.pop()  # the last admitted, or of the lowest priority
                 self._preempt(victim)
                 if victim is request:
                     break
@@ -218,11 +250,21 @@ class Scheduler:
         return cached_data, budget, preempted
 
     def _schedule_waiting(
-        self, budget: int, scheduled: dict[str, int], first_admissions_only: bool = False
+        self,
+        budget: int,
+        scheduled: dict[str, int],
+        first_admissions_only: bool = False,
+        max_new_rows: int | None = None,
     ) -> list[NewRequestData]:
         new_data: list[NewRequestData] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        room = self.config.max_num_seqs if max_new_rows is None else max_new_rows
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(new_data) < room
+        ):
+            request = self.waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: readmit it once the token is in
             if first_admissions_only and request.num_preemptions:
@@ -237,7 +279,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             num_cached = len(cached) * self.config.block_size
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self._admit(request, num_computed=num_cached)
@@ -251,7 +293,12 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_computed
-        self.running.append(request)
+        if self.config.scheduling_policy == "priority":
+            self.running.insert(
+                bisect.bisect_right(self.running, priority_key(request), key=priority_key), request
+            )
+        else:
+            self.running.append(request)
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         return NewRequestData(
@@ -270,7 +317,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
         self._dropped_ids.append(request.request_id)
         logger.info(
             "preempted request_id=%s (%d tokens) to free KV blocks; total preemptions=%d",
@@ -366,10 +413,14 @@ class Scheduler:
             device_busy_seconds=self.device_busy_seconds,
             num_blocks=self.config.num_blocks,
             max_model_len=self.config.max_model_len,
+            num_waiting_tokens=self.waiting.num_tokens,
+            max_queued_requests=self.config.max_queued_requests,
+            max_queued_tokens=self.config.max_queued_tokens,
         )
 
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        self.waiting.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(
             self.requests

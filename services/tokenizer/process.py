@@ -35,6 +35,7 @@ from shared.protocol import (
     TokenizeRequest,
     TokenizeResult,
 )
+from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
 POLL_MS = 200  # how often a draining worker checks whether it is done
@@ -62,15 +63,20 @@ class TokenizerProcess:
             raise ValueError(f"{source.name} ships no tokenizer; pass --tokenizer")
         self.worker = TokenizerWorker(tokenizer)
         context: zmq.Context[Any] = zmq.Context.instance()
-        self.frontends = FrontendLinks(context, config.frontend_address, self.name)
+        security = WireSecurity.of(config)
+        self.frontends = FrontendLinks(
+            context, config.frontend_address, self.name, security=security
+        )
         self.origin: dict[str, zmq.Socket[Any]] = {}  # request_id -> the frontend that sent it
-        self.scheduler = connect_dealer(context, config.scheduler_address, self.name)
+        self.scheduler = connect_dealer(context, config.scheduler_address, self.name, security)
         self.poller = zmq.Poller()
         self.drain_timeout = config.drain_timeout
         self.draining = threading.Event()
         self.drain_started = float("inf")
         self.ready_file = config.ready_file
-        self.heartbeat = HeartbeatThread(config.frontend_address, self.name, self.draining)
+        self.heartbeat = HeartbeatThread(
+            config.frontend_address, self.name, self.draining, security=security
+        )
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         """First SIGTERM/SIGINT: take no new requests (the heartbeat says so), finish the
@@ -96,11 +102,10 @@ class TokenizerProcess:
             while not self._drained():
                 for socket in dict(self.poller.poll(timeout=POLL_MS)):
                     if socket is self.scheduler:
-                        message = from_scheduler.decode(socket.recv())
-                        self._guarded(self._from_scheduler, message)
+                        self._guarded(self._from_scheduler, from_scheduler, socket.recv())
                     else:
-                        message = from_frontend.decode(socket.recv())
-                        self._guarded(functools.partial(self._from_frontend, socket), message)
+                        handler = functools.partial(self._from_frontend, socket)
+                        self._guarded(handler, from_frontend, socket.recv())
                 self._refresh_frontends()
                 if self.draining.is_set() and not said_draining:
                     logger.info("%s: draining %d requests", self.name, len(self.worker.live))
@@ -158,14 +163,18 @@ class TokenizerProcess:
             self._reply(request_id, TextDelta.failure(request_id, error))
         self._stop(request_ids)
 
-    def _guarded(self, handler: Callable[[object], None], message: object | None) -> None:
-        # One message's failure is logged; it must never take the worker (and the server) down.
-        if message is None:
-            return
+    def _guarded(self, handler: Callable[[object], None], decoder: Decoder, frame: bytes) -> None:
+        # One frame's failure is logged; it must never take the worker (and the server) down.
+        # Decoding is inside: msgspec raises more than DecodeError for some frames (a string
+        # that is not UTF-8, maps nested a thousand deep), and a peer can send any bytes.
+        message: object | None = None
         try:
-            handler(message)
+            message = decoder.decode(frame)
+            if message is not None:
+                handler(message)
         except Exception:
-            logger.exception("%s failed to handle a %s", self.name, type(message).__name__)
+            what = f"frame of {len(frame)} bytes" if message is None else type(message).__name__
+            logger.exception("%s failed to handle a %s", self.name, what)
 
     def _reply(self, request_id: str, message: TextDelta | TokenizeResult) -> None:
         """To the frontend the request came from; ends its link when the request ends."""

@@ -94,8 +94,9 @@ def wait_until(condition, timeout: float, message: str) -> None:
 
 
 def healthy(base: str) -> bool:
+    """Ready: serving new requests (/health stays 200 while starting and draining)."""
     try:
-        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        return httpx.get(f"{base}/ready", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -251,7 +252,7 @@ def test_sigterm_drains_the_frontend_then_it_exits_zero(url: str) -> None:
     stop = threading.Thread(target=compose, args=("stop", "--timeout", "40", "frontend"))
     stop.start()
     # Draining: not ready any more, at once, while the stream goes on.
-    wait_until(lambda: not healthy(url), 10, "/health stayed 200 while draining")
+    wait_until(lambda: not healthy(url), 10, "/ready stayed 200 while draining")
     reader.join(60)
     stop.join(60)
     assert record["finish"] == "length"  # the running stream completed

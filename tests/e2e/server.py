@@ -112,7 +112,7 @@ def start_server(*flags: str, timeout: float = 240.0) -> Server:
         if proc.poll() is not None:
             raise RuntimeError(f"kvflow serve exited with {proc.returncode} during startup")
         try:
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{server.url}/ready", timeout=1).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass

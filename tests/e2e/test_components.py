@@ -155,6 +155,6 @@ def assert_answers(url: str) -> None:
 
 def healthy(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        return httpx.get(f"{url}/ready", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False

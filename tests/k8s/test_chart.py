@@ -127,7 +127,7 @@ def test_the_addresses_meet_the_services_and_ports() -> None:
         service = services[host]
         [service_port] = service["spec"]["ports"]
         assert service_port["port"] == int(port) and service_port["targetPort"] == port_name
-        assert service["spec"]["publishNotReadyAddresses"]  # reachable while /health is 503
+        assert service["spec"]["publishNotReadyAddresses"]  # reachable while /ready is 503
         binds = environment(objects, found[binder])[address_var]
         assert binds == f"tcp://0.0.0.0:{port}"
         assert {"name": port_name, "containerPort": int(port)} in found[binder]["ports"]
@@ -153,7 +153,7 @@ def test_the_api_port_is_the_compose_files() -> None:
 def test_probes_and_drain_fit_the_frontend() -> None:
     objects = render()
     frontend = containers(objects)["frontend"]
-    assert frontend["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert frontend["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert frontend["readinessProbe"]["failureThreshold"] == 1  # out of the Service at once
     assert frontend["livenessProbe"]["tcpSocket"] == {"port": "http"}  # not /health: a dead
     # engine is not cured by restarting the frontend

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from services.launcher.cli import ALL_GROUPS
 from shared.config import (
     OFFLINE_DEFAULTS,
     Config,
@@ -18,7 +19,7 @@ from shared.config import (
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_config_flags(parser, ("model", "cache", "scheduler", "device"))
+    add_config_flags(parser, ALL_GROUPS)
     return parser.parse_args(argv)
 
 
@@ -65,6 +66,10 @@ def test_boolean_flags_have_a_negative_form() -> None:
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
         (["--max-model-len", "abc"], "max_model_len"),
+        (["--request-timeout", "0"], "--request-timeout"),
+        (["--max-queued-tokens", "0"], "--max-queued-tokens"),
+        (["--max-logprobs", "0"], "--max-logprobs"),
+        (["--engine-stall-timeout", "-1"], "--engine-stall-timeout"),
     ],
 )
 def test_invalid_values_name_the_flag(argv: list[str], flag: str) -> None:

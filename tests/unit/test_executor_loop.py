@@ -14,7 +14,7 @@ from collections import deque
 import pytest
 import zmq
 
-from services.executor.process import serve_plans
+from services.executor.process import StepWatch, serve_plans
 from shared.ipc import Decoder, encode
 from shared.protocol import (
     DeviceReady,
@@ -24,6 +24,13 @@ from shared.protocol import (
     ToExecutor,
     ToScheduler,
 )
+from shared.stall_watch import StallWatch
+
+LAST_STEP = 99
+
+
+class EndOfTest(Exception):
+    """Ends the executor loop: the device raises it when plan LAST_STEP comes."""
 
 
 class DeviceThatMovesOn:
@@ -37,6 +44,8 @@ class DeviceThatMovesOn:
         self.looks = 0
 
     def prepare(self, plan: SchedulerOutput) -> None:
+        if plan.step == LAST_STEP:
+            raise EndOfTest
         self.prepared = plan.step
 
     def amend(self, addendum: SchedulerOutput) -> None:
@@ -95,8 +104,9 @@ def test_the_next_launch_is_asked_for_before_a_step_is_answered(sockets) -> None
 
     def run_loop() -> None:
         try:
-            serve_plans(device, executor, Decoder(ToExecutor, "executor-0"), "m")  # type: ignore[arg-type]
-        except RuntimeError as exc:  # the unreadable message that ends the test
+            steps = StepWatch(StallWatch(60))
+            serve_plans(device, executor, Decoder(ToExecutor, "executor-0"), "m", steps)  # type: ignore[arg-type]
+        except EndOfTest as exc:
             ended.append(exc)
 
     loop = threading.Thread(target=run_loop, daemon=True)
@@ -123,6 +133,7 @@ def test_the_next_launch_is_asked_for_before_a_step_is_answered(sockets) -> None
         DeviceReady(),
         ModelRunnerOutput(step=3, sampled={}),
     ]
-    scheduler.send_multipart([identity, b"not a message"])  # ends the loop
+    scheduler.send_multipart([identity, b"not a message"])  # dropped: the loop goes on
+    scheduler.send_multipart([identity, encode(plan(LAST_STEP))])  # ends the loop
     loop.join(5)
     assert not loop.is_alive() and ended

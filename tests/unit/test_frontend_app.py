@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from services.frontend.app import create_app
 from services.frontend.engine_client import EngineClient
-from shared.config import Config
+from shared.config import Config, ConfigError
 from shared.version import VERSION
 from tests.unit.snapshots import stats
 
@@ -50,24 +50,26 @@ def logged_app() -> Iterator[App]:
     yield from make_client(enable_log_requests=True)
 
 
-def health_message(client: TestClient) -> str:
-    response = client.get("/health")
+def ready_message(client: TestClient) -> str:
+    response = client.get("/ready")
     assert response.status_code == 503
     return response.json()["error"]["message"]
 
 
-def test_health_says_starting_then_loading_then_ready(app: App) -> None:
+def test_ready_says_starting_then_loading_then_ready_while_health_says_alive(app: App) -> None:
     client, engine = app
-    assert health_message(client) == (
+    assert ready_message(client) == (
         "the engine is unavailable: starting: waiting for scheduler, executor-0"
     )
+    assert client.get("/health").status_code == 200  # starting is alive
     engine.last_seen = dict.fromkeys(engine.expected, time.monotonic())
-    assert health_message(client) == "the engine is unavailable: starting: loading the model"
+    assert ready_message(client) == "the engine is unavailable: starting: loading the model"
     engine.stats, engine.stats_at = stats(), time.monotonic()
-    assert health_message(client) == (
+    assert ready_message(client) == (
         "the engine is unavailable: starting: waiting for a tokenizer worker"
     )
     engine.tokenizers.beat("tokenizer-0", "s1", time.monotonic())
+    assert client.get("/ready").status_code == 200
     assert client.get("/health").status_code == 200
     models = client.get("/v1/models", headers=AUTH).json()
     assert models["data"][0]["max_model_len"] == 512
@@ -86,7 +88,7 @@ def test_health_says_starting_then_loading_then_ready(app: App) -> None:
         ("POST", "/v1/chat/completions"),
     ],
 )
-def test_every_route_but_health_needs_the_key(app: App, method: str, path: str) -> None:
+def test_every_route_but_the_probes_needs_the_key(app: App, method: str, path: str) -> None:
     client, _ = app
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
         response = client.request(method, path, headers=headers, json={})
@@ -97,7 +99,8 @@ def test_every_route_but_health_needs_the_key(app: App, method: str, path: str) 
             "param": None,
             "code": "invalid_api_key",
         }
-    assert client.get("/health").status_code == 503  # no key needed: it answers
+    assert client.get("/health").status_code == 200  # no key needed: they answer
+    assert client.get("/ready").status_code == 503
 
 
 def test_the_key_opens_the_routes(app: App) -> None:
@@ -124,7 +127,8 @@ def test_draining_refuses_posts_only(app: App) -> None:
             "the engine is unavailable: the server is shutting down"
         )
     assert client.get("/v1/models", headers=AUTH).status_code == 200
-    assert health_message(client) == "the engine is unavailable: draining"
+    assert ready_message(client) == "the engine is unavailable: draining"
+    assert client.get("/health").status_code == 200  # draining is alive
 
 
 def test_a_body_over_the_limit_is_413_declared_or_streamed(app: App) -> None:
@@ -168,3 +172,63 @@ def test_request_log_on_logs_one_line_per_api_request(
     assert lines[1].startswith("POST /v1/chat/completions request_id=- status=400 ")
     assert lines[2].startswith("POST /v1/completions request_id=cmpl-")
     assert " status=503 prompt_tokens=0 completion_tokens=0 duration=" in lines[2]
+
+
+def test_several_keys_from_the_flag_and_a_file_each_open_the_routes(tmp_path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# tenants\nsk-file-1\n\n  sk-file-2  \n")
+    settings = Config(
+        frontend_address=f"inproc://frontend-{next(_addresses)}",
+        api_key="sk-a,sk-b",
+        api_key_file=str(key_file),
+    )
+    engine = EngineClient(settings)
+    try:
+        client = TestClient(create_app(settings, engine, "test-model"))
+        for key in ("sk-a", "sk-b", "sk-file-1", "sk-file-2"):
+            headers = {"Authorization": f"Bearer {key}"}
+            assert client.get("/version", headers=headers).status_code == 200
+        for key in ("sk-c", "# tenants", "", "sk-a,sk-b"):
+            headers = {"Authorization": f"Bearer {key}"}
+            assert client.get("/version", headers=headers).status_code == 401
+    finally:
+        engine.close()
+
+
+def test_a_missing_key_file_is_a_config_error(tmp_path) -> None:
+    settings = Config(
+        frontend_address=f"inproc://frontend-{next(_addresses)}",
+        api_key_file=str(tmp_path / "nope"),
+    )
+    engine = EngineClient(settings)
+    try:
+        with pytest.raises(ConfigError, match="--api-key-file: cannot read"):
+            create_app(settings, engine, "test-model")
+    finally:
+        engine.close()
+
+
+def test_metrics_without_auth_opens_metrics_only() -> None:
+    settings = Config(
+        frontend_address=f"inproc://frontend-{next(_addresses)}",
+        api_key=KEY,
+        metrics_without_auth=True,
+    )
+    engine = EngineClient(settings)
+    try:
+        client = TestClient(create_app(settings, engine, "test-model"))
+        assert client.get("/metrics").status_code == 200
+        assert client.get("/v1/models").status_code == 401
+    finally:
+        engine.close()
+
+
+def test_a_stalled_component_fails_health_and_ready(app: App) -> None:
+    client, engine = app
+    engine.last_seen = dict.fromkeys(engine.expected, time.monotonic())
+    engine.stats, engine.stats_at = stats(), time.monotonic()
+    engine.stalled["executor-0"] = "step 9 has made no progress for 31 s"
+    for probe in ("/health", "/ready"):
+        response = client.get(probe)
+        assert response.status_code == 503
+        assert "executor-0 is stalled: step 9" in response.json()["error"]["message"]

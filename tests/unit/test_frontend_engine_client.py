@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import zmq
 import zmq.asyncio
 
-from services.frontend.engine_client import EngineClient
+from services.frontend.engine_client import IDLE, EngineClient, QueueFull, RequestTimeout
 from shared.config import Config
 from shared.ipc import Decoder, encode
 from shared.protocol import (
@@ -170,3 +171,45 @@ async def _drain(socket: zmq.asyncio.Socket) -> list[bytes]:
     while await socket.poll(200):
         frames.append(await socket.recv())
     return frames
+
+
+def test_past_its_deadline_a_call_ends_and_is_aborted_and_silence_yields_idle() -> None:
+    """The worker never answers: the call yields IDLE while it waits, then RequestTimeout at
+    its deadline, and the engine is told to stop the request."""
+
+    async def scenario() -> tuple[list[object], object, object]:
+        engine, worker = await ready_engine("inproc://engine-client-deadline")
+        decoder = Decoder(FrontendToTokenizer, "worker")
+        try:
+            request = GenerateRequest(request_id="r", sampling_params=SamplingParams(), prompt="x")
+            seen: list[object] = []
+            deadline = asyncio.get_running_loop().time() + 0.5
+            with pytest.raises(RequestTimeout):
+                async for delta in engine.generate([request], deadline, idle_after=0.1):
+                    seen.append(delta)
+            sent = decoder.decode(await asyncio.wait_for(worker.recv(), 10))
+            abort = decoder.decode(await asyncio.wait_for(worker.recv(), 10))
+            return seen, sent, abort
+        finally:
+            worker.close()
+            engine.close()
+
+    seen, sent, abort = asyncio.run(scenario())
+    assert seen and all(delta is IDLE for delta in seen)
+    assert isinstance(sent, GenerateRequest)
+    assert abort == AbortRequests(["r"])
+
+
+def test_a_full_queue_is_refused_up_front() -> None:
+    async def scenario() -> None:
+        engine, worker = await ready_engine("inproc://engine-client-queue")
+        try:
+            engine.check_queue_room()  # room
+            engine.stats = stats(num_waiting=4, max_queued_requests=4)
+            with pytest.raises(QueueFull, match="4 requests are waiting"):
+                engine.check_queue_room()
+        finally:
+            worker.close()
+            engine.close()
+
+    asyncio.run(scenario())

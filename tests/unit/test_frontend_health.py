@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.frontend.health import tokenizer_pool_reason, unavailable_reason
+from services.frontend.health import engine_failure, tokenizer_pool_reason, unavailable_reason
 
 EXPECTED = ["scheduler", "executor-0"]
 TIMEOUT = 10.0
@@ -90,3 +90,28 @@ def test_a_dead_component_wins_over_everything() -> None:
     assert reason(beating(), 99.9, "tokenizer-0 exited with code 9") == (
         "tokenizer-0 exited with code 9"
     )
+
+
+def test_a_stalled_component_is_a_failure_though_it_beats() -> None:
+    stalled = {"executor-0": "step 7 has made no progress for 31 s"}
+    assert unavailable_reason(
+        now=100.0,
+        timeout=TIMEOUT,
+        expected=EXPECTED,
+        last_seen=beating(),
+        stats_at=99.9,
+        down=None,
+        stalled=stalled,
+    ) == ("executor-0 is stalled: step 7 has made no progress for 31 s")
+
+
+def test_liveness_ignores_starting_but_not_failures() -> None:
+    def failure(last_seen: dict[str, float], stats_at: float | None = None) -> str | None:
+        return engine_failure(
+            now=100.0, timeout=TIMEOUT, last_seen=last_seen, stats_at=stats_at, down=None
+        )
+
+    assert failure({}) is None  # nothing heard yet: starting, alive
+    assert failure(beating()) is None  # loading the model
+    assert failure({"scheduler": 80.0}) == "no heartbeat from scheduler for 20 s"
+    assert failure(beating(), stats_at=80.0) == "the scheduler has stopped reporting"

@@ -9,21 +9,25 @@ import pytest
 
 from services.frontend.endpoints import CHAT, COMPLETIONS, Endpoint
 from services.frontend.errors import APIError
-from services.frontend.validation import CallPlan, plan_call
-from shared.constants import MAX_N
+from services.frontend.limits import RequestLimits
+from services.frontend.validation import CallPlan, Served, plan_call
+from shared.config import Config
 from shared.protocol import ChatMessage
 
 MODEL = "SmolLM2-135M-Instruct"
+MAX_N = Config().max_n
 
 
-def plan(endpoint: Endpoint[Any], body: dict[str, Any] | bytes) -> CallPlan:
+def plan(endpoint: Endpoint[Any], body: dict[str, Any] | bytes, **config: Any) -> CallPlan:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return plan_call(endpoint, raw, MODEL, "call-1", arrival_time=123.0)
+    settings = Config(**config)
+    served = Served(MODEL, RequestLimits.of(settings), settings.request_timeout)
+    return plan_call(endpoint, raw, served, "call-1", arrival_time=123.0)
 
 
-def refusal(endpoint: Endpoint[Any], body: dict[str, Any] | bytes) -> APIError:
+def refusal(endpoint: Endpoint[Any], body: dict[str, Any] | bytes, **config: Any) -> APIError:
     with pytest.raises(APIError) as caught:
-        plan(endpoint, body)
+        plan(endpoint, body, **config)
     return caught.value
 
 
@@ -231,7 +235,7 @@ def test_chat_logprobs(logprobs: bool, top_logprobs: int | None, expected: int |
         (chat({"role": "user", "content": 5}), "messages"),
         (chat({"role": "user", "content": [{"type": "image_url"}]}), "messages"),
         (chat(USER_HI, top_logprobs=2), "top_logprobs"),
-        (chat(USER_HI, logprobs=True, top_logprobs=21), "logprobs"),
+        (chat(USER_HI, logprobs=True, top_logprobs=21), "top_logprobs"),
         (chat(USER_HI, logprobs=2), "logprobs"),
         (chat(USER_HI, max_tokens=0), "max_tokens"),
         (chat(USER_HI, max_completion_tokens=-1), "max_tokens"),
@@ -243,3 +247,114 @@ def test_chat_logprobs(logprobs: bool, top_logprobs: int | None, expected: int |
 def test_bad_chat_bodies_are_400_naming_the_param(body: dict[str, Any], param: str) -> None:
     error = refusal(CHAT, body)
     assert (error.status, error.kind, error.param) == (400, "invalid_request_error", param)
+
+
+# ------------------------------------------------------------------ operator limits
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "limit", "param", "flag"),
+    [
+        (
+            COMPLETIONS,
+            {"prompt": ["a", "b", "c"]},
+            {"max_num_prompts": 2},
+            "prompt",
+            "max-num-prompts",
+        ),
+        (COMPLETIONS, {"prompt": "x" * 11}, {"max_prompt_chars": 10}, "prompt", "max-prompt-chars"),
+        (
+            CHAT,
+            chat(USER_HI, USER_HI, USER_HI),
+            {"max_num_messages": 2},
+            "messages",
+            "max-num-messages",
+        ),
+        (
+            CHAT,
+            chat({"role": "user", "content": "y" * 11}),
+            {"max_prompt_chars": 10},
+            "messages",
+            "max-prompt-chars",
+        ),
+        (COMPLETIONS, {"prompt": "hi", "n": 3}, {"max_n": 2}, "n", "max-n"),
+        (
+            COMPLETIONS,
+            {"prompt": "hi", "max_tokens": 101},
+            {"max_tokens_limit": 100},
+            "max_tokens",
+            "max-tokens-limit",
+        ),
+        (
+            CHAT,
+            chat(USER_HI, max_completion_tokens=101),
+            {"max_tokens_limit": 100},
+            "max_tokens",
+            "max-tokens-limit",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "hi", "logprobs": 6},
+            {"max_logprobs": 5},
+            "logprobs",
+            "max-logprobs",
+        ),
+        (
+            CHAT,
+            chat(USER_HI, logprobs=True, top_logprobs=6),
+            {"max_logprobs": 5},
+            "top_logprobs",
+            "max-logprobs",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "hi", "stop": ["a", "b", "c"]},
+            {"max_stop_strings": 2},
+            "stop",
+            "max-stop-strings",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "hi", "stop": "abcd"},
+            {"max_stop_string_chars": 3},
+            "stop",
+            "max-stop-string-chars",
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "hi", "logit_bias": {"1": 1, "2": 1}},
+            {"max_logit_bias": 1},
+            "logit_bias",
+            "max-logit-bias",
+        ),
+    ],
+)
+def test_a_request_past_an_operator_limit_is_400_naming_param_and_flag(
+    endpoint: Endpoint[Any], body: dict[str, Any], limit: dict[str, int], param: str, flag: str
+) -> None:
+    error = refusal(endpoint, body, **limit)
+    assert (error.status, error.param) == (400, param)
+    assert f"--{flag}" in error.message
+    at_limit = {name: value + 1 for name, value in limit.items()}
+    assert plan(endpoint, body, **at_limit).sub_requests  # one more allowed: accepted
+
+
+def test_the_timeout_is_the_body_s_within_the_server_s() -> None:
+    assert plan(COMPLETIONS, {"prompt": "hi"}).timeout is None
+    assert plan(COMPLETIONS, {"prompt": "hi", "timeout": 5}).timeout == 5
+    assert plan(COMPLETIONS, {"prompt": "hi"}, request_timeout=30).timeout == 30
+    assert plan(COMPLETIONS, {"prompt": "hi", "timeout": 50}, request_timeout=30).timeout == 30
+    assert plan(CHAT, chat(USER_HI, timeout=2.5), request_timeout=30).timeout == 2.5
+    for bad in (0, -1):
+        assert refusal(COMPLETIONS, {"prompt": "hi", "timeout": bad}).param == "timeout"
+
+
+def test_the_priority_reaches_every_sub_request() -> None:
+    call = plan(COMPLETIONS, {"prompt": ["a", "b"], "n": 2, "priority": -3})
+    assert [s.priority for s in call.sub_requests] == [-3] * 4
+    assert plan(CHAT, chat(USER_HI)).sub_requests[0].priority == 0
+
+
+def test_a_chat_template_in_a_request_is_refused() -> None:
+    error = refusal(CHAT, chat(USER_HI, chat_template="{{ 7 * 7 }}"))
+    assert (error.status, error.param) == (400, "chat_template")

@@ -215,7 +215,13 @@ def test_endpoints_pick_their_builders() -> None:
 # kind -> (status, type, param, code, message) for RequestError(kind, "too long", "prompt")
 ERROR_CASES = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error", "prompt", None, "too long"),
-    ErrorKind.QUEUE_FULL: (429, "rate_limit_error", None, "queue_full", "too long"),
+    ErrorKind.QUEUE_FULL: (
+        429,
+        "rate_limit_error",
+        None,
+        "queue_full",
+        "the server is overloaded: too long; retry later",
+    ),
     ErrorKind.UNAVAILABLE: (
         503,
         "service_unavailable",
@@ -235,6 +241,8 @@ def test_api_error_for_every_error_kind(kind: ErrorKind) -> None:
     assert (error.status, error.body()) == (status, body)
     response = error.response()
     assert (response.status_code, json.loads(response.body)) == (status, body)
+    if kind is ErrorKind.QUEUE_FULL:  # the OpenAI SDKs wait this long before they retry
+        assert response.headers["retry-after"] == "1"
 
 
 def test_bad_request_and_unavailable() -> None:

@@ -114,7 +114,24 @@ def test_an_addendum_leaves_a_preempted_request_to_a_whole_plan() -> None:
     first, first_samples = schedule(scheduler)
     report(scheduler, first, first_samples, 100)
     held, _ = schedule(scheduler)
-    assert scheduler.num_preemptions == 1 and scheduler.waiting[0].request_id == "b"
+    assert scheduler.num_preemptions == 1 and scheduler.waiting.peek().request_id == "b"
     assert scheduler.schedule_addendum(held) is None
     add(scheduler, "c", [5, 5])
     assert scheduler.schedule_addendum(held) is None  # FIFO: c waits behind b
+
+
+def test_an_addendum_never_makes_a_plan_wider_than_max_num_seqs() -> None:
+    """A request that finishes while the next plan is held still has its (wasted) row in that
+    plan: a request admitted into it must count that row, or the plan outgrows the executor's
+    max_num_seqs rows. (Found by tests/e2e/test_reliability.py: the executor crashed.)"""
+    scheduler = make_scheduler(max_num_seqs=1)
+    add(scheduler, "a", [1, 3, 4, 5], max_tokens=8)
+    first, first_samples = schedule(scheduler)
+    held, _ = schedule(scheduler)  # a's decode, on its token in flight
+    add(scheduler, "b", [6, 7, 8, 9])
+    (finished,) = report(scheduler, first, first_samples, EOS)
+    assert finished.finish_reason is FinishReason.STOP  # a is done; its row in `held` stays
+    assert scheduler.schedule_addendum(held) is None
+    assert list(held.num_scheduled_tokens) == ["a"]
+    following, _ = schedule(scheduler)
+    assert "b" in following.num_scheduled_tokens

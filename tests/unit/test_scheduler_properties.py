@@ -117,6 +117,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
         end_by_abort=st.sampled_from([False, False, True]),
+        policy=st.sampled_from(["fcfs", "priority"]),
     )
     def configure(
         self,
@@ -128,6 +129,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked: bool,
         initial_requests: list[tuple[list[int], SamplingParams]],
         end_by_abort: bool,
+        policy: str,
     ) -> None:
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
@@ -138,6 +140,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_prefix_caching=prefix_caching,
             enable_chunked_prefill=chunked,
             eos_token_ids=(EOS,),
+            scheduling_policy=policy,
         )
         self.scheduler = Scheduler(self.config)
         self.tracked: dict[str, Tracked] = {}
@@ -150,14 +153,19 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ rules
 
-    @rule(prompt=prompts(), params=request_params)
-    def add(self, prompt: list[int], params: SamplingParams) -> None:
+    @rule(prompt=prompts(), params=request_params, priority=st.integers(-2, 2))
+    def add(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
+        if self.config.scheduling_policy != "priority":
+            priority = 0
         max_tokens = params.max_tokens
         rejection = expected_rejection(self.config, len(prompt), max_tokens, params.min_tokens)
         request = EngineRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling_params=params
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            priority=priority,
         )
         try:
             self.scheduler.add_request(request)

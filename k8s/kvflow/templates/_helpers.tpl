@@ -42,10 +42,13 @@ securityContext:
   {{- toYaml .Values.securityContext | nindent 2 }}
 {{- end -}}
 
-{{/* Writable places under a read-only root, and the model folder. */}}
+{{/* Writable places under a read-only root, the CURVE keys, and the model folder. */}}
 {{- define "kvflow.volumeMounts" -}}
 - {name: tmp, mountPath: /tmp}
 - {name: home, mountPath: /home/kvflow}
+{{- if .Values.curveKeys.existingSecret }}
+- {name: curve-keys, mountPath: {{ .Values.curveKeys.mountPath }}, readOnly: true}
+{{- end }}
 {{- if .Values.modelVolume.enabled }}
 - {name: models, mountPath: {{ .Values.modelVolume.mountPath }}, readOnly: true}
 {{- end }}
@@ -54,6 +57,10 @@ securityContext:
 {{- define "kvflow.volumes" -}}
 - {name: tmp, emptyDir: {}}
 - {name: home, emptyDir: {}}
+{{- with .Values.curveKeys.existingSecret }}
+- name: curve-keys
+  secret: {secretName: {{ . }}, defaultMode: 288}  # 0440: read through the fsGroup
+{{- end }}
 {{- if .Values.modelVolume.enabled }}
 - name: models
   {{- if .Values.modelVolume.existingClaim }}

@@ -32,7 +32,7 @@ async def _generate(request: Request, state: FrontendState, endpoint: Endpoint[A
     plan = plan_call(
         endpoint,
         request.state.body,
-        state.model_name,
+        state.served,
         new_request_id(endpoint.id_prefix),
         time.time(),
     )

@@ -1,5 +1,11 @@
-"""What the server is and how it is: /health (for probes, no key), /version, /v1/models,
-/metrics (Prometheus)."""
+"""What the server is and how it is: /health and /ready (for probes, no key), /version,
+/v1/models, /metrics (Prometheus).
+
+/health is liveness: 503 only when the engine has failed (a component dead, silent or stuck),
+so a supervisor restarts it; 200 while it starts and while it drains. /ready is readiness: 200
+only while new requests are taken, 503 with the reason ("starting: ...", "draining", a
+failure) otherwise. Both answer from what the frontend has heard, with no engine round trip.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +21,21 @@ from shared.version import VERSION
 
 health_router = APIRouter()
 router = APIRouter()
+metrics_router = APIRouter()  # behind the key unless --metrics-without-auth
 
 
 @health_router.get("/health")
 async def health(state: AppState) -> Response:
-    reason = "draining" if state.draining else state.engine.unavailable_reason()
+    return _probe(state.engine.failure_reason())
+
+
+@health_router.get("/ready")
+async def ready(state: AppState) -> Response:
+    failure = state.engine.failure_reason()
+    return _probe(failure or ("draining" if state.draining else state.engine.unavailable_reason()))
+
+
+def _probe(reason: str | None) -> Response:
     if reason is None:
         return Response(status_code=200)
     return unavailable(reason).response()
@@ -47,7 +63,7 @@ async def models(state: AppState) -> dict[str, Any]:
     }
 
 
-@router.get("/metrics")
+@metrics_router.get("/metrics")
 async def prometheus(state: AppState) -> PlainTextResponse:
     text = state.metrics.render(
         state.engine.stats, len(state.engine.tokenizers.accepting), len(state.engine.queues)

@@ -1,0 +1,55 @@
+"""The stall watch: when a unit of work counts as stuck, and that progress or idleness is not.
+(The exit it ends in is exercised end to end in tests/e2e/test_reliability.py.)"""
+
+from __future__ import annotations
+
+from services.executor.process import StepWatch
+from shared.stall_watch import StallWatch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_work_past_the_timeout_is_a_stall_that_names_it() -> None:
+    clock = Clock()
+    watch = StallWatch(10.0, clock)
+    watch.working("step 7")
+    clock.now = 10.0
+    assert watch.stalled() is None  # exactly the timeout: still fine
+    clock.now = 12.0
+    assert watch.stalled() == ("step 7 has made no progress for 12 s (--engine-stall-timeout 10)")
+
+
+def test_progress_restarts_the_clock_and_idleness_is_no_stall() -> None:
+    clock = Clock()
+    watch = StallWatch(10.0, clock)
+    watch.working("a turn")
+    clock.now = 9.0
+    watch.working("a turn")
+    clock.now = 18.0
+    assert watch.stalled() is None
+    watch.idle()
+    clock.now = 1000.0
+    assert watch.stalled() is None
+
+
+def test_the_executor_watches_its_oldest_launched_step() -> None:
+    clock = Clock()
+    watch = StallWatch(5.0, clock)
+    steps = StepWatch(watch)
+    steps.launching(1)
+    clock.now = 4.0
+    steps.launching(2)  # pipelined: step 1 is still the one that must end
+    clock.now = 6.0
+    assert watch.stalled() is not None and watch.stalled().startswith("step 1 ")
+    steps.answered(1)  # step 2's clock starts when it becomes the oldest
+    assert watch.stalled() is None
+    clock.now = 11.5
+    assert watch.stalled().startswith("step 2 ")
+    steps.answered(2)
+    assert watch.stalled() is None
