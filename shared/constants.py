@@ -5,6 +5,8 @@ built-in limits that are not flags. Settings an operator changes are `Config` fi
 HEARTBEAT_INTERVAL_S = 0.5  # between heartbeats; --component-timeout is how long one may lapse
 LINKS_REFRESH_S = 1.0  # between lookups of the frontends behind --frontend-address
 MISSING_GRACE_S = 10.0  # a frontend missing from the lookups this long is gone
+ZMTP_HEARTBEAT_MS = 1000  # a DEALER's connection that carries nothing for 3 of these reconnects
+MAX_MESSAGE_BYTES = 64 << 20  # a larger message on any socket disconnects its sender
 STATS_INTERVAL_S = 0.1  # between the scheduler's snapshots to the frontend (/metrics, admission)
 STATS_LOG_INTERVAL_S = 10.0  # between the scheduler's one-line stats logs while it has work
 

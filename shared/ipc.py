@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
+from shared.constants import MAX_MESSAGE_BYTES, ZMTP_HEARTBEAT_MS
 from shared.wire_security import LOCAL, WireSecurity, stop_authenticator
 
 logger = logging.getLogger(__name__)
@@ -37,9 +38,21 @@ class Decoder:
     def decode(self, data: bytes) -> Any | None:
         try:
             return self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            logger.warning("dropped a malformed message on %s: %s", self._socket_name, exc)
+        # Not only DecodeError and ValidationError: msgspec raises UnicodeDecodeError for a
+        # string that is not UTF-8 and RecursionError for maps nested a thousand deep, and a
+        # peer can send any bytes. The message is cut: it may quote megabytes of the frame.
+        except Exception as exc:
+            logger.warning("dropped a malformed message on %s: %.200s", self._socket_name, str(exc))
             return None
+
+
+def routed(frames: list[bytes]) -> tuple[bytes, bytes] | None:
+    """(sender, frame) of what a ROUTER received; None, logged, for a message of several parts,
+    which no component sends."""
+    if len(frames) != 2:
+        logger.warning("dropped a message of %d parts from %r", len(frames) - 1, frames[0][:64])
+        return None
+    return frames[0], frames[1]
 
 
 def bind_router(
@@ -50,6 +63,7 @@ def bind_router(
     socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a gone peer raises, not vanishes
     socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its identity back
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)  # larger: the peer is disconnected
     security.secure_server(socket)
     socket.bind(address)
     return socket
@@ -61,6 +75,13 @@ def connect_dealer(
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, identity.encode())
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    # ZMTP heartbeats: a connection that stopped carrying anything is found and reconnected.
+    # NOTE: ROUTER_HANDOVER hands an identity to whoever connects with it last, and leaves the
+    # connection it took it from unable to send or receive (libzmq 4.3); with heartbeats the
+    # real component reconnects within seconds and takes its identity back.
+    socket.setsockopt(zmq.HEARTBEAT_IVL, ZMTP_HEARTBEAT_MS)
+    socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * ZMTP_HEARTBEAT_MS)
     security.secure_client(socket)
     socket.connect(address)
     return socket

@@ -17,7 +17,7 @@ from services.frontend.health import engine_failure, tokenizer_pool_reason, unav
 from services.frontend.tokenizer_pool import TokenizerPool
 from shared.config import Config
 from shared.constants import TOKENIZE_TIMEOUT_S
-from shared.ipc import Decoder, bind_router, encode, terminate
+from shared.ipc import Decoder, bind_router, encode, routed, terminate
 from shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,
@@ -173,27 +173,56 @@ class EngineClient:
 
     async def _receive_loop(self) -> None:
         while True:
-            _identity, data = await self.socket.recv_multipart()
+            received = routed(await self.socket.recv_multipart())
+            if received is None:
+                continue
+            identity, data = received
             message = self.decoder.decode(data)
-            if isinstance(message, TextDelta):
-                queue = self.queues.get(message.request_id)
-                if queue is not None:
-                    queue.put_nowait(message)
-            elif isinstance(message, Heartbeat):
-                if message.protocol_version != PROTOCOL_VERSION and self.down is None:
-                    self._mark_down(
-                        f"{message.component} speaks protocol "
-                        f"{message.protocol_version}, not {PROTOCOL_VERSION}"
-                    )
-                self._heard(message)
-            elif isinstance(message, StatsSnapshot):
-                self.stats, self.stats_at = message, time.monotonic()
-            elif isinstance(message, TokenizeResult):
-                future = self.tokenize_waiters.pop(message.request_id, None)
-                if future is not None and not future.done():
-                    future.set_result(message)
-            elif isinstance(message, ComponentDown):
-                self._mark_down(f"{message.component} exited with code {message.exit_code}")
+            if message is None:
+                continue
+            if not self._from_its_sender(identity, message):
+                logger.warning("dropped a %s from %r", type(message).__name__, identity[:64])
+                continue
+            try:
+                self._take(message)
+            except Exception:  # one message must never end the loop (and silence the engine)
+                logger.exception("could not take a %s from %r", type(message).__name__, identity)
+
+    def _from_its_sender(self, identity: bytes, message: object) -> bool:
+        """Whether `message` comes from the socket that sends that kind: a component's beat
+        from its heartbeat thread, stats from the scheduler, a death from the launcher, a
+        request's text from the worker that holds it. Anything else is a stranger's."""
+        if isinstance(message, Heartbeat):
+            known = message.component in self.expected or message.component.startswith("tokenizer-")
+            return known and identity == f"{message.component}-heartbeat".encode()
+        if isinstance(message, StatsSnapshot):
+            return identity == b"scheduler"
+        if isinstance(message, ComponentDown):
+            return identity == b"launcher"
+        if isinstance(message, TextDelta | TokenizeResult):
+            return identity == (self.tokenizers.owner(message.request_id) or "").encode()
+        return False
+
+    def _take(self, message: object) -> None:
+        if isinstance(message, TextDelta):
+            queue = self.queues.get(message.request_id)
+            if queue is not None:
+                queue.put_nowait(message)
+        elif isinstance(message, Heartbeat):
+            if message.protocol_version != PROTOCOL_VERSION and self.down is None:
+                self._mark_down(
+                    f"{message.component} speaks protocol "
+                    f"{message.protocol_version}, not {PROTOCOL_VERSION}"
+                )
+            self._heard(message)
+        elif isinstance(message, StatsSnapshot):
+            self.stats, self.stats_at = message, time.monotonic()
+        elif isinstance(message, TokenizeResult):
+            future = self.tokenize_waiters.pop(message.request_id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+        elif isinstance(message, ComponentDown):
+            self._mark_down(f"{message.component} exited with code {message.exit_code}")
 
     def _heard(self, beat: Heartbeat) -> None:
         now = time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 from benchmarks.cli import add_bench_parser
@@ -114,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(str(path) for path in make_keys(Path(args.directory))))
             return 0
         return _run_component(args)
-    except (ConfigError, ParameterError, FileNotFoundError, ValueError) as exc:
+    except (ConfigError, ParameterError, FileNotFoundError) as exc:
+        print(f"kvflow: error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a model kvflow cannot load, or a fault: keep where it came from
+        traceback.print_exc()
         print(f"kvflow: error: {exc}", file=sys.stderr)
         return 2
 

@@ -34,7 +34,7 @@ from services.scheduler.stats_log import StatsLog
 from shared.config import Config
 from shared.constants import STATS_INTERVAL_S, STATS_LOG_INTERVAL_S
 from shared.frontend_links import FrontendLinks, HeartbeatThread
-from shared.ipc import Decoder, bind_router, encode
+from shared.ipc import Decoder, bind_router, encode, routed
 from shared.protocol import (
     AbortRequests,
     DeviceReady,
@@ -59,6 +59,13 @@ EXECUTOR_IDENTITY = b"executor-0"  # the executor's DEALER identity (services/ex
 HELLO_INTERVAL_S = 1.0
 
 
+EXECUTOR_MESSAGES = (ExecutorReady, ModelRunnerOutput, DeviceReady)
+
+
+def _drop(identity: bytes, message: object) -> None:
+    logger.warning("dropped a %s from %r", type(message).__name__, identity[:64])
+
+
 class ExecutorLost(RuntimeError):
     """The executor this scheduler ran steps on is gone: restarted, or unreachable."""
 
@@ -74,7 +81,11 @@ class Inbox:
         """(sender, message or None if malformed, raw frame); None if nothing came in time."""
         if not self.router.poll(timeout_ms):
             return None
-        identity, frame = self.router.recv_multipart()
+        frames = self.router.recv_multipart()
+        received = routed(frames)
+        if received is None:
+            return frames[0], None, b""  # dropped (logged); callers go on reading
+        identity, frame = received
         return identity, self.decoder.decode(frame), frame
 
 
@@ -125,13 +136,15 @@ class RemoteExecutor:
             if received is None:
                 continue
             identity, message, frame = received
-            if isinstance(message, ExecutorReady):
+            if isinstance(message, EXECUTOR_MESSAGES) and identity != EXECUTOR_IDENTITY:
+                _drop(identity, message)
+            elif isinstance(message, ExecutorReady):
                 check_protocol(message.protocol_version)
                 if message.session == self.session:
                     self.identity = identity
                     return message
                 next_hello = 0.0  # an executor that just started: greet it now
-            elif message is None:
+            elif message is None and identity == EXECUTOR_IDENTITY:
                 refuse_other_versions(frame)
             elif not isinstance(message, ModelRunnerOutput | DeviceReady):  # the last session's
                 self.handle(identity, message)
@@ -156,9 +169,13 @@ class RemoteExecutor:
     def amend(self, addendum: SchedulerOutput) -> None:
         self._send(addendum)
 
-    def take(self, message: object) -> bool:
+    def take(self, identity: bytes, message: object) -> bool:
         """Keep the executor's messages (answers, DeviceReady), wherever they are received:
-        the executor answers a step as soon as it ends, `collect` or not."""
+        the executor answers a step as soon as it ends, `collect` or not. Such messages from
+        anyone but the adopted executor are dropped."""
+        if isinstance(message, EXECUTOR_MESSAGES) and identity != self.identity:
+            _drop(identity, message)
+            return True
         if isinstance(message, ModelRunnerOutput):
             self._answers[message.step] = message
         elif isinstance(message, DeviceReady):
@@ -182,7 +199,7 @@ class RemoteExecutor:
             received = self.inbox.receive(500)
             while received is not None:  # all that came in, before the next tick
                 identity, message, _ = received
-                if message is not None and not self.take(message):
+                if message is not None and not self.take(identity, message):
                     self.handle(identity, message)
                 if step in self._answers:
                     break
@@ -267,7 +284,7 @@ class SchedulerProcess:
             received = self.inbox.receive(0 if core.has_unfinished() else 50)
             while received is not None:
                 identity, message, _ = received
-                if message is not None and not self.executor.take(message):
+                if message is not None and not self.executor.take(identity, message):
                     self._handle(identity, message)
                 received = self.inbox.receive(0)
             core.amend()

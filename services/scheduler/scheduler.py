@@ -66,6 +66,10 @@ class Scheduler:
         self.running: list[Request] = []
         self._num_arrivals = 0
         self._dropped_ids: list[str] = []  # executor state to drop at the next step
+        # Ended requests that plans in flight may still name: request_id -> the step whose
+        # update retires it (the plan that tells the executor to drop it). Their ids cannot be
+        # taken again before: a token of the old request would go to the new one.
+        self._retiring: dict[str, int] = {}
         self._step = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -77,7 +81,7 @@ class Scheduler:
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request, or raise ParameterError if it can never be served."""
         request_id = engine_request.request_id
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self._retiring:
             raise ParameterError("request_id", f"{request_id!r} is already in flight")
         max_tokens = self._admissible_max_tokens(engine_request)
         self._check_queue_room(len(engine_request.prompt_token_ids))
@@ -331,6 +335,8 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Append sampled tokens, apply stop conditions, and report what each request got."""
         outputs = []
+        if self._retiring:
+            self._retiring = {r: step for r, step in self._retiring.items() if step > plan.step}
         self.device_busy_seconds += result.device_ms / 1000
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
@@ -382,6 +388,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
+        self._retiring[request.request_id] = self._step + 1
 
     def _output(
         self,

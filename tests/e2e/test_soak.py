@@ -26,4 +26,4 @@ def test_a_minute_of_mixed_traffic_leaks_nothing(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["checks"] == dict.fromkeys(result["checks"], True), result
     assert run.returncode == 0
-    assert set(result["sent_by_scenario"]) == {"stream", "n2", "cancel", "bad", "long", "deadline"}
+    assert set(result["sent_by_scenario"]) >= {"stream", "n2", "cancel", "bad", "long", "deadline"}

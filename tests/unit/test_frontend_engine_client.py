@@ -19,21 +19,57 @@ from shared.protocol import (
     GenerateRequest,
     Heartbeat,
     SamplingParams,
+    StatsSnapshot,
     TextDelta,
 )
 from tests.unit.snapshots import stats
 
 
-async def ready_engine(address: str) -> tuple[EngineClient, zmq.asyncio.Socket]:
-    """A started client whose components all beat, and the socket of its one tokenizer worker."""
+class Peers:
+    """The engine's side of the frontend's socket, each message from the socket the frontend
+    takes it from: tokenizer-0's requests and answers, each component's heartbeat thread, the
+    scheduler's stats."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        self.context, self.address = context, address
+        self.sockets: dict[str, zmq.asyncio.Socket] = {}
+
+    def socket(self, identity: str) -> zmq.asyncio.Socket:
+        if identity not in self.sockets:
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.IDENTITY, identity.encode())
+            socket.connect(self.address)
+            self.sockets[identity] = socket
+        return self.sockets[identity]
+
+    async def send(self, message: Heartbeat | StatsSnapshot | TextDelta) -> None:
+        if isinstance(message, Heartbeat):
+            identity = f"{message.component}-heartbeat"
+        else:
+            identity = "scheduler" if isinstance(message, StatsSnapshot) else "tokenizer-0"
+        await self.socket(identity).send(encode(message))
+
+    async def recv(self) -> bytes:
+        """What the frontend sent tokenizer-0."""
+        return await self.socket("tokenizer-0").recv()
+
+    async def poll(self, timeout_ms: int) -> int:
+        return await self.socket("tokenizer-0").poll(timeout_ms)
+
+    def close(self) -> None:
+        for socket in self.sockets.values():
+            socket.close()
+
+
+async def ready_engine(address: str) -> tuple[EngineClient, Peers]:
+    """A started client whose components all beat, and its peers (one tokenizer worker)."""
     engine = EngineClient(Config(frontend_address=address))
     await engine.start()
-    worker = engine.context.socket(zmq.DEALER)
-    worker.setsockopt(zmq.IDENTITY, b"tokenizer-0")
-    worker.connect(address)
+    worker = Peers(engine.context, address)
+    worker.socket("tokenizer-0")  # connected before it beats: the frontend can answer it
     for component in [*engine.expected, "tokenizer-0"]:
-        await worker.send(encode(beat(component)))
-    await worker.send(encode(stats()))
+        await worker.send(beat(component))
+    await worker.send(stats())
     deadline = time.monotonic() + 10
     while engine.unavailable_reason() is not None:
         assert time.monotonic() < deadline, engine.unavailable_reason()
@@ -65,7 +101,7 @@ def test_a_restarted_tokenizer_worker_fails_the_requests_it_held() -> None:
 
             consumer = asyncio.create_task(consume())
             assert isinstance(decoder.decode(await worker.recv()), GenerateRequest)
-            await worker.send(encode(beat("tokenizer-0", session="s2")))
+            await worker.send(beat("tokenizer-0", session="s2"))
             await asyncio.wait_for(consumer, 10)
             abort = decoder.decode(await asyncio.wait_for(worker.recv(), 10))
             after = GenerateRequest(request_id="r2", sampling_params=SamplingParams(), prompt="y")
@@ -95,14 +131,14 @@ def test_a_draining_worker_finishes_its_requests_while_new_ones_are_refused() ->
             generator = engine.generate([request])
             first = asyncio.create_task(anext(generator))
             await worker.recv()
-            await worker.send(encode(beat("tokenizer-0", draining=True)))
+            await worker.send(beat("tokenizer-0", draining=True))
             deadline = time.monotonic() + 10
             while engine.unavailable_reason() is None:
                 assert time.monotonic() < deadline
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.6)  # the watchdog runs every 0.25 s: it must leave "r" be
             done = TextDelta(request_id="r", text="y", token_ids=[5], finish_reason="length")
-            await worker.send(encode(done))
+            await worker.send(done)
             deltas = [await asyncio.wait_for(first, 10)]
             deltas += [d async for d in generator]
             return deltas, engine.unavailable_reason()
@@ -155,7 +191,7 @@ def test_a_request_that_finished_normally_is_not_aborted() -> None:
             first = asyncio.create_task(anext(generator))
             assert isinstance(decoder.decode(await worker.recv()), GenerateRequest)
             done = TextDelta(request_id="r", text="y", token_ids=[5], finish_reason="length")
-            await worker.send(encode(done))
+            await worker.send(done)
             assert (await asyncio.wait_for(first, 10)).finish_reason == "length"
             assert await anext(generator, None) is None
             return [decoder.decode(f) for f in await _drain(worker)]
