@@ -63,9 +63,10 @@ def wait_for(condition, timeout: float) -> float:
     return time.monotonic() - start
 
 
-def health(server: Server) -> int | None:
+def health(server: Server, probe: str = "/health") -> int | None:
+    """The status of /health (alive), or of /ready; None if nothing answers."""
     try:
-        return httpx.get(f"{server.url}/health", timeout=1).status_code
+        return httpx.get(f"{server.url}{probe}", timeout=1).status_code
     except httpx.HTTPError:
         return None
 
@@ -94,7 +95,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero() -> None:
         for _, record in streams:
             assert record["started"].wait(60)
         server.proc.send_signal(signal.SIGTERM)
-        wait_for(lambda: health(server) == 503, timeout=5)
+        wait_for(lambda: health(server, "/ready") == 503, timeout=5)  # /health: still alive
         refused = httpx.post(
             f"{server.url}/v1/completions",
             json={"prompt": "hi"},
