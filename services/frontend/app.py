@@ -12,6 +12,7 @@ import logging
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from services.frontend import openapi
 from services.frontend.engine_client import EngineClient
 from services.frontend.errors import APIError
 from services.frontend.guards import admit, authorize, load_api_keys
@@ -28,7 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI:
-    app = FastAPI(title="kvflow", version=VERSION)
+    # FastAPI's own /openapi.json and /docs need no key; the document is served by
+    # info.router instead, behind the key like /v1/models (see routes/info.py).
+    app = FastAPI(title="kvflow", version=VERSION, openapi_url=None, docs_url=None, redoc_url=None)
+    openapi.install(app)
     served = Served(model_name, RequestLimits.of(config), config.request_timeout)
     app.state.frontend = FrontendState(
         config, engine, model_name, Metrics(model_name), served, load_api_keys(config)

@@ -6,13 +6,37 @@ and out-of-range values become a 400 that names the parameter.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
 from shared.protocol import ChatMessage, ParameterError, SamplingParams
 
 T = TypeVar("T")
+
+# A completions prompt: decoded as anything, so prompts() can name `prompt` in its error; its
+# JSON Schema (the OpenAPI document's) says what prompts() takes.
+_TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+PromptValue = Annotated[
+    Any,
+    msgspec.Meta(
+        extra_json_schema={
+            "anyOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                    "minItems": 1,
+                },
+            ]
+        }
+    ),
+]
+# OpenAI's seed is an int64. The n samples of a request use seed + k, which must still fit the
+# 64 bits the wire (msgpack) carries.
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(msgspec.Struct):
@@ -31,7 +55,7 @@ class _Common(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
@@ -74,7 +98,7 @@ class _Common(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(_Common, kw_only=True):
-    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]: checked in prompts()
+    prompt: PromptValue = None  # checked in prompts()
     suffix: str | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -202,13 +226,19 @@ def _is_token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
+def _is_token_id_text(text: str) -> bool:
+    # Ten digits at most: int() of a long string is slow, then refused (ValueError).
+    return text.isascii() and text.isdigit() and len(text) <= 10 and _is_token_id(int(text))
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if not bias:
         return None
-    try:
-        parsed = {int(k): float(v) for k, v in bias.items()}
-    except ValueError:
-        raise ParameterError("logit_bias", "keys must be token ids") from None
+    # Token ids only: not whatever int() reads (" 1", "-1", "1_0"), nor one too large for the
+    # wire to the engine (which would fail there as an internal error).
+    if not all(_is_token_id_text(k) for k in bias):
+        raise ParameterError("logit_bias", "keys must be token ids")
+    parsed = {int(k): float(v) for k, v in bias.items()}
     if any(not -100.0 <= v <= 100.0 for v in parsed.values()):
         raise ParameterError("logit_bias", "values must be in [-100, 100]")
     return parsed

@@ -77,6 +77,7 @@ class TokenizerWorker:
             prompt_token_ids=token_ids,
             sampling_params=params,
             arrival_time=request.arrival_time,
+            priority=request.priority,
         )
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:

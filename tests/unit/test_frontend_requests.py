@@ -12,6 +12,7 @@ from services.frontend.errors import APIError
 from services.frontend.limits import RequestLimits
 from services.frontend.validation import CallPlan, Served, plan_call
 from shared.config import Config
+from shared.ipc import encode
 from shared.protocol import ChatMessage
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -145,6 +146,14 @@ def test_vllm_extras_reach_the_sampling_params() -> None:
         ({"prompt": "hi", "logprobs": 21}, "logprobs"),
         ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
         ({"prompt": "hi", "logit_bias": {"1": 101}}, "logit_bias"),
+        # Found by tests/e2e/test_http_fuzz.py: ids past 64 bits were a 500 (the wire refused
+        # them); the others int() read, and the scheduler refused later or never.
+        ({"prompt": "hi", "logit_bias": {"9" * 20: 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"prompt": "hi", "logit_bias": {" 1": 1}}, "logit_bias"),
+        ({"prompt": "hi", "seed": 2**64 - 1, "n": 2}, "seed"),  # seed + 1 was a 500
+        ({"prompt": "hi", "seed": 2**63}, "seed"),
         ({"prompt": "hi", "stream": "yes"}, "stream"),
         ({"prompt": []}, "prompt"),
         ({"prompt": 5}, "prompt"),
@@ -163,6 +172,14 @@ def test_bad_completion_bodies_are_400_naming_the_param(
     error = refusal(COMPLETIONS, body)
     assert (error.status, error.kind, error.param) == (400, "invalid_request_error", param)
     assert error.message
+
+
+def test_int64_seeds_fan_out_within_what_the_wire_carries() -> None:
+    for seed in (2**63 - 1, -(2**63)):
+        subs = plan(COMPLETIONS, {"prompt": "hi", "seed": seed, "n": MAX_N}).sub_requests
+        assert [s.sampling_params.seed for s in subs] == [seed + k for k in range(MAX_N)]
+        for sub in subs:
+            encode(sub)  # msgpack: 64 bits, signed or not
 
 
 def test_best_of_equal_to_n_is_accepted() -> None:

@@ -102,6 +102,14 @@ def test_max_tokens_inside_a_character_leaves_no_replacement_character(smollm2_t
     assert deltas[-1].finish_reason is FinishReason.LENGTH
 
 
+def test_the_priority_and_arrival_reach_the_engine_request() -> None:
+    # The scheduler orders (or, under fcfs, refuses) by them: found by tests/e2e/test_http_fuzz.py.
+    admitted = TokenizerWorker(None).admit(
+        request(prompt_token_ids=[5], priority=-3, arrival_time=12.5)
+    )
+    assert (admitted.priority, admitted.arrival_time) == (-3, 12.5)
+
+
 def test_a_model_without_a_tokenizer_takes_token_ids_only() -> None:
     worker = TokenizerWorker(None)
     admitted = worker.admit(request(prompt_token_ids=[5, 6, 7], echo=True))

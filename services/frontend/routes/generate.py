@@ -10,19 +10,27 @@ from fastapi.responses import Response
 
 from services.frontend.calls import APICall
 from services.frontend.endpoints import CHAT, COMPLETIONS, Endpoint
+from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.openapi import json_body
 from services.frontend.routes import new_request_id
 from services.frontend.state import AppState, FrontendState
 from services.frontend.validation import plan_call
 
 router = APIRouter()
+GENERATE_ERRORS = (400, 401, 404, 413, 429, 503, 504)  # documented, with the body types
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions", openapi_extra=json_body(CompletionRequest, GENERATE_ERRORS, stream=True)
+)
 async def completions(request: Request, state: AppState) -> Response:
     return await _generate(request, state, COMPLETIONS)
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=json_body(ChatCompletionRequest, GENERATE_ERRORS, stream=True),
+)
 async def chat_completions(request: Request, state: AppState) -> Response:
     return await _generate(request, state, CHAT)
 

@@ -1,5 +1,5 @@
 """What the server is and how it is: /health and /ready (for probes, no key), /version,
-/v1/models, /metrics (Prometheus).
+/v1/models, /openapi.json, /metrics (Prometheus).
 
 /health is liveness: 503 only when the engine has failed (a component dead, silent or stuck),
 so a supervisor restarts it; 200 while it starts and while it drains. /ready is readiness: 200
@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse, Response
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services.frontend.errors import unavailable
+from services.frontend.openapi import errors
 from services.frontend.state import AppState
 from shared.version import VERSION
 
@@ -24,12 +25,16 @@ router = APIRouter()
 metrics_router = APIRouter()  # behind the key unless --metrics-without-auth
 
 
-@health_router.get("/health")
+# response_class and openapi_extra only document what the routes return.
+PROBE_DOC: dict[str, Any] = {"response_class": Response, "openapi_extra": errors(503)}
+
+
+@health_router.get("/health", **PROBE_DOC)
 async def health(state: AppState) -> Response:
     return _probe(state.engine.failure_reason())
 
 
-@health_router.get("/ready")
+@health_router.get("/ready", **PROBE_DOC)
 async def ready(state: AppState) -> Response:
     failure = state.engine.failure_reason()
     return _probe(failure or ("draining" if state.draining else state.engine.unavailable_reason()))
@@ -63,7 +68,14 @@ async def models(state: AppState) -> dict[str, Any]:
     }
 
 
-@metrics_router.get("/metrics")
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi_document(request: Request) -> JSONResponse:
+    """The API's OpenAPI document: behind the key like /v1/models, as it lists what the server
+    takes. There is no /docs: its page would fetch this without the key, from a CDN's scripts."""
+    return JSONResponse(request.app.openapi())
+
+
+@metrics_router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus(state: AppState) -> PlainTextResponse:
     text = state.metrics.render(
         state.engine.stats, len(state.engine.tokenizers.accepting), len(state.engine.queues)

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from services.frontend.engine_client import EngineUnavailable
 from services.frontend.errors import api_error, bad_request, unavailable
 from services.frontend.openai_types import DetokenizeBody, TokenizeBody
+from services.frontend.openapi import json_body
 from services.frontend.request_log import record_of
 from services.frontend.routes import new_request_id
 from services.frontend.state import AppState, FrontendState
@@ -17,9 +18,10 @@ from services.frontend.validation import decode
 from shared.protocol import ParameterError, TokenizeRequest, TokenizeResult
 
 router = APIRouter()
+TOKENIZE_ERRORS = (400, 401, 413, 503)  # documented, with the body types
 
 
-@router.post("/tokenize")
+@router.post("/tokenize", openapi_extra=json_body(TokenizeBody, TOKENIZE_ERRORS))
 async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
     body = decode(request.state.body, TokenizeBody)
     try:
@@ -43,7 +45,7 @@ async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
     }
 
 
-@router.post("/detokenize")
+@router.post("/detokenize", openapi_extra=json_body(DetokenizeBody, TOKENIZE_ERRORS))
 async def detokenize(request: Request, state: AppState) -> dict[str, Any]:
     try:
         token_ids = decode(request.state.body, DetokenizeBody).token_ids()
