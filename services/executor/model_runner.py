@@ -18,6 +18,7 @@ from services.executor.kv_cache import (
     num_kv_blocks,
     profile_step_peak,
 )
+from services.executor.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.sampler import PendingSample, Sampler, SamplingRow
 from services.executor.step_buffers import PaddedShape, StepBuffers, StepView
 from services.executor.warm_up import warm_up
@@ -291,11 +292,33 @@ class ModelRunner:
         self.prepare(plan)
         self.launch(plan.step)
 
+    @property
+    def _plan_limits(self) -> PlanLimits:
+        return PlanLimits(
+            vocab_size=self.model_config.vocab_size,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.buffers.max_reqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
+
+    def _check(self, plan: SchedulerOutput, prepared: PreparedStep | None = None) -> None:
+        def held(request_id: str) -> tuple[int, int] | None:
+            state = self.requests.get(request_id)
+            return None if state is None else (state.num_tokens, len(state.block_ids))
+
+        num_rows = len(prepared.counts) if prepared else 0
+        num_tokens = len(prepared.token_ids) if prepared else 0
+        check_plan(plan, self._plan_limits, held, num_rows, num_tokens)
+
     @torch.inference_mode()
     def prepare(self, plan: SchedulerOutput) -> None:
-        """Take the plan and fill its inputs on the host; `launch` sends them to the device."""
+        """Take the plan and fill its inputs on the host; `launch` sends them to the device.
+        Raises PlanError, before touching anything, for a plan it cannot run."""
         if self._prepared is not None:
-            raise RuntimeError(f"plan {plan.step} before plan {self._prepared.step} launched")
+            raise PlanError(f"plan {plan.step} before plan {self._prepared.step} launched")
+        self._check(plan)
         self._apply_plan(plan)
         self._prepared = PreparedStep(plan.step)
         self._add_rows(plan)
@@ -304,7 +327,8 @@ class ModelRunner:
     def amend(self, addendum: SchedulerOutput) -> None:
         """Append an addendum's requests to the prepared plan of the same step."""
         if self._prepared is None or self._prepared.step != addendum.step:
-            raise RuntimeError(f"an addendum to plan {addendum.step}, which is not held")
+            raise PlanError(f"an addendum to plan {addendum.step}, which is not held")
+        self._check(addendum, self._prepared)
         self._apply_plan(addendum)
         self._add_rows(addendum)
 
@@ -316,7 +340,7 @@ class ModelRunner:
         """Send the prepared plan's inputs and queue its forward pass and sampling."""
         prepared = self._prepared
         if prepared is None or prepared.step != step:
-            raise RuntimeError(f"launch of plan {step}, which is not prepared")
+            raise PlanError(f"launch of plan {step}, which is not prepared")
         if len(self._in_flight) > 1:
             raise RuntimeError("launch() with two steps in flight: collect() one first")
         self._prepared = None
@@ -428,7 +452,7 @@ class ModelRunner:
             # NOTE: only a request's last token can be in flight (the scheduler readmits
             # a preempted request once its tokens are in), so one is missing at most.
             if end != state.num_tokens or state.num_pending != 1:
-                raise RuntimeError(f"request_id={request_id}: inputs {start}:{end} unknown")
+                raise PlanError(f"request_id={request_id}: inputs {start}:{end} unknown")
             prepared.sources.append((len(token_ids), state.sample_row))
             token_ids.append(0)  # a placeholder the device overwrites
         prepared.starts.append(start)

@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from services.executor.model_runner import ModelRunner
+from services.executor.plan_check import PlanError
 from shared.config import Config
 from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder, connect_dealer, encode
@@ -131,13 +132,22 @@ def serve_plans(
         if not socket.poll(0 if runner.has_in_flight else None):
             continue
         message = decoder.decode(socket.recv())
-        if isinstance(message, LaunchStep):
-            steps.launching(message.step)
-            runner.launch(message.step)
-            asked = False
-        elif isinstance(message, SchedulerOutput):
-            (runner.amend if message.addendum else runner.prepare)(message)
-        elif isinstance(message, SchedulerHello):
+        try:
+            if isinstance(message, LaunchStep):
+                steps.launching(message.step)
+                runner.launch(message.step)
+                asked = False
+            elif isinstance(message, SchedulerOutput):
+                (runner.amend if message.addendum else runner.prepare)(message)
+        except PlanError as exc:
+            # The scheduler's view and this one have parted: start over as a new executor.
+            # The unasked report makes the scheduler fail what it held and adopt this again.
+            logger.error("%s; dropping every request and reporting anew", exc)
+            runner.reset()
+            steps.reset()
+            session, asked = None, False
+            socket.send(encode(runner.ready_message(model_name)))
+        if isinstance(message, SchedulerHello):
             if message.session != session:  # a new scheduler: nothing from before carries on
                 logger.info("adopted by scheduler session %d", message.session)
                 runner.reset()

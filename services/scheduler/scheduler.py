@@ -66,10 +66,11 @@ class Scheduler:
         self.running: list[Request] = []
         self._num_arrivals = 0
         self._dropped_ids: list[str] = []  # executor state to drop at the next step
-        # Ended requests that plans in flight may still name: request_id -> the step whose
-        # update retires it (the plan that tells the executor to drop it). Their ids cannot be
-        # taken again before: a token of the old request would go to the new one.
+        # Ended requests that a plan not yet reported (`update`) still runs: request_id -> the
+        # last such plan. Their ids cannot be taken again before it is reported: its token
+        # for the old request would go to the new one.
         self._retiring: dict[str, int] = {}
+        self._last_updated_step = 0
         self._step = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -215,6 +216,7 @@ class Scheduler:
     def _commit(self, scheduled: dict[str, int]) -> None:
         for request_id, num_tokens in scheduled.items():
             request = self.requests[request_id]
+            request.last_scheduled_step = self._step
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens == request.num_scheduled_tokens_end:
                 request.num_pending_tokens += 1  # this step samples the next token
@@ -335,6 +337,7 @@ class Scheduler:
     def update(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         """Append sampled tokens, apply stop conditions, and report what each request got."""
         outputs = []
+        self._last_updated_step = plan.step
         if self._retiring:
             self._retiring = {r: step for r, step in self._retiring.items() if step > plan.step}
         self.device_busy_seconds += result.device_ms / 1000
@@ -388,7 +391,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
-        self._retiring[request.request_id] = self._step + 1
+        if request.last_scheduled_step > self._last_updated_step:
+            self._retiring[request.request_id] = request.last_scheduled_step
 
     def _output(
         self,

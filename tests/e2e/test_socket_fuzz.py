@@ -19,9 +19,7 @@ extended or altered; huge frames; multi-part messages where a DEALER receives th
 - `shared.ipc.Decoder`, every socket's decoder, returns None for what it cannot read, in-process.
 
 What the fuzzing found is pinned by tests of its own ("what the fuzzing found", and the last
-test), each against a process of its own or in-process. What is not fixed yet (the executor
-trusts every plan its scheduler sends) is a strict xfail, kept out of the fuzzed frames by
-`executor_spares` meanwhile: once a fix lands, drop the marker and the exclusion.
+test), each against a process of its own or in-process.
 """
 
 from __future__ import annotations
@@ -317,13 +315,6 @@ def tally(union: Any, frames: list[bytes]) -> None:
         event("malformed" if message is None else type(message).__name__)
 
 
-def executor_spares(frame: bytes) -> bool:
-    """Whether the executor survives `frame` from its scheduler as things stand."""
-    message = decoded(ToExecutor, frame)
-    # Plans and launches: test_the_executor_survives_inconsistent_plans.
-    return not isinstance(message, SchedulerOutput | LaunchStep)
-
-
 FRONTEND_FRAMES = frames_for(
     ToFrontend,
     {
@@ -344,7 +335,7 @@ WORKER_SCHEDULER_FRAMES = st.lists(
     max_size=3,
 )
 EXECUTOR_FRAMES = st.lists(
-    frames_for(ToExecutor, intact=(SchedulerHello,)).filter(executor_spares),
+    frames_for(ToExecutor, intact=(SchedulerHello,)),
     min_size=1,
     max_size=3,
 )
@@ -781,8 +772,7 @@ def test_every_decoder_drops_what_it_cannot_read(union: Any, data: st.DataObject
 
 # ------------------------------------------------------------------ what the fuzzing found
 # Each against a process of its own or in-process (the last test of this file ends `kvflow
-# serve` where the bug is back). What is not fixed yet is a strict xfail, and what it sends is
-# kept out of the fuzzed frames until it is fixed (`executor_spares`).
+# serve` where the bug is back).
 
 LONE = itertools.count()
 
@@ -1060,11 +1050,6 @@ def inconsistent_plans(report: ExecutorReady) -> dict[str, list[msgspec.Struct]]
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the executor trusts every plan: a block or token id out of range, an unknown"
-    " request, a launch of a plan it does not hold... raises out of serve_plans and ends it",
-)
 def test_the_executor_survives_inconsistent_plans(executor: Executor) -> None:
     report = executor.wait_ready()
     for what, messages in inconsistent_plans(report).items():
