@@ -13,7 +13,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from services.frontend.health import engine_failure, tokenizer_pool_reason, unavailable_reason
+from services.frontend.health import engine_failure, starting_reason, tokenizer_pool_reason
 from services.frontend.tokenizer_pool import TokenizerPool
 from shared.config import Config
 from shared.constants import TOKENIZE_TIMEOUT_S
@@ -115,15 +115,9 @@ class EngineClient:
         )
 
     def _engine_reason(self) -> str | None:
-        """Why the engine cannot serve (starting, a silent or dead component), or None."""
-        return unavailable_reason(
-            now=time.monotonic(),
-            timeout=self.config.component_timeout,
-            expected=self.expected,
-            last_seen=self.last_seen,
-            stats_at=self.stats_at,
-            down=self.down,
-            stalled=self.stalled,
+        """Why the engine cannot serve (starting, a silent, stuck or dead component), or None."""
+        return self.failure_reason() or starting_reason(
+            expected=self.expected, last_seen=self.last_seen, stats_at=self.stats_at
         )
 
     async def _watchdog(self) -> None:

@@ -34,8 +34,13 @@ def unavailable_reason(
         down=down,
         stalled=stalled,
     )
-    if failure is not None:
-        return failure
+    return failure or starting_reason(expected=expected, last_seen=last_seen, stats_at=stats_at)
+
+
+def starting_reason(
+    *, expected: Sequence[str], last_seen: Mapping[str, float], stats_at: float | None
+) -> str | None:
+    """What the engine still waits for before it serves (it is alive meanwhile), or None."""
     unseen = [name for name in expected if name not in last_seen]
     if unseen:
         return f"starting: waiting for {', '.join(unseen)}"
