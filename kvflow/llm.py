@@ -20,9 +20,9 @@ from services.executor.model_runner import ModelRunner
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.handshake import scheduler_config
 from services.scheduler.scheduler import Scheduler
-from services.tokenizer.hf_tokenizer import load_tokenizer
 from services.tokenizer.worker import TokenizerWorker
 from shared.config import OFFLINE_DEFAULTS, Config
+from shared.hf_tokenizer import load_tokenizer
 from shared.protocol import (
     ChatMessage,
     GenerateRequest,
@@ -46,7 +46,10 @@ class LLM:
             scheduler_config(self.config, ready), max_queued_requests=None, max_queued_tokens=None
         )
         self.engine = EngineCore(Scheduler(settings), self.runner)
-        self.worker = TokenizerWorker(load_tokenizer(self.runner.source, self.config.tokenizer))
+        self.worker = TokenizerWorker(
+            load_tokenizer(self.runner.source, self.config.tokenizer),
+            grammar_timeout_s=self.config.grammar_compile_timeout,
+        )
         self._next_id = 0
         logger.info(
             "engine ready: %s, max_model_len=%d, %d KV blocks",

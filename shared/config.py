@@ -140,6 +140,18 @@ class Config:
     enable_log_requests: bool = option(
         False, "server", "Log one line per API request (route, status, tokens, duration)."
     )
+    enable_auto_tool_choice: bool = option(
+        False,
+        "server",
+        "Let the model decide when to call tools (`tool_choice: auto`); needs --tool-call-parser.",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "server",
+        "How tool calls are read from the model's output with `tool_choice: auto`: hermes "
+        "(Qwen2.5, Qwen3, Hermes: <tool_call> blocks) or llama3_json (Llama 3.1/3.2 JSON).",
+        ("hermes", "llama3_json"),
+    )
     # -- limits: what one request may ask for (400 or 413 naming the limit beyond)
     max_request_body_bytes: int = option(8 << 20, "limits", "Larger request bodies get 413.")
     max_num_messages: int = option(1024, "limits", "Most chat messages in one request.")
@@ -155,6 +167,12 @@ class Config:
     max_stop_strings: int = option(16, "limits", "Most stop strings in one request.")
     max_stop_string_chars: int = option(256, "limits", "Longest stop string, in characters.")
     max_logit_bias: int = option(1024, "limits", "Most `logit_bias` entries in one request.")
+    grammar_compile_timeout: float = option(
+        10.0,
+        "limits",
+        "Seconds a structured output's grammar (JSON Schema, regex, grammar, tools) may take "
+        "to compile; longer ones get 400.",
+    )
     # -- components (addresses for running them apart; `serve` picks private ipc:// ones)
     frontend_address: str | None = option(
         None,
@@ -234,7 +252,17 @@ class Config:
         _require(
             self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"
         )
-        for name in ("startup_timeout", "engine_stall_timeout", "component_timeout"):
+        _require(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "tool_call_parser",
+            "--enable-auto-tool-choice needs --tool-call-parser",
+        )
+        for name in (
+            "startup_timeout",
+            "engine_stall_timeout",
+            "component_timeout",
+            "grammar_compile_timeout",
+        ):
             _require(getattr(self, name) > 0, name, "must be > 0 seconds")
         _require(self.drain_timeout >= 0, "drain_timeout", "must be >= 0 seconds")
         _require(
@@ -257,7 +285,8 @@ class Config:
         )
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            value = getattr(self, f.name)
+            if choices and value is not None and value not in choices:
                 raise ConfigError(f"--{_flag(f.name)}: must be one of {', '.join(choices)}")
 
     def replace(self, **changes: Any) -> Config:

@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class Message(msgspec.Struct, gc=False):
@@ -26,6 +26,31 @@ class ParameterError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+class StructuredOutput(Message, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """What the output must match, enforced token by token (vLLM's StructuredOutputsParams).
+
+    Exactly one of `json`, `json_object`, `regex`, `choice`, `grammar` is set.
+    """
+
+    json: str | None = None  # a JSON Schema, as JSON text
+    json_object: bool = False  # any JSON object
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # a Lark grammar (or GBNF, converted)
+    disable_any_whitespace: bool = False  # JSON without whitespace between tokens
+    # The request field it came from ("response_format", "tools", ...), named in its errors.
+    source: str = "structured_outputs"
+
+    def validate(self) -> None:
+        kinds = [self.json, self.json_object or None, self.regex, self.choice, self.grammar]
+        _check(
+            sum(k is not None for k in kinds) == 1,
+            self.source,
+            "set exactly one of json, json_object, regex, choice and grammar",
+        )
+        _check(self.choice is None or len(self.choice) > 0, self.source, "choice is empty")
 
 
 class SamplingParams(Message, kw_only=True, omit_defaults=True):
@@ -48,6 +73,7 @@ class SamplingParams(Message, kw_only=True, omit_defaults=True):
     stop: list[str] = []  # stop strings, matched by the detokenizer
     skip_special_tokens: bool = True
     n: int = 1
+    structured_output: StructuredOutput | None = None  # the output must match it
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ParameterError naming the first invalid parameter."""
@@ -67,6 +93,10 @@ class SamplingParams(Message, kw_only=True, omit_defaults=True):
         )
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0")
         _check(self.n >= 1, "n", "must be >= 1")
+        if self.structured_output is not None:
+            self.structured_output.validate()
+            # Once the grammar is complete only EOS is allowed, which min_tokens would forbid.
+            _check(self.min_tokens == 0, "min_tokens", "cannot be combined with structured output")
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             _check(not bad, "stop_token_ids", f"ids out of vocabulary: {bad[:5]}")
@@ -299,9 +329,36 @@ class OutputBatch(Message, tag=True):
 # ------------------------------------------------------ frontend <-> tokenizer pool
 
 
+class ToolCallMessage(Message, kw_only=True):
+    """A call an assistant message made, as a conversation sends it back."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+
 class ChatMessage(Message):
     role: str
     content: str
+    name: str | None = None  # the participant's name, where the chat template uses it
+    tool_calls: list[ToolCallMessage] = []  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class ToolDefinition(Message, kw_only=True):
+    """A function the model may call (OpenAI's `tools[i].function`)."""
+
+    name: str
+    description: str | None = None
+    parameters: str = "{}"  # its JSON Schema, as JSON text
+
+
+class ToolChoice(enum.StrEnum):
+    """How a chat's tool calls are read from its output."""
+
+    AUTO = "auto"  # the model may call: the --tool-call-parser reads its format
+    REQUIRED = "required"  # the output is a JSON array of {"name", "parameters"} (a grammar)
+    FUNCTION = "function"  # the output is the arguments of the one named function (a grammar)
 
 
 class GenerateRequest(Message, tag=True, kw_only=True):
@@ -315,6 +372,10 @@ class GenerateRequest(Message, tag=True, kw_only=True):
     echo: bool = False  # return the prompt text (and its token ids) in the first delta
     arrival_time: float = 0.0
     priority: int = 0  # with --scheduling-policy priority: lower runs first
+    tools: list[ToolDefinition] | None = None  # given to the chat template
+    tool_choice: ToolChoice | None = None  # None: the output is read as text only
+    tool_name: str | None = None  # with ToolChoice.FUNCTION: the function called
+    parallel_tool_calls: bool = True  # False: one call at most (later ones are dropped)
 
 
 class TokenizeRequest(Message, tag=True, kw_only=True):
@@ -350,6 +411,16 @@ class TokenLogprob(Message, array_like=True):
     top: list[TopLogprob]
 
 
+class ToolCallDelta(Message, kw_only=True, omit_defaults=True):
+    """A piece of one tool call of a choice (OpenAI's `delta.tool_calls[i]`): the first piece
+    of a call names it, the rest add to its arguments."""
+
+    index: int  # the call's place in the choice's tool_calls
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""  # a piece of the arguments' JSON text
+
+
 class TextDelta(Message, tag=True, kw_only=True):
     """New text for one request, from its tokenizer worker to the frontend."""
 
@@ -364,6 +435,7 @@ class TextDelta(Message, tag=True, kw_only=True):
     prompt_text: str | None = None  # first delta of an echo request
     prompt_token_ids: list[int] | None = None  # first delta of an echo request
     error: RequestError | None = None  # with finish_reason ERROR
+    tool_calls: list[ToolCallDelta] = []  # `text` is then the content beside them
 
     @classmethod
     def failure(cls, request_id: str, error: RequestError) -> TextDelta:

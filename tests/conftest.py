@@ -47,7 +47,7 @@ def smollm2() -> LLM:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
-    from services.tokenizer.hf_tokenizer import load_tokenizer
+    from shared.hf_tokenizer import load_tokenizer
     from shared.model_config import resolve_model_source
 
     return load_tokenizer(resolve_model_source(None))

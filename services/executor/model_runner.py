@@ -9,9 +9,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from llguidance import LLMatcher
 
 from kernels import ops
 from services.executor.cuda_graphs import StepGraphs
+from services.executor.grammar import GrammarMatchers
 from services.executor.kv_cache import (
     KVCacheLayout,
     log_kv_cache,
@@ -19,11 +21,12 @@ from services.executor.kv_cache import (
     profile_step_peak,
 )
 from services.executor.plan_check import PlanError, PlanLimits, check_plan
-from services.executor.sampler import PendingSample, Sampler, SamplingRow
+from services.executor.sampler import PendingSample, Sampler, SamplingRow, TokenBitmask
 from services.executor.step_buffers import PaddedShape, StepBuffers, StepView
 from services.executor.warm_up import warm_up
 from services.executor.weights import load_model
 from shared.config import Config
+from shared.hf_tokenizer import load_tokenizer
 from shared.model_config import (
     ModelConfig,
     ModelSource,
@@ -72,9 +75,12 @@ class RequestState:
     sample_row: int = field(default=0)  # its row in the last sampled ids, if num_pending
     # Read per step: penalties need the tokens in flight on the host (see submit).
     has_penalties: bool = field(default=False)
+    # Structured output: the grammar's state after the tokens above. NOTE: like penalties, its
+    # next mask needs every token in flight on the host (see ModelRunner._token_bitmask).
+    matcher: LLMatcher | None = field(default=None)
 
     @classmethod
-    def from_new(cls, data: NewRequestData) -> RequestState:
+    def from_new(cls, data: NewRequestData, matcher: LLMatcher | None = None) -> RequestState:
         return cls(
             params=data.sampling_params,
             token_ids=data.prompt_token_ids + data.output_token_ids,
@@ -83,6 +89,7 @@ class RequestState:
             block_ids=list(data.block_ids),
             num_computed_tokens=data.num_computed_tokens,
             has_penalties=data.sampling_params.has_penalties,
+            matcher=matcher,
         )
 
     @property
@@ -94,6 +101,10 @@ class RequestState:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         self.num_pending -= 1
+        if self.matcher is not None:
+            # A refused token (past the grammar's end, under ignore_eos) leaves the matcher in
+            # its error state, whose mask allows EOS alone.
+            self.matcher.consume_token(token_id)
 
     def sampling_row(self) -> SamplingRow:
         # Why no copies: the sampler only reads the lists, and copying a long prompt for
@@ -231,6 +242,11 @@ class ModelRunner:
         self.sampler = Sampler(
             self.model_config.vocab_size, self.model_config.eos_token_ids, self.device, config.seed
         )
+        self.grammars = GrammarMatchers(
+            lambda: load_tokenizer(self.source, config.tokenizer),
+            self.model_config.vocab_size,
+            list(self.model_config.eos_token_ids),
+        )
         self.requests: dict[str, RequestState] = {}
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
         self._prepared: PreparedStep | None = None
@@ -360,7 +376,8 @@ class ModelRunner:
             forward_done.record()
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in prepared.sample_ids]
-        pending = self.sampler.sample(logits, [s.sampling_row() for s in states])
+        token_bitmask = self._token_bitmask(states)
+        pending = self.sampler.sample(logits, [s.sampling_row() for s in states], token_bitmask)
         if pending.token_ids is not None:
             self.sampled_ids[: len(states)].copy_(pending.token_ids, non_blocking=True)
         for row, state in enumerate(states):
@@ -393,6 +410,24 @@ class ModelRunner:
         event = self._in_flight[-1].forward_done
         return event is None or event.query()
 
+    def _token_bitmask(self, states: list[RequestState]) -> TokenBitmask | None:
+        """The allowed next tokens of the rows with a grammar, computed on the host while the
+        step's forward pass runs on the device.
+
+        NOTE: a grammar's next mask depends on its last token, which the step in flight may
+        still be sampling: it is waited for here, after this step's forward pass has been
+        queued behind it, so the wait costs the device nothing.
+        """
+        rows = [i for i, state in enumerate(states) if state.matcher is not None]
+        if not rows:
+            return None
+        if any(states[i].num_pending for i in rows):
+            self._finish_in_flight()
+        matchers = [states[i].matcher for i in rows]
+        bitmask = self.grammars.bitmask([m for m in matchers if m is not None], self.device)
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return index, bitmask
+
     def _finish_in_flight(self) -> None:
         for step in self._in_flight:
             step.finish()
@@ -405,7 +440,11 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         for data in plan.new_requests:
-            self.requests[data.request_id] = RequestState.from_new(data)
+            spec = data.sampling_params.structured_output
+            matcher = None
+            if spec is not None:
+                matcher = self.grammars.matcher(spec, data.output_token_ids)
+            self.requests[data.request_id] = RequestState.from_new(data, matcher)
         for delta in plan.cached_requests:
             state = self.requests[delta.request_id]
             state.block_ids.extend(delta.new_block_ids)

@@ -1,7 +1,8 @@
 """Turn one step's logits into one token per request, as batched tensor ops (vLLM semantics).
 
     raw logits ──> raw logprobs (what the user sees in `logprobs`)
-        └─> logit_bias, min_tokens masks ─> repetition / frequency / presence penalties
+        └─> grammar bitmask ─> logit_bias, min_tokens masks
+              ─> repetition / frequency / presence penalties
               ├─> greedy rows: argmax
               └─> other rows: / temperature ─> top_k ─> top_p ─> min_p ─> exponential race
 
@@ -52,6 +53,9 @@ class Penalties:
     output_counts: torch.Tensor  # [R, V] float32: occurrences in the output
 
 
+TokenBitmask = tuple[torch.Tensor, torch.Tensor]
+
+
 @dataclass
 class SamplingTensors:
     """One step's per-row parameters. A feature no row uses is None, so its op is skipped."""
@@ -66,6 +70,8 @@ class SamplingTensors:
     penalties: Penalties | None
     seeds: list[tuple[int, int]]  # (row, generator seed) for sampled rows with params.seed
     num_logprobs: list[int | None]  # params.logprobs per row
+    # Structured output: (rows [G] int64, bitmask [G, W] int32) for the constrained rows.
+    token_bitmask: TokenBitmask | None = None
 
     @property
     def max_num_logprobs(self) -> int | None:
@@ -100,7 +106,11 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 def build_sampling_tensors(
-    rows: list[SamplingRow], vocab_size: int, eos_token_ids: tuple[int, ...], device: torch.device
+    rows: list[SamplingRow],
+    vocab_size: int,
+    eos_token_ids: tuple[int, ...],
+    device: torch.device,
+    token_bitmask: TokenBitmask | None = None,
 ) -> SamplingTensors:
     params = [row.params for row in rows]
     # Why greedy rows get neutral values: argmax ignores temperature and the filters.
@@ -125,6 +135,7 @@ def build_sampling_tensors(
             if row.params.seed is not None and not row.params.greedy
         ],
         num_logprobs=[p.logprobs for p in params],
+        token_bitmask=token_bitmask,
     )
 
 
@@ -190,12 +201,29 @@ def _token_counts(
 
 
 def process_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """logit_bias, min_tokens, then penalties on float32 `logits` [R, V] (modified in place)."""
+    """The grammar's bitmask, logit_bias, min_tokens, then penalties on float32 `logits` [R, V]
+    (modified in place)."""
+    if t.token_bitmask is not None:
+        apply_token_bitmask(logits, *t.token_bitmask)
     if t.additions is not None:
         logits.index_put_(t.additions[:2], t.additions[2], accumulate=True)
     if t.penalties is not None:
         logits = apply_penalties(logits, t.penalties)
     return logits
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Tokens a row's bitmask [W] int32 does not allow get -inf, in `logits` [R, V] rows `rows`."""
+    allowed = unpack_bits(bitmask)[:, : logits.shape[1]]  # [G, V] bool
+    if allowed.shape[1] < logits.shape[1]:  # the mask covers the tokenizer, not padded columns
+        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[1] - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def unpack_bits(bitmask: torch.Tensor) -> torch.Tensor:
+    """[G, W] int32 as [G, 32 W] bool: bit j of word w says whether token 32 w + j is allowed."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    return ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -308,6 +336,7 @@ def _plain_greedy(row: SamplingRow) -> bool:
         and not p.logit_bias
         and row.num_output_tokens >= p.min_tokens
         and not p.has_penalties
+        and p.structured_output is None
     )
 
 
@@ -321,17 +350,32 @@ class Sampler:
         self.generator = torch.Generator(device=device)  # draws for rows without params.seed
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, rows).result()
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        token_bitmask: TokenBitmask | None = None,
+    ) -> SamplerOutput:
+        return self.sample(logits, rows, token_bitmask).result()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingSample:
-        """Queue the sampling on the device; `result()` then waits for it."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        token_bitmask: TokenBitmask | None = None,
+    ) -> PendingSample:
+        """Queue the sampling on the device; `result()` then waits for it.
+
+        `token_bitmask`: the structured-output rows and their allowed tokens, if any.
+        """
         if not rows:
             return PendingSample(None)
         if all(_plain_greedy(row) for row in rows):
             # The common offline case: one argmax, no per-row tensors to build and upload.
             return PendingSample(ops.argmax(logits[:, : self.vocab_size]))
-        t = build_sampling_tensors(rows, self.vocab_size, self.eos_token_ids, self.device)
+        t = build_sampling_tensors(
+            rows, self.vocab_size, self.eos_token_ids, self.device, token_bitmask
+        )
         # Why slice and copy: a padded lm_head may add columns; processing below is in place.
         logits = logits[:, : self.vocab_size].to(torch.float32, copy=True)  # [R, V]
         max_k = t.max_num_logprobs

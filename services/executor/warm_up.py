@@ -139,3 +139,7 @@ def warm_up(runner: ModelRunner) -> None:
         finished = [request.request_id]
     plans.run({}, finished=finished)
     logger.info("warm-up steps ran in %.1f s", time.perf_counter() - start)
+    try:  # the grammar tokenizer, which the first structured-output request would wait for
+        _ = runner.grammars.tokenizer
+    except ValueError as exc:
+        logger.info("structured output is off: %s", exc)

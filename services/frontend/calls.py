@@ -40,7 +40,9 @@ class APICall:
         self, engine: EngineClient, metrics: Metrics, plan: CallPlan, request: Request
     ) -> None:
         self.engine, self.metrics, self.plan, self.request = engine, metrics, plan, request
-        self.choices = {s.request_id: r.Choice(i) for i, s in enumerate(plan.sub_requests)}
+        self.choices = {
+            s.request_id: r.Choice(i, s.tool_choice) for i, s in enumerate(plan.sub_requests)
+        }
         self.start = time.monotonic()
         self.last_token_at: dict[str, float] = {}
         # The deadline, on the event loop's clock (what asyncio.timeout_at reads).

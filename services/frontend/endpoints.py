@@ -7,11 +7,12 @@ or messages, max_tokens, logprobs) and which builders of responses.py shape its 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from services.frontend import responses as r
 from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.structured import ToolRequest, structured_output, tool_request
 from shared.protocol import (
     ChatMessage,
     GenerateRequest,
@@ -33,6 +34,7 @@ class Prompt:
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     echo: bool = False  # completions only: return the prompt before its completion
+    tools: ToolRequest = field(default_factory=ToolRequest)  # chat only
 
     def request(
         self, request_id: str, params: SamplingParams, arrival_time: float, priority: int
@@ -46,6 +48,10 @@ class Prompt:
             echo=self.echo,
             arrival_time=arrival_time,
             priority=priority,
+            tools=self.tools.tools,
+            tool_choice=self.tools.choice,
+            tool_name=self.tools.name,
+            parallel_tool_calls=self.tools.parallel,
         )
 
 
@@ -75,7 +81,7 @@ class Endpoint(Generic[Body]):
 
 def _read_completion(body: CompletionRequest) -> Inputs:
     prompts = body.prompts()
-    params = body.sampling_params(body.max_tokens, body.logprobs)
+    params = body.sampling_params(body.max_tokens, body.logprobs, structured_output(body))
     if body.echo and body.logprobs is not None:
         raise ParameterError("echo", "echo together with logprobs is not supported")
     return Inputs(
@@ -97,9 +103,13 @@ def _read_chat(body: ChatCompletionRequest) -> Inputs:
     max_tokens = body.max_completion_tokens
     if max_tokens is None:  # the older name; 0 in either is refused, not taken as unset
         max_tokens = body.max_tokens
-    params = body.sampling_params(max_tokens, body.num_logprobs)
+    tools = tool_request(body)
+    spec = structured_output(body)
+    if spec is not None and tools.structured_output is not None:
+        raise ParameterError(spec.source, "cannot be combined with a required or named tool_choice")
+    params = body.sampling_params(max_tokens, body.num_logprobs, spec or tools.structured_output)
     return Inputs(
-        prompts=[Prompt(messages=messages)],
+        prompts=[Prompt(messages=messages, tools=tools)],
         params=params,
         logprobs=body.logprobs,
         priority=body.priority,

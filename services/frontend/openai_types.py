@@ -10,7 +10,13 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from shared.protocol import ChatMessage, ParameterError, SamplingParams
+from shared.protocol import (
+    ChatMessage,
+    ParameterError,
+    SamplingParams,
+    StructuredOutput,
+    ToolCallMessage,
+)
 
 T = TypeVar("T")
 
@@ -43,7 +49,30 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
-class _Common(msgspec.Struct, kw_only=True):
+class JSONSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # "text", "json_object" or "json_schema"
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: one kind of constraint (checked in structured.py)."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+
+class GenerateBody(msgspec.Struct, kw_only=True):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -66,12 +95,24 @@ class _Common(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     timeout: float | None = None  # seconds this request may run (at most --request-timeout)
+    # Structured output (structured.py reads them): OpenAI's, then vLLM's names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_output: StructuredOutput | None = None,
+    ) -> SamplingParams:
         params = SamplingParams(
             temperature=_default(self.temperature, 1.0),
             top_p=_default(self.top_p, 1.0),
@@ -90,6 +131,7 @@ class _Common(msgspec.Struct, kw_only=True):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             skip_special_tokens=self.skip_special_tokens,
             n=self.n,
+            structured_output=structured_output,
         )
         params.validate()
         if self.timeout is not None and not self.timeout > 0:
@@ -97,7 +139,7 @@ class _Common(msgspec.Struct, kw_only=True):
         return params
 
 
-class CompletionRequest(_Common, kw_only=True):
+class CompletionRequest(GenerateBody, kw_only=True):
     prompt: PromptValue = None  # checked in prompts()
     suffix: str | None = None
     max_tokens: int | None = 16
@@ -133,18 +175,56 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallBody(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallBody(msgspec.Struct, kw_only=True):
+    id: str
+    type: str = "function"
+    function: FunctionCallBody
+
+
 class Message(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
-class ChatCompletionRequest(_Common, kw_only=True):
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: no parameters
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: NamedFunction
+
+
+class ChatCompletionRequest(GenerateBody, kw_only=True):
     messages: list[Message]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template: str | None = None  # vLLM takes one; refused here (see chat_messages)
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or named
+    parallel_tool_calls: bool = True
 
     def chat_messages(self) -> list[ChatMessage]:
         if self.chat_template is not None:
@@ -155,12 +235,7 @@ class ChatCompletionRequest(_Common, kw_only=True):
             )
         if not self.messages:
             raise ParameterError("messages", "must be a non-empty list")
-        out = []
-        for message in self.messages:
-            if message.role not in ("system", "user", "assistant", "developer"):
-                raise ParameterError("messages", f"unsupported role {message.role!r}")
-            out.append(ChatMessage(message.role, _text_of(message.content)))
-        return out
+        return [_chat_message(message) for message in self.messages]
 
     @property
     def num_logprobs(self) -> int | None:
@@ -189,6 +264,22 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
         if not all(_is_token_id(t) for t in self.tokens):
             raise ParameterError("tokens", "token ids must be in [0, 2**31)")
         return self.tokens
+
+
+def _chat_message(message: Message) -> ChatMessage:
+    if message.role not in ("system", "user", "assistant", "developer", "tool"):
+        raise ParameterError("messages", f"unsupported role {message.role!r}")
+    if message.role == "tool" and message.tool_call_id is None:
+        raise ParameterError("messages", "a tool message needs its tool_call_id")
+    if message.tool_calls and message.role != "assistant":
+        raise ParameterError("messages", "only assistant messages carry tool_calls")
+    calls = [
+        ToolCallMessage(id=c.id, name=c.function.name, arguments=c.function.arguments)
+        for c in message.tool_calls or []
+    ]
+    return ChatMessage(
+        message.role, _text_of(message.content), message.name, calls, message.tool_call_id
+    )
 
 
 def _text_of(content: str | list[ContentPart] | None) -> str:

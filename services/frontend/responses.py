@@ -6,7 +6,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.protocol import FinishReason, TextDelta, TokenLogprob
+from shared.protocol import FinishReason, TextDelta, TokenLogprob, ToolCallDelta, ToolChoice
+
+
+@dataclass
+class ToolCall:
+    """One tool call of a choice, put together from its pieces."""
+
+    id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+    def as_openai(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": "".join(self.arguments)}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 @dataclass
@@ -14,6 +27,9 @@ class Choice:
     """What one sub-request (one prompt x one of n samples) has produced so far."""
 
     index: int
+    # How its tool calls are read: AUTO and REQUIRED calls end it with "tool_calls", a named
+    # function's with "stop", as vLLM and OpenAI answer.
+    tool_choice: ToolChoice | None = None
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -22,10 +38,16 @@ class Choice:
     num_cached_tokens: int = 0
     prompt_text: str = ""
     num_deltas: int = 0  # a chat stream's first chunk of each choice names the role
+    tool_calls: dict[int, ToolCall] = field(default_factory=dict)  # by index
 
     def absorb(self, delta: TextDelta) -> None:
         self.num_deltas += 1
         self.text.append(delta.text)
+        for piece in delta.tool_calls:
+            call = self.tool_calls.get(piece.index)
+            if call is None:
+                call = self.tool_calls[piece.index] = ToolCall(piece.id or "", piece.name or "")
+            call.arguments.append(piece.arguments)
         self.logprobs.extend(delta.logprobs)
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = delta.num_output_tokens or self.num_output_tokens
@@ -33,11 +55,21 @@ class Choice:
         if delta.prompt_text is not None:
             self.prompt_text = delta.prompt_text
         if delta.finish_reason is not None:
-            self.finish_reason = _openai_reason(delta.finish_reason)
+            self.finish_reason = self._openai_reason(delta.finish_reason)
 
+    def _openai_reason(self, reason: FinishReason) -> str:
+        calls = self.tool_calls and self.tool_choice in (ToolChoice.AUTO, ToolChoice.REQUIRED)
+        if reason is FinishReason.STOP and calls:
+            return "tool_calls"
+        return "stop" if reason is FinishReason.ABORT else reason.value
 
-def _openai_reason(reason: FinishReason) -> str:
-    return "stop" if reason is FinishReason.ABORT else reason.value
+    def message(self) -> dict[str, Any]:
+        """The whole assistant message: its content, and its tool calls if it made any."""
+        content = "".join(self.text)
+        if not self.tool_calls:
+            return {"role": "assistant", "content": content}
+        calls = [self.tool_calls[i].as_openai() for i in sorted(self.tool_calls)]
+        return {"role": "assistant", "content": content or None, "tool_calls": calls}
 
 
 def usage(choices: list[Choice], num_prompts: int) -> dict[str, Any]:
@@ -144,7 +176,7 @@ def chat_body(
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+                "message": c.message(),
                 "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
                 "finish_reason": c.finish_reason,
             }
@@ -159,7 +191,9 @@ def chat_chunk(
 ) -> dict[str, Any]:
     """`delta` was the last absorbed into `choice`; the first of each choice names the role."""
     message: dict[str, Any] = {"role": "assistant"} if choice.num_deltas == 1 else {}
-    message["content"] = delta.text
+    message["content"] = delta.text if delta.text or not delta.tool_calls else None
+    if delta.tool_calls:
+        message["tool_calls"] = [_tool_call_chunk(piece) for piece in delta.tool_calls]
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -174,6 +208,19 @@ def chat_chunk(
             }
         ],
     }
+
+
+def _tool_call_chunk(piece: ToolCallDelta) -> dict[str, Any]:
+    """A call's first piece names it (OpenAI's id, type and function.name); the rest only
+    add to its arguments."""
+    function: dict[str, Any] = {"arguments": piece.arguments}
+    chunk: dict[str, Any] = {"index": piece.index, "function": function}
+    if piece.id is not None:
+        chunk["id"] = piece.id
+        chunk["type"] = "function"
+    if piece.name is not None:
+        function["name"] = piece.name
+    return chunk
 
 
 def usage_chunk(request_id: str, model: str, obj: str, body: dict[str, Any]) -> dict[str, Any]:

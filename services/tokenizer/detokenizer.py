@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from services.tokenizer.hf_tokenizer import decode
+from shared.hf_tokenizer import decode
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoders emit for incomplete or invalid UTF-8
 # Tokens kept as context; enough for merges and leading-space rules at the window's start.

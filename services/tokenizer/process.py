@@ -16,11 +16,11 @@ from typing import Any
 
 import zmq
 
-from services.tokenizer.hf_tokenizer import load_tokenizer
 from services.tokenizer.worker import TokenizerWorker
 from shared.config import Config
 from shared.constants import HEARTBEAT_INTERVAL_S
 from shared.frontend_links import FrontendLinks, HeartbeatThread
+from shared.hf_tokenizer import load_tokenizer
 from shared.ipc import Decoder, connect_dealer, encode
 from shared.model_config import resolve_model_source
 from shared.protocol import (
@@ -61,7 +61,11 @@ class TokenizerProcess:
         tokenizer = load_tokenizer(source, config.tokenizer)
         if tokenizer is None:
             raise ValueError(f"{source.name} ships no tokenizer; pass --tokenizer")
-        self.worker = TokenizerWorker(tokenizer)
+        self.worker = TokenizerWorker(
+            tokenizer,
+            grammar_timeout_s=config.grammar_compile_timeout,
+            tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        )
         context: zmq.Context[Any] = zmq.Context.instance()
         security = WireSecurity.of(config)
         self.frontends = FrontendLinks(

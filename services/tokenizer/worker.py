@@ -11,13 +11,17 @@ text of every output is empty.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
-from services.tokenizer.hf_tokenizer import apply_chat_template, decode, encode
+from services.tokenizer.tool_calls import ToolCallReader
+from shared.grammar import GrammarChecker, llg_tokenizer
+from shared.hf_tokenizer import apply_chat_template, decode, encode
 from shared.protocol import (
     ChatMessage,
     EngineRequest,
@@ -31,6 +35,9 @@ from shared.protocol import (
     TokenizeResult,
     TokenLogprob,
     TokenLogprobs,
+    ToolCallDelta,
+    ToolChoice,
+    ToolDefinition,
     TopLogprob,
 )
 
@@ -43,13 +50,23 @@ class _LiveRequest:
     num_prompt_tokens: int
     echo_prompt_ids: list[int] | None  # sent back with the first delta when echo is asked
     num_output_tokens: int = 0
+    tool_calls: ToolCallReader | None = None  # a chat with tools: reads its calls
 
 
 class TokenizerWorker:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase | None,
+        *,
+        grammar_timeout_s: float = 10.0,
+        tool_call_parser: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.live: dict[str, _LiveRequest] = {}
         self._token_texts: dict[int, str] = {}  # logprob text by token id: decoded once
+        self.grammar_timeout_s = grammar_timeout_s
+        self.tool_call_parser = tool_call_parser
+        self._grammars: GrammarChecker | None = None  # made on first use (about a second)
 
     # ---------------------------------------------------------------- inbound
 
@@ -59,6 +76,8 @@ class TokenizerWorker:
         params = request.sampling_params
         if self.tokenizer is None and params.stop:
             raise ParameterError("stop", "stop strings need a tokenizer; this model has none")
+        if params.structured_output is not None:
+            self._grammar_checker(params.structured_output.source).check(params.structured_output)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
@@ -71,6 +90,7 @@ class TokenizerWorker:
             detokenizer,
             num_prompt_tokens=len(token_ids),
             echo_prompt_ids=token_ids if request.echo else None,
+            tool_calls=self._tool_call_reader(request),
         )
         return EngineRequest(
             request_id=request.request_id,
@@ -87,17 +107,41 @@ class TokenizerWorker:
                 raise ParameterError("prompt", f"token ids must be in [0, {vocab})")
             return list(request.prompt_token_ids)
         if request.messages is not None:
-            return self._chat_ids(request.messages)
+            return self._chat_ids(request.messages, request.tools)
         return encode(self._require_tokenizer("prompt"), request.prompt or "")
 
-    def _chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+    def _chat_ids(
+        self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None
+    ) -> list[int]:
         tokenizer = self._require_tokenizer("messages")
         try:
             return apply_chat_template(
-                tokenizer, [{"role": m.role, "content": m.content} for m in messages]
+                tokenizer,
+                [template_message(m) for m in messages],
+                None if tools is None else [template_tool(t) for t in tools],
             )
         except Exception as exc:  # chat templates raise jinja2 errors for bad conversations
             raise ParameterError("messages", str(exc)) from exc
+
+    def _grammar_checker(self, param: str) -> GrammarChecker:
+        if self._grammars is None:
+            tokenizer = self._require_tokenizer(param)
+            self._grammars = GrammarChecker(llg_tokenizer(tokenizer), self.grammar_timeout_s)
+        return self._grammars
+
+    def _tool_call_reader(self, request: GenerateRequest) -> ToolCallReader | None:
+        choice = request.tool_choice
+        if choice is None:
+            return None
+        if choice is ToolChoice.AUTO and self.tool_call_parser is None:
+            raise ParameterError(
+                "tool_choice",
+                '"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                "and --tool-call-parser",
+            )
+        return ToolCallReader(
+            choice, request.tool_name, self.tool_call_parser, request.parallel_tool_calls
+        )
 
     def _require_tokenizer(self, param: str) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:
@@ -168,6 +212,12 @@ class TokenizerWorker:
                 finish = FinishReason.STOP
             elif finish is not None:
                 text += detokenizer.flush()
+        tool_calls: list[ToolCallDelta] = []
+        if live.tool_calls is not None:
+            text, tool_calls = live.tool_calls.feed(text)
+            if finish is not None:
+                more_text, more_calls = live.tool_calls.finish()
+                text, tool_calls = text + more_text, tool_calls + more_calls
         live.num_output_tokens += len(output.new_token_ids)
         delta = TextDelta(
             request_id=output.request_id,
@@ -181,6 +231,7 @@ class TokenizerWorker:
             num_output_tokens=live.num_output_tokens,
             num_cached_tokens=output.num_cached_tokens,
             error=output.error,
+            tool_calls=tool_calls,
         )
         if live.echo_prompt_ids is not None:
             delta.prompt_token_ids = live.echo_prompt_ids
@@ -204,3 +255,42 @@ class TokenizerWorker:
             for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
         ]
         return TokenLogprob(lp.token_id, self._token_text(lp.token_id), lp.logprob, lp.rank, top)
+
+
+def template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face chat templates take it; `developer` is OpenAI's newer name
+    for `system`, which templates know."""
+    out: dict[str, Any] = {
+        "role": "system" if message.role == "developer" else message.role,
+        "content": message.content,
+    }
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        # Templates write arguments with `tojson`: an object, or the JSON text would be
+        # quoted twice.
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _json_or_text(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    return out
+
+
+def template_tool(tool: ToolDefinition) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name, "parameters": json.loads(tool.parameters)}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

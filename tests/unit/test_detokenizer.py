@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
-from services.tokenizer.hf_tokenizer import load_tokenizer
+from shared.hf_tokenizer import load_tokenizer
 from shared.model_config import resolve_model_source
 
 IM_END = 2  # SmolLM2's <|im_end|>, a special token

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,11 +33,18 @@ def load_tokenizer(
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        messages,
+        tools=cast(list[dict[Any, Any] | Callable[..., Any]] | None, tools),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     return encode(tokenizer, str(text), add_special_tokens=False)
 
 

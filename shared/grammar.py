@@ -1,0 +1,148 @@
+"""Structured output: a request's StructuredOutput as an llguidance grammar.
+
+The grammar is checked once where requests come in (the tokenizer pool: `GrammarChecker`,
+cached, with a deadline) and matched token by token where tokens are sampled (the executor
+builds one `LLMatcher` per request from the same text). llguidance builds its lexer lazily,
+so a matcher costs microseconds to make and nothing compiled has to travel between processes;
+its parser limits bound the work of every step, so no schema can hang the engine.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import llguidance
+import llguidance.hf
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.gbnf_to_lark import gbnf_to_lark
+
+from shared.protocol import ParameterError, StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+# Whitespace a JSON document may hold between its tokens. Bounded: small models otherwise
+# loop on newlines and spaces until max_tokens, with a document that never closes.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+
+
+def parser_limits() -> LLParserLimits:
+    # Why not verbose: an error then names what the client sent, not the parser's state dump.
+    return LLParserLimits(verbose_errors=False)
+
+
+def grammar_of(spec: StructuredOutput) -> str:
+    """The llguidance grammar (its JSON text) that `spec` asks the output to match; raises
+    ParameterError naming `spec.source` for a schema that is not JSON."""
+    if spec.json is not None or spec.json_object:
+        schema: Any = {"type": "object"} if spec.json_object else _loads(spec.json or "", spec)
+        if not isinstance(schema, dict | bool):
+            raise ParameterError(spec.source, "a JSON Schema must be an object")
+        options: dict[str, Any] = (
+            {"whitespace_flexible": False}
+            if spec.disable_any_whitespace
+            else {"whitespace_pattern": JSON_WHITESPACE}
+        )
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ParameterError(spec.source, f"invalid JSON Schema: {exc}") from None
+    if spec.regex is not None:
+        return LLMatcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        # Lark string literals take JSON's escapes, so each choice is matched byte for byte.
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+        return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    assert spec.grammar is not None  # StructuredOutput.validate: exactly one kind is set
+    lark = spec.grammar
+    if "::=" in lark:  # GBNF, as llama.cpp and xgrammar write grammars
+        try:
+            lark = gbnf_to_lark(lark)
+        except Exception as exc:  # its parser raises several kinds for bad input
+            raise ParameterError(spec.source, f"invalid GBNF grammar: {exc}") from None
+    return LLMatcher.grammar_from_lark(lark)
+
+
+def _loads(text: str, spec: StructuredOutput) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ParameterError(spec.source, f"the JSON Schema is not JSON: {exc}") from None
+
+
+def llg_tokenizer(
+    hf_tokenizer: Any, vocab_size: int | None = None, eos_token_ids: list[int] | None = None
+) -> LLTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer: every token's bytes, in a trie.
+
+    `vocab_size`: the model's, when its lm_head has more rows than the tokenizer has tokens
+    (masks are that wide; the extra ids are never allowed). Takes ~0.3-1 s: made once.
+    """
+    start = time.perf_counter()
+    n_vocab = max(vocab_size or 0, len(hf_tokenizer))
+    tokenizer = llguidance.hf.from_tokenizer(
+        hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token_ids or None
+    )
+    logger.info(
+        "grammar tokenizer ready: %d tokens in %.2f s", n_vocab, time.perf_counter() - start
+    )
+    return tokenizer
+
+
+class GrammarChecker:
+    """Refuses, before a request reaches the engine, a structured output whose grammar is
+    invalid or takes longer than `timeout_s` to start; remembers what it decided.
+
+    Why start a matcher and compute its first mask: that builds the lexer, which is where an
+    oversized schema or regex costs time; a grammar that starts within the deadline then runs
+    each step within llguidance's per-step limits.
+    """
+
+    def __init__(self, tokenizer: LLTokenizer, timeout_s: float, cache_size: int = 512) -> None:
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()  # -> error, "" if valid
+        self._cache_size = cache_size
+        # Why threads: a check past its deadline cannot be stopped (it ends by itself within
+        # the parser limits), but the request is answered at the deadline.
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+
+    def check(self, spec: StructuredOutput) -> None:
+        """Raise ParameterError naming `spec.source` unless its grammar is valid and fast."""
+        grammar = grammar_of(spec)
+        key = (spec.source, grammar)
+        with self._lock:
+            error = self._cache.get(key)
+            if error is not None:
+                self._cache.move_to_end(key)
+        if error is None:
+            error = self._check(grammar)
+            with self._lock:
+                self._cache[key] = error
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        if error:
+            raise ParameterError(spec.source, error)
+
+    def _check(self, grammar: str) -> str:
+        future = self._pool.submit(self._start, grammar)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            return f"the grammar took more than {self.timeout_s:g} s to compile; simplify it"
+
+    def _start(self, grammar: str) -> str:
+        error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=parser_limits())
+        if error:
+            return f"invalid grammar: {error}"
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
+        matcher.compute_bitmask()
+        if matcher.is_error():
+            return f"invalid grammar: {matcher.get_error()}"
+        return ""
