@@ -162,6 +162,8 @@ class LLM:
                     continue
                 result, completion = owner
                 completion.absorb(delta)
+                if delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = delta.prompt_logprobs
                 num_tokens += len(delta.token_ids)
                 if delta.finish_reason is not None:
                     result.num_cached_tokens = max(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.protocol import TextDelta, TokenLogprob
+from shared.protocol import PromptTokenLogprob, TextDelta, TokenLogprob
 
 
 @dataclass
@@ -35,6 +35,8 @@ class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[Completion]
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # With SamplingParams.prompt_logprobs: each prompt token, the first without a logprob.
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
 
     @property
     def text(self) -> str:

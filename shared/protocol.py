@@ -74,6 +74,9 @@ class SamplingParams(Message, kw_only=True, omit_defaults=True):
     skip_special_tokens: bool = True
     n: int = 1
     structured_output: StructuredOutput | None = None  # the output must match it
+    # Logprobs of the prompt's tokens (each given the ones before it) and this many top
+    # alternatives; the first token has none. Such a request reads no prefix cache.
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ParameterError naming the first invalid parameter."""
@@ -92,6 +95,11 @@ class SamplingParams(Message, kw_only=True, omit_defaults=True):
             "must be <= max_tokens",
         )
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0")
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs",
+            "must be >= 0",
+        )
         _check(self.n >= 1, "n", "must be >= 1")
         if self.structured_output is not None:
             self.structured_output.validate()
@@ -102,11 +110,13 @@ class SamplingParams(Message, kw_only=True, omit_defaults=True):
             _check(not bad, "stop_token_ids", f"ids out of vocabulary: {bad[:5]}")
             bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
             _check(not bad, "logit_bias", f"ids out of vocabulary: {bad[:5]}")
-            _check(
-                self.logprobs is None or self.logprobs <= vocab_size,
-                "logprobs",
-                f"must be <= the vocabulary size ({vocab_size})",
-            )
+            for name in ("logprobs", "prompt_logprobs"):
+                value = getattr(self, name)
+                _check(
+                    value is None or value <= vocab_size,
+                    name,
+                    f"must be <= the vocabulary size ({vocab_size})",
+                )
 
     def fan_out(self) -> list[SamplingParams]:
         """The parameters of the n completions of one prompt, each its own request.
@@ -281,6 +291,13 @@ class TokenLogprobs(Message, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(Message, array_like=True):
+    """Logprobs of a run of prompt tokens, computed by one step (one prompt chunk)."""
+
+    start: int  # the prompt position of the first entry's token (>= 1)
+    entries: list[TokenLogprobs]
+
+
 class ModelRunnerOutput(Message, tag=True, kw_only=True):
     """Tokens sampled in one step, for the requests that reached the end of their input."""
 
@@ -288,6 +305,7 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = {}
     device_ms: float = 0.0  # how long the step kept the device busy (0 where not measured)
+    prompt_logprobs: dict[str, PromptLogprobs] = {}  # for requests with prompt_logprobs
 
 
 # ------------------------------------------------------------- outputs out
@@ -303,6 +321,8 @@ class RequestOutput(Message, tag=True, kw_only=True):
     error: RequestError | None = None  # with finish_reason ERROR
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # With the first output of a request with prompt_logprobs: prompt tokens 1..n-1.
+    prompt_logprobs: list[TokenLogprobs] = []
 
     @property
     def finished(self) -> bool:
@@ -376,6 +396,9 @@ class GenerateRequest(Message, tag=True, kw_only=True):
     tool_choice: ToolChoice | None = None  # None: the output is read as text only
     tool_name: str | None = None  # with ToolChoice.FUNCTION: the function called
     parallel_tool_calls: bool = True  # False: one call at most (later ones are dropped)
+    # Echo with max_tokens 0: the engine computes one token, which is dropped: the answer is
+    # the prompt (with its logprobs) alone.
+    prompt_only: bool = False
 
 
 class TokenizeRequest(Message, tag=True, kw_only=True):
@@ -421,6 +444,16 @@ class ToolCallDelta(Message, kw_only=True, omit_defaults=True):
     arguments: str = ""  # a piece of the arguments' JSON text
 
 
+class PromptTokenLogprob(Message, array_like=True):
+    """A prompt token with its text and, past the first token, its logprob and alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float | None  # None for the first token: nothing comes before it
+    rank: int | None
+    top: list[TopLogprob]
+
+
 class TextDelta(Message, tag=True, kw_only=True):
     """New text for one request, from its tokenizer worker to the frontend."""
 
@@ -436,6 +469,7 @@ class TextDelta(Message, tag=True, kw_only=True):
     prompt_token_ids: list[int] | None = None  # first delta of an echo request
     error: RequestError | None = None  # with finish_reason ERROR
     tool_calls: list[ToolCallDelta] = []  # `text` is then the content beside them
+    prompt_logprobs: list[PromptTokenLogprob] | None = None  # the first delta, when asked
 
     @classmethod
     def failure(cls, request_id: str, error: RequestError) -> TextDelta:

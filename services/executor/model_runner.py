@@ -21,7 +21,13 @@ from services.executor.kv_cache import (
     profile_step_peak,
 )
 from services.executor.plan_check import PlanError, PlanLimits, check_plan
-from services.executor.sampler import PendingSample, Sampler, SamplingRow, TokenBitmask
+from services.executor.sampler import (
+    PendingSample,
+    Sampler,
+    SamplingRow,
+    TokenBitmask,
+    logprob_tensors,
+)
 from services.executor.step_buffers import PaddedShape, StepBuffers, StepView
 from services.executor.warm_up import warm_up
 from services.executor.weights import load_model
@@ -39,12 +45,14 @@ from shared.protocol import (
     ExecutorReady,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobs,
     SamplingParams,
     SchedulerOutput,
 )
 
 logger = logging.getLogger(__name__)
 
+_PROMPT_LOGPROB_ROWS = 512  # prompt positions whose logits are made at once
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -78,6 +86,8 @@ class RequestState:
     # Structured output: the grammar's state after the tokens above. NOTE: like penalties, its
     # next mask needs every token in flight on the host (see ModelRunner._token_bitmask).
     matcher: LLMatcher | None = field(default=None)
+    # Prompt logprobs still to compute: not for a request resumed after its prompt was done.
+    wants_prompt_logprobs: bool = field(default=False)
 
     @classmethod
     def from_new(cls, data: NewRequestData, matcher: LLMatcher | None = None) -> RequestState:
@@ -90,6 +100,8 @@ class RequestState:
             num_computed_tokens=data.num_computed_tokens,
             has_penalties=data.sampling_params.has_penalties,
             matcher=matcher,
+            wants_prompt_logprobs=data.sampling_params.prompt_logprobs is not None
+            and not data.output_token_ids,
         )
 
     @property
@@ -152,12 +164,23 @@ class InFlightStep:
     forward_done: torch.cuda.Event | None = None
     span: DeviceSpan | None = None  # how long the step kept the device busy
     output: ModelRunnerOutput | None = None
+    # Prompt logprobs on their way to the host: (request id, first position, their copies).
+    prompt_parts: list[tuple[str, int, PendingSample]] = field(default_factory=list)
 
     def finish(self) -> ModelRunnerOutput:
         if self.output is not None:
             return self.output
+        prompt_logprobs = {
+            request_id: PromptLogprobs(start, [lp for lp in part.result().logprobs if lp])
+            for request_id, start, part in self.prompt_parts
+        }
         if self.pending is None:
-            self.output = ModelRunnerOutput(step=self.step, sampled={}, device_ms=self.device_ms)
+            self.output = ModelRunnerOutput(
+                step=self.step,
+                sampled={},
+                device_ms=self.device_ms,
+                prompt_logprobs=prompt_logprobs,
+            )
             return self.output
         result = self.pending.result()
         for state, token_id in zip(self.states, result.token_ids, strict=True):
@@ -168,6 +191,7 @@ class InFlightStep:
             sampled=dict(zip(self.sample_ids, result.token_ids, strict=True)),
             logprobs={rid: lp for rid, lp in pairs if lp is not None},
             device_ms=self.device_ms,
+            prompt_logprobs=prompt_logprobs,
         )
         return self.output
 
@@ -183,7 +207,8 @@ class InFlightStep:
         if self.output is not None:
             return True
         forward_ended = self.forward_done is None or self.forward_done.query()
-        return forward_ended and (self.pending is None or self.pending.ready)
+        prompt_ready = all(part.ready for _, _, part in self.prompt_parts)
+        return forward_ended and prompt_ready and (self.pending is None or self.pending.ready)
 
 
 @dataclass
@@ -198,6 +223,9 @@ class PreparedStep:
     sample_rows: list[int] = field(default_factory=list)
     sources: list[tuple[int, int]] = field(default_factory=list)  # (token index, sampled row)
     shape: PaddedShape | None = None
+    # Requests whose prompt logprobs this step computes: (request id, token index of the first
+    # position, that position, number of positions).
+    prompt_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -383,9 +411,12 @@ class ModelRunner:
         for row, state in enumerate(states):
             state.num_pending += 1
             state.sample_row = row
+        prompt_parts = [self._prompt_logprobs(hidden, *rows) for rows in prepared.prompt_rows]
         span = DeviceSpan(started, DeviceSpan.mark(self.device))
         self._in_flight.append(
-            InFlightStep(step, prepared.sample_ids, states, pending, forward_done, span)
+            InFlightStep(
+                step, prepared.sample_ids, states, pending, forward_done, span, None, prompt_parts
+            )
         )
 
     def collect(self) -> ModelRunnerOutput:
@@ -409,6 +440,28 @@ class ModelRunner:
             return True
         event = self._in_flight[-1].forward_done
         return event is None or event.query()
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, request_id: str, first: int, start: int, count: int
+    ) -> tuple[str, int, PendingSample]:
+        """Queue the logprobs of prompt tokens start + 1 .. start + count, from the hidden
+        states at token indices first .. first + count - 1, and their copy to the host."""
+        state = self.requests[request_id]
+        k = state.params.prompt_logprobs or 0
+        targets = state.prompt_token_ids[start + 1 : start + 1 + count]
+        target_ids = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        # Why in slices: a 2,048-token chunk's float32 logits over a 150k vocabulary are 1.2 GB.
+        for lo in range(0, count, _PROMPT_LOGPROB_ROWS):
+            hi = min(lo + _PROMPT_LOGPROB_ROWS, count)
+            logits = self.model.compute_logits(hidden[first + lo : first + hi])  # [n, vocab]
+            raw = logits[:, : self.model_config.vocab_size].float().log_softmax(dim=-1)
+            for column, tensor in zip(
+                parts, logprob_tensors(raw, target_ids[lo:hi], k), strict=True
+            ):
+                column.append(tensor)
+        tensors = tuple(torch.cat(column) for column in parts)
+        return request_id, start + 1, PendingSample(target_ids, tensors, [k] * count)
 
     def _token_bitmask(self, states: list[RequestState]) -> TokenBitmask | None:
         """The allowed next tokens of the rows with a grammar, computed on the host while the
@@ -494,6 +547,11 @@ class ModelRunner:
                 raise PlanError(f"request_id={request_id}: inputs {start}:{end} unknown")
             prepared.sources.append((len(token_ids), state.sample_row))
             token_ids.append(0)  # a placeholder the device overwrites
+        if state.wants_prompt_logprobs and start < len(state.prompt_token_ids) - 1:
+            # Position i's logits give token i + 1's logprob: the chunk's positions up to the
+            # prompt's second-to-last token (the last one's logits sample the first output).
+            count = min(end, len(state.prompt_token_ids) - 1) - start
+            prepared.prompt_rows.append((request_id, first, start, count))
         prepared.starts.append(start)
         prepared.counts.append(num_new)
         self._write_table_row(len(prepared.counts) - 1, state)

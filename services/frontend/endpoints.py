@@ -35,6 +35,7 @@ class Prompt:
     messages: list[ChatMessage] | None = None
     echo: bool = False  # completions only: return the prompt before its completion
     tools: ToolRequest = field(default_factory=ToolRequest)  # chat only
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt alone comes back
 
     def request(
         self, request_id: str, params: SamplingParams, arrival_time: float, priority: int
@@ -52,6 +53,7 @@ class Prompt:
             tool_choice=self.tools.choice,
             tool_name=self.tools.name,
             parallel_tool_calls=self.tools.parallel,
+            prompt_only=self.prompt_only,
         )
 
 
@@ -81,14 +83,22 @@ class Endpoint(Generic[Body]):
 
 def _read_completion(body: CompletionRequest) -> Inputs:
     prompts = body.prompts()
-    params = body.sampling_params(body.max_tokens, body.logprobs, structured_output(body))
-    if body.echo and body.logprobs is not None:
-        raise ParameterError("echo", "echo together with logprobs is not supported")
+    # Echo with logprobs gives the prompt's logprobs too; with max_tokens 0, those alone.
+    prompt_only = body.echo and body.max_tokens == 0
+    echoed = body.logprobs if body.echo else None
+    asked = [k for k in (echoed, body.prompt_logprobs) if k is not None]
+    prompt_logprobs = max(asked, default=None)
+    params = body.sampling_params(
+        1 if prompt_only else body.max_tokens,
+        body.logprobs,
+        structured_output(body),
+        prompt_logprobs,
+    )
     return Inputs(
         prompts=[
-            Prompt(text=p, echo=body.echo)
+            Prompt(text=p, echo=body.echo, prompt_only=prompt_only)
             if isinstance(p, str)
-            else Prompt(token_ids=p, echo=body.echo)
+            else Prompt(token_ids=p, echo=body.echo, prompt_only=prompt_only)
             for p in prompts
         ],
         params=params,
@@ -107,7 +117,9 @@ def _read_chat(body: ChatCompletionRequest) -> Inputs:
     spec = structured_output(body)
     if spec is not None and tools.structured_output is not None:
         raise ParameterError(spec.source, "cannot be combined with a required or named tool_choice")
-    params = body.sampling_params(max_tokens, body.num_logprobs, spec or tools.structured_output)
+    params = body.sampling_params(
+        max_tokens, body.num_logprobs, spec or tools.structured_output, body.prompt_logprobs
+    )
     return Inputs(
         prompts=[Prompt(messages=messages, tools=tools)],
         params=params,

@@ -102,6 +102,7 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, this many top
 
     @property
     def include_usage(self) -> bool:
@@ -112,6 +113,7 @@ class GenerateBody(msgspec.Struct, kw_only=True):
         max_tokens: int | None,
         logprobs: int | None,
         structured_output: StructuredOutput | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         params = SamplingParams(
             temperature=_default(self.temperature, 1.0),
@@ -132,6 +134,7 @@ class GenerateBody(msgspec.Struct, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
             n=self.n,
             structured_output=structured_output,
+            prompt_logprobs=prompt_logprobs,
         )
         params.validate()
         if self.timeout is not None and not self.timeout > 0:

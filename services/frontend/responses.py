@@ -6,7 +6,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.protocol import FinishReason, TextDelta, TokenLogprob, ToolCallDelta, ToolChoice
+from shared.protocol import (
+    FinishReason,
+    PromptTokenLogprob,
+    TextDelta,
+    TokenLogprob,
+    ToolCallDelta,
+    ToolChoice,
+)
 
 
 @dataclass
@@ -39,6 +46,7 @@ class Choice:
     prompt_text: str = ""
     num_deltas: int = 0  # a chat stream's first chunk of each choice names the role
     tool_calls: dict[int, ToolCall] = field(default_factory=dict)  # by index
+    prompt_logprobs: list[PromptTokenLogprob] | None = None
 
     def absorb(self, delta: TextDelta) -> None:
         self.num_deltas += 1
@@ -54,6 +62,8 @@ class Choice:
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_text is not None:
             self.prompt_text = delta.prompt_text
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason = self._openai_reason(delta.finish_reason)
 
@@ -89,17 +99,45 @@ def usage(choices: list[Choice], num_prompts: int) -> dict[str, Any]:
 # ------------------------------------------------------------------ completions
 
 
-def completion_logprobs(entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    entries: list[TokenLogprob],
+    offset: int,
+    prompt: list[PromptTokenLogprob] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's legacy logprobs; with `prompt` (echo), the prompt's tokens come first, the
+    first of them with null logprobs."""
+    tokens: list[PromptTokenLogprob | TokenLogprob] = [*(prompt or []), *entries]
     offsets = []
-    for entry in entries:
+    for entry in tokens:
         offsets.append(offset)
         offset += len(entry.token)
     return {
-        "tokens": [e.token for e in entries],
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries],
+        "tokens": [e.token for e in tokens],
+        "token_logprobs": [e.logprob for e in tokens],
+        "top_logprobs": [
+            None if e.logprob is None else {t.token: t.logprob for t in e.top} for e in tokens
+        ],
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(entries: list[PromptTokenLogprob] | None) -> list[Any] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else its logprob and
+    the top alternatives by token id."""
+    if entries is None:
+        return None
+    out: list[Any] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        ranked = {e.token_id: {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+        for rank, top in enumerate(e.top, start=1):
+            ranked.setdefault(
+                top.token_id, {"logprob": top.logprob, "rank": rank, "decoded_token": top.token}
+            )
+        out.append(ranked)
+    return out
 
 
 def completion_body(
@@ -114,10 +152,13 @@ def completion_body(
             {
                 "index": c.index,
                 "text": c.prompt_text + "".join(c.text),
-                "logprobs": completion_logprobs(c.logprobs, len(c.prompt_text))
+                "logprobs": completion_logprobs(c.logprobs, 0, c.prompt_logprobs)
+                if logprobs and c.prompt_text
+                else completion_logprobs(c.logprobs, 0)
                 if logprobs
                 else None,
                 "finish_reason": c.finish_reason,
+                "prompt_logprobs": vllm_prompt_logprobs(c.prompt_logprobs),
             }
             for c in choices
         ],
@@ -138,11 +179,18 @@ def completion_chunk(
             {
                 "index": choice.index,
                 "text": text,
-                "logprobs": completion_logprobs(delta.logprobs, 0) if logprobs else None,
+                "logprobs": completion_logprobs(delta.logprobs, 0, _echoed(delta))
+                if logprobs
+                else None,
                 "finish_reason": choice.finish_reason if delta.finish_reason else None,
             }
         ],
     }
+
+
+def _echoed(delta: TextDelta) -> list[PromptTokenLogprob] | None:
+    """The prompt's logprobs, on the first chunk of an echo request."""
+    return delta.prompt_logprobs if delta.prompt_text is not None else None
 
 
 # ------------------------------------------------------------------ chat
@@ -183,6 +231,8 @@ def chat_body(
             for c in choices
         ],
         "usage": usage(choices, num_prompts),
+        # vLLM's: one prompt per chat, the same for each choice
+        "prompt_logprobs": vllm_prompt_logprobs(choices[0].prompt_logprobs) if choices else None,
     }
 
 

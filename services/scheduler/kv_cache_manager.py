@@ -25,9 +25,10 @@ class KVCacheManager:
         """Blocks holding the longest cached prefix of the request's tokens.
 
         NOTE: at least one token is always left to compute, because the step that
-        computes the last token is the one that produces the next token's logits.
+        computes the last token is the one that produces the next token's logits. A request
+        that asks for prompt logprobs computes its whole prompt: they come from its logits.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []

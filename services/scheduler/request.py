@@ -6,7 +6,13 @@ import enum
 import hashlib
 from array import array
 
-from shared.protocol import EngineRequest, FinishReason, SamplingParams
+from shared.protocol import (
+    EngineRequest,
+    FinishReason,
+    PromptLogprobs,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 class RequestStatus(enum.Enum):
@@ -50,6 +56,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_hashes: list[bytes] = []
+        # Prompt logprobs as the executor computes them, chunk by chunk; they go out with the
+        # request's first output (take_prompt_logprobs).
+        self.prompt_logprobs: list[TokenLogprobs] = []
+        self._prompt_logprobs_sent = False
         self._block_size = block_size
         self._update_block_hashes()
 
@@ -78,6 +88,21 @@ class Request:
         self.all_token_ids.append(token_id)
         self.num_pending_tokens = max(self.num_pending_tokens - 1, 0)
         self._update_block_hashes()
+
+    def add_prompt_logprobs(self, part: PromptLogprobs) -> None:
+        """Keep the entries past those already held. NOTE: a request preempted in the middle of
+        its prompt computes the prompt again from its start, and sends its first chunks twice."""
+        skip = 1 + len(self.prompt_logprobs) - part.start  # entries of positions already held
+        if not self._prompt_logprobs_sent and 0 <= skip < len(part.entries):
+            self.prompt_logprobs.extend(part.entries[skip:])
+
+    def take_prompt_logprobs(self) -> list[TokenLogprobs]:
+        """The prompt's logprobs, once: for the request's first output."""
+        if self._prompt_logprobs_sent:
+            return []
+        self._prompt_logprobs_sent = True
+        taken, self.prompt_logprobs = self.prompt_logprobs, []
+        return taken
 
     def _update_block_hashes(self) -> None:
         size = self._block_size

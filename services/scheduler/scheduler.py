@@ -341,6 +341,9 @@ class Scheduler:
         if self._retiring:
             self._retiring = {r: step for r, step in self._retiring.items() if step > plan.step}
         self.device_busy_seconds += result.device_ms / 1000
+        for request_id, part in result.prompt_logprobs.items():
+            if (request := self.requests.get(request_id)) is not None:
+                request.add_prompt_logprobs(part)
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
             token_id = result.sampled.get(request_id)
@@ -407,6 +410,7 @@ class Scheduler:
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
+            prompt_logprobs=request.take_prompt_logprobs(),
         )
 
     # ------------------------------------------------------------------ observing

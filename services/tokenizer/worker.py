@@ -28,6 +28,7 @@ from shared.protocol import (
     FinishReason,
     GenerateRequest,
     ParameterError,
+    PromptTokenLogprob,
     RequestError,
     RequestOutput,
     TextDelta,
@@ -51,6 +52,8 @@ class _LiveRequest:
     echo_prompt_ids: list[int] | None  # sent back with the first delta when echo is asked
     num_output_tokens: int = 0
     tool_calls: ToolCallReader | None = None  # a chat with tools: reads its calls
+    prompt_token_ids: list[int] | None = None  # kept when its prompt logprobs will come
+    prompt_only: bool = False  # echo with max_tokens 0: the one token computed is dropped
 
 
 class TokenizerWorker:
@@ -91,6 +94,8 @@ class TokenizerWorker:
             num_prompt_tokens=len(token_ids),
             echo_prompt_ids=token_ids if request.echo else None,
             tool_calls=self._tool_call_reader(request),
+            prompt_token_ids=token_ids if params.prompt_logprobs is not None else None,
+            prompt_only=request.prompt_only,
         )
         return EngineRequest(
             request_id=request.request_id,
@@ -218,14 +223,15 @@ class TokenizerWorker:
             if finish is not None:
                 more_text, more_calls = live.tool_calls.finish()
                 text, tool_calls = text + more_text, tool_calls + more_calls
-        live.num_output_tokens += len(output.new_token_ids)
+        token_ids, logprobs = output.new_token_ids, output.new_logprobs
+        if live.prompt_only:  # its one token was never asked for
+            text, token_ids, logprobs, finish = "", [], [], FinishReason.LENGTH
+        live.num_output_tokens += len(token_ids)
         delta = TextDelta(
             request_id=output.request_id,
             text=text,
-            token_ids=output.new_token_ids,
-            logprobs=[self._logprob(lp) for lp in output.new_logprobs]
-            if output.new_logprobs
-            else [],
+            token_ids=token_ids,
+            logprobs=[self._logprob(lp) for lp in logprobs] if logprobs else [],
             finish_reason=finish,
             num_prompt_tokens=live.num_prompt_tokens,
             num_output_tokens=live.num_output_tokens,
@@ -237,7 +243,22 @@ class TokenizerWorker:
             delta.prompt_token_ids = live.echo_prompt_ids
             delta.prompt_text = self._text(live.echo_prompt_ids)
             live.echo_prompt_ids = None
+        if live.prompt_token_ids is not None:  # the first output carries them
+            delta.prompt_logprobs = self._prompt_logprobs(
+                live.prompt_token_ids, output.prompt_logprobs
+            )
+            live.prompt_token_ids = None
         return delta
+
+    def _prompt_logprobs(
+        self, prompt_ids: list[int], entries: list[TokenLogprobs]
+    ) -> list[PromptTokenLogprob]:
+        """The prompt's tokens with their text; the first has no logprob."""
+        first = PromptTokenLogprob(prompt_ids[0], self._token_text(prompt_ids[0]), None, None, [])
+        rest = [self._logprob(lp) for lp in entries]
+        return [first] + [
+            PromptTokenLogprob(e.token_id, e.token, e.logprob, e.rank, e.top) for e in rest
+        ]
 
     def _text(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else decode(self.tokenizer, token_ids)
