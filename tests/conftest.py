@@ -51,3 +51,11 @@ def smollm2_tokenizer():
     from shared.model_config import resolve_model_source
 
     return load_tokenizer(resolve_model_source(None))
+
+
+@pytest.fixture(scope="session")
+def tool_chat_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer and a tool-rendering chat template."""
+    from tests.tool_chat_model import save_tool_chat_model
+
+    return save_tool_chat_model(tmp_path_factory.mktemp("tool-chat"), smollm2_tokenizer)

@@ -11,6 +11,7 @@ import logging
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from services.frontend import openapi
 from services.frontend.engine_client import EngineClient
@@ -38,6 +39,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
         config, engine, model_name, Metrics(model_name), served, load_api_keys(config)
     )
     app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _on_http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _on_error)
     app.include_router(info.health_router)  # probes need no key
     app.include_router(info.router, dependencies=[Depends(authorize)])
@@ -52,6 +54,13 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
 
 async def _on_api_error(_request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
+
+
+async def _on_http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route: 404, a wrong method: 405) in OpenAI's shape."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    headers = dict(exc.headers) if exc.headers else None
+    return APIError(exc.status_code, str(exc.detail), kind, headers=headers).response()
 
 
 async def _on_error(_request: Request, exc: Exception) -> JSONResponse:

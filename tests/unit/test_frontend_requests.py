@@ -163,7 +163,18 @@ def test_vllm_extras_reach_the_sampling_params() -> None:
         ({}, "prompt"),
         ({"prompt": "hi", "suffix": "x"}, "suffix"),
         ({"prompt": "hi", "best_of": 2}, "best_of"),
-        ({"prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),  # only echo takes 0
+        ({"prompt": "hi", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt": "hi", "response_format": {"type": "xml"}}, "response_format"),
+        ({"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"prompt": "hi", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"prompt": "hi", "guided_choice": []}, "guided_choice"),
+        (
+            {"prompt": "hi", "structured_outputs": {"regex": "a", "json_object": True}},
+            "structured_outputs",
+        ),
+        ({"prompt": "hi", "structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+        ({"prompt": "hi", "min_tokens": 1, "guided_regex": "a"}, "min_tokens"),
     ],
 )
 def test_bad_completion_bodies_are_400_naming_the_param(

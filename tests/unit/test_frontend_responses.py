@@ -14,6 +14,7 @@ from shared.protocol import (
     ErrorKind,
     FinishReason,
     ParameterError,
+    PromptTokenLogprob,
     RequestError,
     TextDelta,
     TokenLogprob,
@@ -100,14 +101,18 @@ def test_usage_counts_each_prompt_once_however_many_samples() -> None:
 
 def test_completion_body_with_echo_and_logprobs() -> None:
     choice = r.Choice(0)
-    choice.absorb(
-        delta(
-            "x",
-            " Paris",
-            prompt_text="Capital:",
-            logprobs=[entry(" Par", -0.1, (" Par", -0.1), (" Lon", -2.0)), entry("is", -0.2)],
-        )
+    prompt = [
+        PromptTokenLogprob(5, "Capital", None, None, []),
+        PromptTokenLogprob(6, ":", -1.5, 3, [TopLogprob(7, " of", -0.5)]),
+    ]
+    first = delta(
+        "x",
+        " Paris",
+        prompt_text="Capital:",
+        logprobs=[entry(" Par", -0.1, (" Par", -0.1), (" Lon", -2.0)), entry("is", -0.2)],
     )
+    first.prompt_logprobs = prompt
+    choice.absorb(first)
     choice.absorb(delta("x", ".", finish_reason=FinishReason.LENGTH, num_output_tokens=3))
     body = r.completion_body("cmpl-1", "m", [choice], 1, logprobs=True)
     check_envelope(body, "cmpl-1", "text_completion")
@@ -116,12 +121,20 @@ def test_completion_body_with_echo_and_logprobs() -> None:
             "index": 0,
             "text": "Capital: Paris.",
             "logprobs": {
-                "tokens": [" Par", "is"],
-                "token_logprobs": [-0.1, -0.2],
-                "top_logprobs": [{" Par": -0.1, " Lon": -2.0}, {}],
-                "text_offset": [8, 12],  # after the echoed prompt
+                # the prompt's tokens first; the first has nothing before it to be scored on
+                "tokens": ["Capital", ":", " Par", "is"],
+                "token_logprobs": [None, -1.5, -0.1, -0.2],
+                "top_logprobs": [None, {" of": -0.5}, {" Par": -0.1, " Lon": -2.0}, {}],
+                "text_offset": [0, 7, 8, 12],
             },
             "finish_reason": "length",
+            "prompt_logprobs": [
+                None,
+                {
+                    6: {"logprob": -1.5, "rank": 3, "decoded_token": ":"},
+                    7: {"logprob": -0.5, "rank": 1, "decoded_token": " of"},
+                },
+            ],
         }
     ]
     assert body["usage"]["completion_tokens"] == 3

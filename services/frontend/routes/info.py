@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from services.frontend.errors import unavailable
 from services.frontend.openapi import errors
 from services.frontend.state import AppState
+from services.frontend.validation import check_model
 from shared.version import VERSION
 
 health_router = APIRouter()
@@ -53,18 +54,24 @@ async def version() -> dict[str, str]:
 
 @router.get("/v1/models")
 async def models(state: AppState) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@router.get("/v1/models/{model_id:path}", openapi_extra=errors(404))
+async def model(model_id: str, state: AppState) -> dict[str, Any]:
+    """One model's card; ids may hold slashes ("org/name"), as Hugging Face names do."""
+    check_model(model_id, state.model_name)
+    return _model_card(state)
+
+
+def _model_card(state: AppState) -> dict[str, Any]:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": int(time.time()),
-                "owned_by": "kvflow",
-                "root": state.model_name,
-                "max_model_len": state.max_model_len,
-            }
-        ],
+        "id": state.model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "kvflow",
+        "root": state.model_name,
+        "max_model_len": state.max_model_len,
     }
 
 
