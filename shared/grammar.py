@@ -26,9 +26,10 @@ from shared.protocol import ParameterError, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
-# Whitespace a JSON document may hold between its tokens. Bounded: small models otherwise
-# loop on newlines and spaces until max_tokens, with a document that never closes.
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+# Whitespace a JSON document may hold between its tokens: a space or two, or a line break and
+# an indentation (pretty-printed JSON, 8 levels of 2 spaces). Bounded: small models otherwise
+# fill the document with blank lines until max_tokens, and it never closes.
+JSON_WHITESPACE = r"[\x20\x09]{0,2}(\x0D?\x0A[\x20\x09]{0,16})?"
 
 
 def parser_limits() -> LLParserLimits:

@@ -87,6 +87,7 @@ def target_of(args: argparse.Namespace, model: str, headers: dict[str, str]) -> 
         for name in ("temperature", "top_p", "top_k")
         if (value := getattr(args, name)) is not None
     }
+    extra.update(args.extra_body or {})
     return Target(
         base_url=args.base_url or f"http://{args.host}:{args.port}",
         endpoint=args.endpoint,

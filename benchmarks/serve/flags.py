@@ -6,9 +6,11 @@ Free of aiohttp and matplotlib: the `kvflow` command builds this parser on every
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,11 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--top-p", type=float)
     load.add_argument("--top-k", type=int)
     load.add_argument("--seed", type=int, default=0)
+    load.add_argument(
+        "--extra-body",
+        type=_json_object,
+        help="More body fields, as a JSON object: e.g. '{\"response_format\": {...}}'.",
+    )
     report = parser.add_argument_group("report")
     report.add_argument(
         "--goodput",
@@ -129,3 +136,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     )
     report.add_argument("--plot", type=Path, metavar="DIR", help="Write PNG plots into DIR.")
     report.add_argument("--disable-tqdm", action="store_true", help="No progress lines.")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
