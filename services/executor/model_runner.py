@@ -27,6 +27,7 @@ from services.executor.sampler import (
     SamplingRow,
     TokenBitmask,
     logprob_tensors,
+    to_device,
 )
 from services.executor.step_buffers import PaddedShape, StepBuffers, StepView
 from services.executor.warm_up import warm_up
@@ -449,7 +450,7 @@ class ModelRunner:
         state = self.requests[request_id]
         k = state.params.prompt_logprobs or 0
         targets = state.prompt_token_ids[start + 1 : start + 1 + count]
-        target_ids = torch.tensor(targets, dtype=torch.int64).to(self.device, non_blocking=True)
+        target_ids = to_device(targets, torch.int64, self.device)
         parts: list[list[torch.Tensor]] = [[], [], [], []]
         # Why in slices: a 2,048-token chunk's float32 logits over a 150k vocabulary are 1.2 GB.
         for lo in range(0, count, _PROMPT_LOGPROB_ROWS):
@@ -478,8 +479,9 @@ class ModelRunner:
             self._finish_in_flight()
         matchers = [states[i].matcher for i in rows]
         bitmask = self.grammars.bitmask([m for m in matchers if m is not None], self.device)
-        index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return index, bitmask
+        # Pinned, as every upload here: from pageable memory the copy would wait for the forward
+        # pass queued before it, and the host would idle instead of preparing the next step.
+        return to_device(rows, torch.int64, self.device), bitmask
 
     def _finish_in_flight(self) -> None:
         for step in self._in_flight:

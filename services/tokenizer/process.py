@@ -66,6 +66,7 @@ class TokenizerProcess:
             grammar_timeout_s=config.grammar_compile_timeout,
             tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         )
+        self.worker.start_grammar_tokenizer()
         context: zmq.Context[Any] = zmq.Context.instance()
         security = WireSecurity.of(config)
         self.frontends = FrontendLinks(

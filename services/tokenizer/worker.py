@@ -11,11 +11,13 @@ text of every output is empty.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+from llguidance import LLTokenizer
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
@@ -69,7 +71,8 @@ class TokenizerWorker:
         self._token_texts: dict[int, str] = {}  # logprob text by token id: decoded once
         self.grammar_timeout_s = grammar_timeout_s
         self.tool_call_parser = tool_call_parser
-        self._grammars: GrammarChecker | None = None  # made on first use (about a second)
+        self._grammars: GrammarChecker | None = None  # made on first use
+        self._grammar_tokenizer: concurrent.futures.Future[LLTokenizer] | None = None
 
     # ---------------------------------------------------------------- inbound
 
@@ -128,10 +131,21 @@ class TokenizerWorker:
         except Exception as exc:  # chat templates raise jinja2 errors for bad conversations
             raise ParameterError("messages", str(exc)) from exc
 
+    def start_grammar_tokenizer(self) -> None:
+        """Make the grammar tokenizer on a thread now (1-3 s for a 150k vocabulary), so that
+        the first structured-output request does not wait for it (serving calls this)."""
+        if self.tokenizer is not None and self._grammar_tokenizer is None:
+            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-init")
+            self._grammar_tokenizer = pool.submit(llg_tokenizer, self.tokenizer)
+            pool.shutdown(wait=False)
+
     def _grammar_checker(self, param: str) -> GrammarChecker:
         if self._grammars is None:
-            tokenizer = self._require_tokenizer(param)
-            self._grammars = GrammarChecker(llg_tokenizer(tokenizer), self.grammar_timeout_s)
+            self._require_tokenizer(param)
+            self.start_grammar_tokenizer()
+            assert self._grammar_tokenizer is not None
+            tokenizer = self._grammar_tokenizer.result()
+            self._grammars = GrammarChecker(tokenizer, self.grammar_timeout_s)
         return self._grammars
 
     def _tool_call_reader(self, request: GenerateRequest) -> ToolCallReader | None:
