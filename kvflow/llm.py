@@ -17,6 +17,8 @@ import msgspec
 from kvflow.outputs import Completion, GenerationResult
 from kvflow.progress import Progress
 from services.executor.model_runner import ModelRunner
+from services.frontend.openai_types import Message, Tool, chat_message
+from services.frontend.structured import tool_definition
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.handshake import scheduler_config
 from services.scheduler.scheduler import Scheduler
@@ -29,6 +31,7 @@ from shared.protocol import (
     ParameterError,
     SamplingParams,
     StatsSnapshot,
+    ToolDefinition,
 )
 
 logger = logging.getLogger(__name__)
@@ -84,15 +87,25 @@ class LLM:
 
     def chat(
         self,
-        conversations: Sequence[Sequence[dict[str, str]]],
+        conversations: Sequence[Sequence[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        tools: Sequence[dict[str, Any]] | None = None,
         show_progress: bool = False,
     ) -> list[GenerationResult]:
-        """Generate a reply for each conversation, through the model's chat template."""
+        """Generate a reply for each conversation, through the model's chat template.
+
+        Messages and `tools` take the OpenAI chat API's shapes (tool calls and tool results
+        included), read as the server reads them; the tools are shown to the template, and the
+        reply is the model's text (as vLLM's LLM.chat).
+        """
+        definitions = _tool_definitions(tools)
         requests = [
             GenerateRequest(
-                request_id="", sampling_params=SamplingParams(), messages=_chat_messages(messages)
+                request_id="",
+                sampling_params=SamplingParams(),
+                messages=_chat_messages(messages),
+                tools=definitions,
             )
             for messages in conversations
         ]
@@ -175,12 +188,20 @@ class LLM:
         progress.close()
 
 
-def _chat_messages(messages: Sequence[dict[str, str]]) -> list[ChatMessage]:
-    """A conversation as the tokenizer worker takes it (role and text content, as served)."""
-    chat = []
-    for message in messages:
-        role, content = message.get("role"), message.get("content")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise ParameterError("messages", "each message needs a string role and content")
-        chat.append(ChatMessage(role, content))
-    return chat
+def _chat_messages(messages: Sequence[dict[str, Any]]) -> list[ChatMessage]:
+    """A conversation as the tokenizer worker takes it, read as the server reads one."""
+    try:
+        decoded = msgspec.convert(list(messages), list[Message])
+    except msgspec.ValidationError as exc:
+        raise ParameterError("messages", str(exc)) from None
+    return [chat_message(message) for message in decoded]
+
+
+def _tool_definitions(tools: Sequence[dict[str, Any]] | None) -> list[ToolDefinition] | None:
+    if tools is None:
+        return None
+    try:
+        decoded = msgspec.convert(list(tools), list[Tool])
+    except msgspec.ValidationError as exc:
+        raise ParameterError("tools", str(exc)) from None
+    return [tool_definition(tool) for tool in decoded]

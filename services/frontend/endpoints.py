@@ -109,6 +109,7 @@ def _read_completion(body: CompletionRequest) -> Inputs:
 
 
 def _read_chat(body: ChatCompletionRequest) -> Inputs:
+    body.check_unsupported()
     messages = body.chat_messages()
     max_tokens = body.max_completion_tokens
     if max_tokens is None:  # the older name; 0 in either is refused, not taken as unset

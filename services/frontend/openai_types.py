@@ -228,6 +228,25 @@ class ChatCompletionRequest(GenerateBody, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or named
     parallel_tool_calls: bool = True
+    # OpenAI fields this server does not serve: refused by name (check_unsupported), never
+    # ignored, as their answers would silently differ from what was asked.
+    functions: Any = None  # the legacy form of tools
+    function_call: Any = None
+    prediction: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+
+    def check_unsupported(self) -> None:
+        for name, hint in (
+            ("functions", "use tools"),
+            ("function_call", "use tool_choice"),
+            ("prediction", "predicted outputs are not supported"),
+            ("audio", "audio output is not supported"),
+        ):
+            if getattr(self, name) is not None:
+                raise ParameterError(name, f"not supported: {hint}")
+        if self.modalities not in (None, ["text"]):
+            raise ParameterError("modalities", "only text output is supported")
 
     def chat_messages(self) -> list[ChatMessage]:
         if self.chat_template is not None:
@@ -238,7 +257,7 @@ class ChatCompletionRequest(GenerateBody, kw_only=True):
             )
         if not self.messages:
             raise ParameterError("messages", "must be a non-empty list")
-        return [_chat_message(message) for message in self.messages]
+        return [chat_message(message) for message in self.messages]
 
     @property
     def num_logprobs(self) -> int | None:
@@ -269,7 +288,7 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
         return self.tokens
 
 
-def _chat_message(message: Message) -> ChatMessage:
+def chat_message(message: Message) -> ChatMessage:
     if message.role not in ("system", "user", "assistant", "developer", "tool"):
         raise ParameterError("messages", f"unsupported role {message.role!r}")
     if message.role == "tool" and message.tool_call_id is None:

@@ -103,7 +103,7 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest:
         if choice not in (None, "none"):
             raise ParameterError("tool_choice", "needs tools")
         return ToolRequest()
-    tools = [_definition(tool) for tool in body.tools]
+    tools = [tool_definition(tool) for tool in body.tools]
     parallel = body.parallel_tool_calls
     if choice == "none":
         return ToolRequest(tools=tools)
@@ -122,7 +122,7 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest:
     raise ParameterError("tool_choice", "must be none, auto, required or a named function")
 
 
-def _definition(tool: Tool) -> ToolDefinition:
+def tool_definition(tool: Tool) -> ToolDefinition:
     if tool.type != "function":
         raise ParameterError("tools", f"unsupported tool type {tool.type!r}")
     function = tool.function

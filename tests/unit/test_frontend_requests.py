@@ -258,7 +258,8 @@ def test_chat_logprobs(logprobs: bool, top_logprobs: int | None, expected: int |
     [
         ({}, "messages"),
         (chat(), "messages"),
-        (chat({"role": "tool", "content": "x"}), "messages"),
+        (chat({"role": "tool", "content": "x"}), "messages"),  # no tool_call_id
+        (chat({"role": "function", "content": "x"}), "messages"),
         (chat({"content": "x"}), "messages"),
         (chat({"role": "user", "content": 5}), "messages"),
         (chat({"role": "user", "content": [{"type": "image_url"}]}), "messages"),
@@ -270,6 +271,23 @@ def test_chat_logprobs(logprobs: bool, top_logprobs: int | None, expected: int |
         (chat(USER_HI, max_completion_tokens=0, max_tokens=5), "max_tokens"),
         (chat(USER_HI, temperature="hot"), "temperature"),
         (chat(USER_HI, n=MAX_N + 1), "n"),
+        # OpenAI fields not served are refused by name, never ignored
+        (chat(USER_HI, functions=[{"name": "f"}]), "functions"),
+        (chat(USER_HI, function_call="auto"), "function_call"),
+        (chat(USER_HI, prediction={"type": "content", "content": "x"}), "prediction"),
+        (chat(USER_HI, modalities=["text", "audio"]), "modalities"),
+        (chat(USER_HI, tool_choice="required"), "tool_choice"),  # without tools
+        (
+            chat(
+                {
+                    "role": "user",
+                    "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": ""}}
+                    ],
+                }
+            ),
+            "messages",
+        ),
     ],
 )
 def test_bad_chat_bodies_are_400_naming_the_param(body: dict[str, Any], param: str) -> None:
