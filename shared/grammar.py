@@ -123,20 +123,25 @@ class GrammarChecker:
             if error is not None:
                 self._cache.move_to_end(key)
         if error is None:
-            error = self._check(grammar)
-            with self._lock:
-                self._cache[key] = error
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+            error, decided = self._check(grammar)
+            if decided:
+                with self._lock:
+                    self._cache[key] = error
+                    while len(self._cache) > self._cache_size:
+                        self._cache.popitem(last=False)
         if error:
             raise ParameterError(spec.source, error)
 
-    def _check(self, grammar: str) -> str:
+    def _check(self, grammar: str) -> tuple[str, bool]:
+        """(the error, or "" if valid; whether that is the grammar's verdict to remember)."""
         future = self._pool.submit(self._start, grammar)
         try:
-            return future.result(timeout=self.timeout_s)
+            return future.result(timeout=self.timeout_s), True
         except concurrent.futures.TimeoutError:
-            return f"the grammar took more than {self.timeout_s:g} s to compile; simplify it"
+            # Not remembered: the deadline also counts the wait behind other checks, so a miss
+            # may be the moment's load rather than the grammar.
+            error = f"the grammar took more than {self.timeout_s:g} s to compile; simplify it"
+            return error, False
 
     def _start(self, grammar: str) -> str:
         error = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=parser_limits())

@@ -409,6 +409,7 @@ class TokenizeRequest(Message, tag=True, kw_only=True):
     messages: list[ChatMessage] | None = None
     token_ids: list[int] | None = None
     add_special_tokens: bool = True
+    tools: list[ToolDefinition] | None = None  # given to the chat template with messages
 
 
 class TokenizeResult(Message, tag=True, kw_only=True):

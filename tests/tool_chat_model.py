@@ -5,6 +5,7 @@ the grammar can make it parse."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ def save_tool_chat_model(folder: Path, tokenizer: transformers.PreTrainedTokeniz
     )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
+    tokenizer = copy.deepcopy(tokenizer)  # the caller's keeps its own template
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
     return folder

@@ -34,7 +34,6 @@ class GrammarMatchers:
         self.eos_token_ids = eos_token_ids
         self._tokenizer: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
-        self._grammars: dict[bytes, str] = {}  # by the spec's wire form: made once each
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -48,11 +47,8 @@ class GrammarMatchers:
 
     def matcher(self, spec: StructuredOutput, output_token_ids: list[int]) -> LLMatcher:
         """A matcher for `spec` that has consumed `output_token_ids` (a resumed request's)."""
-        key = spec.source.encode() + b"\0" + repr(spec).encode()
-        grammar = self._grammars.get(key)
-        if grammar is None:
-            grammar = self._grammars[key] = grammar_of(spec)
-        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
+        # grammar_of takes microseconds (text, no compile): nothing is cached per schema here.
+        matcher = LLMatcher(self.tokenizer, grammar_of(spec), log_level=0, limits=parser_limits())
         if output_token_ids and not matcher.consume_tokens(output_token_ids):
             logger.warning("a resumed request's output does not match its grammar")
         return matcher

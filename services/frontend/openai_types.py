@@ -271,12 +271,14 @@ class ChatCompletionRequest(GenerateBody, kw_only=True):
 class TokenizeBody(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[Message] | None = None
+    tools: list[Tool] | None = None  # shown to the chat template, as a chat request's are
     add_special_tokens: bool = True
 
     def chat_messages(self) -> list[ChatMessage] | None:
+        """The messages read as a chat request's, so both count the same prompt."""
         if self.messages is None:
             return None
-        return [ChatMessage(m.role, _text_of(m.content)) for m in self.messages]
+        return [chat_message(m) for m in self.messages]
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):

@@ -111,13 +111,13 @@ def tool_request(body: ChatCompletionRequest) -> ToolRequest:
         return ToolRequest(tools=tools, choice=ToolChoice.AUTO, parallel=parallel)
     if choice == "required":
         schema = _required_schema(body.tools, parallel)
-        spec = StructuredOutput(json=json.dumps(schema), source="tool_choice")
+        spec = StructuredOutput(json=json.dumps(schema), source="tools")
         return ToolRequest(tools, ToolChoice.REQUIRED, None, parallel, spec)
     if isinstance(choice, NamedToolChoice):
         tool = next((t for t in body.tools if t.function.name == choice.function.name), None)
         if tool is None:
             raise ParameterError("tool_choice", f"no tool is named {choice.function.name!r}")
-        spec = StructuredOutput(json=json.dumps(_parameters(tool)), source="tool_choice")
+        spec = StructuredOutput(json=json.dumps(_parameters(tool)), source="tools")
         return ToolRequest(tools, ToolChoice.FUNCTION, tool.function.name, parallel, spec)
     raise ParameterError("tool_choice", "must be none, auto, required or a named function")
 

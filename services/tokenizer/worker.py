@@ -180,7 +180,7 @@ class TokenizerWorker:
                     request_id=request.request_id, text=text, token_ids=request.token_ids
                 )
             if request.messages is not None:
-                ids = self._chat_ids(request.messages)
+                ids = self._chat_ids(request.messages, request.tools)
             else:
                 ids = encode(
                     self._require_tokenizer("prompt"),

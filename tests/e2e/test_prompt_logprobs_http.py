@@ -53,7 +53,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server: Server, expected) -> N
     # lm-eval's is_greedy: whether each token is its position's most likely one.
     for position, top in enumerate(logprobs.top_logprobs[1:]):
         assert len(top) == 1
-        assert list(top.values())[0] == pytest.approx(reference[position].max().item(), abs=1e-4)
+        (value,) = top.values()
+        assert value == pytest.approx(reference[position].max().item(), abs=1e-4)
     assert logprobs.text_offset == [
         len("".join(logprobs.tokens[:i])) for i in range(len(token_ids))
     ]

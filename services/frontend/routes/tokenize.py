@@ -14,6 +14,7 @@ from services.frontend.openapi import json_body
 from services.frontend.request_log import record_of
 from services.frontend.routes import new_request_id
 from services.frontend.state import AppState, FrontendState
+from services.frontend.structured import tool_definition
 from services.frontend.validation import decode
 from shared.protocol import ParameterError, TokenizeRequest, TokenizeResult
 
@@ -26,6 +27,7 @@ async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
     body = decode(request.state.body, TokenizeBody)
     try:
         messages = body.chat_messages()
+        tools = None if body.tools is None else [tool_definition(t) for t in body.tools]
     except ParameterError as exc:
         raise bad_request(exc) from None
     result = await _ask_pool(
@@ -36,6 +38,7 @@ async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
             prompt=body.prompt,
             messages=messages,
             add_special_tokens=body.add_special_tokens,
+            tools=tools,
         ),
     )
     return {
