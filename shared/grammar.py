@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -42,7 +43,9 @@ def grammar_of(spec: StructuredOutput) -> str:
     ParameterError naming `spec.source` for a schema that is not JSON."""
     if spec.json is not None or spec.json_object:
         schema: Any = {"type": "object"} if spec.json_object else _loads(spec.json or "", spec)
-        if not isinstance(schema, dict | bool):
+        if schema is True:
+            schema = {}  # JSON Schema's `true`: any value
+        if not isinstance(schema, dict):
             raise ParameterError(spec.source, "a JSON Schema must be an object")
         options: dict[str, Any] = (
             {"whitespace_flexible": False}
@@ -54,19 +57,31 @@ def grammar_of(spec: StructuredOutput) -> str:
         except ValueError as exc:
             raise ParameterError(spec.source, f"invalid JSON Schema: {exc}") from None
     if spec.regex is not None:
-        return LLMatcher.grammar_from_regex(spec.regex)
+        return LLMatcher.grammar_from_regex(_ascii_digits(spec.regex))
     if spec.choice is not None:
         # Lark string literals take JSON's escapes, so each choice is matched byte for byte.
         alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
         return LLMatcher.grammar_from_lark(f"start: {alternatives}")
     assert spec.grammar is not None  # StructuredOutput.validate: exactly one kind is set
     lark = spec.grammar
-    if "::=" in lark:  # GBNF, as llama.cpp and xgrammar write grammars
+    if _GBNF_RULE.search(lark):  # GBNF, as llama.cpp and xgrammar write grammars
         try:
             lark = gbnf_to_lark(lark)
         except Exception as exc:  # its parser raises several kinds for bad input
             raise ParameterError(spec.source, f"invalid GBNF grammar: {exc}") from None
     return LLMatcher.grammar_from_lark(lark)
+
+
+# A GBNF rule's head (`name ::=` at a line's start); Lark writes `name:`.
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
+# \d and \D, not escaped themselves: Rust's regex reads \d as any Unicode digit.
+_DIGIT_CLASS = re.compile(r"(?<!\\)((?:\\\\)*)\\([dD])")
+
+
+def _ascii_digits(regex: str) -> str:
+    """`regex` with \d as [0-9] (and \D as [^0-9]), as Python's re.ASCII, JSON Schema's
+    `pattern` and vLLM's other backends read it."""
+    return _DIGIT_CLASS.sub(lambda m: m[1] + ("[0-9]" if m[2] == "d" else "[^0-9]"), regex)
 
 
 def _loads(text: str, spec: StructuredOutput) -> Any:
