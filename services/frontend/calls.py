@@ -149,7 +149,8 @@ class APICall:
                     chunk = plan.endpoint.chunk(
                         plan.request_id, plan.model, choice, delta, plan.logprobs
                     )
-                    yield _sse(chunk)
+                    if chunk is not None:
+                        yield _sse(chunk)
                 item = await anext(deltas, None)
             if plan.include_usage:
                 usage = r.usage(list(self.choices.values()), plan.num_prompts)

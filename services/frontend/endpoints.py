@@ -23,7 +23,8 @@ from shared.protocol import (
 
 Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
 BodyBuilder = Callable[[str, str, list[r.Choice], int, bool], dict[str, Any]]
-ChunkBuilder = Callable[[str, str, r.Choice, TextDelta, bool], dict[str, Any]]
+# None: nothing to send for this delta
+ChunkBuilder = Callable[[str, str, r.Choice, TextDelta, bool], dict[str, Any] | None]
 
 
 @dataclass(frozen=True)

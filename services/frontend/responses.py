@@ -238,8 +238,13 @@ def chat_body(
 
 def chat_chunk(
     request_id: str, model: str, choice: Choice, delta: TextDelta, logprobs: bool
-) -> dict[str, Any]:
-    """`delta` was the last absorbed into `choice`; the first of each choice names the role."""
+) -> dict[str, Any] | None:
+    """`delta` was the last absorbed into `choice`; the first of each choice names the role.
+    None when it brings nothing to say (text held back: a possible stop string, or a tool
+    call's JSON not complete yet), as OpenAI sends no empty chunk."""
+    empty = not (delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason)
+    if empty and choice.num_deltas > 1:
+        return None
     message: dict[str, Any] = {"role": "assistant"} if choice.num_deltas == 1 else {}
     message["content"] = delta.text if delta.text or not delta.tool_calls else None
     if delta.tool_calls:

@@ -271,3 +271,23 @@ def test_bad_request_and_unavailable() -> None:
         "the engine is unavailable: draining",
     )
     assert isinstance(down, APIError)
+
+
+def test_chat_chunks_skip_deltas_with_nothing_to_say() -> None:
+    """Text held back (a possible stop string, a tool call not complete yet) sends nothing;
+    the first chunk still names the role, and the last still ends the choice."""
+    choice = r.Choice(0)
+    steps = [
+        delta("x", ""),
+        delta("x", ""),
+        delta("x", "hi"),
+        delta("x", ""),
+        delta("x", "", finish_reason=FinishReason.STOP),
+    ]
+    chunks = []
+    for step in steps:
+        choice.absorb(step)
+        chunks.append(r.chat_chunk("c-1", "m", choice, step, logprobs=False))
+    assert [c is None for c in chunks] == [False, True, False, True, False]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[4]["choices"][0]["finish_reason"] == "stop"
