@@ -14,6 +14,7 @@ import torch
 from kernels.activation import silu_and_mul_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
+from kernels.fp8 import fp8_linear_reference, quantize_fp8_rowwise_reference
 from kernels.inputs import gather_sampled_inputs_reference
 from kernels.linear import linear_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -134,6 +135,28 @@ def linear(
     if 1 <= x.shape[0] <= SKINNY_MAX_ROWS and (module := _triton("linear", x)) is not None:
         return module.skinny_linear(x, weight, bias)
     return linear_reference(x, weight, bias)
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], x.dtype
+    """An FP8 W8A8 linear layer: on CUDA, the activation quantized per token and cuBLASLt's
+    row-wise scaled FP8 GEMM (`torch._scaled_mm`); elsewhere the reference."""
+    if not x.is_cuda:
+        return fp8_linear_reference(x, qweight, weight_scale, bias)
+    qx, x_scale = quantize_fp8_rowwise_reference(x)
+    # Why .t() of the [N, K] weight: cuBLASLt takes the second operand column-major.
+    return torch._scaled_mm(
+        qx,
+        qweight.t(),
+        scale_a=x_scale,
+        scale_b=weight_scale[None, :],
+        bias=bias,
+        out_dtype=x.dtype,
+    )
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64

@@ -55,6 +55,13 @@ class Config:
         "Weight and activation dtype; auto is float32 on CPU, bfloat16 on CUDA.",
         ("auto", "float32", "bfloat16", "float16"),
     )
+    quantization: str | None = option(
+        None,
+        "model",
+        "Run the linear layers quantized: fp8 (e4m3 weights with a scale per output channel, "
+        "made at load from the float weights; activations quantized per token).",
+        ("fp8",),
+    )
     max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."
     )

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kernels import ops
+from services.executor.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -61,9 +62,9 @@ class RotaryEmbedding(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
+        self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = ops.linear(x, self.gate_up_proj.weight)  # [T, 2 * intermediate]
-        return ops.linear(ops.silu_and_mul(gate_up), self.down_proj.weight)  # [T, hidden]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+        return self.down_proj(ops.silu_and_mul(gate_up))  # [T, hidden]

@@ -249,6 +249,7 @@ class ModelRunner:
             self.device,
             max_position=self.max_model_len,
             seed=config.seed,
+            quantization=config.quantization,
         )
         max_blocks = -(-self.max_model_len // self.block_size)
         self.buffers = StepBuffers(

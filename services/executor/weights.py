@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from services.executor.linear import set_linear_method
 from services.executor.models.decoder import DecoderForCausalLM
 from shared.model_config import ModelConfig, ModelSource
 
@@ -112,7 +113,11 @@ def load_model(
     device: torch.device,
     max_position: int,
     seed: int,
+    quantization: str | None = None,
 ) -> DecoderForCausalLM:
+    if quantization == "fp8" and device.type == "cuda" and dtype != torch.bfloat16:
+        # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.
+        raise ValueError("--quantization fp8 runs with --dtype bfloat16 (or auto) on CUDA")
     start = time.perf_counter()
     with torch.device(device):
         model = DecoderForCausalLM(cfg, max_position)
@@ -128,13 +133,22 @@ def load_model(
     else:
         raise ValueError(f"cannot load {source.path} with --load-format {load_format}")
     num_params = sum(p.numel() for p in model.parameters())
+    set_linear_method(model, quantization)
     logger.info(
-        "loaded %s (%s, %.1fM parameters, %s, %s) in %.1f s",
+        "loaded %s (%s, %.1fM parameters, %s%s, %.2f GiB of weights, %s) in %.1f s",
         source.name,
         fmt,
         num_params / 1e6,
         str(dtype).removeprefix("torch."),
+        f", {quantization} linear layers" if quantization else "",
+        weight_bytes(model) / 2**30,
         device,
         time.perf_counter() - start,
     )
     return model.eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """What the weights hold in memory: parameters, and the quantized weights and scales."""
+    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if "weight" in n)]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -16,6 +16,7 @@ from torch import nn
 from kernels import ops
 from services.executor.attention_metadata import AttentionMetadata
 from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from services.executor.linear import Linear
 from shared.model_config import ModelConfig
 
 # HF parameter name piece -> (our fused parameter, shard index within it)
@@ -38,10 +39,10 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -56,7 +57,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         num_tokens = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
+        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -85,7 +86,7 @@ class Attention(nn.Module):
             meta.max_seq_len,
             self.scale,
         )  # [T, H, D]
-        return ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):
@@ -122,7 +123,7 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -143,7 +144,7 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Why not float32 here: greedy argmax is the same on the model dtype, and the sampler
         # copies to float32 where it computes probabilities.
-        return ops.linear(hidden, self.lm_head.weight)  # [N, vocab], model dtype
+        return self.lm_head(hidden)  # [N, vocab], model dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be present."""

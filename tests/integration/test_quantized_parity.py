@@ -1,0 +1,110 @@
+"""Quantized linear layers (`--quantization`) give the greedy tokens of transformers running
+the same model with the reference's quantization applied to it: weights quantized and
+dequantized per output channel, and every linear layer's input per token (FP8 W8A8).
+
+The reference side is built independently of kvflow's executor: forward pre-hooks on each of
+the Hugging Face model's nn.Linear layers (the lm_head excepted, as kvflow keeps it float).
+
+Why "greedy or a near tie" and not token-exact: quantizing activations rounds to a grid, so
+the last-bit differences between kvflow's kernels and transformers' (a norm summed in another
+order) can move a value across a rounding boundary and flip a near tie. So, as vLLM's tests
+judge quantized models, each sequence must match until its first divergence, and there each
+side's token must be among the other's top choices; most sequences must match throughout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from kernels.fp8 import quantize_fp8_rowwise_reference
+from kvflow import LLM, SamplingParams
+from tests.integration.test_parity import hf_greedy
+from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
+
+
+def fake_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x quantized to e4m3 per row (of its last dimension) and back."""
+    q, scale = quantize_fp8_rowwise_reference(x.reshape(-1, x.shape[-1]))
+    return (q.float() * scale).reshape(x.shape).to(x.dtype)
+
+
+def fake_quantize_fp8(model: torch.nn.Module) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            module.weight.data = fake_fp8(module.weight.data)
+            module.register_forward_pre_hook(lambda _module, args: (fake_fp8(args[0]),))
+
+
+TOP = 3
+
+
+def hf_greedy_logprobs(
+    model: torch.nn.Module, prompts: list[list[int]]
+) -> list[tuple[list[int], list[list[int]]]]:
+    """Per prompt: the greedy tokens and, per step, the TOP most likely token ids."""
+    out = []
+    for ids in prompts:
+        result = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=NUM_NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        tokens = result.sequences[0, len(ids) :].tolist()
+        tops = [step[0].topk(TOP).indices.tolist() for step in result.logits]
+        out.append((tokens, tops))
+    return out
+
+
+def check_close(
+    expected: list[tuple[list[int], list[list[int]]]], llm: LLM, prompts: list[list[int]]
+) -> None:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
+    )
+    results = llm.generate(prompts, params)
+    num_exact = 0
+    for (want, want_tops), result in zip(expected, results, strict=True):
+        got = result.token_ids
+        diverged = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if diverged is None:
+            num_exact += 1
+            continue
+        got_top = result.outputs[0].logprobs[diverged].top
+        assert got[diverged] in want_tops[diverged], (diverged, got, want)
+        assert want[diverged] in [t.token_id for t in got_top], (diverged, got, want)
+    assert num_exact >= len(prompts) - 2, f"only {num_exact} of {len(prompts)} match throughout"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fp8_matches_transformers_with_the_reference_quantization(
+    family: str, tmp_path: object
+) -> None:
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path)
+    prompts = make_prompts(config.vocab_size)
+    plain = hf_greedy(model, prompts, eos_token_id=None)
+    fake_quantize_fp8(model)
+    expected = hf_greedy_logprobs(model, prompts)
+    assert [tokens for tokens, _ in expected] != plain  # the quantization changes the output
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="fp8")
+    check_close(expected, llm, prompts)
+    # Chunks and a KV pool small enough to preempt change nothing either.
+    small = LLM(
+        str(tmp_path),
+        dtype="float32",
+        device="cpu",
+        quantization="fp8",
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=14,
+    )
+    check_close(expected, small, prompts)
+    assert small.stats().num_preemptions > 0
