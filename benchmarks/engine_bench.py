@@ -105,7 +105,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "device": _device_name(llm),
         "input_len": input_len,
         "output_len": output_len,
-        "weight_bytes_per_step": llm.runner.dtype.itemsize * _matmul_parameters(llm.runner.model),
+        "weight_bytes_per_step": _matmul_weight_bytes(llm.runner.model),
         "results": rows,
         "config": _engine_summary(config),
     }
@@ -144,12 +144,25 @@ def _decode_step_times(
     return times
 
 
-def _matmul_parameters(model: torch.nn.Module) -> int:
-    """Parameters a step multiplies by: all but an untied embedding, of which it reads rows."""
-    total = sum(p.numel() for p in model.parameters())  # a tied weight counts once
+def _matmul_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """The weights a step multiplies by, quantized ones and their scales included: all but an
+    untied embedding, of which it reads rows (by id: a tied weight counts once)."""
+    tensors = {id(p): p for p in model.parameters()}
+    quantized = (b for n, b in model.named_buffers() if n.endswith(("qweight", "weight_scale")))
+    tensors.update({id(b): b for b in quantized})
     if not model.config.tie_word_embeddings:
-        total -= model.embed_tokens.weight.numel()
-    return total
+        tensors.pop(id(model.embed_tokens.weight))
+    return tensors
+
+
+def _matmul_parameters(model: torch.nn.Module) -> int:
+    """Parameters a step multiplies by (a quantized weight's scales are not parameters)."""
+    weights = _matmul_weights(model).values()
+    return sum(t.numel() for t in weights if t.dim() > 1)
+
+
+def _matmul_weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in _matmul_weights(model).values())
 
 
 def _engine_summary(config: Config) -> dict[str, Any]:

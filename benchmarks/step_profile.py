@@ -95,7 +95,8 @@ def profile_decode(
     engine: Any, prompts: list[list[int]], params: list[Any], num_steps: int
 ) -> dict[str, Any]:
     """Admit `prompts`, step until all are decoding, then profile `num_steps` steps; abort."""
-    ids = _admit(engine, prompts, params, "profile")
+    # Ids of their own per call: those of an earlier call may still retire in the engine.
+    ids = _admit(engine, prompts, params, f"profile-{len(prompts)}")
     while engine.scheduler.waiting:
         engine.step()
     for _ in range(3):  # the last admitted prompts may still be mid-chunk

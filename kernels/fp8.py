@@ -14,14 +14,14 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 # A row of zeros still gets a usable scale (any tiny positive value: 0 / scale stays 0).
-_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def quantize_fp8_rowwise_reference(
     x: torch.Tensor,  # [R, C]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] float8_e4m3fn, [R, 1] float32)
     """Each row scaled into e4m3's range by its absolute maximum: x ≈ q * scale."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 

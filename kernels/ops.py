@@ -14,7 +14,7 @@ import torch
 from kernels.activation import silu_and_mul_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
-from kernels.fp8 import fp8_linear_reference, quantize_fp8_rowwise_reference
+from kernels.fp8 import fp8_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
 from kernels.linear import linear_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
@@ -143,11 +143,15 @@ def fp8_linear(
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [M, N], x.dtype
-    """An FP8 W8A8 linear layer: on CUDA, the activation quantized per token and cuBLASLt's
-    row-wise scaled FP8 GEMM (`torch._scaled_mm`); elsewhere the reference."""
-    if not x.is_cuda:
+    """An FP8 W8A8 linear layer: on CUDA the activation quantized per token in Triton, then
+    up to SKINNY_MAX_ROWS rows the skinny Triton kernel, past that cuBLASLt's row-wise scaled
+    FP8 GEMM (`torch._scaled_mm`); elsewhere the reference."""
+    module = _triton("fp8", x)
+    if module is None:
         return fp8_linear_reference(x, qweight, weight_scale, bias)
-    qx, x_scale = quantize_fp8_rowwise_reference(x)
+    if x.shape[0] <= SKINNY_MAX_ROWS:  # decode: the FP8 weight streamed by the skinny kernel
+        return module.fp8_skinny_linear(x, qweight, weight_scale, bias)
+    qx, x_scale = module.quantize_fp8_rowwise(x)
     # Why .t() of the [N, K] weight: cuBLASLt takes the second operand column-major.
     return torch._scaled_mm(
         qx,

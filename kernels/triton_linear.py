@@ -121,6 +121,8 @@ def _skinny_linear_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
     bias_ptr,  # [N]; any pointer when not HAS_BIAS
+    x_scale_ptr,  # [M] float32 with HAS_SCALES (FP8 operands); any pointer otherwise
+    w_scale_ptr,  # [N] float32 with HAS_SCALES
     out_ptr,  # [M, N]
     m,
     n,
@@ -133,6 +135,7 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,  # FP8 x and w: the float32 sum times x_scale[row] w_scale[col]
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     DOT_PRECISION: tl.constexpr,
     INTERPRETED: tl.constexpr,  # under TRITON_INTERPRET: see UPCAST below
@@ -165,6 +168,10 @@ def _skinny_linear_kernel(
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)  # [BM, BN]
+    if HAS_SCALES:
+        x_scale = tl.load(x_scale_ptr + rows, mask=row_valid, other=0.0)  # [BM]
+        w_scale = tl.load(w_scale_ptr + cols, mask=col_valid, other=0.0)  # [BN]
+        acc = acc * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out_ptr + rows[:, None] * stride_out_row + cols[None, :]  # [BM, BN]
@@ -217,6 +224,8 @@ def skinny_linear(
         x,
         weight,
         bias if bias is not None else weight,
+        weight,
+        weight,
         out,
         m,
         n,
@@ -229,6 +238,7 @@ def skinny_linear(
         BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot,
         HAS_BIAS=bias is not None,
+        HAS_SCALES=False,
         EVEN_K=k % tiles.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # UPCAST: off CUDA the kernel can only run under TRITON_INTERPRET, whose tl.dot multiplies

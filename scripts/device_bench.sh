@@ -48,6 +48,14 @@ for part in $PARTS; do
         run throughput python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput.json" ;;
+    latency-fp8)  # --quantization fp8 (issue 13)
+        run latency-fp8 python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
+            --quantization fp8 --input-len 128 --output-len 256 --profile-steps 20 \
+            --output-json "$OUT/latency_fp8.json" ;;
+    throughput-fp8)
+        run throughput-fp8 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
+            --quantization fp8 --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
+            --max-num-batched-tokens 8192 --output-json "$OUT/throughput_fp8.json" ;;
     throughput-2048)  # the serving default budget
         run throughput-2048 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \

@@ -79,7 +79,7 @@ _DIGIT_CLASS = re.compile(r"(?<!\\)((?:\\\\)*)\\([dD])")
 
 
 def _ascii_digits(regex: str) -> str:
-    """`regex` with \d as [0-9] (and \D as [^0-9]), as Python's re.ASCII, JSON Schema's
+    r"""`regex` with \d as [0-9] (and \D as [^0-9]), as Python's re.ASCII, JSON Schema's
     `pattern` and vLLM's other backends read it."""
     return _DIGIT_CLASS.sub(lambda m: m[1] + ("[0-9]" if m[2] == "d" else "[^0-9]"), regex)
 

@@ -272,8 +272,11 @@ class ModelRunner:
         self.sampler = Sampler(
             self.model_config.vocab_size, self.model_config.eos_token_ids, self.device, config.seed
         )
+        # Why locals: a lambda over self would make a cycle, and a deleted engine would hold
+        # its GPU memory until the garbage collector ran.
+        source, tokenizer_path = self.source, config.tokenizer
         self.grammars = GrammarMatchers(
-            lambda: load_tokenizer(self.source, config.tokenizer),
+            lambda: load_tokenizer(source, tokenizer_path),
             self.model_config.vocab_size,
             list(self.model_config.eos_token_ids),
         )

@@ -1,0 +1,135 @@
+"""FP8 W8A8 linear layers in Triton: the per-token activation quantization in one kernel, and
+decode-sized products through the skinny linear kernel with FP8 operands.
+
+Same math as `kernels.fp8`: a row's scale is its absolute maximum over e4m3's largest value
+(448), the quantized row is x / scale rounded to e4m3, and the product sums the FP8 operands'
+float products, then multiplies by x_scale[row] * w_scale[col]. At decode, reading the weight
+is the whole cost, and FP8 halves it; the activation (a few rows) costs one small launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
+from kernels.triton_linear import MAX_ROWS, _skinny_linear_kernel, default_tiles
+
+_QUANT_BLOCK = 2048  # elements of a row per loop step
+
+
+@triton.jit
+def _quantize_rowwise_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] float8e4nv
+    scale_ptr,  # [M] float32
+    k,
+    stride_x_row,
+    stride_q_row,
+    FP8_MAX_VALUE: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, k, BLOCK):  # pass 1: the row's absolute maximum
+        x = tl.load(x_ptr + row * stride_x_row + start + cols, mask=start + cols < k, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_VALUE, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, k, BLOCK):  # pass 2: the row in e4m3 (read again: from L2)
+        mask = start + cols < k
+        x = tl.load(x_ptr + row * stride_x_row + start + cols, mask=mask, other=0.0)
+        q = _round_to_e4m3(tl.clamp(x.to(tl.float32) / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE))
+        tl.store(q_ptr + row * stride_q_row + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32.
+
+    Why by hand: the conversion that follows is then exact, whatever rounding the backend's
+    float32 -> e4m3 conversion does (the interpreter's drops a carry into the exponent: 125.6
+    became 64). Normal values keep 3 of float32's 23 mantissa bits; below e4m3's smallest
+    normal (2**-6) the grid is a fixed step of 2**-9.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # ~0xFFFFF as int32
+    normal = kept.to(tl.float32, bitcast=True)
+    magic = 1.5 * 2.0**14  # its float32 ulp is 2**-9: (v + magic) - magic rounds to that step
+    subnormal = (v + magic) - magic
+    return tl.where(tl.abs(v) >= 2.0**-6, normal, subnormal)
+
+
+def quantize_fp8_rowwise(
+    x: torch.Tensor,  # [R, C], last dimension contiguous
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] float8_e4m3fn, [R, 1] float32)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D and contiguous in its last dimension, got {x.shape}")
+    rows, cols = x.shape
+    q = torch.empty((rows, cols), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    _quantize_rowwise_kernel[(rows,)](
+        x,
+        q,
+        scale,
+        cols,
+        x.stride(0),
+        q.stride(0),
+        FP8_MAX_VALUE=FP8_MAX,
+        MIN_SCALE=MIN_SCALE,
+        BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(cols)),
+        num_warps=4,
+    )
+    return q, scale
+
+
+def fp8_skinny_linear(
+    x: torch.Tensor,  # [M, K], 1 <= M <= MAX_ROWS, bf16/fp16/fp32
+    qweight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None = None,  # [N], x.dtype
+) -> torch.Tensor:  # [M, N], x.dtype
+    """`kernels.fp8.fp8_linear_reference` for decode-sized M: x quantized per token, then the
+    FP8 weight streamed once by the skinny linear kernel."""
+    m, (n, k) = x.shape[0], qweight.shape
+    if not 1 <= m <= MAX_ROWS or x.shape[1] != k or qweight.dtype != FP8:
+        raise ValueError(f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}")
+    qx, x_scale = quantize_fp8_rowwise(x)
+    # The bf16 tiles, with twice the K per step: the same weight bytes in flight.
+    tiles = default_tiles(m, n, k, torch.bfloat16)
+    block_k = min(2 * tiles.block_k, max(32, triton.next_power_of_2(k)))
+    tiles = dataclasses.replace(tiles, block_k=block_k)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
+        qx,
+        qweight,
+        bias if bias is not None else weight_scale,
+        x_scale,
+        weight_scale,
+        out,
+        m,
+        n,
+        k,
+        qx.stride(0),
+        qweight.stride(0),
+        out.stride(0),
+        BLOCK_M=tiles.rows(m),
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        USE_DOT=tiles.use_dot,
+        HAS_BIAS=bias is not None,
+        HAS_SCALES=True,
+        EVEN_K=k % tiles.block_k == 0,
+        DOT_PRECISION="tf32",  # read for float32 operands only
+        INTERPRETED=not x.is_cuda,  # the interpreter multiplies float32 (see triton_linear)
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
