@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
-from kernels.triton_linear import MAX_ROWS, _skinny_linear_kernel, default_tiles
+from kernels.triton_linear import MAX_ROWS, default_tiles, launch_skinny_linear
 
 _QUANT_BLOCK = 2048  # elements of a row per loop step
 
@@ -107,29 +107,5 @@ def fp8_skinny_linear(
     block_k = min(2 * tiles.block_k, max(32, triton.next_power_of_2(k)))
     tiles = dataclasses.replace(tiles, block_k=block_k)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
-        qx,
-        qweight,
-        bias if bias is not None else weight_scale,
-        x_scale,
-        weight_scale,
-        out,
-        m,
-        n,
-        k,
-        qx.stride(0),
-        qweight.stride(0),
-        out.stride(0),
-        BLOCK_M=tiles.rows(m),
-        BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
-        USE_DOT=tiles.use_dot,
-        HAS_BIAS=bias is not None,
-        HAS_SCALES=True,
-        EVEN_K=k % tiles.block_k == 0,
-        DOT_PRECISION="tf32",  # read for float32 operands only
-        INTERPRETED=not x.is_cuda,  # the interpreter multiplies float32 (see triton_linear)
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
+    launch_skinny_linear(qx, qweight, bias, out, tiles, (x_scale, weight_scale))
     return out

@@ -220,12 +220,27 @@ def skinny_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     if n == 0:
         return out
+    launch_skinny_linear(x, weight, bias, out, tiles)
+    return out
+
+
+def launch_skinny_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None,  # [N]
+    out: torch.Tensor,  # [M, N], written
+    tiles: LinearTiles,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 operands: ([M], [N]) f32
+) -> None:
+    """One launch of the kernel over checked inputs (skinny_linear, and the FP8 layer)."""
+    m, (n, k) = x.shape[0], weight.shape
+    x_scale, w_scale = scales if scales is not None else (weight, weight)
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x,
         weight,
         bias if bias is not None else weight,
-        weight,
-        weight,
+        x_scale,
+        w_scale,
         out,
         m,
         n,
@@ -238,8 +253,9 @@ def skinny_linear(
         BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot,
         HAS_BIAS=bias is not None,
-        HAS_SCALES=False,
+        HAS_SCALES=scales is not None,
         EVEN_K=k % tiles.block_k == 0,
+        # Read for float32 operands only.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         # UPCAST: off CUDA the kernel can only run under TRITON_INTERPRET, whose tl.dot multiplies
         # bfloat16 as raw uint16 bits (Triton 3.9), so the tiles go to float32 first: exact, as a
@@ -248,4 +264,3 @@ def skinny_linear(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    return out
