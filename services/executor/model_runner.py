@@ -4,12 +4,9 @@ each step's plan into one forward pass and one batched sampling call."""
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
-from llguidance import LLMatcher
 
 from kernels import ops
 from services.executor.cuda_graphs import StepGraphs
@@ -24,12 +21,12 @@ from services.executor.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.sampler import (
     PendingSample,
     Sampler,
-    SamplingRow,
     TokenBitmask,
     logprob_tensors,
     to_device,
 )
-from services.executor.step_buffers import PaddedShape, StepBuffers, StepView
+from services.executor.step_buffers import StepBuffers, StepView
+from services.executor.step_state import DeviceSpan, InFlightStep, PreparedStep, RequestState
 from services.executor.warm_up import warm_up
 from services.executor.weights import load_model
 from shared.config import Config
@@ -45,9 +42,6 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     ExecutorReady,
     ModelRunnerOutput,
-    NewRequestData,
-    PromptLogprobs,
-    SamplingParams,
     SchedulerOutput,
 )
 
@@ -67,166 +61,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
-
-
-@dataclass(eq=False)
-class RequestState:
-    """What the executor remembers of a request between steps."""
-
-    params: SamplingParams
-    token_ids: list[int]  # prompt + output so far, without the tokens in flight
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    table_len: int = field(default=0)  # blocks already in its block-table row
-    num_pending: int = field(default=0)  # tokens being sampled by steps in flight
-    sample_row: int = field(default=0)  # its row in the last sampled ids, if num_pending
-    # Read per step: penalties need the tokens in flight on the host (see submit).
-    has_penalties: bool = field(default=False)
-    # Structured output: the grammar's state after the tokens above. NOTE: like penalties, its
-    # next mask needs every token in flight on the host (see ModelRunner._token_bitmask).
-    matcher: LLMatcher | None = field(default=None)
-    # Prompt logprobs still to compute: not for a request resumed after its prompt was done.
-    wants_prompt_logprobs: bool = field(default=False)
-
-    @classmethod
-    def from_new(cls, data: NewRequestData, matcher: LLMatcher | None = None) -> RequestState:
-        return cls(
-            params=data.sampling_params,
-            token_ids=data.prompt_token_ids + data.output_token_ids,
-            prompt_token_ids=list(data.prompt_token_ids),
-            output_token_ids=list(data.output_token_ids),
-            block_ids=list(data.block_ids),
-            num_computed_tokens=data.num_computed_tokens,
-            has_penalties=data.sampling_params.has_penalties,
-            matcher=matcher,
-            wants_prompt_logprobs=data.sampling_params.prompt_logprobs is not None
-            and not data.output_token_ids,
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        """Its length once every token in flight has arrived."""
-        return len(self.token_ids) + self.num_pending
-
-    def append(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-        self.output_token_ids.append(token_id)
-        self.num_pending -= 1
-        if self.matcher is not None:
-            # A refused token (past the grammar's end, under ignore_eos) leaves the matcher in
-            # its error state, whose mask allows EOS alone.
-            self.matcher.consume_token(token_id)
-
-    def sampling_row(self) -> SamplingRow:
-        # Why no copies: the sampler only reads the lists, and copying a long prompt for
-        # every request in every step adds up.
-        return SamplingRow(
-            self.params, self.prompt_token_ids, self.output_token_ids, self.num_pending
-        )
-
-
-@dataclass
-class DeviceSpan:
-    """A step's time on the device: CUDA timing events around its work on the stream, or on
-    CPU, where a step runs synchronously, the wall clock around it (perf_counter seconds)."""
-
-    start: torch.cuda.Event | float
-    end: torch.cuda.Event | float
-
-    @classmethod
-    def mark(cls, device: torch.device) -> torch.cuda.Event | float:
-        """A point in time on `device`'s stream: a recorded timing event, or the clock."""
-        if device.type != "cuda":
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def milliseconds(self) -> float:
-        if isinstance(self.start, float) and isinstance(self.end, float):
-            return (self.end - self.start) * 1000
-        assert isinstance(self.start, torch.cuda.Event) and isinstance(self.end, torch.cuda.Event)
-        self.end.synchronize()  # recorded right after the sampled ids' copy: microseconds
-        return self.start.elapsed_time(self.end)
-
-
-@dataclass
-class InFlightStep:
-    """A launched step; `finish` waits for its tokens and hands them to their requests."""
-
-    step: int
-    sample_ids: list[str]
-    states: list[RequestState]
-    pending: PendingSample | None
-    # Recorded after the forward pass: what is left of the step (lm_head, sampling) covers
-    # the launch of the next one, which waits for this (see ModelRunner.launch_point_passed).
-    forward_done: torch.cuda.Event | None = None
-    span: DeviceSpan | None = None  # how long the step kept the device busy
-    output: ModelRunnerOutput | None = None
-    # Prompt logprobs on their way to the host: (request id, first position, their copies).
-    prompt_parts: list[tuple[str, int, PendingSample]] = field(default_factory=list)
-
-    def finish(self) -> ModelRunnerOutput:
-        if self.output is not None:
-            return self.output
-        prompt_logprobs = {
-            request_id: PromptLogprobs(start, [lp for lp in part.result().logprobs if lp])
-            for request_id, start, part in self.prompt_parts
-        }
-        if self.pending is None:
-            self.output = ModelRunnerOutput(
-                step=self.step,
-                sampled={},
-                device_ms=self.device_ms,
-                prompt_logprobs=prompt_logprobs,
-            )
-            return self.output
-        result = self.pending.result()
-        for state, token_id in zip(self.states, result.token_ids, strict=True):
-            state.append(token_id)
-        pairs = zip(self.sample_ids, result.logprobs, strict=True)
-        self.output = ModelRunnerOutput(
-            step=self.step,
-            sampled=dict(zip(self.sample_ids, result.token_ids, strict=True)),
-            logprobs={rid: lp for rid, lp in pairs if lp is not None},
-            device_ms=self.device_ms,
-            prompt_logprobs=prompt_logprobs,
-        )
-        return self.output
-
-    @property
-    def device_ms(self) -> float:
-        return 0.0 if self.span is None else self.span.milliseconds()
-
-    @property
-    def finished(self) -> bool:
-        """Whether `finish` would not wait. NOTE: a step of prompt chunks samples nothing, so
-        only its forward pass says when it ends; answered earlier, its answer could overtake
-        the DeviceReady of the step after it (see services/executor/process.py)."""
-        if self.output is not None:
-            return True
-        forward_ended = self.forward_done is None or self.forward_done.query()
-        prompt_ready = all(part.ready for _, _, part in self.prompt_parts)
-        return forward_ended and prompt_ready and (self.pending is None or self.pending.ready)
-
-
-@dataclass
-class PreparedStep:
-    """A plan whose inputs are in the host mirror, not launched: addenda can still join it."""
-
-    step: int
-    token_ids: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    sample_ids: list[str] = field(default_factory=list)
-    sample_rows: list[int] = field(default_factory=list)
-    sources: list[tuple[int, int]] = field(default_factory=list)  # (token index, sampled row)
-    shape: PaddedShape | None = None
-    # Requests whose prompt logprobs this step computes: (request id, token index of the first
-    # position, that position, number of positions).
-    prompt_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
