@@ -34,6 +34,7 @@ class GrammarMatchers:
         self.eos_token_ids = eos_token_ids
         self._tokenizer: LLTokenizer | None = None
         self._executor: LLExecutor | None = None
+        self._eos_row: torch.Tensor | None = None  # the mask of a matcher in its error state
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -74,7 +75,9 @@ class GrammarMatchers:
         )
         for i, matcher in enumerate(matchers):
             if matcher.is_error():
-                host[i] = eos_only_row(self.eos_token_ids, self.width)
+                if self._eos_row is None:
+                    self._eos_row = eos_only_row(self.eos_token_ids, self.width)
+                host[i] = self._eos_row
         return host.to(device, non_blocking=device.type == "cuda")
 
 

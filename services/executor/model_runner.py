@@ -254,7 +254,13 @@ class ModelRunner:
         span = DeviceSpan(started, DeviceSpan.mark(self.device))
         self._in_flight.append(
             InFlightStep(
-                step, prepared.sample_ids, states, pending, forward_done, span, None, prompt_parts
+                step,
+                prepared.sample_ids,
+                states,
+                pending,
+                forward_done,
+                span,
+                prompt_parts=prompt_parts,
             )
         )
 
@@ -310,13 +316,13 @@ class ModelRunner:
         still be sampling: it is waited for here, after this step's forward pass has been
         queued behind it, so the wait costs the device nothing.
         """
-        rows = [i for i, state in enumerate(states) if state.matcher is not None]
-        if not rows:
+        constrained = [(i, s) for i, s in enumerate(states) if s.matcher is not None]
+        if not constrained:
             return None
-        if any(states[i].num_pending for i in rows):
+        if any(state.num_pending for _, state in constrained):
             self._finish_in_flight()
-        matchers = [states[i].matcher for i in rows]
-        bitmask = self.grammars.bitmask([m for m in matchers if m is not None], self.device)
+        rows = [i for i, _ in constrained]
+        bitmask = self.grammars.bitmask([s.matcher for _, s in constrained], self.device)
         # Pinned, as every upload here: from pageable memory the copy would wait for the forward
         # pass queued before it, and the host would idle instead of preparing the next step.
         return to_device(rows, torch.int64, self.device), bitmask

@@ -62,11 +62,8 @@ class ToolCallReader:
         return pieces
 
     def _auto(self, parsed: ParsedDelta) -> tuple[str, list[ToolCallDelta]]:
-        return parsed.content, [
-            ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
-            for d in parsed.tool_calls
-            if self.parallel or d.index == 0
-        ]
+        calls = [d for d in parsed.tool_calls if self.parallel or d.index == 0]
+        return parsed.content, calls
 
 
 def required_calls(text: str) -> list[ToolCallDelta]:

@@ -35,6 +35,8 @@ import secrets
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+from shared.protocol import ToolCallDelta  # a streamed piece of a call, as sent
+
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -47,16 +49,6 @@ class ToolCall:
     id: str  # "call_" + 24 hex digits, unique per call
     name: str
     arguments: str  # the arguments object as JSON text
-
-
-@dataclass(slots=True)
-class ToolCallDelta:
-    """One streamed piece of a call, as OpenAI's `delta.tool_calls[i]`."""
-
-    index: int  # the call's position in this choice's tool_calls
-    id: str | None = None  # set on the first delta of a call only
-    name: str | None = None  # set on the first delta of a call only
-    arguments: str = ""  # a fragment of the arguments JSON text
 
 
 @dataclass(slots=True)
@@ -103,8 +95,8 @@ class ToolParser(ABC):
         """Appends a complete call as OpenAI streams one: id and name, then the arguments."""
         index = self._num_calls
         self._num_calls += 1
-        delta.tool_calls.append(ToolCallDelta(index, call.id, call.name))
-        delta.tool_calls.append(ToolCallDelta(index, arguments=call.arguments))
+        delta.tool_calls.append(ToolCallDelta(index=index, id=call.id, name=call.name))
+        delta.tool_calls.append(ToolCallDelta(index=index, arguments=call.arguments))
 
 
 def _partial_marker_len(text: str, marker: str) -> int:

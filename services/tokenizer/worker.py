@@ -269,9 +269,11 @@ class TokenizerWorker:
     ) -> list[PromptTokenLogprob]:
         """The prompt's tokens with their text; the first has no logprob."""
         first = PromptTokenLogprob(prompt_ids[0], self._token_text(prompt_ids[0]), None, None, [])
-        rest = [self._logprob(lp) for lp in entries]
         return [first] + [
-            PromptTokenLogprob(e.token_id, e.token, e.logprob, e.rank, e.top) for e in rest
+            PromptTokenLogprob(
+                lp.token_id, self._token_text(lp.token_id), lp.logprob, lp.rank, self._top(lp)
+            )
+            for lp in entries
         ]
 
     def _text(self, token_ids: list[int]) -> str:
@@ -285,11 +287,14 @@ class TokenizerWorker:
         return text
 
     def _logprob(self, lp: TokenLogprobs) -> TokenLogprob:
-        top = [
+        text = self._token_text(lp.token_id)
+        return TokenLogprob(lp.token_id, text, lp.logprob, lp.rank, self._top(lp))
+
+    def _top(self, lp: TokenLogprobs) -> list[TopLogprob]:
+        return [
             TopLogprob(t, self._token_text(t), v)
             for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
         ]
-        return TokenLogprob(lp.token_id, self._token_text(lp.token_id), lp.logprob, lp.rank, top)
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:
