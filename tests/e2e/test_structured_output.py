@@ -14,11 +14,9 @@ show the behaviour within a test; each says why.
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import json
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -33,17 +31,6 @@ from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionMessage
 from pydantic import BaseModel, Field
 
-from services.tokenizer.worker import TokenizerWorker
-from shared.grammar import GrammarChecker, llg_tokenizer
-from shared.protocol import (
-    ChatMessage,
-    GenerateRequest,
-    ParameterError,
-    SamplingParams,
-    StructuredOutput,
-    ToolChoice,
-    ToolDefinition,
-)
 from tests.e2e.server import Server, start_server
 from tests.tool_chat_model import TOOL_CHAT_TEMPLATE
 
@@ -551,40 +538,6 @@ def test_tool_choice_none_leaves_a_call_in_the_content(client: openai.OpenAI, mo
     choice = response.choices[0]
     assert (choice.finish_reason, choice.message.content) == ("stop", FORCED_TEXT)
     assert choice.message.tool_calls is None
-
-
-def test_auto_needs_a_tool_call_parser(tool_tokenizer: Any) -> None:
-    """Without --tool-call-parser (the server here has one), "auto" is refused by the
-    tokenizer worker, which the frontend answers as a 400 naming the param; checked on the
-    worker's core, as a second server would cost seconds."""
-    request = GenerateRequest(
-        request_id="auto-1",
-        sampling_params=SamplingParams(max_tokens=4),
-        messages=[ChatMessage("user", "What is the weather in Paris?")],
-        tools=[ToolDefinition(name="get_weather", parameters=json.dumps(WEATHER_PARAMETERS))],
-        tool_choice=ToolChoice.AUTO,
-    )
-    with pytest.raises(ParameterError) as refused:
-        TokenizerWorker(tool_tokenizer).admit(request)
-    assert refused.value.param == "tool_choice"
-    admitted = TokenizerWorker(tool_tokenizer, tool_call_parser="hermes").admit(request)
-    assert admitted.request_id == "auto-1"
-
-
-def test_a_grammar_check_past_its_deadline_is_not_remembered(smollm2_tokenizer: Any) -> None:
-    """The check behind every structured-output request (tokenizer worker); on its core,
-    because only a deadline miss shows it, and here the miss is made certain rather than
-    timed: both check threads are busy until released."""
-    checker = GrammarChecker(llg_tokenizer(smollm2_tokenizer), timeout_s=0.05)
-    release = threading.Event()
-    busy = [checker._pool.submit(release.wait) for _ in range(2)]
-    three_digits = StructuredOutput(regex="[0-9]{3}", source="guided_regex")
-    with pytest.raises(ParameterError, match="to compile"):
-        checker.check(three_digits)
-    release.set()
-    concurrent.futures.wait(busy)
-    checker.timeout_s = 10.0
-    checker.check(three_digits)  # the threads are free and the grammar compiles in ms
 
 
 # ---------------------------------------------------------------------------- preemption

@@ -45,7 +45,7 @@ def build(family: str, folder: object) -> torch.nn.Module:
 def hf_greedy_top(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
     """transformers' greedy tokens and the top-5 ids at each step."""
     out = model.generate(
-        torch.tensor([prompt], device="cuda"),
+        torch.tensor([prompt], device=model.device),
         max_new_tokens=NUM_NEW_TOKENS,
         do_sample=False,
         eos_token_id=None,

@@ -20,6 +20,7 @@ import transformers
 
 from kernels.fp8 import quantize_fp8_rowwise_reference
 from kvflow import LLM, SamplingParams
+from tests.integration.test_gpu_parity import TOP, hf_greedy_top
 from tests.integration.test_parity import hf_greedy
 from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
 
@@ -37,31 +38,8 @@ def fake_quantize_fp8(model: torch.nn.Module) -> None:
             module.register_forward_pre_hook(lambda _module, args: (fake_fp8(args[0]),))
 
 
-TOP = 3
-
-
-def hf_greedy_logprobs(
-    model: torch.nn.Module, prompts: list[list[int]]
-) -> list[tuple[list[int], list[list[int]]]]:
-    """Per prompt: the greedy tokens and, per step, the TOP most likely token ids."""
-    out = []
-    for ids in prompts:
-        result = model.generate(
-            torch.tensor([ids]),
-            max_new_tokens=NUM_NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        tokens = result.sequences[0, len(ids) :].tolist()
-        tops = [step[0].topk(TOP).indices.tolist() for step in result.logits]
-        out.append((tokens, tops))
-    return out
-
-
 def check_close(
-    expected: list[tuple[list[int], list[list[int]]]], llm: LLM, prompts: list[list[int]]
+    expected: list[tuple[list[int], list[set[int]]]], llm: LLM, prompts: list[list[int]]
 ) -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
@@ -93,7 +71,7 @@ def test_fp8_matches_transformers_with_the_reference_quantization(
     prompts = make_prompts(config.vocab_size)
     plain = hf_greedy(model, prompts, eos_token_id=None)
     fake_quantize_fp8(model)
-    expected = hf_greedy_logprobs(model, prompts)
+    expected = [hf_greedy_top(model, prompt) for prompt in prompts]
     assert [tokens for tokens, _ in expected] != plain  # the quantization changes the output
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="fp8")
     check_close(expected, llm, prompts)

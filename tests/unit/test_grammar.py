@@ -22,6 +22,7 @@ from services.executor.grammar import GrammarMatchers, eos_only_row, pack_bits
 from services.executor.sampler import Sampler, SamplingRow, apply_token_bitmask, unpack_bits
 from shared.grammar import GrammarChecker, grammar_of, llg_tokenizer, parser_limits
 from shared.protocol import ParameterError, SamplingParams, StructuredOutput
+from tests.integration.test_structured_output import GBNF_ARITHMETIC, LARK_ARITHMETIC
 
 CPU = torch.device("cpu")
 
@@ -114,23 +115,7 @@ def test_choices_match_byte_for_byte(tokenizer: LLTokenizer) -> None:
         assert not accepts(tokenizer, spec, near_miss), near_miss
 
 
-LARK = r"""
-start: expr
-expr: term (OP term)?
-term: NUMBER | "(" expr ")"
-OP: "+" | "-" | "*" | "/"
-NUMBER: /[0-9]{1,3}/
-"""
-GBNF = r"""
-root ::= expr
-expr ::= term (op term)?
-term ::= number | "(" expr ")"
-op ::= "+" | "-" | "*" | "/"
-number ::= [0-9] [0-9]? [0-9]?
-"""
-
-
-@pytest.mark.parametrize("grammar", [LARK, GBNF], ids=["lark", "gbnf"])
+@pytest.mark.parametrize("grammar", [LARK_ARITHMETIC, GBNF_ARITHMETIC], ids=["lark", "gbnf"])
 def test_lark_and_gbnf_grammars_match_their_language(tokenizer: LLTokenizer, grammar: str) -> None:
     spec = StructuredOutput(grammar=grammar)
     for text in ["7", "12+345", "(1*(2-3))/40"]:

@@ -224,7 +224,7 @@ def test_hermes_stream_holds_a_split_marker() -> None:
     first, rest = delta.tool_calls
     assert (first.index, first.name, first.arguments) == (0, "get_current_temperature", "")
     assert first.id is not None and CALL_ID.fullmatch(first.id)
-    assert rest == ToolCallDelta(0, arguments='{"location": "San Francisco, CA, USA"}')
+    assert rest == ToolCallDelta(index=0, arguments='{"location": "San Francisco, CA, USA"}')
     assert parser.finish() == ParsedDelta("")
 
 
