@@ -16,6 +16,7 @@ from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
 from kernels.fp8 import fp8_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
+from kernels.int4 import int4_linear_reference
 from kernels.linear import linear_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.rotary_cache import rotary_write_kv_reference
@@ -161,6 +162,22 @@ def fp8_linear(
         bias=bias,
         out_dtype=x.dtype,
     )
+
+
+def int4_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K/8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor | None,  # [N, G] uint8; None: 8
+    group_size: int,
+    g_idx: torch.Tensor | None = None,  # [K] int32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], x.dtype
+    """An int4 weight-only linear layer (`kernels/int4.py`): on CUDA one Triton kernel that
+    dequantizes in registers, for decode and prefill alike; elsewhere the reference."""
+    module = _triton("int4", x)
+    kernel = module.int4_linear if module is not None else int4_linear_reference
+    return kernel(x, qweight, scales, zeros, group_size, g_idx, bias)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64

@@ -56,6 +56,17 @@ for part in $PARTS; do
         run throughput-fp8 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --quantization fp8 --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput_fp8.json" ;;
+    latency-int4)  # int4 W4A16 (issue 13): AWQ's layout, dummy weights in groups of 128
+        run latency-int4 python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
+            --quantization awq --input-len 128 --output-len 256 --profile-steps 20 \
+            --output-json "$OUT/latency_int4.json" ;;
+    throughput-int4)
+        run throughput-int4 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
+            --quantization awq --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
+            --max-num-batched-tokens 8192 --output-json "$OUT/throughput_int4.json" ;;
+    int4-sweep)  # int4 tiles at the Llama-3.1-8B shapes against bf16
+        run int4-sweep python3 benchmarks/int4_sweep.py --out "$OUT/int4_sweep.json" \
+            --m ${INT4_M:-1 16 64 256} ;;
     throughput-2048)  # the serving default budget
         run throughput-2048 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \

@@ -58,9 +58,11 @@ class Config:
     quantization: str | None = option(
         None,
         "model",
-        "Run the linear layers quantized: fp8 (e4m3 weights with a scale per output channel, "
-        "made at load from the float weights; activations quantized per token).",
-        ("fp8",),
+        "How the linear layers are quantized; default: as the checkpoint's quantization_config "
+        "says (awq, gptq, compressed-tensors int4 W4A16), else float. fp8: e4m3 weights made "
+        "at load from float ones, a scale per output channel, activations quantized per "
+        "token. The int4 methods also run on --load-format dummy weights.",
+        ("fp8", "awq", "gptq", "compressed-tensors"),
     )
     max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."

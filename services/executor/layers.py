@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from services.executor.linear import Linear
+from services.executor.linear import Linear, LinearMethod
 
 
 class RMSNorm(nn.Module):
@@ -60,10 +60,12 @@ class RotaryEmbedding(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, method: LinearMethod | None = None
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
+        self.down_proj = Linear(intermediate_size, hidden_size, method=method)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]

@@ -14,9 +14,16 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from services.executor.linear import set_linear_method
+from services.executor.int4_checkpoints import translate_int4
+from services.executor.linear import (
+    Linear,
+    linear_method,
+    prepare_linear_layers,
+    refuse_ignored_projections,
+)
 from services.executor.models.decoder import DecoderForCausalLM
 from shared.model_config import ModelConfig, ModelSource
+from shared.quant_config import read_quant_spec
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +48,7 @@ _GGUF_GLOBAL_NAMES = {
 }
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -50,7 +57,20 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         paths = sorted(folder.glob("*.safetensors"))
     if not paths:
         raise FileNotFoundError(f"no .safetensors files in {folder}")
-    for path in paths:
+    return paths
+
+
+def safetensors_names(folder: Path) -> set[str]:
+    """Every tensor name of the checkpoint, from the files' headers (no tensor is read)."""
+    names: set[str] = set()
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
@@ -88,21 +108,24 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def init_dummy(model: DecoderForCausalLM, seed: int) -> None:
-    """Random weights with realistic scale (norms at 1), for benchmarks and tests.
+    """Random weights with realistic scale (norms at 1), for benchmarks and tests; each
+    projection's method fills its own parameters (packed int4 has its own ranges).
 
     Drawn on the parameters' device: an 8B model's worth of randn on the host takes minutes.
     """
-    generator: torch.Generator | None = None
+    device = model.embed_tokens.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    linear_params: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.init_dummy(module, generator)
+            linear_params.update(id(p) for p in module.parameters())
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.fill_(1.0)
-            continue
-        if generator is None:
-            generator = torch.Generator(device=param.device).manual_seed(seed)
-        values = torch.randn(
-            param.shape, generator=generator, device=param.device, dtype=torch.float32
-        )
-        param.data.copy_(values.mul_(0.02))
+        elif id(param) not in linear_params:
+            values = torch.randn(param.shape, generator=generator, device=device)
+            param.data.copy_(values.mul_(0.02))
 
 
 def load_model(
@@ -115,32 +138,39 @@ def load_model(
     seed: int,
     quantization: str | None = None,
 ) -> DecoderForCausalLM:
-    if quantization == "fp8" and device.type == "cuda" and dtype != torch.bfloat16:
+    """`quantization`: the --quantization flag; the checkpoint's own config decides when set
+    (shared/quant_config.py)."""
+    spec = read_quant_spec(quantization, source, load_format)
+    fp8 = spec is not None and spec.method == "fp8"
+    if fp8 and device.type == "cuda" and dtype != torch.bfloat16:
         # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.
         raise ValueError("--quantization fp8 runs with --dtype bfloat16 (or auto) on CUDA")
     start = time.perf_counter()
     with torch.device(device):
-        model = DecoderForCausalLM(cfg, max_position)
-    for param in model.parameters():  # buffers (the rotary table) stay float32
-        param.data = param.data.to(dtype)
+        model = DecoderForCausalLM(cfg, max_position, linear_method(spec))
+    refuse_ignored_projections(model, spec)
+    for param in model.parameters():  # buffers (the rotary table) and packed ints keep theirs
+        if param.is_floating_point():
+            param.data = param.data.to(dtype)
     fmt = source.format if load_format == "auto" else load_format
     if fmt == "dummy" or source.format == "preset":
         init_dummy(model, seed)
     elif fmt == "gguf":
         model.load_weights(iter_gguf(source.path, cfg))
+    elif fmt == "safetensors" and spec is not None and spec.is_int4:
+        names = safetensors_names(source.path)
+        model.load_weights(translate_int4(iter_safetensors(source.path), names, spec))
     elif fmt == "safetensors":
         model.load_weights(iter_safetensors(source.path))
     else:
         raise ValueError(f"cannot load {source.path} with --load-format {load_format}")
-    num_params = sum(p.numel() for p in model.parameters())
-    set_linear_method(model, quantization)
+    prepare_linear_layers(model, spec)
     logger.info(
-        "loaded %s (%s, %.1fM parameters, %s%s, %.2f GiB of weights, %s) in %.1f s",
+        "loaded %s (%s, %s%s, %.2f GiB of weights, %s) in %.1f s",
         source.name,
         fmt,
-        num_params / 1e6,
         str(dtype).removeprefix("torch."),
-        f", {quantization} linear layers" if quantization else "",
+        f", {spec.method} linear layers" if spec else "",
         weight_bytes(model) / 2**30,
         device,
         time.perf_counter() - start,

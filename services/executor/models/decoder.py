@@ -16,7 +16,7 @@ from torch import nn
 from kernels import ops
 from services.executor.attention_metadata import AttentionMetadata
 from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from services.executor.linear import Linear
+from services.executor.linear import Linear, LinearMethod
 from shared.model_config import ModelConfig
 
 # HF parameter name piece -> (our fused parameter, shard index within it)
@@ -30,7 +30,9 @@ _STACKED = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, method: LinearMethod | None
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -40,9 +42,9 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, method
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, method=method)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -90,12 +92,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, method: LinearMethod | None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, method)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, method)
 
     def forward(
         self,
@@ -116,12 +120,17 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_position: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, max_position: int, method: LinearMethod | None = None
+    ) -> None:
+        """`method`: how the projections are stored and run (None: float weights); the
+        lm_head keeps a float weight whatever it is."""
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        layers = (DecoderLayer(cfg, rotary, method) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
@@ -162,7 +171,10 @@ class DecoderForCausalLM(nn.Module):
             else:
                 fused, shard = _STACKED[piece]
                 name = name.replace(piece, fused)
-                _copy(self._shard(params[name], fused, shard), tensor, hf_name)
+                if name.endswith(".g_idx"):  # per input column: shared by the fused shards
+                    _copy_shared(params[name].data, tensor, hf_name, first=not num_loaded[name])
+                else:
+                    _copy(self._shard(params[name], fused, shard), tensor, hf_name)
             num_loaded[name] += 1
         missing = [n for n in params if num_loaded[n] != _num_shards(n)]
         if missing:
@@ -179,11 +191,15 @@ class DecoderForCausalLM(nn.Module):
 
 
 def _num_shards(name: str) -> int:
-    return (
-        3
-        if "qkv_proj.weight" in name or "qkv_proj.bias" in name
-        else (2 if "gate_up_proj" in name else 1)
-    )
+    return 3 if ".qkv_proj." in name else (2 if ".gate_up_proj." in name else 1)
+
+
+def _copy_shared(target: torch.Tensor, tensor: torch.Tensor, name: str, first: bool) -> None:
+    """A tensor every shard of a fused projection carries: loaded once, then checked."""
+    if first:
+        _copy(target, tensor, name)
+    elif not torch.equal(target, tensor.to(target.device, target.dtype)):
+        raise ValueError(f"{name} differs from the other projections fused with it")
 
 
 def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:

@@ -1,0 +1,100 @@
+"""int4 weight-only (W4A16) linear layers: the packed layout and the torch references.
+
+Every int4 checkpoint format (AWQ, GPTQ, compressed-tensors pack-quantized) is translated at
+load into one layout, which the kernels read:
+
+    qweight [N, K/8] int32   eight unsigned 4-bit values q per word, along K: the value of
+                             column k sits at bits 4*(k % 8) of word k // 8 (lowest first)
+    scales  [N, G]           float, one per output channel and group of input columns
+    zeros   [N, G] uint8     the zero point z of each group, 0..15; None means 8 (symmetric)
+    g_idx   [K] int32        the group of each input column (GPTQ's act-order); None means
+                             column k is in group k // group_size
+
+and the weight is w[n, k] = (q[n, k] - z[n, g]) * scales[n, g] with g the group of k. The
+product dequantizes to the activation's dtype, then sums in float32, as the kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACK = 8  # 4-bit values per int32 word
+SYMMETRIC_ZERO = 8
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:  # [R, C] in 0..15 -> [R, C/8] int32
+    """Pack along the last dimension: value c at bits 4*(c % 8) of word c // 8."""
+    if values.shape[-1] % PACK:
+        raise ValueError(f"int4 packing needs a multiple of {PACK} columns, got {values.shape}")
+    v = values.to(torch.int64).reshape(*values.shape[:-1], -1, PACK)  # [R, C/8, 8]
+    words = (v << _SHIFTS.to(v.device, torch.int64)).sum(dim=-1)  # [R, C/8], 0 .. 2**32 - 1
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:  # [R, W] int32 -> [R, 8 W] uint8
+    """The inverse of `pack_int4`."""
+    nibbles = (packed[..., None] >> _SHIFTS.to(packed.device)) & 0xF  # [R, W, 8]
+    return nibbles.reshape(*packed.shape[:-1], -1).to(torch.uint8)
+
+
+def group_index(
+    k: int, group_size: int, g_idx: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:  # [K] int64
+    """The group of each input column."""
+    if g_idx is not None:
+        return g_idx.to(device, torch.int64)
+    return torch.arange(k, device=device) // group_size
+
+
+def dequantize_int4_reference(
+    qweight: torch.Tensor,  # [N, K/8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor | None,  # [N, G] uint8; None: 8
+    group_size: int,
+    g_idx: torch.Tensor | None = None,  # [K] int32
+) -> torch.Tensor:  # [N, K] float32
+    q = unpack_int4(qweight).float()  # [N, K]
+    groups = group_index(q.shape[1], group_size, g_idx, q.device)  # [K]
+    zero = SYMMETRIC_ZERO if zeros is None else zeros.float()[:, groups]
+    return (q - zero) * scales.float()[:, groups]
+
+
+def int4_linear_reference(
+    x: torch.Tensor,  # [M, K], bf16/fp16/fp32
+    qweight: torch.Tensor,  # [N, K/8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor | None,  # [N, G] uint8; None: 8
+    group_size: int,
+    g_idx: torch.Tensor | None = None,  # [K] int32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], x.dtype
+    """x times the weight dequantized to x's dtype, summed in float32."""
+    weight = dequantize_int4_reference(qweight, scales, zeros, group_size, g_idx).to(x.dtype)
+    out = x.float() @ weight.float().t()  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def quantize_int4_reference(
+    weight: torch.Tensor,  # [N, K] float
+    group_size: int,
+    symmetric: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # qweight, scales, zeros
+    """Round-to-nearest int4 per group: what tests and dummy weights start from. Symmetric
+    groups span [-8, 7] * scale around 0; asymmetric ones [min, max] in 15 steps."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of the group size {group_size}")
+    w = weight.float().reshape(n, k // group_size, group_size)  # [N, G, size]
+    if symmetric:
+        scales = (w.abs().amax(dim=-1) / 7.5).clamp(min=1e-8)  # [N, G]
+        zero = torch.full_like(scales, SYMMETRIC_ZERO)
+    else:
+        low, high = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
+        scales = ((high - low) / 15).clamp(min=1e-8)
+        zero = (-low / scales).round().clamp(0, 15)
+    q = (w / scales[..., None] + zero[..., None]).round().clamp(0, 15).reshape(n, k)
+    zeros = None if symmetric else zero.to(torch.uint8)
+    return pack_int4(q), scales.to(weight.dtype), zeros

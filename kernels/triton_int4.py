@@ -1,0 +1,226 @@
+"""int4 weight-only linear layers in Triton: the packed weight dequantized in registers.
+
+Same math and layout as `kernels.int4` (read its docstring). One kernel serves decode and
+prefill: a program owns a [BLOCK_M, BLOCK_N] tile of the output and walks K, loading BLOCK_K/8
+packed words per weight row, unpacking them with shifts, subtracting the zero point and
+multiplying by the group's scale in float32, then rounding to the activation's dtype before the
+product. At decode (one row tile) the grid is the skinny linear's: programs over N, each
+streaming its weight rows once; the bytes read are a quarter of bf16's plus the scales.
+
+Scales and zero points: when a K step lies inside one group (no act-order, the group a multiple
+of BLOCK_K) a program loads one per output column; otherwise one per weight element, gathered
+by group index (from L1: a group's entries repeat).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4 import PACK, SYMMETRIC_ZERO
+
+DOT_MIN = 16  # tl.dot needs every dimension >= 16
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Tiles:
+    block_m: int  # rows per program; with use_dot at least 16
+    block_n: int
+    block_k: int  # a multiple of 8 (whole words), a power of two
+    num_warps: int
+    num_stages: int
+    use_dot: bool  # False: multiply-add over [BM, BN, BK] and one reduction (M = 1)
+
+
+def default_tiles(m: int, n: int, k: int) -> Int4Tiles:
+    """Starting points by M, to be tuned on the device like `triton_linear.default_tiles`."""
+    block_k = lambda want: max(DOT_MIN, min(want, triton.next_power_of_2(k)))  # noqa: E731
+    if m == 1:
+        return Int4Tiles(1, 8, block_k(512), num_warps=4, num_stages=3, use_dot=False)
+    if m <= 64:
+        rows = max(DOT_MIN, triton.next_power_of_2(m))
+        return Int4Tiles(rows, 32, block_k(256), num_warps=4, num_stages=4, use_dot=True)
+    return Int4Tiles(64, 128, block_k(64), num_warps=8, num_stages=3, use_dot=True)
+
+
+@triton.jit(do_not_specialize=["m", "group_size"])
+def _int4_linear_kernel(
+    x_ptr,  # [M, K]
+    qweight_ptr,  # [N, K/8] int32
+    scales_ptr,  # [N, G]
+    zeros_ptr,  # [N, G] uint8 with HAS_ZEROS; any pointer otherwise
+    g_idx_ptr,  # [K] int32 with HAS_G_IDX
+    bias_ptr,  # [N] with HAS_BIAS
+    out_ptr,  # [M, N]
+    m,
+    n,
+    k,
+    group_size,
+    stride_x_row,
+    stride_qweight_row,
+    stride_scales_row,
+    stride_zeros_row,
+    stride_out_row,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ONE_GROUP_PER_STEP: tl.constexpr,  # no g_idx and group_size % BLOCK_K == 0
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    DOT_PRECISION: tl.constexpr,  # read for float32 operands only
+    INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: tl.dot on float32 tiles (see triton_linear)
+):
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    ks = tl.arange(0, BLOCK_K)  # [BK]
+    words = tl.arange(0, BLOCK_K // 8)  # [BK/8]
+    shifts = tl.arange(0, 8) * 4  # [8]
+    row_valid = rows < m
+    col_valid = cols < n
+    x_ptrs = x_ptr + rows[:, None] * stride_x_row + ks[None, :]  # [BM, BK]
+    w_ptrs = qweight_ptr + cols[:, None].to(tl.int64) * stride_qweight_row + words[None, :]
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+
+    for k_start in range(0, k, BLOCK_K):
+        if EVEN_K:
+            k_valid = tl.full([BLOCK_K], True, tl.int1)
+            word_valid = tl.full([BLOCK_K // 8], True, tl.int1)
+        else:
+            k_valid = k_start + ks < k
+            word_valid = k_start + words * 8 < k
+        x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)  # [BM, BK]
+        packed = tl.load(w_ptrs, mask=col_valid[:, None] & word_valid[None, :], other=0)
+        q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
+        q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)  # column k_start + i at i
+        if ONE_GROUP_PER_STEP:
+            group = k_start // group_size
+            scale = tl.load(scales_ptr + cols * stride_scales_row + group, mask=col_valid)
+            scale = scale.to(tl.float32)[:, None]  # [BN, 1]
+            if HAS_ZEROS:
+                zero = tl.load(zeros_ptr + cols * stride_zeros_row + group, mask=col_valid)
+                zero = zero.to(tl.float32)[:, None]
+            else:
+                zero = SYMMETRIC_ZERO
+        else:
+            if HAS_G_IDX:
+                groups = tl.load(g_idx_ptr + k_start + ks, mask=k_valid, other=0)  # [BK]
+            else:
+                groups = (k_start + ks) // group_size
+            mask = col_valid[:, None] & k_valid[None, :]
+            offsets = cols[:, None] * stride_scales_row + groups[None, :]  # [BN, BK]
+            scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                offsets = cols[:, None] * stride_zeros_row + groups[None, :]
+                zero = tl.load(zeros_ptr + offsets, mask=mask, other=0).to(tl.float32)
+            else:
+                zero = SYMMETRIC_ZERO
+        # Rounded to x's dtype, as the reference dequantizes: the product is then exact.
+        w = ((q - zero) * scale).to(x_ptr.dtype.element_ty)  # [BN, BK]
+        if USE_DOT and INTERPRETED:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        elif USE_DOT:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)  # [BM, BN]
+        else:
+            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 8
+
+    if not USE_DOT:
+        acc = tl.sum(acc, axis=2)  # [BM, BN]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_out_row + cols[None, :]
+    out_mask = row_valid[:, None] & col_valid[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> None:
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    if x.dim() != 2 or x.shape[1] != k or x.dtype not in DTYPES:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} must be [M, {k}] of {DTYPES}")
+    if qweight.dtype != torch.int32 or qweight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError("qweight must be int32, and x and qweight contiguous along K")
+    num_groups = scales.shape[1]
+    if scales.shape[0] != n or scales.stride(1) != 1:
+        raise ValueError(f"scales {tuple(scales.shape)} must be [{n}, G], contiguous along G")
+    if zeros is not None and (zeros.shape != scales.shape or zeros.dtype != torch.uint8):
+        raise ValueError(f"zeros must be uint8 {tuple(scales.shape)}, got {tuple(zeros.shape)}")
+    if zeros is not None and zeros.stride(1) != 1:
+        raise ValueError("zeros must be contiguous along G")
+    if g_idx is None and num_groups * group_size < k:
+        raise ValueError(f"{num_groups} groups of {group_size} do not cover K={k}")
+    if g_idx is not None and (g_idx.shape != (k,) or g_idx.dtype != torch.int32):
+        raise ValueError(f"g_idx must be int32 [{k}], got {g_idx.dtype} {tuple(g_idx.shape)}")
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
+
+
+def int4_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K/8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor | None,  # [N, G] uint8; None: 8
+    group_size: int,
+    g_idx: torch.Tensor | None = None,  # [K] int32
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    tiles: Int4Tiles | None = None,  # None: default_tiles(M, N, K)
+) -> torch.Tensor:  # [M, N], x.dtype
+    """`kernels.int4.int4_linear_reference` in one launch."""
+    _check_inputs(x, qweight, scales, zeros, group_size, g_idx, bias)
+    m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    tiles = tiles or default_tiles(m, n, k)
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
+    _int4_linear_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        g_idx if g_idx is not None else qweight,
+        bias if bias is not None else scales,
+        out,
+        m,
+        n,
+        k,
+        group_size,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0,
+        out.stride(0),
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        USE_DOT=tiles.use_dot,
+        HAS_ZEROS=zeros is not None,
+        HAS_G_IDX=g_idx is not None,
+        HAS_BIAS=bias is not None,
+        ONE_GROUP_PER_STEP=g_idx is None and group_size % tiles.block_k == 0,
+        EVEN_K=k % tiles.block_k == 0,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        INTERPRETED=not x.is_cuda,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out

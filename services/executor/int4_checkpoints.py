@@ -1,0 +1,167 @@
+"""int4 checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized) into the kernels' layout.
+
+Each format stores a quantized projection as a few tensors under its module name; they are
+gathered per module as the checkpoint streams (a module's parts may sit in different files)
+and translated into `qweight`, `scales`, `zeros` and `g_idx` (`kernels/int4.py` has the
+layout). Everything else passes through unchanged. The formats, as their writers define them:
+
+  AWQ (GEMM)   qweight [K, N/8] and qzeros [G, N/8] int32, packed along N in the order
+               0 2 4 6 1 3 5 7 (the value of column 8j + order[i] at bits 4i); scales [G, N].
+  GPTQ         qweight [K/8, N] packed along K in natural order, qzeros [G, N/8] along N;
+               scales [G, N]; g_idx [K]. The original format stores each zero minus one.
+  compressed-  weight_packed [N, K/8], along K in natural order, of the signed value + 8;
+  tensors      weight_scale [N, G]; weight_zero_point [ceil(N/8), G] packed along N (signed
+               + 8), when asymmetric; weight_g_idx [K] with group act-order; weight_shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from kernels.int4 import pack_int4, unpack_int4
+from shared.quant_config import QuantSpec
+
+# The parts that make up one quantized module, by method: (required, optional).
+PARTS = {
+    "awq": ({"qweight", "scales"}, {"qzeros"}),
+    "gptq": ({"qweight", "scales", "qzeros"}, {"g_idx"}),
+    "compressed-tensors": (
+        {"weight_packed", "weight_scale", "weight_shape"},
+        {"weight_zero_point", "weight_g_idx"},
+    ),
+}
+_AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i]
+_AWQ_COLUMN_NIBBLE = [_AWQ_ORDER.index(c) for c in range(8)]  # column c sits in this nibble
+
+
+def translate_int4(
+    tensors: Iterable[tuple[str, torch.Tensor]], names: set[str], spec: QuantSpec
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (name, tensor) stream with each quantized module's parts replaced by
+    the kernels' layout, yielded once all its parts (known from `names`) have been seen."""
+    required, optional = PARTS[spec.method]
+    expected: dict[str, set[str]] = {}
+    for name in names:
+        module, _, part = name.rpartition(".")
+        if part in required | optional:
+            expected.setdefault(module, set()).add(part)
+    for module, parts in expected.items():
+        if not required <= parts:
+            raise ValueError(f"{module}: the checkpoint lacks {sorted(required - parts)}")
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        module, _, part = name.rpartition(".")
+        if module not in expected or part not in expected[module]:
+            yield name, tensor
+            continue
+        parts = pending.setdefault(module, {})
+        parts[part] = tensor
+        if set(parts) == expected[module]:
+            del pending[module]
+            for key, value in _TRANSLATE[spec.method](parts, spec).items():
+                if value is not None:
+                    yield f"{module}.{key}", value
+
+
+def _checked_group_index(g_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
+    g_idx = g_idx.to(torch.int32)
+    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups):
+        raise ValueError(f"g_idx holds groups outside 0..{num_groups - 1}")
+    return g_idx
+
+
+def _trivial_groups(g_idx: torch.Tensor, group_size: int) -> bool:
+    """Whether g_idx is column // group_size, which the kernels compute without it."""
+    k = g_idx.numel()
+    return group_size > 0 and torch.equal(g_idx.long(), torch.arange(k) // group_size)
+
+
+def _awq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor | None]:
+    k = parts["qweight"].shape[0]
+    q = _unpack_awq(parts["qweight"])  # [K, N]
+    zeros = None
+    if "qzeros" in parts and not spec.symmetric:
+        zeros = _unpack_awq(parts["qzeros"]).t().contiguous()  # [N, G]
+    elif not spec.symmetric:
+        raise ValueError("AWQ with zero_point needs qzeros")
+    _check_groups(k, parts["scales"].shape[0], spec)
+    return {
+        "qweight": pack_int4(q.t()),
+        "scales": parts["scales"].t().contiguous(),
+        "zeros": zeros,
+    }
+
+
+def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:  # [R, N/8] int32 -> [R, N] uint8
+    nibbles = unpack_int4(packed).reshape(packed.shape[0], -1, 8)  # [R, N/8, 8]
+    return nibbles[..., _AWQ_COLUMN_NIBBLE].reshape(packed.shape[0], -1)
+
+
+def _gptq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor | None]:
+    qweight = parts["qweight"]  # [K/8, N]: transposed, already the kernels' packing along K
+    k, num_groups = qweight.shape[0] * 8, parts["scales"].shape[0]
+    zeros = None
+    if not spec.symmetric:
+        zeros = unpack_int4(parts["qzeros"])  # [G, N]
+        if spec.zeros_minus_one:
+            zeros = (zeros + 1) & 0xF
+        zeros = zeros.t().contiguous()
+    elif spec.zeros_minus_one:
+        _check_symmetric_zeros(parts["qzeros"], stored=7)
+    g_idx = parts.get("g_idx")
+    if g_idx is not None:
+        g_idx = _checked_group_index(g_idx, num_groups)
+        if _trivial_groups(g_idx, spec.group_size if spec.group_size > 0 else k):
+            g_idx = None
+    if g_idx is None:
+        _check_groups(k, num_groups, spec)
+    return {
+        "qweight": qweight.t().contiguous(),
+        "scales": parts["scales"].t().contiguous(),
+        "zeros": zeros,
+        "g_idx": g_idx,
+    }
+
+
+def _check_symmetric_zeros(qzeros: torch.Tensor, stored: int) -> None:
+    """A symmetric GPTQ checkpoint's zero points must all be 8 (stored as 7): kvflow then
+    drops them, so a file that disagrees with its config would run with wrong weights."""
+    if not bool((unpack_int4(qzeros) == stored).all()):
+        raise ValueError("quantization_config says sym, but the checkpoint's qzeros are not 8")
+
+
+def _compressed_tensors(
+    parts: dict[str, torch.Tensor], spec: QuantSpec
+) -> dict[str, torch.Tensor | None]:
+    n, k = (int(v) for v in parts["weight_shape"].tolist())
+    packed = parts["weight_packed"]  # [N, K/8]: the kernels' layout already (signed + 8)
+    if packed.shape != (n, k // 8) or k % 8:
+        raise ValueError(f"weight_packed {tuple(packed.shape)} does not hold weight_shape {n, k}")
+    num_groups = parts["weight_scale"].shape[1]
+    zeros = None
+    if not spec.symmetric:
+        if "weight_zero_point" not in parts:
+            raise ValueError("an asymmetric scheme needs weight_zero_point")
+        zeros = unpack_int4(parts["weight_zero_point"].t())[:, :n].t().contiguous()  # [N, G]
+    g_idx = parts.get("weight_g_idx")
+    if g_idx is not None:
+        g_idx = _checked_group_index(g_idx, num_groups)
+    else:
+        _check_groups(k, num_groups, spec)
+    return {
+        "qweight": packed.contiguous(),
+        "scales": parts["weight_scale"].contiguous(),
+        "zeros": zeros,
+        "g_idx": g_idx,
+    }
+
+
+def _check_groups(k: int, num_groups: int, spec: QuantSpec) -> None:
+    group = spec.group_size if spec.group_size > 0 else k
+    if num_groups * group != k:
+        raise ValueError(f"{num_groups} scale groups of {group} do not cover {k} input columns")
+
+
+_TRANSLATE = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}

@@ -1,0 +1,163 @@
+"""How a model's linear layers are quantized: `--quantization` and the checkpoint's own
+`quantization_config` (config.json), read into one `QuantSpec`.
+
+A checkpoint that says how it is quantized is loaded that way; the flag may name the same
+method or be left out (auto), and naming another is an error, as in vLLM. Without a
+checkpoint config, `fp8` quantizes float weights at load, and the int4 methods run only on
+dummy weights (benchmarks), with the method's usual defaults. Everything kvflow cannot run is
+refused at startup with the field that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from shared.model_config import ModelSource
+
+INT4_METHODS = ("awq", "gptq", "compressed-tensors")
+METHODS = ("fp8", *INT4_METHODS)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str  # one of METHODS
+    from_checkpoint: bool  # the weights on disk are already quantized in the method's layout
+    group_size: int = 128  # int4: input columns per scale; -1: one group per output channel
+    symmetric: bool = False  # int4: no zero points stored (the zero is 8)
+    act_order: bool = False  # int4: a g_idx maps input columns to groups (GPTQ desc_act)
+    zeros_minus_one: bool = False  # GPTQ's original format stores each zero point minus one
+    ignore: tuple[str, ...] = ()  # module names left unquantized (lm_head is always)
+
+    @property
+    def is_int4(self) -> bool:
+        return self.method in INT4_METHODS
+
+    def ignores(self, module: str) -> bool:
+        """Whether `ignore` names this module: "re:" + a regular expression (compressed-
+        tensors), or a piece of the name (AWQ's and GPTQ's modules_to_not_convert)."""
+        for entry in self.ignore:
+            if entry.startswith("re:") and re.fullmatch(entry[3:], module):
+                return True
+            if not entry.startswith("re:") and entry in module:
+                return True
+        return False
+
+
+def read_quant_spec(flag: str | None, source: ModelSource, load_format: str) -> QuantSpec | None:
+    """The quantization to run, from the flag and the checkpoint; None: float layers."""
+    checkpoint = _checkpoint_config(source)
+    if checkpoint is not None:
+        spec = _from_checkpoint(checkpoint)
+        if flag is not None and flag != spec.method:
+            raise ValueError(
+                f"--quantization {flag} does not match the checkpoint, which is quantized with "
+                f"{spec.method} (config.json quantization_config); leave the flag out"
+            )
+        return spec
+    if flag is None or flag == "fp8":
+        return None if flag is None else QuantSpec("fp8", from_checkpoint=False)
+    dummy = load_format == "dummy" or source.format == "preset"
+    if flag in INT4_METHODS and dummy:
+        return QuantSpec(flag, from_checkpoint=False, symmetric=flag != "awq")
+    raise ValueError(
+        f"--quantization {flag} needs a checkpoint quantized with {flag} (config.json has no "
+        "quantization_config) or --load-format dummy; float weights are quantized at load "
+        "only by --quantization fp8"
+    )
+
+
+def _checkpoint_config(source: ModelSource) -> dict[str, Any] | None:
+    if source.format != "safetensors":
+        return None
+    config = json.loads((source.path / "config.json").read_text())
+    return config.get("quantization_config")
+
+
+def _from_checkpoint(cfg: dict[str, Any]) -> QuantSpec:
+    method = cfg.get("quant_method")
+    if method == "awq":
+        return _awq(cfg)
+    if method == "gptq":
+        return _gptq(cfg)
+    if method == "compressed-tensors":
+        return _compressed_tensors(cfg)
+    raise ValueError(
+        f"quantization_config.quant_method {method!r} is not supported; kvflow loads "
+        f"{', '.join(INT4_METHODS)} checkpoints (and quantizes float weights with "
+        "--quantization fp8)"
+    )
+
+
+def _require(ok: bool, field: str, value: Any, supported: str) -> None:
+    if not ok:
+        raise ValueError(f"quantization_config.{field} = {value!r} is not supported ({supported})")
+
+
+def _group_size(value: Any, field: str) -> int:
+    group = -1 if value in (None, -1, 0) else value
+    _require(
+        isinstance(group, int) and (group == -1 or (group >= 8 and group % 8 == 0)),
+        field,
+        value,
+        "a multiple of 8, or -1 for one group per channel",
+    )
+    return int(group)
+
+
+def _awq(cfg: dict[str, Any]) -> QuantSpec:
+    bits = cfg.get("w_bit", cfg.get("bits", 4))
+    _require(bits == 4, "bits", bits, "4")
+    version = str(cfg.get("version", "gemm")).lower()
+    _require(version == "gemm", "version", version, "gemm")
+    group = _group_size(cfg.get("q_group_size", cfg.get("group_size", 128)), "group_size")
+    return QuantSpec(
+        "awq",
+        from_checkpoint=True,
+        group_size=group,
+        symmetric=not cfg.get("zero_point", True),
+        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+    )
+
+
+def _gptq(cfg: dict[str, Any]) -> QuantSpec:
+    bits = cfg.get("bits", 4)
+    _require(bits == 4, "bits", bits, "4")
+    fmt = cfg.get("checkpoint_format", "gptq")
+    _require(fmt in ("gptq", "gptq_v2"), "checkpoint_format", fmt, "gptq, gptq_v2")
+    return QuantSpec(
+        "gptq",
+        from_checkpoint=True,
+        group_size=_group_size(cfg.get("group_size", 128), "group_size"),
+        symmetric=bool(cfg.get("sym", True)),
+        act_order=bool(cfg.get("desc_act", False)),
+        zeros_minus_one=fmt == "gptq",
+        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+    )
+
+
+def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
+    groups = cfg.get("config_groups") or {}
+    _require(len(groups) == 1, "config_groups", list(groups), "exactly one group")
+    (scheme,) = groups.values()
+    fmt = scheme.get("format") or cfg.get("format")
+    _require(fmt == "pack-quantized", "format", fmt, "pack-quantized (int4 W4A16)")
+    targets = scheme.get("targets")
+    _require(targets == ["Linear"], "config_groups.targets", targets, '["Linear"]')
+    _require(scheme.get("input_activations") is None, "input_activations", "set", "none: W4A16")
+    weights = scheme.get("weights") or {}
+    bits, kind = weights.get("num_bits"), weights.get("type", "int")
+    _require(bits == 4 and kind == "int", "weights", f"{kind}{bits}", "int4")
+    strategy = weights.get("strategy")
+    _require(strategy in ("group", "channel"), "weights.strategy", strategy, "group, channel")
+    group = -1 if strategy == "channel" else weights.get("group_size")
+    return QuantSpec(
+        "compressed-tensors",
+        from_checkpoint=True,
+        group_size=_group_size(group, "weights.group_size"),
+        symmetric=bool(weights.get("symmetric", True)),
+        act_order=weights.get("actorder") == "group",
+        ignore=tuple(cfg.get("ignore") or ()),
+    )

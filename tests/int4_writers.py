@@ -1,0 +1,201 @@
+"""Tiny int4 checkpoints in the published on-disk layouts, written independently of kvflow.
+
+Each writer quantizes a transformers model's projections (round to nearest, per group), packs
+them the way the format's own tool does (AutoAWQ's GEMM packer, AutoGPTQ's packer, and for
+compressed-tensors that package itself), saves config.json + model.safetensors, and returns
+the dequantized float weights the checkpoint stands for, to run the reference model with.
+The packing loops follow the formats' definitions word by word on purpose: they share no code
+with kvflow's vectorised translation (services/executor/int4_checkpoints.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+@dataclass
+class Quantized:
+    """One projection: integer values q [N, K] in 0..15, zero points [N, G] in 0..15, scales
+    [N, G] (float16, as checkpoints store them) and the group of each input column."""
+
+    q: np.ndarray
+    zeros: np.ndarray
+    scales: torch.Tensor
+    g_idx: np.ndarray
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] float32
+        groups = torch.from_numpy(self.g_idx).long()
+        zeros = torch.from_numpy(self.zeros).float()[:, groups]
+        return (torch.from_numpy(self.q).float() - zeros) * self.scales.float()[:, groups]
+
+
+def quantize(
+    weight: torch.Tensor, group_size: int, symmetric: bool, generator: torch.Generator | None
+) -> Quantized:
+    """Round to nearest per group; with a generator, the columns are first shuffled into
+    groups, as GPTQ's act-order does (g_idx then maps each column to its group)."""
+    n, k = weight.shape
+    order = torch.randperm(k, generator=generator) if generator is not None else torch.arange(k)
+    g_idx = np.empty(k, dtype=np.int32)
+    g_idx[order.numpy()] = np.arange(k) // group_size
+    w = weight.float()[:, order].reshape(n, k // group_size, group_size)
+    if symmetric:
+        scales = (w.abs().amax(-1) / 7.5).clamp(min=1e-6).half()
+        zeros = torch.full(scales.shape, 8.0)
+    else:
+        low, high = w.amin(-1).clamp(max=0), w.amax(-1).clamp(min=0)
+        scales = ((high - low) / 15).clamp(min=1e-6).half()
+        zeros = (-low / scales.float()).round().clamp(0, 15)
+    q_grouped = (w / scales.float()[..., None] + zeros[..., None]).round().clamp(0, 15)
+    q = np.empty((n, k), dtype=np.int64)
+    q[:, order.numpy()] = q_grouped.reshape(n, k).numpy().astype(np.int64)
+    return Quantized(q, zeros.numpy().astype(np.int64), scales, g_idx)
+
+
+def to_int32(words: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(words.astype(np.uint32)).view(np.int32))
+
+
+def awq_pack_columns(values: np.ndarray) -> np.ndarray:
+    """AutoAWQ GEMM: eight columns per word, column 8j + AWQ_ORDER[i] at bits 4i."""
+    rows, cols = values.shape
+    packed = np.zeros((rows, cols // 8), dtype=np.uint64)
+    for j in range(cols // 8):
+        for i in range(8):
+            packed[:, j] |= values[:, 8 * j + AWQ_ORDER[i]].astype(np.uint64) << np.uint64(4 * i)
+    return packed
+
+
+def gptq_pack(values: np.ndarray, along_rows: bool) -> np.ndarray:
+    """AutoGPTQ: eight values per word in natural order, value i at bits 4i; qweight packs
+    rows (input columns), qzeros packs columns."""
+    v = values if along_rows else values.T
+    packed = np.zeros((v.shape[0] // 8, v.shape[1]), dtype=np.uint64)
+    for row in range(packed.shape[0]):
+        for i in range(8):
+            packed[row] |= v[8 * row + i].astype(np.uint64) << np.uint64(4 * i)
+    return packed if along_rows else packed.T
+
+
+def _quantize_model(
+    model: torch.nn.Module, group_size: int, symmetric: bool, act_order: bool
+) -> dict[str, Quantized]:
+    out = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            # Projections that read the same input share GPTQ's act-order (it follows the
+            # input's statistics), so their column order comes from one seed.
+            shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
+            seed = sum(shared.replace("up_proj", "gate_proj").encode())
+            generator = torch.Generator().manual_seed(seed) if act_order else None
+            out[name] = quantize(module.weight.data, group_size, symmetric, generator)
+    return out
+
+
+def _save(
+    model: torch.nn.Module,
+    folder: Path,
+    layers: dict[str, Quantized],
+    tensors: dict[str, torch.Tensor],
+    quant_config: dict[str, object],
+) -> None:
+    """Write the checkpoint, then give `model` the dequantized weights it stands for."""
+    for name, param in model.state_dict().items():
+        module = name.rsplit(".", 1)[0]
+        if module not in layers or name.endswith(".bias"):
+            tensors.setdefault(name, param.detach().clone().contiguous())
+    model.config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = quant_config
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    modules = dict(model.named_modules())
+    for name, layer in layers.items():
+        modules[name].weight.data = layer.dequantized()
+
+
+def write_awq(model: torch.nn.Module, folder: Path, group_size: int) -> None:
+    layers = _quantize_model(model, group_size, symmetric=False, act_order=False)
+    tensors = {}
+    for name, layer in layers.items():
+        tensors[f"{name}.qweight"] = to_int32(awq_pack_columns(layer.q.T))  # [K, N/8]
+        tensors[f"{name}.qzeros"] = to_int32(awq_pack_columns(layer.zeros.T))  # [G, N/8]
+        tensors[f"{name}.scales"] = layer.scales.t().contiguous()  # [G, N]
+    config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True}
+    _save(model, folder, layers, tensors, {**config, "version": "gemm"})
+
+
+def write_gptq(
+    model: torch.nn.Module, folder: Path, group_size: int, symmetric: bool, act_order: bool
+) -> None:
+    layers = _quantize_model(model, group_size, symmetric, act_order)
+    tensors = {}
+    for name, layer in layers.items():
+        tensors[f"{name}.qweight"] = to_int32(gptq_pack(layer.q.T, along_rows=True))  # [K/8, N]
+        # The original GPTQ format stores each zero point minus one (wrapping in 4 bits).
+        stored = (layer.zeros.T - 1) & 0xF  # [G, N]
+        tensors[f"{name}.qzeros"] = to_int32(gptq_pack(stored, along_rows=False))  # [G, N/8]
+        tensors[f"{name}.scales"] = layer.scales.t().contiguous()  # [G, N]
+        tensors[f"{name}.g_idx"] = torch.from_numpy(layer.g_idx)  # [K]
+    config = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": group_size,
+        "desc_act": act_order,
+        "sym": symmetric,
+        "checkpoint_format": "gptq",
+    }
+    _save(model, folder, layers, tensors, config)
+
+
+def write_compressed_tensors(
+    model: torch.nn.Module, folder: Path, group_size: int | None, symmetric: bool
+) -> None:
+    """pack-quantized W4A16 through compressed-tensors' own packer and config classes;
+    `group_size` None: one group per output channel (strategy "channel")."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+
+    channel = group_size is None
+    layers = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            size = module.weight.shape[1] if channel else group_size
+            layers[name] = quantize(module.weight.data, size, symmetric, None)
+    tensors = {}
+    for name, layer in layers.items():
+        signed = torch.from_numpy(layer.q - 8).to(torch.int8)  # compressed-tensors' convention
+        tensors[f"{name}.weight_packed"] = pack_to_int32(signed, 4)
+        tensors[f"{name}.weight_scale"] = layer.scales.contiguous()  # [N, G]
+        tensors[f"{name}.weight_shape"] = torch.tensor(layer.q.shape)
+        if not symmetric:
+            zero = torch.from_numpy(layer.zeros - 8).to(torch.int8)
+            tensors[f"{name}.weight_zero_point"] = pack_to_int32(zero, 4, packed_dim=0)
+    weights = QuantizationArgs(
+        num_bits=4,
+        type="int",
+        symmetric=symmetric,
+        strategy="channel" if channel else "group",
+        group_size=None if channel else group_size,
+    )
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format="pack-quantized",
+        quantization_status="compressed",
+        ignore=["lm_head"],
+    ).model_dump(mode="json")
+    _save(model, folder, layers, tensors, {**config, "quant_method": "compressed-tensors"})

@@ -1,0 +1,108 @@
+"""The Triton int4 linear kernel against `kernels.int4`'s reference (under the interpreter on
+CPU, compiled on a GPU): every row count from decode to prefill, group sizes and channel-wise
+scales, symmetric and asymmetric zero points, act-order group indices, a K tail, a bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.int4 import int4_linear_reference, pack_int4, quantize_int4_reference, unpack_int4
+from kernels.triton_int4 import Int4Tiles, int4_linear
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def random_layer(
+    n: int, k: int, group_size: int, symmetric: bool, act_order: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) * 0.05
+    qweight, scales, zeros = quantize_int4_reference(weight, group_size, symmetric)
+    g_idx = None
+    if act_order:  # the groups of a column permutation, as GPTQ's desc_act writes them
+        g_idx = (torch.randperm(k, generator=generator) // group_size).to(torch.int32)
+        g_idx = g_idx.to(DEVICE)
+    zeros = zeros.to(DEVICE) if zeros is not None else None
+    return qweight.to(DEVICE), scales.to(DEVICE, DTYPE), zeros, g_idx
+
+
+def check(m: int, n: int, k: int, group_size: int, symmetric: bool, act_order: bool, bias: bool):
+    qweight, scales, zeros, g_idx = random_layer(n, k, group_size, symmetric, act_order, m + k)
+    generator = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=generator).to(DEVICE, DTYPE)
+    b = torch.randn(n, generator=generator).to(DEVICE, DTYPE) if bias else None
+    out = int4_linear(x, qweight, scales, zeros, group_size, g_idx, b)
+    expected = int4_linear_reference(x, qweight, scales, zeros, group_size, g_idx, b)
+    assert out.dtype == DTYPE and out.shape == (m, n)
+    # The same dequantized weights on both sides; only the float32 sum's order differs.
+    tolerance = 2e-2 if torch.bfloat16 == DTYPE else 1e-4
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("m", [1, 2, 16, 33, 70])  # fma, the decode tiles, a prefill tile
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_matches_the_reference(m: int, symmetric: bool) -> None:
+    check(m, n=40, k=256, group_size=64, symmetric=symmetric, act_order=False, bias=m == 2)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 192])  # 192: one group per channel (K)
+def test_group_sizes_and_a_k_tail(group_size: int) -> None:
+    # K = 192 is not a multiple of the K step: the masked tail, and groups across steps.
+    check(3, n=24, k=192, group_size=group_size, symmetric=False, act_order=False, bias=False)
+
+
+@pytest.mark.parametrize("m", [1, 5, 80])
+def test_act_order_group_indices(m: int) -> None:
+    check(m, n=16, k=128, group_size=32, symmetric=False, act_order=True, bias=True)
+
+
+def test_explicit_tiles_with_several_programs_per_dimension() -> None:
+    qweight, scales, zeros, _ = random_layer(72, 96, 32, False, False, 0)
+    x = torch.randn(40, 96).to(DEVICE, DTYPE)
+    tiles = Int4Tiles(16, 16, 32, num_warps=2, num_stages=2, use_dot=True)
+    out = int4_linear(x, qweight, scales, zeros, 32, tiles=tiles)
+    expected = int4_linear_reference(x, qweight, scales, zeros, 32)
+    tolerance = 2e-2 if torch.bfloat16 == DTYPE else 1e-4
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_packing_round_trips_and_puts_column_k_at_bits_4k() -> None:
+    values = torch.randint(0, 16, (3, 24), dtype=torch.uint8)
+    packed = pack_int4(values)
+    assert packed.dtype == torch.int32 and packed.shape == (3, 3)
+    assert torch.equal(unpack_int4(packed), values)
+    word = sum(int(values[0, j]) << (4 * j) for j in range(8))
+    assert int(packed[0, 0]) & 0xFFFFFFFF == word
+
+
+def test_bad_inputs_are_refused() -> None:
+    qweight, scales, zeros, _ = random_layer(16, 64, 32, False, False, 0)
+    x = torch.randn(2, 64).to(DEVICE, DTYPE)
+    with pytest.raises(ValueError, match="must be"):
+        int4_linear(x[:, :32], qweight, scales, zeros, 32)
+    with pytest.raises(ValueError, match="do not cover"):
+        int4_linear(x, qweight, scales[:, :1], zeros[:, :1], 32)
+    with pytest.raises(ValueError, match="zeros"):
+        int4_linear(x, qweight, scales, zeros.to(torch.int32), 32)
+
+
+# (N, K) of Llama-3.1-8B's qkv, o, gate_up and down projections
+LLAMA_SHAPES = {
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", sorted(LLAMA_SHAPES))
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 300])
+def test_gpu_real_shapes_match_the_reference(shape: str, m: int) -> None:
+    n, k = LLAMA_SHAPES[shape]
+    check(m, n, k, group_size=128, symmetric=False, act_order=m == 7, bias=False)

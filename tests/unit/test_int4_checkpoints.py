@@ -1,0 +1,161 @@
+"""The int4 checkpoint layouts (services/executor/int4_checkpoints.py) and quantization
+configs (shared/quant_config.py): kvflow's reading of AWQ and compressed-tensors tensors is
+checked against the compressed-tensors package, which unpacks both independently; GPTQ's
+against words worked out by hand from its definition."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.int4 import unpack_int4
+from services.executor.int4_checkpoints import translate_int4
+from shared.model_config import ModelSource
+from shared.quant_config import QuantSpec, read_quant_spec
+from tests import int4_writers
+
+ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+
+
+def translated(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor]:
+    return dict(translate_int4(tensors.items(), set(tensors), spec))
+
+
+def random_layer(n: int, k: int, group_size: int, symmetric: bool) -> int4_writers.Quantized:
+    generator = torch.Generator().manual_seed(n + k)
+    weight = torch.randn(n, k, generator=generator)
+    return int4_writers.quantize(weight, group_size, symmetric, None)
+
+
+def test_awq_reads_as_compressed_tensors_converts_it() -> None:
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    layer = random_layer(24, 64, 32, symmetric=False)
+    awq = {
+        "m.qweight": int4_writers.to_int32(int4_writers.awq_pack_columns(layer.q.T)),
+        "m.qzeros": int4_writers.to_int32(int4_writers.awq_pack_columns(layer.zeros.T)),
+        "m.scales": layer.scales.t().contiguous(),
+    }
+    ours = translated(dict(awq), QuantSpec("awq", from_checkpoint=True, group_size=32))
+    converted = AutoAWQConverter(group_size=32).process(dict(awq))
+    # compressed-tensors' convention: signed values and zero points (ours + 8).
+    values = ct_helpers.unpack_from_int32(converted["m.weight_packed"], 4, torch.Size((24, 64)))
+    zeros = ct_helpers.unpack_from_int32(
+        converted["m.weight_zero_point"], 4, torch.Size((24, 2)), packed_dim=0
+    )
+    assert torch.equal(unpack_int4(ours["m.qweight"]).int(), values.int() + 8)
+    assert torch.equal(ours["m.zeros"].int(), zeros.int() + 8)
+    assert torch.equal(ours["m.scales"], converted["m.weight_scale"])
+    assert torch.equal(unpack_int4(ours["m.qweight"]).long(), torch.from_numpy(layer.q))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_compressed_tensors_packing_reads_back_its_values(symmetric: bool) -> None:
+    layer = random_layer(20, 64, 32, symmetric)  # N = 20: zero points padded to 3 words
+    signed = torch.from_numpy(layer.q - 8).to(torch.int8)
+    tensors = {
+        "m.weight_packed": ct_helpers.pack_to_int32(signed, 4),
+        "m.weight_scale": layer.scales,
+        "m.weight_shape": torch.tensor([20, 64]),
+    }
+    if not symmetric:
+        zero = torch.from_numpy(layer.zeros - 8).to(torch.int8)
+        tensors["m.weight_zero_point"] = ct_helpers.pack_to_int32(zero, 4, packed_dim=0)
+    spec = QuantSpec("compressed-tensors", True, group_size=32, symmetric=symmetric)
+    ours = translated(tensors, spec)
+    assert torch.equal(unpack_int4(ours["m.qweight"]).long(), torch.from_numpy(layer.q))
+    if symmetric:
+        assert "m.zeros" not in ours
+    else:
+        assert torch.equal(ours["m.zeros"].long(), torch.from_numpy(layer.zeros))
+
+
+def test_gptq_words_as_defined() -> None:
+    # Input columns 0..7 of output column 0 hold 0..7: one qweight word 0x76543210. Its zero
+    # point 9 is stored minus one (8) in the first nibble of qzeros.
+    q = np.zeros((8, 8), dtype=np.int64)  # [N, K]
+    q[0] = np.arange(8)
+    zeros = np.full((8, 1), 9)  # [N, G]
+    tensors = {
+        "m.qweight": int4_writers.to_int32(int4_writers.gptq_pack(q.T, along_rows=True)),
+        "m.qzeros": int4_writers.to_int32(int4_writers.gptq_pack(zeros.T - 1, along_rows=False)),
+        "m.scales": torch.ones(1, 8, dtype=torch.float16),
+        "m.g_idx": torch.zeros(8, dtype=torch.int32),
+    }
+    assert int(tensors["m.qweight"][0, 0]) == 0x76543210
+    assert int(tensors["m.qzeros"][0, 0]) & 0xF == 8
+    spec = QuantSpec("gptq", True, group_size=-1, zeros_minus_one=True)
+    ours = translated(tensors, spec)
+    assert int(ours["m.qweight"][0, 0]) == 0x76543210  # [N, K/8]: the same word, transposed
+    assert ours["m.zeros"][:, 0].tolist() == [9] * 8
+    assert "m.g_idx" not in ours  # in order: the kernels compute it
+
+
+def test_unquantized_tensors_pass_through_and_missing_parts_are_named() -> None:
+    spec = QuantSpec("awq", True, group_size=32)
+    other = torch.ones(3)
+    assert translated({"norm.weight": other}, spec) == {"norm.weight": other}
+    with pytest.raises(ValueError, match=r"lacks.*scales"):
+        translated({"m.qweight": torch.zeros(64, 1, dtype=torch.int32)}, spec)
+
+
+def source_with(tmp_path: Path, quantization_config: dict[str, object] | None) -> ModelSource:
+    config: dict[str, object] = {"model_type": "llama"}
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return ModelSource(tmp_path, "safetensors", "tiny")
+
+
+def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: Path) -> None:
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True, "sym": False}
+    spec = read_quant_spec(None, source_with(tmp_path, gptq), "auto")
+    assert spec == QuantSpec(
+        "gptq", True, group_size=64, symmetric=False, act_order=True, zeros_minus_one=True
+    )
+    assert read_quant_spec("gptq", source_with(tmp_path, gptq), "auto") == spec
+    with pytest.raises(ValueError, match="does not match the checkpoint"):
+        read_quant_spec("awq", source_with(tmp_path, gptq), "auto")
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        ({"quant_method": "gptq", "bits": 8}, "bits"),
+        ({"quant_method": "awq", "version": "gemv"}, "version"),
+        ({"quant_method": "gptq", "group_size": 100}, "group_size"),
+        ({"quant_method": "bitsandbytes"}, "quant_method"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8}}},
+            },
+            "format",
+        ),
+    ],
+)
+def test_unsupported_configs_are_refused_by_field(
+    tmp_path: Path, config: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ValueError, match=f"quantization_config.{field}"):
+        read_quant_spec(None, source_with(tmp_path, config), "auto")
+
+
+def test_int4_flags_without_a_checkpoint_need_dummy_weights(tmp_path: Path) -> None:
+    source = source_with(tmp_path, None)
+    assert read_quant_spec(None, source, "auto") is None
+    assert read_quant_spec("fp8", source, "auto") == QuantSpec("fp8", from_checkpoint=False)
+    assert read_quant_spec("awq", source, "dummy") == QuantSpec("awq", from_checkpoint=False)
+    with pytest.raises(ValueError, match="needs a checkpoint quantized with gptq"):
+        read_quant_spec("gptq", source, "auto")
+
+
+def test_ignore_entries_match_as_their_formats_define() -> None:
+    spec = QuantSpec("compressed-tensors", True, ignore=("lm_head", "re:.*layers\\.1\\..*"))
+    assert spec.ignores("lm_head") and spec.ignores("model.layers.1.mlp.down_proj")
+    assert not spec.ignores("model.layers.0.mlp.down_proj")
