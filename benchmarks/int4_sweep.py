@@ -46,12 +46,11 @@ MAX_REL_ERR = 2e-2
 # (block_m, block_n, block_k, num_warps, num_stages, use_dot); block_m is raised to the row tile
 # the M needs (16 for tl.dot; next power of two for fma).
 CANDIDATES = [Int4Tiles(*c) for c in [
-    (1, 8, 512, 4, 3, False), (1, 8, 1024, 4, 3, False), (1, 16, 512, 4, 3, False),
-    (1, 4, 1024, 4, 4, False), (1, 16, 256, 4, 4, False),
-    (16, 32, 256, 4, 4, True), (16, 32, 512, 4, 3, True), (16, 64, 256, 4, 4, True),
-    (16, 16, 512, 4, 4, True), (16, 32, 128, 4, 5, True), (16, 64, 128, 4, 4, True),
-    (64, 128, 64, 8, 3, True), (64, 64, 128, 4, 4, True), (128, 128, 64, 8, 3, True),
-    (64, 128, 128, 8, 3, True),
+    (1, 8, 128, 4, 4, False), (1, 16, 128, 4, 4, False), (1, 32, 128, 4, 4, False),
+    (1, 16, 128, 2, 6, False), (1, 32, 128, 8, 4, False), (1, 64, 128, 4, 3, False),
+    (16, 16, 128, 4, 4, True), (16, 32, 128, 4, 4, True), (16, 64, 128, 4, 4, True),
+    (16, 32, 128, 4, 6, True), (16, 64, 128, 8, 3, True), (16, 128, 128, 8, 3, True),
+    (64, 64, 128, 4, 3, True), (64, 128, 128, 8, 3, True), (128, 128, 128, 8, 3, True),
 ]]  # fmt: skip
 
 
@@ -59,7 +58,7 @@ def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
     """The candidate at M rows, or None where it does not apply."""
     rows = 1 << (m - 1).bit_length()
     if not tiles.use_dot:
-        if rows * tiles.block_n * tiles.block_k > 128 * 32 * tiles.num_warps:
+        if rows * tiles.block_n * tiles.block_k // 8 > 128 * 32 * tiles.num_warps:
             return None  # the [BM, BN, BK] accumulator would spill
         return dataclasses.replace(tiles, block_m=rows)
     if tiles.block_m < 64 and m > 64:

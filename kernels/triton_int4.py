@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.int4 import PACK, SYMMETRIC_ZERO
+from kernels.int4 import PACK
 
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -30,21 +30,21 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class Int4Tiles:
     block_m: int  # rows per program; with use_dot at least 16
     block_n: int
-    block_k: int  # a multiple of 8 (whole words), a power of two
+    block_k: int  # columns per K step: 8 x a power of two words; >= 128 for tl.dot
     num_warps: int
     num_stages: int
     use_dot: bool  # False: multiply-add over [BM, BN, BK] and one reduction (M = 1)
 
 
 def default_tiles(m: int, n: int, k: int) -> Int4Tiles:
-    """Starting points by M, to be tuned on the device like `triton_linear.default_tiles`."""
-    block_k = lambda want: max(DOT_MIN, min(want, triton.next_power_of_2(k)))  # noqa: E731
+    """Starting points by M, to be tuned on the device like `triton_linear.default_tiles`.
+    A K step of 128 columns lies inside a group of 128 (and of any multiple of it)."""
     if m == 1:
-        return Int4Tiles(1, 8, block_k(512), num_warps=4, num_stages=3, use_dot=False)
+        return Int4Tiles(1, 16, 128, num_warps=4, num_stages=4, use_dot=False)
     if m <= 64:
         rows = max(DOT_MIN, triton.next_power_of_2(m))
-        return Int4Tiles(rows, 32, block_k(256), num_warps=4, num_stages=4, use_dot=True)
-    return Int4Tiles(64, 128, block_k(64), num_warps=8, num_stages=3, use_dot=True)
+        return Int4Tiles(rows, 32, 128, num_warps=4, num_stages=4, use_dot=True)
+    return Int4Tiles(64, 128, 128, num_warps=8, num_stages=3, use_dot=True)
 
 
 @triton.jit(do_not_specialize=["m", "group_size"])
@@ -67,73 +67,106 @@ def _int4_linear_kernel(
     stride_out_row,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    WORDS: tl.constexpr,  # packed words per weight row per K step: the step is 8 * WORDS columns
     USE_DOT: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    ONE_GROUP_PER_STEP: tl.constexpr,  # no g_idx and group_size % BLOCK_K == 0
-    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
+    ONE_GROUP_PER_STEP: tl.constexpr,  # no g_idx and group_size % (8 * WORDS) == 0
+    MAGIC: tl.constexpr,  # 0, or the bits of 128.0 (bf16) / 1024.0 (fp16): see below
+    EVEN_K: tl.constexpr,  # K % (8 * WORDS) == 0
     DOT_PRECISION: tl.constexpr,  # read for float32 operands only
     INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: tl.dot on float32 tiles (see triton_linear)
 ):
+    """Why nibble by nibble: nibble i of the step's words [BN, WORDS] holds the columns
+    k_start + 8 w + i, so it multiplies the x columns of that stride, and the 8 products add
+    up to the step's; no tile is reshaped. Why MAGIC: OR-ing a nibble q into the bits of 128.0
+    (bf16) gives the number 128 + q, with no integer-to-float conversion (a slow instruction);
+    the offset and the zero point come off the step's sum once: sum x (128 + q) - (128 + z)
+    sum x. The multiply-add variant does the same with float32's 2**23."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    ks = tl.arange(0, BLOCK_K)  # [BK]
-    words = tl.arange(0, BLOCK_K // 8)  # [BK/8]
-    shifts = tl.arange(0, 8) * 4  # [8]
+    words = tl.arange(0, WORDS)  # [W]
     row_valid = rows < m
     col_valid = cols < n
-    x_ptrs = x_ptr + rows[:, None] * stride_x_row + ks[None, :]  # [BM, BK]
+    x_rows = x_ptr + rows[:, None] * stride_x_row  # [BM, 1]
     w_ptrs = qweight_ptr + cols[:, None].to(tl.int64) * stride_qweight_row + words[None, :]
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
 
-    for k_start in range(0, k, BLOCK_K):
-        if EVEN_K:
-            k_valid = tl.full([BLOCK_K], True, tl.int1)
-            word_valid = tl.full([BLOCK_K // 8], True, tl.int1)
-        else:
-            k_valid = k_start + ks < k
-            word_valid = k_start + words * 8 < k
-        x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)  # [BM, BK]
+    for k_start in range(0, k, 8 * WORDS):
+        word_valid = (
+            tl.full([WORDS], True, tl.int1) if EVEN_K else k_start + 8 * words < k
+        )  # [W]: K % 8 == 0, so a word is whole or out
         packed = tl.load(w_ptrs, mask=col_valid[:, None] & word_valid[None, :], other=0)
-        q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, BK/8, 8]
-        q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)  # column k_start + i at i
         if ONE_GROUP_PER_STEP:
             group = k_start // group_size
-            scale = tl.load(scales_ptr + cols * stride_scales_row + group, mask=col_valid)
-            scale = scale.to(tl.float32)[:, None]  # [BN, 1]
+            scale_ptrs = scales_ptr + cols * stride_scales_row + group
+            scale = tl.load(scale_ptrs, mask=col_valid, other=0.0).to(tl.float32)  # [BN]
+            zero = tl.full([BLOCK_N], 8.0, tl.float32)
             if HAS_ZEROS:
-                zero = tl.load(zeros_ptr + cols * stride_zeros_row + group, mask=col_valid)
-                zero = zero.to(tl.float32)[:, None]
+                zero_ptrs = zeros_ptr + cols * stride_zeros_row + group
+                zero = tl.load(zero_ptrs, mask=col_valid, other=0).to(tl.float32)
+            if USE_DOT:
+                step = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             else:
-                zero = SYMMETRIC_ZERO
-        else:
-            if HAS_G_IDX:
-                groups = tl.load(g_idx_ptr + k_start + ks, mask=k_valid, other=0)  # [BK]
+                step = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
+            x_sum = tl.zeros([BLOCK_M, WORDS], tl.float32)
+        for i in tl.static_range(8):
+            ks = k_start + 8 * words + i  # [W] the columns of nibble i
+            x_mask = row_valid[:, None] & word_valid[None, :]
+            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)  # [BM, W]
+            q = (packed >> (4 * i)) & 0xF  # [BN, W] int32
+            if ONE_GROUP_PER_STEP and MAGIC != 0 and USE_DOT:
+                w = (q | MAGIC).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
+                step = tl.dot(x, tl.trans(w), step)  # sum x (offset + q)
+                x_sum += x.to(tl.float32)
+            elif ONE_GROUP_PER_STEP:
+                # 2**23 + q as a float32, less 2**23 + z: q - z exactly, no conversion.
+                qz = (q | 0x4B000000).to(tl.float32, bitcast=True) - (zero + 8388608.0)[:, None]
+                if USE_DOT:
+                    w = qz.to(x_ptr.dtype.element_ty)  # float32 operands (small integers)
+                    if INTERPRETED:
+                        step = tl.dot(x.to(tl.float32), tl.trans(w), step, input_precision="ieee")
+                    else:
+                        step = tl.dot(x, tl.trans(w), step, input_precision=DOT_PRECISION)
+                else:
+                    step += x.to(tl.float32)[:, None, :] * qz[None, :, :]  # [BM, BN, W]
+            else:  # a group per column: its scale and zero gathered, the weight made whole
+                if HAS_G_IDX:
+                    groups = tl.load(g_idx_ptr + ks, mask=word_valid, other=0)  # [W]
+                else:
+                    groups = ks // group_size
+                mask = col_valid[:, None] & word_valid[None, :]
+                offsets = cols[:, None] * stride_scales_row + groups[None, :]  # [BN, W]
+                col_scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                col_zero = 8.0
+                if HAS_ZEROS:
+                    offsets = cols[:, None] * stride_zeros_row + groups[None, :]
+                    col_zero = tl.load(zeros_ptr + offsets, mask=mask, other=0).to(tl.float32)
+                qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                # Rounded to x's dtype, as the reference dequantizes.
+                w = ((qf - col_zero) * col_scale).to(x_ptr.dtype.element_ty)
+                if USE_DOT and INTERPRETED:
+                    acc = tl.dot(
+                        x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee"
+                    )
+                elif USE_DOT:
+                    acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+                else:
+                    acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        if ONE_GROUP_PER_STEP:
+            if MAGIC != 0 and USE_DOT:
+                offset = zero + (128.0 if MAGIC == 0x4300 else 1024.0)  # [BN]
+                x_total = tl.sum(x_sum, axis=1)  # [BM]
+                acc += (step - x_total[:, None] * offset[None, :]) * scale[None, :]
+            elif USE_DOT:
+                acc += step * scale[None, :]
             else:
-                groups = (k_start + ks) // group_size
-            mask = col_valid[:, None] & k_valid[None, :]
-            offsets = cols[:, None] * stride_scales_row + groups[None, :]  # [BN, BK]
-            scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                offsets = cols[:, None] * stride_zeros_row + groups[None, :]
-                zero = tl.load(zeros_ptr + offsets, mask=mask, other=0).to(tl.float32)
-            else:
-                zero = SYMMETRIC_ZERO
-        # Rounded to x's dtype, as the reference dequantizes: the product is then exact.
-        w = ((q - zero) * scale).to(x_ptr.dtype.element_ty)  # [BN, BK]
-        if USE_DOT and INTERPRETED:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        elif USE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)  # [BM, BN]
-        else:
-            acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8
+                acc += step * scale[None, :, None]
+        w_ptrs += WORDS
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)  # [BM, BN]
@@ -191,6 +224,10 @@ def int4_linear(
     if m == 0 or n == 0:
         return out
     tiles = tiles or default_tiles(m, n, k)
+    if tiles.use_dot and tiles.block_k < 8 * DOT_MIN:
+        raise ValueError(f"{tiles}: tl.dot needs block_k >= {8 * DOT_MIN} (16 words)")
+    words = tiles.block_k // PACK
+    magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0) if x.is_cuda else 0
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
     _int4_linear_kernel[grid](
         x,
@@ -211,12 +248,13 @@ def int4_linear(
         out.stride(0),
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
+        WORDS=words,
         USE_DOT=tiles.use_dot,
         HAS_ZEROS=zeros is not None,
         HAS_G_IDX=g_idx is not None,
         HAS_BIAS=bias is not None,
         ONE_GROUP_PER_STEP=g_idx is None and group_size % tiles.block_k == 0,
+        MAGIC=magic,
         EVEN_K=k % tiles.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         INTERPRETED=not x.is_cuda,

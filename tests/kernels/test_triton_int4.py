@@ -60,14 +60,17 @@ def test_act_order_group_indices(m: int) -> None:
     check(m, n=16, k=128, group_size=32, symmetric=False, act_order=True, bias=True)
 
 
-def test_explicit_tiles_with_several_programs_per_dimension() -> None:
-    qweight, scales, zeros, _ = random_layer(72, 96, 32, False, False, 0)
-    x = torch.randn(40, 96).to(DEVICE, DTYPE)
-    tiles = Int4Tiles(16, 16, 32, num_warps=2, num_stages=2, use_dot=True)
-    out = int4_linear(x, qweight, scales, zeros, 32, tiles=tiles)
-    expected = int4_linear_reference(x, qweight, scales, zeros, 32)
-    tolerance = 2e-2 if torch.bfloat16 == DTYPE else 1e-4
+@pytest.mark.parametrize("group_size", [32, 128])  # a group per column, or per K step
+def test_explicit_tiles_with_several_programs_per_dimension(group_size: int) -> None:
+    qweight, scales, zeros, _ = random_layer(72, 384, group_size, False, False, 0)
+    x = torch.randn(40, 384).to(DEVICE, DTYPE)
+    tiles = Int4Tiles(16, 16, 128, num_warps=2, num_stages=2, use_dot=True)
+    out = int4_linear(x, qweight, scales, zeros, group_size, tiles=tiles)
+    expected = int4_linear_reference(x, qweight, scales, zeros, group_size)
+    tolerance = 2e-2 if DTYPE is torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="block_k >= 128"):
+        int4_linear(x, qweight, scales, zeros, group_size, tiles=Int4Tiles(16, 16, 64, 2, 2, True))
 
 
 def test_packing_round_trips_and_puts_column_k_at_bits_4k() -> None:
