@@ -23,6 +23,7 @@ import triton.language as tl
 from kernels.int4 import PACK
 
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
+DEQUANTIZE_ABOVE_ROWS = 64
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -41,10 +42,8 @@ def default_tiles(m: int, n: int, k: int) -> Int4Tiles:
     A K step of 128 columns lies inside a group of 128 (and of any multiple of it)."""
     if m == 1:
         return Int4Tiles(1, 16, 128, num_warps=4, num_stages=4, use_dot=False)
-    if m <= 64:
-        rows = max(DOT_MIN, triton.next_power_of_2(m))
-        return Int4Tiles(rows, 32, 128, num_warps=4, num_stages=4, use_dot=True)
-    return Int4Tiles(64, 128, 128, num_warps=8, num_stages=3, use_dot=True)
+    # Past 16 rows, tiles of 16 rows side by side: larger row tiles measured slower (2026-11-26).
+    return Int4Tiles(16, 32, 128, num_warps=4, num_stages=4, use_dot=True)
 
 
 @triton.jit(do_not_specialize=["m", "group_size"])
@@ -84,8 +83,10 @@ def _int4_linear_kernel(
     (bf16) gives the number 128 + q, with no integer-to-float conversion (a slow instruction);
     the offset and the zero point come off the step's sum once: sum x (128 + q) - (128 + z)
     sum x. The multiply-add variant does the same with float32's 2**23."""
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    # Row tiles vary fastest: the programs that share a weight block run side by side, so it
+    # comes from HBM once and from L2 for the others.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     words = tl.arange(0, WORDS)  # [W]
     row_valid = rows < m
     col_valid = cols < n
@@ -177,6 +178,86 @@ def _int4_linear_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _dequantize_kernel(
+    qweight_ptr,  # [N, K/8] int32
+    scales_ptr,  # [N, G]
+    zeros_ptr,  # [N, G] uint8 with HAS_ZEROS
+    g_idx_ptr,  # [K] int32 with HAS_G_IDX
+    out_ptr,  # [N, K]
+    n,
+    k,
+    group_size,
+    stride_qweight_row,
+    stride_scales_row,
+    stride_zeros_row,
+    stride_out_row,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+):
+    """out = the dequantized weight, rounded to out's dtype (the reference's rounding). The
+    tile is unpacked as [BN, W, 8] and stored as [BN, 8 W]: whole rows of out, contiguous."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
+    words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)  # [W]
+    ks = tl.program_id(1) * WORDS * 8 + tl.arange(0, WORDS * 8)  # [8 W] columns
+    row_valid = cols < n
+    offsets = cols[:, None].to(tl.int64) * stride_qweight_row + words[None, :]
+    packed = tl.load(qweight_ptr + offsets, mask=row_valid[:, None] & (words < k // 8)[None, :])
+    q = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, W, 8]
+    q = tl.reshape(q, [BLOCK_N, WORDS * 8])  # column 8 w + i at 8 w + i
+    mask = row_valid[:, None] & (ks < k)[None, :]  # [BN, 8W]
+    if HAS_G_IDX:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+        groups = tl.load(g_idx_ptr + ks, mask=ks < k, other=0)
+    else:
+        groups = ks // group_size
+    scale = tl.load(scales_ptr + cols[:, None] * stride_scales_row + groups[None, :], mask=mask)
+    zero = 8.0
+    if HAS_ZEROS:
+        zero_ptrs = zeros_ptr + cols[:, None] * stride_zeros_row + groups[None, :]
+        zero = tl.load(zero_ptrs, mask=mask, other=0).to(tl.float32)
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    w = (qf - zero) * scale.to(tl.float32)
+    out_ptrs = out_ptr + cols[:, None].to(tl.int64) * stride_out_row + ks[None, :]
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,  # [N, K/8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor | None,  # [N, G] uint8
+    group_size: int,
+    g_idx: torch.Tensor | None,  # [K] int32
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, K]
+    """`kernels.int4.dequantize_int4_reference`, rounded to `dtype`, in one launch."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n, words = 16, 32
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k // PACK, words))
+    _dequantize_kernel[grid](
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        g_idx if g_idx is not None else qweight,
+        out,
+        n,
+        k,
+        group_size,
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0,
+        out.stride(0),
+        BLOCK_N=block_n,
+        WORDS=words,
+        HAS_ZEROS=zeros is not None,
+        HAS_G_IDX=g_idx is not None,
+        num_warps=4,
+    )
+    return out
+
+
 def _check_inputs(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -217,9 +298,14 @@ def int4_linear(
     *,
     tiles: Int4Tiles | None = None,  # None: default_tiles(M, N, K)
 ) -> torch.Tensor:  # [M, N], x.dtype
-    """`kernels.int4.int4_linear_reference` in one launch."""
+    """`kernels.int4.int4_linear_reference`: up to DEQUANTIZE_ABOVE_ROWS rows one launch that
+    reads the packed weight; past that the weight dequantized to x's dtype, then cuBLAS (a
+    prefill's GEMM is compute-bound, and the dequantization is a small pass beside it)."""
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx, bias)
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    if m > DEQUANTIZE_ABOVE_ROWS and tiles is None:
+        weight = dequantize_int4(qweight, scales, zeros, group_size, g_idx, x.dtype)
+        return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -228,7 +314,7 @@ def int4_linear(
         raise ValueError(f"{tiles}: tl.dot needs block_k >= {8 * DOT_MIN} (16 words)")
     words = tiles.block_k // PACK
     magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0) if x.is_cuda else 0
-    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _int4_linear_kernel[grid](
         x,
         qweight,

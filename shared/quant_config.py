@@ -73,7 +73,8 @@ def _checkpoint_config(source: ModelSource) -> dict[str, Any] | None:
     if source.format != "safetensors":
         return None
     config = json.loads((source.path / "config.json").read_text())
-    return config.get("quantization_config")
+    quantization: dict[str, Any] | None = config.get("quantization_config")
+    return quantization
 
 
 def _from_checkpoint(cfg: dict[str, Any]) -> QuantSpec:
