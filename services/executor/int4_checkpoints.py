@@ -111,10 +111,16 @@ def _gptq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Te
     elif spec.zeros_minus_one:
         _check_symmetric_zeros(parts["qzeros"], stored=7)
     g_idx = parts.get("g_idx")
+    if spec.act_order and g_idx is None:
+        raise ValueError("quantization_config says desc_act, but the checkpoint has no g_idx")
     if g_idx is not None:
         g_idx = _checked_group_index(g_idx, num_groups)
-        if _trivial_groups(g_idx, spec.group_size if spec.group_size > 0 else k):
-            g_idx = None
+    if g_idx is not None and not spec.act_order:
+        # Written by every GPTQ tool; without act-order it must be column // group_size,
+        # which the kernels compute, so it is dropped.
+        if not _trivial_groups(g_idx, spec.group_size if spec.group_size > 0 else k):
+            raise ValueError("g_idx is not in column order, but desc_act is false")
+        g_idx = None
     if g_idx is None:
         _check_groups(k, num_groups, spec)
     return {
