@@ -46,11 +46,12 @@ MAX_REL_ERR = 2e-2
 # (block_m, block_n, block_k, num_warps, num_stages, use_dot); block_m is raised to the row tile
 # the M needs (16 for tl.dot; next power of two for fma).
 CANDIDATES = [Int4Tiles(*c) for c in [
-    (1, 8, 128, 4, 4, False), (1, 16, 128, 4, 4, False), (1, 8, 128, 2, 6, False),
-    (1, 16, 128, 8, 4, False), (1, 4, 128, 2, 6, False),
-    (16, 16, 128, 4, 4, True), (16, 32, 128, 4, 4, True), (16, 64, 128, 4, 4, True),
-    (16, 32, 128, 4, 6, True), (16, 64, 128, 8, 3, True), (16, 128, 128, 8, 3, True),
-    (16, 32, 128, 2, 4, True), (16, 64, 128, 4, 6, True),
+    (1, 4, 512, 2, 4, False), (1, 8, 512, 4, 4, False), (1, 4, 1024, 4, 3, False),
+    (1, 8, 256, 2, 4, False), (1, 16, 512, 4, 3, False), (1, 2, 1024, 2, 4, False),
+    (1, 8, 1024, 4, 3, False), (1, 4, 256, 2, 6, False),
+    (16, 32, 128, 4, 4, True), (16, 64, 128, 4, 4, True), (16, 128, 128, 8, 3, True),
+    (16, 32, 256, 4, 4, True), (16, 64, 256, 4, 3, True), (16, 32, 512, 4, 3, True),
+    (16, 16, 512, 4, 4, True), (16, 16, 256, 2, 4, True),
 ]]  # fmt: skip
 
 

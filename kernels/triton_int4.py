@@ -71,18 +71,21 @@ def _int4_linear_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    ONE_GROUP_PER_STEP: tl.constexpr,  # no g_idx and group_size % (8 * WORDS) == 0
-    MAGIC: tl.constexpr,  # 0, or the bits of 128.0 (bf16) / 1024.0 (fp16): see below
+    MAGIC: tl.constexpr,  # 0, or the bits of 128.0 (bf16) / 1024.0 (fp16), for tl.dot steps
+    #                       that lie inside one group: see below
     EVEN_K: tl.constexpr,  # K % (8 * WORDS) == 0
     DOT_PRECISION: tl.constexpr,  # read for float32 operands only
     INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: tl.dot on float32 tiles (see triton_linear)
 ):
-    """Why nibble by nibble: nibble i of the step's words [BN, WORDS] holds the columns
-    k_start + 8 w + i, so it multiplies the x columns of that stride, and the 8 products add
-    up to the step's; no tile is reshaped. Why MAGIC: OR-ing a nibble q into the bits of 128.0
-    (bf16) gives the number 128 + q, with no integer-to-float conversion (a slow instruction);
-    the offset and the zero point come off the step's sum once: sum x (128 + q) - (128 + z)
-    sum x. The multiply-add variant does the same with float32's 2**23."""
+    """Why nibble by nibble: nibble i of the step's words [BN, W] holds the columns
+    k_start + 8 w + i, so it multiplies the x columns of that stride, and the 8 products add up
+    to the step's; no tile is reshaped. A word's 8 columns share a group (group sizes are
+    multiples of 8), so without act-order the scales and zero points are loaded once per step,
+    one per word. Why 2**23: OR-ing a nibble q into the bits of float32's 2**23 gives the
+    number 2**23 + q, and one subtraction gives q - z, with no integer-to-float conversion (a
+    slow instruction). MAGIC does the same in bf16 (128.0) for tl.dot, whose operand is then
+    128 + q as is: the offset and the zero point come off the step's sum once, as
+    sum x (128 + q) - (128 + z) sum x."""
     # Row tiles vary fastest: the programs that share a weight block run side by side, so it
     # comes from HBM once and from L2 for the others.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -98,58 +101,50 @@ def _int4_linear_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
 
     for k_start in range(0, k, 8 * WORDS):
-        word_valid = (
-            tl.full([WORDS], True, tl.int1) if EVEN_K else k_start + 8 * words < k
-        )  # [W]: K % 8 == 0, so a word is whole or out
-        packed = tl.load(w_ptrs, mask=col_valid[:, None] & word_valid[None, :], other=0)
-        if ONE_GROUP_PER_STEP:
-            group = k_start // group_size
-            scale_ptrs = scales_ptr + cols * stride_scales_row + group
-            scale = tl.load(scale_ptrs, mask=col_valid, other=0.0).to(tl.float32)  # [BN]
-            zero = tl.full([BLOCK_N], 8.0, tl.float32)
+        # K % 8 == 0, so a word is whole or out.
+        word_valid = tl.full([WORDS], True, tl.int1) if EVEN_K else k_start + 8 * words < k
+        mask = col_valid[:, None] & word_valid[None, :]  # [BN, W]
+        packed = tl.load(w_ptrs, mask=mask, other=0)
+        if not HAS_G_IDX:  # a scale and a zero point per word, for the whole step
+            groups = (k_start + 8 * words) // group_size  # [W]
+            offsets = cols[:, None] * stride_scales_row + groups[None, :]
+            scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+            zero = tl.full([BLOCK_N, WORDS], 8.0, tl.float32)
             if HAS_ZEROS:
-                zero_ptrs = zeros_ptr + cols * stride_zeros_row + group
-                zero = tl.load(zero_ptrs, mask=col_valid, other=0).to(tl.float32)
-            if USE_DOT:
-                step = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            else:
-                step = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
-            x_sum = tl.zeros([BLOCK_M, WORDS], tl.float32)
+                offsets = cols[:, None] * stride_zeros_row + groups[None, :]
+                zero = tl.load(zeros_ptr + offsets, mask=mask, other=0).to(tl.float32)
+            offset_zero = zero + (128.0 if MAGIC == 0x4300 else 1024.0)  # read with MAGIC
+            float_zero = zero + 8388608.0  # 2**23 + z
+        if USE_DOT:
+            step = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # read with MAGIC
+        else:
+            step = tl.zeros([BLOCK_M, BLOCK_N, WORDS], tl.float32)
+        x_sum = tl.zeros([BLOCK_M, WORDS], tl.float32)  # read with MAGIC
         for i in tl.static_range(8):
             ks = k_start + 8 * words + i  # [W] the columns of nibble i
             x_mask = row_valid[:, None] & word_valid[None, :]
             x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)  # [BM, W]
             q = (packed >> (4 * i)) & 0xF  # [BN, W] int32
-            if ONE_GROUP_PER_STEP and MAGIC != 0 and USE_DOT:
+            if MAGIC != 0:  # tl.dot on 128 + q; the step lies inside one group
                 w = (q | MAGIC).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-                step = tl.dot(x, tl.trans(w), step)  # sum x (offset + q)
+                step = tl.dot(x, tl.trans(w), step)
                 x_sum += x.to(tl.float32)
-            elif ONE_GROUP_PER_STEP:
-                # 2**23 + q as a float32, less 2**23 + z: q - z exactly, no conversion.
-                qz = (q | 0x4B000000).to(tl.float32, bitcast=True) - (zero + 8388608.0)[:, None]
-                if USE_DOT:
-                    w = qz.to(x_ptr.dtype.element_ty)  # float32 operands (small integers)
-                    if INTERPRETED:
-                        step = tl.dot(x.to(tl.float32), tl.trans(w), step, input_precision="ieee")
-                    else:
-                        step = tl.dot(x, tl.trans(w), step, input_precision=DOT_PRECISION)
-                else:
-                    step += x.to(tl.float32)[:, None, :] * qz[None, :, :]  # [BM, BN, W]
-            else:  # a group per column: its scale and zero gathered, the weight made whole
-                if HAS_G_IDX:
-                    groups = tl.load(g_idx_ptr + ks, mask=word_valid, other=0)  # [W]
-                else:
-                    groups = ks // group_size
-                mask = col_valid[:, None] & word_valid[None, :]
-                offsets = cols[:, None] * stride_scales_row + groups[None, :]  # [BN, W]
-                col_scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-                col_zero = 8.0
-                if HAS_ZEROS:
-                    offsets = cols[:, None] * stride_zeros_row + groups[None, :]
-                    col_zero = tl.load(zeros_ptr + offsets, mask=mask, other=0).to(tl.float32)
-                qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            elif not HAS_G_IDX and not USE_DOT:
+                qz = (q | 0x4B000000).to(tl.float32, bitcast=True) - float_zero  # q - z
+                step += x.to(tl.float32)[:, None, :] * qz[None, :, :]  # [BM, BN, W]
+            else:
+                if HAS_G_IDX:  # the scale and zero point of each column, gathered
+                    col_groups = tl.load(g_idx_ptr + ks, mask=word_valid, other=0)  # [W]
+                    offsets = cols[:, None] * stride_scales_row + col_groups[None, :]
+                    scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                    float_zero = tl.full([BLOCK_N, WORDS], 8.0 + 8388608.0, tl.float32)
+                    if HAS_ZEROS:
+                        offsets = cols[:, None] * stride_zeros_row + col_groups[None, :]
+                        zero = tl.load(zeros_ptr + offsets, mask=mask, other=0)
+                        float_zero = zero.to(tl.float32) + 8388608.0
+                qz = (q | 0x4B000000).to(tl.float32, bitcast=True) - float_zero
                 # Rounded to x's dtype, as the reference dequantizes.
-                w = ((qf - col_zero) * col_scale).to(x_ptr.dtype.element_ty)
+                w = (qz * scale).to(x_ptr.dtype.element_ty)  # [BN, W]
                 if USE_DOT and INTERPRETED:
                     acc = tl.dot(
                         x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee"
@@ -158,15 +153,14 @@ def _int4_linear_kernel(
                     acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
                 else:
                     acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        if ONE_GROUP_PER_STEP:
-            if MAGIC != 0 and USE_DOT:
-                offset = zero + (128.0 if MAGIC == 0x4300 else 1024.0)  # [BN]
-                x_total = tl.sum(x_sum, axis=1)  # [BM]
-                acc += (step - x_total[:, None] * offset[None, :]) * scale[None, :]
-            elif USE_DOT:
-                acc += step * scale[None, :]
-            else:
-                acc += step * scale[None, :, None]
+        if MAGIC != 0:
+            # One group: every word of the step has the same scale and zero point.
+            x_total = tl.sum(x_sum, axis=1)  # [BM]
+            step_scale = tl.max(scale, axis=1)  # [BN]
+            step_offset = tl.max(offset_zero, axis=1)  # [BN]
+            acc += (step - x_total[:, None] * step_offset[None, :]) * step_scale[None, :]
+        elif not HAS_G_IDX and not USE_DOT:
+            acc += step * scale[None, :, :]
         w_ptrs += WORDS
 
     if not USE_DOT:
@@ -313,7 +307,8 @@ def int4_linear(
     if tiles.use_dot and tiles.block_k < 8 * DOT_MIN:
         raise ValueError(f"{tiles}: tl.dot needs block_k >= {8 * DOT_MIN} (16 words)")
     words = tiles.block_k // PACK
-    magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0) if x.is_cuda else 0
+    magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0)
+    magic = magic if tiles.use_dot and x.is_cuda else 0  # bf16 tl.dot: see triton_linear
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _int4_linear_kernel[grid](
         x,
@@ -339,8 +334,7 @@ def int4_linear(
         HAS_ZEROS=zeros is not None,
         HAS_G_IDX=g_idx is not None,
         HAS_BIAS=bias is not None,
-        ONE_GROUP_PER_STEP=g_idx is None and group_size % tiles.block_k == 0,
-        MAGIC=magic,
+        MAGIC=magic if g_idx is None and group_size % tiles.block_k == 0 else 0,
         EVEN_K=k % tiles.block_k == 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         INTERPRETED=not x.is_cuda,
