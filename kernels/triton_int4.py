@@ -38,12 +38,21 @@ class Int4Tiles:
 
 
 def default_tiles(m: int, n: int, k: int) -> Int4Tiles:
-    """Starting points by M, to be tuned on the device like `triton_linear.default_tiles`.
-    A K step of 128 columns lies inside a group of 128 (and of any multiple of it)."""
-    if m == 1:
-        return Int4Tiles(1, 16, 128, num_warps=4, num_stages=4, use_dot=False)
-    # Past 16 rows, tiles of 16 rows side by side: larger row tiles measured slower (2026-11-26).
-    return Int4Tiles(16, 32, 128, num_warps=4, num_stages=4, use_dot=True)
+    """benchmarks/int4_sweep.py's picks (H100, Llama-3.1-8B shapes, groups of 128, 2026-11-26;
+    docs/benchmarks.md has the table). The multiply-add variant streams 1024 columns per step
+    for up to 4 rows; tl.dot steps of 128 columns lie inside a group of 128, which lets them
+    take 128 + q as the operand; past 16 rows, tiles of 16 rows side by side (tiles of 64
+    measured 2-4x slower). The widest layer (gate_up) runs tl.dot even at M = 1."""
+    wide = n >= 16384
+    if m <= 4 and not wide:
+        rows = triton.next_power_of_2(m)
+        block_k = 1024 if m == 1 else 512
+        return Int4Tiles(
+            rows, 8, block_k, num_warps=4, num_stages=3 if m == 1 else 4, use_dot=False
+        )
+    if wide:
+        return Int4Tiles(16, 128, 128, num_warps=8, num_stages=3, use_dot=True)
+    return Int4Tiles(16, 64, 128, num_warps=4, num_stages=4, use_dot=True)
 
 
 @triton.jit(do_not_specialize=["m", "group_size"])
@@ -105,7 +114,16 @@ def _int4_linear_kernel(
         word_valid = tl.full([WORDS], True, tl.int1) if EVEN_K else k_start + 8 * words < k
         mask = col_valid[:, None] & word_valid[None, :]  # [BN, W]
         packed = tl.load(w_ptrs, mask=mask, other=0)
-        if not HAS_G_IDX:  # a scale and a zero point per word, for the whole step
+        if MAGIC != 0:  # the step lies inside one group: a scale and zero point per column
+            group = k_start // group_size
+            scale_ptrs = scales_ptr + cols * stride_scales_row + group
+            step_scale = tl.load(scale_ptrs, mask=col_valid, other=0.0).to(tl.float32)  # [BN]
+            step_zero = tl.full([BLOCK_N], 8.0, tl.float32)
+            if HAS_ZEROS:
+                zero_ptrs = zeros_ptr + cols * stride_zeros_row + group
+                step_zero = tl.load(zero_ptrs, mask=col_valid, other=0).to(tl.float32)
+            step_offset = step_zero + (128.0 if MAGIC == 0x4300 else 1024.0)
+        elif not HAS_G_IDX:  # a scale and a zero point per word, for the whole step
             groups = (k_start + 8 * words) // group_size  # [W]
             offsets = cols[:, None] * stride_scales_row + groups[None, :]
             scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -113,7 +131,6 @@ def _int4_linear_kernel(
             if HAS_ZEROS:
                 offsets = cols[:, None] * stride_zeros_row + groups[None, :]
                 zero = tl.load(zeros_ptr + offsets, mask=mask, other=0).to(tl.float32)
-            offset_zero = zero + (128.0 if MAGIC == 0x4300 else 1024.0)  # read with MAGIC
             float_zero = zero + 8388608.0  # 2**23 + z
         if USE_DOT:
             step = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # read with MAGIC
@@ -154,10 +171,7 @@ def _int4_linear_kernel(
                 else:
                     acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         if MAGIC != 0:
-            # One group: every word of the step has the same scale and zero point.
             x_total = tl.sum(x_sum, axis=1)  # [BM]
-            step_scale = tl.max(scale, axis=1)  # [BN]
-            step_offset = tl.max(offset_zero, axis=1)  # [BN]
             acc += (step - x_total[:, None] * step_offset[None, :]) * step_scale[None, :]
         elif not HAS_G_IDX and not USE_DOT:
             acc += step * scale[None, :, :]
