@@ -59,9 +59,9 @@ class Config:
         None,
         "model",
         "How the linear layers are quantized; default: as the checkpoint's quantization_config "
-        "says (awq, gptq, compressed-tensors int4 W4A16), else float. fp8: e4m3 weights made "
-        "at load from float ones, a scale per output channel, activations quantized per "
-        "token. The int4 methods also run on --load-format dummy weights.",
+        "says (fp8; awq, gptq, compressed-tensors int4 W4A16 or FP8 dynamic), else float. "
+        "fp8 on a float checkpoint: e4m3 weights made at load, a scale per output channel, "
+        "activations quantized per token. The int4 methods also run on --load-format dummy.",
         ("fp8", "awq", "gptq", "compressed-tensors"),
     )
     max_model_len: int | None = option(

@@ -30,10 +30,17 @@ class QuantSpec:
     act_order: bool = False  # int4: a g_idx maps input columns to groups (GPTQ desc_act)
     zeros_minus_one: bool = False  # GPTQ's original format stores each zero point minus one
     ignore: tuple[str, ...] = ()  # module names left unquantized (lm_head is always)
+    fp8_weights: bool = False  # a compressed-tensors checkpoint of FP8 (float-quantized) weights
 
     @property
     def is_int4(self) -> bool:
-        return self.method in INT4_METHODS
+        return self.method in INT4_METHODS and not self.fp8_weights
+
+    @property
+    def checkpoint_format(self) -> str:
+        """How the quantized tensors are laid out on disk (services/executor/
+        quantized_checkpoints.py): fp8, or the int4 method's own layout."""
+        return "fp8" if self.method == "fp8" or self.fp8_weights else self.method
 
     def ignores(self, module: str) -> bool:
         """Whether `ignore` names this module: "re:" + a regular expression (compressed-
@@ -79,6 +86,8 @@ def _checkpoint_config(source: ModelSource) -> dict[str, Any] | None:
 
 def _from_checkpoint(cfg: dict[str, Any]) -> QuantSpec:
     method = cfg.get("quant_method")
+    if method == "fp8":
+        return _fp8(cfg)
     if method == "awq":
         return _awq(cfg)
     if method == "gptq":
@@ -87,7 +96,7 @@ def _from_checkpoint(cfg: dict[str, Any]) -> QuantSpec:
         return _compressed_tensors(cfg)
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported; kvflow loads "
-        f"{', '.join(INT4_METHODS)} checkpoints (and quantizes float weights with "
+        f"{', '.join(METHODS)} checkpoints (and quantizes float weights with "
         "--quantization fp8)"
     )
 
@@ -108,6 +117,22 @@ def _group_size(value: Any, field: str) -> int:
     return int(group)
 
 
+def _fp8(cfg: dict[str, Any]) -> QuantSpec:
+    """FP8 checkpoints as transformers and AutoFP8 write them: e4m3 weights with a scale per
+    tensor, activations quantized per token at run time (activation_scheme dynamic)."""
+    scheme = cfg.get("activation_scheme", "dynamic")
+    _require(scheme == "dynamic", "activation_scheme", scheme, "dynamic")
+    block = cfg.get("weight_block_size")
+    _require(block is None, "weight_block_size", block, "none: block scales are not supported")
+    fmt = cfg.get("fmt", "e4m3")
+    _require(fmt == "e4m3", "fmt", fmt, "e4m3")
+    return QuantSpec("fp8", from_checkpoint=True, ignore=_ignored(cfg))
+
+
+def _ignored(cfg: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(cfg.get("modules_to_not_convert") or cfg.get("ignored_layers") or ())
+
+
 def _awq(cfg: dict[str, Any]) -> QuantSpec:
     bits = cfg.get("w_bit", cfg.get("bits", 4))
     _require(bits == 4, "bits", bits, "4")
@@ -119,7 +144,7 @@ def _awq(cfg: dict[str, Any]) -> QuantSpec:
         from_checkpoint=True,
         group_size=group,
         symmetric=not cfg.get("zero_point", True),
-        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+        ignore=_ignored(cfg),
     )
 
 
@@ -135,23 +160,35 @@ def _gptq(cfg: dict[str, Any]) -> QuantSpec:
         symmetric=bool(cfg.get("sym", True)),
         act_order=bool(cfg.get("desc_act", False)),
         zeros_minus_one=fmt == "gptq",
-        ignore=tuple(cfg.get("modules_to_not_convert") or ()),
+        ignore=_ignored(cfg),
     )
 
 
 def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
+    """One config group for every Linear: int4 weights (pack-quantized, W4A16), or FP8
+    weights with FP8 activations quantized per token at run time (float-quantized, as
+    llm-compressor's FP8_DYNAMIC scheme writes it)."""
     groups = cfg.get("config_groups") or {}
     _require(len(groups) == 1, "config_groups", list(groups), "exactly one group")
     (scheme,) = groups.values()
-    fmt = scheme.get("format") or cfg.get("format")
-    _require(fmt == "pack-quantized", "format", fmt, "pack-quantized (int4 W4A16)")
     targets = scheme.get("targets")
     _require(targets == ["Linear"], "config_groups.targets", targets, '["Linear"]')
-    _require(scheme.get("input_activations") is None, "input_activations", "set", "none: W4A16")
+    fmt = scheme.get("format") or cfg.get("format")
+    _require(fmt in ("pack-quantized", "float-quantized"), "format", fmt, _CT_FORMATS)
     weights = scheme.get("weights") or {}
-    bits, kind = weights.get("num_bits"), weights.get("type", "int")
-    _require(bits == 4 and kind == "int", "weights", f"{kind}{bits}", "int4")
     strategy = weights.get("strategy")
+    ignore = tuple(cfg.get("ignore") or ())
+    if fmt == "float-quantized":
+        kind = f"{weights.get('type')}{weights.get('num_bits')}"
+        _require(kind == "float8", "weights", kind, "float8")
+        _require(strategy in ("tensor", "channel"), "weights.strategy", strategy, "tensor, channel")
+        act = scheme.get("input_activations") or {}
+        dynamic_token = act.get("dynamic") is True and act.get("strategy") == "token"
+        _require(dynamic_token, "input_activations", act, "FP8, dynamic, per token")
+        return QuantSpec("compressed-tensors", True, ignore=ignore, fp8_weights=True)
+    _require(scheme.get("input_activations") is None, "input_activations", "set", "none: W4A16")
+    kind = f"{weights.get('type', 'int')}{weights.get('num_bits')}"
+    _require(kind == "int4", "weights", kind, "int4")
     _require(strategy in ("group", "channel"), "weights.strategy", strategy, "group, channel")
     group = -1 if strategy == "channel" else weights.get("group_size")
     return QuantSpec(
@@ -160,5 +197,8 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
         group_size=_group_size(group, "weights.group_size"),
         symmetric=bool(weights.get("symmetric", True)),
         act_order=weights.get("actorder") == "group",
-        ignore=tuple(cfg.get("ignore") or ()),
+        ignore=ignore,
     )
+
+
+_CT_FORMATS = "pack-quantized (int4 W4A16), float-quantized (FP8 W8A8 dynamic)"

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.fp8 import quantize_fp8_rowwise_reference
+from kernels.fp8 import FP8, FP8_MAX, quantize_fp8_rowwise_reference
 from kernels.int4 import PACK
 from shared.quant_config import QuantSpec
 
@@ -76,9 +76,31 @@ class Fp8Dynamic(Unquantized):
         return ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias)
 
 
+class Fp8Checkpoint(Fp8Dynamic):
+    """FP8 W8A8 weights as an FP8 checkpoint holds them (services/executor/
+    quantized_checkpoints.py turns a scale per tensor into one per output channel); the
+    activations are quantized per token at each call, as with Fp8Dynamic."""
+
+    def create_weights(self, layer: Linear) -> None:
+        n, k = layer.out_features, layer.in_features
+        layer.weight = None
+        layer.qweight = nn.Parameter(torch.empty(n, k, dtype=FP8), requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
+
+    def init_dummy(self, layer: Linear, generator: torch.Generator) -> None:
+        values = _randn(layer.qweight, generator).mul_(100.0).clamp_(-FP8_MAX, FP8_MAX)
+        layer.qweight.data.copy_(values.to(FP8))
+        layer.weight_scale.data.fill_(0.02 / 100.0)
+        if layer.bias is not None:
+            layer.bias.data.copy_(_randn(layer.bias, generator).mul_(0.02))
+
+    def prepare(self, layer: Linear) -> None:
+        pass
+
+
 class Int4WeightOnly:
     """int4 weights (W4A16) as AWQ, GPTQ and compressed-tensors checkpoints hold them, in the
-    one layout of `kernels/int4.py` (services/executor/int4_checkpoints.py translates them):
+    one layout of `kernels/int4.py` (services/executor/quantized_checkpoints.py translates them):
     a quarter of bf16's bytes per step, dequantized in registers."""
 
     def __init__(self, spec: QuantSpec) -> None:
@@ -94,7 +116,7 @@ class Int4WeightOnly:
             raise ValueError(f"int4 layers need K divisible by {PACK}, got {k}")
         num_groups = -(-k // self.group_size(layer))
 
-        def frozen(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+        def frozen(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
             return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
         layer.weight = None
@@ -145,8 +167,8 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
     logits more than any other layer)."""
     if spec is None:
         return Unquantized()
-    if spec.method == "fp8":
-        return Fp8Dynamic()
+    if spec.checkpoint_format == "fp8":
+        return Fp8Checkpoint() if spec.from_checkpoint else Fp8Dynamic()
     return Int4WeightOnly(spec)
 
 

@@ -3,6 +3,7 @@ and random dummy weights for benchmarks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -14,7 +15,6 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from services.executor.int4_checkpoints import translate_int4
 from services.executor.linear import (
     Linear,
     linear_method,
@@ -22,6 +22,7 @@ from services.executor.linear import (
     refuse_ignored_projections,
 )
 from services.executor.models.decoder import DecoderForCausalLM
+from services.executor.quantized_checkpoints import translate_quantized
 from shared.model_config import ModelConfig, ModelSource
 from shared.quant_config import read_quant_spec
 
@@ -146,20 +147,19 @@ def load_model(
         # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.
         raise ValueError("--quantization fp8 runs with --dtype bfloat16 (or auto) on CUDA")
     start = time.perf_counter()
-    with torch.device(device):
+    # Parameters are made in `dtype`; those that need another (packed ints, FP8 and its
+    # float32 scales, the rotary table) name it.
+    with torch.device(device), _default_dtype(dtype):
         model = DecoderForCausalLM(cfg, max_position, linear_method(spec))
     refuse_ignored_projections(model, spec)
-    for param in model.parameters():  # buffers (the rotary table) and packed ints keep theirs
-        if param.is_floating_point():
-            param.data = param.data.to(dtype)
     fmt = source.format if load_format == "auto" else load_format
     if fmt == "dummy" or source.format == "preset":
         init_dummy(model, seed)
     elif fmt == "gguf":
         model.load_weights(iter_gguf(source.path, cfg))
-    elif fmt == "safetensors" and spec is not None and spec.is_int4:
+    elif fmt == "safetensors" and spec is not None and spec.from_checkpoint:
         names = safetensors_names(source.path)
-        model.load_weights(translate_int4(iter_safetensors(source.path), names, spec))
+        model.load_weights(translate_quantized(iter_safetensors(source.path), names, spec))
     elif fmt == "safetensors":
         model.load_weights(iter_safetensors(source.path))
     else:
@@ -176,6 +176,16 @@ def load_model(
         time.perf_counter() - start,
     )
     return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

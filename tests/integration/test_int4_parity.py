@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from kvflow import LLM
-from tests import int4_writers
+from tests import quantized_writers as int4_writers
 from tests.integration.test_parity import hf_greedy, kvflow_greedy
 from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
 

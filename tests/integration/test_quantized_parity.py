@@ -14,12 +14,15 @@ side's token must be among the other's top choices; most sequences must match th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
 
 from kernels.fp8 import quantize_fp8_rowwise_reference
 from kvflow import LLM, SamplingParams
+from tests import quantized_writers
 from tests.integration.test_gpu_parity import TOP, hf_greedy_top
 from tests.integration.test_parity import hf_greedy
 from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
@@ -86,3 +89,27 @@ def test_fp8_matches_transformers_with_the_reference_quantization(
     )
     check_close(expected, small, prompts)
     assert small.stats().num_preemptions > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["ct-channel", "fp8-tensor"])
+def test_fp8_checkpoints_match_transformers_on_their_weights(
+    family: str, per_tensor: bool, tmp_path: Path
+) -> None:
+    """FP8 checkpoints (compressed-tensors FP8_DYNAMIC with a scale per channel, transformers'
+    `quant_method: fp8` with one per tensor) against transformers on the weights they hold,
+    with activations quantized per token as the checkpoints' configs say."""
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_cls(**{**TINY, **extra}), dtype=torch.float32
+    ).eval()
+    prompts = make_prompts(model.config.vocab_size)
+    quantized_writers.write_fp8(model, tmp_path, per_tensor)  # the model holds them now
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            module.register_forward_pre_hook(lambda _module, args: (fake_fp8(args[0]),))
+    expected = [hf_greedy_top(model, prompt) for prompt in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # fp8 from config.json
+    check_close(expected, llm, prompts)

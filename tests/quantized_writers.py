@@ -1,11 +1,12 @@
-"""Tiny int4 checkpoints in the published on-disk layouts, written independently of kvflow.
+"""Tiny quantized checkpoints (int4, FP8) in the published on-disk layouts, written
+independently of kvflow.
 
 Each writer quantizes a transformers model's projections (round to nearest, per group), packs
 them the way the format's own tool does (AutoAWQ's GEMM packer, AutoGPTQ's packer, and for
 compressed-tensors that package itself), saves config.json + model.safetensors, and returns
 the dequantized float weights the checkpoint stands for, to run the reference model with.
 The packing loops follow the formats' definitions word by word on purpose: they share no code
-with kvflow's vectorised translation (services/executor/int4_checkpoints.py).
+with kvflow's vectorised translation (services/executor/quantized_checkpoints.py).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def _quantize_model(
 def _save(
     model: torch.nn.Module,
     folder: Path,
-    layers: dict[str, Quantized],
+    layers: dict[str, Quantized] | dict[str, Quantized | None],
     tensors: dict[str, torch.Tensor],
     quant_config: dict[str, object],
 ) -> None:
@@ -120,7 +121,8 @@ def _save(
     save_file(tensors, str(folder / "model.safetensors"))
     modules = dict(model.named_modules())
     for name, layer in layers.items():
-        modules[name].weight.data = layer.dequantized()
+        if layer is not None:
+            modules[name].weight.data = layer.dequantized()
 
 
 def write_awq(model: torch.nn.Module, folder: Path, group_size: int) -> None:
@@ -199,3 +201,45 @@ def write_compressed_tensors(
         ignore=["lm_head"],
     ).model_dump(mode="json")
     _save(model, folder, layers, tensors, {**config, "quant_method": "compressed-tensors"})
+
+
+def write_fp8(model: torch.nn.Module, folder: Path, per_tensor: bool) -> None:
+    """FP8 weights with dynamic per-token activations: per output channel through
+    compressed-tensors' own quantize op and FP8_DYNAMIC scheme (what llm-compressor writes),
+    or one scale per tensor under transformers' `quant_method: fp8` (as AutoFP8 writes it)."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    from compressed_tensors.quantization.quant_scheme import FP8_DYNAMIC
+
+    tensors: dict[str, torch.Tensor] = {}
+    dequantized = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS:
+            continue
+        w = module.weight.data.float()
+        if per_tensor:
+            scale = w.abs().amax() / 448.0  # []
+            q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        else:
+            scale = w.abs().amax(dim=1, keepdim=True) / 448.0  # [N, 1]
+            args = FP8_DYNAMIC["weights"]
+            q = ct_quantize(w, scale, torch.zeros_like(scale), args, dtype=torch.float8_e4m3fn)
+        tensors[f"{name}.weight"] = q.contiguous()
+        tensors[f"{name}.weight_scale"] = scale.contiguous()
+        dequantized[name] = q.float() * scale
+    if per_tensor:
+        config: dict[str, object] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    else:
+        scheme = QuantizationScheme(targets=["Linear"], **FP8_DYNAMIC)
+        config = QuantizationConfig(
+            config_groups={"group_0": scheme},
+            format="float-quantized",
+            quantization_status="compressed",
+            ignore=["lm_head"],
+        ).model_dump(mode="json")
+        config["quant_method"] = "compressed-tensors"
+    layers: dict[str, Quantized | None] = dict.fromkeys(dequantized)
+    _save(model, folder, layers, tensors, config)
+    modules = dict(model.named_modules())
+    for name, weight in dequantized.items():
+        modules[name].weight.data = weight

@@ -1,9 +1,11 @@
-"""int4 checkpoints (AWQ, GPTQ, compressed-tensors pack-quantized) into the kernels' layout.
+"""Quantized checkpoints into the layouts kvflow's kernels read.
 
 Each format stores a quantized projection as a few tensors under its module name; they are
 gathered per module as the checkpoint streams (a module's parts may sit in different files)
-and translated into `qweight`, `scales`, `zeros` and `g_idx` (`kernels/int4.py` has the
-layout). Everything else passes through unchanged. The formats, as their writers define them:
+and translated: int4 formats into `qweight`, `scales`, `zeros` and `g_idx` (`kernels/int4.py`
+has the layout), FP8 into `qweight` and a float32 `weight_scale` per output channel (what
+`ops.fp8_linear` reads). Everything else passes through unchanged. The formats, as their
+writers define them:
 
   AWQ (GEMM)   qweight [K, N/8] and qzeros [G, N/8] int32, packed along N in the order
                0 2 4 6 1 3 5 7 (the value of column 8j + order[i] at bits 4i); scales [G, N].
@@ -11,7 +13,11 @@ layout). Everything else passes through unchanged. The formats, as their writers
                scales [G, N]; g_idx [K]. The original format stores each zero minus one.
   compressed-  weight_packed [N, K/8], along K in natural order, of the signed value + 8;
   tensors      weight_scale [N, G]; weight_zero_point [ceil(N/8), G] packed along N (signed
-               + 8), when asymmetric; weight_g_idx [K] with group act-order; weight_shape.
+  (int4)       + 8), when asymmetric; weight_g_idx [K] with group act-order; weight_shape.
+  FP8          weight [N, K] float8_e4m3fn with weight_scale: one per tensor ([] or [1]) or
+               per output channel ([N, 1]); w = weight * weight_scale. input_scale, written
+               by some tools even for dynamic activations, is not read (the config must say
+               dynamic: shared/quant_config.py refuses static activation scales).
 """
 
 from __future__ import annotations
@@ -23,29 +29,33 @@ import torch
 from kernels.int4 import pack_int4, unpack_int4
 from shared.quant_config import QuantSpec
 
-# The parts that make up one quantized module, by method: (required, optional).
+# The parts that make up one quantized module, by format: (the part that marks a module as
+# quantized, the required parts, the optional ones).
 PARTS = {
-    "awq": ({"qweight", "scales"}, {"qzeros"}),
-    "gptq": ({"qweight", "scales", "qzeros"}, {"g_idx"}),
+    "awq": ("qweight", {"qweight", "scales"}, {"qzeros"}),
+    "gptq": ("qweight", {"qweight", "scales", "qzeros"}, {"g_idx"}),
     "compressed-tensors": (
+        "weight_packed",
         {"weight_packed", "weight_scale", "weight_shape"},
         {"weight_zero_point", "weight_g_idx"},
     ),
+    "fp8": ("weight_scale", {"weight", "weight_scale"}, {"input_scale"}),
 }
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i]
 _AWQ_COLUMN_NIBBLE = [_AWQ_ORDER.index(c) for c in range(8)]  # column c sits in this nibble
 
 
-def translate_int4(
+def translate_quantized(
     tensors: Iterable[tuple[str, torch.Tensor]], names: set[str], spec: QuantSpec
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's (name, tensor) stream with each quantized module's parts replaced by
     the kernels' layout, yielded once all its parts (known from `names`) have been seen."""
-    required, optional = PARTS[spec.method]
+    marker, required, optional = PARTS[spec.checkpoint_format]
+    quantized = {name.rpartition(".")[0] for name in names if name.endswith(f".{marker}")}
     expected: dict[str, set[str]] = {}
     for name in names:
         module, _, part = name.rpartition(".")
-        if part in required | optional:
+        if module in quantized and part in required | optional:
             expected.setdefault(module, set()).add(part)
     for module, parts in expected.items():
         if not required <= parts:
@@ -60,7 +70,7 @@ def translate_int4(
         parts[part] = tensor
         if set(parts) == expected[module]:
             del pending[module]
-            for key, value in _TRANSLATE[spec.method](parts, spec).items():
+            for key, value in _TRANSLATE[spec.checkpoint_format](parts, spec).items():
                 if value is not None:
                     yield f"{module}.{key}", value
 
@@ -170,4 +180,26 @@ def _check_groups(k: int, num_groups: int, spec: QuantSpec) -> None:
         raise ValueError(f"{num_groups} scale groups of {group} do not cover {k} input columns")
 
 
-_TRANSLATE = {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors}
+def _fp8(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor | None]:
+    weight, scale = parts["weight"], parts["weight_scale"].float()
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"an FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    n = weight.shape[0]
+    if scale.numel() == 1:  # one scale for the tensor: the same for every output channel
+        scale = scale.reshape(1).expand(n)
+    elif scale.numel() == n:
+        scale = scale.reshape(n)
+    else:
+        raise ValueError(
+            f"weight_scale {tuple(parts['weight_scale'].shape)} is neither per tensor nor per "
+            f"output channel of weight {tuple(weight.shape)} (block scales are not supported)"
+        )
+    return {"qweight": weight, "weight_scale": scale.contiguous()}
+
+
+_TRANSLATE = {
+    "awq": _awq,
+    "gptq": _gptq,
+    "compressed-tensors": _compressed_tensors,
+    "fp8": _fp8,
+}

@@ -1,7 +1,8 @@
-"""The int4 checkpoint layouts (services/executor/int4_checkpoints.py) and quantization
-configs (shared/quant_config.py): kvflow's reading of AWQ and compressed-tensors tensors is
-checked against the compressed-tensors package, which unpacks both independently; GPTQ's
-against words worked out by hand from its definition."""
+"""The quantized checkpoint layouts (services/executor/quantized_checkpoints.py) and
+quantization configs (shared/quant_config.py): kvflow's reading of AWQ and compressed-tensors
+int4 tensors is checked against the compressed-tensors package, which unpacks both
+independently; GPTQ's against words worked out by hand from its definition; FP8 scales per
+tensor and per channel."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ import pytest
 import torch
 
 from kernels.int4 import unpack_int4
-from services.executor.int4_checkpoints import translate_int4
+from services.executor.quantized_checkpoints import translate_quantized
 from shared.model_config import ModelSource
 from shared.quant_config import QuantSpec, read_quant_spec
-from tests import int4_writers
+from tests import quantized_writers as int4_writers
 
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
 
 def translated(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor]:
-    return dict(translate_int4(tensors.items(), set(tensors), spec))
+    return dict(translate_quantized(tensors.items(), set(tensors), spec))
 
 
 def random_layer(n: int, k: int, group_size: int, symmetric: bool) -> int4_writers.Quantized:
@@ -132,10 +133,26 @@ def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: 
         (
             {
                 "quant_method": "compressed-tensors",
-                "format": "float-quantized",
-                "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8}}},
+                "format": "nvfp4-pack-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4}}},
             },
             "format",
+        ),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                        "input_activations": None,  # W8A16: not run yet
+                    }
+                },
+            },
+            "input_activations",
         ),
     ],
 )
@@ -159,3 +176,21 @@ def test_ignore_entries_match_as_their_formats_define() -> None:
     spec = QuantSpec("compressed-tensors", True, ignore=("lm_head", "re:.*layers\\.1\\..*"))
     assert spec.ignores("lm_head") and spec.ignores("model.layers.1.mlp.down_proj")
     assert not spec.ignores("model.layers.0.mlp.down_proj")
+
+
+def test_fp8_scales_per_tensor_and_per_channel_become_per_channel() -> None:
+    weight = torch.randn(6, 16).to(torch.float8_e4m3fn)
+    spec = QuantSpec("fp8", True)
+    for scale, want in [
+        (torch.tensor(0.5), [0.5] * 6),  # per tensor, as a scalar
+        (torch.tensor([0.25]), [0.25] * 6),
+        (torch.arange(6.0).reshape(6, 1), list(range(6))),  # per channel, [N, 1]
+    ]:
+        parts = {"m.weight": weight, "m.weight_scale": scale, "m.input_scale": torch.ones(1)}
+        ours = translated(parts, spec)
+        assert set(ours) == {"m.qweight", "m.weight_scale"}  # input_scale is not read
+        assert ours["m.weight_scale"].tolist() == want and ours["m.qweight"] is weight
+    with pytest.raises(ValueError, match="block scales are not supported"):
+        translated({"m.weight": weight, "m.weight_scale": torch.ones(2, 2)}, spec)
+    unquantized = {"norm.weight": torch.ones(16)}  # no weight_scale: not an FP8 module
+    assert translated(unquantized, spec) == unquantized
