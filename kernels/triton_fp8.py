@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
-from kernels.triton_linear import MAX_ROWS, default_tiles, launch_skinny_linear
+from kernels.triton_linear import MAX_ROWS, LinearTiles, default_tiles, launch_skinny_linear
 
 _QUANT_BLOCK = 2048  # elements of a row per loop step
 
@@ -95,6 +95,8 @@ def fp8_skinny_linear(
     qweight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N], x.dtype
+    *,
+    tiles: LinearTiles | None = None,  # None: fp8_default_tiles
 ) -> torch.Tensor:  # [M, N], x.dtype
     """`kernels.fp8.fp8_linear_reference` for decode-sized M: x quantized per token, then the
     FP8 weight streamed once by the skinny linear kernel."""
@@ -102,10 +104,14 @@ def fp8_skinny_linear(
     if not 1 <= m <= MAX_ROWS or x.shape[1] != k or qweight.dtype != FP8:
         raise ValueError(f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}")
     qx, x_scale = quantize_fp8_rowwise(x)
-    # The bf16 tiles, with twice the K per step: the same weight bytes in flight.
-    tiles = default_tiles(m, n, k, torch.bfloat16)
-    block_k = min(2 * tiles.block_k, max(32, triton.next_power_of_2(k)))
-    tiles = dataclasses.replace(tiles, block_k=block_k)
+    tiles = tiles or fp8_default_tiles(m, n, k)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     launch_skinny_linear(qx, qweight, bias, out, tiles, (x_scale, weight_scale))
     return out
+
+
+def fp8_default_tiles(m: int, n: int, k: int) -> LinearTiles:
+    """The bf16 tiles with twice the K per step: the same weight bytes in flight."""
+    tiles = default_tiles(m, n, k, torch.bfloat16)
+    block_k = min(2 * tiles.block_k, max(32, triton.next_power_of_2(k)))
+    return dataclasses.replace(tiles, block_k=block_k)

@@ -67,6 +67,9 @@ for part in $PARTS; do
     int4-sweep)  # int4 tiles at the Llama-3.1-8B shapes against bf16
         run int4-sweep python3 benchmarks/int4_sweep.py --out "$OUT/int4_sweep.json" \
             --m ${INT4_M:-1 16 64 256} ;;
+    fp8-sweep)  # FP8 skinny tiles at the Llama-3.1-8B shapes against bf16
+        run fp8-sweep python3 benchmarks/fp8_sweep.py --out "$OUT/fp8_sweep.json" \
+            --m ${FP8_M:-1 4 16} ;;
     throughput-2048)  # the serving default budget
         run throughput-2048 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
