@@ -156,9 +156,11 @@ def _matmul_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:
 
 
 def _matmul_parameters(model: torch.nn.Module) -> int:
-    """Parameters a step multiplies by (a quantized weight's scales are not parameters)."""
-    weights = _matmul_weights(model).values()
-    return sum(t.numel() for t in weights if t.dim() > 1)
+    """Parameters a step multiplies by: every linear layer's K x N, however it is stored
+    (packed int4 holds 8 per element, and scales are not parameters)."""
+    # Linear layers, by the shape they declare (benchmarks read the model, not executor types).
+    layers = [m for m in model.modules() if hasattr(m, "in_features")]
+    return sum(int(m.in_features) * int(m.out_features) for m in layers)
 
 
 def _matmul_weight_bytes(model: torch.nn.Module) -> int:
