@@ -44,8 +44,9 @@ def paged_attention_reference(
     blocks = block_tables[:, positions // block_size].long()  # [R, S]
     slots = blocks * block_size + positions % block_size  # [R, S]
     slots = torch.where(positions[None, :] < seq_lens[:, None], slots, slots[:, :1])
-    k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # [R, S, KV, D]
-    v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots]  # [R, S, KV, D]
+    # An FP8 cache is read back in the query's dtype (its scale is 1.0).
+    k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(query.dtype)  # [R, S, KV, D]
+    v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(query.dtype)  # [R, S, KV, D]
 
     first_query_pos = (seq_lens - num_queries)[:, None]  # [R, 1]
     query_pos = first_query_pos + q_offsets[None, :]  # [R, Q]

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
+from kernels.triton_e4m3 import round_to_e4m3
 from kernels.triton_linear import MAX_ROWS, LinearTiles, launch_skinny_linear
 
 _QUANT_BLOCK = 2048  # elements of a row per loop step
@@ -42,25 +43,8 @@ def _quantize_rowwise_kernel(
     for start in range(0, k, BLOCK):  # pass 2: the row in e4m3 (read again: from L2)
         mask = start + cols < k
         x = tl.load(x_ptr + row * stride_x_row + start + cols, mask=mask, other=0.0)
-        q = _round_to_e4m3(tl.clamp(x.to(tl.float32) / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE))
+        q = round_to_e4m3(tl.clamp(x.to(tl.float32) / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE))
         tl.store(q_ptr + row * stride_q_row + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """v (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still in float32.
-
-    Why by hand: the conversion that follows is then exact, whatever rounding the backend's
-    float32 -> e4m3 conversion does (the interpreter's drops a carry into the exponent: 125.6
-    became 64). Normal values keep 3 of float32's 23 mantissa bits; below e4m3's smallest
-    normal (2**-6) the grid is a fixed step of 2**-9.
-    """
-    bits = v.to(tl.int32, bitcast=True)
-    kept = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # ~0xFFFFF as int32
-    normal = kept.to(tl.float32, bitcast=True)
-    magic = 1.5 * 2.0**14  # its float32 ulp is 2**-9: (v + magic) - magic rounds to that step
-    subnormal = (v + magic) - magic
-    return tl.where(tl.abs(v) >= 2.0**-6, normal, subnormal)
 
 
 def quantize_fp8_rowwise(

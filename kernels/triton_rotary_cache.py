@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_e4m3 import to_e4m3
+
 _TILE_ELEMENTS = 2048  # head blocks are split until a program moves about this many q+k+v elements
 _MAX_WARPS = 8
 
@@ -101,6 +103,16 @@ def _rotate(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi):
 def _store_halves(ptr, offs, lo, hi, half, mask):
     tl.store(ptr + offs, lo.to(ptr.dtype.element_ty), mask=mask)
     tl.store(ptr + offs + half, hi.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_cache_halves(ptr, offs, lo, hi, half, mask, src_dtype: tl.constexpr):
+    """Into the KV cache: an FP8 cache (e4m3, scale 1.0) takes the values as the reference
+    does, rounded to the key's dtype first, then saturated and rounded to e4m3."""
+    if ptr.dtype.element_ty == tl.float8e4nv:
+        lo = to_e4m3(lo.to(src_dtype).to(tl.float32))
+        hi = to_e4m3(hi.to(src_dtype).to(tl.float32))
+    _store_halves(ptr, offs, lo, hi, half, mask)
 
 
 @triton.jit
@@ -184,12 +196,16 @@ def _rotary_write_kv_kernel(
     if HAS_K_NORM:
         k_lo, k_hi = _rms_norm_halves(k_lo, k_hi, k_weight_ptr, dims, dim_ok, half, eps)
     k_lo, k_hi = _rotate(k_lo, k_hi, cos_lo, cos_hi, sin_lo, sin_hi)
-    _store_halves(key_cache_ptr, cache_offs, k_lo, k_hi, half, kv_mask)
+    _store_cache_halves(
+        key_cache_ptr, cache_offs, k_lo, k_hi, half, kv_mask, key_ptr.dtype.element_ty
+    )
 
     v_row = value_ptr + tok * stride_v_tok
     v_offs = kv_heads[:, None] * stride_v_head + dims[None, :]
     v_lo, v_hi = _load_halves(v_row, v_offs, kv_mask, half)
-    _store_halves(value_cache_ptr, cache_offs, v_lo, v_hi, half, kv_mask)
+    _store_cache_halves(
+        value_cache_ptr, cache_offs, v_lo, v_hi, half, kv_mask, value_ptr.dtype.element_ty
+    )
 
 
 def rotary_write_kv(

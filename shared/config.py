@@ -70,6 +70,13 @@ class Config:
     seed: int = option(0, "model", "Random seed: dummy weights, sampling, `generate` prompts.")
     # -- cache
     block_size: int = option(16, "cache", "Tokens per KV cache block.")
+    kv_cache_dtype: str = option(
+        "auto",
+        "cache",
+        "KV cache element type: auto (the model's dtype) or fp8 (e4m3 with a scale of 1.0, "
+        "values saturating at +-448: twice the tokens in the same memory).",
+        ("auto", "fp8"),
+    )
     enable_prefix_caching: bool = option(True, "cache", "Reuse KV blocks of shared prefixes.")
     gpu_memory_utilization: float = option(
         0.9, "cache", "Fraction of GPU memory kvflow may use (weights, activations, KV cache)."

@@ -94,7 +94,8 @@ class ModelRunner:
             self.device,
         )
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
-        self.kv_layout = KVCacheLayout.of(self.model_config, self.block_size, self.dtype)
+        kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        self.kv_layout = KVCacheLayout.of(self.model_config, self.block_size, kv_dtype)
         self.num_blocks = num_kv_blocks(
             config,
             self.kv_layout,

@@ -1,0 +1,96 @@
+"""An FP8 (e4m3, scale 1.0) KV cache: the fused rotary + cache write stores what the reference
+stores, and both attention kernels read it as the reference does (under the interpreter on
+CPU, compiled on a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.attention import paged_attention_reference
+from kernels.cache import to_cache_dtype
+from kernels.rotary_cache import rotary_write_kv_reference
+from kernels.triton_decode_attention import paged_decode_attention
+from kernels.triton_prefill_attention import paged_prefill_attention
+from kernels.triton_rotary_cache import rotary_write_kv
+from services.executor.layers import RotaryEmbedding
+from tests.kernels import test_triton_decode_attention as decode_tests
+from tests.kernels import test_triton_prefill_attention as prefill_tests
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+FP8 = torch.float8_e4m3fn
+
+
+def test_values_past_the_range_saturate_instead_of_becoming_nan() -> None:
+    x = torch.tensor([1000.0, -1000.0, 0.3, 448.0])
+    assert to_cache_dtype(x, FP8).float().tolist() == [448.0, -448.0, 0.3125, 448.0]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_write_stores_what_the_reference_stores(qk_norm: bool) -> None:
+    generator = torch.Generator().manual_seed(int(qk_norm))
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 9, 4, 2, 64, 4
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
+    qkv[:, -head_dim:] *= 300.0  # the last value head: many values past e4m3's 448
+    qkv = qkv.to(DEVICE, DTYPE)
+    kv_size = num_kv_heads * head_dim
+    q, k, v = qkv.split([num_heads * head_dim, kv_size, kv_size], dim=-1)
+    q = q.reshape(num_tokens, num_heads, head_dim)
+    k = k.reshape(num_tokens, num_kv_heads, head_dim)
+    v = v.reshape(num_tokens, num_kv_heads, head_dim)
+    positions = torch.randint(0, 500, (num_tokens,), generator=generator).to(DEVICE)
+    slots = torch.randperm(6 * block_size, generator=generator)[:num_tokens].to(DEVICE)
+    slots[2] = -1  # padding: written nowhere
+    table = RotaryEmbedding(head_dim, 512, 10000.0, None).cos_sin_cache.to(DEVICE)
+    weights = (torch.rand(head_dim) + 0.5).to(DEVICE, DTYPE) if qk_norm else None
+    caches = []
+    for kernel in (rotary_write_kv_reference, rotary_write_kv):
+        cache = torch.full((2, 6, block_size, num_kv_heads, head_dim), float("nan"), device=DEVICE)
+        cache = cache.to(FP8)
+        kernel(positions, q.clone(), k, v, table, cache[0], cache[1], slots, weights, weights)
+        caches.append(cache.float())
+    expected, out = caches
+    written = ~expected.isnan()
+    assert torch.equal(written, ~out.isnan())  # the same slots, and no NaN from saturation
+    assert expected[written].abs().max() == 448.0
+    # The same e4m3 values, but for a value the two rotations (summed in another order) put on
+    # either side of a rounding boundary: one e4m3 step apart.
+    same = expected[written] == out[written]
+    assert same.float().mean() > 0.99
+    step = expected[written].abs().clamp(min=2.0**-6) * 2.0**-3
+    assert ((expected[written] - out[written]).abs() <= step).all()
+
+
+def fp8_caches(case: dict[str, torch.Tensor | int | float]) -> dict[str, object]:
+    return {
+        **case,
+        "key_cache": case["key_cache"].to(FP8),
+        "value_cache": case["value_cache"].to(FP8),
+    }  # type: ignore[union-attr]
+
+
+def test_decode_reads_the_fp8_cache_as_the_reference() -> None:
+    query, key_cache, value_cache, tables, lens = decode_tests.make_case(
+        decode_tests.SEQ_LENS, 8, 2, 64, torch.float32, seed=3
+    )
+    key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
+    query = query.to(DTYPE)
+    expected = decode_tests.reference(query, key_cache, value_cache, tables, lens, 0.125)
+    out = paged_decode_attention(query, key_cache, value_cache, tables, lens, 0.125)
+    tolerance = 2e-2 if torch.bfloat16 == DTYPE else 1e-4
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("batch", list(prefill_tests.BATCHES))
+def test_prefill_reads_the_fp8_cache_as_the_reference(batch: str) -> None:
+    case = prefill_tests.make_case(prefill_tests.BATCHES[batch], 8, 2, 64, torch.float32, seed=5)
+    for name in ("key_cache", "value_cache"):
+        case[name] = case[name].to(FP8)
+    case["query"] = case["query"].to(DTYPE)
+    expected = paged_attention_reference(**case)
+    out = paged_prefill_attention(**case)
+    tolerance = 2e-2 if torch.bfloat16 == DTYPE else 1e-4
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
