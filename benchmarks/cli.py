@@ -73,6 +73,9 @@ def add_bench_parser(
     attention.add_argument("--num-heads", type=int, default=32)
     attention.add_argument("--num-kv-heads", type=int, default=8)
     attention.add_argument("--head-dim", type=int, default=128)
+    attention.add_argument(
+        "--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bf16"
+    )
     for parser in (throughput, latency, attention, floors):
         parser.add_argument("--output-json", type=Path, help="Write the figures here.")
 

@@ -59,19 +59,25 @@ def floors_bench() -> dict[str, Any]:
 
 
 def _decode_case(
-    batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int
+    batch: int,
+    context: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype: torch.dtype,
 ) -> tuple[tuple[torch.Tensor, ...], int]:
-    """Random bf16 queries and a cache whose blocks are shuffled, as after real traffic."""
+    """Random bf16 queries and a cache (bf16 or e4m3) whose blocks are shuffled, as after real
+    traffic. The bytes counted are the cache's own: an FP8 cache reads half as many."""
     block_size = 16
     blocks_per_req = -(-context // block_size)
     num_blocks = batch * blocks_per_req
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    value_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    key_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    value_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
     tables = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, -1)
     seq_lens = torch.full((batch,), context, device="cuda", dtype=torch.int32)
     query = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
-    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * 2
+    kv_bytes = 2 * batch * context * num_kv_heads * head_dim * kv_dtype.itemsize
     io_bytes = 2 * query.numel() * 2  # the query read and the output written
     return (query, key_cache, value_cache, tables, seq_lens), kv_bytes + io_bytes
 
@@ -83,13 +89,14 @@ def attention_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     copy_gbs = copy_bandwidth_gbs()
     scale = args.head_dim**-0.5
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8" else torch.bfloat16
     rows = []
     for batch in args.batch_sizes:
         for context in args.context_lens:
             if batch * context * args.num_kv_heads * args.head_dim * 4 > 24 << 30:
                 continue  # over 24 GiB of K/V: skip rather than run out of memory
             inputs, num_bytes = _decode_case(
-                batch, context, args.num_heads, args.num_kv_heads, args.head_dim
+                batch, context, args.num_heads, args.num_kv_heads, args.head_dim, kv_dtype
             )
             ms = _median_ms(functools.partial(paged_decode_attention, *inputs, scale))
             row = {
@@ -117,6 +124,7 @@ def attention_bench(args: argparse.Namespace) -> dict[str, Any]:
             "num_kv_heads": args.num_kv_heads,
             "head_dim": args.head_dim,
             "dtype": "bfloat16",
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
             "block_size": 16,
         },
         "results": rows,

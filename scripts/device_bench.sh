@@ -36,6 +36,13 @@ for part in $PARTS; do
         run floors python3 -m services bench floors --output-json "$OUT/floors.json" ;;
     attention)
         run attention python3 -m services bench attention --output-json "$OUT/attention.json" ;;
+    attention-fp8)  # the same with an e4m3 cache (issue 13), GB/s counted in FP8 bytes
+        run attention-fp8 python3 -m services bench attention --kv-cache-dtype fp8 \
+            --output-json "$OUT/attention_fp8.json" ;;
+    latency-kv-fp8)  # --kv-cache-dtype fp8: the pool's size and the step time
+        run latency-kv-fp8 python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
+            --kv-cache-dtype fp8 --input-len 128 --output-len 256 --profile-steps 20 \
+            --output-json "$OUT/latency_kv_fp8.json" ;;
     overlap)  # decode attention and linear layers on two streams at once: do they overlap?
         run overlap python3 benchmarks/overlap_probe.py --out "$OUT/overlap.json" ;;
     sweep)  # decode GEMV tiles against cuBLAS at the Llama-3.1-8B shapes
