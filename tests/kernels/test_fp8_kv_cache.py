@@ -56,10 +56,11 @@ def test_rotary_write_stores_what_the_reference_stores(qk_norm: bool) -> None:
     written = ~expected.isnan()
     assert torch.equal(written, ~out.isnan())  # the same slots, and no NaN from saturation
     assert expected[written].abs().max() == 448.0
-    # The same e4m3 values, but for a value the two rotations (summed in another order) put on
-    # either side of a rounding boundary: one e4m3 step apart.
+    # The same e4m3 values, but for a value the two rotations put on either side of a rounding
+    # boundary: one e4m3 step apart. (In bf16 the reference rotates in bf16 and the kernel in
+    # float32, so 2 % of the values differ there; in float32 only the sum order does.)
     same = expected[written] == out[written]
-    assert same.float().mean() > 0.99
+    assert same.float().mean() > (0.99 if DTYPE is torch.float32 else 0.95)
     step = expected[written].abs().clamp(min=2.0**-6) * 2.0**-3
     assert ((expected[written] - out[written]).abs() <= step).all()
 
