@@ -83,6 +83,12 @@ def _decode_partition_kernel(
     heads = kv_head * GROUP + rows  # [G]
     q_ptrs = query_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [G, D]
+    # An FP8 cache is read in fp16 when the query is bf16: e4m3 -> fp16 is one conversion per
+    # pair of values on Hopper (-> bf16 goes through float32), and a bf16 query is exact in
+    # fp16 (8 mantissa bits into 11; its values are far inside fp16's range).
+    fp16_dots = key_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16
+    if fp16_dots:
+        q = q.to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -104,7 +110,7 @@ def _decode_partition_kernel(
         # Masked loads: slots past the context are never read, so garbage there cannot leak.
         k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
         v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
-        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache (scale 1.0) in the query's dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache (scale 1.0) in the dots' dtype
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
         scores = tl.where(pos_valid[None, :], scores, float("-inf"))
