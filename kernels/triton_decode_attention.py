@@ -63,6 +63,7 @@ def _decode_partition_kernel(
     TILE: tl.constexpr,  # context tokens per loop step, may span several cache blocks
     DOT_PRECISION: tl.constexpr,
     HAS_QUERY_LOC: tl.constexpr,  # a mixed batch: only one-token requests, at their own rows
+    FP16_DOTS: tl.constexpr,  # an FP8 cache and a bf16 query: both dots in fp16 (see below)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,8 +87,7 @@ def _decode_partition_kernel(
     # An FP8 cache is read in fp16 when the query is bf16: e4m3 -> fp16 is one conversion per
     # pair of values on Hopper (-> bf16 goes through float32), and a bf16 query is exact in
     # fp16 (8 mantissa bits into 11; its values are far inside fp16's range).
-    fp16_dots = key_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16
-    if fp16_dots:
+    if FP16_DOTS:
         q = q.to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -279,6 +279,7 @@ def paged_decode_attention(
         TILE=max(block_size, 64),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_QUERY_LOC=has_query_loc,
+        FP16_DOTS=key_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
     )
     _merge_partitions_kernel[(num_reqs * num_heads,)](
         out,
