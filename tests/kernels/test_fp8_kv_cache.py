@@ -56,21 +56,18 @@ def test_rotary_write_stores_what_the_reference_stores(qk_norm: bool) -> None:
     written = ~expected.isnan()
     assert torch.equal(written, ~out.isnan())  # the same slots, and no NaN from saturation
     assert expected[written].abs().max() == 448.0
-    # The same e4m3 values, but for a value the two rotations put on either side of a rounding
-    # boundary: one e4m3 step apart. (In bf16 the reference rotates in bf16 and the kernel in
-    # float32, so 2 % of the values differ there; in float32 only the sum order does.)
-    same = expected[written] == out[written]
-    assert same.float().mean() > (0.99 if DTYPE is torch.float32 else 0.95)
-    step = expected[written].abs().clamp(min=2.0**-6) * 2.0**-3
-    assert ((expected[written] - out[written]).abs() <= step).all()
-
-
-def fp8_caches(case: dict[str, torch.Tensor | int | float]) -> dict[str, object]:
-    return {
-        **case,
-        "key_cache": case["key_cache"].to(FP8),
-        "value_cache": case["value_cache"].to(FP8),
-    }  # type: ignore[union-attr]
+    if DTYPE is torch.float32:
+        # The same e4m3 values, but for a value the two rotations (summed in another order)
+        # put on either side of a rounding boundary: one e4m3 step apart.
+        same = expected[written] == out[written]
+        assert same.float().mean() > 0.99
+        step = expected[written].abs().clamp(min=2.0**-6) * 2.0**-3
+        assert ((expected[written] - out[written]).abs() <= step).all()
+    else:
+        # In bf16 the reference norms and rotates in bf16, the kernel in float32 (as in
+        # test_triton_rotary_cache): judged as a whole.
+        error = (expected[written] - out[written]).norm() / expected[written].norm()
+        assert error.item() < 3e-2
 
 
 def test_decode_reads_the_fp8_cache_as_the_reference() -> None:
