@@ -67,6 +67,7 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "total_tokens": num_out + sum(input_lens),
         "matmul_parameters": _matmul_parameters(llm.runner.model),
         "num_preemptions": stats.num_preemptions,
+        "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
         "config": _engine_summary(config),
     }
     if args.profile_steps:
@@ -106,6 +107,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "input_len": input_len,
         "output_len": output_len,
         "weight_bytes_per_step": _matmul_weight_bytes(llm.runner.model),
+        "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
         "results": rows,
         "config": _engine_summary(config),
     }
@@ -177,5 +179,7 @@ def _engine_summary(config: Config) -> dict[str, Any]:
         "enable_prefix_caching",
         "enforce_eager",
         "gpu_memory_utilization",
+        "quantization",
+        "kv_cache_dtype",
     )
     return {k: getattr(config, k) for k in keys}

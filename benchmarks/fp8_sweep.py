@@ -1,7 +1,7 @@
 """FP8 (W8A8) skinny linear layers at 8B shapes: tile configs against the defaults and bf16.
 
-For each projection of --model and each M in --m, times `kernels.ops.fp8_linear` (the
-activation quantization and the skinny kernel, as the engine runs them) with
+For each projection of --model and each M in --m, times `fp8_skinny_linear` (the activation
+quantization and the skinny kernel, as `kernels.ops.fp8_linear` runs them up to 16 rows) with
 `fp8_default_tiles` and with every config of CANDIDATES, and bf16 through `kernels.ops.linear`;
 reports microseconds per call and GB/s of FP8 weights. Timing is linear_sweep's (a CUDA graph
 over per-layer weight copies, so each weight comes from HBM); every config is first checked

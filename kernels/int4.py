@@ -11,7 +11,8 @@ load into one layout, which the kernels read:
                              column k is in group k // group_size
 
 and the weight is w[n, k] = (q[n, k] - z[n, g]) * scales[n, g] with g the group of k. The
-product dequantizes to the activation's dtype, then sums in float32, as the kernels do.
+reference dequantizes to the activation's dtype, then sums in float32 (the Triton kernels'
+fast paths apply the scale after the sum: kernels/triton_int4.py).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def quantize_int4_reference(
     group_size: int,
     symmetric: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # qweight, scales, zeros
-    """Round-to-nearest int4 per group: what tests and dummy weights start from. Symmetric
+    """Round-to-nearest int4 per group, for tests and benchmarks. Symmetric
     groups span [-8, 7] * scale around 0; asymmetric ones [min, max] in 15 steps."""
     n, k = weight.shape
     if k % group_size:

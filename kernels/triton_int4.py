@@ -1,15 +1,18 @@
 """int4 weight-only linear layers in Triton: the packed weight dequantized in registers.
 
-Same math and layout as `kernels.int4` (read its docstring). One kernel serves decode and
-prefill: a program owns a [BLOCK_M, BLOCK_N] tile of the output and walks K, loading BLOCK_K/8
-packed words per weight row, unpacking them with shifts, subtracting the zero point and
-multiplying by the group's scale in float32, then rounding to the activation's dtype before the
-product. At decode (one row tile) the grid is the skinny linear's: programs over N, each
-streaming its weight rows once; the bytes read are a quarter of bf16's plus the scales.
+Same layout as `kernels.int4` (read its docstring). Up to 64 rows one kernel: a program owns a
+[BLOCK_M, BLOCK_N] tile of the output and walks K, loading BLOCK_K/8 packed words per weight
+row and unpacking them nibble by nibble with shifts (the kernel's docstring says why). At
+decode the grid is the skinny linear's: programs over N, each streaming its weight rows once;
+the bytes read are a quarter of bf16's plus the scales. Past 64 rows the weight is dequantized
+to the activation's dtype by a second kernel, then multiplied by cuBLAS.
 
-Scales and zero points: when a K step lies inside one group (no act-order, the group a multiple
-of BLOCK_K) a program loads one per output column; otherwise one per weight element, gathered
-by group index (from L1: a group's entries repeat).
+Scales and zero points: without act-order, one per packed word (a word's 8 columns share a
+group), loaded once per K step; the multiply-add variant and the one-group tl.dot steps apply
+them after the step's sum, in float32, so they are closer to the exact product than the
+reference, which rounds each dequantized weight to the activation's dtype first (the tests
+allow for that). With act-order, one per column, gathered by g_idx, the weight made whole and
+rounded as the reference does.
 """
 
 from __future__ import annotations
@@ -39,17 +42,17 @@ class Int4Tiles:
 
 def default_tiles(m: int, n: int, k: int) -> Int4Tiles:
     """benchmarks/int4_sweep.py's picks (H100, Llama-3.1-8B shapes, groups of 128, 2026-11-26;
-    docs/benchmarks.md has the table). The multiply-add variant streams 1024 columns per step
-    for up to 4 rows; tl.dot steps of 128 columns lie inside a group of 128, which lets them
-    take 128 + q as the operand; past 16 rows, tiles of 16 rows side by side (tiles of 64
-    measured 2-4x slower). The widest layer (gate_up) runs tl.dot even at M = 1."""
+    docs/benchmarks.md has the table). Up to 4 rows the multiply-add variant, streaming 1024
+    columns per step at M = 1 and 512 at M = 2-4 (never more than K rounded up to a power of
+    two); from 5 rows, and for the widest layer (gate_up) at any M, tl.dot tiles of 16 rows
+    (side by side past 16: tiles of 64 measured 2-4x slower) with steps of 128 columns, which
+    lie inside a group of 128 and so take 128 + q as the operand."""
     wide = n >= 16384
     if m <= 4 and not wide:
         rows = triton.next_power_of_2(m)
-        block_k = 1024 if m == 1 else 512
-        return Int4Tiles(
-            rows, 8, block_k, num_warps=4, num_stages=3 if m == 1 else 4, use_dot=False
-        )
+        block_k = min(1024 if m == 1 else 512, triton.next_power_of_2(k))
+        stages = 3 if m == 1 else 4
+        return Int4Tiles(rows, 8, block_k, num_warps=4, num_stages=stages, use_dot=False)
     if wide:
         return Int4Tiles(16, 128, 128, num_warps=8, num_stages=3, use_dot=True)
     return Int4Tiles(16, 64, 128, num_warps=4, num_stages=4, use_dot=True)
@@ -320,6 +323,8 @@ def int4_linear(
     tiles = tiles or default_tiles(m, n, k)
     if tiles.use_dot and tiles.block_k < 8 * DOT_MIN:
         raise ValueError(f"{tiles}: tl.dot needs block_k >= {8 * DOT_MIN} (16 words)")
+    if tiles.use_dot and min(tiles.block_m, tiles.block_n) < DOT_MIN:
+        raise ValueError(f"{tiles}: tl.dot needs block_m and block_n >= {DOT_MIN}")
     words = tiles.block_k // PACK
     magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0)
     magic = magic if tiles.use_dot and x.is_cuda else 0  # bf16 tl.dot: see triton_linear

@@ -33,10 +33,6 @@ class QuantSpec:
     fp8_weights: bool = False  # a compressed-tensors checkpoint of FP8 (float-quantized) weights
 
     @property
-    def is_int4(self) -> bool:
-        return self.method in INT4_METHODS and not self.fp8_weights
-
-    @property
     def checkpoint_format(self) -> str:
         """How the quantized tensors are laid out on disk (services/executor/
         quantized_checkpoints.py): fp8, or the int4 method's own layout."""
@@ -153,6 +149,9 @@ def _gptq(cfg: dict[str, Any]) -> QuantSpec:
     _require(bits == 4, "bits", bits, "4")
     fmt = cfg.get("checkpoint_format", "gptq")
     _require(fmt in ("gptq", "gptq_v2"), "checkpoint_format", fmt, "gptq, gptq_v2")
+    dynamic = cfg.get("dynamic")
+    _require(not dynamic, "dynamic", dynamic, "none: every module quantized alike")
+    _require(not cfg.get("lm_head", False), "lm_head", True, "false: the lm_head stays float")
     return QuantSpec(
         "gptq",
         from_checkpoint=True,
@@ -170,6 +169,8 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
     llm-compressor's FP8_DYNAMIC scheme writes it)."""
     groups = cfg.get("config_groups") or {}
     _require(len(groups) == 1, "config_groups", list(groups), "exactly one group")
+    kv_scheme = cfg.get("kv_cache_scheme")
+    _require(kv_scheme is None, "kv_cache_scheme", kv_scheme, "none; see --kv-cache-dtype fp8")
     (scheme,) = groups.values()
     targets = scheme.get("targets")
     _require(targets == ["Linear"], "config_groups.targets", targets, '["Linear"]')

@@ -96,6 +96,8 @@ def _awq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Ten
         zeros = _unpack_awq(parts["qzeros"]).t().contiguous()  # [N, G]
     elif not spec.symmetric:
         raise ValueError("AWQ with zero_point needs qzeros")
+    elif "qzeros" in parts:
+        _check_symmetric_zeros(parts["qzeros"], stored=8)
     _check_groups(k, parts["scales"].shape[0], spec)
     return {
         "qweight": pack_int4(q.t()),
@@ -142,10 +144,13 @@ def _gptq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Te
 
 
 def _check_symmetric_zeros(qzeros: torch.Tensor, stored: int) -> None:
-    """A symmetric GPTQ checkpoint's zero points must all be 8 (stored as 7): kvflow then
-    drops them, so a file that disagrees with its config would run with wrong weights."""
+    """A symmetric checkpoint's stored zero points must all say 8 (GPTQ's original format
+    stores 7): kvflow drops them, so a file that disagrees with its config would run with
+    wrong weights."""
     if not bool((unpack_int4(qzeros) == stored).all()):
-        raise ValueError("quantization_config says sym, but the checkpoint's qzeros are not 8")
+        raise ValueError(
+            "quantization_config says symmetric, but the checkpoint's zero points are not 8"
+        )
 
 
 def _compressed_tensors(
@@ -160,7 +165,13 @@ def _compressed_tensors(
     if not spec.symmetric:
         if "weight_zero_point" not in parts:
             raise ValueError("an asymmetric scheme needs weight_zero_point")
-        zeros = unpack_int4(parts["weight_zero_point"].t())[:, :n].t().contiguous()  # [N, G]
+        packed_zeros = parts["weight_zero_point"]
+        if packed_zeros.dtype != torch.int32 or packed_zeros.shape != ((n + 7) // 8, num_groups):
+            raise ValueError(
+                f"weight_zero_point {packed_zeros.dtype} {tuple(packed_zeros.shape)} is not "
+                f"int32 [{(n + 7) // 8}, {num_groups}] (packed along the output channels)"
+            )
+        zeros = unpack_int4(packed_zeros.t())[:, :n].t().contiguous()  # [N, G]
     g_idx = parts.get("weight_g_idx")
     if g_idx is not None:
         g_idx = _checked_group_index(g_idx, num_groups)

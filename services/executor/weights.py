@@ -142,10 +142,10 @@ def load_model(
     """`quantization`: the --quantization flag; the checkpoint's own config decides when set
     (shared/quant_config.py)."""
     spec = read_quant_spec(quantization, source, load_format)
-    fp8 = spec is not None and spec.method == "fp8"
+    fp8 = spec is not None and spec.checkpoint_format == "fp8"
     if fp8 and device.type == "cuda" and dtype != torch.bfloat16:
         # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.
-        raise ValueError("--quantization fp8 runs with --dtype bfloat16 (or auto) on CUDA")
+        raise ValueError("FP8 linear layers run with --dtype bfloat16 (or auto) on CUDA")
     start = time.perf_counter()
     # Parameters are made in `dtype`; those that need another (packed ints, FP8 and its
     # float32 scales, the rotary table) name it.

@@ -2,7 +2,7 @@
 transformers running the same model with the weights those checkpoints stand for, dequantized
 (float32, CPU, token for token).
 
-The checkpoints are written by tests/int4_writers.py in each format's published layout; the
+The checkpoints are written by tests/quantized_writers.py in each format's published layout; the
 reference weights come from the writer's own integers, scales and zero points, so a layout
 misread anywhere between the file and kvflow's kernels changes the tokens.
 """
@@ -18,22 +18,24 @@ import torch
 import transformers
 
 from kvflow import LLM
-from tests import quantized_writers as int4_writers
+from tests import quantized_writers
 from tests.integration.test_parity import hf_greedy, kvflow_greedy
 from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
 
 pytest.importorskip("compressed_tensors")
 
 WRITERS: dict[str, Callable[[torch.nn.Module, Path], None]] = {
-    "awq-g32": lambda model, folder: int4_writers.write_awq(model, folder, 32),
-    "gptq-g32-sym": lambda model, folder: int4_writers.write_gptq(model, folder, 32, True, False),
-    "gptq-g32-act-order": lambda model, folder: int4_writers.write_gptq(
+    "awq-g32": lambda model, folder: quantized_writers.write_awq(model, folder, 32),
+    "gptq-g32-sym": lambda model, folder: quantized_writers.write_gptq(
+        model, folder, 32, True, False
+    ),
+    "gptq-g32-act-order": lambda model, folder: quantized_writers.write_gptq(
         model, folder, 32, False, True
     ),
-    "ct-g32-asym": lambda model, folder: int4_writers.write_compressed_tensors(
+    "ct-g32-asym": lambda model, folder: quantized_writers.write_compressed_tensors(
         model, folder, 32, False
     ),
-    "ct-channel-sym": lambda model, folder: int4_writers.write_compressed_tensors(
+    "ct-channel-sym": lambda model, folder: quantized_writers.write_compressed_tensors(
         model, folder, None, True
     ),
 }
@@ -75,7 +77,7 @@ def test_int4_methods_run_on_dummy_weights(tmp_path: Path) -> None:
 
 def test_a_checkpoint_that_leaves_a_projection_unquantized_is_refused(tmp_path: Path) -> None:
     model = tiny("llama")
-    int4_writers.write_compressed_tensors(model, tmp_path, 32, symmetric=True)
+    quantized_writers.write_compressed_tensors(model, tmp_path, 32, symmetric=True)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"]["ignore"] = ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj"]
     (tmp_path / "config.json").write_text(json.dumps(config))

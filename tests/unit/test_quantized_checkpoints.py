@@ -17,7 +17,7 @@ from kernels.int4 import unpack_int4
 from services.executor.quantized_checkpoints import translate_quantized
 from shared.model_config import ModelSource
 from shared.quant_config import QuantSpec, read_quant_spec
-from tests import quantized_writers as int4_writers
+from tests import quantized_writers
 
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
@@ -26,10 +26,10 @@ def translated(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, t
     return dict(translate_quantized(tensors.items(), set(tensors), spec))
 
 
-def random_layer(n: int, k: int, group_size: int, symmetric: bool) -> int4_writers.Quantized:
+def random_layer(n: int, k: int, group_size: int, symmetric: bool) -> quantized_writers.Quantized:
     generator = torch.Generator().manual_seed(n + k)
     weight = torch.randn(n, k, generator=generator)
-    return int4_writers.quantize(weight, group_size, symmetric, None)
+    return quantized_writers.quantize(weight, group_size, symmetric, None)
 
 
 def test_awq_reads_as_compressed_tensors_converts_it() -> None:
@@ -37,8 +37,8 @@ def test_awq_reads_as_compressed_tensors_converts_it() -> None:
 
     layer = random_layer(24, 64, 32, symmetric=False)
     awq = {
-        "m.qweight": int4_writers.to_int32(int4_writers.awq_pack_columns(layer.q.T)),
-        "m.qzeros": int4_writers.to_int32(int4_writers.awq_pack_columns(layer.zeros.T)),
+        "m.qweight": quantized_writers.to_int32(quantized_writers.awq_pack_columns(layer.q.T)),
+        "m.qzeros": quantized_writers.to_int32(quantized_writers.awq_pack_columns(layer.zeros.T)),
         "m.scales": layer.scales.t().contiguous(),
     }
     ours = translated(dict(awq), QuantSpec("awq", from_checkpoint=True, group_size=32))
@@ -82,8 +82,10 @@ def test_gptq_words_as_defined() -> None:
     q[0] = np.arange(8)
     zeros = np.full((8, 1), 9)  # [N, G]
     tensors = {
-        "m.qweight": int4_writers.to_int32(int4_writers.gptq_pack(q.T, along_rows=True)),
-        "m.qzeros": int4_writers.to_int32(int4_writers.gptq_pack(zeros.T - 1, along_rows=False)),
+        "m.qweight": quantized_writers.to_int32(quantized_writers.gptq_pack(q.T, along_rows=True)),
+        "m.qzeros": quantized_writers.to_int32(
+            quantized_writers.gptq_pack(zeros.T - 1, along_rows=False)
+        ),
         "m.scales": torch.ones(1, 8, dtype=torch.float16),
         "m.g_idx": torch.zeros(8, dtype=torch.int32),
     }
@@ -139,6 +141,16 @@ def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: 
             "format",
         ),
         ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+        ({"quant_method": "gptq", "dynamic": {"-:.*down_proj": {}}}, "dynamic"),
+        ({"quant_method": "gptq", "lm_head": True}, "lm_head"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {"g": {"targets": ["Linear"]}},
+                "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+            },
+            "kv_cache_scheme",
+        ),
         ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
         (
             {
@@ -194,3 +206,23 @@ def test_fp8_scales_per_tensor_and_per_channel_become_per_channel() -> None:
         translated({"m.weight": weight, "m.weight_scale": torch.ones(2, 2)}, spec)
     unquantized = {"norm.weight": torch.ones(16)}  # no weight_scale: not an FP8 module
     assert translated(unquantized, spec) == unquantized
+
+
+def test_zero_points_that_contradict_the_config_are_refused() -> None:
+    layer = random_layer(16, 64, 32, symmetric=False)  # zero points other than 8
+    awq = {
+        "m.qweight": quantized_writers.to_int32(quantized_writers.awq_pack_columns(layer.q.T)),
+        "m.qzeros": quantized_writers.to_int32(quantized_writers.awq_pack_columns(layer.zeros.T)),
+        "m.scales": layer.scales.t().contiguous(),
+    }
+    symmetric = QuantSpec("awq", True, group_size=32, symmetric=True)
+    with pytest.raises(ValueError, match="zero points are not 8"):
+        translated(awq, symmetric)
+    ct = {
+        "m.weight_packed": ct_helpers.pack_to_int32(torch.zeros(16, 64, dtype=torch.int8), 4),
+        "m.weight_scale": layer.scales,
+        "m.weight_shape": torch.tensor([16, 64]),
+        "m.weight_zero_point": torch.zeros(16, 2, dtype=torch.int8),  # not packed
+    }
+    with pytest.raises(ValueError, match="weight_zero_point"):
+        translated(ct, QuantSpec("compressed-tensors", True, group_size=32, symmetric=False))

@@ -171,6 +171,8 @@ class DecoderForCausalLM(nn.Module):
             else:
                 fused, shard = _STACKED[piece]
                 name = name.replace(piece, fused)
+                if name not in params:
+                    raise ValueError(f"unexpected weight {hf_name!r}")
                 if name.endswith(".g_idx"):  # per input column: shared by the fused shards
                     _copy_shared(params[name].data, tensor, hf_name, first=not num_loaded[name])
                 else:
