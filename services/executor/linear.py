@@ -194,23 +194,6 @@ class Linear(nn.Module):
         return self.method.apply(self, x)
 
 
-def refuse_ignored_projections(model: nn.Module, spec: QuantSpec | None) -> None:
-    """A checkpoint whose ignore list leaves some of kvflow's quantized projections in float
-    is refused before loading: every projection but the lm_head runs one method."""
-    if spec is None:
-        return
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or name == "lm_head":
-            continue
-        hf_names = [name.replace(fused, piece) for piece, fused in _HF_PIECES if fused in name]
-        for hf_name in hf_names or [name]:
-            if spec.ignores(f"model.{hf_name}"):
-                raise ValueError(
-                    f"the checkpoint leaves model.{hf_name} unquantized (its ignore list); "
-                    "kvflow quantizes every projection but the lm_head"
-                )
-
-
 def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:
     """After loading: let each layer's method prepare its weights (e.g. quantize them)."""
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
@@ -219,13 +202,3 @@ def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:
     if spec is not None:
         quantized = sum(1 for name, _ in layers if name != "lm_head")
         logger.info("quantization: %s on %d linear layers (lm_head kept)", spec.method, quantized)
-
-
-# Our fused projections and the Hugging Face modules they hold.
-_HF_PIECES = (
-    ("q_proj", "qkv_proj"),
-    ("k_proj", "qkv_proj"),
-    ("v_proj", "qkv_proj"),
-    ("gate_proj", "gate_up_proj"),
-    ("up_proj", "gate_up_proj"),
-)

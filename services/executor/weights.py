@@ -15,16 +15,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from services.executor.linear import (
-    Linear,
-    linear_method,
-    prepare_linear_layers,
-    refuse_ignored_projections,
-)
-from services.executor.models.decoder import DecoderForCausalLM
+from services.executor.linear import Linear, linear_method, prepare_linear_layers
+from services.executor.models.decoder import DecoderForCausalLM, hf_module_names
 from services.executor.quantized_checkpoints import translate_quantized
 from shared.model_config import ModelConfig, ModelSource
-from shared.quant_config import read_quant_spec
+from shared.quant_config import QuantSpec, read_quant_spec
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +101,22 @@ def _hf_name(gguf_name: str) -> str:
     if piece not in _GGUF_LAYER_NAMES:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[piece]}.{suffix}"
+
+
+def refuse_ignored_projections(model: DecoderForCausalLM, spec: QuantSpec | None) -> None:
+    """A checkpoint whose ignore list leaves some of kvflow's quantized projections in float
+    is refused before loading: every projection but the lm_head runs one method."""
+    if spec is None:
+        return
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or name == "lm_head":
+            continue
+        for hf_name in hf_module_names(name):
+            if spec.ignores(f"model.{hf_name}"):
+                raise ValueError(
+                    f"the checkpoint leaves model.{hf_name} unquantized (its ignore list); "
+                    "kvflow quantizes every projection but the lm_head"
+                )
 
 
 def init_dummy(model: DecoderForCausalLM, seed: int) -> None:

@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvflow import LLM
 from tests.integration.test_gpu_parity import hf_greedy_top
 from tests.integration.test_quantized_parity import check_close
-from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
+from tests.integration.tiny_models import make_prompts, make_tiny_model
 
 
 def fp8_kv_attention(
@@ -44,11 +43,7 @@ AttentionInterface.register("fp8_kv_cache", fp8_kv_attention)
 def test_fp8_kv_cache_holds_twice_the_blocks_and_keeps_the_tokens(
     family: str, tmp_path: Path
 ) -> None:
-    config_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config_cls(**{**TINY, **extra}), dtype=torch.float32
-    ).eval()
+    model = make_tiny_model(family)
     model.save_pretrained(tmp_path)
     prompts = make_prompts(model.config.vocab_size)
     model.set_attn_implementation("fp8_kv_cache")

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from kvflow import LLM
 from tests import quantized_writers
 from tests.integration.test_parity import hf_greedy, kvflow_greedy
-from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
+from tests.integration.tiny_models import make_prompts, make_tiny_model
 
 pytest.importorskip("compressed_tensors")
 
@@ -41,20 +40,13 @@ WRITERS: dict[str, Callable[[torch.nn.Module, Path], None]] = {
 }
 
 
-def tiny(family: str) -> torch.nn.Module:
-    config_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    config = config_cls(**{**TINY, **extra})
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("fmt", sorted(WRITERS))
 def test_int4_checkpoint_matches_transformers_on_its_dequantized_weights(
     family: str, fmt: str, tmp_path: Path
 ) -> None:
-    model = tiny(family)
+    model = make_tiny_model(family)
     prompts = make_prompts(model.config.vocab_size)
     plain = hf_greedy(model, prompts, eos_token_id=None)
     WRITERS[fmt](model, tmp_path)  # the model now holds the dequantized weights
@@ -65,7 +57,7 @@ def test_int4_checkpoint_matches_transformers_on_its_dequantized_weights(
 
 
 def test_int4_methods_run_on_dummy_weights(tmp_path: Path) -> None:
-    model = tiny("llama")
+    model = make_tiny_model("llama")
     model.config.save_pretrained(tmp_path)
     prompts = make_prompts(model.config.vocab_size)[:2]
     for method in ("awq", "gptq", "compressed-tensors"):
@@ -76,7 +68,7 @@ def test_int4_methods_run_on_dummy_weights(tmp_path: Path) -> None:
 
 
 def test_a_checkpoint_that_leaves_a_projection_unquantized_is_refused(tmp_path: Path) -> None:
-    model = tiny("llama")
+    model = make_tiny_model("llama")
     quantized_writers.write_compressed_tensors(model, tmp_path, 32, symmetric=True)
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"]["ignore"] = ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj"]

@@ -18,14 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 from kernels.fp8 import quantize_fp8_rowwise_reference
 from kvflow import LLM, SamplingParams
 from tests import quantized_writers
 from tests.integration.test_gpu_parity import TOP, hf_greedy_top
 from tests.integration.test_parity import hf_greedy
-from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
+from tests.integration.tiny_models import NUM_NEW_TOKENS, make_prompts, make_tiny_model
 
 
 def fake_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -34,11 +33,18 @@ def fake_fp8(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).reshape(x.shape).to(x.dtype)
 
 
+def fake_quantize_inputs_fp8(model: torch.nn.Module) -> None:
+    """Every linear layer but the lm_head sees its input quantized per token."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            module.register_forward_pre_hook(lambda _module, args: (fake_fp8(args[0]),))
+
+
 def fake_quantize_fp8(model: torch.nn.Module) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
             module.weight.data = fake_fp8(module.weight.data)
-            module.register_forward_pre_hook(lambda _module, args: (fake_fp8(args[0]),))
+    fake_quantize_inputs_fp8(model)
 
 
 def check_close(
@@ -66,12 +72,9 @@ def check_close(
 def test_fp8_matches_transformers_with_the_reference_quantization(
     family: str, tmp_path: object
 ) -> None:
-    config_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    config = config_cls(**{**TINY, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = make_tiny_model(family)
     model.save_pretrained(tmp_path)
-    prompts = make_prompts(config.vocab_size)
+    prompts = make_prompts(model.config.vocab_size)
     plain = hf_greedy(model, prompts, eos_token_id=None)
     fake_quantize_fp8(model)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
@@ -100,16 +103,10 @@ def test_fp8_checkpoints_match_transformers_on_their_weights(
     """FP8 checkpoints (compressed-tensors FP8_DYNAMIC with a scale per channel, transformers'
     `quant_method: fp8` with one per tensor) against transformers on the weights they hold,
     with activations quantized per token as the checkpoints' configs say."""
-    config_cls, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config_cls(**{**TINY, **extra}), dtype=torch.float32
-    ).eval()
+    model = make_tiny_model(family)
     prompts = make_prompts(model.config.vocab_size)
     quantized_writers.write_fp8(model, tmp_path, per_tensor)  # the model holds them now
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
-            module.register_forward_pre_hook(lambda _module, args: (fake_fp8(args[0]),))
+    fake_quantize_inputs_fp8(model)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
     llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # fp8 from config.json
     check_close(expected, llm, prompts)

@@ -41,6 +41,14 @@ FAMILIES = {
 }
 
 
+def make_tiny_model(family: str) -> transformers.PreTrainedModel:
+    """The family's tiny model, float32, random weights from seed 0."""
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra})
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
 def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     shared = torch.randint(3, vocab_size, (20,), generator=generator).tolist()

@@ -11,6 +11,7 @@ pytest.importorskip("triton")
 
 from kernels.int4 import int4_linear_reference, pack_int4, quantize_int4_reference, unpack_int4
 from kernels.triton_int4 import Int4Tiles, int4_linear
+from tests.kernels.test_fp8_linear import LLAMA_SHAPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -91,15 +92,6 @@ def test_bad_inputs_are_refused() -> None:
         int4_linear(x, qweight, scales[:, :1], zeros[:, :1], 32)
     with pytest.raises(ValueError, match="zeros"):
         int4_linear(x, qweight, scales, zeros.to(torch.int32), 32)
-
-
-# (N, K) of Llama-3.1-8B's qkv, o, gate_up and down projections
-LLAMA_SHAPES = {
-    "qkv": (6144, 4096),
-    "o": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-}
 
 
 @pytest.mark.gpu

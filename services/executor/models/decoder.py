@@ -29,6 +29,14 @@ _STACKED = {
 }
 
 
+def hf_module_names(name: str) -> list[str]:
+    """The Hugging Face modules one of our modules holds: q/k/v for a qkv_proj, gate/up for a
+    gate_up_proj, else itself (names without the "model." prefix)."""
+    parent, _, leaf = name.rpartition(".")
+    pieces = [piece for piece, (fused, _) in _STACKED.items() if fused == leaf]
+    return [f"{parent}.{piece}" for piece in pieces] or [name]
+
+
 class Attention(nn.Module):
     def __init__(
         self, cfg: ModelConfig, rotary: RotaryEmbedding, method: LinearMethod | None
