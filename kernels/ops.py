@@ -15,6 +15,7 @@ from kernels.activation import silu_and_mul_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
 from kernels.fp8 import fp8_linear_reference
+from kernels.gguf import gguf_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
 from kernels.int4 import int4_linear_reference
 from kernels.linear import linear_reference
@@ -178,6 +179,19 @@ def int4_linear(
     module = _triton("int4", x)
     kernel = module.int4_linear if module is not None else int4_linear_reference
     return kernel(x, qweight, scales, zeros, group_size, g_idx, bias)
+
+
+def gguf_linear(
+    x: torch.Tensor,  # [M, K]
+    raw: torch.Tensor,  # [N, row_bytes] uint8: the GGUF file's blocks
+    qtype: str,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], x.dtype
+    """A GGUF-quantized linear layer (`kernels/gguf.py`): on CUDA Triton kernels that
+    dequantize the blocks where they read them; elsewhere the reference."""
+    module = _triton("gguf", x)
+    kernel = module.gguf_linear if module is not None else gguf_linear_reference
+    return kernel(x, raw, qtype, bias)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64

@@ -19,6 +19,7 @@ MODEL=${MODEL:-Llama-3.1-8B}
 SMALL_MODEL=${SMALL_MODEL:-Qwen3-0.6B}
 PARTS=${PARTS:-"tests floors latency throughput small attention throughput-2048 sweep peer"}
 COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
+GGUF_FILE=${GGUF_FILE:-/tmp/llama-3.1-8b-q4_k_m.gguf}
 status=0
 
 run() {
@@ -77,6 +78,24 @@ for part in $PARTS; do
     fp8-sweep)  # FP8 skinny tiles at the Llama-3.1-8B shapes against bf16
         run fp8-sweep python3 benchmarks/fp8_sweep.py --out "$OUT/fp8_sweep.json" \
             --m ${FP8_M:-1 4 16} ;;
+    gguf-tests)  # GGUF kernels at Llama shapes (issue 13)
+        run gguf-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gguf.py ;;
+    gguf-sweep)  # GGUF tiles at the Llama-3.1-8B shapes against bf16
+        run gguf-sweep python3 benchmarks/gguf_sweep.py --out "$OUT/gguf_sweep.json" \
+            --types ${GGUF_TYPES:-Q4_K Q6_K Q8_0} --m ${GGUF_M:-1 4 16 64 256} ;;
+    gguf-file)  # a Llama-3.1-8B-shaped Q4_K_M GGUF file of random blocks, outside the tree
+        run gguf-file python3 -m benchmarks.gguf_writer "$GGUF_FILE" ;;
+    latency-gguf)  # that file, kept in its blocks (the default on CUDA)
+        mkdir -p /tmp/no-tokenizer
+        run latency-gguf python3 -m services bench latency "$GGUF_FILE" --max-model-len 4096 \
+            --seed 0 --tokenizer /tmp/no-tokenizer --input-len 128 --output-len 256 \
+            --profile-steps 20 --output-json "$OUT/latency_gguf.json" ;;
+    throughput-gguf)
+        mkdir -p /tmp/no-tokenizer
+        run throughput-gguf python3 -m services bench throughput "$GGUF_FILE" \
+            --max-model-len 4096 --seed 0 --tokenizer /tmp/no-tokenizer --num-prompts 256 \
+            --input-len 512 --output-len 256 --ignore-eos --max-num-batched-tokens 8192 \
+            --output-json "$OUT/throughput_gguf.json" ;;
     throughput-2048)  # the serving default budget
         run throughput-2048 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \

@@ -61,8 +61,10 @@ class Config:
         "How the linear layers are quantized; default: as the checkpoint's quantization_config "
         "says (fp8; awq, gptq, compressed-tensors int4 W4A16 or FP8 dynamic), else float. "
         "fp8 on a float checkpoint: e4m3 weights made at load, a scale per output channel, "
-        "activations quantized per token. The int4 methods also run on --load-format dummy.",
-        ("fp8", "awq", "gptq", "compressed-tensors"),
+        "activations quantized per token. The int4 methods also run on --load-format dummy. "
+        "gguf: a .gguf file's blocks kept as they are (the default on CUDA; on CPU its weights "
+        "are dequantized to float unless this is set).",
+        ("fp8", "awq", "gptq", "compressed-tensors", "gguf"),
     )
     max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."

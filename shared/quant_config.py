@@ -18,7 +18,7 @@ from typing import Any
 from shared.model_config import ModelSource
 
 INT4_METHODS = ("awq", "gptq", "compressed-tensors")
-METHODS = ("fp8", *INT4_METHODS)
+METHODS = ("fp8", *INT4_METHODS, "gguf")
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,16 @@ class QuantSpec:
         return False
 
 
-def read_quant_spec(flag: str | None, source: ModelSource, load_format: str) -> QuantSpec | None:
+def read_quant_spec(
+    flag: str | None, source: ModelSource, load_format: str, device_type: str = "cpu"
+) -> QuantSpec | None:
     """The quantization to run, from the flag and the checkpoint; None: float layers."""
+    if source.is_gguf and load_format in ("auto", "gguf"):
+        return _gguf(flag, device_type)
+    if flag == "gguf":
+        raise ValueError(
+            "--quantization gguf needs a .gguf model file (and no --load-format dummy)"
+        )
     checkpoint = _checkpoint_config(source)
     if checkpoint is not None:
         spec = _from_checkpoint(checkpoint)
@@ -69,6 +77,20 @@ def read_quant_spec(flag: str | None, source: ModelSource, load_format: str) -> 
         f"--quantization {flag} needs a checkpoint quantized with {flag} (config.json has no "
         "quantization_config) or --load-format dummy; float weights are quantized at load "
         "only by --quantization fp8"
+    )
+
+
+def _gguf(flag: str | None, device_type: str) -> QuantSpec | None:
+    """A GGUF file's weights keep their own types (each tensor's) in memory on CUDA; on the
+    CPU they are dequantized to float at load unless --quantization gguf asks otherwise
+    (dequantizing every step costs more there than the memory it saves)."""
+    if flag == "gguf" or (flag is None and device_type == "cuda"):
+        return QuantSpec("gguf", from_checkpoint=True)
+    if flag is None or flag == "fp8":
+        return None if flag is None else QuantSpec("fp8", from_checkpoint=False)
+    raise ValueError(
+        f"--quantization {flag} does not apply to a GGUF file, whose tensors carry their own "
+        "GGUF types; leave the flag out or pass gguf (or fp8, to requantize its weights)"
     )
 
 

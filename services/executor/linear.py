@@ -10,6 +10,7 @@ e.g. quantizing a float weight to FP8) and runs each call (`apply`). The model c
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -157,6 +158,78 @@ class Int4WeightOnly:
         )
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A checkpoint weight in a form only its layer's method reads (a GGUF tensor's blocks):
+    the loader hands it to `method.load_shard` with the row it starts at in the (fused)
+    layer, rather than copying it into a parameter."""
+
+    qtype: str  # a kernels.gguf type, or "float": `data` is the weight itself
+    data: torch.Tensor  # [rows, row_bytes] uint8, or [rows, K] float
+
+
+class GgufBlocks:
+    """A GGUF file's weights as the file holds them (`kernels/gguf.py`), each tensor in its
+    own type: a fused projection whose pieces differ in type (Q4_K_M files keep some v_proj
+    in Q6_K) runs one kernel per run of rows of one type. Tensors of types without a kernel
+    (and F16/F32 ones) are dequantized to the model dtype at load."""
+
+    name = "gguf"
+
+    def create_weights(self, layer: Linear) -> None:
+        layer.weight = None
+        layer.shards: dict[int, PackedWeight] = {}  # by first row, until `prepare`
+        layer.runs: list[str] = []  # the qtype of buffer qweight{i}, in row order
+        # Where the buffers go (the model is built under its dtype and device).
+        layer.float_dtype = torch.get_default_dtype()
+        layer.device = torch.empty(0).device
+
+    def init_dummy(self, layer: Linear, generator: torch.Generator) -> None:
+        raise ValueError("GGUF weights come from a .gguf file; --load-format dummy has none")
+
+    def load_shard(self, layer: Linear, start: int, weight: PackedWeight) -> None:
+        layer.shards[start] = weight
+
+    def prepare(self, layer: Linear) -> None:
+        starts = sorted(layer.shards)
+        shards = [layer.shards[start] for start in starts]
+        ends = [0] + [start + s.data.shape[0] for start, s in zip(starts, shards, strict=True)]
+        if ends[-1] != layer.out_features or starts != ends[:-1]:
+            raise ValueError(
+                f"weights missing from the checkpoint: GGUF rows from {starts} to {ends[1:]} "
+                f"of a projection of {layer.out_features} rows"
+            )
+        runs: list[list[PackedWeight]] = []
+        for shard in shards:
+            if runs and runs[-1][0].qtype == shard.qtype:
+                runs[-1].append(shard)
+            else:
+                runs.append([shard])
+        for i, run in enumerate(runs):
+            data = torch.cat([s.data for s in run])
+            if run[0].qtype == "float":
+                data = data.to(layer.float_dtype)
+            layer.register_buffer(f"qweight{i}", data.to(layer.device))
+        layer.runs = [run[0].qtype for run in runs]
+        layer.shards = {}
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        weights = [getattr(layer, f"qweight{i}") for i in range(len(layer.runs))]
+        if len(weights) == 1:
+            return _gguf_run(x, layer.runs[0], weights[0], layer.bias)
+        runs = zip(layer.runs, weights, strict=True)
+        out = torch.cat([_gguf_run(x, qtype, w, None) for qtype, w in runs], dim=1)
+        return out if layer.bias is None else out + layer.bias
+
+
+def _gguf_run(
+    x: torch.Tensor, qtype: str, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    if qtype == "float":
+        return ops.linear(x, weight, bias)
+    return ops.gguf_linear(x, weight, qtype, bias)
+
+
 def _randn(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(like.shape, generator=generator, device=like.device, dtype=torch.float32)
 
@@ -169,6 +242,8 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
         return Unquantized()
     if spec.checkpoint_format == "fp8":
         return Fp8Checkpoint() if spec.from_checkpoint else Fp8Dynamic()
+    if spec.method == "gguf":
+        return GgufBlocks()
     return Int4WeightOnly(spec)
 
 

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from services.executor.linear import Linear, linear_method, prepare_linear_layers
+from kernels.gguf import GGUF_TYPES
+from services.executor.linear import Linear, PackedWeight, linear_method, prepare_linear_layers
 from services.executor.models.decoder import DecoderForCausalLM, hf_module_names
 from services.executor.quantized_checkpoints import translate_quantized
 from shared.model_config import ModelConfig, ModelSource
@@ -80,18 +82,41 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.transpose(1, 2).reshape(weight.shape)
 
 
-def iter_gguf(path: Path, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(
+    path: Path, cfg: ModelConfig, keep_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """The file's tensors, dequantized to float32; with `keep_blocks`, the projections'
+    weights as `PackedWeight`s instead: their blocks as stored, or float for the types
+    without a kernel (and F16/F32), which are counted in a warning."""
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
+    dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
-        data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
         name = _hf_name(tensor.name)
+        qtype = tensor.tensor_type.name
+        packed = keep_blocks and name.endswith("_proj.weight")
+        if packed and qtype in GGUF_TYPES:
+            weight = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [N, row_bytes]
+        else:
+            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+            if packed and qtype not in ("F32", "F16", "BF16"):
+                dequantized[qtype] += 1
+        # llama.cpp's q/k row order; a row permutation moves whole rows of blocks as well.
         if arch == "llama" and name.endswith("q_proj.weight"):
             weight = _unpermute_rope(weight, cfg.num_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             weight = _unpermute_rope(weight, cfg.num_kv_heads)
-        yield name, weight
+        yield name, (PackedWeight(_packed_type(qtype), weight) if packed else weight)
+    if dequantized:
+        logger.warning(
+            "GGUF types without a kernel, dequantized to float at load (more memory): %s",
+            ", ".join(f"{count} {qtype}" for qtype, count in sorted(dequantized.items())),
+        )
+
+
+def _packed_type(qtype: str) -> str:
+    return qtype if qtype in GGUF_TYPES else "float"
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -152,7 +177,7 @@ def load_model(
 ) -> DecoderForCausalLM:
     """`quantization`: the --quantization flag; the checkpoint's own config decides when set
     (shared/quant_config.py)."""
-    spec = read_quant_spec(quantization, source, load_format)
+    spec = read_quant_spec(quantization, source, load_format, device.type)
     fp8 = spec is not None and spec.checkpoint_format == "fp8"
     if fp8 and device.type == "cuda" and dtype != torch.bfloat16:
         # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.
@@ -167,7 +192,8 @@ def load_model(
     if fmt == "dummy" or source.format == "preset":
         init_dummy(model, seed)
     elif fmt == "gguf":
-        model.load_weights(iter_gguf(source.path, cfg))
+        keep_blocks = spec is not None and spec.method == "gguf"
+        model.load_weights(iter_gguf(source.path, cfg, keep_blocks))
     elif fmt == "safetensors" and spec is not None and spec.from_checkpoint:
         names = safetensors_names(source.path)
         model.load_weights(translate_quantized(iter_safetensors(source.path), names, spec))

@@ -184,6 +184,19 @@ def test_int4_flags_without_a_checkpoint_need_dummy_weights(tmp_path: Path) -> N
         read_quant_spec("gptq", source, "auto")
 
 
+def test_gguf_files_keep_their_blocks_on_cuda_and_on_request(tmp_path: Path) -> None:
+    gguf_file = ModelSource(tmp_path / "model.gguf", "gguf", "model")
+    gguf_spec = QuantSpec("gguf", from_checkpoint=True)
+    assert read_quant_spec(None, gguf_file, "auto", "cuda") == gguf_spec
+    assert read_quant_spec(None, gguf_file, "auto", "cpu") is None  # dequantized at load
+    assert read_quant_spec("gguf", gguf_file, "auto", "cpu") == gguf_spec
+    assert read_quant_spec("fp8", gguf_file, "auto", "cuda") == QuantSpec("fp8", False)
+    with pytest.raises(ValueError, match="does not apply to a GGUF file"):
+        read_quant_spec("gptq", gguf_file, "auto", "cuda")
+    with pytest.raises(ValueError, match=r"needs a \.gguf model file"):
+        read_quant_spec("gguf", source_with(tmp_path, None), "auto", "cuda")
+
+
 def test_ignore_entries_match_as_their_formats_define() -> None:
     spec = QuantSpec("compressed-tensors", True, ignore=("lm_head", "re:.*layers\\.1\\..*"))
     assert spec.ignores("lm_head") and spec.ignores("model.layers.1.mlp.down_proj")

@@ -16,7 +16,7 @@ from torch import nn
 from kernels import ops
 from services.executor.attention_metadata import AttentionMetadata
 from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from services.executor.linear import Linear, LinearMethod
+from services.executor.linear import Linear, LinearMethod, PackedWeight
 from shared.model_config import ModelConfig
 
 # HF parameter name piece -> (our fused parameter, shard index within it)
@@ -163,7 +163,7 @@ class DecoderForCausalLM(nn.Module):
         # copies to float32 where it computes probabilities.
         return self.lm_head(hidden)  # [N, vocab], model dtype
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be present."""
         params = dict(self.named_parameters())  # a tied lm_head is not listed twice
         num_loaded: Counter[str] = Counter()
@@ -172,6 +172,9 @@ class DecoderForCausalLM(nn.Module):
             if "rotary_emb" in name or (name not in params and name == "lm_head.weight"):
                 continue  # rotary tables are computed; a tied head is the embedding
             piece = next((p for p in _STACKED if f".{p}." in name), None)
+            if isinstance(tensor, PackedWeight):
+                self._load_packed(name, piece, tensor, hf_name)
+                continue
             if piece is None:
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r}")
@@ -191,13 +194,39 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")
 
     def _shard(self, param: torch.Tensor, fused: str, shard: int) -> torch.Tensor:
+        start, rows = self._shard_rows(fused, shard)
+        return param.data.narrow(0, start, rows)
+
+    def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
+        """The rows [start, start + rows) of shard `shard` in a fused projection."""
         cfg = self.config
         if fused == "qkv_proj":
             sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
         else:
             sizes = [cfg.intermediate_size] * 2
-        start = sum(sizes[:shard])
-        return param.data.narrow(0, start, sizes[shard])
+        return sum(sizes[:shard]), sizes[shard]
+
+    def _load_packed(
+        self, name: str, piece: str | None, weight: PackedWeight, hf_name: str
+    ) -> None:
+        """A weight its layer's method loads itself, at the rows its shard takes."""
+        start, rows = 0, None
+        if piece is not None:
+            fused, shard = _STACKED[piece]
+            name = name.replace(piece, fused)
+            start, rows = self._shard_rows(fused, shard)
+        try:
+            layer = self.get_submodule(name.removesuffix(".weight"))
+        except AttributeError:
+            layer = None
+        method = layer.method if isinstance(layer, Linear) else None
+        load_shard = getattr(method, "load_shard", None)
+        if not name.endswith(".weight") or load_shard is None:
+            raise ValueError(f"unexpected weight {hf_name!r} ({weight.qtype})")
+        rows = layer.out_features if rows is None else rows
+        if weight.data.shape[0] != rows:
+            raise ValueError(f"{hf_name}: checkpoint has {weight.data.shape[0]} rows, not {rows}")
+        load_shard(layer, start, weight)
 
 
 def _num_shards(name: str) -> int:

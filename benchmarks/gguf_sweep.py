@@ -1,0 +1,115 @@
+"""GGUF linear layers at 8B shapes: Triton tile configs against bf16 and the floor.
+
+For each projection of --model, each GGUF type of --types and each M in --m, times
+`kernels.triton_gguf.gguf_linear` with every config of CANDIDATES on random blocks
+(benchmarks/gguf_writer.py), bf16 through `kernels.ops.linear`, and reports microseconds per
+call and the GB/s of blocks read (timing and checks: benchmarks/quantized_sweep.py). Past 64
+rows it times what the engine runs there (dequantize, then cuBLAS).
+
+    python3 benchmarks/gguf_sweep.py --out $OUT/gguf_sweep.json --types Q4_K Q6_K --m 1 16
+
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import quantized_sweep  # noqa: E402
+from benchmarks.gguf_writer import random_weight  # noqa: E402
+from benchmarks.linear_sweep import DEVICE, MODEL_LAYERS, MODEL_SHAPES, Shape  # noqa: E402
+from kernels.gguf import gguf_linear_reference  # noqa: E402
+from kernels.triton_gguf import GgufTiles, default_tiles, gguf_linear  # noqa: E402
+
+# (block_m, block_n, step, num_warps, use_dot); block_m is raised to the rows M needs.
+CANDIDATES = [GgufTiles(*c) for c in [
+    (1, 16, 256, 4, False), (1, 8, 256, 4, False), (1, 32, 256, 4, False),
+    (1, 16, 512, 4, False), (1, 8, 512, 2, False), (1, 16, 128, 4, False),
+    (16, 64, 64, 4, True), (16, 32, 64, 4, True), (16, 64, 128, 4, True),
+    (16, 128, 64, 8, True), (16, 32, 128, 4, True),
+]]  # fmt: skip
+
+
+def tiles_for(tiles: GgufTiles, m: int) -> GgufTiles | None:
+    rows = 1 << (m - 1).bit_length()
+    if tiles.use_dot:
+        return tiles if 4 < m <= 64 else None
+    if m > 4 or rows * tiles.block_n * tiles.step > 8192:
+        return None  # the [BM, BN, step] product would spill
+    return GgufTiles(rows, tiles.block_n, tiles.step, tiles.num_warps, False)
+
+
+def label(tiles: GgufTiles) -> str:
+    kind = "dot" if tiles.use_dot else "fma"
+    return f"{kind} m{tiles.block_m} n{tiles.block_n} s{tiles.step} w{tiles.num_warps}"
+
+
+def sweep_shape(shape: Shape, qtype: str, ms: list[int], copies: int) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(shape.n)
+    std = shape.k**-0.5
+    layers = [
+        torch.from_numpy(random_weight(qtype, shape.n, shape.k, std, rng)).to(DEVICE)
+        for _ in range(copies)
+    ]
+    block_bytes = layers[0].numel()
+    rows = []
+    for m in ms:
+        x = torch.randn(m, shape.k, device=DEVICE).to(torch.bfloat16)
+        rows.append(quantized_sweep.bf16_row(shape, m, x, copies))
+        fn = functools.partial(_gguf, qtype=qtype)
+        if m > 64:
+            configs = [("dequantize + cuBLAS", functools.partial(fn, tiles=None), None)]
+        else:
+            tiles = [default_tiles(m)] + [t for c in CANDIDATES if (t := tiles_for(c, m))]
+            configs = [(label(t), functools.partial(fn, tiles=t), t) for t in tiles]
+        expected = gguf_linear_reference(x, layers[0], qtype)
+        timed = quantized_sweep.time_configs(shape, x, layers, expected, configs, block_bytes)
+        for r in timed:
+            r["qtype"] = qtype
+        rows += timed
+        quantized_sweep.print_best(shape, m, rows)
+    return rows
+
+
+def _gguf(x: torch.Tensor, raw: torch.Tensor, qtype: str, tiles: GgufTiles | None) -> torch.Tensor:
+    return gguf_linear(x, raw, qtype, tiles=tiles)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama")
+    parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--copies", type=int, default=4, help="weight copies (past the L2)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    shapes = [s for s in MODEL_SHAPES[args.model] if s.name != "lm_head"]
+    rows = [
+        r
+        for qtype in args.types
+        for shape in shapes
+        for r in sweep_shape(shape, qtype, args.m, args.copies)
+    ]
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "model": args.model,
+        "layers": MODEL_LAYERS[args.model],
+        "rows": rows,
+    }
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
