@@ -150,7 +150,11 @@ def _matmul_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:
     """The weights a step multiplies by, quantized ones and their scales included: all but an
     untied embedding, of which it reads rows (by id: a tied weight counts once)."""
     tensors = {id(p): p for p in model.parameters()}
-    quantized = (b for n, b in model.named_buffers() if n.endswith(("qweight", "weight_scale")))
+    quantized = (  # qweight, weight_scale, a GGUF layer's qweight0, qweight1, ...
+        b
+        for n, b in model.named_buffers()
+        if n.rpartition(".")[2].startswith(("qweight", "weight_scale"))
+    )
     tensors.update({id(b): b for b in quantized})
     if not model.config.tie_word_embeddings:
         tensors.pop(id(model.embed_tokens.weight))

@@ -33,27 +33,30 @@ from benchmarks.linear_sweep import DEVICE, MODEL_LAYERS, MODEL_SHAPES, Shape  #
 from kernels.gguf import gguf_linear_reference  # noqa: E402
 from kernels.triton_gguf import GgufTiles, default_tiles, gguf_linear  # noqa: E402
 
-# (block_m, block_n, step, num_warps, use_dot); block_m is raised to the rows M needs.
-CANDIDATES = [GgufTiles(*c) for c in [
-    (1, 16, 256, 4, False), (1, 8, 256, 4, False), (1, 32, 256, 4, False),
-    (1, 16, 512, 4, False), (1, 8, 512, 2, False), (1, 16, 128, 4, False),
-    (16, 64, 64, 4, True), (16, 32, 64, 4, True), (16, 64, 128, 4, True),
-    (16, 128, 64, 8, True), (16, 32, 128, 4, True),
+# (block_m, block_n, num_warps, use_dot, num_stages)
+CANDIDATES = [
+    GgufTiles(1, n, w, False, stages)
+    for n in (2, 4, 8, 16, 32)
+    for w in (1, 2, 4, 8)
+    for stages in (1, 2, 4)
+    if n * 256 >= 32 * w * 8 and n * 256 <= 32 * w * 64
+]  # 8-64 values a thread
+CANDIDATES += [GgufTiles(*c) for c in [
+    (16, 16, 4, True, 3), (16, 32, 4, True, 3), (16, 64, 4, True, 3), (16, 64, 8, True, 3),
+    (16, 32, 4, True, 1), (16, 32, 4, True, 2), (16, 32, 8, True, 4), (32, 32, 4, True, 3),
+    (64, 32, 8, True, 3),
 ]]  # fmt: skip
 
 
 def tiles_for(tiles: GgufTiles, m: int) -> GgufTiles | None:
-    rows = 1 << (m - 1).bit_length()
     if tiles.use_dot:
         return tiles if 4 < m <= 64 else None
-    if m > 4 or rows * tiles.block_n * tiles.step > 8192:
-        return None  # the [BM, BN, step] product would spill
-    return GgufTiles(rows, tiles.block_n, tiles.step, tiles.num_warps, False)
+    return tiles if m <= 2 else None
 
 
 def label(tiles: GgufTiles) -> str:
     kind = "dot" if tiles.use_dot else "fma"
-    return f"{kind} m{tiles.block_m} n{tiles.block_n} s{tiles.step} w{tiles.num_warps}"
+    return f"{kind} m{tiles.block_m} n{tiles.block_n} w{tiles.num_warps} s{tiles.num_stages}"
 
 
 def sweep_shape(shape: Shape, qtype: str, ms: list[int], copies: int) -> list[dict[str, Any]]:
