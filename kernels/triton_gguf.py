@@ -181,9 +181,15 @@ def _tile(
     byte) -> the weights in two halves [BN, A, B] float32 (the values of the low and of the
     high nibbles, as the bytes hold them: A x B = [8, 16] or [4, 32]) and each value's place
     along K within the step, [1, A, B] (runs of 16 or 32 consecutive places)."""
+    # Assigned in both branches of a compile-time `if`, not returned from it: the two
+    # tiles differ in shape, and only the branch taken is compiled.
     if QTYPE >= 12:
-        return _k_tile(rows, step, n_mask, QTYPE, BB, BN)
-    return _legacy_tile(rows, step, k, n_mask, QTYPE, BB, BN, EVEN_K)
+        w_low, w_high, index_low, index_high = _k_tile(rows, step, n_mask, QTYPE, BB, BN)
+    else:
+        w_low, w_high, index_low, index_high = _legacy_tile(
+            rows, step, k, n_mask, QTYPE, BB, BN, EVEN_K
+        )
+    return w_low, w_high, index_low, index_high
 
 
 @triton.jit
