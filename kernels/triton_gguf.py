@@ -75,6 +75,12 @@ def _f16(ptrs, mask):  # the little-endian f16 at ptrs, as float32
 
 
 @triton.jit
+def _flat(w_low, w_high, BN: tl.constexpr):
+    """Values from the low and the high nibbles, [BN, A, B] each -> [BN, HALF] each."""
+    return tl.reshape(w_low, (BN, HALF)), tl.reshape(w_high, (BN, HALF))
+
+
+@triton.jit
 def _legacy_tile(
     rows,
     step,
@@ -92,12 +98,14 @@ def _legacy_tile(
     mask = n_mask[:, :, None] & (EVEN_K or (step * 8 + b) * 32 < k)
     d = _f16(base, mask)
     i = tl.arange(0, 16)[None, None, :]  # byte i: value i (low nibble) and i + 16 (high)
-    index = b * 32 + i  # [1, 8, 16]: the low values' places in the step
+    v = tl.arange(0, HALF)  # the columns of each half: block v // 16, value v % 16
+    index = (v // 16) * 32 + v % 16
     if QTYPE == 8:  # Q8_0: 32 int8 values
         # an int8 q is byte - 256 * (byte >= 128), and q + 128 = byte ^ 0x80
         q_low = _exact_float(_byte(base + 2 + i, mask) ^ 0x80, 128.0)
         q_high = _exact_float(_byte(base + 18 + i, mask) ^ 0x80, 128.0)
-        return d * q_low, d * q_high, index, index + 16
+        w_low, w_high = _flat(d * q_low, d * q_high, BN)
+        return w_low, w_high, index, index + 16
     low_at = 2 if QTYPE == 2 else (4 if QTYPE == 3 else (6 if QTYPE == 6 else 8))
     qs = _byte(base + low_at + i, mask)
     low, high = qs & 0xF, qs >> 4
@@ -111,6 +119,7 @@ def _legacy_tile(
     else:  # with a min: w = d q + m
         m = _f16(base + 2, mask)
         w_low, w_high = d * _exact_float(low, 0.0) + m, d * _exact_float(high, 0.0) + m
+    w_low, w_high = _flat(w_low, w_high, BN)
     return w_low, w_high, index, index + 16
 
 
@@ -134,6 +143,7 @@ def _k_tile(rows, step, n_mask, QTYPE: tl.constexpr, BB: tl.constexpr, BN: tl.co
     mask = n_mask[:, :, None]
     c = tl.arange(0, 4)[None, :, None]  # [1, 4, 1]
     i = tl.arange(0, 32)[None, None, :]  # [1, 1, 32]
+    v = tl.arange(0, HALF)  # the columns of each half: chunk c = v // 32, byte v % 32
     if QTYPE == 14:  # Q6_K: c = 2 half + (0 | 1), the 32 low-nibble bytes at 32c
         half, part = c // 2, c % 2
         ql = _byte(base + c * 32 + i, mask)  # [BN, 4, 32]
@@ -141,14 +151,20 @@ def _k_tile(rows, step, n_mask, QTYPE: tl.constexpr, BB: tl.constexpr, BN: tl.co
         # quarter r = part (low nibbles) or part + 2 (high), its two bits at 2r of qh
         low = _exact_float((ql & 0xF) | (((qh >> (2 * part)) & 3) << 4), 32.0)
         high = _exact_float((ql >> 4) | (((qh >> (2 * part + 4)) & 3) << 4), 32.0)
-        # the int8 scale of each 16 values: 8 half + 2r + i // 16 (cached, loaded per value)
-        sc_at = base + 192 + half * 8 + 2 * part + i // 16
-        sc_low = tl.load(sc_at, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        sc_high = tl.load(sc_at + 4, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        d = _f16(base + 208, mask)
+        j = tl.arange(0, 2)[None, None, :, None]  # sub-blocks of 16: scale 8 half + 2r + j
+        sc_at = base[:, :, :, None] + 192 + half[:, :, :, None] * 8 + 2 * part[:, :, :, None] + j
+        m4 = mask[:, :, :, None]
+        sc_low = tl.load(sc_at, mask=m4, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        sc_high = tl.load(sc_at + 4, mask=m4, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        d = _f16(base + 208, mask)[:, :, :, None]
+        q_low = tl.reshape(low, (BN, 4, 2, 16))
+        q_high = tl.reshape(high, (BN, 4, 2, 16))
+        w_low = tl.reshape(d * sc_low * q_low, (BN, 4, 32))
+        w_high = tl.reshape(d * sc_high * q_high, (BN, 4, 32))
         # low nibbles: quarter r = c % 2 of half c // 2; high nibbles: quarter r + 2
-        index = half * 128 + part * 32 + i
-        return (d * sc_low) * low, (d * sc_high) * high, index, index + 64
+        index = (v // 64) * 128 + ((v // 32) % 2) * 32 + v % 32
+        w_low, w_high = _flat(w_low, w_high, BN)
+        return w_low, w_high, index, index + 64
     # Q4_K, Q5_K: chunk c of 32 bytes holds sub-block 2c (low nibbles) and 2c + 1 (high)
     qs_at = 16 if QTYPE == 12 else 48
     qs = _byte(base + qs_at + c * 32 + i, mask)  # [BN, 4, 32]
@@ -162,7 +178,8 @@ def _k_tile(rows, step, n_mask, QTYPE: tl.constexpr, BB: tl.constexpr, BN: tl.co
     d, dmin = _f16(base, mask), _f16(base + 2, mask)
     w_low = (d * sc_low) * _exact_float(low, 0.0) - dmin * m_low
     w_high = (d * sc_high) * _exact_float(high, 0.0) - dmin * m_high
-    index = c * 64 + i  # sub-block 2c; the high nibbles: 2c + 1
+    index = (v // 32) * 64 + v % 32  # sub-block 2c; the high nibbles: 2c + 1
+    w_low, w_high = _flat(w_low, w_high, BN)
     return w_low, w_high, index, index + 32
 
 
@@ -178,45 +195,19 @@ def _tile(
     EVEN_K: tl.constexpr,
 ):
     """Step `step` (STEP values along K) of rows [BN, 1] (pointers to each row's first
-    byte) -> the weights in two halves [BN, A, B] float32 (the values of the low and of the
-    high nibbles, as the bytes hold them: A x B = [8, 16] or [4, 32]) and each value's place
-    along K within the step, [1, A, B] (runs of 16 or 32 consecutive places)."""
-    # Assigned in both branches of a compile-time `if`, not returned from it: the two
-    # tiles differ in shape, and only the branch taken is compiled.
+    byte) -> the weights in two halves [BN, HALF] float32 (the values of low and high
+    nibbles, as the bytes hold them) and the index along K (within the step) of each
+    column of each half: runs of 16 or 32 consecutive values."""
     if QTYPE >= 12:
-        w_low, w_high, index_low, index_high = _k_tile(rows, step, n_mask, QTYPE, BB, BN)
-    else:
-        w_low, w_high, index_low, index_high = _legacy_tile(
-            rows, step, k, n_mask, QTYPE, BB, BN, EVEN_K
-        )
-    return w_low, w_high, index_low, index_high
+        return _k_tile(rows, step, n_mask, QTYPE, BB, BN)
+    return _legacy_tile(rows, step, k, n_mask, QTYPE, BB, BN, EVEN_K)
 
 
 @triton.jit
-def _values(x_row, k, step, index, EVEN_K: tl.constexpr):
-    """One activation row's values at the places `index` [1, A, B] of step `step`."""
-    g = step * STEP + index
-    return tl.load(x_row + g, mask=EVEN_K or g < k, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _dot_half(
-    x_rows,
-    offs_m,
-    m,
-    k,
-    step,
-    w,
-    index,
-    BN: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """x [BM, the places `index` of the step] @ w [BN, A, B] (flattened to [BN, HALF])^T."""
-    g = step * STEP + tl.reshape(index, (HALF,))[None, :]  # [1, HALF]
-    x = tl.load(x_rows + g, mask=(offs_m[:, None] < m) & (EVEN_K or g < k), other=0.0)
-    wt = tl.trans(tl.reshape(w, (BN, HALF)).to(x.dtype))
-    return tl.dot(x, wt, input_precision=DOT_PRECISION)
+def _columns(x_rows, offs_m, m, k, step, index, EVEN_K: tl.constexpr):
+    """x [BM, HALF]: the columns `index` of step `step`."""
+    g = step * STEP + index[None, :]  # [1, HALF]: the columns' places along K
+    return tl.load(x_rows + g, mask=(offs_m[:, None] < m) & (EVEN_K or g < k), other=0.0)
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -233,8 +224,6 @@ def _gguf_linear_kernel(
     stride_out_row,
     QTYPE: tl.constexpr,
     BB: tl.constexpr,
-    A: tl.constexpr,  # a half of a step is [A, B] values (see _tile)
-    B: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -246,26 +235,23 @@ def _gguf_linear_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n[:, None] < n
     rows = raw_ptr + offs_n[:, None].to(tl.int64) * stride_raw_row  # [BN, 1]
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x_row  # [BM, 1]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if USE_DOT:
-        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_x_row  # [BM, 1]
-        for step in range(0, tl.cdiv(k, STEP)):
-            w_low, w_high, i_low, i_high = _tile(rows, step, k, n_mask, QTYPE, BB, BLOCK_N, EVEN_K)
-            acc += _dot_half(
-                x_rows, offs_m, m, k, step, w_low, i_low, BLOCK_N, EVEN_K, DOT_PRECISION
-            )
-            acc += _dot_half(
-                x_rows, offs_m, m, k, step, w_high, i_high, BLOCK_N, EVEN_K, DOT_PRECISION
-            )
-    else:  # one activation row: products summed per value, across values once at the end
-        x_row = x_ptr + tl.program_id(0).to(tl.int64) * stride_x_row
-        wide = tl.zeros((BLOCK_N, A, B), dtype=tl.float32)
-        for step in range(0, tl.cdiv(k, STEP)):
-            w_low, w_high, i_low, i_high = _tile(rows, step, k, n_mask, QTYPE, BB, BLOCK_N, EVEN_K)
-            x_low = _values(x_row, k, step, i_low, EVEN_K)  # [1, A, B]
-            x_high = _values(x_row, k, step, i_high, EVEN_K)
-            wide += w_low * x_low + w_high * x_high
-        acc += tl.sum(tl.sum(wide, axis=2), axis=1)[None, :]
+    # Without tl.dot (one row): products summed per column, and across columns once at the end.
+    wide = tl.zeros((BLOCK_N, HALF), dtype=tl.float32)
+    for step in range(0, tl.cdiv(k, STEP)):
+        w_low, w_high, index_low, index_high = _tile(
+            rows, step, k, n_mask, QTYPE, BB, BLOCK_N, EVEN_K
+        )
+        x_low = _columns(x_rows, offs_m, m, k, step, index_low, EVEN_K)  # [BM, HALF]
+        x_high = _columns(x_rows, offs_m, m, k, step, index_high, EVEN_K)
+        if USE_DOT:
+            acc += tl.dot(x_low, tl.trans(w_low.to(x_low.dtype)), input_precision=DOT_PRECISION)
+            acc += tl.dot(x_high, tl.trans(w_high.to(x_high.dtype)), input_precision=DOT_PRECISION)
+        else:
+            wide += w_low * x_low.to(tl.float32) + w_high * x_high.to(tl.float32)
+    if not USE_DOT:
+        acc = tl.sum(wide, axis=1)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_out_row + offs_n[None, :]
@@ -290,12 +276,15 @@ def _dequantize_kernel(
     step = tl.program_id(1)
     n_mask = offs_n[:, None] < n
     rows = raw_ptr + offs_n[:, None].to(tl.int64) * stride_raw_row
-    w_low, w_high, i_low, i_high = _tile(rows, step, k, n_mask, QTYPE, BB, BLOCK_N, EVEN_K)
-    out = out_ptr + offs_n[:, None, None].to(tl.int64) * stride_out_row + step * STEP
-    dtype = out_ptr.dtype.element_ty
-    mask = n_mask[:, :, None]
-    tl.store(out + i_low, w_low.to(dtype), mask=mask & (EVEN_K or step * STEP + i_low < k))
-    tl.store(out + i_high, w_high.to(dtype), mask=mask & (EVEN_K or step * STEP + i_high < k))
+    w_low, w_high, index_low, index_high = _tile(rows, step, k, n_mask, QTYPE, BB, BLOCK_N, EVEN_K)
+    out = out_ptr + offs_n[:, None].to(tl.int64) * stride_out_row + step * STEP
+    g_low, g_high = index_low[None, :], index_high[None, :]
+    tl.store(
+        out + g_low, w_low.to(out_ptr.dtype.element_ty), mask=n_mask & (step * STEP + g_low < k)
+    )
+    tl.store(
+        out + g_high, w_high.to(out_ptr.dtype.element_ty), mask=n_mask & (step * STEP + g_high < k)
+    )
 
 
 def dequantize_gguf(raw: torch.Tensor, qtype: str, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -342,8 +331,7 @@ def gguf_linear(
     _gguf_linear_kernel[grid](
         x, raw, bias if bias is not None else x, out, m, n, k,
         x.stride(0), raw.stride(0), out.stride(0),
-        QTYPE=t.type_id, BB=t.block_bytes, A=4 if t.block_elems == 256 else 8,
-        B=32 if t.block_elems == 256 else 16,
+        QTYPE=t.type_id, BB=t.block_bytes,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, USE_DOT=tiles.use_dot,
         HAS_BIAS=bias is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_K=k % STEP_VALUES == 0,
