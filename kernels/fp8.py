@@ -38,3 +38,49 @@ def fp8_linear_reference(
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+# -- Block-scaled FP8 (DeepSeek-V3 style, `weight_block_size` [bn, bk]) ----------------------
+# The checkpoint's scale per [bn, bk] block of the weight is stored per output row, one per
+# group of bk input columns: weight_scale [N, K / bk] (a block's scale repeated over its bn
+# rows; services/executor/quantized_checkpoints.py expands it), so fused projections split
+# their rows like any per-row tensor. Activations are quantized per token and per group of bk
+# columns at each call, so the product sums each group's FP8 products and scales them by both.
+
+
+def quantize_fp8_groupwise_reference(
+    x: torch.Tensor,  # [R, C], C a multiple of group
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] float8_e4m3fn, [R, C / group] float32)
+    """Each group of `group` columns of each row scaled by its absolute maximum."""
+    rows, cols = x.shape
+    if cols % group:
+        raise ValueError(f"{cols} columns are not a multiple of the FP8 group of {group}")
+    groups = x.float().reshape(rows, cols // group, group)
+    scale = (groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (groups / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(rows, cols), scale[..., 0]
+
+
+def dequantize_fp8_groupwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[R, C] e4m3 with a scale per row and group [R, G] -> [R, C] float32."""
+    rows, cols = q.shape
+    groups = q.float().reshape(rows, scale.shape[1], -1) * scale.float()[..., None]
+    return groups.reshape(rows, cols)
+
+
+def fp8_group_linear_reference(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N, K / group] float32
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], x.dtype
+    """x quantized per token and group, times the dequantized weight, in float32."""
+    qx, x_scale = quantize_fp8_groupwise_reference(x, group)
+    out = (
+        dequantize_fp8_groupwise(qx, x_scale) @ dequantize_fp8_groupwise(qweight, weight_scale).t()
+    )
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -14,7 +14,7 @@ import torch
 from kernels.activation import silu_and_mul_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
-from kernels.fp8 import fp8_linear_reference
+from kernels.fp8 import fp8_group_linear_reference, fp8_linear_reference
 from kernels.gguf import gguf_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
 from kernels.int4 import int4_linear_reference
@@ -163,6 +163,20 @@ def fp8_linear(
         bias=bias,
         out_dtype=x.dtype,
     )
+
+
+def fp8_group_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N, K / group] float32
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], x.dtype
+    """A block-scaled FP8 W8A8 layer (`kernels/fp8.py`): on CUDA the activation quantized per
+    token and group, then one Triton kernel; elsewhere the reference."""
+    module = _triton("fp8", x)
+    kernel = module.fp8_group_linear if module is not None else fp8_group_linear_reference
+    return kernel(x, qweight, weight_scale, group, bias)
 
 
 def int4_linear(

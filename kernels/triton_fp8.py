@@ -101,3 +101,120 @@ def fp8_default_tiles(m: int, n: int, k: int) -> LinearTiles:
     block_k, stages = (512, 4) if n <= 4096 else (256, 5)
     block_k = max(32, min(block_k, triton.next_power_of_2(k)))
     return LinearTiles(block_n=32, block_k=block_k, num_warps=4, num_stages=stages)
+
+
+# -- Block-scaled FP8: activations per token and group, one tl.dot per group --------------
+
+
+@triton.jit
+def _quantize_groupwise_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] float8e4nv
+    scale_ptr,  # [M, K / GROUP] float32
+    stride_x_row,
+    stride_q_row,
+    stride_scale_row,
+    GROUP: tl.constexpr,
+    FP8_MAX_VALUE: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+):
+    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_x_row + cols).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_VALUE, MIN_SCALE)
+    tl.store(scale_ptr + row * stride_scale_row + group, scale)
+    q = round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE))
+    tl.store(q_ptr + row * stride_q_row + cols, q.to(q_ptr.dtype.element_ty))
+
+
+def quantize_fp8_groupwise(
+    x: torch.Tensor,  # [R, C], C a multiple of group, last dimension contiguous
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] float8_e4m3fn, [R, C / group] float32)
+    """`kernels.fp8.quantize_fp8_groupwise_reference`: one program per row and group."""
+    rows, cols = x.shape
+    if cols % group or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)}: contiguous rows of whole groups of {group}")
+    q = torch.empty((rows, cols), dtype=FP8, device=x.device)
+    scale = torch.empty((rows, cols // group), dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_groupwise_kernel[(rows, cols // group)](
+            x, q, scale, x.stride(0), q.stride(0), scale.stride(0),
+            GROUP=group, FP8_MAX_VALUE=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=1,
+        )  # fmt: skip
+    return q, scale
+
+
+@triton.jit(do_not_specialize=["m"])
+def _fp8_group_linear_kernel(
+    qx_ptr,  # [M, K] float8e4nv
+    x_scale_ptr,  # [M, G] float32
+    qweight_ptr,  # [N, K] float8e4nv
+    w_scale_ptr,  # [N, G] float32
+    bias_ptr,  # [N] with HAS_BIAS
+    out_ptr,  # [M, N]
+    m,
+    n,
+    num_groups,
+    stride_qx_row,
+    stride_x_scale_row,
+    stride_qweight_row,
+    stride_w_scale_row,
+    stride_out_row,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < m, offs_n < n
+    cols = tl.arange(0, GROUP)
+    x_rows = qx_ptr + offs_m[:, None].to(tl.int64) * stride_qx_row + cols[None, :]
+    w_rows = qweight_ptr + offs_n[:, None].to(tl.int64) * stride_qweight_row + cols[None, :]
+    x_scales = x_scale_ptr + offs_m.to(tl.int64) * stride_x_scale_row
+    w_scales = w_scale_ptr + offs_n.to(tl.int64) * stride_w_scale_row
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, num_groups):
+        qx = tl.load(x_rows + g * GROUP, mask=m_mask[:, None], other=0.0)  # [BM, GROUP]
+        qw = tl.load(w_rows + g * GROUP, mask=n_mask[:, None], other=0.0)  # [BN, GROUP]
+        products = tl.dot(qx, tl.trans(qw), out_dtype=tl.float32)  # the group's FP8 sums
+        x_scale = tl.load(x_scales + g, mask=m_mask, other=0.0)
+        w_scale = tl.load(w_scales + g, mask=n_mask, other=0.0)
+        acc += products * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_out_row + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def fp8_group_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N, K / group] float32
+    group: int,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], x.dtype
+    """`kernels.fp8.fp8_group_linear_reference`: x quantized per token and group, then tiles
+    of 16 rows up to 16 (decode; tl.dot needs 16) and of 64 past that, one FP8 tl.dot per
+    group scaled by both operands' scales."""
+    (m, k), n = x.shape, qweight.shape[0]
+    if qweight.dtype != FP8 or qweight.shape[1] != k or weight_scale.shape != (n, k // group):
+        raise ValueError(
+            f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}, "
+            f"weight_scale {tuple(weight_scale.shape)}: not a block-scaled FP8 layer of {group}"
+        )
+    qx, x_scale = quantize_fp8_groupwise(x, group)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_m, block_n, warps = (16, 64, 4) if m <= 16 else (64, 128, 8)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_group_linear_kernel[grid](
+        qx, x_scale, qweight, weight_scale, bias if bias is not None else x_scale, out,
+        m, n, k // group,
+        qx.stride(0), x_scale.stride(0), qweight.stride(0), weight_scale.stride(0), out.stride(0),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
+        num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return out

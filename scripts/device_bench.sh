@@ -20,6 +20,7 @@ SMALL_MODEL=${SMALL_MODEL:-Qwen3-0.6B}
 PARTS=${PARTS:-"tests floors latency throughput small attention throughput-2048 sweep peer"}
 COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
 GGUF_FILE=${GGUF_FILE:-/tmp/llama-3.1-8b-q4_k_m.gguf}
+FP8_BLOCK_MODEL=${FP8_BLOCK_MODEL:-/tmp/llama-3.1-8b-fp8-block}
 status=0
 
 run() {
@@ -78,6 +79,23 @@ for part in $PARTS; do
     fp8-sweep)  # FP8 skinny tiles at the Llama-3.1-8B shapes against bf16
         run fp8-sweep python3 benchmarks/fp8_sweep.py --out "$OUT/fp8_sweep.json" \
             --m ${FP8_M:-1 4 16} ;;
+    fp8-block-tests)
+        run fp8-block-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/kernels/test_fp8_block.py tests/kernels/test_fp8_linear.py ;;
+    fp8-block-model)  # the Llama-3.1-8B preset as a block-scaled FP8 checkpoint's config.json
+        mkdir -p "$FP8_BLOCK_MODEL"
+        run fp8-block-model python3 -c "import json, sys; c = json.load(open(sys.argv[1])); \
+c['quantization_config'] = {'quant_method': 'fp8', 'activation_scheme': 'dynamic', \
+'weight_block_size': [128, 128]}; json.dump(c, open(sys.argv[2], 'w'))" \
+            shared/presets/Llama-3.1-8B.json "$FP8_BLOCK_MODEL/config.json" ;;
+    latency-fp8-block)  # dummy e4m3 weights with a scale per 128 x 128 block
+        run latency-fp8-block python3 -m services bench latency "$FP8_BLOCK_MODEL" \
+            "${COMMON[@]}" --input-len 128 --output-len 256 --profile-steps 20 \
+            --output-json "$OUT/latency_fp8_block.json" ;;
+    throughput-fp8-block)
+        run throughput-fp8-block python3 -m services bench throughput "$FP8_BLOCK_MODEL" \
+            "${COMMON[@]}" --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
+            --max-num-batched-tokens 8192 --output-json "$OUT/throughput_fp8_block.json" ;;
     gguf-tests)  # GGUF kernels at Llama shapes (issue 13)
         run gguf-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gguf.py ;;
     gguf-sweep)  # GGUF tiles at the Llama-3.1-8B shapes against bf16

@@ -31,12 +31,22 @@ class QuantSpec:
     zeros_minus_one: bool = False  # GPTQ's original format stores each zero point minus one
     ignore: tuple[str, ...] = ()  # module names left unquantized (lm_head is always)
     fp8_weights: bool = False  # a compressed-tensors checkpoint of FP8 (float-quantized) weights
+    fp8_block: tuple[int, int] | None = None  # FP8: weight rows and columns per scale (blocks)
 
     @property
     def checkpoint_format(self) -> str:
         """How the quantized tensors are laid out on disk (services/executor/
         quantized_checkpoints.py): fp8, or the int4 method's own layout."""
-        return "fp8" if self.method == "fp8" or self.fp8_weights else self.method
+        if self.method == "fp8":  # transformers' block scales are named weight_scale_inv
+            return "fp8" if self.fp8_block is None else "fp8_block"
+        return "fp8" if self.fp8_weights else self.method
+
+    @property
+    def label(self) -> str:
+        """The method as logs name it, with FP8 block scales' shape."""
+        if self.fp8_block is None:
+            return self.method
+        return f"{self.method} (FP8, a scale per {self.fp8_block[0]}x{self.fp8_block[1]} block)"
 
     def ignores(self, module: str) -> bool:
         """Whether `ignore` names this module: "re:" + a regular expression (compressed-
@@ -137,14 +147,26 @@ def _group_size(value: Any, field: str) -> int:
 
 def _fp8(cfg: dict[str, Any]) -> QuantSpec:
     """FP8 checkpoints as transformers and AutoFP8 write them: e4m3 weights with a scale per
-    tensor, activations quantized per token at run time (activation_scheme dynamic)."""
+    tensor, or per [rows, columns] block (`weight_block_size`, as DeepSeek-V3 and Qwen3's FP8
+    releases), activations quantized at run time (activation_scheme dynamic): per token, and
+    per group of the block's columns with block scales."""
     scheme = cfg.get("activation_scheme", "dynamic")
     _require(scheme == "dynamic", "activation_scheme", scheme, "dynamic")
-    block = cfg.get("weight_block_size")
-    _require(block is None, "weight_block_size", block, "none: block scales are not supported")
     fmt = cfg.get("fmt", "e4m3")
     _require(fmt == "e4m3", "fmt", fmt, "e4m3")
-    return QuantSpec("fp8", from_checkpoint=True, ignore=_ignored(cfg))
+    block = _fp8_block(cfg.get("weight_block_size"), "weight_block_size")
+    return QuantSpec("fp8", from_checkpoint=True, ignore=_ignored(cfg), fp8_block=block)
+
+
+def _fp8_block(value: Any, field: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    ok = isinstance(value, list | tuple) and len(value) == 2
+    ok = ok and all(isinstance(v, int) and v > 0 for v in value)
+    # the kernels take a group of columns per step: a power of two of at least 16
+    ok = ok and value[1] >= 16 and value[1] & (value[1] - 1) == 0
+    _require(ok, field, value, "[rows, columns], columns a power of two >= 16")
+    return int(value[0]), int(value[1])
 
 
 def _ignored(cfg: dict[str, Any]) -> tuple[str, ...]:
@@ -204,11 +226,22 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
     if fmt == "float-quantized":
         kind = f"{weights.get('type')}{weights.get('num_bits')}"
         _require(kind == "float8", "weights", kind, "float8")
-        _require(strategy in ("tensor", "channel"), "weights.strategy", strategy, "tensor, channel")
+        strategies = ("tensor", "channel", "block")
+        _require(strategy in strategies, "weights.strategy", strategy, ", ".join(strategies))
+        block = None
+        if strategy == "block":
+            block = _fp8_block(weights.get("block_structure"), "weights.block_structure")
         act = scheme.get("input_activations") or {}
         dynamic_token = act.get("dynamic") is True and act.get("strategy") == "token"
-        _require(dynamic_token, "input_activations", act, "FP8, dynamic, per token")
-        return QuantSpec("compressed-tensors", True, ignore=ignore, fp8_weights=True)
+        dynamic_group = act.get("dynamic") is True and act.get("strategy") == "group"
+        if block is None:
+            _require(dynamic_token, "input_activations", act, "FP8, dynamic, per token")
+        else:
+            same_group = dynamic_group and act.get("group_size") == block[1]
+            _require(same_group, "input_activations", act, "FP8, dynamic, the block's groups")
+        return QuantSpec(
+            "compressed-tensors", True, ignore=ignore, fp8_weights=True, fp8_block=block
+        )
     _require(scheme.get("input_activations") is None, "input_activations", "set", "none: W4A16")
     kind = f"{weights.get('type', 'int')}{weights.get('num_bits')}"
     _require(kind == "int4", "weights", kind, "int4")

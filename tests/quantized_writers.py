@@ -243,3 +243,58 @@ def write_fp8(model: torch.nn.Module, folder: Path, per_tensor: bool) -> None:
     modules = dict(model.named_modules())
     for name, weight in dequantized.items():
         modules[name].weight.data = weight
+
+
+def write_fp8_block(
+    model: torch.nn.Module, folder: Path, block: tuple[int, int], compressed: bool
+) -> None:
+    """Block-scaled FP8 weights, a scale per [rows, columns] block: through compressed-tensors'
+    own quantize op and its FP8_BLOCK scheme (activations per token and group, dynamic), or
+    as transformers' `quant_method: fp8` with `weight_block_size` and `weight_scale_inv`."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    from compressed_tensors.quantization.quant_scheme import FP8_BLOCK
+
+    rows, cols = block
+    weights = FP8_BLOCK["weights"].model_copy(update={"block_structure": list(block)})
+    activations = FP8_BLOCK["input_activations"].model_copy(update={"group_size": cols})
+    tensors: dict[str, torch.Tensor] = {}
+    dequantized = {}
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS:
+            continue
+        w = module.weight.data.float()  # [N, K]
+        n, k = w.shape
+        padded = torch.cat([w, w.new_zeros(-n % rows, k)])  # whole blocks of rows
+        blocks = padded.reshape(-1, rows, k // cols, cols)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # [N / rows, K / cols]
+        expanded = scale.repeat_interleave(rows, 0)[:n].repeat_interleave(cols, 1)  # [N, K]
+        if compressed:
+            q = ct_quantize(w, scale, torch.zeros_like(scale), weights, dtype=torch.float8_e4m3fn)
+        else:
+            q = (w / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[f"{name}.weight"] = q.contiguous()
+        tensors[f"{name}.weight_scale" if compressed else f"{name}.weight_scale_inv"] = scale
+        dequantized[name] = q.float() * expanded
+    if compressed:
+        scheme = QuantizationScheme(
+            targets=["Linear"], weights=weights, input_activations=activations
+        )
+        config = QuantizationConfig(
+            config_groups={"group_0": scheme},
+            format="float-quantized",
+            quantization_status="compressed",
+            ignore=["lm_head"],
+        ).model_dump(mode="json")
+        config["quant_method"] = "compressed-tensors"
+    else:
+        config = {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": list(block),
+        }
+    _save(model, folder, dict.fromkeys(dequantized), tensors, config)
+    modules = dict(model.named_modules())
+    for name, weight in dequantized.items():
+        modules[name].weight.data = weight

@@ -99,6 +99,27 @@ class Fp8Checkpoint(Fp8Dynamic):
         pass
 
 
+class Fp8Block(Fp8Checkpoint):
+    """Block-scaled FP8 W8A8 (`kernels/fp8.py`): a scale per output row and group of input
+    columns (the checkpoint's per-block scales, expanded over the block's rows), activations
+    quantized per token and group at each call."""
+
+    def __init__(self, group: int) -> None:
+        self.group = group
+
+    def create_weights(self, layer: Linear) -> None:
+        n, k = layer.out_features, layer.in_features
+        if k % self.group:
+            raise ValueError(f"block-scaled FP8 needs K divisible by {self.group}, got {k}")
+        layer.weight = None
+        layer.qweight = nn.Parameter(torch.empty(n, k, dtype=FP8), requires_grad=False)
+        scale = torch.empty(n, k // self.group, dtype=torch.float32)
+        layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return ops.fp8_group_linear(x, layer.qweight, layer.weight_scale, self.group, layer.bias)
+
+
 class Int4WeightOnly:
     """int4 weights (W4A16) as AWQ, GPTQ and compressed-tensors checkpoints hold them, in the
     one layout of `kernels/int4.py` (services/executor/quantized_checkpoints.py translates them):
@@ -240,6 +261,8 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
     logits more than any other layer)."""
     if spec is None:
         return Unquantized()
+    if spec.fp8_block is not None:
+        return Fp8Block(spec.fp8_block[1])
     if spec.checkpoint_format == "fp8":
         return Fp8Checkpoint() if spec.from_checkpoint else Fp8Dynamic()
     if spec.method == "gguf":
@@ -276,4 +299,4 @@ def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:
         layer.method.prepare(layer)
     if spec is not None:
         quantized = sum(1 for name, _ in layers if name != "lm_head")
-        logger.info("quantization: %s on %d linear layers (lm_head kept)", spec.method, quantized)
+        logger.info("quantization: %s on %d linear layers (lm_head kept)", spec.label, quantized)

@@ -17,7 +17,10 @@ writers define them:
   FP8          weight [N, K] float8_e4m3fn with weight_scale: one per tensor ([] or [1]) or
                per output channel ([N, 1]); w = weight * weight_scale. input_scale, written
                by some tools even for dynamic activations, is not read (the config must say
-               dynamic: shared/quant_config.py refuses static activation scales).
+               dynamic: shared/quant_config.py refuses static activation scales). With block
+               scales, one per [rows, columns] block: weight_scale_inv (transformers) or
+               weight_scale (compressed-tensors) [ceil(N / rows), K / columns], kept as one
+               per output row and group of columns (`kernels/fp8.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ PARTS = {
         {"weight_zero_point", "weight_g_idx"},
     ),
     "fp8": ("weight_scale", {"weight", "weight_scale"}, {"input_scale"}),
+    "fp8_block": ("weight_scale_inv", {"weight", "weight_scale_inv"}, {"input_scale"}),
 }
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i]
 _AWQ_COLUMN_NIBBLE = [_AWQ_ORDER.index(c) for c in range(8)]  # column c sits in this nibble
@@ -192,9 +196,12 @@ def _check_groups(k: int, num_groups: int, spec: QuantSpec) -> None:
 
 
 def _fp8(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor | None]:
-    weight, scale = parts["weight"], parts["weight_scale"].float()
+    weight = parts["weight"]
+    scale = parts["weight_scale" if "weight_scale" in parts else "weight_scale_inv"].float()
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"an FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    if spec.fp8_block is not None:
+        return {"qweight": weight, "weight_scale": _row_group_scales(scale, weight, spec.fp8_block)}
     n = weight.shape[0]
     if scale.numel() == 1:  # one scale for the tensor: the same for every output channel
         scale = scale.reshape(1).expand(n)
@@ -203,9 +210,24 @@ def _fp8(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Ten
     else:
         raise ValueError(
             f"weight_scale {tuple(parts['weight_scale'].shape)} is neither per tensor nor per "
-            f"output channel of weight {tuple(weight.shape)} (block scales are not supported)"
+            f"output channel of weight {tuple(weight.shape)}, and the config names no block size"
         )
     return {"qweight": weight, "weight_scale": scale.contiguous()}
+
+
+def _row_group_scales(
+    scale: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:  # [N, K / columns]
+    """A scale per [rows, columns] block -> one per output row and group of columns."""
+    (n, k), (rows, cols) = weight.shape, block
+    if k % cols:
+        raise ValueError(f"weight {tuple(weight.shape)}: K is not a multiple of the block's {cols}")
+    if tuple(scale.shape) != (-(-n // rows), k // cols):
+        raise ValueError(
+            f"block scales {tuple(scale.shape)} do not tile weight {tuple(weight.shape)} in "
+            f"blocks of {list(block)}"
+        )
+    return scale.repeat_interleave(rows, dim=0)[:n].contiguous()
 
 
 _TRANSLATE = {
@@ -213,4 +235,5 @@ _TRANSLATE = {
     "gptq": _gptq,
     "compressed-tensors": _compressed_tensors,
     "fp8": _fp8,
+    "fp8_block": _fp8,
 }

@@ -178,7 +178,7 @@ def load_model(
     """`quantization`: the --quantization flag; the checkpoint's own config decides when set
     (shared/quant_config.py)."""
     spec = read_quant_spec(quantization, source, load_format, device.type)
-    fp8 = spec is not None and spec.checkpoint_format == "fp8"
+    fp8 = spec is not None and spec.checkpoint_format == "fp8" and spec.fp8_block is None
     if fp8 and device.type == "cuda" and dtype != torch.bfloat16:
         # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.
         raise ValueError("FP8 linear layers run with --dtype bfloat16 (or auto) on CUDA")
@@ -207,7 +207,7 @@ def load_model(
         source.name,
         fmt,
         str(dtype).removeprefix("torch."),
-        f", {spec.method} linear layers" if spec else "",
+        f", {spec.label} linear layers" if spec else "",
         weight_bytes(model) / 2**30,
         device,
         time.perf_counter() - start,

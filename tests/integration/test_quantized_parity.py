@@ -19,7 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.fp8 import quantize_fp8_rowwise_reference
+from kernels.fp8 import (
+    dequantize_fp8_groupwise,
+    quantize_fp8_groupwise_reference,
+    quantize_fp8_rowwise_reference,
+)
 from kvflow import LLM, SamplingParams
 from tests import quantized_writers
 from tests.integration.test_gpu_parity import TOP, hf_greedy_top
@@ -33,11 +37,22 @@ def fake_fp8(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).reshape(x.shape).to(x.dtype)
 
 
-def fake_quantize_inputs_fp8(model: torch.nn.Module) -> None:
-    """Every linear layer but the lm_head sees its input quantized per token."""
+def fake_fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x quantized to e4m3 per row and group of `group` columns, and back."""
+    q, scale = quantize_fp8_groupwise_reference(x.reshape(-1, x.shape[-1]), group)
+    return dequantize_fp8_groupwise(q, scale).reshape(x.shape).to(x.dtype)
+
+
+def fake_quantize_inputs_fp8(model: torch.nn.Module, group: int | None = None) -> None:
+    """Every linear layer but the lm_head sees its input quantized per token (and per group
+    of columns, for block-scaled weights)."""
+
+    def hook(_module: torch.nn.Module, args: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+        return (fake_fp8(args[0]) if group is None else fake_fp8_groups(args[0], group),)
+
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
-            module.register_forward_pre_hook(lambda _module, args: (fake_fp8(args[0]),))
+            module.register_forward_pre_hook(hook)
 
 
 def fake_quantize_fp8(model: torch.nn.Module) -> None:
@@ -109,4 +124,22 @@ def test_fp8_checkpoints_match_transformers_on_their_weights(
     fake_quantize_inputs_fp8(model)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
     llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # fp8 from config.json
+    check_close(expected, llm, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("compressed", [False, True], ids=["fp8-block", "ct-block"])
+def test_block_scaled_fp8_checkpoints_match_transformers_on_their_weights(
+    family: str, compressed: bool, tmp_path: Path
+) -> None:
+    """Block-scaled FP8 (transformers' `weight_block_size` with `weight_scale_inv`,
+    compressed-tensors' FP8_BLOCK) against transformers on the weights they hold, with
+    activations quantized per token and group of the block's columns."""
+    model = make_tiny_model(family)
+    prompts = make_prompts(model.config.vocab_size)
+    quantized_writers.write_fp8_block(model, tmp_path, (32, 32), compressed)
+    fake_quantize_inputs_fp8(model, group=32)
+    expected = [hf_greedy_top(model, prompt) for prompt in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # the method from config.json
     check_close(expected, llm, prompts)

@@ -140,7 +140,7 @@ def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: 
             },
             "format",
         ),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "weight_block_size"),
         ({"quant_method": "gptq", "dynamic": {"-:.*down_proj": {}}}, "dynamic"),
         ({"quant_method": "gptq", "lm_head": True}, "lm_head"),
         (
@@ -215,10 +215,47 @@ def test_fp8_scales_per_tensor_and_per_channel_become_per_channel() -> None:
         ours = translated(parts, spec)
         assert set(ours) == {"m.qweight", "m.weight_scale"}  # input_scale is not read
         assert ours["m.weight_scale"].tolist() == want and ours["m.qweight"] is weight
-    with pytest.raises(ValueError, match="block scales are not supported"):
+    with pytest.raises(ValueError, match="the config names no block size"):
         translated({"m.weight": weight, "m.weight_scale": torch.ones(2, 2)}, spec)
     unquantized = {"norm.weight": torch.ones(16)}  # no weight_scale: not an FP8 module
     assert translated(unquantized, spec) == unquantized
+
+
+def test_block_scales_become_one_per_row_and_group_of_columns() -> None:
+    weight = torch.randn(40, 64).to(torch.float8_e4m3fn)  # 40 rows: a partial block of 16
+    scale = torch.arange(6.0).reshape(3, 2)  # [ceil(40 / 16), 64 / 32]
+    for spec, name in [
+        (QuantSpec("fp8", True, fp8_block=(16, 32)), "weight_scale_inv"),  # transformers
+        (
+            QuantSpec("compressed-tensors", True, fp8_weights=True, fp8_block=(16, 32)),
+            "weight_scale",
+        ),
+    ]:
+        ours = translated({"m.weight": weight, f"m.{name}": scale}, spec)
+        assert ours["m.qweight"] is weight
+        assert torch.equal(ours["m.weight_scale"], scale.repeat_interleave(16, 0)[:40])
+        with pytest.raises(ValueError, match=r"do not tile weight \(40, 64\) in blocks of"):
+            translated({"m.weight": weight, f"m.{name}": torch.ones(2, 2)}, spec)
+
+
+def test_block_fp8_configs_are_read_from_both_formats(tmp_path: Path) -> None:
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import FP8_BLOCK
+
+    transformers_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    spec = read_quant_spec(None, source_with(tmp_path, transformers_config), "auto")
+    assert spec == QuantSpec("fp8", True, fp8_block=(128, 128))
+    assert spec.checkpoint_format == "fp8_block"  # scales named weight_scale_inv
+    ct = QuantizationConfig(
+        config_groups={"g": QuantizationScheme(targets=["Linear"], **FP8_BLOCK)},
+        format="float-quantized",
+    ).model_dump(mode="json")
+    ct["quant_method"] = "compressed-tensors"
+    spec = read_quant_spec(None, source_with(tmp_path, ct), "auto")
+    assert spec is not None and spec.fp8_block == (128, 128) and spec.checkpoint_format == "fp8"
+    ct["config_groups"]["g"]["input_activations"]["group_size"] = 64  # not the block's columns
+    with pytest.raises(ValueError, match=r"quantization_config\.input_activations"):
+        read_quant_spec(None, source_with(tmp_path, ct), "auto")
 
 
 def test_zero_points_that_contradict_the_config_are_refused() -> None:
