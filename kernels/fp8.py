@@ -62,6 +62,21 @@ def quantize_fp8_groupwise_reference(
     return q.reshape(rows, cols), scale[..., 0]
 
 
+def quantize_fp8_blockwise_reference(
+    w: torch.Tensor,  # [N, K]
+    block: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([N, K] float8_e4m3fn, [N, K / columns] float32)
+    """A weight quantized per [rows, columns] block (as block-scaled checkpoints hold it), the
+    scales returned in kvflow's layout: one per output row and group of columns."""
+    (n, k), (rows, cols) = w.shape, block
+    padded = torch.cat([w.float(), w.new_zeros(-n % rows, k, dtype=torch.float32)])
+    blocks = padded.reshape(-1, rows, k // cols, cols)
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)  # [N / rows, G]
+    per_row = scale.repeat_interleave(rows, dim=0)[:n]  # [N, G]
+    q = (w.float().reshape(n, k // cols, cols) / per_row[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    return q.to(FP8).reshape(n, k), per_row
+
+
 def dequantize_fp8_groupwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """[R, C] e4m3 with a scale per row and group [R, G] -> [R, C] float32."""
     rows, cols = q.shape

@@ -171,12 +171,30 @@ def fp8_group_linear(
     weight_scale: torch.Tensor,  # [N, K / group] float32
     group: int,
     bias: torch.Tensor | None = None,  # [N]
+    block_scale: torch.Tensor | None = None,  # [ceil(N / 128), K / 128]: 128 x 128 blocks
 ) -> torch.Tensor:  # [M, N], x.dtype
     """A block-scaled FP8 W8A8 layer (`kernels/fp8.py`): on CUDA the activation quantized per
-    token and group, then one Triton kernel; elsewhere the reference."""
+    token and group, then up to SKINNY_MAX_ROWS rows (or without `block_scale`) one Triton
+    kernel, past that cuBLASLt's blockwise-scaled FP8 GEMM; elsewhere the reference."""
     module = _triton("fp8", x)
-    kernel = module.fp8_group_linear if module is not None else fp8_group_linear_reference
-    return kernel(x, qweight, weight_scale, group, bias)
+    if module is None:
+        return fp8_group_linear_reference(x, qweight, weight_scale, group, bias)
+    if x.shape[0] <= SKINNY_MAX_ROWS or block_scale is None or group != 128:
+        return module.fp8_group_linear(x, qweight, weight_scale, group, bias)
+    m = x.shape[0]
+    # cuBLASLt's layouts: the activation scales column-major, with a leading dimension (M) a
+    # multiple of 4 (so rows are padded to one); the weight's [K / 128, N / 128].
+    qx, x_scale = module.quantize_fp8_groupwise(
+        torch.nn.functional.pad(x, (0, 0, 0, -m % 4)), group
+    )
+    out = torch._scaled_mm(
+        qx,
+        qweight.t(),
+        scale_a=x_scale.t().contiguous().t(),
+        scale_b=block_scale.t(),
+        out_dtype=x.dtype,
+    )[:m]
+    return out if bias is None else out + bias
 
 
 def int4_linear(

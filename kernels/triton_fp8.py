@@ -9,6 +9,8 @@ is the whole cost, and FP8 halves it; the activation (a few rows) costs one smal
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -106,6 +108,23 @@ def fp8_default_tiles(m: int, n: int, k: int) -> LinearTiles:
 # -- Block-scaled FP8: activations per token and group, one tl.dot per group --------------
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8GroupTiles:
+    block_m: int  # >= 16 (tl.dot)
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def fp8_group_default_tiles(m: int) -> Fp8GroupTiles:
+    """benchmarks/fp8_block_sweep.py's picks (H100, Llama-3.1-8B shapes, 128 x 128 blocks,
+    2026-11-26): within 5 % of per-channel FP8's skinny kernel at 1-16 rows on qkv, o and
+    gate_up; below cuBLASLt from 256 rows, where `ops.fp8_group_linear` uses cuBLASLt."""
+    if m <= 16:
+        return Fp8GroupTiles(16, 32, num_warps=4, num_stages=4)
+    return Fp8GroupTiles(64, 64, 4, 4) if m <= 512 else Fp8GroupTiles(64, 128, 4, 3)
+
+
 @triton.jit
 def _quantize_groupwise_kernel(
     x_ptr,  # [M, K]
@@ -194,10 +213,11 @@ def fp8_group_linear(
     weight_scale: torch.Tensor,  # [N, K / group] float32
     group: int,
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    tiles: Fp8GroupTiles | None = None,  # None: fp8_group_default_tiles(M)
 ) -> torch.Tensor:  # [M, N], x.dtype
-    """`kernels.fp8.fp8_group_linear_reference`: x quantized per token and group, then tiles
-    of 16 rows up to 16 (decode; tl.dot needs 16) and of 64 past that, one FP8 tl.dot per
-    group scaled by both operands' scales."""
+    """`kernels.fp8.fp8_group_linear_reference`: x quantized per token and group, then one
+    FP8 tl.dot per group of each [BLOCK_M, BLOCK_N] tile, scaled by both operands' scales."""
     (m, k), n = x.shape, qweight.shape[0]
     if qweight.dtype != FP8 or qweight.shape[1] != k or weight_scale.shape != (n, k // group):
         raise ValueError(
@@ -208,13 +228,13 @@ def fp8_group_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_m, block_n, warps = (16, 64, 4) if m <= 16 else (64, 128, 8)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    tiles = tiles or fp8_group_default_tiles(m)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _fp8_group_linear_kernel[grid](
         qx, x_scale, qweight, weight_scale, bias if bias is not None else x_scale, out,
         m, n, k // group,
         qx.stride(0), x_scale.stride(0), qweight.stride(0), weight_scale.stride(0), out.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, HAS_BIAS=bias is not None,
-        num_warps=warps, num_stages=3,
+        GROUP=group, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, HAS_BIAS=bias is not None,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

@@ -88,6 +88,9 @@ for part in $PARTS; do
 c['quantization_config'] = {'quant_method': 'fp8', 'activation_scheme': 'dynamic', \
 'weight_block_size': [128, 128]}; json.dump(c, open(sys.argv[2], 'w'))" \
             shared/presets/Llama-3.1-8B.json "$FP8_BLOCK_MODEL/config.json" ;;
+    fp8-block-sweep)  # block-scaled FP8 tiles at the Llama-3.1-8B shapes against bf16
+        run fp8-block-sweep python3 benchmarks/fp8_block_sweep.py \
+            --out "$OUT/fp8_block_sweep.json" --m ${FP8_BLOCK_M:-1 16 256 2048} ;;
     latency-fp8-block)  # dummy e4m3 weights with a scale per 128 x 128 block
         run latency-fp8-block python3 -m services bench latency "$FP8_BLOCK_MODEL" \
             "${COMMON[@]}" --input-len 128 --output-len 256 --profile-steps 20 \

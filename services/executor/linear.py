@@ -104,8 +104,8 @@ class Fp8Block(Fp8Checkpoint):
     columns (the checkpoint's per-block scales, expanded over the block's rows), activations
     quantized per token and group at each call."""
 
-    def __init__(self, group: int) -> None:
-        self.group = group
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.rows, self.group = block
 
     def create_weights(self, layer: Linear) -> None:
         n, k = layer.out_features, layer.in_features
@@ -116,8 +116,21 @@ class Fp8Block(Fp8Checkpoint):
         scale = torch.empty(n, k // self.group, dtype=torch.float32)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
+    def prepare(self, layer: Linear) -> None:
+        # cuBLASLt's blockwise-scaled GEMM (prefill) takes one scale per 128 x 128 block:
+        # kept beside the per-row copy where the layer's blocks line up (fused shards whose
+        # rows are whole blocks).
+        layer.block_scale = None
+        if (self.rows, self.group) == (128, 128) and layer.qweight.is_cuda:
+            block_scale = layer.weight_scale.data[::128].contiguous()
+            expanded = block_scale.repeat_interleave(128, dim=0)[: layer.out_features]
+            if torch.equal(expanded, layer.weight_scale.data):
+                layer.block_scale = block_scale  # [ceil(N / 128), K / 128]
+
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return ops.fp8_group_linear(x, layer.qweight, layer.weight_scale, self.group, layer.bias)
+        return ops.fp8_group_linear(
+            x, layer.qweight, layer.weight_scale, self.group, layer.bias, layer.block_scale
+        )
 
 
 class Int4WeightOnly:
@@ -262,7 +275,7 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
     if spec is None:
         return Unquantized()
     if spec.fp8_block is not None:
-        return Fp8Block(spec.fp8_block[1])
+        return Fp8Block(spec.fp8_block)
     if spec.checkpoint_format == "fp8":
         return Fp8Checkpoint() if spec.from_checkpoint else Fp8Dynamic()
     if spec.method == "gguf":
