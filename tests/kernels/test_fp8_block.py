@@ -84,3 +84,37 @@ def test_triton_matches_the_reference(m: int, group: int) -> None:
 def test_triton_at_llama_shapes(m: int) -> None:
     for n, k in ((6144, 4096), (4096, 14336)):  # qkv, down; DeepSeek's 128 x 128 blocks
         check(m, n, k, group=128, bias=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("m", [17, 18, 64, 300])  # rows padded to a multiple of 4 for cuBLASLt
+def test_cublas_blockwise_path_matches_the_reference(m: int) -> None:
+    from kernels import ops
+    from kernels.fp8 import quantize_fp8_blockwise_reference
+
+    generator = torch.Generator().manual_seed(m)
+    n, k = 640, 1024
+    w = torch.randn(n, k, generator=generator) * k**-0.5
+    qweight, weight_scale = (t.cuda() for t in quantize_fp8_blockwise_reference(w, (128, 128)))
+    block_scale = weight_scale[::128].contiguous()
+    x = torch.randn(m, k, generator=generator).cuda().to(torch.bfloat16)
+    bias = torch.randn(n, generator=generator).cuda().to(torch.bfloat16)
+    out = ops.fp8_group_linear(x, qweight, weight_scale, 128, bias, block_scale)
+    expected = fp8_group_linear_reference(x, qweight, weight_scale, 128, bias)
+    assert out.shape == (m, n)
+    scale = expected.float().abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=0, atol=2e-2 * scale)
+
+
+def test_block_quantization_shares_a_scale_per_block() -> None:
+    from kernels.fp8 import quantize_fp8_blockwise_reference
+
+    w = torch.randn(40, 64) * torch.linspace(0.1, 10, 40)[:, None]
+    q, scale = quantize_fp8_blockwise_reference(w, (16, 32))
+    assert scale.shape == (40, 2)
+    assert torch.equal(scale[:16], scale[:1].expand(16, 2))  # one block's rows share it
+    assert torch.allclose(scale[32:].amax(), w[32:].abs().amax() / FP8_MAX)
+    assert torch.allclose(
+        dequantize_fp8_groupwise(q, scale), w, rtol=1 / 16, atol=scale.max() * 2**-9
+    )
