@@ -14,9 +14,7 @@ Needs a CUDA GPU.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import quantized_sweep  # noqa: E402
-from benchmarks.linear_sweep import DEVICE, MODEL_LAYERS, MODEL_SHAPES, Shape  # noqa: E402
+from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
 from kernels import ops  # noqa: E402
 from kernels.fp8 import (  # noqa: E402
     fp8_group_linear_reference,
@@ -95,23 +93,6 @@ def _per_channel(x: torch.Tensor, layer: Any) -> torch.Tensor:
     return ops.fp8_linear(x, *layer)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama")
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 256, 2048])
-    parser.add_argument("--copies", type=int, default=4, help="weight copies (past the L2)")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    shapes = [s for s in MODEL_SHAPES[args.model] if s.name != "lm_head"]
-    rows = [r for shape in shapes for r in sweep_shape(shape, args.m, args.copies)]
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "model": args.model,
-        "layers": MODEL_LAYERS[args.model],
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(result, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    description = __doc__.split("\n\n")[0]
+    quantized_sweep.main(description, sweep_shape, [1, 16, 256, 2048], with_lm_head=False)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import quantized_sweep  # noqa: E402
 from benchmarks.gguf_writer import random_weight  # noqa: E402
-from benchmarks.linear_sweep import DEVICE, MODEL_LAYERS, MODEL_SHAPES, Shape  # noqa: E402
+from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
 from kernels.gguf import gguf_linear_reference  # noqa: E402
 from kernels.triton_gguf import GgufTiles, default_tiles, gguf_linear  # noqa: E402
 
@@ -91,27 +90,15 @@ def _gguf(x: torch.Tensor, raw: torch.Tensor, qtype: str, tiles: GgufTiles | Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama")
-    parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
-    parser.add_argument("--m", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    parser.add_argument("--copies", type=int, default=4, help="weight copies (past the L2)")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    shapes = [s for s in MODEL_SHAPES[args.model] if s.name != "lm_head"]
-    rows = [
-        r
-        for qtype in args.types
-        for shape in shapes
-        for r in sweep_shape(shape, qtype, args.m, args.copies)
-    ]
-    result = {
-        "device": torch.cuda.get_device_name(),
-        "model": args.model,
-        "layers": MODEL_LAYERS[args.model],
-        "rows": rows,
-    }
-    args.out.write_text(json.dumps(result, indent=1))
+    def types(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q8_0"])
+
+    args = quantized_sweep.parse_args(__doc__.split("\n\n")[0], [1, 4, 16, 64, 256], types)
+
+    def every_type(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]]:
+        return [r for qtype in args.types for r in sweep_shape(shape, qtype, ms, copies)]
+
+    quantized_sweep.run(args, every_type, with_lm_head=False)
 
 
 if __name__ == "__main__":

@@ -84,18 +84,32 @@ def print_best(shape: Shape, m: int, rows: list[dict[str, Any]]) -> None:
     print(f"{shape.name:8} M={m:<4} best {best['impl']}: {best['us']:.1f} us", flush=True)
 
 
+SweepShape = Callable[[Shape, list[int], int], list[dict[str, Any]]]  # (shape, Ms, copies)
+
+
 def main(
-    description: str,
-    sweep_shape: Callable[[Shape, list[int], int], list[dict[str, Any]]],
-    default_ms: list[int],
-    with_lm_head: bool,
+    description: str, sweep_shape: SweepShape, default_ms: list[int], with_lm_head: bool
 ) -> None:
+    run(parse_args(description, default_ms), sweep_shape, with_lm_head)
+
+
+def parse_args(
+    description: str,
+    default_ms: list[int],
+    more: Callable[[argparse.ArgumentParser], None] | None = None,  # a sweep's own flags
+) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="llama")
     parser.add_argument("--m", type=int, nargs="+", default=default_ms)
     parser.add_argument("--copies", type=int, default=8, help="weight copies (past the L2)")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    if more is not None:
+        more(parser)
+    return parser.parse_args()
+
+
+def run(args: argparse.Namespace, sweep_shape: SweepShape, with_lm_head: bool) -> None:
+    """Every shape of the model through `sweep_shape`; the rows as JSON in args.out."""
     shapes = [s for s in MODEL_SHAPES[args.model] if with_lm_head or s.name != "lm_head"]
     rows = [r for shape in shapes for r in sweep_shape(shape, args.m, args.copies)]
     result = {

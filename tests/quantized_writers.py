@@ -207,7 +207,7 @@ def write_fp8(model: torch.nn.Module, folder: Path, per_tensor: bool) -> None:
     """FP8 weights with dynamic per-token activations: per output channel through
     compressed-tensors' own quantize op and FP8_DYNAMIC scheme (what llm-compressor writes),
     or one scale per tensor under transformers' `quant_method: fp8` (as AutoFP8 writes it)."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
     from compressed_tensors.quantization.quant_scheme import FP8_DYNAMIC
 
@@ -231,18 +231,26 @@ def write_fp8(model: torch.nn.Module, folder: Path, per_tensor: bool) -> None:
         config: dict[str, object] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     else:
         scheme = QuantizationScheme(targets=["Linear"], **FP8_DYNAMIC)
-        config = QuantizationConfig(
-            config_groups={"group_0": scheme},
-            format="float-quantized",
-            quantization_status="compressed",
-            ignore=["lm_head"],
-        ).model_dump(mode="json")
-        config["quant_method"] = "compressed-tensors"
+        config = _float_quantized_config(scheme)
     layers: dict[str, Quantized | None] = dict.fromkeys(dequantized)
     _save(model, folder, layers, tensors, config)
     modules = dict(model.named_modules())
     for name, weight in dequantized.items():
         modules[name].weight.data = weight
+
+
+def _float_quantized_config(scheme: object) -> dict[str, object]:
+    """compressed-tensors' config.json entry for FP8 (float-quantized) weights."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig(
+        config_groups={"group_0": scheme},
+        format="float-quantized",
+        quantization_status="compressed",
+        ignore=["lm_head"],
+    ).model_dump(mode="json")
+    config["quant_method"] = "compressed-tensors"
+    return config
 
 
 def write_fp8_block(
@@ -251,7 +259,7 @@ def write_fp8_block(
     """Block-scaled FP8 weights, a scale per [rows, columns] block: through compressed-tensors'
     own quantize op and its FP8_BLOCK scheme (activations per token and group, dynamic), or
     as transformers' `quant_method: fp8` with `weight_block_size` and `weight_scale_inv`."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
     from compressed_tensors.quantization.quant_scheme import FP8_BLOCK
 
@@ -280,13 +288,7 @@ def write_fp8_block(
         scheme = QuantizationScheme(
             targets=["Linear"], weights=weights, input_activations=activations
         )
-        config = QuantizationConfig(
-            config_groups={"group_0": scheme},
-            format="float-quantized",
-            quantization_status="compressed",
-            ignore=["lm_head"],
-        ).model_dump(mode="json")
-        config["quant_method"] = "compressed-tensors"
+        config = _float_quantized_config(scheme)
     else:
         config = {
             "quant_method": "fp8",
