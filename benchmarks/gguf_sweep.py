@@ -30,7 +30,13 @@ from benchmarks import quantized_sweep  # noqa: E402
 from benchmarks.gguf_writer import random_weight  # noqa: E402
 from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
 from kernels.gguf import gguf_linear_reference  # noqa: E402
-from kernels.triton_gguf import GgufTiles, default_tiles, gguf_linear  # noqa: E402
+from kernels.triton_gguf import (  # noqa: E402
+    DEQUANTIZE_ABOVE_ROWS,
+    FMA_MAX_ROWS,
+    GgufTiles,
+    default_tiles,
+    gguf_linear,
+)
 
 # (block_m, block_n, num_warps, use_dot, num_stages)
 CANDIDATES = [
@@ -49,8 +55,8 @@ CANDIDATES += [GgufTiles(*c) for c in [
 
 def tiles_for(tiles: GgufTiles, m: int) -> GgufTiles | None:
     if tiles.use_dot:
-        return tiles if 4 < m <= 64 else None
-    return tiles if m <= 2 else None
+        return tiles if FMA_MAX_ROWS < m <= DEQUANTIZE_ABOVE_ROWS else None
+    return tiles if m <= FMA_MAX_ROWS else None
 
 
 def label(tiles: GgufTiles) -> str:

@@ -62,6 +62,30 @@ def quantize_fp8_groupwise_reference(
     return q.reshape(rows, cols), scale[..., 0]
 
 
+def expand_block_scales(scale: torch.Tensor, rows: int, n: int) -> torch.Tensor:
+    """A scale per [rows, columns] block [ceil(N / rows), G] -> one per output row [N, G]."""
+    return scale.repeat_interleave(rows, dim=0)[:n].contiguous()
+
+
+def aligned_block_scales(weight_scale: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The scale per [rows, columns] block back from one per row [N, G] -> [ceil(N / rows), G],
+    or None where the layer's blocks do not start every `rows` rows (a fused projection whose
+    pieces are not whole blocks)."""
+    block_scale = weight_scale[::rows].contiguous()
+    expanded = expand_block_scales(block_scale, rows, weight_scale.shape[0])
+    return block_scale if torch.equal(expanded, weight_scale) else None
+
+
+def check_group_layer(qweight: torch.Tensor, weight_scale: torch.Tensor, group: int) -> None:
+    """A block-scaled FP8 weight [N, K] with its scales [N, K / group], or a clear error."""
+    n, k = qweight.shape
+    if qweight.dtype != FP8 or k % group or tuple(weight_scale.shape) != (n, k // group):
+        raise ValueError(
+            f"qweight {tuple(qweight.shape)} {qweight.dtype}, weight_scale "
+            f"{tuple(weight_scale.shape)}: not a block-scaled FP8 layer of groups of {group}"
+        )
+
+
 def quantize_fp8_blockwise_reference(
     w: torch.Tensor,  # [N, K]
     block: tuple[int, int],
@@ -69,10 +93,12 @@ def quantize_fp8_blockwise_reference(
     """A weight quantized per [rows, columns] block (as block-scaled checkpoints hold it), the
     scales returned in kvflow's layout: one per output row and group of columns."""
     (n, k), (rows, cols) = w.shape, block
+    if k % cols:
+        raise ValueError(f"{k} columns are not a multiple of the block's {cols}")
     padded = torch.cat([w.float(), w.new_zeros(-n % rows, k, dtype=torch.float32)])
     blocks = padded.reshape(-1, rows, k // cols, cols)
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)  # [N / rows, G]
-    per_row = scale.repeat_interleave(rows, dim=0)[:n]  # [N, G]
+    per_row = expand_block_scales(scale, rows, n)  # [N, G]
     q = (w.float().reshape(n, k // cols, cols) / per_row[..., None]).clamp(-FP8_MAX, FP8_MAX)
     return q.to(FP8).reshape(n, k), per_row
 
@@ -92,6 +118,7 @@ def fp8_group_linear_reference(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [M, N], x.dtype
     """x quantized per token and group, times the dequantized weight, in float32."""
+    check_group_layer(qweight, weight_scale, group)
     qx, x_scale = quantize_fp8_groupwise_reference(x, group)
     out = (
         dequantize_fp8_groupwise(qx, x_scale) @ dequantize_fp8_groupwise(qweight, weight_scale).t()

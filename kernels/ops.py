@@ -165,6 +165,16 @@ def fp8_linear(
     )
 
 
+def blockwise_scaled_mm_supported(device: torch.device, k: int) -> bool:
+    """Whether cuBLASLt's blockwise-scaled FP8 GEMM takes a 128 x 128-block layer of K inputs
+    here: Hopper (torch implements the recipe for SM90 only), CUDA 12.9 or newer, and K / 128 a
+    multiple of 4 (its scales' leading dimension must be 16-byte aligned)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
+    return cuda >= (12, 9) and k % 128 == 0 and (k // 128) % 4 == 0
+
+
 def fp8_group_linear(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,  # [N, K] float8_e4m3fn
@@ -174,19 +184,20 @@ def fp8_group_linear(
     block_scale: torch.Tensor | None = None,  # [ceil(N / 128), K / 128]: 128 x 128 blocks
 ) -> torch.Tensor:  # [M, N], x.dtype
     """A block-scaled FP8 W8A8 layer (`kernels/fp8.py`): on CUDA the activation quantized per
-    token and group, then up to SKINNY_MAX_ROWS rows (or without `block_scale`) one Triton
-    kernel, past that cuBLASLt's blockwise-scaled FP8 GEMM; elsewhere the reference."""
+    token and group, then one Triton kernel; past SKINNY_MAX_ROWS rows of bf16, cuBLASLt's
+    blockwise-scaled FP8 GEMM instead where the layer has `block_scale` (Fp8Block.prepare
+    makes one only where cuBLASLt takes the layer); elsewhere the reference."""
     module = _triton("fp8", x)
     if module is None:
         return fp8_group_linear_reference(x, qweight, weight_scale, group, bias)
-    if x.shape[0] <= SKINNY_MAX_ROWS or block_scale is None or group != 128:
+    small = x.shape[0] <= SKINNY_MAX_ROWS
+    if small or block_scale is None or x.dtype != torch.bfloat16:
         return module.fp8_group_linear(x, qweight, weight_scale, group, bias)
     m = x.shape[0]
     # cuBLASLt's layouts: the activation scales column-major, with a leading dimension (M) a
     # multiple of 4 (so rows are padded to one); the weight's [K / 128, N / 128].
-    qx, x_scale = module.quantize_fp8_groupwise(
-        torch.nn.functional.pad(x, (0, 0, 0, -m % 4)), group
-    )
+    padded = x if m % 4 == 0 else torch.nn.functional.pad(x, (0, 0, 0, -m % 4))
+    qx, x_scale = module.quantize_fp8_groupwise(padded, group)
     out = torch._scaled_mm(
         qx,
         qweight.t(),

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE
+from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, check_group_layer
 from kernels.triton_e4m3 import round_to_e4m3
 from kernels.triton_linear import MAX_ROWS, LinearTiles, launch_skinny_linear
 
@@ -108,6 +108,9 @@ def fp8_default_tiles(m: int, n: int, k: int) -> LinearTiles:
 # -- Block-scaled FP8: activations per token and group, one tl.dot per group --------------
 
 
+GROUP_MIN = 32  # an FP8 tl.dot needs K >= 32
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8GroupTiles:
     block_m: int  # >= 16 (tl.dot)
@@ -119,7 +122,8 @@ class Fp8GroupTiles:
 def fp8_group_default_tiles(m: int) -> Fp8GroupTiles:
     """benchmarks/fp8_block_sweep.py's picks (H100, Llama-3.1-8B shapes, 128 x 128 blocks,
     2026-11-26): within 5 % of per-channel FP8's skinny kernel at 1-16 rows on qkv, o and
-    gate_up; below cuBLASLt from 256 rows, where `ops.fp8_group_linear` uses cuBLASLt."""
+    gate_up. Past 16 rows `ops.fp8_group_linear` uses cuBLASLt where it can (faster from 256
+    rows on); these tiles serve the layers it cannot take."""
     if m <= 16:
         return Fp8GroupTiles(16, 32, num_warps=4, num_stages=4)
     return Fp8GroupTiles(64, 64, 4, 4) if m <= 512 else Fp8GroupTiles(64, 128, 4, 3)
@@ -219,10 +223,10 @@ def fp8_group_linear(
     """`kernels.fp8.fp8_group_linear_reference`: x quantized per token and group, then one
     FP8 tl.dot per group of each [BLOCK_M, BLOCK_N] tile, scaled by both operands' scales."""
     (m, k), n = x.shape, qweight.shape[0]
-    if qweight.dtype != FP8 or qweight.shape[1] != k or weight_scale.shape != (n, k // group):
+    check_group_layer(qweight, weight_scale, group)
+    if qweight.shape[1] != k or group < GROUP_MIN:
         raise ValueError(
-            f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}, "
-            f"weight_scale {tuple(weight_scale.shape)}: not a block-scaled FP8 layer of {group}"
+            f"x {tuple(x.shape)} against qweight {tuple(qweight.shape)}, group {group}"
         )
     qx, x_scale = quantize_fp8_groupwise(x, group)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -310,9 +310,12 @@ def gguf_linear(
     tiles: GgufTiles | None = None,  # None: default_tiles(M)
 ) -> torch.Tensor:  # [M, N], x.dtype
     """`kernels.gguf.gguf_linear_reference`: up to DEQUANTIZE_ABOVE_ROWS rows one launch that
-    reads the blocks; past that the weight dequantized, then cuBLAS."""
+    reads the blocks; past that the weight dequantized, then cuBLAS (unless `tiles` asks for
+    the launch, as the sweep does)."""
     if x.dtype not in DTYPES or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be a row-major [M, K] float tensor, got {x.dtype} {x.shape}")
+    if x.device != raw.device:
+        raise ValueError(f"x is on {x.device}, the GGUF weight on {raw.device}")
     m, k = x.shape
     t = _check_weight(raw, qtype, k)
     n = raw.shape[0]

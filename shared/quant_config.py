@@ -36,7 +36,9 @@ class QuantSpec:
     @property
     def checkpoint_format(self) -> str:
         """How the quantized tensors are laid out on disk (services/executor/
-        quantized_checkpoints.py): fp8, or the int4 method's own layout."""
+        quantized_checkpoints.py): fp8, fp8_block (transformers' block scales, named
+        weight_scale_inv), or the method's own layout (awq, gptq, compressed-tensors int4;
+        gguf, which iter_gguf reads)."""
         if self.method == "fp8":  # transformers' block scales are named weight_scale_inv
             return "fp8" if self.fp8_block is None else "fp8_block"
         return "fp8" if self.fp8_weights else self.method
@@ -60,9 +62,10 @@ class QuantSpec:
 
 
 def read_quant_spec(
-    flag: str | None, source: ModelSource, load_format: str, device_type: str = "cpu"
+    flag: str | None, source: ModelSource, load_format: str, *, device_type: str
 ) -> QuantSpec | None:
-    """The quantization to run, from the flag and the checkpoint; None: float layers."""
+    """The quantization to run, from the flag and the checkpoint; None: float layers.
+    `device_type` ("cuda", "cpu") decides only for GGUF files (see `_gguf`)."""
     if source.is_gguf and load_format in ("auto", "gguf"):
         return _gguf(flag, device_type)
     if flag == "gguf":
@@ -163,9 +166,9 @@ def _fp8_block(value: Any, field: str) -> tuple[int, int] | None:
         return None
     ok = isinstance(value, list | tuple) and len(value) == 2
     ok = ok and all(isinstance(v, int) and v > 0 for v in value)
-    # the kernels take a group of columns per step: a power of two of at least 16
-    ok = ok and value[1] >= 16 and value[1] & (value[1] - 1) == 0
-    _require(ok, field, value, "[rows, columns], columns a power of two >= 16")
+    # the kernel takes a group of columns per FP8 tl.dot: a power of two of at least 32
+    ok = ok and value[1] >= 32 and value[1] & (value[1] - 1) == 0
+    _require(ok, field, value, "[rows, columns], columns a power of two >= 32")
     return int(value[0]), int(value[1])
 
 

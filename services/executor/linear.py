@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.fp8 import FP8, FP8_MAX, quantize_fp8_rowwise_reference
+from kernels.fp8 import FP8, FP8_MAX, aligned_block_scales, quantize_fp8_rowwise_reference
+from kernels.gguf import row_bytes
 from kernels.int4 import PACK
 from shared.quant_config import QuantSpec
 
@@ -117,15 +118,15 @@ class Fp8Block(Fp8Checkpoint):
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
     def prepare(self, layer: Linear) -> None:
-        # cuBLASLt's blockwise-scaled GEMM (prefill) takes one scale per 128 x 128 block:
-        # kept beside the per-row copy where the layer's blocks line up (fused shards whose
-        # rows are whole blocks).
-        layer.block_scale = None
-        if (self.rows, self.group) == (128, 128) and layer.qweight.is_cuda:
-            block_scale = layer.weight_scale.data[::128].contiguous()
-            expanded = block_scale.repeat_interleave(128, dim=0)[: layer.out_features]
-            if torch.equal(expanded, layer.weight_scale.data):
-                layer.block_scale = block_scale  # [ceil(N / 128), K / 128]
+        # cuBLASLt's blockwise-scaled GEMM (past 16 rows) takes one scale per 128 x 128 block:
+        # kept beside the per-row copy where cuBLASLt takes the layer and its blocks line up
+        # (fused pieces of whole blocks); elsewhere the Triton kernel runs every row count.
+        layer.block_scale = None  # [ceil(N / 128), K / 128]
+        k = layer.in_features
+        if (self.rows, self.group) == (128, 128) and ops.blockwise_scaled_mm_supported(
+            layer.qweight.device, k
+        ):
+            layer.block_scale = aligned_block_scales(layer.weight_scale.data, 128)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return ops.fp8_group_linear(
@@ -222,7 +223,17 @@ class GgufBlocks:
         raise ValueError("GGUF weights come from a .gguf file; --load-format dummy has none")
 
     def load_shard(self, layer: Linear, start: int, weight: PackedWeight) -> None:
-        layer.shards[start] = weight
+        """Checked and moved to the layer's device as it arrives (so the host never holds
+        the whole model); fused pieces are joined in `prepare`."""
+        k, data = layer.in_features, weight.data
+        width = k if weight.qtype == "float" else row_bytes(weight.qtype, k)
+        if data.dim() != 2 or data.shape[1] != width:
+            raise ValueError(
+                f"a {weight.qtype} GGUF weight of {k} inputs has rows of {width} values "
+                f"(bytes), got {tuple(data.shape)}"
+            )
+        dtype = layer.float_dtype if weight.qtype == "float" else torch.uint8
+        layer.shards[start] = PackedWeight(weight.qtype, data.to(layer.device, dtype))
 
     def prepare(self, layer: Linear) -> None:
         starts = sorted(layer.shards)
@@ -240,10 +251,8 @@ class GgufBlocks:
             else:
                 runs.append([shard])
         for i, run in enumerate(runs):
-            data = torch.cat([s.data for s in run])
-            if run[0].qtype == "float":
-                data = data.to(layer.float_dtype)
-            layer.register_buffer(f"qweight{i}", data.to(layer.device))
+            data = run[0].data if len(run) == 1 else torch.cat([s.data for s in run])
+            layer.register_buffer(f"qweight{i}", data)
         layer.runs = [run[0].qtype for run in runs]
         layer.shards = {}
 

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from kernels.fp8 import expand_block_scales
 from kernels.int4 import pack_int4, unpack_int4
 from shared.quant_config import QuantSpec
 
@@ -227,7 +228,7 @@ def _row_group_scales(
             f"block scales {tuple(scale.shape)} do not tile weight {tuple(weight.shape)} in "
             f"blocks of {list(block)}"
         )
-    return scale.repeat_interleave(rows, dim=0)[:n].contiguous()
+    return expand_block_scales(scale, rows, n)
 
 
 _TRANSLATE = {

@@ -177,7 +177,7 @@ def load_model(
 ) -> DecoderForCausalLM:
     """`quantization`: the --quantization flag; the checkpoint's own config decides when set
     (shared/quant_config.py)."""
-    spec = read_quant_spec(quantization, source, load_format, device.type)
+    spec = read_quant_spec(quantization, source, load_format, device_type=device.type)
     fp8 = spec is not None and spec.checkpoint_format == "fp8" and spec.fp8_block is None
     if fp8 and device.type == "cuda" and dtype != torch.bfloat16:
         # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -85,9 +86,15 @@ def test_the_blocks_are_kept_as_the_file_holds_them(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     write_gguf(path, shape, lambda _layer, _piece: "Q4_K", output_type=None)
     llm = LLM(str(path), tokenizer=str(tmp_path), device="cpu", quantization="gguf")
-    down = llm.runner.model.layers[0].mlp.down_proj
-    assert down.qweight0.dtype == torch.uint8 and down.qweight0.shape == (256, 512 // 256 * 144)
-    assert down.weight is None
+    tensors = {t.name: torch.from_numpy(t.data.copy()) for t in gguf.GGUFReader(path).tensors}
+    layer = llm.runner.model.layers[0]
+    down = layer.mlp.down_proj
+    assert down.weight is None and torch.equal(down.qweight0, tensors["blk.0.ffn_down.weight"])
+    # q and k: llama.cpp's row order undone on whole rows of blocks (head by head, the
+    # rows of each RoPE pair's halves brought back together)
+    q_file = tensors["blk.0.attn_q.weight"].reshape(4, 32, 2, -1)  # [heads, pairs, 2, bytes]
+    q_ours = layer.self_attn.qkv_proj.qweight0[:256].reshape(4, 2, 32, -1)
+    assert torch.equal(q_ours, q_file.transpose(1, 2))
 
 
 def test_a_flag_that_does_not_fit_the_file_is_refused(tmp_path: Path) -> None:

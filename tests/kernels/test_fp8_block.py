@@ -9,6 +9,7 @@ import torch
 
 from kernels.fp8 import (
     FP8_MAX,
+    aligned_block_scales,
     dequantize_fp8_groupwise,
     fp8_group_linear_reference,
     quantize_fp8_groupwise_reference,
@@ -89,15 +90,26 @@ def test_triton_at_llama_shapes(m: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("m", [17, 18, 64, 300])  # rows padded to a multiple of 4 for cuBLASLt
-def test_cublas_blockwise_path_matches_the_reference(m: int) -> None:
+def test_cublas_blockwise_path_matches_the_reference(
+    m: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kernels import ops
     from kernels.fp8 import quantize_fp8_blockwise_reference
+
+    if not ops.blockwise_scaled_mm_supported(torch.device("cuda"), 1024):
+        pytest.skip("cuBLASLt's blockwise-scaled FP8 GEMM needs Hopper and CUDA 12.9")
+
+    def no_triton(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("the Triton kernel ran instead of cuBLASLt")
+
+    monkeypatch.setattr(triton_fp8, "fp8_group_linear", no_triton)
 
     generator = torch.Generator().manual_seed(m)
     n, k = 640, 1024
     w = torch.randn(n, k, generator=generator) * k**-0.5
     qweight, weight_scale = (t.cuda() for t in quantize_fp8_blockwise_reference(w, (128, 128)))
-    block_scale = weight_scale[::128].contiguous()
+    block_scale = aligned_block_scales(weight_scale, 128)
+    assert block_scale is not None
     x = torch.randn(m, k, generator=generator).cuda().to(torch.bfloat16)
     bias = torch.randn(n, generator=generator).cuda().to(torch.bfloat16)
     out = ops.fp8_group_linear(x, qweight, weight_scale, 128, bias, block_scale)
@@ -118,3 +130,12 @@ def test_block_quantization_shares_a_scale_per_block() -> None:
     assert torch.allclose(
         dequantize_fp8_groupwise(q, scale), w, rtol=1 / 16, atol=scale.max() * 2**-9
     )
+
+
+def test_block_scales_come_back_only_where_the_blocks_line_up() -> None:
+    scale = torch.rand(5, 4)  # five blocks of 128 rows
+    whole = torch.cat([scale[:2].repeat_interleave(128, 0), scale[2:].repeat_interleave(128, 0)])
+    assert torch.equal(aligned_block_scales(whole, 128), scale)  # q (256 rows) + k + v
+    # a fused projection whose first piece is 200 rows: its second starts inside a block
+    shifted = torch.cat([scale[:2].repeat_interleave(100, 0), scale[2:].repeat_interleave(128, 0)])
+    assert aligned_block_scales(shifted, 128) is None

@@ -116,13 +116,13 @@ def source_with(tmp_path: Path, quantization_config: dict[str, object] | None) -
 
 def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: Path) -> None:
     gptq = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True, "sym": False}
-    spec = read_quant_spec(None, source_with(tmp_path, gptq), "auto")
+    spec = read_quant_spec(None, source_with(tmp_path, gptq), "auto", device_type="cpu")
     assert spec == QuantSpec(
         "gptq", True, group_size=64, symmetric=False, act_order=True, zeros_minus_one=True
     )
-    assert read_quant_spec("gptq", source_with(tmp_path, gptq), "auto") == spec
+    assert read_quant_spec("gptq", source_with(tmp_path, gptq), "auto", device_type="cpu") == spec
     with pytest.raises(ValueError, match="does not match the checkpoint"):
-        read_quant_spec("awq", source_with(tmp_path, gptq), "auto")
+        read_quant_spec("awq", source_with(tmp_path, gptq), "auto", device_type="cpu")
 
 
 @pytest.mark.parametrize(
@@ -141,6 +141,7 @@ def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: 
             "format",
         ),
         ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "weight_block_size"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 16]}, "weight_block_size"),
         ({"quant_method": "gptq", "dynamic": {"-:.*down_proj": {}}}, "dynamic"),
         ({"quant_method": "gptq", "lm_head": True}, "lm_head"),
         (
@@ -172,29 +173,35 @@ def test_unsupported_configs_are_refused_by_field(
     tmp_path: Path, config: dict[str, object], field: str
 ) -> None:
     with pytest.raises(ValueError, match=f"quantization_config.{field}"):
-        read_quant_spec(None, source_with(tmp_path, config), "auto")
+        read_quant_spec(None, source_with(tmp_path, config), "auto", device_type="cpu")
 
 
 def test_int4_flags_without_a_checkpoint_need_dummy_weights(tmp_path: Path) -> None:
     source = source_with(tmp_path, None)
-    assert read_quant_spec(None, source, "auto") is None
-    assert read_quant_spec("fp8", source, "auto") == QuantSpec("fp8", from_checkpoint=False)
-    assert read_quant_spec("awq", source, "dummy") == QuantSpec("awq", from_checkpoint=False)
+    assert read_quant_spec(None, source, "auto", device_type="cpu") is None
+    assert read_quant_spec("fp8", source, "auto", device_type="cpu") == QuantSpec(
+        "fp8", from_checkpoint=False
+    )
+    assert read_quant_spec("awq", source, "dummy", device_type="cpu") == QuantSpec(
+        "awq", from_checkpoint=False
+    )
     with pytest.raises(ValueError, match="needs a checkpoint quantized with gptq"):
-        read_quant_spec("gptq", source, "auto")
+        read_quant_spec("gptq", source, "auto", device_type="cpu")
 
 
 def test_gguf_files_keep_their_blocks_on_cuda_and_on_request(tmp_path: Path) -> None:
     gguf_file = ModelSource(tmp_path / "model.gguf", "gguf", "model")
     gguf_spec = QuantSpec("gguf", from_checkpoint=True)
-    assert read_quant_spec(None, gguf_file, "auto", "cuda") == gguf_spec
-    assert read_quant_spec(None, gguf_file, "auto", "cpu") is None  # dequantized at load
-    assert read_quant_spec("gguf", gguf_file, "auto", "cpu") == gguf_spec
-    assert read_quant_spec("fp8", gguf_file, "auto", "cuda") == QuantSpec("fp8", False)
+    assert read_quant_spec(None, gguf_file, "auto", device_type="cuda") == gguf_spec
+    assert (
+        read_quant_spec(None, gguf_file, "auto", device_type="cpu") is None
+    )  # dequantized at load
+    assert read_quant_spec("gguf", gguf_file, "auto", device_type="cpu") == gguf_spec
+    assert read_quant_spec("fp8", gguf_file, "auto", device_type="cuda") == QuantSpec("fp8", False)
     with pytest.raises(ValueError, match="does not apply to a GGUF file"):
-        read_quant_spec("gptq", gguf_file, "auto", "cuda")
+        read_quant_spec("gptq", gguf_file, "auto", device_type="cuda")
     with pytest.raises(ValueError, match=r"needs a \.gguf model file"):
-        read_quant_spec("gguf", source_with(tmp_path, None), "auto", "cuda")
+        read_quant_spec("gguf", source_with(tmp_path, None), "auto", device_type="cuda")
 
 
 def test_ignore_entries_match_as_their_formats_define() -> None:
@@ -243,7 +250,9 @@ def test_block_fp8_configs_are_read_from_both_formats(tmp_path: Path) -> None:
     from compressed_tensors.quantization.quant_scheme import FP8_BLOCK
 
     transformers_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    spec = read_quant_spec(None, source_with(tmp_path, transformers_config), "auto")
+    spec = read_quant_spec(
+        None, source_with(tmp_path, transformers_config), "auto", device_type="cpu"
+    )
     assert spec == QuantSpec("fp8", True, fp8_block=(128, 128))
     assert spec.checkpoint_format == "fp8_block"  # scales named weight_scale_inv
     ct = QuantizationConfig(
@@ -251,11 +260,11 @@ def test_block_fp8_configs_are_read_from_both_formats(tmp_path: Path) -> None:
         format="float-quantized",
     ).model_dump(mode="json")
     ct["quant_method"] = "compressed-tensors"
-    spec = read_quant_spec(None, source_with(tmp_path, ct), "auto")
+    spec = read_quant_spec(None, source_with(tmp_path, ct), "auto", device_type="cpu")
     assert spec is not None and spec.fp8_block == (128, 128) and spec.checkpoint_format == "fp8"
     ct["config_groups"]["g"]["input_activations"]["group_size"] = 64  # not the block's columns
     with pytest.raises(ValueError, match=r"quantization_config\.input_activations"):
-        read_quant_spec(None, source_with(tmp_path, ct), "auto")
+        read_quant_spec(None, source_with(tmp_path, ct), "auto", device_type="cpu")
 
 
 def test_zero_points_that_contradict_the_config_are_refused() -> None:
