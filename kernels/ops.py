@@ -105,6 +105,8 @@ def rotary_write_kv(
     q_norm_weight: torch.Tensor | None = None,  # [head_dim], Qwen3's per-head q/k norm
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,  # an FP8 cache's scales: it holds key / k_scale, value / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """(q/k norm,) rotary, and the rotated key and the value into the cache; returns the query.
 
@@ -125,6 +127,8 @@ def rotary_write_kv(
         q_norm_weight,
         k_norm_weight,
         eps,
+        k_scale,
+        v_scale,
     )
 
 

@@ -26,6 +26,8 @@ def rotary_write_kv_reference(
     q_norm_weight: torch.Tensor | None = None,  # [head_dim]
     k_norm_weight: torch.Tensor | None = None,  # [head_dim]
     eps: float = 1e-6,
+    k_scale: float = 1.0,  # an FP8 cache's scales (kernels/cache.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]: the rotated query, a new tensor
     """Rotated query; the rotated key and the value go to the caches (negative slot: nowhere).
 
@@ -38,5 +40,5 @@ def rotary_write_kv_reference(
     if k_norm_weight is not None:
         key = rms_norm_reference(key, k_norm_weight, eps).to(key.dtype)  # [T, KV, D]
     query, key = rotary_embedding_reference(positions.long(), query, key, cos_sin_cache)
-    write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+    write_kv_reference(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     return query

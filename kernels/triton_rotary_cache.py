@@ -106,12 +106,12 @@ def _store_halves(ptr, offs, lo, hi, half, mask):
 
 
 @triton.jit
-def _store_cache_halves(ptr, offs, lo, hi, half, mask, src_dtype: tl.constexpr):
-    """Into the KV cache: an FP8 cache (e4m3, scale 1.0) takes the values as the reference
-    does, rounded to the key's dtype first, then saturated and rounded to e4m3."""
+def _store_cache_halves(ptr, offs, lo, hi, half, mask, src_dtype: tl.constexpr, inv_scale):
+    """Into the KV cache: an FP8 cache (e4m3, values / scale) takes them as the reference
+    does, rounded to the key's dtype first, times the inverse scale, saturated and rounded."""
     if ptr.dtype.element_ty == tl.float8e4nv:
-        lo = to_e4m3(lo.to(src_dtype).to(tl.float32))
-        hi = to_e4m3(hi.to(src_dtype).to(tl.float32))
+        lo = to_e4m3(lo.to(src_dtype).to(tl.float32) * inv_scale)
+        hi = to_e4m3(hi.to(src_dtype).to(tl.float32) * inv_scale)
     _store_halves(ptr, offs, lo, hi, half, mask)
 
 
@@ -147,6 +147,8 @@ def _rotary_write_kv_kernel(
     half,
     block_size,
     eps,
+    k_inv_scale,  # float32: 1 / the FP8 cache's key scale (1.0 for other caches)
+    v_inv_scale,
     HAS_Q_NORM: tl.constexpr,
     HAS_K_NORM: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -197,14 +199,21 @@ def _rotary_write_kv_kernel(
         k_lo, k_hi = _rms_norm_halves(k_lo, k_hi, k_weight_ptr, dims, dim_ok, half, eps)
     k_lo, k_hi = _rotate(k_lo, k_hi, cos_lo, cos_hi, sin_lo, sin_hi)
     _store_cache_halves(
-        key_cache_ptr, cache_offs, k_lo, k_hi, half, kv_mask, key_ptr.dtype.element_ty
+        key_cache_ptr, cache_offs, k_lo, k_hi, half, kv_mask, key_ptr.dtype.element_ty, k_inv_scale
     )
 
     v_row = value_ptr + tok * stride_v_tok
     v_offs = kv_heads[:, None] * stride_v_head + dims[None, :]
     v_lo, v_hi = _load_halves(v_row, v_offs, kv_mask, half)
     _store_cache_halves(
-        value_cache_ptr, cache_offs, v_lo, v_hi, half, kv_mask, value_ptr.dtype.element_ty
+        value_cache_ptr,
+        cache_offs,
+        v_lo,
+        v_hi,
+        half,
+        kv_mask,
+        value_ptr.dtype.element_ty,
+        v_inv_scale,
     )
 
 
@@ -220,6 +229,8 @@ def rotary_write_kv(
     q_norm_weight: torch.Tensor | None = None,  # [D]
     k_norm_weight: torch.Tensor | None = None,  # [D]
     eps: float = 1e-6,
+    k_scale: float = 1.0,  # an FP8 cache's scales (kernels/cache.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # the query itself, rotated
     """Rotate the query in place; write the rotated key and the value to their cache slots.
 
@@ -227,6 +238,8 @@ def rotary_write_kv(
     below max_position and slots below num_blocks * block_size.
     """
     _check_tokens(positions, query, key, value, slot_mapping)
+    if key_cache.dtype != torch.float8_e4m3fn and (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError(f"KV scales apply to an FP8 cache, not {key_cache.dtype}")
     _check_tables(query, key, cos_sin_cache, key_cache, value_cache, q_norm_weight, k_norm_weight)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -274,6 +287,8 @@ def rotary_write_kv(
         half,
         key_cache.shape[1],
         eps,
+        1.0 / k_scale,
+        1.0 / v_scale,
         HAS_Q_NORM=q_norm_weight is not None,
         HAS_K_NORM=k_norm_weight is not None,
         BLOCK_Q=block_q,

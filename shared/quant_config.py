@@ -10,6 +10,7 @@ refused at startup with the field that says so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class QuantSpec:
     ignore: tuple[str, ...] = ()  # module names left unquantized (lm_head is always)
     fp8_weights: bool = False  # a compressed-tensors checkpoint of FP8 (float-quantized) weights
     fp8_block: tuple[int, int] | None = None  # FP8: weight rows and columns per scale (blocks)
+    kv_scales: bool = False  # each attention layer has k_scale and v_scale (an FP8 KV cache's)
 
     @property
     def checkpoint_format(self) -> str:
@@ -124,12 +126,25 @@ def _from_checkpoint(cfg: dict[str, Any]) -> QuantSpec:
     if method == "gptq":
         return _gptq(cfg)
     if method == "compressed-tensors":
-        return _compressed_tensors(cfg)
+        kv_scales = _kv_scales(cfg)
+        return dataclasses.replace(_compressed_tensors(cfg), kv_scales=kv_scales)
     raise ValueError(
         f"quantization_config.quant_method {method!r} is not supported; kvflow loads "
         f"{', '.join(METHODS)} checkpoints (and quantizes float weights with "
         "--quantization fp8)"
     )
+
+
+def _kv_scales(cfg: dict[str, Any]) -> bool:
+    """compressed-tensors' kv_cache_scheme: a calibrated e4m3 scale per attention layer for
+    keys and one for values (k_scale, v_scale), which `--kv-cache-dtype fp8` applies."""
+    scheme = cfg.get("kv_cache_scheme")
+    if scheme is None:
+        return False
+    kind = f"{scheme.get('type')}{scheme.get('num_bits')}"
+    ok = kind == "float8" and scheme.get("strategy") == "tensor" and not scheme.get("dynamic")
+    _require(ok, "kv_cache_scheme", scheme, "FP8, static, one scale per tensor")
+    return True
 
 
 def _require(ok: bool, field: str, value: Any, supported: str) -> None:
@@ -216,8 +231,6 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
     llm-compressor's FP8_DYNAMIC scheme writes it)."""
     groups = cfg.get("config_groups") or {}
     _require(len(groups) == 1, "config_groups", list(groups), "exactly one group")
-    kv_scheme = cfg.get("kv_cache_scheme")
-    _require(kv_scheme is None, "kv_cache_scheme", kv_scheme, "none; see --kv-cache-dtype fp8")
     (scheme,) = groups.values()
     targets = scheme.get("targets")
     _require(targets == ["Linear"], "config_groups.targets", targets, '["Linear"]')

@@ -17,6 +17,7 @@ from services.executor.kv_cache import (
     num_kv_blocks,
     profile_step_peak,
 )
+from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.sampler import (
     PendingSample,
@@ -55,6 +56,23 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def log_kv_scales(model: DecoderForCausalLM, kv_dtype: torch.dtype) -> None:
+    """Say whether the checkpoint's calibrated KV cache scales are used (FP8 caches only)."""
+    scales = [layer.self_attn.kv_scale_values for layer in model.layers]
+    if not any(s != (1.0, 1.0) for s in scales):
+        return
+    if kv_dtype != torch.float8_e4m3fn:
+        logger.warning(
+            "the checkpoint's KV cache scales are not used: they apply to --kv-cache-dtype fp8"
+        )
+        return
+    keys, values = zip(*scales, strict=True)
+    logger.info(
+        "KV cache scales from the checkpoint: keys %.3g..%.3g, values %.3g..%.3g",
+        min(keys), max(keys), min(values), max(values),
+    )  # fmt: skip
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -104,6 +122,7 @@ class ModelRunner:
         )
         self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
         log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len)
+        log_kv_scales(self.model, kv_dtype)
         self.sampler = Sampler(
             self.model_config.vocab_size, self.model_config.eos_token_ids, self.device, config.seed
         )

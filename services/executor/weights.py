@@ -186,7 +186,8 @@ def load_model(
     # Parameters are made in `dtype`; those that need another (packed ints, FP8 and its
     # float32 scales, the rotary table) name it.
     with torch.device(device), _default_dtype(dtype):
-        model = DecoderForCausalLM(cfg, max_position, linear_method(spec))
+        kv_scales = spec is not None and spec.kv_scales
+        model = DecoderForCausalLM(cfg, max_position, linear_method(spec), kv_scales)
     refuse_ignored_projections(model, spec)
     fmt = source.format if load_format == "auto" else load_format
     if fmt == "dummy" or source.format == "preset":
@@ -202,6 +203,8 @@ def load_model(
     else:
         raise ValueError(f"cannot load {source.path} with --load-format {load_format}")
     prepare_linear_layers(model, spec)
+    for layer in model.layers:
+        layer.self_attn.prepare_kv_scales()
     logger.info(
         "loaded %s (%s, %s%s, %.2f GiB of weights, %s) in %.1f s",
         source.name,

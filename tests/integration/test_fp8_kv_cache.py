@@ -6,16 +6,19 @@ may leave at one, where each side's token must be among the other's top choices.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvflow import LLM
+from tests import quantized_writers
 from tests.integration.test_gpu_parity import hf_greedy_top
-from tests.integration.test_quantized_parity import check_close
+from tests.integration.test_quantized_parity import check_close, fake_quantize_inputs_fp8
 from tests.integration.tiny_models import make_prompts, make_tiny_model
 
 
@@ -54,3 +57,66 @@ def test_fp8_kv_cache_holds_twice_the_blocks_and_keeps_the_tokens(
     assert fp8.runner.num_blocks == 4 * plain.runner.num_blocks  # float32 -> 1 byte
     assert fp8.runner.kv_caches[0].dtype == torch.float8_e4m3fn
     check_close(expected, fp8, prompts)
+
+
+# Calibrated scales per layer (keys, values), large enough that the cache holds most values
+# as e4m3 subnormals: rounding that differs visibly from an unscaled cache's.
+KV_SCALES = {0: (64.0, 128.0), 1: (96.0, 48.0)}
+
+
+def fp8_scaled_kv_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *args: object,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """SDPA on keys and values as an e4m3 cache with the layer's scales holds them."""
+    k_scale, v_scale = KV_SCALES[module.layer_idx]  # type: ignore[index]
+
+    def e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
+        stored = (x.float() * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return (stored.float() * scale).to(x.dtype)
+
+    key, value = e4m3(key, k_scale), e4m3(value, v_scale)
+    return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+
+AttentionInterface.register("fp8_scaled_kv_cache", fp8_scaled_kv_attention)
+
+
+def add_kv_scales(folder: Path) -> None:
+    """A compressed-tensors checkpoint made an FP8-KV one: kv_cache_scheme, k_scale, v_scale."""
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {
+        "num_bits": 8,
+        "type": "float",
+        "strategy": "tensor",
+        "dynamic": False,
+        "symmetric": True,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    for layer, (k_scale, v_scale) in KV_SCALES.items():
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor([k_scale])
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v_scale])
+    save_file(tensors, folder / "model.safetensors")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_checkpoints_kv_scales_are_applied(family: str, tmp_path: Path) -> None:
+    model = make_tiny_model(family)
+    prompts = make_prompts(model.config.vocab_size)
+    quantized_writers.write_fp8(model, tmp_path, per_tensor=False)  # FP8 weights, per channel
+    add_kv_scales(tmp_path)
+    fake_quantize_inputs_fp8(model)
+    model.set_attn_implementation("fp8_kv_cache")
+    unscaled = [hf_greedy_top(model, prompt)[0] for prompt in prompts]
+    model.set_attn_implementation("fp8_scaled_kv_cache")
+    expected = [hf_greedy_top(model, prompt) for prompt in prompts]
+    assert [tokens for tokens, _ in expected] != unscaled  # the scales change the output
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_dtype="fp8")
+    assert llm.runner.model.layers[1].self_attn.kv_scale_values == KV_SCALES[1]
+    check_close(expected, llm, prompts)

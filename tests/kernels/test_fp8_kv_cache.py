@@ -29,8 +29,18 @@ def test_values_past_the_range_saturate_instead_of_becoming_nan() -> None:
     assert to_cache_dtype(x, FP8).float().tolist() == [448.0, -448.0, 0.3125, 448.0]
 
 
+def test_a_scale_divides_what_the_cache_stores() -> None:
+    x = torch.tensor([1.0, -30.0, 0.3])
+    assert to_cache_dtype(x, FP8, 0.1).float().tolist() == [10.0, -288.0, 3.0]
+    with pytest.raises(ValueError, match="KV scales apply to an FP8 cache"):
+        to_cache_dtype(x, torch.bfloat16, 0.1)
+
+
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rotary_write_stores_what_the_reference_stores(qk_norm: bool) -> None:
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 0.5)], ids=["unscaled", "scaled"])
+def test_rotary_write_stores_what_the_reference_stores(
+    qk_norm: bool, scales: tuple[float, float]
+) -> None:
     generator = torch.Generator().manual_seed(int(qk_norm))
     num_tokens, num_heads, num_kv_heads, head_dim, block_size = 9, 4, 2, 64, 4
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=generator)
@@ -50,7 +60,10 @@ def test_rotary_write_stores_what_the_reference_stores(qk_norm: bool) -> None:
     for kernel in (rotary_write_kv_reference, rotary_write_kv):
         cache = torch.full((2, 6, block_size, num_kv_heads, head_dim), float("nan"), device=DEVICE)
         cache = cache.to(FP8)
-        kernel(positions, q.clone(), k, v, table, cache[0], cache[1], slots, weights, weights)
+        kernel(
+            positions, q.clone(), k, v, table, cache[0], cache[1], slots, weights, weights,
+            1e-6, *scales,
+        )  # fmt: skip
         caches.append(cache.float())
     expected, out = caches
     written = ~expected.isnan()

@@ -39,7 +39,11 @@ def hf_module_names(name: str) -> list[str]:
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, rotary: RotaryEmbedding, method: LinearMethod | None
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        method: LinearMethod | None,
+        kv_scales: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -58,6 +62,20 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps  # of q_norm / k_norm
         self.scale = cfg.head_dim**-0.5
+        # An FP8 cache holds key / k_scale and value / v_scale: 1.0 unless the checkpoint
+        # calibrated them (`kv_scales`: loaded as k_scale and v_scale, read by prepare_kv_scales).
+        self.kv_scale_values = (1.0, 1.0)
+        if kv_scales:
+            self.k_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+            self.v_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+
+    def prepare_kv_scales(self) -> None:
+        """After loading: the checkpoint's scales as the floats the kernels take."""
+        if hasattr(self, "k_scale"):
+            values = (float(self.k_scale), float(self.v_scale))
+            if not all(0.0 < v < float("inf") for v in values):
+                raise ValueError(f"KV cache scales must be positive and finite, got {values}")
+            self.kv_scale_values = values
 
     def forward(
         self,
@@ -72,6 +90,8 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
+        fp8_cache = kv_cache.dtype == torch.float8_e4m3fn
+        k_scale, v_scale = self.kv_scale_values if fp8_cache else (1.0, 1.0)
         q = ops.rotary_write_kv(
             positions,
             q,
@@ -84,6 +104,8 @@ class Attention(nn.Module):
             self.q_norm.weight if self.q_norm is not None else None,
             self.k_norm.weight if self.k_norm is not None else None,
             self.eps,
+            k_scale,
+            v_scale,
         )  # [T, H, D], rotated; the rotated keys and the values are in the cache now
         out = ops.paged_attention(
             q,
@@ -94,18 +116,24 @@ class Attention(nn.Module):
             meta.query_start_loc,
             meta.max_query_len,
             meta.max_seq_len,
-            self.scale,
+            self.scale * k_scale,  # the cached keys times k_scale
         )  # [T, H, D]
+        if v_scale != 1.0:
+            out = out * v_scale  # the cached values times v_scale
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, rotary: RotaryEmbedding, method: LinearMethod | None
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        method: LinearMethod | None,
+        kv_scales: bool = False,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, method)
+        self.self_attn = Attention(cfg, rotary, method, kv_scales)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, method)
 
@@ -129,15 +157,20 @@ class DecoderLayer(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, max_position: int, method: LinearMethod | None = None
+        self,
+        cfg: ModelConfig,
+        max_position: int,
+        method: LinearMethod | None = None,
+        kv_scales: bool = False,
     ) -> None:
         """`method`: how the projections are stored and run (None: float weights); the
-        lm_head keeps a float weight whatever it is."""
+        lm_head keeps a float weight whatever it is. `kv_scales`: the checkpoint has an FP8
+        KV cache's k_scale and v_scale in every attention layer."""
         super().__init__()
         self.config = cfg
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        layers = (DecoderLayer(cfg, rotary, method) for _ in range(cfg.num_layers))
+        layers = (DecoderLayer(cfg, rotary, method, kv_scales) for _ in range(cfg.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
@@ -242,6 +275,8 @@ def _copy_shared(target: torch.Tensor, tensor: torch.Tensor, name: str, first: b
 
 
 def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if target.numel() == tensor.numel() == 1:  # a scalar, stored as [] or [1]
+        tensor = tensor.reshape(target.shape)
     if target.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
     target.copy_(tensor)
