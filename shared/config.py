@@ -75,8 +75,9 @@ class Config:
     kv_cache_dtype: str = option(
         "auto",
         "cache",
-        "KV cache element type: auto (the model's dtype) or fp8 (e4m3 with a scale of 1.0, "
-        "values saturating at +-448: twice the tokens in the same memory).",
+        "KV cache element type: auto (the model's dtype) or fp8 (e4m3, values saturating at "
+        "+-448: twice the tokens in the same memory; scaled by the checkpoint's calibrated "
+        "k_scale/v_scale where it has them, else by 1.0).",
         ("auto", "fp8"),
     )
     enable_prefix_caching: bool = option(True, "cache", "Reuse KV blocks of shared prefixes.")
