@@ -44,7 +44,8 @@ def paged_attention_reference(
     blocks = block_tables[:, positions // block_size].long()  # [R, S]
     slots = blocks * block_size + positions % block_size  # [R, S]
     slots = torch.where(positions[None, :] < seq_lens[:, None], slots, slots[:, :1])
-    # An FP8 cache is read back in the query's dtype (its scale is 1.0).
+    # An FP8 cache is read back in the query's dtype (its scales, if any, are the caller's:
+    # the softmax scale and the output carry them).
     k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(query.dtype)  # [R, S, KV, D]
     v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(query.dtype)  # [R, S, KV, D]
 

@@ -110,7 +110,10 @@ def _decode_partition_kernel(
         # Masked loads: slots past the context are never read, so garbage there cannot leak.
         k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
         v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
-        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache (scale 1.0) in the dots' dtype
+        k, v = (
+            k.to(q.dtype),
+            v.to(q.dtype),
+        )  # an FP8 cache in the dots' dtype (its scales: the caller's)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
         scores = tl.where(pos_valid[None, :], scores, float("-inf"))

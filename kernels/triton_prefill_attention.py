@@ -93,7 +93,10 @@ def _attend_context(
         else:
             k = tl.load(key_cache_ptr + kv_offsets)  # [N, D]
             v = tl.load(value_cache_ptr + kv_offsets)  # [N, D]
-        k, v = k.to(q.dtype), v.to(q.dtype)  # an FP8 cache (scale 1.0) in the query's dtype
+        k, v = (
+            k.to(q.dtype),
+            v.to(q.dtype),
+        )  # an FP8 cache in the query's dtype (scales: the caller's)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
         if MASKED:

@@ -141,9 +141,11 @@ def _kv_scales(cfg: dict[str, Any]) -> bool:
     scheme = cfg.get("kv_cache_scheme")
     if scheme is None:
         return False
-    kind = f"{scheme.get('type')}{scheme.get('num_bits')}"
-    ok = kind == "float8" and scheme.get("strategy") == "tensor" and not scheme.get("dynamic")
-    _require(ok, "kv_cache_scheme", scheme, "FP8, static, one scale per tensor")
+    ok = isinstance(scheme, dict)
+    ok = ok and f"{scheme.get('type')}{scheme.get('num_bits')}" == "float8"
+    ok = ok and scheme.get("strategy") == "tensor" and not scheme.get("dynamic")
+    ok = ok and scheme.get("symmetric", True) is True
+    _require(ok, "kv_cache_scheme", scheme, "FP8, static, symmetric, one scale per tensor")
     return True
 
 
@@ -230,6 +232,11 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
     weights with FP8 activations quantized per token at run time (float-quantized, as
     llm-compressor's FP8_DYNAMIC scheme writes it)."""
     groups = cfg.get("config_groups") or {}
+    if not groups and cfg.get("kv_cache_scheme") is not None:
+        raise ValueError(
+            "a compressed-tensors checkpoint that quantizes only the KV cache (no config_groups) "
+            "is not supported; kvflow runs one config group of quantized Linear weights"
+        )
     _require(len(groups) == 1, "config_groups", list(groups), "exactly one group")
     (scheme,) = groups.values()
     targets = scheme.get("targets")

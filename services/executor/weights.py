@@ -158,7 +158,7 @@ def init_dummy(model: DecoderForCausalLM, seed: int) -> None:
             module.method.init_dummy(module, generator)
             linear_params.update(id(p) for p in module.parameters())
     for name, param in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name or name.endswith(("k_scale", "v_scale")):  # KV scales: none
             param.data.fill_(1.0)
         elif id(param) not in linear_params:
             values = torch.randn(param.shape, generator=generator, device=device)

@@ -86,8 +86,9 @@ def fp8_scaled_kv_attention(
 AttentionInterface.register("fp8_scaled_kv_cache", fp8_scaled_kv_attention)
 
 
-def add_kv_scales(folder: Path) -> None:
-    """A compressed-tensors checkpoint made an FP8-KV one: kv_cache_scheme, k_scale, v_scale."""
+def add_kv_scales(folder: Path, old_names: bool = False) -> None:
+    """A compressed-tensors checkpoint made an FP8-KV one: kv_cache_scheme, k_scale, v_scale
+    (or, as older llm-compressor and AutoFP8 wrote them, k_proj/v_proj.output_scale)."""
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"]["kv_cache_scheme"] = {
         "num_bits": 8,
@@ -98,25 +99,41 @@ def add_kv_scales(folder: Path) -> None:
     }
     (folder / "config.json").write_text(json.dumps(config))
     tensors = load_file(folder / "model.safetensors")
-    for layer, (k_scale, v_scale) in KV_SCALES.items():
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor([k_scale])
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v_scale])
+    names = ("k_proj.output_scale", "v_proj.output_scale") if old_names else ("k_scale", "v_scale")
+    for layer, scales in KV_SCALES.items():
+        for name, scale in zip(names, scales, strict=True):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor([scale])
     save_file(tensors, folder / "model.safetensors")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_checkpoints_kv_scales_are_applied(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "old_names"), [("llama", False), ("qwen3", False), ("llama", True)]
+)
+def test_the_checkpoints_kv_scales_are_applied(
+    family: str, old_names: bool, tmp_path: Path
+) -> None:
     model = make_tiny_model(family)
     prompts = make_prompts(model.config.vocab_size)
     quantized_writers.write_fp8(model, tmp_path, per_tensor=False)  # FP8 weights, per channel
-    add_kv_scales(tmp_path)
+    add_kv_scales(tmp_path, old_names)
     fake_quantize_inputs_fp8(model)
     model.set_attn_implementation("fp8_kv_cache")
     unscaled = [hf_greedy_top(model, prompt)[0] for prompt in prompts]
     model.set_attn_implementation("fp8_scaled_kv_cache")
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
-    assert [tokens for tokens, _ in expected] != unscaled  # the scales change the output
+    # The scales change more sequences than check_close lets differ: an engine that ignored
+    # them (and so matched `unscaled`) would fail it.
+    changed = sum(tokens != plain for (tokens, _), plain in zip(expected, unscaled, strict=True))
+    assert changed >= 3, changed
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_dtype="fp8")
     assert llm.runner.model.layers[1].self_attn.kv_scale_values == KV_SCALES[1]
     check_close(expected, llm, prompts)
+
+
+def test_dummy_weights_leave_the_kv_scales_at_one(tmp_path: Path) -> None:
+    model = make_tiny_model("llama")
+    quantized_writers.write_fp8(model, tmp_path, per_tensor=False)
+    add_kv_scales(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", load_format="dummy")
+    assert all(layer.self_attn.kv_scale_values == (1.0, 1.0) for layer in llm.runner.model.layers)

@@ -1,6 +1,6 @@
-"""An FP8 (e4m3, scale 1.0) KV cache: the fused rotary + cache write stores what the reference
-stores, and both attention kernels read it as the reference does (under the interpreter on
-CPU, compiled on a GPU)."""
+"""An FP8 (e4m3) KV cache, with and without scales: the fused rotary + cache write stores what
+the reference stores, and both attention kernels read it as the reference does (under the
+interpreter on CPU, compiled on a GPU)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,36 @@ def test_rotary_write_stores_what_the_reference_stores(
         # test_triton_rotary_cache): judged as a whole.
         error = (expected[written] - out[written]).norm() / expected[written].norm()
         assert error.item() < 3e-2
+
+
+def test_the_fused_write_stores_keys_and_values_divided_by_their_scales() -> None:
+    """Against the unscaled values (a float32 cache), divided and rounded here by hand."""
+    generator = torch.Generator().manual_seed(5)
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 6, 2, 2, 32, 4
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(DEVICE, DTYPE)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, DTYPE)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=generator).to(DEVICE, DTYPE)
+    positions = torch.arange(num_tokens, device=DEVICE)
+    slots = torch.arange(num_tokens, device=DEVICE)
+    table = RotaryEmbedding(head_dim, 64, 10000.0, None).cos_sin_cache.to(DEVICE)
+    shape = (2, 2, block_size, num_kv_heads, head_dim)
+    plain = torch.zeros(shape, device=DEVICE, dtype=DTYPE)
+    rotary_write_kv_reference(positions, q.clone(), k, v, table, plain[0], plain[1], slots)
+    scaled = torch.zeros(shape, device=DEVICE).to(FP8)
+    k_scale, v_scale = 0.01, 8.0  # keys spread over e4m3's range, values into its subnormals
+    rotary_write_kv(
+        positions, q.clone(), k, v, table, scaled[0], scaled[1], slots, None, None, 1e-6,
+        k_scale, v_scale,
+    )  # fmt: skip
+    for stored, value, scale in ((scaled[0], plain[0], k_scale), (scaled[1], plain[1], v_scale)):
+        by_hand = (value.float() * (1.0 / scale)).clamp(-448, 448).to(FP8).float()
+        step = by_hand.abs().clamp(min=2.0**-6) * 2.0**-3  # one e4m3 step (bf16 rotation)
+        assert ((stored.float() - by_hand).abs() <= step).all()
+        assert (stored.float() == by_hand).float().mean() > 0.9
+    with pytest.raises(ValueError, match="KV scales apply to an FP8 cache"):
+        rotary_write_kv(
+            positions, q.clone(), k, v, table, plain[0], plain[1], slots, None, None, 1e-6, 0.5
+        )
 
 
 def test_decode_reads_the_fp8_cache_as_the_reference() -> None:

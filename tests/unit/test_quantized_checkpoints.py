@@ -285,3 +285,58 @@ def test_zero_points_that_contradict_the_config_are_refused() -> None:
     }
     with pytest.raises(ValueError, match="weight_zero_point"):
         translated(ct, QuantSpec("compressed-tensors", True, group_size=32, symmetric=False))
+
+
+FP8_CT = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "config_groups": {
+        "g": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "token",
+                "dynamic": True,
+            },
+        }
+    },
+}
+KV_SCHEME = {  # as llm-compressor writes it
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "tensor",
+    "dynamic": False,
+    "symmetric": True,
+    "group_size": None,
+    "observer": "minmax",
+}
+
+
+def test_an_fp8_kv_cache_scheme_is_read(tmp_path: Path) -> None:
+    config = {**FP8_CT, "kv_cache_scheme": KV_SCHEME}
+    spec = read_quant_spec(None, source_with(tmp_path, config), "auto", device_type="cpu")
+    assert spec is not None and spec.kv_scales and spec.fp8_weights
+    plain = read_quant_spec(None, source_with(tmp_path, FP8_CT), "auto", device_type="cpu")
+    assert plain is not None and not plain.kv_scales
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"dynamic": True}, {"strategy": "attn_head"}, {"symmetric": False}, {"num_bits": 4}],
+    ids=["dynamic", "per-head", "asymmetric", "int4"],
+)
+def test_other_kv_cache_schemes_are_refused(tmp_path: Path, change: dict[str, object]) -> None:
+    config = {**FP8_CT, "kv_cache_scheme": {**KV_SCHEME, **change}}
+    with pytest.raises(ValueError, match=r"quantization_config\.kv_cache_scheme"):
+        read_quant_spec(None, source_with(tmp_path, config), "auto", device_type="cpu")
+    config = {**FP8_CT, "kv_cache_scheme": "fp8"}  # not a scheme at all
+    with pytest.raises(ValueError, match=r"quantization_config\.kv_cache_scheme"):
+        read_quant_spec(None, source_with(tmp_path, config), "auto", device_type="cpu")
+
+
+def test_a_checkpoint_quantizing_only_the_kv_cache_is_refused_by_name(tmp_path: Path) -> None:
+    config = {**FP8_CT, "config_groups": {}, "kv_cache_scheme": KV_SCHEME}
+    with pytest.raises(ValueError, match="quantizes only the KV cache"):
+        read_quant_spec(None, source_with(tmp_path, config), "auto", device_type="cpu")

@@ -19,6 +19,8 @@ from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from services.executor.linear import Linear, LinearMethod, PackedWeight
 from shared.model_config import ModelConfig
 
+# Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
+_KV_SCALE_NAMES = {".k_proj.output_scale": ".k_scale", ".v_proj.output_scale": ".v_scale"}
 # HF parameter name piece -> (our fused parameter, shard index within it)
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -73,7 +75,8 @@ class Attention(nn.Module):
         """After loading: the checkpoint's scales as the floats the kernels take."""
         if hasattr(self, "k_scale"):
             values = (float(self.k_scale), float(self.v_scale))
-            if not all(0.0 < v < float("inf") for v in values):
+            # the kernels multiply by the inverse in float32: it must be finite there too
+            if not all(1.0 / 3.4e38 < v < float("inf") for v in values):
                 raise ValueError(f"KV cache scales must be positive and finite, got {values}")
             self.kv_scale_values = values
 
@@ -202,6 +205,8 @@ class DecoderForCausalLM(nn.Module):
         num_loaded: Counter[str] = Counter()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
+            for old, new in _KV_SCALE_NAMES.items():
+                name = name.replace(old, new) if name.endswith(old) else name
             if "rotary_emb" in name or (name not in params and name == "lm_head.weight"):
                 continue  # rotary tables are computed; a tied head is the embedding
             piece = next((p for p in _STACKED if f".{p}." in name), None)
