@@ -104,9 +104,13 @@ def test_the_fused_write_stores_keys_and_values_divided_by_their_scales() -> Non
     )  # fmt: skip
     for stored, value, scale in ((scaled[0], plain[0], k_scale), (scaled[1], plain[1], v_scale)):
         by_hand = (value.float() * (1.0 / scale)).clamp(-448, 448).to(FP8).float()
-        step = by_hand.abs().clamp(min=2.0**-6) * 2.0**-3  # one e4m3 step (bf16 rotation)
-        assert ((stored.float() - by_hand).abs() <= step).all()
-        assert (stored.float() == by_hand).float().mean() > 0.9
+        if DTYPE is torch.float32:  # the same values but for rounding boundaries: one step
+            step = by_hand.abs().clamp(min=2.0**-6) * 2.0**-3
+            assert ((stored.float() - by_hand).abs() <= step).all()
+            assert (stored.float() == by_hand).float().mean() > 0.9
+        else:  # the reference rotates in bf16, the kernel in float32: judged as a whole
+            error = (stored.float() - by_hand).norm() / by_hand.norm()
+            assert error.item() < 3e-2
     with pytest.raises(ValueError, match="KV scales apply to an FP8 cache"):
         rotary_write_kv(
             positions, q.clone(), k, v, table, plain[0], plain[1], slots, None, None, 1e-6, 0.5
