@@ -167,7 +167,6 @@ def write_compressed_tensors(
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import (
         QuantizationArgs,
-        QuantizationConfig,
         QuantizationScheme,
     )
 
@@ -194,13 +193,7 @@ def write_compressed_tensors(
         group_size=None if channel else group_size,
     )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights)
-    config = QuantizationConfig(
-        config_groups={"group_0": scheme},
-        format="pack-quantized",
-        quantization_status="compressed",
-        ignore=["lm_head"],
-    ).model_dump(mode="json")
-    _save(model, folder, layers, tensors, {**config, "quant_method": "compressed-tensors"})
+    _save(model, folder, layers, tensors, _compressed_tensors_config(scheme, "pack-quantized"))
 
 
 def write_fp8(model: torch.nn.Module, folder: Path, per_tensor: bool) -> None:
@@ -231,7 +224,7 @@ def write_fp8(model: torch.nn.Module, folder: Path, per_tensor: bool) -> None:
         config: dict[str, object] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     else:
         scheme = QuantizationScheme(targets=["Linear"], **FP8_DYNAMIC)
-        config = _float_quantized_config(scheme)
+        config = _compressed_tensors_config(scheme, "float-quantized")
     layers: dict[str, Quantized | None] = dict.fromkeys(dequantized)
     _save(model, folder, layers, tensors, config)
     modules = dict(model.named_modules())
@@ -239,13 +232,13 @@ def write_fp8(model: torch.nn.Module, folder: Path, per_tensor: bool) -> None:
         modules[name].weight.data = weight
 
 
-def _float_quantized_config(scheme: object) -> dict[str, object]:
-    """compressed-tensors' config.json entry for FP8 (float-quantized) weights."""
+def _compressed_tensors_config(scheme: object, fmt: str) -> dict[str, object]:
+    """compressed-tensors' config.json entry: one group of Linear weights, the lm_head kept."""
     from compressed_tensors.quantization import QuantizationConfig
 
     config = QuantizationConfig(
         config_groups={"group_0": scheme},
-        format="float-quantized",
+        format=fmt,
         quantization_status="compressed",
         ignore=["lm_head"],
     ).model_dump(mode="json")
@@ -288,7 +281,7 @@ def write_fp8_block(
         scheme = QuantizationScheme(
             targets=["Linear"], weights=weights, input_activations=activations
         )
-        config = _float_quantized_config(scheme)
+        config = _compressed_tensors_config(scheme, "float-quantized")
     else:
         config = {
             "quant_method": "fp8",

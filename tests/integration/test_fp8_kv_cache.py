@@ -22,6 +22,12 @@ from tests.integration.test_quantized_parity import check_close, fake_quantize_i
 from tests.integration.tiny_models import make_prompts, make_tiny_model
 
 
+def e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x as an e4m3 cache with this scale holds it (x / scale, saturated), read back."""
+    stored = (x.float() * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (stored.float() * scale).to(x.dtype)
+
+
 def fp8_kv_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -31,10 +37,6 @@ def fp8_kv_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' SDPA attention on keys and values as an e4m3 cache holds them."""
-
-    def e4m3(x: torch.Tensor) -> torch.Tensor:
-        return x.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype)
-
     return sdpa_attention_forward(module, query, e4m3(key), e4m3(value), *args, **kwargs)
 
 
@@ -74,11 +76,6 @@ def fp8_scaled_kv_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """SDPA on keys and values as an e4m3 cache with the layer's scales holds them."""
     k_scale, v_scale = KV_SCALES[module.layer_idx]  # type: ignore[index]
-
-    def e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
-        stored = (x.float() * (1.0 / scale)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        return (stored.float() * scale).to(x.dtype)
-
     key, value = e4m3(key, k_scale), e4m3(value, v_scale)
     return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
