@@ -5,8 +5,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import Fp8Rows
+
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """[num_tokens, 2 * inter] -> [num_tokens, inter]: silu(gate) * up."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def silu_and_mul_fp8_reference(gate_up: torch.Tensor) -> Fp8Rows:
+    """SiLU-and-mul feeding an FP8 layer: [num_tokens, 2 * inter] -> the product quantized per
+    token, as the layer itself would quantize it."""
+    return Fp8Rows.quantize(silu_and_mul_reference(gate_up))

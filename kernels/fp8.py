@@ -9,6 +9,8 @@ against it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -26,18 +28,33 @@ def quantize_fp8_rowwise_reference(
     return q, scale
 
 
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An activation already quantized per token, as the op that produced it (an RMSNorm, the
+    SiLU-and-mul) hands it to an FP8 layer: one pass over it saved. x ~ q * scale."""
+
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the float dtype it was computed in, and the layer returns
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor) -> Fp8Rows:
+        """The reference's quantization of a float activation [M, K]."""
+        return cls(*quantize_fp8_rowwise_reference(x), x.dtype)
+
+
 def fp8_linear_reference(
-    x: torch.Tensor,  # [M, K], bf16/fp16/fp32
+    x: torch.Tensor | Fp8Rows,  # [M, K], bf16/fp16/fp32, or already quantized per token
     qweight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N], x.dtype
+) -> torch.Tensor:  # [M, N], in x's (float) dtype
     """x quantized per token, times the dequantized weight, in float32."""
-    qx, x_scale = quantize_fp8_rowwise_reference(x)
-    out = (qx.float() @ qweight.float().t()) * x_scale * weight_scale[None, :]  # [M, N]
+    rows = x if isinstance(x, Fp8Rows) else Fp8Rows.quantize(x)
+    out = (rows.q.float() @ qweight.float().t()) * rows.scale * weight_scale[None, :]  # [M, N]
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(rows.dtype)
 
 
 # -- Block-scaled FP8 (DeepSeek-V3 style, `weight_block_size` [bn, bk]) ----------------------

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp8 import Fp8Rows
+
 
 def rms_norm_reference(
     x: torch.Tensor,  # [num_tokens, hidden]
@@ -24,3 +26,23 @@ def fused_add_rms_norm_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = x + residual)
     residual = x + residual
     return rms_norm_reference(residual, weight, eps), residual
+
+
+def rms_norm_fp8_reference(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> Fp8Rows:  # the normed rows, rounded to their dtype, then quantized per token
+    """RMSNorm feeding an FP8 layer: the same values as the norm followed by the layer's own
+    quantization."""
+    return Fp8Rows.quantize(rms_norm_reference(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8_reference(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    residual: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[Fp8Rows, torch.Tensor]:  # (normed and quantized per token, new residual)
+    normed, residual = fused_add_rms_norm_reference(x, residual, weight, eps)
+    return Fp8Rows.quantize(normed), residual

@@ -11,15 +11,20 @@ from types import ModuleType
 
 import torch
 
-from kernels.activation import silu_and_mul_reference
+from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
-from kernels.fp8 import fp8_group_linear_reference, fp8_linear_reference
+from kernels.fp8 import Fp8Rows, fp8_group_linear_reference, fp8_linear_reference
 from kernels.gguf import gguf_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
 from kernels.int4 import int4_linear_reference
 from kernels.linear import linear_reference
-from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from kernels.norm import (
+    fused_add_rms_norm_fp8_reference,
+    fused_add_rms_norm_reference,
+    rms_norm_fp8_reference,
+    rms_norm_reference,
+)
 from kernels.rotary_cache import rotary_write_kv_reference
 
 # Decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS up to 16 rows; past
@@ -78,9 +83,34 @@ def fused_add_rms_norm(
     return kernel(x, residual, weight, eps)
 
 
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """RMSNorm feeding an FP8 layer: the normed rows quantized per token, in one pass."""
+    module = _triton("norm", x)
+    return (module.rms_norm_fp8 if module is not None else rms_norm_fp8_reference)(x, weight, eps)
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """(normed x + residual quantized per token, x + residual) for an FP8 layer; the Triton
+    version writes the sum in place of the residual."""
+    module = _triton("norm", x)
+    kernel = (
+        module.fused_add_rms_norm_fp8 if module is not None else fused_add_rms_norm_fp8_reference
+    )
+    return kernel(x, residual, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     module = _triton("activation", gate_up)
     return (module.silu_and_mul if module is not None else silu_and_mul_reference)(gate_up)
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
+    """SiLU-and-mul feeding an FP8 layer: the product quantized per token, in one pass."""
+    module = _triton("activation", gate_up)
+    kernel = module.silu_and_mul_fp8 if module is not None else silu_and_mul_fp8_reference
+    return kernel(gate_up)
 
 
 def gather_sampled_inputs(
@@ -144,28 +174,36 @@ def linear(
 
 
 def fp8_linear(
-    x: torch.Tensor,  # [M, K]
+    x: torch.Tensor | Fp8Rows,  # [M, K], or quantized per token by the op that produced it
     qweight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N], x.dtype
-    """An FP8 W8A8 linear layer: on CUDA the activation quantized per token in Triton, then
-    up to SKINNY_MAX_ROWS rows the skinny Triton kernel, past that cuBLASLt's row-wise scaled
-    FP8 GEMM (`torch._scaled_mm`); elsewhere the reference."""
-    module = _triton("fp8", x)
+) -> torch.Tensor:  # [M, N], x's float dtype
+    """An FP8 W8A8 linear layer: on CUDA the activation quantized per token in Triton (unless
+    its producer did), then up to SKINNY_MAX_ROWS rows the skinny Triton kernel, past that
+    cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`); elsewhere the reference."""
+    module = _triton("fp8", x.q if isinstance(x, Fp8Rows) else x)
     if module is None:
         return fp8_linear_reference(x, qweight, weight_scale, bias)
-    if x.shape[0] <= SKINNY_MAX_ROWS:  # decode: the FP8 weight streamed by the skinny kernel
-        return module.fp8_skinny_linear(x, qweight, weight_scale, bias)
-    qx, x_scale = module.quantize_fp8_rowwise(x)
+    rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*module.quantize_fp8_rowwise(x), x.dtype)
+    if rows.q.shape[0] <= SKINNY_MAX_ROWS:  # decode: the weight streamed by the skinny kernel
+        return module.fp8_skinny_linear(rows, qweight, weight_scale, bias)
+    if rows.dtype != torch.bfloat16:
+        # cuBLASLt's row-wise scales give bf16 only: the float32 products, scaled after.
+        one = torch.ones((), dtype=torch.float32, device=rows.q.device)
+        out = torch._scaled_mm(
+            rows.q, qweight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+        )
+        out = out * rows.scale * weight_scale[None, :]
+        return (out if bias is None else out + bias).to(rows.dtype)
     # Why .t() of the [N, K] weight: cuBLASLt takes the second operand column-major.
     return torch._scaled_mm(
-        qx,
+        rows.q,
         qweight.t(),
-        scale_a=x_scale,
+        scale_a=rows.scale,
         scale_b=weight_scale[None, :],
         bias=bias,
-        out_dtype=x.dtype,
+        out_dtype=rows.dtype,
     )
 
 

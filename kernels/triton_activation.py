@@ -5,6 +5,11 @@ columns and up = the last I. Fused so that the [T, 2I] projection is read once a
 [T, I] product is written, where torch materialises silu(gate) in between. The math is float32,
 rounded once to the input dtype (the reference rounds silu(gate) first, so bf16 differs by about
 an ulp).
+
+`silu_and_mul_fp8` feeds an FP8 down projection (`kernels.fp8.Fp8Rows`): one program per row
+quantizes the product per token, rounded to its dtype as `silu_and_mul` stores it, so the
+layer's own quantization pass disappears. Rows up to FP8_BLOCK columns (Llama-3-8B's 14,336,
+Qwen3-8B's 12,288) are read once and held in registers; longer rows are computed twice.
 """
 
 from __future__ import annotations
@@ -13,7 +18,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
+from kernels.triton_e4m3 import to_e4m3
+
 _BLOCK = 1024  # columns per program at most
+FP8_BLOCK = 16384  # columns of a row in registers in the FP8 variant: 32 floats a thread
+
+
+@triton.jit
+def _silu_mul(gate_ptrs, mask, inter, OUT_DTYPE: tl.constexpr):
+    """silu(gate) * up at gate_ptrs (up lies `inter` further), in float32 rounded to OUT_DTYPE."""
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+    out = gate / (1.0 + tl.exp(-gate)) * up  # exp overflows to inf for gate << 0: silu -> -0
+    return out.to(OUT_DTYPE)
 
 
 @triton.jit
@@ -28,11 +46,42 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
+    out = _silu_mul(gate_up_ptr + row * stride_in_row + cols, mask, inter, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out_row + cols, out, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    gate_up_ptr,  # [T, 2I]
+    q_ptr,  # [T, I] float8e4nv
+    scale_ptr,  # [T] float32
+    stride_in_row,
+    stride_q_row,
+    inter,
+    FP8_MAX_VALUE: tl.constexpr,
+    MIN_SCALE_VALUE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
     gate_ptrs = gate_up_ptr + row * stride_in_row + cols
-    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up  # exp overflows to inf for gate << 0: silu -> -0
-    tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    q_ptrs = q_ptr + row * stride_q_row + cols
+    dtype = gate_up_ptr.dtype.element_ty
+    if inter <= BLOCK:  # the row in registers: read once
+        out = _silu_mul(gate_ptrs, cols < inter, inter, dtype).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(out), axis=0) / FP8_MAX_VALUE, MIN_SCALE_VALUE)
+        tl.store(q_ptrs, to_e4m3(out / scale).to(q_ptr.dtype.element_ty), mask=cols < inter)
+    else:  # pass 1: the row's absolute maximum; pass 2: the product again, quantized
+        amax = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, inter, BLOCK):
+            out = _silu_mul(gate_ptrs + start, start + cols < inter, inter, dtype)
+            amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_VALUE, MIN_SCALE_VALUE)
+        for start in range(0, inter, BLOCK):
+            mask = start + cols < inter
+            out = _silu_mul(gate_ptrs + start, mask, inter, dtype).to(tl.float32)
+            tl.store(q_ptrs + start, to_e4m3(out / scale).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -57,6 +106,25 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         num_warps=min(max(block // 256, 1), 4),
     )
     return out
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
+    """`kernels.activation.silu_and_mul_fp8_reference`: [T, 2 * inter] -> the product [T, inter]
+    quantized per token, in one pass."""
+    if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} must be 2-D with an even last dim")
+    rows = _as_rows(gate_up)
+    num_rows, inter = rows.shape[0], rows.shape[1] // 2
+    q = torch.empty((num_rows, inter), dtype=FP8, device=gate_up.device)
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=gate_up.device)
+    if num_rows and inter:
+        block = min(triton.next_power_of_2(inter), FP8_BLOCK)
+        _silu_and_mul_fp8_kernel[(num_rows,)](
+            rows, q, scale, rows.stride(0), q.stride(0), inter,
+            FP8_MAX_VALUE=FP8_MAX, MIN_SCALE_VALUE=MIN_SCALE, BLOCK=block,
+            num_warps=min(max(block // 1024, 1), 16),
+        )  # fmt: skip
+    return Fp8Rows(q, scale, gate_up.dtype)
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, check_group_layer
+from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Rows, check_group_layer
 from kernels.triton_e4m3 import round_to_e4m3
 from kernels.triton_linear import MAX_ROWS, LinearTiles, launch_skinny_linear
 
@@ -75,22 +75,22 @@ def quantize_fp8_rowwise(
 
 
 def fp8_skinny_linear(
-    x: torch.Tensor,  # [M, K], 1 <= M <= MAX_ROWS, bf16/fp16/fp32
+    x: torch.Tensor | Fp8Rows,  # [M, K], 1 <= M <= MAX_ROWS, bf16/fp16/fp32 or quantized
     qweight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [N] float32
-    bias: torch.Tensor | None = None,  # [N], x.dtype
+    bias: torch.Tensor | None = None,  # [N], x's float dtype
     *,
     tiles: LinearTiles | None = None,  # None: fp8_default_tiles
-) -> torch.Tensor:  # [M, N], x.dtype
-    """`kernels.fp8.fp8_linear_reference` for decode-sized M: x quantized per token, then the
-    FP8 weight streamed once by the skinny linear kernel."""
-    m, (n, k) = x.shape[0], qweight.shape
-    if not 1 <= m <= MAX_ROWS or x.shape[1] != k or qweight.dtype != FP8:
-        raise ValueError(f"x {tuple(x.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}")
-    qx, x_scale = quantize_fp8_rowwise(x)
+) -> torch.Tensor:  # [M, N], x's float dtype
+    """`kernels.fp8.fp8_linear_reference` for decode-sized M: x quantized per token (unless
+    its producer did), then the FP8 weight streamed once by the skinny linear kernel."""
+    rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quantize_fp8_rowwise(x), x.dtype)
+    m, (n, k) = rows.q.shape[0], qweight.shape
+    if not 1 <= m <= MAX_ROWS or rows.q.shape[1] != k or qweight.dtype != FP8:
+        raise ValueError(f"x {tuple(rows.q.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}")
     tiles = tiles or fp8_default_tiles(m, n, k)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    launch_skinny_linear(qx, qweight, bias, out, tiles, (x_scale, weight_scale))
+    out = torch.empty((m, n), dtype=rows.dtype, device=rows.q.device)
+    launch_skinny_linear(rows.q, qweight, bias, out, tiles, (rows.scale, weight_scale))
     return out
 
 

@@ -14,6 +14,10 @@ output ([T, H, D] with stride(0) = (H + 2 KV) * D) are normalised where they lie
 `fused_add_rms_norm` works in place (residual <- x + residual, x <- norm(residual)) because the
 decoder drops both inputs right after the call: no allocation, and the sum is normalised while
 still in registers instead of being written out and read back.
+
+The `_fp8` variants feed an FP8 layer (`kernels.fp8.Fp8Rows`): the normed row, rounded to its
+dtype as the plain kernel stores it, is quantized per token while still in registers, so the
+layer's own quantization pass (a launch and a read of the row) disappears.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
+from kernels.triton_e4m3 import to_e4m3
+
 _TILE_ELEMENTS = 2048  # rows are packed into a program until it holds about this many elements
 
 
@@ -29,8 +36,9 @@ _TILE_ELEMENTS = 2048  # rows are packed into a program until it holds about thi
 def _rms_norm_kernel(
     x_ptr,  # [outer, inner, hidden]
     residual_ptr,  # [outer, inner, hidden], read and written only when HAS_RESIDUAL
-    out_ptr,  # [outer, inner, hidden], may be x_ptr itself
+    out_ptr,  # [outer, inner, hidden], may be x_ptr itself; float8e4nv with FP8_OUT
     weight_ptr,  # [hidden]
+    scale_ptr,  # [outer * inner] float32 with FP8_OUT: each row's scale
     num_rows,  # outer * inner
     inner_rows,  # row r lies at (r // inner_rows, r % inner_rows)
     stride_x_outer,
@@ -42,6 +50,9 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    FP8_OUT: tl.constexpr,  # quantize each row per token (e4m3) instead of storing it
+    FP8_MAX_VALUE: tl.constexpr,
+    MIN_SCALE_VALUE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -66,6 +77,12 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [N]
     out = normed.to(tl.float32) * weight[None, :]
     out_offs = (outer * stride_out_outer + inner * stride_out_inner)[:, None] + cols[None, :]
+    if FP8_OUT:
+        # As kernels.fp8.quantize_fp8_rowwise_reference on the row the plain kernel stores.
+        out = out.to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(out), axis=1) / FP8_MAX_VALUE, MIN_SCALE_VALUE)  # [R]
+        tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
+        out = to_e4m3(out / scale[:, None])
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -110,6 +127,53 @@ def fused_add_rms_norm(
     return x, residual
 
 
+def rms_norm_fp8(
+    x: torch.Tensor,  # [num_tokens, hidden], last dim contiguous
+    weight: torch.Tensor,  # [hidden], x's dtype
+    eps: float,
+) -> Fp8Rows:
+    """`kernels.norm.rms_norm_fp8_reference`: the norm and the per-token FP8 quantization of
+    the layer it feeds, in one pass."""
+    _check_fp8_input(x, weight)
+    rows = x.unsqueeze(1)  # [T, 1, hidden]
+    out = Fp8Rows(torch.empty(x.shape, dtype=FP8, device=x.device), _scales(x), x.dtype)
+    _launch(rows, None, out.q.unsqueeze(1), weight, eps, out.scale)
+    return out
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor,  # [num_tokens, hidden], read only
+    residual: torch.Tensor,  # [num_tokens, hidden], overwritten with x + residual
+    weight: torch.Tensor,  # [hidden], x's dtype
+    eps: float,
+) -> tuple[Fp8Rows, torch.Tensor]:  # (the normed sum quantized per token, residual)
+    """`kernels.norm.fused_add_rms_norm_fp8_reference`: residual <- x + residual in place, and
+    the normed sum quantized per token for the FP8 layer it feeds; x is not written."""
+    _check_fp8_input(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} "
+            f"{x.dtype}, with contiguous rows"
+        )
+    out = Fp8Rows(torch.empty(x.shape, dtype=FP8, device=x.device), _scales(x), x.dtype)
+    _launch(x.unsqueeze(1), residual.unsqueeze(1), out.q.unsqueeze(1), weight, eps, out.scale)
+    return out, residual
+
+
+def _check_fp8_input(x: torch.Tensor, weight: torch.Tensor) -> None:
+    # Rows of a 2-D activation, rounded to x's dtype before quantizing, as the unfused pair.
+    if x.dim() != 2 or x.stride(1) != 1 or weight.dtype != x.dtype:
+        raise ValueError(
+            f"x {tuple(x.shape)} {x.dtype}: 2-D with contiguous rows, weight {weight.dtype} "
+            "of the same dtype"
+        )
+    _check_weight(x, weight)
+
+
+def _scales(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 1] float32, written by the kernel
+    return torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+
+
 def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() == 0 or weight.shape != (x.shape[-1],):
         raise ValueError(f"weight {tuple(weight.shape)} does not fit x {tuple(x.shape)}")
@@ -133,6 +197,7 @@ def _launch(
     out: torch.Tensor,  # [outer, inner, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    fp8_scale: torch.Tensor | None = None,  # [outer * inner]: quantize into `out` (FP8)
 ) -> None:
     outer, inner, hidden = x.shape
     num_rows = outer * inner
@@ -149,6 +214,7 @@ def _launch(
         res,
         out,
         weight.contiguous(),
+        fp8_scale if fp8_scale is not None else weight,  # never dereferenced without FP8_OUT
         num_rows,
         inner,
         x.stride(0),
@@ -160,6 +226,9 @@ def _launch(
         hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
+        FP8_OUT=fp8_scale is not None,
+        FP8_MAX_VALUE=FP8_MAX,
+        MIN_SCALE_VALUE=MIN_SCALE,
         BLOCK_ROWS=block_rows,
         BLOCK_N=block_n,
         num_warps=num_warps,

@@ -9,21 +9,30 @@ import torch
 from torch import nn
 
 from kernels import ops
-from services.executor.linear import Linear, LinearMethod
+from services.executor.linear import Activation, Linear, LinearMethod
+
+
+def feeds_fp8_rows(method: LinearMethod | None) -> bool:
+    """Whether the ops feeding layers of this method quantize their output for them."""
+    return method is not None and method.takes_fp8_rows
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, fp8_out: bool = False) -> None:
+        """`fp8_out`: the norm feeds an FP8 layer and hands it rows quantized per token."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fp8_out = fp8_out
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Activation | tuple[Activation, torch.Tensor]:
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            norm = ops.rms_norm_fp8 if self.fp8_out else ops.rms_norm
+            return norm(x, self.weight, self.eps)
+        add_norm = ops.fused_add_rms_norm_fp8 if self.fp8_out else ops.fused_add_rms_norm
+        return add_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -66,7 +75,8 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
         self.down_proj = Linear(intermediate_size, hidden_size, method=method)
+        self.activation = ops.silu_and_mul_fp8 if feeds_fp8_rows(method) else ops.silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Activation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        return self.down_proj(ops.silu_and_mul(gate_up))  # [T, hidden]
+        return self.down_proj(self.activation(gate_up))  # [T, hidden]

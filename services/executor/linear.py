@@ -5,6 +5,10 @@ Every projection of the model is a `Linear` with the method chosen once at load
 a float weight [N, K], or packed int4 and its scales), prepares them after loading (`prepare`,
 e.g. quantizing a float weight to FP8) and runs each call (`apply`). The model code calls
 `layer(x)` and never asks which format it holds.
+
+A method with `takes_fp8_rows` also takes its input already quantized per token
+(`kernels.fp8.Fp8Rows`): the norm or activation that feeds such a layer quantizes its output
+in the same pass (`services/executor/layers.py`), and the layer skips its own quantization.
 """
 
 from __future__ import annotations
@@ -17,16 +21,25 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.fp8 import FP8, FP8_MAX, aligned_block_scales, quantize_fp8_rowwise_reference
+from kernels.fp8 import (
+    FP8,
+    FP8_MAX,
+    Fp8Rows,
+    aligned_block_scales,
+    quantize_fp8_rowwise_reference,
+)
 from kernels.gguf import row_bytes
 from kernels.int4 import PACK
 from shared.quant_config import QuantSpec
 
 logger = logging.getLogger(__name__)
 
+Activation = torch.Tensor | Fp8Rows  # what a layer takes: Fp8Rows only if takes_fp8_rows
+
 
 class LinearMethod(Protocol):
     name: str
+    takes_fp8_rows: bool  # apply also takes activations quantized per token (Fp8Rows)
 
     def create_weights(self, layer: Linear) -> None:
         """Register the parameters a checkpoint fills, under the names it loads."""
@@ -37,14 +50,15 @@ class LinearMethod(Protocol):
     def prepare(self, layer: Linear) -> None:
         """After loading: turn what was loaded into what `apply` reads (in place)."""
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] in x's dtype."""
+    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's (float) dtype."""
 
 
 class Unquantized:
     """The weight as loaded (bf16 on CUDA): the skinny Triton GEMV for decode, else cuBLAS."""
 
     name = "unquantized"
+    takes_fp8_rows = False
 
     def create_weights(self, layer: Linear) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
@@ -57,8 +71,8 @@ class Unquantized:
     def prepare(self, layer: Linear) -> None:
         pass
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, layer.weight, layer.bias)
+    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
+        return ops.linear(_float(x, self), layer.weight, layer.bias)
 
 
 class Fp8Dynamic(Unquantized):
@@ -66,6 +80,7 @@ class Fp8Dynamic(Unquantized):
     activation per token at each call (`kernels/fp8.py`). Half the bytes of bf16 per step."""
 
     name = "fp8"
+    takes_fp8_rows = True
 
     def prepare(self, layer: Linear) -> None:
         qweight, scale = quantize_fp8_rowwise_reference(layer.weight.data)  # [N, K], [N, 1]
@@ -74,7 +89,7 @@ class Fp8Dynamic(Unquantized):
         del layer.weight  # the float copy: its memory goes back to the allocator
         layer.register_parameter("weight", None)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         return ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias)
 
 
@@ -105,6 +120,8 @@ class Fp8Block(Fp8Checkpoint):
     columns (the checkpoint's per-block scales, expanded over the block's rows), activations
     quantized per token and group at each call."""
 
+    takes_fp8_rows = False  # its activations are quantized per group, not per token
+
     def __init__(self, block: tuple[int, int]) -> None:
         self.rows, self.group = block
 
@@ -128,9 +145,14 @@ class Fp8Block(Fp8Checkpoint):
         ):
             layer.block_scale = aligned_block_scales(layer.weight_scale.data, 128)
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         return ops.fp8_group_linear(
-            x, layer.qweight, layer.weight_scale, self.group, layer.bias, layer.block_scale
+            _float(x, self),
+            layer.qweight,
+            layer.weight_scale,
+            self.group,
+            layer.bias,
+            layer.block_scale,
         )
 
 
@@ -138,6 +160,8 @@ class Int4WeightOnly:
     """int4 weights (W4A16) as AWQ, GPTQ and compressed-tensors checkpoints hold them, in the
     one layout of `kernels/int4.py` (services/executor/quantized_checkpoints.py translates them):
     a quarter of bf16's bytes per step, dequantized in registers."""
+
+    takes_fp8_rows = False
 
     def __init__(self, spec: QuantSpec) -> None:
         self.spec = spec
@@ -181,9 +205,9 @@ class Int4WeightOnly:
     def prepare(self, layer: Linear) -> None:
         pass
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         return ops.int4_linear(
-            x,
+            _float(x, self),
             layer.qweight,
             layer.scales,
             layer.zeros,
@@ -210,6 +234,7 @@ class GgufBlocks:
     (and F16/F32 ones) are dequantized to the model dtype at load."""
 
     name = "gguf"
+    takes_fp8_rows = False
 
     def create_weights(self, layer: Linear) -> None:
         layer.weight = None
@@ -256,7 +281,8 @@ class GgufBlocks:
         layer.runs = [run[0].qtype for run in runs]
         layer.shards = {}
 
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
+        x = _float(x, self)
         weights = [getattr(layer, f"qweight{i}") for i in range(len(layer.runs))]
         if len(weights) == 1:
             return _gguf_run(x, layer.runs[0], weights[0], layer.bias)
@@ -271,6 +297,13 @@ def _gguf_run(
     if qtype == "float":
         return ops.linear(x, weight, bias)
     return ops.gguf_linear(x, weight, qtype, bias)
+
+
+def _float(x: Activation, method: LinearMethod) -> torch.Tensor:
+    """x as a float activation: only methods with takes_fp8_rows are handed Fp8Rows."""
+    if isinstance(x, Fp8Rows):
+        raise TypeError(f"the {method.name} linear method does not take FP8-quantized inputs")
+    return x
 
 
 def _randn(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -310,7 +343,7 @@ class Linear(nn.Module):
         self.method: LinearMethod = method or Unquantized()
         self.method.create_weights(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+    def forward(self, x: Activation) -> torch.Tensor:  # [M, K] -> [M, N]
         return self.method.apply(self, x)
 
 

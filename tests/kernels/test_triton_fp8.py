@@ -1,6 +1,7 @@
 """The Triton FP8 kernels against `kernels.fp8`'s references (under the interpreter on CPU,
-compiled on a GPU): the per-token quantization, and the skinny linear with FP8 operands for
-every row count a decode step has."""
+compiled on a GPU): the per-token quantization, the skinny linear with FP8 operands for every
+row count a decode step has, and the RMSNorm and SiLU-and-mul kernels that quantize their
+output for an FP8 layer in the same pass (the same e4m3 values as the unfused pair)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.fp8 import FP8, fp8_linear_reference, quantize_fp8_rowwise_reference
+from kernels import triton_activation
+from kernels.activation import silu_and_mul_fp8_reference
+from kernels.fp8 import FP8, Fp8Rows, fp8_linear_reference, quantize_fp8_rowwise_reference
+from kernels.norm import fused_add_rms_norm_fp8_reference, rms_norm_fp8_reference
+from kernels.triton_activation import silu_and_mul, silu_and_mul_fp8
 from kernels.triton_fp8 import fp8_skinny_linear, quantize_fp8_rowwise
+from kernels.triton_norm import fused_add_rms_norm, fused_add_rms_norm_fp8, rms_norm, rms_norm_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -48,3 +54,82 @@ def test_skinny_fp8_linear_matches_the_reference(m: int, bias: bool) -> None:
     assert out.dtype == dtype and out.shape == (m, n)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_skinny_fp8_linear_takes_rows_its_producer_quantized() -> None:
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 96, generator=generator).to(DEVICE, DTYPE)
+    qweight, scale = quantize_fp8_rowwise_reference(torch.randn(32, 96, generator=generator))
+    qweight, scale = qweight.to(DEVICE), scale[:, 0].to(DEVICE)
+    out = fp8_skinny_linear(Fp8Rows.quantize(x), qweight, scale)
+    assert out.dtype == DTYPE
+    assert torch.equal(out, fp8_skinny_linear(x, qweight, scale))
+
+
+# --- Producers that quantize for the FP8 layer they feed ---------------------------------------
+
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
+def assert_same_rows(got: Fp8Rows, want_q: torch.Tensor, want_scale: torch.Tensor) -> None:
+    assert got.q.dtype == FP8 and got.scale.shape == (got.q.shape[0], 1) and got.dtype == DTYPE
+    assert torch.equal(got.scale, want_scale)
+    assert torch.equal(got.q.float(), want_q.float())
+
+
+def assert_close_rows(got: Fp8Rows, want: Fp8Rows) -> None:
+    """Against the torch reference, whose norm sums in another order: the dequantized rows agree
+    to e4m3's resolution (a value on a rounding boundary may land one step away)."""
+    torch.testing.assert_close(got.scale, want.scale, rtol=1e-2, atol=0)
+    dequantized = [(r.q.float() * r.scale).cpu() for r in (got, want)]
+    torch.testing.assert_close(*dequantized, rtol=0.07, atol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (5, 96), (3, 1000), (2, 4096)])  # and Llama's
+def test_rms_norm_fp8_quantizes_the_normed_rows(shape: tuple[int, int]) -> None:
+    generator = torch.Generator().manual_seed(shape[1])
+    x = (torch.randn(shape, generator=generator) * 4).to(DEVICE, DTYPE)
+    weight = (1 + torch.randn(shape[1], generator=generator) / 4).to(DEVICE, DTYPE)
+    x[0] = 0.0  # a zero row keeps a usable scale
+    got = rms_norm_fp8(x, weight, 1e-6)
+    assert_same_rows(got, *quantize_fp8_rowwise(rms_norm(x, weight, 1e-6)))
+    assert_close_rows(got, rms_norm_fp8_reference(x, weight, 1e-6))
+
+
+def test_fused_add_rms_norm_fp8_updates_the_residual_and_leaves_x() -> None:
+    generator = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(4, 200, generator=generator).to(DEVICE, DTYPE) for _ in range(2))
+    weight = (1 + torch.randn(200, generator=generator) / 4).to(DEVICE, DTYPE)
+    x_before, residual_before = x.clone(), residual.clone()
+    got, new_residual = fused_add_rms_norm_fp8(x, residual, weight, 1e-6)
+    assert new_residual is residual and torch.equal(x, x_before)
+    normed, summed = fused_add_rms_norm(x.clone(), residual_before.clone(), weight, 1e-6)
+    assert torch.equal(residual, summed)
+    assert_same_rows(got, *quantize_fp8_rowwise(normed))
+    want, want_residual = fused_add_rms_norm_fp8_reference(x, residual_before, weight, 1e-6)
+    assert torch.equal(residual, want_residual)
+    assert_close_rows(got, want)
+
+
+@pytest.mark.parametrize(("inter", "two_passes"), [(200, False), (200, True), (14336, False)])
+def test_silu_and_mul_fp8_quantizes_the_product(
+    inter: int, two_passes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if two_passes:  # rows longer than a program holds: computed twice, by blocks
+        monkeypatch.setattr(triton_activation, "FP8_BLOCK", 64)
+    generator = torch.Generator().manual_seed(11)
+    gate_up = (torch.randn(3, 2 * inter, generator=generator) * 3).to(DEVICE, DTYPE)
+    gate_up[1] = 0.0
+    got = silu_and_mul_fp8(gate_up)
+    assert_same_rows(got, *quantize_fp8_rowwise(silu_and_mul(gate_up)))
+    assert_close_rows(got, silu_and_mul_fp8_reference(gate_up))
+
+
+def test_fp8_producers_refuse_what_they_cannot_quantize() -> None:
+    x = torch.randn(2, 64, device=DEVICE, dtype=DTYPE)
+    with pytest.raises(ValueError, match="same dtype"):
+        rms_norm_fp8(x, torch.ones(64, device=DEVICE, dtype=torch.float16), 1e-6)
+    with pytest.raises(ValueError, match="2-D"):
+        rms_norm_fp8(x.view(2, 2, 32), torch.ones(32, device=DEVICE, dtype=DTYPE), 1e-6)
+    with pytest.raises(ValueError, match="2-D"):
+        silu_and_mul_fp8(x.view(2, 2, 32))

@@ -15,8 +15,8 @@ from torch import nn
 
 from kernels import ops
 from services.executor.attention_metadata import AttentionMetadata
-from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from services.executor.linear import Linear, LinearMethod, PackedWeight
+from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding, feeds_fp8_rows
+from services.executor.linear import Activation, Linear, LinearMethod, PackedWeight
 from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
@@ -83,12 +83,12 @@ class Attention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [T]
-        x: torch.Tensor,  # [T, hidden]
+        x: Activation,  # [T, hidden], normed (quantized per token for an FP8 qkv_proj)
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
-        num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -135,9 +135,11 @@ class DecoderLayer(nn.Module):
         kv_scales: bool = False,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The norms feed qkv_proj and gate_up_proj: quantized for them where they take FP8.
+        fp8_out = feeds_fp8_rows(method)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp8_out)
         self.self_attn = Attention(cfg, rotary, method, kv_scales)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp8_out)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, method)
 
     def forward(
