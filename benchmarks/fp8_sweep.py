@@ -2,9 +2,9 @@
 
 For each projection of --model and each M in --m, times `fp8_skinny_linear` (the activation
 quantization and the skinny kernel, as `kernels.ops.fp8_linear` runs them up to 16 rows) with
-`fp8_default_tiles` and with every config of CANDIDATES, and bf16 through `kernels.ops.linear`;
-reports microseconds per call and GB/s of FP8 weights (timing and checks:
-benchmarks/quantized_sweep.py).
+`fp8_default_tiles` and with every config of CANDIDATES, cuBLASLt's scaled GEMM (what the
+engine runs past 16 rows) and bf16 through `kernels.ops.linear`; reports microseconds per call
+and GB/s of FP8 weights (timing and checks: benchmarks/quantized_sweep.py).
 
     python3 benchmarks/fp8_sweep.py --out $OUT/fp8_sweep.json --m 1 4 16
 
@@ -27,7 +27,11 @@ if str(ROOT) not in sys.path:
 from benchmarks import quantized_sweep  # noqa: E402
 from benchmarks.linear_sweep import DEVICE, Shape, label  # noqa: E402
 from kernels.fp8 import fp8_linear_reference, quantize_fp8_rowwise_reference  # noqa: E402
-from kernels.triton_fp8 import fp8_default_tiles, fp8_skinny_linear  # noqa: E402
+from kernels.triton_fp8 import (  # noqa: E402
+    fp8_default_tiles,
+    fp8_skinny_linear,
+    quantize_fp8_rowwise,
+)
 from kernels.triton_linear import LinearTiles  # noqa: E402
 
 # (block_n, block_k, num_warps, num_stages, use_dot): FP8 bytes per weight row per step are
@@ -59,10 +63,20 @@ def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]
         named = [("default", fp8_default_tiles(m, shape.n, shape.k))]
         named += [(label(t), t) for t in CANDIDATES if applies(t, m)]
         configs = [(name, functools.partial(_fp8, tiles=t), t) for name, t in named]
+        configs.append(("cublaslt", _cublaslt, None))  # what ops.fp8_linear runs past 16 rows
         expected = fp8_linear_reference(x, *layers[0])
         rows += quantized_sweep.time_configs(shape, x, layers, expected, configs, fp8_bytes)
         quantized_sweep.print_best(shape, m, rows)
     return rows
+
+
+def _cublaslt(x: torch.Tensor, layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The quantization kernel, then cuBLASLt's row-wise scaled FP8 GEMM."""
+    qweight, scale = layer
+    qx, x_scale = quantize_fp8_rowwise(x)
+    return torch._scaled_mm(
+        qx, qweight.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype
+    )
 
 
 def _fp8(x: torch.Tensor, layer: tuple[torch.Tensor, ...], tiles: LinearTiles) -> torch.Tensor:

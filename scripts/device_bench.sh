@@ -45,6 +45,9 @@ for part in $PARTS; do
         run latency-kv-fp8 python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
             --kv-cache-dtype fp8 --input-len 128 --output-len 256 --profile-steps 20 \
             --output-json "$OUT/latency_kv_fp8.json" ;;
+    attention-sweep)  # decode attention launch configs, bf16 and FP8 caches (issue 13)
+        run attention-sweep python3 benchmarks/attention_sweep.py \
+            --out "$OUT/attention_sweep.json" ;;
     overlap)  # decode attention and linear layers on two streams at once: do they overlap?
         run overlap python3 benchmarks/overlap_probe.py --out "$OUT/overlap.json" ;;
     sweep)  # decode GEMV tiles against cuBLAS at the Llama-3.1-8B shapes

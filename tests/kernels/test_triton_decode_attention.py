@@ -12,7 +12,11 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.attention import paged_attention_reference
-from kernels.triton_decode_attention import paged_decode_attention
+from kernels.triton_decode_attention import (
+    DecodeTiles,
+    default_decode_tiles,
+    paged_decode_attention,
+)
 from tests.kernels.paged_cache import scattered_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -119,3 +123,51 @@ def test_decode_bf16_real_shapes() -> None:
             query, key_cache, value_cache, block_tables, lens, scale, num_splits=num_splits
         )
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=f"{num_splits=}")
+
+
+@pytest.mark.parametrize(
+    "tiles", [DecodeTiles(32, 2, 1), DecodeTiles(128, 8, 4)], ids=["tile32", "tile128"]
+)
+def test_tiles_do_not_change_result(tiles: DecodeTiles) -> None:
+    # Tiles smaller and larger than the default 64 tokens, with splits of 48 tokens (3 splits
+    # over 128 slots: tiles of 32 cross split ends) and the picked count (tile-aware).
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        SEQ_LENS, 8, 2, 64, torch.float32, seed=11
+    )
+    expected = reference(query, key_cache, value_cache, block_tables, seq_lens, 0.125)
+    for num_splits in (3, None):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, 0.125, num_splits, tiles=tiles
+        )
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")
+
+
+def test_default_tiles_are_one_64_token_tile_or_one_block() -> None:
+    assert default_decode_tiles(torch.bfloat16, 128, 16) == DecodeTiles(64, 4, 3)
+    assert default_decode_tiles(torch.bfloat16, 128, 128).tile == 128
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"tile": 48}, "tile"),
+        ({"tile": 8}, "tile"),
+        ({"num_warps": 3}, "num_warps"),
+        ({"num_stages": 0}, "num_stages"),
+    ],
+)
+def test_rejects_invalid_tiles(fields: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=f"DecodeTiles.{match}"):
+        DecodeTiles(**fields)
+
+
+def test_rejects_tile_smaller_than_a_block() -> None:
+    # A 16-token tile over 32-token blocks: a tile must cover whole blocks.
+    key_cache = torch.zeros(2, 32, 2, 64, device=DEVICE)
+    query = torch.zeros(1, 2, 64, device=DEVICE)
+    block_tables = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="block_size"):
+        paged_decode_attention(
+            query, key_cache, key_cache, block_tables, seq_lens, 1.0, tiles=DecodeTiles(tile=16)
+        )
