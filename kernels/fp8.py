@@ -21,9 +21,14 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 def quantize_fp8_rowwise_reference(
     x: torch.Tensor,  # [R, C]
+    static_scale: torch.Tensor | None = None,  # [1] float32: a checkpoint's calibrated scale
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] float8_e4m3fn, [R, 1] float32)
-    """Each row scaled into e4m3's range by its absolute maximum: x ≈ q * scale."""
-    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    """Each row scaled into e4m3's range by its absolute maximum (x ≈ q * scale), or by the
+    static scale, past which values saturate at ±448."""
+    if static_scale is None:
+        scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
@@ -38,9 +43,9 @@ class Fp8Rows:
     dtype: torch.dtype  # the float dtype it was computed in, and the layer returns
 
     @classmethod
-    def quantize(cls, x: torch.Tensor) -> Fp8Rows:
+    def quantize(cls, x: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:
         """The reference's quantization of a float activation [M, K]."""
-        return cls(*quantize_fp8_rowwise_reference(x), x.dtype)
+        return cls(*quantize_fp8_rowwise_reference(x, static_scale), x.dtype)
 
 
 def fp8_linear_reference(
@@ -48,9 +53,11 @@ def fp8_linear_reference(
     qweight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
+    input_scale: torch.Tensor | None = None,  # [1]: x's static scale (else one per token)
 ) -> torch.Tensor:  # [M, N], in x's (float) dtype
-    """x quantized per token, times the dequantized weight, in float32."""
-    rows = x if isinstance(x, Fp8Rows) else Fp8Rows.quantize(x)
+    """x quantized per token (or by its static scale), times the dequantized weight, in
+    float32."""
+    rows = x if isinstance(x, Fp8Rows) else Fp8Rows.quantize(x, input_scale)
     out = (rows.q.float() @ qweight.float().t()) * rows.scale * weight_scale[None, :]  # [M, N]
     if bias is not None:
         out = out + bias.float()

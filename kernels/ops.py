@@ -30,6 +30,10 @@ from kernels.rotary_cache import rotary_write_kv_reference
 # Decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS up to 16 rows; past
 # that cuBLAS is within 3 % of it (benchmarks/linear_sweep.py), so it keeps those.
 SKINNY_MAX_ROWS = 16
+# FP8 weights stream faster through the skinny kernel than through cuBLASLt's scaled GEMM up
+# to its 64 rows (benchmarks/fp8_sweep.py, H100, Llama-3.1-8B layers, quantization included:
+# 116 against 139 us a layer at M = 32, 112 against 134 at M = 64).
+FP8_SKINNY_MAX_ROWS = 64
 _modules: dict[str, ModuleType] = {}
 
 
@@ -178,24 +182,21 @@ def fp8_linear(
     qweight: torch.Tensor,  # [N, K] float8_e4m3fn
     weight_scale: torch.Tensor,  # [N] float32
     bias: torch.Tensor | None = None,  # [N]
+    input_scale: torch.Tensor | None = None,  # [1]: x's static scale (else one per token)
 ) -> torch.Tensor:  # [M, N], x's float dtype
-    """An FP8 W8A8 linear layer: on CUDA the activation quantized per token in Triton (unless
-    its producer did), then up to SKINNY_MAX_ROWS rows the skinny Triton kernel, past that
-    cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`); elsewhere the reference."""
+    """An FP8 W8A8 linear layer: on CUDA the activation quantized per token (or by its static
+    scale) in Triton, unless its producer did; then up to FP8_SKINNY_MAX_ROWS rows the skinny
+    Triton kernel, past that cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`);
+    elsewhere the reference."""
     module = _triton("fp8", x.q if isinstance(x, Fp8Rows) else x)
     if module is None:
-        return fp8_linear_reference(x, qweight, weight_scale, bias)
-    rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*module.quantize_fp8_rowwise(x), x.dtype)
-    if rows.q.shape[0] <= SKINNY_MAX_ROWS:  # decode: the weight streamed by the skinny kernel
+        return fp8_linear_reference(x, qweight, weight_scale, bias, input_scale)
+    if isinstance(x, Fp8Rows):
+        rows = x
+    else:
+        rows = Fp8Rows(*module.quantize_fp8_rowwise(x, input_scale), x.dtype)
+    if rows.q.shape[0] <= FP8_SKINNY_MAX_ROWS:  # decode: the weight streamed by the skinny kernel
         return module.fp8_skinny_linear(rows, qweight, weight_scale, bias)
-    if rows.dtype != torch.bfloat16:
-        # cuBLASLt's row-wise scales give bf16 only: the float32 products, scaled after.
-        one = torch.ones((), dtype=torch.float32, device=rows.q.device)
-        out = torch._scaled_mm(
-            rows.q, qweight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32
-        )
-        out = out * rows.scale * weight_scale[None, :]
-        return (out if bias is None else out + bias).to(rows.dtype)
     # Why .t() of the [N, K] weight: cuBLASLt takes the second operand column-major.
     return torch._scaled_mm(
         rows.q,

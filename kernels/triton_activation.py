@@ -22,7 +22,7 @@ from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
 from kernels.triton_e4m3 import to_e4m3
 
 _BLOCK = 1024  # columns per program at most
-FP8_BLOCK = 16384  # columns of a row in registers in the FP8 variant: 32 floats a thread
+FP8_BLOCK = 16384  # columns of a row in registers in the FP8 variant: 16 floats a thread
 
 
 @triton.jit
@@ -61,13 +61,14 @@ def _silu_and_mul_fp8_kernel(
     FP8_MAX_VALUE: tl.constexpr,
     MIN_SCALE_VALUE: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,  # inter <= BLOCK (a constant, so only one branch is compiled)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     gate_ptrs = gate_up_ptr + row * stride_in_row + cols
     q_ptrs = q_ptr + row * stride_q_row + cols
     dtype = gate_up_ptr.dtype.element_ty
-    if inter <= BLOCK:  # the row in registers: read once
+    if ONE_BLOCK:  # the row in registers: read once
         out = _silu_mul(gate_ptrs, cols < inter, inter, dtype).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(out), axis=0) / FP8_MAX_VALUE, MIN_SCALE_VALUE)
         tl.store(q_ptrs, to_e4m3(out / scale).to(q_ptr.dtype.element_ty), mask=cols < inter)
@@ -122,7 +123,7 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
         _silu_and_mul_fp8_kernel[(num_rows,)](
             rows, q, scale, rows.stride(0), q.stride(0), inter,
             FP8_MAX_VALUE=FP8_MAX, MIN_SCALE_VALUE=MIN_SCALE, BLOCK=block,
-            num_warps=min(max(block // 1024, 1), 16),
+            ONE_BLOCK=inter <= block, num_warps=min(max(block // 512, 1), 32),
         )  # fmt: skip
     return Fp8Rows(q, scale, gate_up.dtype)
 

@@ -61,12 +61,14 @@ class DecodeTiles:
 
 
 def default_decode_tiles(kv_dtype: torch.dtype, head_dim: int, block_size: int) -> DecodeTiles:
-    """The configuration for a cache of kv_dtype: for now the same for every dtype, one 64-token
-    tile (or one block, if larger) per step with Triton's CUDA defaults of 4 warps, 3 stages:
-    0.99 of copy bandwidth with a bf16 cache on an H100, 0.73-0.74 with e4m3 (64 x 32k and
-    256 x 4k contexts). benchmarks/attention_sweep.py times the alternatives."""
-    del kv_dtype, head_dim  # the sweep's FP8 picks will key on these
-    return DecodeTiles(tile=max(block_size, 64), num_warps=4, num_stages=3)
+    """benchmarks/attention_sweep.py's picks (H100, Llama-3.1-8B heads, block_size 16,
+    2026-11-26), 4 warps and 3 stages: 64 tokens per step (or one block, if larger) read a bf16
+    cache at 0.99 of copy bandwidth, no other config faster; an e4m3 cache takes 128 (0.78
+    against 0.74 at 64 x 32k and 256 x 4k contexts): its tiles hold half the bytes, and its
+    in-register conversions are the limit."""
+    del head_dim  # the sweep covered 128 only
+    tokens = 128 if kv_dtype == torch.float8_e4m3fn else 64
+    return DecodeTiles(tile=max(block_size, tokens), num_warps=4, num_stages=3)
 
 
 @triton.jit
@@ -222,10 +224,11 @@ def _num_sms(device_index: int) -> int:
 def _pick_num_splits(
     num_reqs: int, num_kv_heads: int, max_context: int, device: torch.device, tile: int
 ) -> int:
-    """Enough programs for a few waves on the GPU, without splits shorter than
-    MIN_PARTITION_TOKENS or than one tile (a shorter split would compute a mostly masked tile)."""
+    """Enough programs for a few waves of 64-token steps on the GPU (fewer programs where each
+    step reads more), without splits shorter than MIN_PARTITION_TOKENS or than one tile (a
+    shorter split would compute a mostly masked tile)."""
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
-    wanted = triton.cdiv(4 * num_sms, num_reqs * num_kv_heads)
+    wanted = triton.cdiv(4 * num_sms * 64 // max(tile, 64), num_reqs * num_kv_heads)
     useful = triton.cdiv(max_context, max(MIN_PARTITION_TOKENS, tile))
     return max(1, min(wanted, useful, MAX_SPLITS))
 

@@ -27,20 +27,26 @@ def _quantize_rowwise_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [M, K] float8e4nv
     scale_ptr,  # [M] float32
+    static_scale_ptr,  # [1] float32 with STATIC
     k,
     stride_x_row,
     stride_q_row,
     FP8_MAX_VALUE: tl.constexpr,
     MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    STATIC: tl.constexpr,  # every row scaled by the calibrated scale: no pass over it first
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, k, BLOCK):  # pass 1: the row's absolute maximum
-        x = tl.load(x_ptr + row * stride_x_row + start + cols, mask=start + cols < k, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_VALUE, MIN_SCALE)
+    if STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, k, BLOCK):  # pass 1: the row's absolute maximum
+            mask = start + cols < k
+            x = tl.load(x_ptr + row * stride_x_row + start + cols, mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_VALUE, MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     for start in range(0, k, BLOCK):  # pass 2: the row in e4m3 (read again: from L2)
         mask = start + cols < k
@@ -51,9 +57,15 @@ def _quantize_rowwise_kernel(
 
 def quantize_fp8_rowwise(
     x: torch.Tensor,  # [R, C], last dimension contiguous
+    static_scale: torch.Tensor | None = None,  # [1] float32: a checkpoint's calibrated scale
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] float8_e4m3fn, [R, 1] float32)
+    """`kernels.fp8.quantize_fp8_rowwise_reference`: one program per row."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D and contiguous in its last dimension, got {x.shape}")
+    if static_scale is not None and (
+        static_scale.numel() != 1 or static_scale.dtype != torch.float32
+    ):
+        raise ValueError(f"a static scale is one float32, got {static_scale.shape}")
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=FP8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
@@ -63,12 +75,14 @@ def quantize_fp8_rowwise(
         x,
         q,
         scale,
+        static_scale if static_scale is not None else scale,  # read only with STATIC
         cols,
         x.stride(0),
         q.stride(0),
         FP8_MAX_VALUE=FP8_MAX,
         MIN_SCALE=MIN_SCALE,
         BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(cols)),
+        STATIC=static_scale is not None,
         num_warps=4,
     )
     return q, scale
@@ -95,14 +109,18 @@ def fp8_skinny_linear(
 
 
 def fp8_default_tiles(m: int, n: int, k: int) -> LinearTiles:
-    """benchmarks/fp8_sweep.py's picks (H100, Llama-3.1-8B shapes, M = 1-16, 2026-11-26):
-    tl.dot tiles of 32 output columns, 512 K per step (512 weight bytes per row) where N is
-    4096 or less (o, down: 11.7 and 30.7 us at M = 1 against 12.0 and 32.2 with the bf16
-    tiles' doubled K), 256 K and 5 stages on wider layers (qkv 14.9 against 16.8, gate_up 46.6
-    against 51.5). K never exceeds K rounded up to a power of two (small test shapes)."""
-    block_k, stages = (512, 4) if n <= 4096 else (256, 5)
+    """benchmarks/fp8_sweep.py's picks (H100, Llama-3.1-8B shapes, 2026-11-26), in tl.dot
+    tiles of 32 output columns: 512 K per step (512 weight bytes per row) where N is 4096 or
+    less (o, down at M = 1: 11.7 and 30.7 us against 12.0 and 32.2 with the bf16 tiles'
+    doubled K), 256 K and 5 stages on wider layers (qkv 14.9 against 16.8, gate_up 46.6
+    against 51.5). Past 16 rows the wider layers take 64 columns and 512 K (M = 32 / 64: qkv
+    15.8 / 15.8, gate_up 50.0 / 52.0 us). K never exceeds K rounded up to a power of two
+    (small test shapes)."""
+    block_n, block_k, stages = (32, 512, 4) if n <= 4096 else (32, 256, 5)
+    if m > 16 and n > 4096:
+        block_n, block_k, stages = 64, 512, 3
     block_k = max(32, min(block_k, triton.next_power_of_2(k)))
-    return LinearTiles(block_n=32, block_k=block_k, num_warps=4, num_stages=stages)
+    return LinearTiles(block_n=block_n, block_k=block_k, num_warps=4, num_stages=stages)
 
 
 # -- Block-scaled FP8: activations per token and group, one tl.dot per group --------------

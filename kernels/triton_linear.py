@@ -160,7 +160,15 @@ def _skinny_linear_kernel(
         if USE_DOT and INTERPRETED:  # the interpreter's tl.dot is wrong for bf16 (see UPCAST)
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         elif USE_DOT:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)  # [BM, BN]
+            # FP8 products on Hopper: wgmma (64-row tiles) accumulates them in reduced precision,
+            # so partial sums are promoted into the float32 accumulator every 128 of K.
+            acc = tl.dot(
+                x,
+                tl.trans(w),
+                acc,
+                input_precision=DOT_PRECISION,
+                max_num_imprecise_acc=128 if HAS_SCALES else None,
+            )  # [BM, BN]
         else:
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
         x_ptrs += BLOCK_K

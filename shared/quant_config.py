@@ -34,6 +34,7 @@ class QuantSpec:
     fp8_weights: bool = False  # a compressed-tensors checkpoint of FP8 (float-quantized) weights
     fp8_block: tuple[int, int] | None = None  # FP8: weight rows and columns per scale (blocks)
     kv_scales: bool = False  # each attention layer has k_scale and v_scale (an FP8 KV cache's)
+    static_input: bool = False  # FP8: activations scaled by the checkpoint's input_scale
 
     @property
     def checkpoint_format(self) -> str:
@@ -47,7 +48,9 @@ class QuantSpec:
 
     @property
     def label(self) -> str:
-        """The method as logs name it, with FP8 block scales' shape."""
+        """The method as logs name it, with FP8 block scales' shape or static activations."""
+        if self.static_input:
+            return f"{self.method} (FP8, static activation scales)"
         if self.fp8_block is None:
             return self.method
         return f"{self.method} (FP8, a scale per {self.fp8_block[0]}x{self.fp8_block[1]} block)"
@@ -169,13 +172,19 @@ def _fp8(cfg: dict[str, Any]) -> QuantSpec:
     """FP8 checkpoints as transformers and AutoFP8 write them: e4m3 weights with a scale per
     tensor, or per [rows, columns] block (`weight_block_size`, as DeepSeek-V3 and Qwen3's FP8
     releases), activations quantized at run time (activation_scheme dynamic): per token, and
-    per group of the block's columns with block scales."""
+    per group of the block's columns with block scales; or, with scales per tensor, by the
+    calibrated scale each layer's input_scale holds (activation_scheme static, as AutoFP8
+    writes it)."""
     scheme = cfg.get("activation_scheme", "dynamic")
-    _require(scheme == "dynamic", "activation_scheme", scheme, "dynamic")
+    _require(scheme in ("dynamic", "static"), "activation_scheme", scheme, "dynamic, static")
     fmt = cfg.get("fmt", "e4m3")
     _require(fmt == "e4m3", "fmt", fmt, "e4m3")
     block = _fp8_block(cfg.get("weight_block_size"), "weight_block_size")
-    return QuantSpec("fp8", from_checkpoint=True, ignore=_ignored(cfg), fp8_block=block)
+    static = scheme == "static"
+    _require(not (static and block), "activation_scheme", scheme, "dynamic with block scales")
+    return QuantSpec(
+        "fp8", from_checkpoint=True, ignore=_ignored(cfg), fp8_block=block, static_input=static
+    )
 
 
 def _fp8_block(value: Any, field: str) -> tuple[int, int] | None:
@@ -255,15 +264,24 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
         if strategy == "block":
             block = _fp8_block(weights.get("block_structure"), "weights.block_structure")
         act = scheme.get("input_activations") or {}
+        fp8_act = f"{act.get('type')}{act.get('num_bits')}" == "float8"
+        fp8_act = fp8_act and act.get("symmetric", True) is True
         dynamic_token = act.get("dynamic") is True and act.get("strategy") == "token"
         dynamic_group = act.get("dynamic") is True and act.get("strategy") == "group"
+        static = act.get("dynamic") is False and act.get("strategy") == "tensor"
         if block is None:
-            _require(dynamic_token, "input_activations", act, "FP8, dynamic, per token")
+            supported = "FP8, dynamic per token or static per tensor"
+            _require(fp8_act and (dynamic_token or static), "input_activations", act, supported)
         else:
-            same_group = dynamic_group and act.get("group_size") == block[1]
+            same_group = fp8_act and dynamic_group and act.get("group_size") == block[1]
             _require(same_group, "input_activations", act, "FP8, dynamic, the block's groups")
         return QuantSpec(
-            "compressed-tensors", True, ignore=ignore, fp8_weights=True, fp8_block=block
+            "compressed-tensors",
+            True,
+            ignore=ignore,
+            fp8_weights=True,
+            fp8_block=block,
+            static_input=static,
         )
     _require(scheme.get("input_activations") is None, "input_activations", "set", "none: W4A16")
     kind = f"{weights.get('type', 'int')}{weights.get('num_bits')}"
@@ -280,4 +298,4 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
     )
 
 
-_CT_FORMATS = "pack-quantized (int4 W4A16), float-quantized (FP8 W8A8 dynamic)"
+_CT_FORMATS = "pack-quantized (int4 W4A16), float-quantized (FP8 W8A8)"

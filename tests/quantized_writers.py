@@ -232,6 +232,54 @@ def write_fp8(model: torch.nn.Module, folder: Path, per_tensor: bool) -> None:
         modules[name].weight.data = weight
 
 
+def write_fp8_static(
+    model: torch.nn.Module, folder: Path, prompts: list[list[int]], compressed: bool
+) -> dict[str, torch.Tensor]:
+    """FP8 weights and static activation scales, one per tensor, calibrated on `prompts` as
+    AutoFP8 and llm-compressor do (the largest input each projection saw, over 448): under
+    compressed-tensors' FP8 scheme, or transformers' `quant_method: fp8` with
+    `activation_scheme: static`. Returns each projection's input scale."""
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import FP8
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def observe(name: str):  # type: ignore[no-untyped-def]
+        def hook(_module: torch.nn.Module, args: tuple[torch.Tensor]) -> None:
+            amax = args[0].detach().abs().amax().float()
+            seen[name] = torch.maximum(seen.get(name, amax), amax)
+
+        return hook
+
+    projections = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in PROJECTIONS]
+    handles = [m.register_forward_pre_hook(observe(n)) for n, m in projections]
+    with torch.no_grad():
+        for prompt in prompts:
+            model(torch.tensor([prompt]))
+    for handle in handles:
+        handle.remove()
+    tensors: dict[str, torch.Tensor] = {}
+    input_scales = {}
+    for name, module in projections:
+        w = module.weight.data.float()
+        scale = w.abs().amax() / 448.0
+        q = (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        input_scales[name] = seen[name] / 448.0
+        shape = (1,) if compressed else ()  # as each tool stores a scalar
+        tensors[f"{name}.weight"] = q.contiguous()
+        tensors[f"{name}.weight_scale"] = scale.reshape(shape).contiguous()
+        tensors[f"{name}.input_scale"] = input_scales[name].reshape(shape).contiguous()
+        module.weight.data = q.float() * scale
+    if compressed:
+        scheme = QuantizationScheme(targets=["Linear"], **FP8)
+        config = _compressed_tensors_config(scheme, "float-quantized")
+    else:
+        config = {"quant_method": "fp8", "activation_scheme": "static"}
+    layers: dict[str, Quantized | None] = dict.fromkeys(name for name, _ in projections)
+    _save(model, folder, layers, tensors, config)
+    return input_scales
+
+
 def _compressed_tensors_config(scheme: object, fmt: str) -> dict[str, object]:
     """compressed-tensors' config.json entry: one group of Linear weights, the lm_head kept."""
     from compressed_tensors.quantization import QuantizationConfig

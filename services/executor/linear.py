@@ -115,6 +115,38 @@ class Fp8Checkpoint(Fp8Dynamic):
         pass
 
 
+class Fp8Static(Fp8Checkpoint):
+    """FP8 W8A8 with static activation scales: each layer's input is scaled by the scale the
+    checkpoint calibrated for it (input_scale, per tensor) instead of its own maximum, so no
+    pass over it comes first. A fused projection's pieces share their input: the largest of
+    their scales is used, so that no piece's calibrated range is clipped (their calibrations
+    saw the same inputs, so the scales agree in practice)."""
+
+    takes_fp8_rows = False  # producers quantize per token; these layers use their own scale
+
+    def create_weights(self, layer: Linear) -> None:
+        super().create_weights(layer)
+        # One per output row, as the loader expands it: fused pieces fill their own rows.
+        scale = torch.empty(layer.out_features, dtype=torch.float32)
+        layer.input_scale = nn.Parameter(scale, requires_grad=False)
+
+    def init_dummy(self, layer: Linear, generator: torch.Generator) -> None:
+        super().init_dummy(layer, generator)
+        layer.input_scale.data.fill_(8.0 / FP8_MAX)  # inputs up to 8 in magnitude
+
+    def prepare(self, layer: Linear) -> None:
+        scale = layer.input_scale.data.max().reshape(1)
+        if not 0.0 < float(scale) < float("inf"):
+            raise ValueError(f"input_scale must be positive and finite, got {float(scale)}")
+        del layer.input_scale
+        layer.register_buffer("input_scale", scale)
+
+    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
+        return ops.fp8_linear(
+            _float(x, self), layer.qweight, layer.weight_scale, layer.bias, layer.input_scale
+        )
+
+
 class Fp8Block(Fp8Checkpoint):
     """Block-scaled FP8 W8A8 (`kernels/fp8.py`): a scale per output row and group of input
     columns (the checkpoint's per-block scales, expanded over the block's rows), activations
@@ -318,6 +350,8 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
         return Unquantized()
     if spec.fp8_block is not None:
         return Fp8Block(spec.fp8_block)
+    if spec.checkpoint_format == "fp8" and spec.static_input:
+        return Fp8Static()
     if spec.checkpoint_format == "fp8":
         return Fp8Checkpoint() if spec.from_checkpoint else Fp8Dynamic()
     if spec.method == "gguf":

@@ -15,12 +15,14 @@ writers define them:
   tensors      weight_scale [N, G]; weight_zero_point [ceil(N/8), G] packed along N (signed
   (int4)       + 8), when asymmetric; weight_g_idx [K] with group act-order; weight_shape.
   FP8          weight [N, K] float8_e4m3fn with weight_scale: one per tensor ([] or [1]) or
-               per output channel ([N, 1]); w = weight * weight_scale. input_scale, written
-               by some tools even for dynamic activations, is not read (the config must say
-               dynamic: shared/quant_config.py refuses static activation scales). With block
-               scales, one per [rows, columns] block: weight_scale_inv (transformers) or
-               weight_scale (compressed-tensors) [ceil(N / rows), K / columns], kept as one
-               per output row and group of columns (`kernels/fp8.py`).
+               per output channel ([N, 1]); w = weight * weight_scale. input_scale ([] or
+               [1]): the calibrated scale of the layer's input, x ~ q * input_scale, read
+               when the config says static activations (kept per output row, like a scale
+               per tensor, so that fused pieces keep theirs) and ignored otherwise (some
+               tools write it for dynamic ones too). With block scales, one per [rows,
+               columns] block: weight_scale_inv (transformers) or weight_scale
+               (compressed-tensors) [ceil(N / rows), K / columns], kept as one per output
+               row and group of columns (`kernels/fp8.py`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def translate_quantized(
     """The checkpoint's (name, tensor) stream with each quantized module's parts replaced by
     the kernels' layout, yielded once all its parts (known from `names`) have been seen."""
     marker, required, optional = PARTS[spec.checkpoint_format]
+    if spec.static_input:
+        required = required | {"input_scale"}
     quantized = {name.rpartition(".")[0] for name in names if name.endswith(f".{marker}")}
     expected: dict[str, set[str]] = {}
     for name in names:
@@ -213,7 +217,17 @@ def _fp8(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Ten
             f"weight_scale {tuple(parts['weight_scale'].shape)} is neither per tensor nor per "
             f"output channel of weight {tuple(weight.shape)}, and the config names no block size"
         )
-    return {"qweight": weight, "weight_scale": scale.contiguous()}
+    scale = scale.contiguous()
+    translated: dict[str, torch.Tensor | None] = {"qweight": weight, "weight_scale": scale}
+    if spec.static_input:
+        input_scale = parts["input_scale"].float()
+        if input_scale.numel() != 1:
+            raise ValueError(
+                f"input_scale {tuple(input_scale.shape)}: static activations need one scale "
+                "per tensor"
+            )
+        translated["input_scale"] = input_scale.reshape(1).expand(n).contiguous()
+    return translated
 
 
 def _row_group_scales(

@@ -14,6 +14,7 @@ side's token must be among the other's top choices; most sequences must match th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,15 +26,12 @@ from kernels.fp8 import (
     quantize_fp8_rowwise_reference,
 )
 from kvflow import LLM, SamplingParams
+from services.executor import layers
+from services.executor.models import decoder
 from tests import quantized_writers
 from tests.integration.test_gpu_parity import TOP, hf_greedy_top
 from tests.integration.test_parity import hf_greedy
 from tests.integration.tiny_models import NUM_NEW_TOKENS, make_prompts, make_tiny_model
-
-gpu = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
 
 
 def fake_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +56,16 @@ def fake_quantize_inputs_fp8(model: torch.nn.Module, group: int | None = None) -
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
             module.register_forward_pre_hook(hook)
+
+
+def static_fp8_input(scale: torch.Tensor) -> Callable[..., tuple[torch.Tensor]]:
+    """A forward pre-hook: the layer's input quantized to e4m3 by a static scale, and back."""
+
+    def hook(_module: torch.nn.Module, args: tuple[torch.Tensor]) -> tuple[torch.Tensor]:
+        q = (args[0].float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return ((q.float() * scale).to(args[0].dtype),)
+
+    return hook
 
 
 def fake_quantize_fp8(model: torch.nn.Module) -> None:
@@ -89,13 +97,9 @@ def check_close(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_fp8_matches_transformers_with_the_reference_quantization(
-    family: str, device: str, tmp_path: object
+    family: str, tmp_path: object
 ) -> None:
-    """On CUDA the norms and the SiLU-and-mul quantize for the FP8 layers they feed, in
-    Triton (on CPU the references do it in two steps), and prompts past 16 rows run cuBLASLt
-    with float32 outputs."""
     model = make_tiny_model(family)
     model.save_pretrained(tmp_path)
     prompts = make_prompts(model.config.vocab_size)
@@ -103,10 +107,8 @@ def test_fp8_matches_transformers_with_the_reference_quantization(
     fake_quantize_fp8(model)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
     assert [tokens for tokens, _ in expected] != plain  # the quantization changes the output
-    llm = LLM(str(tmp_path), dtype="float32", device=device, quantization="fp8")
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="fp8")
     check_close(expected, llm, prompts)
-    if device == "cuda":
-        return  # the small pool below is about the scheduler, which the CPU run covers
     # Chunks and a KV pool small enough to preempt change nothing either.
     small = LLM(
         str(tmp_path),
@@ -140,6 +142,26 @@ def test_fp8_checkpoints_match_transformers_on_their_weights(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("compressed", [False, True], ids=["fp8-static", "ct-static"])
+def test_static_fp8_checkpoints_match_transformers_on_their_weights(
+    family: str, compressed: bool, tmp_path: Path
+) -> None:
+    """FP8 checkpoints with static activation scales (AutoFP8's `activation_scheme: static`,
+    compressed-tensors' FP8 scheme) against transformers on their weights, each layer's input
+    quantized by its calibrated scale."""
+    model = make_tiny_model(family)
+    prompts = make_prompts(model.config.vocab_size)
+    input_scales = quantized_writers.write_fp8_static(model, tmp_path, prompts, compressed)
+    modules = dict(model.named_modules())
+    for name, scale in input_scales.items():
+        modules[name].register_forward_pre_hook(static_fp8_input(scale))
+    expected = [hf_greedy_top(model, prompt) for prompt in prompts]
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # static FP8 from config.json
+    check_close(expected, llm, prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("compressed", [False, True], ids=["fp8-block", "ct-block"])
 def test_block_scaled_fp8_checkpoints_match_transformers_on_their_weights(
     family: str, compressed: bool, tmp_path: Path
@@ -154,3 +176,37 @@ def test_block_scaled_fp8_checkpoints_match_transformers_on_their_weights(
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
     llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # the method from config.json
     check_close(expected, llm, prompts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_fp8_inputs_quantized_by_their_producers_change_nothing(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton norms and SiLU-and-mul that quantize for the FP8 layers they feed give the
+    tokens and log-probabilities of the unfused kernels exactly (bf16, decode and prompts)."""
+    model = make_tiny_model(family)
+    model.save_pretrained(tmp_path)
+    prompts = make_prompts(model.config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=3)
+
+    def generate() -> list[tuple[list[int], list[list[float]]]]:
+        llm = LLM(
+            str(tmp_path),
+            device="cuda",
+            dtype="bfloat16",
+            quantization="fp8",
+            max_model_len=512,
+            kv_cache_memory_bytes=64 << 20,
+        )
+        results = llm.generate(prompts, params)
+        return [
+            (r.token_ids, [[t.logprob for t in step.top] for step in r.outputs[0].logprobs])
+            for r in results
+        ]
+
+    fused = generate()
+    for module in (layers, decoder):  # every layer quantizes its own input again
+        monkeypatch.setattr(module, "feeds_fp8_rows", lambda method: False)
+    assert generate() == fused

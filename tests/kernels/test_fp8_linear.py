@@ -55,7 +55,7 @@ LLAMA_SHAPES = {
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", sorted(LLAMA_SHAPES))
-@pytest.mark.parametrize("m", [1, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 16, 33, 64, 65, 300])  # the skinny kernel to 64, then cuBLASLt
 def test_gpu_scaled_mm_matches_the_reference(shape: str, m: int) -> None:
     n, k = LLAMA_SHAPES[shape]
     generator = torch.Generator(device="cuda").manual_seed(m)

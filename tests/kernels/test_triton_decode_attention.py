@@ -142,9 +142,10 @@ def test_tiles_do_not_change_result(tiles: DecodeTiles) -> None:
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")
 
 
-def test_default_tiles_are_one_64_token_tile_or_one_block() -> None:
+def test_default_tiles_are_64_tokens_128_for_fp8_or_one_block() -> None:
     assert default_decode_tiles(torch.bfloat16, 128, 16) == DecodeTiles(64, 4, 3)
     assert default_decode_tiles(torch.bfloat16, 128, 128).tile == 128
+    assert default_decode_tiles(torch.float8_e4m3fn, 128, 16) == DecodeTiles(128, 4, 3)
 
 
 @pytest.mark.parametrize(

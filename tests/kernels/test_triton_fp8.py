@@ -34,12 +34,23 @@ def test_quantization_matches_the_reference(shape: tuple[int, int]) -> None:
     assert torch.equal(q.float(), want_q.float())
 
 
+def test_static_quantization_matches_the_reference_and_saturates() -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 300, generator=generator) * 3).to(DEVICE)
+    x[0, 0] = 1e4  # past 448 * scale: saturates at 448
+    static = torch.tensor([0.02], device=DEVICE)
+    q, scale = quantize_fp8_rowwise(x, static)
+    want_q, want_scale = quantize_fp8_rowwise_reference(x, static)
+    assert torch.equal(scale, want_scale) and scale.shape == (5, 1)
+    assert torch.equal(q.float(), want_q.float()) and q[0, 0].float() == 448
+
+
 def test_a_zero_row_quantizes_to_zeros() -> None:
     q, scale = quantize_fp8_rowwise(torch.zeros(2, 32, device=DEVICE))
     assert torch.equal(q.float(), torch.zeros(2, 32, device=DEVICE)) and (scale > 0).all()
 
 
-@pytest.mark.parametrize("m", [1, 2, 7, 16])  # the fma variant (1) and tl.dot tiles of 16
+@pytest.mark.parametrize("m", [1, 2, 7, 16, 40])  # tl.dot tiles of 16 rows, and of 64
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_fp8_linear_matches_the_reference(m: int, bias: bool) -> None:
     generator = torch.Generator().manual_seed(m)
@@ -78,11 +89,14 @@ def assert_same_rows(got: Fp8Rows, want_q: torch.Tensor, want_scale: torch.Tenso
 
 
 def assert_close_rows(got: Fp8Rows, want: Fp8Rows) -> None:
-    """Against the torch reference, whose norm sums in another order: the dequantized rows agree
-    to e4m3's resolution (a value on a rounding boundary may land one step away)."""
+    """Against the torch reference, which rounds a little differently (the norm sums in another
+    order; in bf16 it rounds silu(gate) before the product): the scales agree closely, and a
+    value on a rounding boundary may land one e4m3 step away, as few values do."""
     torch.testing.assert_close(got.scale, want.scale, rtol=1e-2, atol=0)
-    dequantized = [(r.q.float() * r.scale).cpu() for r in (got, want)]
-    torch.testing.assert_close(*dequantized, rtol=0.07, atol=1e-3)
+    a, b = (r.q.float().cpu() for r in (got, want))
+    step = torch.maximum(a.abs(), b.abs()) / 8 + 2**-9  # 3 mantissa bits; subnormals' step
+    assert ((a - b).abs() <= step).all()
+    assert (a != b).float().mean() < 0.03
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (5, 96), (3, 1000), (2, 4096)])  # and Llama's

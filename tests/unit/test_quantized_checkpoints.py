@@ -152,7 +152,34 @@ def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: 
             },
             "kv_cache_scheme",
         ),
-        ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme"),
+        ({"quant_method": "fp8", "activation_scheme": "per-group"}, "activation_scheme"),
+        (
+            {
+                "quant_method": "fp8",
+                "activation_scheme": "static",
+                "weight_block_size": [128, 128],
+            },
+            "activation_scheme",
+        ),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "config_groups": {
+                    "g": {
+                        "targets": ["Linear"],
+                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                        "input_activations": {  # static needs one scale per tensor
+                            "num_bits": 8,
+                            "type": "float",
+                            "strategy": "token",
+                            "dynamic": False,
+                        },
+                    }
+                },
+            },
+            "input_activations",
+        ),
         (
             {
                 "quant_method": "compressed-tensors",
