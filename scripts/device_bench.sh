@@ -21,6 +21,7 @@ PARTS=${PARTS:-"tests floors latency throughput small attention throughput-2048 
 COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
 GGUF_FILE=${GGUF_FILE:-/tmp/llama-3.1-8b-q4_k_m.gguf}
 FP8_BLOCK_MODEL=${FP8_BLOCK_MODEL:-/tmp/llama-3.1-8b-fp8-block}
+FP8_STATIC_MODEL=${FP8_STATIC_MODEL:-/tmp/llama-3.1-8b-fp8-static}
 status=0
 
 run() {
@@ -91,6 +92,21 @@ for part in $PARTS; do
 c['quantization_config'] = {'quant_method': 'fp8', 'activation_scheme': 'dynamic', \
 'weight_block_size': [128, 128]}; json.dump(c, open(sys.argv[2], 'w'))" \
             shared/presets/Llama-3.1-8B.json "$FP8_BLOCK_MODEL/config.json" ;;
+    fp8-static-model)  # the Llama-3.1-8B preset as a static-activation FP8 (AutoFP8) config
+        mkdir -p "$FP8_STATIC_MODEL"
+        run fp8-static-model python3 -c "import json, sys; c = json.load(open(sys.argv[1])); \
+c['quantization_config'] = {'quant_method': 'fp8', 'activation_scheme': 'static'}; \
+json.dump(c, open(sys.argv[2], 'w'))" shared/presets/Llama-3.1-8B.json \
+            "$FP8_STATIC_MODEL/config.json" ;;
+    latency-fp8-static)  # dummy e4m3 weights, inputs scaled by a fixed input_scale
+        run latency-fp8-static python3 -m services bench latency "$FP8_STATIC_MODEL" \
+            "${COMMON[@]}" --input-len 128 --output-len 256 --profile-steps 20 \
+            --output-json "$OUT/latency_fp8_static.json" ;;
+    throughput-fp8-kv-fp8)  # FP8 weights and an FP8 KV cache: decode reads half the KV bytes
+        run throughput-fp8-kv-fp8 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
+            --quantization fp8 --kv-cache-dtype fp8 --num-prompts 256 --input-len 512 \
+            --output-len 256 --ignore-eos --max-num-batched-tokens 8192 \
+            --output-json "$OUT/throughput_fp8_kv_fp8.json" ;;
     fp8-block-sweep)  # block-scaled FP8 tiles at the Llama-3.1-8B shapes against bf16
         run fp8-block-sweep python3 benchmarks/fp8_block_sweep.py \
             --out "$OUT/fp8_block_sweep.json" --m ${FP8_BLOCK_M:-1 16 256 2048} ;;
