@@ -138,6 +138,7 @@ def _skinny_linear_kernel(
     HAS_SCALES: tl.constexpr,  # FP8 x and w: the float32 sum times x_scale[row] w_scale[col]
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     DOT_PRECISION: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr,  # FP8: K summed in reduced precision at most; else None
     INTERPRETED: tl.constexpr,  # under TRITON_INTERPRET: see UPCAST below
 ):
     rows = tl.arange(0, BLOCK_M)  # [BM]
@@ -161,13 +162,13 @@ def _skinny_linear_kernel(
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         elif USE_DOT:
             # FP8 products on Hopper: wgmma (64-row tiles) accumulates them in reduced precision,
-            # so partial sums are promoted into the float32 accumulator every 128 of K.
+            # so partial sums are promoted into the float32 accumulator every IMPRECISE_ACC of K.
             acc = tl.dot(
                 x,
                 tl.trans(w),
                 acc,
                 input_precision=DOT_PRECISION,
-                max_num_imprecise_acc=128 if HAS_SCALES else None,
+                max_num_imprecise_acc=IMPRECISE_ACC,
             )  # [BM, BN]
         else:
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
@@ -265,6 +266,7 @@ def launch_skinny_linear(
         EVEN_K=k % tiles.block_k == 0,
         # Read for float32 operands only.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        IMPRECISE_ACC=min(128, tiles.block_k) if scales is not None else None,
         # UPCAST: off CUDA the kernel can only run under TRITON_INTERPRET, whose tl.dot multiplies
         # bfloat16 as raw uint16 bits (Triton 3.9), so the tiles go to float32 first: exact, as a
         # product of two 8-bit mantissas fits in 24 bits, and tensor cores accumulate in float32.
