@@ -30,6 +30,7 @@ from kernels.fp8 import (
 )
 from kernels.gguf import row_bytes
 from kernels.int4 import PACK
+from services.executor.linear_shards import TensorDims
 from shared.quant_config import QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,10 @@ class LinearMethod(Protocol):
 
     def prepare(self, layer: Linear) -> None:
         """After loading: turn what was loaded into what `apply` reads (in place)."""
+
+    def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
+        """Where each tensor it loads holds output rows and input columns, for tensor
+        parallelism (`services/executor/linear_shards.py`)."""
 
     def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's (float) dtype."""
@@ -70,6 +75,9 @@ class Unquantized:
 
     def prepare(self, layer: Linear) -> None:
         pass
+
+    def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
+        return {"weight": TensorDims(rows=0, cols=1), **_BIAS}
 
     def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         return ops.linear(_float(x, self), layer.weight, layer.bias)
@@ -114,6 +122,9 @@ class Fp8Checkpoint(Fp8Dynamic):
     def prepare(self, layer: Linear) -> None:
         pass
 
+    def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
+        return {"qweight": TensorDims(0, 1), "weight_scale": TensorDims(rows=0), **_BIAS}
+
 
 class Fp8Static(Fp8Checkpoint):
     """FP8 W8A8 with static activation scales: each layer's input is scaled by the scale the
@@ -133,6 +144,9 @@ class Fp8Static(Fp8Checkpoint):
     def init_dummy(self, layer: Linear, generator: torch.Generator) -> None:
         super().init_dummy(layer, generator)
         layer.input_scale.data.fill_(8.0 / FP8_MAX)  # inputs up to 8 in magnitude
+
+    def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
+        return {**super().shard_dims(layer), "input_scale": TensorDims(rows=0)}
 
     def prepare(self, layer: Linear) -> None:
         scale = layer.input_scale.data.max().reshape(1)
@@ -177,6 +191,10 @@ class Fp8Block(Fp8Checkpoint):
         ):
             layer.block_scale = aligned_block_scales(layer.weight_scale.data, 128)
 
+    def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
+        groups = TensorDims(0, 1, (self.group, 1), "scale groups")
+        return {"qweight": TensorDims(0, 1), "weight_scale": groups, **_BIAS}
+
     def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         return ops.fp8_group_linear(
             _float(x, self),
@@ -206,7 +224,9 @@ class Int4WeightOnly:
         n, k = layer.out_features, layer.in_features
         if k % PACK:
             raise ValueError(f"int4 layers need K divisible by {PACK}, got {k}")
-        num_groups = -(-k // self.group_size(layer))
+        # With act-order a rank's columns may fall in any group of the whole layer's.
+        grouped = layer.whole_in_features if self.spec.act_order else k
+        num_groups = 1 if self.spec.group_size <= 0 else -(-grouped // self.spec.group_size)
 
         def frozen(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
             return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
@@ -236,6 +256,21 @@ class Int4WeightOnly:
 
     def prepare(self, layer: Linear) -> None:
         pass
+
+    def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
+        words = TensorDims(0, 1, (PACK, 1), "packed words")
+        # Per group along K, unless one group spans K (channel-wise) or act-order's g_idx
+        # sends a rank's columns to any group: then every rank keeps all of them.
+        whole = self.spec.group_size <= 0 or layer.g_idx is not None
+        groups = (
+            TensorDims(rows=0) if whole else TensorDims(0, 1, (self.spec.group_size, 1), "groups")
+        )
+        dims = {"qweight": words, "scales": groups, **_BIAS}
+        if layer.zeros is not None:
+            dims["zeros"] = groups
+        if layer.g_idx is not None:
+            dims["g_idx"] = TensorDims(rows=None, cols=0)
+        return dims
 
     def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         return ops.int4_linear(
@@ -278,6 +313,10 @@ class GgufBlocks:
 
     def init_dummy(self, layer: Linear, generator: torch.Generator) -> None:
         raise ValueError("GGUF weights come from a .gguf file; --load-format dummy has none")
+
+    def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
+        # Its pieces come to load_shard, cut by linear_shards.shard_packed_rows.
+        return dict(_BIAS)
 
     def load_shard(self, layer: Linear, start: int, weight: PackedWeight) -> None:
         """Checked and moved to the layer's device as it arrives (so the host never holds
@@ -331,6 +370,9 @@ def _gguf_run(
     return ops.gguf_linear(x, weight, qtype, bias)
 
 
+_BIAS = {"bias": TensorDims(rows=0)}  # a row-parallel layer adds it once, after the sum
+
+
 def _float(x: Activation, method: LinearMethod) -> torch.Tensor:
     """x as a float activation: only methods with takes_fp8_rows are handed Fp8Rows."""
     if isinstance(x, Fp8Rows):
@@ -370,9 +412,13 @@ class Linear(nn.Module):
         out_features: int,
         bias: bool = False,
         method: LinearMethod | None = None,
+        whole_in_features: int | None = None,
     ) -> None:
+        """`whole_in_features`: the input columns of the whole layer when this is a rank's
+        part of a row-parallel one (`in_features` of them); act-order int4 scales span all."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.whole_in_features = whole_in_features or in_features
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.method: LinearMethod = method or Unquantized()
         self.method.create_weights(self)

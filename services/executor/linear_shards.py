@@ -1,0 +1,102 @@
+"""How a linear layer's loaded tensors split across tensor-parallel ranks.
+
+A column-parallel layer (qkv_proj, gate_up_proj) splits its output rows: each rank keeps its
+part of every fused piece (its q, k and v heads; its gate and up rows), and its output feeds
+only its own heads. A row-parallel layer (o_proj, down_proj) splits its input columns: each
+rank multiplies its part of the input, and the ranks' outputs are summed (the bias, if any,
+added once, after the sum).
+
+Each linear method says, for every tensor it loads, which dimension runs along the output rows
+and which along the input columns, and in what blocks (`TensorDims`, from the method's
+`shard_dims`); `shard_tensor` cuts a checkpoint tensor by that, in the layout the layer loads
+(after services/executor/quantized_checkpoints.py's translation), so that a rank copies in only
+its part and its method prepares that part as it would a whole layer. GGUF pieces, which the
+method loads itself, are cut by `shard_packed`. Quantized formats decide where a cut may fall:
+whole packed words, whole scale groups, whole GGUF blocks; a split that would cut one is
+refused by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kernels.gguf import GGUF_TYPES
+
+Split = Literal["rows", "cols"]  # column-parallel: output rows; row-parallel: input columns
+
+
+@dataclass(frozen=True)
+class TensorDims:
+    """Where a loaded tensor's output rows and input columns lie."""
+
+    rows: int | None = 0  # the dimension indexed by output row; None: one for all rows
+    cols: int | None = None  # the dimension indexed by input column; None: one for all columns
+    # (columns, entries): every `columns` input columns take `entries` entries along `cols`
+    # (8 columns a packed int4 word, a group's columns a scale, 256 values 144 bytes of Q4_K)
+    col_block: tuple[int, int] = (1, 1)
+    what: str = "columns"  # what a block is, for the refusal: "packed words", "groups", ...
+
+
+def shard_tensor(
+    tensor: torch.Tensor,
+    dims: TensorDims,
+    split: Split,
+    rank: int,
+    world: int,
+    pieces: Sequence[int] | None = None,  # rows of each fused piece, in order; None: one
+) -> torch.Tensor:
+    """Rank `rank`'s part of a loaded tensor (a view where it can be)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a group of {world}")
+    if split == "rows":
+        if dims.rows is None:
+            return tensor
+        sizes = list(pieces) if pieces is not None else [tensor.shape[dims.rows]]
+        if sum(sizes) != tensor.shape[dims.rows]:
+            raise ValueError(f"pieces of {sizes} rows do not make {tensor.shape[dims.rows]}")
+        parts, start = [], 0
+        for size in sizes:
+            if size % world:
+                raise ValueError(f"a piece of {size} output rows does not split {world} ways")
+            local = size // world
+            parts.append(tensor.narrow(dims.rows, start + rank * local, local))
+            start += size
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dims.rows)
+    if dims.cols is None:
+        return tensor
+    columns, entries = dims.col_block
+    total = tensor.shape[dims.cols] // entries * columns  # the layer's input columns
+    local = _local_columns(total, world, columns, dims.what)
+    width = local // columns * entries
+    return tensor.narrow(dims.cols, rank * width, width)
+
+
+def shard_packed_rows(
+    data: torch.Tensor, qtype: str, split: Split, rank: int, world: int, k: int
+) -> torch.Tensor:
+    """A GGUF piece [rows, row_bytes] (blocks of `qtype`; "float": values) cut for a rank:
+    its rows, or the bytes of its columns' whole blocks."""
+    if qtype == "float":
+        dims = TensorDims(rows=0, cols=1)
+    else:
+        t = GGUF_TYPES[qtype]
+        dims = TensorDims(0, 1, (t.block_elems, t.block_bytes), f"{qtype} blocks")
+    if split == "cols" and data.shape[1] // dims.col_block[1] * dims.col_block[0] != k:
+        raise ValueError(f"a {qtype} piece of {data.shape[1]} bytes a row does not hold {k} inputs")
+    return shard_tensor(data, dims, split, rank, world)
+
+
+def _local_columns(total: int, world: int, block: int, what: str) -> int:
+    if total % world:
+        raise ValueError(f"{total} input columns do not split {world} ways")
+    local = total // world
+    if local % block:
+        raise ValueError(
+            f"{total} input columns split {world} ways leave {local} a rank, which cuts "
+            f"{what} of {block} columns"
+        )
+    return local
