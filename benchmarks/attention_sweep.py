@@ -35,14 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # runs from a checkout whether or not kvflow is installed
 
-from benchmarks.kernel_bench import _decode_case, _median_ms, copy_bandwidth_gbs  # noqa: E402
+from benchmarks.kernel_bench import copy_bandwidth_gbs, decode_case, median_ms  # noqa: E402
 from kernels.triton_decode_attention import (  # noqa: E402
     MAX_SPLITS,
     MIN_PARTITION_TOKENS,
     DecodeTiles,
-    _pick_num_splits,
     default_decode_tiles,
     paged_decode_attention,
+    pick_num_splits,
 )
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3.1-8B; kernel_bench's
@@ -79,14 +79,14 @@ class Config:
 def picked_splits(batch: int, context: int, tiles: DecodeTiles) -> int:
     """The split count `paged_decode_attention` picks for this case (num_splits=None)."""
     max_blocks = triton.cdiv(context, BLOCK_SIZE)
-    splits = _pick_num_splits(
+    splits = pick_num_splits(
         batch, NUM_KV_HEADS, max_blocks * BLOCK_SIZE, torch.device("cuda"), tiles.tile
     )
     return max(1, min(splits, max_blocks))
 
 
 def default_config(kv_dtype: torch.dtype, batch: int, context: int) -> Config:
-    tiles = default_decode_tiles(kv_dtype, HEAD_DIM, BLOCK_SIZE)
+    tiles = default_decode_tiles(kv_dtype, BLOCK_SIZE)
     return Config(tiles, picked_splits(batch, context, tiles))
 
 
@@ -114,7 +114,7 @@ def measure_cell(
     kv_dtype = KV_DTYPES[kv_name]
     torch.cuda.empty_cache()  # the last case's cache, freed on its return
     torch.manual_seed(batch * 1_000_003 + context)  # the same inputs in both stages
-    inputs, num_bytes = _decode_case(batch, context, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, kv_dtype)
+    inputs, num_bytes = decode_case(batch, context, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, kv_dtype)
     scale = HEAD_DIM**-0.5
     default = default_config(kv_dtype, batch, context)
 
@@ -131,7 +131,7 @@ def measure_cell(
         try:
             out = call(config)().float()
             torch.testing.assert_close(out, expected, atol=atol, rtol=2e-2)
-            ms = _median_ms(call(config))
+            ms = median_ms(call(config))
         except Exception as error:  # a config that fails to compile, run or match is skipped
             lines = [line.strip() for line in str(error).splitlines() if line.strip()]
             reason = "; ".join(lines[:3] or [type(error).__name__])[:200]

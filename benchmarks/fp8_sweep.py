@@ -1,9 +1,9 @@
 """FP8 (W8A8) skinny linear layers at 8B shapes: tile configs against the defaults and bf16.
 
 For each projection of --model and each M in --m, times `fp8_skinny_linear` (the activation
-quantization and the skinny kernel, as `kernels.ops.fp8_linear` runs them up to 16 rows) with
+quantization and the skinny kernel, as `kernels.ops.fp8_linear` runs them up to 64 rows) with
 `fp8_default_tiles` and with every config of CANDIDATES, cuBLASLt's scaled GEMM (what the
-engine runs past 16 rows) and bf16 through `kernels.ops.linear`; reports microseconds per call
+engine runs past 64 rows) and bf16 through `kernels.ops.linear`; reports microseconds per call
 and GB/s of FP8 weights (timing and checks: benchmarks/quantized_sweep.py).
 
     python3 benchmarks/fp8_sweep.py --out $OUT/fp8_sweep.json --m 1 4 16
@@ -63,7 +63,7 @@ def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]
         named = [("default", fp8_default_tiles(m, shape.n, shape.k))]
         named += [(label(t), t) for t in CANDIDATES if applies(t, m)]
         configs = [(name, functools.partial(_fp8, tiles=t), t) for name, t in named]
-        configs.append(("cublaslt", _cublaslt, None))  # what ops.fp8_linear runs past 16 rows
+        configs.append(("cublaslt", _cublaslt, None))  # what ops.fp8_linear runs past 64 rows
         expected = fp8_linear_reference(x, *layers[0])
         rows += quantized_sweep.time_configs(shape, x, layers, expected, configs, fp8_bytes)
         quantized_sweep.print_best(shape, m, rows)

@@ -21,7 +21,7 @@ def _require_cuda() -> None:
         raise SystemExit("this benchmark needs a CUDA device")
 
 
-def _median_ms(fn: Any) -> float:
+def median_ms(fn: Any) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=50, rep=300, return_mode="median"))
@@ -38,13 +38,13 @@ def copy_bandwidth_gbs() -> float:
         turn[0] ^= 1
         target.copy_(sources[turn[0]])
 
-    return 2 * COPY_BYTES / (_median_ms(copy) * 1e-3) / 1e9
+    return 2 * COPY_BYTES / (median_ms(copy) * 1e-3) / 1e9
 
 
 def matmul_tflops(size: int = 8192) -> float:
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    return 2 * size**3 / (_median_ms(lambda: a @ b) * 1e-3) / 1e12
+    return 2 * size**3 / (median_ms(lambda: a @ b) * 1e-3) / 1e12
 
 
 def floors_bench() -> dict[str, Any]:
@@ -58,7 +58,7 @@ def floors_bench() -> dict[str, Any]:
     }
 
 
-def _decode_case(
+def decode_case(
     batch: int,
     context: int,
     num_heads: int,
@@ -95,10 +95,10 @@ def attention_bench(args: argparse.Namespace) -> dict[str, Any]:
         for context in args.context_lens:
             if batch * context * args.num_kv_heads * args.head_dim * 4 > 24 << 30:
                 continue  # over 24 GiB of K/V: skip rather than run out of memory
-            inputs, num_bytes = _decode_case(
+            inputs, num_bytes = decode_case(
                 batch, context, args.num_heads, args.num_kv_heads, args.head_dim, kv_dtype
             )
-            ms = _median_ms(functools.partial(paged_decode_attention, *inputs, scale))
+            ms = median_ms(functools.partial(paged_decode_attention, *inputs, scale))
             row = {
                 "batch_size": batch,
                 "context_len": context,
@@ -111,7 +111,7 @@ def attention_bench(args: argparse.Namespace) -> dict[str, Any]:
                 reference = functools.partial(
                     paged_attention_reference, *inputs, qsl, 1, context, scale
                 )
-                row["reference_us"] = round(1000 * _median_ms(reference), 1)
+                row["reference_us"] = round(1000 * median_ms(reference), 1)
             rows.append(row)
             del inputs
             torch.cuda.empty_cache()

@@ -1,7 +1,8 @@
 """FP8 (e4m3) W8A8 linear layers: the torch references.
 
 Weights are quantized once, per output channel (a scale per row of [N, K]); activations per
-token (a scale per row of [M, K]) at every call, from their absolute maximum. The product is
+token (a scale per row of [M, K]) from their absolute maximum, by the op that makes them
+(`Fp8Rows`) or the layer, or by a checkpoint's static scale. The product is
 the float product of the dequantized operands, so the reference is exact up to the float32
 sum's order, and any faster path (cuBLASLt's `_scaled_mm`, a Triton kernel) is checked
 against it.
@@ -28,7 +29,7 @@ def quantize_fp8_rowwise_reference(
     if static_scale is None:
         scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     else:
-        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
@@ -57,6 +58,8 @@ def fp8_linear_reference(
 ) -> torch.Tensor:  # [M, N], in x's (float) dtype
     """x quantized per token (or by its static scale), times the dequantized weight, in
     float32."""
+    if isinstance(x, Fp8Rows) and input_scale is not None:
+        raise ValueError("x is quantized already: its producer chose the scales")
     rows = x if isinstance(x, Fp8Rows) else Fp8Rows.quantize(x, input_scale)
     out = (rows.q.float() @ qweight.float().t()) * rows.scale * weight_scale[None, :]  # [M, N]
     if bias is not None:

@@ -188,6 +188,8 @@ def fp8_linear(
     scale) in Triton, unless its producer did; then up to FP8_SKINNY_MAX_ROWS rows the skinny
     Triton kernel, past that cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`);
     elsewhere the reference."""
+    if isinstance(x, Fp8Rows) and input_scale is not None:
+        raise ValueError("x is quantized already: its producer chose the scales")
     module = _triton("fp8", x.q if isinstance(x, Fp8Rows) else x)
     if module is None:
         return fp8_linear_reference(x, qweight, weight_scale, bias, input_scale)
@@ -195,8 +197,16 @@ def fp8_linear(
         rows = x
     else:
         rows = Fp8Rows(*module.quantize_fp8_rowwise(x, input_scale), x.dtype)
-    if rows.q.shape[0] <= FP8_SKINNY_MAX_ROWS:  # decode: the weight streamed by the skinny kernel
+    m = rows.q.shape[0]
+    if m == 0:
+        return torch.empty((0, qweight.shape[0]), dtype=rows.dtype, device=rows.q.device)
+    if m <= FP8_SKINNY_MAX_ROWS:  # decode: the weight streamed by the skinny kernel
         return module.fp8_skinny_linear(rows, qweight, weight_scale, bias)
+    if rows.dtype != torch.bfloat16:
+        raise ValueError(
+            f"cuBLASLt's row-wise scaled FP8 GEMM returns bfloat16 only, not {rows.dtype}: "
+            "FP8 layers run in bfloat16 on CUDA"
+        )
     # Why .t() of the [N, K] weight: cuBLASLt takes the second operand column-major.
     return torch._scaled_mm(
         rows.q,

@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
-from kernels.triton_e4m3 import to_e4m3
+from kernels.fp8 import FP8, MIN_SCALE, Fp8Rows
+from kernels.triton_e4m3 import scale_for, to_e4m3
 
 _BLOCK = 1024  # columns per program at most
 FP8_BLOCK = 16384  # columns of a row in registers in the FP8 variant: 16 floats a thread
@@ -58,8 +58,6 @@ def _silu_and_mul_fp8_kernel(
     stride_in_row,
     stride_q_row,
     inter,
-    FP8_MAX_VALUE: tl.constexpr,
-    MIN_SCALE_VALUE: tl.constexpr,
     BLOCK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,  # inter <= BLOCK (a constant, so only one branch is compiled)
 ):
@@ -70,14 +68,14 @@ def _silu_and_mul_fp8_kernel(
     dtype = gate_up_ptr.dtype.element_ty
     if ONE_BLOCK:  # the row in registers: read once
         out = _silu_mul(gate_ptrs, cols < inter, inter, dtype).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(out), axis=0) / FP8_MAX_VALUE, MIN_SCALE_VALUE)
+        scale = scale_for(tl.max(tl.abs(out), axis=0))
         tl.store(q_ptrs, to_e4m3(out / scale).to(q_ptr.dtype.element_ty), mask=cols < inter)
     else:  # pass 1: the row's absolute maximum; pass 2: the product again, quantized
         amax = tl.zeros([BLOCK], tl.float32)
         for start in range(0, inter, BLOCK):
             out = _silu_mul(gate_ptrs + start, start + cols < inter, inter, dtype)
             amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_VALUE, MIN_SCALE_VALUE)
+        scale = scale_for(tl.max(amax, axis=0))
         for start in range(0, inter, BLOCK):
             mask = start + cols < inter
             out = _silu_mul(gate_ptrs + start, mask, inter, dtype).to(tl.float32)
@@ -118,11 +116,13 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
     num_rows, inter = rows.shape[0], rows.shape[1] // 2
     q = torch.empty((num_rows, inter), dtype=FP8, device=gate_up.device)
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=gate_up.device)
+    if not inter:  # no values: the scale of zeros
+        scale.fill_(MIN_SCALE)
     if num_rows and inter:
         block = min(triton.next_power_of_2(inter), FP8_BLOCK)
         _silu_and_mul_fp8_kernel[(num_rows,)](
             rows, q, scale, rows.stride(0), q.stride(0), inter,
-            FP8_MAX_VALUE=FP8_MAX, MIN_SCALE_VALUE=MIN_SCALE, BLOCK=block,
+            BLOCK=block,
             ONE_BLOCK=inter <= block, num_warps=min(max(block // 512, 1), 32),
         )  # fmt: skip
     return Fp8Rows(q, scale, gate_up.dtype)

@@ -39,34 +39,26 @@ MAX_SPLITS = 64
 class DecodeTiles:
     """One launch configuration of the partition kernel (the merge kernel keeps its defaults)."""
 
-    tile: int = 64  # context tokens per loop step; a power of two >= 16 and >= block_size
+    tile: int = 64  # context tokens per loop step; a power of two >= 16
     num_warps: int = 4  # warps per program
     num_stages: int = 3  # software-pipelined loop steps in flight (K/V tiles in smem)
 
     def __post_init__(self) -> None:
         # tl.dot needs at least 16 along the tile (the p @ v reduction), and tl.arange a power
-        # of two; a power of two >= block_size (itself one) is a multiple of it.
+        # of two. Each position looks up its own block, so a tile may span or share blocks.
         for name, value, low in (("tile", self.tile, 16), ("num_warps", self.num_warps, 1)):
             if value < low or value & (value - 1):
                 raise ValueError(f"DecodeTiles.{name} must be a power of two >= {low}, got {value}")
         if self.num_stages < 1:
             raise ValueError(f"DecodeTiles.num_stages must be >= 1, got {self.num_stages}")
 
-    def check_block_size(self, block_size: int) -> None:
-        """A tile covers whole cache blocks, so its positions' block ids come from one table row."""
-        if self.tile % block_size:
-            raise ValueError(
-                f"DecodeTiles.tile {self.tile} is not a multiple of block_size {block_size}"
-            )
 
-
-def default_decode_tiles(kv_dtype: torch.dtype, head_dim: int, block_size: int) -> DecodeTiles:
+def default_decode_tiles(kv_dtype: torch.dtype, block_size: int) -> DecodeTiles:
     """benchmarks/attention_sweep.py's picks (H100, Llama-3.1-8B heads, block_size 16,
     2026-11-26), 4 warps and 3 stages: 64 tokens per step (or one block, if larger) read a bf16
     cache at 0.99 of copy bandwidth, no other config faster; an e4m3 cache takes 128 (0.78
     against 0.74 at 64 x 32k and 256 x 4k contexts): its tiles hold half the bytes, and its
-    in-register conversions are the limit."""
-    del head_dim  # the sweep covered 128 only
+    in-register conversions are the limit. (The sweep covered head_dim 128.)"""
     tokens = 128 if kv_dtype == torch.float8_e4m3fn else 64
     return DecodeTiles(tile=max(block_size, tokens), num_warps=4, num_stages=3)
 
@@ -221,7 +213,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _pick_num_splits(
+def pick_num_splits(
     num_reqs: int, num_kv_heads: int, max_context: int, device: torch.device, tile: int
 ) -> int:
     """Enough programs for a few waves of 64-token steps on the GPU (fewer programs where each
@@ -276,13 +268,12 @@ def paged_decode_attention(
     _check_rows(query, num_reqs, query_start_loc, out)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if tiles is None:
-        tiles = default_decode_tiles(key_cache.dtype, head_dim, block_size)
-    tiles.check_block_size(block_size)
+        tiles = default_decode_tiles(key_cache.dtype, block_size)
     max_blocks = block_tables.shape[1]
     group = num_heads // num_kv_heads
     max_context = max_blocks * block_size
     if num_splits is None:
-        num_splits = _pick_num_splits(num_reqs, num_kv_heads, max_context, query.device, tiles.tile)
+        num_splits = pick_num_splits(num_reqs, num_kv_heads, max_context, query.device, tiles.tile)
     num_splits = max(1, min(num_splits, max_blocks))
     partition_tokens = triton.cdiv(max_blocks, num_splits) * block_size
 

@@ -1,9 +1,22 @@
-"""Rounding to FP8 e4m3 inside Triton kernels, identically compiled and interpreted."""
+"""FP8 e4m3 inside Triton kernels, identically compiled and interpreted: rounding to it, and
+the scale a row or group quantizes by (`kernels.fp8`'s references define both)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from kernels.fp8 import FP8_MAX, MIN_SCALE
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
+
+
+@triton.jit
+def scale_for(amax):
+    """The scale of values whose absolute maximum is amax: amax / 448, never below MIN_SCALE
+    (a row of zeros still gets a usable one)."""
+    return tl.maximum(amax / _FP8_MAX, _MIN_SCALE)
 
 
 @triton.jit

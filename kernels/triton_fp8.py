@@ -1,10 +1,12 @@
-"""FP8 W8A8 linear layers in Triton: the per-token activation quantization in one kernel, and
-decode-sized products through the skinny linear kernel with FP8 operands.
+"""FP8 W8A8 linear layers in Triton: the activation quantization in one kernel (per token, or
+by a static scale), and decode-sized products (up to 64 rows) through the skinny linear
+kernel with FP8 operands.
 
 Same math as `kernels.fp8`: a row's scale is its absolute maximum over e4m3's largest value
 (448), the quantized row is x / scale rounded to e4m3, and the product sums the FP8 operands'
 float products, then multiplies by x_scale[row] * w_scale[col]. At decode, reading the weight
-is the whole cost, and FP8 halves it; the activation (a few rows) costs one small launch.
+is the whole cost, and FP8 halves it; most layers take rows their producer quantized
+(`Fp8Rows`), the others pay one small launch.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Rows, check_group_layer
-from kernels.triton_e4m3 import round_to_e4m3
+from kernels.fp8 import FP8, Fp8Rows, check_group_layer
+from kernels.triton_e4m3 import scale_for, to_e4m3
 from kernels.triton_linear import MAX_ROWS, LinearTiles, launch_skinny_linear
 
 _QUANT_BLOCK = 2048  # elements of a row per loop step
@@ -31,8 +33,6 @@ def _quantize_rowwise_kernel(
     k,
     stride_x_row,
     stride_q_row,
-    FP8_MAX_VALUE: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     STATIC: tl.constexpr,  # every row scaled by the calibrated scale: no pass over it first
 ):
@@ -46,12 +46,12 @@ def _quantize_rowwise_kernel(
             mask = start + cols < k
             x = tl.load(x_ptr + row * stride_x_row + start + cols, mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX_VALUE, MIN_SCALE)
+        scale = scale_for(tl.max(amax, axis=0))
     tl.store(scale_ptr + row, scale)
     for start in range(0, k, BLOCK):  # pass 2: the row in e4m3 (read again: from L2)
         mask = start + cols < k
         x = tl.load(x_ptr + row * stride_x_row + start + cols, mask=mask, other=0.0)
-        q = round_to_e4m3(tl.clamp(x.to(tl.float32) / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE))
+        q = to_e4m3(x.to(tl.float32) / scale)
         tl.store(q_ptr + row * stride_q_row + start + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -79,8 +79,6 @@ def quantize_fp8_rowwise(
         cols,
         x.stride(0),
         q.stride(0),
-        FP8_MAX_VALUE=FP8_MAX,
-        MIN_SCALE=MIN_SCALE,
         BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(cols)),
         STATIC=static_scale is not None,
         num_warps=4,
@@ -98,10 +96,10 @@ def fp8_skinny_linear(
 ) -> torch.Tensor:  # [M, N], x's float dtype
     """`kernels.fp8.fp8_linear_reference` for decode-sized M: x quantized per token (unless
     its producer did), then the FP8 weight streamed once by the skinny linear kernel."""
+    (m, x_k), (n, k) = (x.q if isinstance(x, Fp8Rows) else x).shape, qweight.shape
+    if not 1 <= m <= MAX_ROWS or x_k != k or qweight.dtype != FP8:
+        raise ValueError(f"x [{m}, {x_k}], qweight {tuple(qweight.shape)} {qweight.dtype}")
     rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quantize_fp8_rowwise(x), x.dtype)
-    m, (n, k) = rows.q.shape[0], qweight.shape
-    if not 1 <= m <= MAX_ROWS or rows.q.shape[1] != k or qweight.dtype != FP8:
-        raise ValueError(f"x {tuple(rows.q.shape)}, qweight {tuple(qweight.shape)} {qweight.dtype}")
     tiles = tiles or fp8_default_tiles(m, n, k)
     out = torch.empty((m, n), dtype=rows.dtype, device=rows.q.device)
     launch_skinny_linear(rows.q, qweight, bias, out, tiles, (rows.scale, weight_scale))
@@ -156,15 +154,13 @@ def _quantize_groupwise_kernel(
     stride_q_row,
     stride_scale_row,
     GROUP: tl.constexpr,
-    FP8_MAX_VALUE: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
 ):
     row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
     x = tl.load(x_ptr + row * stride_x_row + cols).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX_VALUE, MIN_SCALE)
+    scale = scale_for(tl.max(tl.abs(x), axis=0))
     tl.store(scale_ptr + row * stride_scale_row + group, scale)
-    q = round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_VALUE, FP8_MAX_VALUE))
+    q = to_e4m3(x / scale)
     tl.store(q_ptr + row * stride_q_row + cols, q.to(q_ptr.dtype.element_ty))
 
 
@@ -181,7 +177,7 @@ def quantize_fp8_groupwise(
     if rows:
         _quantize_groupwise_kernel[(rows, cols // group)](
             x, q, scale, x.stride(0), q.stride(0), scale.stride(0),
-            GROUP=group, FP8_MAX_VALUE=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=1,
+            GROUP=group, num_warps=1,
         )  # fmt: skip
     return q, scale
 

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, FP8_MAX, MIN_SCALE, Fp8Rows
-from kernels.triton_e4m3 import to_e4m3
+from kernels.fp8 import FP8, Fp8Rows
+from kernels.triton_e4m3 import scale_for, to_e4m3
 
 _TILE_ELEMENTS = 2048  # rows are packed into a program until it holds about this many elements
 
@@ -51,8 +51,6 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     FP8_OUT: tl.constexpr,  # quantize each row per token (e4m3) instead of storing it
-    FP8_MAX_VALUE: tl.constexpr,
-    MIN_SCALE_VALUE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -80,7 +78,7 @@ def _rms_norm_kernel(
     if FP8_OUT:
         # As kernels.fp8.quantize_fp8_rowwise_reference on the row the plain kernel stores.
         out = out.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(out), axis=1) / FP8_MAX_VALUE, MIN_SCALE_VALUE)  # [R]
+        scale = scale_for(tl.max(tl.abs(out), axis=1))  # [R]
         tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
         out = to_e4m3(out / scale[:, None])
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -135,9 +133,8 @@ def rms_norm_fp8(
     """`kernels.norm.rms_norm_fp8_reference`: the norm and the per-token FP8 quantization of
     the layer it feeds, in one pass."""
     _check_fp8_input(x, weight)
-    rows = x.unsqueeze(1)  # [T, 1, hidden]
-    out = Fp8Rows(torch.empty(x.shape, dtype=FP8, device=x.device), _scales(x), x.dtype)
-    _launch(rows, None, out.q.unsqueeze(1), weight, eps, out.scale)
+    out = _empty_rows(x)
+    _launch(x.unsqueeze(1), None, out.q.unsqueeze(1), weight, eps, out.scale)
     return out
 
 
@@ -155,7 +152,7 @@ def fused_add_rms_norm_fp8(
             f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} "
             f"{x.dtype}, with contiguous rows"
         )
-    out = Fp8Rows(torch.empty(x.shape, dtype=FP8, device=x.device), _scales(x), x.dtype)
+    out = _empty_rows(x)
     _launch(x.unsqueeze(1), residual.unsqueeze(1), out.q.unsqueeze(1), weight, eps, out.scale)
     return out, residual
 
@@ -170,8 +167,10 @@ def _check_fp8_input(x: torch.Tensor, weight: torch.Tensor) -> None:
     _check_weight(x, weight)
 
 
-def _scales(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 1] float32, written by the kernel
-    return torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+def _empty_rows(x: torch.Tensor) -> Fp8Rows:
+    """x's rows quantized, to be written by the kernel."""
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    return Fp8Rows(torch.empty(x.shape, dtype=FP8, device=x.device), scale, x.dtype)
 
 
 def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -227,8 +226,6 @@ def _launch(
         eps,
         HAS_RESIDUAL=residual is not None,
         FP8_OUT=fp8_scale is not None,
-        FP8_MAX_VALUE=FP8_MAX,
-        MIN_SCALE_VALUE=MIN_SCALE,
         BLOCK_ROWS=block_rows,
         BLOCK_N=block_n,
         num_warps=num_warps,

@@ -238,8 +238,9 @@ def _gptq(cfg: dict[str, Any]) -> QuantSpec:
 
 def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
     """One config group for every Linear: int4 weights (pack-quantized, W4A16), or FP8
-    weights with FP8 activations quantized per token at run time (float-quantized, as
-    llm-compressor's FP8_DYNAMIC scheme writes it)."""
+    weights with FP8 activations (float-quantized): quantized per token at run time
+    (llm-compressor's FP8_DYNAMIC), per token and group with block scales (FP8_BLOCK), or by
+    a static scale per tensor (FP8)."""
     groups = cfg.get("config_groups") or {}
     if not groups and cfg.get("kv_cache_scheme") is not None:
         raise ValueError(

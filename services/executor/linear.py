@@ -85,7 +85,8 @@ class Unquantized:
 
 class Fp8Dynamic(Unquantized):
     """FP8 e4m3 W8A8: the float weight quantized at load with a scale per output channel, the
-    activation per token at each call (`kernels/fp8.py`). Half the bytes of bf16 per step."""
+    activation per token (by its producer, or here; `kernels/fp8.py`). Half the bytes of bf16
+    per step."""
 
     name = "fp8"
     takes_fp8_rows = True
@@ -104,7 +105,7 @@ class Fp8Dynamic(Unquantized):
 class Fp8Checkpoint(Fp8Dynamic):
     """FP8 W8A8 weights as an FP8 checkpoint holds them (services/executor/
     quantized_checkpoints.py turns a scale per tensor into one per output channel); the
-    activations are quantized per token at each call, as with Fp8Dynamic."""
+    activations are quantized per token, as with Fp8Dynamic."""
 
     def create_weights(self, layer: Linear) -> None:
         n, k = layer.out_features, layer.in_features
@@ -370,7 +371,7 @@ def _gguf_run(
     return ops.gguf_linear(x, weight, qtype, bias)
 
 
-_BIAS = {"bias": TensorDims(rows=0)}  # a row-parallel layer adds it once, after the sum
+_BIAS = {"bias": TensorDims(rows=0, added=True)}
 
 
 def _float(x: Activation, method: LinearMethod) -> torch.Tensor:

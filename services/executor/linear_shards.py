@@ -3,8 +3,8 @@
 A column-parallel layer (qkv_proj, gate_up_proj) splits its output rows: each rank keeps its
 part of every fused piece (its q, k and v heads; its gate and up rows), and its output feeds
 only its own heads. A row-parallel layer (o_proj, down_proj) splits its input columns: each
-rank multiplies its part of the input, and the ranks' outputs are summed (the bias, if any,
-added once, after the sum).
+rank multiplies its part of the input, and the ranks' outputs are summed (so its bias stays
+on rank 0 alone, zeros on the others).
 
 Each linear method says, for every tensor it loads, which dimension runs along the output rows
 and which along the input columns, and in what blocks (`TensorDims`, from the method's
@@ -39,6 +39,7 @@ class TensorDims:
     # (8 columns a packed int4 word, a group's columns a scale, 256 values 144 bytes of Q4_K)
     col_block: tuple[int, int] = (1, 1)
     what: str = "columns"  # what a block is, for the refusal: "packed words", "groups", ...
+    added: bool = False  # added to the output (a bias): split by columns, rank 0 keeps it
 
 
 def shard_tensor(
@@ -66,6 +67,10 @@ def shard_tensor(
             parts.append(tensor.narrow(dims.rows, start + rank * local, local))
             start += size
         return parts[0] if len(parts) == 1 else torch.cat(parts, dims.rows)
+    if pieces is not None:
+        raise ValueError("pieces are rows of a fused layer: a split by columns takes none")
+    if dims.added:  # the ranks' outputs are summed: added once
+        return tensor if rank == 0 else torch.zeros_like(tensor)
     if dims.cols is None:
         return tensor
     columns, entries = dims.col_block

@@ -1,5 +1,6 @@
-"""FP8 W8A8 linear layers: the reference against exact arithmetic, and cuBLASLt's scaled
-GEMM (`ops.fp8_linear` on CUDA) against the reference at the Llama-3.1-8B shapes."""
+"""FP8 W8A8 linear layers: the reference against exact arithmetic, and `ops.fp8_linear` on
+CUDA (the skinny kernel up to 64 rows, cuBLASLt's scaled GEMM past that) against the
+reference at the Llama-3.1-8B shapes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import pytest
 import torch
 
 from kernels import ops
-from kernels.fp8 import FP8, FP8_MAX, fp8_linear_reference, quantize_fp8_rowwise_reference
+from kernels.fp8 import (
+    FP8,
+    FP8_MAX,
+    Fp8Rows,
+    fp8_linear_reference,
+    quantize_fp8_rowwise_reference,
+)
 
 
 def test_rowwise_quantization_round_trips_within_e4m3_precision() -> None:
@@ -56,7 +63,7 @@ LLAMA_SHAPES = {
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", sorted(LLAMA_SHAPES))
 @pytest.mark.parametrize("m", [1, 16, 33, 64, 65, 300])  # the skinny kernel to 64, then cuBLASLt
-def test_gpu_scaled_mm_matches_the_reference(shape: str, m: int) -> None:
+def test_gpu_fp8_linear_matches_the_reference(shape: str, m: int) -> None:
     n, k = LLAMA_SHAPES[shape]
     generator = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, device="cuda", generator=generator).to(torch.bfloat16)
@@ -68,3 +75,10 @@ def test_gpu_scaled_mm_matches_the_reference(shape: str, m: int) -> None:
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     # Both sum the same fp8 products in float32; the outputs differ by bf16 rounding.
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_quantized_rows_take_no_second_scale() -> None:
+    x = torch.randn(2, 32)
+    qweight, scale = quantize_fp8_rowwise_reference(torch.randn(8, 32))
+    with pytest.raises(ValueError, match="quantized already"):
+        ops.fp8_linear(Fp8Rows.quantize(x), qweight, scale[:, 0], input_scale=torch.ones(1))

@@ -17,7 +17,7 @@ from kernels.triton_decode_attention import (
     default_decode_tiles,
     paged_decode_attention,
 )
-from tests.kernels.paged_cache import scattered_cache
+from tests.kernels.paged_cache import BLOCK_SIZE, scattered_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,10 +29,11 @@ def make_case(
     head_dim: int,
     dtype: torch.dtype,
     seed: int,
+    block_size: int = BLOCK_SIZE,
 ) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed)
     key_cache, value_cache, block_tables = scattered_cache(
-        seq_lens, num_kv_heads, head_dim, dtype, generator
+        seq_lens, num_kv_heads, head_dim, dtype, generator, block_size
     )
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -143,9 +144,9 @@ def test_tiles_do_not_change_result(tiles: DecodeTiles) -> None:
 
 
 def test_default_tiles_are_64_tokens_128_for_fp8_or_one_block() -> None:
-    assert default_decode_tiles(torch.bfloat16, 128, 16) == DecodeTiles(64, 4, 3)
-    assert default_decode_tiles(torch.bfloat16, 128, 128).tile == 128
-    assert default_decode_tiles(torch.float8_e4m3fn, 128, 16) == DecodeTiles(128, 4, 3)
+    assert default_decode_tiles(torch.bfloat16, 16) == DecodeTiles(64, 4, 3)
+    assert default_decode_tiles(torch.bfloat16, 128).tile == 128
+    assert default_decode_tiles(torch.float8_e4m3fn, 16) == DecodeTiles(128, 4, 3)
 
 
 @pytest.mark.parametrize(
@@ -162,13 +163,13 @@ def test_rejects_invalid_tiles(fields: dict[str, int], match: str) -> None:
         DecodeTiles(**fields)
 
 
-def test_rejects_tile_smaller_than_a_block() -> None:
-    # A 16-token tile over 32-token blocks: a tile must cover whole blocks.
-    key_cache = torch.zeros(2, 32, 2, 64, device=DEVICE)
-    query = torch.zeros(1, 2, 64, device=DEVICE)
-    block_tables = torch.zeros(1, 2, dtype=torch.int32, device=DEVICE)
-    seq_lens = torch.tensor([5], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match="block_size"):
-        paged_decode_attention(
-            query, key_cache, key_cache, block_tables, seq_lens, 1.0, tiles=DecodeTiles(tile=16)
-        )
+def test_a_tile_may_be_smaller_than_a_block() -> None:
+    # Each position looks up its own block: 16-token tiles over 32-token blocks.
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        SEQ_LENS, 8, 2, 64, torch.float32, seed=12, block_size=32
+    )
+    expected = reference(query, key_cache, value_cache, block_tables, seq_lens, 0.125)
+    out = paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, 0.125, tiles=DecodeTiles(16)
+    )
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
