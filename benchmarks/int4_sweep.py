@@ -5,7 +5,9 @@ every config of CANDIDATES (groups of 128, asymmetric, as AWQ writes them), bf16
 `kernels.ops.linear` (what the engine runs), and reports microseconds per call and the GB/s of
 packed weights, scales and zero points read (timing and checks: benchmarks/quantized_sweep.py).
 Past 64 rows it times what the engine runs there (dequantize, then cuBLAS).
-`triton_int4.default_tiles` holds the picks.
+`triton_int4.default_tiles` holds the picks. A peer on the same weights: PyTorch's own int4
+GEMM (`torch._weight_int4pack_mm`, gpt-fast's and torchao's "tinygemm"), as a measure of what
+a CUDA kernel reaches at these shapes. `--default-only` times the engine's tiles alone.
 
     python3 benchmarks/int4_sweep.py --out $OUT/int4_sweep.json --m 1 4 16 64 256
 
@@ -28,7 +30,11 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import quantized_sweep  # noqa: E402
 from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
-from kernels.int4 import int4_linear_reference, quantize_int4_reference  # noqa: E402
+from kernels.int4 import (  # noqa: E402
+    int4_linear_reference,
+    quantize_int4_reference,
+    unpack_int4,
+)
 from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear  # noqa: E402
 
 GROUP = 128
@@ -74,6 +80,7 @@ def make_layers(shape: Shape, copies: int) -> list[tuple[torch.Tensor, ...]]:
 
 def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]]:
     layers = make_layers(shape, copies)
+    peer_layers = [tinygemm_layer(*layer) for layer in layers]
     packed_bytes = sum(t.numel() * t.element_size() for t in layers[0] if t is not None)
     rows = []
     for m in ms:
@@ -83,12 +90,31 @@ def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]
             configs = [("dequantize + cuBLAS", functools.partial(_int4, tiles=None), None)]
         else:
             tiles = [default_tiles(m, shape.n, shape.k)]
-            tiles += [t for c in CANDIDATES if (t := tiles_for(c, m)) is not None]
+            if not DEFAULT_ONLY:
+                tiles += [t for c in CANDIDATES if (t := tiles_for(c, m)) is not None]
             configs = [(label(t), functools.partial(_int4, tiles=t), t) for t in tiles]
         expected = int4_linear_reference(x, *layers[0], GROUP)
         rows += quantized_sweep.time_configs(shape, x, layers, expected, configs, packed_bytes)
+        peer = [("torch tinygemm (peer)", _tinygemm, None)]
+        rows += quantized_sweep.time_configs(shape, x, peer_layers, expected, peer, packed_bytes)
         quantized_sweep.print_best(shape, m, rows)
     return rows
+
+
+def tinygemm_layer(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer in tinygemm's layout: two values a byte (the even column high), then its
+    tiling (8 inner K tiles); a scale and a float zero per group, w = (q - 8) scale + zero."""
+    q = unpack_int4(qweight)  # [N, K] in 0..15
+    packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]), 8)
+    scale = scales.float()
+    zero = (8.0 - zeros.float()) * scale  # (q - z) s = (q - 8) s + (8 - z) s
+    return packed, torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous().bfloat16()
+
+
+def _tinygemm(x: torch.Tensor, layer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return torch._weight_int4pack_mm(x, layer[0], GROUP, layer[1])
 
 
 def _int4(
@@ -98,6 +124,13 @@ def _int4(
     return int4_linear(x, qweight, scales, zeros, GROUP, tiles=tiles)
 
 
+DEFAULT_ONLY = False  # --default-only: the engine's tiles, no candidates
+
 if __name__ == "__main__":
-    description = __doc__.split("\n\n")[0]
-    quantized_sweep.main(description, sweep_shape, [1, 16, 32, 64, 256], with_lm_head=False)
+    args = quantized_sweep.parse_args(
+        __doc__.split("\n\n")[0],
+        [1, 16, 32, 64, 256],
+        lambda p: p.add_argument("--default-only", action="store_true"),
+    )
+    DEFAULT_ONLY = args.default_only
+    quantized_sweep.run(args, sweep_shape, with_lm_head=False)
