@@ -14,7 +14,9 @@ def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_and_mul_fp8_reference(gate_up: torch.Tensor) -> Fp8Rows:
-    """SiLU-and-mul feeding an FP8 layer: [num_tokens, 2 * inter] -> the product quantized per
-    token, as the layer itself would quantize it."""
-    return Fp8Rows.quantize(silu_and_mul_reference(gate_up))
+def silu_and_mul_fp8_reference(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * inter]
+    static_scale: torch.Tensor | None = None,  # [1]: the layer's; None: per token
+) -> Fp8Rows:
+    """SiLU-and-mul feeding an FP8 layer: the product quantized as the layer itself would."""
+    return Fp8Rows.quantize(silu_and_mul_reference(gate_up), static_scale)

@@ -34,6 +34,12 @@ def quantize_fp8_rowwise_reference(
     return q, scale
 
 
+def check_static_scale(scale: torch.Tensor | None) -> None:
+    """A checkpoint's static activation scale is one float32 (or None: scales per token)."""
+    if scale is not None and (scale.numel() != 1 or scale.dtype != torch.float32):
+        raise ValueError(f"a static scale is one float32, got {scale.dtype} {tuple(scale.shape)}")
+
+
 @dataclass(frozen=True)
 class Fp8Rows:
     """An activation already quantized per token, as the op that produced it (an RMSNorm, the

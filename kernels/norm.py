@@ -32,10 +32,11 @@ def rms_norm_fp8_reference(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
-) -> Fp8Rows:  # the normed rows, rounded to their dtype, then quantized per token
+    static_scale: torch.Tensor | None = None,  # [1]: the layer's; None: per token
+) -> Fp8Rows:  # the normed rows, rounded to their dtype, then quantized
     """RMSNorm feeding an FP8 layer: the same values as the norm followed by the layer's own
     quantization."""
-    return Fp8Rows.quantize(rms_norm_reference(x, weight, eps))
+    return Fp8Rows.quantize(rms_norm_reference(x, weight, eps), static_scale)
 
 
 def fused_add_rms_norm_fp8_reference(
@@ -43,6 +44,7 @@ def fused_add_rms_norm_fp8_reference(
     residual: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
-) -> tuple[Fp8Rows, torch.Tensor]:  # (normed and quantized per token, new residual)
+    static_scale: torch.Tensor | None = None,  # [1]: the layer's; None: per token
+) -> tuple[Fp8Rows, torch.Tensor]:  # (normed and quantized, new residual)
     normed, residual = fused_add_rms_norm_reference(x, residual, weight, eps)
-    return Fp8Rows.quantize(normed), residual
+    return Fp8Rows.quantize(normed, static_scale), residual

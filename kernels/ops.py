@@ -87,22 +87,30 @@ def fused_add_rms_norm(
     return kernel(x, residual, weight, eps)
 
 
-def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
-    """RMSNorm feeding an FP8 layer: the normed rows quantized per token, in one pass."""
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None
+) -> Fp8Rows:
+    """RMSNorm feeding an FP8 layer: the normed rows quantized per token (or by the layer's
+    static scale), in one pass."""
     module = _triton("norm", x)
-    return (module.rms_norm_fp8 if module is not None else rms_norm_fp8_reference)(x, weight, eps)
+    kernel = module.rms_norm_fp8 if module is not None else rms_norm_fp8_reference
+    return kernel(x, weight, eps, static_scale)
 
 
 def fused_add_rms_norm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    static_scale: torch.Tensor | None = None,
 ) -> tuple[Fp8Rows, torch.Tensor]:
-    """(normed x + residual quantized per token, x + residual) for an FP8 layer; the Triton
-    version writes the sum in place of the residual."""
+    """(normed x + residual quantized per token or by the static scale, x + residual) for an
+    FP8 layer; the Triton version writes the sum in place of the residual."""
     module = _triton("norm", x)
     kernel = (
         module.fused_add_rms_norm_fp8 if module is not None else fused_add_rms_norm_fp8_reference
     )
-    return kernel(x, residual, weight, eps)
+    return kernel(x, residual, weight, eps, static_scale)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -110,11 +118,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return (module.silu_and_mul if module is not None else silu_and_mul_reference)(gate_up)
 
 
-def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
-    """SiLU-and-mul feeding an FP8 layer: the product quantized per token, in one pass."""
+def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:
+    """SiLU-and-mul feeding an FP8 layer: the product quantized per token (or by the layer's
+    static scale), in one pass."""
     module = _triton("activation", gate_up)
     kernel = module.silu_and_mul_fp8 if module is not None else silu_and_mul_fp8_reference
-    return kernel(gate_up)
+    return kernel(gate_up, static_scale)
 
 
 def gather_sampled_inputs(

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, MIN_SCALE, Fp8Rows
+from kernels.fp8 import FP8, MIN_SCALE, Fp8Rows, check_static_scale
 from kernels.triton_e4m3 import scale_for, to_e4m3
 
 _BLOCK = 1024  # columns per program at most
@@ -37,17 +37,26 @@ def _silu_mul(gate_ptrs, mask, inter, OUT_DTYPE: tl.constexpr):
 @triton.jit
 def _silu_and_mul_kernel(
     gate_up_ptr,  # [T, 2I]
-    out_ptr,  # [T, I]
+    out_ptr,  # [T, I]; float8e4nv with STATIC_FP8
+    static_scale_ptr,  # [1] float32 with STATIC_FP8
+    scale_ptr,  # [T] float32 with STATIC_FP8: each row's scale (the static one)
     stride_in_row,
     stride_out_row,
     inter,
     BLOCK: tl.constexpr,
+    STATIC_FP8: tl.constexpr,  # quantized by a static scale: no row maximum, so any tiling
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
-    out = _silu_mul(gate_up_ptr + row * stride_in_row + cols, mask, inter, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out_row + cols, out, mask=mask)
+    in_ptrs = gate_up_ptr + row * stride_in_row + cols
+    out = _silu_mul(in_ptrs, mask, inter, gate_up_ptr.dtype.element_ty)
+    if STATIC_FP8:
+        scale = tl.load(static_scale_ptr)
+        out = to_e4m3(out.to(tl.float32) / scale)
+        if tl.program_id(1) == 0:
+            tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -93,32 +102,52 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_rows = rows.shape[0]
     if num_rows == 0 or inter == 0:
         return out
-    block = min(triton.next_power_of_2(inter), _BLOCK)
-    grid = (num_rows, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](
-        rows,
-        out,
-        rows.stride(0),
-        inter,
-        inter,
-        BLOCK=block,
-        num_warps=min(max(block // 256, 1), 4),
-    )
+    _launch_tiled(rows, out.view(num_rows, inter), inter, None, None)
     return out
 
 
-def silu_and_mul_fp8(gate_up: torch.Tensor) -> Fp8Rows:
+def _launch_tiled(
+    rows: torch.Tensor,  # [T, 2I]
+    out: torch.Tensor,  # [T, I]
+    inter: int,
+    static_scale: torch.Tensor | None,  # [1]: quantize `out` by it (FP8)
+    scale: torch.Tensor | None,  # [T, 1]: written with static_scale
+) -> None:
+    block = min(triton.next_power_of_2(inter), _BLOCK)
+    grid = (rows.shape[0], triton.cdiv(inter, block))
+    _silu_and_mul_kernel[grid](
+        rows,
+        out,
+        static_scale if static_scale is not None else rows,  # read only with STATIC_FP8
+        scale if scale is not None else rows,
+        rows.stride(0),
+        out.stride(0),
+        inter,
+        BLOCK=block,
+        STATIC_FP8=static_scale is not None,
+        num_warps=min(max(block // 256, 1), 4),
+    )
+
+
+def silu_and_mul_fp8(
+    gate_up: torch.Tensor,  # [T, 2 * inter]
+    static_scale: torch.Tensor | None = None,  # [1] float32: the layer's; None: per token
+) -> Fp8Rows:
     """`kernels.activation.silu_and_mul_fp8_reference`: [T, 2 * inter] -> the product [T, inter]
-    quantized per token, in one pass."""
+    quantized per token (one program a row), or by the static scale (tiled as the plain
+    kernel), in one pass."""
     if gate_up.dim() != 2 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up {tuple(gate_up.shape)} must be 2-D with an even last dim")
+    check_static_scale(static_scale)
     rows = _as_rows(gate_up)
     num_rows, inter = rows.shape[0], rows.shape[1] // 2
     q = torch.empty((num_rows, inter), dtype=FP8, device=gate_up.device)
     scale = torch.empty((num_rows, 1), dtype=torch.float32, device=gate_up.device)
     if not inter:  # no values: the scale of zeros
         scale.fill_(MIN_SCALE)
-    if num_rows and inter:
+    if num_rows and inter and static_scale is not None:
+        _launch_tiled(rows, q, inter, static_scale, scale)
+    elif num_rows and inter:
         block = min(triton.next_power_of_2(inter), FP8_BLOCK)
         _silu_and_mul_fp8_kernel[(num_rows,)](
             rows, q, scale, rows.stride(0), q.stride(0), inter,

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, Fp8Rows, check_group_layer
+from kernels.fp8 import FP8, Fp8Rows, check_group_layer, check_static_scale
 from kernels.triton_e4m3 import scale_for, to_e4m3
 from kernels.triton_linear import MAX_ROWS, LinearTiles, launch_skinny_linear
 
@@ -62,10 +62,7 @@ def quantize_fp8_rowwise(
     """`kernels.fp8.quantize_fp8_rowwise_reference`: one program per row."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"x must be 2-D and contiguous in its last dimension, got {x.shape}")
-    if static_scale is not None and (
-        static_scale.numel() != 1 or static_scale.dtype != torch.float32
-    ):
-        raise ValueError(f"a static scale is one float32, got {static_scale.shape}")
+    check_static_scale(static_scale)
     rows, cols = x.shape
     q = torch.empty((rows, cols), dtype=FP8, device=x.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, Fp8Rows
+from kernels.fp8 import FP8, Fp8Rows, check_static_scale
 from kernels.triton_e4m3 import scale_for, to_e4m3
 
 _TILE_ELEMENTS = 2048  # rows are packed into a program until it holds about this many elements
@@ -39,6 +39,7 @@ def _rms_norm_kernel(
     out_ptr,  # [outer, inner, hidden], may be x_ptr itself; float8e4nv with FP8_OUT
     weight_ptr,  # [hidden]
     scale_ptr,  # [outer * inner] float32 with FP8_OUT: each row's scale
+    static_scale_ptr,  # [1] float32 with STATIC_SCALE: the layer's calibrated scale
     num_rows,  # outer * inner
     inner_rows,  # row r lies at (r // inner_rows, r % inner_rows)
     stride_x_outer,
@@ -50,7 +51,8 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
-    FP8_OUT: tl.constexpr,  # quantize each row per token (e4m3) instead of storing it
+    FP8_OUT: tl.constexpr,  # quantize each row (e4m3) instead of storing it
+    STATIC_SCALE: tl.constexpr,  # by the static scale, not per token
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -78,7 +80,10 @@ def _rms_norm_kernel(
     if FP8_OUT:
         # As kernels.fp8.quantize_fp8_rowwise_reference on the row the plain kernel stores.
         out = out.to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = scale_for(tl.max(tl.abs(out), axis=1))  # [R]
+        if STATIC_SCALE:
+            scale = tl.load(static_scale_ptr + rows * 0)  # [R], all the same
+        else:
+            scale = scale_for(tl.max(tl.abs(out), axis=1))  # [R]
         tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
         out = to_e4m3(out / scale[:, None])
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -129,12 +134,13 @@ def rms_norm_fp8(
     x: torch.Tensor,  # [num_tokens, hidden], last dim contiguous
     weight: torch.Tensor,  # [hidden], x's dtype
     eps: float,
+    static_scale: torch.Tensor | None = None,  # [1] float32: the layer's; None: per token
 ) -> Fp8Rows:
-    """`kernels.norm.rms_norm_fp8_reference`: the norm and the per-token FP8 quantization of
-    the layer it feeds, in one pass."""
-    _check_fp8_input(x, weight)
+    """`kernels.norm.rms_norm_fp8_reference`: the norm and the FP8 quantization of the layer it
+    feeds, in one pass."""
+    _check_fp8_input(x, weight, static_scale)
     out = _empty_rows(x)
-    _launch(x.unsqueeze(1), None, out.q.unsqueeze(1), weight, eps, out.scale)
+    _launch(x.unsqueeze(1), None, out.q.unsqueeze(1), weight, eps, (out.scale, static_scale))
     return out
 
 
@@ -143,27 +149,32 @@ def fused_add_rms_norm_fp8(
     residual: torch.Tensor,  # [num_tokens, hidden], overwritten with x + residual
     weight: torch.Tensor,  # [hidden], x's dtype
     eps: float,
-) -> tuple[Fp8Rows, torch.Tensor]:  # (the normed sum quantized per token, residual)
+    static_scale: torch.Tensor | None = None,  # [1] float32: the layer's; None: per token
+) -> tuple[Fp8Rows, torch.Tensor]:  # (the normed sum quantized, residual)
     """`kernels.norm.fused_add_rms_norm_fp8_reference`: residual <- x + residual in place, and
-    the normed sum quantized per token for the FP8 layer it feeds; x is not written."""
-    _check_fp8_input(x, weight)
+    the normed sum quantized for the FP8 layer it feeds; x is not written."""
+    _check_fp8_input(x, weight, static_scale)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
         raise ValueError(
             f"residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} "
             f"{x.dtype}, with contiguous rows"
         )
     out = _empty_rows(x)
-    _launch(x.unsqueeze(1), residual.unsqueeze(1), out.q.unsqueeze(1), weight, eps, out.scale)
+    scales = (out.scale, static_scale)
+    _launch(x.unsqueeze(1), residual.unsqueeze(1), out.q.unsqueeze(1), weight, eps, scales)
     return out, residual
 
 
-def _check_fp8_input(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_fp8_input(
+    x: torch.Tensor, weight: torch.Tensor, static_scale: torch.Tensor | None
+) -> None:
     # Rows of a 2-D activation, rounded to x's dtype before quantizing, as the unfused pair.
     if x.dim() != 2 or x.stride(1) != 1 or weight.dtype != x.dtype:
         raise ValueError(
             f"x {tuple(x.shape)} {x.dtype}: 2-D with contiguous rows, weight {weight.dtype} "
             "of the same dtype"
         )
+    check_static_scale(static_scale)
     _check_weight(x, weight)
 
 
@@ -196,7 +207,8 @@ def _launch(
     out: torch.Tensor,  # [outer, inner, hidden]
     weight: torch.Tensor,  # [hidden]
     eps: float,
-    fp8_scale: torch.Tensor | None = None,  # [outer * inner]: quantize into `out` (FP8)
+    # quantize into `out` (FP8): the rows' scales [outer * inner] to write, and a static one
+    fp8_scales: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> None:
     outer, inner, hidden = x.shape
     num_rows = outer * inner
@@ -207,13 +219,15 @@ def _launch(
     # About 16 elements per thread: two 128-bit loads of bf16, enough to hide the latency.
     num_warps = min(max(block_rows * block_n // 512, 1), 16)
     res = x if residual is None else residual  # never dereferenced without HAS_RESIDUAL
+    scale, static = fp8_scales if fp8_scales is not None else (None, None)
     grid = (triton.cdiv(num_rows, block_rows),)
     _rms_norm_kernel[grid](
         x,
         res,
         out,
         weight.contiguous(),
-        fp8_scale if fp8_scale is not None else weight,  # never dereferenced without FP8_OUT
+        scale if scale is not None else weight,  # never dereferenced without FP8_OUT
+        static if static is not None else weight,  # nor without STATIC_SCALE
         num_rows,
         inner,
         x.stride(0),
@@ -225,7 +239,8 @@ def _launch(
         hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
-        FP8_OUT=fp8_scale is not None,
+        FP8_OUT=scale is not None,
+        STATIC_SCALE=static is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_N=block_n,
         num_warps=num_warps,

@@ -239,9 +239,6 @@ def write_fp8_static(
     AutoFP8 and llm-compressor do (the largest input each projection saw, over 448): under
     compressed-tensors' FP8 scheme, or transformers' `quant_method: fp8` with
     `activation_scheme: static`. Returns each projection's input scale."""
-    from compressed_tensors.quantization import QuantizationScheme
-    from compressed_tensors.quantization.quant_scheme import FP8
-
     seen: dict[str, torch.Tensor] = {}
 
     def observe(name: str):  # type: ignore[no-untyped-def]
@@ -271,6 +268,9 @@ def write_fp8_static(
         tensors[f"{name}.input_scale"] = input_scales[name].reshape(shape).contiguous()
         module.weight.data = q.float() * scale
     if compressed:
+        from compressed_tensors.quantization import QuantizationScheme
+        from compressed_tensors.quantization.quant_scheme import FP8
+
         scheme = QuantizationScheme(targets=["Linear"], **FP8)
         config = _compressed_tensors_config(scheme, "float-quantized")
     else:

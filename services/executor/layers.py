@@ -19,20 +19,28 @@ def feeds_fp8_rows(method: LinearMethod | None) -> bool:
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float, fp8_out: bool = False) -> None:
-        """`fp8_out`: the norm feeds an FP8 layer and hands it rows quantized per token."""
+        """`fp8_out`: the norm feeds an FP8 layer and hands it quantized rows."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.fp8_out = fp8_out
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        fp8_scale: torch.Tensor | None = None,  # with fp8_out: the layer's static scale
     ) -> Activation | tuple[Activation, torch.Tensor]:
+        w, eps = self.weight, self.eps
+        if not self.fp8_out and fp8_scale is not None:
+            raise ValueError("an FP8 scale for a norm that does not quantize its output")
+        if not self.fp8_out:
+            if residual is None:
+                return ops.rms_norm(x, w, eps)
+            return ops.fused_add_rms_norm(x, residual, w, eps)
         if residual is None:
-            norm = ops.rms_norm_fp8 if self.fp8_out else ops.rms_norm
-            return norm(x, self.weight, self.eps)
-        add_norm = ops.fused_add_rms_norm_fp8 if self.fp8_out else ops.fused_add_rms_norm
-        return add_norm(x, residual, self.weight, self.eps)
+            return ops.rms_norm_fp8(x, w, eps, fp8_scale)
+        return ops.fused_add_rms_norm_fp8(x, residual, w, eps, fp8_scale)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -75,8 +83,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
         self.down_proj = Linear(intermediate_size, hidden_size, method=method)
-        self.activation = ops.silu_and_mul_fp8 if feeds_fp8_rows(method) else ops.silu_and_mul
+        self.fp8_rows = feeds_fp8_rows(method)
 
     def forward(self, x: Activation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        return self.down_proj(self.activation(gate_up))  # [T, hidden]
+        if self.fp8_rows:  # quantized for down_proj as it would (its static scale, if any)
+            return self.down_proj(ops.silu_and_mul_fp8(gate_up, self.down_proj.fp8_input_scale()))
+        return self.down_proj(ops.silu_and_mul(gate_up))  # [T, hidden]

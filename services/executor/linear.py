@@ -55,6 +55,10 @@ class LinearMethod(Protocol):
         """Where each tensor it loads holds output rows and input columns, for tensor
         parallelism (`services/executor/linear_shards.py`)."""
 
+    def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
+        """With takes_fp8_rows: the static scale [1] its producers quantize by; None: they
+        quantize per token (or it takes no FP8 rows)."""
+
     def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         """x [M, K] -> [M, N] in x's (float) dtype."""
 
@@ -78,6 +82,9 @@ class Unquantized:
 
     def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
         return {"weight": TensorDims(rows=0, cols=1), **_BIAS}
+
+    def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
+        return None
 
     def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         return ops.linear(_float(x, self), layer.weight, layer.bias)
@@ -134,7 +141,7 @@ class Fp8Static(Fp8Checkpoint):
     their scales is used, so that no piece's calibrated range is clipped (their calibrations
     saw the same inputs, so the scales agree in practice)."""
 
-    takes_fp8_rows = False  # producers quantize per token; these layers use their own scale
+    takes_fp8_rows = True  # quantized by their producers with this layer's scale
 
     def create_weights(self, layer: Linear) -> None:
         super().create_weights(layer)
@@ -156,10 +163,13 @@ class Fp8Static(Fp8Checkpoint):
         del layer.input_scale
         layer.register_buffer("input_scale", scale)
 
+    def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
+        return layer.input_scale
+
     def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
-        return ops.fp8_linear(
-            _float(x, self), layer.qweight, layer.weight_scale, layer.bias, layer.input_scale
-        )
+        # Rows from a producer are quantized by this scale already; o_proj's input is not.
+        scale = None if isinstance(x, Fp8Rows) else layer.input_scale
+        return ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias, scale)
 
 
 class Fp8Block(Fp8Checkpoint):
@@ -273,6 +283,9 @@ class Int4WeightOnly:
             dims["g_idx"] = TensorDims(rows=None, cols=0)
         return dims
 
+    def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
+        return None
+
     def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
         return ops.int4_linear(
             _float(x, self),
@@ -318,6 +331,9 @@ class GgufBlocks:
     def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
         # Its pieces come to load_shard, cut by linear_shards.shard_packed_rows.
         return dict(_BIAS)
+
+    def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
+        return None
 
     def load_shard(self, layer: Linear, start: int, weight: PackedWeight) -> None:
         """Checked and moved to the layer's device as it arrives (so the host never holds
@@ -426,6 +442,10 @@ class Linear(nn.Module):
 
     def forward(self, x: Activation) -> torch.Tensor:  # [M, K] -> [M, N]
         return self.method.apply(self, x)
+
+    def fp8_input_scale(self) -> torch.Tensor | None:
+        """The static scale the op feeding it quantizes by (`LinearMethod.fp8_input_scale`)."""
+        return self.method.fp8_input_scale(self)
 
 
 def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:

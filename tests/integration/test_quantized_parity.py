@@ -181,14 +181,19 @@ def test_block_scaled_fp8_checkpoints_match_transformers_on_their_weights(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("static", [False, True], ids=["per-token", "static"])
 def test_gpu_fp8_inputs_quantized_by_their_producers_change_nothing(
-    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    family: str, static: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The Triton norms and SiLU-and-mul that quantize for the FP8 layers they feed give the
-    tokens and log-probabilities of the unfused kernels exactly (bf16, decode and prompts)."""
+    """The Triton norms and SiLU-and-mul that quantize for the FP8 layers they feed (per token,
+    or by a static checkpoint's scales) give the tokens and log-probabilities of the unfused
+    kernels exactly (bf16, decode and prompts)."""
     model = make_tiny_model(family)
-    model.save_pretrained(tmp_path)
     prompts = make_prompts(model.config.vocab_size)
+    if static:  # an AutoFP8-style checkpoint: quantization from its config.json
+        quantized_writers.write_fp8_static(model, tmp_path, prompts, compressed=False)
+    else:
+        model.save_pretrained(tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=3)
 
     def generate() -> list[tuple[list[int], list[list[float]]]]:
@@ -196,7 +201,7 @@ def test_gpu_fp8_inputs_quantized_by_their_producers_change_nothing(
             str(tmp_path),
             device="cuda",
             dtype="bfloat16",
-            quantization="fp8",
+            quantization=None if static else "fp8",
             max_model_len=512,
             kv_cache_memory_bytes=64 << 20,
         )

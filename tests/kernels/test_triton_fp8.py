@@ -140,6 +140,27 @@ def test_silu_and_mul_fp8_quantizes_the_product(
     assert_close_rows(got, silu_and_mul_fp8_reference(gate_up))
 
 
+def test_producers_quantize_by_a_static_scale_as_the_layer_would() -> None:
+    generator = torch.Generator().manual_seed(13)
+    x, residual = (torch.randn(3, 96, generator=generator).to(DEVICE, DTYPE) for _ in range(2))
+    weight = (1 + torch.randn(96, generator=generator) / 4).to(DEVICE, DTYPE)
+    gate_up = (torch.randn(3, 2 * 1500, generator=generator) * 3).to(DEVICE, DTYPE)  # 2 tiles
+    static = torch.tensor([0.01], device=DEVICE)  # small: some values saturate
+    assert_same_rows(
+        rms_norm_fp8(x, weight, 1e-6, static),
+        *quantize_fp8_rowwise(rms_norm(x, weight, 1e-6), static),
+    )
+    normed, _ = fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    got, _ = fused_add_rms_norm_fp8(x, residual, weight, 1e-6, static)
+    assert_same_rows(got, *quantize_fp8_rowwise(normed, static))
+    assert_same_rows(
+        silu_and_mul_fp8(gate_up, static), *quantize_fp8_rowwise(silu_and_mul(gate_up), static)
+    )
+    assert_close_rows(
+        silu_and_mul_fp8(gate_up, static), silu_and_mul_fp8_reference(gate_up, static)
+    )
+
+
 def test_fp8_producers_refuse_what_they_cannot_quantize() -> None:
     x = torch.randn(2, 64, device=DEVICE, dtype=DTYPE)
     with pytest.raises(ValueError, match="same dtype"):

@@ -150,13 +150,16 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The norms quantize for FP8 projections as these would (by a static scale, if any).
+        qkv_scale = self.self_attn.qkv_proj.fp8_input_scale()
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, fp8_scale=qkv_scale)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, qkv_scale)
         x = self.self_attn(positions, x, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        gate_up_scale = self.mlp.gate_up_proj.fp8_input_scale()
+        x, residual = self.post_attention_layernorm(x, residual, gate_up_scale)
         return self.mlp(x), residual
 
 
