@@ -29,18 +29,19 @@ class RMSNorm(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None = None,
-        fp8_scale: torch.Tensor | None = None,  # with fp8_out: the layer's static scale
+        feeds: Linear | None = None,  # with fp8_out: the layer it quantizes for
     ) -> Activation | tuple[Activation, torch.Tensor]:
         w, eps = self.weight, self.eps
-        if not self.fp8_out and fp8_scale is not None:
-            raise ValueError("an FP8 scale for a norm that does not quantize its output")
         if not self.fp8_out:
             if residual is None:
                 return ops.rms_norm(x, w, eps)
             return ops.fused_add_rms_norm(x, residual, w, eps)
+        if feeds is None:
+            raise ValueError("a norm that quantizes its output needs the layer it feeds")
+        scale = feeds.fp8_input_scale()  # the layer's static scale, or None: per token
         if residual is None:
-            return ops.rms_norm_fp8(x, w, eps, fp8_scale)
-        return ops.fused_add_rms_norm_fp8(x, residual, w, eps, fp8_scale)
+            return ops.rms_norm_fp8(x, w, eps, scale)
+        return ops.fused_add_rms_norm_fp8(x, residual, w, eps, scale)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -150,16 +150,15 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # The norms quantize for FP8 projections as these would (by a static scale, if any).
-        qkv_scale = self.self_attn.qkv_proj.fp8_input_scale()
+        # Each norm is told the projection it feeds: an FP8 one takes its input quantized.
+        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual = x
-            x = self.input_layernorm(x, fp8_scale=qkv_scale)
+            x = self.input_layernorm(x, feeds=qkv_proj)
         else:
-            x, residual = self.input_layernorm(x, residual, qkv_scale)
+            x, residual = self.input_layernorm(x, residual, feeds=qkv_proj)
         x = self.self_attn(positions, x, kv_cache, meta)
-        gate_up_scale = self.mlp.gate_up_proj.fp8_input_scale()
-        x, residual = self.post_attention_layernorm(x, residual, gate_up_scale)
+        x, residual = self.post_attention_layernorm(x, residual, feeds=self.mlp.gate_up_proj)
         return self.mlp(x), residual
 
 
