@@ -37,10 +37,9 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.kernel_bench import copy_bandwidth_gbs, decode_case, median_ms  # noqa: E402
 from kernels.triton_decode_attention import (  # noqa: E402
-    MAX_SPLITS,
-    MIN_PARTITION_TOKENS,
     DecodeTiles,
     default_decode_tiles,
+    most_splits,
     paged_decode_attention,
     pick_num_splits,
 )
@@ -79,10 +78,8 @@ class Config:
 def picked_splits(batch: int, context: int, tiles: DecodeTiles) -> int:
     """The split count `paged_decode_attention` picks for this case (num_splits=None)."""
     max_blocks = triton.cdiv(context, BLOCK_SIZE)
-    splits = pick_num_splits(
-        batch, NUM_KV_HEADS, max_blocks * BLOCK_SIZE, torch.device("cuda"), tiles.tile
-    )
-    return max(1, min(splits, max_blocks))
+    device = torch.device("cuda")
+    return pick_num_splits(batch, NUM_KV_HEADS, max_blocks, BLOCK_SIZE, device, tiles.tile)
 
 
 def default_config(kv_dtype: torch.dtype, batch: int, context: int) -> Config:
@@ -98,8 +95,8 @@ def first_configs(kv_dtype: torch.dtype, batch: int, context: int) -> list[Confi
 
 
 def split_variants(config: Config, context: int) -> list[Config]:
-    """config at SPLIT_FACTORS times its split count: at least one tile and 64 tokens a split."""
-    most = min(MAX_SPLITS, triton.cdiv(context, max(MIN_PARTITION_TOKENS, config.tiles.tile)))
+    """config at SPLIT_FACTORS times its split count, within what the kernel would make."""
+    most = most_splits(triton.cdiv(context, BLOCK_SIZE), BLOCK_SIZE, config.tiles.tile)
     counts = {max(1, min(most, int(config.num_splits * f))) for f in SPLIT_FACTORS}
     return [Config(config.tiles, n) for n in sorted(counts - {config.num_splits})]
 

@@ -78,7 +78,9 @@ def make_layers(shape: Shape, copies: int) -> list[tuple[torch.Tensor, ...]]:
     return layers
 
 
-def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]]:
+def sweep_shape(
+    shape: Shape, ms: list[int], copies: int, default_only: bool = False
+) -> list[dict[str, Any]]:
     layers = make_layers(shape, copies)
     peer_layers = [tinygemm_layer(*layer) for layer in layers]
     packed_bytes = sum(t.numel() * t.element_size() for t in layers[0] if t is not None)
@@ -90,7 +92,7 @@ def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]
             configs = [("dequantize + cuBLAS", functools.partial(_int4, tiles=None), None)]
         else:
             tiles = [default_tiles(m, shape.n, shape.k)]
-            if not DEFAULT_ONLY:
+            if not default_only:
                 tiles += [t for c in CANDIDATES if (t := tiles_for(c, m)) is not None]
             configs = [(label(t), functools.partial(_int4, tiles=t), t) for t in tiles]
         expected = int4_linear_reference(x, *layers[0], GROUP)
@@ -124,13 +126,11 @@ def _int4(
     return int4_linear(x, qweight, scales, zeros, GROUP, tiles=tiles)
 
 
-DEFAULT_ONLY = False  # --default-only: the engine's tiles, no candidates
-
 if __name__ == "__main__":
     args = quantized_sweep.parse_args(
         __doc__.split("\n\n")[0],
         [1, 16, 32, 64, 256],
         lambda p: p.add_argument("--default-only", action="store_true"),
     )
-    DEFAULT_ONLY = args.default_only
-    quantized_sweep.run(args, sweep_shape, with_lm_head=False)
+    sweep = functools.partial(sweep_shape, default_only=args.default_only)
+    quantized_sweep.run(args, sweep, with_lm_head=False)

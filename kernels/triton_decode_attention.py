@@ -214,15 +214,26 @@ def _num_sms(device_index: int) -> int:
 
 
 def pick_num_splits(
-    num_reqs: int, num_kv_heads: int, max_context: int, device: torch.device, tile: int
+    num_reqs: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    device: torch.device,
+    tile: int,
 ) -> int:
     """Enough programs for a few waves of 64-token steps on the GPU (fewer programs where each
-    step reads more), without splits shorter than MIN_PARTITION_TOKENS or than one tile (a
-    shorter split would compute a mostly masked tile)."""
+    step reads more), within `most_splits`."""
     num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
     wanted = triton.cdiv(4 * num_sms * 64 // max(tile, 64), num_reqs * num_kv_heads)
-    useful = triton.cdiv(max_context, max(MIN_PARTITION_TOKENS, tile))
-    return max(1, min(wanted, useful, MAX_SPLITS))
+    return max(1, min(wanted, most_splits(max_blocks, block_size, tile)))
+
+
+def most_splits(max_blocks: int, block_size: int, tile: int) -> int:
+    """The most splits worth making of a context of `max_blocks` blocks: none shorter than
+    MIN_PARTITION_TOKENS or one tile (a shorter split would compute a mostly masked tile),
+    nor than a block, and at most MAX_SPLITS."""
+    useful = triton.cdiv(max_blocks * block_size, max(MIN_PARTITION_TOKENS, tile))
+    return max(1, min(useful, max_blocks, MAX_SPLITS))
 
 
 def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
@@ -271,9 +282,10 @@ def paged_decode_attention(
         tiles = default_decode_tiles(key_cache.dtype, block_size)
     max_blocks = block_tables.shape[1]
     group = num_heads // num_kv_heads
-    max_context = max_blocks * block_size
     if num_splits is None:
-        num_splits = pick_num_splits(num_reqs, num_kv_heads, max_context, query.device, tiles.tile)
+        num_splits = pick_num_splits(
+            num_reqs, num_kv_heads, max_blocks, block_size, query.device, tiles.tile
+        )
     num_splits = max(1, min(num_splits, max_blocks))
     partition_tokens = triton.cdiv(max_blocks, num_splits) * block_size
 

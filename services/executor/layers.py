@@ -12,32 +12,28 @@ from kernels import ops
 from services.executor.linear import Activation, Linear, LinearMethod
 
 
-def feeds_fp8_rows(method: LinearMethod | None) -> bool:
-    """Whether the ops feeding layers of this method quantize their output for them."""
-    return method is not None and method.takes_fp8_rows
+def feeds_fp8_rows(layer: Linear) -> bool:
+    """Whether the op feeding this layer quantizes its output for it (`Fp8Rows`)."""
+    return layer.method.takes_fp8_rows
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, fp8_out: bool = False) -> None:
-        """`fp8_out`: the norm feeds an FP8 layer and hands it quantized rows."""
+    def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.fp8_out = fp8_out
 
     def forward(
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None = None,
-        feeds: Linear | None = None,  # with fp8_out: the layer it quantizes for
+        feeds: Linear | None = None,  # the layer it feeds: an FP8 one takes quantized rows
     ) -> Activation | tuple[Activation, torch.Tensor]:
         w, eps = self.weight, self.eps
-        if not self.fp8_out:
+        if feeds is None or not feeds_fp8_rows(feeds):
             if residual is None:
                 return ops.rms_norm(x, w, eps)
             return ops.fused_add_rms_norm(x, residual, w, eps)
-        if feeds is None:
-            raise ValueError("a norm that quantizes its output needs the layer it feeds")
         scale = feeds.fp8_input_scale()  # the layer's static scale, or None: per token
         if residual is None:
             return ops.rms_norm_fp8(x, w, eps, scale)
@@ -84,10 +80,9 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
         self.down_proj = Linear(intermediate_size, hidden_size, method=method)
-        self.fp8_rows = feeds_fp8_rows(method)
 
     def forward(self, x: Activation) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
-        if self.fp8_rows:  # quantized for down_proj as it would (its static scale, if any)
+        if feeds_fp8_rows(self.down_proj):  # quantized as down_proj would (its static scale)
             return self.down_proj(ops.silu_and_mul_fp8(gate_up, self.down_proj.fp8_input_scale()))
         return self.down_proj(ops.silu_and_mul(gate_up))  # [T, hidden]

@@ -15,7 +15,7 @@ from torch import nn
 
 from kernels import ops
 from services.executor.attention_metadata import AttentionMetadata
-from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding, feeds_fp8_rows
+from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from services.executor.linear import Activation, Linear, LinearMethod, PackedWeight
 from shared.model_config import ModelConfig
 
@@ -135,11 +135,9 @@ class DecoderLayer(nn.Module):
         kv_scales: bool = False,
     ) -> None:
         super().__init__()
-        # The norms feed qkv_proj and gate_up_proj: quantized for them where they take FP8.
-        fp8_out = feeds_fp8_rows(method)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp8_out)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary, method, kv_scales)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp8_out)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, method)
 
     def forward(
