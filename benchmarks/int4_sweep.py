@@ -16,7 +16,6 @@ Needs a CUDA GPU and ~12 GB of its memory.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -33,35 +32,34 @@ from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
 from kernels.int4 import (  # noqa: E402
     int4_linear_reference,
     quantize_int4_reference,
-    unpack_int4,
+    unpack_weight,
 )
 from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear  # noqa: E402
 
 GROUP = 128
-# (block_m, block_n, block_k, num_warps, num_stages, use_dot); block_m is raised to the row tile
-# the M needs (16 for tl.dot; next power of two for fma).
+# (block_m, block_n, block_k, num_warps, num_stages, use_dot): the row kernel (block_m 1, one
+# row of x per program, up to triton_int4.GEMV_MAX_ROWS rows by default, timed here up to 8),
+# then tl.dot tiles of 16 rows.
 CANDIDATES = [Int4Tiles(*c) for c in [
-    (1, 4, 512, 2, 4, False), (1, 8, 512, 4, 4, False), (1, 4, 1024, 4, 3, False),
-    (1, 8, 256, 2, 4, False), (1, 16, 512, 4, 3, False), (1, 2, 1024, 2, 4, False),
-    (1, 8, 1024, 4, 3, False), (1, 4, 256, 2, 6, False),
+    *[(1, bn, bk, w, s, False) for bn, bk, w in [
+        (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (4, 2048, 1), (8, 2048, 2), (4, 2048, 2),
+        (8, 1024, 2), (16, 1024, 4)] for s in (1, 3)],
     (16, 32, 128, 4, 4, True), (16, 64, 128, 4, 4, True), (16, 128, 128, 8, 3, True),
     (16, 32, 256, 4, 4, True), (16, 64, 256, 4, 3, True), (16, 32, 512, 4, 3, True),
     (16, 16, 512, 4, 4, True), (16, 16, 256, 2, 4, True),
 ]]  # fmt: skip
+ROW_KERNEL_MAX_TIMED = 8
 
 
 def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
     """The candidate at M rows, or None where it does not apply."""
-    rows = 1 << (m - 1).bit_length()
     if not tiles.use_dot:
-        if rows * tiles.block_n * tiles.block_k // 8 > 128 * 32 * tiles.num_warps:
-            return None  # the [BM, BN, BK] accumulator would spill
-        return dataclasses.replace(tiles, block_m=rows)
+        return tiles if m <= ROW_KERNEL_MAX_TIMED else None
     return None if m > 64 else tiles
 
 
 def label(tiles: Int4Tiles) -> str:
-    kind = "dot" if tiles.use_dot else "fma"
+    kind = "dot" if tiles.use_dot else "rows"
     return (
         f"{kind} m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} "
         f"w{tiles.num_warps} s{tiles.num_stages}"
@@ -108,7 +106,7 @@ def tinygemm_layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer in tinygemm's layout: two values a byte (the even column high), then its
     tiling (8 inner K tiles); a scale and a float zero per group, w = (q - 8) scale + zero."""
-    q = unpack_int4(qweight)  # [N, K] in 0..15
+    q = unpack_weight(qweight)  # [N, K] in 0..15
     packed = torch.ops.aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]), 8)
     scale = scales.float()
     zero = (8.0 - zeros.float()) * scale  # (q - z) s = (q - 8) s + (8 - z) s

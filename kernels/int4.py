@@ -3,16 +3,23 @@
 Every int4 checkpoint format (AWQ, GPTQ, compressed-tensors pack-quantized) is translated at
 load into one layout, which the kernels read:
 
-    qweight [N, K/8] int32   eight unsigned 4-bit values q per word, along K: the value of
-                             column k sits at bits 4*(k % 8) of word k // 8 (lowest first)
+    qweight [N, K/8] int32   eight unsigned 4-bit values q per word, along K, in chunks of
+                             CHUNK = 32 columns (4 words): word c of a chunk holds, at bits
+                             4*i for nibble i = 2p + h, the chunk's column 8p + 2c + h
     scales  [N, G]           float, one per output channel and group of input columns
     zeros   [N, G] uint8     the zero point z of each group, 0..15; None means 8 (symmetric)
     g_idx   [K] int32        the group of each input column (GPTQ's act-order); None means
                              column k is in group k // group_size
 
-and the weight is w[n, k] = (q[n, k] - z[n, g]) * scales[n, g] with g the group of k. The
+and the weight is w[n, k] = (q[n, k] - z[n, g]) * scales[n, g] with g the group of k. Why the
+chunks: the decode kernel reads x as pairs of 16-bit values, and nibbles 2p, 2p+1 of the 4
+words of a chunk then take the 4 consecutive pairs 4p .. 4p+3, one vector load
+(kernels/triton_int4.py). K and group sizes are multiples of CHUNK, so a word's 8 columns
+share a group. `pack_int4` / `unpack_int4` are the plain nibble packing (value c at bits
+4*(c % 8) of word c // 8) that checkpoints use; `transpose_chunks` turns it into the kernel
+layout and back, and `pack_weight` / `unpack_weight` go from values to the kernel layout. The
 reference dequantizes to the activation's dtype, then sums in float32 (the Triton kernels'
-fast paths apply the scale after the sum: kernels/triton_int4.py).
+fast paths apply the scale after the sum).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import torch
 
 PACK = 8  # 4-bit values per int32 word
+CHUNK = 32  # columns of the kernels' interleave (module docstring)
 SYMMETRIC_ZERO = 8
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
 
@@ -39,6 +47,28 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:  # [R, W] int32 -> [R, 8 
     return nibbles.reshape(*packed.shape[:-1], -1).to(torch.uint8)
 
 
+def transpose_chunks(packed: torch.Tensor) -> torch.Tensor:  # [N, K/8] int32, either way
+    """Plain packing <-> the kernel layout. Byte b of a word holds nibbles 2b, 2b + 1; in the
+    plain packing byte b of word p holds columns 8p + 2b + {0, 1}, in the kernel layout byte p
+    of word c holds 8p + 2c + {0, 1}: a 4 x 4 transpose of each chunk's bytes (its own
+    inverse)."""
+    n, words = packed.shape
+    if words % (CHUNK // PACK):
+        raise ValueError(f"int4 layers need K divisible by {CHUNK}, got {words * PACK}")
+    chunks = packed.contiguous().view(torch.uint8).reshape(n, -1, 4, 4)  # [N, K/32, word, byte]
+    return chunks.transpose(-1, -2).contiguous().view(torch.int32).reshape(n, words)
+
+
+def pack_weight(values: torch.Tensor) -> torch.Tensor:  # [N, K] in 0..15 -> [N, K/8] int32
+    """The kernel layout of a weight's 4-bit values."""
+    return transpose_chunks(pack_int4(values))
+
+
+def unpack_weight(qweight: torch.Tensor) -> torch.Tensor:  # [N, K/8] int32 -> [N, K] uint8
+    """The inverse of `pack_weight`."""
+    return unpack_int4(transpose_chunks(qweight))
+
+
 def group_index(
     k: int, group_size: int, g_idx: torch.Tensor | None, device: torch.device
 ) -> torch.Tensor:  # [K] int64
@@ -55,7 +85,7 @@ def dequantize_int4_reference(
     group_size: int,
     g_idx: torch.Tensor | None = None,  # [K] int32
 ) -> torch.Tensor:  # [N, K] float32
-    q = unpack_int4(qweight).float()  # [N, K]
+    q = unpack_weight(qweight).float()  # [N, K]
     groups = group_index(q.shape[1], group_size, g_idx, q.device)  # [K]
     zero = SYMMETRIC_ZERO if zeros is None else zeros.float()[:, groups]
     return (q - zero) * scales.float()[:, groups]
@@ -98,4 +128,4 @@ def quantize_int4_reference(
         zero = (-low / scales).round().clamp(0, 15)
     q = (w / scales[..., None] + zero[..., None]).round().clamp(0, 15).reshape(n, k)
     zeros = None if symmetric else zero.to(torch.uint8)
-    return pack_int4(q), scales.to(weight.dtype), zeros
+    return pack_weight(q), scales.to(weight.dtype), zeros

@@ -29,7 +29,7 @@ from kernels.fp8 import (
     quantize_fp8_rowwise_reference,
 )
 from kernels.gguf import row_bytes
-from kernels.int4 import PACK
+from kernels.int4 import CHUNK, PACK
 from services.executor.linear_shards import TensorDims
 from shared.quant_config import QuantSpec
 
@@ -233,8 +233,13 @@ class Int4WeightOnly:
 
     def create_weights(self, layer: Linear) -> None:
         n, k = layer.out_features, layer.in_features
-        if k % PACK:
-            raise ValueError(f"int4 layers need K divisible by {PACK}, got {k}")
+        # The kernels' layout interleaves words in chunks of CHUNK columns (kernels/int4.py),
+        # each inside one group.
+        if k % CHUNK or (self.spec.group_size > 0 and self.spec.group_size % CHUNK):
+            raise ValueError(
+                f"int4 layers need K and the group size divisible by {CHUNK}, got K={k} and "
+                f"groups of {self.spec.group_size}"
+            )
         # With act-order a rank's columns may fall in any group of the whole layer's.
         grouped = layer.whole_in_features if self.spec.act_order else k
         num_groups = 1 if self.spec.group_size <= 0 else -(-grouped // self.spec.group_size)
@@ -269,7 +274,7 @@ class Int4WeightOnly:
         pass
 
     def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
-        words = TensorDims(0, 1, (PACK, 1), "packed words")
+        words = TensorDims(0, 1, (CHUNK, CHUNK // PACK), "chunks of packed words")
         # Per group along K, unless one group spans K (channel-wise) or act-order's g_idx
         # sends a rank's columns to any group: then every rank keeps all of them.
         whole = self.spec.group_size <= 0 or layer.g_idx is not None

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from kernels.fp8 import expand_block_scales
-from kernels.int4 import pack_int4, unpack_int4
+from kernels.int4 import pack_weight, transpose_chunks, unpack_int4
 from shared.quant_config import QuantSpec
 
 # The parts that make up one quantized module, by format: (the part that marks a module as
@@ -109,7 +109,7 @@ def _awq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Ten
         _check_symmetric_zeros(parts["qzeros"], stored=8)
     _check_groups(k, parts["scales"].shape[0], spec)
     return {
-        "qweight": pack_int4(q.t()),
+        "qweight": pack_weight(q.t()),
         "scales": parts["scales"].t().contiguous(),
         "zeros": zeros,
     }
@@ -121,7 +121,7 @@ def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:  # [R, N/8] int32 -> [R, 
 
 
 def _gptq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor | None]:
-    qweight = parts["qweight"]  # [K/8, N]: transposed, already the kernels' packing along K
+    qweight = parts["qweight"]  # [K/8, N]: transposed, plain nibbles along K
     k, num_groups = qweight.shape[0] * 8, parts["scales"].shape[0]
     zeros = None
     if not spec.symmetric:
@@ -145,7 +145,7 @@ def _gptq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Te
     if g_idx is None:
         _check_groups(k, num_groups, spec)
     return {
-        "qweight": qweight.t().contiguous(),
+        "qweight": transpose_chunks(qweight.t()),
         "scales": parts["scales"].t().contiguous(),
         "zeros": zeros,
         "g_idx": g_idx,
@@ -166,7 +166,7 @@ def _compressed_tensors(
     parts: dict[str, torch.Tensor], spec: QuantSpec
 ) -> dict[str, torch.Tensor | None]:
     n, k = (int(v) for v in parts["weight_shape"].tolist())
-    packed = parts["weight_packed"]  # [N, K/8]: the kernels' layout already (signed + 8)
+    packed = parts["weight_packed"]  # [N, K/8]: plain nibbles along K (signed + 8)
     if packed.shape != (n, k // 8) or k % 8:
         raise ValueError(f"weight_packed {tuple(packed.shape)} does not hold weight_shape {n, k}")
     num_groups = parts["weight_scale"].shape[1]
@@ -187,7 +187,7 @@ def _compressed_tensors(
     else:
         _check_groups(k, num_groups, spec)
     return {
-        "qweight": packed.contiguous(),
+        "qweight": transpose_chunks(packed),
         "scales": parts["weight_scale"].contiguous(),
         "zeros": zeros,
         "g_idx": g_idx,

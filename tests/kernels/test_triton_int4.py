@@ -1,6 +1,7 @@
-"""The Triton int4 linear kernel against `kernels.int4`'s reference (under the interpreter on
+"""The Triton int4 linear kernels against `kernels.int4`'s reference (under the interpreter on
 CPU, compiled on a GPU): every row count from decode to prefill, group sizes and channel-wise
-scales, symmetric and asymmetric zero points, act-order group indices, a K tail, a bias."""
+scales, symmetric and asymmetric zero points, act-order group indices, a K tail, a bias; the
+row kernel with x in each dtype, read as pairs or one by one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.int4 import int4_linear_reference, pack_int4, quantize_int4_reference, unpack_int4
+from kernels.int4 import (
+    int4_linear_reference,
+    pack_int4,
+    pack_weight,
+    quantize_int4_reference,
+    unpack_int4,
+    unpack_weight,
+)
 from kernels.triton_int4 import Int4Tiles, int4_linear
 from tests.kernels.test_fp8_linear import LLAMA_SHAPES
 
@@ -44,7 +52,7 @@ def check(m: int, n: int, k: int, group_size: int, symmetric: bool, act_order: b
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("m", [1, 2, 16, 33, 70])  # fma, the decode tiles, a prefill tile
+@pytest.mark.parametrize("m", [1, 2, 16, 33, 70])  # row kernel x 2, dot tiles, a prefill tile
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_matches_the_reference(m: int, symmetric: bool) -> None:
     check(m, n=40, k=256, group_size=64, symmetric=symmetric, act_order=False, bias=m == 2)
@@ -83,6 +91,35 @@ def test_packing_round_trips_and_puts_column_k_at_bits_4k() -> None:
     assert int(packed[0, 0]) & 0xFFFFFFFF == word
 
 
+def test_the_kernel_layout_interleaves_words_in_chunks_of_32_columns() -> None:
+    values = torch.randint(0, 16, (2, 64), dtype=torch.uint8)
+    packed = pack_weight(values)
+    assert torch.equal(unpack_weight(packed), values)
+    nibbles = unpack_int4(packed)  # [2, 64] in packed order: word c of a chunk, nibble 2p + h
+    for chunk, c, p, h in [(0, 0, 0, 0), (0, 1, 0, 1), (0, 3, 2, 1), (1, 2, 3, 0)]:
+        column = 32 * chunk + 8 * p + 2 * c + h
+        assert nibbles[1, 32 * chunk + 8 * c + 2 * p + h] == values[1, column]
+    with pytest.raises(ValueError, match="divisible by 32"):
+        pack_weight(values[:, :48])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("offset", [0, 1])  # 1: x's rows start 2 bytes off: read one by one
+def test_the_row_kernel_reads_x_in_each_dtype(dtype: torch.dtype, offset: int) -> None:
+    # Several programs along N, a K tail (K = 192 against steps of 128), a bias, two rows.
+    qweight, scales, zeros, _ = random_layer(24, 192, 64, False, False, 1)
+    x = torch.randn(2, 192 + offset).to(DEVICE, dtype)[:, offset:]
+    bias = torch.randn(24).to(DEVICE, dtype)
+    tiles = Int4Tiles(1, 8, 128, num_warps=1, num_stages=1, use_dot=False)
+    scales = scales.to(dtype)
+    out = int4_linear(x, qweight, scales, zeros, 64, bias=bias, tiles=tiles)
+    expected = int4_linear_reference(x, qweight, scales, zeros, 64, bias=bias)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="block_m 1"):
+        int4_linear(x, qweight, scales, zeros, 64, tiles=Int4Tiles(2, 8, 128, 1, 1, False))
+
+
 def test_bad_inputs_are_refused() -> None:
     qweight, scales, zeros, _ = random_layer(16, 64, 32, False, False, 0)
     x = torch.randn(2, 64).to(DEVICE, DTYPE)
@@ -92,6 +129,8 @@ def test_bad_inputs_are_refused() -> None:
         int4_linear(x, qweight, scales[:, :1], zeros[:, :1], 32)
     with pytest.raises(ValueError, match="zeros"):
         int4_linear(x, qweight, scales, zeros.to(torch.int32), 32)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        int4_linear(x, qweight, scales.repeat(1, 2), zeros.repeat(1, 2), 16)
 
 
 @pytest.mark.gpu

@@ -127,7 +127,7 @@ def test_act_order_ranks_keep_every_group() -> None:
     ("name", "tensor", "world", "what"),
     [
         ("awq-g32", "scales", 16, "cuts groups of 32"),
-        ("awq-g32", "qweight", 64, "cuts packed words of 8"),
+        ("awq-g32", "qweight", 16, "cuts chunks of packed words of 32"),
         ("fp8-block", "weight_scale", 8, "cuts scale groups of 64"),
     ],
 )

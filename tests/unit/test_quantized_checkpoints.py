@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.int4 import unpack_int4
+from kernels.int4 import unpack_weight
 from services.executor.quantized_checkpoints import translate_quantized
 from shared.model_config import ModelSource
 from shared.quant_config import QuantSpec, read_quant_spec
@@ -48,10 +48,10 @@ def test_awq_reads_as_compressed_tensors_converts_it() -> None:
     zeros = ct_helpers.unpack_from_int32(
         converted["m.weight_zero_point"], 4, torch.Size((24, 2)), packed_dim=0
     )
-    assert torch.equal(unpack_int4(ours["m.qweight"]).int(), values.int() + 8)
+    assert torch.equal(unpack_weight(ours["m.qweight"]).int(), values.int() + 8)
     assert torch.equal(ours["m.zeros"].int(), zeros.int() + 8)
     assert torch.equal(ours["m.scales"], converted["m.weight_scale"])
-    assert torch.equal(unpack_int4(ours["m.qweight"]).long(), torch.from_numpy(layer.q))
+    assert torch.equal(unpack_weight(ours["m.qweight"]).long(), torch.from_numpy(layer.q))
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -68,7 +68,7 @@ def test_compressed_tensors_packing_reads_back_its_values(symmetric: bool) -> No
         tensors["m.weight_zero_point"] = ct_helpers.pack_to_int32(zero, 4, packed_dim=0)
     spec = QuantSpec("compressed-tensors", True, group_size=32, symmetric=symmetric)
     ours = translated(tensors, spec)
-    assert torch.equal(unpack_int4(ours["m.qweight"]).long(), torch.from_numpy(layer.q))
+    assert torch.equal(unpack_weight(ours["m.qweight"]).long(), torch.from_numpy(layer.q))
     if symmetric:
         assert "m.zeros" not in ours
     else:
@@ -78,8 +78,8 @@ def test_compressed_tensors_packing_reads_back_its_values(symmetric: bool) -> No
 def test_gptq_words_as_defined() -> None:
     # Input columns 0..7 of output column 0 hold 0..7: one qweight word 0x76543210. Its zero
     # point 9 is stored minus one (8) in the first nibble of qzeros.
-    q = np.zeros((8, 8), dtype=np.int64)  # [N, K]
-    q[0] = np.arange(8)
+    q = np.zeros((8, 32), dtype=np.int64)  # [N, K]
+    q[0, :8] = np.arange(8)
     zeros = np.full((8, 1), 9)  # [N, G]
     tensors = {
         "m.qweight": quantized_writers.to_int32(quantized_writers.gptq_pack(q.T, along_rows=True)),
@@ -87,13 +87,14 @@ def test_gptq_words_as_defined() -> None:
             quantized_writers.gptq_pack(zeros.T - 1, along_rows=False)
         ),
         "m.scales": torch.ones(1, 8, dtype=torch.float16),
-        "m.g_idx": torch.zeros(8, dtype=torch.int32),
+        "m.g_idx": torch.zeros(32, dtype=torch.int32),
     }
     assert int(tensors["m.qweight"][0, 0]) == 0x76543210
     assert int(tensors["m.qzeros"][0, 0]) & 0xF == 8
     spec = QuantSpec("gptq", True, group_size=-1, zeros_minus_one=True)
     ours = translated(tensors, spec)
-    assert int(ours["m.qweight"][0, 0]) == 0x76543210  # [N, K/8]: the same word, transposed
+    # [N, K/8]: word c of the 32-column chunk holds columns 8p + 2c + {0, 1} in its byte p.
+    assert ours["m.qweight"][0, :4].tolist() == [0x10, 0x32, 0x54, 0x76]
     assert ours["m.zeros"][:, 0].tolist() == [9] * 8
     assert "m.g_idx" not in ours  # in order: the kernels compute it
 
