@@ -37,31 +37,31 @@ from kernels.int4 import (  # noqa: E402
 from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear  # noqa: E402
 
 GROUP = 128
-# (block_m, block_n, block_k, num_warps, num_stages, use_dot): the row kernel (block_m 1, one
-# row of x per program, up to triton_int4.GEMV_MAX_ROWS rows by default, timed here up to 8),
-# then tl.dot tiles of 16 rows.
+# (kind, block_m, block_n, block_k, num_warps, num_stages): the rows kernel (timed up to 8
+# rows), the dot kernel (steps of 128: groups of 128) and dequant_dot (what act-order runs).
 CANDIDATES = [Int4Tiles(*c) for c in [
-    *[(1, bn, bk, w, s, False) for bn, bk, w in [
+    *[("rows", 1, bn, bk, w, 1) for bn, bk, w in [
         (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (4, 2048, 1), (8, 2048, 2), (4, 2048, 2),
-        (8, 1024, 2), (16, 1024, 4)] for s in (1, 3)],
-    (16, 32, 128, 4, 4, True), (16, 64, 128, 4, 4, True), (16, 128, 128, 8, 3, True),
-    (16, 32, 256, 4, 4, True), (16, 64, 256, 4, 3, True), (16, 32, 512, 4, 3, True),
-    (16, 16, 512, 4, 4, True), (16, 16, 256, 2, 4, True),
+        (8, 1024, 2), (16, 1024, 4)]],
+    *[("dot", bm, bn, 128, w, s) for bm, bn, w in [
+        (8, 16, 1), (8, 32, 2), (16, 32, 2), (8, 64, 2), (16, 64, 4), (16, 128, 4),
+        (32, 64, 4)] for s in (2, 3)],
+    ("dequant_dot", 16, 32, 128, 4, 4), ("dequant_dot", 16, 64, 128, 4, 4),
+    ("dequant_dot", 16, 128, 128, 8, 3),
 ]]  # fmt: skip
 ROW_KERNEL_MAX_TIMED = 8
 
 
 def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
     """The candidate at M rows, or None where it does not apply."""
-    if not tiles.use_dot:
+    if tiles.kind == "rows":
         return tiles if m <= ROW_KERNEL_MAX_TIMED else None
     return None if m > 64 else tiles
 
 
 def label(tiles: Int4Tiles) -> str:
-    kind = "dot" if tiles.use_dot else "rows"
     return (
-        f"{kind} m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} "
+        f"{tiles.kind} m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} "
         f"w{tiles.num_warps} s{tiles.num_stages}"
     )
 

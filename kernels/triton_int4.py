@@ -1,17 +1,24 @@
 """int4 weight-only linear layers in Triton: the packed weight dequantized in registers.
 
 Same layout as `kernels.int4` (read its docstring: words interleaved in chunks of 32 columns).
-Three kernels:
+Up to 64 rows one launch, of one of three kernels (`Int4Tiles.kind`, picked by
+`default_tiles`):
 
-- **One row per program** (decode: up to GEMV_MAX_ROWS rows, without act-order). A program
-  owns BLOCK_N weight rows and walks K; each thread holds whole chunks (4 words) of its rows
-  and the x values they multiply, read as 16-bit pairs by one vector load per nibble pair,
-  so no tile changes layout between threads until the final sum. The multiply-adds run on
-  the CUDA cores, and their count is the limit: a nibble costs a shift, a mask and an FMA.
-- **tl.dot tiles of 16 rows** (more rows, or act-order): the nibbles of the step's words
-  multiply the x columns they hold, nibble by nibble.
-- Past 64 rows the weight is dequantized to the activation's dtype by a third kernel, then
-  multiplied by cuBLAS.
+- **rows** (one row, or up to 4 where "dot" does not apply; no act-order): a program per
+  row of x owns BLOCK_N weight rows and walks K; each thread holds whole chunks (4 words) of
+  its rows and the x values they multiply, read as 16-bit pairs by one vector load per nibble
+  pair, so no tile changes layout between threads until the final sum. The multiply-adds run
+  on the CUDA cores, and their count is the limit: a nibble costs a shift, a mask and an FMA.
+- **dot** (2-64 rows; 16-bit x, groups of a multiple of 128, no act-order): out^T = W x^T,
+  the weight tl.dot's first operand, made in registers from its words: nibbles 2p and 2p + 1
+  joined as neighbours along K take the chunk's columns 8p .. 8p + 7 (the layout's point), so
+  x comes in runs of 8 columns, by asynchronous copies. A step is 128 columns inside one
+  group, and a nibble q becomes 128 + q by OR-ing it into the bits of 128.0 (bf16).
+- **dequant_dot** (the rest: act-order, groups of 32 or 64, float32): x tl.dot's first
+  operand, the weight made whole and rounded to x's dtype, nibble by nibble.
+
+Past 64 rows the weight is dequantized to the activation's dtype by a fourth kernel, then
+multiplied by cuBLAS.
 
 Scales and zero points: without act-order, one per packed word (a word's 8 columns share a
 group), applied after the word's sum, in float32, so the result is closer to the exact
@@ -30,39 +37,55 @@ import triton.language as tl
 
 from kernels.int4 import CHUNK, PACK
 
-DOT_MIN = 16  # tl.dot needs every dimension >= 16
+DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 16
 _CHUNK = tl.constexpr(CHUNK)
 DEQUANTIZE_ABOVE_ROWS = 64
-GEMV_MAX_ROWS = 4  # the row kernel's limit (default_tiles)
+DOT_STEP = 128  # the dot kernel's K step: one group of 128 (or a part of a larger one)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KINDS = ("rows", "dot", "dequant_dot")
 
 
 @dataclasses.dataclass(frozen=True)
 class Int4Tiles:
-    block_m: int  # rows per program: 1 for the row kernel, at least 16 with use_dot
-    block_n: int
-    block_k: int  # columns per K step: 8 x a power of two words; >= 128 for tl.dot
+    kind: str  # one of KINDS (module docstring)
+    block_m: int  # rows of x per program: 1 for "rows"
+    block_n: int  # weight rows per program
+    block_k: int  # columns per K step: whole chunks; DOT_STEP for "dot"; >= 128 for dequant_dot
     num_warps: int
     num_stages: int
-    use_dot: bool  # False: the row kernel (one row of x per program, no act-order)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Int4Tiles.kind must be one of {KINDS}, got {self.kind!r}")
 
 
-def default_tiles(m: int, n: int, k: int) -> Int4Tiles:
+def dot_applies(dtype: torch.dtype, group_size: int, act_order: bool) -> bool:
+    """Whether the dot kernel can run: a 16-bit x (the 128 + q operand), steps inside one
+    group, no act-order."""
+    return dtype in (torch.bfloat16, torch.float16) and group_size % DOT_STEP == 0 and not act_order
+
+
+def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = False) -> Int4Tiles:
     """benchmarks/int4_sweep.py's picks (H200, Llama-3.1-8B shapes, groups of 128, 2026-11-26;
-    docs/benchmarks.md has the table). One row: the row kernel with 8 weight rows and 2048
-    columns a step over 2 warps; 2-4 rows: 4 weight rows and 1024 columns, one warp (a thread
-    then holds all 4 rows of its chunks and reads each x pair once for them), except for the
-    widest layer (gate_up), where the row kernel's cost per row shows first. From there,
-    tl.dot tiles of 16 rows (side by side past 16: tiles of 64 measured 2-4x slower) with steps
-    of 128 columns, which lie inside a group of 128 and so take 128 + q as the operand."""
+    docs/benchmarks.md has the table). `dot`: whether `dot_applies`. One row: "rows" with 8
+    weight rows and 2048 columns a step over 2 warps (the dot kernel is 1.7x slower there).
+    2-64 rows: "dot" with 32 weight rows x 8 x rows over 2 warps up to 8 rows, 64 x 16 over 4
+    warps past that. Without "dot": "rows" with 4 weight rows and 1024 columns up to 4 rows
+    (but for the widest layer, gate_up), then dequant_dot tiles of 16 rows with steps of 128,
+    which act-order takes at any row count."""
     wide = n >= 16384
-    if m == 1:
-        return Int4Tiles(1, 8, min(2048, triton.next_power_of_2(k)), 2, 1, use_dot=False)
-    if m <= GEMV_MAX_ROWS and not wide:
-        return Int4Tiles(1, 4, min(1024, triton.next_power_of_2(k)), 1, 1, use_dot=False)
+    if not act_order and m == 1:
+        return Int4Tiles("rows", 1, 8, min(2048, triton.next_power_of_2(k)), 2, 1)
+    if not act_order and dot:
+        small = m <= 8
+        return Int4Tiles(
+            "dot", 8 if small else 16, 32 if small else 64, DOT_STEP, 2 if small else 4, 3
+        )
+    if not act_order and m <= 4 and not wide:
+        return Int4Tiles("rows", 1, 4, min(1024, triton.next_power_of_2(k)), 1, 1)
     if wide:
-        return Int4Tiles(16, 128, 128, num_warps=8, num_stages=3, use_dot=True)
-    return Int4Tiles(16, 64, 128, num_warps=4, num_stages=4, use_dot=True)
+        return Int4Tiles("dequant_dot", 16, 128, 128, num_warps=8, num_stages=3)
+    return Int4Tiles("dequant_dot", 16, 64, 128, num_warps=4, num_stages=4)
 
 
 @triton.jit
@@ -174,8 +197,95 @@ def _nibble_columns(k_start, words, i: tl.constexpr):
     return k_start + (words // 4) * _CHUNK + 8 * (i // 2) + 2 * (words % 4) + i % 2
 
 
-@triton.jit(do_not_specialize=["m", "group_size"])
+@triton.jit
+def _bf16_128_plus(packed, shift: tl.constexpr, INTERPRETED: tl.constexpr):
+    """128 + q as bf16 for the nibble at `shift` of each word: q OR-ed into the bits of 128.0
+    (on the GPU a 16-bit pattern as is; the interpreter gets there through float32, whose top
+    half bf16 is)."""
+    bits = ((packed >> shift) & 0xF) | 0x4300
+    if INTERPRETED:
+        return (bits << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["m"])
 def _int4_dot_kernel(
+    x_ptr,  # [M, K] bf16 or fp16
+    qweight_ptr,  # [N, K/8] int32
+    scales_ptr,  # [N, G]
+    zeros_ptr,  # [N, G] uint8 with HAS_ZEROS; any pointer otherwise
+    bias_ptr,  # [N] with HAS_BIAS
+    out_ptr,  # [M, N]
+    m,
+    n,
+    k,
+    stride_x_row,
+    stride_qweight_row,
+    stride_scales_row,
+    stride_zeros_row,
+    stride_out_row,
+    GROUP_SIZE: tl.constexpr,  # a multiple of the step (8 * WORDS)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,  # packed words per weight row per K step
+    HAS_ZEROS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: float32 dots (see triton_linear)
+):
+    """out[rows, cols]^T = sum over steps of W_step x_step^T. In a step, for each nibble pair
+    p the weight tile [BN, 2W] is (128 + q) of nibbles 2p and 2p + 1 of each word side by side,
+    which hold the chunk's columns 8p .. 8p + 7, and x^T [2W, BM] those columns: runs of 8.
+    The offset and the zero point come off once a step: sum x (128 + q) - (128 + z) sum x,
+    times the group's scale, in float32. fp16 x: 128 + q is exact in fp16 too, so the bf16
+    operand's value is the same; the dot takes both as fp16."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x
+    words = tl.arange(0, WORDS)
+    pair_k = tl.arange(0, 2 * WORDS)  # the weight tile's K index 2 w + h
+    col_valid = cols < n
+    row_valid = rows < m
+    w_ptrs = qweight_ptr + cols[:, None].to(tl.int64) * stride_qweight_row + words[None, :]
+    x_rows = x_ptr + rows[None, :] * stride_x_row  # [1, BM]
+    x_cols = (pair_k // 8) * _CHUNK + pair_k % 8  # [2W]: chunk w // 4, column 2 (w % 4) + h
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k_start in range(0, k, 8 * WORDS):  # K % step == 0: checked by the launcher
+        packed = tl.load(w_ptrs, mask=col_valid[:, None], other=0)  # [BN, W]
+        group = k_start // GROUP_SIZE
+        scale_ptrs = scales_ptr + cols * stride_scales_row + group
+        scale = tl.load(scale_ptrs, mask=col_valid, other=0.0).to(tl.float32)  # [BN]
+        offset = tl.full([BLOCK_N], 128.0 + 8.0, tl.float32)  # 128 + z
+        if HAS_ZEROS:
+            zero_ptrs = zeros_ptr + cols * stride_zeros_row + group
+            offset = tl.load(zero_ptrs, mask=col_valid, other=0).to(tl.float32) + 128.0
+        step = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        x_sum = tl.zeros([2 * WORDS, BLOCK_M], tl.float32)
+        for p in tl.static_range(4):
+            x_ptrs = x_rows + (k_start + 8 * p + x_cols)[:, None]
+            xt = tl.load(x_ptrs, mask=row_valid[None, :], other=0.0)  # [2W, BM]
+            low = _bf16_128_plus(packed, 8 * p, INTERPRETED)
+            high = _bf16_128_plus(packed, 8 * p + 4, INTERPRETED)
+            weight = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * WORDS])
+            if INTERPRETED:
+                step = tl.dot(
+                    weight.to(tl.float32), xt.to(tl.float32), step, input_precision="ieee"
+                )
+            else:
+                step = tl.dot(weight.to(x_ptr.dtype.element_ty), xt, step)
+            x_sum += xt.to(tl.float32)
+        x_total = tl.sum(x_sum, axis=0)  # [BM]
+        acc += (step - offset[:, None] * x_total[None, :]) * scale[:, None]
+        w_ptrs += WORDS
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + rows[None, :] * stride_out_row + cols[:, None]
+    tl.store(
+        out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_valid[:, None] & row_valid[None, :]
+    )
+
+
+@triton.jit(do_not_specialize=["m", "group_size"])
+def _int4_dequant_dot_kernel(
     x_ptr,  # [M, K]
     qweight_ptr,  # [N, K/8] int32
     scales_ptr,  # [N, G]
@@ -198,18 +308,14 @@ def _int4_dot_kernel(
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    MAGIC: tl.constexpr,  # 0, or the bits of 128.0 (bf16) / 1024.0 (fp16), for steps that
-    #                       lie inside one group: see below
     DOT_PRECISION: tl.constexpr,  # read for float32 operands only
     INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: tl.dot on float32 tiles (see triton_linear)
 ):
     """Nibble by nibble: nibble i of the step's words [BN, W] holds the columns
     `_nibble_columns(i)`, so it multiplies those x columns, and the 8 products add up to the
-    step's; no tile is reshaped. MAGIC: OR-ing a nibble q into the bits of 128.0 gives the
-    bf16 number 128 + q, tl.dot's operand as is; the offset and the zero point come off the
-    step's sum once, as sum x (128 + q) - (128 + z) sum x. Otherwise (a step across groups,
-    act-order, float32) the weight is made whole and rounded to x's dtype as the reference
-    does, 2**23 + q giving q - z with one subtraction."""
+    step's; no tile is reshaped. The weight is made whole and rounded to x's dtype as the
+    reference does, 2**23 + q giving q - z with one subtraction (no integer-to-float
+    conversion)."""
     # Row tiles vary fastest: the programs that share a weight block run side by side, so it
     # comes from HBM once and from L2 for the others.
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -225,18 +331,7 @@ def _int4_dot_kernel(
         word_valid = k_start + 8 * words < k  # K % 32 == 0: a chunk is whole or out
         mask = col_valid[:, None] & word_valid[None, :]  # [BN, W]
         packed = tl.load(w_ptrs, mask=mask, other=0)
-        if MAGIC != 0:  # the step lies inside one group: a scale and zero point per column
-            group = k_start // group_size
-            scale_ptrs = scales_ptr + cols * stride_scales_row + group
-            step_scale = tl.load(scale_ptrs, mask=col_valid, other=0.0).to(tl.float32)  # [BN]
-            step_zero = tl.full([BLOCK_N], 8.0, tl.float32)
-            if HAS_ZEROS:
-                zero_ptrs = zeros_ptr + cols * stride_zeros_row + group
-                step_zero = tl.load(zero_ptrs, mask=col_valid, other=0).to(tl.float32)
-            step_offset = step_zero + (128.0 if MAGIC == 0x4300 else 1024.0)
-            step = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            x_sum = tl.zeros([BLOCK_M, WORDS], tl.float32)
-        elif not HAS_G_IDX:  # a scale and a zero point per word, for the whole step
+        if not HAS_G_IDX:  # a scale and a zero point per word, for the whole step
             groups = (k_start + 8 * words) // group_size  # [W]
             offsets = cols[:, None] * stride_scales_row + groups[None, :]
             scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0)
@@ -251,32 +346,24 @@ def _int4_dot_kernel(
             x_mask = row_valid[:, None] & word_valid[None, :]
             x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)  # [BM, W]
             q = (packed >> (4 * i)) & 0xF  # [BN, W] int32
-            if MAGIC != 0:
-                w = (q | MAGIC).to(tl.int16).to(x_ptr.dtype.element_ty, bitcast=True)
-                step = tl.dot(x, tl.trans(w), step)
-                x_sum += x.to(tl.float32)
+            if HAS_G_IDX:  # the scale and zero point of each column, gathered
+                col_groups = tl.load(g_idx_ptr + ks, mask=word_valid, other=0)  # [W]
+                offsets = cols[:, None] * stride_scales_row + col_groups[None, :]
+                scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                float_zero = tl.full([BLOCK_N, WORDS], 8.0 + 8388608.0, tl.float32)
+                if HAS_ZEROS:
+                    offsets = cols[:, None] * stride_zeros_row + col_groups[None, :]
+                    zero = tl.load(zeros_ptr + offsets, mask=mask, other=0)
+                    float_zero = zero.to(tl.float32) + 8388608.0
+            qz = (q | 0x4B000000).to(tl.float32, bitcast=True) - float_zero
+            # Rounded to x's dtype, as the reference dequantizes.
+            w = (qz * scale).to(x_ptr.dtype.element_ty)  # [BN, W]
+            if INTERPRETED:
+                acc = tl.dot(
+                    x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee"
+                )
             else:
-                if HAS_G_IDX:  # the scale and zero point of each column, gathered
-                    col_groups = tl.load(g_idx_ptr + ks, mask=word_valid, other=0)  # [W]
-                    offsets = cols[:, None] * stride_scales_row + col_groups[None, :]
-                    scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-                    float_zero = tl.full([BLOCK_N, WORDS], 8.0 + 8388608.0, tl.float32)
-                    if HAS_ZEROS:
-                        offsets = cols[:, None] * stride_zeros_row + col_groups[None, :]
-                        zero = tl.load(zeros_ptr + offsets, mask=mask, other=0)
-                        float_zero = zero.to(tl.float32) + 8388608.0
-                qz = (q | 0x4B000000).to(tl.float32, bitcast=True) - float_zero
-                # Rounded to x's dtype, as the reference dequantizes.
-                w = (qz * scale).to(x_ptr.dtype.element_ty)  # [BN, W]
-                if INTERPRETED:
-                    acc = tl.dot(
-                        x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee"
-                    )
-                else:
-                    acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        if MAGIC != 0:
-            x_total = tl.sum(x_sum, axis=1)  # [BM]
-            acc += (step - x_total[:, None] * step_offset[None, :]) * step_scale[None, :]
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
         w_ptrs += WORDS
 
     if HAS_BIAS:
@@ -410,7 +497,7 @@ def int4_linear(
     g_idx: torch.Tensor | None = None,  # [K] int32
     bias: torch.Tensor | None = None,  # [N]
     *,
-    tiles: Int4Tiles | None = None,  # None: default_tiles(M, N, K)
+    tiles: Int4Tiles | None = None,  # None: default_tiles
 ) -> torch.Tensor:  # [M, N], x.dtype
     """`kernels.int4.int4_linear_reference`: up to DEQUANTIZE_ABOVE_ROWS rows one launch that
     reads the packed weight; past that the weight dequantized to x's dtype, then cuBLAS (a
@@ -423,14 +510,18 @@ def int4_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    tiles = tiles or default_tiles(m, n, k)
-    if not tiles.use_dot and g_idx is not None:
-        tiles = default_tiles(max(m, GEMV_MAX_ROWS + 1), n, k)  # act-order: the dot kernel
-    if tiles.use_dot:
-        _launch_dot(x, qweight, scales, zeros, group_size, g_idx, bias, out, tiles)
-    else:
-        _launch_rows(x, qweight, scales, zeros, group_size, bias, out, tiles)
+    dot = dot_applies(x.dtype, group_size, g_idx is not None) and k % DOT_STEP == 0
+    tiles = tiles or default_tiles(m, n, k, dot, act_order=g_idx is not None)
+    if tiles.kind == "dot" and not dot:
+        raise ValueError(f"{tiles}: the dot kernel needs {_DOT_NEEDS}")
+    if tiles.kind == "rows" and g_idx is not None:
+        raise ValueError(f"{tiles}: the rows kernel does not take act-order (g_idx)")
+    launch = {"rows": _launch_rows, "dot": _launch_dot, "dequant_dot": _launch_dequant_dot}
+    launch[tiles.kind](x, qweight, scales, zeros, group_size, g_idx, bias, out, tiles)
     return out
+
+
+_DOT_NEEDS = f"a bf16 or fp16 x, K and the group size multiples of {DOT_STEP}, no g_idx"
 
 
 def _launch_rows(
@@ -439,12 +530,13 @@ def _launch_rows(
     scales: torch.Tensor,
     zeros: torch.Tensor | None,
     group_size: int,
+    g_idx: torch.Tensor | None,
     bias: torch.Tensor | None,
     out: torch.Tensor,
     tiles: Int4Tiles,
 ) -> None:
     if tiles.block_m != 1 or tiles.block_k % CHUNK:
-        raise ValueError(f"{tiles}: the row kernel takes block_m 1 and whole chunks along K")
+        raise ValueError(f"{tiles}: the rows kernel takes block_m 1 and whole chunks along K")
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     # 16-bit x read as int32 pairs where its rows are 4-byte aligned.
     aligned = x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
@@ -486,15 +578,55 @@ def _launch_dot(
     out: torch.Tensor,
     tiles: Int4Tiles,
 ) -> None:
+    if tiles.block_k != DOT_STEP:
+        raise ValueError(f"{tiles}: the dot kernel steps {DOT_STEP} columns at a time")
+    m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
+    _int4_dot_kernel[grid](
+        x,
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        bias if bias is not None else scales,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0,
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        WORDS=DOT_STEP // PACK,
+        HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None,
+        INTERPRETED=not x.is_cuda,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+
+
+def _launch_dequant_dot(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    tiles: Int4Tiles,
+) -> None:
     if tiles.block_k < 8 * DOT_MIN:
         raise ValueError(f"{tiles}: tl.dot needs block_k >= {8 * DOT_MIN} (16 words)")
     if min(tiles.block_m, tiles.block_n) < DOT_MIN:
         raise ValueError(f"{tiles}: tl.dot needs block_m and block_n >= {DOT_MIN}")
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
-    magic = {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(x.dtype, 0)
-    magic = magic if x.is_cuda else 0  # bf16 tl.dot: see triton_linear
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
-    _int4_dot_kernel[grid](
+    _int4_dequant_dot_kernel[grid](
         x,
         qweight,
         scales,
@@ -517,7 +649,6 @@ def _launch_dot(
         HAS_ZEROS=zeros is not None,
         HAS_G_IDX=g_idx is not None,
         HAS_BIAS=bias is not None,
-        MAGIC=magic if g_idx is None and group_size % tiles.block_k == 0 else 0,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         INTERPRETED=not x.is_cuda,
         num_warps=tiles.num_warps,

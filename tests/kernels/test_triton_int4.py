@@ -18,7 +18,7 @@ from kernels.int4 import (
     unpack_int4,
     unpack_weight,
 )
-from kernels.triton_int4 import Int4Tiles, int4_linear
+from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear
 from tests.kernels.test_fp8_linear import LLAMA_SHAPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,13 +73,14 @@ def test_act_order_group_indices(m: int) -> None:
 def test_explicit_tiles_with_several_programs_per_dimension(group_size: int) -> None:
     qweight, scales, zeros, _ = random_layer(72, 384, group_size, False, False, 0)
     x = torch.randn(40, 384).to(DEVICE, DTYPE)
-    tiles = Int4Tiles(16, 16, 128, num_warps=2, num_stages=2, use_dot=True)
+    tiles = Int4Tiles("dequant_dot", 16, 16, 128, num_warps=2, num_stages=2)
     out = int4_linear(x, qweight, scales, zeros, group_size, tiles=tiles)
     expected = int4_linear_reference(x, qweight, scales, zeros, group_size)
     tolerance = 2e-2 if DTYPE is torch.bfloat16 else 1e-4
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="block_k >= 128"):
-        int4_linear(x, qweight, scales, zeros, group_size, tiles=Int4Tiles(16, 16, 64, 2, 2, True))
+        tiles = Int4Tiles("dequant_dot", 16, 16, 64, 2, 2)
+        int4_linear(x, qweight, scales, zeros, group_size, tiles=tiles)
 
 
 def test_packing_round_trips_and_puts_column_k_at_bits_4k() -> None:
@@ -110,14 +111,35 @@ def test_the_row_kernel_reads_x_in_each_dtype(dtype: torch.dtype, offset: int) -
     qweight, scales, zeros, _ = random_layer(24, 192, 64, False, False, 1)
     x = torch.randn(2, 192 + offset).to(DEVICE, dtype)[:, offset:]
     bias = torch.randn(24).to(DEVICE, dtype)
-    tiles = Int4Tiles(1, 8, 128, num_warps=1, num_stages=1, use_dot=False)
+    tiles = Int4Tiles("rows", 1, 8, 128, num_warps=1, num_stages=1)
     scales = scales.to(dtype)
     out = int4_linear(x, qweight, scales, zeros, 64, bias=bias, tiles=tiles)
     expected = int4_linear_reference(x, qweight, scales, zeros, 64, bias=bias)
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="block_m 1"):
-        int4_linear(x, qweight, scales, zeros, 64, tiles=Int4Tiles(2, 8, 128, 1, 1, False))
+        int4_linear(x, qweight, scales, zeros, 64, tiles=Int4Tiles("rows", 2, 8, 128, 1, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("m", "group_size", "symmetric"), [(2, 128, False), (20, 256, True)])
+def test_the_dot_kernel_matches_the_reference(
+    dtype: torch.dtype, m: int, group_size: int, symmetric: bool
+) -> None:
+    # 72 weight rows against tiles of 32 and 20 rows of x against 8: partial tiles both ways;
+    # K = 512: 4 steps of 128, each inside one group.
+    qweight, scales, zeros, _ = random_layer(72, 512, group_size, symmetric, False, m)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    bias = torch.randn(72).to(DEVICE, dtype)
+    scales = scales.to(dtype)
+    tiles = Int4Tiles("dot", 8, 32, 128, num_warps=2, num_stages=2)
+    out = int4_linear(x, qweight, scales, zeros, group_size, bias=bias, tiles=tiles)
+    expected = int4_linear_reference(x, qweight, scales, zeros, group_size, bias=bias)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    # The default picks it for these inputs, and refuses it where it does not apply.
+    assert default_tiles(m, 72, 512, dot=True).kind == "dot"
+    with pytest.raises(ValueError, match="the dot kernel needs"):
+        int4_linear(x.float(), qweight, scales, zeros, group_size, tiles=tiles)
 
 
 def test_bad_inputs_are_refused() -> None:
