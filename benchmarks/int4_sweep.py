@@ -37,15 +37,16 @@ from kernels.int4 import (  # noqa: E402
 from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear  # noqa: E402
 
 GROUP = 128
-# (kind, block_m, block_n, block_k, num_warps, num_stages): the rows kernel (timed up to 8
-# rows), the dot kernel (steps of 128: groups of 128) and dequant_dot (what act-order runs).
+# (kind, block_m, block_n, block_k, num_warps, num_stages[, split_k]): the rows kernel (timed
+# up to 8 rows), the dot kernel (steps of 128: groups of 128; K split over 1-8 programs) and
+# dequant_dot (what act-order runs).
 CANDIDATES = [Int4Tiles(*c) for c in [
     *[("rows", 1, bn, bk, w, 1) for bn, bk, w in [
         (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (4, 2048, 1), (8, 2048, 2), (4, 2048, 2),
         (8, 1024, 2), (16, 1024, 4)]],
-    *[("dot", bm, bn, 128, w, s) for bm, bn, w in [
-        (8, 16, 1), (8, 32, 2), (16, 32, 2), (8, 64, 2), (16, 64, 4), (16, 128, 4),
-        (32, 64, 4)] for s in (2, 3)],
+    *[("dot", bm, bn, 128, w, 3, split) for bm, bn, w in [
+        (8, 16, 1), (8, 32, 2), (16, 32, 2), (8, 64, 2), (16, 64, 4), (16, 128, 4)]
+        for split in (1, 2, 4, 8)],
     ("dequant_dot", 16, 32, 128, 4, 4), ("dequant_dot", 16, 64, 128, 4, 4),
     ("dequant_dot", 16, 128, 128, 8, 3),
 ]]  # fmt: skip
@@ -62,7 +63,7 @@ def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
 def label(tiles: Int4Tiles) -> str:
     return (
         f"{tiles.kind} m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} "
-        f"w{tiles.num_warps} s{tiles.num_stages}"
+        f"w{tiles.num_warps} s{tiles.num_stages} split{tiles.split_k}"
     )
 
 

@@ -41,6 +41,9 @@ DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 1
 _CHUNK = tl.constexpr(CHUNK)
 DEQUANTIZE_ABOVE_ROWS = 64
 DOT_STEP = 128  # the dot kernel's K step: one group of 128 (or a part of a larger one)
+DOT_PROGRAMS = 256  # the dot kernel splits K until it has about this many programs
+DOT_MIN_STEPS = 8  # but leaves each program at least this many steps
+MAX_TICKETS = 1 << 16  # output tiles a split-K launch may have (the ticket counters)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KINDS = ("rows", "dot", "dequant_dot")
 
@@ -53,10 +56,13 @@ class Int4Tiles:
     block_k: int  # columns per K step: whole chunks; DOT_STEP for "dot"; >= 128 for dequant_dot
     num_warps: int
     num_stages: int
+    split_k: int = 1  # "dot": programs along K per output tile
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"Int4Tiles.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.split_k < 1 or (self.split_k > 1 and self.kind != "dot"):
+            raise ValueError("Int4Tiles.split_k: >= 1, and above 1 for the dot kernel only")
 
 
 def dot_applies(dtype: torch.dtype, group_size: int, act_order: bool) -> bool:
@@ -78,9 +84,10 @@ def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = Fa
         return Int4Tiles("rows", 1, 8, min(2048, triton.next_power_of_2(k)), 2, 1)
     if not act_order and dot:
         small = m <= 8
-        return Int4Tiles(
-            "dot", 8 if small else 16, 32 if small else 64, DOT_STEP, 2 if small else 4, 3
-        )
+        block_m, block_n = (8, 32) if small else (16, 64)
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split_k = max(1, min(DOT_PROGRAMS // tiles, k // DOT_STEP // DOT_MIN_STEPS))
+        return Int4Tiles("dot", block_m, block_n, DOT_STEP, 2 if small else 4, 3, split_k)
     if not act_order and m <= 4 and not wide:
         return Int4Tiles("rows", 1, 4, min(1024, triton.next_power_of_2(k)), 1, 1)
     if wide:
@@ -224,10 +231,13 @@ def _int4_dot_kernel(
     stride_scales_row,
     stride_zeros_row,
     stride_out_row,
+    partials_ptr,  # [SPLIT_K, M, N] float32 with SPLIT_K > 1
+    tickets_ptr,  # [tiles] int32, zero between calls, with SPLIT_K > 1
     GROUP_SIZE: tl.constexpr,  # a multiple of the step (8 * WORDS)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr,  # packed words per weight row per K step
+    SPLIT_K: tl.constexpr,  # programs along K per output tile
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: float32 dots (see triton_linear)
@@ -237,7 +247,12 @@ def _int4_dot_kernel(
     which hold the chunk's columns 8p .. 8p + 7, and x^T [2W, BM] those columns: runs of 8.
     The offset and the zero point come off once a step: sum x (128 + q) - (128 + z) sum x,
     times the group's scale, in float32. fp16 x: 128 + q is exact in fp16 too, so the bf16
-    operand's value is the same; the dot takes both as fp16."""
+    operand's value is the same; the dot takes both as fp16.
+
+    SPLIT_K: the tile's steps are shared by SPLIT_K programs (narrow layers have too few
+    tiles to fill the GPU, and each would walk all of K). Each writes its partial sum; the
+    last to finish, told by a ticket counter, adds them in split order (the same sum every
+    time, whichever finishes last), writes the tile and resets the counter."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of x
     words = tl.arange(0, WORDS)
@@ -248,7 +263,11 @@ def _int4_dot_kernel(
     x_rows = x_ptr + rows[None, :] * stride_x_row  # [1, BM]
     x_cols = (pair_k // 8) * _CHUNK + pair_k % 8  # [2W]: chunk w // 4, column 2 (w % 4) + h
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k_start in range(0, k, 8 * WORDS):  # K % step == 0: checked by the launcher
+    steps = tl.cdiv(k // (8 * WORDS), SPLIT_K)  # K % step == 0: checked by the launcher
+    split = tl.program_id(2)
+    k_end = tl.minimum((split + 1) * steps * 8 * WORDS, k)
+    w_ptrs += split * steps * WORDS
+    for k_start in range(split * steps * 8 * WORDS, k_end, 8 * WORDS):
         packed = tl.load(w_ptrs, mask=col_valid[:, None], other=0)  # [BN, W]
         group = k_start // GROUP_SIZE
         scale_ptrs = scales_ptr + cols * stride_scales_row + group
@@ -276,12 +295,24 @@ def _int4_dot_kernel(
         acc += (step - offset[:, None] * x_total[None, :]) * scale[:, None]
         w_ptrs += WORDS
 
+    mask = col_valid[:, None] & row_valid[None, :]  # [BN, BM]
+    if SPLIT_K > 1:
+        partial_ptrs = partials_ptr + (split * m + rows[None, :]) * n + cols[:, None]
+        tl.store(partial_ptrs, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+        ticket_ptr = tickets_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") < SPLIT_K - 1:
+            return
+        tl.debug_barrier()
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for other in tl.static_range(SPLIT_K):  # in split order: the same sum every time
+            other_ptrs = partials_ptr + (other * m + rows[None, :]) * n + cols[:, None]
+            acc += tl.load(other_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(ticket_ptr, 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + rows[None, :] * stride_out_row + cols[:, None]
-    tl.store(
-        out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=col_valid[:, None] & row_valid[None, :]
-    )
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["m", "group_size"])
@@ -581,7 +612,12 @@ def _launch_dot(
     if tiles.block_k != DOT_STEP:
         raise ValueError(f"{tiles}: the dot kernel steps {DOT_STEP} columns at a time")
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
-    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
+    if grid[0] * grid[1] > MAX_TICKETS:
+        raise ValueError(f"{tiles}: more than {MAX_TICKETS} output tiles to split along K")
+    partials = out  # unused without a split
+    if tiles.split_k > 1:
+        partials = torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
     _int4_dot_kernel[grid](
         x,
         qweight,
@@ -597,16 +633,30 @@ def _launch_dot(
         scales.stride(0),
         zeros.stride(0) if zeros is not None else 0,
         out.stride(0),
+        partials,
+        _tickets(x.device),
         GROUP_SIZE=group_size,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         WORDS=DOT_STEP // PACK,
+        SPLIT_K=tiles.split_k,
         HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None,
         INTERPRETED=not x.is_cuda,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """The split-K ticket counters of a device: made zero once, left zero by every launch (the
+    last program of each tile resets its counter), so CUDA graphs replay them as they are."""
+    if device not in _TICKETS:
+        _TICKETS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
+    return _TICKETS[device]
 
 
 def _launch_dequant_dot(

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernels import triton_int4
 from kernels.int4 import (
     int4_linear_reference,
     pack_int4,
@@ -140,6 +141,24 @@ def test_the_dot_kernel_matches_the_reference(
     assert default_tiles(m, 72, 512, dot=True).kind == "dot"
     with pytest.raises(ValueError, match="the dot kernel needs"):
         int4_linear(x.float(), qweight, scales, zeros, group_size, tiles=tiles)
+
+
+@pytest.mark.parametrize("split_k", [2, 3])  # 3: the last split's share of 4 steps is empty
+def test_the_dot_kernel_splits_k_and_leaves_its_tickets_at_zero(split_k: int) -> None:
+    qweight, scales, zeros, _ = random_layer(72, 512, 128, False, False, split_k)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    scales = scales.to(torch.bfloat16)
+    tiles = Int4Tiles("dot", 8, 32, 128, num_warps=2, num_stages=2, split_k=split_k)
+    expected = int4_linear_reference(x, qweight, scales, zeros, 128)
+    for _ in range(2):  # the second call finds the counters as the first left them
+        out = int4_linear(x, qweight, scales, zeros, 128, tiles=tiles)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+        assert not triton_int4._tickets(x.device).any()
+    # A narrow layer at 8 rows has 128 tiles: split in two; a wide one is not.
+    assert default_tiles(8, 4096, 4096).split_k == 2
+    assert default_tiles(8, 28672, 4096).split_k == 1
+    with pytest.raises(ValueError, match="dot kernel only"):
+        Int4Tiles("rows", 1, 8, 128, 1, 1, split_k=2)
 
 
 def test_bad_inputs_are_refused() -> None:
