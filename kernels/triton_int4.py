@@ -41,8 +41,9 @@ DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 1
 _CHUNK = tl.constexpr(CHUNK)
 DEQUANTIZE_ABOVE_ROWS = 64
 DOT_STEP = 128  # the dot kernel's K step: one group of 128 (or a part of a larger one)
-DOT_PROGRAMS = 256  # the dot kernel splits K until it has about this many programs
-DOT_MIN_STEPS = 8  # but leaves each program at least this many steps
+DOT_PROGRAMS = 2048  # the dot kernel splits K until it has about this many programs,
+DOT_MIN_STEPS = 8  # leaving each at least this many steps,
+DOT_MAX_SPLIT = 8  # in at most this many parts
 MAX_TICKETS = 1 << 16  # output tiles a split-K launch may have (the ticket counters)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KINDS = ("rows", "dot", "dequant_dot")
@@ -72,21 +73,26 @@ def dot_applies(dtype: torch.dtype, group_size: int, act_order: bool) -> bool:
 
 
 def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = False) -> Int4Tiles:
-    """benchmarks/int4_sweep.py's picks (H200, Llama-3.1-8B shapes, groups of 128, 2026-11-26;
-    docs/benchmarks.md has the table). `dot`: whether `dot_applies`. One row: "rows" with 8
-    weight rows and 2048 columns a step over 2 warps (the dot kernel is 1.7x slower there).
-    2-64 rows: "dot" with 32 weight rows x 8 x rows over 2 warps up to 8 rows, 64 x 16 over 4
-    warps past that. Without "dot": "rows" with 4 weight rows and 1024 columns up to 4 rows
-    (but for the widest layer, gate_up), then dequant_dot tiles of 16 rows with steps of 128,
-    which act-order takes at any row count."""
+    """benchmarks/int4_sweep.py's picks (H100 and H200, Llama-3.1-8B shapes, groups of 128,
+    2026-11-26; docs/benchmarks.md has the table). `dot`: whether `dot_applies`.
+
+    - One row: "rows" with 8 weight rows and 2048 columns a step over 2 warps (the dot kernel
+      is 1.7x slower there).
+    - 2-64 rows: "dot" with 32 weight rows x 8 x rows over 2 warps up to 8 rows, 128 x 16 over
+      4 warps past that, K split in up to 8 (on the H100 at 8 rows: 4 for qkv and o, 8 for
+      down, 2 for gate_up; 91.5 us a layer against 89.6 for the best split of each).
+    - Without "dot": "rows" with 4 weight rows and 1024 columns up to 4 rows (but for the
+      widest layer, gate_up), then dequant_dot tiles of 16 rows with steps of 128, which
+      act-order takes at any row count."""
     wide = n >= 16384
     if not act_order and m == 1:
         return Int4Tiles("rows", 1, 8, min(2048, triton.next_power_of_2(k)), 2, 1)
     if not act_order and dot:
         small = m <= 8
-        block_m, block_n = (8, 32) if small else (16, 64)
+        block_m, block_n = (8, 32) if small else (16, 128)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        split_k = max(1, min(DOT_PROGRAMS // tiles, k // DOT_STEP // DOT_MIN_STEPS))
+        wanted = max(1, min(DOT_PROGRAMS // tiles, k // DOT_STEP // DOT_MIN_STEPS))
+        split_k = min(DOT_MAX_SPLIT, 1 << (wanted.bit_length() - 1))  # a power of two
         return Int4Tiles("dot", block_m, block_n, DOT_STEP, 2 if small else 4, 3, split_k)
     if not act_order and m <= 4 and not wide:
         return Int4Tiles("rows", 1, 4, min(1024, triton.next_power_of_2(k)), 1, 1)
