@@ -229,7 +229,6 @@ def _int4_dot_kernel(
     zeros_ptr,  # [N, G] uint8 with HAS_ZEROS; any pointer otherwise
     bias_ptr,  # [N] with HAS_BIAS
     out_ptr,  # [M, N]
-    m,
     n,
     k,
     stride_x_row,
@@ -237,6 +236,7 @@ def _int4_dot_kernel(
     stride_scales_row,
     stride_zeros_row,
     stride_out_row,
+    m,
     partials_ptr,  # [SPLIT_K, M, N] float32 with SPLIT_K > 1
     tickets_ptr,  # [tiles] int32, zero between calls, with SPLIT_K > 1
     GROUP_SIZE: tl.constexpr,  # a multiple of the step (8 * WORDS)
@@ -327,18 +327,18 @@ def _int4_dequant_dot_kernel(
     qweight_ptr,  # [N, K/8] int32
     scales_ptr,  # [N, G]
     zeros_ptr,  # [N, G] uint8 with HAS_ZEROS; any pointer otherwise
-    g_idx_ptr,  # [K] int32 with HAS_G_IDX
     bias_ptr,  # [N] with HAS_BIAS
     out_ptr,  # [M, N]
-    m,
     n,
     k,
-    group_size,
     stride_x_row,
     stride_qweight_row,
     stride_scales_row,
     stride_zeros_row,
     stride_out_row,
+    m,
+    g_idx_ptr,  # [K] int32 with HAS_G_IDX
+    group_size,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr,  # packed words per weight row per K step: the step is 8 * WORDS columns
@@ -561,6 +561,33 @@ def int4_linear(
 _DOT_NEEDS = f"a bf16 or fp16 x, K and the group size multiples of {DOT_STEP}, no g_idx"
 
 
+def _operands(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> tuple[object, ...]:
+    """The leading arguments every int4 kernel takes: pointers, N, K and row strides (a tensor
+    the kernel does not read stands in for a missing one)."""
+    return (
+        x,
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        bias if bias is not None else scales,
+        out,
+        qweight.shape[0],
+        x.shape[1],
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0,
+        out.stride(0),
+    )
+
+
 def _launch_rows(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -579,19 +606,7 @@ def _launch_rows(
     aligned = x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
     x_pairs = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0) if aligned else 0
     _int4_row_kernel[(m, triton.cdiv(n, tiles.block_n))](
-        x,
-        qweight,
-        scales,
-        zeros if zeros is not None else scales,
-        bias if bias is not None else scales,
-        out,
-        n,
-        k,
-        x.stride(0),
-        qweight.stride(0),
-        scales.stride(0),
-        zeros.stride(0) if zeros is not None else 0,
-        out.stride(0),
+        *_operands(x, qweight, scales, zeros, bias, out),
         GROUP_SIZE=group_size,
         BLOCK_N=tiles.block_n,
         WORDS=tiles.block_k // PACK,
@@ -617,7 +632,7 @@ def _launch_dot(
 ) -> None:
     if tiles.block_k != DOT_STEP:
         raise ValueError(f"{tiles}: the dot kernel steps {DOT_STEP} columns at a time")
-    m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    m, n = x.shape[0], qweight.shape[0]
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
     if grid[0] * grid[1] > MAX_TICKETS:
         raise ValueError(f"{tiles}: more than {MAX_TICKETS} output tiles to split along K")
@@ -625,20 +640,8 @@ def _launch_dot(
     if tiles.split_k > 1:
         partials = torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
     _int4_dot_kernel[grid](
-        x,
-        qweight,
-        scales,
-        zeros if zeros is not None else scales,
-        bias if bias is not None else scales,
-        out,
+        *_operands(x, qweight, scales, zeros, bias, out),
         m,
-        n,
-        k,
-        x.stride(0),
-        qweight.stride(0),
-        scales.stride(0),
-        zeros.stride(0) if zeros is not None else 0,
-        out.stride(0),
         partials,
         _tickets(x.device),
         GROUP_SIZE=group_size,
@@ -680,25 +683,13 @@ def _launch_dequant_dot(
         raise ValueError(f"{tiles}: tl.dot needs block_k >= {8 * DOT_MIN} (16 words)")
     if min(tiles.block_m, tiles.block_n) < DOT_MIN:
         raise ValueError(f"{tiles}: tl.dot needs block_m and block_n >= {DOT_MIN}")
-    m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    m, n = x.shape[0], qweight.shape[0]
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _int4_dequant_dot_kernel[grid](
-        x,
-        qweight,
-        scales,
-        zeros if zeros is not None else scales,
-        g_idx if g_idx is not None else qweight,
-        bias if bias is not None else scales,
-        out,
+        *_operands(x, qweight, scales, zeros, bias, out),
         m,
-        n,
-        k,
+        g_idx if g_idx is not None else qweight,
         group_size,
-        x.stride(0),
-        qweight.stride(0),
-        scales.stride(0),
-        zeros.stride(0) if zeros is not None else 0,
-        out.stride(0),
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         WORDS=tiles.block_k // PACK,
