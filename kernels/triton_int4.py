@@ -20,11 +20,11 @@ Up to 64 rows one launch, of one of three kernels (`Int4Tiles.kind`, picked by
 Past 64 rows the weight is dequantized to the activation's dtype by a fourth kernel, then
 multiplied by cuBLAS.
 
-Scales and zero points: without act-order, one per packed word (a word's 8 columns share a
-group), applied after the word's sum, in float32, so the result is closer to the exact
-product than the reference, which rounds each dequantized weight to the activation's dtype
-first (the tests allow for that). With act-order, one per column, gathered by g_idx, the
-weight made whole and rounded as the reference does.
+Scales and zero points: in the rows and dot kernels one per packed word or step (a word's 8
+columns share a group), applied after the sum, in float32, so the result is closer to the
+exact product than the reference, which rounds each dequantized weight to the activation's
+dtype first (the tests allow for that). dequant_dot makes the weight whole and rounds it as
+the reference does, with act-order by each column's group, gathered by g_idx.
 """
 
 from __future__ import annotations
@@ -76,8 +76,9 @@ def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = Fa
     """benchmarks/int4_sweep.py's picks (H100 and H200, Llama-3.1-8B shapes, groups of 128,
     2026-11-26; docs/benchmarks.md has the table). `dot`: whether `dot_applies`.
 
-    - One row: "rows" with 8 weight rows and 2048 columns a step over 2 warps (the dot kernel
-      is 1.7x slower there).
+    - One row: "rows" with 8 weight rows and 2048 columns a step over 2 warps. (The dot kernel
+      without split-K took 1.7x as long there; with it, the H100 sweep has it 5 % faster a
+      layer, 86.0 against 90.2 us: not switched yet, unmeasured end to end.)
     - 2-64 rows: "dot" with 32 weight rows x 8 x rows over 2 warps up to 8 rows, 128 x 16 over
       4 warps past that, K split in up to 8 (on the H100 at 8 rows: 4 for qkv and o, 8 for
       down, 2 for gate_up; 91.5 us a layer against 89.6 for the best split of each).
@@ -525,6 +526,9 @@ def _check_inputs(
         raise ValueError(f"bias must be a contiguous [{n}], got {tuple(bias.shape)}")
 
 
+_DOT_NEEDS = f"a bf16 or fp16 x, K and the group size multiples of {DOT_STEP}, no g_idx"
+
+
 def int4_linear(
     x: torch.Tensor,  # [M, K]
     qweight: torch.Tensor,  # [N, K/8] int32
@@ -551,14 +555,9 @@ def int4_linear(
     tiles = tiles or default_tiles(m, n, k, dot, act_order=g_idx is not None)
     if tiles.kind == "dot" and not dot:
         raise ValueError(f"{tiles}: the dot kernel needs {_DOT_NEEDS}")
-    if tiles.kind == "rows" and g_idx is not None:
-        raise ValueError(f"{tiles}: the rows kernel does not take act-order (g_idx)")
     launch = {"rows": _launch_rows, "dot": _launch_dot, "dequant_dot": _launch_dequant_dot}
     launch[tiles.kind](x, qweight, scales, zeros, group_size, g_idx, bias, out, tiles)
     return out
-
-
-_DOT_NEEDS = f"a bf16 or fp16 x, K and the group size multiples of {DOT_STEP}, no g_idx"
 
 
 def _operands(
@@ -601,6 +600,8 @@ def _launch_rows(
 ) -> None:
     if tiles.block_m != 1 or tiles.block_k % CHUNK:
         raise ValueError(f"{tiles}: the rows kernel takes block_m 1 and whole chunks along K")
+    if g_idx is not None:
+        raise ValueError(f"{tiles}: the rows kernel does not take act-order (g_idx)")
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     # 16-bit x read as int32 pairs where its rows are 4-byte aligned.
     aligned = x.data_ptr() % 4 == 0 and x.stride(0) % 2 == 0
@@ -632,9 +633,11 @@ def _launch_dot(
 ) -> None:
     if tiles.block_k != DOT_STEP:
         raise ValueError(f"{tiles}: the dot kernel steps {DOT_STEP} columns at a time")
+    if g_idx is not None:
+        raise ValueError(f"{tiles}: the dot kernel does not take act-order (g_idx)")
     m, n = x.shape[0], qweight.shape[0]
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
-    if grid[0] * grid[1] > MAX_TICKETS:
+    if tiles.split_k > 1 and grid[0] * grid[1] > MAX_TICKETS:
         raise ValueError(f"{tiles}: more than {MAX_TICKETS} output tiles to split along K")
     partials = out  # unused without a split
     if tiles.split_k > 1:
@@ -662,8 +665,12 @@ _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 def _tickets(device: torch.device) -> torch.Tensor:
     """The split-K ticket counters of a device: made zero once, left zero by every launch (the
-    last program of each tile resets its counter), so CUDA graphs replay them as they are."""
+    last program of each tile resets its counter), so CUDA graphs replay them as they are.
+    Made outside a graph capture (whose zero fill would not run until the first replay): the
+    engine's eager warm-up calls every layer first."""
     if device not in _TICKETS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("int4 split-K: run the layer once before capturing a CUDA graph")
         _TICKETS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
     return _TICKETS[device]
 

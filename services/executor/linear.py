@@ -234,8 +234,9 @@ class Int4WeightOnly:
     def create_weights(self, layer: Linear) -> None:
         n, k = layer.out_features, layer.in_features
         # The kernels' layout interleaves words in chunks of CHUNK columns (kernels/int4.py),
-        # each inside one group.
-        if k % CHUNK or (self.spec.group_size > 0 and self.spec.group_size % CHUNK):
+        # each inside one group (act-order gathers each column's group instead).
+        grouped_words = self.spec.group_size > 0 and not self.spec.act_order
+        if k % CHUNK or (grouped_words and self.spec.group_size % CHUNK):
             raise ValueError(
                 f"int4 layers need K and the group size divisible by {CHUNK}, got K={k} and "
                 f"groups of {self.spec.group_size}"

@@ -53,7 +53,8 @@ def check(m: int, n: int, k: int, group_size: int, symmetric: bool, act_order: b
     torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize("m", [1, 2, 16, 33, 70])  # row kernel x 2, dot tiles, a prefill tile
+# Groups of 64 (and float32 x on the CPU): rows up to 4 rows, then dequant_dot tiles.
+@pytest.mark.parametrize("m", [1, 2, 16, 33, 70])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_matches_the_reference(m: int, symmetric: bool) -> None:
     check(m, n=40, k=256, group_size=64, symmetric=symmetric, act_order=False, bias=m == 2)
@@ -70,7 +71,7 @@ def test_act_order_group_indices(m: int) -> None:
     check(m, n=16, k=128, group_size=32, symmetric=False, act_order=True, bias=True)
 
 
-@pytest.mark.parametrize("group_size", [32, 128])  # a group per column, or per K step
+@pytest.mark.parametrize("group_size", [32, 128])  # several groups a K step, or one
 def test_explicit_tiles_with_several_programs_per_dimension(group_size: int) -> None:
     qweight, scales, zeros, _ = random_layer(72, 384, group_size, False, False, 0)
     x = torch.randn(40, 384).to(DEVICE, DTYPE)
@@ -137,8 +138,15 @@ def test_the_dot_kernel_matches_the_reference(
     out = int4_linear(x, qweight, scales, zeros, group_size, bias=bias, tiles=tiles)
     expected = int4_linear_reference(x, qweight, scales, zeros, group_size, bias=bias)
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
-    # The default picks it for these inputs, and refuses it where it does not apply.
+    # int4_linear's own choice for these inputs is this kernel; it is refused where it does
+    # not apply: float32 x, groups of 64, act-order.
+    assert triton_int4.dot_applies(dtype, group_size, act_order=False)
     assert default_tiles(m, 72, 512, dot=True).kind == "dot"
+    default = int4_linear(x, qweight, scales, zeros, group_size, bias=bias)
+    torch.testing.assert_close(default.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert not triton_int4.dot_applies(torch.float32, group_size, act_order=False)
+    assert not triton_int4.dot_applies(dtype, 64, act_order=False)
+    assert not triton_int4.dot_applies(dtype, group_size, act_order=True)
     with pytest.raises(ValueError, match="the dot kernel needs"):
         int4_linear(x.float(), qweight, scales, zeros, group_size, tiles=tiles)
 
@@ -150,10 +158,12 @@ def test_the_dot_kernel_splits_k_and_leaves_its_tickets_at_zero(split_k: int) ->
     scales = scales.to(torch.bfloat16)
     tiles = Int4Tiles("dot", 8, 32, 128, num_warps=2, num_stages=2, split_k=split_k)
     expected = int4_linear_reference(x, qweight, scales, zeros, 128)
+    outs = []
     for _ in range(2):  # the second call finds the counters as the first left them
-        out = int4_linear(x, qweight, scales, zeros, 128, tiles=tiles)
-        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+        outs.append(int4_linear(x, qweight, scales, zeros, 128, tiles=tiles))
+        torch.testing.assert_close(outs[-1].float(), expected.float(), rtol=2e-2, atol=2e-2)
         assert not triton_int4._tickets(x.device).any()
+    assert torch.equal(outs[0], outs[1])  # the partials added in split order, every time
     # At 8 rows: qkv (192 tiles) and o split in 4, down (112 steps) in 8, gate_up in 2.
     splits = [default_tiles(8, n, k).split_k for n, k in LLAMA_SHAPES.values()]
     assert sorted(splits) == [2, 4, 4, 8]
