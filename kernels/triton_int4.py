@@ -77,8 +77,8 @@ def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = Fa
     2026-11-26; docs/benchmarks.md has the table). `dot`: whether `dot_applies`.
 
     - One row: "rows" with 8 weight rows and 2048 columns a step over 2 warps. (The dot kernel
-      without split-K took 1.7x as long there; with it, the H100 sweep has it 5 % faster a
-      layer, 86.0 against 90.2 us: not switched yet, unmeasured end to end.)
+      without split-K took 1.7x as long there; with it, the H100 sweep has it 4 % faster a
+      layer, 86.0 against 89.4 us: not switched yet, unmeasured end to end.)
     - 2-64 rows: "dot" with 32 weight rows x 8 x rows over 2 warps up to 8 rows, 128 x 16 over
       4 warps past that, K split in up to 8 (on the H100 at 8 rows: 4 for qkv and o, 8 for
       down, 2 for gate_up; 91.5 us a layer against 89.6 for the best split of each).
