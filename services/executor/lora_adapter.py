@@ -1,0 +1,193 @@
+"""A LoRA adapter in the PEFT format, read from disk and checked against the base model.
+
+A PEFT adapter folder holds `adapter_config.json` and `adapter_model.safetensors`, whose
+tensors are named like
+
+    base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight   [r, in_features]
+    base_model.model.model.layers.3.self_attn.q_proj.lora_B.weight   [out_features, r]
+
+and the adapted projection computes W x + scaling * B (A x), with scaling = lora_alpha / r, or
+lora_alpha / sqrt(r) for rsLoRA (`use_rslora`). kvflow takes adapters on any of the seven
+projections of a decoder layer (q/k/v/o, gate/up/down), of any rank up to --max-lora-rank. What
+it cannot run as written is refused by name, never approximated: pickled weights
+(`adapter_model.bin`), DoRA, trained biases, extra trained modules (`modules_to_save`),
+per-module ranks or alphas, other targets (embeddings, lm_head), shapes that do not fit the
+base model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from shared.model_config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLED_WEIGHTS_FILE = "adapter_model.bin"
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTENTION + MLP
+_NAME = re.compile(
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+)
+
+
+class LoraAdapterError(ValueError):
+    """An adapter kvflow cannot load, and why."""
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One adapter's weights, by (layer, projection): A [r, in] and B [out, r], float32 on the
+    CPU (the executor copies them into its device slots), and the scale applied to B (A x)."""
+
+    name: str
+    path: Path
+    rank: int
+    scaling: float
+    targets: tuple[str, ...]  # the projections it adapts, in TARGETS order
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    def delta(self, layer: int, target: str) -> torch.Tensor | None:
+        """scaling * B A [out, in]: what the adapter adds to the base weight (for tests)."""
+        if (layer, target) not in self.weights:
+            return None
+        a, b = self.weights[(layer, target)]
+        return self.scaling * (b @ a)
+
+
+def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
+    """(out_features, in_features) of a decoder layer's projection."""
+    q = cfg.num_heads * cfg.head_dim
+    kv = cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "q_proj": (q, cfg.hidden_size),
+        "k_proj": (kv, cfg.hidden_size),
+        "v_proj": (kv, cfg.hidden_size),
+        "o_proj": (cfg.hidden_size, q),
+        "gate_proj": (cfg.intermediate_size, cfg.hidden_size),
+        "up_proj": (cfg.intermediate_size, cfg.hidden_size),
+        "down_proj": (cfg.hidden_size, cfg.intermediate_size),
+    }
+    return shapes[target]
+
+
+def load_lora_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
+    """Read and check the adapter at `path` (a PEFT folder) for a base model of `cfg`."""
+    folder = Path(path)
+    if not (folder / CONFIG_FILE).is_file():
+        raise LoraAdapterError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {folder}")
+    if not (folder / WEIGHTS_FILE).is_file():
+        if (folder / PICKLED_WEIGHTS_FILE).is_file():
+            raise LoraAdapterError(
+                f"LoRA adapter {name!r}: {PICKLED_WEIGHTS_FILE} is a pickle, which kvflow never "
+                f"loads; save the adapter with safetensors (PEFT's default) as {WEIGHTS_FILE}"
+            )
+        raise LoraAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {folder}")
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {exc}") from exc
+    rank, scaling, named = _read_config(name, config, max_rank)
+    weights = _read_weights(name, load_file(str(folder / WEIGHTS_FILE)), cfg, rank)
+    targets = tuple(t for t in TARGETS if any(key[1] == t for key in weights))
+    if named is not None:  # listed targets: every listed one, on every layer it names
+        layers = config.get("layers_to_transform")
+        expected = {
+            (layer, t)
+            for layer in (range(cfg.num_layers) if layers is None else _as_list(layers))
+            for t in named
+        }
+        if set(weights) != expected:
+            wrong = sorted(expected ^ set(weights))[:3]
+            raise LoraAdapterError(
+                f"LoRA adapter {name!r}: its weights do not cover the layers and modules its "
+                f"config names (target_modules, layers_to_transform); first differences: {wrong}"
+            )
+    if not weights:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    return LoraAdapter(name, folder, rank, scaling, targets, weights)
+
+
+def _read_config(
+    name: str, config: dict[str, Any], max_rank: int
+) -> tuple[int, float, tuple[str, ...] | None]:
+    """rank, scaling and the listed target projections (None for a pattern) from
+    adapter_config.json, or the refusal."""
+
+    def refuse(why: str) -> LoraAdapterError:
+        return LoraAdapterError(f"LoRA adapter {name!r}: {why}")
+
+    if config.get("peft_type", "LORA") != "LORA":
+        raise refuse(f"peft_type {config.get('peft_type')!r} is not LORA")
+    rank = config.get("r")
+    if not isinstance(rank, int) or rank < 1:
+        raise refuse(f"r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise refuse(f"rank {rank} is over --max-lora-rank {max_rank}")
+    for key, why in (
+        ("use_dora", "DoRA is not supported"),
+        ("rank_pattern", "per-module ranks (rank_pattern) are not supported"),
+        ("alpha_pattern", "per-module alphas (alpha_pattern) are not supported"),
+        ("modules_to_save", "extra trained modules (modules_to_save) are not supported"),
+        ("fan_in_fan_out", "fan_in_fan_out weights (GPT-2's Conv1D) are not supported"),
+    ):
+        if config.get(key):
+            raise refuse(why)
+    if config.get("bias", "none") != "none":
+        raise refuse(f"trained biases (bias={config['bias']!r}) are not supported")
+    alpha = config.get("lora_alpha", rank)
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    target_modules = config.get("target_modules")
+    if target_modules == "all-linear":  # PEFT: every linear layer but the output head
+        return rank, float(scaling), TARGETS
+    if isinstance(target_modules, str):  # a pattern over module names: the weights say
+        return rank, float(scaling), None
+    named = [str(n).rsplit(".", 1)[-1] for n in _as_list(target_modules)]
+    unknown = sorted(set(named) - set(TARGETS))
+    if unknown or not named:
+        raise refuse(f"target modules {unknown or named} are not among {list(TARGETS)}")
+    return rank, float(scaling), tuple(t for t in TARGETS if t in named)
+
+
+def _read_weights(
+    name: str, tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: int
+) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in tensors.items():
+        match = _NAME.match(tensor_name)
+        if match is None or match[2] not in TARGETS or int(match[1]) >= cfg.num_layers:
+            raise LoraAdapterError(
+                f"LoRA adapter {name!r}: tensor {tensor_name!r} is not a LoRA weight of one of "
+                f"the {cfg.num_layers} decoder layers' projections {list(TARGETS)}"
+            )
+        layer, target, half = int(match[1]), match[2], match[3]
+        out_features, in_features = projection_shape(cfg, target)
+        expected = (rank, in_features) if half == "A" else (out_features, rank)
+        if tuple(tensor.shape) != expected:
+            raise LoraAdapterError(
+                f"LoRA adapter {name!r}: {tensor_name} is {tuple(tensor.shape)}, the base "
+                f"model needs {expected} (rank {rank}): an adapter for another model?"
+            )
+        halves.setdefault((layer, target), {})[half] = tensor.float()
+    weights = {}
+    for key, pair in halves.items():
+        if set(pair) != {"A", "B"}:
+            raise LoraAdapterError(
+                f"LoRA adapter {name!r}: layer {key[0]}'s {key[1]} lacks lora_A or lora_B"
+            )
+        weights[key] = (pair["A"], pair["B"])
+    return weights
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple | set) else [value]
