@@ -19,6 +19,7 @@ from kernels.gguf import gguf_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
 from kernels.int4 import int4_linear_reference
 from kernels.linear import linear_reference
+from kernels.lora import lora_expand_reference, lora_shrink_reference
 from kernels.norm import (
     fused_add_rms_norm_fp8_reference,
     fused_add_rms_norm_reference,
@@ -297,6 +298,30 @@ def gguf_linear(
     module = _triton("gguf", x)
     kernel = module.gguf_linear if module is not None else gguf_linear_reference
     return kernel(x, raw, qtype, bias)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    lora_a: torch.Tensor,  # [S, P, R, K]
+    token_slots: torch.Tensor,  # [T] int32, -1: none
+) -> torch.Tensor:  # [T, P, R] float32
+    """Each token's x times the A of the LoRA adapter in its slot (`kernels/lora.py`)."""
+    module = _triton("lora", x)
+    kernel = module.lora_shrink if module is not None else lora_shrink_reference
+    return kernel(x, lora_a, token_slots)
+
+
+def lora_expand(
+    out: torch.Tensor,  # [T, N], added to in place
+    shrunk: torch.Tensor,  # [T, P, R] float32
+    lora_b: torch.Tensor,  # [S, N, R]
+    token_slots: torch.Tensor,  # [T] int32, -1: none
+    piece_rows: tuple[int, ...],  # output rows of each piece, summing to N
+) -> torch.Tensor:  # out
+    """out += each token's shrunk times the B of the adapter in its slot (`kernels/lora.py`)."""
+    module = _triton("lora", out)
+    kernel = module.lora_expand if module is not None else lora_expand_reference
+    return kernel(out, shrunk, lora_b, token_slots, piece_rows)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64

@@ -1,0 +1,106 @@
+"""Batched LoRA shrink and expand: the references against a per-token loop over the adapters,
+and the Triton kernels against the references (under the interpreter on CPU, compiled on a
+GPU), for decode-sized steps (a program per token) and prompt-sized ones (blocks of one
+request's tokens through tl.dot, and blocks across requests token by token)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.lora import lora_expand_reference, lora_shrink_reference
+from kernels.triton_lora import lora_expand, lora_shrink
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+PIECES = (64, 32, 32)  # a fused q/k/v
+K, RANK, SLOTS = 64, 16, 3
+
+
+def make_case(runs: list[tuple[int, int]], seed: int, dtype: torch.dtype = DTYPE):
+    """Tokens in runs of (slot, count), as a step lays out its requests; -1: the base model."""
+    generator = torch.Generator().manual_seed(seed)
+    slots = torch.cat([torch.full((count,), slot, dtype=torch.int32) for slot, count in runs])
+    x = torch.randn(len(slots), K, generator=generator)
+    lora_a = torch.randn(SLOTS, len(PIECES), RANK, K, generator=generator) * 0.1
+    lora_b = torch.randn(SLOTS, sum(PIECES), RANK, generator=generator) * 0.1
+    out = torch.randn(len(slots), sum(PIECES), generator=generator)
+    to = dict(device=DEVICE, dtype=dtype)
+    return x.to(**to), lora_a.to(**to), lora_b.to(**to), slots.to(DEVICE), out.to(**to)
+
+
+DECODE = [(0, 1), (-1, 1), (2, 1), (0, 1), (1, 1)]  # each token its own request
+PROMPTS = [(1, 20), (-1, 7), (0, 33), (2, 16), (0, 1)]  # 77 tokens: uniform and mixed blocks
+
+
+def test_the_references_are_a_per_token_loop_over_the_adapters() -> None:
+    x, lora_a, lora_b, slots, out = make_case(DECODE, 0, torch.float64)
+    shrunk = lora_shrink_reference(x, lora_a, slots)
+    expanded = lora_expand_reference(out.clone(), shrunk, lora_b, slots, PIECES)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            assert not shrunk[t].any() and torch.equal(expanded[t], out[t])
+            continue
+        b = lora_b[slot]  # [N, R]
+        start = 0
+        for piece, size in enumerate(PIECES):
+            y = lora_a[slot, piece] @ x[t]
+            torch.testing.assert_close(shrunk[t, piece], y.float())
+            want = out[t, start : start + size] + b[start : start + size] @ y
+            torch.testing.assert_close(expanded[t, start : start + size], want)
+            start += size
+
+
+@pytest.mark.parametrize("runs", [DECODE, PROMPTS], ids=["decode", "prompts"])
+def test_kernels_match_the_references(runs: list[tuple[int, int]]) -> None:
+    x, lora_a, lora_b, slots, out = make_case(runs, 1)
+    expected_shrunk = lora_shrink_reference(x, lora_a, slots)
+    shrunk = lora_shrink(x, lora_a, slots)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if torch.bfloat16 == DTYPE else dict()
+    torch.testing.assert_close(shrunk, expected_shrunk, **tolerance)
+    expected = lora_expand_reference(out.clone(), expected_shrunk, lora_b, slots, PIECES)
+    expanded = lora_expand(out.clone(), expected_shrunk, lora_b, slots, PIECES)
+    torch.testing.assert_close(expanded.float(), expected.float(), **tolerance)
+
+
+def test_one_piece_and_two() -> None:
+    x, lora_a, lora_b, slots, out = make_case(PROMPTS, 2)
+    for pieces in ((128,), (96, 32)):
+        a = lora_a[:, : len(pieces)].contiguous()
+        shrunk = lora_shrink(x, a, slots)
+        expected = lora_expand_reference(out.clone(), shrunk, lora_b, slots, pieces)
+        expanded = lora_expand(out.clone(), shrunk, lora_b, slots, pieces)
+        torch.testing.assert_close(expanded.float(), expected.float())
+
+
+def test_bad_inputs_are_refused() -> None:
+    x, lora_a, lora_b, slots, out = make_case(DECODE, 3)
+    with pytest.raises(ValueError, match="int32"):
+        lora_shrink(x, lora_a, slots.long())
+    with pytest.raises(ValueError, match="power-of-two rank"):
+        lora_shrink(x, lora_a[:, :, :12].contiguous(), slots)
+    with pytest.raises(ValueError, match="do not make"):
+        lora_expand(out, torch.zeros(5, 3, RANK, device=DEVICE), lora_b, slots, (64, 32, 31))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("num_tokens", [1, 8, 300])
+def test_gpu_real_shapes_match_the_references(num_tokens: int) -> None:
+    # Llama-3.1-8B's q/k/v with rank-16 adapters in 8 slots; tokens in runs of 40.
+    generator = torch.Generator().manual_seed(num_tokens)
+    pieces, k = (4096, 1024, 1024), 4096
+    slots = (torch.arange(num_tokens) // 40 % 9 - 1).to(torch.int32).cuda()  # -1 .. 7
+    x = torch.randn(num_tokens, k, generator=generator).cuda().bfloat16()
+    lora_a = (torch.randn(8, 3, 16, k, generator=generator) * 0.02).cuda().bfloat16()
+    lora_b = (torch.randn(8, sum(pieces), 16, generator=generator) * 0.02).cuda().bfloat16()
+    out = torch.randn(num_tokens, sum(pieces), generator=generator).cuda().bfloat16()
+    shrunk = lora_shrink(x, lora_a, slots)
+    torch.testing.assert_close(
+        shrunk, lora_shrink_reference(x, lora_a, slots), rtol=1e-2, atol=1e-2
+    )
+    expected = lora_expand_reference(out.clone(), shrunk, lora_b, slots, pieces)
+    expanded = lora_expand(out.clone(), shrunk, lora_b, slots, pieces)
+    torch.testing.assert_close(expanded.float(), expected.float(), rtol=2e-2, atol=2e-2)
