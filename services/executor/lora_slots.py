@@ -1,0 +1,129 @@
+"""The executor's LoRA adapter slots: --max-loras adapters resident on the device at once.
+
+Every decoder layer's four projections get a pair of tensors in the layout the batched kernels
+read (kernels/lora.py): A [slots, pieces, rank, in_features] and B [slots, out_features, rank],
+the pieces of a fused projection side by side (q, k, v; gate, up). Filling a slot copies an
+adapter in, its rank zero-padded to the slots' rank and its scaling folded into B; a piece the
+adapter leaves alone stays zero, so it adds nothing. `SlotTable` decides which adapter sits in
+which slot: the adapters a step needs stay, the least recently used one makes room.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from services.executor.lora_adapter import LoraAdapter, projection_shape
+from shared.model_config import ModelConfig
+
+# kvflow's projections and the PEFT modules they fuse, in their output rows' order
+FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+MIN_RANK = 16  # the kernels' tl.dot needs 16 along the rank
+
+
+def slot_rank(max_lora_rank: int) -> int:
+    """The slots' rank: --max-lora-rank rounded up to a power of two, at least MIN_RANK."""
+    return max(MIN_RANK, 1 << (max_lora_rank - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class ProjectionSlots:
+    lora_a: torch.Tensor  # [S, P, R, K]
+    lora_b: torch.Tensor  # [S, N, R], times each adapter's scaling
+    piece_rows: tuple[int, ...]  # output rows of each piece
+
+
+class LoraSlots:
+    """The device tensors of `max_loras` slots for every layer and projection."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_loras: int,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {max_loras}")
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.rank = slot_rank(max_lora_rank)
+        self.layers: list[dict[str, ProjectionSlots]] = []
+        for _ in range(cfg.num_layers):
+            layer = {}
+            for fused, pieces in FUSED.items():
+                shapes = [projection_shape(cfg, piece) for piece in pieces]
+                in_features = shapes[0][1]
+                rows = tuple(out for out, _ in shapes)
+                a = torch.zeros(max_loras, len(pieces), self.rank, in_features, dtype=dtype)
+                b = torch.zeros(max_loras, sum(rows), self.rank, dtype=dtype)
+                layer[fused] = ProjectionSlots(a.to(device), b.to(device), rows)
+            self.layers.append(layer)
+
+    def fill(self, slot: int, adapter: LoraAdapter) -> None:
+        """Copy `adapter` into `slot`, replacing what was there."""
+        if adapter.rank > self.max_lora_rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > {self.rank}")
+        self.clear(slot)
+        for (layer, target), (a, b) in adapter.weights.items():
+            fused = next(name for name, pieces in FUSED.items() if target in pieces)
+            slots = self.layers[layer][fused]
+            piece = FUSED[fused].index(target)
+            start = sum(slots.piece_rows[:piece])
+            rows = slots.piece_rows[piece]
+            slots.lora_a[slot, piece, : adapter.rank].copy_(a)
+            slots.lora_b[slot, start : start + rows, : adapter.rank].copy_(b * adapter.scaling)
+
+    def clear(self, slot: int) -> None:
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"slot {slot} is outside 0..{self.max_loras - 1}")
+        for layer in self.layers:
+            for slots in layer.values():
+                slots.lora_a[slot].zero_()
+                slots.lora_b[slot].zero_()
+
+
+class SlotTable:
+    """Which adapter is in which slot, least recently used first."""
+
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self._slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, LRU first
+
+    def assign(self, adapters: set[str]) -> tuple[dict[str, int], dict[str, int]]:
+        """Slots for the adapters one step needs: (all of them, those that must be filled now).
+        Adapters already resident keep their slots; new ones take free slots, then those of the
+        least recently used adapters the step does not need."""
+        if len(adapters) > self.max_loras:
+            raise ValueError(
+                f"a step needs {len(adapters)} adapters but there are {self.max_loras} slots "
+                "(--max-loras): the scheduler must not plan that"
+            )
+        to_fill = {}
+        free = sorted(set(range(self.max_loras)) - set(self._slots.values()))
+        for name in sorted(adapters - set(self._slots)):
+            if free:
+                slot = free.pop(0)
+            else:
+                victim = next(n for n in self._slots if n not in adapters)
+                slot = self._slots.pop(victim)
+            self._slots[name] = slot
+            to_fill[name] = slot
+        for name in sorted(adapters):
+            self._slots.move_to_end(name)  # most recently used last
+        return {name: self._slots[name] for name in adapters}, to_fill
+
+    def forget(self, adapter: str) -> int | None:
+        """Drop an adapter (unloaded); its slot, now free, or None."""
+        return self._slots.pop(adapter, None)
+
+    def resident(self) -> dict[str, int]:
+        return dict(self._slots)

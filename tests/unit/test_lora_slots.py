@@ -1,0 +1,96 @@
+"""LoRA slots: PEFT adapters copied into the kernels' layout give, through the batched shrink
+and expand, each token exactly its own adapter's delta (peft's merge); the slot table keeps a
+step's adapters resident and evicts the least recently used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("peft")
+
+from kernels import ops
+from services.executor.lora_adapter import load_lora_adapter
+from services.executor.lora_slots import FUSED, LoraSlots, SlotTable, slot_rank
+from tests.unit.test_lora_adapter import kvflow_config, merged_deltas, save_adapter
+
+
+def test_slot_rank_is_a_power_of_two_of_at_least_16() -> None:
+    assert [slot_rank(r) for r in (1, 8, 16, 17, 64)] == [16, 16, 16, 32, 64]
+
+
+def test_each_token_gets_its_own_adapters_delta(tmp_path: Path) -> None:
+    cfg = kvflow_config()
+    specs = [  # three adapters: all seven projections, attention only (rsLoRA), MLP rank 4
+        {},
+        {"target_modules": ["q_proj", "v_proj", "o_proj"], "use_rslora": True, "r": 16},
+        {"target_modules": ["gate_proj", "down_proj"], "r": 4, "lora_alpha": 4},
+    ]
+    adapters, deltas = [], []
+    for i, spec in enumerate(specs):
+        model = save_adapter(tmp_path / str(i), seed=10 + i, **spec)
+        adapters.append(load_lora_adapter(f"a{i}", tmp_path / str(i), cfg, 16))
+        deltas.append(merged_deltas(model))
+    slots = LoraSlots(cfg, max_loras=4, max_lora_rank=16, dtype=torch.float32, device="cpu")
+    for slot, adapter in zip((2, 0, 3), adapters, strict=True):
+        slots.fill(slot, adapter)
+    token_slots = torch.tensor([2, -1, 0, 3, 0, 2], dtype=torch.int32)
+    which = {2: 0, 0: 1, 3: 2}  # slot -> adapter index
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    for layer in range(cfg.num_layers):
+        for fused, pieces in FUSED.items():
+            projection = slots.layers[layer][fused]
+            k = projection.lora_a.shape[-1]
+            inputs = x if k == cfg.hidden_size else torch.randn(6, k)
+            out = torch.zeros(6, sum(projection.piece_rows))
+            shrunk = ops.lora_shrink(inputs, projection.lora_a, token_slots)
+            ops.lora_expand(out, shrunk, projection.lora_b, token_slots, projection.piece_rows)
+            for t, slot in enumerate(token_slots.tolist()):
+                parts = []
+                for piece, rows in zip(pieces, projection.piece_rows, strict=True):
+                    delta = deltas[which[slot]].get((layer, piece)) if slot >= 0 else None
+                    parts.append(delta @ inputs[t] if delta is not None else torch.zeros(rows))
+                torch.testing.assert_close(out[t], torch.cat(parts), rtol=1e-4, atol=1e-5)
+
+
+def test_refilling_a_slot_leaves_nothing_of_the_last_adapter(tmp_path: Path) -> None:
+    cfg = kvflow_config()
+    save_adapter(tmp_path / "all")
+    save_adapter(tmp_path / "q", target_modules=["q_proj"])
+    slots = LoraSlots(cfg, max_loras=1, max_lora_rank=16, dtype=torch.float32, device="cpu")
+    slots.fill(0, load_lora_adapter("all", tmp_path / "all", cfg, 16))
+    slots.fill(0, load_lora_adapter("q", tmp_path / "q", cfg, 16))
+    assert not slots.layers[0]["down_proj"].lora_b.any()
+    assert not slots.layers[1]["qkv_proj"].lora_a[0, 1:].any()  # k and v: untouched by "q"
+    with pytest.raises(ValueError, match="outside"):
+        slots.clear(1)
+
+
+def test_the_table_keeps_a_steps_adapters_and_evicts_the_least_recently_used() -> None:
+    table = SlotTable(max_loras=2)
+    slots, fill = table.assign({"a", "b"})
+    assert sorted(slots.values()) == [0, 1] and fill == slots
+    assert table.assign({"a"}) == ({"a": slots["a"]}, {})  # resident: nothing to fill
+    step, fill = table.assign({"a", "c"})  # b is the least recently used
+    assert fill == {"c": slots["b"]} and step["a"] == slots["a"]
+    assert table.forget("a") == slots["a"] and "a" not in table.resident()
+    with pytest.raises(ValueError, match="--max-loras"):
+        table.assign({"x", "y", "z"})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sets(st.sampled_from("abcdef"), min_size=1, max_size=3), max_size=30))
+def test_every_step_has_its_adapters_in_distinct_slots(steps: list[set[str]]) -> None:
+    table = SlotTable(max_loras=3)
+    contents: dict[int, str] = {}  # what each slot holds, as the fills left it
+    for adapters in steps:
+        slots, fill = table.assign(adapters)
+        for name, slot in fill.items():
+            contents[slot] = name
+        assert set(slots) == adapters and len(set(slots.values())) == len(adapters)
+        assert all(contents[slot] == name for name, slot in slots.items())
+        assert table.resident() == {name: s for s, name in contents.items()}
