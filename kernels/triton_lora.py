@@ -1,11 +1,12 @@
 """Batched LoRA shrink and expand in Triton: one launch each per projection for a whole step.
 
-Same arguments as `kernels.lora` (read its docstring). A program owns BLOCK_T tokens. Where
-they all share one slot (the tokens of one request: a prompt, a chunk) it multiplies them
-together with tl.dot; where they do not (decode steps, where each token is its own request,
-and blocks across two requests) it takes them one by one. Decode launches use BLOCK_T = 1, so
-the grid depends on the token count only, and the slot of each token is read on the device:
-the launch replays in a CUDA graph with the step's slots as an input.
+Same arguments as `kernels.lora` (read its docstring). Up to ONE_BY_ONE_MAX_TOKENS tokens
+(every decode step a CUDA graph holds) a program takes one token; past that a program owns
+BLOCK_T tokens: where they all share one slot (the tokens of one request: a prompt, a chunk) it
+multiplies them together with tl.dot, where they do not (a block across two requests) it takes
+them one by one. The grid depends on the token count only, and each token's slot is read on
+the device, so a launch replays in a CUDA graph with the step's slots as an input. A slot
+outside 0 .. S - 1 (-1, or a stale padding row) reads as no adapter.
 """
 
 from __future__ import annotations
@@ -17,14 +18,22 @@ import triton
 import triton.language as tl
 
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
-ONE_BY_ONE_MAX_TOKENS = 64  # up to this many tokens, a program per token
+ONE_BY_ONE_MAX_TOKENS = 512  # a program per token up to here (cuda_graphs' largest decode)
 BLOCK_T = 16  # past that, tokens per program
 
 
 @triton.jit
-def _slot_range(slots_ptr, tokens, valid):
+def _slot(slots_ptr, token, num_tokens, num_slots):
+    """A token's slot; -1 for none, past the tokens, or outside the slots."""
+    slot = tl.load(slots_ptr + token, mask=token < num_tokens, other=-1)
+    return tl.where(slot < num_slots, slot, -1)
+
+
+@triton.jit
+def _slot_range(slots_ptr, tokens, valid, num_slots):
     """The smallest and largest slot of the block's tokens (-1: no adapter)."""
     slots = tl.load(slots_ptr + tokens, mask=valid, other=-1)
+    slots = tl.where(slots < num_slots, slots, -1)
     low = tl.min(tl.where(valid, slots, 2**30), axis=0)
     high = tl.max(tl.where(valid, slots, -(2**30)), axis=0)
     return low, high
@@ -32,25 +41,26 @@ def _slot_range(slots_ptr, tokens, valid):
 
 @triton.jit
 def _shrink_token(
-    x_ptr, a_ptr, slots_ptr, out_ptr, token, num_tokens, k, stride_x_token, stride_a_slot,
-    stride_a_rank, stride_out_token, piece_a, piece_out, RANK: tl.constexpr,
+    x_ptr, a_ptr, slots_ptr, out_ptr, token, num_tokens, num_slots, k, stride_x_token,
+    stride_a_slot, stride_a_rank, stride_out_token, piece_a, piece_out, RANK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[token, piece] = A[slot] x[token]: a GEMV over K in blocks, zero without a slot."""
     ranks = tl.arange(0, RANK)
     cols = tl.arange(0, BLOCK_K)
-    slot = tl.load(slots_ptr + token, mask=token < num_tokens, other=-1)
+    slot = _slot(slots_ptr, token, num_tokens, num_slots)
     acc = tl.zeros([RANK], tl.float32)
     if slot >= 0:
         a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + piece_a
+        x_row = x_ptr + token.to(tl.int64) * stride_x_token
         for k_start in range(0, k, BLOCK_K):
             col_valid = k_start + cols < k
-            x = tl.load(x_ptr + token * stride_x_token + k_start + cols, mask=col_valid, other=0.0)
+            x = tl.load(x_row + k_start + cols, mask=col_valid, other=0.0)  # [BK]
             a_ptrs = a_rows + ranks[:, None] * stride_a_rank + (k_start + cols)[None, :]
             a = tl.load(a_ptrs, mask=col_valid[None, :], other=0.0)  # [R, BK]
             acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if token < num_tokens:
-        tl.store(out_ptr + token * stride_out_token + piece_out + ranks, acc)
+        tl.store(out_ptr + token.to(tl.int64) * stride_out_token + piece_out + ranks, acc)
 
 
 @triton.jit
@@ -60,6 +70,7 @@ def _lora_shrink_kernel(
     slots_ptr,  # [T] int32
     out_ptr,  # [T, P, R] float32
     num_tokens,
+    num_slots,
     k,
     stride_x_token,
     stride_a_slot,
@@ -74,26 +85,27 @@ def _lora_shrink_kernel(
 ):
     piece = tl.program_id(1)
     piece_a, piece_out = piece * stride_a_piece, piece * stride_out_piece
-    first = tl.program_id(0) * BLOCK_T
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
     if BLOCK_T == 1:
         _shrink_token(
-            x_ptr, a_ptr, slots_ptr, out_ptr, first, num_tokens, k, stride_x_token,
+            x_ptr, a_ptr, slots_ptr, out_ptr, first, num_tokens, num_slots, k, stride_x_token,
             stride_a_slot, stride_a_rank, stride_out_token, piece_a, piece_out, RANK, BLOCK_K,
         )  # fmt: skip
     else:
-        tokens = first + tl.arange(0, BLOCK_T)  # [BT]
+        tokens = first + tl.arange(0, BLOCK_T)  # [BT] int64
         valid = tokens < num_tokens
-        low, high = _slot_range(slots_ptr, tokens, valid)
+        low, high = _slot_range(slots_ptr, tokens, valid, num_slots)
         if low == high:  # one adapter (or none) for the whole block: tl.dot
             ranks = tl.arange(0, RANK)
             cols = tl.arange(0, BLOCK_K)
             acc = tl.zeros([BLOCK_T, RANK], tl.float32)
             if low >= 0:
                 a_rows = a_ptr + low.to(tl.int64) * stride_a_slot + piece_a
+                x_rows = x_ptr + tokens[:, None] * stride_x_token
                 for k_start in range(0, k, BLOCK_K):
                     col_valid = k_start + cols < k
-                    x_ptrs = x_ptr + tokens[:, None] * stride_x_token + (k_start + cols)[None, :]
-                    x = tl.load(x_ptrs, mask=valid[:, None] & col_valid[None, :], other=0.0)
+                    x_mask = valid[:, None] & col_valid[None, :]
+                    x = tl.load(x_rows + (k_start + cols)[None, :], mask=x_mask, other=0.0)
                     a_ptrs = a_rows + ranks[:, None] * stride_a_rank + (k_start + cols)[None, :]
                     a = tl.load(a_ptrs, mask=col_valid[None, :], other=0.0)  # [R, BK]
                     acc = tl.dot(x, tl.trans(a), acc, input_precision=DOT_PRECISION)
@@ -102,7 +114,7 @@ def _lora_shrink_kernel(
         else:  # a block across requests: token by token
             for i in tl.static_range(BLOCK_T):
                 _shrink_token(
-                    x_ptr, a_ptr, slots_ptr, out_ptr, first + i, num_tokens, k,
+                    x_ptr, a_ptr, slots_ptr, out_ptr, first + i, num_tokens, num_slots, k,
                     stride_x_token, stride_a_slot, stride_a_rank, stride_out_token, piece_a,
                     piece_out, RANK, BLOCK_K,
                 )  # fmt: skip
@@ -110,18 +122,18 @@ def _lora_shrink_kernel(
 
 @triton.jit
 def _expand_token(
-    out_ptr, y_ptr, b_ptr, slots_ptr, token, num_tokens, rows, row_valid, stride_out_token,
-    stride_y_token, piece_y, stride_b_slot, stride_b_row, RANK: tl.constexpr,
+    out_ptr, y_ptr, b_ptr, slots_ptr, token, num_tokens, num_slots, rows, row_valid,
+    stride_out_token, stride_y_token, piece_y, stride_b_slot, stride_b_row, RANK: tl.constexpr,
 ):  # fmt: skip
     """out[token, rows] += B[slot, rows] y[token, piece]; nothing without a slot."""
     ranks = tl.arange(0, RANK)
-    slot = tl.load(slots_ptr + token, mask=token < num_tokens, other=-1)
+    slot = _slot(slots_ptr, token, num_tokens, num_slots)
     if slot >= 0:
-        y = tl.load(y_ptr + token * stride_y_token + piece_y + ranks)  # [R]
+        y = tl.load(y_ptr + token.to(tl.int64) * stride_y_token + piece_y + ranks)  # [R]
         b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + rows[:, None] * stride_b_row
         b = tl.load(b_ptrs + ranks[None, :], mask=row_valid[:, None], other=0.0)  # [BN, R]
         delta = tl.sum(b.to(tl.float32) * y[None, :], axis=1)  # [BN]
-        out_ptrs = out_ptr + token * stride_out_token + rows
+        out_ptrs = out_ptr + token.to(tl.int64) * stride_out_token + rows
         out = tl.load(out_ptrs, mask=row_valid, other=0.0).to(tl.float32) + delta
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid)
 
@@ -133,6 +145,7 @@ def _lora_expand_kernel(
     b_ptr,  # [S, N, R]
     slots_ptr,  # [T] int32
     num_tokens,
+    num_slots,
     n,
     piece_start_1,  # the first row of piece 1 (n if none)
     piece_start_2,  # the first row of piece 2 (n if none)
@@ -151,16 +164,16 @@ def _lora_expand_kernel(
     row_valid = rows < n
     piece = (first_row >= piece_start_1).to(tl.int32) + (first_row >= piece_start_2).to(tl.int32)
     piece_y = piece * stride_y_piece
-    first = tl.program_id(0) * BLOCK_T
+    first = tl.program_id(0).to(tl.int64) * BLOCK_T
     if BLOCK_T == 1:
         _expand_token(
-            out_ptr, y_ptr, b_ptr, slots_ptr, first, num_tokens, rows, row_valid,
+            out_ptr, y_ptr, b_ptr, slots_ptr, first, num_tokens, num_slots, rows, row_valid,
             stride_out_token, stride_y_token, piece_y, stride_b_slot, stride_b_row, RANK,
         )  # fmt: skip
     else:
-        tokens = first + tl.arange(0, BLOCK_T)
+        tokens = first + tl.arange(0, BLOCK_T)  # [BT] int64
         valid = tokens < num_tokens
-        low, high = _slot_range(slots_ptr, tokens, valid)
+        low, high = _slot_range(slots_ptr, tokens, valid, num_slots)
         if low == high:
             if low >= 0:
                 ranks = tl.arange(0, RANK)
@@ -176,19 +189,20 @@ def _lora_expand_kernel(
         else:
             for i in tl.static_range(BLOCK_T):
                 _expand_token(
-                    out_ptr, y_ptr, b_ptr, slots_ptr, first + i, num_tokens, rows, row_valid,
-                    stride_out_token, stride_y_token, piece_y, stride_b_slot, stride_b_row,
-                    RANK,
+                    out_ptr, y_ptr, b_ptr, slots_ptr, first + i, num_tokens, num_slots, rows,
+                    row_valid, stride_out_token, stride_y_token, piece_y, stride_b_slot,
+                    stride_b_row, RANK,
                 )  # fmt: skip
 
 
-def _block_t(num_tokens: int, rank: int) -> int:
-    """One token per program for decode-sized steps; blocks for prompts (tl.dot's 16)."""
-    return 1 if num_tokens <= ONE_BY_ONE_MAX_TOKENS or rank < DOT_MIN else BLOCK_T
+def _block_t(num_tokens: int, rank: int, block_n: int = DOT_MIN) -> int:
+    """A program per token up to ONE_BY_ONE_MAX_TOKENS, and where tl.dot cannot run (a rank
+    or an output block under 16); blocks of BLOCK_T tokens past that."""
+    one_by_one = num_tokens <= ONE_BY_ONE_MAX_TOKENS or min(rank, block_n) < DOT_MIN
+    return 1 if one_by_one else BLOCK_T
 
 
-def _check(lora: torch.Tensor, token_slots: torch.Tensor, num_tokens: int) -> None:
-    rank = lora.shape[-1] if lora.dim() == 3 else lora.shape[2]
+def _check_slots(rank: int, token_slots: torch.Tensor, num_tokens: int) -> None:
     if rank & (rank - 1):
         raise ValueError(f"LoRA slots need a power-of-two rank (zero-padded), got {rank}")
     if token_slots.shape != (num_tokens,) or token_slots.dtype != torch.int32:
@@ -199,23 +213,26 @@ def lora_shrink(
     x: torch.Tensor,  # [T, K]
     lora_a: torch.Tensor,  # [S, P, R, K]
     token_slots: torch.Tensor,  # [T] int32, -1: none
+    *,
+    block_t: int | None = None,  # tokens per program (1, or >= 16); None: _block_t
 ) -> torch.Tensor:  # [T, P, R] float32
     """`kernels.lora.lora_shrink_reference`."""
-    _check(lora_a, token_slots, x.shape[0])
     num_tokens, k = x.shape
-    num_pieces, rank = lora_a.shape[1], lora_a.shape[2]
+    num_slots, num_pieces, rank = lora_a.shape[:3]
+    _check_slots(rank, token_slots, num_tokens)
     if lora_a.shape[3] != k or lora_a.stride(3) != 1 or x.stride(1) != 1:
         raise ValueError(f"lora_a {tuple(lora_a.shape)} and x {tuple(x.shape)} disagree on K")
     out = torch.empty(num_tokens, num_pieces, rank, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
-    block_t = _block_t(num_tokens, rank)
+    block_t = block_t or _block_t(num_tokens, rank)
     _lora_shrink_kernel[(triton.cdiv(num_tokens, block_t), num_pieces)](
         x,
         lora_a,
         token_slots,
         out,
         num_tokens,
+        num_slots,
         k,
         x.stride(0),
         lora_a.stride(0),
@@ -237,31 +254,35 @@ def lora_expand(
     lora_b: torch.Tensor,  # [S, N, R]
     token_slots: torch.Tensor,  # [T] int32, -1: none
     piece_rows: tuple[int, ...],  # output rows of each piece, summing to N
+    *,
+    block_t: int | None = None,  # tokens per program (1, or >= 16); None: _block_t
 ) -> torch.Tensor:  # out
     """`kernels.lora.lora_expand_reference`."""
-    _check(lora_b, token_slots, out.shape[0])
     num_tokens, n = out.shape
-    rank = lora_b.shape[2]
-    if sum(piece_rows) != n or len(piece_rows) != shrunk.shape[1] or len(piece_rows) > 3:
+    num_slots, _, rank = lora_b.shape
+    _check_slots(rank, token_slots, num_tokens)
+    if sum(piece_rows) != n or len(piece_rows) > 3:
         raise ValueError(f"pieces of {piece_rows} rows do not make {n} outputs (at most 3)")
+    if shrunk.shape != (num_tokens, len(piece_rows), rank) or shrunk.stride(2) != 1:
+        raise ValueError(f"shrunk {tuple(shrunk.shape)} is not [{num_tokens}, pieces, {rank}]")
     if lora_b.shape[1] != n or lora_b.stride(2) != 1 or out.stride(1) != 1:
         raise ValueError(f"lora_b {tuple(lora_b.shape)} does not hold {n} output rows")
     if num_tokens == 0:
         return out
-    starts = [sum(piece_rows[:i]) for i in range(1, 3)]  # pieces 1 and 2, n where absent
-    starts = [start if i + 1 < len(piece_rows) else n for i, start in enumerate(starts)]
-    common = math.gcd(*piece_rows)
-    block_n = min(128, common & -common)  # a power of two that divides every piece
-    block_t = _block_t(num_tokens, rank)
+    piece_ends = [sum(piece_rows[: i + 1]) for i in range(len(piece_rows))] + [n, n]
+    rows_gcd = math.gcd(*piece_rows)
+    block_n = min(128, rows_gcd & -rows_gcd)  # the largest power of two that divides all
+    block_t = block_t or _block_t(num_tokens, rank, block_n)
     _lora_expand_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(n, block_n))](
         out,
         shrunk,
         lora_b,
         token_slots,
         num_tokens,
+        num_slots,
         n,
-        starts[0],
-        starts[1],
+        piece_ends[0] if len(piece_rows) > 1 else n,  # where piece 1 starts
+        piece_ends[1] if len(piece_rows) > 2 else n,  # where piece 2 starts
         out.stride(0),
         shrunk.stride(0),
         shrunk.stride(1),

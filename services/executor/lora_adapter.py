@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from shared.model_config import ModelConfig
@@ -58,7 +59,7 @@ class LoraAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     def delta(self, layer: int, target: str) -> torch.Tensor | None:
-        """scaling * B A [out, in]: what the adapter adds to the base weight (for tests)."""
+        """scaling * B A [out, in]: what the adapter adds to the base weight."""
         if (layer, target) not in self.weights:
             return None
         a, b = self.weights[(layer, target)]
@@ -95,34 +96,49 @@ def load_lora_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: i
         raise LoraAdapterError(f"LoRA adapter {name!r}: no {WEIGHTS_FILE} in {folder}")
     try:
         config = json.loads((folder / CONFIG_FILE).read_text())
-    except json.JSONDecodeError as exc:
-        raise LoraAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not JSON: {exc}") from exc
-    rank, scaling, named = _read_config(name, config, max_rank)
-    weights = _read_weights(name, load_file(str(folder / WEIGHTS_FILE)), cfg, rank)
-    targets = tuple(t for t in TARGETS if any(key[1] == t for key in weights))
-    if named is not None:  # listed targets: every listed one, on every layer it names
-        layers = config.get("layers_to_transform")
-        expected = {
-            (layer, t)
-            for layer in (range(cfg.num_layers) if layers is None else _as_list(layers))
-            for t in named
-        }
-        if set(weights) != expected:
-            wrong = sorted(expected ^ set(weights))[:3]
-            raise LoraAdapterError(
-                f"LoRA adapter {name!r}: its weights do not cover the layers and modules its "
-                f"config names (target_modules, layers_to_transform); first differences: {wrong}"
-            )
+        tensors = load_file(str(folder / WEIGHTS_FILE))
+    except (json.JSONDecodeError, OSError, SafetensorError) as exc:
+        raise LoraAdapterError(f"LoRA adapter {name!r}: cannot read it: {exc}") from exc
+    rank, scaling, listed_targets = _read_config(name, config, max_rank)
+    weights = _read_weights(name, tensors, cfg, rank)
     if not weights:
         raise LoraAdapterError(f"LoRA adapter {name!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    if listed_targets is not None:
+        _check_coverage(name, config, cfg, listed_targets, set(weights))
+    targets = tuple(t for t in TARGETS if any(key[1] == t for key in weights))
     return LoraAdapter(name, folder, rank, scaling, targets, weights)
+
+
+def _check_coverage(
+    name: str,
+    config: dict[str, Any],
+    cfg: ModelConfig,
+    listed_targets: tuple[str, ...],
+    found: set[tuple[int, str]],
+) -> None:
+    """The weights hold every listed projection on every layer the config names (PEFT: all
+    layers where layers_to_transform is absent or empty): a truncated file is refused."""
+    layers = _as_list(config.get("layers_to_transform") or []) or range(cfg.num_layers)
+    expected = {(int(layer), target) for layer in layers for target in listed_targets}
+    if found != expected:
+        differences = sorted(expected ^ found)[:3]
+        raise LoraAdapterError(
+            f"LoRA adapter {name!r}: its weights do not cover the layers and modules its config "
+            f"names (target_modules, layers_to_transform); first differences: {differences}"
+        )
+
+
+# PEFT initialisations whose adapters only work on a base model PEFT changed with them, until
+# converted (PEFT's path_initial_model_for_weight_conversion): refused as saved.
+_CHANGES_THE_BASE = ("pissa", "olora", "corda", "loftq")
 
 
 def _read_config(
     name: str, config: dict[str, Any], max_rank: int
 ) -> tuple[int, float, tuple[str, ...] | None]:
-    """rank, scaling and the listed target projections (None for a pattern) from
-    adapter_config.json, or the refusal."""
+    """rank, scaling and the listed target projections from adapter_config.json (None where
+    the config picks modules by a pattern or exclusions: the weights then say), or the
+    refusal."""
 
     def refuse(why: str) -> LoraAdapterError:
         return LoraAdapterError(f"LoRA adapter {name!r}: {why}")
@@ -140,29 +156,44 @@ def _read_config(
         ("alpha_pattern", "per-module alphas (alpha_pattern) are not supported"),
         ("modules_to_save", "extra trained modules (modules_to_save) are not supported"),
         ("fan_in_fan_out", "fan_in_fan_out weights (GPT-2's Conv1D) are not supported"),
+        ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens) is not supported"),
     ):
         if config.get(key):
             raise refuse(why)
     if config.get("bias", "none") != "none":
         raise refuse(f"trained biases (bias={config['bias']!r}) are not supported")
-    alpha = config.get("lora_alpha", rank)
+    init = config.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_CHANGES_THE_BASE):
+        raise refuse(
+            f"init_lora_weights={init!r} needs the base model PEFT changed with it; convert "
+            "the adapter to a plain LoRA (PEFT: path_initial_model_for_weight_conversion)"
+        )
+    alpha = config.get("lora_alpha", 8)  # PEFT's default
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     target_modules = config.get("target_modules")
     if target_modules == "all-linear":  # PEFT: every linear layer but the output head
         return rank, float(scaling), TARGETS
-    if isinstance(target_modules, str):  # a pattern over module names: the weights say
+    names = [str(n) for n in _as_list(target_modules)]
+    if (
+        isinstance(target_modules, str)
+        or config.get("exclude_modules")
+        or any(
+            "." in n
+            for n in names  # dotted names pick single modules, not every layer
+        )
+    ):
         return rank, float(scaling), None
-    named = [str(n).rsplit(".", 1)[-1] for n in _as_list(target_modules)]
-    unknown = sorted(set(named) - set(TARGETS))
-    if unknown or not named:
-        raise refuse(f"target modules {unknown or named} are not among {list(TARGETS)}")
-    return rank, float(scaling), tuple(t for t in TARGETS if t in named)
+    unknown = sorted(set(names) - set(TARGETS))
+    if unknown or not names:
+        raise refuse(f"target modules {unknown or names} are not among {list(TARGETS)}")
+    return rank, float(scaling), tuple(t for t in TARGETS if t in names)
 
 
 def _read_weights(
     name: str, tensors: dict[str, torch.Tensor], cfg: ModelConfig, rank: int
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    """(layer, projection) -> (A, B), every name and shape checked."""
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         match = _NAME.match(tensor_name)
         if match is None or match[2] not in TARGETS or int(match[1]) >= cfg.num_layers:
@@ -178,9 +209,14 @@ def _read_weights(
                 f"LoRA adapter {name!r}: {tensor_name} is {tuple(tensor.shape)}, the base "
                 f"model needs {expected} (rank {rank}): an adapter for another model?"
             )
-        halves.setdefault((layer, target), {})[half] = tensor.float()
+        pair = pairs.setdefault((layer, target), {})
+        if half in pair:  # e.g. lora_A.weight beside lora_A.default.weight
+            raise LoraAdapterError(
+                f"LoRA adapter {name!r}: layer {layer}'s {target} has two lora_{half} tensors"
+            )
+        pair[half] = tensor.float()
     weights = {}
-    for key, pair in halves.items():
+    for key, pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise LoraAdapterError(
                 f"LoRA adapter {name!r}: layer {key[0]}'s {key[1]} lacks lora_A or lora_B"
@@ -190,4 +226,6 @@ def _read_weights(
 
 
 def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
     return list(value) if isinstance(value, list | tuple | set) else [value]

@@ -25,7 +25,7 @@ FUSED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
-MIN_RANK = 16  # the kernels' tl.dot needs 16 along the rank
+MIN_RANK = 16  # the kernels' tl.dot needs 16 along the rank (kernels/triton_lora.py DOT_MIN)
 
 
 def slot_rank(max_lora_rank: int) -> int:
@@ -71,7 +71,9 @@ class LoraSlots:
     def fill(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy `adapter` into `slot`, replacing what was there."""
         if adapter.rank > self.max_lora_rank:
-            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.rank} > {self.rank}")
+            raise ValueError(
+                f"adapter {adapter.name!r} has rank {adapter.rank} > {self.max_lora_rank}"
+            )
         self.clear(slot)
         for (layer, target), (a, b) in adapter.weights.items():
             fused = next(name for name, pieces in FUSED.items() if target in pieces)
@@ -101,7 +103,8 @@ class SlotTable:
     def assign(self, adapters: set[str]) -> tuple[dict[str, int], dict[str, int]]:
         """Slots for the adapters one step needs: (all of them, those that must be filled now).
         Adapters already resident keep their slots; new ones take free slots, then those of the
-        least recently used adapters the step does not need."""
+        least recently used adapters the step does not need. The table counts an adapter as
+        resident from here: if filling its slot fails, `forget` it."""
         if len(adapters) > self.max_loras:
             raise ValueError(
                 f"a step needs {len(adapters)} adapters but there are {self.max_loras} slots "

@@ -32,7 +32,10 @@ def make_case(runs: list[tuple[int, int]], seed: int, dtype: torch.dtype = DTYPE
 
 
 DECODE = [(0, 1), (-1, 1), (2, 1), (0, 1), (1, 1)]  # each token its own request
-PROMPTS = [(1, 20), (-1, 7), (0, 33), (2, 16), (0, 1)]  # 77 tokens: uniform and mixed blocks
+# Blocks of 16: of one slot, across requests, a partial one at the end
+PROMPTS = [(1, 20), (-1, 7), (0, 33), (2, 16), (0, 1)]
+# Blocks of 16: all without an adapter, then of one slot up to a partial tail
+BASE_THEN_ONE = [(-1, 16), (1, 21)]
 
 
 def test_the_references_are_a_per_token_loop_over_the_adapters() -> None:
@@ -53,25 +56,42 @@ def test_the_references_are_a_per_token_loop_over_the_adapters() -> None:
             start += size
 
 
-@pytest.mark.parametrize("runs", [DECODE, PROMPTS], ids=["decode", "prompts"])
-def test_kernels_match_the_references(runs: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize(
+    ("runs", "block_t"),
+    [(DECODE, None), (PROMPTS, None), (PROMPTS, 16), (BASE_THEN_ONE, 16)],
+    ids=["decode", "prompts-by-token", "prompts-by-block", "base-then-one"],
+)
+def test_kernels_match_the_references(runs: list[tuple[int, int]], block_t: int | None) -> None:
     x, lora_a, lora_b, slots, out = make_case(runs, 1)
     expected_shrunk = lora_shrink_reference(x, lora_a, slots)
-    shrunk = lora_shrink(x, lora_a, slots)
+    shrunk = lora_shrink(x, lora_a, slots, block_t=block_t)
     tolerance = dict(rtol=2e-2, atol=2e-2) if torch.bfloat16 == DTYPE else dict()
     torch.testing.assert_close(shrunk, expected_shrunk, **tolerance)
     expected = lora_expand_reference(out.clone(), expected_shrunk, lora_b, slots, PIECES)
-    expanded = lora_expand(out.clone(), expected_shrunk, lora_b, slots, PIECES)
+    expanded = lora_expand(out.clone(), expected_shrunk, lora_b, slots, PIECES, block_t=block_t)
     torch.testing.assert_close(expanded.float(), expected.float(), **tolerance)
+
+
+@pytest.mark.parametrize("block_t", [None, 16])
+def test_a_slot_outside_the_slots_reads_as_no_adapter(block_t: int | None) -> None:
+    # A padding row of a CUDA graph may hold any number: it must not read past the slots.
+    x, lora_a, lora_b, slots, out = make_case(PROMPTS, 4)
+    stale = slots.clone()
+    stale[20:27] = SLOTS + 5  # the base-model run, given a slot that does not exist
+    shrunk = lora_shrink(x, lora_a, stale, block_t=block_t)
+    torch.testing.assert_close(shrunk, lora_shrink_reference(x, lora_a, slots))
+    expanded = lora_expand(out.clone(), shrunk, lora_b, stale, PIECES, block_t=block_t)
+    expected = lora_expand_reference(out.clone(), shrunk, lora_b, slots, PIECES)
+    torch.testing.assert_close(expanded.float(), expected.float())
 
 
 def test_one_piece_and_two() -> None:
     x, lora_a, lora_b, slots, out = make_case(PROMPTS, 2)
     for pieces in ((128,), (96, 32)):
         a = lora_a[:, : len(pieces)].contiguous()
-        shrunk = lora_shrink(x, a, slots)
+        shrunk = lora_shrink(x, a, slots, block_t=16)
         expected = lora_expand_reference(out.clone(), shrunk, lora_b, slots, pieces)
-        expanded = lora_expand(out.clone(), shrunk, lora_b, slots, pieces)
+        expanded = lora_expand(out.clone(), shrunk, lora_b, slots, pieces, block_t=16)
         torch.testing.assert_close(expanded.float(), expected.float())
 
 
@@ -83,6 +103,8 @@ def test_bad_inputs_are_refused() -> None:
         lora_shrink(x, lora_a[:, :, :12].contiguous(), slots)
     with pytest.raises(ValueError, match="do not make"):
         lora_expand(out, torch.zeros(5, 3, RANK, device=DEVICE), lora_b, slots, (64, 32, 31))
+    with pytest.raises(ValueError, match="is not"):
+        lora_expand(out, torch.zeros(5, 2, RANK, device=DEVICE), lora_b, slots, PIECES)
 
 
 @pytest.mark.gpu

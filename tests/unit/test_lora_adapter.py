@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 peft = pytest.importorskip("peft")
 
@@ -64,11 +65,11 @@ def merged_deltas(model: transformers.PreTrainedModel) -> dict[tuple[int, str], 
     [
         ({}, TARGETS),
         ({"target_modules": ["q_proj", "v_proj"], "use_rslora": True}, ("q_proj", "v_proj")),
-        ({"target_modules": "all-linear", "r": 16, "lora_alpha": 8}, TARGETS),
+        ({"r": 16, "lora_alpha": 8}, TARGETS),
         ({"target_modules": r".*\.(o_proj|down_proj)"}, ("o_proj", "down_proj")),
         ({"target_modules": ["gate_proj"], "layers_to_transform": [1]}, ("gate_proj",)),
     ],
-    ids=["all-seven", "rslora", "all-linear", "pattern", "one-layer"],
+    ids=["all-seven", "rslora", "rank-16", "pattern", "one-layer"],
 )
 def test_deltas_are_what_peft_merges(tmp_path: Path, lora: dict, targets: tuple) -> None:
     model = save_adapter(tmp_path, **lora)
@@ -103,12 +104,93 @@ def edit_config(folder: Path, **changes: object) -> None:
         ({"peft_type": "IA3"}, "not LORA"),
         ({"target_modules": ["q_proj", "embed_tokens"]}, r"\['embed_tokens'\] are not among"),
         ({"target_modules": ["q_proj"]}, "do not cover"),  # the file holds all seven
+        ({"layers_to_transform": 1}, "do not cover"),  # and every layer
+        ({"init_lora_weights": "pissa_niter_4"}, "needs the base model PEFT changed"),
+        ({"alora_invocation_tokens": [1, 2]}, "activated LoRA"),
     ],
 )
 def test_adapters_kvflow_cannot_run_are_refused(tmp_path: Path, change: dict, message: str):
     save_adapter(tmp_path)
     edit_config(tmp_path, **change)
     with pytest.raises(LoraAdapterError, match=message):
+        load_lora_adapter("bad", tmp_path, kvflow_config(), MAX_RANK)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"target_modules": "all-linear"},  # PEFT saves it expanded; as written, all seven
+        {"target_modules": ["model.layers.0.self_attn.q_proj"]},  # dotted: the weights say
+        {"layers_to_transform": []},  # PEFT: every layer
+        {"exclude_modules": ["model.layers.1.mlp.up_proj"]},  # exclusions: the weights say
+    ],
+)
+def test_configs_peft_writes_other_ways_load(tmp_path: Path, change: dict) -> None:
+    save_adapter(tmp_path)
+    edit_config(tmp_path, **change)
+    adapter = load_lora_adapter("a", tmp_path, kvflow_config(), MAX_RANK)
+    assert adapter.targets == TARGETS and len(adapter.weights) == 2 * len(TARGETS)
+
+
+def test_lora_alpha_defaults_to_peft_s_8(tmp_path: Path) -> None:
+    save_adapter(tmp_path, r=4)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    del config["lora_alpha"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    assert load_lora_adapter("a", tmp_path, kvflow_config(), MAX_RANK).scaling == 8 / 4
+
+
+def rename_tensors(folder: Path, rename) -> None:
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    save_file({rename(name): tensor for name, tensor in tensors.items()}, str(path))
+
+
+def test_tensor_names_with_or_without_prefix_and_adapter_name_load(tmp_path: Path) -> None:
+    model = save_adapter(tmp_path)
+    rename_tensors(tmp_path, lambda n: n.removeprefix("base_model.model."))
+    rename_tensors(tmp_path, lambda n: n.replace(".lora_A.weight", ".lora_A.default.weight"))
+    adapter = load_lora_adapter("a", tmp_path, kvflow_config(), MAX_RANK)
+    for (layer, target), delta in merged_deltas(model).items():
+        torch.testing.assert_close(adapter.delta(layer, target), delta, rtol=1e-4, atol=1e-5)
+
+
+def with_a_second_lora_a(tensors: dict) -> dict:
+    """q_proj's A of layer 0 also under an adapter-name segment, as a merged file might."""
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    return tensors | {name.replace(".lora_A.", ".lora_A.x."): tensors[name].clone()}
+
+
+def without_a_lora_b(tensors: dict) -> dict:
+    return {k: v for k, v in tensors.items() if "layers.1.mlp.down_proj.lora_B" not in k}
+
+
+def with_an_lm_head(tensors: dict) -> dict:
+    return tensors | {"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        (with_a_second_lora_a, "two lora_A tensors"),
+        (without_a_lora_b, "lacks lora_A or lora_B"),
+        (with_an_lm_head, "is not a LoRA weight"),
+        (lambda tensors: {}, "holds no LoRA weights"),
+    ],
+    ids=["duplicate", "missing-b", "lm-head", "empty"],
+)
+def test_bad_weight_files_are_refused(tmp_path: Path, tensors, message: str) -> None:
+    save_adapter(tmp_path)
+    path = tmp_path / "adapter_model.safetensors"
+    save_file(tensors(load_file(str(path))), str(path))
+    with pytest.raises(LoraAdapterError, match=message):
+        load_lora_adapter("bad", tmp_path, kvflow_config(), MAX_RANK)
+
+
+def test_an_unreadable_file_is_refused(tmp_path: Path) -> None:
+    save_adapter(tmp_path)
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(LoraAdapterError, match="cannot read it"):
         load_lora_adapter("bad", tmp_path, kvflow_config(), MAX_RANK)
 
 

@@ -18,6 +18,9 @@ from services.executor.lora_adapter import load_lora_adapter
 from services.executor.lora_slots import FUSED, LoraSlots, SlotTable, slot_rank
 from tests.unit.test_lora_adapter import kvflow_config, merged_deltas, save_adapter
 
+# On a GPU the slots and tokens live there and the batched kernels are Triton's.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def test_slot_rank_is_a_power_of_two_of_at_least_16() -> None:
     assert [slot_rank(r) for r in (1, 8, 16, 17, 64)] == [16, 16, 16, 32, 64]
@@ -35,26 +38,28 @@ def test_each_token_gets_its_own_adapters_delta(tmp_path: Path) -> None:
         model = save_adapter(tmp_path / str(i), seed=10 + i, **spec)
         adapters.append(load_lora_adapter(f"a{i}", tmp_path / str(i), cfg, 16))
         deltas.append(merged_deltas(model))
-    slots = LoraSlots(cfg, max_loras=4, max_lora_rank=16, dtype=torch.float32, device="cpu")
+    slots = LoraSlots(cfg, max_loras=4, max_lora_rank=16, dtype=torch.float32, device=DEVICE)
     for slot, adapter in zip((2, 0, 3), adapters, strict=True):
         slots.fill(slot, adapter)
-    token_slots = torch.tensor([2, -1, 0, 3, 0, 2], dtype=torch.int32)
+    token_slots = torch.tensor([2, -1, 0, 3, 0, 2], dtype=torch.int32, device=DEVICE)
     which = {2: 0, 0: 1, 3: 2}  # slot -> adapter index
-    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     for layer in range(cfg.num_layers):
         for fused, pieces in FUSED.items():
             projection = slots.layers[layer][fused]
             k = projection.lora_a.shape[-1]
-            inputs = x if k == cfg.hidden_size else torch.randn(6, k)
-            out = torch.zeros(6, sum(projection.piece_rows))
+            inputs = x if k == cfg.hidden_size else torch.randn(6, k, device=DEVICE)
+            out = torch.zeros(6, sum(projection.piece_rows), device=DEVICE)
             shrunk = ops.lora_shrink(inputs, projection.lora_a, token_slots)
             ops.lora_expand(out, shrunk, projection.lora_b, token_slots, projection.piece_rows)
             for t, slot in enumerate(token_slots.tolist()):
                 parts = []
                 for piece, rows in zip(pieces, projection.piece_rows, strict=True):
                     delta = deltas[which[slot]].get((layer, piece)) if slot >= 0 else None
-                    parts.append(delta @ inputs[t] if delta is not None else torch.zeros(rows))
-                torch.testing.assert_close(out[t], torch.cat(parts), rtol=1e-4, atol=1e-5)
+                    parts.append(
+                        delta @ inputs[t].cpu() if delta is not None else torch.zeros(rows)
+                    )
+                torch.testing.assert_close(out[t].cpu(), torch.cat(parts), rtol=1e-4, atol=1e-5)
 
 
 def test_refilling_a_slot_leaves_nothing_of_the_last_adapter(tmp_path: Path) -> None:
