@@ -1,0 +1,268 @@
+"""int4 kernels that make the weight whole (kernels/triton_int4.py dispatches to them).
+
+- **dequant_dot** (what the rows and dot kernels do not take: act-order, groups of 32 or 64,
+  float32 x): x is tl.dot's first operand; nibble by nibble, the weight is made whole from its
+  scales and zero points (per column with act-order, gathered by g_idx) and rounded to x's
+  dtype as the reference does.
+- **the dequantize pass** past 64 rows: the whole weight written out in the activation's
+  dtype, for cuBLAS.
+
+`operands` builds the leading arguments every int4 kernel takes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4 import CHUNK, PACK
+
+if TYPE_CHECKING:
+    from kernels.triton_int4 import Int4Tiles
+
+DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 16
+_CHUNK = tl.constexpr(CHUNK)
+
+
+def operands(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> tuple[object, ...]:
+    """The leading arguments every int4 kernel takes: pointers, N, K and row strides (a tensor
+    the kernel does not read stands in for a missing one)."""
+    return (
+        x,
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        bias if bias is not None else scales,
+        out,
+        qweight.shape[0],
+        x.shape[1],
+        x.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0,
+        out.stride(0),
+    )
+
+
+@triton.jit
+def _nibble_columns(k_start, words, i: tl.constexpr):
+    """The columns [W] that nibble i of the step's words hold (the chunk interleave)."""
+    return k_start + (words // 4) * _CHUNK + 8 * (i // 2) + 2 * (words % 4) + i % 2
+
+
+@triton.jit(do_not_specialize=["m", "group_size"])
+def _int4_dequant_dot_kernel(
+    x_ptr,  # [M, K]
+    qweight_ptr,  # [N, K/8] int32
+    scales_ptr,  # [N, G]
+    zeros_ptr,  # [N, G] uint8 with HAS_ZEROS; any pointer otherwise
+    bias_ptr,  # [N] with HAS_BIAS
+    out_ptr,  # [M, N]
+    n,
+    k,
+    stride_x_row,
+    stride_qweight_row,
+    stride_scales_row,
+    stride_zeros_row,
+    stride_out_row,
+    m,
+    g_idx_ptr,  # [K] int32 with HAS_G_IDX
+    group_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,  # packed words per weight row per K step: the step is 8 * WORDS columns
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # read for float32 operands only
+    INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: tl.dot on float32 tiles (see triton_linear)
+):
+    """Nibble by nibble: nibble i of the step's words [BN, W] holds the columns
+    `_nibble_columns(i)`, so it multiplies those x columns, and the 8 products add up to the
+    step's; no tile is reshaped. The weight is made whole and rounded to x's dtype as the
+    reference does, 2**23 + q giving q - z with one subtraction (no integer-to-float
+    conversion)."""
+    # Row tiles vary fastest: the programs that share a weight block run side by side, so it
+    # comes from HBM once and from L2 for the others.
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    words = tl.arange(0, WORDS)  # [W]
+    row_valid = rows < m
+    col_valid = cols < n
+    x_rows = x_ptr + rows[:, None] * stride_x_row  # [BM, 1]
+    w_ptrs = qweight_ptr + cols[:, None].to(tl.int64) * stride_qweight_row + words[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+    for k_start in range(0, k, 8 * WORDS):
+        word_valid = k_start + 8 * words < k  # K % 32 == 0: a chunk is whole or out
+        mask = col_valid[:, None] & word_valid[None, :]  # [BN, W]
+        packed = tl.load(w_ptrs, mask=mask, other=0)
+        if not HAS_G_IDX:  # a scale and a zero point per word, for the whole step
+            groups = (k_start + 8 * words) // group_size  # [W]
+            offsets = cols[:, None] * stride_scales_row + groups[None, :]
+            scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0)
+            scale = scale.to(tl.float32)
+            float_zero = tl.full([BLOCK_N, WORDS], 8.0 + 8388608.0, tl.float32)
+            if HAS_ZEROS:
+                offsets = cols[:, None] * stride_zeros_row + groups[None, :]
+                zero = tl.load(zeros_ptr + offsets, mask=mask, other=0).to(tl.float32)
+                float_zero = zero + 8388608.0  # 2**23 + z
+        for i in tl.static_range(8):
+            ks = _nibble_columns(k_start, words, i)  # [W]
+            x_mask = row_valid[:, None] & word_valid[None, :]
+            x = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0)  # [BM, W]
+            q = (packed >> (4 * i)) & 0xF  # [BN, W] int32
+            if HAS_G_IDX:  # the scale and zero point of each column, gathered
+                col_groups = tl.load(g_idx_ptr + ks, mask=word_valid, other=0)  # [W]
+                offsets = cols[:, None] * stride_scales_row + col_groups[None, :]
+                scale = tl.load(scales_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+                float_zero = tl.full([BLOCK_N, WORDS], 8.0 + 8388608.0, tl.float32)
+                if HAS_ZEROS:
+                    offsets = cols[:, None] * stride_zeros_row + col_groups[None, :]
+                    zero = tl.load(zeros_ptr + offsets, mask=mask, other=0)
+                    float_zero = zero.to(tl.float32) + 8388608.0
+            qz = (q | 0x4B000000).to(tl.float32, bitcast=True) - float_zero
+            # Rounded to x's dtype, as the reference dequantizes.
+            w = (qz * scale).to(x_ptr.dtype.element_ty)  # [BN, W]
+            if INTERPRETED:
+                acc = tl.dot(
+                    x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee"
+                )
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        w_ptrs += WORDS
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_out_row + cols[None, :]
+    out_mask = row_valid[:, None] & col_valid[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _dequantize_kernel(
+    qweight_ptr,  # [N, K/8] int32
+    scales_ptr,  # [N, G]
+    zeros_ptr,  # [N, G] uint8 with HAS_ZEROS
+    g_idx_ptr,  # [K] int32 with HAS_G_IDX
+    out_ptr,  # [N, K]
+    n,
+    k,
+    group_size,
+    stride_qweight_row,
+    stride_scales_row,
+    stride_zeros_row,
+    stride_out_row,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    HAS_G_IDX: tl.constexpr,
+):
+    """out = the dequantized weight, rounded to out's dtype (the reference's rounding). The
+    tile is unpacked as [BN, W, 8], flattened to its packed positions [BN, 8 W], and stored at
+    their columns (the chunk interleave: a permutation inside the tile's columns)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
+    words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)  # [W]
+    positions = tl.arange(0, WORDS * 8)  # [8 W] packed positions 8 w + i in the tile
+    within = positions % _CHUNK  # 8 c + 2 p + h -> column 8 p + 2 c + h of the chunk
+    chunk_column = 8 * ((within % 8) // 2) + 2 * (within // 8) + within % 2
+    ks = tl.program_id(1) * WORDS * 8 + (positions // _CHUNK) * _CHUNK + chunk_column  # [8 W]
+    row_valid = cols < n
+    offsets = cols[:, None].to(tl.int64) * stride_qweight_row + words[None, :]
+    packed = tl.load(qweight_ptr + offsets, mask=row_valid[:, None] & (words < k // 8)[None, :])
+    q = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, W, 8]
+    q = tl.reshape(q, [BLOCK_N, WORDS * 8])  # packed position 8 w + i
+    mask = row_valid[:, None] & (ks < k)[None, :]  # [BN, 8W]
+    if HAS_G_IDX:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+        groups = tl.load(g_idx_ptr + ks, mask=ks < k, other=0)
+    else:
+        groups = ks // group_size
+    scale = tl.load(scales_ptr + cols[:, None] * stride_scales_row + groups[None, :], mask=mask)
+    zero = 8.0
+    if HAS_ZEROS:
+        zero_ptrs = zeros_ptr + cols[:, None] * stride_zeros_row + groups[None, :]
+        zero = tl.load(zero_ptrs, mask=mask, other=0).to(tl.float32)
+    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    w = (qf - zero) * scale.to(tl.float32)
+    out_ptrs = out_ptr + cols[:, None].to(tl.int64) * stride_out_row + ks[None, :]
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,  # [N, K/8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor | None,  # [N, G] uint8
+    group_size: int,
+    g_idx: torch.Tensor | None,  # [K] int32
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [N, K]
+    """`kernels.int4.dequantize_int4_reference`, rounded to `dtype`, in one launch."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_n, words = 16, 32
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k // PACK, words))
+    _dequantize_kernel[grid](
+        qweight,
+        scales,
+        zeros if zeros is not None else scales,
+        g_idx if g_idx is not None else qweight,
+        out,
+        n,
+        k,
+        group_size,
+        qweight.stride(0),
+        scales.stride(0),
+        zeros.stride(0) if zeros is not None else 0,
+        out.stride(0),
+        BLOCK_N=block_n,
+        WORDS=words,
+        HAS_ZEROS=zeros is not None,
+        HAS_G_IDX=g_idx is not None,
+        num_warps=4,
+    )
+    return out
+
+
+def launch_dequant_dot(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    tiles: Int4Tiles,
+) -> None:
+    if tiles.block_k < 8 * DOT_MIN:
+        raise ValueError(f"{tiles}: tl.dot needs block_k >= {8 * DOT_MIN} (16 words)")
+    if min(tiles.block_m, tiles.block_n) < DOT_MIN:
+        raise ValueError(f"{tiles}: tl.dot needs block_m and block_n >= {DOT_MIN}")
+    m, n = x.shape[0], qweight.shape[0]
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n))
+    _int4_dequant_dot_kernel[grid](
+        *operands(x, qweight, scales, zeros, bias, out),
+        m,
+        g_idx if g_idx is not None else qweight,
+        group_size,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        WORDS=tiles.block_k // PACK,
+        HAS_ZEROS=zeros is not None,
+        HAS_G_IDX=g_idx is not None,
+        HAS_BIAS=bias is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        INTERPRETED=not x.is_cuda,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
