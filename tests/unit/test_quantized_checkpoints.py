@@ -126,6 +126,17 @@ def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: 
         read_quant_spec("awq", source_with(tmp_path, gptq), "auto", device_type="cpu")
 
 
+def fp8_channel_config(input_activations: dict[str, object] | None) -> dict[str, object]:
+    """A compressed-tensors FP8 config with per-channel weights and these activations."""
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": input_activations}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {"g": group},
+    }
+
+
 @pytest.mark.parametrize(
     ("config", "field"),
     [
@@ -162,39 +173,13 @@ def test_the_checkpoint_config_decides_and_a_contrary_flag_is_refused(tmp_path: 
             },
             "activation_scheme",
         ),
-        (
-            {
-                "quant_method": "compressed-tensors",
-                "format": "float-quantized",
-                "config_groups": {
-                    "g": {
-                        "targets": ["Linear"],
-                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
-                        "input_activations": {  # static needs one scale per tensor
-                            "num_bits": 8,
-                            "type": "float",
-                            "strategy": "token",
-                            "dynamic": False,
-                        },
-                    }
-                },
-            },
+        (  # static activations need one scale per tensor
+            fp8_channel_config(
+                {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False}
+            ),
             "input_activations",
         ),
-        (
-            {
-                "quant_method": "compressed-tensors",
-                "format": "float-quantized",
-                "config_groups": {
-                    "g": {
-                        "targets": ["Linear"],
-                        "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
-                        "input_activations": None,  # W8A16: not run yet
-                    }
-                },
-            },
-            "input_activations",
-        ),
+        (fp8_channel_config(None), "input_activations"),  # W8A16: not run yet
     ],
 )
 def test_unsupported_configs_are_refused_by_field(
