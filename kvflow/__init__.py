@@ -11,6 +11,7 @@ that drive steps one by one, as the benchmarks do.
 """
 
 from kvflow.llm import LLM
+from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Completion, GenerationResult
 from services.scheduler.engine_core import EngineCore
 from shared.protocol import EngineRequest, SamplingParams, TokenLogprob, TopLogprob
@@ -22,6 +23,7 @@ __all__ = [
     "EngineCore",
     "EngineRequest",
     "GenerationResult",
+    "LoRARequest",
     "SamplingParams",
     "TokenLogprob",
     "TopLogprob",

@@ -14,8 +14,10 @@ from typing import Any, cast
 
 import msgspec
 
+from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Completion, GenerationResult
 from kvflow.progress import Progress
+from services.executor.lora_adapter import LoraAdapterError
 from services.executor.model_runner import ModelRunner
 from services.frontend.openai_types import Message, Tool, chat_message
 from services.frontend.structured import tool_definition
@@ -66,11 +68,14 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         show_progress: bool = False,
     ) -> list[GenerationResult]:
         """Generate for every prompt (text or token ids) in one continuous batch.
 
-        `sampling_params` is one for all prompts, or a list with one per prompt.
+        `sampling_params` is one for all prompts, or a list with one per prompt; so is
+        `lora_request`, the LoRA adapter a prompt runs under (None: the base model; needs
+        `enable_lora=True`).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [cast(Prompt, prompts)]
@@ -83,7 +88,7 @@ class LLM:
             )
             for prompt in prompts
         ]
-        return self._run(requests, sampling_params, show_progress)
+        return self._run(requests, sampling_params, lora_request, show_progress)
 
     def chat(
         self,
@@ -91,6 +96,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         tools: Sequence[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         show_progress: bool = False,
     ) -> list[GenerationResult]:
         """Generate a reply for each conversation, through the model's chat template.
@@ -109,7 +115,7 @@ class LLM:
             )
             for messages in conversations
         ]
-        return self._run(requests, sampling_params, show_progress)
+        return self._run(requests, sampling_params, lora_request, show_progress)
 
     def stats(self) -> StatsSnapshot:
         return self.engine.stats()
@@ -120,16 +126,20 @@ class LLM:
         self,
         prompts: list[GenerateRequest],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
         show_progress: bool,
     ) -> list[GenerationResult]:
         params = sampling_params or SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(per_prompt) != len(prompts):
             raise ParameterError("sampling_params", "give one per prompt, or a single one")
+        loras = _per_prompt_loras(lora_request, len(prompts))
+        lora_ids = [0 if lora is None else self.add_lora(lora) for lora in loras]
         results: list[GenerationResult] = []
         owners: dict[str, tuple[GenerationResult, Completion]] = {}
         try:
-            for prompt, prompt_params in zip(prompts, per_prompt, strict=True):
+            for prompt, prompt_params, lora_id in zip(prompts, per_prompt, lora_ids, strict=True):
+                prompt = msgspec.structs.replace(prompt, lora_id=lora_id)
                 results.append(self._add(prompt, prompt_params, owners))
             self._step_until_done(owners, Progress(len(owners), show_progress))
         finally:
@@ -137,6 +147,18 @@ class LLM:
                 self.engine.abort(list(owners))
                 self.worker.abort(list(owners))
         return results
+
+    def add_lora(self, lora: LoRARequest) -> int:
+        """Register a LoRA adapter (read and checked on its first use) and return its id;
+        `generate` and `chat` do it for the adapters they are given."""
+        if self.runner.lora is None:
+            raise ParameterError("lora_request", "LoRA is not enabled: LLM(..., enable_lora=True)")
+        try:
+            self.runner.lora.add(lora.lora_int_id, lora.lora_name, lora.lora_path)
+        except LoraAdapterError as exc:
+            raise ParameterError("lora_request", str(exc)) from exc
+        self.engine.scheduler.add_lora(lora.lora_int_id)
+        return lora.lora_int_id
 
     def _add(
         self,
@@ -186,6 +208,16 @@ class LLM:
                     num_done += 1
             progress.update(num_tokens, num_done)
         progress.close()
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if len(lora_request) != num_prompts:
+        raise ParameterError("lora_request", "give one per prompt, or a single one")
+    return list(lora_request)
 
 
 def _chat_messages(messages: Sequence[dict[str, Any]]) -> list[ChatMessage]:

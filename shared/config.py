@@ -69,6 +69,23 @@ class Config:
     max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."
     )
+    # -- LoRA
+    enable_lora: bool = option(
+        False, "lora", "Serve LoRA adapters (PEFT format) beside the base model."
+    )
+    max_loras: int = option(
+        1,
+        "lora",
+        "LoRA adapters resident on the device at once: one step runs requests of at most this "
+        "many adapters (and of the base model).",
+    )
+    max_lora_rank: int = option(16, "lora", "Largest adapter rank accepted.")
+    max_cpu_loras: int | None = option(
+        None,
+        "lora",
+        "Adapters whose weights are kept in host memory (least recently used out; an adapter "
+        "not kept is read from its files again when next used); default: --max-loras.",
+    )
     seed: int = option(0, "model", "Random seed: dummy weights, sampling, `generate` prompts.")
     # -- cache
     block_size: int = option(16, "cache", "Tokens per KV cache block.")
@@ -297,6 +314,13 @@ class Config:
         for name in _LIMITS:
             value = getattr(self, name)
             _require(value is None or value >= 1, name, "must be >= 1")
+        _require(self.max_loras >= 1, "max_loras", "must be >= 1")
+        _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        _require(
+            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+            "max_cpu_loras",
+            "must be >= --max-loras",
+        )
         _require(
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
             "num_gpu_blocks_override",

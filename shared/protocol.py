@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class Message(msgspec.Struct, gc=False):
@@ -199,6 +199,8 @@ class EngineRequest(Message, tag=True, kw_only=True):
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     priority: int = 0  # with --scheduling-policy priority: lower runs first
+    # The LoRA adapter it runs under, by the id it was registered with (0: the base model).
+    lora_id: int = 0
 
 
 class AbortRequests(Message, tag=True):
@@ -217,6 +219,7 @@ class NewRequestData(Message, kw_only=True):
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits)
+    lora_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 class CachedRequestData(Message, kw_only=True):
@@ -399,6 +402,7 @@ class GenerateRequest(Message, tag=True, kw_only=True):
     # Echo with max_tokens 0: the engine computes one token, which is dropped: the answer is
     # the prompt (with its logprobs) alone.
     prompt_only: bool = False
+    lora_id: int = 0  # the LoRA adapter it runs under (0: the base model)
 
 
 class TokenizeRequest(Message, tag=True, kw_only=True):
@@ -558,6 +562,7 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     # The SchedulerHello answered; None: sent unasked when the executor starts, which tells a
     # running scheduler that its executor was replaced (see services/scheduler/process.py).
     session: int | None = None
+    max_loras: int = 0  # distinct LoRA adapters one step may run (0: LoRA is off)
 
 
 class ExecutorVersion(Message, tag="ExecutorReady"):

@@ -13,8 +13,9 @@ from services.executor.linear import Activation, Linear, LinearMethod
 
 
 def feeds_fp8_rows(layer: Linear) -> bool:
-    """Whether the op feeding this layer quantizes its output for it (`Fp8Rows`)."""
-    return layer.method.takes_fp8_rows
+    """Whether the op feeding this layer quantizes its output for it (`Fp8Rows`): not for a
+    layer with LoRA slots, whose adapters multiply the float input."""
+    return layer.method.takes_fp8_rows and layer.lora is None
 
 
 class RMSNorm(nn.Module):
@@ -81,8 +82,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
         self.down_proj = Linear(intermediate_size, hidden_size, method=method)
 
-    def forward(self, x: Activation) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate]
+    def forward(self, x: Activation, lora: torch.Tensor | None = None) -> torch.Tensor:
+        """`lora`: each token's LoRA slot [T] (see Linear.forward), or None."""
+        gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
         if feeds_fp8_rows(self.down_proj):  # quantized as down_proj would (its static scale)
-            return self.down_proj(ops.silu_and_mul_fp8(gate_up, self.down_proj.fp8_input_scale()))
-        return self.down_proj(ops.silu_and_mul(gate_up))  # [T, hidden]
+            scale = self.down_proj.fp8_input_scale()
+            return self.down_proj(ops.silu_and_mul_fp8(gate_up, scale), lora)
+        return self.down_proj(ops.silu_and_mul(gate_up), lora)  # [T, hidden]

@@ -31,6 +31,7 @@ from kernels.fp8 import (
 from kernels.gguf import row_bytes
 from kernels.int4 import CHUNK, PACK
 from services.executor.linear_shards import TensorDims
+from services.executor.lora_slots import ProjectionSlots
 from shared.quant_config import QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -425,9 +426,11 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) by the layer's method, which registers and loads its weights."""
+    """y = x W^T (+ b) by the layer's method, which registers and loads its weights; with LoRA
+    slots attached (`lora`), plus each token's adapter's B A x (`kernels/lora.py`)."""
 
     weight: nn.Parameter | None
+    lora: ProjectionSlots | None = None
 
     def __init__(
         self,
@@ -446,8 +449,15 @@ class Linear(nn.Module):
         self.method: LinearMethod = method or Unquantized()
         self.method.create_weights(self)
 
-    def forward(self, x: Activation) -> torch.Tensor:  # [M, K] -> [M, N]
-        return self.method.apply(self, x)
+    def forward(self, x: Activation, token_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N]; `token_slots` [M]: each row's LoRA slot (-1: none), given
+        when the model runs with LoRA."""
+        out = self.method.apply(self, x)
+        if token_slots is not None and self.lora is not None:
+            assert isinstance(x, torch.Tensor)  # with slots attached, no producer quantizes
+            shrunk = ops.lora_shrink(x, self.lora.lora_a, token_slots)  # [M, P, R]
+            ops.lora_expand(out, shrunk, self.lora.lora_b, token_slots, self.lora.piece_rows)
+        return out
 
     def fp8_input_scale(self) -> torch.Tensor | None:
         """The static scale the op feeding it quantizes by (`LinearMethod.fp8_input_scale`)."""

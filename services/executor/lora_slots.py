@@ -63,9 +63,10 @@ class LoraSlots:
                 shapes = [projection_shape(cfg, piece) for piece in pieces]
                 in_features = shapes[0][1]
                 rows = tuple(out for out, _ in shapes)
-                a = torch.zeros(max_loras, len(pieces), self.rank, in_features, dtype=dtype)
-                b = torch.zeros(max_loras, sum(rows), self.rank, dtype=dtype)
-                layer[fused] = ProjectionSlots(a.to(device), b.to(device), rows)
+                a_shape = (max_loras, len(pieces), self.rank, in_features)
+                a = torch.zeros(a_shape, dtype=dtype, device=device)
+                b = torch.zeros(max_loras, sum(rows), self.rank, dtype=dtype, device=device)
+                layer[fused] = ProjectionSlots(a, b, rows)
             self.layers.append(layer)
 
     def fill(self, slot: int, adapter: LoraAdapter) -> None:
@@ -98,9 +99,9 @@ class SlotTable:
 
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
-        self._slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, LRU first
+        self._slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
 
-    def assign(self, adapters: set[str]) -> tuple[dict[str, int], dict[str, int]]:
+    def assign(self, adapters: set[int]) -> tuple[dict[int, int], dict[int, int]]:
         """Slots for the adapters one step needs: (all of them, those that must be filled now).
         Adapters already resident keep their slots; new ones take free slots, then those of the
         least recently used adapters the step does not need. The table counts an adapter as
@@ -110,7 +111,7 @@ class SlotTable:
                 f"a step needs {len(adapters)} adapters but there are {self.max_loras} slots "
                 "(--max-loras): the scheduler must not plan that"
             )
-        to_fill = {}
+        to_fill: dict[int, int] = {}
         free = sorted(set(range(self.max_loras)) - set(self._slots.values()))
         for name in sorted(adapters - set(self._slots)):
             if free:
@@ -124,9 +125,9 @@ class SlotTable:
             self._slots.move_to_end(name)  # most recently used last
         return {name: self._slots[name] for name in adapters}, to_fill
 
-    def forget(self, adapter: str) -> int | None:
+    def forget(self, adapter: int) -> int | None:
         """Drop an adapter (unloaded); its slot, now free, or None."""
         return self._slots.pop(adapter, None)
 
-    def resident(self) -> dict[str, int]:
+    def resident(self) -> dict[int, int]:
         return dict(self._slots)

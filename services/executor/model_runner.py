@@ -17,6 +17,7 @@ from services.executor.kv_cache import (
     num_kv_blocks,
     profile_step_peak,
 )
+from services.executor.lora_manager import LoraManager
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.sampler import (
@@ -103,6 +104,17 @@ class ModelRunner:
             seed=config.seed,
             quantization=config.quantization,
         )
+        # Before the KV cache is sized: the slots take device memory for good.
+        self.lora: LoraManager | None = None
+        if config.enable_lora:
+            self.lora = LoraManager(
+                self.model,
+                config.max_loras,
+                config.max_lora_rank,
+                config.max_cpu_loras,
+                self.dtype,
+                self.device,
+            )
         max_blocks = -(-self.max_model_len // self.block_size)
         self.buffers = StepBuffers(
             config.max_num_batched_tokens,
@@ -163,6 +175,7 @@ class ModelRunner:
             max_num_seqs=self.buffers.max_reqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             session=session,
+            max_loras=self.lora.max_loras if self.lora is not None else 0,
         )
 
     def reset(self) -> None:
@@ -353,7 +366,8 @@ class ModelRunner:
 
     def _forward(self, view: StepView) -> torch.Tensor:
         ops.gather_sampled_inputs(view.input_ids, view.source_rows, self.sampled_ids)
-        return self.model(view.input_ids, view.positions, self.kv_caches, view.meta)
+        lora = view.token_slots if self.lora is not None else None
+        return self.model(view.input_ids, view.positions, self.kv_caches, view.meta, lora)
 
     def _apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
@@ -386,6 +400,9 @@ class ModelRunner:
             self._add_row(prepared, request_id, state, num_new)
         if self.graphs is not None:
             prepared.shape = self.graphs.shape_for(len(prepared.counts), len(prepared.token_ids))
+        row_slots = None
+        if self.lora is not None:  # a step's adapters in slots before its inputs name them
+            row_slots = self.lora.row_slots(prepared.lora_ids)
         self.buffers.write(
             prepared.token_ids,
             prepared.starts,
@@ -393,6 +410,7 @@ class ModelRunner:
             prepared.sample_rows,
             prepared.shape,
             prepared.sources,
+            row_slots,
         )
         if prepared.shape is not None and prepared.shape.decode:
             for row in range(len(prepared.counts), prepared.shape.num_reqs):
@@ -420,6 +438,7 @@ class ModelRunner:
             prepared.prompt_rows.append((request_id, first, start, count))
         prepared.starts.append(start)
         prepared.counts.append(num_new)
+        prepared.lora_ids.append(state.lora_id)
         self._write_table_row(len(prepared.counts) - 1, state)
         state.num_computed_tokens = end
         if end == state.num_tokens:  # reached the end: sample the next

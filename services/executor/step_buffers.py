@@ -2,8 +2,9 @@
 
 Every field lives at a fixed offset of one int32 buffer, sized for the largest step:
 
-    input_ids [T] | positions [T] | slot_mapping [T] | source_rows [T] | query_start_loc [R+1]
-    | seq_lens [R] | sample_rows [R] | block_tables [R, max_blocks]   (T, R: the configured maxima)
+    input_ids [T] | positions [T] | slot_mapping [T] | source_rows [T] | token_slots [T]
+    | query_start_loc [R+1] | seq_lens [R] | sample_rows [R] | block_tables [R, max_blocks]
+    (T, R: the configured maxima)
 
 The host fills a pinned mirror, and one asynchronous copy moves the used prefix to the GPU.
 Fixed offsets also make the device views stable, which CUDA graphs need: a graph captured on
@@ -12,6 +13,7 @@ Fixed offsets also make the device views stable, which CUDA graphs need: a graph
 `source_rows` is how a step runs before the host knows all of its input tokens: a decode
 whose input is the token the step in flight is still sampling names that token's row in the
 device's last sampled ids (-1 elsewhere), and the forward pass gathers it on the device.
+`token_slots` is each token's LoRA slot (-1: the base model), written when LoRA is on.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class StepView:
     input_ids: torch.Tensor  # [T] int32
     positions: torch.Tensor  # [T] int32
     source_rows: torch.Tensor  # [T] int32: row of the last sampled ids to take, or -1
+    token_slots: torch.Tensor  # [T] int32: LoRA slot of each token, or -1 (with LoRA only)
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] int32: flat index of each sampling request's last token
 
@@ -56,6 +59,7 @@ class StepBuffers:
             "positions": max_tokens,
             "slot_mapping": max_tokens,
             "source_rows": max_tokens,
+            "token_slots": max_tokens,
             "query_start_loc": max_reqs + 1,
             "seq_lens": max_reqs,
             "sample_rows": max_reqs,
@@ -102,13 +106,14 @@ class StepBuffers:
         sample_rows: Sequence[int],
         pad_to: PaddedShape | None = None,
         sources: Sequence[tuple[int, int]] = (),
+        row_slots: Sequence[int] | None = None,
     ) -> None:
         """Fill the host mirror for one step; `pad_to` pads it to a CUDA graph's shape.
 
         Request r computes tokens starts[r] : starts[r] + counts[r], whose ids are the
         concatenated `token_ids`; its blocks are in table row r (`set_table_row`). Each
         (token index, row) of `sources` replaces that token id by the row of the last sampled
-        ids, on the device.
+        ids, on the device. `row_slots`: each request's LoRA slot, with LoRA.
         """
         num_reqs, num_tokens = len(counts), len(token_ids)
         if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
@@ -130,6 +135,8 @@ class StepBuffers:
         if sources:
             indices, rows = zip(*sources, strict=True)
             source_rows[list(indices)] = rows
+        if row_slots is not None:
+            self._host("token_slots", num_tokens)[:] = np.asarray(row_slots)[req_index]
         qsl = self._host("query_start_loc", num_reqs + 1)
         qsl[0] = 0
         qsl[1:] = np.cumsum(count)
@@ -152,6 +159,7 @@ class StepBuffers:
         self._host("positions", size)[pad] = 0
         self._host("slot_mapping", size)[pad] = PADDING_SLOT
         self._host("source_rows", size)[pad] = -1
+        self._host("token_slots", size)[pad] = -1
 
     def _pad_decode(self, num_reqs: int, size: int) -> None:
         """Rows num_reqs..size: one harmless token each (read block 0, write nowhere)."""
@@ -206,6 +214,7 @@ class StepBuffers:
             input_ids=self._device("input_ids", num_tokens),
             positions=self._device("positions", num_tokens),
             source_rows=self._device("source_rows", num_tokens),
+            token_slots=self._device("token_slots", num_tokens),
             meta=meta,
             sample_rows=self._device("sample_rows", num_samples),
         )

@@ -39,6 +39,7 @@ class RequestState:
     matcher: LLMatcher | None = field(default=None)
     # Prompt logprobs still to compute: not for a request resumed after its prompt was done.
     wants_prompt_logprobs: bool = field(default=False)
+    lora_id: int = field(default=0)  # its LoRA adapter (0: the base model)
 
     @classmethod
     def from_new(cls, data: NewRequestData, matcher: LLMatcher | None = None) -> RequestState:
@@ -53,6 +54,7 @@ class RequestState:
             matcher=matcher,
             wants_prompt_logprobs=data.sampling_params.prompt_logprobs is not None
             and not data.output_token_ids,
+            lora_id=data.lora_id,
         )
 
     @property
@@ -173,6 +175,7 @@ class PreparedStep:
     sample_ids: list[str] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     sources: list[tuple[int, int]] = field(default_factory=list)  # (token index, sampled row)
+    lora_ids: list[int] = field(default_factory=list)  # each row's LoRA adapter (0: none)
     shape: PaddedShape | None = None
     # Requests whose prompt logprobs this step computes: (request id, token index of the first
     # position, that position, number of positions).

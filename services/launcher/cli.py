@@ -16,7 +16,7 @@ from shared.version import VERSION
 from shared.wire_security import make_keys
 
 logger = logging.getLogger(__name__)
-ENGINE_GROUPS = ("model", "cache", "scheduler", "device")
+ENGINE_GROUPS = ("model", "lora", "cache", "scheduler", "device")
 ALL_GROUPS = (*ENGINE_GROUPS, "server", "limits", "components")
 COMPONENTS = {
     "frontend": "The HTTP API process (FastAPI on uvicorn).",

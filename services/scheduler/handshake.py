@@ -65,4 +65,5 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         max_queued_requests=config.max_queued_requests,
         max_queued_tokens=config.max_queued_tokens,
         scheduling_policy=config.scheduling_policy,
+        max_loras=ready.max_loras,
     )

@@ -21,6 +21,12 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def lora_seed(lora_id: int) -> bytes:
+    """The parent key of a request's first block: its LoRA adapter's, so that a prefix computed
+    under one adapter (or the base model) is never found under another."""
+    return b"" if lora_id == 0 else b"lora:" + lora_id.to_bytes(8, "little")
+
+
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     """Key of a full block: sha256 over the parent's key and this block's token ids.
 
@@ -44,6 +50,7 @@ class Request:
         self.arrival_time = engine_request.arrival_time
         self.arrival_index = arrival_index  # the scheduler's count: breaks arrival-time ties
         self.priority = engine_request.priority
+        self.lora_id = engine_request.lora_id
         self.max_tokens = max_tokens  # resolved against max_model_len
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is (or will be, this step) in the cache
@@ -107,5 +114,5 @@ class Request:
     def _update_block_hashes(self) -> None:
         size = self._block_size
         for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
-            parent = self.block_hashes[-1] if self.block_hashes else b""
+            parent = self.block_hashes[-1] if self.block_hashes else lora_seed(self.lora_id)
             self.block_hashes.append(hash_block(parent, self.all_token_ids[start : start + size]))

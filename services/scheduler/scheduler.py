@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,6 +55,7 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # waiting requests beyond which new ones are refused
     max_queued_tokens: int | None = None  # waiting tokens beyond which new ones are refused
     scheduling_policy: str = "fcfs"  # or "priority" (see WaitingQueue)
+    max_loras: int = 0  # LoRA adapters among the running requests at once (0: LoRA is off)
 
 
 class Scheduler:
@@ -64,6 +66,14 @@ class Scheduler:
         self.waiting = WaitingQueue(config.scheduling_policy)
         # fcfs: in admission order; priority: by priority_key. The last is preempted first.
         self.running: list[Request] = []
+        # LoRA: the adapter ids requests may name, and how many running requests run each.
+        # NOTE: every running request is in every step it can be, so the running requests hold
+        # at most max_loras adapters, and no step needs more slots than the executor has.
+        self.lora_ids: set[int] = set()
+        self._running_loras: Counter[int] = Counter()
+        # The adapters of the last plan's rows: an addendum joins a plan whose rows may belong
+        # to requests that have ended since, and its adapters count until it runs.
+        self._plan_loras: set[int] = set()
         self._num_arrivals = 0
         self._dropped_ids: list[str] = []  # executor state to drop at the next step
         # Ended requests that a plan not yet reported (`update`) still runs: request_id -> the
@@ -79,11 +89,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ intake
 
+    def add_lora(self, lora_id: int) -> None:
+        """Let requests name the LoRA adapter `lora_id` (registered with the executor)."""
+        if not self.config.max_loras:
+            raise ParameterError("lora_request", "LoRA is not enabled (--enable-lora)")
+        self.lora_ids.add(lora_id)
+
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request, or raise ParameterError if it can never be served."""
         request_id = engine_request.request_id
         if request_id in self.requests or request_id in self._retiring:
             raise ParameterError("request_id", f"{request_id!r} is already in flight")
+        lora_id = engine_request.lora_id
+        if lora_id and lora_id not in self.lora_ids:
+            raise ParameterError("model", f"no LoRA adapter has id {lora_id}")
         max_tokens = self._admissible_max_tokens(engine_request)
         self._check_queue_room(len(engine_request.prompt_token_ids))
         self._num_arrivals += 1
@@ -175,6 +194,7 @@ class Scheduler:
         cached_data, budget, preempted = self._schedule_running(budget, scheduled)
         new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
         self._commit(scheduled)
+        self._plan_loras = {self.requests[rid].lora_id for rid in scheduled} - {0}
         dropped, self._dropped_ids = self._dropped_ids, []
         return SchedulerOutput(
             step=self._step,
@@ -197,11 +217,16 @@ class Scheduler:
         num_rows = self.config.max_num_seqs - len(plan.num_scheduled_tokens)
         scheduled: dict[str, int] = {}
         new_data = self._schedule_waiting(
-            budget, scheduled, first_admissions_only=True, max_new_rows=num_rows
+            budget,
+            scheduled,
+            first_admissions_only=True,
+            max_new_rows=num_rows,
+            planned_loras=self._plan_loras,
         )
         if not new_data:
             return None
         self._commit(scheduled)
+        self._plan_loras |= {self.requests[rid].lora_id for rid in scheduled} - {0}
         plan.new_requests.extend(new_data)
         plan.num_scheduled_tokens.update(scheduled)
         return SchedulerOutput(
@@ -261,8 +286,10 @@ class Scheduler:
         scheduled: dict[str, int],
         first_admissions_only: bool = False,
         max_new_rows: int | None = None,
+        planned_loras: set[int] | None = None,
     ) -> list[NewRequestData]:
         new_data: list[NewRequestData] = []
+        planned = planned_loras or set()
         room = self.config.max_num_seqs if max_new_rows is None else max_new_rows
         while (
             self.waiting
@@ -270,7 +297,9 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
             and len(new_data) < room
         ):
-            request = self.waiting.peek()
+            request = self.waiting.first(lambda r: self._lora_fits(r, planned))
+            if request is None:
+                break
             if request.num_pending_tokens:
                 break  # preempted with a token in flight: readmit it once the token is in
             if first_admissions_only and request.num_preemptions:
@@ -285,7 +314,7 @@ class Scheduler:
             num_new = min(num_new, budget)
             if not self.kv.allocate(request, num_new, cached):
                 break
-            self.waiting.pop()
+            self.waiting.remove(request)
             num_cached = len(cached) * self.config.block_size
             self.kv.record_prefix_lookup(request.num_tokens, num_cached)
             self._admit(request, num_computed=num_cached)
@@ -294,7 +323,23 @@ class Scheduler:
             budget -= num_new
         return new_data
 
+    def _lora_fits(self, request: Request, planned: set[int]) -> bool:
+        """Whether the request can run beside the running ones (and the adapters of the plan
+        it would join, `planned`): the base model always; an adapter if it runs already or a
+        slot is left."""
+        lora_id = request.lora_id
+        if not lora_id or lora_id in self._running_loras or lora_id in planned:
+            return True
+        return len(self._running_loras.keys() | planned) < self.config.max_loras
+
+    def _count_running_lora(self, request: Request, change: int) -> None:
+        if request.lora_id:
+            self._running_loras[request.lora_id] += change
+            if not self._running_loras[request.lora_id]:
+                del self._running_loras[request.lora_id]
+
     def _admit(self, request: Request, num_computed: int) -> None:
+        self._count_running_lora(request, +1)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
         if request.num_cached_tokens is None:
@@ -314,11 +359,13 @@ class Scheduler:
             sampling_params=request.sampling_params,
             block_ids=list(self.kv.block_ids[request.request_id]),
             num_computed_tokens=request.num_computed_tokens,
+            lora_id=request.lora_id,
         )
 
     def _preempt(self, request: Request) -> None:
         """Release the request's blocks (they stay findable by prefix) and requeue it first."""
         self.kv.free(request)
+        self._count_running_lora(request, -1)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -386,6 +433,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._count_running_lora(request, -1)
             self._dropped_ids.append(request.request_id)
         elif request.status is RequestStatus.WAITING:
             # Aborted while queued, or preempted while its last token was in flight.
@@ -437,6 +485,9 @@ class Scheduler:
         self.kv.check_invariants()
         self.waiting.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
+        loras = Counter(r.lora_id for r in self.running if r.lora_id)
+        assert loras == self._running_loras, "the running adapters' counts drifted"
+        assert len(loras) <= self.config.max_loras, "more adapters run than there are slots"
         assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(
             self.requests
         ), "a live request is neither running nor waiting"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from services.scheduler.request import Request
 
@@ -61,6 +61,11 @@ class WaitingQueue:
 
     def peek(self) -> Request:
         return self._requests[0]
+
+    def first(self, admissible: Callable[[Request], bool]) -> Request | None:
+        """The first request in order that `admissible` takes; those before it keep their
+        places (e.g. requests of a LoRA adapter that has no slot this step)."""
+        return next((request for request in self._requests if admissible(request)), None)
 
     def pop(self) -> Request:
         request = self._requests.popleft()

@@ -106,6 +106,7 @@ class TokenizerWorker:
             sampling_params=params,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            lora_id=request.lora_id,
         )
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:

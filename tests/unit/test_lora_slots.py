@@ -77,21 +77,21 @@ def test_refilling_a_slot_leaves_nothing_of_the_last_adapter(tmp_path: Path) -> 
 
 def test_the_table_keeps_a_steps_adapters_and_evicts_the_least_recently_used() -> None:
     table = SlotTable(max_loras=2)
-    slots, fill = table.assign({"a", "b"})
+    slots, fill = table.assign({1, 2})
     assert sorted(slots.values()) == [0, 1] and fill == slots
-    assert table.assign({"a"}) == ({"a": slots["a"]}, {})  # resident: nothing to fill
-    step, fill = table.assign({"a", "c"})  # b is the least recently used
-    assert fill == {"c": slots["b"]} and step["a"] == slots["a"]
-    assert table.forget("a") == slots["a"] and "a" not in table.resident()
+    assert table.assign({1}) == ({1: slots[1]}, {})  # resident: nothing to fill
+    step, fill = table.assign({1, 3})  # 2 is the least recently used
+    assert fill == {3: slots[2]} and step[1] == slots[1]
+    assert table.forget(1) == slots[1] and 1 not in table.resident()
     with pytest.raises(ValueError, match="--max-loras"):
-        table.assign({"x", "y", "z"})
+        table.assign({7, 8, 9})
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sets(st.sampled_from("abcdef"), min_size=1, max_size=3), max_size=30))
-def test_every_step_has_its_adapters_in_distinct_slots(steps: list[set[str]]) -> None:
+@given(st.lists(st.sets(st.integers(1, 6), min_size=1, max_size=3), max_size=30))
+def test_every_step_has_its_adapters_in_distinct_slots(steps: list[set[int]]) -> None:
     table = SlotTable(max_loras=3)
-    contents: dict[int, str] = {}  # what each slot holds, as the fills left it
+    contents: dict[int, int] = {}  # what each slot holds, as the fills left it
     for adapters in steps:
         slots, fill = table.assign(adapters)
         for name, slot in fill.items():

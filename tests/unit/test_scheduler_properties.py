@@ -2,8 +2,9 @@
 
 A state machine plays the engine: it replays the executor's side of every plan (its
 per-request state built from the incremental deltas, and a fake KV cache that stores the
-token id written at each slot), so a prefix hit on a block that was never written, a delta
-that disagrees with the scheduler, or a leaked block all fail here.
+token id written at each slot, and the LoRA adapter it was computed under), so a prefix hit on
+a block that was never written or was written under another adapter, a delta that disagrees
+with the scheduler, a plan with more adapters than slots, or a leaked block all fail here.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ BLOCK_SIZE = 4
 VOCAB = 4  # prompts use token ids 0..3, so prefixes collide and the prefix cache hits
 EOS = VOCAB
 STOP = VOCAB + 1  # a stop_token_id some requests ask for
+LORA_IDS = (1, 2, 3)  # registered adapters; requests run under one of them or the base model
 BASES = [random.Random(seed).choices(range(VOCAB), k=40) for seed in range(3)]
 MAX_DRAIN_STEPS = 2_000
 
@@ -94,6 +96,7 @@ class ExecutorState:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    lora_id: int
 
 
 def expected_finish(config: SchedulerConfig, tracked: Tracked) -> FinishReason | None:
@@ -118,6 +121,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
         end_by_abort=st.sampled_from([False, False, True]),
         policy=st.sampled_from(["fcfs", "priority"]),
+        max_loras=st.integers(1, 2),
     )
     def configure(
         self,
@@ -130,6 +134,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         initial_requests: list[tuple[list[int], SamplingParams]],
         end_by_abort: bool,
         policy: str,
+        max_loras: int,
     ) -> None:
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
@@ -141,11 +146,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             enable_chunked_prefill=chunked,
             eos_token_ids=(EOS,),
             scheduling_policy=policy,
+            max_loras=max_loras,
         )
         self.scheduler = Scheduler(self.config)
+        for lora_id in LORA_IDS:
+            self.scheduler.add_lora(lora_id)
         self.tracked: dict[str, Tracked] = {}
         self.executor: dict[str, ExecutorState] = {}
-        self.kv_slots: dict[tuple[int, int], int] = {}  # (block, offset) -> token id written
+        # (block, offset) -> (adapter, token id) written there
+        self.kv_slots: dict[tuple[int, int], tuple[int, int]] = {}
         self.next_id = 0
         self.end_by_abort = end_by_abort  # else teardown runs everything to completion
         for prompt, params in initial_requests:
@@ -153,8 +162,15 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ rules
 
-    @rule(prompt=prompts(), params=request_params, priority=st.integers(-2, 2))
-    def add(self, prompt: list[int], params: SamplingParams, priority: int = 0) -> None:
+    @rule(
+        prompt=prompts(),
+        params=request_params,
+        priority=st.integers(-2, 2),
+        lora_id=st.sampled_from((0, *LORA_IDS)),
+    )
+    def add(
+        self, prompt: list[int], params: SamplingParams, priority: int = 0, lora_id: int = 0
+    ) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
         if self.config.scheduling_policy != "priority":
@@ -166,6 +182,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             prompt_token_ids=prompt,
             sampling_params=params,
             priority=priority,
+            lora_id=lora_id,
         )
         try:
             self.scheduler.add_request(request)
@@ -244,6 +261,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("preempted")
         if any(plan.num_scheduled_tokens[c.request_id] > 1 for c in plan.cached_requests):
             event("chunked prefill")
+        loras = {self.scheduler.requests[rid].lora_id for rid in plan.num_scheduled_tokens}
+        assert len(loras - {0}) <= self.config.max_loras, "more adapters than slots in a step"
+        if any(r.lora_id not in loras for r in self.scheduler.waiting):
+            event("a request waits for an adapter slot")
         for new in plan.new_requests:
             event("prefix hit" if new.num_computed_tokens else "prefix miss")
             if new.output_token_ids:
@@ -259,14 +280,16 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert end <= len(state.token_ids)
             assert self.scheduler.requests[request_id].num_computed_tokens == end
             for position in range(start, end):
-                self.kv_slots[self.slot(state, position)] = state.token_ids[position]
+                written = (state.lora_id, state.token_ids[position])
+                self.kv_slots[self.slot(state, position)] = written
             state.num_computed_tokens = end
         # NOTE: every write of the step lands before any read, as in the executor's layers.
         for request_id in plan.num_scheduled_tokens:
             state = self.executor[request_id]
             for position in range(state.num_computed_tokens):
                 written = self.kv_slots.get(self.slot(state, position))
-                assert written == state.token_ids[position], f"{request_id} reads stale KV"
+                expected = (state.lora_id, state.token_ids[position])
+                assert written == expected, f"{request_id} reads stale KV or another adapter's"
         sampled = {}
         for request_id in plan.num_scheduled_tokens:
             state = self.executor[request_id]
@@ -287,6 +310,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 new.prompt_token_ids + new.output_token_ids,
                 list(new.block_ids),
                 new.num_computed_tokens,
+                new.lora_id,
             )
         for delta in plan.cached_requests:
             state = self.executor[delta.request_id]

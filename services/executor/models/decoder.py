@@ -86,8 +86,9 @@ class Attention(nn.Module):
         x: Activation,  # [T, hidden], normed (quantized per token for an FP8 qkv_proj)
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        lora: torch.Tensor | None = None,  # [T] each token's LoRA slot, with LoRA
     ) -> torch.Tensor:  # [T, hidden]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -123,7 +124,7 @@ class Attention(nn.Module):
         )  # [T, H, D]
         if v_scale != 1.0:
             out = out * v_scale  # the cached values times v_scale
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -147,6 +148,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Each norm is told the projection it feeds: an FP8 one takes its input quantized.
         qkv_proj = self.self_attn.qkv_proj
@@ -155,9 +157,9 @@ class DecoderLayer(nn.Module):
             x = self.input_layernorm(x, feeds=qkv_proj)
         else:
             x, residual = self.input_layernorm(x, residual, feeds=qkv_proj)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(positions, x, kv_cache, meta, lora)
         x, residual = self.post_attention_layernorm(x, residual, feeds=self.mlp.gate_up_proj)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -188,11 +190,12 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, KV, D]
         meta: AttentionMetadata,
+        lora: torch.Tensor | None = None,  # [T] each token's LoRA slot (-1: none), with LoRA
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(positions, x, residual, kv_cache, meta, lora)
         x, _ = self.norm(x, residual)
         return x
 
