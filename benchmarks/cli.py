@@ -58,6 +58,15 @@ def add_bench_parser(
     throughput.add_argument("--num-prompts", type=int, default=256)
     for parser in (throughput, latency):
         parser.add_argument(
+            "--lora-paths",
+            nargs="+",
+            default=[],
+            help="PEFT adapter folders (with --enable-lora): throughput spreads the requests"
+            " evenly over them, latency runs every request under the first"
+            " (benchmarks/lora_adapters.py makes random ones).",
+        )
+    for parser in (throughput, latency):
+        parser.add_argument(
             "--profile-steps",
             type=int,
             default=0,

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kvflow import LLM, EngineCore, EngineRequest, SamplingParams
+from kvflow import LLM, EngineCore, EngineRequest, LoRARequest, SamplingParams
 from shared.config import Config
 
 
@@ -31,6 +31,13 @@ def _llm(config: Config) -> LLM:
     return LLM(**{k: getattr(config, k) for k in Config.__dataclass_fields__})
 
 
+def _lora_ids(llm: LLM, paths: list[str]) -> list[int]:
+    """The adapters at `paths` registered (ids 1, 2, ...); none: the base model alone."""
+    if paths and not llm.config.enable_lora:
+        raise SystemExit("--lora-paths needs --enable-lora (and --max-loras for several)")
+    return [llm.add_lora(LoRARequest(f"lora-{i}", i, path)) for i, path in enumerate(paths, 1)]
+
+
 def _device_name(llm: LLM) -> str:
     device = llm.runner.device
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -46,9 +53,17 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=args.ignore_eos)
         for n in output_lens
     ]
-    llm.generate(random_prompts(2, [16, 16], vocab, config.seed + 3), params[:2])  # warm-up
+    lora_ids = _lora_ids(llm, args.lora_paths)
+    pairs = zip(lora_ids, args.lora_paths, strict=True)
+    loras = [LoRARequest(f"lora-{i}", i, path) for i, path in pairs]
+    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
+    # Warm-up, with every adapter: they are read and put in slots outside the timing.
+    warm_loras = loras or [None]
+    warm_prompts = random_prompts(len(warm_loras), [16] * len(warm_loras), vocab, config.seed + 3)
+    warm_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate(warm_prompts, warm_params, lora_request=warm_loras)
     start = time.perf_counter()
-    results = llm.generate(prompts, params, show_progress=True)
+    results = llm.generate(prompts, params, lora_request=per_prompt, show_progress=True)
     elapsed = time.perf_counter() - start
     num_out = sum(len(r.token_ids) for r in results)
     stats = llm.stats()
@@ -68,6 +83,7 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "matmul_parameters": _matmul_parameters(llm.runner.model),
         "num_preemptions": stats.num_preemptions,
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
+        "lora_adapters": len(loras),
         "config": _engine_summary(config),
     }
     if args.profile_steps:
@@ -75,8 +91,11 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
 
         # Prompts the prefix cache has not seen, or the profiled steps would compute little.
         fresh = random_prompts(args.num_prompts, input_lens, vocab, config.seed + 7)
-        report["prefill_profile"] = profile_prefill(llm.engine, fresh, params, num_steps=3)
-        report["decode_profile"] = profile_decode(llm.engine, prompts, params, args.profile_steps)
+        prompt_loras = [r.lora_int_id for r in per_prompt] if per_prompt else None
+        report["prefill_profile"] = profile_prefill(llm.engine, fresh, params, 3, prompt_loras)
+        report["decode_profile"] = profile_decode(
+            llm.engine, prompts, params, args.profile_steps, prompt_loras
+        )
         report["gpu_busy_fraction"] = report["decode_profile"]["gpu_busy_fraction"]
     return report
 
@@ -86,10 +105,11 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     engine = llm.engine
     vocab = llm.runner.model_config.vocab_size
     input_len, output_len = args.input_len[0], args.output_len[0]
-    _decode_step_times(engine, 2, 16, 8, vocab, seed=config.seed + 100)  # warm-up
+    lora_id = _lora_ids(llm, args.lora_paths[:1])[0] if args.lora_paths else 0
+    _decode_step_times(engine, 2, 16, 8, vocab, config.seed + 100, lora_id)  # warm-up
     rows = []
     for batch in args.batch_sizes:
-        times = _decode_step_times(engine, batch, input_len, output_len, vocab, seed=batch)
+        times = _decode_step_times(engine, batch, input_len, output_len, vocab, batch, lora_id)
         # The last half of the steps are pure decode whatever the prefill took.
         decode = sorted(times[len(times) // 2 :])
         rows.append(
@@ -108,6 +128,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "output_len": output_len,
         "weight_bytes_per_step": _matmul_weight_bytes(llm.runner.model),
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
+        "lora_adapter": args.lora_paths[0] if args.lora_paths else None,
         "results": rows,
         "config": _engine_summary(config),
     }
@@ -121,6 +142,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
                 random_prompts(batch, [input_len] * batch, vocab, seed=batch + 1000),
                 [params] * batch,
                 args.profile_steps,
+                [lora_id] * batch,
             )
             for batch in args.batch_sizes
         }
@@ -128,14 +150,24 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _decode_step_times(
-    engine: EngineCore, batch: int, input_len: int, output_len: int, vocab: int, seed: int
+    engine: EngineCore,
+    batch: int,
+    input_len: int,
+    output_len: int,
+    vocab: int,
+    seed: int,
+    lora_id: int = 0,
 ) -> list[float]:
-    """Wall time of every engine step while `batch` requests generate `output_len` tokens."""
+    """Wall time of every engine step while `batch` requests generate `output_len` tokens
+    (under the LoRA adapter `lora_id`, if not 0)."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, [input_len] * batch, vocab, seed)):
         engine.add_request(
             EngineRequest(
-                request_id=f"bench-{seed}-{i}", prompt_token_ids=prompt, sampling_params=params
+                request_id=f"bench-{seed}-{i}",
+                prompt_token_ids=prompt,
+                sampling_params=params,
+                lora_id=lora_id,
             )
         )
     times = []
@@ -185,5 +217,8 @@ def _engine_summary(config: Config) -> dict[str, Any]:
         "gpu_memory_utilization",
         "quantization",
         "kv_cache_dtype",
+        "enable_lora",
+        "max_loras",
+        "max_lora_rank",
     )
     return {k: getattr(config, k) for k in keys}

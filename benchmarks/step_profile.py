@@ -65,22 +65,39 @@ def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
 
 
 def profile_prefill(
-    engine: Any, prompts: list[list[int]], params: list[Any], num_steps: int
+    engine: Any,
+    prompts: list[list[int]],
+    params: list[Any],
+    num_steps: int,
+    lora_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Admit `prompts` and profile the first `num_steps` steps (prompt-heavy ones); abort."""
-    ids = _admit(engine, prompts, params, "prefill-profile")
+    """Admit `prompts` (under the LoRA adapters `lora_ids`, one per prompt) and profile the
+    first `num_steps` steps (prompt-heavy ones); abort."""
+    ids = _admit(engine, prompts, params, "prefill-profile", lora_ids)
     report = profile_steps(engine, num_steps)
     _abort(engine, ids)
     return report
 
 
-def _admit(engine: Any, prompts: list[list[int]], params: list[Any], prefix: str) -> list[str]:
+def _admit(
+    engine: Any,
+    prompts: list[list[int]],
+    params: list[Any],
+    prefix: str,
+    lora_ids: list[int] | None = None,
+) -> list[str]:
     from kvflow import EngineRequest
 
     ids = [f"{prefix}-{i}" for i in range(len(prompts))]
-    for request_id, prompt, sampling in zip(ids, prompts, params, strict=True):
+    loras = lora_ids or [0] * len(prompts)
+    for request_id, prompt, sampling, lora_id in zip(ids, prompts, params, loras, strict=True):
         engine.add_request(
-            EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=sampling)
+            EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=prompt,
+                sampling_params=sampling,
+                lora_id=lora_id,
+            )
         )
     return ids
 
@@ -92,11 +109,16 @@ def _abort(engine: Any, ids: list[str]) -> None:
 
 
 def profile_decode(
-    engine: Any, prompts: list[list[int]], params: list[Any], num_steps: int
+    engine: Any,
+    prompts: list[list[int]],
+    params: list[Any],
+    num_steps: int,
+    lora_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Admit `prompts`, step until all are decoding, then profile `num_steps` steps; abort."""
+    """Admit `prompts` (under `lora_ids`, as profile_prefill), step until all are decoding,
+    then profile `num_steps` steps; abort."""
     # Ids of their own per call: those of an earlier call may still retire in the engine.
-    ids = _admit(engine, prompts, params, f"profile-{len(prompts)}")
+    ids = _admit(engine, prompts, params, f"profile-{len(prompts)}", lora_ids)
     while engine.scheduler.waiting:
         engine.step()
     for _ in range(3):  # the last admitted prompts may still be mid-chunk

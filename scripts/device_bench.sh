@@ -22,6 +22,7 @@ COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
 GGUF_FILE=${GGUF_FILE:-/tmp/llama-3.1-8b-q4_k_m.gguf}
 FP8_BLOCK_MODEL=${FP8_BLOCK_MODEL:-/tmp/llama-3.1-8b-fp8-block}
 FP8_STATIC_MODEL=${FP8_STATIC_MODEL:-/tmp/llama-3.1-8b-fp8-static}
+LORA_DIR=${LORA_DIR:-/tmp/loras}
 status=0
 
 run() {
@@ -77,6 +78,22 @@ for part in $PARTS; do
         run throughput-int4 python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --quantization awq --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput_int4.json" ;;
+    lora-tests)  # LoRA kernels at real shapes, and adapters in CUDA graphs against peft
+        run lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/kernels/test_triton_lora.py tests/integration/test_lora.py ;;
+    lora-adapters)  # 8 random rank-16 adapters on all seven projections (peft), outside the tree
+        run lora-adapters python3 -m benchmarks.lora_adapters "$MODEL" --num 8 --rank 16 \
+            --out "$LORA_DIR" ;;
+    latency-lora)  # every request under one adapter (issue 14); compare with `latency`
+        run latency-lora python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
+            --enable-lora --max-lora-rank 16 --lora-paths "$LORA_DIR/adapter-0" \
+            --input-len 128 --output-len 256 --profile-steps 20 \
+            --output-json "$OUT/latency_lora.json" ;;
+    throughput-lora)  # the requests spread evenly over the 8 adapters; compare with `throughput`
+        run throughput-lora python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
+            --enable-lora --max-loras 8 --max-lora-rank 16 --lora-paths "$LORA_DIR"/adapter-* \
+            --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
+            --max-num-batched-tokens 8192 --output-json "$OUT/throughput_lora.json" ;;
     int4-sweep)  # int4 tiles at the Llama-3.1-8B shapes against bf16
         run int4-sweep python3 benchmarks/int4_sweep.py --out "$OUT/int4_sweep.json" \
             --m ${INT4_M:-1 16 64 256} ;;
