@@ -19,7 +19,7 @@ from kernels.gguf import gguf_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
 from kernels.int4 import int4_linear_reference
 from kernels.linear import linear_reference
-from kernels.lora import lora_expand_reference, lora_shrink_reference
+from kernels.lora import LoraDelta, lora_expand_reference, lora_shrink_reference
 from kernels.norm import (
     fused_add_rms_norm_fp8_reference,
     fused_add_rms_norm_reference,
@@ -180,11 +180,14 @@ def linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    lora: LoraDelta | None = None,  # what each row's LoRA adapter adds
 ) -> torch.Tensor:  # [M, N]
-    """A linear layer; up to SKINNY_MAX_ROWS rows on CUDA, the weight-streaming Triton GEMV."""
+    """A linear layer; up to SKINNY_MAX_ROWS rows on CUDA, the weight-streaming Triton GEMV
+    (which adds the LoRA delta in its epilogue); past that cuBLAS, then the LoRA expand."""
     if 1 <= x.shape[0] <= SKINNY_MAX_ROWS and (module := _triton("linear", x)) is not None:
-        return module.skinny_linear(x, weight, bias)
-    return linear_reference(x, weight, bias)
+        return module.skinny_linear(x, weight, bias, lora=lora)
+    out = linear_reference(x, weight, bias)
+    return out if lora is None else lora_expand(out, *lora)
 
 
 def fp8_linear(
@@ -304,24 +307,26 @@ def lora_shrink(
     x: torch.Tensor,  # [T, K]
     lora_a: torch.Tensor,  # [S, P, R, K]
     token_slots: torch.Tensor,  # [T] int32, -1: none
-) -> torch.Tensor:  # [T, P, R] float32
+    token_order: torch.Tensor | None = None,  # [T] int32, the tokens grouped by slot
+) -> torch.Tensor:  # [KS, T, P, R] float32, partial sums over KS parts of K
     """Each token's x times the A of the LoRA adapter in its slot (`kernels/lora.py`)."""
     module = _triton("lora", x)
     kernel = module.lora_shrink if module is not None else lora_shrink_reference
-    return kernel(x, lora_a, token_slots)
+    return kernel(x, lora_a, token_slots, token_order)
 
 
 def lora_expand(
     out: torch.Tensor,  # [T, N], added to in place
-    shrunk: torch.Tensor,  # [T, P, R] float32
+    shrunk: torch.Tensor,  # [KS, T, P, R] float32, as lora_shrink makes it
     lora_b: torch.Tensor,  # [S, N, R]
     token_slots: torch.Tensor,  # [T] int32, -1: none
     piece_rows: tuple[int, ...],  # output rows of each piece, summing to N
+    token_order: torch.Tensor | None = None,  # [T] int32, the tokens grouped by slot
 ) -> torch.Tensor:  # out
     """out += each token's shrunk times the B of the adapter in its slot (`kernels/lora.py`)."""
     module = _triton("lora", out)
     kernel = module.lora_expand if module is not None else lora_expand_reference
-    return kernel(out, shrunk, lora_b, token_slots, piece_rows)
+    return kernel(out, shrunk, lora_b, token_slots, piece_rows, token_order)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64

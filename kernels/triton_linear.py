@@ -25,6 +25,11 @@ serves every layer and every M. No host sync and no allocation besides the outpu
 captured in a CUDA graph. There is no split-K: it would need a zeroed output or a float32
 workspace and a second pass, and with the default tiles N = 4096 already makes 128 programs
 (BLOCK_N = 32) or 512 (BLOCK_N = 8, M = 1) for an H100's 132 SMs, measured faster than cuBLAS.
+
+Given a LoRA delta (`kernels.lora.LoraDelta`), the epilogue adds each row's adapter to the
+program's columns (`kernels.triton_lora.lora_delta`): the expand costs no launch of its own,
+which at batch 1 is most of its cost. With one row its few operands are loaded before the
+weights stream, so their latency hides behind it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+
+from kernels.lora import LoraDelta
+from kernels.triton_lora import lora_delta, lora_expand, lora_operands
 
 MAX_ROWS = 64  # the most rows this layer takes: past it a GEMM reuses weights enough for cuBLAS
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
@@ -130,6 +138,18 @@ def _skinny_linear_kernel(
     stride_x_row,
     stride_w_row,
     stride_out_row,
+    lora_y_ptr,  # [KS, M, P, R] float32 with HAS_LORA (LoraDelta.shrunk); any pointer otherwise
+    lora_b_ptr,  # [S, N, R]
+    lora_slots_ptr,  # [M] int32
+    lora_num_slots,
+    lora_num_splits,
+    lora_piece_start_1,  # the first column of piece 1 (n if none)
+    lora_piece_start_2,
+    lora_stride_y_split,
+    lora_stride_y_row,
+    lora_stride_y_piece,
+    lora_stride_b_slot,
+    lora_stride_b_row,
     BLOCK_M: tl.constexpr,  # next_power_of_2(M), at least 16 with USE_DOT
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -140,12 +160,21 @@ def _skinny_linear_kernel(
     DOT_PRECISION: tl.constexpr,
     IMPRECISE_ACC: tl.constexpr,  # FP8: K summed in reduced precision at most; else None
     INTERPRETED: tl.constexpr,  # under TRITON_INTERPRET: see UPCAST below
+    HAS_LORA: tl.constexpr,  # add each row's LoRA adapter (BLOCK_N divides every piece)
+    LORA_RANK: tl.constexpr,
 ):
     rows = tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     ks = tl.arange(0, BLOCK_K)  # [BK]
     row_valid = rows < m
     col_valid = cols < n
+    if HAS_LORA and not USE_DOT:
+        lora_y, lora_b = lora_operands(
+            lora_y_ptr, lora_b_ptr, lora_slots_ptr, rows, row_valid, cols, col_valid,
+            tl.program_id(0) * BLOCK_N, lora_num_slots, lora_num_splits, lora_piece_start_1,
+            lora_piece_start_2, lora_stride_y_split, lora_stride_y_row, lora_stride_y_piece,
+            lora_stride_b_slot, lora_stride_b_row, LORA_RANK,
+        )  # fmt: skip
     x_ptrs = x_ptr + rows[:, None] * stride_x_row + ks[None, :]  # [BM, BK]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_w_row + ks[None, :]  # [BN, BK]
     if USE_DOT:
@@ -183,6 +212,15 @@ def _skinny_linear_kernel(
         acc = acc * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:
+        if USE_DOT:  # 16 rows or more: B [BM, BN, R] is read here, not held through the loop
+            lora_y, lora_b = lora_operands(
+                lora_y_ptr, lora_b_ptr, lora_slots_ptr, rows, row_valid, cols, col_valid,
+                tl.program_id(0) * BLOCK_N, lora_num_slots, lora_num_splits, lora_piece_start_1,
+                lora_piece_start_2, lora_stride_y_split, lora_stride_y_row, lora_stride_y_piece,
+                lora_stride_b_slot, lora_stride_b_row, LORA_RANK,
+            )  # fmt: skip
+        acc += lora_delta(lora_y, lora_b)
     out_ptrs = out_ptr + rows[:, None] * stride_out_row + cols[None, :]  # [BM, BN]
     out_mask = row_valid[:, None] & col_valid[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -216,8 +254,9 @@ def skinny_linear(
     bias: torch.Tensor | None = None,  # [N]
     *,
     tiles: LinearTiles | None = None,  # None: default_tiles(M, N, K, dtype)
+    lora: LoraDelta | None = None,  # each row's LoRA adapter, added in the epilogue
 ) -> torch.Tensor:  # [M, N], x.dtype, new and contiguous
-    """x @ weight.T + bias for decode-sized M."""
+    """x @ weight.T + bias (+ the LoRA delta) for decode-sized M."""
     _check_inputs(x, weight, bias)
     m, (n, k) = x.shape[0], weight.shape
     tiles = tiles or default_tiles(m, n, k, x.dtype)
@@ -229,7 +268,10 @@ def skinny_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     if n == 0:
         return out
-    launch_skinny_linear(x, weight, bias, out, tiles)
+    fused = lora is not None and all(rows % tiles.block_n == 0 for rows in lora.piece_rows)
+    launch_skinny_linear(x, weight, bias, out, tiles, lora=lora if fused else None)
+    if lora is not None and not fused:  # a column block would straddle two pieces
+        lora_expand(out, *lora)
     return out
 
 
@@ -240,10 +282,13 @@ def launch_skinny_linear(
     out: torch.Tensor,  # [M, N], written
     tiles: LinearTiles,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 operands: ([M], [N]) f32
+    lora: LoraDelta | None = None,  # whose pieces' rows tiles.block_n divides
 ) -> None:
     """One launch of the kernel over checked inputs (skinny_linear, and the FP8 layer)."""
     m, (n, k) = x.shape[0], weight.shape
     x_scale, w_scale = scales if scales is not None else (weight, weight)
+    lora_args = _lora_arguments(lora, n, m) if lora is not None else [weight, weight, weight]
+    lora_args += [0] * (12 - len(lora_args))
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x,
         weight,
@@ -257,6 +302,7 @@ def launch_skinny_linear(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        *lora_args,
         BLOCK_M=tiles.rows(m),
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
@@ -271,6 +317,25 @@ def launch_skinny_linear(
         # bfloat16 as raw uint16 bits (Triton 3.9), so the tiles go to float32 first: exact, as a
         # product of two 8-bit mantissas fits in 24 bits, and tensor cores accumulate in float32.
         INTERPRETED=not x.is_cuda,
+        HAS_LORA=lora is not None,
+        LORA_RANK=lora.lora_b.shape[2] if lora is not None else 16,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+
+
+def _lora_arguments(lora: LoraDelta, n: int, m: int) -> list[object]:
+    """The kernel's LoRA arguments, checked as lora_expand checks them."""
+    shrunk, lora_b, token_slots, piece_rows, _ = lora  # rows are read in place: no order
+    num_pieces, rank = len(piece_rows), lora_b.shape[2]
+    if sum(piece_rows) != n or num_pieces > 3 or lora_b.shape[1] != n or lora_b.stride(2) != 1:
+        raise ValueError(f"LoRA pieces of {piece_rows} rows and B {tuple(lora_b.shape)} for N={n}")
+    if shrunk.shape[1:] != (m, num_pieces, rank) or shrunk.stride(3) != 1:
+        raise ValueError(f"shrunk {tuple(shrunk.shape)} is not [splits, {m}, pieces, {rank}]")
+    if token_slots.shape != (m,) or token_slots.dtype != torch.int32:
+        raise ValueError(f"token_slots must be int32 [{m}], got {token_slots.dtype}")
+    starts = [sum(piece_rows[: i + 1]) for i in range(num_pieces - 1)] + [n, n]
+    return [
+        shrunk, lora_b, token_slots, lora_b.shape[0], shrunk.shape[0], starts[0], starts[1],
+        shrunk.stride(0), shrunk.stride(1), shrunk.stride(2), lora_b.stride(0), lora_b.stride(1),
+    ]  # fmt: skip

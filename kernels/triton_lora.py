@@ -1,12 +1,15 @@
 """Batched LoRA shrink and expand in Triton: one launch each per projection for a whole step.
 
-Same arguments as `kernels.lora` (read its docstring). Up to ONE_BY_ONE_MAX_TOKENS tokens
-(every decode step a CUDA graph holds) a program takes one token; past that a program owns
-BLOCK_T tokens: where they all share one slot (the tokens of one request: a prompt, a chunk) it
-multiplies them together with tl.dot, where they do not (a block across two requests) it takes
-them one by one. The grid depends on the token count only, and each token's slot is read on
-the device, so a launch replays in a CUDA graph with the step's slots as an input. A slot
-outside 0 .. S - 1 (-1, or a stale padding row) reads as no adapter.
+Same arguments as `kernels.lora` (read its docstring). Up to ONE_BY_ONE_MAX_TOKENS tokens a
+program takes one token. Past that a program owns BLOCK_T tokens, taken in `token_order`, which
+groups the step's tokens by slot (the executor sorts them): it multiplies the tokens of each
+slot in the block together with tl.dot, so each adapter's A or B tile is read once per block
+rather than once per token (Punica's and S-LoRA's segmented GEMM). The shrink also splits K, so
+that a step of a few tokens still runs about MIN_PROGRAMS programs (one program reading a whole
+A of 14336 columns took 19 us per launch on an H100); each split writes its partial sum, and
+the expand adds them up. The grid depends on the token count only, and the slots and the order
+are read on the device, so a launch replays in a CUDA graph with them as inputs. A slot outside
+0 .. S - 1 (-1, or a stale padding row) reads as no adapter.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import triton
 import triton.language as tl
 
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
-ONE_BY_ONE_MAX_TOKENS = 512  # a program per token up to here (cuda_graphs' largest decode)
+ONE_BY_ONE_MAX_TOKENS = 16  # a program per token up to here (batch-1..16 decode)
 BLOCK_T = 16  # past that, tokens per program
+MIN_PROGRAMS = 512  # the shrink splits K until its grid has about this many programs
+SPLIT_BLOCK = tl.constexpr(8)  # partial sums an expand loads at once
 
 
 @triton.jit
@@ -30,22 +35,57 @@ def _slot(slots_ptr, token, num_tokens, num_slots):
 
 
 @triton.jit
-def _slot_range(slots_ptr, tokens, valid, num_slots):
-    """The smallest and largest slot of the block's tokens (-1: no adapter)."""
-    slots = tl.load(slots_ptr + tokens, mask=valid, other=-1)
-    slots = tl.where(slots < num_slots, slots, -1)
-    low = tl.min(tl.where(valid, slots, 2**30), axis=0)
-    high = tl.max(tl.where(valid, slots, -(2**30)), axis=0)
-    return low, high
+def _summed_splits(y_ptrs, num_splits, stride_y_split, rows_valid=None):
+    """The sum over the shrink's splits of the partial sums at y_ptrs [rows, R] (rows where
+    rows_valid, zero elsewhere), SPLIT_BLOCK splits per load."""
+    splits = tl.arange(0, SPLIT_BLOCK)
+    y = tl.zeros(y_ptrs.shape, tl.float32)
+    for first in range(0, num_splits, SPLIT_BLOCK):
+        mask = (first + splits < num_splits)[:, None, None]
+        if rows_valid is not None:
+            mask = mask & rows_valid[None, :, None]
+        ptrs = y_ptrs[None, :, :] + (first + splits)[:, None, None] * stride_y_split
+        y += tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
+    return y
+
+
+@triton.jit
+def lora_operands(
+    y_ptr, b_ptr, slots_ptr, rows, row_valid, cols, col_valid, first_col, num_slots, num_splits,
+    piece_start_1, piece_start_2, stride_y_split, stride_y_token, stride_y_piece, stride_b_slot,
+    stride_b_row, RANK: tl.constexpr,
+):  # fmt: skip
+    """What a linear kernel that fuses the expand (kernels/triton_linear.py) reads to add each
+    row's adapter to the output columns `cols`, which start at first_col and lie in one piece:
+    y [rows, R], summed over the shrink's splits, and B [rows, cols, R] (zero without a slot).
+    Their product is `lora_delta`."""
+    slots = tl.load(slots_ptr + rows, mask=row_valid, other=-1)  # [BM]
+    adapted = row_valid & (slots >= 0) & (slots < num_slots)
+    slots = tl.where(adapted, slots, 0).to(tl.int64)
+    piece = (first_col >= piece_start_1).to(tl.int32) + (first_col >= piece_start_2).to(tl.int32)
+    ranks = tl.arange(0, RANK)
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y_token + piece * stride_y_piece
+    y = _summed_splits(y_ptrs + ranks[None, :], num_splits, stride_y_split, adapted)  # [BM, R]
+    b_ptrs = b_ptr + slots[:, None, None] * stride_b_slot + ranks[None, None, :]
+    b_ptrs += cols[None, :, None].to(tl.int64) * stride_b_row  # [BM, BN, R]
+    b = tl.load(b_ptrs, mask=adapted[:, None, None] & col_valid[None, :, None], other=0.0)
+    return y, b
+
+
+@triton.jit
+def lora_delta(y, b):
+    """[rows, cols] float32: y [rows, R] times B [rows, cols, R], row by row."""
+    return tl.sum(b.to(tl.float32) * y[:, None, :], axis=2)
 
 
 @triton.jit
 def _shrink_token(
-    x_ptr, a_ptr, slots_ptr, out_ptr, token, num_tokens, num_slots, k, stride_x_token,
-    stride_a_slot, stride_a_rank, stride_out_token, piece_a, piece_out, RANK: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    x_ptr, a_ptr, slots_ptr, out_ptr, token, num_tokens, num_slots, k_first, k_end,
+    stride_x_token, stride_a_slot, stride_a_rank, stride_out_token, piece_a, piece_out,
+    RANK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """out[token, piece] = A[slot] x[token]: a GEMV over K in blocks, zero without a slot."""
+    """out[token, piece] = A[slot] x[token] over columns k_first..k_end: a GEMV in blocks,
+    zero without a slot."""
     ranks = tl.arange(0, RANK)
     cols = tl.arange(0, BLOCK_K)
     slot = _slot(slots_ptr, token, num_tokens, num_slots)
@@ -53,8 +93,8 @@ def _shrink_token(
     if slot >= 0:
         a_rows = a_ptr + slot.to(tl.int64) * stride_a_slot + piece_a
         x_row = x_ptr + token.to(tl.int64) * stride_x_token
-        for k_start in range(0, k, BLOCK_K):
-            col_valid = k_start + cols < k
+        for k_start in range(k_first, k_end, BLOCK_K):
+            col_valid = k_start + cols < k_end
             x = tl.load(x_row + k_start + cols, mask=col_valid, other=0.0)  # [BK]
             a_ptrs = a_rows + ranks[:, None] * stride_a_rank + (k_start + cols)[None, :]
             a = tl.load(a_ptrs, mask=col_valid[None, :], other=0.0)  # [R, BK]
@@ -64,18 +104,39 @@ def _shrink_token(
 
 
 @triton.jit
+def _block_tokens(order_ptr, slots_ptr, first, num_tokens, num_slots, BLOCK_T: tl.constexpr):
+    """The block's tokens, as the order lists them (their positions in the step), whether each
+    is one, and its slot (-1: none, or not a token)."""
+    places = first + tl.arange(0, BLOCK_T)  # [BT] int64
+    valid = places < num_tokens
+    tokens = tl.load(order_ptr + places, mask=valid, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + tokens, mask=valid, other=-1)
+    slots = tl.where(valid & (slots < num_slots), slots, -1)
+    return tokens, valid, slots
+
+
+@triton.jit
+def _next_slot(slots, current):
+    """The smallest slot of the block above `current` (2**30 when none is left)."""
+    return tl.min(tl.where(slots > current, slots, 2**30), axis=0)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [T, K]
     a_ptr,  # [S, P, R, K]
     slots_ptr,  # [T] int32
-    out_ptr,  # [T, P, R] float32
+    order_ptr,  # [T] int32: the tokens grouped by slot (blocks read it; one by one does not)
+    out_ptr,  # [KS, T, P, R] float32
     num_tokens,
     num_slots,
     k,
+    k_per_split,  # a multiple of BLOCK_K
     stride_x_token,
     stride_a_slot,
     stride_a_piece,
     stride_a_rank,
+    stride_out_split,
     stride_out_token,
     stride_out_piece,
     RANK: tl.constexpr,
@@ -85,51 +146,57 @@ def _lora_shrink_kernel(
 ):
     piece = tl.program_id(1)
     piece_a, piece_out = piece * stride_a_piece, piece * stride_out_piece
+    split = tl.program_id(2)
+    k_first = split * k_per_split
+    k_end = tl.minimum(k_first + k_per_split, k)
+    out_ptr += split.to(tl.int64) * stride_out_split
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
     if BLOCK_T == 1:
         _shrink_token(
-            x_ptr, a_ptr, slots_ptr, out_ptr, first, num_tokens, num_slots, k, stride_x_token,
-            stride_a_slot, stride_a_rank, stride_out_token, piece_a, piece_out, RANK, BLOCK_K,
+            x_ptr, a_ptr, slots_ptr, out_ptr, first, num_tokens, num_slots, k_first, k_end,
+            stride_x_token, stride_a_slot, stride_a_rank, stride_out_token, piece_a, piece_out,
+            RANK, BLOCK_K,
         )  # fmt: skip
     else:
-        tokens = first + tl.arange(0, BLOCK_T)  # [BT] int64
-        valid = tokens < num_tokens
-        low, high = _slot_range(slots_ptr, tokens, valid, num_slots)
-        if low == high:  # one adapter (or none) for the whole block: tl.dot
-            ranks = tl.arange(0, RANK)
-            cols = tl.arange(0, BLOCK_K)
-            acc = tl.zeros([BLOCK_T, RANK], tl.float32)
-            if low >= 0:
-                a_rows = a_ptr + low.to(tl.int64) * stride_a_slot + piece_a
-                x_rows = x_ptr + tokens[:, None] * stride_x_token
-                for k_start in range(0, k, BLOCK_K):
-                    col_valid = k_start + cols < k
-                    x_mask = valid[:, None] & col_valid[None, :]
-                    x = tl.load(x_rows + (k_start + cols)[None, :], mask=x_mask, other=0.0)
-                    a_ptrs = a_rows + ranks[:, None] * stride_a_rank + (k_start + cols)[None, :]
-                    a = tl.load(a_ptrs, mask=col_valid[None, :], other=0.0)  # [R, BK]
-                    acc = tl.dot(x, tl.trans(a), acc, input_precision=DOT_PRECISION)
-            out_ptrs = out_ptr + tokens[:, None] * stride_out_token + piece_out + ranks[None, :]
-            tl.store(out_ptrs, acc, mask=valid[:, None])
-        else:  # a block across requests: token by token
-            for i in tl.static_range(BLOCK_T):
-                _shrink_token(
-                    x_ptr, a_ptr, slots_ptr, out_ptr, first + i, num_tokens, num_slots, k,
-                    stride_x_token, stride_a_slot, stride_a_rank, stride_out_token, piece_a,
-                    piece_out, RANK, BLOCK_K,
-                )  # fmt: skip
+        # The block's tokens, one adapter at a time: each slot's A is read once for all of its
+        # tokens (with the order grouping tokens by slot, a block holds one or two adapters).
+        tokens, valid, slots = _block_tokens(
+            order_ptr, slots_ptr, first, num_tokens, num_slots, BLOCK_T
+        )
+        ranks = tl.arange(0, RANK)
+        cols = tl.arange(0, BLOCK_K)
+        x_rows = x_ptr + tokens[:, None] * stride_x_token
+        acc = tl.zeros([BLOCK_T, RANK], tl.float32)
+        current = _next_slot(slots, -1)
+        while current < num_slots:
+            mine = slots == current
+            a_rows = a_ptr + current.to(tl.int64) * stride_a_slot + piece_a
+            for k_start in range(k_first, k_end, BLOCK_K):
+                col_valid = k_start + cols < k_end
+                x_mask = mine[:, None] & col_valid[None, :]
+                x = tl.load(x_rows + (k_start + cols)[None, :], mask=x_mask, other=0.0)
+                a_ptrs = a_rows + ranks[:, None] * stride_a_rank + (k_start + cols)[None, :]
+                a = tl.load(a_ptrs, mask=col_valid[None, :], other=0.0)  # [R, BK]
+                acc = tl.dot(x, tl.trans(a), acc, input_precision=DOT_PRECISION)
+            current = _next_slot(slots, current)
+        out_ptrs = out_ptr + tokens[:, None] * stride_out_token + piece_out + ranks[None, :]
+        tl.store(out_ptrs, acc, mask=valid[:, None])
 
 
 @triton.jit
 def _expand_token(
-    out_ptr, y_ptr, b_ptr, slots_ptr, token, num_tokens, num_slots, rows, row_valid,
-    stride_out_token, stride_y_token, piece_y, stride_b_slot, stride_b_row, RANK: tl.constexpr,
+    out_ptr, y_ptr, b_ptr, slots_ptr, token, num_tokens, num_slots, num_splits, rows, row_valid,
+    stride_out_token, stride_y_split, stride_y_token, piece_y, stride_b_slot, stride_b_row,
+    RANK: tl.constexpr,
 ):  # fmt: skip
-    """out[token, rows] += B[slot, rows] y[token, piece]; nothing without a slot."""
+    """out[token, rows] += B[slot, rows] (the sum of y's splits)[token, piece]; nothing
+    without a slot."""
     ranks = tl.arange(0, RANK)
     slot = _slot(slots_ptr, token, num_tokens, num_slots)
     if slot >= 0:
-        y = tl.load(y_ptr + token.to(tl.int64) * stride_y_token + piece_y + ranks)  # [R]
+        y_row = y_ptr + token.to(tl.int64) * stride_y_token + piece_y + ranks
+        y = _summed_splits(y_row[None, :], num_splits, stride_y_split)  # [1, R]
+        y = tl.reshape(y, [RANK])
         b_ptrs = b_ptr + slot.to(tl.int64) * stride_b_slot + rows[:, None] * stride_b_row
         b = tl.load(b_ptrs + ranks[None, :], mask=row_valid[:, None], other=0.0)  # [BN, R]
         delta = tl.sum(b.to(tl.float32) * y[None, :], axis=1)  # [BN]
@@ -141,15 +208,18 @@ def _expand_token(
 @triton.jit
 def _lora_expand_kernel(
     out_ptr,  # [T, N]
-    y_ptr,  # [T, P, R] float32
+    y_ptr,  # [KS, T, P, R] float32
     b_ptr,  # [S, N, R]
     slots_ptr,  # [T] int32
+    order_ptr,  # [T] int32: the tokens grouped by slot (blocks read it; one by one does not)
     num_tokens,
     num_slots,
+    num_splits,
     n,
     piece_start_1,  # the first row of piece 1 (n if none)
     piece_start_2,  # the first row of piece 2 (n if none)
     stride_out_token,
+    stride_y_split,
     stride_y_token,
     stride_y_piece,
     stride_b_slot,
@@ -167,32 +237,31 @@ def _lora_expand_kernel(
     first = tl.program_id(0).to(tl.int64) * BLOCK_T
     if BLOCK_T == 1:
         _expand_token(
-            out_ptr, y_ptr, b_ptr, slots_ptr, first, num_tokens, num_slots, rows, row_valid,
-            stride_out_token, stride_y_token, piece_y, stride_b_slot, stride_b_row, RANK,
+            out_ptr, y_ptr, b_ptr, slots_ptr, first, num_tokens, num_slots, num_splits, rows,
+            row_valid, stride_out_token, stride_y_split, stride_y_token, piece_y, stride_b_slot,
+            stride_b_row, RANK,
         )  # fmt: skip
     else:
-        tokens = first + tl.arange(0, BLOCK_T)  # [BT] int64
-        valid = tokens < num_tokens
-        low, high = _slot_range(slots_ptr, tokens, valid, num_slots)
-        if low == high:
-            if low >= 0:
-                ranks = tl.arange(0, RANK)
-                y_ptrs = y_ptr + tokens[:, None] * stride_y_token + piece_y + ranks[None, :]
-                y = tl.load(y_ptrs, mask=valid[:, None], other=0.0)  # [BT, R]
-                b_ptrs = b_ptr + low.to(tl.int64) * stride_b_slot + rows[:, None] * stride_b_row
-                b = tl.load(b_ptrs + ranks[None, :], mask=row_valid[:, None], other=0.0)
-                delta = tl.dot(y, tl.trans(b.to(tl.float32)), input_precision=DOT_PRECISION)
-                out_ptrs = out_ptr + tokens[:, None] * stride_out_token + rows[None, :]
-                mask = valid[:, None] & row_valid[None, :]
-                out = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + delta
-                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
-        else:
-            for i in tl.static_range(BLOCK_T):
-                _expand_token(
-                    out_ptr, y_ptr, b_ptr, slots_ptr, first + i, num_tokens, num_slots, rows,
-                    row_valid, stride_out_token, stride_y_token, piece_y, stride_b_slot,
-                    stride_b_row, RANK,
-                )  # fmt: skip
+        # As the shrink's blocks: one adapter at a time, each B tile read once per block.
+        tokens, _, slots = _block_tokens(
+            order_ptr, slots_ptr, first, num_tokens, num_slots, BLOCK_T
+        )
+        adapted = slots >= 0
+        ranks = tl.arange(0, RANK)
+        y_ptrs = y_ptr + tokens[:, None] * stride_y_token + piece_y + ranks[None, :]
+        y = _summed_splits(y_ptrs, num_splits, stride_y_split, adapted)  # [BT, R]
+        delta = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+        current = _next_slot(slots, -1)
+        while current < num_slots:
+            b_ptrs = b_ptr + current.to(tl.int64) * stride_b_slot + rows[:, None] * stride_b_row
+            b = tl.load(b_ptrs + ranks[None, :], mask=row_valid[:, None], other=0.0)  # [BN, R]
+            mine = tl.where((slots == current)[:, None], y, 0.0)
+            delta = tl.dot(mine, tl.trans(b.to(tl.float32)), delta, input_precision=DOT_PRECISION)
+            current = _next_slot(slots, current)
+        out_ptrs = out_ptr + tokens[:, None] * stride_out_token + rows[None, :]
+        mask = adapted[:, None] & row_valid[None, :]
+        out = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + delta
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _block_t(num_tokens: int, rank: int, block_n: int = DOT_MIN) -> int:
@@ -202,69 +271,97 @@ def _block_t(num_tokens: int, rank: int, block_n: int = DOT_MIN) -> int:
     return 1 if one_by_one else BLOCK_T
 
 
-def _check_slots(rank: int, token_slots: torch.Tensor, num_tokens: int) -> None:
+def _check_slots(
+    rank: int, token_slots: torch.Tensor, token_order: torch.Tensor | None, num_tokens: int
+) -> torch.Tensor:
+    """Check the slots and the order; the order (the tokens as they are, if None)."""
     if rank & (rank - 1):
         raise ValueError(f"LoRA slots need a power-of-two rank (zero-padded), got {rank}")
-    if token_slots.shape != (num_tokens,) or token_slots.dtype != torch.int32:
-        raise ValueError(f"token_slots must be int32 [{num_tokens}], got {token_slots.dtype}")
+    for name, tensor in (("token_slots", token_slots), ("token_order", token_order)):
+        if tensor is not None and (tensor.shape != (num_tokens,) or tensor.dtype != torch.int32):
+            raise ValueError(f"{name} must be int32 [{num_tokens}], got {tensor.dtype}")
+    if token_order is None:
+        return torch.arange(num_tokens, dtype=torch.int32, device=token_slots.device)
+    return token_order
 
 
 def lora_shrink(
     x: torch.Tensor,  # [T, K]
     lora_a: torch.Tensor,  # [S, P, R, K]
     token_slots: torch.Tensor,  # [T] int32, -1: none
+    token_order: torch.Tensor | None = None,  # [T] int32, the tokens grouped by slot
     *,
     block_t: int | None = None,  # tokens per program (1, or >= 16); None: _block_t
-) -> torch.Tensor:  # [T, P, R] float32
+    k_per_split: int | None = None,  # a power of two; None: _k_per_split
+) -> torch.Tensor:  # [KS, T, P, R] float32
     """`kernels.lora.lora_shrink_reference`."""
     num_tokens, k = x.shape
     num_slots, num_pieces, rank = lora_a.shape[:3]
-    _check_slots(rank, token_slots, num_tokens)
+    token_order = _check_slots(rank, token_slots, token_order, num_tokens)
     if lora_a.shape[3] != k or lora_a.stride(3) != 1 or x.stride(1) != 1:
         raise ValueError(f"lora_a {tuple(lora_a.shape)} and x {tuple(x.shape)} disagree on K")
-    out = torch.empty(num_tokens, num_pieces, rank, dtype=torch.float32, device=x.device)
+    block_t = block_t or _block_t(num_tokens, rank)
+    block_k = min(256, triton.next_power_of_2(k), k_per_split or k)
+    programs = triton.cdiv(num_tokens, block_t) * num_pieces
+    k_per_split = k_per_split or _k_per_split(programs, k, block_k)
+    num_splits = triton.cdiv(k, k_per_split)
+    out = torch.empty(
+        num_splits, num_tokens, num_pieces, rank, dtype=torch.float32, device=x.device
+    )
     if num_tokens == 0:
         return out
-    block_t = block_t or _block_t(num_tokens, rank)
-    _lora_shrink_kernel[(triton.cdiv(num_tokens, block_t), num_pieces)](
+    _lora_shrink_kernel[(triton.cdiv(num_tokens, block_t), num_pieces, num_splits)](
         x,
         lora_a,
         token_slots,
+        token_order,
         out,
         num_tokens,
         num_slots,
         k,
+        k_per_split,
         x.stride(0),
         lora_a.stride(0),
         lora_a.stride(1),
         lora_a.stride(2),
         out.stride(0),
         out.stride(1),
+        out.stride(2),
         RANK=rank,
         BLOCK_T=block_t,
-        BLOCK_K=min(256, triton.next_power_of_2(k)),
+        BLOCK_K=block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )
     return out
 
 
+def _k_per_split(programs: int, k: int, block_k: int) -> int:
+    """Columns per split of K: whole blocks, and enough splits that the grid has about
+    MIN_PROGRAMS programs (K whole once the tokens alone make as many)."""
+    splits = max(1, min(MIN_PROGRAMS // programs, triton.cdiv(k, block_k)))
+    return triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+
+
 def lora_expand(
     out: torch.Tensor,  # [T, N], added to in place
-    shrunk: torch.Tensor,  # [T, P, R] float32
+    shrunk: torch.Tensor,  # [KS, T, P, R] float32, partial sums over parts of K
     lora_b: torch.Tensor,  # [S, N, R]
     token_slots: torch.Tensor,  # [T] int32, -1: none
     piece_rows: tuple[int, ...],  # output rows of each piece, summing to N
+    token_order: torch.Tensor | None = None,  # [T] int32, the tokens grouped by slot
     *,
     block_t: int | None = None,  # tokens per program (1, or >= 16); None: _block_t
 ) -> torch.Tensor:  # out
     """`kernels.lora.lora_expand_reference`."""
     num_tokens, n = out.shape
     num_slots, _, rank = lora_b.shape
-    _check_slots(rank, token_slots, num_tokens)
+    token_order = _check_slots(rank, token_slots, token_order, num_tokens)
     if sum(piece_rows) != n or len(piece_rows) > 3:
         raise ValueError(f"pieces of {piece_rows} rows do not make {n} outputs (at most 3)")
-    if shrunk.shape != (num_tokens, len(piece_rows), rank) or shrunk.stride(2) != 1:
-        raise ValueError(f"shrunk {tuple(shrunk.shape)} is not [{num_tokens}, pieces, {rank}]")
+    if shrunk.shape[1:] != (num_tokens, len(piece_rows), rank) or shrunk.stride(3) != 1:
+        raise ValueError(
+            f"shrunk {tuple(shrunk.shape)} is not [splits, {num_tokens}, pieces, {rank}]"
+        )
     if lora_b.shape[1] != n or lora_b.stride(2) != 1 or out.stride(1) != 1:
         raise ValueError(f"lora_b {tuple(lora_b.shape)} does not hold {n} output rows")
     if num_tokens == 0:
@@ -278,14 +375,17 @@ def lora_expand(
         shrunk,
         lora_b,
         token_slots,
+        token_order,
         num_tokens,
         num_slots,
+        shrunk.shape[0],
         n,
         piece_ends[0] if len(piece_rows) > 1 else n,  # where piece 1 starts
         piece_ends[1] if len(piece_rows) > 2 else n,  # where piece 2 starts
         out.stride(0),
         shrunk.stride(0),
         shrunk.stride(1),
+        shrunk.stride(2),
         lora_b.stride(0),
         lora_b.stride(1),
         RANK=rank,

@@ -80,7 +80,8 @@ for part in $PARTS; do
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput_int4.json" ;;
     lora-tests)  # LoRA kernels at real shapes, and adapters in CUDA graphs against peft
         run lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
-            tests/kernels/test_triton_lora.py tests/integration/test_lora.py ;;
+            tests/kernels/test_triton_lora.py tests/integration/test_lora.py \
+            tests/kernels/test_triton_linear.py -k "lora or llama_shapes" ;;
     lora-adapters)  # 8 random rank-16 adapters on all seven projections (peft), outside the tree
         run lora-adapters python3 -m benchmarks.lora_adapters "$MODEL" --num 8 --rank 16 \
             --out "$LORA_DIR" ;;
@@ -93,7 +94,8 @@ for part in $PARTS; do
         run throughput-lora python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --enable-lora --max-loras 8 --max-lora-rank 16 --lora-paths "$LORA_DIR"/adapter-* \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
-            --max-num-batched-tokens 8192 --output-json "$OUT/throughput_lora.json" ;;
+            --max-num-batched-tokens 8192 --profile-steps ${LORA_PROFILE_STEPS:-0} \
+            --output-json "$OUT/throughput_lora.json" ;;
     int4-sweep)  # int4 tiles at the Llama-3.1-8B shapes against bf16
         run int4-sweep python3 benchmarks/int4_sweep.py --out "$OUT/int4_sweep.json" \
             --m ${INT4_M:-1 16 64 256} ;;

@@ -115,8 +115,8 @@ def profile_step_peak(
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
     view = buffers.view()
-    # LoRA's temporaries too, where slots are attached (the slots read as zero: slot 0 for all)
-    hidden = model(view.input_ids, view.positions, kv_caches, view.meta, view.token_slots)
+    # LoRA's temporaries too, where slots are attached (slot 0 for all: the fields are zero)
+    hidden = model(view.input_ids, view.positions, kv_caches, view.meta, view.lora)
     logits = model.compute_logits(hidden[view.sample_rows]).float()  # [S, vocab]
     logits.sort(dim=-1)  # the sampler's top-k/top-p sort is its largest temporary
     torch.cuda.synchronize()

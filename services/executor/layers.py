@@ -10,6 +10,7 @@ from torch import nn
 
 from kernels import ops
 from services.executor.linear import Activation, Linear, LinearMethod
+from services.executor.lora_slots import LoraTokens
 
 
 def feeds_fp8_rows(layer: Linear) -> bool:
@@ -82,8 +83,8 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
         self.down_proj = Linear(intermediate_size, hidden_size, method=method)
 
-    def forward(self, x: Activation, lora: torch.Tensor | None = None) -> torch.Tensor:
-        """`lora`: each token's LoRA slot [T] (see Linear.forward), or None."""
+    def forward(self, x: Activation, lora: LoraTokens | None = None) -> torch.Tensor:
+        """`lora`: the tokens' LoRA slots (see Linear.forward), or None."""
         gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
         if feeds_fp8_rows(self.down_proj):  # quantized as down_proj would (its static scale)
             scale = self.down_proj.fp8_input_scale()

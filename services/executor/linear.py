@@ -30,8 +30,9 @@ from kernels.fp8 import (
 )
 from kernels.gguf import row_bytes
 from kernels.int4 import CHUNK, PACK
+from kernels.lora import LoraDelta
 from services.executor.linear_shards import TensorDims
-from services.executor.lora_slots import ProjectionSlots
+from services.executor.lora_slots import LoraTokens, ProjectionSlots
 from shared.quant_config import QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,9 @@ class LinearMethod(Protocol):
         """With takes_fp8_rows: the static scale [1] its producers quantize by; None: they
         quantize per token (or it takes no FP8 rows)."""
 
-    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
-        """x [M, K] -> [M, N] in x's (float) dtype."""
+    def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] in x's (float) dtype, plus what each row's LoRA adapter adds
+        (`lora`: fused into the GEMM's epilogue where the kernel can, else added after)."""
 
 
 class Unquantized:
@@ -87,8 +89,8 @@ class Unquantized:
     def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
         return None
 
-    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
-        return ops.linear(_float(x, self), layer.weight, layer.bias)
+    def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
+        return ops.linear(_float(x, self), layer.weight, layer.bias, lora)
 
 
 class Fp8Dynamic(Unquantized):
@@ -106,8 +108,9 @@ class Fp8Dynamic(Unquantized):
         del layer.weight  # the float copy: its memory goes back to the allocator
         layer.register_parameter("weight", None)
 
-    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
-        return ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias)
+    def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
+        out = ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias)
+        return _with_lora(out, lora)
 
 
 class Fp8Checkpoint(Fp8Dynamic):
@@ -167,10 +170,11 @@ class Fp8Static(Fp8Checkpoint):
     def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
         return layer.input_scale
 
-    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
+    def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
         # Rows from a producer are quantized by this scale already; o_proj's input is not.
         scale = None if isinstance(x, Fp8Rows) else layer.input_scale
-        return ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias, scale)
+        out = ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias, scale)
+        return _with_lora(out, lora)
 
 
 class Fp8Block(Fp8Checkpoint):
@@ -207,8 +211,8 @@ class Fp8Block(Fp8Checkpoint):
         groups = TensorDims(0, 1, (self.group, 1), "scale groups")
         return {"qweight": TensorDims(0, 1), "weight_scale": groups, **_BIAS}
 
-    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
-        return ops.fp8_group_linear(
+    def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
+        out = ops.fp8_group_linear(
             _float(x, self),
             layer.qweight,
             layer.weight_scale,
@@ -216,6 +220,7 @@ class Fp8Block(Fp8Checkpoint):
             layer.bias,
             layer.block_scale,
         )
+        return _with_lora(out, lora)
 
 
 class Int4WeightOnly:
@@ -293,8 +298,8 @@ class Int4WeightOnly:
     def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
         return None
 
-    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
-        return ops.int4_linear(
+    def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
+        out = ops.int4_linear(
             _float(x, self),
             layer.qweight,
             layer.scales,
@@ -303,6 +308,7 @@ class Int4WeightOnly:
             layer.g_idx,
             layer.bias,
         )
+        return _with_lora(out, lora)
 
 
 @dataclass(frozen=True)
@@ -376,14 +382,14 @@ class GgufBlocks:
         layer.runs = [run[0].qtype for run in runs]
         layer.shards = {}
 
-    def apply(self, layer: Linear, x: Activation) -> torch.Tensor:
+    def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
         x = _float(x, self)
         weights = [getattr(layer, f"qweight{i}") for i in range(len(layer.runs))]
         if len(weights) == 1:
-            return _gguf_run(x, layer.runs[0], weights[0], layer.bias)
+            return _with_lora(_gguf_run(x, layer.runs[0], weights[0], layer.bias), lora)
         runs = zip(layer.runs, weights, strict=True)
         out = torch.cat([_gguf_run(x, qtype, w, None) for qtype, w in runs], dim=1)
-        return out if layer.bias is None else out + layer.bias
+        return _with_lora(out if layer.bias is None else out + layer.bias, lora)
 
 
 def _gguf_run(
@@ -395,6 +401,11 @@ def _gguf_run(
 
 
 _BIAS = {"bias": TensorDims(rows=0, added=True)}
+
+
+def _with_lora(out: torch.Tensor, lora: LoraDelta | None) -> torch.Tensor:
+    """out plus the LoRA delta, for kernels that do not add it themselves."""
+    return out if lora is None else ops.lora_expand(out, *lora)
 
 
 def _float(x: Activation, method: LinearMethod) -> torch.Tensor:
@@ -449,15 +460,14 @@ class Linear(nn.Module):
         self.method: LinearMethod = method or Unquantized()
         self.method.create_weights(self)
 
-    def forward(self, x: Activation, token_slots: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N]; `token_slots` [M]: each row's LoRA slot (-1: none), given
-        when the model runs with LoRA."""
-        out = self.method.apply(self, x)
-        if token_slots is not None and self.lora is not None:
-            assert isinstance(x, torch.Tensor)  # with slots attached, no producer quantizes
-            shrunk = ops.lora_shrink(x, self.lora.lora_a, token_slots)  # [M, P, R]
-            ops.lora_expand(out, shrunk, self.lora.lora_b, token_slots, self.lora.piece_rows)
-        return out
+    def forward(self, x: Activation, lora: LoraTokens | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N]; `lora`: the rows' LoRA slots, when the model runs with LoRA."""
+        if lora is None or self.lora is None:
+            return self.method.apply(self, x)
+        assert isinstance(x, torch.Tensor)  # with slots attached, no producer quantizes
+        shrunk = ops.lora_shrink(x, self.lora.lora_a, *lora)  # [KS, M, P, R]
+        delta = LoraDelta(shrunk, self.lora.lora_b, lora.slots, self.lora.piece_rows, lora.order)
+        return self.method.apply(self, x, delta)
 
     def fp8_input_scale(self) -> torch.Tensor | None:
         """The static scale the op feeding it quantizes by (`LinearMethod.fp8_input_scale`)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,13 @@ MIN_RANK = 16  # the kernels' tl.dot needs 16 along the rank (kernels/triton_lor
 def slot_rank(max_lora_rank: int) -> int:
     """The slots' rank: --max-lora-rank rounded up to a power of two, at least MIN_RANK."""
     return max(MIN_RANK, 1 << (max_lora_rank - 1).bit_length())
+
+
+class LoraTokens(NamedTuple):
+    """A step's tokens as LoRA sees them: each token's slot, and the tokens grouped by slot."""
+
+    slots: torch.Tensor  # [T] int32, -1: the base model
+    order: torch.Tensor  # [T] int32, a permutation of the tokens, sorted by slot
 
 
 @dataclass(frozen=True)

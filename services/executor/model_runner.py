@@ -366,7 +366,7 @@ class ModelRunner:
 
     def _forward(self, view: StepView) -> torch.Tensor:
         ops.gather_sampled_inputs(view.input_ids, view.source_rows, self.sampled_ids)
-        lora = view.token_slots if self.lora is not None else None
+        lora = view.lora if self.lora is not None else None
         return self.model(view.input_ids, view.positions, self.kv_caches, view.meta, lora)
 
     def _apply_plan(self, plan: SchedulerOutput) -> None:

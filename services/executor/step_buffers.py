@@ -3,8 +3,8 @@
 Every field lives at a fixed offset of one int32 buffer, sized for the largest step:
 
     input_ids [T] | positions [T] | slot_mapping [T] | source_rows [T] | token_slots [T]
-    | query_start_loc [R+1] | seq_lens [R] | sample_rows [R] | block_tables [R, max_blocks]
-    (T, R: the configured maxima)
+    | token_order [T] | query_start_loc [R+1] | seq_lens [R] | sample_rows [R]
+    | block_tables [R, max_blocks]   (T, R: the configured maxima)
 
 The host fills a pinned mirror, and one asynchronous copy moves the used prefix to the GPU.
 Fixed offsets also make the device views stable, which CUDA graphs need: a graph captured on
@@ -13,7 +13,9 @@ Fixed offsets also make the device views stable, which CUDA graphs need: a graph
 `source_rows` is how a step runs before the host knows all of its input tokens: a decode
 whose input is the token the step in flight is still sampling names that token's row in the
 device's last sampled ids (-1 elsewhere), and the forward pass gathers it on the device.
-`token_slots` is each token's LoRA slot (-1: the base model), written when LoRA is on.
+`token_slots` is each token's LoRA slot (-1: the base model) and `token_order` the tokens
+sorted by it (the LoRA kernels read each adapter once per block of its tokens), written when
+LoRA is on.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from services.executor.attention_metadata import AttentionMetadata
+from services.executor.lora_slots import LoraTokens
 
 PADDING_SLOT = -1  # write_kv skips it: padded graph rows must not touch the cache
 
@@ -43,7 +46,7 @@ class StepView:
     input_ids: torch.Tensor  # [T] int32
     positions: torch.Tensor  # [T] int32
     source_rows: torch.Tensor  # [T] int32: row of the last sampled ids to take, or -1
-    token_slots: torch.Tensor  # [T] int32: LoRA slot of each token, or -1 (with LoRA only)
+    lora: LoraTokens  # LoRA slot of each token (-1: none) and their order (with LoRA only)
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] int32: flat index of each sampling request's last token
 
@@ -60,6 +63,7 @@ class StepBuffers:
             "slot_mapping": max_tokens,
             "source_rows": max_tokens,
             "token_slots": max_tokens,
+            "token_order": max_tokens,
             "query_start_loc": max_reqs + 1,
             "seq_lens": max_reqs,
             "sample_rows": max_reqs,
@@ -150,6 +154,9 @@ class StepBuffers:
             else:
                 self._pad_mixed(num_tokens, num_reqs, pad_to)
             num_tokens, num_reqs = pad_to.num_tokens, pad_to.num_reqs
+        if row_slots is not None:  # padding included: its tokens have no slot
+            slots = self._host("token_slots", num_tokens)
+            self._host("token_order", num_tokens)[:] = np.argsort(slots, kind="stable")
         self.last_step = (num_tokens, num_reqs, len(sample_rows), max_seq_len)
 
     def _pad_tokens(self, num_tokens: int, size: int) -> None:
@@ -214,7 +221,9 @@ class StepBuffers:
             input_ids=self._device("input_ids", num_tokens),
             positions=self._device("positions", num_tokens),
             source_rows=self._device("source_rows", num_tokens),
-            token_slots=self._device("token_slots", num_tokens),
+            lora=LoraTokens(
+                self._device("token_slots", num_tokens), self._device("token_order", num_tokens)
+            ),
             meta=meta,
             sample_rows=self._device("sample_rows", num_samples),
         )

@@ -241,3 +241,58 @@ def test_gpu_cuda_graph_replays_with_new_inputs(m: int) -> None:
     graph.replay()
     torch.cuda.synchronize()
     check(out, linear_reference(x, weight, bias), 1e-2)
+
+
+# --- LoRA in the epilogue -----------------------------------------------------------------------
+
+
+def lora_case(m: int, n: int, k: int, dtype: torch.dtype, seed: int, pieces: tuple[int, ...]):
+    """A LoRA delta for m rows (slots 0..2 of 3, or -1: the base model), shrunk by the Triton
+    shrink in splits of 16 columns, and the same with a stale slot (9) where -1 is."""
+    from kernels.lora import LoraDelta
+    from kernels.triton_lora import lora_shrink
+
+    gen = torch.Generator().manual_seed(seed)
+    x = randn(m, k, gen=gen, dtype=dtype)
+    lora_a = randn(3, len(pieces), 16, k, gen=gen, dtype=dtype) * 0.1
+    lora_b = randn(3, n, 16, gen=gen, dtype=dtype) * 0.1
+    slots = torch.tensor([[0, -1, 2, -1, 1][i % 5] for i in range(m)], dtype=torch.int32)
+    slots = slots.to(DEVICE)
+    shrunk = lora_shrink(x, lora_a, slots, k_per_split=16)
+    assert shrunk.shape[0] > 1  # partial sums for the epilogue to add up
+    stale = torch.where(slots < 0, 9, slots).to(torch.int32)  # a padding row's leftover
+    return x, LoraDelta(shrunk, lora_b, slots, pieces), LoraDelta(shrunk, lora_b, stale, pieces)
+
+
+@pytest.mark.parametrize("tiles", [FMA, DOT], ids=["fma", "dot"])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("pieces", [(64, 32, 32), (36, 92)], ids=["fused", "straddles"])
+def test_lora_delta_in_the_epilogue(tiles: LinearTiles, m: int, pieces: tuple[int, ...]) -> None:
+    """Each row gets its adapter's delta: in the epilogue where the column blocks lie within
+    pieces, by the expand kernel after the launch where one would straddle two."""
+    dtype = torch.float32
+    n = sum(pieces)
+    x, lora, stale = lora_case(m, n, K, dtype, seed=m, pieces=pieces)
+    _, weight, bias = make_case(m, n, K, dtype, seed=m + 1)
+    expected = linear_reference(x, weight, bias, lora)
+    without = linear_reference(x, weight, bias)
+    assert rel_error(without, expected) > 1e-2  # the delta is not lost in the tolerance
+    check(skinny_linear(x, weight, bias, tiles=tiles, lora=stale), expected, REL_TOL[dtype])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_gpu_lora_delta_in_the_epilogue(m: int) -> None:
+    from kernels.lora import LoraDelta
+    from kernels.triton_lora import lora_shrink
+
+    pieces = (4096, 1024, 1024)
+    x, weight, bias = gpu_case(m, sum(pieces), 4096, torch.bfloat16, seed=m)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    lora_a = torch.randn(8, 3, 16, 4096, generator=gen, device="cuda").mul_(0.02).bfloat16()
+    lora_b = torch.randn(8, sum(pieces), 16, generator=gen, device="cuda").mul_(0.02).bfloat16()
+    slots = (torch.arange(m, device="cuda") % 9 - 1).to(torch.int32)
+    lora = LoraDelta(lora_shrink(x, lora_a, slots), lora_b, slots, pieces)
+    expected = linear_reference(x, weight, bias, lora)
+    check(skinny_linear(x, weight, bias, lora=lora), expected, 1e-2)

@@ -44,32 +44,47 @@ def test_the_references_are_a_per_token_loop_over_the_adapters() -> None:
     expanded = lora_expand_reference(out.clone(), shrunk, lora_b, slots, PIECES)
     for t, slot in enumerate(slots.tolist()):
         if slot < 0:
-            assert not shrunk[t].any() and torch.equal(expanded[t], out[t])
+            assert not shrunk[:, t].any() and torch.equal(expanded[t], out[t])
             continue
         b = lora_b[slot]  # [N, R]
         start = 0
         for piece, size in enumerate(PIECES):
             y = lora_a[slot, piece] @ x[t]
-            torch.testing.assert_close(shrunk[t, piece], y.float())
+            torch.testing.assert_close(shrunk[0, t, piece], y.float())
             want = out[t, start : start + size] + b[start : start + size] @ y
             torch.testing.assert_close(expanded[t, start : start + size], want)
             start += size
 
 
 @pytest.mark.parametrize(
-    ("runs", "block_t"),
-    [(DECODE, None), (PROMPTS, None), (PROMPTS, 16), (BASE_THEN_ONE, 16)],
-    ids=["decode", "prompts-by-token", "prompts-by-block", "base-then-one"],
-)
-def test_kernels_match_the_references(runs: list[tuple[int, int]], block_t: int | None) -> None:
+    ("runs", "block_t", "k_per_split"),
+    [
+        (DECODE, None, None),
+        (DECODE, None, 16),
+        (PROMPTS, None, None),
+        (PROMPTS, 16, None),
+        (PROMPTS, 16, 32),
+        (BASE_THEN_ONE, 16, None),
+    ],
+    ids=[
+        "decode", "decode-split-k", "prompts-by-token", "prompts-by-block",
+        "prompts-by-block-split-k", "base-then-one",
+    ],
+)  # fmt: skip
+def test_kernels_match_the_references(
+    runs: list[tuple[int, int]], block_t: int | None, k_per_split: int | None
+) -> None:
     x, lora_a, lora_b, slots, out = make_case(runs, 1)
     expected_shrunk = lora_shrink_reference(x, lora_a, slots)
-    shrunk = lora_shrink(x, lora_a, slots, block_t=block_t)
+    shrunk = lora_shrink(x, lora_a, slots, block_t=block_t, k_per_split=k_per_split)
+    assert shrunk.shape[0] == (K // k_per_split if k_per_split else 1)
     tolerance = dict(rtol=2e-2, atol=2e-2) if torch.bfloat16 == DTYPE else dict()
-    torch.testing.assert_close(shrunk, expected_shrunk, **tolerance)
+    torch.testing.assert_close(shrunk.sum(0, keepdim=True), expected_shrunk, **tolerance)
+    # The expand adds the partial sums up, whatever their number.
     expected = lora_expand_reference(out.clone(), expected_shrunk, lora_b, slots, PIECES)
-    expanded = lora_expand(out.clone(), expected_shrunk, lora_b, slots, PIECES, block_t=block_t)
-    torch.testing.assert_close(expanded.float(), expected.float(), **tolerance)
+    for partial in (expected_shrunk, shrunk):
+        expanded = lora_expand(out.clone(), partial, lora_b, slots, PIECES, block_t=block_t)
+        torch.testing.assert_close(expanded.float(), expected.float(), **tolerance)
 
 
 @pytest.mark.parametrize("block_t", [None, 16])
@@ -79,10 +94,34 @@ def test_a_slot_outside_the_slots_reads_as_no_adapter(block_t: int | None) -> No
     stale = slots.clone()
     stale[20:27] = SLOTS + 5  # the base-model run, given a slot that does not exist
     shrunk = lora_shrink(x, lora_a, stale, block_t=block_t)
-    torch.testing.assert_close(shrunk, lora_shrink_reference(x, lora_a, slots))
+    torch.testing.assert_close(shrunk.sum(0, keepdim=True), lora_shrink_reference(x, lora_a, slots))
     expanded = lora_expand(out.clone(), shrunk, lora_b, stale, PIECES, block_t=block_t)
     expected = lora_expand_reference(out.clone(), shrunk, lora_b, slots, PIECES)
     torch.testing.assert_close(expanded.float(), expected.float())
+
+
+@pytest.mark.parametrize("order", ["grouped", "shuffled", "none"])
+def test_blocks_take_the_tokens_in_any_order(order: str) -> None:
+    """Decode-like: 45 tokens whose slots interleave. Grouped by slot (as the executor sorts
+    them), a block holds one or two adapters; shuffled or as they come, up to four: the same
+    result either way, each slot of a block multiplied once."""
+    generator = torch.Generator().manual_seed(5)
+    runs = [(int(s), 1) for s in torch.randint(-1, SLOTS, (45,), generator=generator)]
+    x, lora_a, lora_b, slots, out = make_case(runs, 6)
+    token_order = {
+        "grouped": torch.sort(slots.cpu(), stable=True).indices,
+        "shuffled": torch.randperm(45, generator=generator),
+        "none": None,
+    }[order]
+    if token_order is not None:
+        token_order = token_order.to(device=DEVICE, dtype=torch.int32)
+    shrunk = lora_shrink(x, lora_a, slots, token_order, block_t=16, k_per_split=32)
+    expected_shrunk = lora_shrink_reference(x, lora_a, slots)
+    tolerance = dict(rtol=2e-2, atol=2e-2) if torch.bfloat16 == DTYPE else dict()
+    torch.testing.assert_close(shrunk.sum(0, keepdim=True), expected_shrunk, **tolerance)
+    expected = lora_expand_reference(out.clone(), expected_shrunk, lora_b, slots, PIECES)
+    expanded = lora_expand(out.clone(), shrunk, lora_b, slots, PIECES, token_order, block_t=16)
+    torch.testing.assert_close(expanded.float(), expected.float(), **tolerance)
 
 
 def test_one_piece_and_two() -> None:
@@ -102,27 +141,30 @@ def test_bad_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="power-of-two rank"):
         lora_shrink(x, lora_a[:, :, :12].contiguous(), slots)
     with pytest.raises(ValueError, match="do not make"):
-        lora_expand(out, torch.zeros(5, 3, RANK, device=DEVICE), lora_b, slots, (64, 32, 31))
+        lora_expand(out, torch.zeros(1, 5, 3, RANK, device=DEVICE), lora_b, slots, (64, 32, 31))
     with pytest.raises(ValueError, match="is not"):
-        lora_expand(out, torch.zeros(5, 2, RANK, device=DEVICE), lora_b, slots, PIECES)
+        lora_expand(out, torch.zeros(1, 5, 2, RANK, device=DEVICE), lora_b, slots, PIECES)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("num_tokens", [1, 8, 300])
+@pytest.mark.parametrize("num_tokens", [1, 8, 16, 17, 300, 700])
 def test_gpu_real_shapes_match_the_references(num_tokens: int) -> None:
-    # Llama-3.1-8B's q/k/v with rank-16 adapters in 8 slots; tokens in runs of 40.
+    # Llama-3.1-8B's q/k/v with rank-16 adapters in 8 slots; the tokens' slots interleave as
+    # a decode step's do, and the kernels take them grouped by slot, as the executor sorts them.
     generator = torch.Generator().manual_seed(num_tokens)
     pieces, k = (4096, 1024, 1024), 4096
-    slots = (torch.arange(num_tokens) // 40 % 9 - 1).to(torch.int32).cuda()  # -1 .. 7
+    slots = (torch.arange(num_tokens) % 9 - 1).to(torch.int32)  # -1 .. 7
+    order = torch.sort(slots, stable=True).indices.to(torch.int32).cuda()
+    slots = slots.cuda()
     x = torch.randn(num_tokens, k, generator=generator).cuda().bfloat16()
     lora_a = (torch.randn(8, 3, 16, k, generator=generator) * 0.02).cuda().bfloat16()
     lora_b = (torch.randn(8, sum(pieces), 16, generator=generator) * 0.02).cuda().bfloat16()
     out = torch.randn(num_tokens, sum(pieces), generator=generator).cuda().bfloat16()
-    shrunk = lora_shrink(x, lora_a, slots)
+    shrunk = lora_shrink(x, lora_a, slots, order)
     torch.testing.assert_close(
-        shrunk, lora_shrink_reference(x, lora_a, slots), rtol=1e-2, atol=1e-2
+        shrunk.sum(0, keepdim=True), lora_shrink_reference(x, lora_a, slots), rtol=1e-2, atol=1e-2
     )
     expected = lora_expand_reference(out.clone(), shrunk, lora_b, slots, pieces)
-    expanded = lora_expand(out.clone(), shrunk, lora_b, slots, pieces)
+    expanded = lora_expand(out.clone(), shrunk, lora_b, slots, pieces, order)
     torch.testing.assert_close(expanded.float(), expected.float(), rtol=2e-2, atol=2e-2)

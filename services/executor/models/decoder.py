@@ -17,6 +17,7 @@ from kernels import ops
 from services.executor.attention_metadata import AttentionMetadata
 from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from services.executor.linear import Activation, Linear, LinearMethod, PackedWeight
+from services.executor.lora_slots import LoraTokens
 from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
@@ -86,7 +87,7 @@ class Attention(nn.Module):
         x: Activation,  # [T, hidden], normed (quantized per token for an FP8 qkv_proj)
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
-        lora: torch.Tensor | None = None,  # [T] each token's LoRA slot, with LoRA
+        lora: LoraTokens | None = None,  # the tokens' LoRA slots, with LoRA
     ) -> torch.Tensor:  # [T, hidden]
         qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         num_tokens = qkv.shape[0]
@@ -148,7 +149,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        lora: torch.Tensor | None = None,
+        lora: LoraTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Each norm is told the projection it feeds: an FP8 one takes its input quantized.
         qkv_proj = self.self_attn.qkv_proj
@@ -190,7 +191,7 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, KV, D]
         meta: AttentionMetadata,
-        lora: torch.Tensor | None = None,  # [T] each token's LoRA slot (-1: none), with LoRA
+        lora: LoraTokens | None = None,  # the tokens' LoRA slots, with LoRA
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
