@@ -28,8 +28,10 @@ workspace and a second pass, and with the default tiles N = 4096 already makes 1
 
 Given a LoRA delta (`kernels.lora.LoraDelta`), the epilogue adds each row's adapter to the
 program's columns (`kernels.triton_lora.lora_delta`): the expand costs no launch of its own,
-which at batch 1 is most of its cost. With one row its few operands are loaded before the
-weights stream, so their latency hides behind it.
+which at batch 1 is most of its cost. Its operands are loaded before the weights stream (with
+one row all of them; past that all but B, which would hold registers through the loop), so
+their latency hides behind it. Past EPILOGUE_MAX_VALUES values of B a tile (larger ranks) the
+expand runs after the launch instead.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ import triton
 import triton.language as tl
 
 from kernels.lora import LoraDelta
-from kernels.triton_lora import lora_delta, lora_expand, lora_operands
+from kernels.triton_lora import lora_b, lora_delta, lora_expand, lora_rows
 
 MAX_ROWS = 64  # the most rows this layer takes: past it a GEMM reuses weights enough for cuBLAS
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
 FMA_MAX_ACC_PER_THREAD = 128  # float32 accumulator registers per thread, past which it spills
+EPILOGUE_MAX_VALUES = 8192  # a LoRA B tile fused in the epilogue: 64 floats a thread at 4 warps
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -168,13 +171,17 @@ def _skinny_linear_kernel(
     ks = tl.arange(0, BLOCK_K)  # [BK]
     row_valid = rows < m
     col_valid = cols < n
-    if HAS_LORA and not USE_DOT:
-        lora_y, lora_b = lora_operands(
-            lora_y_ptr, lora_b_ptr, lora_slots_ptr, rows, row_valid, cols, col_valid,
-            tl.program_id(0) * BLOCK_N, lora_num_slots, lora_num_splits, lora_piece_start_1,
-            lora_piece_start_2, lora_stride_y_split, lora_stride_y_row, lora_stride_y_piece,
-            lora_stride_b_slot, lora_stride_b_row, LORA_RANK,
+    if HAS_LORA:  # loaded before the weights stream, so their latency hides behind it
+        slots, adapted, lora_y = lora_rows(
+            lora_y_ptr, lora_slots_ptr, rows, row_valid, tl.program_id(0) * BLOCK_N,
+            lora_num_slots, lora_num_splits, lora_piece_start_1, lora_piece_start_2,
+            lora_stride_y_split, lora_stride_y_row, lora_stride_y_piece, LORA_RANK,
         )  # fmt: skip
+        if not USE_DOT:  # one row: its few B values too
+            b = lora_b(
+                lora_b_ptr, slots, adapted, cols, col_valid, lora_stride_b_slot, lora_stride_b_row,
+                LORA_RANK,
+            )  # fmt: skip
     x_ptrs = x_ptr + rows[:, None] * stride_x_row + ks[None, :]  # [BM, BK]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * stride_w_row + ks[None, :]  # [BN, BK]
     if USE_DOT:
@@ -214,13 +221,11 @@ def _skinny_linear_kernel(
         acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:
         if USE_DOT:  # 16 rows or more: B [BM, BN, R] is read here, not held through the loop
-            lora_y, lora_b = lora_operands(
-                lora_y_ptr, lora_b_ptr, lora_slots_ptr, rows, row_valid, cols, col_valid,
-                tl.program_id(0) * BLOCK_N, lora_num_slots, lora_num_splits, lora_piece_start_1,
-                lora_piece_start_2, lora_stride_y_split, lora_stride_y_row, lora_stride_y_piece,
-                lora_stride_b_slot, lora_stride_b_row, LORA_RANK,
+            b = lora_b(
+                lora_b_ptr, slots, adapted, cols, col_valid, lora_stride_b_slot, lora_stride_b_row,
+                LORA_RANK,
             )  # fmt: skip
-        acc += lora_delta(lora_y, lora_b)
+        acc += lora_delta(lora_y, b)
     out_ptrs = out_ptr + rows[:, None] * stride_out_row + cols[None, :]  # [BM, BN]
     out_mask = row_valid[:, None] & col_valid[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -268,11 +273,19 @@ def skinny_linear(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)  # [M, N]
     if n == 0:
         return out
-    fused = lora is not None and all(rows % tiles.block_n == 0 for rows in lora.piece_rows)
+    fused = lora is not None and _fuses(lora, tiles, m)
     launch_skinny_linear(x, weight, bias, out, tiles, lora=lora if fused else None)
-    if lora is not None and not fused:  # a column block would straddle two pieces
+    if lora is not None and not fused:
         lora_expand(out, *lora)
     return out
+
+
+def _fuses(lora: LoraDelta, tiles: LinearTiles, m: int) -> bool:
+    """Whether the epilogue can add the delta: every column block within one piece, and B's
+    tile [rows, block_n, rank] small enough to stay in registers."""
+    within_pieces = all(rows % tiles.block_n == 0 for rows in lora.piece_rows)
+    b_values = tiles.rows(m) * tiles.block_n * lora.lora_b.shape[2]
+    return within_pieces and b_values <= EPILOGUE_MAX_VALUES
 
 
 def launch_skinny_linear(

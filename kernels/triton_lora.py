@@ -50,15 +50,13 @@ def _summed_splits(y_ptrs, num_splits, stride_y_split, rows_valid=None):
 
 
 @triton.jit
-def lora_operands(
-    y_ptr, b_ptr, slots_ptr, rows, row_valid, cols, col_valid, first_col, num_slots, num_splits,
-    piece_start_1, piece_start_2, stride_y_split, stride_y_token, stride_y_piece, stride_b_slot,
-    stride_b_row, RANK: tl.constexpr,
+def lora_rows(
+    y_ptr, slots_ptr, rows, row_valid, first_col, num_slots, num_splits, piece_start_1,
+    piece_start_2, stride_y_split, stride_y_token, stride_y_piece, RANK: tl.constexpr,
 ):  # fmt: skip
-    """What a linear kernel that fuses the expand (kernels/triton_linear.py) reads to add each
-    row's adapter to the output columns `cols`, which start at first_col and lie in one piece:
-    y [rows, R], summed over the shrink's splits, and B [rows, cols, R] (zero without a slot).
-    Their product is `lora_delta`."""
+    """What a linear kernel that fuses the expand (kernels/triton_linear.py) reads of its rows:
+    each row's slot, whether it has one, and y [rows, R] of the piece holding the columns from
+    first_col (summed over the shrink's splits; zero without a slot)."""
     slots = tl.load(slots_ptr + rows, mask=row_valid, other=-1)  # [BM]
     adapted = row_valid & (slots >= 0) & (slots < num_slots)
     slots = tl.where(adapted, slots, 0).to(tl.int64)
@@ -66,10 +64,18 @@ def lora_operands(
     ranks = tl.arange(0, RANK)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y_token + piece * stride_y_piece
     y = _summed_splits(y_ptrs + ranks[None, :], num_splits, stride_y_split, adapted)  # [BM, R]
+    return slots, adapted, y
+
+
+@triton.jit
+def lora_b(
+    b_ptr, slots, adapted, cols, col_valid, stride_b_slot, stride_b_row, RANK: tl.constexpr
+):  # fmt: skip
+    """B [rows, cols, R]: each row's adapter's rows of B for the output columns `cols`."""
+    ranks = tl.arange(0, RANK)
     b_ptrs = b_ptr + slots[:, None, None] * stride_b_slot + ranks[None, None, :]
     b_ptrs += cols[None, :, None].to(tl.int64) * stride_b_row  # [BM, BN, R]
-    b = tl.load(b_ptrs, mask=adapted[:, None, None] & col_valid[None, :, None], other=0.0)
-    return y, b
+    return tl.load(b_ptrs, mask=adapted[:, None, None] & col_valid[None, :, None], other=0.0)
 
 
 @triton.jit

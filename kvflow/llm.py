@@ -51,6 +51,8 @@ class LLM:
             scheduler_config(self.config, ready), max_queued_requests=None, max_queued_tokens=None
         )
         self.engine = EngineCore(Scheduler(settings), self.runner)
+        for lora_id in range(1, len(ready.lora_modules) + 1):  # --lora-modules: ids 1, 2, ...
+            self.engine.scheduler.add_lora(lora_id)
         self.worker = TokenizerWorker(
             load_tokenizer(self.runner.source, self.config.tokenizer),
             grammar_timeout_s=self.config.grammar_compile_timeout,
@@ -149,8 +151,8 @@ class LLM:
         return results
 
     def add_lora(self, lora: LoRARequest) -> int:
-        """Register a LoRA adapter (read and checked on its first use) and return its id;
-        `generate` and `chat` do it for the adapters they are given."""
+        """Register a LoRA adapter (read and checked the first time its id is given) and return
+        its id; `generate` and `chat` do it for the adapters they are given."""
         if self.runner.lora is None:
             raise ParameterError("lora_request", "LoRA is not enabled: LLM(..., enable_lora=True)")
         try:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from shared.lora_modules import LoraModuleError, parse_lora_modules
+
 ENV_PREFIX = "KVFLOW_"
 # Offline generation (the `LLM` class, `kvflow generate`, `kvflow bench`) trades step latency
 # for throughput, as vLLM's LLM class does: larger steps. Layered above the field defaults and
@@ -85,6 +87,17 @@ class Config:
         "lora",
         "Adapters whose weights are kept in host memory (least recently used out; an adapter "
         "not kept is read from its files again when next used); default: --max-loras.",
+    )
+    lora_modules: tuple[str, ...] = option(
+        (),
+        "lora",
+        "Adapters to serve from the start, each name=path or a JSON object with name, path and"
+        " base_model_name; a request names one as its `model`. Needs --enable-lora.",
+    )
+    allow_runtime_lora_updating: bool = option(
+        False,
+        "lora",
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).",
     )
     seed: int = option(0, "model", "Random seed: dummy weights, sampling, `generate` prompts.")
     # -- cache
@@ -315,6 +328,15 @@ class Config:
             value = getattr(self, name)
             _require(value is None or value >= 1, name, "must be >= 1")
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
+        _require(
+            self.enable_lora or not (self.lora_modules or self.allow_runtime_lora_updating),
+            "enable_lora",
+            "--lora-modules and --allow-runtime-lora-updating need --enable-lora",
+        )
+        try:
+            parse_lora_modules(self.lora_modules)
+        except LoraModuleError as exc:
+            raise ConfigError(str(exc)) from None
         _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
         _require(
             self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
@@ -382,11 +404,15 @@ def _base_type(options: type, name: str) -> type:
     hint = typing.get_type_hints(options)[name]
     if isinstance(hint, types.UnionType):  # `int | None` parses as int
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    if typing.get_origin(hint) is tuple:  # `tuple[str, ...]`: several values
+        return tuple
     return typing.cast(type, hint)
 
 
 def _parse_value(options: type, name: str, text: str) -> Any:
     kind = _base_type(options, name)
+    if kind is tuple:  # a JSON list, or values split on whitespace
+        return tuple(json.loads(text)) if text.lstrip().startswith("[") else tuple(text.split())
     if text.lower() in ("", "none", "null") and kind is not str:
         return None
     if kind is bool:
@@ -424,6 +450,8 @@ def add_config_flags(
             by_group[group].add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=doc
             )
+        elif kind is tuple:
+            by_group[group].add_argument(flag, nargs="+", default=None, help=doc, metavar="VALUE")
         else:
             by_group[group].add_argument(
                 flag,
@@ -461,9 +489,12 @@ def _env_and_flags(options: type, args: argparse.Namespace) -> dict[str, Any]:
             values[f.name] = _parse_value(options, f.name, env)
         flag = getattr(args, f.name, None)
         if flag is not None:
-            values[f.name] = (
-                flag if isinstance(flag, bool) else _parse_value(options, f.name, str(flag))
-            )
+            if isinstance(flag, bool):
+                values[f.name] = flag
+            elif isinstance(flag, list):
+                values[f.name] = tuple(flag)
+            else:
+                values[f.name] = _parse_value(options, f.name, str(flag))
     return values
 
 
@@ -474,4 +505,4 @@ def _read_file(path: Path) -> dict[str, Any]:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"{path}: unknown config keys {unknown}")
-    return {k.replace("-", "_"): v for k, v in data.items()}
+    return {k.replace("-", "_"): tuple(v) if isinstance(v, list) else v for k, v in data.items()}

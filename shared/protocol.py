@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class Message(msgspec.Struct, gc=False):
@@ -26,6 +26,10 @@ class ParameterError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+class NotFoundError(ParameterError):
+    """A request names something the server does not have (a model, a LoRA adapter)."""
 
 
 class StructuredOutput(Message, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -155,6 +159,7 @@ class ErrorKind(enum.StrEnum):
     """Why a request failed. The HTTP edge maps each kind to one status code."""
 
     INVALID_REQUEST = "invalid_request"  # the client's: a bad parameter or prompt (400)
+    NOT_FOUND = "not_found"  # the client's: it names a model or adapter the server lacks (404)
     QUEUE_FULL = "queue_full"  # the waiting queue is full: retry later (429)
     UNAVAILABLE = "unavailable"  # the engine is starting, draining, or lost a component (503)
     INTERNAL = "internal"  # a fault in kvflow or the device (500)
@@ -170,6 +175,8 @@ class RequestError(Message, kw_only=True):
     @classmethod
     def of(cls, exc: Exception) -> RequestError:
         """The error an exception raised while handling a request stands for."""
+        if isinstance(exc, NotFoundError):
+            return cls(kind=ErrorKind.NOT_FOUND, message=str(exc), param=exc.param)
         if isinstance(exc, ParameterError):
             return cls(kind=ErrorKind.INVALID_REQUEST, message=str(exc), param=exc.param)
         if isinstance(exc, QueueFullError):
@@ -205,6 +212,54 @@ class EngineRequest(Message, tag=True, kw_only=True):
 
 class AbortRequests(Message, tag=True):
     request_ids: list[str]
+
+
+# ---------------------------------------------------------------- LoRA adapters
+
+
+class LoraAdapterInfo(Message, kw_only=True):
+    """A LoRA adapter the server runs: requests name it as their `model`."""
+
+    name: str
+    lora_id: int  # >= 1, unique for as long as the scheduler runs
+    path: str
+    parent: str  # the base model it adapts, as /v1/models shows it
+
+
+class LoraAdapterRequest(Message, tag=True, kw_only=True):
+    """Load an adapter from `lora_path` under `lora_name`, or unload the adapter of that name
+    (the API's /v1/load_lora_adapter and /v1/unload_lora_adapter). From a frontend through a
+    tokenizer worker to the scheduler, which alone names adapters."""
+
+    request_id: str
+    action: str  # "load" | "unload"
+    lora_name: str
+    lora_path: str | None = None  # for "load"
+
+
+class LoraAdapterResult(Message, tag=True, kw_only=True):
+    """The scheduler's answer to a LoraAdapterRequest, back the way it came, with the adapters
+    as they are now."""
+
+    request_id: str
+    error: RequestError | None = None
+    adapters: list[LoraAdapterInfo] = []
+    version: int = 0  # of the adapters (see StatsSnapshot.lora_version)
+
+
+class AddLoraAdapter(Message, tag=True, kw_only=True):
+    """The scheduler asks its executor to read and check an adapter and take it under an id."""
+
+    lora_id: int
+    name: str
+    path: str
+
+
+class LoraAdapterAdded(Message, tag=True, kw_only=True):
+    """The executor's answer to AddLoraAdapter: None, or why the adapter cannot run."""
+
+    lora_id: int
+    error: str | None = None
 
 
 # ---------------------------------------------------------- scheduler -> executor
@@ -531,6 +586,11 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     num_waiting_tokens: int = 0
     max_queued_requests: int | None = None
     max_queued_tokens: int | None = None
+    # The LoRA adapters requests may name, and when they last changed (wall-clock ns, newer
+    # under a restarted scheduler): a frontend keeps the newest list it has seen, as a load's
+    # answer (LoraAdapterResult) may overtake the snapshot before it.
+    lora_adapters: list[LoraAdapterInfo] = []
+    lora_version: int = 0
 
     @property
     def queue_full(self) -> str | None:
@@ -563,6 +623,7 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     # running scheduler that its executor was replaced (see services/scheduler/process.py).
     session: int | None = None
     max_loras: int = 0  # distinct LoRA adapters one step may run (0: LoRA is off)
+    lora_modules: list[str] = []  # the names of its --lora-modules adapters, ids 1, 2, ...
 
 
 class ExecutorVersion(Message, tag="ExecutorReady"):
@@ -575,8 +636,18 @@ class ExecutorVersion(Message, tag="ExecutorReady"):
 # ------------------------------------------------------------ what each socket receives
 # One typed decoder per receiving socket (shared.ipc.Decoder); anything else is dropped.
 
-ToScheduler = EngineRequest | AbortRequests | ExecutorReady | ModelRunnerOutput | DeviceReady
-ToExecutor = SchedulerOutput | LaunchStep | SchedulerHello
-FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests
-SchedulerToTokenizer = OutputBatch
-ToFrontend = TextDelta | TokenizeResult | Heartbeat | StatsSnapshot | ComponentDown
+ToScheduler = (
+    EngineRequest
+    | AbortRequests
+    | LoraAdapterRequest
+    | ExecutorReady
+    | ModelRunnerOutput
+    | DeviceReady
+    | LoraAdapterAdded
+)
+ToExecutor = SchedulerOutput | LaunchStep | SchedulerHello | AddLoraAdapter
+FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests | LoraAdapterRequest
+SchedulerToTokenizer = OutputBatch | LoraAdapterResult
+ToFrontend = (
+    TextDelta | TokenizeResult | LoraAdapterResult | Heartbeat | StatsSnapshot | ComponentDown
+)

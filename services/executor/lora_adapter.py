@@ -84,7 +84,17 @@ def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
 
 def load_lora_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
     """Read and check the adapter at `path` (a PEFT folder) for a base model of `cfg`."""
-    folder = Path(path)
+    try:
+        return _load(name, Path(path), cfg, max_rank)
+    except LoraAdapterError:
+        raise
+    except Exception as exc:  # a config of the wrong types, an unreadable folder, ...
+        raise LoraAdapterError(
+            f"LoRA adapter {name!r}: cannot read it: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _load(name: str, folder: Path, cfg: ModelConfig, max_rank: int) -> LoraAdapter:
     if not (folder / CONFIG_FILE).is_file():
         raise LoraAdapterError(f"LoRA adapter {name!r}: no {CONFIG_FILE} in {folder}")
     if not (folder / WEIGHTS_FILE).is_file():
@@ -99,6 +109,8 @@ def load_lora_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: i
         tensors = load_file(str(folder / WEIGHTS_FILE))
     except (json.JSONDecodeError, OSError, SafetensorError) as exc:
         raise LoraAdapterError(f"LoRA adapter {name!r}: cannot read it: {exc}") from exc
+    if not isinstance(config, dict):
+        raise LoraAdapterError(f"LoRA adapter {name!r}: {CONFIG_FILE} is not a JSON object")
     rank, scaling, listed_targets = _read_config(name, config, max_rank)
     weights = _read_weights(name, tensors, cfg, rank)
     if not weights:
@@ -169,6 +181,8 @@ def _read_config(
             "the adapter to a plain LoRA (PEFT: path_initial_model_for_weight_conversion)"
         )
     alpha = config.get("lora_alpha", 8)  # PEFT's default
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise refuse(f"lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     target_modules = config.get("target_modules")
     if target_modules == "all-linear":  # PEFT: every linear layer but the output head

@@ -2,12 +2,15 @@
 in the device slots, and the slot of every row of a step.
 
 An adapter is registered by id with its name and folder (`add`, which reads and checks it, so a
-bad adapter is refused there and then). Its weights stay in a host cache of --max-cpu-loras
-adapters, least recently used out; one that fell out is read from its folder again when a step
-needs it. A step's adapters are put in the device slots (`row_slots`) before its inputs are
-written: resident ones keep their slots, others take the slots of adapters the step does not
-run. Why no wait for steps in flight before a slot is refilled: the copies are queued on the
-same stream as those steps, behind them.
+bad adapter is refused there and then); those of --lora-modules at start, as ids 1, 2, ...
+Its weights stay in a host cache of --max-cpu-loras adapters, the least recently used out but
+never one in a device slot (its requests may need it again after a refill, even once its
+files are gone); one that fell out is read from its folder again when a step needs it.
+
+A step's adapters are put in the device slots (`row_slots`) before its inputs are written:
+resident ones keep their slots, others take the slots of adapters the step does not run. Why
+no wait for steps in flight before a slot is refilled: the copies are queued on the same
+stream as those steps, behind them.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from services.executor.lora_adapter import LoraAdapter, LoraAdapterError, load_lora_adapter
 from services.executor.lora_slots import FUSED, LoraSlots, SlotTable
 from services.executor.models.decoder import DecoderForCausalLM
+from shared.lora_modules import LoraModule
 from shared.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,7 @@ class LoraManager:
         max_cpu_loras: int | None,
         dtype: torch.dtype,
         device: torch.device,
+        modules: list[LoraModule],
     ) -> None:
         self.config: ModelConfig = model.config
         self.max_loras = max_loras
@@ -75,6 +80,14 @@ class LoraManager:
             "%d adapters",
             max_loras, self.slots.rank, num_bytes / 2**30, max_lora_rank, self.max_cpu_loras,
         )  # fmt: skip
+        self.modules = [module.name for module in modules]
+        for lora_id, module in enumerate(modules, 1):
+            self.add(lora_id, module.name, module.path)  # a bad one stops the start
+
+    def reset(self) -> None:
+        """Forget the adapters added after the start (a new scheduler names its own)."""
+        for lora_id in [i for i in self.registered if i > len(self.modules)]:
+            self.remove(lora_id)
 
     def add(self, lora_id: int, name: str, path: str) -> None:
         """Register an adapter: read and check it now. Raises LoraAdapterError if it cannot
@@ -130,5 +143,7 @@ class LoraManager:
 
     def _cache(self, lora_id: int, adapter: LoraAdapter) -> None:
         self._host[lora_id] = adapter
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+        resident = self.table.resident()
+        evictable = [i for i in self._host if i not in resident and i != lora_id]
+        for victim in evictable[: max(0, len(self._host) - self.max_cpu_loras)]:
+            del self._host[victim]

@@ -121,17 +121,17 @@ class SlotTable:
             )
         to_fill: dict[int, int] = {}
         free = sorted(set(range(self.max_loras)) - set(self._slots.values()))
-        for name in sorted(adapters - set(self._slots)):
+        for lora_id in sorted(adapters - set(self._slots)):
             if free:
                 slot = free.pop(0)
             else:
-                victim = next(n for n in self._slots if n not in adapters)
+                victim = next(i for i in self._slots if i not in adapters)
                 slot = self._slots.pop(victim)
-            self._slots[name] = slot
-            to_fill[name] = slot
-        for name in sorted(adapters):
-            self._slots.move_to_end(name)  # most recently used last
-        return {name: self._slots[name] for name in adapters}, to_fill
+            self._slots[lora_id] = slot
+            to_fill[lora_id] = slot
+        for lora_id in sorted(adapters):
+            self._slots.move_to_end(lora_id)  # most recently used last
+        return {lora_id: self._slots[lora_id] for lora_id in adapters}, to_fill
 
     def forget(self, adapter: int) -> int | None:
         """Drop an adapter (unloaded); its slot, now free, or None."""

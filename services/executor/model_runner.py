@@ -17,6 +17,7 @@ from services.executor.kv_cache import (
     num_kv_blocks,
     profile_step_peak,
 )
+from services.executor.lora_adapter import LoraAdapterError
 from services.executor.lora_manager import LoraManager
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.plan_check import PlanError, PlanLimits, check_plan
@@ -33,6 +34,7 @@ from services.executor.warm_up import warm_up
 from services.executor.weights import load_model
 from shared.config import Config
 from shared.hf_tokenizer import load_tokenizer
+from shared.lora_modules import parse_lora_modules
 from shared.model_config import (
     ModelConfig,
     ModelSource,
@@ -114,6 +116,7 @@ class ModelRunner:
                 config.max_cpu_loras,
                 self.dtype,
                 self.device,
+                parse_lora_modules(config.lora_modules),
             )
         max_blocks = -(-self.max_model_len // self.block_size)
         self.buffers = StepBuffers(
@@ -176,6 +179,7 @@ class ModelRunner:
             max_num_batched_tokens=self.max_num_batched_tokens,
             session=session,
             max_loras=self.lora.max_loras if self.lora is not None else 0,
+            lora_modules=self.lora.modules if self.lora is not None else [],
         )
 
     def reset(self) -> None:
@@ -189,6 +193,8 @@ class ModelRunner:
         self.requests.clear()
         self._in_flight.clear()
         self._prepared = None
+        if self.lora is not None:
+            self.lora.reset()
         self.row_owner = [None] * len(self.row_owner)
 
     # ------------------------------------------------------------------ a step
@@ -217,6 +223,7 @@ class ModelRunner:
             max_model_len=self.max_model_len,
             max_num_seqs=self.buffers.max_reqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            lora_ids=self.lora.registered if self.lora is not None else (),
         )
 
     def _check(self, plan: SchedulerOutput, prepared: PreparedStep | None = None) -> None:
@@ -231,7 +238,9 @@ class ModelRunner:
     @torch.inference_mode()
     def prepare(self, plan: SchedulerOutput) -> None:
         """Take the plan and fill its inputs on the host; `launch` sends them to the device.
-        Raises PlanError, before touching anything, for a plan it cannot run."""
+        Raises PlanError for a plan it cannot run: before touching anything, but for LoRA
+        adapters that cannot be put in slots (too many, files gone), found as rows are added;
+        the caller then resets."""
         if self._prepared is not None:
             raise PlanError(f"plan {plan.step} before plan {self._prepared.step} launched")
         self._check(plan)
@@ -369,6 +378,19 @@ class ModelRunner:
         lora = view.lora if self.lora is not None else None
         return self.model(view.input_ids, view.positions, self.kv_caches, view.meta, lora)
 
+    def add_lora(self, lora_id: int, name: str, path: str) -> str | None:
+        """Take a LoRA adapter under `lora_id` (read and checked now); None, or why not."""
+        if self.lora is None:
+            return "LoRA is not enabled (--enable-lora)"
+        try:
+            self.lora.add(lora_id, name, path)
+        except LoraAdapterError as exc:
+            return str(exc)
+        except Exception as exc:  # whatever its files hold, a bad adapter must not end us
+            logger.exception("LoRA adapter %r from %s could not be read", name, path)
+            return f"LoRA adapter {name!r} could not be read: {type(exc).__name__}: {exc}"
+        return None
+
     def _apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
@@ -402,7 +424,10 @@ class ModelRunner:
             prepared.shape = self.graphs.shape_for(len(prepared.counts), len(prepared.token_ids))
         row_slots = None
         if self.lora is not None:  # a step's adapters in slots before its inputs name them
-            row_slots = self.lora.row_slots(prepared.lora_ids)
+            try:
+                row_slots = self.lora.row_slots(prepared.lora_ids)
+            except (ValueError, OSError) as exc:  # more adapters than slots; files gone
+                raise PlanError(f"plan {prepared.step}: its LoRA adapters: {exc}") from exc
         self.buffers.write(
             prepared.token_ids,
             prepared.starts,

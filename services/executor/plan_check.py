@@ -10,8 +10,8 @@ scheduler fails what it held and adopts the executor again (services/executor/pr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterable
+from dataclasses import dataclass, field
 
 from shared.protocol import ParameterError, SchedulerOutput
 
@@ -30,6 +30,7 @@ class PlanLimits:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    lora_ids: Container[int] = field(default=())  # the LoRA adapters it has taken
 
 
 Held = Callable[[str], tuple[int, int] | None]  # a request's (tokens known or in flight, blocks)
@@ -60,6 +61,8 @@ def check_plan(
             raise PlanError(f"{data.request_id}: {exc}") from None
         if not 0 <= data.num_computed_tokens < len(tokens):
             raise PlanError(f"{data.request_id}: num_computed_tokens out of range")
+        if data.lora_id and data.lora_id not in limits.lora_ids:
+            raise PlanError(f"{data.request_id}: LoRA adapter id {data.lora_id} is unknown here")
         known[data.request_id] = (len(tokens), len(data.block_ids))
     for delta in plan.cached_requests:
         state = known[delta.request_id] if delta.request_id in known else held(delta.request_id)

@@ -35,8 +35,10 @@ from shared.config import Config
 from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder, connect_dealer, encode
 from shared.protocol import (
+    AddLoraAdapter,
     DeviceReady,
     LaunchStep,
+    LoraAdapterAdded,
     SchedulerHello,
     SchedulerOutput,
     ToExecutor,
@@ -57,6 +59,8 @@ def run_executor(config: Config, rank: int = 0) -> None:
     runner = ModelRunner(config)
     socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name, security)
     model_name = config.served_model_name or runner.source.name
+    if runner.lora is not None and model_name in runner.lora.modules:
+        raise ValueError(f"--lora-modules: {model_name!r} is the served model's own name")
     socket.send(encode(runner.ready_message(model_name)))
     logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
     try:
@@ -102,8 +106,8 @@ def serve_plans(
     model_name: str,
     steps: StepWatch,
 ) -> None:
-    """Answer finished steps, ask for the next launch, and take plans, addenda, launches and
-    hellos.
+    """Answer finished steps, ask for the next launch, and take plans, addenda, launches,
+    hellos and LoRA adapters to load.
 
     While steps are in flight it polls without blocking: their ends are seen within
     microseconds, which a blocking wait on the socket would not allow. A message it cannot
@@ -139,6 +143,9 @@ def serve_plans(
                 asked = False
             elif isinstance(message, SchedulerOutput):
                 (runner.amend if message.addendum else runner.prepare)(message)
+            elif isinstance(message, AddLoraAdapter):
+                error = runner.add_lora(message.lora_id, message.name, message.path)
+                socket.send(encode(LoraAdapterAdded(lora_id=message.lora_id, error=error)))
         except PlanError as exc:
             # The scheduler's view and this one have parted: start over as a new executor.
             # The unasked report makes the scheduler fail what it held and adopt this again.

@@ -20,7 +20,7 @@ from services.frontend.guards import admit, authorize, load_api_keys
 from services.frontend.limits import RequestLimits
 from services.frontend.metrics import Metrics
 from services.frontend.request_log import RequestLog
-from services.frontend.routes import generate, info, tokenize
+from services.frontend.routes import generate, info, lora, tokenize
 from services.frontend.state import FrontendState
 from services.frontend.validation import Served
 from shared.config import Config
@@ -47,6 +47,8 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     app.include_router(info.metrics_router, dependencies=metrics_guards)
     app.include_router(tokenize.router, dependencies=[Depends(admit)])
     app.include_router(generate.router, dependencies=[Depends(admit)])
+    if config.allow_runtime_lora_updating:
+        app.include_router(lora.router, dependencies=[Depends(admit)])
     if config.enable_log_requests:
         app.add_middleware(RequestLog)
     return app

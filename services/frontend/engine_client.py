@@ -16,14 +16,18 @@ import zmq.asyncio
 from services.frontend.health import engine_failure, starting_reason, tokenizer_pool_reason
 from services.frontend.tokenizer_pool import TokenizerPool
 from shared.config import Config
-from shared.constants import TOKENIZE_TIMEOUT_S
+from shared.constants import LORA_LOAD_TIMEOUT_S, TOKENIZE_TIMEOUT_S
 from shared.ipc import Decoder, bind_router, encode, routed, terminate
+from shared.lora_modules import parse_lora_modules
 from shared.protocol import (
     PROTOCOL_VERSION,
     AbortRequests,
     ComponentDown,
     GenerateRequest,
     Heartbeat,
+    LoraAdapterInfo,
+    LoraAdapterRequest,
+    LoraAdapterResult,
     RequestError,
     StatsSnapshot,
     TextDelta,
@@ -69,7 +73,8 @@ class EngineClient:
         self.socket = bind_router(self.context, config.frontend_address, WireSecurity.of(config))
         self.decoder = Decoder(ToFrontend, "frontend")
         self.queues: dict[str, asyncio.Queue[TextDelta]] = {}
-        self.tokenize_waiters: dict[str, asyncio.Future[TokenizeResult]] = {}
+        # Requests answered by one message: /tokenize (TokenizeResult), LoRA loads and unloads
+        self.waiters: dict[str, asyncio.Future[TokenizeResult | LoraAdapterResult]] = {}
         self.last_seen: dict[str, float] = {}
         self.stalled: dict[str, str] = {}  # component -> why its main loop is stuck
         self.expected = ["scheduler", "executor-0"]
@@ -77,6 +82,15 @@ class EngineClient:
         self.down: str | None = None  # why the engine is dead, once it is
         self.stats: StatsSnapshot | None = None
         self.stats_at: float | None = None  # when the last StatsSnapshot came
+        # The LoRA adapters requests may name: those of --lora-modules until the scheduler
+        # says (parent "": the served model), then its newest list (see StatsSnapshot).
+        self.lora_adapters: dict[str, LoraAdapterInfo] = {
+            m.name: LoraAdapterInfo(
+                name=m.name, lora_id=i, path=m.path, parent=m.base_model_name or ""
+            )
+            for i, m in enumerate(parse_lora_modules(config.lora_modules), 1)
+        }
+        self.lora_version = -1
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -150,7 +164,7 @@ class EngineClient:
     def fail_in_flight(self, reason: str) -> None:
         """End every request in flight with an UNAVAILABLE error (the engine is lost, or the
         server stops before they finish); each caller turns it into a 503 or an error event."""
-        self._fail([*self.queues, *self.tokenize_waiters], reason)
+        self._fail([*self.queues, *self.waiters], reason)
 
     def _fail(self, request_ids: list[str], reason: str) -> None:
         if request_ids:
@@ -159,7 +173,7 @@ class EngineClient:
             queue = self.queues.get(request_id)
             if queue is not None:
                 queue.put_nowait(TextDelta.failure(request_id, RequestError.unavailable(reason)))
-            future = self.tokenize_waiters.get(request_id)
+            future = self.waiters.get(request_id)
             if future is not None and not future.done():
                 future.set_exception(EngineUnavailable(reason))
 
@@ -193,7 +207,7 @@ class EngineClient:
             return identity == b"scheduler"
         if isinstance(message, ComponentDown):
             return identity == b"launcher"
-        if isinstance(message, TextDelta | TokenizeResult):
+        if isinstance(message, TextDelta | TokenizeResult | LoraAdapterResult):
             return identity == (self.tokenizers.owner(message.request_id) or "").encode()
         return False
 
@@ -211,12 +225,22 @@ class EngineClient:
             self._heard(message)
         elif isinstance(message, StatsSnapshot):
             self.stats, self.stats_at = message, time.monotonic()
-        elif isinstance(message, TokenizeResult):
-            future = self.tokenize_waiters.pop(message.request_id, None)
+            self._take_loras(message.lora_adapters, message.lora_version)
+        elif isinstance(message, TokenizeResult | LoraAdapterResult):
+            if isinstance(message, LoraAdapterResult):
+                self._take_loras(message.adapters, message.version)
+            future = self.waiters.pop(message.request_id, None)
             if future is not None and not future.done():
                 future.set_result(message)
         elif isinstance(message, ComponentDown):
             self._mark_down(f"{message.component} exited with code {message.exit_code}")
+
+    def _take_loras(self, adapters: list[LoraAdapterInfo], version: int) -> None:
+        """The scheduler's list of adapters, unless one newer came already (a load's answer
+        and the snapshots come by different ways)."""
+        if version >= self.lora_version:
+            self.lora_adapters = {adapter.name: adapter for adapter in adapters}
+            self.lora_version = version
 
     def _heard(self, beat: Heartbeat) -> None:
         now = time.monotonic()
@@ -320,17 +344,33 @@ class EngineClient:
                     logger.warning("could not abort request_id=%s: %s", request_id, exc)
 
     async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        result = await self._ask(request.request_id, request, TOKENIZE_TIMEOUT_S)
+        assert isinstance(result, TokenizeResult)
+        return result
+
+    async def lora_adapter(self, request: LoraAdapterRequest) -> LoraAdapterResult:
+        """Load or unload a LoRA adapter (the scheduler answers, through a tokenizer worker);
+        the frontend's adapters are the answer's from then on."""
+        result = await self._ask(request.request_id, request, LORA_LOAD_TIMEOUT_S)
+        assert isinstance(result, LoraAdapterResult)
+        return result
+
+    async def _ask(
+        self, request_id: str, request: TokenizeRequest | LoraAdapterRequest, timeout: float
+    ) -> TokenizeResult | LoraAdapterResult:
+        """Send a request answered by one message, and wait for that message."""
         self.check_available()
-        future: asyncio.Future[TokenizeResult] = asyncio.get_running_loop().create_future()
-        self.tokenize_waiters[request.request_id] = future
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[TokenizeResult | LoraAdapterResult] = loop.create_future()
+        self.waiters[request_id] = future
         try:
-            await self._submit(request.request_id, request)
-            return await asyncio.wait_for(future, TOKENIZE_TIMEOUT_S)
+            await self._submit(request_id, request)
+            return await asyncio.wait_for(future, timeout)
         except TimeoutError:
-            raise EngineUnavailable("the tokenizer pool did not answer") from None
+            raise EngineUnavailable(f"no answer in {timeout:g} s") from None
         finally:
-            self.tokenize_waiters.pop(request.request_id, None)
-            self.tokenizers.release(request.request_id)
+            self.waiters.pop(request_id, None)
+            self.tokenizers.release(request_id)
 
 
 async def _next_delta(

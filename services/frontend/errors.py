@@ -78,6 +78,8 @@ def api_error(error: RequestError) -> APIError:
     """The HTTP error a request's error stands for: the one mapping from kinds to statuses."""
     if error.kind is ErrorKind.INVALID_REQUEST:
         return APIError(400, error.message, "invalid_request_error", error.param)
+    if error.kind is ErrorKind.NOT_FOUND:
+        return APIError(404, error.message, "not_found_error", error.param)
     if error.kind is ErrorKind.QUEUE_FULL:
         return queue_full(error.message)
     if error.kind is ErrorKind.UNAVAILABLE:

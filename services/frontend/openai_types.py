@@ -290,6 +290,20 @@ class DetokenizeBody(msgspec.Struct, kw_only=True):
         return self.tokens
 
 
+class LoadLoraAdapterBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/unload_lora_adapter (vLLM's body; an id given must be the named adapter's)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 def chat_message(message: Message) -> ChatMessage:
     if message.role not in ("system", "user", "assistant", "developer", "tool"):
         raise ParameterError("messages", f"unsupported role {message.role!r}")

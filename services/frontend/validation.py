@@ -3,14 +3,17 @@ the response needs. Pure: the request id and the arrival time are given, not dra
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import msgspec
 
 from services.frontend.endpoints import Endpoint
 from services.frontend.errors import APIError, bad_request
 from services.frontend.limits import RequestLimits
 from services.frontend.openai_types import decode_body
-from shared.protocol import GenerateRequest, ParameterError
+from shared.protocol import GenerateRequest, LoraAdapterInfo, ParameterError
 
 T = TypeVar("T")
 
@@ -29,7 +32,7 @@ class CallPlan:
     """A validated generate call."""
 
     request_id: str
-    model: str  # the served model, as the response names it
+    model: str  # the served model or LoRA adapter, as the response names it
     endpoint: Endpoint[Any]
     sub_requests: list[GenerateRequest]  # prompt p, sample j is sub-request p * n + j
     num_prompts: int
@@ -45,11 +48,13 @@ def plan_call(
     served: Served,
     request_id: str,
     arrival_time: float,
+    loras: Mapping[str, LoraAdapterInfo] | None = None,
 ) -> CallPlan:
     """Decode and validate a body; raise APIError (400 naming the parameter or the limit, 404
-    for another model) at the first problem, in the order a client would fix them."""
+    for a model that is neither the served one nor one of its LoRA adapters `loras`) at the
+    first problem, in the order a client would fix them."""
     body = decode(raw_body, endpoint.body_type)
-    check_model(body.model, served.model)
+    model, lora_id = resolve_model(body.model, served.model, loras or {})
     try:
         inputs = endpoint.read(body)
         served.limits.check(inputs, endpoint.logprobs_param)
@@ -63,10 +68,12 @@ def plan_call(
         for p, prompt in enumerate(inputs.prompts)
         for j, params in enumerate(samples)
     ]
+    if lora_id:
+        sub_requests = [msgspec.structs.replace(r, lora_id=lora_id) for r in sub_requests]
     timeouts = [t for t in (inputs.timeout, served.request_timeout) if t is not None]
     return CallPlan(
         request_id=request_id,
-        model=served.model,
+        model=model,
         endpoint=endpoint,
         sub_requests=sub_requests,
         num_prompts=len(inputs.prompts),
@@ -85,13 +92,24 @@ def decode(raw_body: bytes, kind: type[T]) -> T:
         raise bad_request(exc) from None
 
 
-def check_model(requested: str | None, served: str) -> None:
-    """Only the served model; no model named means that one."""
-    if requested is not None and requested != served:
-        raise APIError(
-            404,
-            f"The model `{requested}` does not exist.",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-        )
+def resolve_model(
+    requested: str | None, served: str, loras: Mapping[str, LoraAdapterInfo]
+) -> tuple[str, int]:
+    """The model a request names and its LoRA adapter id (0: the served model itself, which
+    no model named means too); 404 for any other name."""
+    if requested is None or requested == served:
+        return served, 0
+    adapter = loras.get(requested)
+    if adapter is None:
+        raise model_not_found(requested)
+    return requested, adapter.lora_id
+
+
+def model_not_found(requested: str) -> APIError:
+    return APIError(
+        404,
+        f"The model `{requested}` does not exist.",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )

@@ -11,6 +11,7 @@ import msgspec
 
 from services.scheduler.scheduler import SchedulerConfig
 from shared.config import Config, ConfigError
+from shared.lora_modules import parse_lora_modules
 from shared.protocol import PROTOCOL_VERSION, ExecutorReady, ExecutorVersion
 
 # Flags the executor's sizes depend on: the scheduler must plan with the same values.
@@ -46,6 +47,9 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         mismatches.append(
             f"--max-model-len {config.max_model_len} (executor: {ready.max_model_len})"
         )
+    modules = [module.name for module in parse_lora_modules(config.lora_modules)]
+    if modules != ready.lora_modules:
+        mismatches.append(f"--lora-modules {modules} (executor: {ready.lora_modules})")
     if mismatches:
         raise ConfigError(
             "the scheduler's flags disagree with the executor's: "

@@ -29,19 +29,26 @@ import zmq
 
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.handshake import check_protocol, refuse_other_versions, scheduler_config
+from services.scheduler.lora_control import LoraControl
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats_log import StatsLog
 from shared.config import Config
 from shared.constants import STATS_INTERVAL_S, STATS_LOG_INTERVAL_S
 from shared.frontend_links import FrontendLinks, HeartbeatThread
 from shared.ipc import Decoder, bind_router, encode, routed
+from shared.lora_modules import parse_lora_modules
 from shared.protocol import (
     AbortRequests,
+    AddLoraAdapter,
     DeviceReady,
     EngineRequest,
     ErrorKind,
     ExecutorReady,
     LaunchStep,
+    LoraAdapterAdded,
+    LoraAdapterRequest,
+    LoraAdapterResult,
     ModelRunnerOutput,
     OutputBatch,
     RequestError,
@@ -59,7 +66,7 @@ EXECUTOR_IDENTITY = b"executor-0"  # the executor's DEALER identity (services/ex
 HELLO_INTERVAL_S = 1.0
 
 
-EXECUTOR_MESSAGES = (ExecutorReady, ModelRunnerOutput, DeviceReady)
+EXECUTOR_MESSAGES = (ExecutorReady, ModelRunnerOutput, DeviceReady, LoraAdapterAdded)
 
 
 def _drop(identity: bytes, message: object) -> None:
@@ -108,8 +115,10 @@ class RemoteExecutor:
         handle: Handler,
         tick: Callable[[], None],
         timeout: float,
+        lora_added: Callable[[LoraAdapterAdded], None],
     ) -> None:
         self.router, self.inbox, self.handle, self.tick = router, inbox, handle, tick
+        self.lora_added = lora_added
         self.timeout = timeout
         self.session = 0  # of the last hello; answered by the executor being adopted
         self.identity: bytes | None = None
@@ -146,7 +155,7 @@ class RemoteExecutor:
                 next_hello = 0.0  # an executor that just started: greet it now
             elif message is None and identity == EXECUTOR_IDENTITY:
                 refuse_other_versions(frame)
-            elif not isinstance(message, ModelRunnerOutput | DeviceReady):  # the last session's
+            elif not isinstance(message, EXECUTOR_MESSAGES):  # not the last session's answers
                 self.handle(identity, message)
 
     def _hello(self) -> None:
@@ -181,6 +190,8 @@ class RemoteExecutor:
         elif isinstance(message, DeviceReady):
             self._device_ready = True
             self._launch_if_ready()
+        elif isinstance(message, LoraAdapterAdded):
+            self.lora_added(message)
         elif isinstance(message, ExecutorReady):
             if message.session != self.session:  # unasked: a new executor process started
                 raise ExecutorLost("the executor restarted")
@@ -212,7 +223,11 @@ class RemoteExecutor:
             self._held = None
             self._device_ready = False
 
-    def _send(self, message: SchedulerOutput | LaunchStep) -> None:
+    def add_lora(self, message: AddLoraAdapter) -> None:
+        """Ask the executor to take an adapter; it answers with LoraAdapterAdded."""
+        self._send(message)
+
+    def _send(self, message: SchedulerOutput | LaunchStep | AddLoraAdapter) -> None:
         if self.identity is None:
             raise RuntimeError("a plan before the executor reported ready")
         try:
@@ -236,7 +251,14 @@ class SchedulerProcess:
         # A backstop: the executor ends a stalled step itself (its StallWatch), unless it is
         # stuck so hard that its heartbeat thread stopped too.
         backstop = config.engine_stall_timeout + 2 * config.component_timeout
-        self.executor = RemoteExecutor(self.router, self.inbox, self._handle, self._tick, backstop)
+        self.executor = RemoteExecutor(
+            self.router, self.inbox, self._handle, self._tick, backstop, self._lora_added
+        )
+        self.loras = LoraControl(
+            LoraRegistry(parse_lora_modules(config.lora_modules)),
+            config.allow_runtime_lora_updating,
+            self._answer_lora,
+        )
         self.owners: dict[str, bytes] = {}  # request_id -> identity of its tokenizer worker
         self.core: EngineCore | None = None
         self.stats_log = None if config.disable_log_stats else StatsLog(STATS_LOG_INTERVAL_S)
@@ -268,6 +290,7 @@ class SchedulerProcess:
         core = self.core = EngineCore(
             Scheduler(scheduler_config(self.config, ready)), self.executor
         )
+        self.loras.adopt(core.scheduler, ready.model_name)
         logger.info(
             "scheduler ready: %s, %d KV blocks of %d tokens, max_model_len=%d, bound at %s",
             ready.model_name,
@@ -315,6 +338,8 @@ class SchedulerProcess:
             self._add(identity, message)
         elif isinstance(message, AbortRequests):
             self._publish(self.core.abort(message.request_ids) if self.core else [])
+        elif isinstance(message, LoraAdapterRequest):
+            self.loras.request(identity, message, self.core, self.executor.add_lora)
         else:
             logger.warning("unexpected %s from %r", type(message).__name__, identity)
 
@@ -340,6 +365,16 @@ class SchedulerProcess:
                 logger.exception("request_id=%s could not be added", request.request_id)
             return error
         return None
+
+    def _lora_added(self, message: LoraAdapterAdded) -> None:
+        self.loras.added(message, self.core.scheduler if self.core is not None else None)
+
+    def _answer_lora(self, owner: bytes, result: LoraAdapterResult) -> None:
+        """Back through the tokenizer worker the request came by; every frontend hears of the
+        change from the next snapshot, sent now."""
+        with contextlib.suppress(zmq.ZMQError):  # its worker is gone: so is the caller
+            self.router.send_multipart([owner, encode(result)], flags=zmq.DONTWAIT)
+        self._report_stats(now=True)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         by_owner: dict[bytes, list[RequestOutput]] = defaultdict(list)
@@ -374,6 +409,8 @@ class SchedulerProcess:
             return
         self._last_stats = at
         snapshot = self.core.stats()
+        snapshot.lora_adapters = self.loras.registry.listing()
+        snapshot.lora_version = self.loras.registry.version
         self._said_full = snapshot.queue_full is not None
         self.frontends.refresh()
         self.frontends.send_all(encode(snapshot))  # one missed is replaced by the next

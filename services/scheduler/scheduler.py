@@ -30,6 +30,7 @@ from shared.protocol import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
+    NotFoundError,
     ParameterError,
     QueueFullError,
     RequestOutput,
@@ -95,6 +96,10 @@ class Scheduler:
             raise ParameterError("lora_request", "LoRA is not enabled (--enable-lora)")
         self.lora_ids.add(lora_id)
 
+    def remove_lora(self, lora_id: int) -> None:
+        """Refuse new requests for the adapter; those admitted already run to their end."""
+        self.lora_ids.discard(lora_id)
+
     def add_request(self, engine_request: EngineRequest) -> None:
         """Queue a request, or raise ParameterError if it can never be served."""
         request_id = engine_request.request_id
@@ -102,7 +107,7 @@ class Scheduler:
             raise ParameterError("request_id", f"{request_id!r} is already in flight")
         lora_id = engine_request.lora_id
         if lora_id and lora_id not in self.lora_ids:
-            raise ParameterError("model", f"no LoRA adapter has id {lora_id}")
+            raise NotFoundError("model", f"no LoRA adapter has id {lora_id}")
         max_tokens = self._admissible_max_tokens(engine_request)
         self._check_queue_room(len(engine_request.prompt_token_ids))
         self._num_arrivals += 1

@@ -27,6 +27,8 @@ from shared.protocol import (
     AbortRequests,
     FrontendToTokenizer,
     GenerateRequest,
+    LoraAdapterRequest,
+    LoraAdapterResult,
     OutputBatch,
     ParameterError,
     RequestError,
@@ -181,7 +183,9 @@ class TokenizerProcess:
             what = f"frame of {len(frame)} bytes" if message is None else type(message).__name__
             logger.exception("%s failed to handle a %s", self.name, what)
 
-    def _reply(self, request_id: str, message: TextDelta | TokenizeResult) -> None:
+    def _reply(
+        self, request_id: str, message: TextDelta | TokenizeResult | LoraAdapterResult
+    ) -> None:
         """To the frontend the request came from; ends its link when the request ends."""
         ends = not isinstance(message, TextDelta) or message.finish_reason is not None
         link = self.origin.pop(request_id, None) if ends else self.origin.get(request_id)
@@ -194,7 +198,7 @@ class TokenizerProcess:
             self._stop([request_id])
 
     def _from_frontend(self, link: zmq.Socket[Any], message: object) -> None:
-        if isinstance(message, GenerateRequest | TokenizeRequest):
+        if isinstance(message, GenerateRequest | TokenizeRequest | LoraAdapterRequest):
             self.origin[message.request_id] = link
         if isinstance(message, GenerateRequest):
             try:
@@ -211,8 +215,13 @@ class TokenizerProcess:
             self._reply(message.request_id, self.worker.tokenize(message))
         elif isinstance(message, AbortRequests):
             self._stop(message.request_ids)
+        elif isinstance(message, LoraAdapterRequest):  # the scheduler's to answer
+            self.scheduler.send(encode(message))
 
     def _from_scheduler(self, batch: object) -> None:
+        if isinstance(batch, LoraAdapterResult):
+            self._reply(batch.request_id, batch)
+            return
         if not isinstance(batch, OutputBatch):
             return
         deltas, ended = self.worker.on_outputs(batch.outputs)

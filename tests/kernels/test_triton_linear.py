@@ -246,7 +246,9 @@ def test_gpu_cuda_graph_replays_with_new_inputs(m: int) -> None:
 # --- LoRA in the epilogue -----------------------------------------------------------------------
 
 
-def lora_case(m: int, n: int, k: int, dtype: torch.dtype, seed: int, pieces: tuple[int, ...]):
+def lora_case(
+    m: int, n: int, k: int, dtype: torch.dtype, seed: int, pieces: tuple[int, ...], rank: int = 16
+):
     """A LoRA delta for m rows (slots 0..2 of 3, or -1: the base model), shrunk by the Triton
     shrink in splits of 16 columns, and the same with a stale slot (9) where -1 is."""
     from kernels.lora import LoraDelta
@@ -254,8 +256,8 @@ def lora_case(m: int, n: int, k: int, dtype: torch.dtype, seed: int, pieces: tup
 
     gen = torch.Generator().manual_seed(seed)
     x = randn(m, k, gen=gen, dtype=dtype)
-    lora_a = randn(3, len(pieces), 16, k, gen=gen, dtype=dtype) * 0.1
-    lora_b = randn(3, n, 16, gen=gen, dtype=dtype) * 0.1
+    lora_a = randn(3, len(pieces), rank, k, gen=gen, dtype=dtype) * 0.1
+    lora_b = randn(3, n, rank, gen=gen, dtype=dtype) * 0.1
     slots = torch.tensor([[0, -1, 2, -1, 1][i % 5] for i in range(m)], dtype=torch.int32)
     slots = slots.to(DEVICE)
     shrunk = lora_shrink(x, lora_a, slots, k_per_split=16)
@@ -266,13 +268,20 @@ def lora_case(m: int, n: int, k: int, dtype: torch.dtype, seed: int, pieces: tup
 
 @pytest.mark.parametrize("tiles", [FMA, DOT], ids=["fma", "dot"])
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("pieces", [(64, 32, 32), (36, 92)], ids=["fused", "straddles"])
-def test_lora_delta_in_the_epilogue(tiles: LinearTiles, m: int, pieces: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    ("pieces", "rank"),
+    [((64, 32, 32), 16), ((36, 92), 16), ((64, 32, 32), 64)],
+    ids=["fused", "straddles", "rank-64"],
+)
+def test_lora_delta_in_the_epilogue(
+    tiles: LinearTiles, m: int, pieces: tuple[int, ...], rank: int
+) -> None:
     """Each row gets its adapter's delta: in the epilogue where the column blocks lie within
-    pieces, by the expand kernel after the launch where one would straddle two."""
+    pieces and B's tile fits in registers, else by the expand kernel after the launch (a
+    block straddling two pieces; rank 64 on 16 rows)."""
     dtype = torch.float32
     n = sum(pieces)
-    x, lora, stale = lora_case(m, n, K, dtype, seed=m, pieces=pieces)
+    x, lora, stale = lora_case(m, n, K, dtype, seed=m, pieces=pieces, rank=rank)
     _, weight, bias = make_case(m, n, K, dtype, seed=m + 1)
     expected = linear_reference(x, weight, bias, lora)
     without = linear_reference(x, weight, bias)

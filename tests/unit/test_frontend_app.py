@@ -232,3 +232,30 @@ def test_a_stalled_component_fails_health_and_ready(app: App) -> None:
         response = client.get(probe)
         assert response.status_code == 503
         assert "executor-0 is stalled: step 9" in response.json()["error"]["message"]
+
+
+def test_lora_adapters_are_listed_from_the_flag_and_loads_need_their_flag() -> None:
+    """Before the scheduler's first word, /v1/models lists --lora-modules' adapters (parent:
+    the served model, or the one given); the load routes exist only with
+    --allow-runtime-lora-updating."""
+    base = dict(api_key=KEY, enable_lora=True, lora_modules=("a=/loras/a",))
+    for allowed in (False, True):
+        settings = Config(
+            frontend_address=f"inproc://frontend-{next(_addresses)}",
+            allow_runtime_lora_updating=allowed,
+            **base,  # type: ignore[arg-type]
+        )
+        engine = EngineClient(settings)
+        try:
+            client = TestClient(create_app(settings, engine, "test-model"))
+            cards = client.get("/v1/models", headers=AUTH).json()["data"]
+            assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
+                ("test-model", None, "test-model"),
+                ("a", "test-model", "/loras/a"),
+            ]
+            body = {"lora_name": "b", "lora_path": "/loras/b"}
+            response = client.post("/v1/load_lora_adapter", json=body, headers=AUTH)
+            # Allowed, the route asks the engine, which is still starting here.
+            assert response.status_code == (503 if allowed else 404)
+        finally:
+            engine.close()

@@ -242,6 +242,7 @@ ERROR_CASES = {
         None,
         "the engine is unavailable: too long",
     ),
+    ErrorKind.NOT_FOUND: (404, "not_found_error", "prompt", None, "too long"),
     ErrorKind.INTERNAL: (500, "internal_error", None, None, "too long"),
 }
 

@@ -107,6 +107,8 @@ def edit_config(folder: Path, **changes: object) -> None:
         ({"layers_to_transform": 1}, "do not cover"),  # and every layer
         ({"init_lora_weights": "pissa_niter_4"}, "needs the base model PEFT changed"),
         ({"alora_invocation_tokens": [1, 2]}, "activated LoRA"),
+        ({"lora_alpha": "16"}, "lora_alpha must be a number"),
+        ({"layers_to_transform": ["first"]}, "cannot read it: ValueError"),  # any type error
     ],
 )
 def test_adapters_kvflow_cannot_run_are_refused(tmp_path: Path, change: dict, message: str):
@@ -184,6 +186,13 @@ def test_bad_weight_files_are_refused(tmp_path: Path, tensors, message: str) -> 
     path = tmp_path / "adapter_model.safetensors"
     save_file(tensors(load_file(str(path))), str(path))
     with pytest.raises(LoraAdapterError, match=message):
+        load_lora_adapter("bad", tmp_path, kvflow_config(), MAX_RANK)
+
+
+def test_a_config_that_is_not_an_object_is_refused(tmp_path: Path) -> None:
+    save_adapter(tmp_path)
+    (tmp_path / "adapter_config.json").write_text("[]")
+    with pytest.raises(LoraAdapterError, match="not a JSON object"):
         load_lora_adapter("bad", tmp_path, kvflow_config(), MAX_RANK)
 
 

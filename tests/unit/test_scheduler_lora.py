@@ -1,14 +1,22 @@
 """The scheduler and LoRA adapters: never more adapters among the running requests (so in a
 step) than the executor has slots, requests of a waiting adapter do not hold up others, an
-addendum counts the adapters of the plan it joins, unknown adapters are refused, and prefix-cache
-keys depend on the adapter."""
+addendum counts the adapters of the plan it joins, unknown adapters are refused, prefix-cache
+keys depend on the adapter; and the scheduler process's registry of adapter names."""
 
 from __future__ import annotations
 
 import pytest
 
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.scheduler import Scheduler
-from shared.protocol import EngineRequest, ModelRunnerOutput, ParameterError, SamplingParams
+from shared.lora_modules import parse_lora_modules
+from shared.protocol import (
+    EngineRequest,
+    ModelRunnerOutput,
+    NotFoundError,
+    ParameterError,
+    SamplingParams,
+)
 from tests.unit.scheduler_setup import make_scheduler
 
 
@@ -87,3 +95,34 @@ def test_block_keys_depend_on_the_adapter() -> None:
     keys = [scheduler.requests[f"r{index}"].block_hashes for index in range(4)]
     assert keys[1] == keys[3]  # the same prompt under the same adapter: the same key
     assert len({k[0] for k in keys[:3]}) == 3  # under the base model and two adapters: three
+
+
+def test_the_registry_names_adapters_and_never_reuses_an_id() -> None:
+    modules = parse_lora_modules(("a=/a", '{"name": "b", "path": "/b", "base_model_name": "x"}'))
+    registry = LoraRegistry(modules)
+    registry.base_model = "served"
+    assert [(a.name, a.lora_id, a.parent) for a in registry.listing()] == [
+        ("a", 1, "served"),
+        ("b", 2, "x"),
+    ]
+    version = registry.version
+    with pytest.raises(ParameterError, match="loaded already"):
+        registry.begin_load("r1", b"worker", "a", "/a2")
+    with pytest.raises(ParameterError, match="folder"):
+        registry.begin_load("r1", b"worker", "c", None)
+    lora_id = registry.begin_load("r1", b"worker", "c", "/c")
+    assert lora_id == 3 and "c" not in registry.adapters  # pending until the executor says
+    with pytest.raises(ParameterError, match="loaded already"):
+        registry.begin_load("r2", b"worker", "c", "/c")  # a load of that name is pending
+    pending = registry.finish_load(lora_id, loaded=True)
+    assert pending is not None and pending.request_id == "r1" and "c" in registry.adapters
+    assert registry.version > version
+    assert registry.unload("c").lora_id == 3
+    with pytest.raises(NotFoundError, match="no LoRA adapter"):
+        registry.unload("c")
+    failed = registry.begin_load("r3", b"worker", "c", "/bad")
+    assert failed == 4  # never 3 again: a prefix cached under 3 is not found under 4
+    assert registry.finish_load(failed, loaded=False) is not None and "c" not in registry.adapters
+    registry.finish_load(registry.begin_load("r4", b"worker", "d", "/d"), loaded=True)
+    assert registry.drop_runtime_loads() == ["d"]  # a new executor has those of the flag
+    assert list(registry.adapters) == ["a", "b"]

@@ -43,5 +43,6 @@ async def _generate(request: Request, state: FrontendState, endpoint: Endpoint[A
         state.served,
         new_request_id(endpoint.id_prefix),
         time.time(),
+        state.engine.lora_adapters,
     )
     return await APICall(state.engine, state.metrics, plan, request).respond()

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from services.frontend.errors import unavailable
 from services.frontend.openapi import errors
 from services.frontend.state import AppState
-from services.frontend.validation import check_model
+from services.frontend.validation import model_not_found
 from shared.version import VERSION
 
 health_router = APIRouter()
@@ -54,25 +54,36 @@ async def version() -> dict[str, str]:
 
 @router.get("/v1/models")
 async def models(state: AppState) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(state)]}
+    """The served model, then its LoRA adapters (each with its `parent`)."""
+    cards = [_model_card(state), *(_model_card(state, name) for name in state.engine.lora_adapters)]
+    return {"object": "list", "data": cards}
 
 
 @router.get("/v1/models/{model_id:path}", openapi_extra=errors(404))
 async def model(model_id: str, state: AppState) -> dict[str, Any]:
     """One model's card; ids may hold slashes ("org/name"), as Hugging Face names do."""
-    check_model(model_id, state.model_name)
-    return _model_card(state)
+    if model_id == state.model_name:
+        return _model_card(state)
+    if model_id in state.engine.lora_adapters:
+        return _model_card(state, model_id)
+    raise model_not_found(model_id)
 
 
-def _model_card(state: AppState) -> dict[str, Any]:
-    return {
+def _model_card(state: AppState, lora_name: str | None = None) -> dict[str, Any]:
+    card = {
         "id": state.model_name,
         "object": "model",
         "created": int(time.time()),
         "owned_by": "kvflow",
         "root": state.model_name,
+        "parent": None,
         "max_model_len": state.max_model_len,
     }
+    adapter = state.engine.lora_adapters.get(lora_name) if lora_name else None
+    if adapter is not None:
+        parent = adapter.parent or state.model_name
+        card |= {"id": adapter.name, "root": adapter.path, "parent": parent}
+    return card
 
 
 @router.get("/openapi.json", include_in_schema=False)

@@ -1,0 +1,58 @@
+"""POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --allow-runtime-lora-updating,
+behind the API key), answered by the scheduler, which names adapters, after the executor has
+read and checked a new one. An adapter loaded is named by requests as their `model`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse
+
+from services.frontend.engine_client import EngineUnavailable
+from services.frontend.errors import api_error, bad_request, unavailable
+from services.frontend.openai_types import LoadLoraAdapterBody, UnloadLoraAdapterBody
+from services.frontend.openapi import json_body
+from services.frontend.request_log import record_of
+from services.frontend.routes import new_request_id
+from services.frontend.state import AppState, FrontendState
+from services.frontend.validation import decode
+from shared.protocol import LoraAdapterRequest
+
+router = APIRouter()
+LORA_ERRORS = (400, 401, 404, 503)
+
+
+@router.post("/v1/load_lora_adapter", openapi_extra=json_body(LoadLoraAdapterBody, LORA_ERRORS))
+async def load_lora_adapter(request: Request, state: AppState) -> PlainTextResponse:
+    body = decode(request.state.body, LoadLoraAdapterBody)
+    if body.lora_name == state.model_name:
+        raise bad_request(f"{body.lora_name!r} is the served model's name", "lora_name")
+    await _ask(request, state, "load", body.lora_name, body.lora_path)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@router.post("/v1/unload_lora_adapter", openapi_extra=json_body(UnloadLoraAdapterBody, LORA_ERRORS))
+async def unload_lora_adapter(request: Request, state: AppState) -> PlainTextResponse:
+    body = decode(request.state.body, UnloadLoraAdapterBody)
+    known = state.engine.lora_adapters.get(body.lora_name)
+    if body.lora_int_id is not None and known is not None and known.lora_id != body.lora_int_id:
+        raise bad_request(
+            f"the adapter {body.lora_name!r} has id {known.lora_id}, not {body.lora_int_id}",
+            "lora_int_id",
+        )
+    await _ask(request, state, "unload", body.lora_name, None)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+async def _ask(
+    request: Request, state: FrontendState, action: str, name: str, path: str | None
+) -> None:
+    message = LoraAdapterRequest(
+        request_id=new_request_id("lora"), action=action, lora_name=name, lora_path=path
+    )
+    record_of(request).request_id = message.request_id
+    try:
+        result = await state.engine.lora_adapter(message)
+    except EngineUnavailable as exc:
+        raise unavailable(str(exc)) from None
+    if result.error is not None:
+        raise api_error(result.error)
