@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from kvflow import LLM, SamplingParams
+from kvflow import LLM, GenerationResult, SamplingParams
 from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
 
 TOP = 5
@@ -56,6 +56,23 @@ def hf_greedy_top(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int],
     return tokens, [set(scores[0].topk(TOP).indices.tolist()) for scores in out.scores]
 
 
+def agreed_tokens(
+    what: str, result: GenerationResult, theirs: list[int], their_top: list[set[int]]
+) -> int:
+    """How many greedy tokens kvflow's result and transformers' share before they part; where
+    they part, each engine's token must be among the other's top 5 (the closeness rule)."""
+    ours = result.token_ids
+    pairs = enumerate(zip(ours, theirs, strict=True))
+    same = next((i for i, (a, b) in pairs if a != b), len(ours))
+    if same < len(ours):
+        our_top = {top.token_id for top in result.outputs[0].logprobs[same].top}
+        assert ours[same] in their_top[same] and theirs[same] in our_top, (
+            f"{what}, token {same}: kvflow {ours[same]} (top {sorted(our_top)}), transformers "
+            f"{theirs[same]} (top {sorted(their_top[same])})"
+        )
+    return same
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -74,17 +91,7 @@ def test_bf16_greedy_agrees_with_transformers(family: str, tmp_path: object) -> 
     )
     agreed = 0
     for prompt, result in zip(prompts, llm.generate(prompts, params), strict=True):
-        ours = result.token_ids
-        theirs, their_top = hf_greedy_top(model, prompt)
-        pairs = enumerate(zip(ours, theirs, strict=True))
-        same = next((i for i, (a, b) in pairs if a != b), len(ours))
-        agreed += same
-        if same == len(ours):
-            continue
-        our_top = {top.token_id for top in result.outputs[0].logprobs[same].top}
-        assert ours[same] in their_top[same] and theirs[same] in our_top, (
-            f"{family}: prompt of {len(prompt)}, token {same}: kvflow {ours[same]} "
-            f"(top {sorted(our_top)}), transformers {theirs[same]} (top {sorted(their_top[same])})"
-        )
+        what = f"{family}: prompt of {len(prompt)}"
+        agreed += agreed_tokens(what, result, *hf_greedy_top(model, prompt))
     # A guard against a vacuous pass: the sequences do share real prefixes.
     assert agreed >= len(prompts) * NUM_NEW_TOKENS // 10, f"only {agreed} tokens agreed"

@@ -157,7 +157,13 @@ def test_bad_lora_requests_are_refused_and_nothing_else_breaks(served, tmp_path:
 def test_adapters_on_the_gpu_agree_with_peft(tmp_path: Path) -> None:
     """bf16 on the GPU, decode in CUDA graphs, two slots for three adapters: each request's
     greedy tokens agree with transformers + peft by the closeness rule of test_gpu_parity."""
-    from tests.integration.test_gpu_parity import SHAPE, TOP, build, hf_greedy_top
+    from tests.integration.test_gpu_parity import (
+        SHAPE,
+        TOP,
+        agreed_tokens,
+        build,
+        hf_greedy_top,
+    )
 
     build("llama", tmp_path / "base")
     prompts = make_prompts(SHAPE["vocab_size"])[:4]
@@ -183,15 +189,8 @@ def test_adapters_on_the_gpu_agree_with_peft(tmp_path: Path) -> None:
     results = llm.generate(
         [prompts[i] for _, i in jobs], params, lora_request=[loras[name] for name, _ in jobs]
     )
-    agreed = 0
-    for (name, i), result in zip(jobs, results, strict=True):
-        ours = result.token_ids
-        their_tokens, their_top = theirs[name][i]
-        pairs = enumerate(zip(ours, their_tokens, strict=True))
-        same = next((k for k, (a, b) in pairs if a != b), len(ours))
-        agreed += same
-        if same == len(ours):
-            continue
-        our_top = {top.token_id for top in result.outputs[0].logprobs[same].top}
-        assert ours[same] in their_top[same] and their_tokens[same] in our_top, (name, i, same)
+    agreed = sum(
+        agreed_tokens(f"{name}, prompt {i}", result, *theirs[name][i])
+        for (name, i), result in zip(jobs, results, strict=True)
+    )
     assert agreed >= len(jobs) * NUM_NEW_TOKENS // 10, f"only {agreed} tokens agreed"

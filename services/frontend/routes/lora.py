@@ -7,12 +7,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from services.frontend.engine_client import EngineUnavailable
-from services.frontend.errors import api_error, bad_request, unavailable
+from services.frontend.errors import bad_request
 from services.frontend.openai_types import LoadLoraAdapterBody, UnloadLoraAdapterBody
 from services.frontend.openapi import json_body
-from services.frontend.request_log import record_of
-from services.frontend.routes import new_request_id
+from services.frontend.routes import engine_answer, new_request_id
 from services.frontend.state import AppState, FrontendState
 from services.frontend.validation import decode
 from shared.protocol import LoraAdapterRequest
@@ -49,10 +47,4 @@ async def _ask(
     message = LoraAdapterRequest(
         request_id=new_request_id("lora"), action=action, lora_name=name, lora_path=path
     )
-    record_of(request).request_id = message.request_id
-    try:
-        result = await state.engine.lora_adapter(message)
-    except EngineUnavailable as exc:
-        raise unavailable(str(exc)) from None
-    if result.error is not None:
-        raise api_error(result.error)
+    await engine_answer(request, message.request_id, state.engine.lora_adapter(message))

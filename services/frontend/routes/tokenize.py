@@ -7,12 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from services.frontend.engine_client import EngineUnavailable
-from services.frontend.errors import api_error, bad_request, unavailable
+from services.frontend.errors import bad_request
 from services.frontend.openai_types import DetokenizeBody, TokenizeBody
 from services.frontend.openapi import json_body
-from services.frontend.request_log import record_of
-from services.frontend.routes import new_request_id
+from services.frontend.routes import engine_answer, new_request_id
 from services.frontend.state import AppState, FrontendState
 from services.frontend.structured import tool_definition
 from services.frontend.validation import decode
@@ -63,11 +61,5 @@ async def detokenize(request: Request, state: AppState) -> dict[str, Any]:
 async def _ask_pool(
     request: Request, state: FrontendState, tokenize_request: TokenizeRequest
 ) -> TokenizeResult:
-    record_of(request).request_id = tokenize_request.request_id
-    try:
-        result = await state.engine.tokenize(tokenize_request)
-    except EngineUnavailable as exc:
-        raise unavailable(str(exc)) from None
-    if result.error is not None:
-        raise api_error(result.error)
-    return result
+    asked = state.engine.tokenize(tokenize_request)
+    return await engine_answer(request, tokenize_request.request_id, asked)
