@@ -357,6 +357,7 @@ def lora_expand(
     token_order: torch.Tensor | None = None,  # [T] int32, the tokens grouped by slot
     *,
     block_t: int | None = None,  # tokens per program (1, or >= 16); None: _block_t
+    block_n: int | None = None,  # output rows per program, dividing every piece; None: <= 128
 ) -> torch.Tensor:  # out
     """`kernels.lora.lora_expand_reference`."""
     num_tokens, n = out.shape
@@ -374,7 +375,9 @@ def lora_expand(
         return out
     piece_ends = [sum(piece_rows[: i + 1]) for i in range(len(piece_rows))] + [n, n]
     rows_gcd = math.gcd(*piece_rows)
-    block_n = min(128, rows_gcd & -rows_gcd)  # the largest power of two that divides all
+    block_n = block_n or min(128, rows_gcd & -rows_gcd)  # the largest power of two dividing all
+    if rows_gcd % block_n:
+        raise ValueError(f"blocks of {block_n} rows would straddle pieces of {piece_rows}")
     block_t = block_t or _block_t(num_tokens, rank, block_n)
     _lora_expand_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(n, block_n))](
         out,
