@@ -11,6 +11,7 @@ from torch import nn
 from kernels import ops
 from services.executor.linear import Activation, Linear, LinearMethod
 from services.executor.lora_slots import LoraTokens
+from services.executor.tensor_parallel import ONE_RANK, TensorParallel
 
 
 def feeds_fp8_rows(layer: Linear) -> bool:
@@ -77,16 +78,26 @@ class RotaryEmbedding(nn.Module):
 
 class GatedMLP(nn.Module):
     def __init__(
-        self, hidden_size: int, intermediate_size: int, method: LinearMethod | None = None
+        self,
+        hidden_size: int,
+        intermediate_size: int,  # this rank's columns (all of them on one rank)
+        method: LinearMethod | None = None,
+        tp: TensorParallel = ONE_RANK,
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
-        self.down_proj = Linear(intermediate_size, hidden_size, method=method)
+        whole = intermediate_size * tp.size  # down_proj is row-parallel
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, method=method, whole_in_features=whole
+        )
 
     def forward(self, x: Activation, lora: LoraTokens | None = None) -> torch.Tensor:
         """`lora`: the tokens' LoRA slots (see Linear.forward), or None."""
         gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
         if feeds_fp8_rows(self.down_proj):  # quantized as down_proj would (its static scale)
             scale = self.down_proj.fp8_input_scale()
-            return self.down_proj(ops.silu_and_mul_fp8(gate_up, scale), lora)
-        return self.down_proj(ops.silu_and_mul(gate_up), lora)  # [T, hidden]
+            out = self.down_proj(ops.silu_and_mul_fp8(gate_up, scale), lora)
+        else:
+            out = self.down_proj(ops.silu_and_mul(gate_up), lora)  # [T, hidden]
+        return self.tp.all_reduce(out)

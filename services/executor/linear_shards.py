@@ -85,14 +85,18 @@ def shard_packed_rows(
 ) -> torch.Tensor:
     """A GGUF piece [rows, row_bytes] (blocks of `qtype`; "float": values) cut for a rank:
     its rows, or the bytes of its columns' whole blocks."""
-    if qtype == "float":
-        dims = TensorDims(rows=0, cols=1)
-    else:
-        t = GGUF_TYPES[qtype]
-        dims = TensorDims(0, 1, (t.block_elems, t.block_bytes), f"{qtype} blocks")
+    dims = packed_dims(qtype)
     if split == "cols" and data.shape[1] // dims.col_block[1] * dims.col_block[0] != k:
         raise ValueError(f"a {qtype} piece of {data.shape[1]} bytes a row does not hold {k} inputs")
     return shard_tensor(data, dims, split, rank, world)
+
+
+def packed_dims(qtype: str) -> TensorDims:
+    """Where a GGUF piece [rows, row_bytes] holds rows and input columns."""
+    if qtype == "float":
+        return TensorDims(rows=0, cols=1)
+    t = GGUF_TYPES[qtype]
+    return TensorDims(0, 1, (t.block_elems, t.block_bytes), f"{qtype} blocks")
 
 
 def _local_columns(total: int, world: int, block: int, what: str) -> int:

@@ -30,6 +30,7 @@ from services.executor.sampler import (
 )
 from services.executor.step_buffers import StepBuffers, StepView
 from services.executor.step_state import DeviceSpan, InFlightStep, PreparedStep, RequestState
+from services.executor.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.warm_up import warm_up
 from services.executor.weights import load_model
 from shared.config import Config
@@ -87,7 +88,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     """The executor's core: resolves and loads the model, sizes the KV cache, runs steps."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tp: TensorParallel = ONE_RANK) -> None:
+        """`tp`: this process's place in a tensor-parallel group (every rank runs the same
+        steps; services/executor/tensor_parallel.py)."""
+        if tp.size > 1 and config.enable_lora:
+            raise ValueError("LoRA adapters do not run with tensor parallelism yet")
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
@@ -105,6 +110,7 @@ class ModelRunner:
             max_position=self.max_model_len,
             seed=config.seed,
             quantization=config.quantization,
+            tp=tp,
         )
         # Before the KV cache is sized: the slots take device memory for good.
         self.lora: LoraManager | None = None
@@ -128,7 +134,9 @@ class ModelRunner:
         )
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
-        self.kv_layout = KVCacheLayout.of(self.model_config, self.block_size, kv_dtype)
+        # A rank's cache holds its own KV heads.
+        local_config = self.model.layout.local_config
+        self.kv_layout = KVCacheLayout.of(local_config, self.block_size, kv_dtype)
         self.num_blocks = num_kv_blocks(
             config,
             self.kv_layout,

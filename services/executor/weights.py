@@ -20,6 +20,7 @@ from kernels.gguf import GGUF_TYPES
 from services.executor.linear import Linear, PackedWeight, linear_method, prepare_linear_layers
 from services.executor.models.decoder import DecoderForCausalLM, hf_module_names
 from services.executor.quantized_checkpoints import translate_quantized
+from services.executor.tensor_parallel import ONE_RANK, TensorParallel
 from shared.model_config import ModelConfig, ModelSource
 from shared.quant_config import QuantSpec, read_quant_spec
 
@@ -174,9 +175,10 @@ def load_model(
     max_position: int,
     seed: int,
     quantization: str | None = None,
+    tp: TensorParallel = ONE_RANK,
 ) -> DecoderForCausalLM:
     """`quantization`: the --quantization flag; the checkpoint's own config decides when set
-    (shared/quant_config.py)."""
+    (shared/quant_config.py). `tp`: the rank loads its part of every weight."""
     spec = read_quant_spec(quantization, source, load_format, device_type=device.type)
     fp8 = spec is not None and spec.checkpoint_format == "fp8" and spec.fp8_block is None
     if fp8 and device.type == "cuda" and dtype != torch.bfloat16:
@@ -187,7 +189,7 @@ def load_model(
     # float32 scales, the rotary table) name it.
     with torch.device(device), _default_dtype(dtype):
         kv_scales = spec is not None and spec.kv_scales
-        model = DecoderForCausalLM(cfg, max_position, linear_method(spec), kv_scales)
+        model = DecoderForCausalLM(cfg, max_position, linear_method(spec), kv_scales, tp)
     refuse_ignored_projections(model, spec)
     fmt = source.format if load_format == "auto" else load_format
     if fmt == "dummy" or source.format == "preset":

@@ -2,11 +2,14 @@
 
 The families differ only in switches read from ModelConfig: a bias on the qkv projection
 (Qwen2), an RMSNorm on each head of q and k (Qwen3), Llama 3's RoPE scaling, and tied
-embeddings. Weights load from Hugging Face names (see `load_weights`).
+embeddings. Weights load from Hugging Face names (see `load_weights`). Under tensor
+parallelism a rank builds the layers of its part (services/executor/tensor_parallel.py) and
+loads its part of each weight.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable
 
@@ -17,7 +20,15 @@ from kernels import ops
 from services.executor.attention_metadata import AttentionMetadata
 from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from services.executor.linear import Activation, Linear, LinearMethod, PackedWeight
+from services.executor.linear_shards import packed_dims
 from services.executor.lora_slots import LoraTokens
+from services.executor.tensor_parallel import (
+    ONE_RANK,
+    ShardLayout,
+    TensorParallel,
+    VocabParallelEmbedding,
+    rank_part,
+)
 from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
@@ -47,8 +58,11 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         method: LinearMethod | None,
         kv_scales: bool = False,
+        tp: TensorParallel = ONE_RANK,
     ) -> None:
+        """`cfg`: this rank's part of the model (all of it on one rank)."""
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -59,7 +73,8 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, method
         )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, method=method)
+        whole_q = self.q_size * tp.size  # o_proj is row-parallel: its inputs are all ranks'
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, method=method, whole_in_features=whole_q)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -125,7 +140,7 @@ class Attention(nn.Module):
         )  # [T, H, D]
         if v_scale != 1.0:
             out = out * v_scale  # the cached values times v_scale
-        return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size), lora))
 
 
 class DecoderLayer(nn.Module):
@@ -135,12 +150,13 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         method: LinearMethod | None,
         kv_scales: bool = False,
+        tp: TensorParallel = ONE_RANK,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, method, kv_scales)
+        self.self_attn = Attention(cfg, rotary, method, kv_scales, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, method)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, method, tp)
 
     def forward(
         self,
@@ -170,18 +186,22 @@ class DecoderForCausalLM(nn.Module):
         max_position: int,
         method: LinearMethod | None = None,
         kv_scales: bool = False,
+        tp: TensorParallel = ONE_RANK,
     ) -> None:
         """`method`: how the projections are stored and run (None: float weights); the
         lm_head keeps a float weight whatever it is. `kv_scales`: the checkpoint has an FP8
-        KV cache's k_scale and v_scale in every attention layer."""
+        KV cache's k_scale and v_scale in every attention layer. `tp`: this rank's place in
+        a tensor-parallel group; ValueError if the model does not split its ways."""
         super().__init__()
         self.config = cfg
+        self.layout = ShardLayout.of(cfg, tp)
+        local = self.layout.local_config
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        layers = (DecoderLayer(cfg, rotary, method, kv_scales) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(self.layout, cfg.hidden_size)
+        layers = (DecoderLayer(local, rotary, method, kv_scales, tp) for _ in range(cfg.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, self.layout.vocab_rows)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -203,7 +223,7 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Why not float32 here: greedy argmax is the same on the model dtype, and the sampler
         # copies to float32 where it computes probabilities.
-        return self.lm_head(hidden)  # [N, vocab], model dtype
+        return self.layout.tp.all_gather(self.lm_head(hidden))  # [N, vocab], model dtype
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be present."""
@@ -222,12 +242,13 @@ class DecoderForCausalLM(nn.Module):
             if piece is None:
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r}")
-                _copy(params[name].data, tensor, hf_name)
+                _copy(params[name].data, self._rank_part(hf_name, name, tensor), hf_name)
             else:
                 fused, shard = _STACKED[piece]
                 name = name.replace(piece, fused)
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r}")
+                tensor = self._rank_part(hf_name, name, tensor)
                 if name.endswith(".g_idx"):  # per input column: shared by the fused shards
                     _copy_shared(params[name].data, tensor, hf_name, first=not num_loaded[name])
                 else:
@@ -241,9 +262,16 @@ class DecoderForCausalLM(nn.Module):
         start, rows = self._shard_rows(fused, shard)
         return param.data.narrow(0, start, rows)
 
+    def _rank_part(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor, cut as the layer it loads into holds it."""
+        owner = self.get_submodule(name.rpartition(".")[0])
+        leaf = name.rpartition(".")[2]
+        dims = owner.method.shard_dims(owner).get(leaf) if isinstance(owner, Linear) else None
+        return rank_part(self.layout, hf_name, tensor, dims)
+
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
         """The rows [start, start + rows) of shard `shard` in a fused projection."""
-        cfg = self.config
+        cfg = self.layout.local_config
         if fused == "qkv_proj":
             sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
         else:
@@ -268,6 +296,10 @@ class DecoderForCausalLM(nn.Module):
         if not name.endswith(".weight") or load_shard is None:
             raise ValueError(f"unexpected weight {hf_name!r} ({weight.qtype})")
         rows = layer.out_features if rows is None else rows
+        dims = packed_dims(weight.qtype)
+        weight = dataclasses.replace(
+            weight, data=rank_part(self.layout, hf_name, weight.data, dims)
+        )
         if weight.data.shape[0] != rows:
             raise ValueError(f"{hf_name}: checkpoint has {weight.data.shape[0]} rows, not {rows}")
         load_shard(layer, start, weight)

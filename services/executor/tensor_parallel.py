@@ -1,0 +1,156 @@
+"""Tensor parallelism (Megatron-style) over a torch.distributed group: NCCL on CUDA, gloo on CPU.
+
+Each of N ranks holds a 1/N part of every layer and all of it sees every token:
+
+    embed_tokens   vocab rows [r V/N, (r+1) V/N): ids elsewhere give zeros, then all-reduce
+    qkv_proj       column-parallel: its q heads and its KV heads (a KV head each rank shares
+                   with others when there are fewer KV heads than ranks)
+    attention      over its own heads, with its own KV cache
+    o_proj         row-parallel: its heads' columns, then all-reduce
+    gate_up_proj   column-parallel: its part of gate and of up
+    down_proj      row-parallel, then all-reduce
+    lm_head        vocab rows as the embedding, then all-gather: every rank has all logits and
+                   samples the same tokens (same logits, same seeds)
+
+A rank's layers are those of a smaller model (`ShardLayout.local_config`): the model code builds
+them unchanged. Its weights are cut from the checkpoint's as they load (`rank_part`, by the
+dimensions each linear method declares: services/executor/linear_shards.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from services.executor.linear_shards import Split, TensorDims, shard_tensor
+from shared.model_config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of x, in place."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x side by side along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+ONE_RANK = TensorParallel()
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What one rank holds of a model."""
+
+    tp: TensorParallel
+    local_config: ModelConfig  # the rank's layers: its heads, KV heads and MLP columns
+    kv_heads: int  # the model's KV heads
+    kv_head: int  # the first of them this rank holds
+    vocab_start: int  # the first vocabulary row of its embedding and lm_head
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, tp: TensorParallel) -> ShardLayout:
+        """The rank's part; ValueError saying what does not split N ways."""
+        n = tp.size
+        problems = [
+            f"{count} {what} do not split {n} ways"
+            for count, what in (
+                (cfg.num_heads, "query heads"),
+                (cfg.intermediate_size, "MLP columns"),
+                (cfg.vocab_size, "vocabulary rows"),
+            )
+            if count % n
+        ]
+        kv = cfg.num_kv_heads
+        if kv % n and n % kv:
+            problems.append(f"{kv} KV heads neither split {n} ways nor divide {n}")
+        if problems:
+            raise ValueError(f"--tensor-parallel-size {n}: " + "; ".join(problems))
+        local_kv = kv // n if kv >= n else 1
+        local = dataclasses.replace(
+            cfg,
+            num_heads=cfg.num_heads // n,
+            num_kv_heads=local_kv,
+            intermediate_size=cfg.intermediate_size // n,
+        )
+        kv_head = tp.rank * local_kv if kv >= n else tp.rank * kv // n
+        return cls(tp, local, kv, kv_head, tp.rank * cfg.vocab_size // n)
+
+    @property
+    def vocab_rows(self) -> int:
+        return self.local_config.vocab_size // self.tp.size
+
+    @property
+    def shares_kv_heads(self) -> bool:
+        """Fewer KV heads than ranks: each is held whole by several ranks."""
+        return self.kv_heads < self.tp.size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rank's rows of the embedding: each id is looked up by the rank that holds it."""
+
+    def __init__(self, layout: ShardLayout, hidden_size: int) -> None:
+        super().__init__()
+        self.layout = layout
+        self.weight = nn.Parameter(torch.empty(layout.vocab_rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.layout.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.layout.vocab_start
+        mine = (local >= 0) & (local < self.layout.vocab_rows)
+        out = F.embedding(local.clamp(0, self.layout.vocab_rows - 1), self.weight)
+        return self.layout.tp.all_reduce(out * mine[:, None].to(out.dtype))
+
+
+# The checkpoint's modules by how their tensors split: Q rows by heads, K and V rows by KV
+# heads, gate and up rows by columns, o and down by input columns, embeddings by vocabulary.
+_BY_ROWS = ("q_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_BY_KV_HEADS = ("k_proj", "v_proj")
+_BY_COLUMNS = ("o_proj", "down_proj")
+
+
+def rank_part(
+    layout: ShardLayout, hf_name: str, tensor: torch.Tensor, dims: TensorDims | None
+) -> torch.Tensor:
+    """The part of a checkpoint tensor this rank loads (a view where it can be); `dims`: where
+    the tensor holds rows and columns (the loading layer's method says; None: a plain weight
+    or bias, rows first)."""
+    tp = layout.tp
+    module = next((m for m in (*_BY_ROWS, *_BY_KV_HEADS, *_BY_COLUMNS) if f"{m}." in hf_name), None)
+    if tp.size == 1 or module is None:  # norms, KV cache scales: every rank holds all
+        return tensor
+    split: Split = "cols" if module in _BY_COLUMNS else "rows"
+    if dims is None:  # an embedding's weight
+        dims = TensorDims(rows=0, cols=1)
+    if module in _BY_KV_HEADS and layout.shares_kv_heads:
+        return _kv_head_rows(layout, tensor, dims)
+    return shard_tensor(tensor, dims, split, tp.rank, tp.size)
+
+
+def _kv_head_rows(layout: ShardLayout, tensor: torch.Tensor, dims: TensorDims) -> torch.Tensor:
+    """The rows of the one KV head this rank holds, of a K or V tensor."""
+    if dims.rows is None:
+        return tensor
+    rows = tensor.shape[dims.rows] // layout.kv_heads
+    return tensor.narrow(dims.rows, layout.kv_head * rows, rows)
