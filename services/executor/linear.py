@@ -342,7 +342,7 @@ class GgufBlocks:
         raise ValueError("GGUF weights come from a .gguf file; --load-format dummy has none")
 
     def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
-        # Its pieces come to load_shard, cut by linear_shards.shard_packed_rows.
+        # Its pieces come to load_shard, cut by linear_shards.packed_dims.
         return dict(_BIAS)
 
     def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:

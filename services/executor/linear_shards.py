@@ -11,9 +11,9 @@ and which along the input columns, and in what blocks (`TensorDims`, from the me
 `shard_dims`); `shard_tensor` cuts a checkpoint tensor by that, in the layout the layer loads
 (after services/executor/quantized_checkpoints.py's translation), so that a rank copies in only
 its part and its method prepares that part as it would a whole layer. GGUF pieces, which the
-method loads itself, are cut by `shard_packed`. Quantized formats decide where a cut may fall:
-whole packed words, whole scale groups, whole GGUF blocks; a split that would cut one is
-refused by name.
+method loads itself, are cut by the dimensions of `packed_dims`. Quantized formats decide where
+a cut may fall: whole packed words, whole scale groups, whole GGUF blocks; a split that would
+cut one is refused by name.
 """
 
 from __future__ import annotations
@@ -80,19 +80,9 @@ def shard_tensor(
     return tensor.narrow(dims.cols, rank * width, width)
 
 
-def shard_packed_rows(
-    data: torch.Tensor, qtype: str, split: Split, rank: int, world: int, k: int
-) -> torch.Tensor:
-    """A GGUF piece [rows, row_bytes] (blocks of `qtype`; "float": values) cut for a rank:
-    its rows, or the bytes of its columns' whole blocks."""
-    dims = packed_dims(qtype)
-    if split == "cols" and data.shape[1] // dims.col_block[1] * dims.col_block[0] != k:
-        raise ValueError(f"a {qtype} piece of {data.shape[1]} bytes a row does not hold {k} inputs")
-    return shard_tensor(data, dims, split, rank, world)
-
-
 def packed_dims(qtype: str) -> TensorDims:
-    """Where a GGUF piece [rows, row_bytes] holds rows and input columns."""
+    """Where a GGUF piece [rows, row_bytes] (blocks of `qtype`; "float": values) holds rows
+    and input columns: a rank's cut takes rows, or the bytes of its columns' whole blocks."""
     if qtype == "float":
         return TensorDims(rows=0, cols=1)
     t = GGUF_TYPES[qtype]

@@ -93,6 +93,8 @@ class ModelRunner:
         steps; services/executor/tensor_parallel.py)."""
         if tp.size > 1 and config.enable_lora:
             raise ValueError("LoRA adapters do not run with tensor parallelism yet")
+        if tp.size > 1 and config.device != "cpu" and not config.enforce_eager:
+            raise ValueError("tensor parallelism runs without CUDA graphs yet: --enforce-eager")
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
@@ -143,6 +145,8 @@ class ModelRunner:
             self.device,
             lambda: profile_step_peak(self.model, self.buffers, self.kv_layout, self.max_model_len),
         )
+        # Every rank must hold the blocks any plan names.
+        self.num_blocks = tp.smallest(self.num_blocks, self.device)
         self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
         log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len)
         log_kv_scales(self.model, kv_dtype)

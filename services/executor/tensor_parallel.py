@@ -46,6 +46,14 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def smallest(self, value: int, device: torch.device) -> int:
+        """The smallest of the ranks' values (what every rank can hold)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' x side by side along the last dimension, in rank order."""
         if self.size == 1:
@@ -63,10 +71,13 @@ class ShardLayout:
     """What one rank holds of a model."""
 
     tp: TensorParallel
-    local_config: ModelConfig  # the rank's layers: its heads, KV heads and MLP columns
+    # The rank's layers: its heads, KV heads and MLP columns (vocab_size stays the model's:
+    # every rank samples from all of it)
+    local_config: ModelConfig
     kv_heads: int  # the model's KV heads
-    kv_head: int  # the first of them this rank holds
+    kv_head: int  # the first of them this rank holds (the one it shares, if shares_kv_heads)
     vocab_start: int  # the first vocabulary row of its embedding and lm_head
+    vocab_rows: int  # how many it holds
 
     @classmethod
     def of(cls, cfg: ModelConfig, tp: TensorParallel) -> ShardLayout:
@@ -94,11 +105,8 @@ class ShardLayout:
             intermediate_size=cfg.intermediate_size // n,
         )
         kv_head = tp.rank * local_kv if kv >= n else tp.rank * kv // n
-        return cls(tp, local, kv, kv_head, tp.rank * cfg.vocab_size // n)
-
-    @property
-    def vocab_rows(self) -> int:
-        return self.local_config.vocab_size // self.tp.size
+        vocab_rows = cfg.vocab_size // n
+        return cls(tp, local, kv, kv_head, tp.rank * vocab_rows, vocab_rows)
 
     @property
     def shares_kv_heads(self) -> bool:
@@ -133,19 +141,28 @@ _BY_COLUMNS = ("o_proj", "down_proj")
 def rank_part(
     layout: ShardLayout, hf_name: str, tensor: torch.Tensor, dims: TensorDims | None
 ) -> torch.Tensor:
-    """The part of a checkpoint tensor this rank loads (a view where it can be); `dims`: where
-    the tensor holds rows and columns (the loading layer's method says; None: a plain weight
-    or bias, rows first)."""
+    """The part of a checkpoint tensor this rank loads into a linear layer or the embedding
+    (a view where it can be); `dims`: where the tensor holds rows and columns (the loading
+    layer's method says; None: the embedding's weight). Other tensors (norms, KV cache
+    scales) every rank holds whole: they are not handed here."""
     tp = layout.tp
-    module = next((m for m in (*_BY_ROWS, *_BY_KV_HEADS, *_BY_COLUMNS) if f"{m}." in hf_name), None)
-    if tp.size == 1 or module is None:  # norms, KV cache scales: every rank holds all
+    if tp.size == 1:
         return tensor
+    modules = (*_BY_ROWS, *_BY_KV_HEADS, *_BY_COLUMNS)
+    module = next((m for m in modules if _names(hf_name, m)), None)
+    if module is None:
+        raise ValueError(f"{hf_name}: no tensor-parallel cut is known for it")
     split: Split = "cols" if module in _BY_COLUMNS else "rows"
-    if dims is None:  # an embedding's weight
+    if dims is None:
         dims = TensorDims(rows=0, cols=1)
     if module in _BY_KV_HEADS and layout.shares_kv_heads:
         return _kv_head_rows(layout, tensor, dims)
     return shard_tensor(tensor, dims, split, tp.rank, tp.size)
+
+
+def _names(hf_name: str, module: str) -> bool:
+    """Whether a checkpoint name is of that module ("model.layers.3.mlp.up_proj.weight")."""
+    return hf_name.startswith(f"{module}.") or f".{module}." in hf_name
 
 
 def _kv_head_rows(layout: ShardLayout, tensor: torch.Tensor, dims: TensorDims) -> torch.Tensor:

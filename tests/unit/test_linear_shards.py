@@ -27,7 +27,7 @@ from services.executor.linear import (
     PackedWeight,
     Unquantized,
 )
-from services.executor.linear_shards import Split, shard_packed_rows, shard_tensor
+from services.executor.linear_shards import Split, packed_dims, shard_tensor
 from shared.quant_config import QuantSpec
 
 K, PIECES = 256, (64, 32, 32)  # a fused q/k/v of 128 rows
@@ -164,7 +164,7 @@ def gguf_layer(pieces: list[PackedWeight], k: int, split: Split, rank: int, worl
     layer = Linear(k // world if split == "cols" else k, n, method=GgufBlocks())
     start = 0
     for piece in pieces:
-        data = shard_packed_rows(piece.data, piece.qtype, split, rank, world, k)
+        data = shard_tensor(piece.data, packed_dims(piece.qtype), split, rank, world)
         assert data.shape[1] == row_bytes(piece.qtype, layer.in_features)
         layer.method.load_shard(layer, start, PackedWeight(piece.qtype, data))  # type: ignore[attr-defined]
         start += data.shape[0]

@@ -263,11 +263,15 @@ class DecoderForCausalLM(nn.Module):
         return param.data.narrow(0, start, rows)
 
     def _rank_part(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a checkpoint tensor, cut as the layer it loads into holds it."""
-        owner = self.get_submodule(name.rpartition(".")[0])
-        leaf = name.rpartition(".")[2]
-        dims = owner.method.shard_dims(owner).get(leaf) if isinstance(owner, Linear) else None
-        return rank_part(self.layout, hf_name, tensor, dims)
+        """This rank's part of a checkpoint tensor, cut as the layer it loads into holds it;
+        tensors of other modules (norms, KV cache scales) whole."""
+        owner_name, _, leaf = name.rpartition(".")
+        owner = self.get_submodule(owner_name)
+        if isinstance(owner, Linear):
+            return rank_part(self.layout, hf_name, tensor, owner.method.shard_dims(owner).get(leaf))
+        if isinstance(owner, VocabParallelEmbedding):
+            return rank_part(self.layout, hf_name, tensor, None)
+        return tensor
 
     def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
         """The rows [start, start + rows) of shard `shard` in a fused projection."""
