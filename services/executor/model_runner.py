@@ -93,12 +93,12 @@ class ModelRunner:
         steps; services/executor/tensor_parallel.py)."""
         if tp.size > 1 and config.enable_lora:
             raise ValueError("LoRA adapters do not run with tensor parallelism yet")
-        if tp.size > 1 and config.device != "cpu" and not config.enforce_eager:
-            raise ValueError("tensor parallelism runs without CUDA graphs yet: --enforce-eager")
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
         self.device = resolve_device(config.device)
+        if tp.size > 1 and self.device.type == "cuda" and not config.enforce_eager:
+            raise ValueError("tensor parallelism runs without CUDA graphs yet: --enforce-eager")
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
