@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora import LoraDelta
-from kernels.triton_lora import lora_b, lora_delta, lora_expand, lora_rows
+from kernels.triton_lora import check_delta, lora_b, lora_delta, lora_expand, lora_rows
 
 MAX_ROWS = 64  # the most rows this layer takes: past it a GEMM reuses weights enough for cuBLAS
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
@@ -340,15 +340,8 @@ def launch_skinny_linear(
 def _lora_arguments(lora: LoraDelta, n: int, m: int) -> list[object]:
     """The kernel's LoRA arguments, checked as lora_expand checks them."""
     shrunk, lora_b, token_slots, piece_rows, _ = lora  # rows are read in place: no order
-    num_pieces, rank = len(piece_rows), lora_b.shape[2]
-    if sum(piece_rows) != n or num_pieces > 3 or lora_b.shape[1] != n or lora_b.stride(2) != 1:
-        raise ValueError(f"LoRA pieces of {piece_rows} rows and B {tuple(lora_b.shape)} for N={n}")
-    if shrunk.shape[1:] != (m, num_pieces, rank) or shrunk.stride(3) != 1:
-        raise ValueError(f"shrunk {tuple(shrunk.shape)} is not [splits, {m}, pieces, {rank}]")
-    if token_slots.shape != (m,) or token_slots.dtype != torch.int32:
-        raise ValueError(f"token_slots must be int32 [{m}], got {token_slots.dtype}")
-    starts = [sum(piece_rows[: i + 1]) for i in range(num_pieces - 1)] + [n, n]
+    starts = check_delta(m, n, shrunk, lora_b, token_slots, piece_rows)
     return [
-        shrunk, lora_b, token_slots, lora_b.shape[0], shrunk.shape[0], starts[0], starts[1],
+        shrunk, lora_b, token_slots, lora_b.shape[0], shrunk.shape[0], *starts,
         shrunk.stride(0), shrunk.stride(1), shrunk.stride(2), lora_b.stride(0), lora_b.stride(1),
     ]  # fmt: skip

@@ -14,6 +14,7 @@ are read on the device, so a launch replays in a CUDA graph with them as inputs.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -279,16 +280,43 @@ def _block_t(num_tokens: int, rank: int, block_n: int = DOT_MIN) -> int:
 
 def _check_slots(
     rank: int, token_slots: torch.Tensor, token_order: torch.Tensor | None, num_tokens: int
-) -> torch.Tensor:
-    """Check the slots and the order; the order (the tokens as they are, if None)."""
+) -> None:
     if rank & (rank - 1):
         raise ValueError(f"LoRA slots need a power-of-two rank (zero-padded), got {rank}")
     for name, tensor in (("token_slots", token_slots), ("token_order", token_order)):
         if tensor is not None and (tensor.shape != (num_tokens,) or tensor.dtype != torch.int32):
             raise ValueError(f"{name} must be int32 [{num_tokens}], got {tensor.dtype}")
-    if token_order is None:
-        return torch.arange(num_tokens, dtype=torch.int32, device=token_slots.device)
-    return token_order
+
+
+def _order(token_order: torch.Tensor | None, token_slots: torch.Tensor) -> torch.Tensor:
+    """The order the blocks take the tokens in: as they are, if none is given."""
+    if token_order is not None:
+        return token_order
+    return torch.arange(len(token_slots), dtype=torch.int32, device=token_slots.device)
+
+
+def check_delta(
+    num_tokens: int,
+    n: int,
+    shrunk: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    piece_rows: tuple[int, ...],
+) -> tuple[int, int]:
+    """Check an expand's operands (as `kernels.lora.LoraDelta` holds them) for an output of
+    num_tokens x n; where pieces 1 and 2 start (n where there is none)."""
+    rank = lora_b.shape[2]
+    _check_slots(rank, token_slots, None, num_tokens)
+    if sum(piece_rows) != n or len(piece_rows) > 3:
+        raise ValueError(f"pieces of {piece_rows} rows do not make {n} outputs (at most 3)")
+    if shrunk.shape[1:] != (num_tokens, len(piece_rows), rank) or shrunk.stride(3) != 1:
+        raise ValueError(
+            f"shrunk {tuple(shrunk.shape)} is not [splits, {num_tokens}, pieces, {rank}]"
+        )
+    if lora_b.shape[1] != n or lora_b.stride(2) != 1:
+        raise ValueError(f"lora_b {tuple(lora_b.shape)} does not hold {n} output rows")
+    ends = list(itertools.accumulate(piece_rows))
+    return (ends[0] if len(ends) > 1 else n, ends[1] if len(ends) > 2 else n)
 
 
 def lora_shrink(
@@ -303,7 +331,8 @@ def lora_shrink(
     """`kernels.lora.lora_shrink_reference`."""
     num_tokens, k = x.shape
     num_slots, num_pieces, rank = lora_a.shape[:3]
-    token_order = _check_slots(rank, token_slots, token_order, num_tokens)
+    _check_slots(rank, token_slots, token_order, num_tokens)
+    token_order = _order(token_order, token_slots)
     if lora_a.shape[3] != k or lora_a.stride(3) != 1 or x.stride(1) != 1:
         raise ValueError(f"lora_a {tuple(lora_a.shape)} and x {tuple(x.shape)} disagree on K")
     block_t = block_t or _block_t(num_tokens, rank)
@@ -362,18 +391,13 @@ def lora_expand(
     """`kernels.lora.lora_expand_reference`."""
     num_tokens, n = out.shape
     num_slots, _, rank = lora_b.shape
-    token_order = _check_slots(rank, token_slots, token_order, num_tokens)
-    if sum(piece_rows) != n or len(piece_rows) > 3:
-        raise ValueError(f"pieces of {piece_rows} rows do not make {n} outputs (at most 3)")
-    if shrunk.shape[1:] != (num_tokens, len(piece_rows), rank) or shrunk.stride(3) != 1:
-        raise ValueError(
-            f"shrunk {tuple(shrunk.shape)} is not [splits, {num_tokens}, pieces, {rank}]"
-        )
-    if lora_b.shape[1] != n or lora_b.stride(2) != 1 or out.stride(1) != 1:
-        raise ValueError(f"lora_b {tuple(lora_b.shape)} does not hold {n} output rows")
+    piece_starts = check_delta(num_tokens, n, shrunk, lora_b, token_slots, piece_rows)
+    _check_slots(rank, token_slots, token_order, num_tokens)
+    token_order = _order(token_order, token_slots)
+    if out.stride(1) != 1:
+        raise ValueError("out must be contiguous in its last (N) dimension")
     if num_tokens == 0:
         return out
-    piece_ends = [sum(piece_rows[: i + 1]) for i in range(len(piece_rows))] + [n, n]
     rows_gcd = math.gcd(*piece_rows)
     block_n = block_n or min(128, rows_gcd & -rows_gcd)  # the largest power of two dividing all
     if rows_gcd % block_n:
@@ -389,8 +413,7 @@ def lora_expand(
         num_slots,
         shrunk.shape[0],
         n,
-        piece_ends[0] if len(piece_rows) > 1 else n,  # where piece 1 starts
-        piece_ends[1] if len(piece_rows) > 2 else n,  # where piece 2 starts
+        *piece_starts,
         out.stride(0),
         shrunk.stride(0),
         shrunk.stride(1),
