@@ -126,7 +126,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "device": _device_name(llm),
         "input_len": input_len,
         "output_len": output_len,
-        "weight_bytes_per_step": _matmul_weight_bytes(llm.runner.model),
+        "weight_bytes_per_step": _matmul_weight_bytes(llm.runner.model),  # on each rank
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
         "lora_adapter": args.lora_paths[0] if args.lora_paths else None,
         "results": rows,
@@ -214,6 +214,7 @@ def _engine_summary(config: Config) -> dict[str, Any]:
         "max_num_batched_tokens",
         "enable_prefix_caching",
         "enforce_eager",
+        "tensor_parallel_size",
         "gpu_memory_utilization",
         "quantization",
         "kv_cache_dtype",

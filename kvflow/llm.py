@@ -18,7 +18,7 @@ from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Completion, GenerationResult
 from kvflow.progress import Progress
 from services.executor.lora_adapter import LoraAdapterError
-from services.executor.model_runner import ModelRunner
+from services.executor.rank_group import start_runner
 from services.frontend.openai_types import Message, Tool, chat_message
 from services.frontend.structured import tool_definition
 from services.scheduler.engine_core import EngineCore
@@ -43,7 +43,7 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = Config(model=model, **{**OFFLINE_DEFAULTS, **config})
-        self.runner = ModelRunner(self.config)
+        self.runner = start_runner(self.config)
         name = self.config.served_model_name or self.runner.source.name
         ready = self.runner.ready_message(name)
         # Offline, the whole batch is queued at once: no cap on waiting requests.

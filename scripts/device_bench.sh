@@ -23,6 +23,7 @@ GGUF_FILE=${GGUF_FILE:-/tmp/llama-3.1-8b-q4_k_m.gguf}
 FP8_BLOCK_MODEL=${FP8_BLOCK_MODEL:-/tmp/llama-3.1-8b-fp8-block}
 FP8_STATIC_MODEL=${FP8_STATIC_MODEL:-/tmp/llama-3.1-8b-fp8-static}
 LORA_DIR=${LORA_DIR:-/tmp/loras}
+TP=${TP:-2}  # the tensor-parallel parts' ranks: one GPU each
 status=0
 
 run() {
@@ -62,6 +63,20 @@ for part in $PARTS; do
         run throughput python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput.json" ;;
+    tp-tests)  # two ranks against one on GPUs: NCCL, all-reduces inside CUDA graphs
+        run tp-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/integration/test_gpu_tensor_parallel.py ;;
+    allreduce)  # one all-reduce between $TP GPUs: NCCL eager and in graphs, symmetric memory
+        run allreduce python3 -m torch.distributed.run --nproc-per-node "$TP" \
+            benchmarks/allreduce_probe.py "$OUT/allreduce.json" ;;
+    latency-tp)  # the latency part on $TP GPUs
+        run latency-tp python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
+            --tensor-parallel-size "$TP" --input-len 128 --output-len 256 --profile-steps 20 \
+            --output-json "$OUT/latency_tp$TP.json" ;;
+    throughput-tp)  # the throughput part on $TP GPUs
+        run throughput-tp python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
+            --tensor-parallel-size "$TP" --num-prompts 256 --input-len 512 --output-len 256 \
+            --ignore-eos --max-num-batched-tokens 8192 --output-json "$OUT/throughput_tp$TP.json" ;;
     latency-fp8)  # --quantization fp8 (issue 13)
         run latency-fp8 python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
             --quantization fp8 --input-len 128 --output-len 256 --profile-steps 20 \

@@ -100,6 +100,16 @@ class Config:
         "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).",
     )
     seed: int = option(0, "model", "Random seed: dummy weights, sampling, `generate` prompts.")
+    # -- parallel
+    tensor_parallel_size: int = option(
+        1,
+        "parallel",
+        "Split each layer over this many devices (one process each: NCCL on CUDA, gloo on "
+        "CPU); the query heads must divide, and the KV heads divide or be divided.",
+    )
+    pipeline_parallel_size: int = option(
+        1, "parallel", "Only 1: kvflow splits a model by tensor parallelism, not by layers."
+    )
     # -- cache
     block_size: int = option(16, "cache", "Tokens per KV cache block.")
     kv_cache_dtype: str = option(
@@ -327,6 +337,18 @@ class Config:
         for name in _LIMITS:
             value = getattr(self, name)
             _require(value is None or value >= 1, name, "must be >= 1")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _require(
+            self.pipeline_parallel_size == 1,
+            "pipeline_parallel_size",
+            "pipeline parallelism is not supported: split the model with "
+            "--tensor-parallel-size instead",
+        )
+        _require(
+            self.tensor_parallel_size == 1 or not self.enable_lora,
+            "enable_lora",
+            "LoRA adapters do not run with --tensor-parallel-size > 1 yet",
+        )
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
         _require(
             self.enable_lora or not (self.lora_modules or self.allow_runtime_lora_updating),
@@ -474,6 +496,11 @@ def config_from_args(
     values.update(_env_and_flags(Config, args))
     values.update(overrides)
     return Config(**values)
+
+
+def config_from_file(path: Path) -> Config:
+    """The config a file holds, alone (what a process started with a resolved config reads)."""
+    return Config(**_read_file(path))
 
 
 def options_from_args(options: type[T], args: argparse.Namespace) -> T:

@@ -325,6 +325,15 @@ class SchedulerHello(Message, tag=True):
     session: int  # random, new each time a scheduler (re)starts or adopts a new executor
 
 
+# ------------------------------------------- executor rank 0 -> the other ranks
+
+
+class ResetRanks(Message, tag=True):
+    """Rank 0 of a tensor-parallel executor dropped every request and step (a new scheduler,
+    or a plan it could not run): every other rank does the same. Plans and launches reach the
+    other ranks as the scheduler sent them (SchedulerOutput, LaunchStep)."""
+
+
 # ---------------------------------------------------------- executor -> scheduler
 
 
@@ -646,6 +655,7 @@ ToScheduler = (
     | LoraAdapterAdded
 )
 ToExecutor = SchedulerOutput | LaunchStep | SchedulerHello | AddLoraAdapter
+ToRanks = SchedulerOutput | LaunchStep | ResetRanks
 FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests | LoraAdapterRequest
 SchedulerToTokenizer = OutputBatch | LoraAdapterResult
 ToFrontend = (

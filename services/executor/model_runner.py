@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,9 +47,14 @@ from shared.model_config import (
 from shared.protocol import (
     PROTOCOL_VERSION,
     ExecutorReady,
+    LaunchStep,
     ModelRunnerOutput,
+    ResetRanks,
     SchedulerOutput,
 )
+
+if TYPE_CHECKING:
+    from services.executor.rank_group import PlanRelay
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +62,11 @@ _PROMPT_LOGPROB_ROWS = 512  # prompt positions whose logits are made at once
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, rank: int = 0) -> torch.device:
+    """The device of tensor-parallel rank `rank` (GPU `rank`, on CUDA)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name, rank) if name == "cuda" else torch.device(name)
 
 
 def log_kv_scales(model: DecoderForCausalLM, kv_dtype: torch.dtype) -> None:
@@ -88,17 +95,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     """The executor's core: resolves and loads the model, sizes the KV cache, runs steps."""
 
-    def __init__(self, config: Config, tp: TensorParallel = ONE_RANK) -> None:
-        """`tp`: this process's place in a tensor-parallel group (every rank runs the same
-        steps; services/executor/tensor_parallel.py)."""
-        if tp.size > 1 and config.enable_lora:
-            raise ValueError("LoRA adapters do not run with tensor parallelism yet")
+    def __init__(
+        self, config: Config, tp: TensorParallel = ONE_RANK, relay: PlanRelay | None = None
+    ) -> None:
+        """`tp`: this process's place in a tensor-parallel group, whose ranks all run the same
+        steps (services/executor/tensor_parallel.py); `relay`: on rank 0, where the plans go
+        on to the other ranks (services/executor/rank_group.py)."""
+        self.tp = tp
+        self.relay: PlanRelay | None = None  # set last: warm-up steps run on every rank alone
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
-        self.device = resolve_device(config.device)
-        if tp.size > 1 and self.device.type == "cuda" and not config.enforce_eager:
-            raise ValueError("tensor parallelism runs without CUDA graphs yet: --enforce-eager")
+        self.device = resolve_device(config.device, tp.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -175,6 +183,7 @@ class ModelRunner:
                 self.graphs.capture()
         if self.device.type == "cuda":
             warm_up(self)
+        self.relay = relay
 
     def ready_message(self, model_name: str, session: int | None = None) -> ExecutorReady:
         """What the scheduler is built from: the model's facts and this runner's limits;
@@ -200,6 +209,8 @@ class ModelRunner:
         Steps still on the device finish first (their tokens are dropped): the pinned buffers
         their results go to must not be reused while copies into them are queued.
         """
+        if self.relay is not None:
+            self.relay.send(ResetRanks())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.requests.clear()
@@ -253,6 +264,8 @@ class ModelRunner:
         Raises PlanError for a plan it cannot run: before touching anything, but for LoRA
         adapters that cannot be put in slots (too many, files gone), found as rows are added;
         the caller then resets."""
+        if self.relay is not None:
+            self.relay.send(plan)
         if self._prepared is not None:
             raise PlanError(f"plan {plan.step} before plan {self._prepared.step} launched")
         self._check(plan)
@@ -263,6 +276,8 @@ class ModelRunner:
     @torch.inference_mode()
     def amend(self, addendum: SchedulerOutput) -> None:
         """Append an addendum's requests to the prepared plan of the same step."""
+        if self.relay is not None:
+            self.relay.send(addendum)
         if self._prepared is None or self._prepared.step != addendum.step:
             raise PlanError(f"an addendum to plan {addendum.step}, which is not held")
         self._check(addendum, self._prepared)
@@ -275,6 +290,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, step: int) -> None:
         """Send the prepared plan's inputs and queue its forward pass and sampling."""
+        if self.relay is not None:
+            self.relay.send(LaunchStep(step))
         prepared = self._prepared
         if prepared is None or prepared.step != step:
             raise PlanError(f"launch of plan {step}, which is not prepared")

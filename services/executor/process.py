@@ -23,14 +23,14 @@ unasked ExecutorReady at start tells the scheduler its old one is gone, is adopt
 from __future__ import annotations
 
 import logging
-import threading
-from collections import deque
 from typing import Any
 
 import zmq
 
 from services.executor.model_runner import ModelRunner
 from services.executor.plan_check import PlanError
+from services.executor.rank_group import start_runner
+from services.executor.step_watch import StepWatch
 from shared.config import Config
 from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder, connect_dealer, encode
@@ -56,7 +56,7 @@ def run_executor(config: Config, rank: int = 0) -> None:
     watch = StallWatch(config.engine_stall_timeout)
     security = WireSecurity.of(config)
     heartbeat = HeartbeatThread(config.frontend_address, name, stall_watch=watch, security=security)
-    runner = ModelRunner(config)
+    runner = start_runner(config)
     socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name, security)
     model_name = config.served_model_name or runner.source.name
     if runner.lora is not None and model_name in runner.lora.modules:
@@ -68,35 +68,6 @@ def run_executor(config: Config, rank: int = 0) -> None:
         serve_plans(runner, socket, Decoder(ToExecutor, name), model_name, steps)
     finally:
         heartbeat.stop()
-
-
-class StepWatch:
-    """The steps launched and not answered yet, oldest first, as the stall watch sees them:
-    the oldest must end within --engine-stall-timeout."""
-
-    def __init__(self, watch: StallWatch, hang_step: int | None = None) -> None:
-        self.watch, self.hang_step = watch, hang_step
-        self.launched: deque[int] = deque()
-
-    def launching(self, step: int) -> None:
-        self.launched.append(step)
-        if len(self.launched) == 1:
-            self.watch.working(f"step {step}")
-        if step == self.hang_step:  # testing only (--fault-hang-step): heartbeats go on
-            logger.warning("--fault-hang-step: step %d hangs", step)
-            threading.Event().wait()
-
-    def answered(self, step: int) -> None:
-        if self.launched and self.launched[0] == step:
-            self.launched.popleft()
-        if self.launched:
-            self.watch.working(f"step {self.launched[0]}")
-        else:
-            self.watch.idle()
-
-    def reset(self) -> None:
-        self.launched.clear()
-        self.watch.idle()
 
 
 def serve_plans(

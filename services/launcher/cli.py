@@ -16,13 +16,13 @@ from shared.version import VERSION
 from shared.wire_security import make_keys
 
 logger = logging.getLogger(__name__)
-ENGINE_GROUPS = ("model", "lora", "cache", "scheduler", "device")
+ENGINE_GROUPS = ("model", "parallel", "lora", "cache", "scheduler", "device")
 ALL_GROUPS = (*ENGINE_GROUPS, "server", "limits", "components")
 COMPONENTS = {
     "frontend": "The HTTP API process (FastAPI on uvicorn).",
     "tokenizer": "One tokenizer worker (tokenize in, detokenize out).",
     "scheduler": "The scheduler process (batching, KV blocks, prefix cache).",
-    "executor": "One executor process (the model on one device).",
+    "executor": "The executor (the model on its devices: one process per tensor-parallel rank).",
 }
 
 

@@ -1,15 +1,12 @@
-"""Tensor parallelism on CPU over gloo: N rank processes, each with its part of every layer
-(services/executor/tensor_parallel.py), give the greedy tokens of one process, and of
+"""Tensor parallelism on CPU over gloo: `kvflow.LLM` on N ranks, processes each with its part
+of every layer (services/executor/tensor_parallel.py) that run the plans rank 0 relays
+(services/executor/rank_group.py), gives the greedy tokens of one process, and of
 transformers, for the tiny parity models (Llama and Qwen3, and Llama with one KV head that
 every rank holds) at 2 ranks and the embedded SmolLM2 (9 query and 3 KV heads) at 3; a split
 the model does not allow is refused by name."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,30 +17,16 @@ from services.executor.tensor_parallel import ShardLayout, TensorParallel
 from shared.model_config import load_model_config, resolve_model_source
 from tests.integration.test_parity import hf_greedy
 from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
+from tests.integration.tp_generate import generate
 
 NUM_TOKENS = 24
 
 
-def run_ranks(
+def greedy(
     tmp_path: Path, world: int, model: str | None, prompts: list[list[int]], **config: object
-) -> list[list[list[int]]]:
-    """Each rank's greedy tokens, from `world` processes in one gloo group."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    job = tmp_path / "job.json"
-    fields = {"model": model, "config": config, "prompts": prompts, "max_tokens": NUM_TOKENS}
-    job.write_text(json.dumps(fields))
-    init = tmp_path / f"init-{world}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
-    argv = [sys.executable, "-m", "tests.integration.tp_rank", "--world", str(world)]
-    argv += ["--init", str(init), "--job", str(job), "--out", str(tmp_path)]
-    procs = [
-        subprocess.Popen([*argv, "--rank", str(rank)], env=env, stderr=subprocess.PIPE, text=True)
-        for rank in range(world)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err[-3000:]
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+) -> list[list[int]]:
+    """Greedy tokens from `kvflow.LLM` on `world` ranks (one process each, in one gloo group)."""
+    return [tokens for tokens, _ in generate(tmp_path, world, model, prompts, NUM_TOKENS, **config)]
 
 
 def tiny_folder(
@@ -71,8 +54,7 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: 
     folder, model = tiny_folder(tmp_path, family, **changes)
     prompts = make_prompts(TINY["vocab_size"])[:4]
     expected = [tokens[:NUM_TOKENS] for tokens in hf_greedy(model, prompts, eos_token_id=None)]
-    ranks = run_ranks(tmp_path, 2, str(folder), prompts)
-    assert ranks[0] == ranks[1] == expected
+    assert greedy(tmp_path, 2, str(folder), prompts) == expected
 
 
 @pytest.mark.parametrize("quantization", [None, "gguf"], ids=["dequantized", "gguf-blocks"])
@@ -80,9 +62,8 @@ def test_the_embedded_model_on_three_ranks(tmp_path: Path, quantization: str | N
     """SmolLM2's Q4_1 GGUF, dequantized at load or kept in its blocks (each rank cutting whole
     blocks of o_proj's and down_proj's input columns)."""
     prompts = [[1, 504, 3458, 282, 4649, 314], [28, 1171, 2424, 30, 216, 9123]]
-    one = run_ranks(tmp_path / "one", 1, None, prompts, quantization=quantization)[0]
-    three = run_ranks(tmp_path / "three", 3, None, prompts, quantization=quantization)
-    assert three == [one, one, one]
+    one = greedy(tmp_path / "one", 1, None, prompts, quantization=quantization)
+    assert greedy(tmp_path / "three", 3, None, prompts, quantization=quantization) == one
 
 
 def test_a_split_the_model_does_not_allow_is_refused() -> None:
@@ -109,5 +90,4 @@ def test_int4_checkpoints_split_across_ranks(tmp_path: Path, fmt: str) -> None:
     WRITERS[fmt](model, tmp_path / "model")  # the model now holds the dequantized weights
     prompts = make_prompts(TINY["vocab_size"])[:4]
     expected = [tokens[:NUM_TOKENS] for tokens in hf_greedy(model, prompts, eos_token_id=None)]
-    ranks = run_ranks(tmp_path, 2, str(tmp_path / "model"), prompts)
-    assert ranks[0] == ranks[1] == expected
+    assert greedy(tmp_path, 2, str(tmp_path / "model"), prompts) == expected

@@ -14,7 +14,8 @@ from collections import deque
 import pytest
 import zmq
 
-from services.executor.process import StepWatch, serve_plans
+from services.executor.process import serve_plans
+from services.executor.step_watch import StepWatch
 from shared.ipc import Decoder, encode
 from shared.protocol import (
     DeviceReady,

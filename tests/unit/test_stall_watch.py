@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from services.executor.process import StepWatch
+from services.executor.step_watch import StepWatch
 from shared.stall_watch import StallWatch
 
 

@@ -1,0 +1,228 @@
+"""The ranks of a tensor-parallel executor (`--tensor-parallel-size N`).
+
+Rank 0 is the executor the scheduler (or `kvflow.LLM`) talks to. It starts ranks 1..N-1 as
+processes of its own, and relays to them each plan, addendum, launch and reset as it takes it
+(one ZeroMQ publish to all of them: `PlanRelay`), so every rank runs the same steps in the
+same order; only rank 0 answers. Every rank samples the same tokens from the same gathered
+logits with the same seeds, so nothing sampled needs to travel back.
+
+    scheduler ── plans, launches ──> rank 0 ── the same, relayed ──> ranks 1..N-1
+    scheduler <── sampled tokens ─── rank 0        (torch.distributed between all ranks)
+
+The group lives and dies together: rank 0 exits (code 1) as soon as another rank exits, and
+the others exit when rank 0 is gone, so a dead rank takes the engine down as a dead executor
+does. Each rank beats to the frontends as executor-<rank>, so a stuck rank shows in /health.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from services.executor.model_runner import ModelRunner, resolve_device
+from services.executor.plan_check import PlanError
+from services.executor.step_watch import StepWatch
+from services.executor.tensor_parallel import ShardLayout, TensorParallel
+from shared.config import Config, config_from_file
+from shared.frontend_links import HeartbeatThread
+from shared.ipc import Decoder, encode
+from shared.model_config import load_model_config, resolve_model_source
+from shared.protocol import LaunchStep, ResetRanks, SchedulerOutput, ToRanks
+from shared.stall_watch import StallWatch
+from shared.wire_security import WireSecurity
+
+logger = logging.getLogger(__name__)
+WATCH_INTERVAL_S = 0.2  # how often rank 0 looks at the other ranks, and they at rank 0
+
+
+class PlanRelay:
+    """Rank 0's side of the relay: an XPUB socket the other ranks subscribe to.
+
+    Nothing is dropped: no high-water mark on either side, and rank 0 publishes only once
+    every rank's subscription has arrived (XPUB shows each one).
+    """
+
+    def __init__(self, address: str) -> None:
+        context: zmq.Context[Any] = zmq.Context.instance()
+        self.socket = context.socket(zmq.XPUB)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, repeats included
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+
+    def wait_for(self, count: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while seen < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{count - seen} executor ranks did not connect in {timeout} s")
+            if self.socket.poll(int(WATCH_INTERVAL_S * 1000)):
+                seen += self.socket.recv()[:1] == b"\x01"  # a subscription, not its end
+
+    def send(self, message: SchedulerOutput | LaunchStep | ResetRanks) -> None:
+        self.socket.send(encode(message))
+
+
+def start_runner(config: Config) -> ModelRunner:
+    """Rank 0's model runner; with --tensor-parallel-size N > 1, the other N-1 ranks are
+    started first, and the runner relays its plans to them."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return ModelRunner(config)
+    check_group(config)
+    directory = Path(tempfile.mkdtemp(prefix="kvflow-ranks-"))  # 0700: this user's alone
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    config_path = directory / "config.json"
+    config_path.write_text(json.dumps(dataclasses.asdict(config)))
+    relay = PlanRelay(f"ipc://{directory}/plans")
+    ranks = [_spawn_rank(config_path, rank, directory) for rank in range(1, size)]
+    atexit.register(_stop, ranks)
+    threading.Thread(target=_watch_ranks, args=(ranks,), name="rank-watch", daemon=True).start()
+    relay.wait_for(size - 1, config.startup_timeout)
+    logger.info("started executor ranks 1..%d; joining the tensor-parallel group", size - 1)
+    return ModelRunner(config, join_group(config, directory, 0), relay)
+
+
+def check_group(config: Config) -> None:
+    """Refuse a group that cannot run, before any rank starts: heads that do not split, or
+    fewer GPUs than ranks."""
+    size = config.tensor_parallel_size
+    ShardLayout.of(load_model_config(resolve_model_source(config.model)), TensorParallel(0, size))
+    if resolve_device(config.device).type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs {size} GPUs; "
+            f"{torch.cuda.device_count()} are visible"
+        )
+
+
+def join_group(config: Config, directory: Path, rank: int) -> TensorParallel:
+    """Join the ranks' torch.distributed group (NCCL on CUDA, gloo on CPU), met through a file
+    in the group's private folder."""
+    size = config.tensor_parallel_size
+    device = resolve_device(config.device, rank)
+    options: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options["device_id"] = device  # connect now, not at the first collective
+    else:  # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{directory}/store",
+        rank=rank,
+        world_size=size,
+        **options,
+    )
+    return TensorParallel(rank, size)
+
+
+def _spawn_rank(config_path: Path, rank: int, directory: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "services.executor.rank_group"]
+    argv += ["--config", str(config_path), "--rank", str(rank), "--group", str(directory)]
+    return subprocess.Popen(argv)
+
+
+def _watch_ranks(ranks: list[subprocess.Popen[bytes]]) -> None:
+    """Rank 0 exits as soon as another rank does: its collectives would wait forever."""
+    while True:
+        for rank, proc in enumerate(ranks, start=1):
+            code = proc.poll()
+            if code is not None:
+                logger.error("executor rank %d exited with code %d; exiting", rank, code)
+                logging.shutdown()
+                os._exit(1)
+        time.sleep(WATCH_INTERVAL_S)
+
+
+def _stop(ranks: list[subprocess.Popen[bytes]]) -> None:
+    for proc in ranks:
+        if proc.poll() is None:
+            proc.terminate()
+
+
+def _watch_parent(parent: int) -> None:
+    """A rank other than 0 exits as soon as rank 0 is gone."""
+    while os.getppid() == parent:
+        time.sleep(WATCH_INTERVAL_S)
+    os._exit(1)
+
+
+def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> None:
+    """A rank other than 0: run what rank 0 relays, in its order, and drop the answers.
+
+    A plan it cannot run fails on rank 0 too (the same check of the same state), which then
+    resets every rank. A relayed message it cannot read means the ranks have parted: it exits,
+    and so takes the group down.
+    """
+    decoder = Decoder(ToRanks, f"executor-{runner.tp.rank}")
+    while True:
+        while runner.oldest_finished():
+            steps.answered(runner.collect().step)
+        if not socket.poll(0 if runner.has_in_flight else None):
+            continue
+        message = decoder.decode(socket.recv())
+        if message is None:
+            raise RuntimeError("a relayed message that cannot be read: the ranks have parted")
+        try:
+            if isinstance(message, LaunchStep):
+                steps.launching(message.step)
+                runner.launch(message.step)
+            elif isinstance(message, SchedulerOutput):
+                (runner.amend if message.addendum else runner.prepare)(message)
+            else:
+                runner.reset()
+                steps.reset()
+        except PlanError as exc:
+            logger.warning("%s; rank 0 resets the group", exc)
+
+
+def main() -> None:
+    """A rank other than 0, started by rank 0 (`start_runner`)."""
+    parser = argparse.ArgumentParser(prog="kvflow executor rank")
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--group", type=Path, required=True)
+    args = parser.parse_args()
+    name = f"executor-{args.rank}"
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
+    )
+    config = config_from_file(args.config)
+    logging.getLogger().setLevel(config.log_level.upper())
+    parent = os.getppid()
+    threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+    context: zmq.Context[Any] = zmq.Context.instance()
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    socket.connect(f"ipc://{args.group}/plans")
+    watch = StallWatch(config.engine_stall_timeout)
+    if config.frontend_address is not None:
+        HeartbeatThread(
+            config.frontend_address, name, stall_watch=watch, security=WireSecurity.of(config)
+        )
+    runner = ModelRunner(config, join_group(config, args.group, args.rank))
+    logger.info("%s ready on %s", name, runner.device)
+    follow(runner, socket, StepWatch(watch))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Greedy tokens from `kvflow.LLM` with --tensor-parallel-size N, in a process of its own (the
+ranks' group and threads must not outlive a test):
+
+    python -m tests.integration.tp_generate --job JOB.json --out RESULT.json
+
+JOB.json holds the model folder (or null: the embedded SmolLM2), other engine settings
+("config", tensor_parallel_size among them), the prompts (token ids), max_tokens and top (the
+logprobs asked for, 0 for none). RESULT.json holds each prompt's tokens and, per token, the
+ids of its top logprobs. Rank 0 answers for the group: the other ranks run the plans it relays
+(services/executor/rank_group.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvflow import LLM, SamplingParams
+
+Result = tuple[list[int], list[list[int]]]  # tokens, and the top logprobs' ids at each
+
+
+def generate(
+    tmp_path: Path,
+    world: int,
+    model: str | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    top: int = 0,
+    **config: object,
+) -> list[Result]:
+    """Each prompt's greedy tokens (and top ids) from `kvflow.LLM` on `world` ranks, run in a
+    process of its own; CPU and float32 unless `config` says otherwise."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    job, out = tmp_path / "job.json", tmp_path / "result.json"
+    config = {**config, "tensor_parallel_size": world}
+    fields = {"model": model, "config": config, "prompts": prompts}
+    job.write_text(json.dumps({**fields, "max_tokens": max_tokens, "top": top}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
+    argv = [sys.executable, "-m", "tests.integration.tp_generate", "--job", str(job)]
+    done = subprocess.run([*argv, "--out", str(out)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [(tokens, tops) for tokens, tops in json.loads(out.read_text())]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    job = json.loads(args.job.read_text())
+    settings = {"dtype": "float32", "device": "cpu", "max_model_len": 512, **job["config"]}
+    llm = LLM(job["model"], **settings)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=job["top"] or None
+    )
+    results = []
+    for result in llm.generate(job["prompts"], params):
+        completion = result.outputs[0]
+        tops = [[top.token_id for top in logprob.top] for logprob in completion.logprobs]
+        results.append((completion.token_ids, tops))
+    args.out.write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
