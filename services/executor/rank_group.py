@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,7 @@ from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.2  # how often rank 0 looks at the other ranks, and they at rank 0
+TEARDOWN_S = 10  # how long rank 0 waits at exit for the other ranks and the group to end
 
 
 class PlanRelay:
@@ -91,12 +94,13 @@ def start_runner(config: Config) -> ModelRunner:
     config_path = directory / "config.json"
     config_path.write_text(json.dumps(dataclasses.asdict(config)))
     relay = PlanRelay(f"ipc://{directory}/plans")
-    ranks = [_spawn_rank(config_path, rank, directory) for rank in range(1, size)]
-    atexit.register(_stop, ranks)
-    threading.Thread(target=_watch_ranks, args=(ranks,), name="rank-watch", daemon=True).start()
+    ranks = OtherRanks([_spawn_rank(config_path, rank, directory) for rank in range(1, size)])
+    atexit.register(ranks.stop)
     relay.wait_for(size - 1, config.startup_timeout)
     logger.info("started executor ranks 1..%d; joining the tensor-parallel group", size - 1)
-    return ModelRunner(config, join_group(config, directory, 0), relay)
+    runner = ModelRunner(config, join_group(config, directory, 0), relay)
+    atexit.register(_leave_group, weakref.ref(runner), ranks)  # runs before ranks.stop
+    return runner
 
 
 def check_group(config: Config) -> None:
@@ -138,22 +142,60 @@ def _spawn_rank(config_path: Path, rank: int, directory: Path) -> subprocess.Pop
     return subprocess.Popen(argv)
 
 
-def _watch_ranks(ranks: list[subprocess.Popen[bytes]]) -> None:
-    """Rank 0 exits as soon as another rank does: its collectives would wait forever."""
-    while True:
-        for rank, proc in enumerate(ranks, start=1):
-            code = proc.poll()
-            if code is not None:
-                logger.error("executor rank %d exited with code %d; exiting", rank, code)
-                logging.shutdown()
-                os._exit(1)
-        time.sleep(WATCH_INTERVAL_S)
+class OtherRanks:
+    """Rank 0's hold on ranks 1..N-1: it exits as soon as one of them does (its collectives
+    would wait forever), unless it is stopping them itself."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.procs = procs
+        self.stopping = threading.Event()
+        threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.stopping.is_set():
+            for rank, proc in enumerate(self.procs, start=1):
+                code = proc.poll()
+                if code is not None and not self.stopping.is_set():
+                    logger.error("executor rank %d exited with code %d; exiting", rank, code)
+                    logging.shutdown()
+                    os._exit(1)
+            time.sleep(WATCH_INTERVAL_S)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=TEARDOWN_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
-def _stop(ranks: list[subprocess.Popen[bytes]]) -> None:
-    for proc in ranks:
-        if proc.poll() is None:
-            proc.terminate()
+def _leave_group(runner: weakref.ref[ModelRunner], ranks: OtherRanks) -> None:
+    """Rank 0 at exit: end the other ranks, then its own part of the group, before Python's
+    teardown would (in no set order, and NCCL's can hang once CUDA graphs hold collectives:
+    pytorch#115388); if it still hangs, exit without it."""
+    started = time.monotonic()
+    ranks.stop()
+    held = runner()
+    if held is not None:
+        held.graphs = None  # the captured collectives go before their communicator
+    del held
+    gc.collect()
+    done = threading.Event()
+
+    def destroy() -> None:
+        dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="group-teardown", daemon=True).start()
+    if not done.wait(TEARDOWN_S):
+        logger.error("the tensor-parallel group did not end in %d s; exiting", TEARDOWN_S)
+        logging.shutdown()
+        os._exit(1)
+    logger.debug("left the tensor-parallel group in %.1f s", time.monotonic() - started)
 
 
 def _watch_parent(parent: int) -> None:

@@ -42,7 +42,9 @@ def generate(
     job.write_text(json.dumps({**fields, "max_tokens": max_tokens, "top": top}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
     argv = [sys.executable, "-m", "tests.integration.tp_generate", "--job", str(job)]
-    done = subprocess.run([*argv, "--out", str(out)], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [*argv, "--out", str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [(tokens, tops) for tokens, tops in json.loads(out.read_text())]
 
