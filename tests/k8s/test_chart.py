@@ -203,6 +203,17 @@ def test_the_gpu_values_give_the_executor_alone_a_gpu_and_shared_memory() -> Non
     assert not any("nvidia.com/gpu" in str(c) for c in render("values-cpu.yaml"))
 
 
+def test_tensor_parallel_ranks_get_a_gpu_each() -> None:
+    ranks = "flags.tensor-parallel-size=2"
+    objects = render("values-gpu.yaml", ranks, "engine.executor.gpus=2")
+    executor = containers(objects)["executor"]
+    assert executor["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert environment(objects, executor)["KVFLOW_TENSOR_PARALLEL_SIZE"] == "2"
+    args = ["template", "kvflow", str(CHART), "-f", str(CHART / "values-gpu.yaml")]
+    result = run_helm(*args, "--set", ranks)
+    assert result.returncode != 0 and "needs engine.executor.gpus: 2" in result.stderr
+
+
 def test_autoscalers_scale_the_frontends_and_the_tokenizer_pool() -> None:
     objects = render("values-gpu.yaml")
     deployments = by_kind(objects, "Deployment")
