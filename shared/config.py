@@ -242,6 +242,13 @@ class Config:
     scheduler_address: str | None = option(
         None, "components", "ZMQ address the scheduler binds (e.g. tcp://0.0.0.0:5558)."
     )
+    kv_events_address: str | None = option(
+        None,
+        "components",
+        "ZMQ address the scheduler binds to publish its prefix cache's events (block keys "
+        "cached and evicted, and its load) for routers, e.g. tcp://0.0.0.0:5559: msgpack "
+        "KvEventBatch frames on a PUB socket.",
+    )
     worker_index: int | None = option(
         None,
         "components",

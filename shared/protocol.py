@@ -552,6 +552,26 @@ class TextDelta(Message, tag=True, kw_only=True):
         )
 
 
+# ------------------------------------------------- scheduler -> routers (KV events)
+
+
+class KvEventBatch(Message, tag=True, kw_only=True):
+    """What a scheduler's prefix cache gained and lost since its last batch, and its load now,
+    published on --kv-events-address for routers (kvflow's own, or another that reads
+    msgpack). Block keys are those of shared/block_hashes.py: a router computes a prompt's
+    keys and sees how much of it each engine holds."""
+
+    replica: int  # the engine's data-parallel rank
+    session: int  # random per engine: a new one means every key heard before is gone
+    seq: int  # 0, 1, ... within a session: a gap means batches were lost
+    block_size: int
+    stored: list[bytes]  # keys now cached
+    removed: list[bytes]  # keys evicted
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # referenced blocks / all blocks
+
+
 # ------------------------------------------------------------ health and stats
 
 

@@ -12,9 +12,30 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
+class BlockEvents:
+    """What the prefix cache gained and lost since the last `take`, for routers
+    (--kv-events-address): each key's last change wins, so a key cached and evicted between two
+    takes is reported evicted, and one evicted and cached again is reported cached."""
+
+    def __init__(self) -> None:
+        self._changes: dict[bytes, bool] = {}  # key -> cached (True) or evicted (False)
+
+    def stored(self, key: bytes) -> None:
+        self._changes[key] = True
+
+    def removed(self, key: bytes) -> None:
+        self._changes[key] = False
+
+    def take(self) -> tuple[list[bytes], list[bytes]]:
+        """(keys cached, keys evicted) since the last take."""
+        changes, self._changes = self._changes, {}
+        return [k for k, v in changes.items() if v], [k for k, v in changes.items() if not v]
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: BlockEvents | None = None) -> None:
         self.num_blocks = num_blocks
+        self.events = events
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0 first
@@ -49,6 +70,8 @@ class BlockPool:
                 del self._cached[evicted_hash]
                 self.block_hash[block] = None
                 self.num_evictions += 1
+                if self.events is not None:
+                    self.events.removed(evicted_hash)
             self.ref_cnt[block] = 1
             blocks.append(block)
         return blocks
@@ -81,6 +104,8 @@ class BlockPool:
         if self.block_hash[block] is None and block_hash not in self._cached:
             self._cached[block_hash] = block
             self.block_hash[block] = block_hash
+            if self.events is not None:
+                self.events.stored(block_hash)
 
     def counts(self) -> tuple[int, int, int]:
         """(free, evictable, referenced)."""

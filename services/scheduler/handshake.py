@@ -70,4 +70,5 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         max_queued_tokens=config.max_queued_tokens,
         scheduling_policy=config.scheduling_policy,
         max_loras=ready.max_loras,
+        kv_events=config.kv_events_address is not None,
     )

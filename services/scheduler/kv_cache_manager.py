@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.scheduler.block_pool import BlockPool
+from services.scheduler.block_pool import BlockEvents, BlockPool
 from services.scheduler.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
-        self.pool = BlockPool(num_blocks)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        events: BlockEvents | None = None,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, events)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_ids: dict[str, list[int]] = {}

@@ -29,6 +29,7 @@ import zmq
 
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.handshake import check_protocol, refuse_other_versions, scheduler_config
+from services.scheduler.kv_events import KvEventPublisher
 from services.scheduler.lora_control import LoraControl
 from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.scheduler import Scheduler
@@ -259,6 +260,9 @@ class SchedulerProcess:
             config.allow_runtime_lora_updating,
             self._answer_lora,
         )
+        self.kv_events = None
+        if config.kv_events_address is not None:
+            self.kv_events = KvEventPublisher(context, config.kv_events_address, 0, security)
         self.owners: dict[str, bytes] = {}  # request_id -> identity of its tokenizer worker
         self.core: EngineCore | None = None
         self.stats_log = None if config.disable_log_stats else StatsLog(STATS_LOG_INTERVAL_S)
@@ -291,6 +295,8 @@ class SchedulerProcess:
             Scheduler(scheduler_config(self.config, ready)), self.executor
         )
         self.loras.adopt(core.scheduler, ready.model_name)
+        if self.kv_events is not None:
+            self.kv_events.new_engine()
         logger.info(
             "scheduler ready: %s, %d KV blocks of %d tokens, max_model_len=%d, bound at %s",
             ready.model_name,
@@ -314,6 +320,8 @@ class SchedulerProcess:
             if core.has_unfinished():
                 self._publish(core.step())
             self._report_stats()
+            if self.kv_events is not None:
+                self.kv_events.publish(core.scheduler)
 
     def _fail_all(self, core: EngineCore, reason: str) -> None:
         """End every request the lost engine held with an UNAVAILABLE error, each once."""

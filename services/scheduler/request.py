@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import enum
-import hashlib
-from array import array
 
+from shared.block_hashes import hash_block, lora_seed
 from shared.protocol import (
     EngineRequest,
     FinishReason,
@@ -19,21 +18,6 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-def lora_seed(lora_id: int) -> bytes:
-    """The parent key of a request's first block: its LoRA adapter's, so that a prefix computed
-    under one adapter (or the base model) is never found under another."""
-    return b"" if lora_id == 0 else b"lora:" + lora_id.to_bytes(8, "little")
-
-
-def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
-    """Key of a full block: sha256 over the parent's key and this block's token ids.
-
-    NOTE: chaining the parent makes the key name the whole prefix, not just this block,
-    and sha256 keeps clients from crafting two prefixes with one key.
-    """
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 class Request:

@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.scheduler.block_pool import BlockEvents
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.waiting_queue import WaitingQueue, priority_key
@@ -57,12 +58,16 @@ class SchedulerConfig:
     max_queued_tokens: int | None = None  # waiting tokens beyond which new ones are refused
     scheduling_policy: str = "fcfs"  # or "priority" (see WaitingQueue)
     max_loras: int = 0  # LoRA adapters among the running requests at once (0: LoRA is off)
+    kv_events: bool = False  # record the prefix cache's changes (`Scheduler.block_events`)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_events = BlockEvents() if config.kv_events else None
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, self.block_events
+        )
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
         # fcfs: in admission order; priority: by priority_key. The last is preempted first.

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from services.scheduler.block_pool import BlockPool
+from services.scheduler.block_pool import BlockEvents, BlockPool
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
+from shared.block_hashes import prefix_block_keys
 from shared.protocol import EngineRequest, SamplingParams
 
 BLOCK_SIZE = 4
@@ -293,3 +296,61 @@ def test_manager_shares_a_block_between_two_requests():
     manager.free(second)
     checked_manager(manager)
     assert manager.pool.counts() == (3, 1, 0)
+
+
+# ---------------------------------------------------------------- events for routers
+
+
+def test_events_report_keys_cached_and_evicted_last_change_winning() -> None:
+    events = BlockEvents()
+    pool = BlockPool(2, events)
+    blocks = pool.allocate(2)
+    pool.cache(blocks[0], key(0))
+    pool.cache(blocks[1], key(0))  # a second writer of the same key: nothing new
+    assert events.take() == ([key(0)], [])
+    assert events.take() == ([], [])
+    pool.cache(blocks[1], key(1))
+    pool.release(blocks)
+    (again,) = pool.allocate(1)  # evicts key(0), the least recently released
+    assert events.take() == ([key(1)], [key(0)])
+    pool.cache(again, key(0))  # cached again after its eviction: cached wins
+    (other,) = pool.allocate(1)  # evicts key(1)
+    pool.cache(other, key(2))
+    pool.release([other])
+    pool.allocate(1)  # evicts key(2) before any take: evicted wins
+    stored, removed = events.take()
+    assert stored == [key(0)] and sorted(removed) == sorted([key(1), key(2)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("acrt"), st.integers(0, 7)), max_size=80))
+def test_events_replayed_give_the_pools_cached_keys(ops: list[tuple[str, int]]) -> None:
+    """A router that applies every batch holds exactly the keys the pool can find."""
+    events = BlockEvents()
+    pool = BlockPool(6, events)
+    held: list[int] = []
+    mirror: set[bytes] = set()
+
+    def apply() -> None:
+        stored, removed = events.take()
+        mirror.update(stored)
+        mirror.difference_update(removed)
+
+    for op, n in ops:
+        if op == "a" and pool.num_available:
+            held += pool.allocate(1)
+        elif op == "c" and held:
+            pool.cache(held[n % len(held)], key(n))
+        elif op == "r" and held:
+            pool.release([held.pop(n % len(held))])
+        elif op == "t":
+            apply()
+    apply()
+    assert mirror == {k for k in pool.block_hash if k is not None}
+
+
+def test_a_routers_prompt_keys_are_the_schedulers() -> None:
+    tokens = list(range(3 * BLOCK_SIZE + 2))
+    assert prefix_block_keys(tokens, BLOCK_SIZE) == make_request("r", tokens).block_hashes
+    under_lora = prefix_block_keys(tokens, BLOCK_SIZE, lora_id=3)
+    assert len(under_lora) == 3 and not set(under_lora) & set(prefix_block_keys(tokens, 4))
