@@ -1,0 +1,100 @@
+"""Which engine replica (--data-parallel-size) a request goes to: prefix affinity, then load.
+
+Every tokenizer worker hears every engine's KvEventBatch (services/scheduler/kv_events.py),
+so each knows which block keys each engine's prefix cache holds and how busy each is. A
+prompt's keys (shared/block_hashes.py) give, per engine, how many of its leading blocks are
+cached there. The request goes to the engine holding the most, unless that engine is busier
+than the least busy by more than the slack (`BALANCE_SLACK + BALANCE_RATIO` x the least busy's
+load): then to the least busy, so a hot prefix does not starve the other engines. With no
+prefix held anywhere, the least busy takes it, ties in turn.
+
+Load is what an engine last reported (running + waiting requests) plus what this worker sent
+it since. The view is a hint: a lost batch (its seq skips) leaves keys that may be gone, which
+costs a miss, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.block_hashes import prefix_block_keys
+from shared.protocol import KvEventBatch
+
+logger = logging.getLogger(__name__)
+BALANCE_SLACK = 4  # requests: an engine holding the prefix may be this much busier
+BALANCE_RATIO = 0.5  # ... plus this share of the least busy engine's load
+MAX_KEYS = 1 << 20  # keys remembered per engine (the oldest heard go first)
+
+
+@dataclass
+class EngineView:
+    session: int | None = None
+    next_seq: int = 0
+    keys: dict[bytes, None] = field(default_factory=dict)  # oldest heard first
+    reported: int = 0  # running + waiting requests, as last reported
+    sent: int = 0  # requests this worker sent it since
+
+    @property
+    def load(self) -> int:
+        return self.reported + self.sent
+
+
+class ReplicaRouter:
+    def __init__(self, num_replicas: int) -> None:
+        self.engines = [EngineView() for _ in range(num_replicas)]
+        self.block_size: int | None = None  # known from the first batch
+        self._turn = 0  # where ties start: engines take cold requests in turn
+
+    def observe(self, batch: KvEventBatch) -> None:
+        if not 0 <= batch.replica < len(self.engines):
+            logger.warning(
+                "a KV event batch of replica %d, of %d", batch.replica, len(self.engines)
+            )
+            return
+        engine = self.engines[batch.replica]
+        if batch.session != engine.session:  # a new engine: what the old one held is gone
+            engine.session, engine.keys = batch.session, {}
+        elif batch.seq != engine.next_seq:
+            logger.debug(
+                "replica %d: KV event batches %d..%d lost",
+                batch.replica,
+                engine.next_seq,
+                batch.seq - 1,
+            )
+        engine.next_seq = batch.seq + 1
+        self.block_size = batch.block_size
+        for key in batch.removed:
+            engine.keys.pop(key, None)
+        for key in batch.stored:
+            engine.keys[key] = None
+        while len(engine.keys) > MAX_KEYS:
+            del engine.keys[next(iter(engine.keys))]
+        engine.reported, engine.sent = batch.num_running + batch.num_waiting, 0
+
+    def cached_blocks(self, token_ids: Sequence[int], lora_id: int = 0) -> list[int]:
+        """How many leading blocks of the prompt each engine holds."""
+        if self.block_size is None:
+            return [0] * len(self.engines)
+        keys = prefix_block_keys(list(token_ids), self.block_size, lora_id)
+        held = []
+        for engine in self.engines:
+            count = 0
+            while count < len(keys) and keys[count] in engine.keys:
+                count += 1
+            held.append(count)
+        return held
+
+    def pick(self, token_ids: Sequence[int], lora_id: int = 0) -> int:
+        """The replica for a request, counted as sent to it."""
+        held = self.cached_blocks(token_ids, lora_id)
+        loads = [engine.load for engine in self.engines]
+        order = [(self._turn + i) % len(self.engines) for i in range(len(self.engines))]
+        least = min(order, key=lambda r: loads[r])
+        best = max(order, key=lambda r: (held[r], -loads[r]))
+        slack = BALANCE_SLACK + BALANCE_RATIO * loads[least]
+        chosen = best if held[best] and loads[best] - loads[least] <= slack else least
+        self._turn = (chosen + 1) % len(self.engines)
+        self.engines[chosen].sent += 1
+        return chosen

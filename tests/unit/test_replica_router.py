@@ -1,0 +1,68 @@
+"""The data-parallel router: the engine holding a prompt's prefix takes it unless it is busier
+than the slack allows, cold requests go to the least busy in turn, and a new engine session
+forgets what the old one held."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.tokenizer.replica_router import BALANCE_SLACK, ReplicaRouter
+from shared.block_hashes import prefix_block_keys
+from shared.protocol import KvEventBatch
+
+BLOCK = 16
+PROMPT = list(range(100, 100 + 4 * BLOCK))
+
+
+def batch(replica: int, seq: int = 0, session: int = 1, **fields: object) -> KvEventBatch:
+    values: dict = dict(stored=[], removed=[], num_running=0, num_waiting=0, kv_usage=0.0)
+    values.update(fields)
+    return KvEventBatch(replica=replica, session=session, seq=seq, block_size=BLOCK, **values)
+
+
+def test_cold_requests_go_round_the_engines() -> None:
+    router = ReplicaRouter(3)
+    assert [router.pick(PROMPT) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_the_engine_holding_the_longest_prefix_takes_the_prompt() -> None:
+    router = ReplicaRouter(3)
+    keys = prefix_block_keys(PROMPT, BLOCK)
+    router.observe(batch(0, stored=keys[:1]))
+    router.observe(batch(2, stored=keys[:3]))
+    router.observe(batch(1, stored=keys[1:]))  # no first block: holds nothing of this prompt
+    assert router.cached_blocks(PROMPT) == [1, 0, 3]
+    assert [router.pick(PROMPT) for _ in range(3)] == [2, 2, 2]
+    assert router.cached_blocks(PROMPT, lora_id=5) == [0, 0, 0]  # another adapter's keys
+
+
+def test_a_busy_holder_loses_the_prompt_to_the_least_busy() -> None:
+    router = ReplicaRouter(2)
+    router.observe(batch(1, stored=prefix_block_keys(PROMPT, BLOCK), num_running=BALANCE_SLACK))
+    assert router.pick(PROMPT) == 1  # busier by the slack: still the holder
+    assert router.pick(PROMPT) == 0  # one more sent to it: past the slack
+    router.observe(batch(1, seq=1, num_running=1))  # it caught up
+    assert router.pick(PROMPT) == 1
+
+
+def test_evicted_keys_and_a_new_session_drop_what_was_held() -> None:
+    router = ReplicaRouter(2)
+    keys = prefix_block_keys(PROMPT, BLOCK)
+    router.observe(batch(0, stored=keys))
+    router.observe(batch(0, seq=1, removed=keys[2:]))
+    assert router.cached_blocks(PROMPT) == [2, 0]
+    router.observe(batch(0, seq=0, session=2))  # the engine restarted
+    assert router.cached_blocks(PROMPT) == [0, 0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40))
+def test_without_prefixes_no_engine_runs_ahead_of_another_by_more_than_one(
+    prompts: list[int],
+) -> None:
+    router = ReplicaRouter(3)
+    sent = [0, 0, 0]
+    for n in prompts:
+        sent[router.pick(list(range(n * BLOCK, n * BLOCK + 40)))] += 1
+    assert max(sent) - min(sent) <= 1
