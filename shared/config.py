@@ -110,6 +110,13 @@ class Config:
     pipeline_parallel_size: int = option(
         1, "parallel", "Only 1: kvflow splits a model by tensor parallelism, not by layers."
     )
+    data_parallel_size: int = option(
+        1,
+        "parallel",
+        "Engine replicas (a scheduler and its executor on --tensor-parallel-size devices of its "
+        "own each) behind one frontend and tokenizer pool; each request goes to the replica "
+        "whose prefix cache holds the most of its prompt, unless that one is much busier.",
+    )
     # -- cache
     block_size: int = option(16, "cache", "Tokens per KV cache block.")
     kv_cache_dtype: str = option(
@@ -240,14 +247,24 @@ class Config:
         " to every frontend it names: a comma list, or a host name resolving to several.",
     )
     scheduler_address: str | None = option(
-        None, "components", "ZMQ address the scheduler binds (e.g. tcp://0.0.0.0:5558)."
+        None,
+        "components",
+        "ZMQ address the scheduler binds (e.g. tcp://0.0.0.0:5558); with several engine "
+        "replicas, a comma list of one per replica, in replica order.",
+    )
+    data_parallel_rank: int | None = option(
+        None,
+        "components",
+        "The engine replica this scheduler or executor is (default 0): it binds or connects to "
+        "that entry of --scheduler-address and --kv-events-address.",
     )
     kv_events_address: str | None = option(
         None,
         "components",
         "ZMQ address the scheduler binds to publish its prefix cache's events (block keys "
         "cached and evicted, and its load) for routers, e.g. tcp://0.0.0.0:5559: msgpack "
-        "KvEventBatch frames on a PUB socket.",
+        "KvEventBatch frames on a PUB socket. With several engine replicas, a comma list of one "
+        "per replica; the tokenizer workers route by them.",
     )
     worker_index: int | None = option(
         None,
@@ -356,6 +373,25 @@ class Config:
             "enable_lora",
             "LoRA adapters do not run with --tensor-parallel-size > 1 yet",
         )
+        _require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
+        _require(
+            self.data_parallel_rank is None
+            or 0 <= self.data_parallel_rank < self.data_parallel_size,
+            "data_parallel_rank",
+            "must be in 0..--data-parallel-size - 1",
+        )
+        for name in ("scheduler_address", "kv_events_address"):
+            count = len(self.addresses(name))
+            _require(
+                count in (0, self.data_parallel_size),
+                name,
+                f"{count} addresses for {self.data_parallel_size} engine replicas",
+            )
+        _require(
+            self.data_parallel_size == 1 or not self.allow_runtime_lora_updating,
+            "allow_runtime_lora_updating",
+            "adapters load at start only (--lora-modules) with --data-parallel-size > 1",
+        )
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
         _require(
             self.enable_lora or not (self.lora_modules or self.allow_runtime_lora_updating),
@@ -382,6 +418,21 @@ class Config:
             value = getattr(self, f.name)
             if choices and value is not None and value not in choices:
                 raise ConfigError(f"--{_flag(f.name)}: must be one of {', '.join(choices)}")
+
+    @property
+    def replica(self) -> int:
+        """This scheduler's or executor's engine replica (--data-parallel-rank)."""
+        return self.data_parallel_rank or 0
+
+    def addresses(self, name: str) -> list[str]:
+        """A comma-list address field's entries (scheduler_address, kv_events_address)."""
+        value: str | None = getattr(self, name)
+        return [a.strip() for a in (value or "").split(",") if a.strip()]
+
+    def replica_address(self, name: str) -> str | None:
+        """This replica's entry of a comma-list address field, or None if it is unset."""
+        entries = self.addresses(name)
+        return entries[self.replica] if entries else None
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)

@@ -87,6 +87,19 @@ def connect_dealer(
     return socket
 
 
+def subscribe(
+    context: zmq.Context[SocketT], address: str, security: WireSecurity = LOCAL
+) -> SocketT:
+    """A SUB socket taking everything published at `address` (KV events)."""
+    socket = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    socket.setsockopt(zmq.SUBSCRIBE, b"")
+    security.secure_client(socket)
+    socket.connect(address)
+    return socket
+
+
 def terminate(context: zmq.Context[Any]) -> None:
     """End a context whose sockets are closed, with its CURVE authenticator if it has one."""
     stop_authenticator(context)

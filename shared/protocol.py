@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class Message(msgspec.Struct, gc=False):
@@ -609,6 +609,7 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     num_generation_tokens: int
     device_busy_seconds: float  # summed over steps, so busy fraction = its rate
     num_blocks: int
+    replica: int = 0  # the engine replica (--data-parallel-size) it describes
     max_model_len: int
     # The waiting queue's exact size and bounds: a frontend refuses new requests up front, before
     # any tokenization, while it is full (the scheduler still checks each request exactly).

@@ -43,26 +43,29 @@ from shared.protocol import (
     SchedulerOutput,
     ToExecutor,
 )
+from shared.replicas import engine_component
 from shared.stall_watch import StallWatch
 from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
 
 
-def run_executor(config: Config, rank: int = 0) -> None:
-    if config.scheduler_address is None or config.frontend_address is None:
+def run_executor(config: Config) -> None:
+    address = config.replica_address("scheduler_address")
+    if address is None or config.frontend_address is None:
         raise ValueError("the executor needs --scheduler-address and --frontend-address")
-    name = f"executor-{rank}"
+    name = engine_component("executor-0", config)
     watch = StallWatch(config.engine_stall_timeout)
     security = WireSecurity.of(config)
     heartbeat = HeartbeatThread(config.frontend_address, name, stall_watch=watch, security=security)
     runner = start_runner(config)
-    socket = connect_dealer(zmq.Context.instance(), config.scheduler_address, name, security)
+    # The DEALER identity is the scheduler's name for its executor, whatever the replica.
+    socket = connect_dealer(zmq.Context.instance(), address, "executor-0", security)
     model_name = config.served_model_name or runner.source.name
     if runner.lora is not None and model_name in runner.lora.modules:
         raise ValueError(f"--lora-modules: {model_name!r} is the served model's own name")
     socket.send(encode(runner.ready_message(model_name)))
-    logger.info("%s ready on %s, connected to %s", name, runner.device, config.scheduler_address)
+    logger.info("%s ready on %s, connected to %s", name, runner.device, address)
     try:
         steps = StepWatch(watch, config.fault_hang_step)
         serve_plans(runner, socket, Decoder(ToExecutor, name), model_name, steps)

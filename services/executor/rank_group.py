@@ -46,6 +46,7 @@ from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder, encode
 from shared.model_config import load_model_config, resolve_model_source
 from shared.protocol import LaunchStep, ResetRanks, SchedulerOutput, ToRanks
+from shared.replicas import engine_component
 from shared.stall_watch import StallWatch
 from shared.wire_security import WireSecurity
 
@@ -241,13 +242,13 @@ def main() -> None:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--group", type=Path, required=True)
     args = parser.parse_args()
-    name = f"executor-{args.rank}"
+    config = config_from_file(args.config)
+    name = engine_component(f"executor-{args.rank}", config)
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
     )
-    config = config_from_file(args.config)
     logging.getLogger().setLevel(config.log_level.upper())
     parent = os.getppid()
     threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()

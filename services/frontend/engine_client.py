@@ -35,6 +35,7 @@ from shared.protocol import (
     TokenizeRequest,
     TokenizeResult,
 )
+from shared.replicas import engine_components, replica_name
 from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,12 @@ class EngineClient:
         self.waiters: dict[str, asyncio.Future[TokenizeResult | LoraAdapterResult]] = {}
         self.last_seen: dict[str, float] = {}
         self.stalled: dict[str, str] = {}  # component -> why its main loop is stuck
-        self.expected = ["scheduler", "executor-0"]
+        self.expected = engine_components(config)  # each replica's scheduler and executors
         self.tokenizers = TokenizerPool()
         self.down: str | None = None  # why the engine is dead, once it is
-        self.stats: StatsSnapshot | None = None
-        self.stats_at: float | None = None  # when the last StatsSnapshot came
+        # Each engine replica's last StatsSnapshot, and when it came
+        self.snapshots: dict[int, StatsSnapshot] = {}
+        self.snapshot_at: dict[int, float] = {}
         # The LoRA adapters requests may name: those of --lora-modules until the scheduler
         # says (parent "": the served model), then its newest list (see StatsSnapshot).
         self.lora_adapters: dict[str, LoraAdapterInfo] = {
@@ -106,6 +108,19 @@ class EngineClient:
         terminate(self.context)
 
     # ---------------------------------------------------------------- health
+
+    @property
+    def stats(self) -> StatsSnapshot | None:
+        """The first engine replica's last snapshot (what they share: the model's limits and
+        LoRA adapters), or None before any came."""
+        return self.snapshots[min(self.snapshots)] if self.snapshots else None
+
+    @property
+    def stats_at(self) -> float | None:
+        """When the engine replica heard from longest ago reported; None until every one has."""
+        if len(self.snapshot_at) < self.config.data_parallel_size:
+            return None
+        return min(self.snapshot_at.values())
 
     def failure_reason(self) -> str | None:
         """Why the engine has failed (a component dead, silent or stuck), or None while it is
@@ -204,7 +219,8 @@ class EngineClient:
             known = message.component in self.expected or message.component.startswith("tokenizer-")
             return known and identity == f"{message.component}-heartbeat".encode()
         if isinstance(message, StatsSnapshot):
-            return identity == b"scheduler"
+            scheduler = replica_name("scheduler", message.replica, self.config.data_parallel_size)
+            return scheduler in self.expected and identity == scheduler.encode()
         if isinstance(message, ComponentDown):
             return identity == b"launcher"
         if isinstance(message, TextDelta | TokenizeResult | LoraAdapterResult):
@@ -224,7 +240,8 @@ class EngineClient:
                 )
             self._heard(message)
         elif isinstance(message, StatsSnapshot):
-            self.stats, self.stats_at = message, time.monotonic()
+            self.snapshots[message.replica] = message
+            self.snapshot_at[message.replica] = time.monotonic()
             self._take_loras(message.lora_adapters, message.lora_version)
         elif isinstance(message, TokenizeResult | LoraAdapterResult):
             if isinstance(message, LoraAdapterResult):
@@ -285,9 +302,9 @@ class EngineClient:
         """Refuse a new request before any work is spent on it while the engine's waiting
         queue is full (its last snapshot, at most STATS_INTERVAL_S old, or sent at once when
         the scheduler refuses one); the scheduler still checks each request exactly."""
-        reason = self.stats.queue_full if self.stats is not None else None
-        if reason is not None:
-            raise QueueFull(reason)
+        reasons = [snapshot.queue_full for snapshot in self.snapshots.values()]
+        if reasons and all(reasons):  # with several replicas: every one is full
+            raise QueueFull(str(reasons[0]))
 
     async def generate(
         self,

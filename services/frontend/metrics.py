@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from collections.abc import Callable, Sequence
 
 from shared.protocol import StatsSnapshot
 
@@ -64,47 +65,26 @@ class Metrics:
         self.refused: Counter[str] = Counter()  # requests refused up front, by reason
 
     def render(
-        self, stats: StatsSnapshot | None, num_tokenizer_workers: int, num_in_flight: int
+        self, snapshots: Sequence[StatsSnapshot], num_tokenizer_workers: int, num_in_flight: int
     ) -> str:
+        """`snapshots`: each engine replica's latest, in replica order; their figures carry a
+        `replica` label."""
         lines = _sample(
             "kvflow:num_tokenizer_workers",
             "gauge",
             "Tokenizer workers taking requests (alive and not draining).",
-            self.labels,
-            num_tokenizer_workers,
+            [(self.labels, num_tokenizer_workers)],
         )
         lines += _sample(
             "kvflow:frontend_requests_in_flight",
             "gauge",
             "Requests this frontend has sent to the engine and not seen end (its own load).",
-            self.labels,
-            num_in_flight,
+            [(self.labels, num_in_flight)],
         )
-        if stats is not None:
-            gauges = {
-                "num_requests_running": (stats.num_running, "Requests in the running batch."),
-                "num_requests_waiting": (stats.num_waiting, "Requests waiting to be scheduled."),
-                "num_prompt_tokens_waiting": (
-                    stats.num_waiting_tokens,
-                    "Tokens the waiting requests owe (bounded by --max-queued-tokens).",
-                ),
-                "kv_cache_usage_perc": (stats.kv_usage, "Fraction of KV blocks in use (0-1)."),
-            }
-            counters = {
-                "prefix_cache_queries": (stats.prefix_cache_queries, "Prompt tokens looked up."),
-                "prefix_cache_hits": (stats.prefix_cache_hits, "Prompt tokens found cached."),
-                "num_preemptions": (stats.num_preemptions, "Preemptions by recompute."),
-                "prompt_tokens": (stats.num_prompt_tokens, "Prompt tokens processed."),
-                "generation_tokens": (stats.num_generation_tokens, "Tokens generated."),
-                "device_busy_seconds": (
-                    stats.device_busy_seconds,
-                    "Seconds the device ran steps (its rate is the busy fraction; 0 on CPU).",
-                ),
-            }
-            for name, (value, doc) in gauges.items():
-                lines += _sample(f"kvflow:{name}", "gauge", doc, self.labels, value)
-            for name, (value, doc) in counters.items():
-                lines += _sample(f"kvflow:{name}_total", "counter", doc, self.labels, value)
+        for name, kind, doc, value in _ENGINE_FIGURES:
+            samples = [(f'{self.labels},replica="{s.replica}"', value(s)) for s in snapshots]
+            if samples:
+                lines += _sample(f"kvflow:{name}", kind, doc, samples)
         lines += [
             "# HELP kvflow:request_success_total Finished requests by reason.",
             "# TYPE kvflow:request_success_total counter",
@@ -126,5 +106,42 @@ class Metrics:
         return "\n".join(lines) + "\n"
 
 
-def _sample(name: str, kind: str, doc: str, labels: str, value: float) -> list[str]:
-    return [f"# HELP {name} {doc}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+def _sample(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> list[str]:
+    """One metric: its help and type, then a line per set of labels."""
+    lines = [f"# HELP {name} {doc}", f"# TYPE {name} {kind}"]
+    return lines + [f"{name}{{{labels}}} {value}" for labels, value in samples]
+
+
+Figure = Callable[[StatsSnapshot], float]
+_ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
+    ("num_requests_running", "gauge", "Requests in the running batch.", lambda s: s.num_running),
+    ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
+    (
+        "num_prompt_tokens_waiting",
+        "gauge",
+        "Tokens the waiting requests owe (bounded by --max-queued-tokens).",
+        lambda s: s.num_waiting_tokens,
+    ),
+    ("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).", lambda s: s.kv_usage),
+    (
+        "prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up.",
+        lambda s: s.prefix_cache_queries,
+    ),
+    (
+        "prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens found cached.",
+        lambda s: s.prefix_cache_hits,
+    ),
+    ("num_preemptions_total", "counter", "Preemptions by recompute.", lambda s: s.num_preemptions),
+    ("prompt_tokens_total", "counter", "Prompt tokens processed.", lambda s: s.num_prompt_tokens),
+    ("generation_tokens_total", "counter", "Tokens generated.", lambda s: s.num_generation_tokens),
+    (
+        "device_busy_seconds_total",
+        "counter",
+        "Seconds the device ran steps (its rate is the busy fraction; 0 on CPU).",
+        lambda s: s.device_busy_seconds,
+    ),
+]

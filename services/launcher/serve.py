@@ -26,6 +26,7 @@ from shared.config import ENV_PREFIX, Config
 from shared.constants import DEATH_GRACE_S, UNHEALTHY_LIMIT_S
 from shared.ipc import connect_dealer, encode
 from shared.protocol import ComponentDown
+from shared.replicas import replica_name
 from shared.wire_security import WireSecurity, private_runtime_dir
 
 logger = logging.getLogger(__name__)
@@ -38,8 +39,11 @@ class Launcher:
         self.frontend_address = config.frontend_address or f"ipc://{self.runtime}/frontend"
         self.config = config.replace(
             frontend_address=self.frontend_address,
-            scheduler_address=config.scheduler_address or f"ipc://{self.runtime}/scheduler",
+            scheduler_address=config.scheduler_address or self._private("scheduler", config),
         )
+        if config.data_parallel_size > 1 and config.kv_events_address is None:
+            # The tokenizer workers route by the replicas' KV events.
+            self.config = self.config.replace(kv_events_address=self._private("kv-events", config))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = False
 
@@ -76,12 +80,39 @@ class Launcher:
         base = [sys.executable, "-m", "services"]
         args = ["--config", str(config_path), "--supervised"]
         self._spawn("frontend", [*base, "frontend", *args], env)
-        self._spawn("scheduler", [*base, "scheduler", *args], env)
-        self._spawn("executor-0", [*base, "executor", *args], env)
+        replicas = self.config.data_parallel_size
+        for r in range(replicas):
+            rank = ["--data-parallel-rank", str(r)]
+            self._spawn(
+                replica_name("scheduler", r, replicas), [*base, "scheduler", *args, *rank], env
+            )
+            executor_env = {**env, **self._devices(r)}
+            self._spawn(
+                replica_name("executor", r, replicas),
+                [*base, "executor", *args, *rank],
+                executor_env,
+            )
         for k in range(self.config.tokenizer_pool_size):
             self._spawn(
                 f"tokenizer-{k}", [*base, "tokenizer", *args, "--worker-index", str(k)], env
             )
+
+    def _private(self, name: str, config: Config) -> str:
+        """ipc:// addresses in the runtime folder: one, or one per engine replica."""
+        replicas = config.data_parallel_size
+        if replicas == 1:
+            return f"ipc://{self.runtime}/{name}"
+        return ",".join(f"ipc://{self.runtime}/{name}-{r}" for r in range(replicas))
+
+    def _devices(self, replica: int) -> dict[str, str]:
+        """Replica r's executor gets GPUs r*N..(r+1)*N-1 of those visible (N: its ranks)."""
+        if self.config.data_parallel_size == 1:
+            return {}
+        ranks = self.config.tensor_parallel_size
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        everything = range(ranks * self.config.data_parallel_size)
+        devices = visible.split(",") if visible else [str(d) for d in everything]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(devices[replica * ranks : (replica + 1) * ranks])}
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True)

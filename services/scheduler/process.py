@@ -58,6 +58,7 @@ from shared.protocol import (
     SchedulerOutput,
     ToScheduler,
 )
+from shared.replicas import engine_component
 from shared.stall_watch import StallWatch
 from shared.wire_security import WireSecurity
 
@@ -239,14 +240,16 @@ class RemoteExecutor:
 
 class SchedulerProcess:
     def __init__(self, config: Config) -> None:
-        if config.scheduler_address is None or config.frontend_address is None:
+        address = config.replica_address("scheduler_address")
+        if address is None or config.frontend_address is None:
             raise ValueError("the scheduler needs --scheduler-address and --frontend-address")
-        self.config = config
+        self.config, self.address = config, address
+        self.name = engine_component("scheduler", config)
         context: zmq.Context[Any] = zmq.Context.instance()
         security = WireSecurity.of(config)
-        self.router = bind_router(context, config.scheduler_address, security)
+        self.router = bind_router(context, address, security)
         self.frontends = FrontendLinks(
-            context, config.frontend_address, "scheduler", security=security
+            context, config.frontend_address, self.name, security=security
         )
         self.inbox = Inbox(self.router)
         # A backstop: the executor ends a stalled step itself (its StallWatch), unless it is
@@ -261,8 +264,9 @@ class SchedulerProcess:
             self._answer_lora,
         )
         self.kv_events = None
-        if config.kv_events_address is not None:
-            self.kv_events = KvEventPublisher(context, config.kv_events_address, 0, security)
+        events_address = config.replica_address("kv_events_address")
+        if events_address is not None:
+            self.kv_events = KvEventPublisher(context, events_address, config.replica, security)
         self.owners: dict[str, bytes] = {}  # request_id -> identity of its tokenizer worker
         self.core: EngineCore | None = None
         self.stats_log = None if config.disable_log_stats else StatsLog(STATS_LOG_INTERVAL_S)
@@ -270,7 +274,7 @@ class SchedulerProcess:
         self._said_full = False  # the last snapshot sent said the waiting queue was full
         self.watch = StallWatch(config.engine_stall_timeout)
         self._heartbeat = HeartbeatThread(
-            config.frontend_address, "scheduler", stall_watch=self.watch, security=security
+            config.frontend_address, self.name, stall_watch=self.watch, security=security
         )
 
     def run(self) -> None:
@@ -303,7 +307,7 @@ class SchedulerProcess:
             ready.num_blocks,
             ready.block_size,
             ready.max_model_len,
-            self.config.scheduler_address,
+            self.address,
         )
         return core
 
@@ -417,6 +421,7 @@ class SchedulerProcess:
             return
         self._last_stats = at
         snapshot = self.core.stats()
+        snapshot.replica = self.config.replica
         snapshot.lora_adapters = self.loras.registry.listing()
         snapshot.lora_version = self.loras.registry.version
         self._said_full = snapshot.queue_full is not None

@@ -1,5 +1,7 @@
 """A tokenizer worker process: the worker core between DEALERs to every frontend (each request
-is answered on the link it came from) and a DEALER to the scheduler."""
+is answered on the link it came from) and a DEALER to each engine replica's scheduler (one
+with --data-parallel-size 1); each request goes to the replica the router picks from the
+replicas' KV events (services/tokenizer/replica_router.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from socket import gethostname
@@ -16,17 +19,19 @@ from typing import Any
 
 import zmq
 
+from services.tokenizer.replica_router import ReplicaRouter
 from services.tokenizer.worker import TokenizerWorker
 from shared.config import Config
 from shared.constants import HEARTBEAT_INTERVAL_S
 from shared.frontend_links import FrontendLinks, HeartbeatThread
 from shared.hf_tokenizer import load_tokenizer
-from shared.ipc import Decoder, connect_dealer, encode
+from shared.ipc import Decoder, connect_dealer, encode, subscribe
 from shared.model_config import resolve_model_source
 from shared.protocol import (
     AbortRequests,
     FrontendToTokenizer,
     GenerateRequest,
+    KvEventBatch,
     LoraAdapterRequest,
     LoraAdapterResult,
     OutputBatch,
@@ -75,7 +80,17 @@ class TokenizerProcess:
             context, config.frontend_address, self.name, security=security
         )
         self.origin: dict[str, zmq.Socket[Any]] = {}  # request_id -> the frontend that sent it
-        self.scheduler = connect_dealer(context, config.scheduler_address, self.name, security)
+        # One scheduler per engine replica; each request goes to one (the router's pick)
+        self.schedulers = [
+            connect_dealer(context, address, self.name, security)
+            for address in config.addresses("scheduler_address")
+        ]
+        self.router = ReplicaRouter(len(self.schedulers))
+        self.placed: dict[str, int] = {}  # request_id -> its replica
+        self.kv_events = [
+            subscribe(context, address, security)
+            for address in config.addresses("kv_events_address")
+        ]
         self.poller = zmq.Poller()
         self.drain_timeout = config.drain_timeout
         self.draining = threading.Event()
@@ -98,7 +113,9 @@ class TokenizerProcess:
         signal.signal(signal.SIGINT, self._on_signal)
         from_frontend = Decoder(FrontendToTokenizer, f"{self.name} (frontend)")
         from_scheduler = Decoder(SchedulerToTokenizer, f"{self.name} (scheduler)")
-        self.poller.register(self.scheduler, zmq.POLLIN)
+        kv_events = Decoder(KvEventBatch, f"{self.name} (KV events)")
+        for socket in (*self.schedulers, *self.kv_events):
+            self.poller.register(socket, zmq.POLLIN)
         for link in self.frontends.sockets.values():
             self.poller.register(link, zmq.POLLIN)
         if self.ready_file is not None:
@@ -108,8 +125,10 @@ class TokenizerProcess:
         try:
             while not self._drained():
                 for socket in dict(self.poller.poll(timeout=POLL_MS)):
-                    if socket is self.scheduler:
+                    if socket in self.schedulers:
                         self._guarded(self._from_scheduler, from_scheduler, socket.recv())
+                    elif socket in self.kv_events:
+                        self._guarded(self._kv_events, kv_events, socket.recv())
                     else:
                         handler = functools.partial(self._from_frontend, socket)
                         self._guarded(handler, from_frontend, socket.recv())
@@ -128,7 +147,8 @@ class TokenizerProcess:
         ends, which is when a linger is honoured."""
         self.heartbeat.stop()
         self.frontends.close(linger_ms=1000)
-        self.scheduler.close(linger=1000)
+        for socket in (*self.schedulers, *self.kv_events):
+            socket.close(linger=1000)
         zmq.Context.instance().term()
 
     def _refresh_frontends(self) -> None:
@@ -148,7 +168,17 @@ class TokenizerProcess:
         self.worker.abort(request_ids)
         for request_id in request_ids:
             self.origin.pop(request_id, None)
-        self.scheduler.send(encode(AbortRequests(request_ids)))
+        self._abort(request_ids)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Tell each request's replica to stop it; one placed by no worker here, every one."""
+        by_replica: dict[int, list[str]] = defaultdict(list)
+        for request_id in request_ids:
+            replica = self.placed.pop(request_id, None)
+            for r in range(len(self.schedulers)) if replica is None else (replica,):
+                by_replica[r].append(request_id)
+        for replica, ids in by_replica.items():
+            self.schedulers[replica].send(encode(AbortRequests(ids)))
 
     def _drained(self) -> bool:
         """Draining, and done: nothing left or out of time. Never before every frontend has
@@ -210,13 +240,20 @@ class TokenizerProcess:
                 failure = TextDelta.failure(message.request_id, RequestError.of(exc))
                 self._reply(message.request_id, failure)
                 return
-            self.scheduler.send(encode(admitted))
+            replica = self.router.pick(admitted.prompt_token_ids, admitted.lora_id)
+            self.placed[admitted.request_id] = replica
+            self.schedulers[replica].send(encode(admitted))
         elif isinstance(message, TokenizeRequest):
             self._reply(message.request_id, self.worker.tokenize(message))
         elif isinstance(message, AbortRequests):
             self._stop(message.request_ids)
         elif isinstance(message, LoraAdapterRequest):  # the scheduler's to answer
-            self.scheduler.send(encode(message))
+            # NOTE: runtime adapter loads need one replica (see Config): the first.
+            self.schedulers[0].send(encode(message))
+
+    def _kv_events(self, batch: object) -> None:
+        if isinstance(batch, KvEventBatch):
+            self.router.observe(batch)
 
     def _from_scheduler(self, batch: object) -> None:
         if isinstance(batch, LoraAdapterResult):
@@ -228,4 +265,7 @@ class TokenizerProcess:
         for delta in deltas:
             self._reply(delta.request_id, delta)
         if ended:  # ended here (a stop string): the scheduler stops them too
-            self.scheduler.send(encode(AbortRequests(ended)))
+            self._abort(ended)
+        for output in batch.outputs:
+            if output.finished:
+                self.placed.pop(output.request_id, None)

@@ -22,7 +22,7 @@ COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 def exported_metrics() -> set[str]:
     """The names /metrics exposes, histograms with their _bucket/_sum/_count series."""
-    text = Metrics("m").render(stats(), num_tokenizer_workers=2, num_in_flight=3)
+    text = Metrics("m").render([stats()], num_tokenizer_workers=2, num_in_flight=3)
     return {line.split("{")[0] for line in text.splitlines() if not line.startswith("#")}
 
 

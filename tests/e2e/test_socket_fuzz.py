@@ -166,6 +166,7 @@ def typed(t: mi.Type, overrides: Overrides) -> st.SearchStrategy[Any]:
         mi.StrType: TEXT,
         mi.BoolType: st.booleans(),
         mi.NoneType: st.none(),
+        mi.BytesType: st.binary(max_size=40),
     }
     return scalars[type(t)]
 

@@ -241,7 +241,7 @@ def test_a_full_queue_is_refused_up_front() -> None:
         engine, worker = await ready_engine("inproc://engine-client-queue")
         try:
             engine.check_queue_room()  # room
-            engine.stats = stats(num_waiting=4, max_queued_requests=4)
+            engine.snapshots[0] = stats(num_waiting=4, max_queued_requests=4)
             with pytest.raises(QueueFull, match="4 requests are waiting"):
                 engine.check_queue_room()
         finally:

@@ -95,7 +95,7 @@ async def openapi_document(request: Request) -> JSONResponse:
 
 @metrics_router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus(state: AppState) -> PlainTextResponse:
-    text = state.metrics.render(
-        state.engine.stats, len(state.engine.tokenizers.accepting), len(state.engine.queues)
-    )
+    engine = state.engine
+    snapshots = [engine.snapshots[r] for r in sorted(engine.snapshots)]
+    text = state.metrics.render(snapshots, len(engine.tokenizers.accepting), len(engine.queues))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
