@@ -80,6 +80,34 @@ serve_kvflow() {  # NAME WORKLOADS [FLAGS...]
     kill -INT $pid; wait $pid
 }
 
+# Data parallelism (issue 16): REPLICAS engines, each on GPUs of its own, the `serve` load at
+# full rate (all at once: one replica saturates) and the `prefix-many` workload (32 prefixes of
+# 1024 tokens, so a replica holds only the prefixes routed to it), the server's prefix-cache
+# counters read before and after.
+serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
+    local start=$SECONDS url=http://127.0.0.1:8100
+    python3 -m services serve "$MODEL_DIR" --load-format dummy --max-model-len 4096 \
+        --port 8100 --data-parallel-size "$2" --data-parallel-routing "$3" \
+        >"$RESULTS/$1_serve.log" 2>&1 &
+    local pid=$!
+    if wait_healthy $url $pid; then
+        echo "$1 start to ready: $((SECONDS - start)) s"
+        local common=(--port 8100 --tokenizer "$MODEL_DIR" --ignore-eos --disable-tqdm)
+        [[ $4 == *serve* ]] && run "$1 load" python3 -m services bench serve "${common[@]}" \
+            --random-input-len 200 --random-output-len 200 --num-prompts "$NUM_PROMPTS" \
+            --request-rate inf --seed 300 --output-json "$RESULTS/$1_load.json"
+        curl -s $url/metrics >"$RESULTS/$1_metrics_before.txt"
+        run "$1 prefix-many" python3 -m services bench serve "${common[@]}" \
+            --dataset-name prefix-repetition --prefix-repetition-prefix-len 1024 \
+            --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 32 \
+            --prefix-repetition-output-len 32 --num-prompts 256 --request-rate 16 --seed 500 \
+            --output-json "$RESULTS/$1_prefix_many.json"
+        curl -s $url/metrics >"$RESULTS/$1_metrics_after.txt"
+        grep -E "prefix_cache_(hits|queries)_total\{" "$RESULTS/$1_metrics_after.txt"
+    fi
+    kill -INT $pid; wait $pid
+}
+
 install_vllm() {
     if [ ! -f "$SITE/vllm_env.sh" ]; then
         # vLLM's dependencies that neither the machine nor the bundle has (.vwhl/), first:
@@ -115,6 +143,10 @@ for part in $PARTS; do
         run probe python3 -m benchmarks.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;
     kvflow) serve_kvflow kvflow serve,prefix ;;
+    dp)  # one replica, then DP replicas routed by prefix, then DP replicas in turn
+        serve_dp dp1 1 prefix serve,prefix
+        serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve,prefix
+        serve_dp "dp${DP:-2}_round_robin" "${DP:-2}" round-robin prefix ;;
     kvflow-no-prefix-cache) serve_kvflow kvflow_nocache prefix --no-enable-prefix-caching ;;
     vllm) serve_vllm ;;
     offline-kvflow)  # 256 x 512 in / 256 out, all at once; then prompts only (the prefill share)

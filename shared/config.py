@@ -117,6 +117,14 @@ class Config:
         "own each) behind one frontend and tokenizer pool; each request goes to the replica "
         "whose prefix cache holds the most of its prompt, unless that one is much busier.",
     )
+    data_parallel_routing: str = option(
+        "prefix",
+        "parallel",
+        "How requests are spread over engine replicas: prefix (the replica whose prefix cache "
+        "holds the most of the prompt, unless it is much busier than the least busy) or "
+        "round-robin (in turn, whatever they hold).",
+        ("prefix", "round-robin"),
+    )
     # -- cache
     block_size: int = option(16, "cache", "Tokens per KV cache block.")
     kv_cache_dtype: str = option(

@@ -85,7 +85,9 @@ class TokenizerProcess:
             connect_dealer(context, address, self.name, security)
             for address in config.addresses("scheduler_address")
         ]
-        self.router = ReplicaRouter(len(self.schedulers))
+        self.router = ReplicaRouter(
+            len(self.schedulers), by_prefix=config.data_parallel_routing == "prefix"
+        )
         self.placed: dict[str, int] = {}  # request_id -> its replica
         self.kv_events = [
             subscribe(context, address, security)

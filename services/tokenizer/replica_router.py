@@ -42,8 +42,10 @@ class EngineView:
 
 
 class ReplicaRouter:
-    def __init__(self, num_replicas: int) -> None:
+    def __init__(self, num_replicas: int, by_prefix: bool = True) -> None:
+        """`by_prefix` False: round-robin (--data-parallel-routing), whatever engines hold."""
         self.engines = [EngineView() for _ in range(num_replicas)]
+        self.by_prefix = by_prefix
         self.block_size: int | None = None  # known from the first batch
         self._turn = 0  # where ties start: engines take cold requests in turn
 
@@ -88,6 +90,9 @@ class ReplicaRouter:
 
     def pick(self, token_ids: Sequence[int], lora_id: int = 0) -> int:
         """The replica for a request, counted as sent to it."""
+        if not self.by_prefix:
+            chosen, self._turn = self._turn, (self._turn + 1) % len(self.engines)
+            return chosen
         held = self.cached_blocks(token_ids, lora_id)
         loads = [engine.load for engine in self.engines]
         order = [(self._turn + i) % len(self.engines) for i in range(len(self.engines))]

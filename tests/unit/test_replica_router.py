@@ -66,3 +66,9 @@ def test_without_prefixes_no_engine_runs_ahead_of_another_by_more_than_one(
     for n in prompts:
         sent[router.pick(list(range(n * BLOCK, n * BLOCK + 40)))] += 1
     assert max(sent) - min(sent) <= 1
+
+
+def test_round_robin_ignores_what_engines_hold() -> None:
+    router = ReplicaRouter(2, by_prefix=False)
+    router.observe(batch(1, stored=prefix_block_keys(PROMPT, BLOCK)))
+    assert [router.pick(PROMPT) for _ in range(4)] == [0, 1, 0, 1]
