@@ -37,7 +37,7 @@ run() {
 
 wait_healthy() {  # URL PID
     local start=$SECONDS
-    until curl -sf "$1/health" >/dev/null; do
+    until curl -sf "$1/ready" >/dev/null; do
         kill -0 "$2" 2>/dev/null || { echo "server exited during startup"; return 1; }
         ((SECONDS - start < 400)) || { echo "not ready after 400 s"; return 1; }
         sleep 0.5
@@ -93,11 +93,11 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
     if wait_healthy $url $pid; then
         echo "$1 start to ready: $((SECONDS - start)) s"
         local common=(--port 8100 --tokenizer "$MODEL_DIR" --ignore-eos --disable-tqdm)
-        [[ $4 == *serve* ]] && run "$1 load" python3 -m services bench serve "${common[@]}" \
+        [[ $4 == *serve* ]] && run "$1 load" timeout 240 python3 -m services bench serve "${common[@]}" \
             --random-input-len 200 --random-output-len 200 --num-prompts "$NUM_PROMPTS" \
             --request-rate inf --seed 300 --output-json "$RESULTS/$1_load.json"
         curl -s $url/metrics >"$RESULTS/$1_metrics_before.txt"
-        run "$1 prefix-many" python3 -m services bench serve "${common[@]}" \
+        run "$1 prefix-many" timeout 120 python3 -m services bench serve "${common[@]}" \
             --dataset-name prefix-repetition --prefix-repetition-prefix-len 1024 \
             --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 32 \
             --prefix-repetition-output-len 32 --num-prompts 256 --request-rate 16 --seed 500 \
@@ -106,6 +106,7 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
         grep -E "prefix_cache_(hits|queries)_total\{" "$RESULTS/$1_metrics_after.txt"
     fi
     kill -INT $pid; wait $pid
+    tar -czf "$OUT/serve-out.tgz" -C "$RESULTS" .  # the logs too, should a later run hang
 }
 
 install_vllm() {
