@@ -43,6 +43,11 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = Config(model=model, **{**OFFLINE_DEFAULTS, **config})
+        if self.config.data_parallel_size > 1:
+            raise ValueError(
+                "kvflow.LLM runs one engine: --data-parallel-size is for `kvflow serve` "
+                "(split one engine over GPUs with --tensor-parallel-size)"
+            )
         self.runner = start_runner(self.config)
         name = self.config.served_model_name or self.runner.source.name
         ready = self.runner.ready_message(name)
