@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -42,15 +42,43 @@ class TensorDims:
     added: bool = False  # added to the output (a bias): split by columns, rank 0 keeps it
 
 
+class CheckpointSlice:
+    """A checkpoint tensor not read yet (safetensors' `get_slice`): its shape, and a `narrow`
+    that reads only that part, so that a rank reads only its cut of the file."""
+
+    def __init__(self, part: Any) -> None:
+        self._part = part
+        self.shape = torch.Size(part.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        tensor: torch.Tensor = self._part[tuple(index)]
+        return tensor
+
+    def read(self) -> torch.Tensor:
+        tensor: torch.Tensor = self._part[...]  # a scalar too
+        return tensor
+
+
+Loaded = torch.Tensor | CheckpointSlice
+
+
+def read(tensor: Loaded) -> torch.Tensor:
+    """The tensor itself, read from its file if it was not yet."""
+    return tensor.read() if isinstance(tensor, CheckpointSlice) else tensor
+
+
 def shard_tensor(
-    tensor: torch.Tensor,
+    tensor: Loaded,
     dims: TensorDims,
     split: Split,
     rank: int,
     world: int,
     pieces: Sequence[int] | None = None,  # rows of each fused piece, in order; None: one
-) -> torch.Tensor:
-    """Rank `rank`'s part of a loaded tensor (a view where it can be)."""
+) -> Loaded:
+    """Rank `rank`'s part of a loaded tensor (a view where it can be; of a CheckpointSlice,
+    only that part read, or the slice itself where nothing is cut)."""
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is not in a group of {world}")
     if split == "rows":
@@ -66,11 +94,11 @@ def shard_tensor(
             local = size // world
             parts.append(tensor.narrow(dims.rows, start + rank * local, local))
             start += size
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dims.rows)
+        return parts[0] if len(parts) == 1 else torch.cat([read(p) for p in parts], dims.rows)
     if pieces is not None:
         raise ValueError("pieces are rows of a fused layer: a split by columns takes none")
     if dims.added:  # the ranks' outputs are summed: added once
-        return tensor if rank == 0 else torch.zeros_like(tensor)
+        return tensor if rank == 0 else torch.zeros_like(read(tensor))
     if dims.cols is None:
         return tensor
     columns, entries = dims.col_block

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from services.executor.linear_shards import Split, TensorDims, shard_tensor
+from services.executor.linear_shards import Loaded, Split, TensorDims, shard_tensor
 from shared.model_config import ModelConfig
 
 
@@ -138,9 +138,7 @@ _BY_KV_HEADS = ("k_proj", "v_proj")
 _BY_COLUMNS = ("o_proj", "down_proj")
 
 
-def rank_part(
-    layout: ShardLayout, hf_name: str, tensor: torch.Tensor, dims: TensorDims | None
-) -> torch.Tensor:
+def rank_part(layout: ShardLayout, hf_name: str, tensor: Loaded, dims: TensorDims | None) -> Loaded:
     """The part of a checkpoint tensor this rank loads into a linear layer or the embedding
     (a view where it can be); `dims`: where the tensor holds rows and columns (the loading
     layer's method says; None: the embedding's weight). Other tensors (norms, KV cache
@@ -165,7 +163,7 @@ def _names(hf_name: str, module: str) -> bool:
     return hf_name.startswith(f"{module}.") or f".{module}." in hf_name
 
 
-def _kv_head_rows(layout: ShardLayout, tensor: torch.Tensor, dims: TensorDims) -> torch.Tensor:
+def _kv_head_rows(layout: ShardLayout, tensor: Loaded, dims: TensorDims) -> Loaded:
     """The rows of the one KV head this rank holds, of a K or V tensor."""
     if dims.rows is None:
         return tensor

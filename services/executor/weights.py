@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from kernels.gguf import GGUF_TYPES
 from services.executor.linear import Linear, PackedWeight, linear_method, prepare_linear_layers
+from services.executor.linear_shards import CheckpointSlice
 from services.executor.models.decoder import DecoderForCausalLM, hf_module_names
 from services.executor.quantized_checkpoints import translate_quantized
 from services.executor.tensor_parallel import ONE_RANK, TensorParallel
@@ -73,6 +74,14 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
+
+
+def iter_safetensor_slices(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
+    """The checkpoint's tensors unread: a tensor-parallel rank reads only its part of each."""
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, CheckpointSlice(f.get_slice(name))
 
 
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -200,6 +209,8 @@ def load_model(
     elif fmt == "safetensors" and spec is not None and spec.from_checkpoint:
         names = safetensors_names(source.path)
         model.load_weights(translate_quantized(iter_safetensors(source.path), names, spec))
+    elif fmt == "safetensors" and tp.size > 1:
+        model.load_weights(iter_safetensor_slices(source.path))
     elif fmt == "safetensors":
         model.load_weights(iter_safetensors(source.path))
     else:

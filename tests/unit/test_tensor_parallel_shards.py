@@ -4,12 +4,16 @@ head it shares when there are fewer than ranks, and everything else whole."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.tensor_parallel import TensorParallel
+from services.executor.weights import iter_safetensor_slices
 from shared.model_config import from_hf_dict
 from tests.integration.tiny_models import TINY
 
@@ -63,3 +67,29 @@ def test_a_rank_loads_its_part(kv_heads: int, world: int) -> None:
         norm = state["model.layers.0.input_layernorm.weight"]
         assert torch.equal(model.layers[0].input_layernorm.weight, norm)  # whole
         assert (float(attn.k_scale), float(attn.v_scale)) == (0.5, 0.25)  # whole
+
+
+@pytest.mark.parametrize(("kv_heads", "world"), [(2, 2), (1, 2)], ids=["own-kv", "shared-kv"])
+def test_a_rank_reading_slices_of_the_file_loads_what_it_loads_from_whole_tensors(
+    tmp_path: Path, kv_heads: int, world: int
+) -> None:
+    state, cfg = checkpoint(num_key_value_heads=kv_heads)
+    save_file({k: v.clone() for k, v in state.items()}, tmp_path / "model.safetensors")
+    for rank in range(world):
+        whole = rank_model(cfg, state, rank, world).state_dict()
+        model = DecoderForCausalLM(cfg, 64, kv_scales=True, tp=TensorParallel(rank, world))  # type: ignore[arg-type]
+        model.load_weights(iter_safetensor_slices(tmp_path))
+        sliced = model.state_dict()
+        assert sliced.keys() == whole.keys()
+        for name, tensor in whole.items():
+            assert torch.equal(sliced[name], tensor), name
+
+
+def test_a_checkpoint_slice_reads_the_part_asked_for(tmp_path: Path) -> None:
+    tensor = torch.arange(24.0).reshape(4, 6)
+    save_file({"w": tensor}, tmp_path / "model.safetensors")
+    ((name, part),) = list(iter_safetensor_slices(tmp_path))
+    assert name == "w" and part.shape == (4, 6)
+    assert torch.equal(part.narrow(0, 1, 2), tensor[1:3])
+    assert torch.equal(part.narrow(1, 4, 2), tensor[:, 4:])
+    assert torch.equal(part.read(), tensor)

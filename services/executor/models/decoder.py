@@ -20,7 +20,7 @@ from kernels import ops
 from services.executor.attention_metadata import AttentionMetadata
 from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from services.executor.linear import Activation, Linear, LinearMethod, PackedWeight
-from services.executor.linear_shards import packed_dims
+from services.executor.linear_shards import Loaded, packed_dims, read
 from services.executor.lora_slots import LoraTokens
 from services.executor.tensor_parallel import (
     ONE_RANK,
@@ -225,8 +225,9 @@ class DecoderForCausalLM(nn.Module):
         # copies to float32 where it computes probabilities.
         return self.layout.tp.all_gather(self.lm_head(hidden))  # [N, vocab], model dtype
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be present."""
+    def load_weights(self, weights: Iterable[tuple[str, Loaded | PackedWeight]]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be present.
+        A CheckpointSlice is read for the rank's part alone."""
         params = dict(self.named_parameters())  # a tied lm_head is not listed twice
         num_loaded: Counter[str] = Counter()
         for hf_name, tensor in weights:
@@ -242,13 +243,13 @@ class DecoderForCausalLM(nn.Module):
             if piece is None:
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r}")
-                _copy(params[name].data, self._rank_part(hf_name, name, tensor), hf_name)
+                _copy(params[name].data, read(self._rank_part(hf_name, name, tensor)), hf_name)
             else:
                 fused, shard = _STACKED[piece]
                 name = name.replace(piece, fused)
                 if name not in params:
                     raise ValueError(f"unexpected weight {hf_name!r}")
-                tensor = self._rank_part(hf_name, name, tensor)
+                tensor = read(self._rank_part(hf_name, name, tensor))
                 if name.endswith(".g_idx"):  # per input column: shared by the fused shards
                     _copy_shared(params[name].data, tensor, hf_name, first=not num_loaded[name])
                 else:
@@ -262,7 +263,7 @@ class DecoderForCausalLM(nn.Module):
         start, rows = self._shard_rows(fused, shard)
         return param.data.narrow(0, start, rows)
 
-    def _rank_part(self, hf_name: str, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _rank_part(self, hf_name: str, name: str, tensor: Loaded) -> Loaded:
         """This rank's part of a checkpoint tensor, cut as the layer it loads into holds it;
         tensors of other modules (norms, KV cache scales) whole."""
         owner_name, _, leaf = name.rpartition(".")
@@ -302,7 +303,7 @@ class DecoderForCausalLM(nn.Module):
         rows = layer.out_features if rows is None else rows
         dims = packed_dims(weight.qtype)
         weight = dataclasses.replace(
-            weight, data=rank_part(self.layout, hf_name, weight.data, dims)
+            weight, data=read(rank_part(self.layout, hf_name, weight.data, dims))
         )
         if weight.data.shape[0] != rows:
             raise ValueError(f"{hf_name}: checkpoint has {weight.data.shape[0]} rows, not {rows}")
