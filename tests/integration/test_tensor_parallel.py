@@ -47,8 +47,8 @@ def tiny_folder(
 
 @pytest.mark.parametrize(
     ("family", "changes"),
-    [("llama", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 1})],
-    ids=["llama", "qwen3", "llama-one-kv-head"],
+    [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 1})],
+    ids=["llama", "qwen2-biases-tied", "qwen3", "llama-one-kv-head"],
 )
 def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: dict) -> None:
     folder, model = tiny_folder(tmp_path, family, **changes)
@@ -91,3 +91,20 @@ def test_int4_checkpoints_split_across_ranks(tmp_path: Path, fmt: str) -> None:
     prompts = make_prompts(TINY["vocab_size"])[:4]
     expected = [tokens[:NUM_TOKENS] for tokens in hf_greedy(model, prompts, eos_token_id=None)]
     assert greedy(tmp_path, 2, str(tmp_path / "model"), prompts) == expected
+
+
+def test_fp8_on_two_ranks_stays_close_to_one(tmp_path: Path) -> None:
+    """--quantization fp8 made at load: each rank quantizes its own rows' weights (scales per
+    output channel: the same as one rank's) and its activations per token over its own input
+    columns (row-parallel layers: other scales than one rank's). On a tiny random model, whose
+    top logits lie close, that is enough to part the tokens early; where they first part, each
+    run's token must be among the other's top logprobs (vLLM's rule)."""
+    folder, _ = tiny_folder(tmp_path, "llama")
+    prompts = make_prompts(TINY["vocab_size"])[:6]
+    one = generate(tmp_path / "one", 1, str(folder), prompts, NUM_TOKENS, 5, quantization="fp8")
+    two = generate(tmp_path / "two", 2, str(folder), prompts, NUM_TOKENS, 5, quantization="fp8")
+    for (want, want_tops), (got, got_tops) in zip(one, two, strict=True):
+        diverged = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if diverged is not None:
+            assert got[diverged] in want_tops[diverged], (diverged, got, want)
+            assert want[diverged] in got_tops[diverged], (diverged, got, want)
