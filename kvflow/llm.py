@@ -48,6 +48,8 @@ class LLM:
                 "kvflow.LLM runs one engine: --data-parallel-size is for `kvflow serve` "
                 "(split one engine over GPUs with --tensor-parallel-size)"
             )
+        if self.config.kv_events_address is not None:
+            raise ValueError("--kv-events-address: a serving scheduler publishes KV events")
         self.runner = start_runner(self.config)
         name = self.config.served_model_name or self.runner.source.name
         ready = self.runner.ready_message(name)

@@ -552,6 +552,14 @@ class TextDelta(Message, tag=True, kw_only=True):
         )
 
 
+class TextDeltas(Message, tag=True):
+    """One step's deltas for the requests a frontend sent one tokenizer worker: one message a
+    step, not one a request, so a frontend that falls a few steps behind under hundreds of
+    streams never fills the link (a full link stops its requests)."""
+
+    deltas: list[TextDelta]
+
+
 # ------------------------------------------------- scheduler -> routers (KV events)
 
 
@@ -680,5 +688,11 @@ ToRanks = SchedulerOutput | LaunchStep | ResetRanks
 FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests | LoraAdapterRequest
 SchedulerToTokenizer = OutputBatch | LoraAdapterResult
 ToFrontend = (
-    TextDelta | TokenizeResult | LoraAdapterResult | Heartbeat | StatsSnapshot | ComponentDown
+    TextDelta
+    | TextDeltas
+    | TokenizeResult
+    | LoraAdapterResult
+    | Heartbeat
+    | StatsSnapshot
+    | ComponentDown
 )

@@ -345,6 +345,10 @@ class ModelRunner:
     def has_in_flight(self) -> bool:
         return bool(self._in_flight)
 
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
     def oldest_finished(self) -> bool:
         """Whether `collect` would return without waiting."""
         return bool(self._in_flight) and self._in_flight[0].finished

@@ -23,6 +23,8 @@ unasked ExecutorReady at start tells the scheduler its old one is gone, is adopt
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 from typing import Any
 
 import zmq
@@ -58,6 +60,9 @@ def run_executor(config: Config) -> None:
     watch = StallWatch(config.engine_stall_timeout)
     security = WireSecurity.of(config)
     heartbeat = HeartbeatThread(config.frontend_address, name, stall_watch=watch, security=security)
+    if config.tensor_parallel_size > 1:
+        # The launcher stops components with SIGTERM: rank 0 ends its group on the way out.
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     runner = start_runner(config)
     # The DEALER identity is the scheduler's name for its executor, whatever the replica.
     socket = connect_dealer(zmq.Context.instance(), address, "executor-0", security)

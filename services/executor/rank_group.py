@@ -98,6 +98,7 @@ def start_runner(config: Config) -> ModelRunner:
     ranks = OtherRanks([_spawn_rank(config_path, rank, directory) for rank in range(1, size)])
     atexit.register(ranks.stop)
     relay.wait_for(size - 1, config.startup_timeout)
+    config_path.unlink()  # every rank read it before subscribing; it may hold the API key
     logger.info("started executor ranks 1..%d; joining the tensor-parallel group", size - 1)
     runner = ModelRunner(config, join_group(config, directory, 0), relay)
     atexit.register(_leave_group, weakref.ref(runner), ranks)  # runs before ranks.stop
@@ -138,7 +139,7 @@ def join_group(config: Config, directory: Path, rank: int) -> TensorParallel:
 
 
 def _spawn_rank(config_path: Path, rank: int, directory: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "services.executor.rank_group"]
+    argv = [sys.executable, "-m", "services.executor.rank_group", "--parent", str(os.getpid())]
     argv += ["--config", str(config_path), "--rank", str(rank), "--group", str(directory)]
     return subprocess.Popen(argv)
 
@@ -224,6 +225,10 @@ def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> No
             raise RuntimeError("a relayed message that cannot be read: the ranks have parted")
         try:
             if isinstance(message, LaunchStep):
+                # Rank 0 launches once its own oldest step has ended; this rank's may still
+                # be sampling (an empty step ties no collective between them): wait for it.
+                while runner.num_in_flight > 1:
+                    steps.answered(runner.collect().step)
                 steps.launching(message.step)
                 runner.launch(message.step)
             elif isinstance(message, SchedulerOutput):
@@ -241,6 +246,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--group", type=Path, required=True)
+    parser.add_argument("--parent", type=int, required=True)  # rank 0's pid
     args = parser.parse_args()
     config = config_from_file(args.config)
     name = engine_component(f"executor-{args.rank}", config)
@@ -250,8 +256,10 @@ def main() -> None:
         format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
     )
     logging.getLogger().setLevel(config.log_level.upper())
-    parent = os.getppid()
-    threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+    # Rank 0's pid as it said, not getppid() now: rank 0 may be gone already.
+    threading.Thread(
+        target=_watch_parent, args=(args.parent,), name="parent-watch", daemon=True
+    ).start()
     context: zmq.Context[Any] = zmq.Context.instance()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.RCVHWM, 0)

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -69,19 +70,23 @@ def safetensors_names(folder: Path) -> set[str]:
     return names
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _open_tensors(folder: Path) -> Iterator[tuple[Any, str]]:
+    """(open file, tensor name) of every tensor of the checkpoint, file by file."""
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield f, name
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for f, name in _open_tensors(folder):
+        yield name, f.get_tensor(name)
 
 
 def iter_safetensor_slices(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
     """The checkpoint's tensors unread: a tensor-parallel rank reads only its part of each."""
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, CheckpointSlice(f.get_slice(name))
+    for f, name in _open_tensors(folder):
+        yield name, CheckpointSlice(f.get_slice(name))
 
 
 def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

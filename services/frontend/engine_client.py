@@ -31,6 +31,7 @@ from shared.protocol import (
     RequestError,
     StatsSnapshot,
     TextDelta,
+    TextDeltas,
     ToFrontend,
     TokenizeRequest,
     TokenizeResult,
@@ -156,7 +157,7 @@ class EngineClient:
             now, timeout = time.monotonic(), self.config.component_timeout
             for name, request_ids in self.tokenizers.expire(now, timeout).items():
                 self._fail(request_ids, f"{name} stopped answering")
-            if self.stats is None and time.monotonic() - started < self.config.startup_timeout:
+            if self.stats_at is None and time.monotonic() - started < self.config.startup_timeout:
                 continue  # still loading: the launcher watches startup
             # The engine's failures end what runs; the pool fails what a worker held itself.
             reason = self._engine_reason()
@@ -203,13 +204,17 @@ class EngineClient:
             message = self.decoder.decode(data)
             if message is None:
                 continue
-            if not self._from_its_sender(identity, message):
-                logger.warning("dropped a %s from %r", type(message).__name__, identity[:64])
-                continue
-            try:
-                self._take(message)
-            except Exception:  # one message must never end the loop (and silence the engine)
-                logger.exception("could not take a %s from %r", type(message).__name__, identity)
+            for part in message.deltas if isinstance(message, TextDeltas) else [message]:
+                self._receive(identity, part)
+
+    def _receive(self, identity: bytes, message: object) -> None:
+        if not self._from_its_sender(identity, message):
+            logger.warning("dropped a %s from %r", type(message).__name__, identity[:64])
+            return
+        try:
+            self._take(message)
+        except Exception:  # one message must never end the loop (and silence the engine)
+            logger.exception("could not take a %s from %r", type(message).__name__, identity)
 
     def _from_its_sender(self, identity: bytes, message: object) -> bool:
         """Whether `message` comes from the socket that sends that kind: a component's beat

@@ -88,7 +88,7 @@ class Launcher:
             )
             executor_env = {**env, **self._devices(r)}
             self._spawn(
-                replica_name("executor", r, replicas),
+                replica_name("executor-0", r, replicas),
                 [*base, "executor", *args, *rank],
                 executor_env,
             )

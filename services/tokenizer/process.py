@@ -39,6 +39,7 @@ from shared.protocol import (
     RequestError,
     SchedulerToTokenizer,
     TextDelta,
+    TextDeltas,
     TokenizeRequest,
     TokenizeResult,
 )
@@ -89,10 +90,14 @@ class TokenizerProcess:
             len(self.schedulers), by_prefix=config.data_parallel_routing == "prefix"
         )
         self.placed: dict[str, int] = {}  # request_id -> its replica
-        self.kv_events = [
-            subscribe(context, address, security)
-            for address in config.addresses("kv_events_address")
-        ]
+        events = config.addresses("kv_events_address")
+        self.kv_events = [subscribe(context, address, security) for address in events]
+        if len(self.schedulers) > 1 and not events and self.router.by_prefix:
+            logger.warning(
+                "%s: no --kv-events-address: requests go to the replica this worker sent "
+                "fewest, not by prefix or the replicas' load",
+                self.name,
+            )
         self.poller = zmq.Poller()
         self.drain_timeout = config.drain_timeout
         self.draining = threading.Event()
@@ -229,6 +234,22 @@ class TokenizerProcess:
             logger.warning("request_id=%s: its frontend is not reading: stopping it", request_id)
             self._stop([request_id])
 
+    def _reply_deltas(self, deltas: list[TextDelta]) -> None:
+        """A step's deltas: one TextDeltas message to each frontend they go to."""
+        by_link: dict[zmq.Socket[Any], list[TextDelta]] = defaultdict(list)
+        for delta in deltas:
+            ends = delta.finish_reason is not None
+            rid = delta.request_id
+            link = self.origin.pop(rid, None) if ends else self.origin.get(rid)
+            if link is not None:
+                by_link[link].append(delta)
+        for link, batch in by_link.items():
+            try:
+                link.send(encode(TextDeltas(batch)), flags=zmq.DONTWAIT)
+            except zmq.Again:  # that frontend stopped reading: never let it stall the others
+                logger.warning("a frontend is not reading: stopping its %d requests", len(batch))
+                self._stop([d.request_id for d in batch])
+
     def _from_frontend(self, link: zmq.Socket[Any], message: object) -> None:
         if isinstance(message, GenerateRequest | TokenizeRequest | LoraAdapterRequest):
             self.origin[message.request_id] = link
@@ -264,8 +285,7 @@ class TokenizerProcess:
         if not isinstance(batch, OutputBatch):
             return
         deltas, ended = self.worker.on_outputs(batch.outputs)
-        for delta in deltas:
-            self._reply(delta.request_id, delta)
+        self._reply_deltas(deltas)
         if ended:  # ended here (a stop string): the scheduler stops them too
             self._abort(ended)
         for output in batch.outputs:

@@ -72,6 +72,7 @@ from shared.protocol import (
     SchedulerToTokenizer,
     StatsSnapshot,
     TextDelta,
+    TextDeltas,
     ToExecutor,
     ToFrontend,
     TokenizeRequest,
@@ -322,7 +323,7 @@ FRONTEND_FRAMES = frames_for(
         "component": st.sampled_from([*ENGINE, "tokenizer-0"]) | TEXT.map("tokenizer-".__add__),
         "protocol_version": st.just(PROTOCOL_VERSION),
     },
-    intact=(TextDelta, TokenizeResult, Heartbeat, StatsSnapshot),
+    intact=(TextDelta, TextDeltas, TokenizeResult, Heartbeat, StatsSnapshot),
 )
 SCHEDULER_FRAMES = st.one_of(
     frames_for(ToScheduler, intact=(EngineRequest, AbortRequests)),
@@ -726,9 +727,11 @@ def test_after_the_fuzzing_the_tokenizer_worker_still_serves(worker: Worker) -> 
         num_prompt_tokens=len(worker.prompt_ids),
     )
     worker.send(worker.scheduler, [ENCODE(OutputBatch([output]))])
-    delta = worker.receive(
-        lambda m: isinstance(m, TextDelta) and m.request_id == "final", "the request's text"
+    batch = worker.receive(
+        lambda m: isinstance(m, TextDeltas) and m.deltas[0].request_id == "final",
+        "the request's text",
     )
+    (delta,) = batch.deltas
     assert (delta.text, delta.finish_reason, delta.error) == (" Paris", FinishReason.LENGTH, None)
 
 
