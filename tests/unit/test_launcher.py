@@ -7,8 +7,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from services.launcher.serve import Launcher
-from shared.config import Config
+from shared.config import Config, ConfigError
 
 FRONTEND_STAND_IN = (
     "import signal, sys, time\n"
@@ -33,3 +35,18 @@ def test_sigterm_reaches_the_frontend_at_once() -> None:
     finally:
         frontend.kill()
         shutil.rmtree(launcher.runtime, ignore_errors=True)
+
+
+def test_each_replica_gets_its_own_gpus_and_too_few_are_refused(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
+    launcher = Launcher(Config(device="cuda", data_parallel_size=2, tensor_parallel_size=2))
+    shutil.rmtree(launcher.runtime, ignore_errors=True)
+    assert [launcher._devices(r) for r in range(2)] == [
+        {"CUDA_VISIBLE_DEVICES": "3,5"},
+        {"CUDA_VISIBLE_DEVICES": "6,7"},
+    ]
+    assert launcher.config.addresses("scheduler_address")[1].endswith("/scheduler-1")
+    assert len(launcher.config.addresses("kv_events_address")) == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(ConfigError, match="needs 4 GPUs; 3 are visible"):
+        Launcher(Config(device="cuda", data_parallel_size=2, tensor_parallel_size=2))
