@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -71,18 +72,24 @@ def health(server: Server, probe: str = "/health") -> int | None:
         return None
 
 
+def kill_mid_run(server: Server, pid: Callable[[], int]) -> None:
+    """Kill the process `pid` names while three streams run: the streams end with an error,
+    /health fails at once and serve exits non-zero."""
+    streams = [stream_in_background(server, max_tokens=400) for _ in range(3)]
+    for _, record in streams:
+        assert record["started"].wait(60) and record["chunks"] > 0
+    os.kill(pid(), signal.SIGKILL)
+    assert wait_for(lambda: health(server) == 503, timeout=5) < 5
+    for thread, record in streams:
+        thread.join(timeout=30)
+        assert record["error"] is not None and record["finish_reason"] is None
+    assert server.proc.wait(timeout=30) != 0
+
+
 def test_killing_the_executor_fails_requests_health_and_serve() -> None:
     server = start_server()
     try:
-        streams = [stream_in_background(server, max_tokens=400) for _ in range(3)]
-        for _, record in streams:
-            assert record["started"].wait(60) and record["chunks"] > 0
-        os.kill(server.child_pid("executor"), signal.SIGKILL)
-        assert wait_for(lambda: health(server) == 503, timeout=5) < 5
-        for thread, record in streams:
-            thread.join(timeout=30)
-            assert record["error"] is not None and record["finish_reason"] is None
-        assert server.proc.wait(timeout=30) != 0
+        kill_mid_run(server, lambda: server.child_pid("executor"))
     finally:
         server.stop()
 

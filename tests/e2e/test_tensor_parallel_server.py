@@ -6,13 +6,12 @@ its heads do not allow, are refused by name before any rank starts."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 from kvflow import LLM, SamplingParams
 from tests.e2e.server import start_server
-from tests.e2e.test_failures import health, stream_in_background, wait_for
+from tests.e2e.test_failures import kill_mid_run
 
 PROMPTS = ["The capital of France is", "List three colours:"]
 
@@ -47,15 +46,7 @@ def test_three_ranks_serve_the_tokens_of_one_and_die_together() -> None:
             )
             assert completion.choices[0].text == text
 
-        streams = [stream_in_background(server, max_tokens=400) for _ in range(2)]
-        for _, record in streams:
-            assert record["started"].wait(60) and record["chunks"] > 0
-        os.kill(rank_pid(server.child_pid("executor"), 1), signal.SIGKILL)
-        wait_for(lambda: health(server) != 200, timeout=10)
-        for thread, record in streams:
-            thread.join(timeout=30)
-            assert record["error"] is not None and record["finish_reason"] is None
-        assert server.proc.wait(timeout=30) != 0
+        kill_mid_run(server, lambda: rank_pid(server.child_pid("executor"), 1))
     finally:
         server.stop()
 
