@@ -578,6 +578,7 @@ class KvEventBatch(Message, tag=True, kw_only=True):
     num_running: int
     num_waiting: int
     kv_usage: float  # referenced blocks / all blocks
+    queue_full: bool = False  # its waiting queue takes no new request now
 
 
 # ------------------------------------------------------------ health and stats

@@ -33,7 +33,7 @@ class KvEventPublisher:
         self.socket.bind(address)
         self.replica = replica
         self.session, self.seq = 0, 0
-        self._load: tuple[int, int] | None = None  # (running, waiting) last published
+        self._load: tuple[int, int, bool] | None = None  # (running, waiting, full) published
         self._sent_at = 0.0
 
     def new_engine(self) -> None:
@@ -45,7 +45,7 @@ class KvEventPublisher:
         if scheduler.block_events is None:
             return
         stored, removed = scheduler.block_events.take()
-        load = (len(scheduler.running), len(scheduler.waiting))
+        load = (len(scheduler.running), len(scheduler.waiting), _queue_full(scheduler))
         now = time.monotonic()
         if not stored and not removed and load == self._load and now - self._sent_at < KEEPALIVE_S:
             return
@@ -59,8 +59,22 @@ class KvEventPublisher:
             num_running=load[0],
             num_waiting=load[1],
             kv_usage=scheduler.kv.usage,
+            queue_full=load[2],
         )
         # NOTE: a PUB socket drops what a slow subscriber cannot take; the seq tells it so.
         self.socket.send(encode(batch), flags=zmq.DONTWAIT)
         self.seq += 1
         self._load, self._sent_at = load, now
+
+
+def _queue_full(scheduler: Scheduler) -> bool:
+    """Whether the waiting queue takes no new request now (what StatsSnapshot.queue_full says,
+    without building a snapshot every turn)."""
+    config, waiting = scheduler.config, scheduler.waiting
+    by_requests = (
+        config.max_queued_requests is not None and len(waiting) >= config.max_queued_requests
+    )
+    by_tokens = (
+        config.max_queued_tokens is not None and waiting.num_tokens >= config.max_queued_tokens
+    )
+    return by_requests or by_tokens

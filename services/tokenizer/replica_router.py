@@ -6,7 +6,8 @@ prompt's keys (shared/block_hashes.py) give, per engine, how many of its leading
 cached there. The request goes to the engine holding the most, unless that engine is busier
 than the least busy by more than the slack (`BALANCE_SLACK + BALANCE_RATIO` x the least busy's
 load): then to the least busy, so a hot prefix does not starve the other engines. With no
-prefix held anywhere, the least busy takes it, ties in turn.
+prefix held anywhere, the least busy takes it, ties in turn. An engine that last reported its
+waiting queue full is passed over while another is not.
 
 Load is what an engine last reported (running + waiting requests) plus what this worker sent
 it since. The view is a hint: a lost batch (its seq skips) leaves keys that may be gone, which
@@ -35,6 +36,7 @@ class EngineView:
     keys: dict[bytes, None] = field(default_factory=dict)  # oldest heard first
     reported: int = 0  # running + waiting requests, as last reported
     sent: int = 0  # requests this worker sent it since
+    full: bool = False  # its waiting queue refused new requests, as last reported
 
     @property
     def load(self) -> int:
@@ -74,6 +76,7 @@ class ReplicaRouter:
         while len(engine.keys) > MAX_KEYS:
             del engine.keys[next(iter(engine.keys))]
         engine.reported, engine.sent = batch.num_running + batch.num_waiting, 0
+        engine.full = batch.queue_full
 
     def cached_blocks(self, token_ids: Sequence[int], lora_id: int = 0) -> list[int]:
         """How many leading blocks of the prompt each engine holds."""
@@ -96,6 +99,8 @@ class ReplicaRouter:
         held = self.cached_blocks(token_ids, lora_id)
         loads = [engine.load for engine in self.engines]
         order = [(self._turn + i) % len(self.engines) for i in range(len(self.engines))]
+        # An engine whose queue is full would refuse it (429): the others first, if any.
+        order = [r for r in order if not self.engines[r].full] or order
         least = min(order, key=lambda r: loads[r])
         best = max(order, key=lambda r: (held[r], -loads[r]))
         slack = BALANCE_SLACK + BALANCE_RATIO * loads[least]

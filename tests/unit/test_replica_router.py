@@ -72,3 +72,11 @@ def test_round_robin_ignores_what_engines_hold() -> None:
     router = ReplicaRouter(2, by_prefix=False)
     router.observe(batch(1, stored=prefix_block_keys(PROMPT, BLOCK)))
     assert [router.pick(PROMPT) for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_an_engine_with_a_full_queue_is_passed_over_while_another_is_not() -> None:
+    router = ReplicaRouter(2)
+    router.observe(batch(0, stored=prefix_block_keys(PROMPT, BLOCK), queue_full=True))
+    assert [router.pick(PROMPT) for _ in range(2)] == [1, 1]  # not the holder: it would refuse
+    router.observe(batch(1, queue_full=True))
+    assert router.pick(PROMPT) == 0  # every one full: the holder, which says so itself
