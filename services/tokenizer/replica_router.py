@@ -93,6 +93,8 @@ class ReplicaRouter:
 
     def pick(self, token_ids: Sequence[int], lora_id: int = 0) -> int:
         """The replica for a request, counted as sent to it."""
+        if len(self.engines) == 1:  # no choice: no prompt keys to hash
+            return 0
         if not self.by_prefix:
             chosen, self._turn = self._turn, (self._turn + 1) % len(self.engines)
             return chosen
