@@ -181,7 +181,7 @@ class TokenizerProcess:
         """Tell each request's replica to stop it; one placed by no worker here, every one."""
         by_replica: dict[int, list[str]] = defaultdict(list)
         for request_id in request_ids:
-            replica = self.placed.pop(request_id, None)
+            replica = self._unplace(request_id)
             for r in range(len(self.schedulers)) if replica is None else (replica,):
                 by_replica[r].append(request_id)
         for replica, ids in by_replica.items():
@@ -290,4 +290,11 @@ class TokenizerProcess:
             self._abort(ended)
         for output in batch.outputs:
             if output.finished:
-                self.placed.pop(output.request_id, None)
+                self._unplace(output.request_id)
+
+    def _unplace(self, request_id: str) -> int | None:
+        """Forget where a request that ended went (None: not placed by this worker)."""
+        replica = self.placed.pop(request_id, None)
+        if replica is not None:
+            self.router.release(replica)
+        return replica

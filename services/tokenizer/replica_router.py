@@ -9,9 +9,12 @@ load): then to the least busy, so a hot prefix does not starve the other engines
 prefix held anywhere, the least busy takes it, ties in turn. An engine that last reported its
 waiting queue full is passed over while another is not.
 
-Load is what an engine last reported (running + waiting requests) plus what this worker sent
-it since. The view is a hint: a lost batch (its seq skips) leaves keys that may be gone, which
-costs a miss, never a wrong answer.
+An engine's load is its running and waiting requests: this worker's own, counted exactly (sent
+and not yet ended), plus the other workers', which its last report gives (what it reported
+less this worker's own then). A report lags: requests still on their way are not in it, so
+a burst would lean on whichever engine reported last if reports were taken as they come.
+The view is a hint: a lost batch (its seq skips) leaves keys that may be gone, which costs a
+miss, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ class EngineView:
     next_seq: int = 0
     keys: dict[bytes, None] = field(default_factory=dict)  # oldest heard first
     reported: int = 0  # running + waiting requests, as last reported
-    sent: int = 0  # requests this worker sent it since
+    own: int = 0  # this worker's requests on it, sent and not yet ended
+    own_at_report: int = 0  # `own` when the last report came
     full: bool = False  # its waiting queue refused new requests, as last reported
 
     @property
     def load(self) -> int:
-        return self.reported + self.sent
+        others = max(self.reported - self.own_at_report, 0)
+        return others + self.own
 
 
 class ReplicaRouter:
@@ -75,7 +80,8 @@ class ReplicaRouter:
             engine.keys[key] = None
         while len(engine.keys) > MAX_KEYS:
             del engine.keys[next(iter(engine.keys))]
-        engine.reported, engine.sent = batch.num_running + batch.num_waiting, 0
+        engine.reported = batch.num_running + batch.num_waiting
+        engine.own_at_report = engine.own
         engine.full = batch.queue_full
 
     def cached_blocks(self, token_ids: Sequence[int], lora_id: int = 0) -> list[int]:
@@ -92,11 +98,12 @@ class ReplicaRouter:
         return held
 
     def pick(self, token_ids: Sequence[int], lora_id: int = 0) -> int:
-        """The replica for a request, counted as sent to it."""
+        """The replica for a request, counted on it until `release`."""
         if len(self.engines) == 1:  # no choice: no prompt keys to hash
             return 0
         if not self.by_prefix:
             chosen, self._turn = self._turn, (self._turn + 1) % len(self.engines)
+            self.engines[chosen].own += 1
             return chosen
         held = self.cached_blocks(token_ids, lora_id)
         loads = [engine.load for engine in self.engines]
@@ -108,5 +115,10 @@ class ReplicaRouter:
         slack = BALANCE_SLACK + BALANCE_RATIO * loads[least]
         chosen = best if held[best] and loads[best] - loads[least] <= slack else least
         self._turn = (chosen + 1) % len(self.engines)
-        self.engines[chosen].sent += 1
+        self.engines[chosen].own += 1
         return chosen
+
+    def release(self, replica: int) -> None:
+        """A request `pick` gave `replica` has ended (finished or aborted)."""
+        engine = self.engines[replica]
+        engine.own = max(engine.own - 1, 0)

@@ -80,3 +80,27 @@ def test_an_engine_with_a_full_queue_is_passed_over_while_another_is_not() -> No
     assert [router.pick(PROMPT) for _ in range(2)] == [1, 1]  # not the holder: it would refuse
     router.observe(batch(1, queue_full=True))
     assert router.pick(PROMPT) == 0  # every one full: the holder, which says so itself
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["pick", "report", "end"]), st.integers(0, 2))))
+def test_reports_that_lag_a_burst_do_not_lean_it_on_one_engine(
+    steps: list[tuple[str, int]],
+) -> None:
+    """One worker's cold requests: whenever reports come, and however far behind (an engine
+    reports only some of the requests on their way to it), each goes to an engine with the
+    fewest of them."""
+    router = ReplicaRouter(3)
+    live = [0, 0, 0]  # this worker's requests on each engine
+    seq = [0, 0, 0]
+    for step, replica in steps:
+        if step == "pick":
+            chosen = router.pick(list(range(40)))
+            assert live[chosen] == min(live)
+            live[chosen] += 1
+        elif step == "report":  # it has seen half of them
+            router.observe(batch(replica, seq=seq[replica], num_waiting=live[replica] // 2))
+            seq[replica] += 1
+        elif live[replica]:
+            router.release(replica)
+            live[replica] -= 1
