@@ -44,6 +44,8 @@ def _device_name(llm: LLM) -> str:
 
 
 def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
+    if args.profile_steps and config.data_parallel_size > 1:
+        raise SystemExit("--profile-steps profiles one engine: not with --data-parallel-size")
     llm = _llm(config)
     vocab = llm.runner.model_config.vocab_size
     input_lens = draw_lengths(args.input_len, args.num_prompts, config.seed + 1)
@@ -57,8 +59,9 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     pairs = zip(lora_ids, args.lora_paths, strict=True)
     loras = [LoRARequest(f"lora-{i}", i, path) for i, path in pairs]
     per_prompt = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
-    # Warm-up, with every adapter: they are read and put in slots outside the timing.
-    warm_loras = loras or [None]
+    # Warm-up, with every adapter on every replica: they are read and put in slots outside
+    # the timing (prompt i goes to replica i mod N).
+    warm_loras = [lora for lora in loras or [None] for _ in range(config.data_parallel_size)]
     warm_prompts = random_prompts(len(warm_loras), [16] * len(warm_loras), vocab, config.seed + 3)
     warm_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate(warm_prompts, warm_params, lora_request=warm_loras)
@@ -66,7 +69,6 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     results = llm.generate(prompts, params, lora_request=per_prompt, show_progress=True)
     elapsed = time.perf_counter() - start
     num_out = sum(len(r.token_ids) for r in results)
-    stats = llm.stats()
     report = {
         "benchmark": "throughput",
         "model": llm.runner.source.name,
@@ -81,8 +83,8 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens": num_out,
         "total_tokens": num_out + sum(input_lens),
         "matmul_parameters": _matmul_parameters(llm.runner.model),
-        "num_preemptions": stats.num_preemptions,
-        "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
+        "num_preemptions": sum(s.num_preemptions for s in llm.replica_stats()),
+        "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,  # in each replica
         "lora_adapters": len(loras),
         "config": _engine_summary(config),
     }
@@ -101,6 +103,8 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
+    if config.data_parallel_size > 1:
+        raise SystemExit("latency times one engine's steps: not with --data-parallel-size")
     llm = _llm(config)
     engine = llm.engine
     vocab = llm.runner.model_config.vocab_size
@@ -215,6 +219,7 @@ def _engine_summary(config: Config) -> dict[str, Any]:
         "enable_prefix_caching",
         "enforce_eager",
         "tensor_parallel_size",
+        "data_parallel_size",
         "gpu_memory_utilization",
         "quantization",
         "kv_cache_dtype",

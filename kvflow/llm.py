@@ -14,9 +14,10 @@ from typing import Any, cast
 
 import msgspec
 
+from kvflow.data_parallel import OtherReplicas, share_cpu_threads
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Completion, GenerationResult
-from kvflow.progress import Progress
+from kvflow.progress import Progress, ProgressSink
 from services.executor.lora_adapter import LoraAdapterError
 from services.executor.rank_group import start_runner
 from services.frontend.openai_types import Message, Tool, chat_message
@@ -43,14 +44,14 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
         self.config = Config(model=model, **{**OFFLINE_DEFAULTS, **config})
-        if self.config.data_parallel_size > 1:
-            raise ValueError(
-                "kvflow.LLM runs one engine: --data-parallel-size is for `kvflow serve` "
-                "(split one engine over GPUs with --tensor-parallel-size)"
-            )
         if self.config.kv_events_address is not None:
             raise ValueError("--kv-events-address: a serving scheduler publishes KV events")
-        self.runner = start_runner(self.config)
+        # With data_parallel_size N, replicas 1..N-1 load in processes of their own meanwhile.
+        self.replicas: OtherReplicas | None = None
+        if self.config.data_parallel_size > 1:
+            self.replicas = OtherReplicas(self.config)
+            share_cpu_threads(self.config.device, self.config.data_parallel_size)
+        self.runner = start_runner(self.config.replace(data_parallel_size=1))
         name = self.config.served_model_name or self.runner.source.name
         ready = self.runner.ready_message(name)
         # Offline, the whole batch is queued at once: no cap on waiting requests.
@@ -65,11 +66,14 @@ class LLM:
             grammar_timeout_s=self.config.grammar_compile_timeout,
         )
         self._next_id = 0
+        if self.replicas is not None:
+            self.replicas.wait_ready(self.config.startup_timeout)
         logger.info(
-            "engine ready: %s, max_model_len=%d, %d KV blocks",
+            "engine ready: %s, max_model_len=%d, %d KV blocks%s",
             name,
             ready.max_model_len,
             ready.num_blocks,
+            f" in each of {self.config.data_parallel_size} replicas" if self.replicas else "",
         )
 
     def generate(
@@ -127,7 +131,14 @@ class LLM:
         return self._run(requests, sampling_params, lora_request, show_progress)
 
     def stats(self) -> StatsSnapshot:
+        """The engine's gauges and counters (with data_parallel_size > 1: replica 0's)."""
         return self.engine.stats()
+
+    def replica_stats(self) -> list[StatsSnapshot]:
+        """Every replica's gauges and counters: replica 0's now, the others' as their last
+        share ended (none before their first)."""
+        others = self.replicas.stats if self.replicas is not None else []
+        return [self.stats(), *(s for s in others if s is not None)]
 
     # ---------------------------------------------------------------- the run
 
@@ -142,15 +153,30 @@ class LLM:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(per_prompt) != len(prompts):
             raise ParameterError("sampling_params", "give one per prompt, or a single one")
+        per_prompt = list(per_prompt)
         loras = _per_prompt_loras(lora_request, len(prompts))
+        progress = Progress(sum(max(p.n, 1) for p in per_prompt), show_progress)
+        if self.replicas is None:
+            return self.run_share(prompts, per_prompt, loras, progress)
+        return self.replicas.generate(self, prompts, per_prompt, loras, progress)
+
+    def run_share(
+        self,
+        prompts: list[GenerateRequest],
+        params: list[SamplingParams],
+        loras: list[LoRARequest | None],
+        progress: ProgressSink,
+    ) -> list[GenerationResult]:
+        """Generate for `prompts` in this process's engine, one continuous batch (with
+        data_parallel_size > 1, each replica's share of a batch)."""
         lora_ids = [0 if lora is None else self.add_lora(lora) for lora in loras]
         results: list[GenerationResult] = []
         owners: dict[str, tuple[GenerationResult, Completion]] = {}
         try:
-            for prompt, prompt_params, lora_id in zip(prompts, per_prompt, lora_ids, strict=True):
+            for prompt, prompt_params, lora_id in zip(prompts, params, lora_ids, strict=True):
                 prompt = msgspec.structs.replace(prompt, lora_id=lora_id)
                 results.append(self._add(prompt, prompt_params, owners))
-            self._step_until_done(owners, Progress(len(owners), show_progress))
+            self._step_until_done(owners, progress)
         finally:
             if owners:  # an error or an interrupt: withdraw what is left
                 self.engine.abort(list(owners))
@@ -191,7 +217,7 @@ class LLM:
         return result
 
     def _step_until_done(
-        self, owners: dict[str, tuple[GenerationResult, Completion]], progress: Progress
+        self, owners: dict[str, tuple[GenerationResult, Completion]], progress: ProgressSink
     ) -> None:
         while owners and self.engine.has_unfinished():
             deltas, ended = self.worker.on_outputs(self.engine.step())

@@ -24,6 +24,7 @@ class Completion:
         self._text_parts.append(delta.text)
         if delta.finish_reason is not None:
             self.text = "".join(self._text_parts)
+            self._text_parts.clear()  # the text holds them now
             self.finish_reason = delta.finish_reason.value
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Protocol
 
 
 class Progress:
@@ -31,3 +32,11 @@ class Progress:
     def close(self) -> None:
         if self.enabled:
             print(file=sys.stderr)
+
+
+class ProgressSink(Protocol):
+    """Where a run reports its progress: the line on stderr, or a parent it runs for."""
+
+    def update(self, num_tokens: int, num_done: int) -> None: ...
+
+    def close(self) -> None: ...

@@ -24,6 +24,7 @@ FP8_BLOCK_MODEL=${FP8_BLOCK_MODEL:-/tmp/llama-3.1-8b-fp8-block}
 FP8_STATIC_MODEL=${FP8_STATIC_MODEL:-/tmp/llama-3.1-8b-fp8-static}
 LORA_DIR=${LORA_DIR:-/tmp/loras}
 TP=${TP:-2}  # the tensor-parallel parts' ranks: one GPU each
+DP=${DP:-2}  # the data-parallel part's engine replicas: one GPU each
 status=0
 
 run() {
@@ -77,6 +78,16 @@ for part in $PARTS; do
         run throughput-tp python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --tensor-parallel-size "$TP" --num-prompts 256 --input-len 512 --output-len 256 \
             --ignore-eos --max-num-batched-tokens 8192 --output-json "$OUT/throughput_tp$TP.json" ;;
+    throughput-dp)  # offline with one engine, then $DP replicas (a GPU each): the throughput
+        # part's 256 prompts, then 1024 (each replica as full as one engine is at 512)
+        for prompts in 256 1024; do
+            for dp in 1 "$DP"; do
+                run "throughput-dp $dp x $prompts" timeout 300 python3 -m services bench \
+                    throughput "$MODEL" "${COMMON[@]}" --data-parallel-size "$dp" \
+                    --num-prompts $prompts --input-len 512 --output-len 256 --ignore-eos \
+                    --max-num-batched-tokens 8192 --output-json "$OUT/throughput_dp${dp}_$prompts.json"
+            done
+        done ;;
     latency-fp8)  # --quantization fp8 (issue 13)
         run latency-fp8 python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
             --quantization fp8 --input-len 128 --output-len 256 --profile-steps 20 \

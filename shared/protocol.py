@@ -25,7 +25,7 @@ class ParameterError(ValueError):
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(f"{param}: {message}")
-        self.param = param
+        self.param, self.message = param, message
 
 
 class NotFoundError(ParameterError):

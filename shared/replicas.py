@@ -1,9 +1,12 @@
-"""The names engine processes go by (heartbeats, /health, logs), over engine replicas
-(--data-parallel-size) and tensor-parallel ranks (--tensor-parallel-size)."""
+"""Engine replicas (--data-parallel-size) and their tensor-parallel ranks
+(--tensor-parallel-size): the names their processes go by (heartbeats, /health, logs), and the
+GPUs each replica gets, serving and offline alike."""
 
 from __future__ import annotations
 
-from shared.config import Config
+import os
+
+from shared.config import Config, ConfigError
 
 
 def replica_name(component: str, replica: int, num_replicas: int) -> str:
@@ -22,3 +25,36 @@ def engine_components(config: Config) -> list[str]:
     names = ["scheduler", *(f"executor-{t}" for t in range(config.tensor_parallel_size))]
     replicas = config.data_parallel_size
     return [replica_name(name, r, replicas) for r in range(replicas) for name in names]
+
+
+def replica_gpus(config: Config) -> list[str] | None:
+    """With several replicas on GPUs, the GPUs they share out, one per rank and replica after
+    replica (`replica_devices`); None where they run on the CPU, or there is one replica.
+    Fewer GPUs than ranks in all: refused."""
+    replicas, ranks = config.data_parallel_size, config.tensor_parallel_size
+    if replicas == 1 or config.device == "cpu":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [gpu for gpu in visible.split(",") if gpu.strip()]
+    else:
+        import torch  # here only: `kvflow serve` needs it for this count alone
+
+        gpus = [str(gpu) for gpu in range(torch.cuda.device_count())]
+    if not gpus and config.device == "auto":
+        return None  # no GPU: the replicas run on the CPU
+    if len(gpus) < replicas * ranks:
+        raise ConfigError(
+            f"--data-parallel-size {replicas} x --tensor-parallel-size {ranks} needs "
+            f"{replicas * ranks} GPUs; {len(gpus)} are visible"
+        )
+    return gpus
+
+
+def replica_devices(gpus: list[str] | None, replica: int, config: Config) -> dict[str, str]:
+    """The environment that gives replica r GPUs r*N..(r+1)*N-1 of `gpus` (N: its ranks);
+    nothing where `replica_gpus` found none to share out."""
+    if gpus is None:
+        return {}
+    ranks = config.tensor_parallel_size
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[replica * ranks : (replica + 1) * ranks])}

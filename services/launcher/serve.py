@@ -22,11 +22,11 @@ import urllib.request
 
 import zmq
 
-from shared.config import ENV_PREFIX, Config, ConfigError
+from shared.config import ENV_PREFIX, Config
 from shared.constants import DEATH_GRACE_S, UNHEALTHY_LIMIT_S
 from shared.ipc import connect_dealer, encode
 from shared.protocol import ComponentDown
-from shared.replicas import replica_name
+from shared.replicas import replica_devices, replica_gpus, replica_name
 from shared.wire_security import WireSecurity, private_runtime_dir
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 class Launcher:
     def __init__(self, config: Config) -> None:
         self.security = WireSecurity.of(config)  # a key it cannot read stops serve right here
-        self.gpus = gpus_per_replica(config)  # too few: serve stops right here too
+        self.gpus = replica_gpus(config)  # too few: serve stops right here too
         self.runtime = private_runtime_dir()  # 0700: no other user reaches the ipc:// sockets
         self.frontend_address = config.frontend_address or f"ipc://{self.runtime}/frontend"
         self.config = config.replace(
@@ -87,7 +87,7 @@ class Launcher:
             self._spawn(
                 replica_name("scheduler", r, replicas), [*base, "scheduler", *args, *rank], env
             )
-            executor_env = {**env, **self._devices(r)}
+            executor_env = {**env, **replica_devices(self.gpus, r, self.config)}
             self._spawn(
                 replica_name("executor-0", r, replicas),
                 [*base, "executor", *args, *rank],
@@ -104,15 +104,6 @@ class Launcher:
         if replicas == 1:
             return f"ipc://{self.runtime}/{name}"
         return ",".join(f"ipc://{self.runtime}/{name}-{r}" for r in range(replicas))
-
-    def _devices(self, replica: int) -> dict[str, str]:
-        """Replica r's executor gets GPUs r*N..(r+1)*N-1 of those visible (N: its ranks)."""
-        if self.gpus is None:
-            return {}
-        ranks = self.config.tensor_parallel_size
-        return {
-            "CUDA_VISIBLE_DEVICES": ",".join(self.gpus[replica * ranks : (replica + 1) * ranks])
-        }
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True)
@@ -204,27 +195,3 @@ class Launcher:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 proc.kill()
-
-
-def gpus_per_replica(config: Config) -> list[str] | None:
-    """With several replicas on GPUs, the GPUs their executors share out, one per rank and
-    replica after replica (`Launcher._devices`); None where they run on the CPU, or there is
-    one replica. Fewer GPUs than ranks in all: refused."""
-    replicas, ranks = config.data_parallel_size, config.tensor_parallel_size
-    if replicas == 1 or config.device == "cpu":
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        gpus = [gpu for gpu in visible.split(",") if gpu.strip()]
-    else:
-        import torch  # here only: the launcher needs it for this count alone
-
-        gpus = [str(gpu) for gpu in range(torch.cuda.device_count())]
-    if not gpus and config.device == "auto":
-        return None  # no GPU: the replicas run on the CPU
-    if len(gpus) < replicas * ranks:
-        raise ConfigError(
-            f"--data-parallel-size {replicas} x --tensor-parallel-size {ranks} needs "
-            f"{replicas * ranks} GPUs; {len(gpus)} are visible"
-        )
-    return gpus

@@ -11,6 +11,7 @@ import pytest
 
 from services.launcher.serve import Launcher
 from shared.config import Config, ConfigError
+from shared.replicas import replica_devices
 
 FRONTEND_STAND_IN = (
     "import signal, sys, time\n"
@@ -41,7 +42,7 @@ def test_each_replica_gets_its_own_gpus_and_too_few_are_refused(monkeypatch) -> 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
     launcher = Launcher(Config(device="cuda", data_parallel_size=2, tensor_parallel_size=2))
     shutil.rmtree(launcher.runtime, ignore_errors=True)
-    assert [launcher._devices(r) for r in range(2)] == [
+    assert [replica_devices(launcher.gpus, r, launcher.config) for r in range(2)] == [
         {"CUDA_VISIBLE_DEVICES": "3,5"},
         {"CUDA_VISIBLE_DEVICES": "6,7"},
     ]

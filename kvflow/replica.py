@@ -1,0 +1,125 @@
+"""A replica of an `LLM(..., data_parallel_size=N)` other than replica 0: a process that
+`OtherReplicas` (kvflow/data_parallel.py) starts on its slice of the GPUs. It loads an `LLM` of
+one replica, then runs each share of a batch the parent sends, and reports as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvflow.data_parallel import (
+    ENCODER,
+    FROM_PARENT,
+    PROGRESS_INTERVAL_S,
+    WATCH_INTERVAL_S,
+    ReplicaCancel,
+    ReplicaDone,
+    ReplicaFailed,
+    ReplicaJob,
+    ReplicaProgress,
+    ReplicaReady,
+    share_cpu_threads,
+)
+from kvflow.llm import LLM
+from shared.config import config_from_file
+from shared.protocol import ParameterError
+
+
+class ReplicaCancelled(Exception):
+    """The parent cancelled the share this replica is running."""
+
+
+class _ToParent:
+    """A replica's progress, sent to the parent at most every PROGRESS_INTERVAL_S; a cancel
+    from the parent raises ReplicaCancelled here, inside the replica's step loop."""
+
+    def __init__(self, socket: zmq.Socket[Any]) -> None:
+        self.socket = socket
+        self.tokens = self.done = 0
+        self.last = time.monotonic()
+
+    def update(self, num_tokens: int, num_done: int) -> None:
+        self.tokens += num_tokens
+        self.done += num_done
+        if time.monotonic() - self.last > PROGRESS_INTERVAL_S:
+            self.close()
+            if self.socket.poll(0) and isinstance(
+                FROM_PARENT.decode(self.socket.recv()), ReplicaCancel
+            ):
+                raise ReplicaCancelled
+
+    def close(self) -> None:
+        self.socket.send(ENCODER.encode(ReplicaProgress(self.tokens, self.done)))
+        self.tokens = self.done = 0
+        self.last = time.monotonic()
+
+
+def serve_parent(llm: LLM, socket: zmq.Socket[Any], replica: int) -> None:
+    """A replica's loop: run each share the parent sends, answer with its results or why it
+    failed. A cancel that comes while idle is late (the share had ended): it is dropped."""
+    while True:
+        job = FROM_PARENT.decode(socket.recv())
+        if not isinstance(job, ReplicaJob):
+            continue
+        params = [request.sampling_params for request in job.requests]
+        try:
+            results = llm.run_share(job.requests, params, job.loras, _ToParent(socket))
+        except ParameterError as exc:
+            answer: ReplicaDone | ReplicaFailed = ReplicaFailed(exc.param, exc.message)
+        except ReplicaCancelled:
+            answer = ReplicaFailed(None, "cancelled")
+        else:
+            answer = ReplicaDone(results, msgspec.structs.replace(llm.stats(), replica=replica))
+        socket.send(ENCODER.encode(answer))
+
+
+def _watch_parent(parent: int) -> None:
+    """A replica exits as soon as the process that started it is gone."""
+    while os.getppid() == parent:
+        time.sleep(WATCH_INTERVAL_S)
+    os._exit(1)
+
+
+def main() -> None:
+    """Replica R of an `LLM(..., data_parallel_size=N)`, started by it (`OtherReplicas`)."""
+    parser = argparse.ArgumentParser(prog="kvflow data-parallel replica")
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--replica", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--replicas", type=int, required=True)
+    args = parser.parse_args()
+    config = config_from_file(args.config)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s %(levelname)s [replica {args.replica}] %(name)s: %(message)s",
+    )
+    threading.Thread(
+        target=_watch_parent, args=(args.parent,), name="parent-watch", daemon=True
+    ).start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through atexit's teardown
+    share_cpu_threads(config.device, args.replicas)
+    llm = LLM(**dataclasses.asdict(config))
+    context: zmq.Context[Any] = zmq.Context.instance()
+    socket = context.socket(zmq.PAIR)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(args.address)
+    socket.send(ENCODER.encode(ReplicaReady(args.replica)))
+    serve_parent(llm, socket, args.replica)
+
+
+if __name__ == "__main__":
+    main()
