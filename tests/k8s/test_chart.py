@@ -58,8 +58,9 @@ def by_kind(objects: list[Obj], kind: str) -> dict[str, Obj]:
 
 
 def pods(objects: list[Obj]) -> Iterator[Obj]:
-    for deployment in by_kind(objects, "Deployment").values():
-        yield deployment["spec"]["template"]
+    for kind in ("Deployment", "StatefulSet"):
+        for workload in by_kind(objects, kind).values():
+            yield workload["spec"]["template"]
 
 
 def containers(objects: list[Obj]) -> dict[str, Obj]:
@@ -115,26 +116,79 @@ def test_every_component_gets_settings_kvflow_accepts(values: str, monkeypatch) 
         assert config.drain_timeout > 0
 
 
+def assert_address_meets_its_binder(
+    objects: list[Obj], address: str, binder: str, port_name: str, replica: int = 0
+) -> None:
+    """A connecting component's `address` reaches the port `binder` binds: by a Service's name,
+    or (an engine pod) by the pod's name under the StatefulSet's headless Service."""
+    services, found = by_kind(objects, "Service"), containers(objects)
+    host, port = re.fullmatch(r"tcp://([\w.-]+):(\d+)", address).groups()
+    pod_name, _, service_name = host.rpartition(".")
+    service = services[service_name or pod_name]
+    if pod_name and service_name:
+        [engine] = by_kind(objects, "StatefulSet").values()
+        assert engine["spec"]["serviceName"] == service_name
+        assert service["spec"]["clusterIP"] == "None"  # the pods' own names resolve
+        assert pod_name == f"{engine['metadata']['name']}-{replica}"
+    ports = {p["targetPort"]: p["port"] for p in service["spec"]["ports"]}
+    assert ports[port_name] == int(port)
+    assert service["spec"]["publishNotReadyAddresses"]  # reachable while /ready is 503
+    assert {"name": port_name, "containerPort": int(port)} in found[binder]["ports"]
+    pod = next(p for p in pods(objects) if found[binder] in p["spec"]["containers"])
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
 def test_the_addresses_meet_the_services_and_ports() -> None:
     objects = render()
-    services, found = by_kind(objects, "Service"), containers(objects)
+    found = containers(objects)
     tokenizer_env = environment(objects, found["tokenizer"])
     for address_var, binder, port_name in [
         ("KVFLOW_FRONTEND_ADDRESS", "frontend", "zmq-frontend"),
         ("KVFLOW_SCHEDULER_ADDRESS", "scheduler", "zmq-scheduler"),
     ]:
-        host, port = re.fullmatch(r"tcp://([\w.-]+):(\d+)", tokenizer_env[address_var]).groups()
-        service = services[host]
-        [service_port] = service["spec"]["ports"]
-        assert service_port["port"] == int(port) and service_port["targetPort"] == port_name
-        assert service["spec"]["publishNotReadyAddresses"]  # reachable while /ready is 503
-        binds = environment(objects, found[binder])[address_var]
-        assert binds == f"tcp://0.0.0.0:{port}"
-        assert {"name": port_name, "containerPort": int(port)} in found[binder]["ports"]
-        pod = next(p for p in pods(objects) if found[binder] in p["spec"]["containers"])
-        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        assert_address_meets_its_binder(objects, tokenizer_env[address_var], binder, port_name)
+        port = tokenizer_env[address_var].rpartition(":")[2]
+        assert environment(objects, found[binder])[address_var] == f"tcp://0.0.0.0:{port}"
     executor = environment(objects, found["executor"])["KVFLOW_SCHEDULER_ADDRESS"]
     assert executor.startswith("tcp://127.0.0.1:")  # beside its scheduler, in the engine pod
+    assert "KVFLOW_KV_EVENTS_ADDRESS" not in tokenizer_env  # one engine: nothing to route
+
+
+def test_engine_replicas_are_pods_each_reached_by_name_with_its_own_rank(monkeypatch) -> None:
+    """flags.data-parallel-size 3: three engine pods; every tokenizer worker connects to each
+    pod's scheduler and KV events by the pod's name, and pod R binds replica R's entries."""
+    objects = render("values-gpu.yaml", "flags.data-parallel-size=3")
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    [engine] = by_kind(objects, "StatefulSet").values()
+    assert engine["spec"]["replicas"] == 3
+    assert engine["spec"]["podManagementPolicy"] == "Parallel"
+    found = containers(objects)
+    tokenizer_env = environment(objects, found["tokenizer"])
+    for variable, port_name in [
+        ("KVFLOW_SCHEDULER_ADDRESS", "zmq-scheduler"),
+        ("KVFLOW_KV_EVENTS_ADDRESS", "zmq-kv-events"),
+    ]:
+        addresses = tokenizer_env[variable].split(",")
+        assert len(addresses) == 3
+        for replica, address in enumerate(addresses):
+            assert_address_meets_its_binder(objects, address, "scheduler", port_name, replica)
+    for component in ("scheduler", "executor"):
+        rank = {v["name"]: v for v in found[component]["env"]}["KVFLOW_DATA_PARALLEL_RANK"]
+        label = rank["valueFrom"]["fieldRef"]["fieldPath"]
+        assert label == "metadata.labels['apps.kubernetes.io/pod-index']"
+        # What kvflow reads in pod 2: replica 2's entries, its own pod's ports.
+        for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
+            monkeypatch.delenv(name)
+        env = environment(objects, found[component])
+        for name, value in {**env, "KVFLOW_DATA_PARALLEL_RANK": "2"}.items():
+            monkeypatch.setenv(name, value)
+        config = config_from_args(argparse.Namespace())
+        assert (config.data_parallel_size, config.replica) == (3, 2)
+        host = "0.0.0.0" if component == "scheduler" else "127.0.0.1"
+        assert config.replica_address("scheduler_address") == f"tcp://{host}:5558"
+    policy = by_kind(objects, "NetworkPolicy")["kvflow-engine"]["spec"]["ingress"][0]
+    assert {p["port"] for p in policy["ports"]} == {5558, 5559}
 
 
 def test_the_api_port_is_the_compose_files() -> None:
@@ -195,8 +249,9 @@ def test_the_gpu_values_give_the_executor_alone_a_gpu_and_shared_memory() -> Non
     for component, container in found.items():
         gpus = container["resources"].get("limits", {}).get("nvidia.com/gpu")
         assert gpus == (1 if component == "executor" else None), component
-    engine = by_kind(objects, "Deployment")["kvflow-engine"]["spec"]
-    assert engine["strategy"] == {"type": "Recreate"}  # the new pod needs the old one's GPU
+    engine = by_kind(objects, "StatefulSet")["kvflow-engine"]["spec"]
+    # One pod at a time, the old one gone first: the new pod needs the old one's GPU.
+    assert engine["updateStrategy"] == {"type": "RollingUpdate"}
     shm = {v["name"]: v for v in engine["template"]["spec"]["volumes"]}["dshm"]
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in found["executor"]["volumeMounts"]

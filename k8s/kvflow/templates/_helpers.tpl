@@ -27,8 +27,40 @@ app.kubernetes.io/component: {{ index . 1 }}
 tcp://{{ include "kvflow.fullname" . }}-frontend-zmq:{{ .Values.ports.frontend }}
 {{- end -}}
 
-{{- define "kvflow.schedulerAddress" -}}
-tcp://{{ include "kvflow.fullname" . }}-scheduler:{{ .Values.ports.scheduler }}
+{{/* Engine replicas: flags.data-parallel-size, one engine pod each. */}}
+{{- define "kvflow.replicas" -}}
+{{- index .Values.flags "data-parallel-size" | default 1 | int -}}
+{{- end -}}
+
+{{/* Every engine pod's address on a port, replica 0 first, by the pod's name under the
+headless Service: `include "kvflow.engineAddresses" (list . .Values.ports.scheduler)`. */}}
+{{- define "kvflow.engineAddresses" -}}
+{{- $root := index . 0 -}}
+{{- $port := index . 1 -}}
+{{- $name := include "kvflow.fullname" $root -}}
+{{- $addresses := list -}}
+{{- range $replica := until (include "kvflow.replicas" $root | int) -}}
+{{- $addresses = append $addresses (printf "tcp://%s-engine-%d.%s-engine:%v" $name $replica $name $port) -}}
+{{- end -}}
+{{- join "," $addresses -}}
+{{- end -}}
+
+{{/* One address for every replica's entry (an engine pod binds or connects its own):
+`include "kvflow.everyReplica" (list . "tcp://0.0.0.0:5558")`. */}}
+{{- define "kvflow.everyReplica" -}}
+{{- $address := index . 1 -}}
+{{- $addresses := list -}}
+{{- range until (include "kvflow.replicas" (index . 0) | int) -}}
+{{- $addresses = append $addresses $address -}}
+{{- end -}}
+{{- join "," $addresses -}}
+{{- end -}}
+
+{{/* An engine container's replica: its pod's index in the StatefulSet (Kubernetes 1.28+). */}}
+{{- define "kvflow.replicaRank" -}}
+- name: KVFLOW_DATA_PARALLEL_RANK
+  valueFrom:
+    fieldRef: {fieldPath: "metadata.labels['apps.kubernetes.io/pod-index']"}
 {{- end -}}
 
 {{/* What every kvflow container shares: the image, the settings, the security context. */}}
