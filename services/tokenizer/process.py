@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from services.tokenizer.owed_endings import OwedEndings
 from services.tokenizer.replica_router import ReplicaRouter
 from services.tokenizer.worker import TokenizerWorker
 from shared.config import Config
@@ -81,6 +82,7 @@ class TokenizerProcess:
             context, config.frontend_address, self.name, security=security
         )
         self.origin: dict[str, zmq.Socket[Any]] = {}  # request_id -> the frontend that sent it
+        self.owed = OwedEndings(self.name)  # endings for frontends whose link was full
         # One scheduler per engine replica; each request goes to one (the router's pick)
         self.schedulers = [
             connect_dealer(context, address, self.name, security)
@@ -139,6 +141,7 @@ class TokenizerProcess:
                     else:
                         handler = functools.partial(self._from_frontend, socket)
                         self._guarded(handler, from_frontend, socket.recv())
+                self.owed.flush()
                 self._refresh_frontends()
                 if self.draining.is_set() and not said_draining:
                     logger.info("%s: draining %d requests", self.name, len(self.worker.live))
@@ -166,6 +169,7 @@ class TokenizerProcess:
             self.poller.register(link, zmq.POLLIN)
         for link in removed:
             self.poller.unregister(link)
+            self.owed.forget(link)
         orphan_ids = sorted(r for r, link in self.origin.items() if link in removed)
         if orphan_ids:
             logger.warning("%s: a frontend went: stopping %s", self.name, orphan_ids)
@@ -232,7 +236,8 @@ class TokenizerProcess:
             link.send(encode(message), flags=zmq.DONTWAIT)
         except zmq.Again:  # that frontend stopped reading: never let it stall the others
             logger.warning("request_id=%s: its frontend is not reading: stopping it", request_id)
-            self._stop([request_id])
+            if isinstance(message, TextDelta):
+                self._fell_behind(link, [request_id])
 
     def _reply_deltas(self, deltas: list[TextDelta]) -> None:
         """A step's deltas: one TextDeltas message to each frontend they go to."""
@@ -248,7 +253,13 @@ class TokenizerProcess:
                 link.send(encode(TextDeltas(batch)), flags=zmq.DONTWAIT)
             except zmq.Again:  # that frontend stopped reading: never let it stall the others
                 logger.warning("a frontend is not reading: stopping its %d requests", len(batch))
-                self._stop([d.request_id for d in batch])
+                self._fell_behind(link, [d.request_id for d in batch])
+
+    def _fell_behind(self, link: zmq.Socket[Any], request_ids: list[str]) -> None:
+        """Stop requests whose replies did not fit their frontend's link; each one's error
+        ending goes once the link takes it."""
+        self._stop(request_ids)
+        self.owed.owe(link, request_ids)
 
     def _from_frontend(self, link: zmq.Socket[Any], message: object) -> None:
         if isinstance(message, GenerateRequest | TokenizeRequest | LoraAdapterRequest):
