@@ -97,8 +97,8 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
             --random-input-len 200 --random-output-len 200 --num-prompts "$NUM_PROMPTS" \
             --request-rate inf --seed 300 --output-json "$RESULTS/$1_load.json"
         curl -s $url/metrics >"$RESULTS/$1_metrics_before.txt"
-        run "$1 prefix-many" timeout 120 python3 -m services bench serve "${common[@]}" \
-            --dataset-name prefix-repetition --prefix-repetition-prefix-len 1024 \
+        [[ $4 == *prefix* ]] && run "$1 prefix-many" timeout 120 python3 -m services bench \
+            serve "${common[@]}" --dataset-name prefix-repetition --prefix-repetition-prefix-len 1024 \
             --prefix-repetition-suffix-len 64 --prefix-repetition-num-prefixes 32 \
             --prefix-repetition-output-len 32 --num-prompts 256 --request-rate 16 --seed 500 \
             --output-json "$RESULTS/$1_prefix_many.json"
@@ -148,6 +148,9 @@ for part in $PARTS; do
         serve_dp dp1 1 prefix serve,prefix
         serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve,prefix
         serve_dp "dp${DP:-2}_round_robin" "${DP:-2}" round-robin prefix ;;
+    dp-load)  # the serve load alone: one replica, then DP replicas
+        serve_dp dp1 1 prefix serve
+        serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve ;;
     kvflow-no-prefix-cache) serve_kvflow kvflow_nocache prefix --no-enable-prefix-caching ;;
     vllm) serve_vllm ;;
     offline-kvflow)  # 256 x 512 in / 256 out, all at once; then prompts only (the prefill share)
