@@ -93,11 +93,13 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
     if wait_healthy $url $pid; then
         echo "$1 start to ready: $((SECONDS - start)) s"
         local common=(--port 8100 --tokenizer "$MODEL_DIR" --ignore-eos --disable-tqdm)
-        # Twice: the first load meets a fresh server (first-use compiles), the second not.
-        for load in load load_again; do
+        # Twice: the first load meets a fresh server (first-use compiles), the second not;
+        # other prompts (seed), or the second would find them all in the prefix cache.
+        for seed in 300 301; do
+            local load=$([[ $seed == 300 ]] && echo load || echo load_again)
             [[ $4 == *serve* ]] && run "$1 $load" timeout 240 python3 -m services bench serve \
                 "${common[@]}" --random-input-len 200 --random-output-len 200 \
-                --num-prompts "$NUM_PROMPTS" --request-rate inf --seed 300 \
+                --num-prompts "$NUM_PROMPTS" --request-rate inf --seed $seed \
                 --output-json "$RESULTS/$1_$load.json"
         done
         curl -s $url/metrics >"$RESULTS/$1_metrics_before.txt"
