@@ -11,7 +11,6 @@ their prefix caches included.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import json
 import logging
@@ -21,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import torch
@@ -36,14 +36,17 @@ from shared.config import Config
 from shared.protocol import GenerateRequest, ParameterError, SamplingParams, StatsSnapshot
 from shared.replicas import replica_devices, replica_gpus
 
-if TYPE_CHECKING:
-    from kvflow.llm import LLM
+# How replica 0 runs its share: LLM.run_share (prompts, their params, adapters, progress).
+RunShare = Callable[
+    [list[GenerateRequest], list[SamplingParams], list[LoRARequest | None], ProgressSink],
+    list[GenerationResult],
+]
 
 logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.5  # how often a wait looks at the replicas' processes
 PROGRESS_INTERVAL_S = 0.25  # how often a replica reports its share's progress
-STOP_TIMEOUT_S = 10  # how long exit waits for a replica to end before killing it
+STOP_TIMEOUT_S = 30  # how long exit waits for a replica (and its ranks) to end
 
 
 class ReplicaReady(msgspec.Struct, tag=True):
@@ -53,120 +56,154 @@ class ReplicaReady(msgspec.Struct, tag=True):
 class ReplicaJob(msgspec.Struct, tag=True):
     """A replica's share of a batch, each request with its own sampling parameters."""
 
+    job: int  # the batch's number: every answer carries it, so a late one is told apart
     requests: list[GenerateRequest]
     loras: list[LoRARequest | None]
 
 
 class ReplicaCancel(msgspec.Struct, tag=True):
-    """Drop the share in hand: another replica's share failed."""
+    """Drop the share of batch `job`: another share failed, or the call was interrupted."""
+
+    job: int
 
 
 class ReplicaProgress(msgspec.Struct, tag=True):
+    job: int
     num_tokens: int
     num_done: int
 
 
 class ReplicaDone(msgspec.Struct, tag=True):
+    job: int
     results: list[GenerationResult]
     stats: StatsSnapshot
 
 
 class ReplicaFailed(msgspec.Struct, tag=True):
+    job: int
     param: str | None  # a bad parameter's name; None: anything else, a cancel included
     message: str
 
 
+FromReplica = ReplicaReady | ReplicaProgress | ReplicaDone | ReplicaFailed
 FROM_PARENT = msgspec.msgpack.Decoder(ReplicaJob | ReplicaCancel)
-FROM_REPLICA = msgspec.msgpack.Decoder(ReplicaReady | ReplicaProgress | ReplicaDone | ReplicaFailed)
+FROM_REPLICA = msgspec.msgpack.Decoder(FromReplica)
 ENCODER = msgspec.msgpack.Encoder()
+
+
+class ShareFailed(Exception):
+    """Another replica's share failed while replica 0 ran its own: stop it."""
 
 
 class OtherReplicas:
     """The LLM's hold on replicas 1..N-1. They start at once, so that they load while replica
-    0 does, and stop when this process exits. One that dies fails the call in hand and every
-    later one, as a dead engine does when serving."""
+    0 does. One that dies fails the call in hand and every later one, as a dead engine does
+    when serving; so does a call interrupted twice (its replicas' state is then unknown)."""
 
     def __init__(self, config: Config) -> None:
         gpus = replica_gpus(config)  # too few: refused before anything starts
         self.directory = Path(tempfile.mkdtemp(prefix="kvflow-replicas-"))  # 0700
         self.config_path = self.directory / "config.json"
-        one = config.replace(data_parallel_size=1)
-        self.config_path.write_text(json.dumps(dataclasses.asdict(one)))
-        context: zmq.Context[Any] = zmq.Context.instance()
         self.sockets: list[zmq.Socket[Any]] = []
         self.procs: list[subprocess.Popen[bytes]] = []
-        for replica in range(1, config.data_parallel_size):
-            socket = context.socket(zmq.PAIR)
-            socket.setsockopt(zmq.LINGER, 0)
-            address = f"ipc://{self.directory}/replica-{replica}"
-            socket.bind(address)
-            argv = [sys.executable, "-m", "kvflow.replica", "--parent", str(os.getpid())]
-            argv += ["--config", str(self.config_path), "--replica", str(replica)]
-            argv += ["--replicas", str(config.data_parallel_size)]
-            env = {**os.environ, **replica_devices(gpus, replica, config)}
-            self.procs.append(subprocess.Popen([*argv, "--address", address], env=env))
-            self.sockets.append(socket)
+        self.poller = zmq.Poller()
+        try:
+            for replica in range(1, config.data_parallel_size):
+                self._start(config.replace(data_parallel_rank=replica), gpus)
+        except BaseException:
+            self.stop()
+            raise
         self.stats: list[StatsSnapshot | None] = [None] * len(self.procs)
         self.answers: dict[int, ReplicaDone | ReplicaFailed] = {}
+        self.job = 0
         self.broken: str | None = None
-        atexit.register(self.stop)
+
+    def _start(self, config: Config, gpus: list[str] | None) -> None:
+        """Replica `config.replica`: its config file (read once, then deleted), its socket,
+        its process in a session of its own (a Ctrl-C reaches this process alone, which
+        cancels the replicas' shares), on its GPUs."""
+        replica = config.replica
+        path = self.directory / f"config-{replica}.json"
+        path.write_text(json.dumps(dataclasses.asdict(config)))
+        socket: zmq.Socket[Any] = zmq.Context.instance().socket(zmq.PAIR)
+        socket.setsockopt(zmq.LINGER, 0)
+        address = f"ipc://{self.directory}/replica-{replica}"
+        socket.bind(address)
+        self.sockets.append(socket)
+        self.poller.register(socket, zmq.POLLIN)
+        argv = [sys.executable, "-m", "kvflow.replica", "--parent", str(os.getpid())]
+        argv += ["--config", str(path), "--address", address]
+        env = {**os.environ, **replica_devices(gpus, replica, config)}
+        # The modules this process imported, wherever they came from.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self.procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
 
     def wait_ready(self, timeout: float) -> None:
-        """Wait until every replica has loaded its model; the config file goes then."""
+        """Wait until every replica has loaded its model; the config files go then (they
+        may hold the API key)."""
         waiting = set(range(len(self.procs)))
         deadline = time.monotonic() + timeout
-        while waiting:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"data-parallel replicas not ready after {timeout} s")
-            for index, message in self._receive(waiting):
-                if isinstance(message, ReplicaReady):
-                    waiting.discard(index)
-        self.config_path.unlink()  # it may hold the API key
+        try:
+            while waiting:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"data-parallel replicas not ready after {timeout} s")
+                for index, message in self._receive(waiting):
+                    if isinstance(message, ReplicaReady) and message.replica == index + 1:
+                        waiting.discard(index)
+        finally:
+            for path in self.directory.glob("config-*.json"):
+                path.unlink()
 
     def generate(
         self,
-        llm: LLM,
+        run_share: RunShare,
         prompts: list[GenerateRequest],
         params: list[SamplingParams],
         loras: list[LoRARequest | None],
         progress: Progress,
     ) -> list[GenerationResult]:
-        """Deal the prompts out (prompt i to replica i mod N), run replica 0's share in
-        `llm`, and return every result in the prompts' order."""
-        size = len(self.procs) + 1
+        """Deal the prompts out (prompt i to replica i mod N), run replica 0's share with
+        `run_share`, and return every result in the prompts' order."""
         if self.broken is not None:
             raise RuntimeError(self.broken)
+        size = len(self.procs) + 1
         requests = [
             msgspec.structs.replace(prompt, sampling_params=prompt_params)
             for prompt, prompt_params in zip(prompts, params, strict=True)
         ]
-        for index in range(len(self.procs)):
-            share = slice(index + 1, None, size)
-            self._send(index, ReplicaJob(requests[share], loras[share]))
+        self.job += 1
         self.answers.clear()
         try:
-            own = llm.run_share(prompts[::size], params[::size], loras[::size], self.hook(progress))
+            for index in range(len(self.procs)):
+                share = slice(index + 1, None, size)
+                self._send(index, ReplicaJob(self.job, requests[share], loras[share]))
+            try:
+                own = run_share(
+                    prompts[::size], params[::size], loras[::size], _WithReplicas(progress, self)
+                )
+            except ShareFailed:
+                own = []  # the failed share's error is raised below
+            while self._pending():
+                self._answer(progress)
+            results = [own, *(self._results(index) for index in range(len(self.procs)))]
         except BaseException:
             self._cancel()
             raise
-        while self._pending():
-            self._answer(progress)
-        progress.close()
-        results = [own, *(self._results(index) for index in range(len(self.procs)))]
-        ordered: list[GenerationResult] = []
-        for position in range(len(prompts)):
-            ordered.append(results[position % size][position // size])
-        return ordered
+        finally:
+            progress.close()
+            self.answers.clear()  # the replicas' results, held no longer than the call
+        return [results[position % size][position // size] for position in range(len(prompts))]
 
-    def hook(self, progress: Progress) -> ProgressSink:
-        """`progress`, also taking the other replicas' reports each time replica 0 reports."""
-        return _WithReplicas(progress, self)
-
-    def drain(self, progress: Progress) -> None:
-        """Take the reports and answers the replicas have sent, without waiting."""
+    def failed_meanwhile(self, progress: Progress) -> bool:
+        """Take what the replicas have sent, without waiting; whether a share failed (or a
+        replica exited) while replica 0 runs its own."""
         self._answer(progress, wait=False)
+        if any(isinstance(answer, ReplicaFailed) for answer in self.answers.values()):
+            return True
+        return any(self.procs[index].poll() is not None for index in self._pending())
 
     def stop(self) -> None:
+        """End the replicas (each ends its own ranks first); at exit, or when the LLM closes."""
         for proc in self.procs:
             if proc.poll() is None:
                 proc.terminate()
@@ -180,6 +217,7 @@ class OtherReplicas:
             socket.close()
         self.sockets.clear()
         shutil.rmtree(self.directory, ignore_errors=True)
+        self.broken = "the LLM's data-parallel replicas were stopped"
 
     # ---------------------------------------------------------------- the sockets
 
@@ -198,6 +236,8 @@ class OtherReplicas:
 
     def _answer(self, progress: Progress, wait: bool = True) -> None:
         for index, message in self._receive(self._pending(), wait):
+            if getattr(message, "job", None) != self.job:
+                continue  # a share cancelled before: its late reports and answer
             if isinstance(message, ReplicaProgress):
                 progress.update(message.num_tokens, message.num_done)
             elif isinstance(message, ReplicaDone | ReplicaFailed):
@@ -205,13 +245,10 @@ class OtherReplicas:
                 if isinstance(message, ReplicaDone):
                     self.stats[index] = message.stats
 
-    def _receive(self, indices: set[int], wait: bool = True) -> list[tuple[int, Any]]:
+    def _receive(self, indices: set[int], wait: bool = True) -> list[tuple[int, FromReplica]]:
         """The messages replicas `indices` have sent, waiting up to WATCH_INTERVAL_S for one;
         raises once one of them has exited."""
-        poller = zmq.Poller()
-        for index in indices:
-            poller.register(self.sockets[index], zmq.POLLIN)
-        ready = dict(poller.poll(int(WATCH_INTERVAL_S * 1000) if wait else 0))
+        ready = dict(self.poller.poll(int(WATCH_INTERVAL_S * 1000) if wait and indices else 0))
         messages = []
         for index in indices:
             socket = self.sockets[index]
@@ -230,12 +267,19 @@ class OtherReplicas:
 
     def _cancel(self) -> None:
         """Stop the shares still running and wait for their answers, so that the next batch
-        meets idle replicas."""
-        for index in self._pending():
-            self._send(index, ReplicaCancel())
-        ignored = Progress(0, enabled=False)
-        while self._pending():
-            self._answer(ignored)
+        meets idle replicas. Interrupted itself, it leaves them in an unknown state."""
+        if self.broken is not None:
+            return  # a replica exited: the LLM takes no more calls
+        self.broken = "a data-parallel call was interrupted while cancelling its replicas"
+        try:
+            for index in self._pending():
+                self._send(index, ReplicaCancel(self.job))
+            ignored = Progress(0, enabled=False)
+            while self._pending():
+                self._answer(ignored)
+        except RuntimeError:
+            return  # a replica exited: broken, which says so
+        self.broken = None
 
     def _results(self, index: int) -> list[GenerationResult]:
         answer = self.answers[index]
@@ -247,13 +291,15 @@ class OtherReplicas:
 
 
 class _WithReplicas:
-    """Replica 0's progress: each of its reports first takes in the other replicas'."""
+    """Replica 0's progress: each of its reports first takes in the other replicas', and
+    stops replica 0's share (ShareFailed) as soon as another share has failed."""
 
     def __init__(self, progress: Progress, replicas: OtherReplicas) -> None:
         self.progress, self.replicas = progress, replicas
 
     def update(self, num_tokens: int, num_done: int) -> None:
-        self.replicas.drain(self.progress)
+        if self.replicas.failed_meanwhile(self.progress):
+            raise ShareFailed
         self.progress.update(num_tokens, num_done)
 
     def close(self) -> None:  # the whole batch's line closes once every share is in

@@ -7,6 +7,7 @@ core, which tokenizes prompts and turns tokens into text and stop strings as whe
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 from collections.abc import Sequence
@@ -46,12 +47,20 @@ class LLM:
         self.config = Config(model=model, **{**OFFLINE_DEFAULTS, **config})
         if self.config.kv_events_address is not None:
             raise ValueError("--kv-events-address: a serving scheduler publishes KV events")
-        # With data_parallel_size N, replicas 1..N-1 load in processes of their own meanwhile.
+        # With data_parallel_size N, this is replica 0, and replicas 1..N-1 load in processes
+        # of their own meanwhile; one of those is an LLM given its data_parallel_rank.
         self.replicas: OtherReplicas | None = None
-        if self.config.data_parallel_size > 1:
+        if self.config.data_parallel_size > 1 and self.config.data_parallel_rank is None:
             self.replicas = OtherReplicas(self.config)
             share_cpu_threads(self.config.device, self.config.data_parallel_size)
-        self.runner = start_runner(self.config.replace(data_parallel_size=1))
+        try:
+            self._start_engine()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_engine(self) -> None:
+        self.runner = start_runner(self.config)
         name = self.config.served_model_name or self.runner.source.name
         ready = self.runner.ready_message(name)
         # Offline, the whole batch is queued at once: no cap on waiting requests.
@@ -68,6 +77,8 @@ class LLM:
         self._next_id = 0
         if self.replicas is not None:
             self.replicas.wait_ready(self.config.startup_timeout)
+            # Stopped before this engine's own teardown (atexit runs the newest first).
+            atexit.register(self.close)
         logger.info(
             "engine ready: %s, max_model_len=%d, %d KV blocks%s",
             name,
@@ -130,6 +141,13 @@ class LLM:
         ]
         return self._run(requests, sampling_params, lora_request, show_progress)
 
+    def close(self) -> None:
+        """Stop the other data-parallel replicas now rather than at exit (their GPUs are
+        freed); this LLM takes no more calls then. Without them, nothing to do."""
+        if self.replicas is not None:
+            self.replicas.stop()
+            atexit.unregister(self.close)
+
     def stats(self) -> StatsSnapshot:
         """The engine's gauges and counters (with data_parallel_size > 1: replica 0's)."""
         return self.engine.stats()
@@ -158,7 +176,7 @@ class LLM:
         progress = Progress(sum(max(p.n, 1) for p in per_prompt), show_progress)
         if self.replicas is None:
             return self.run_share(prompts, per_prompt, loras, progress)
-        return self.replicas.generate(self, prompts, per_prompt, loras, progress)
+        return self.replicas.generate(self.run_share, prompts, per_prompt, loras, progress)
 
     def run_share(
         self,

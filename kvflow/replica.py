@@ -24,7 +24,6 @@ from kvflow.data_parallel import (
     FROM_PARENT,
     PROGRESS_INTERVAL_S,
     WATCH_INTERVAL_S,
-    ReplicaCancel,
     ReplicaDone,
     ReplicaFailed,
     ReplicaJob,
@@ -36,53 +35,64 @@ from kvflow.llm import LLM
 from shared.config import config_from_file
 from shared.protocol import ParameterError
 
+logger = logging.getLogger(__name__)
+
 
 class ReplicaCancelled(Exception):
     """The parent cancelled the share this replica is running."""
 
 
 class _ToParent:
-    """A replica's progress, sent to the parent at most every PROGRESS_INTERVAL_S; a cancel
-    from the parent raises ReplicaCancelled here, inside the replica's step loop."""
+    """A replica's progress, sent to the parent at most every PROGRESS_INTERVAL_S. Each report
+    also reads what the parent sent: a cancel of this share raises ReplicaCancelled here,
+    inside the replica's step loop; anything else waits in `later` for the replica's loop."""
 
-    def __init__(self, socket: zmq.Socket[Any]) -> None:
-        self.socket = socket
+    def __init__(self, socket: zmq.Socket[Any], job: int, later: list[ReplicaJob]) -> None:
+        self.socket, self.job, self.later = socket, job, later
         self.tokens = self.done = 0
         self.last = time.monotonic()
 
     def update(self, num_tokens: int, num_done: int) -> None:
         self.tokens += num_tokens
         self.done += num_done
+        while self.socket.poll(0):
+            message = FROM_PARENT.decode(self.socket.recv())
+            if isinstance(message, ReplicaJob):
+                self.later.append(message)
+            elif message.job == self.job:
+                raise ReplicaCancelled
         if time.monotonic() - self.last > PROGRESS_INTERVAL_S:
             self.close()
-            if self.socket.poll(0) and isinstance(
-                FROM_PARENT.decode(self.socket.recv()), ReplicaCancel
-            ):
-                raise ReplicaCancelled
 
     def close(self) -> None:
-        self.socket.send(ENCODER.encode(ReplicaProgress(self.tokens, self.done)))
+        self.socket.send(ENCODER.encode(ReplicaProgress(self.job, self.tokens, self.done)))
         self.tokens = self.done = 0
         self.last = time.monotonic()
 
 
-def serve_parent(llm: LLM, socket: zmq.Socket[Any], replica: int) -> None:
+def serve_parent(llm: LLM, socket: zmq.Socket[Any]) -> None:
     """A replica's loop: run each share the parent sends, answer with its results or why it
     failed. A cancel that comes while idle is late (the share had ended): it is dropped."""
+    later: list[ReplicaJob] = []
     while True:
-        job = FROM_PARENT.decode(socket.recv())
-        if not isinstance(job, ReplicaJob):
-            continue
-        params = [request.sampling_params for request in job.requests]
-        try:
-            results = llm.run_share(job.requests, params, job.loras, _ToParent(socket))
-        except ParameterError as exc:
-            answer: ReplicaDone | ReplicaFailed = ReplicaFailed(exc.param, exc.message)
-        except ReplicaCancelled:
-            answer = ReplicaFailed(None, "cancelled")
-        else:
-            answer = ReplicaDone(results, msgspec.structs.replace(llm.stats(), replica=replica))
-        socket.send(ENCODER.encode(answer))
+        job = later.pop(0) if later else FROM_PARENT.decode(socket.recv())
+        if isinstance(job, ReplicaJob):
+            socket.send(ENCODER.encode(_run(llm, job, _ToParent(socket, job.job, later))))
+
+
+def _run(llm: LLM, job: ReplicaJob, progress: _ToParent) -> ReplicaDone | ReplicaFailed:
+    params = [request.sampling_params for request in job.requests]
+    try:
+        results = llm.run_share(job.requests, params, job.loras, progress)
+    except ParameterError as exc:
+        return ReplicaFailed(job.job, exc.param, exc.message)
+    except ReplicaCancelled:
+        return ReplicaFailed(job.job, None, "cancelled")
+    except Exception as exc:  # the parent raises it; this replica takes the next share
+        logger.exception("the share of batch %d failed", job.job)
+        return ReplicaFailed(job.job, None, f"{type(exc).__name__}: {exc}")
+    stats = msgspec.structs.replace(llm.stats(), replica=llm.config.replica)
+    return ReplicaDone(job.job, results, stats)
 
 
 def _watch_parent(parent: int) -> None:
@@ -93,32 +103,31 @@ def _watch_parent(parent: int) -> None:
 
 
 def main() -> None:
-    """Replica R of an `LLM(..., data_parallel_size=N)`, started by it (`OtherReplicas`)."""
+    """A replica of an `LLM(..., data_parallel_size=N)` (its config's data_parallel_rank),
+    started by it (`OtherReplicas`)."""
     parser = argparse.ArgumentParser(prog="kvflow data-parallel replica")
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--replica", type=int, required=True)
     parser.add_argument("--address", required=True)
     parser.add_argument("--parent", type=int, required=True)
-    parser.add_argument("--replicas", type=int, required=True)
     args = parser.parse_args()
     config = config_from_file(args.config)
     logging.basicConfig(
         level=config.log_level.upper(),
         stream=sys.stderr,
-        format=f"%(asctime)s %(levelname)s [replica {args.replica}] %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s [replica {config.replica}] %(name)s: %(message)s",
     )
     threading.Thread(
         target=_watch_parent, args=(args.parent,), name="parent-watch", daemon=True
     ).start()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through atexit's teardown
-    share_cpu_threads(config.device, args.replicas)
+    share_cpu_threads(config.device, config.data_parallel_size)
     llm = LLM(**dataclasses.asdict(config))
     context: zmq.Context[Any] = zmq.Context.instance()
     socket = context.socket(zmq.PAIR)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(args.address)
-    socket.send(ENCODER.encode(ReplicaReady(args.replica)))
-    serve_parent(llm, socket, args.replica)
+    socket.send(ENCODER.encode(ReplicaReady(config.replica)))
+    serve_parent(llm, socket)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from services.executor.sampler import (
     Sampler,
     TokenBitmask,
     logprob_tensors,
+    step_seed,
     to_device,
 )
 from services.executor.step_buffers import StepBuffers, StepView
@@ -158,8 +159,11 @@ class ModelRunner:
         self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
         log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len)
         log_kv_scales(self.model, kv_dtype)
+        # Each engine replica draws its own unseeded samples (the weights' seed is shared:
+        # dummy weights must be the same on every replica).
+        seed = config.seed if config.replica == 0 else step_seed(config.seed, config.replica)
         self.sampler = Sampler(
-            self.model_config.vocab_size, self.model_config.eos_token_ids, self.device, config.seed
+            self.model_config.vocab_size, self.model_config.eos_token_ids, self.device, seed
         )
         # Why locals: a lambda over self would make a cycle, and a deleted engine would hold
         # its GPU memory until the garbage collector ran.

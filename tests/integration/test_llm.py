@@ -138,8 +138,3 @@ def test_sharded_checkpoint_and_half_precision(tiny_llama_dir: Path, tmp_path: P
         tokens = sample(half, PROMPTS, temperature=0)
         # Rounding may change late tokens, but the first ones have clear margins.
         assert [t[:2] for t in tokens] == [t[:2] for t in reference]
-
-
-def test_data_parallelism_is_refused_offline() -> None:
-    with pytest.raises(ValueError, match="--data-parallel-size is for `kvflow serve`"):
-        LLM(data_parallel_size=2)
