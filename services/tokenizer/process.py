@@ -96,8 +96,8 @@ class TokenizerProcess:
         self.kv_events = [subscribe(context, address, security) for address in events]
         if len(self.schedulers) > 1 and not events and self.router.by_prefix:
             logger.warning(
-                "%s: no --kv-events-address: requests go to the replica this worker sent "
-                "fewest, not by prefix or the replicas' load",
+                "%s: no --kv-events-address: requests go to the replica with fewest of this "
+                "worker's unfinished requests, not by prefix or the replicas' whole load",
                 self.name,
             )
         self.poller = zmq.Poller()
@@ -200,7 +200,9 @@ class TokenizerProcess:
         elapsed = time.monotonic() - self.drain_started
         if elapsed < DRAIN_NOTICE_BEATS * HEARTBEAT_INTERVAL_S:
             return False
-        return not self.worker.live or elapsed >= self.drain_timeout
+        # Owed endings too: a frontend still waits for them.
+        done = not self.worker.live and not len(self.owed)
+        return done or elapsed >= self.drain_timeout
 
     def _cut(self, request_ids: list[str]) -> None:
         """The drain timeout: end what is left with an error here, rather than leave the
@@ -235,9 +237,13 @@ class TokenizerProcess:
         try:
             link.send(encode(message), flags=zmq.DONTWAIT)
         except zmq.Again:  # that frontend stopped reading: never let it stall the others
-            logger.warning("request_id=%s: its frontend is not reading: stopping it", request_id)
             if isinstance(message, TextDelta):
+                logger.warning(
+                    "request_id=%s: its frontend is not reading: stopping it", request_id
+                )
                 self._fell_behind(link, [request_id])
+            else:  # an answer (tokenize, LoRA): the frontend's wait for it times out
+                logger.warning("request_id=%s: its frontend is not reading", request_id)
 
     def _reply_deltas(self, deltas: list[TextDelta]) -> None:
         """A step's deltas: one TextDeltas message to each frontend they go to."""

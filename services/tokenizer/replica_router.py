@@ -100,6 +100,7 @@ class ReplicaRouter:
     def pick(self, token_ids: Sequence[int], lora_id: int = 0) -> int:
         """The replica for a request, counted on it until `release`."""
         if len(self.engines) == 1:  # no choice: no prompt keys to hash
+            self.engines[0].own += 1
             return 0
         if not self.by_prefix:
             chosen, self._turn = self._turn, (self._turn + 1) % len(self.engines)

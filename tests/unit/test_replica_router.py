@@ -104,3 +104,14 @@ def test_reports_that_lag_a_burst_do_not_lean_it_on_one_engine(
         elif live[replica]:
             router.release(replica)
             live[replica] -= 1
+
+
+def test_other_workers_requests_count_from_reports_and_own_ones_once() -> None:
+    router = ReplicaRouter(2)
+    router.observe(batch(0, num_waiting=10))  # other workers' requests: none of this one's
+    assert [router.pick(PROMPT) for _ in range(3)] == [1, 1, 1]
+    router.observe(batch(1, num_waiting=3))  # the three it sent: counted once, not twice
+    assert router.engines[1].load == 3
+    assert router.pick(PROMPT) == 1  # 3 against 10
+    router.release(1)
+    assert router.engines[1].load == 3  # 4 sent, 1 ended
