@@ -189,6 +189,11 @@ def test_engine_replicas_are_pods_each_reached_by_name_with_its_own_rank(monkeyp
         assert config.replica_address("scheduler_address") == f"tcp://{host}:5558"
     policy = by_kind(objects, "NetworkPolicy")["kvflow-engine"]["spec"]["ingress"][0]
     assert {p["port"] for p in policy["ports"]} == {5558, 5559}
+    for bad in ("0", "08", "two"):  # refused, not read as 1, octal 0 or nothing
+        result = run_helm(
+            "template", "kvflow", str(CHART), "--set-string", f"flags.data-parallel-size={bad}"
+        )
+        assert result.returncode != 0 and "whole number >= 1" in result.stderr
 
 
 def test_the_api_port_is_the_compose_files() -> None:

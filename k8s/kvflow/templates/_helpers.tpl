@@ -29,7 +29,12 @@ tcp://{{ include "kvflow.fullname" . }}-frontend-zmq:{{ .Values.ports.frontend }
 
 {{/* Engine replicas: flags.data-parallel-size, one engine pod each. */}}
 {{- define "kvflow.replicas" -}}
-{{- index .Values.flags "data-parallel-size" | default 1 | int -}}
+{{- $given := index .Values.flags "data-parallel-size" | default 1 | toString -}}
+{{- $replicas := atoi $given -}}
+{{- if or (lt $replicas 1) (ne (toString $replicas) $given) -}}
+{{- fail (printf "flags.data-parallel-size must be a whole number >= 1, not %q" $given) -}}
+{{- end -}}
+{{- $replicas -}}
 {{- end -}}
 
 {{/* Every engine pod's address on a port, replica 0 first, by the pod's name under the
