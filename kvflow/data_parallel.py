@@ -103,7 +103,6 @@ class OtherReplicas:
     def __init__(self, config: Config) -> None:
         gpus = replica_gpus(config)  # too few: refused before anything starts
         self.directory = Path(tempfile.mkdtemp(prefix="kvflow-replicas-"))  # 0700
-        self.config_path = self.directory / "config.json"
         self.sockets: list[zmq.Socket[Any]] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self.poller = zmq.Poller()
