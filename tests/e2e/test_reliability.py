@@ -71,10 +71,16 @@ def complete(server: Server, prompt: list[int], max_tokens: int = 8, **extra: ob
 
 
 def burst(server: Server, prompts: list[list[int]], num_refused: int) -> list[httpx.Response]:
-    """Send every prompt at once while the engine is paused; resume it once `num_refused`
-    answers came back (the refusals: nothing else can end while paused); all answers."""
+    """While the engine is paused: send the first prompt and wait until it runs (the only
+    running slot: --max-num-seqs 1), then every other prompt at once; resume once
+    `num_refused` answers came back (the refusals: nothing else can end while paused).
+
+    Why the first apart: sent with the others, it may still be waiting when the queue fills,
+    and the frontend, told the queue is full, refuses one more up front."""
     with ThreadPoolExecutor(len(prompts)) as pool, Paused(server):
-        futures = [pool.submit(complete, server, p) for p in prompts]
+        futures = [pool.submit(complete, server, prompts[0])]
+        wait_until(lambda: server.metrics()["num_requests_running"] == 1, "nothing runs")
+        futures += [pool.submit(complete, server, p) for p in prompts[1:]]
         wait_until(lambda: sum(f.done() for f in futures) >= num_refused, "no refusals came")
         assert sum(f.done() for f in futures) == num_refused  # the admitted ones wait
     return [f.result() for f in futures]
