@@ -8,10 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,6 @@ from kvflow.data_parallel import (
     ENCODER,
     FROM_PARENT,
     PROGRESS_INTERVAL_S,
-    WATCH_INTERVAL_S,
     ReplicaDone,
     ReplicaFailed,
     ReplicaJob,
@@ -32,6 +29,7 @@ from kvflow.data_parallel import (
     share_cpu_threads,
 )
 from kvflow.llm import LLM
+from services.executor.rank_group import watch_parent
 from shared.config import config_from_file
 from shared.protocol import ParameterError
 
@@ -95,13 +93,6 @@ def _run(llm: LLM, job: ReplicaJob, progress: _ToParent) -> ReplicaDone | Replic
     return ReplicaDone(job.job, results, stats)
 
 
-def _watch_parent(parent: int) -> None:
-    """A replica exits as soon as the process that started it is gone."""
-    while os.getppid() == parent:
-        time.sleep(WATCH_INTERVAL_S)
-    os._exit(1)
-
-
 def main() -> None:
     """A replica of an `LLM(..., data_parallel_size=N)` (its config's data_parallel_rank),
     started by it (`OtherReplicas`)."""
@@ -116,9 +107,7 @@ def main() -> None:
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [replica {config.replica}] %(name)s: %(message)s",
     )
-    threading.Thread(
-        target=_watch_parent, args=(args.parent,), name="parent-watch", daemon=True
-    ).start()
+    watch_parent(args.parent)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through atexit's teardown
     share_cpu_threads(config.device, config.data_parallel_size)
     llm = LLM(**dataclasses.asdict(config))

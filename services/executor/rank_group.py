@@ -200,11 +200,17 @@ def _leave_group(runner: weakref.ref[ModelRunner], ranks: OtherRanks) -> None:
     logger.debug("left the tensor-parallel group in %.1f s", time.monotonic() - started)
 
 
-def _watch_parent(parent: int) -> None:
-    """A rank other than 0 exits as soon as rank 0 is gone."""
-    while os.getppid() == parent:
-        time.sleep(WATCH_INTERVAL_S)
-    os._exit(1)
+def watch_parent(parent: int) -> None:
+    """Start a thread that exits this process as soon as process `parent` (by the pid it
+    passed, not a getppid() read later: it may be gone already) is gone: a rank other than
+    0, or a data-parallel replica (kvflow/replica.py)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(WATCH_INTERVAL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> None:
@@ -256,10 +262,7 @@ def main() -> None:
         format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
     )
     logging.getLogger().setLevel(config.log_level.upper())
-    # Rank 0's pid as it said, not getppid() now: rank 0 may be gone already.
-    threading.Thread(
-        target=_watch_parent, args=(args.parent,), name="parent-watch", daemon=True
-    ).start()
+    watch_parent(args.parent)
     context: zmq.Context[Any] = zmq.Context.instance()
     socket = context.socket(zmq.SUB)
     socket.setsockopt(zmq.RCVHWM, 0)
