@@ -19,7 +19,6 @@ from kvflow.data_parallel import OtherReplicas, share_cpu_threads
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Completion, GenerationResult
 from kvflow.progress import Progress, ProgressSink
-from services.executor.lora_adapter import LoraAdapterError
 from services.executor.rank_group import start_runner
 from services.frontend.openai_types import Message, Tool, chat_message
 from services.frontend.structured import tool_definition
@@ -206,10 +205,9 @@ class LLM:
         its id; `generate` and `chat` do it for the adapters they are given."""
         if self.runner.lora is None:
             raise ParameterError("lora_request", "LoRA is not enabled: LLM(..., enable_lora=True)")
-        try:
-            self.runner.lora.add(lora.lora_int_id, lora.lora_name, lora.lora_path)
-        except LoraAdapterError as exc:
-            raise ParameterError("lora_request", str(exc)) from exc
+        error = self.runner.add_lora(lora.lora_int_id, lora.lora_name, lora.lora_path)
+        if error is not None:
+            raise ParameterError("lora_request", error)
         self.engine.scheduler.add_lora(lora.lora_int_id)
         return lora.lora_int_id
 

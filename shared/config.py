@@ -376,11 +376,6 @@ class Config:
             "pipeline parallelism is not supported: split the model with "
             "--tensor-parallel-size instead",
         )
-        _require(
-            self.tensor_parallel_size == 1 or not self.enable_lora,
-            "enable_lora",
-            "LoRA adapters do not run with --tensor-parallel-size > 1 yet",
-        )
         _require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
         _require(
             self.data_parallel_rank is None

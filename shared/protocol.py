@@ -331,7 +331,8 @@ class SchedulerHello(Message, tag=True):
 class ResetRanks(Message, tag=True):
     """Rank 0 of a tensor-parallel executor dropped every request and step (a new scheduler,
     or a plan it could not run): every other rank does the same. Plans and launches reach the
-    other ranks as the scheduler sent them (SchedulerOutput, LaunchStep)."""
+    other ranks as the scheduler sent them (SchedulerOutput, LaunchStep), and the LoRA adapters
+    rank 0 took (AddLoraAdapter)."""
 
 
 # ---------------------------------------------------------- executor -> scheduler
@@ -685,7 +686,7 @@ ToScheduler = (
     | LoraAdapterAdded
 )
 ToExecutor = SchedulerOutput | LaunchStep | SchedulerHello | AddLoraAdapter
-ToRanks = SchedulerOutput | LaunchStep | ResetRanks
+ToRanks = SchedulerOutput | LaunchStep | ResetRanks | AddLoraAdapter
 FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests | LoraAdapterRequest
 SchedulerToTokenizer = OutputBatch | LoraAdapterResult
 ToFrontend = (

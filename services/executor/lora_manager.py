@@ -55,7 +55,7 @@ class LoraManager:
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
-        self.slots = LoraSlots(self.config, max_loras, max_lora_rank, dtype, device)
+        self.slots = LoraSlots(model.layout, max_loras, max_lora_rank, dtype, device)
         self.table = SlotTable(max_loras)
         self.registered: dict[int, LoraRef] = {}
         self._host: OrderedDict[int, LoraAdapter] = OrderedDict()  # least recently used first

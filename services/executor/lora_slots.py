@@ -6,6 +6,12 @@ the pieces of a fused projection side by side (q, k, v; gate, up). Filling a slo
 adapter in, its rank zero-padded to the slots' rank and its scaling folded into B; a piece the
 adapter leaves alone stays zero, so it adds nothing. `SlotTable` decides which adapter sits in
 which slot: the adapters a step needs stay, the least recently used one makes room.
+
+Under tensor parallelism a rank's slots hold its part of each adapter, cut as the base layer is
+(`rank_part`): a column-parallel projection keeps A whole and B's rows of its own heads or
+columns; a row-parallel one keeps A's columns of its own input and B whole. Each rank then adds
+B (A_r x_r) to its partial output, and the all-reduce that sums the partial outputs sums these
+to B A x: no collective of its own.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from typing import NamedTuple
 
 import torch
 
-from services.executor.lora_adapter import LoraAdapter, projection_shape
-from shared.model_config import ModelConfig
+from services.executor.linear_shards import TensorDims, read
+from services.executor.lora_adapter import ATTENTION, LoraAdapter, projection_shape
+from services.executor.tensor_parallel import ShardLayout, rank_part
 
 # kvflow's projections and the PEFT modules they fuse, in their output rows' order
 FUSED = {
@@ -49,11 +56,12 @@ class ProjectionSlots:
 
 
 class LoraSlots:
-    """The device tensors of `max_loras` slots for every layer and projection."""
+    """The device tensors of `max_loras` slots for every layer and projection, of the size of
+    this rank's part of them (`layout`)."""
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        layout: ShardLayout,
         max_loras: int,
         max_lora_rank: int,
         dtype: torch.dtype,
@@ -61,10 +69,12 @@ class LoraSlots:
     ) -> None:
         if max_loras < 1:
             raise ValueError(f"--max-loras must be >= 1, got {max_loras}")
+        self.layout = layout
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.rank = slot_rank(max_lora_rank)
         self.layers: list[dict[str, ProjectionSlots]] = []
+        cfg = layout.local_config
         for _ in range(cfg.num_layers):
             layer = {}
             for fused, pieces in FUSED.items():
@@ -84,7 +94,8 @@ class LoraSlots:
                 f"adapter {adapter.name!r} has rank {adapter.rank} > {self.max_lora_rank}"
             )
         self.clear(slot)
-        for (layer, target), (a, b) in adapter.weights.items():
+        for (layer, target), whole in adapter.weights.items():
+            a, b = self._rank_part(layer, target, *whole)
             fused = next(name for name, pieces in FUSED.items() if target in pieces)
             slots = self.layers[layer][fused]
             piece = FUSED[fused].index(target)
@@ -92,6 +103,16 @@ class LoraSlots:
             rows = slots.piece_rows[piece]
             slots.lora_a[slot, piece, : adapter.rank].copy_(a)
             slots.lora_b[slot, start : start + rows, : adapter.rank].copy_(b * adapter.scaling)
+
+    def _rank_part(
+        self, layer: int, target: str, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's A [r, in] and B [out, r] for one projection."""
+        module = "self_attn" if target in ATTENTION else "mlp"
+        name = f"model.layers.{layer}.{module}.{target}"
+        a = read(rank_part(self.layout, f"{name}.lora_A", a, TensorDims(rows=None, cols=1)))
+        b = read(rank_part(self.layout, f"{name}.lora_B", b, TensorDims(rows=0, cols=None)))
+        return a, b
 
     def clear(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:

@@ -47,6 +47,7 @@ from shared.model_config import (
 )
 from shared.protocol import (
     PROTOCOL_VERSION,
+    AddLoraAdapter,
     ExecutorReady,
     LaunchStep,
     ModelRunnerOutput,
@@ -416,7 +417,8 @@ class ModelRunner:
         return self.model(view.input_ids, view.positions, self.kv_caches, view.meta, lora)
 
     def add_lora(self, lora_id: int, name: str, path: str) -> str | None:
-        """Take a LoRA adapter under `lora_id` (read and checked now); None, or why not."""
+        """Take a LoRA adapter under `lora_id` (read and checked now); None, or why not. Rank
+        0 relays one it took to the other ranks, ahead of any plan that runs it."""
         if self.lora is None:
             return "LoRA is not enabled (--enable-lora)"
         try:
@@ -426,6 +428,8 @@ class ModelRunner:
         except Exception as exc:  # whatever its files hold, a bad adapter must not end us
             logger.exception("LoRA adapter %r from %s could not be read", name, path)
             return f"LoRA adapter {name!r} could not be read: {type(exc).__name__}: {exc}"
+        if self.relay is not None:
+            self.relay.send(AddLoraAdapter(lora_id=lora_id, name=name, path=path))
         return None
 
     def _apply_plan(self, plan: SchedulerOutput) -> None:

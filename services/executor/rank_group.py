@@ -3,8 +3,9 @@
 Rank 0 is the executor the scheduler (or `kvflow.LLM`) talks to. It starts ranks 1..N-1 as
 processes of its own, and relays to them each plan, addendum, launch and reset as it takes it
 (one ZeroMQ publish to all of them: `PlanRelay`), so every rank runs the same steps in the
-same order; only rank 0 answers. Every rank samples the same tokens from the same gathered
-logits with the same seeds, so nothing sampled needs to travel back.
+same order; each LoRA adapter rank 0 takes is relayed too, and every rank reads its own part
+of it. Only rank 0 answers. Every rank samples the same tokens from the same gathered logits
+with the same seeds, so nothing sampled needs to travel back.
 
     scheduler ── plans, launches ──> rank 0 ── the same, relayed ──> ranks 1..N-1
     scheduler <── sampled tokens ─── rank 0        (torch.distributed between all ranks)
@@ -45,7 +46,7 @@ from shared.config import Config, config_from_file
 from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder, encode
 from shared.model_config import load_model_config, resolve_model_source
-from shared.protocol import LaunchStep, ResetRanks, SchedulerOutput, ToRanks
+from shared.protocol import AddLoraAdapter, LaunchStep, ResetRanks, SchedulerOutput, ToRanks
 from shared.replicas import engine_component
 from shared.stall_watch import StallWatch
 from shared.wire_security import WireSecurity
@@ -79,7 +80,7 @@ class PlanRelay:
             if self.socket.poll(int(WATCH_INTERVAL_S * 1000)):
                 seen += self.socket.recv()[:1] == b"\x01"  # a subscription, not its end
 
-    def send(self, message: SchedulerOutput | LaunchStep | ResetRanks) -> None:
+    def send(self, message: ToRanks) -> None:
         self.socket.send(encode(message))
 
 
@@ -217,10 +218,13 @@ def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> No
     """A rank other than 0: run what rank 0 relays, in its order, and drop the answers.
 
     A plan it cannot run fails on rank 0 too (the same check of the same state), which then
-    resets every rank. A relayed message it cannot read means the ranks have parted: it exits,
-    and so takes the group down.
+    resets every rank: the next message is that reset. Anything else next, or a relayed
+    message it cannot read, means the ranks have parted (rank 0 ran what this rank could not,
+    and its collectives would wait for this rank forever): it exits, and so takes the group
+    down.
     """
     decoder = Decoder(ToRanks, f"executor-{runner.tp.rank}")
+    failed: PlanError | None = None  # the plan error not yet followed by rank 0's reset
     while True:
         while runner.oldest_finished():
             steps.answered(runner.collect().step)
@@ -229,6 +233,9 @@ def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> No
         message = decoder.decode(socket.recv())
         if message is None:
             raise RuntimeError("a relayed message that cannot be read: the ranks have parted")
+        if failed is not None and not isinstance(message, ResetRanks):
+            raise RuntimeError(f"rank 0 went on past a plan this rank could not run ({failed})")
+        failed = None
         try:
             if isinstance(message, LaunchStep):
                 # Rank 0 launches once its own oldest step has ended; this rank's may still
@@ -239,11 +246,16 @@ def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> No
                 runner.launch(message.step)
             elif isinstance(message, SchedulerOutput):
                 (runner.amend if message.addendum else runner.prepare)(message)
+            elif isinstance(message, AddLoraAdapter):
+                error = runner.add_lora(message.lora_id, message.name, message.path)
+                if error is not None:  # rank 0 took it: the ranks' adapters would part
+                    raise RuntimeError(f"rank 0 took a LoRA adapter this rank cannot: {error}")
             else:
                 runner.reset()
                 steps.reset()
         except PlanError as exc:
             logger.warning("%s; rank 0 resets the group", exc)
+            failed = exc
 
 
 def main() -> None:

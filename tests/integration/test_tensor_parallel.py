@@ -2,8 +2,8 @@
 of every layer (services/executor/tensor_parallel.py) that run the plans rank 0 relays
 (services/executor/rank_group.py), gives the greedy tokens of one process, and of
 transformers, for the tiny parity models (Llama and Qwen3, and Llama with one KV head that
-every rank holds) at 2 ranks and the embedded SmolLM2 (9 query and 3 KV heads) at 3; a split
-the model does not allow is refused by name."""
+every rank holds) at 2 ranks and the embedded SmolLM2 (9 query and 3 KV heads) at 3, also with
+LoRA adapters (peft's tokens); a split the model does not allow is refused by name."""
 
 from __future__ import annotations
 
@@ -64,6 +64,37 @@ def test_the_embedded_model_on_three_ranks(tmp_path: Path, quantization: str | N
     prompts = [[1, 504, 3458, 282, 4649, 314], [28, 1171, 2424, 30, 216, 9123]]
     one = greedy(tmp_path / "one", 1, None, prompts, quantization=quantization)
     assert greedy(tmp_path / "three", 3, None, prompts, quantization=quantization) == one
+
+
+@pytest.mark.parametrize("changes", [{}, {"num_key_value_heads": 1}], ids=["llama", "one-kv-head"])
+def test_lora_adapters_on_two_ranks_give_pefts_tokens(tmp_path: Path, changes: dict) -> None:
+    """One batch mixing the base model and two adapters (every projection; q and v alone at
+    another rank): each rank holds its part of each adapter, and the tokens are what
+    transformers + peft generate with each adapter alone."""
+    peft = pytest.importorskip("peft")
+    from tests.integration.test_lora import ADAPTERS, MAX_RANK, _greedy_alone
+
+    folder, model = tiny_folder(tmp_path, "llama", **changes)
+    prompts = make_prompts(TINY["vocab_size"])[:3]
+    jobs: list[tuple[str, int, str] | None] = [None]
+    expected = {None: _greedy_alone(model, prompts)}
+    for lora_id, name in enumerate(("every-projection", "q-v-rslora"), 1):
+        torch.manual_seed(100 + lora_id)
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        config = peft.LoraConfig(init_lora_weights=False, **ADAPTERS[name])
+        adapted = peft.get_peft_model(base, config).eval()
+        adapted.save_pretrained(str(tmp_path / name))
+        expected[name] = _greedy_alone(adapted, prompts)
+        assert expected[name] != expected[None], name
+        jobs.append((name, lora_id, str(tmp_path / name)))
+    batch = [(job, ids) for ids in prompts for job in jobs]
+    results = generate(
+        tmp_path / "two", 2, str(folder), [ids for _, ids in batch], NUM_TOKENS,
+        loras=[job for job, _ in batch], enable_lora=True, max_lora_rank=MAX_RANK,
+    )  # fmt: skip
+    for (job, ids), (tokens, _) in zip(batch, results, strict=True):
+        name = None if job is None else job[0]
+        assert tokens == expected[name][prompts.index(ids)][:NUM_TOKENS], name
 
 
 def test_a_split_the_model_does_not_allow_is_refused() -> None:

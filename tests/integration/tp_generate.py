@@ -4,9 +4,10 @@ ranks' group and threads must not outlive a test):
     python -m tests.integration.tp_generate --job JOB.json --out RESULT.json
 
 JOB.json holds the model folder (or null: the embedded SmolLM2), other engine settings
-("config", tensor_parallel_size among them), the prompts (token ids), max_tokens and top (the
-logprobs asked for, 0 for none). RESULT.json holds each prompt's tokens and, per token, the
-ids of its top logprobs. Rank 0 answers for the group: the other ranks run the plans it relays
+("config", tensor_parallel_size among them), the prompts (token ids), max_tokens, top (the
+logprobs asked for, 0 for none) and each prompt's LoRA adapter ([name, id, folder] or null).
+RESULT.json holds each prompt's tokens and, per token, the ids of its top logprobs. Rank 0
+answers for the group: the other ranks run the plans it relays
 (services/executor/rank_group.py).
 """
 
@@ -19,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvflow import LLM, SamplingParams
+from kvflow import LLM, LoRARequest, SamplingParams
 
 Result = tuple[list[int], list[list[int]]]  # tokens, and the top logprobs' ids at each
 
@@ -31,14 +32,17 @@ def generate(
     prompts: list[list[int]],
     max_tokens: int,
     top: int = 0,
+    loras: list[tuple[str, int, str] | None] | None = None,
     **config: object,
 ) -> list[Result]:
     """Each prompt's greedy tokens (and top ids) from `kvflow.LLM` on `world` ranks, run in a
-    process of its own; CPU and float32 unless `config` says otherwise."""
+    process of its own, under its LoRA adapter in `loras` (name, id, folder; None: the base
+    model); CPU and float32 unless `config` says otherwise."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     job, out = tmp_path / "job.json", tmp_path / "result.json"
     config = {**config, "tensor_parallel_size": world}
     fields = {"model": model, "config": config, "prompts": prompts}
+    fields["loras"] = loras or [None] * len(prompts)
     job.write_text(json.dumps({**fields, "max_tokens": max_tokens, "top": top}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
     argv = [sys.executable, "-m", "tests.integration.tp_generate", "--job", str(job)]
@@ -61,7 +65,8 @@ def main() -> None:
         temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=job["top"] or None
     )
     results = []
-    for result in llm.generate(job["prompts"], params):
+    loras = [None if lora is None else LoRARequest(*lora) for lora in job["loras"]]
+    for result in llm.generate(job["prompts"], params, lora_request=loras):
         completion = result.outputs[0]
         tops = [[top.token_id for top in logprob.top] for logprob in completion.logprobs]
         results.append((completion.token_ids, tops))
