@@ -31,7 +31,7 @@ from kernels.fp8 import (
 from kernels.gguf import row_bytes
 from kernels.int4 import CHUNK, PACK
 from kernels.lora import LoraDelta
-from services.executor.linear_shards import TensorDims
+from services.executor.linear_shards import Loaded, TensorDims
 from services.executor.lora_slots import LoraTokens, ProjectionSlots
 from shared.quant_config import QuantSpec
 
@@ -318,7 +318,7 @@ class PackedWeight:
     layer, rather than copying it into a parameter."""
 
     qtype: str  # a kernels.gguf type, or "float": `data` is the weight itself
-    data: torch.Tensor  # [rows, row_bytes] uint8, or [rows, K] float
+    data: Loaded  # [rows, row_bytes] uint8, or [rows, K] float; read once cut for the rank
 
 
 class GgufBlocks:

@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import EllipsisType
 from typing import Any
 
 import gguf
@@ -99,10 +100,11 @@ def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def iter_gguf(
     path: Path, cfg: ModelConfig, keep_blocks: bool = False
-) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
-    """The file's tensors, dequantized to float32; with `keep_blocks`, the projections'
-    weights as `PackedWeight`s instead: their blocks as stored, or float for the types
-    without a kernel (and F16/F32), which are counted in a warning."""
+) -> Iterator[tuple[str, CheckpointSlice | PackedWeight]]:
+    """The file's tensors unread (a tensor-parallel rank reads and dequantizes only its part),
+    as float32; with `keep_blocks`, the projections' weights as `PackedWeight`s instead:
+    their blocks as stored, or float for the types without a kernel (and F16/F32), which are
+    counted in a warning."""
     reader = gguf.GGUFReader(str(path))
     arch = reader.fields["general.architecture"].contents()
     dequantized: Counter[str] = Counter()
@@ -110,24 +112,65 @@ def iter_gguf(
         name = _hf_name(tensor.name)
         qtype = tensor.tensor_type.name
         packed = keep_blocks and name.endswith("_proj.weight")
-        if packed and qtype in GGUF_TYPES:
-            weight = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))  # [N, row_bytes]
-        else:
-            data = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
-            if packed and qtype not in ("F32", "F16", "BF16"):
-                dequantized[qtype] += 1
+        blocks = packed and qtype in GGUF_TYPES
+        if packed and not blocks and qtype not in ("F32", "F16", "BF16"):
+            dequantized[qtype] += 1
         # llama.cpp's q/k row order; a row permutation moves whole rows of blocks as well.
-        if arch == "llama" and name.endswith("q_proj.weight"):
-            weight = _unpermute_rope(weight, cfg.num_heads)
-        elif arch == "llama" and name.endswith("k_proj.weight"):
-            weight = _unpermute_rope(weight, cfg.num_kv_heads)
+        rope_rows = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+        part = _GgufPart(tensor.data, tensor.tensor_type, blocks, cfg.head_dim if rope_rows else 0)
+        weight = CheckpointSlice(part)
         yield name, (PackedWeight(_packed_type(qtype), weight) if packed else weight)
     if dequantized:
         logger.warning(
             "GGUF types without a kernel, dequantized to float at load (more memory): %s",
             ", ".join(f"{count} {qtype}" for qtype, count in sorted(dequantized.items())),
         )
+
+
+class _GgufPart:
+    """A GGUF tensor in its memory-mapped file, as `CheckpointSlice` reads one: its shape, and
+    the part an index takes, read then (blocks as stored, or dequantized to float32). Columns
+    are values of a dequantized tensor (a cut must fall between blocks) or bytes of a blocks
+    one. `rope_head_dim`: llama.cpp's q/k rows, put back in rotate-half order as read (a cut
+    takes whole heads, so each head is unpermuted alone)."""
+
+    def __init__(
+        self, data: np.ndarray, qtype: gguf.GGMLQuantizationType, blocks: bool, rope_head_dim: int
+    ) -> None:
+        self.data, self.qtype, self.blocks = data, qtype, blocks
+        self.rope_head_dim = rope_head_dim
+        # Each stored row is blocks of `elems` values in `width` entries (bytes, or one typed
+        # value for F32/F16/BF16).
+        elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        self.elems, self.width = (1, 1) if blocks else (elems, nbytes // data.itemsize)
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.data.shape)
+        shape[-1] = shape[-1] // self.width * self.elems
+        return shape
+
+    def __getitem__(self, index: tuple[slice, ...] | EllipsisType) -> torch.Tensor:
+        view = self.data
+        if isinstance(index, tuple):
+            *rows, columns = index if len(index) == view.ndim else (*index, slice(None))
+            view = view[(*rows, self._stored(columns, view.shape[-1]))]
+        if self.blocks:
+            weight = torch.from_numpy(np.array(view, dtype=np.uint8))  # [N, row_bytes]
+        else:
+            data = gguf.quants.dequantize(np.ascontiguousarray(view), self.qtype)
+            weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+        if self.rope_head_dim:
+            weight = _unpermute_rope(weight, weight.shape[0] // self.rope_head_dim)
+        return weight
+
+    def _stored(self, columns: slice, stored: int) -> slice:
+        """The stored entries holding a slice of columns, which must fall between blocks."""
+        start, stop, _ = columns.indices(stored // self.width * self.elems)
+        if start % self.elems or stop % self.elems:
+            raise ValueError(
+                f"columns {start}:{stop} cut {self.qtype.name} blocks of {self.elems} values"
+            )
+        return slice(start // self.elems * self.width, stop // self.elems * self.width)
 
 
 def _packed_type(qtype: str) -> str:
