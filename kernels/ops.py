@@ -74,6 +74,16 @@ def paged_attention(
     return paged_attention_reference(*args, query_start_loc, max_query_len, max_seq_len, scale)
 
 
+def compile_attention_variants(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> None:
+    """Compile now the attention kernel variants a step may need later (CUDA; on the CPU
+    nothing is compiled)."""
+    decode = _triton("decode_attention", query)
+    if decode is not None:
+        decode.compile_every_variant(query, key_cache, value_cache)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     module = _triton("norm", x)
     return (module.rms_norm if module is not None else rms_norm_reference)(x, weight, eps)

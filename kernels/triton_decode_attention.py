@@ -63,7 +63,10 @@ def default_decode_tiles(kv_dtype: torch.dtype, block_size: int) -> DecodeTiles:
     return DecodeTiles(tile=max(block_size, tokens), num_warps=4, num_stages=3)
 
 
-@triton.jit
+# NOTE: the split count and the block table's width change from step to step in eager steps
+# (they follow the batch and its longest context); as runtime values, not specialised, they
+# cost no compile per new value, which a burst of requests would otherwise pay mid-run.
+@triton.jit(do_not_specialize=["num_splits", "partition_tokens", "max_blocks", "stride_table_req"])
 def _decode_partition_kernel(
     query_ptr,  # [R, H, D]
     key_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
@@ -75,6 +78,7 @@ def _decode_partition_kernel(
     part_sum_ptr,  # [R, H, S] float32, sum of exp2(score - max)
     part_acc_ptr,  # [R, H, S, D] float32, unnormalised weighted sum of values
     qk_scale,  # softmax scale * log2(e)
+    num_splits,
     partition_tokens,  # tokens per split, a multiple of BLOCK_SIZE
     max_blocks,
     stride_q_token,
@@ -84,7 +88,6 @@ def _decode_partition_kernel(
     stride_cache_head,
     stride_table_req,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16, for tl.dot
     HEAD_DIM: tl.constexpr,
@@ -156,7 +159,7 @@ def _decode_partition_kernel(
         )  # [G, D]
         m_i = m_new
 
-    part = (req * NUM_HEADS + heads) * NUM_SPLITS + split  # [G] index into [R, H, S]
+    part = (req * NUM_HEADS + heads) * num_splits + split  # [G] index into [R, H, S]
     tl.store(part_max_ptr + part, m_i, mask=row_valid)
     tl.store(part_sum_ptr + part, l_i, mask=row_valid)
     acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
@@ -173,7 +176,7 @@ def _query_row(query_start_loc_ptr, req, HAS_QUERY_LOC: tl.constexpr):
     return tl.where(end - start == 1, start, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_partitions_kernel(
     out_ptr,  # [T, H, D]
     query_start_loc_ptr,  # [R + 1] int32 with HAS_QUERY_LOC, else unused
@@ -181,9 +184,9 @@ def _merge_partitions_kernel(
     part_sum_ptr,  # [R, H, S] float32
     part_acc_ptr,  # [R, H, S, D] float32
     stride_out_token,
+    num_splits,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # a power of two >= num_splits, at least 16: 16, 32 or 64
     HEAD_DIM: tl.constexpr,
     HAS_QUERY_LOC: tl.constexpr,
 ):
@@ -193,8 +196,8 @@ def _merge_partitions_kernel(
         return
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, HEAD_DIM)
-    split_valid = splits < NUM_SPLITS
-    base = row * NUM_SPLITS + splits  # [S]
+    split_valid = splits < num_splits
+    base = row * num_splits + splits  # [S]
     m = tl.load(part_max_ptr + base, mask=split_valid, other=float("-inf"))  # [S]
     s = tl.load(part_sum_ptr + base, mask=split_valid, other=0.0)  # [S]
     acc_ptrs = part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :]
@@ -313,6 +316,7 @@ def paged_decode_attention(
         part_sum,
         part_acc,
         scale * LOG2E,
+        num_splits,
         partition_tokens,
         max_blocks,
         query.stride(0),
@@ -322,7 +326,6 @@ def paged_decode_attention(
         key_cache.stride(2),
         block_tables.stride(0),
         NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -341,13 +344,36 @@ def paged_decode_attention(
         part_sum,
         part_acc,
         out.stride(0),
+        num_splits,
         NUM_HEADS=num_heads,
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
         HEAD_DIM=head_dim,
         HAS_QUERY_LOC=has_query_loc,
     )
     return out
+
+
+def compile_every_variant(
+    query: torch.Tensor,  # [>= 1, num_heads, head_dim], the model's dtype
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+) -> None:
+    """Launch both kernels once for every merge width (SPLITS_PAD) with and without a mixed
+    batch, on one request of one cached token (block 0, read only), so that no step of a
+    running server meets a variant it has to compile first (an eager step's split count
+    follows its batch)."""
+    device = query.device
+    tables = torch.zeros(1, MAX_SPLITS, dtype=torch.int32, device=device)  # block 0: read only
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    mixed = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    splits = 16
+    while splits <= MAX_SPLITS:
+        for query_start_loc in (None, mixed):
+            paged_decode_attention(
+                query[:1], key_cache, value_cache, tables, seq_lens, 1.0, splits,
+                query_start_loc=query_start_loc,
+            )  # fmt: skip
+        splits *= 2
 
 
 def _check_rows(

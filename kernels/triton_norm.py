@@ -32,7 +32,9 @@ from kernels.triton_e4m3 import scale_for, to_e4m3
 _TILE_ELEMENTS = 2048  # rows are packed into a program until it holds about this many elements
 
 
-@triton.jit
+# NOTE: the row count follows the step's tokens; not specialised (1, a multiple of 16, other),
+# a new step size never stops a running server for a compile.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr,  # [outer, inner, hidden]
     residual_ptr,  # [outer, inner, hidden], read and written only when HAS_RESIDUAL

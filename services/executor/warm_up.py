@@ -5,8 +5,10 @@ or is not a multiple of 16, another tile size); cuBLAS picks algorithms per shap
 has a greedy, a random and a logprob path. On a fresh machine that cost 0.2-0.5 s, paid by
 the first request. These steps meet them before the server says it is ready: a mixed step
 (graph), decode steps (graphs), and eager steps of more tokens than the largest mixed graph,
-one of an odd token count and one of a multiple of 16. (Rarer variants still compile on first
-use: eager steps whose longest query is short, or of more than 256 requests.) They use blocks
+one of an odd token count and one of a multiple of 16; then the decode attention kernels at
+every merge width, which an eager step picks by its batch (one met mid-burst stalled a server
+for its compile). (Rarer variants still compile on first use: eager steps whose longest query
+is short, or of more than 256 requests.) They use blocks
 from 0 up; nothing is registered in the prefix cache, so real requests never read what they
 wrote. Limits too small for these steps skip them, with a log line.
 """
@@ -17,6 +19,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
+from kernels import ops
 from services.executor.cuda_graphs import MIXED_GRAPH_MAX_TOKENS
 from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 
@@ -106,6 +111,15 @@ def skip_reason(runner: ModelRunner) -> str | None:
     return None
 
 
+def _compile_attention_variants(runner: ModelRunner) -> None:
+    """The decode kernels' other merge widths: an eager step's split count follows its batch,
+    and the steps above meet only some of them."""
+    cfg = runner.model.layout.local_config
+    key_cache, value_cache = runner.kv_caches[0][0], runner.kv_caches[0][1]
+    query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=runner.device)
+    ops.compile_attention_variants(query, key_cache, value_cache)
+
+
 def warm_up(runner: ModelRunner) -> None:
     reason = skip_reason(runner)
     if reason is not None:
@@ -138,6 +152,7 @@ def warm_up(runner: ModelRunner) -> None:
         plans.run({request.request_id: length}, new=[request], finished=finished)
         finished = [request.request_id]
     plans.run({}, finished=finished)
+    _compile_attention_variants(runner)
     logger.info("warm-up steps ran in %.1f s", time.perf_counter() - start)
     try:  # the grammar tokenizer, which the first structured-output request would wait for
         _ = runner.grammars.tokenizer

@@ -13,7 +13,11 @@ pytest.importorskip("triton")
 
 from kernels.attention import paged_attention_reference
 from kernels.triton_decode_attention import (
+    MAX_SPLITS,
     DecodeTiles,
+    _decode_partition_kernel,
+    _merge_partitions_kernel,
+    compile_every_variant,
     default_decode_tiles,
     paged_decode_attention,
 )
@@ -173,3 +177,31 @@ def test_a_tile_may_be_smaller_than_a_block() -> None:
         query, key_cache, value_cache, block_tables, seq_lens, 0.125, tiles=DecodeTiles(16)
     )
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def _num_compiled() -> int:
+    """Triton's compiled variants of both kernels, on every device (its JIT cache)."""
+    kernels = (_decode_partition_kernel, _merge_partitions_kernel)
+    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the JIT cache)")
+def test_after_compiling_every_variant_no_split_count_compiles() -> None:
+    """Split counts and block table widths are runtime values: once `compile_every_variant`
+    ran, decode and mixed batches of any split count launch without a compile."""
+    query, key_cache, value_cache, block_tables, lens = make_case(
+        [200, 37, 1000], 32, 8, 128, torch.bfloat16, seed=5
+    )
+    compile_every_variant(query, key_cache, value_cache)
+    compiled = _num_compiled()
+    mixed = torch.arange(4, device=DEVICE, dtype=torch.int32)
+    for num_splits in range(1, MAX_SPLITS + 1):
+        for width in (block_tables.shape[1], 17):
+            tables = block_tables[:, :width].contiguous()
+            for loc in (None, mixed):
+                paged_decode_attention(
+                    query, key_cache, value_cache, tables, lens, 0.1, num_splits,
+                    query_start_loc=loc,
+                )  # fmt: skip
+    assert _num_compiled() == compiled
