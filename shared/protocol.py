@@ -580,6 +580,9 @@ class KvEventBatch(Message, tag=True, kw_only=True):
     num_waiting: int
     kv_usage: float  # referenced blocks / all blocks
     queue_full: bool = False  # its waiting queue takes no new request now
+    # Unfinished requests by the tokenizer worker they came from (its name): a worker tells
+    # the other workers' share from its own in the same snapshot
+    num_by_worker: dict[str, int] = {}
 
 
 # ------------------------------------------------------------ health and stats

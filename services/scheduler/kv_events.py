@@ -1,8 +1,9 @@
 """The scheduler's prefix-cache events, published for routers on --kv-events-address.
 
-After each turn of the scheduler loop that changed something (keys cached or evicted, or the
-number of running or waiting requests), one KvEventBatch goes out on a PUB socket; at least
-one a second otherwise, so a router that joins late learns the load. A new engine (a new
+After each turn of the scheduler loop that changed something (keys cached or evicted, the
+number of running or waiting requests, or each tokenizer worker's count of them), one
+KvEventBatch goes out on a PUB socket; at least one a second otherwise, so a router that joins
+late learns the load. A new engine (a new
 executor adopted) starts a new session: a router drops what it heard of the old one.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import zmq
@@ -33,19 +35,27 @@ class KvEventPublisher:
         self.socket.bind(address)
         self.replica = replica
         self.session, self.seq = 0, 0
-        self._load: tuple[int, int, bool] | None = None  # (running, waiting, full) published
+        self._load: tuple[object, ...] | None = None  # (running, waiting, full, by worker) sent
         self._sent_at = 0.0
 
     def new_engine(self) -> None:
         self.session, self.seq = random.getrandbits(62), 0
         self._load = None
 
-    def publish(self, scheduler: Scheduler) -> None:
-        """A batch, if anything changed since the last one or it is a second old."""
+    def publish(self, scheduler: Scheduler, by_worker: Mapping[bytes, int]) -> None:
+        """A batch, if anything changed since the last one or it is a second old.
+        `by_worker`: unfinished requests by the identity of the tokenizer worker they came
+        from."""
         if scheduler.block_events is None:
             return
         stored, removed = scheduler.block_events.take()
-        load = (len(scheduler.running), len(scheduler.waiting), _queue_full(scheduler))
+        counts = {worker.decode(errors="replace"): n for worker, n in by_worker.items() if n}
+        running, waiting, full = (
+            len(scheduler.running),
+            len(scheduler.waiting),
+            _queue_full(scheduler),
+        )
+        load = (running, waiting, full, tuple(sorted(counts.items())))
         now = time.monotonic()
         if not stored and not removed and load == self._load and now - self._sent_at < KEEPALIVE_S:
             return
@@ -56,10 +66,11 @@ class KvEventPublisher:
             block_size=scheduler.config.block_size,
             stored=stored,
             removed=removed,
-            num_running=load[0],
-            num_waiting=load[1],
+            num_running=running,
+            num_waiting=waiting,
             kv_usage=scheduler.kv.usage,
-            queue_full=load[2],
+            queue_full=full,
+            num_by_worker=counts,
         )
         # NOTE: a PUB socket drops what a slow subscriber cannot take; the seq tells it so.
         self.socket.send(encode(batch), flags=zmq.DONTWAIT)

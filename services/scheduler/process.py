@@ -32,6 +32,7 @@ from services.scheduler.handshake import check_protocol, refuse_other_versions, 
 from services.scheduler.kv_events import KvEventPublisher
 from services.scheduler.lora_control import LoraControl
 from services.scheduler.lora_registry import LoraRegistry
+from services.scheduler.request_owners import RequestOwners
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats_log import StatsLog
 from shared.config import Config
@@ -267,7 +268,7 @@ class SchedulerProcess:
         events_address = config.replica_address("kv_events_address")
         if events_address is not None:
             self.kv_events = KvEventPublisher(context, events_address, config.replica, security)
-        self.owners: dict[str, bytes] = {}  # request_id -> identity of its tokenizer worker
+        self.owners = RequestOwners()
         self.core: EngineCore | None = None
         self.stats_log = None if config.disable_log_stats else StatsLog(STATS_LOG_INTERVAL_S)
         self._last_stats = 0.0
@@ -325,7 +326,7 @@ class SchedulerProcess:
                 self._publish(core.step())
             self._report_stats()
             if self.kv_events is not None:
-                self.kv_events.publish(core.scheduler)
+                self.kv_events.publish(core.scheduler, self.owners.counts)
 
     def _fail_all(self, core: EngineCore, reason: str) -> None:
         """End every request the lost engine held with an UNAVAILABLE error, each once."""
@@ -359,7 +360,7 @@ class SchedulerProcess:
         error = self._admit(request)
         if error is None:
             # Only now: a refused duplicate id must not take over the original's owner.
-            self.owners[request.request_id] = identity
+            self.owners.add(request.request_id, identity)
             return
         refusal = RequestOutput.failure(request.request_id, error, len(request.prompt_token_ids))
         self._send_outputs(identity, [refusal])
@@ -396,7 +397,7 @@ class SchedulerProcess:
                 continue
             by_owner[owner].append(output)
             if output.finished:
-                del self.owners[output.request_id]
+                self.owners.pop(output.request_id)
         for owner, batch in by_owner.items():
             self._send_outputs(owner, batch)
 
@@ -411,7 +412,7 @@ class SchedulerProcess:
             if self.core is not None:
                 self.core.abort(lost)
             for request_id in lost:
-                self.owners.pop(request_id, None)
+                self.owners.pop(request_id)
 
     def _report_stats(self, now: bool = False) -> None:
         """A snapshot to every frontend every STATS_INTERVAL_S (or `now`), and the stats log

@@ -89,7 +89,7 @@ class TokenizerProcess:
             for address in config.addresses("scheduler_address")
         ]
         self.router = ReplicaRouter(
-            len(self.schedulers), by_prefix=config.data_parallel_routing == "prefix"
+            len(self.schedulers), config.data_parallel_routing == "prefix", self.name
         )
         self.placed: dict[str, int] = {}  # request_id -> its replica
         events = config.addresses("kv_events_address")

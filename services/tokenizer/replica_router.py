@@ -10,9 +10,11 @@ prefix held anywhere, the least busy takes it, ties in turn. An engine that last
 waiting queue full is passed over while another is not.
 
 An engine's load is its running and waiting requests: this worker's own, counted exactly (sent
-and not yet ended), plus the other workers', which its last report gives (what it reported
-less this worker's own then). A report lags: requests still on their way are not in it, so
-a burst would lean on whichever engine reported last if reports were taken as they come.
+and not yet ended), plus the other workers', from its last report (each report counts the
+requests of every worker: its total less this worker's). A report lags: this worker's requests
+still on their way are not in it, and nor are those sent while the report waited to be read;
+taking its total less this worker's count at reading time made an engine whose report was read
+late look emptier than it was, and a burst of 1,000 requests went 534:466.
 The view is a hint: a lost batch (its seq skips) leaves keys that may be gone, which costs a
 miss, never a wrong answer.
 """
@@ -37,22 +39,22 @@ class EngineView:
     session: int | None = None
     next_seq: int = 0
     keys: dict[bytes, None] = field(default_factory=dict)  # oldest heard first
-    reported: int = 0  # running + waiting requests, as last reported
+    others: int = 0  # the other workers' running + waiting requests, as last reported
     own: int = 0  # this worker's requests on it, sent and not yet ended
-    own_at_report: int = 0  # `own` when the last report came
     full: bool = False  # its waiting queue refused new requests, as last reported
 
     @property
     def load(self) -> int:
-        others = max(self.reported - self.own_at_report, 0)
-        return others + self.own
+        return self.others + self.own
 
 
 class ReplicaRouter:
-    def __init__(self, num_replicas: int, by_prefix: bool = True) -> None:
-        """`by_prefix` False: round-robin (--data-parallel-routing), whatever engines hold."""
+    def __init__(self, num_replicas: int, by_prefix: bool = True, worker: str = "") -> None:
+        """`by_prefix` False: round-robin (--data-parallel-routing), whatever engines hold.
+        `worker`: this worker's name, as the engines' reports count its requests."""
         self.engines = [EngineView() for _ in range(num_replicas)]
         self.by_prefix = by_prefix
+        self.worker = worker
         self.block_size: int | None = None  # known from the first batch
         self._turn = 0  # where ties start: engines take cold requests in turn
 
@@ -80,8 +82,8 @@ class ReplicaRouter:
             engine.keys[key] = None
         while len(engine.keys) > MAX_KEYS:
             del engine.keys[next(iter(engine.keys))]
-        engine.reported = batch.num_running + batch.num_waiting
-        engine.own_at_report = engine.own
+        total = batch.num_running + batch.num_waiting
+        engine.others = max(total - batch.num_by_worker.get(self.worker, 0), 0)
         engine.full = batch.queue_full
 
     def cached_blocks(self, token_ids: Sequence[int], lora_id: int = 0) -> list[int]:

@@ -1,6 +1,6 @@
 """--kv-events-address: the scheduler publishes the keys of the blocks its prefix cache holds
-(shared/block_hashes.py) and its load, so a router that computes a prompt's keys finds the
-engine holding it."""
+(shared/block_hashes.py) and its load (each tokenizer worker's share of it too), so a router
+that computes a prompt's keys finds the engine holding it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,13 @@ def test_a_served_prompts_blocks_are_published_with_the_load() -> None:
         assert {b.replica for b in batches} == {0} and len({b.session for b in batches}) == 1
         seqs = [b.seq for b in batches]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # none lost
-        assert any(b.num_running == 1 for b in batches) and batches[0].block_size == 16
+        assert batches[0].block_size == 16
+        running = [b for b in batches if b.num_running == 1]  # counted by its worker too
+        assert running and all(
+            len(b.num_by_worker) == 1 and next(iter(b.num_by_worker)).startswith("tokenizer-")
+            for b in running
+        )
+        assert sum(running[0].num_by_worker.values()) == 1
     finally:
         socket.close()
         context.term()

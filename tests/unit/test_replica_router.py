@@ -1,6 +1,7 @@
 """The data-parallel router: the engine holding a prompt's prefix takes it unless it is busier
-than the slack allows, cold requests go to the least busy in turn, and a new engine session
-forgets what the old one held."""
+than the slack allows, cold requests go to the least busy in turn (its load: this worker's
+requests counted exactly, the other workers' as the engine last reported them), and a new
+engine session forgets what the old one held."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from shared.block_hashes import prefix_block_keys
 from shared.protocol import KvEventBatch
 
 BLOCK = 16
+ME = "tokenizer-0"  # the worker the router routes for
 PROMPT = list(range(100, 100 + 4 * BLOCK))
 
 
@@ -90,7 +92,7 @@ def test_reports_that_lag_a_burst_do_not_lean_it_on_one_engine(
     """One worker's cold requests: whenever reports come, and however far behind (an engine
     reports only some of the requests on their way to it), each goes to an engine with the
     fewest of them."""
-    router = ReplicaRouter(3)
+    router = ReplicaRouter(3, worker=ME)
     live = [0, 0, 0]  # this worker's requests on each engine
     seq = [0, 0, 0]
     for step, replica in steps:
@@ -99,7 +101,9 @@ def test_reports_that_lag_a_burst_do_not_lean_it_on_one_engine(
             assert live[chosen] == min(live)
             live[chosen] += 1
         elif step == "report":  # it has seen half of them
-            router.observe(batch(replica, seq=seq[replica], num_waiting=live[replica] // 2))
+            seen = live[replica] // 2
+            report = batch(replica, seq=seq[replica], num_waiting=seen, num_by_worker={ME: seen})
+            router.observe(report)
             seq[replica] += 1
         elif live[replica]:
             router.release(replica)
@@ -107,11 +111,23 @@ def test_reports_that_lag_a_burst_do_not_lean_it_on_one_engine(
 
 
 def test_other_workers_requests_count_from_reports_and_own_ones_once() -> None:
-    router = ReplicaRouter(2)
-    router.observe(batch(0, num_waiting=10))  # other workers' requests: none of this one's
+    router = ReplicaRouter(2, worker=ME)
+    router.observe(batch(0, num_waiting=10, num_by_worker={"other": 10}))
     assert [router.pick(PROMPT) for _ in range(3)] == [1, 1, 1]
-    router.observe(batch(1, num_waiting=3))  # the three it sent: counted once, not twice
+    router.observe(batch(1, num_waiting=3, num_by_worker={ME: 3}))  # counted once, not twice
     assert router.engines[1].load == 3
     assert router.pick(PROMPT) == 1  # 3 against 10
     router.release(1)
     assert router.engines[1].load == 3  # 4 sent, 1 ended
+
+
+def test_a_report_read_late_does_not_make_its_engine_look_emptier() -> None:
+    """Ten requests of this worker's went to each engine, and five of another's. Engine 0's
+    report was made before this worker's arrived, engine 1's after: both say the other worker
+    has five there, however late this worker reads them."""
+    router = ReplicaRouter(2, worker=ME)
+    assert sorted(router.pick(PROMPT) for _ in range(20)) == [0] * 10 + [1] * 10
+    router.observe(batch(0, num_waiting=5, num_by_worker={"other": 5}))
+    router.observe(batch(1, num_waiting=15, num_by_worker={"other": 5, ME: 10}))
+    assert [e.load for e in router.engines] == [15, 15]
+    assert sorted(router.pick(PROMPT) for _ in range(4)) == [0, 0, 1, 1]
