@@ -79,7 +79,8 @@ for part in $PARTS; do
             --tensor-parallel-size "$TP" --num-prompts 256 --input-len 512 --output-len 256 \
             --ignore-eos --max-num-batched-tokens 8192 --output-json "$OUT/throughput_tp$TP.json" ;;
     throughput-dp)  # offline with one engine, then $DP replicas (a GPU each): the throughput
-        # part's 256 prompts, then 1024 (each replica as full as one engine is at 512)
+        # part's 256 prompts, then 1024 (each replica as full as one engine is at 512); and
+        # one engine given one replica's share alone, which $DP replicas can at best multiply
         for prompts in 256 1024; do
             for dp in 1 "$DP"; do
                 run "throughput-dp $dp x $prompts" timeout 300 python3 -m services bench \
@@ -87,6 +88,10 @@ for part in $PARTS; do
                     --num-prompts $prompts --input-len 512 --output-len 256 --ignore-eos \
                     --max-num-batched-tokens 8192 --output-json "$OUT/throughput_dp${dp}_$prompts.json"
             done
+            share=$((prompts / DP))
+            run "throughput-dp 1 x $share" timeout 300 python3 -m services bench throughput \
+                "$MODEL" "${COMMON[@]}" --num-prompts $share --input-len 512 --output-len 256 \
+                --ignore-eos --max-num-batched-tokens 8192 --output-json "$OUT/throughput_dp1_$share.json"
         done ;;
     latency-fp8)  # --quantization fp8 (issue 13)
         run latency-fp8 python3 -m services bench latency "$MODEL" "${COMMON[@]}" \

@@ -80,6 +80,18 @@ serve_kvflow() {  # NAME WORKLOADS [FLAGS...]
     kill -INT $pid; wait $pid
 }
 
+triton_kernels() {  # each compiled Triton kernel in the cache: its name and constants, sorted
+    python3 - <<'PY'
+import json, os, pathlib
+root = pathlib.Path(os.environ.get("TRITON_CACHE_DIR", pathlib.Path.home() / ".triton/cache"))
+for path in root.glob("*/*.json"):
+    if path.name.startswith("__grp__"):
+        continue
+    meta = json.loads(path.read_text())
+    print(path.parent.name[:12], meta.get("name"), meta.get("num_warps"), meta.get("num_stages"))
+PY
+}
+
 # Data parallelism (issue 16): REPLICAS engines, each on GPUs of its own, the `serve` load at
 # full rate (all at once: one replica saturates) and the `prefix-many` workload (32 prefixes of
 # 1024 tokens, so a replica holds only the prefixes routed to it), the server's prefix-cache
@@ -95,12 +107,23 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
         local common=(--port 8100 --tokenizer "$MODEL_DIR" --ignore-eos --disable-tqdm)
         # Twice: the first load meets a fresh server (first-use compiles), the second not;
         # other prompts (seed), or the second would find them all in the prefix cache.
+        # The Triton kernels each load compiled (first use), listed after it.
         for seed in 300 301; do
             local load=$([[ $seed == 300 ]] && echo load || echo load_again)
+            triton_kernels >"$RESULTS/$1_triton_before_$load.txt"
+            # Each process's CPU share while the load runs: which one keeps the GPUs waiting.
+            top -b -c -d 1 -n 30 -w 300 | grep -E --line-buffered "^top -|python" \
+                >"$RESULTS/$1_top_$load.txt" &
+            local top_pid=$!
             [[ $4 == *serve* ]] && run "$1 $load" timeout 240 python3 -m services bench serve \
                 "${common[@]}" --random-input-len 200 --random-output-len 200 \
                 --num-prompts "$NUM_PROMPTS" --request-rate inf --seed $seed \
                 --output-json "$RESULTS/$1_$load.json"
+            kill $top_pid 2>/dev/null
+            # prompt tokens each replica has taken so far: the router's split, load by load
+            curl -s $url/metrics | grep "prefix_cache_queries_total{" | tee "$RESULTS/$1_split_$load.txt"
+            triton_kernels | comm -13 "$RESULTS/$1_triton_before_$load.txt" - \
+                | tee "$RESULTS/$1_triton_compiled_$load.txt"
         done
         curl -s $url/metrics >"$RESULTS/$1_metrics_before.txt"
         [[ $4 == *prefix* ]] && run "$1 prefix-many" timeout 120 python3 -m services bench \
