@@ -186,7 +186,7 @@ def _merge_partitions_kernel(
     stride_out_token,
     num_splits,
     NUM_HEADS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # a power of two >= num_splits, at least 16: 16, 32 or 64
+    SPLITS_PAD: tl.constexpr,  # next_power_of_2(num_splits): 1, 2, 4, ..., MAX_SPLITS
     HEAD_DIM: tl.constexpr,
     HAS_QUERY_LOC: tl.constexpr,
 ):
@@ -346,7 +346,7 @@ def paged_decode_attention(
         out.stride(0),
         num_splits,
         NUM_HEADS=num_heads,
-        SPLITS_PAD=max(16, triton.next_power_of_2(num_splits)),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         HAS_QUERY_LOC=has_query_loc,
     )
@@ -366,7 +366,7 @@ def compile_every_variant(
     tables = torch.zeros(1, MAX_SPLITS, dtype=torch.int32, device=device)  # block 0: read only
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     mixed = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    splits = 16
+    splits = 1
     while splits <= MAX_SPLITS:
         for query_start_loc in (None, mixed):
             paged_decode_attention(
