@@ -98,8 +98,9 @@ PY
 # counters read before and after.
 serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
     local start=$SECONDS url=http://127.0.0.1:8100
+    # shellcheck disable=SC2086  # SERVE_FLAGS: more serve flags, e.g. --api-server-count 2
     python3 -m services serve "$MODEL_DIR" --load-format dummy --max-model-len 4096 \
-        --port 8100 --data-parallel-size "$2" --data-parallel-routing "$3" \
+        --port 8100 --data-parallel-size "$2" --data-parallel-routing "$3" ${SERVE_FLAGS:-} \
         >"$RESULTS/$1_serve.log" 2>&1 &
     local pid=$!
     if wait_healthy $url $pid; then

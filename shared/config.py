@@ -190,6 +190,12 @@ class Config:
         "server",
         "Tokenizer worker processes `serve` starts (run apart, the pool is whoever joins).",
     )
+    api_server_count: int = option(
+        1,
+        "server",
+        "Frontend processes `serve` starts, all taking connections on --port (SO_REUSEPORT): "
+        "one streams about 25,000 tokens a second; more stream more.",
+    )
     max_queued_requests: int = option(
         4096, "server", "Requests waiting for the engine before new ones get 429."
     )
@@ -283,7 +289,14 @@ class Config:
     ready_file: str | None = option(
         None,
         "components",
-        "A tokenizer worker creates this file once it takes requests (a readiness probe).",
+        "A tokenizer worker or frontend creates this file once it takes requests (a readiness"
+        " probe).",
+    )
+    metrics_share_dir: str | None = option(
+        None,
+        "components",
+        "A folder where frontends run side by side (--api-server-count) share their request "
+        "metrics: each writes its own there every second, and /metrics on any counts them all.",
     )
     component_timeout: float = option(
         10.0, "components", "Seconds without a heartbeat before a component counts as dead."
@@ -331,6 +344,7 @@ class Config:
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.tokenizer_pool_size >= 1, "tokenizer_pool_size", "must be >= 1")
+        _require(self.api_server_count >= 1, "api_server_count", "must be >= 1")
         _require(
             self.worker_index is None or self.worker_index >= 0, "worker_index", "must be >= 0"
         )

@@ -19,6 +19,7 @@ from services.frontend.errors import APIError
 from services.frontend.guards import admit, authorize, load_api_keys
 from services.frontend.limits import RequestLimits
 from services.frontend.metrics import Metrics
+from services.frontend.metrics_share import MetricsShare
 from services.frontend.request_log import RequestLog
 from services.frontend.routes import generate, info, lora, tokenize
 from services.frontend.state import FrontendState
@@ -35,9 +36,11 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     app = FastAPI(title="kvflow", version=VERSION, openapi_url=None, docs_url=None, redoc_url=None)
     openapi.install(app)
     served = Served(model_name, RequestLimits.of(config), config.request_timeout)
+    share = MetricsShare(config.metrics_share_dir) if config.metrics_share_dir else None
     app.state.frontend = FrontendState(
-        config, engine, model_name, Metrics(model_name), served, load_api_keys(config)
-    )
+        config, engine, model_name, Metrics(model_name), served, load_api_keys(config),
+        metrics_share=share,
+    )  # fmt: skip
     app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _on_http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _on_error)

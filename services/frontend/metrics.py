@@ -6,6 +6,8 @@ import bisect
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+import msgspec
+
 from shared.protocol import StatsSnapshot
 
 LATENCY_BUCKETS = (
@@ -53,16 +55,52 @@ class Histogram:
         return lines
 
 
+class FrontendFigures(msgspec.Struct, forbid_unknown_fields=True):
+    """One frontend's request-level figures, as frontends run side by side share them
+    (services/frontend/metrics_share.py)."""
+
+    histograms: dict[str, tuple[list[int], float]]  # name -> (bucket counts, sum)
+    finished: dict[str, int]
+    refused: dict[str, int]
+    in_flight: int
+
+
 class Metrics:
     """Request-level figures measured in the frontend, plus the scheduler's latest snapshot."""
 
     def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.labels = f'model_name="{model_name}"'
         self.ttft = Histogram("kvflow:time_to_first_token_seconds", "Time to first token.")
         self.itl = Histogram("kvflow:inter_token_latency_seconds", "Time between tokens.")
         self.e2e = Histogram("kvflow:e2e_request_latency_seconds", "End-to-end latency.")
         self.finished: Counter[str] = Counter()
         self.refused: Counter[str] = Counter()  # requests refused up front, by reason
+
+    def figures(self, num_in_flight: int) -> FrontendFigures:
+        histograms = {h.name: (list(h.counts), h.sum) for h in (self.ttft, self.itl, self.e2e)}
+        return FrontendFigures(histograms, dict(self.finished), dict(self.refused), num_in_flight)
+
+    def merged(self, peers: Sequence[FrontendFigures]) -> Metrics:
+        """These figures plus other frontends' (a peer whose buckets differ is left out)."""
+        total = Metrics(self.model_name)
+        for figures in (self.figures(0), *peers):
+            total._add(figures)
+        return total
+
+    def _add(self, figures: FrontendFigures) -> None:
+        histograms = (self.ttft, self.itl, self.e2e)
+        parts = [figures.histograms.get(h.name) for h in histograms]
+        for histogram, part in zip(histograms, parts, strict=True):
+            if part is None or len(part[0]) != len(histogram.counts):
+                return
+        for histogram, part in zip(histograms, parts, strict=True):
+            assert part is not None
+            counts, part_sum = part
+            histogram.counts = [a + b for a, b in zip(histogram.counts, counts, strict=True)]
+            histogram.sum += part_sum
+        self.finished.update(figures.finished)
+        self.refused.update(figures.refused)
 
     def render(
         self, snapshots: Sequence[StatsSnapshot], num_tokenizer_workers: int, num_in_flight: int

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
+from pathlib import Path
 from types import FrameType
 
 import uvicorn
@@ -78,10 +80,38 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
 
 
+def shared_port(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other processes may bind too (SO_REUSEPORT): the
+    kernel spreads new connections over the frontends run side by side."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def until_ready(state: FrontendState) -> None:
+    """Until this frontend takes requests, or drains."""
+    while state.not_ready_reason() is not None and not state.draining:
+        await asyncio.sleep(0.2)
+
+
+async def say_ready(state: FrontendState, path: Path) -> None:
+    """Create --ready-file once this frontend takes requests (`serve` waits for every
+    frontend's: a probe through the shared port reaches only one)."""
+    await until_ready(state)
+    if not state.draining:
+        path.touch()
+
+
 def run_frontend(config: Config) -> None:
     model_name = config.served_model_name or resolve_model_source(config.model).name
+    if config.ready_file is not None:  # one left by a previous process is not true now
+        Path(config.ready_file).unlink(missing_ok=True)
     engine = EngineClient(config)
     app = create_app(config, engine, model_name)
+    state: FrontendState = app.state.frontend
     in_flight = InFlightCounter(app)
     server = DrainingServer(
         uvicorn.Config(
@@ -99,10 +129,24 @@ def run_frontend(config: Config) -> None:
     async def serve() -> None:
         server.loop = asyncio.get_running_loop()
         await engine.start()
+        tasks = []
+        if state.metrics_share is not None:
+            figures = lambda: state.metrics.figures(len(engine.queues))  # noqa: E731
+            tasks.append(asyncio.create_task(state.metrics_share.run(figures)))
+        if config.ready_file is not None:
+            tasks.append(asyncio.create_task(say_ready(state, Path(config.ready_file))))
+        sockets = None
+        if config.api_server_count > 1:
+            # Side by side on one port, a frontend listens only once it takes requests: the
+            # kernel sends connections to listening ones alone, so none meets a starting one.
+            await until_ready(state)
+            sockets = [shared_port(config.host, config.port)]
         logger.info(
             "frontend listening on http://%s:%d (model %s)", config.host, config.port, model_name
         )
-        await server.serve()
+        await server.serve(sockets)
+        for task in tasks:
+            task.cancel()
         engine.close()
 
     uvloop.run(serve())

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from services.frontend.engine_client import EngineClient
 from services.frontend.metrics import Metrics
+from services.frontend.metrics_share import MetricsShare
 from services.frontend.validation import Served
 from shared.config import Config
 
@@ -22,6 +23,13 @@ class FrontendState:
     served: Served  # the model's name, limits and timeout, for plan_call
     api_keys: tuple[bytes, ...] = ()  # a bearer token must match one; none: no key needed
     draining: bool = False  # set on SIGTERM: new requests get 503, /ready too
+    # the other frontends' request metrics, when several run side by side (--api-server-count)
+    metrics_share: MetricsShare | None = None
+
+    def not_ready_reason(self) -> str | None:
+        """Why new requests are not taken now (what /ready answers), or None."""
+        failure = self.engine.failure_reason()
+        return failure or ("draining" if self.draining else self.engine.unavailable_reason())
 
     @property
     def max_model_len(self) -> int | None:

@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import zmq
 
@@ -37,11 +38,16 @@ class Launcher:
         self.security = WireSecurity.of(config)  # a key it cannot read stops serve right here
         self.gpus = replica_gpus(config)  # too few: serve stops right here too
         self.runtime = private_runtime_dir()  # 0700: no other user reaches the ipc:// sockets
-        self.frontend_address = config.frontend_address or f"ipc://{self.runtime}/frontend"
+        # One address per frontend (--api-server-count): each binds its own, the components
+        # report to all of them, and the frontends share the HTTP port and their metrics.
+        self.frontend_addresses = self._frontend_addresses(config)
         self.config = config.replace(
-            frontend_address=self.frontend_address,
+            frontend_address=",".join(self.frontend_addresses),
             scheduler_address=config.scheduler_address or self._private("scheduler", config),
         )
+        if config.api_server_count > 1:
+            (self.runtime / "metrics").mkdir()
+            self.config = self.config.replace(metrics_share_dir=str(self.runtime / "metrics"))
         if config.data_parallel_size > 1 and config.kv_events_address is None:
             # The tokenizer workers route by the replicas' KV events.
             self.config = self.config.replace(kv_events_address=self._private("kv-events", config))
@@ -67,9 +73,9 @@ class Launcher:
         logger.info("received %s: draining", signal.Signals(signum).name)
         self.stopping = True
         # Now, not at the watch loop's next turn: new requests are refused from this moment.
-        frontend = self.procs.get("frontend")
-        if frontend is not None and frontend.poll() is None:
-            frontend.send_signal(signal.SIGTERM)
+        for frontend in self._frontends():
+            if frontend.poll() is None:
+                frontend.send_signal(signal.SIGTERM)
 
     # ---------------------------------------------------------------- processes
 
@@ -80,7 +86,9 @@ class Launcher:
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         base = [sys.executable, "-m", "services"]
         args = ["--config", str(config_path), "--supervised"]
-        self._spawn("frontend", [*base, "frontend", *args], env)
+        for k, address in enumerate(self.frontend_addresses):
+            own = ["--frontend-address", address, "--ready-file", str(self._ready_file(k))]
+            self._spawn(self._frontend_name(k), [*base, "frontend", *args, *own], env)
         replicas = self.config.data_parallel_size
         for r in range(replicas):
             rank = ["--data-parallel-rank", str(r)]
@@ -97,6 +105,24 @@ class Launcher:
             self._spawn(
                 f"tokenizer-{k}", [*base, "tokenizer", *args, "--worker-index", str(k)], env
             )
+
+    def _frontend_addresses(self, config: Config) -> list[str]:
+        count = config.api_server_count
+        if count > 1 and config.frontend_address is not None:
+            raise ValueError("--api-server-count > 1 picks the frontends' addresses itself")
+        if count == 1:
+            return [config.frontend_address or f"ipc://{self.runtime}/frontend"]
+        return [f"ipc://{self.runtime}/frontend-{k}" for k in range(count)]
+
+    def _frontend_name(self, k: int) -> str:
+        return "frontend" if len(self.frontend_addresses) == 1 else f"frontend-{k}"
+
+    def _frontends(self) -> list[subprocess.Popen[bytes]]:
+        names = (self._frontend_name(k) for k in range(len(self.frontend_addresses)))
+        return [self.procs[name] for name in names if name in self.procs]
+
+    def _ready_file(self, k: int) -> Path:
+        return self.runtime / f"frontend-{k}.ready"
 
     def _private(self, name: str, config: Config) -> str:
         """ipc:// addresses in the runtime folder: one, or one per engine replica."""
@@ -127,7 +153,10 @@ class Launcher:
             if dead is not None:
                 logger.error("%s exited with code %d during startup", *dead)
                 return False
-            if self._probe("/ready"):
+            frontends_ready = all(
+                self._ready_file(k).exists() for k in range(len(self.frontend_addresses))
+            )
+            if frontends_ready and self._probe("/ready"):
                 logger.info(
                     "kvflow is serving %s at %s",
                     self.config.model or "the embedded SmolLM2-135M-Instruct",
@@ -167,23 +196,27 @@ class Launcher:
             return False
 
     def _tell_frontend(self, name: str, code: int) -> None:
-        if name == "frontend":
-            return
+        """Tell every frontend still running that a component died (its requests fail now)."""
         context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        socket = connect_dealer(context, self.frontend_address, "launcher", self.security)
-        socket.send(encode(ComponentDown(name, code)))
-        time.sleep(0.1)  # LINGER is 0: give the message time to leave
-        socket.close()
+        for k, address in enumerate(self.frontend_addresses):
+            if self._frontend_name(k) == name:
+                continue
+            socket = connect_dealer(context, address, "launcher", self.security)
+            socket.send(encode(ComponentDown(name, code)))
+            time.sleep(0.1)  # LINGER is 0: give the message time to leave
+            socket.close()
 
     def _drain(self) -> int:
-        frontend = self.procs["frontend"]  # told to drain by _on_signal
-        try:
-            code = frontend.wait(timeout=self.config.drain_timeout + 10)
-        except subprocess.TimeoutExpired:
-            logger.error("the frontend did not drain in time")
-            return 1
-        logger.info("drained; frontend exited with code %d", code)
-        return 0 if code == 0 else 1
+        deadline = time.monotonic() + self.config.drain_timeout + 10
+        codes = []
+        for frontend in self._frontends():  # told to drain by _on_signal
+            try:
+                codes.append(frontend.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                logger.error("a frontend did not drain in time")
+                return 1
+        logger.info("drained; frontends exited with codes %s", codes)
+        return 0 if not any(codes) else 1
 
     def _stop_all(self) -> None:
         for proc in self.procs.values():

@@ -37,8 +37,7 @@ async def health(state: AppState) -> Response:
 
 @health_router.get("/ready", **PROBE_DOC)
 async def ready(state: AppState) -> Response:
-    failure = state.engine.failure_reason()
-    return _probe(failure or ("draining" if state.draining else state.engine.unavailable_reason()))
+    return _probe(state.not_ready_reason())
 
 
 def _probe(reason: str | None) -> Response:
@@ -97,5 +96,10 @@ async def openapi_document(request: Request) -> JSONResponse:
 async def prometheus(state: AppState) -> PlainTextResponse:
     engine = state.engine
     snapshots = [engine.snapshots[r] for r in sorted(engine.snapshots)]
-    text = state.metrics.render(snapshots, len(engine.tokenizers.accepting), len(engine.queues))
+    metrics, in_flight = state.metrics, len(engine.queues)
+    if state.metrics_share is not None:  # frontends side by side: this one counts them all
+        peers = state.metrics_share.peers()
+        metrics = metrics.merged(peers)
+        in_flight += sum(peer.in_flight for peer in peers)
+    text = metrics.render(snapshots, len(engine.tokenizers.accepting), in_flight)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
