@@ -11,10 +11,12 @@ waiting queue full is passed over while another is not.
 
 An engine's load is its running and waiting requests: this worker's own, counted exactly (sent
 and not yet ended), plus the other workers', from its last report (each report counts the
-requests of every worker: its total less this worker's). A report lags: this worker's requests
-still on their way are not in it, and nor are those sent while the report waited to be read;
-taking its total less this worker's count at reading time made an engine whose report was read
-late look emptier than it was, and a burst of 1,000 requests went 534:466.
+requests of every worker: its total less this worker's), moved on since by as much as this
+worker's own count there moved, for each other worker (they route alike). A report lags: the
+requests sent while it was made, sent and read are not in it, so an engine that reported less
+often looked emptier than it was: taking the report's total less this worker's count at reading
+time split a burst of 1,000 requests 534:466, and the other workers' share as reported, without
+its growth since, 556:445.
 The view is a hint: a lost batch (its seq skips) leaves keys that may be gone, which costs a
 miss, never a wrong answer.
 """
@@ -41,11 +43,16 @@ class EngineView:
     keys: dict[bytes, None] = field(default_factory=dict)  # oldest heard first
     others: int = 0  # the other workers' running + waiting requests, as last reported
     own: int = 0  # this worker's requests on it, sent and not yet ended
+    own_reported: int = 0  # this worker's requests on it, as last reported
+    other_workers: set[str] = field(default_factory=set)  # with requests on it, as reported
     full: bool = False  # its waiting queue refused new requests, as last reported
 
-    @property
-    def load(self) -> int:
-        return self.others + self.own
+    def load(self, num_other_workers: int) -> int:
+        """Running and waiting requests now: this worker's, and the other workers' as last
+        reported, moved since as much as this worker's own count moved, each (the workers
+        route alike: what one sent to an engine since its report, each other one likely did)."""
+        moved = self.own - self.own_reported
+        return max(self.others + num_other_workers * moved, 0) + self.own
 
 
 class ReplicaRouter:
@@ -83,7 +90,9 @@ class ReplicaRouter:
         while len(engine.keys) > MAX_KEYS:
             del engine.keys[next(iter(engine.keys))]
         total = batch.num_running + batch.num_waiting
-        engine.others = max(total - batch.num_by_worker.get(self.worker, 0), 0)
+        engine.own_reported = batch.num_by_worker.get(self.worker, 0)
+        engine.others = max(total - engine.own_reported, 0)
+        engine.other_workers = {name for name in batch.num_by_worker if name != self.worker}
         engine.full = batch.queue_full
 
     def cached_blocks(self, token_ids: Sequence[int], lora_id: int = 0) -> list[int]:
@@ -109,7 +118,7 @@ class ReplicaRouter:
             self.engines[chosen].own += 1
             return chosen
         held = self.cached_blocks(token_ids, lora_id)
-        loads = [engine.load for engine in self.engines]
+        loads = self.loads()
         order = [(self._turn + i) % len(self.engines) for i in range(len(self.engines))]
         # An engine whose queue is full would refuse it (429): the others first, if any.
         order = [r for r in order if not self.engines[r].full] or order
@@ -120,6 +129,11 @@ class ReplicaRouter:
         self._turn = (chosen + 1) % len(self.engines)
         self.engines[chosen].own += 1
         return chosen
+
+    def loads(self) -> list[int]:
+        """Each engine's running and waiting requests, as this worker estimates them now."""
+        others = len(set().union(*(engine.other_workers for engine in self.engines)))
+        return [engine.load(others) for engine in self.engines]
 
     def release(self, replica: int) -> None:
         """A request `pick` gave `replica` has ended (finished or aborted)."""
