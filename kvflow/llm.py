@@ -19,6 +19,7 @@ from kvflow.data_parallel import OtherReplicas, share_cpu_threads
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Completion, GenerationResult
 from kvflow.progress import Progress, ProgressSink
+from services.executor.plan_check import PlanError
 from services.executor.rank_group import start_runner
 from services.frontend.openai_types import Message, Tool, chat_message
 from services.frontend.structured import tool_definition
@@ -194,6 +195,12 @@ class LLM:
                 prompt = msgspec.structs.replace(prompt, lora_id=lora_id)
                 results.append(self._add(prompt, prompt_params, owners))
             self._step_until_done(owners, progress)
+        except PlanError:
+            # The runner held a plan it could not run (an adapter whose files are gone): it
+            # starts over, with every tensor-parallel rank, before the requests are withdrawn.
+            self.runner.reset()
+            self.engine.forget_in_flight()
+            raise
         finally:
             if owners:  # an error or an interrupt: withdraw what is left
                 self.engine.abort(list(owners))

@@ -193,7 +193,7 @@ class Config:
     api_server_count: int = option(
         1,
         "server",
-        "Frontend processes `serve` starts, all taking connections on --port (SO_REUSEPORT): "
+        "Frontend processes `serve` starts, all taking connections from one socket on --port: "
         "one streams about 25,000 tokens a second; more stream more.",
     )
     max_queued_requests: int = option(
@@ -291,6 +291,13 @@ class Config:
         "components",
         "A tokenizer worker or frontend creates this file once it takes requests (a readiness"
         " probe).",
+    )
+    listen_fd: int | None = option(
+        None,
+        "components",
+        "A listening socket (its file descriptor) the frontend takes HTTP connections from, as"
+        " serve hands one to each of its --api-server-count frontends, instead of binding "
+        "--host and --port.",
     )
     metrics_share_dir: str | None = option(
         None,

@@ -121,6 +121,7 @@ def _compile_attention_variants(runner: ModelRunner) -> None:
 
 
 def warm_up(runner: ModelRunner) -> None:
+    _compile_attention_variants(runner)  # needs one cache block alone
     reason = skip_reason(runner)
     if reason is not None:
         logger.info("warm-up skipped (%s): the first requests may pay for compiles", reason)
@@ -152,7 +153,6 @@ def warm_up(runner: ModelRunner) -> None:
         plans.run({request.request_id: length}, new=[request], finished=finished)
         finished = [request.request_id]
     plans.run({}, finished=finished)
-    _compile_attention_variants(runner)
     logger.info("warm-up steps ran in %.1f s", time.perf_counter() - start)
     try:  # the grammar tokenizer, which the first structured-output request would wait for
         _ = runner.grammars.tokenizer

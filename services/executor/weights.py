@@ -130,7 +130,7 @@ def iter_gguf(
 class _GgufPart:
     """A GGUF tensor in its memory-mapped file, as `CheckpointSlice` reads one: its shape, and
     the part an index takes, read then (blocks as stored, or dequantized to float32). Columns
-    are values of a dequantized tensor (a cut must fall between blocks) or bytes of a blocks
+    are values of a dequantized tensor (the blocks holding them are read) or bytes of a blocks
     one. `rope_head_dim`: llama.cpp's q/k rows, put back in rotate-half order as read (a cut
     takes whole heads, so each head is unpermuted alone)."""
 
@@ -150,27 +150,23 @@ class _GgufPart:
         return shape
 
     def __getitem__(self, index: tuple[slice, ...] | EllipsisType) -> torch.Tensor:
-        view = self.data
+        view, columns = self.data, slice(None)
         if isinstance(index, tuple):
             *rows, columns = index if len(index) == view.ndim else (*index, slice(None))
-            view = view[(*rows, self._stored(columns, view.shape[-1]))]
-        if self.blocks:
-            weight = torch.from_numpy(np.array(view, dtype=np.uint8))  # [N, row_bytes]
-        else:
-            data = gguf.quants.dequantize(np.ascontiguousarray(view), self.qtype)
-            weight = torch.from_numpy(np.array(data, dtype=np.float32))  # a writable copy
+            view = view[tuple(rows)]
+        start, stop, _ = columns.indices(self.get_shape()[-1])
+        if self.blocks:  # bytes of whole blocks: what a rank cuts is the method's to check
+            weight = torch.from_numpy(np.array(view[..., start:stop], dtype=np.uint8))
+        else:  # the whole blocks holding the columns, dequantized, then the columns
+            first, last = start // self.elems, -(-stop // self.elems)
+            stored = np.ascontiguousarray(view[..., first * self.width : last * self.width])
+            values = gguf.quants.dequantize(stored, self.qtype)
+            offset = first * self.elems
+            values = values[..., start - offset : stop - offset]
+            weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
         if self.rope_head_dim:
             weight = _unpermute_rope(weight, weight.shape[0] // self.rope_head_dim)
         return weight
-
-    def _stored(self, columns: slice, stored: int) -> slice:
-        """The stored entries holding a slice of columns, which must fall between blocks."""
-        start, stop, _ = columns.indices(stored // self.width * self.elems)
-        if start % self.elems or stop % self.elems:
-            raise ValueError(
-                f"columns {start}:{stop} cut {self.qtype.name} blocks of {self.elems} values"
-            )
-        return slice(start // self.elems * self.width, stop // self.elems * self.width)
 
 
 def _packed_type(qtype: str) -> str:

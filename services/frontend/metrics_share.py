@@ -20,11 +20,17 @@ logger = logging.getLogger(__name__)
 WRITE_INTERVAL_S = 1.0
 
 
+def share_file(folder: str, name: str) -> Path:
+    """A frontend's file (`name`: its process id, unless a test names it): written every
+    second while its loop runs, so `serve` also tells a hung frontend by its age."""
+    return Path(folder) / f"frontend-{name}.json"
+
+
 class MetricsShare:
     def __init__(self, folder: str, name: str | None = None) -> None:
         """`name`: this frontend's file in the folder (default: after its process)."""
         self.folder = Path(folder)
-        self.own = self.folder / f"frontend-{name or os.getpid()}.json"
+        self.own = share_file(folder, name or str(os.getpid()))
         self._decoder = msgspec.json.Decoder(FrontendFigures)
 
     def write(self, figures: FrontendFigures) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import time
 from pathlib import Path
@@ -80,17 +81,6 @@ class DrainingServer(uvicorn.Server):
             await asyncio.sleep(0.05)
 
 
-def shared_port(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port that other processes may bind too (SO_REUSEPORT): the
-    kernel spreads new connections over the frontends run side by side."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
-
-
 async def until_ready(state: FrontendState) -> None:
     """Until this frontend takes requests, or drains."""
     while state.not_ready_reason() is not None and not state.draining:
@@ -136,17 +126,26 @@ def run_frontend(config: Config) -> None:
         if config.ready_file is not None:
             tasks.append(asyncio.create_task(say_ready(state, Path(config.ready_file))))
         sockets = None
-        if config.api_server_count > 1:
-            # Side by side on one port, a frontend listens only once it takes requests: the
-            # kernel sends connections to listening ones alone, so none meets a starting one.
+        if config.listen_fd is not None:
+            # Side by side on serve's one listening socket, a frontend takes connections only
+            # once it takes requests: until then the others, or the queue, hold them.
+            stops = (signal.SIGTERM, signal.SIGINT)  # until uvicorn's handlers come with serve
+            for sig in stops:
+                server.loop.add_signal_handler(sig, lambda: setattr(state, "draining", True))
             await until_ready(state)
-            sockets = [shared_port(config.host, config.port)]
-        logger.info(
-            "frontend listening on http://%s:%d (model %s)", config.host, config.port, model_name
-        )
-        await server.serve(sockets)
+            for sig in stops:
+                server.loop.remove_signal_handler(sig)
+            sockets = [socket.socket(fileno=config.listen_fd)]
+        if not state.draining:
+            logger.info(
+                "frontend listening on http://%s:%d (model %s)",
+                config.host, config.port, model_name,
+            )  # fmt: skip
+            await server.serve(sockets)
         for task in tasks:
             task.cancel()
+        if state.metrics_share is not None:  # its last figures, none in flight, stay counted
+            state.metrics_share.write(state.metrics.figures(0))
         engine.close()
 
     uvloop.run(serve())

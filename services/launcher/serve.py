@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import zmq
 
+from services.frontend.metrics_share import share_file
 from shared.config import ENV_PREFIX, Config
 from shared.constants import DEATH_GRACE_S, UNHEALTHY_LIMIT_S
 from shared.ipc import connect_dealer, encode
@@ -31,12 +33,28 @@ from shared.replicas import replica_devices, replica_gpus, replica_name
 from shared.wire_security import WireSecurity, private_runtime_dir
 
 logger = logging.getLogger(__name__)
+SHARE_SILENCE_S = 5.0  # a frontend writes its metrics file every second
+
+
+def listening_socket(config: Config) -> socket.socket:
+    """The HTTP socket the frontends share, listening on --host and --port."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((config.host, config.port))
+    listener.listen(2048)
+    return listener
 
 
 class Launcher:
     def __init__(self, config: Config) -> None:
         self.security = WireSecurity.of(config)  # a key it cannot read stops serve right here
         self.gpus = replica_gpus(config)  # too few: serve stops right here too
+        if config.api_server_count > 1 and config.frontend_address is not None:
+            raise ValueError("--api-server-count > 1 picks the frontends' addresses itself")
+        # Several frontends take connections from one socket, bound here: a port that another
+        # server holds stops serve now, and never ends up shared with it.
+        self.listener = listening_socket(config) if config.api_server_count > 1 else None
         self.runtime = private_runtime_dir()  # 0700: no other user reaches the ipc:// sockets
         # One address per frontend (--api-server-count): each binds its own, the components
         # report to all of them, and the frontends share the HTTP port and their metrics.
@@ -86,9 +104,15 @@ class Launcher:
         env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
         base = [sys.executable, "-m", "services"]
         args = ["--config", str(config_path), "--supervised"]
+        fds: tuple[int, ...] = ()
+        listen = []
+        if self.listener is not None:
+            fds = (self.listener.fileno(),)
+            listen = ["--listen-fd", str(self.listener.fileno())]
         for k, address in enumerate(self.frontend_addresses):
             own = ["--frontend-address", address, "--ready-file", str(self._ready_file(k))]
-            self._spawn(self._frontend_name(k), [*base, "frontend", *args, *own], env)
+            argv = [*base, "frontend", *args, *own, *listen]
+            self._spawn(self._frontend_name(k), argv, env, fds)
         replicas = self.config.data_parallel_size
         for r in range(replicas):
             rank = ["--data-parallel-rank", str(r)]
@@ -108,8 +132,6 @@ class Launcher:
 
     def _frontend_addresses(self, config: Config) -> list[str]:
         count = config.api_server_count
-        if count > 1 and config.frontend_address is not None:
-            raise ValueError("--api-server-count > 1 picks the frontends' addresses itself")
         if count == 1:
             return [config.frontend_address or f"ipc://{self.runtime}/frontend"]
         return [f"ipc://{self.runtime}/frontend-{k}" for k in range(count)]
@@ -131,8 +153,10 @@ class Launcher:
             return f"ipc://{self.runtime}/{name}"
         return ",".join(f"ipc://{self.runtime}/{name}-{r}" for r in range(replicas))
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True)
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str], fds: tuple[int, ...] = ()
+    ) -> None:
+        self.procs[name] = subprocess.Popen(argv, env=env, start_new_session=True, pass_fds=fds)
 
     def _dead(self) -> tuple[str, int] | None:
         for name, proc in self.procs.items():
@@ -177,15 +201,32 @@ class Launcher:
                 self._tell_frontend(name, code)
                 time.sleep(DEATH_GRACE_S)
                 return 1
-            if self._probe("/health"):
+            silent = self._silent_frontend()
+            if self._probe("/health") and silent is None:
                 healthy_at = time.monotonic()
             elif time.monotonic() - healthy_at > UNHEALTHY_LIMIT_S and not self.stopping:
                 logger.error(
-                    "unhealthy for %d s (a component is hung); stopping kvflow", UNHEALTHY_LIMIT_S
-                )
+                    "unhealthy for %d s (%s is hung); stopping kvflow",
+                    UNHEALTHY_LIMIT_S, silent or "a component",
+                )  # fmt: skip
                 return 1
             time.sleep(0.5)
         return self._drain()
+
+    def _silent_frontend(self) -> str | None:
+        """A frontend that has not written its metrics file for SHARE_SILENCE_S: its loop is
+        stuck (a probe through the shared socket reaches one frontend of several, at random)."""
+        folder = self.config.metrics_share_dir
+        if folder is None:
+            return None
+        for k, proc in enumerate(self._frontends()):
+            try:
+                age = time.time() - share_file(folder, str(proc.pid)).stat().st_mtime
+            except FileNotFoundError:
+                age = float("inf")
+            if age > SHARE_SILENCE_S:
+                return self._frontend_name(k)
+        return None
 
     def _probe(self, path: str) -> bool:
         """Whether /ready (startup) or /health (afterwards: alive) answers 200."""

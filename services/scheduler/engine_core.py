@@ -69,6 +69,10 @@ class EngineCore:
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         return self.scheduler.abort(request_ids)
 
+    def forget_in_flight(self) -> None:
+        """The executor dropped every step (it was reset): none is in flight any more."""
+        self._in_flight = None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

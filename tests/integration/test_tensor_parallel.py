@@ -7,6 +7,9 @@ LoRA adapters (peft's tokens); a split the model does not allow is refused by na
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,6 +98,42 @@ def test_lora_adapters_on_two_ranks_give_pefts_tokens(tmp_path: Path, changes: d
     for (job, ids), (tokens, _) in zip(batch, results, strict=True):
         name = None if job is None else job[0]
         assert tokens == expected[name][prompts.index(ids)][:NUM_TOKENS], name
+
+
+def test_an_adapter_whose_files_vanish_fails_its_call_and_the_ranks_go_on(
+    tmp_path: Path,
+) -> None:
+    """Two ranks, one device slot, one adapter in host memory: an adapter whose folder was
+    removed after it left both cannot be read when a plan needs it (before, the ranks parted
+    there, and the process exited). The call fails with the
+    reason, every rank starts over together, and the next call runs as before."""
+    peft = pytest.importorskip("peft")
+    from tests.integration.test_lora import ADAPTERS, MAX_RANK
+
+    folder, _ = tiny_folder(tmp_path, "llama")
+    loras = []
+    for lora_id, name in enumerate(ADAPTERS, 1):
+        torch.manual_seed(100 + lora_id)
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        config = peft.LoraConfig(init_lora_weights=False, **ADAPTERS[name])
+        peft.get_peft_model(base, config).save_pretrained(str(tmp_path / name))
+        loras.append([name, lora_id, str(tmp_path / name)])
+    settings = dict(enable_lora=True, max_lora_rank=MAX_RANK, max_loras=1, max_cpu_loras=1)
+    job = {
+        "model": str(folder),
+        "config": {"tensor_parallel_size": 2, **settings},
+        "prompt": make_prompts(TINY["vocab_size"])[0],
+        "max_tokens": 8,
+        "loras": loras,
+    }
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    argv = [sys.executable, "-m", "tests.integration.tp_lost_adapter"]
+    argv += ["--job", str(tmp_path / "job.json"), "--out", str(tmp_path / "out.json")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "out.json").read_text())
+    assert "every-projection" in result["error"] and "no adapter_config.json" in result["error"]
+    assert result["after"] == result["before"]
 
 
 def test_a_split_the_model_does_not_allow_is_refused() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -51,3 +52,24 @@ def test_each_replica_gets_its_own_gpus_and_too_few_are_refused(monkeypatch) -> 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     with pytest.raises(ConfigError, match="needs 4 GPUs; 3 are visible"):
         Launcher(Config(device="cuda", data_parallel_size=2, tensor_parallel_size=2))
+
+
+def test_several_frontends_get_their_own_addresses_and_one_socket_on_a_free_port() -> None:
+    """--api-server-count 2: one ipc address per frontend, both named to the components, a
+    folder for their shared metrics, and one listening socket; a port another server holds
+    stops serve instead of being shared with it."""
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    launcher = Launcher(Config(api_server_count=2, port=port))
+    try:
+        assert launcher.listener is not None
+        addresses = launcher.config.addresses("frontend_address")
+        assert len(addresses) == 2 and addresses[0] != addresses[1]
+        assert launcher.config.metrics_share_dir is not None
+        with pytest.raises(OSError):
+            Launcher(Config(api_server_count=2, port=port))
+    finally:
+        assert launcher.listener is not None
+        launcher.listener.close()
+        shutil.rmtree(launcher.runtime, ignore_errors=True)
