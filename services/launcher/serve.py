@@ -78,7 +78,9 @@ class Launcher:
         try:
             self._start_all()
             if not self._wait_ready():
-                return 1
+                # A signal before serve said it serves still drains: a frontend may have
+                # taken requests already (serve also waits for every frontend's ready file).
+                return self._drain() if self.stopping else 1
             return self._watch()
         finally:
             self._stop_all()
@@ -188,7 +190,8 @@ class Launcher:
                 )
                 return True
             time.sleep(0.2)
-        logger.error("startup did not finish" if not self.stopping else "stopped during startup")
+        if not self.stopping:
+            logger.error("startup did not finish")
         return False
 
     def _watch(self) -> int:

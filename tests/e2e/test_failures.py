@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import httpx
 
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import Server, free_port, start_server
 
 
 def stream_in_background(server: Server, max_tokens: int) -> tuple[threading.Thread, dict]:
@@ -208,3 +210,31 @@ def test_drain_timeout_ends_streams_with_an_error_and_exits_zero() -> None:
         assert server.proc.wait(timeout=60) == 0
     finally:
         server.stop()
+
+
+def test_sigterm_while_the_engine_starts_drains_and_exits_zero() -> None:
+    """A SIGTERM that comes while the model loads (the frontend answers /health, serve has not
+    said it serves) is a drain like any other: serve exits 0, not as a failed start."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services", "serve", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        server = Server(proc, port)
+        wait_for(lambda: _answers(f"{server.url}/health"), timeout=120)
+        assert httpx.get(f"{server.url}/ready").status_code == 503  # still starting
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
