@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvflow import LLM, LoRARequest, SamplingParams
 
@@ -53,14 +54,20 @@ def generate(
     return [(tokens, tops) for tokens, tops in json.loads(out.read_text())]
 
 
-def main() -> None:
+def open_job() -> tuple[dict[str, Any], Path, LLM]:
+    """A job script's command line: the job (--job), where its result goes (--out), and the
+    `kvflow.LLM` its settings make (CPU, float32, unless its "config" says otherwise)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--job", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     job = json.loads(args.job.read_text())
     settings = {"dtype": "float32", "device": "cpu", "max_model_len": 512, **job["config"]}
-    llm = LLM(job["model"], **settings)
+    return job, args.out, LLM(job["model"], **settings)
+
+
+def main() -> None:
+    job, out, llm = open_job()
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=job["top"] or None
     )
@@ -70,7 +77,7 @@ def main() -> None:
         completion = result.outputs[0]
         tops = [[top.token_id for top in logprob.top] for logprob in completion.logprobs]
         results.append((completion.token_ids, tops))
-    args.out.write_text(json.dumps(results))
+    out.write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

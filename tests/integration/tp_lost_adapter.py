@@ -12,22 +12,15 @@ tokens of the second adapter's runs before and after, and the error of the faile
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-from pathlib import Path
 
-from kvflow import LLM, LoRARequest, SamplingParams
+from kvflow import LoRARequest, SamplingParams
+from tests.integration.tp_generate import open_job
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--job", type=Path, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    job = json.loads(args.job.read_text())
-    settings = {"dtype": "float32", "device": "cpu", "max_model_len": 512, **job["config"]}
-    llm = LLM(job["model"], **settings)
+    job, out, llm = open_job()
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     first, second, third = (LoRARequest(*lora) for lora in job["loras"])
 
@@ -44,7 +37,7 @@ def main() -> None:
     except Exception as exc:  # what the caller sees
         error = f"{type(exc).__name__}: {exc}"
     after = run(second)
-    args.out.write_text(json.dumps({"before": before, "after": after, "error": error}))
+    out.write_text(json.dumps({"before": before, "after": after, "error": error}))
 
 
 if __name__ == "__main__":
