@@ -4,8 +4,11 @@ Each format stores a quantized projection as a few tensors under its module name
 gathered per module as the checkpoint streams (a module's parts may sit in different files)
 and translated: int4 formats into `qweight`, `scales`, `zeros` and `g_idx` (`kernels/int4.py`
 has the layout), FP8 into `qweight` and a float32 `weight_scale` per output channel (what
-`ops.fp8_linear` reads). Everything else passes through unchanged. The formats, as their
-writers define them:
+`ops.fp8_linear` reads). Everything else passes through unchanged. A translated tensor is
+not read when translated: it is a `CheckpointSlice` whose cut reads only the checkpoint
+entries behind that cut (whole packed words, groups, blocks) and translates them, so that a
+tensor-parallel rank reads only its share of the file. The formats, as their writers define
+them:
 
   AWQ (GEMM)   qweight [K, N/8] and qzeros [G, N/8] int32, packed along N in the order
                0 2 4 6 1 3 5 7 (the value of column 8j + order[i] at bits 4i); scales [G, N].
@@ -27,12 +30,16 @@ writers define them:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from fractions import Fraction
+from types import EllipsisType
+from typing import NamedTuple
 
 import torch
 
-from kernels.fp8 import expand_block_scales
 from kernels.int4 import pack_weight, transpose_chunks, unpack_int4
+from services.executor.linear_shards import CheckpointSlice, Loaded, read
 from shared.quant_config import QuantSpec
 
 # The parts that make up one quantized module, by format: (the part that marks a module as
@@ -50,13 +57,15 @@ PARTS = {
 }
 _AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column _AWQ_ORDER[i]
 _AWQ_COLUMN_NIBBLE = [_AWQ_ORDER.index(c) for c in range(8)]  # column c sits in this nibble
+Translated = dict[str, Loaded | None]  # a module's tensors in the kernels' layout
 
 
 def translate_quantized(
-    tensors: Iterable[tuple[str, torch.Tensor]], names: set[str], spec: QuantSpec
-) -> Iterator[tuple[str, torch.Tensor]]:
+    tensors: Iterable[tuple[str, Loaded]], names: set[str], spec: QuantSpec
+) -> Iterator[tuple[str, Loaded]]:
     """The checkpoint's (name, tensor) stream with each quantized module's parts replaced by
-    the kernels' layout, yielded once all its parts (known from `names`) have been seen."""
+    the kernels' layout, yielded once all its parts (known from `names`) have been seen.
+    What is translated is read when it is cut or read (`CheckpointSlice`), not here."""
     marker, required, optional = PARTS[spec.checkpoint_format]
     if spec.static_input:
         required = required | {"input_scale"}
@@ -69,7 +78,7 @@ def translate_quantized(
     for module, parts in expected.items():
         if not required <= parts:
             raise ValueError(f"{module}: the checkpoint lacks {sorted(required - parts)}")
-    pending: dict[str, dict[str, torch.Tensor]] = {}
+    pending: dict[str, dict[str, Loaded]] = {}
     for name, tensor in tensors:
         module, _, part = name.rpartition(".")
         if module not in expected or part not in expected[module]:
@@ -82,6 +91,61 @@ def translate_quantized(
             for key, value in _TRANSLATE[spec.checkpoint_format](parts, spec).items():
                 if value is not None:
                     yield f"{module}.{key}", value
+
+
+class Axis(NamedTuple):
+    """Where a dimension of a translated tensor lies in the checkpoint tensor it comes from."""
+
+    dim: int | None  # the checkpoint tensor's dimension; None: one value for every entry
+    per: Fraction = Fraction(1)  # translated entries per checkpoint entry along it
+
+
+class _Translated:
+    """One tensor of a quantized module in the kernels' layout, not read yet (a part that
+    `CheckpointSlice` reads): a cut of it reads only the checkpoint entries behind the cut
+    (the packed words, groups or blocks holding it) and translates those, so that a
+    tensor-parallel rank reads only its share of the file."""
+
+    def __init__(
+        self,
+        source: Loaded,
+        shape: Sequence[int],
+        axes: Sequence[Axis],
+        convert: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
+        self.source, self.shape, self.axes, self.convert = source, list(shape), axes, convert
+
+    def get_shape(self) -> list[int]:
+        return self.shape
+
+    def __getitem__(self, index: tuple[slice, ...] | EllipsisType) -> torch.Tensor:
+        cuts = [slice(0, n) for n in self.shape]
+        if isinstance(index, tuple):
+            cuts = [slice(*s.indices(n)[:2]) for s, n in zip(index, self.shape, strict=True)]
+        source, offsets = self.source, [0] * len(self.shape)
+        for dim, (cut, axis) in enumerate(zip(cuts, self.axes, strict=True)):
+            if axis.dim is None or (cut.start, cut.stop) == (0, self.shape[dim]):
+                continue
+            first, last = math.floor(cut.start / axis.per), math.ceil(cut.stop / axis.per)
+            source = source.narrow(axis.dim, first, last - first)
+            offsets[dim] = int(first * axis.per)
+        value = self.convert(read(source))  # may run past the shape: padding words, blocks
+        kept = zip(cuts, offsets, strict=True)
+        return value[tuple(slice(c.start - o, c.stop - o) for c, o in kept)]
+
+
+def _lazy(
+    source: Loaded,
+    shape: Sequence[int],
+    axes: Sequence[Axis],
+    convert: Callable[[torch.Tensor], torch.Tensor],
+) -> CheckpointSlice:
+    return CheckpointSlice(_Translated(source, shape, axes, convert))
+
+
+def _transposed(tensor: Loaded) -> CheckpointSlice:  # [A, B] -> [B, A]
+    rows, cols = tensor.shape
+    return _lazy(tensor, (cols, rows), (Axis(1), Axis(0)), lambda t: t.t().contiguous())
 
 
 def _checked_group_index(g_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -97,20 +161,25 @@ def _trivial_groups(g_idx: torch.Tensor, group_size: int) -> bool:
     return group_size > 0 and torch.equal(g_idx.long(), torch.arange(k) // group_size)
 
 
-def _awq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor | None]:
-    k = parts["qweight"].shape[0]
-    q = _unpack_awq(parts["qweight"])  # [K, N]
+def _awq(parts: dict[str, Loaded], spec: QuantSpec) -> Translated:
+    qweight, scales = parts["qweight"], parts["scales"]  # [K, N/8], [G, N]
+    (k, words), num_groups = qweight.shape, scales.shape[0]
+    n = words * 8
     zeros = None
     if "qzeros" in parts and not spec.symmetric:
-        zeros = _unpack_awq(parts["qzeros"]).t().contiguous()  # [N, G]
+        # [G, N/8] -> [N, G]
+        axes = (Axis(1, Fraction(8)), Axis(0))
+        zeros = _lazy(parts["qzeros"], (n, num_groups), axes, lambda z: _unpack_awq(z).t())
     elif not spec.symmetric:
         raise ValueError("AWQ with zero_point needs qzeros")
     elif "qzeros" in parts:
-        _check_symmetric_zeros(parts["qzeros"], stored=8)
-    _check_groups(k, parts["scales"].shape[0], spec)
+        _check_symmetric_zeros(read(parts["qzeros"]), stored=8)
+    _check_groups(k, num_groups, spec)
+    # [K, N/8] -> [N, K/8]: a word of ours holds 8 of the checkpoint's rows
+    axes = (Axis(1, Fraction(8)), Axis(0, Fraction(1, 8)))
     return {
-        "qweight": pack_weight(q.t()),
-        "scales": parts["scales"].t().contiguous(),
+        "qweight": _lazy(qweight, (n, k // 8), axes, lambda q: pack_weight(_unpack_awq(q).t())),
+        "scales": _transposed(scales),
         "zeros": zeros,
     }
 
@@ -120,18 +189,23 @@ def _unpack_awq(packed: torch.Tensor) -> torch.Tensor:  # [R, N/8] int32 -> [R, 
     return nibbles[..., _AWQ_COLUMN_NIBBLE].reshape(packed.shape[0], -1)
 
 
-def _gptq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor | None]:
+def _gptq(parts: dict[str, Loaded], spec: QuantSpec) -> Translated:
     qweight = parts["qweight"]  # [K/8, N]: transposed, plain nibbles along K
-    k, num_groups = qweight.shape[0] * 8, parts["scales"].shape[0]
+    (words, n), num_groups = qweight.shape, parts["scales"].shape[0]
+    k = words * 8
     zeros = None
     if not spec.symmetric:
-        zeros = unpack_int4(parts["qzeros"])  # [G, N]
-        if spec.zeros_minus_one:
-            zeros = (zeros + 1) & 0xF
-        zeros = zeros.t().contiguous()
+        minus_one = spec.zeros_minus_one
+
+        def gptq_zeros(packed: torch.Tensor) -> torch.Tensor:  # [G, N/8] -> [N, G]
+            zeros = unpack_int4(packed)
+            return ((zeros + 1) & 0xF if minus_one else zeros).t()
+
+        axes = (Axis(1, Fraction(8)), Axis(0))
+        zeros = _lazy(parts["qzeros"], (n, num_groups), axes, gptq_zeros)
     elif spec.zeros_minus_one:
-        _check_symmetric_zeros(parts["qzeros"], stored=7)
-    g_idx = parts.get("g_idx")
+        _check_symmetric_zeros(read(parts["qzeros"]), stored=7)
+    g_idx = read(parts["g_idx"]) if "g_idx" in parts else None  # [K]: small, read whole
     if spec.act_order and g_idx is None:
         raise ValueError("quantization_config says desc_act, but the checkpoint has no g_idx")
     if g_idx is not None:
@@ -144,9 +218,10 @@ def _gptq(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Te
         g_idx = None
     if g_idx is None:
         _check_groups(k, num_groups, spec)
+    axes = (Axis(1), Axis(0))  # [K/8, N] -> [N, K/8]
     return {
-        "qweight": transpose_chunks(qweight.t()),
-        "scales": parts["scales"].t().contiguous(),
+        "qweight": _lazy(qweight, (n, words), axes, lambda q: transpose_chunks(q.t())),
+        "scales": _transposed(parts["scales"]),
         "zeros": zeros,
         "g_idx": g_idx,
     }
@@ -162,12 +237,10 @@ def _check_symmetric_zeros(qzeros: torch.Tensor, stored: int) -> None:
         )
 
 
-def _compressed_tensors(
-    parts: dict[str, torch.Tensor], spec: QuantSpec
-) -> dict[str, torch.Tensor | None]:
-    n, k = (int(v) for v in parts["weight_shape"].tolist())
+def _compressed_tensors(parts: dict[str, Loaded], spec: QuantSpec) -> Translated:
+    n, k = (int(v) for v in read(parts["weight_shape"]).tolist())
     packed = parts["weight_packed"]  # [N, K/8]: plain nibbles along K (signed + 8)
-    if packed.shape != (n, k // 8) or k % 8:
+    if tuple(packed.shape) != (n, k // 8) or k % 8:
         raise ValueError(f"weight_packed {tuple(packed.shape)} does not hold weight_shape {n, k}")
     num_groups = parts["weight_scale"].shape[1]
     zeros = None
@@ -175,20 +248,25 @@ def _compressed_tensors(
         if "weight_zero_point" not in parts:
             raise ValueError("an asymmetric scheme needs weight_zero_point")
         packed_zeros = parts["weight_zero_point"]
-        if packed_zeros.dtype != torch.int32 or packed_zeros.shape != ((n + 7) // 8, num_groups):
-            raise ValueError(
-                f"weight_zero_point {packed_zeros.dtype} {tuple(packed_zeros.shape)} is not "
-                f"int32 [{(n + 7) // 8}, {num_groups}] (packed along the output channels)"
-            )
-        zeros = unpack_int4(packed_zeros.t())[:, :n].t().contiguous()  # [N, G]
-    g_idx = parts.get("weight_g_idx")
+        described = f"int32 [{(n + 7) // 8}, {num_groups}] (packed along the output channels)"
+        if tuple(packed_zeros.shape) != ((n + 7) // 8, num_groups):
+            raise ValueError(f"weight_zero_point {tuple(packed_zeros.shape)} is not {described}")
+
+        def ct_zeros(packed: torch.Tensor) -> torch.Tensor:  # [N/8, G] -> [N, G]
+            if packed.dtype != torch.int32:
+                raise ValueError(f"weight_zero_point {packed.dtype} is not {described}")
+            return unpack_int4(packed.t()).t()
+
+        axes = (Axis(0, Fraction(8)), Axis(1))
+        zeros = _lazy(packed_zeros, (n, num_groups), axes, ct_zeros)
+    g_idx = read(parts["weight_g_idx"]) if "weight_g_idx" in parts else None
     if g_idx is not None:
         g_idx = _checked_group_index(g_idx, num_groups)
     else:
         _check_groups(k, num_groups, spec)
     return {
-        "qweight": transpose_chunks(packed),
-        "scales": parts["weight_scale"].contiguous(),
+        "qweight": _lazy(packed, (n, k // 8), (Axis(0), Axis(1)), transpose_chunks),
+        "scales": parts["weight_scale"],  # [N, G], as the kernels read it
         "zeros": zeros,
         "g_idx": g_idx,
     }
@@ -200,52 +278,61 @@ def _check_groups(k: int, num_groups: int, spec: QuantSpec) -> None:
         raise ValueError(f"{num_groups} scale groups of {group} do not cover {k} input columns")
 
 
-def _fp8(parts: dict[str, torch.Tensor], spec: QuantSpec) -> dict[str, torch.Tensor | None]:
+def _fp8(parts: dict[str, Loaded], spec: QuantSpec) -> Translated:
     weight = parts["weight"]
-    scale = parts["weight_scale" if "weight_scale" in parts else "weight_scale_inv"].float()
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"an FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    scale_name = "weight_scale" if "weight_scale" in parts else "weight_scale_inv"
+    scale = parts[scale_name]
+    n, k = weight.shape
+    qweight = _lazy(weight, (n, k), (Axis(0), Axis(1)), _fp8_weight)
     if spec.fp8_block is not None:
-        return {"qweight": weight, "weight_scale": _row_group_scales(scale, weight, spec.fp8_block)}
-    n = weight.shape[0]
-    if scale.numel() == 1:  # one scale for the tensor: the same for every output channel
-        scale = scale.reshape(1).expand(n)
-    elif scale.numel() == n:
-        scale = scale.reshape(n)
+        return {"qweight": qweight, "weight_scale": _row_group_scales(scale, n, k, spec.fp8_block)}
+    if math.prod(scale.shape) == 1:  # one scale for the tensor: the same for every channel
+        per_channel = _lazy(scale, (n,), (Axis(None),), lambda s: s.float().reshape(1).expand(n))
+    elif math.prod(scale.shape) == n:
+        per_channel = _lazy(scale, (n,), (Axis(0),), lambda s: s.float().reshape(-1))
     else:
         raise ValueError(
-            f"weight_scale {tuple(parts['weight_scale'].shape)} is neither per tensor nor per "
-            f"output channel of weight {tuple(weight.shape)}, and the config names no block size"
+            f"{scale_name} {tuple(scale.shape)} is neither per tensor nor per output channel "
+            f"of weight {(n, k)}, and the config names no block size"
         )
-    scale = scale.contiguous()
-    translated: dict[str, torch.Tensor | None] = {"qweight": weight, "weight_scale": scale}
+    translated: Translated = {"qweight": qweight, "weight_scale": per_channel}
     if spec.static_input:
-        input_scale = parts["input_scale"].float()
-        if input_scale.numel() != 1:
+        input_scale = parts["input_scale"]
+        if math.prod(input_scale.shape) != 1:
             raise ValueError(
                 f"input_scale {tuple(input_scale.shape)}: static activations need one scale "
                 "per tensor"
             )
-        translated["input_scale"] = input_scale.reshape(1).expand(n).contiguous()
+        # kept per output row, like a scale per tensor, so that fused pieces keep theirs
+        axes = (Axis(None),)
+        translated["input_scale"] = _lazy(
+            input_scale, (n,), axes, lambda s: s.float().reshape(1).expand(n)
+        )
     return translated
 
 
-def _row_group_scales(
-    scale: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]
-) -> torch.Tensor:  # [N, K / columns]
-    """A scale per [rows, columns] block -> one per output row and group of columns."""
-    (n, k), (rows, cols) = weight.shape, block
+def _fp8_weight(weight: torch.Tensor) -> torch.Tensor:
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"an FP8 weight must be float8_e4m3fn, got {weight.dtype}")
+    return weight
+
+
+def _row_group_scales(scale: Loaded, n: int, k: int, block: tuple[int, int]) -> CheckpointSlice:
+    """A scale per [rows, columns] block -> one per output row and group of columns
+    [N, K / columns] (`kernels/fp8.py`)."""
+    rows, cols = block
     if k % cols:
-        raise ValueError(f"weight {tuple(weight.shape)}: K is not a multiple of the block's {cols}")
+        raise ValueError(f"weight {(n, k)}: K is not a multiple of the block's {cols}")
     if tuple(scale.shape) != (-(-n // rows), k // cols):
         raise ValueError(
-            f"block scales {tuple(scale.shape)} do not tile weight {tuple(weight.shape)} in "
-            f"blocks of {list(block)}"
+            f"block scales {tuple(scale.shape)} do not tile weight {(n, k)} in blocks of "
+            f"{list(block)}"
         )
-    return expand_block_scales(scale, rows, n)
+    axes = (Axis(0, Fraction(rows)), Axis(1))
+    return _lazy(scale, (n, k // cols), axes, lambda s: s.float().repeat_interleave(rows, dim=0))
 
 
-_TRANSLATE = {
+_TRANSLATE: dict[str, Callable[[dict[str, Loaded], QuantSpec], Translated]] = {
     "awq": _awq,
     "gptq": _gptq,
     "compressed-tensors": _compressed_tensors,

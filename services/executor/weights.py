@@ -72,9 +72,12 @@ def safetensors_names(folder: Path) -> set[str]:
 
 
 def _open_tensors(folder: Path) -> Iterator[tuple[Any, str]]:
-    """(open file, tensor name) of every tensor of the checkpoint, file by file."""
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt") as f:
+    """(open file, tensor name) of every tensor of the checkpoint, file by file; every file
+    stays open to the end, for slices read later (a quantized module's parts may sit in
+    several files)."""
+    with contextlib.ExitStack() as files:
+        for path in safetensors_files(folder):
+            f = files.enter_context(safe_open(str(path), framework="pt"))
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield f, name
 
@@ -252,7 +255,8 @@ def load_model(
         model.load_weights(iter_gguf(source.path, cfg, keep_blocks))
     elif fmt == "safetensors" and spec is not None and spec.from_checkpoint:
         names = safetensors_names(source.path)
-        model.load_weights(translate_quantized(iter_safetensors(source.path), names, spec))
+        tensors = iter_safetensor_slices(source.path)
+        model.load_weights(translate_quantized(tensors, names, spec))
     elif fmt == "safetensors" and tp.size > 1:
         model.load_weights(iter_safetensor_slices(source.path))
     elif fmt == "safetensors":

@@ -147,7 +147,7 @@ def test_a_split_the_model_does_not_allow_is_refused() -> None:
     assert (layout.kv_head, layout.vocab_start) == (2, 2 * cfg.vocab_size // 3)
 
 
-@pytest.mark.parametrize("fmt", ["awq-g32", "gptq-g32-act-order"])
+@pytest.mark.parametrize("fmt", ["awq-g32", "gptq-g32-act-order", "ct-g32-asym"])
 def test_int4_checkpoints_split_across_ranks(tmp_path: Path, fmt: str) -> None:
     """Each rank cuts its part of the packed weights, scales and zero points (act-order keeps
     every group's scales), and two ranks still give transformers' tokens on the weights the

@@ -1,0 +1,138 @@
+"""A tensor-parallel rank loading a quantized checkpoint reads only its share of the packed
+weights (services/executor/quantized_checkpoints.py translates lazily), and loads exactly what
+it loads when every tensor is read and translated whole first: for each int4 and FP8 layout,
+with a KV head of its own or one shared by both ranks. Nothing here runs a forward pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from types import EllipsisType
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from services.executor.linear import linear_method
+from services.executor.linear_shards import CheckpointSlice, Loaded, read
+from services.executor.models.decoder import DecoderForCausalLM
+from services.executor.quantized_checkpoints import translate_quantized
+from services.executor.tensor_parallel import TensorParallel
+from shared.model_config import ModelSource, from_hf_dict
+from shared.quant_config import QuantSpec, read_quant_spec
+from tests import quantized_writers
+from tests.integration.tiny_models import TINY
+
+pytest.importorskip("compressed_tensors")
+
+Writer = Callable[[torch.nn.Module, Path], object]
+WRITERS: dict[str, Writer] = {
+    "awq-g32": lambda model, folder: quantized_writers.write_awq(model, folder, 32),
+    "gptq-g32-act-order": lambda model, folder: quantized_writers.write_gptq(
+        model, folder, 32, symmetric=False, act_order=True
+    ),
+    "gptq-g32-sym": lambda model, folder: quantized_writers.write_gptq(
+        model, folder, 32, symmetric=True, act_order=False
+    ),
+    "ct-g32-asym": lambda model, folder: quantized_writers.write_compressed_tensors(
+        model, folder, 32, symmetric=False
+    ),
+    "ct-channel-sym": lambda model, folder: quantized_writers.write_compressed_tensors(
+        model, folder, None, symmetric=True
+    ),
+    "fp8-tensor": lambda model, folder: quantized_writers.write_fp8(model, folder, True),
+    "fp8-channel": lambda model, folder: quantized_writers.write_fp8(model, folder, False),
+    # blocks of 32 rows: a rank's 16 rows of K or V sit inside one
+    "fp8-block": lambda model, folder: quantized_writers.write_fp8_block(
+        model, folder, (32, 32), compressed=False
+    ),
+    "fp8-block-ct": lambda model, folder: quantized_writers.write_fp8_block(
+        model, folder, (32, 32), compressed=True
+    ),
+}
+PACKED = ("qweight", "weight_packed", "weight")  # the parts that hold a projection's values
+
+
+class CountingPart:
+    """A checkpoint tensor as `CheckpointSlice` reads one, counting the entries read."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.entries_read = tensor, 0
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: tuple[slice, ...] | EllipsisType) -> torch.Tensor:
+        part = self.tensor[index]
+        self.entries_read += part.numel()
+        return part
+
+
+def write(tmp_path: Path, fmt: str, kv_heads: int) -> tuple[Path, QuantSpec, object]:
+    hf_config = transformers.LlamaConfig(**TINY | {"num_key_value_heads": kv_heads})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_config).eval()
+    folder = tmp_path / fmt
+    WRITERS[fmt](model, folder)
+    source = ModelSource(folder, "safetensors", fmt)
+    spec = read_quant_spec(None, source, "auto", device_type="cpu")
+    assert spec is not None and spec.from_checkpoint
+    cfg = from_hf_dict(hf_config.to_dict() | {"model_type": "llama"})
+    return folder, spec, cfg
+
+
+def translated(tensors: dict[str, Loaded], spec: QuantSpec) -> Iterator[tuple[str, Loaded]]:
+    return translate_quantized(tensors.items(), set(tensors), spec)
+
+
+def rank_state(
+    cfg: object, spec: QuantSpec, weights: Iterable[tuple[str, Loaded]], rank: int
+) -> dict[str, torch.Tensor]:
+    """What rank `rank` of two loads of the translated tensors `weights`."""
+    model = DecoderForCausalLM(cfg, 64, linear_method(spec), tp=TensorParallel(rank, 2))  # type: ignore[arg-type]
+    model.load_weights(weights)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["own-kv", "shared-kv"])
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_a_rank_reads_its_share_and_loads_what_whole_tensors_give(
+    tmp_path: Path, fmt: str, kv_heads: int
+) -> None:
+    folder, spec, cfg = write(tmp_path, fmt, kv_heads)
+    stored = load_file(str(folder / "model.safetensors"))
+    for rank in range(2):
+        # The reference: every tensor translated and read whole, then cut by the model.
+        whole = [(name, read(t)) for name, t in translated(dict(stored), spec)]
+        expected = rank_state(cfg, spec, whole, rank)
+        parts = {name: CountingPart(tensor) for name, tensor in stored.items()}
+        slices: dict[str, Loaded] = {n: CheckpointSlice(p) for n, p in parts.items()}
+        got = rank_state(cfg, spec, translated(slices, spec), rank)
+        assert got.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(got[name], tensor), (fmt, rank, name)
+        for name, part in parts.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf not in PACKED or not module.endswith("_proj"):
+                continue
+            shared = kv_heads == 1 and module.endswith(("k_proj", "v_proj"))
+            share = part.tensor.numel() // (1 if shared else 2)
+            assert part.entries_read == share, (fmt, rank, name)
+
+
+def test_a_cut_falling_inside_packed_words_or_blocks_reads_the_ones_around_it(
+    tmp_path: Path,
+) -> None:
+    """Rows 3..13 of an AWQ layer (8 to a word) and of FP8 block scales (32 to a block):
+    the words and blocks holding them are read, and the rows cut out of them."""
+    for fmt in ("awq-g32", "fp8-block"):
+        folder, spec, _ = write(tmp_path, fmt, 2)
+        stored = load_file(str(folder / "model.safetensors"))
+        module = "model.layers.0.self_attn.q_proj"
+        names = {n for n in stored if n.startswith(module + ".")}
+        loaded = dict(translated({n: stored[n] for n in names}, spec))
+        for name, tensor in loaded.items():
+            if name.endswith(("qweight", "scales", "zeros", "weight_scale")):
+                assert isinstance(tensor, CheckpointSlice), name
+                torch.testing.assert_close(tensor.narrow(0, 3, 10), read(tensor)[3:13])
