@@ -60,7 +60,7 @@ class Shape:
     k: int  # input features
 
 
-MODEL_LAYERS = {"llama": 32, "qwen3": 36}
+MODEL_LAYERS = {"llama": 32, "llama-tp2": 32, "qwen3": 36}
 MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
     "llama": [  # Llama-3.1-8B, 32 layers
         Shape("qkv", 6144, 4096),
@@ -68,6 +68,13 @@ MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
         Shape("gate_up", 28672, 4096),
         Shape("down", 4096, 14336),
         Shape("lm_head", 128256, 4096),
+    ],
+    "llama-tp2": [  # one rank's part of Llama-3.1-8B at --tensor-parallel-size 2
+        Shape("qkv", 3072, 4096),
+        Shape("o", 4096, 2048),
+        Shape("gate_up", 14336, 4096),
+        Shape("down", 4096, 7168),
+        Shape("lm_head", 64128, 4096),
     ],
     "qwen3": [  # Qwen3-8B, 36 layers
         Shape("qkv", 6144, 4096),
@@ -88,6 +95,8 @@ CANDIDATES = [LinearTiles(*c) for c in [
     (32, 64, 4, 8), (64, 64, 4, 6), (64, 128, 8, 4), (128, 64, 8, 4), (128, 128, 8, 3),
 ]] + [LinearTiles(*c, use_dot=False) for c in [
     (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 4, 3),
+    # M = 1 at a rank's halved shapes (fewer weight rows or a shorter K per program)
+    (4, 512, 4, 3), (8, 256, 4, 4), (8, 512, 4, 4), (4, 1024, 4, 2), (8, 256, 2, 4),
 ]]  # fmt: skip
 
 

@@ -108,10 +108,22 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     5.87 ms; the best config per shape, 5.72 against 5.90), so the engine keeps cuBLAS there
     (kernels.ops.SKINNY_MAX_ROWS).
 
+    M = 1, K <= 4096: fma n4 k1024 w4 s2 since 2026-11-27 (`--model llama llama-tp2 --m 1`,
+    the latter one rank's shapes at --tensor-parallel-size 2), against n8 k512 w4 s3, us per
+    call, H100 / H200:
+        Llama-3.1-8B        qkv 18.7 / 19.4, 14.8 / 14.9; gate_up 76.8 / 78.4, 57.8 / 59.8;
+                            lm_head 332.7 / 337.4, 245.8 / 249.4; o 14.1 / 14.0, 11.8 / 11.5
+        one rank of two     qkv 10.6 / 11.6, 8.7 / 10.2; gate_up 40.0 / 42.1, 31.3 / 33.5;
+                            lm_head 168.6 / 172.1, 125.4 / 128.2; o (K 2048) 8.1 / 8.1, 7.1 / 7.0
+    Fewer weight rows a program and longer K steps keep more bytes in flight where a rank's
+    halved N leaves fewer programs; down (K 14336 / 7168) keeps n8 k512 (22.6 / 23.1 us).
+
     float32 (the CPU interpreter, tests) halves block_k, to keep the bytes of a weight tile and
     so the pipelined shared memory the same; block_k never exceeds K rounded up to a power of two.
     """
-    if m == 1:
+    if m == 1 and k <= 4096:
+        tiles = LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
+    elif m == 1:
         tiles = LinearTiles(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
     elif m > 16:  # x tiles of 32 or 64 rows share the pipelined shared memory
         tiles = LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)

@@ -100,14 +100,15 @@ def test_matches_reference(
     ("m", "n", "k", "dtype", "expected"),
     [  # Llama-3.1-8B's down and lm_head are the wide cases; float32 halves block_k
         (1, 4096, 14336, torch.bfloat16, LinearTiles(8, 512, 4, 3, use_dot=False)),
-        (1, 6144, 4096, torch.float32, LinearTiles(8, 256, 4, 3, use_dot=False)),
+        (1, 6144, 4096, torch.bfloat16, LinearTiles(4, 1024, 4, 2, use_dot=False)),
+        (1, 6144, 4096, torch.float32, LinearTiles(4, 512, 4, 2, use_dot=False)),
         (2, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),
         (16, 128256, 4096, torch.float16, LinearTiles(32, 512, 4, 4)),
         (16, 28672, 4096, torch.bfloat16, LinearTiles(32, 128, 4, 5)),
         (17, 4096, 14336, torch.bfloat16, LinearTiles(32, 256, 4, 4)),
         (4, 4096, 4096, torch.float32, LinearTiles(32, 64, 4, 5)),
         (4, 48, 20, torch.bfloat16, LinearTiles(32, 32, 4, 5)),  # block_k <= next pow2 of K
-        (1, 48, 8, torch.float32, LinearTiles(8, 16, 4, 3, use_dot=False)),  # and >= 16
+        (1, 48, 8, torch.float32, LinearTiles(4, 16, 4, 2, use_dot=False)),  # and >= 16
     ],
 )
 def test_default_tiles_picks(

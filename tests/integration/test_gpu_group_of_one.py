@@ -1,0 +1,49 @@
+"""The NCCL code path on one GPU: a tensor-parallel group of one joins as the ranks of a larger
+group join (`join_group`), and a collective on it, eagerly and captured in a CUDA graph as the
+decode graphs capture theirs, leaves the tensor as it was. Run in a process of its own, so
+that the default process group it makes does not outlive the test."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.executor.rank_group import join_group
+from shared.config import Config
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def join_and_reduce() -> None:
+    import torch.distributed as dist
+
+    config = Config(device="cuda", tensor_parallel_size=1)
+    tp = join_group(config, Path(tempfile.mkdtemp()), rank=0)
+    assert dist.get_backend() == "nccl" and (tp.rank, tp.size) == (0, 1)
+    x = torch.arange(8.0, device="cuda")
+    dist.all_reduce(x)  # TensorParallel skips collectives at size 1: call NCCL itself
+    graph, captured = torch.cuda.CUDAGraph(), torch.zeros(8, device="cuda")
+    dist.all_reduce(captured)  # NCCL's first collective on a stream must not be captured
+    with torch.cuda.graph(graph):
+        captured.add_(1.0)
+        dist.all_reduce(captured)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert x.tolist() == list(range(8)) and captured.tolist() == [1.0] * 8
+    dist.destroy_process_group()
+    print("group of one: ok")
+
+
+def test_an_nccl_group_of_one_joins_and_its_collectives_run_in_graphs() -> None:
+    code = "from tests.integration.test_gpu_group_of_one import join_and_reduce; join_and_reduce()"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "group of one: ok" in done.stdout
