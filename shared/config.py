@@ -97,7 +97,8 @@ class Config:
     allow_runtime_lora_updating: bool = option(
         False,
         "lora",
-        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key).",
+        "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key);"
+        " with --data-parallel-size > 1 a load answers once every replica holds the adapter.",
     )
     seed: int = option(0, "model", "Random seed: dummy weights, sampling, `generate` prompts.")
     # -- parallel
@@ -411,11 +412,6 @@ class Config:
                 name,
                 f"{count} addresses for {self.data_parallel_size} engine replicas",
             )
-        _require(
-            self.data_parallel_size == 1 or not self.allow_runtime_lora_updating,
-            "allow_runtime_lora_updating",
-            "adapters load at start only (--lora-modules) with --data-parallel-size > 1",
-        )
         _require(self.max_loras >= 1, "max_loras", "must be >= 1")
         _require(
             self.enable_lora or not (self.lora_modules or self.allow_runtime_lora_updating),

@@ -11,7 +11,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 class Message(msgspec.Struct, gc=False):
@@ -221,30 +221,47 @@ class LoraAdapterInfo(Message, kw_only=True):
     """A LoRA adapter the server runs: requests name it as their `model`."""
 
     name: str
-    lora_id: int  # >= 1, unique for as long as the scheduler runs
+    lora_id: int  # >= 1, never reused while the schedulers run; the same on every replica
     path: str
     parent: str  # the base model it adapts, as /v1/models shows it
 
 
 class LoraAdapterRequest(Message, tag=True, kw_only=True):
     """Load an adapter from `lora_path` under `lora_name`, or unload the adapter of that name
-    (the API's /v1/load_lora_adapter and /v1/unload_lora_adapter). From a frontend through a
-    tokenizer worker to the scheduler, which alone names adapters."""
+    (the API's /v1/load_lora_adapter and /v1/unload_lora_adapter). From a frontend to a
+    tokenizer worker, which carries it out on every engine replica's scheduler in rounds
+    (services/tokenizer/lora_fanout.py), with two more actions: "commit" (a load every replica
+    holds may be named from now on) and "discard" (forget the load of `lora_id`)."""
 
     request_id: str
-    action: str  # "load" | "unload"
+    action: str  # "load" | "unload"; to a scheduler also "commit" | "discard"
     lora_name: str
     lora_path: str | None = None  # for "load"
+    # "load": the id to take the adapter under, given to every replica but the first, whose
+    # scheduler names it (None). "commit", "discard": the load's. "unload" to every replica
+    # but the first: the next id the first would give when it unloaded (its answer's
+    # lora_id); an adapter of that name taken under that id or later is a newer load's, and
+    # stays.
+    lora_id: int | None = None
+
+
+class LoraAdapterListing(Message, kw_only=True):
+    """One engine replica's LoRA adapters, and when they last changed (see
+    StatsSnapshot.lora_version)."""
+
+    replica: int
+    adapters: list[LoraAdapterInfo]
+    version: int
 
 
 class LoraAdapterResult(Message, tag=True, kw_only=True):
-    """The scheduler's answer to a LoraAdapterRequest, back the way it came, with the adapters
-    as they are now."""
+    """The answer to a LoraAdapterRequest: a scheduler's to a tokenizer worker, with its
+    replica's adapters as they are now; the worker's to the frontend, with every replica's."""
 
     request_id: str
     error: RequestError | None = None
-    adapters: list[LoraAdapterInfo] = []
-    version: int = 0  # of the adapters (see StatsSnapshot.lora_version)
+    lora_id: int | None = None  # the id a load took; from a scheduler, see the request's
+    listings: list[LoraAdapterListing] = []
 
 
 class AddLoraAdapter(Message, tag=True, kw_only=True):
@@ -629,9 +646,9 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     num_waiting_tokens: int = 0
     max_queued_requests: int | None = None
     max_queued_tokens: int | None = None
-    # The LoRA adapters requests may name, and when they last changed (wall-clock ns, newer
-    # under a restarted scheduler): a frontend keeps the newest list it has seen, as a load's
-    # answer (LoraAdapterResult) may overtake the snapshot before it.
+    # The LoRA adapters requests may name on this replica, and when they last changed
+    # (wall-clock ns, newer under a restarted scheduler): a frontend keeps each replica's newest
+    # list, as a load's answer (LoraAdapterResult) may overtake the snapshot before it.
     lora_adapters: list[LoraAdapterInfo] = []
     lora_version: int = 0
 

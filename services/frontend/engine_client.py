@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from services.frontend.health import engine_failure, starting_reason, tokenizer_pool_reason
+from services.frontend.lora_listings import LoraListings
 from services.frontend.tokenizer_pool import TokenizerPool
 from shared.config import Config
 from shared.constants import LORA_LOAD_TIMEOUT_S, TOKENIZE_TIMEOUT_S
@@ -26,6 +27,7 @@ from shared.protocol import (
     GenerateRequest,
     Heartbeat,
     LoraAdapterInfo,
+    LoraAdapterListing,
     LoraAdapterRequest,
     LoraAdapterResult,
     RequestError,
@@ -85,15 +87,7 @@ class EngineClient:
         # Each engine replica's last StatsSnapshot, and when it came
         self.snapshots: dict[int, StatsSnapshot] = {}
         self.snapshot_at: dict[int, float] = {}
-        # The LoRA adapters requests may name: those of --lora-modules until the scheduler
-        # says (parent "": the served model), then its newest list (see StatsSnapshot).
-        self.lora_adapters: dict[str, LoraAdapterInfo] = {
-            m.name: LoraAdapterInfo(
-                name=m.name, lora_id=i, path=m.path, parent=m.base_model_name or ""
-            )
-            for i, m in enumerate(parse_lora_modules(config.lora_modules), 1)
-        }
-        self.lora_version = -1
+        self.loras = LoraListings(parse_lora_modules(config.lora_modules))
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -112,9 +106,14 @@ class EngineClient:
 
     @property
     def stats(self) -> StatsSnapshot | None:
-        """The first engine replica's last snapshot (what they share: the model's limits and
-        LoRA adapters), or None before any came."""
+        """The first engine replica's last snapshot (what they share: the model's limits), or
+        None before any came."""
         return self.snapshots[min(self.snapshots)] if self.snapshots else None
+
+    @property
+    def lora_adapters(self) -> dict[str, LoraAdapterInfo]:
+        """The LoRA adapters requests may name: those every replica lists."""
+        return self.loras.adapters
 
     @property
     def stats_at(self) -> float | None:
@@ -247,22 +246,22 @@ class EngineClient:
         elif isinstance(message, StatsSnapshot):
             self.snapshots[message.replica] = message
             self.snapshot_at[message.replica] = time.monotonic()
-            self._take_loras(message.lora_adapters, message.lora_version)
+            self.loras.take(
+                LoraAdapterListing(
+                    replica=message.replica,
+                    adapters=message.lora_adapters,
+                    version=message.lora_version,
+                )
+            )
         elif isinstance(message, TokenizeResult | LoraAdapterResult):
             if isinstance(message, LoraAdapterResult):
-                self._take_loras(message.adapters, message.version)
+                for listing in message.listings:
+                    self.loras.take(listing)
             future = self.waiters.pop(message.request_id, None)
             if future is not None and not future.done():
                 future.set_result(message)
         elif isinstance(message, ComponentDown):
             self._mark_down(f"{message.component} exited with code {message.exit_code}")
-
-    def _take_loras(self, adapters: list[LoraAdapterInfo], version: int) -> None:
-        """The scheduler's list of adapters, unless one newer came already (a load's answer
-        and the snapshots come by different ways)."""
-        if version >= self.lora_version:
-            self.lora_adapters = {adapter.name: adapter for adapter in adapters}
-            self.lora_version = version
 
     def _heard(self, beat: Heartbeat) -> None:
         now = time.monotonic()
@@ -371,8 +370,8 @@ class EngineClient:
         return result
 
     async def lora_adapter(self, request: LoraAdapterRequest) -> LoraAdapterResult:
-        """Load or unload a LoRA adapter (the scheduler answers, through a tokenizer worker);
-        the frontend's adapters are the answer's from then on."""
+        """Load or unload a LoRA adapter on every engine replica (a tokenizer worker carries
+        it out and answers); the answer's listings are the frontend's from then on."""
         result = await self._ask(request.request_id, request, LORA_LOAD_TIMEOUT_S)
         assert isinstance(result, LoraAdapterResult)
         return result

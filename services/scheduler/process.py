@@ -253,16 +253,17 @@ class SchedulerProcess:
             context, config.frontend_address, self.name, security=security
         )
         self.inbox = Inbox(self.router)
+        self.loras = LoraControl(
+            LoraRegistry(parse_lora_modules(config.lora_modules)),
+            config.allow_runtime_lora_updating,
+            config.replica,
+            self._answer_lora,
+        )
         # A backstop: the executor ends a stalled step itself (its StallWatch), unless it is
         # stuck so hard that its heartbeat thread stopped too.
         backstop = config.engine_stall_timeout + 2 * config.component_timeout
         self.executor = RemoteExecutor(
-            self.router, self.inbox, self._handle, self._tick, backstop, self._lora_added
-        )
-        self.loras = LoraControl(
-            LoraRegistry(parse_lora_modules(config.lora_modules)),
-            config.allow_runtime_lora_updating,
-            self._answer_lora,
+            self.router, self.inbox, self._handle, self._tick, backstop, self.loras.added
         )
         self.kv_events = None
         events_address = config.replica_address("kv_events_address")
@@ -352,7 +353,8 @@ class SchedulerProcess:
         elif isinstance(message, AbortRequests):
             self._publish(self.core.abort(message.request_ids) if self.core else [])
         elif isinstance(message, LoraAdapterRequest):
-            self.loras.request(identity, message, self.core, self.executor.add_lora)
+            scheduler = self.core.scheduler if self.core is not None else None
+            self.loras.request(identity, message, scheduler, self.executor.add_lora)
         else:
             logger.warning("unexpected %s from %r", type(message).__name__, identity)
 
@@ -378,9 +380,6 @@ class SchedulerProcess:
                 logger.exception("request_id=%s could not be added", request.request_id)
             return error
         return None
-
-    def _lora_added(self, message: LoraAdapterAdded) -> None:
-        self.loras.added(message, self.core.scheduler if self.core is not None else None)
 
     def _answer_lora(self, owner: bytes, result: LoraAdapterResult) -> None:
         """Back through the tokenizer worker the request came by; every frontend hears of the

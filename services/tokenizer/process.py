@@ -1,7 +1,8 @@
 """A tokenizer worker process: the worker core between DEALERs to every frontend (each request
 is answered on the link it came from) and a DEALER to each engine replica's scheduler (one
 with --data-parallel-size 1); each request goes to the replica the router picks from the
-replicas' KV events (services/tokenizer/replica_router.py)."""
+replicas' KV events (services/tokenizer/replica_router.py), and each LoRA load or unload to
+every replica (services/tokenizer/lora_fanout.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from services.tokenizer.lora_fanout import LoraFanout
 from services.tokenizer.owed_endings import OwedEndings
 from services.tokenizer.replica_router import ReplicaRouter
 from services.tokenizer.worker import TokenizerWorker
@@ -92,6 +94,7 @@ class TokenizerProcess:
             len(self.schedulers), config.data_parallel_routing == "prefix", self.name
         )
         self.placed: dict[str, int] = {}  # request_id -> its replica
+        self.lora_fanout = LoraFanout(len(self.schedulers), self._to_replica, self._answer_lora)
         events = config.addresses("kv_events_address")
         self.kv_events = [subscribe(context, address, security) for address in events]
         if len(self.schedulers) > 1 and not events and self.router.by_prefix:
@@ -135,13 +138,16 @@ class TokenizerProcess:
             while not self._drained():
                 for socket in dict(self.poller.poll(timeout=POLL_MS)):
                     if socket in self.schedulers:
-                        self._guarded(self._from_scheduler, from_scheduler, socket.recv())
+                        replica = self.schedulers.index(socket)
+                        handler = functools.partial(self._from_scheduler, replica)
+                        self._guarded(handler, from_scheduler, socket.recv())
                     elif socket in self.kv_events:
                         self._guarded(self._kv_events, kv_events, socket.recv())
                     else:
                         handler = functools.partial(self._from_frontend, socket)
                         self._guarded(handler, from_frontend, socket.recv())
                 self.owed.flush()
+                self.lora_fanout.expire(time.monotonic())
                 self._refresh_frontends()
                 if self.draining.is_set() and not said_draining:
                     logger.info("%s: draining %d requests", self.name, len(self.worker.live))
@@ -200,8 +206,9 @@ class TokenizerProcess:
         elapsed = time.monotonic() - self.drain_started
         if elapsed < DRAIN_NOTICE_BEATS * HEARTBEAT_INTERVAL_S:
             return False
-        # Owed endings too: a frontend still waits for them.
-        done = not self.worker.live and not len(self.owed)
+        # Owed endings too: a frontend still waits for them; and a LoRA change half done
+        # would leave its name taken on replica 0.
+        done = not self.worker.live and not len(self.owed) and not self.lora_fanout.changes
         return done or elapsed >= self.drain_timeout
 
     def _cut(self, request_ids: list[str]) -> None:
@@ -287,17 +294,22 @@ class TokenizerProcess:
             self._reply(message.request_id, self.worker.tokenize(message))
         elif isinstance(message, AbortRequests):
             self._stop(message.request_ids)
-        elif isinstance(message, LoraAdapterRequest):  # the scheduler's to answer
-            # NOTE: runtime adapter loads need one replica (see Config): the first.
-            self.schedulers[0].send(encode(message))
+        elif isinstance(message, LoraAdapterRequest):  # every replica's scheduler's to answer
+            self.lora_fanout.start(message, time.monotonic())
+
+    def _to_replica(self, replica: int, request: LoraAdapterRequest) -> None:
+        self.schedulers[replica].send(encode(request))
+
+    def _answer_lora(self, result: LoraAdapterResult) -> None:
+        self._reply(result.request_id, result)
 
     def _kv_events(self, batch: object) -> None:
         if isinstance(batch, KvEventBatch):
             self.router.observe(batch)
 
-    def _from_scheduler(self, batch: object) -> None:
+    def _from_scheduler(self, replica: int, batch: object) -> None:
         if isinstance(batch, LoraAdapterResult):
-            self._reply(batch.request_id, batch)
+            self.lora_fanout.on_result(replica, batch)
             return
         if not isinstance(batch, OutputBatch):
             return

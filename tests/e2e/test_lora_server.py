@@ -2,7 +2,9 @@
 --lora-modules listed with their parents and named as the `model`, one batch of requests for
 two adapters and the base model giving what offline generation gives, adapters loaded and
 unloaded at run time while requests run, and clear errors for unknown models and bad
-adapters."""
+adapters. With two engine replicas: an adapter loaded at run time serves on both as soon as
+the load answers, an unload removes it from both, and two loads of one name at once leave
+one adapter."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import transformers
 
 from kvflow import LLM, LoRARequest, SamplingParams
 from tests.e2e.server import Server, start_server
+from tests.e2e.test_data_parallel import per_replica
+from tests.e2e.test_failures import wait_for
 
 peft = pytest.importorskip("peft")
 
@@ -176,3 +180,70 @@ def test_bad_adapters_are_refused_by_name(server: Server, adapters: dict, tmp_pa
     assert no_key.status_code == 401
     # Nothing else broke.
     assert complete(server, "a")[0] == complete(server, "a")[0]
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tool_chat_model_dir: Path):
+    server = start_server(
+        str(tool_chat_model_dir),
+        "--served-model-name", SERVED,
+        "--data-parallel-size", "2",
+        "--data-parallel-routing", "round-robin",  # one worker: requests alternate replicas
+        "--tokenizer-pool-size", "1",
+        "--enable-lora",
+        "--max-loras", "2",
+        "--max-lora-rank", "16",
+        "--allow-runtime-lora-updating",
+    )  # fmt: skip
+    yield server
+    server.stop()
+
+
+def test_two_replicas_serve_an_adapter_loaded_at_run_time_until_it_is_unloaded(
+    two_replicas: Server, adapters: dict, expected: dict
+) -> None:
+    server = two_replicas
+    before = per_replica(server, "prompt_tokens_total")
+    response = lora_call(server, "load_lora_adapter", lora_name="c", lora_path=str(adapters["c"]))
+    assert response.status_code == 200, response.text
+    # Right after the answer, both replicas run requests for it (in turn), with its tokens.
+    assert complete(server, "c") == expected["c"]
+    assert complete(server, "c") == expected["c"]
+
+    def both_ran_some() -> bool:
+        now = per_replica(server, "prompt_tokens_total")
+        return all(now.get(r, 0) > before.get(r, 0) for r in (0, 1))
+
+    wait_for(both_ran_some, timeout=10)  # the replicas' figures come every second
+    assert lora_call(server, "unload_lora_adapter", lora_name="c").status_code == 200
+    assert "c" not in [m.id for m in server.client().models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="c", prompt=PROMPTS[0], max_tokens=2)
+    # Gone from both: neither says it has one of that name when it is loaded again.
+    response = lora_call(server, "load_lora_adapter", lora_name="c", lora_path=str(adapters["c"]))
+    assert response.status_code == 200, response.text
+    assert complete(server, "c") == expected["c"]
+
+
+def test_two_loads_of_one_name_at_once_leave_one_adapter_on_both_replicas(
+    two_replicas: Server, adapters: dict, expected: dict
+) -> None:
+    server = two_replicas
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(headers=server.headers(), timeout=60) as client:
+            url = f"{server.url}/v1/load_lora_adapter"
+            return await asyncio.gather(
+                *(client.post(url, json={"lora_name": "d", "lora_path": str(adapters[source])})
+                  for source in ("a", "b"))
+            )  # fmt: skip
+
+    responses = asyncio.run(both())
+    assert sorted(r.status_code for r in responses) == [200, 400], [r.text for r in responses]
+    refused = next(r for r in responses if r.status_code == 400)
+    assert "loaded already" in refused.json()["error"]["message"]
+    source = "a" if responses[0].status_code == 200 else "b"
+    cards = [m for m in server.client().models.list().data if m.id == "d"]
+    assert [card.model_dump()["root"] for card in cards] == [str(adapters[source])]
+    assert complete(server, "d") == expected[source]  # on both replicas, in turn
+    assert complete(server, "d") == expected[source]

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 from services.frontend.app import create_app
 from services.frontend.engine_client import EngineClient
 from shared.config import Config, ConfigError
+from shared.protocol import LoraAdapterInfo, LoraAdapterListing
 from shared.version import VERSION
 from tests.unit.snapshots import stats
 
@@ -259,3 +260,30 @@ def test_lora_adapters_are_listed_from_the_flag_and_loads_need_their_flag() -> N
             assert response.status_code == (503 if allowed else 404)
         finally:
             engine.close()
+
+
+def test_an_adapter_a_replica_lost_is_not_named_and_must_be_unloaded_to_load_again() -> None:
+    """Replica 1 lost "x" with its executor: /v1/models leaves it out, and a load of it says
+    to unload it first (replica 0 still holds it)."""
+    settings = Config(
+        frontend_address=f"inproc://frontend-{next(_addresses)}",
+        api_key=KEY,
+        enable_lora=True,
+        allow_runtime_lora_updating=True,
+        data_parallel_size=2,
+    )
+    engine = EngineClient(settings)
+    try:
+        x = LoraAdapterInfo(name="x", lora_id=1, path="/x", parent="")
+        engine.loras.take(LoraAdapterListing(replica=0, adapters=[x], version=1))
+        engine.loras.take(LoraAdapterListing(replica=1, adapters=[], version=1))
+        client = TestClient(create_app(settings, engine, "test-model"))
+        cards = client.get("/v1/models", headers=AUTH).json()["data"]
+        assert [card["id"] for card in cards] == ["test-model"]
+        body = {"lora_name": "x", "lora_path": "/x"}
+        response = client.post("/v1/load_lora_adapter", json=body, headers=AUTH)
+        assert response.status_code == 400
+        message = response.json()["error"]["message"]
+        assert "loaded on engine replicas [0] only: unload it, then load it again" in message
+    finally:
+        engine.close()

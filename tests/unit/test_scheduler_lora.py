@@ -115,14 +115,57 @@ def test_the_registry_names_adapters_and_never_reuses_an_id() -> None:
     with pytest.raises(ParameterError, match="loaded already"):
         registry.begin_load("r2", b"worker", "c", "/c")  # a load of that name is pending
     pending = registry.finish_load(lora_id, loaded=True)
-    assert pending is not None and pending.request_id == "r1" and "c" in registry.adapters
+    assert pending is not None and pending.request_id == "r1" and registry.held[3].name == "c"
+    assert "c" not in registry.adapters and registry.version == version  # held, not named
+    with pytest.raises(ParameterError, match="loaded already"):
+        registry.begin_load("r2", b"worker", "c", "/c")  # held: its commit is on its way
+    assert registry.commit(lora_id) is not None and "c" in registry.adapters
     assert registry.version > version
-    assert registry.unload("c").lora_id == 3
+    assert registry.unload("c")[0].lora_id == 3
     with pytest.raises(NotFoundError, match="no LoRA adapter"):
         registry.unload("c")
     failed = registry.begin_load("r3", b"worker", "c", "/bad")
     assert failed == 4  # never 3 again: a prefix cached under 3 is not found under 4
     assert registry.finish_load(failed, loaded=False) is not None and "c" not in registry.adapters
-    registry.finish_load(registry.begin_load("r4", b"worker", "d", "/d"), loaded=True)
-    assert registry.drop_runtime_loads() == ["d"]  # a new executor has those of the flag
-    assert list(registry.adapters) == ["a", "b"]
+    registry.commit(registry.begin_load("r4", b"worker", "d", "/d"))  # pending: not named
+    assert "d" not in registry.adapters
+    held = registry.begin_load("r5", b"worker", "e", "/e")
+    registry.finish_load(held, loaded=True)
+    named = registry.begin_load("r6", b"worker", "f", "/f")
+    registry.finish_load(named, loaded=True)
+    registry.commit(named)
+    # A new executor has those of the flag: named, pending and held loads are gone.
+    assert registry.drop_runtime_loads() == ["f", "d", "e"]
+    assert list(registry.adapters) == ["a", "b"] and not registry.pending and not registry.held
+
+
+def test_a_replica_takes_the_id_it_is_given_once_and_forgets_a_load_in_any_state() -> None:
+    """Replicas other than the first take the id the first named; no id is taken twice (ids
+    of two loads under way may come in either order). A discard forgets a load pending, held
+    or named, by its id; an unload, by its name."""
+    registry = LoraRegistry(parse_lora_modules(("a=/a",)))
+    assert registry.begin_load("r1", b"w", "x", "/x", lora_id=5) == 5
+    assert registry.begin_load("r2", b"w", "y", "/y", lora_id=4) == 4  # overtaken by 5
+    for taken in (1, 4, 5):
+        with pytest.raises(ParameterError, match=f"took LoRA adapter id {taken} before"):
+            registry.begin_load("r3", b"w", "z", "/z", lora_id=taken)
+    assert registry.begin_load("r3", b"w", "z", "/z") == 6  # named here: above every one taken
+    registry.finish_load(5, loaded=True)
+    registry.commit(5)
+    registry.finish_load(6, loaded=True)
+    assert [getattr(registry.discard(i), "name", None) for i in (4, 5, 6)] == ["y", "x", "z"]
+    assert registry.discard(5) is None and registry.finish_load(4, loaded=True) is None
+    assert list(registry.adapters) == ["a"] and not registry.pending and not registry.held
+    # An unload forgets a pending load too (its answer is due now); given a bound, only an
+    # adapter taken under an id below it (a later one is a newer load's).
+    registry.begin_load("r4", b"w", "x", "/x", lora_id=7)
+    adapter, pending = registry.unload("x")
+    assert adapter.lora_id == 7 and pending is not None and pending.request_id == "r4"
+    assert registry.finish_load(7, loaded=True) is None  # the executor's late answer
+    registry.begin_load("r5", b"w", "x", "/x", lora_id=9)
+    registry.finish_load(9, loaded=True)
+    with pytest.raises(NotFoundError):
+        registry.unload("x", below=9)
+    adapter, pending = registry.unload("x", below=10)
+    assert (adapter.lora_id, pending, registry.next_id) == (9, None, 10)
+    assert registry.commit(9) is None and not registry.held

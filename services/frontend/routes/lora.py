@@ -1,6 +1,7 @@
 """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --allow-runtime-lora-updating,
-behind the API key), answered by the scheduler, which names adapters, after the executor has
-read and checked a new one. An adapter loaded is named by requests as their `model`."""
+behind the API key), carried out on every engine replica by a tokenizer worker
+(services/tokenizer/lora_fanout.py) and answered once every replica's executor has read and
+checked a new adapter. An adapter loaded is named by requests as their `model`."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ async def load_lora_adapter(request: Request, state: AppState) -> PlainTextRespo
     body = decode(request.state.body, LoadLoraAdapterBody)
     if body.lora_name == state.model_name:
         raise bad_request(f"{body.lora_name!r} is the served model's name", "lora_name")
+    holders = state.engine.loras.holders(body.lora_name)
+    if holders and body.lora_name not in state.engine.lora_adapters:
+        # The other replicas lost it with their executors (their schedulers logged it).
+        raise bad_request(
+            f"the LoRA adapter {body.lora_name!r} is loaded on engine replicas {holders} only:"
+            " unload it, then load it again",
+            "lora_name",
+        )
     await _ask(request, state, "load", body.lora_name, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
