@@ -178,6 +178,9 @@ for part in $PARTS; do
         serve_dp dp1 1 prefix serve,prefix
         serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve,prefix
         serve_dp "dp${DP:-2}_round_robin" "${DP:-2}" round-robin prefix ;;
+    dp-prefix)  # the prefix-many load alone: DP replicas by prefix, then in turn
+        serve_dp "dp${DP:-2}" "${DP:-2}" prefix prefix
+        serve_dp "dp${DP:-2}_round_robin" "${DP:-2}" round-robin prefix ;;
     dp-load)  # the serve load alone: one replica, then DP replicas
         serve_dp dp1 1 prefix serve
         serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve ;;
