@@ -15,7 +15,11 @@ DEATH_GRACE_S = 2.0  # after a component died: time for in-flight requests to ge
 UNHEALTHY_LIMIT_S = 30.0  # /health failing this long after startup means a hung component
 
 # -- the HTTP API
-LORA_LOAD_TIMEOUT_S = 300.0  # /v1/load_lora_adapter waits this long for the executor to load
+# A LoRA load or unload ends with an error if every replica has not answered in this long (the
+# tokenizer worker carrying it out says which did not); a frontend waits a little longer, so
+# that the worker's answer, not its own timeout, reaches the client.
+LORA_LOAD_TIMEOUT_S = 300.0
+LORA_ANSWER_MARGIN_S = 10.0
 TOKENIZE_TIMEOUT_S = 30.0  # /tokenize and /detokenize wait this long for the tokenizer pool
 QUEUE_FULL_RETRY_AFTER_S = 1  # the Retry-After of a 429: the queue moves within a second or two
 SSE_KEEPALIVE_S = 15.0  # a stream silent this long gets a comment, so proxies keep it open

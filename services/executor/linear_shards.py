@@ -11,10 +11,9 @@ and which along the input columns, and in what blocks (`TensorDims`, from the me
 `shard_dims`); `shard_tensor` cuts a checkpoint tensor by that, in the layout the layer loads
 (after services/executor/quantized_checkpoints.py's translation, which reads only what the
 cut takes), so that a rank reads and copies in only its part and its method prepares that
-part as it would a whole layer. GGUF pieces, which the
-method loads itself, are cut by the dimensions of `packed_dims`. Quantized formats decide where
-a cut may fall: whole packed words, whole scale groups, whole GGUF blocks; a split that would
-cut one is refused by name.
+part as it would a whole layer. GGUF pieces, which the method loads itself, are cut by the
+dimensions of `packed_dims`. Quantized formats decide where a cut may fall: whole packed
+words, whole scale groups, whole GGUF blocks; a split that would cut one is refused by name.
 """
 
 from __future__ import annotations

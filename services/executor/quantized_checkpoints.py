@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.fp8 import expand_block_scales
 from kernels.int4 import pack_weight, transpose_chunks, unpack_int4
 from services.executor.linear_shards import CheckpointSlice, Loaded, read
 from shared.quant_config import QuantSpec
@@ -288,8 +289,9 @@ def _fp8(parts: dict[str, Loaded], spec: QuantSpec) -> Translated:
         return {"qweight": qweight, "weight_scale": _row_group_scales(scale, n, k, spec.fp8_block)}
     if math.prod(scale.shape) == 1:  # one scale for the tensor: the same for every channel
         per_channel = _lazy(scale, (n,), (Axis(None),), lambda s: s.float().reshape(1).expand(n))
-    elif math.prod(scale.shape) == n:
-        per_channel = _lazy(scale, (n,), (Axis(0),), lambda s: s.float().reshape(-1))
+    elif math.prod(scale.shape) == n:  # [N], [N, 1] or [1, N]: cut along the N
+        along = list(scale.shape).index(n)
+        per_channel = _lazy(scale, (n,), (Axis(along),), lambda s: s.float().reshape(-1))
     else:
         raise ValueError(
             f"{scale_name} {tuple(scale.shape)} is neither per tensor nor per output channel "
@@ -328,8 +330,12 @@ def _row_group_scales(scale: Loaded, n: int, k: int, block: tuple[int, int]) -> 
             f"block scales {tuple(scale.shape)} do not tile weight {(n, k)} in blocks of "
             f"{list(block)}"
         )
+
+    def per_row(blocks: torch.Tensor) -> torch.Tensor:  # every row of the blocks read
+        return expand_block_scales(blocks.float(), rows, blocks.shape[0] * rows)
+
     axes = (Axis(0, Fraction(rows)), Axis(1))
-    return _lazy(scale, (n, k // cols), axes, lambda s: s.float().repeat_interleave(rows, dim=0))
+    return _lazy(scale, (n, k // cols), axes, per_row)
 
 
 _TRANSLATE: dict[str, Callable[[dict[str, Loaded], QuantSpec], Translated]] = {

@@ -17,7 +17,7 @@ from services.frontend.health import engine_failure, starting_reason, tokenizer_
 from services.frontend.lora_listings import LoraListings
 from services.frontend.tokenizer_pool import TokenizerPool
 from shared.config import Config
-from shared.constants import LORA_LOAD_TIMEOUT_S, TOKENIZE_TIMEOUT_S
+from shared.constants import LORA_ANSWER_MARGIN_S, LORA_LOAD_TIMEOUT_S, TOKENIZE_TIMEOUT_S
 from shared.ipc import Decoder, bind_router, encode, routed, terminate
 from shared.lora_modules import parse_lora_modules
 from shared.protocol import (
@@ -372,7 +372,8 @@ class EngineClient:
     async def lora_adapter(self, request: LoraAdapterRequest) -> LoraAdapterResult:
         """Load or unload a LoRA adapter on every engine replica (a tokenizer worker carries
         it out and answers); the answer's listings are the frontend's from then on."""
-        result = await self._ask(request.request_id, request, LORA_LOAD_TIMEOUT_S)
+        timeout = LORA_LOAD_TIMEOUT_S + LORA_ANSWER_MARGIN_S
+        result = await self._ask(request.request_id, request, timeout)
         assert isinstance(result, LoraAdapterResult)
         return result
 

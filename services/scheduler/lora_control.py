@@ -102,11 +102,11 @@ class LoraControl:
             return None
         if request.action not in ("commit", "discard"):
             raise ParameterError("action", f"{request.action!r} is not load or unload")
-        if request.lora_id is None:
-            raise ParameterError("lora_id", f"{request.action} needs the load's id")
         if request.action == "commit":
+            if request.lora_id is None:
+                raise ParameterError("lora_id", "commit needs the load's id")
             return self._commit(request.lora_id, request.lora_name, scheduler)
-        discarded = self.registry.discard(request.lora_id)
+        discarded = self.registry.discard(request.lora_id, request.request_id)
         if discarded is not None:
             scheduler.remove_lora(discarded.lora_id)
             logger.info("LoRA adapter %r (id %d) discarded", discarded.name, discarded.lora_id)

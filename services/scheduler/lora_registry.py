@@ -6,11 +6,15 @@ that carries the load out commits it: services/tokenizer/lora_fanout.py):
 
     begin_load ─▶ pending (the executor reads and checks it) ─▶ held ─▶ commit ─▶ named
                          └─ finish_load(loaded=False): forgotten
-    discard (by id), unload (by name): forgotten, whichever of the three it is
+    discard (by id, or by the load's request), unload (by name): forgotten, whichever of the
+    three it is
 
 A name has one of them at most. The first replica's registry gives a load its id (the next
-one); the others take the id they are given. No id is taken twice while the scheduler runs, so
-a prefix cached under an adapter is never found under a later one of the same name.
+one); the others take the id they are given. No id is taken twice, so a prefix cached under an
+adapter is never found under a later one of the same name. The scheduler process starts
+runtime ids from the clock (`clock_id`: milliseconds since the epoch), so that a restarted
+scheduler gives none it gave before, which its executor and the other replicas still hold (its
+ids would need more than a load a millisecond since its last start to catch up).
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from shared.lora_modules import LoraModule
 from shared.protocol import LoraAdapterInfo, NotFoundError, ParameterError
 
 
+def clock_id() -> int:
+    """An id above any a scheduler started earlier gave (see the module's docstring)."""
+    return time.time_ns() // 1_000_000
+
+
 @dataclass(frozen=True)
 class PendingLoad:
     request_id: str
@@ -32,7 +41,9 @@ class PendingLoad:
 
 
 class LoraRegistry:
-    def __init__(self, modules: list[LoraModule], base_model: str = "") -> None:
+    def __init__(
+        self, modules: list[LoraModule], base_model: str = "", first_runtime_id: int = 0
+    ) -> None:
         self.base_model = base_model  # the served model's name, once the executor said it
         self.adapters: dict[str, LoraAdapterInfo] = {}  # named; parent "": the base model
         for lora_id, module in enumerate(modules, 1):
@@ -42,12 +53,12 @@ class LoraRegistry:
             )  # fmt: skip
         self.num_static = len(modules)
         self.pending: dict[int, PendingLoad] = {}  # the executor is reading them
-        self.held: dict[int, LoraAdapterInfo] = {}  # the executor holds them; not named yet
+        self.held: dict[int, PendingLoad] = {}  # the executor holds them; not named yet
         # When the list last changed (wall-clock ns, so a restarted scheduler's list is newer
         # than any of the one before): a frontend keeps the newest it has seen.
         self.version = time.time_ns()
         self._taken_ids = set(range(1, len(modules) + 1))
-        self._next_id = len(modules) + 1  # above every id taken
+        self._next_id = max(len(modules) + 1, first_runtime_id)  # above every id taken
 
     def begin_load(
         self,
@@ -62,8 +73,8 @@ class LoraRegistry:
         given, or `lora_id` was taken before."""
         if not path:
             raise ParameterError("lora_path", "give the adapter's folder")
-        loading = [p.adapter for p in self.pending.values()] + list(self.held.values())
-        if name in self.adapters or any(adapter.name == name for adapter in loading):
+        loading = [*self.pending.values(), *self.held.values()]
+        if name in self.adapters or any(load.adapter.name == name for load in loading):
             raise ParameterError("lora_name", f"a LoRA adapter named {name!r} is loaded already")
         lora_id = self._take_id(lora_id)
         adapter = LoraAdapterInfo(name=name, lora_id=lora_id, path=path, parent="")
@@ -74,7 +85,7 @@ class LoraRegistry:
         if lora_id is None:
             lora_id = self._next_id
         elif lora_id < 1 or lora_id in self._taken_ids:
-            # The first replica's scheduler restarted and named ids again from the flag's end.
+            # Given twice: the first replica's clock went back past a restart.
             raise ParameterError("lora_id", f"this replica took LoRA adapter id {lora_id} before")
         self._taken_ids.add(lora_id)
         self._next_id = max(self._next_id, lora_id + 1)
@@ -85,29 +96,37 @@ class LoraRegistry:
         it was discarded meanwhile)."""
         pending = self.pending.pop(lora_id, None)
         if pending is not None and loaded:
-            self.held[lora_id] = pending.adapter
+            self.held[lora_id] = pending
         return pending
 
     def commit(self, lora_id: int) -> LoraAdapterInfo | None:
         """Name a held adapter; None if it is no longer held (unloaded meanwhile, or dropped
         with a replaced executor)."""
-        adapter = self.held.pop(lora_id, None)
-        if adapter is not None:
-            self.adapters[adapter.name] = adapter
-            self._changed()
-        return adapter
+        held = self.held.pop(lora_id, None)
+        if held is None:
+            return None
+        self.adapters[held.adapter.name] = held.adapter
+        self._changed()
+        return held.adapter
 
-    def discard(self, lora_id: int) -> LoraAdapterInfo | None:
-        """Forget the load of `lora_id`, wherever it is (a load that not every replica could
-        take): the adapter forgotten, or None. Its executor's answer, if still to come, finds
-        nothing to finish."""
+    def discard(self, lora_id: int | None, request_id: str) -> LoraAdapterInfo | None:
+        """Forget the load of `lora_id`, or (None: its id never reached the worker that asked)
+        of the load `request_id` asked for, wherever it is (a load that not every replica could
+        take, or not in time): the adapter forgotten, or None. Its executor's answer, if still
+        to come, finds nothing to finish."""
+        if lora_id is None:
+            loads = {**self.pending, **self.held}.values()
+            lora_id = next((p.adapter.lora_id for p in loads if p.request_id == request_id), None)
+            if lora_id is None:
+                return None
         pending = self.pending.pop(lora_id, None)
         held = self.held.pop(lora_id, None)
         named = next((a for a in self.adapters.values() if a.lora_id == lora_id), None)
         if named is not None:
             del self.adapters[named.name]
             self._changed()
-        return named or held or (pending.adapter if pending else None)
+        load = held or pending
+        return named or (load.adapter if load else None)
 
     @property
     def next_id(self) -> int:
@@ -122,7 +141,7 @@ class LoraRegistry:
         `below`: the adapter, and its load if it was pending (to be answered now).
         NotFoundError if there is none."""
         named = self.adapters.get(name)
-        held = next((a for a in self.held.values() if a.name == name), None)
+        held = next((p.adapter for p in self.held.values() if p.adapter.name == name), None)
         pending = next((p for p in self.pending.values() if p.adapter.name == name), None)
         adapter = named or held or (pending.adapter if pending else None)
         if adapter is None or (below is not None and adapter.lora_id >= below):
@@ -141,7 +160,7 @@ class LoraRegistry:
         for name in dropped:
             del self.adapters[name]
         dropped += [p.adapter.name for p in self.pending.values()]
-        dropped += [a.name for a in self.held.values()]
+        dropped += [p.adapter.name for p in self.held.values()]
         self.pending.clear()
         self.held.clear()
         if dropped:

@@ -31,7 +31,7 @@ from services.scheduler.engine_core import EngineCore
 from services.scheduler.handshake import check_protocol, refuse_other_versions, scheduler_config
 from services.scheduler.kv_events import KvEventPublisher
 from services.scheduler.lora_control import LoraControl
-from services.scheduler.lora_registry import LoraRegistry
+from services.scheduler.lora_registry import LoraRegistry, clock_id
 from services.scheduler.request_owners import RequestOwners
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.stats_log import StatsLog
@@ -254,7 +254,7 @@ class SchedulerProcess:
         )
         self.inbox = Inbox(self.router)
         self.loras = LoraControl(
-            LoraRegistry(parse_lora_modules(config.lora_modules)),
+            LoraRegistry(parse_lora_modules(config.lora_modules), first_runtime_id=clock_id()),
             config.allow_runtime_lora_updating,
             config.replica,
             self._answer_lora,

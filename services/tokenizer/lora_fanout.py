@@ -122,8 +122,10 @@ class LoraFanout:
             message = f"replicas {late} did not answer in {LORA_LOAD_TIMEOUT_S:g} s"
             request = change.request
             logger.error("LoRA %s of %r: %s", request.action, request.lora_name, message)
-            if change.request.action == "load" and change.lora_id is not None:
-                for replica in sorted(change.holders | change.waiting):  # discard is idempotent
+            if change.request.action == "load":  # discard is idempotent
+                # Without the id (replica 0 still reading), replica 0 finds the load by its
+                # request; no other replica has it yet.
+                for replica in sorted(change.holders | change.waiting):
                     self._send(replica, self._message(change, "discard"))
             change.error = RequestError.unavailable(message)
             change.unloaded = False

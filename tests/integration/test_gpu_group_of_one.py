@@ -5,6 +5,7 @@ that the default process group it makes does not outlive the test."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -26,12 +27,12 @@ def join_and_reduce() -> None:
     import torch.distributed as dist
 
     config = Config(device="cuda", tensor_parallel_size=1)
-    tp = join_group(config, Path(tempfile.mkdtemp()), rank=0)
+    tp = join_group(config, Path(tempfile.mkdtemp(dir=os.environ["GROUP_DIR"])), rank=0)
     assert dist.get_backend() == "nccl" and (tp.rank, tp.size) == (0, 1)
     x = torch.arange(8.0, device="cuda")
     dist.all_reduce(x)  # TensorParallel skips collectives at size 1: call NCCL itself
     graph, captured = torch.cuda.CUDAGraph(), torch.zeros(8, device="cuda")
-    dist.all_reduce(captured)  # NCCL's first collective on a stream must not be captured
+    dist.all_reduce(captured)  # once before the capture, as the decode graphs are warmed up
     with torch.cuda.graph(graph):
         captured.add_(1.0)
         dist.all_reduce(captured)
@@ -42,8 +43,11 @@ def join_and_reduce() -> None:
     print("group of one: ok")
 
 
-def test_an_nccl_group_of_one_joins_and_its_collectives_run_in_graphs() -> None:
+def test_an_nccl_group_of_one_joins_and_its_collectives_run_in_graphs(tmp_path: Path) -> None:
     code = "from tests.integration.test_gpu_group_of_one import join_and_reduce; join_and_reduce()"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "GROUP_DIR": str(tmp_path)}  # where the group meets: removed after
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "group of one: ok" in done.stdout

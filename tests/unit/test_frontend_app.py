@@ -284,6 +284,6 @@ def test_an_adapter_a_replica_lost_is_not_named_and_must_be_unloaded_to_load_aga
         response = client.post("/v1/load_lora_adapter", json=body, headers=AUTH)
         assert response.status_code == 400
         message = response.json()["error"]["message"]
-        assert "loaded on engine replicas [0] only: unload it, then load it again" in message
+        assert "loaded already on engine replicas [0] alone" in message and "unload it" in message
     finally:
         engine.close()

@@ -14,7 +14,7 @@ from shared.wire_security import WireSecurity
 from tests.unit.scheduler_setup import add, make_scheduler
 
 
-def test_a_batch_counts_the_waiting_requests_by_worker(tmp_path: Path) -> None:
+def test_a_batch_counts_the_waiting_requests_and_carries_each_workers_share(tmp_path: Path) -> None:
     context = zmq.Context()
     address = f"ipc://{tmp_path}/kv-events"
     publisher = KvEventPublisher(context, address, replica=1, security=WireSecurity())

@@ -122,7 +122,7 @@ class Replicas:
     def held_or_named(self, replica: int) -> set[tuple[str, int]]:
         registry = self.controls[replica].registry
         return set(self.named(replica).items()) | {
-            (a.name, a.lora_id) for a in registry.held.values()
+            (p.adapter.name, p.adapter.lora_id) for p in registry.held.values()
         }
 
     def check_settled(self) -> None:
@@ -278,6 +278,49 @@ def test_a_replica_that_does_not_answer_fails_the_load_and_the_others_discard_it
     replicas.run()  # replica 1 again: its late load is discarded with the rest
     replicas.check_settled()
     assert "x" not in replicas.named(1)
+
+
+@pytest.mark.parametrize("late", ["read-then-discard", "discard-then-read"])
+def test_a_load_past_its_deadline_before_replica_0_named_its_id_frees_the_name(late: str) -> None:
+    """Replica 0's executor still reads when the load times out: the worker knows no id, so
+    replica 0 finds the load by its request, whether the read ends before the discard comes or
+    after; the name can be loaded again."""
+    replicas = Replicas(2)
+    replicas.ask("w", "load", "x", "/x")
+    replicas.deliver(("scheduler", 0, "w"))  # its executor is reading
+    replicas.fanouts["w"].expire(now=LORA_LOAD_TIMEOUT_S)
+    assert "replicas [0] did not answer" in replicas.answers["w"][0].error.message  # type: ignore[union-attr]
+    if late == "discard-then-read":
+        replicas.deliver(("scheduler", 0, "w"))
+    replicas.run()
+    replicas.check_settled()
+    replicas.ask("w", "load", "x", "/x")
+    replicas.run()
+    assert replicas.answers["w"][-1].error is None and "x" in replicas.named(1)
+
+
+def test_a_restarted_first_scheduler_names_ids_above_those_it_gave_before() -> None:
+    """Replica 0's scheduler restarts (its registry starts from the clock, here 100): the
+    other replica's adapter, taken under an older id, can still be unloaded, then loaded again
+    everywhere under a new one."""
+    replicas = Replicas(2)
+    replicas.ask("w", "load", "x", "/x")
+    replicas.run()
+    assert replicas.named(1)["x"] == 2
+    modules = parse_lora_modules(("static=/static",))
+    restarted = LoraRegistry(modules, first_runtime_id=100)
+    replicas.controls[0] = LoraControl(
+        restarted, True, 0, functools.partial(replicas._to_worker, 0)
+    )
+    replicas.schedulers[0] = make_scheduler(max_loras=4)
+    replicas.controls[0].adopt(replicas.schedulers[0], "base")
+    replicas.ask("w", "unload", "x")  # replica 0 knows none; replica 1's is older than 100
+    replicas.run()
+    replicas.ask("w", "load", "x", "/x")
+    replicas.run()
+    assert [a.error for a in replicas.answers["w"]] == [None, None, None]
+    assert replicas.named(0)["x"] == replicas.named(1)["x"] == 100
+    replicas.check_settled()
 
 
 def test_a_replaced_executor_loses_runtime_adapters_on_its_replica_alone(

@@ -121,18 +121,47 @@ def test_a_rank_reads_its_share_and_loads_what_whole_tensors_give(
             assert part.entries_read == share, (fmt, rank, name)
 
 
-def test_a_cut_falling_inside_packed_words_or_blocks_reads_the_ones_around_it(
-    tmp_path: Path,
-) -> None:
-    """Rows 3..13 of an AWQ layer (8 to a word) and of FP8 block scales (32 to a block):
-    the words and blocks holding them are read, and the rows cut out of them."""
-    for fmt in ("awq-g32", "fp8-block"):
+def counted(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Loaded], dict[str, CountingPart]]:
+    parts = {name: CountingPart(tensor) for name, tensor in tensors.items()}
+    return {name: CheckpointSlice(part) for name, part in parts.items()}, parts
+
+
+def test_a_cut_inside_packed_words_or_blocks_reads_only_those_holding_it(tmp_path: Path) -> None:
+    """A cut of rows that starts and ends inside a packed word or a scale block reads the
+    words or blocks holding it, no more, and crops them: AWQ's 8 rows a word, FP8 scales per
+    32-row block, compressed-tensors zero points of 20 rows (3 words, the last one padded),
+    and FP8 scales per channel stored as [1, N]."""
+    module = "model.layers.0.self_attn.q_proj"
+    cases = []  # (tensors, spec, translated name, rows cut, checkpoint part, entries read)
+    for fmt, part, entries in (
+        ("awq-g32", "qweight", 64 * 2),
+        ("fp8-block", "weight_scale_inv", 2),
+    ):
         folder, spec, _ = write(tmp_path, fmt, 2)
         stored = load_file(str(folder / "model.safetensors"))
-        module = "model.layers.0.self_attn.q_proj"
-        names = {n for n in stored if n.startswith(module + ".")}
-        loaded = dict(translated({n: stored[n] for n in names}, spec))
-        for name, tensor in loaded.items():
-            if name.endswith(("qweight", "scales", "zeros", "weight_scale")):
-                assert isinstance(tensor, CheckpointSlice), name
-                torch.testing.assert_close(tensor.narrow(0, 3, 10), read(tensor)[3:13])
+        tensors = {n: t for n, t in stored.items() if n.startswith(module + ".")}
+        translated_name = "qweight" if part == "qweight" else "weight_scale"
+        cases.append((tensors, spec, translated_name, (3, 13), part, entries))
+    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    zeros = torch.randint(-8, 8, (20, 2), dtype=torch.int8)  # N = 20, two groups of 32
+    ct_tensors = {
+        "m.weight_packed": torch.zeros(20, 8, dtype=torch.int32),
+        "m.weight_scale": torch.ones(20, 2),
+        "m.weight_shape": torch.tensor([20, 64]),
+        "m.weight_zero_point": ct.pack_to_int32(zeros, 4, packed_dim=0),  # [3, 2]
+    }
+    ct_spec = QuantSpec("compressed-tensors", True, group_size=32, symmetric=False)
+    cases.append((ct_tensors, ct_spec, "zeros", (17, 20), "weight_zero_point", 2))
+    fp8_tensors = {
+        "m.weight": torch.randn(12, 32).to(torch.float8_e4m3fn),
+        "m.weight_scale": torch.arange(12.0).reshape(1, 12),
+    }
+    cases.append((fp8_tensors, QuantSpec("fp8", True), "weight_scale", (5, 9), "weight_scale", 4))
+    for tensors, spec, name, (start, stop), part, entries in cases:
+        whole = {n: read(t) for n, t in translated(dict(tensors), spec)}
+        slices, parts = counted(tensors)
+        lazy = dict(translated(slices, spec))
+        prefix = next(n.rpartition(".")[0] for n in tensors if n.endswith(part))
+        cut = lazy[f"{prefix}.{name}"].narrow(0, start, stop - start)
+        torch.testing.assert_close(cut, whole[f"{prefix}.{name}"][start:stop])
+        assert parts[f"{prefix}.{part}"].entries_read == entries, (name, part)

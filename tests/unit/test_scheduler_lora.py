@@ -115,7 +115,9 @@ def test_the_registry_names_adapters_and_never_reuses_an_id() -> None:
     with pytest.raises(ParameterError, match="loaded already"):
         registry.begin_load("r2", b"worker", "c", "/c")  # a load of that name is pending
     pending = registry.finish_load(lora_id, loaded=True)
-    assert pending is not None and pending.request_id == "r1" and registry.held[3].name == "c"
+    assert (
+        pending is not None and pending.request_id == "r1" and registry.held[3].adapter.name == "c"
+    )
     assert "c" not in registry.adapters and registry.version == version  # held, not named
     with pytest.raises(ParameterError, match="loaded already"):
         registry.begin_load("r2", b"worker", "c", "/c")  # held: its commit is on its way
@@ -142,7 +144,7 @@ def test_the_registry_names_adapters_and_never_reuses_an_id() -> None:
 def test_a_replica_takes_the_id_it_is_given_once_and_forgets_a_load_in_any_state() -> None:
     """Replicas other than the first take the id the first named; no id is taken twice (ids
     of two loads under way may come in either order). A discard forgets a load pending, held
-    or named, by its id; an unload, by its name."""
+    or named, by its id (or its request); an unload, by its name."""
     registry = LoraRegistry(parse_lora_modules(("a=/a",)))
     assert registry.begin_load("r1", b"w", "x", "/x", lora_id=5) == 5
     assert registry.begin_load("r2", b"w", "y", "/y", lora_id=4) == 4  # overtaken by 5
@@ -153,8 +155,9 @@ def test_a_replica_takes_the_id_it_is_given_once_and_forgets_a_load_in_any_state
     registry.finish_load(5, loaded=True)
     registry.commit(5)
     registry.finish_load(6, loaded=True)
-    assert [getattr(registry.discard(i), "name", None) for i in (4, 5, 6)] == ["y", "x", "z"]
-    assert registry.discard(5) is None and registry.finish_load(4, loaded=True) is None
+    discarded = [registry.discard(i, "") for i in (4, 5, 6)]
+    assert [getattr(adapter, "name", None) for adapter in discarded] == ["y", "x", "z"]
+    assert registry.discard(5, "") is None and registry.finish_load(4, loaded=True) is None
     assert list(registry.adapters) == ["a"] and not registry.pending and not registry.held
     # An unload forgets a pending load too (its answer is due now); given a bound, only an
     # adapter taken under an id below it (a later one is a newer load's).
@@ -168,4 +171,8 @@ def test_a_replica_takes_the_id_it_is_given_once_and_forgets_a_load_in_any_state
         registry.unload("x", below=9)
     adapter, pending = registry.unload("x", below=10)
     assert (adapter.lora_id, pending, registry.next_id) == (9, None, 10)
+    # A discard without the id (it never reached the worker) finds the load by its request.
+    registry.begin_load("r9", b"w", "w", "/w")
+    assert registry.discard(None, "r8") is None and registry.pending
+    assert getattr(registry.discard(None, "r9"), "name", None) == "w" and not registry.pending
     assert registry.commit(9) is None and not registry.held

@@ -27,10 +27,12 @@ async def load_lora_adapter(request: Request, state: AppState) -> PlainTextRespo
         raise bad_request(f"{body.lora_name!r} is the served model's name", "lora_name")
     holders = state.engine.loras.holders(body.lora_name)
     if holders and body.lora_name not in state.engine.lora_adapters:
-        # The other replicas lost it with their executors (their schedulers logged it).
+        # A load or unload of it half way through the replicas, or the others lost it with
+        # their executors (their schedulers logged it): replica 0 would refuse it unexplained.
         raise bad_request(
-            f"the LoRA adapter {body.lora_name!r} is loaded on engine replicas {holders} only:"
-            " unload it, then load it again",
+            f"a LoRA adapter named {body.lora_name!r} is loaded already on engine replicas "
+            f"{holders} alone: a load or unload of it is under way, or the other replicas lost"
+            " it with their executors (then unload it and load it again)",
             "lora_name",
         )
     await _ask(request, state, "load", body.lora_name, body.lora_path)
