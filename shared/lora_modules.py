@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from shared.protocol import LoraAdapterInfo
+
 
 class LoraModuleError(ValueError):
     pass
@@ -32,6 +34,14 @@ def parse_lora_modules(entries: tuple[str, ...]) -> list[LoraModule]:
             raise LoraModuleError(f"--lora-modules: the name {module.name!r} is given twice")
         modules.append(module)
     return modules
+
+
+def static_adapters(modules: list[LoraModule]) -> dict[str, LoraAdapterInfo]:
+    """The adapters of --lora-modules by name, with their ids (parent "": the served model)."""
+    return {
+        m.name: LoraAdapterInfo(name=m.name, lora_id=i, path=m.path, parent=m.base_model_name or "")
+        for i, m in enumerate(modules, 1)
+    }
 
 
 def _parse(entry: str) -> LoraModule:

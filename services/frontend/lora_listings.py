@@ -9,19 +9,14 @@ for it gets 404 here rather than an error from whichever replica it would reach.
 
 from __future__ import annotations
 
-from shared.lora_modules import LoraModule
+from shared.lora_modules import LoraModule, static_adapters
 from shared.protocol import LoraAdapterInfo, LoraAdapterListing
 
 
 class LoraListings:
     def __init__(self, modules: list[LoraModule]) -> None:
-        # Until a replica says: those of --lora-modules (parent "": the served model).
-        self.adapters: dict[str, LoraAdapterInfo] = {
-            m.name: LoraAdapterInfo(
-                name=m.name, lora_id=i, path=m.path, parent=m.base_model_name or ""
-            )
-            for i, m in enumerate(modules, 1)
-        }
+        # Until a replica says: those of --lora-modules.
+        self.adapters: dict[str, LoraAdapterInfo] = static_adapters(modules)
         self.by_replica: dict[int, LoraAdapterListing] = {}
 
     def take(self, listing: LoraAdapterListing) -> None:

@@ -100,12 +100,12 @@ class LoraControl:
         if request.action == "unload":
             self._unload(request.lora_name, request.lora_id, scheduler)
             return None
-        if request.action not in ("commit", "discard"):
-            raise ParameterError("action", f"{request.action!r} is not load or unload")
         if request.action == "commit":
             if request.lora_id is None:
                 raise ParameterError("lora_id", "commit needs the load's id")
             return self._commit(request.lora_id, request.lora_name, scheduler)
+        if request.action != "discard":
+            raise ParameterError("action", f"{request.action!r} is not load or unload")
         discarded = self.registry.discard(request.lora_id, request.request_id)
         if discarded is not None:
             scheduler.remove_lora(discarded.lora_id)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from shared.lora_modules import LoraModule
+from shared.lora_modules import LoraModule, static_adapters
 from shared.protocol import LoraAdapterInfo, NotFoundError, ParameterError
 
 
@@ -45,12 +45,7 @@ class LoraRegistry:
         self, modules: list[LoraModule], base_model: str = "", first_runtime_id: int = 0
     ) -> None:
         self.base_model = base_model  # the served model's name, once the executor said it
-        self.adapters: dict[str, LoraAdapterInfo] = {}  # named; parent "": the base model
-        for lora_id, module in enumerate(modules, 1):
-            self.adapters[module.name] = LoraAdapterInfo(
-                name=module.name, lora_id=lora_id, path=module.path,
-                parent=module.base_model_name or "",
-            )  # fmt: skip
+        self.adapters = static_adapters(modules)  # named; parent "": the base model
         self.num_static = len(modules)
         self.pending: dict[int, PendingLoad] = {}  # the executor is reading them
         self.held: dict[int, PendingLoad] = {}  # the executor holds them; not named yet
