@@ -20,6 +20,7 @@ import triton.language as tl
 
 from kernels.fp8 import FP8, MIN_SCALE, Fp8Rows, check_static_scale
 from kernels.triton_e4m3 import scale_for, to_e4m3
+from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 
 _BLOCK = 1024  # columns per program at most
 FP8_BLOCK = 16384  # columns of a row in registers in the FP8 variant: 16 floats a thread
@@ -45,7 +46,9 @@ def _silu_and_mul_kernel(
     inter,
     BLOCK: tl.constexpr,
     STATIC_FP8: tl.constexpr,  # quantized by a static scale: no row maximum, so any tiling
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
@@ -69,7 +72,9 @@ def _silu_and_mul_fp8_kernel(
     inter,
     BLOCK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,  # inter <= BLOCK (a constant, so only one branch is compiled)
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     gate_ptrs = gate_up_ptr + row * stride_in_row + cols
@@ -125,7 +130,9 @@ def _launch_tiled(
         inter,
         BLOCK=block,
         STATIC_FP8=static_scale is not None,
+        PDL=launches_early(rows),
         num_warps=min(max(block // 256, 1), 4),
+        launch_pdl=launches_early(rows),
     )
 
 
@@ -152,7 +159,8 @@ def silu_and_mul_fp8(
         _silu_and_mul_fp8_kernel[(num_rows,)](
             rows, q, scale, rows.stride(0), q.stride(0), inter,
             BLOCK=block,
-            ONE_BLOCK=inter <= block, num_warps=min(max(block // 512, 1), 32),
+            ONE_BLOCK=inter <= block, PDL=launches_early(rows),
+            num_warps=min(max(block // 512, 1), 32), launch_pdl=launches_early(rows),
         )  # fmt: skip
     return Fp8Rows(q, scale, gate_up.dtype)
 

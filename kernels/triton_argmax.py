@@ -14,14 +14,24 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_pdl import launches_early, wait_for_previous_kernel
+
 _CHUNK = 4096  # logits per pass-1 program
 _MAX_CHUNKS = 1024  # pass 2 reduces all chunk winners of a row in one tile
 
 
 @triton.jit
 def _chunk_argmax_kernel(
-    logits_ptr, best_value_ptr, best_index_ptr, vocab, stride_row, num_chunks, CHUNK: tl.constexpr
+    logits_ptr,
+    best_value_ptr,
+    best_index_ptr,
+    vocab,
+    stride_row,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)  # [CHUNK]
@@ -34,7 +44,10 @@ def _chunk_argmax_kernel(
 
 
 @triton.jit
-def _row_argmax_kernel(best_value_ptr, best_index_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr):
+def _row_argmax_kernel(
+    best_value_ptr, best_index_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunks = tl.arange(0, CHUNKS)  # [CHUNKS]
     valid = chunks < num_chunks
@@ -58,9 +71,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64
     f32 = dict(device=logits.device, dtype=torch.float32)
     best_value = torch.empty(num_rows, num_chunks, **f32)  # [R, C]
     best_index = torch.empty(num_rows, num_chunks, device=logits.device, dtype=torch.int32)
+    early = launches_early(logits)
     _chunk_argmax_kernel[(num_rows, num_chunks)](
-        logits, best_value, best_index, vocab, logits.stride(0), num_chunks, CHUNK=_CHUNK
-    )
+        logits, best_value, best_index, vocab, logits.stride(0), num_chunks, CHUNK=_CHUNK,
+        PDL=early, launch_pdl=early,
+    )  # fmt: skip
     chunks = max(2, triton.next_power_of_2(num_chunks))
-    _row_argmax_kernel[(num_rows,)](best_value, best_index, out, num_chunks, CHUNKS=chunks)
+    _row_argmax_kernel[(num_rows,)](
+        best_value, best_index, out, num_chunks, CHUNKS=chunks, PDL=early, launch_pdl=early
+    )
     return out

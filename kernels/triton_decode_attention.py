@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_pdl import launches_early, wait_for_previous_kernel
+
 LOG2E = 1.4426950408889634
 # Splits down to one 64-token tile each: at batch 1 (8 KV heads, context bound 4096) 64 splits
 # took 6.9 us per layer against 10.0 us with 16 (H100, CUDA graph, 256 tokens of context);
@@ -96,7 +98,9 @@ def _decode_partition_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_QUERY_LOC: tl.constexpr,  # a mixed batch: only one-token requests, at their own rows
     FP16_DOTS: tl.constexpr,  # an FP8 cache and a bf16 query: both dots in fp16 (see below)
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -189,7 +193,9 @@ def _merge_partitions_kernel(
     SPLITS_PAD: tl.constexpr,  # next_power_of_2(num_splits): 1, 2, 4, ..., MAX_SPLITS
     HEAD_DIM: tl.constexpr,
     HAS_QUERY_LOC: tl.constexpr,
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)  # flat (request, query head)
     token = _query_row(query_start_loc_ptr, row // NUM_HEADS, HAS_QUERY_LOC)
     if token < 0:
@@ -304,6 +310,7 @@ def paged_decode_attention(
     part_max = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
     part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
+    early = launches_early(query)
 
     _decode_partition_kernel[(num_reqs, num_kv_heads, num_splits)](
         query,
@@ -334,8 +341,10 @@ def paged_decode_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_QUERY_LOC=has_query_loc,
         FP16_DOTS=key_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
+        PDL=early,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        launch_pdl=early,
     )
     _merge_partitions_kernel[(num_reqs * num_heads,)](
         out,
@@ -349,6 +358,8 @@ def paged_decode_attention(
         SPLITS_PAD=triton.next_power_of_2(num_splits),
         HEAD_DIM=head_dim,
         HAS_QUERY_LOC=has_query_loc,
+        PDL=early,
+        launch_pdl=early,
     )
     return out
 

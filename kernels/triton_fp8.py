@@ -20,6 +20,7 @@ import triton.language as tl
 from kernels.fp8 import FP8, Fp8Rows, check_group_layer, check_static_scale
 from kernels.triton_e4m3 import scale_for, to_e4m3
 from kernels.triton_linear import MAX_ROWS, LinearTiles, launch_skinny_linear
+from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 
 _QUANT_BLOCK = 2048  # elements of a row per loop step
 
@@ -35,7 +36,9 @@ def _quantize_rowwise_kernel(
     stride_q_row,
     BLOCK: tl.constexpr,
     STATIC: tl.constexpr,  # every row scaled by the calibrated scale: no pass over it first
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     if STATIC:
@@ -78,7 +81,9 @@ def quantize_fp8_rowwise(
         q.stride(0),
         BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(cols)),
         STATIC=static_scale is not None,
+        PDL=launches_early(x),
         num_warps=4,
+        launch_pdl=launches_early(x),
     )
     return q, scale
 

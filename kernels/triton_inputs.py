@@ -10,13 +10,21 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_pdl import launches_early, wait_for_previous_kernel
+
 _BLOCK = 1024
 
 
 @triton.jit
 def _gather_kernel(
-    input_ids_ptr, source_rows_ptr, sampled_ids_ptr, num_tokens, BLOCK: tl.constexpr
+    input_ids_ptr,
+    source_rows_ptr,
+    sampled_ids_ptr,
+    num_tokens,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     rows = tl.load(source_rows_ptr + tokens, mask=tokens < num_tokens, other=-1)  # [BLOCK]
     take = rows >= 0
@@ -42,4 +50,7 @@ def gather_sampled_inputs(
     if num_tokens == 0:
         return
     grid = (triton.cdiv(num_tokens, _BLOCK),)
-    _gather_kernel[grid](input_ids, source_rows, sampled_ids, num_tokens, BLOCK=_BLOCK)
+    early = launches_early(input_ids)
+    _gather_kernel[grid](
+        input_ids, source_rows, sampled_ids, num_tokens, BLOCK=_BLOCK, PDL=early, launch_pdl=early
+    )

@@ -44,6 +44,12 @@ import triton.language as tl
 
 from kernels.lora import LoraDelta
 from kernels.triton_lora import check_delta, lora_b, lora_delta, lora_expand, lora_rows
+from kernels.triton_pdl import (
+    L2_LINE_BYTES,
+    launches_early,
+    prefetch_to_l2,
+    wait_for_previous_kernel,
+)
 
 MAX_ROWS = 64  # the most rows this layer takes: past it a GEMM reuses weights enough for cuBLAS
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
@@ -177,12 +183,20 @@ def _skinny_linear_kernel(
     INTERPRETED: tl.constexpr,  # under TRITON_INTERPRET: see UPCAST below
     HAS_LORA: tl.constexpr,  # add each row's LoRA adapter (BLOCK_N divides every piece)
     LORA_RANK: tl.constexpr,
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
+    PREFETCH_LINES: tl.constexpr,  # with PDL: the 128-byte lines of its first weight tile a row
+    LINE_ELEMENTS: tl.constexpr,  # weight elements in a line
 ):
     rows = tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     ks = tl.arange(0, BLOCK_K)  # [BK]
     row_valid = rows < m
     col_valid = cols < n
+    if PREFETCH_LINES > 0:  # the weights are never written: read ahead of the previous kernel
+        lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMENTS, k - 1)
+        first = tl.minimum(cols, n - 1).to(tl.int64)[:, None] * stride_w_row + lines[None, :]
+        prefetch_to_l2(w_ptr + first)
+    wait_for_previous_kernel(PDL)
     if HAS_LORA:  # loaded before the weights stream, so their latency hides behind it
         slots, adapted, lora_y = lora_rows(
             lora_y_ptr, lora_slots_ptr, rows, row_valid, tl.program_id(0) * BLOCK_N,
@@ -314,6 +328,7 @@ def launch_skinny_linear(
     x_scale, w_scale = scales if scales is not None else (weight, weight)
     lora_args = _lora_arguments(lora, n, m) if lora is not None else [weight, weight, weight]
     lora_args += [0] * (12 - len(lora_args))
+    early = launches_early(x)
     _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
         x,
         weight,
@@ -344,8 +359,14 @@ def launch_skinny_linear(
         INTERPRETED=not x.is_cuda,
         HAS_LORA=lora is not None,
         LORA_RANK=lora.lora_b.shape[2] if lora is not None else 16,
+        PDL=early,
+        PREFETCH_LINES=triton.cdiv(tiles.block_k * weight.element_size(), L2_LINE_BYTES)
+        if early
+        else 0,
+        LINE_ELEMENTS=L2_LINE_BYTES // weight.element_size(),
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        launch_pdl=early,
     )
 
 

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kernels.fp8 import FP8, Fp8Rows, check_static_scale
 from kernels.triton_e4m3 import scale_for, to_e4m3
+from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 
 _TILE_ELEMENTS = 2048  # rows are packed into a program until it holds about this many elements
 
@@ -57,7 +58,9 @@ def _rms_norm_kernel(
     STATIC_SCALE: tl.constexpr,  # by the static scale, not per token
     BLOCK_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
     cols = tl.arange(0, BLOCK_N)  # [N]
     col_ok = cols < hidden
@@ -245,5 +248,7 @@ def _launch(
         STATIC_SCALE=static is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_N=block_n,
+        PDL=launches_early(x),
         num_warps=num_warps,
+        launch_pdl=launches_early(x),
     )

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_e4m3 import to_e4m3
+from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 
 _TILE_ELEMENTS = 2048  # head blocks are split until a program moves about this many q+k+v elements
 _MAX_WARPS = 8
@@ -154,7 +155,9 @@ def _rotary_write_kv_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_KV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
+    wait_for_previous_kernel(PDL)
     tok = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     dims = tl.arange(0, BLOCK_HALF)  # [BLOCK_HALF]
@@ -294,7 +297,9 @@ def rotary_write_kv(
         BLOCK_Q=block_q,
         BLOCK_KV=block_kv,
         BLOCK_HALF=block_half,
+        PDL=launches_early(query),
         num_warps=num_warps,
+        launch_pdl=launches_early(query),
     )
     return query
 
