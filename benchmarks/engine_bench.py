@@ -219,6 +219,7 @@ def _engine_summary(config: Config) -> dict[str, Any]:
         "enable_prefix_caching",
         "enforce_eager",
         "tensor_parallel_size",
+        "disable_custom_all_reduce",
         "data_parallel_size",
         "gpu_memory_utilization",
         "quantization",

@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 
 from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
+from kernels.all_reduce_norm import PeerBuffers, all_reduce_add_rms_norm_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
 from kernels.fp8 import Fp8Rows, fp8_group_linear_reference, fp8_linear_reference
@@ -96,6 +97,22 @@ def fused_add_rms_norm(
     module = _triton("norm", x)
     kernel = module.fused_add_rms_norm if module is not None else fused_add_rms_norm_reference
     return kernel(x, residual, weight, eps)
+
+
+def all_reduce_add_rms_norm(
+    partial: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    peers: PeerBuffers,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, the ranks' partials summed + residual), with the sum over `peers`' group; the
+    Triton version reduces in place of its inputs, on every rank at once."""
+    module = _triton("all_reduce_norm", partial)
+    kernel = (
+        module.all_reduce_add_rms_norm if module is not None else all_reduce_add_rms_norm_reference
+    )
+    return kernel(partial, residual, weight, eps, peers)
 
 
 def rms_norm_fp8(

@@ -108,6 +108,13 @@ class Config:
         "Split each layer over this many devices (one process each: NCCL on CUDA, gloo on "
         "CPU); the query heads must divide, and the KV heads divide or be divided.",
     )
+    disable_custom_all_reduce: bool = option(
+        False,
+        "parallel",
+        "With --tensor-parallel-size > 1 on GPUs: sum the ranks' parts with NCCL and norm them"
+        " apart, instead of one kernel that reads the peers' rows over symmetric memory and"
+        " adds and norms them (steps of up to 512 tokens).",
+    )
     pipeline_parallel_size: int = option(
         1, "parallel", "Only 1: kvflow splits a model by tensor parallelism, not by layers."
     )

@@ -31,13 +31,18 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None = None,
         feeds: Linear | None = None,  # the layer it feeds: an FP8 one takes quantized rows
+        reduce: TensorParallel = ONE_RANK,  # x is a rank's part of the sum over this group
     ) -> Activation | tuple[Activation, torch.Tensor]:
         w, eps = self.weight, self.eps
-        if feeds is None or not feeds_fp8_rows(feeds):
+        fp8_layer = feeds if feeds is not None and feeds_fp8_rows(feeds) else None
+        if reduce.size > 1 and residual is not None and fp8_layer is None:
+            return reduce.all_reduce_add_rms_norm(x, residual, w, eps)
+        x = reduce.all_reduce(x)
+        if fp8_layer is None:
             if residual is None:
                 return ops.rms_norm(x, w, eps)
             return ops.fused_add_rms_norm(x, residual, w, eps)
-        scale = feeds.fp8_input_scale()  # the layer's static scale, or None: per token
+        scale = fp8_layer.fp8_input_scale()  # the layer's static scale, or None: per token
         if residual is None:
             return ops.rms_norm_fp8(x, w, eps, scale)
         return ops.fused_add_rms_norm_fp8(x, residual, w, eps, scale)
@@ -85,7 +90,6 @@ class GatedMLP(nn.Module):
         tp: TensorParallel = ONE_RANK,
     ) -> None:
         super().__init__()
-        self.tp = tp
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
         whole = intermediate_size * tp.size  # down_proj is row-parallel
         self.down_proj = Linear(
@@ -100,4 +104,4 @@ class GatedMLP(nn.Module):
             out = self.down_proj(ops.silu_and_mul_fp8(gate_up, scale), lora)
         else:
             out = self.down_proj(ops.silu_and_mul(gate_up), lora)  # [T, hidden]
-        return self.tp.all_reduce(out)
+        return out  # this rank's part: the next RMSNorm sums the ranks' (its `reduce`)

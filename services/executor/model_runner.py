@@ -103,13 +103,16 @@ class ModelRunner:
         """`tp`: this process's place in a tensor-parallel group, whose ranks all run the same
         steps (services/executor/tensor_parallel.py); `relay`: on rank 0, where the plans go
         on to the other ranks (services/executor/rank_group.py)."""
-        self.tp = tp
         self.relay: PlanRelay | None = None  # set last: warm-up steps run on every rank alone
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
         self.device = resolve_device(config.device, tp.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if not config.disable_custom_all_reduce:
+            hidden = self.model_config.hidden_size
+            tp = tp.with_peer_buffers(hidden, self.dtype, self.device)
+        self.tp = tp
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         torch.manual_seed(config.seed)

@@ -28,7 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import ops
+from kernels.all_reduce_norm import PeerBuffers
 from services.executor.linear_shards import Loaded, Split, TensorDims, shard_tensor
+from services.executor.symmetric_memory import peer_buffers
 from shared.model_config import ModelConfig
 
 
@@ -39,12 +42,33 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+    peers: PeerBuffers | None = None  # the fused all-reduce's buffers (with_peer_buffers)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of x, in place."""
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def all_reduce_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(sum + residual), sum + residual) with sum the ranks' x added up, in
+        place: one fused kernel over the peers' buffers where they take x, else NCCL's
+        all-reduce and then the fused add and norm."""
+        if self.peers is not None and self.peers.takes(x):
+            return ops.all_reduce_add_rms_norm(x, residual, weight, eps, self.peers)
+        return ops.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
+
+    def with_peer_buffers(
+        self, hidden: int, dtype: torch.dtype, device: torch.device
+    ) -> TensorParallel:
+        """This rank with the fused all-reduce's buffers, where the group can have them.
+        Collective: every rank calls it at the same point."""
+        if self.size == 1:
+            return self
+        peers = peer_buffers(self.rank, self.size, self.group, hidden, dtype, device)
+        return dataclasses.replace(self, peers=peers)
 
     def smallest(self, value: int, device: torch.device) -> int:
         """The smallest of the ranks' values (what every rank can hold)."""

@@ -44,7 +44,8 @@ def write_chain_output(path: str, rows: int) -> None:
         up, down = weight(2 * INTER, HIDDEN), weight(HIDDEN, INTER)
         if i % 2:  # FP8 layers: per-channel scales, the activations quantized per token
             up, down = (quantize_fp8_rowwise_reference(w) for w in (up, down))
-        layers.append((torch.rand(HIDDEN, device="cuda") + 0.5, up, down))
+        norm_weight = (torch.rand(HIDDEN, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+        layers.append((norm_weight, up, down))
     lm_head = weight(VOCAB, HIDDEN)
     x = torch.randn(rows, HIDDEN, generator=gen, device="cuda", dtype=torch.bfloat16)
 

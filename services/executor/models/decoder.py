@@ -62,7 +62,6 @@ class Attention(nn.Module):
     ) -> None:
         """`cfg`: this rank's part of the model (all of it on one rank)."""
         super().__init__()
-        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -140,7 +139,8 @@ class Attention(nn.Module):
         )  # [T, H, D]
         if v_scale != 1.0:
             out = out * v_scale  # the cached values times v_scale
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size), lora))
+        # This rank's part: the next RMSNorm sums the ranks' (its `reduce`).
+        return self.o_proj(out.reshape(num_tokens, self.q_size), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -157,6 +157,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, rotary, method, kv_scales, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, method, tp)
+        self.tp = tp
 
     def forward(
         self,
@@ -168,14 +169,18 @@ class DecoderLayer(nn.Module):
         lora: LoraTokens | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Each norm is told the projection it feeds: an FP8 one takes its input quantized.
+        # Attention and the MLP return their rank's part of a sum (their last projections are
+        # row-parallel); the norm after each adds the ranks' parts up (`reduce`).
         qkv_proj = self.self_attn.qkv_proj
-        if residual is None:
+        if residual is None:  # x: the embedding, whole on every rank
             residual = x
             x = self.input_layernorm(x, feeds=qkv_proj)
         else:
-            x, residual = self.input_layernorm(x, residual, feeds=qkv_proj)
+            x, residual = self.input_layernorm(x, residual, feeds=qkv_proj, reduce=self.tp)
         x = self.self_attn(positions, x, kv_cache, meta, lora)
-        x, residual = self.post_attention_layernorm(x, residual, feeds=self.mlp.gate_up_proj)
+        x, residual = self.post_attention_layernorm(
+            x, residual, feeds=self.mlp.gate_up_proj, reduce=self.tp
+        )
         return self.mlp(x, lora), residual
 
 
@@ -217,7 +222,7 @@ class DecoderForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta, lora)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, reduce=self.layout.tp)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

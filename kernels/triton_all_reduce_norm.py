@@ -1,0 +1,149 @@
+"""The all-reduce after a row-parallel layer, fused with the residual add and the RMSNorm after it.
+
+With tensor parallelism each rank's o_proj and down_proj give a partial sum of the layer's
+output, which the next RMSNorm needs whole. At batch 1 the sum is one row of 8 KiB, and what
+it costs is latency: an NCCL all-reduce kernel, then the norm's launch, 64 times a step. Here
+one program a row does it all over symmetric memory (buffers every rank of the group maps,
+`torch.distributed._symmetric_memory`), in one shot over NVLink:
+
+    1. wait for the previous kernel (PDL), then write its partial row into its slot of every
+       peer's buffer (stores are posted: no round trip, and the peers read locally);
+    2. raise its flag in every peer's flag array (a release store: the row is visible first);
+    3. wait until every peer's flag in its own array reached this call's epoch (acquire);
+    4. sum the ranks' rows in rank order (every rank gets the same bits), round to the model's
+       dtype as the all-reduce would, then residual <- sum + residual and out <- norm(residual),
+       as `kernels.norm.fused_add_rms_norm_reference` of the all-reduced partial does.
+
+Epochs: each program slot (a row) counts its calls in `epochs` on its rank; a call's epoch is
+that count plus one, and a flag counts as raised once it is at least the epoch (compared
+through an int32 difference, so the counters may wrap). A buffer holds a row per rank and slot
+twice over, used by alternate epochs: a rank writes into a peer's row again two calls later,
+and by then the peer has finished reading it, because the call in between waited for the peer
+to start it, which the peer does only after finishing the one before. Both ranks run the same
+calls with the same row counts (the same plans), so their slots' counts agree.
+
+A peer that never arrives stalls the step, as an NCCL collective would; the executor's stall
+watch reports it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.all_reduce_norm import PeerBuffers
+from kernels.triton_pdl import launches_early, wait_for_previous_kernel
+
+
+@triton.jit
+def _all_reduce_add_rms_norm_kernel(
+    partial_ptr,  # [M, H] this rank's partial sums; overwritten with the normed rows
+    residual_ptr,  # [M, H], overwritten with the sum + residual
+    weight_ptr,  # [H]
+    data_addresses_ptr,  # [WORLD] int64
+    flag_addresses_ptr,  # [WORLD] int64
+    epochs_ptr,  # [max_rows] int32
+    rank,
+    max_rows,
+    hidden,
+    stride_partial,
+    stride_residual,
+    eps,
+    WORLD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
+):
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    dtype = partial_ptr.dtype.element_ty
+    epoch = tl.load(epochs_ptr + row) + 1
+    # Where rank r's row lies in any rank's buffer [2, WORLD, max_rows, hidden] this call.
+    first = (epoch % 2) * WORLD * max_rows + row
+    mine = tl.load(partial_ptr + row.to(tl.int64) * stride_partial + cols, mask=mask)
+    for peer in tl.static_range(WORLD):  # pushed: the peers read it from their own memory
+        if peer != rank:
+            # The buffers are 16-byte aligned (rows of a multiple of 8 values): vector stores.
+            data = tl.load(data_addresses_ptr + peer).to(tl.pointer_type(dtype))
+            data = tl.multiple_of(data, 16)
+            tl.store(data + (first + rank * max_rows).to(tl.int64) * hidden + cols, mine, mask=mask)
+    tl.debug_barrier()  # the whole row is sent before the flags say so
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            flags = tl.load(flag_addresses_ptr + peer).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(flags + row * WORLD + rank, epoch, sem="release", scope="sys")
+    own_flags = tl.load(flag_addresses_ptr + rank).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD):
+        if peer != rank:
+            seen = tl.atomic_add(own_flags + row * WORLD + peer, 0, sem="acquire", scope="sys")
+            while seen - epoch < 0:
+                seen = tl.atomic_add(own_flags + row * WORLD + peer, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()  # every thread reads the peers' rows only after the flags were seen
+
+    own_data = tl.multiple_of(tl.load(data_addresses_ptr + rank).to(tl.pointer_type(dtype)), 16)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for peer in tl.static_range(WORLD):  # in rank order: every rank adds the same way
+        if peer == rank:
+            total += mine.to(tl.float32)
+        else:
+            theirs_ptrs = own_data + (first + peer * max_rows).to(tl.int64) * hidden + cols
+            # .cg: from L2, where the peer's writes land, never from a stale L1 line
+            total += tl.load(theirs_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    reduced = total.to(dtype)  # what the all-reduce would hand the norm
+    res_ptrs = residual_ptr + row.to(tl.int64) * stride_residual + cols
+    res = tl.load(res_ptrs, mask=mask, other=0.0)
+    x = (reduced.to(tl.float32) + res.to(tl.float32)).to(dtype)  # the reference's rounding
+    tl.store(res_ptrs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+    normed = (x32 * rstd).to(dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + row.to(tl.int64) * stride_partial + cols, normed * weight, mask=mask)
+    tl.store(epochs_ptr + row, epoch)
+
+
+def all_reduce_add_rms_norm(
+    partial: torch.Tensor,  # [M, hidden]: this rank's part of the sum; overwritten with the norm
+    residual: torch.Tensor,  # [M, hidden]: overwritten with the sum + residual
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    peers: PeerBuffers,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (partial, residual): the inputs, updated
+    """`kernels.all_reduce_norm.all_reduce_add_rms_norm_reference`, in place, called by every
+    rank of `peers`' group: residual <- (the ranks' partials summed) + residual, partial <-
+    rms_norm(residual)."""
+    hidden = partial.shape[-1]
+    if not peers.takes(partial) or residual.shape != partial.shape:
+        raise ValueError(
+            f"partial {tuple(partial.shape)} {partial.dtype} and residual "
+            f"{tuple(residual.shape)} do not fit the buffers {tuple(peers.data[0].shape)} "
+            f"{peers.data[0].dtype}"
+        )
+    if residual.stride(1) != 1 or residual.dtype != partial.dtype:
+        raise ValueError("residual needs contiguous rows of partial's dtype")
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not fit hidden {hidden}")
+    block = triton.next_power_of_2(hidden)
+    early = launches_early(partial)
+    _all_reduce_add_rms_norm_kernel[(partial.shape[0],)](
+        partial,
+        residual,
+        weight,
+        peers.data_addresses,
+        peers.flag_addresses,
+        peers.epochs,
+        peers.rank,
+        peers.max_rows,
+        hidden,
+        partial.stride(0),
+        residual.stride(0),
+        eps,
+        WORLD=peers.world,
+        BLOCK_H=block,
+        PDL=early,
+        num_warps=min(max(block // 512, 1), 16),
+        launch_pdl=early,
+    )
+    return partial, residual

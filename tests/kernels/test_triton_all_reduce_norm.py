@@ -1,0 +1,86 @@
+"""The all-reduce fused with the residual add and RMSNorm (kernels/triton_all_reduce_norm.py).
+
+On the CPU, under TRITON_INTERPRET, one process plays rank 0 of a group whose other ranks
+already raised their flags and wrote their rows: the kernel must find them, give the
+reference's values, raise its own flags in the peers' arrays and count its calls. Two real
+ranks on two GPUs are tested in tests/integration/test_gpu_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.all_reduce_norm import PeerBuffers, all_reduce_add_rms_norm_reference
+from kernels.norm import fused_add_rms_norm_reference
+from kernels.triton_all_reduce_norm import all_reduce_add_rms_norm
+
+HIDDEN, MAX_ROWS, EPS = 96, 8, 1e-5
+
+
+def _group(world: int, rank: int) -> PeerBuffers:
+    data = tuple(torch.zeros(2, world, MAX_ROWS, HIDDEN) for _ in range(world))
+    flags = tuple(torch.zeros(MAX_ROWS, world, dtype=torch.int32) for _ in range(world))
+    return PeerBuffers.of(rank, data, flags)
+
+
+def _peers_arrive(peers: PeerBuffers, partials: list[torch.Tensor]) -> None:
+    """What the other ranks do first in this call: send their rows, then raise their flags
+    (each row slot at its own next epoch)."""
+    for row in range(partials[0].shape[0]):
+        epoch = int(peers.epochs[row]) + 1
+        for rank, part in enumerate(partials):
+            if rank != peers.rank:
+                peers.data[peers.rank][epoch % 2, rank, row] = part[row]
+                peers.flags[peers.rank][row, rank] = epoch
+
+
+@pytest.mark.parametrize(("world", "rank"), [(2, 0), (2, 1), (4, 2)])
+def test_rank_sums_the_peers_rows_in_rank_order_then_adds_and_norms(world: int, rank: int):
+    gen = torch.Generator().manual_seed(world * 10 + rank)
+    peers = _group(world, rank)
+    weight = torch.rand(HIDDEN, generator=gen) + 0.5
+    for rows in [3, 1, 3]:  # row slots count their calls apart
+        partials = [torch.randn(rows, HIDDEN, generator=gen) for _ in range(world)]
+        residual = torch.randn(rows, HIDDEN, generator=gen)
+        _peers_arrive(peers, partials)
+        expected = all_reduce_add_rms_norm_reference(partials[rank], residual, weight, EPS, peers)
+        total = sum(partials[1:], partials[0])  # the reference's order, as float32 adds
+        assert torch.equal(expected[1], total + residual)
+        normed, new_residual = all_reduce_add_rms_norm(
+            partials[rank].clone(), residual.clone(), weight, EPS, peers
+        )
+        assert torch.equal(new_residual, expected[1])
+        torch.testing.assert_close(normed, expected[0], rtol=1e-6, atol=1e-6)
+        halves, slots = peers.epochs[:rows].long() % 2, torch.arange(rows)
+        for peer in set(range(world)) - {rank}:  # its row sent to every peer
+            assert torch.equal(peers.data[peer][halves, rank, slots], partials[rank])
+        for peer in set(range(world)) - {rank}:  # its flag raised in every peer's array
+            assert torch.equal(peers.flags[peer][:rows, rank], peers.epochs[:rows])
+    assert peers.epochs[:4].tolist() == [3, 2, 2, 0]
+
+
+def test_the_reference_matches_the_unfused_pair() -> None:
+    peers = _group(2, 0)
+    partials = [torch.randn(2, HIDDEN) for _ in range(2)]
+    residual, weight = torch.randn(2, HIDDEN), torch.rand(HIDDEN)
+    _peers_arrive(peers, partials)
+    got = all_reduce_add_rms_norm_reference(partials[0], residual, weight, EPS, peers)
+    want = fused_add_rms_norm_reference(partials[0] + partials[1], residual, weight, EPS)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_inputs_that_do_not_fit_the_buffers_are_refused() -> None:
+    peers = _group(2, 0)
+    weight = torch.ones(HIDDEN)
+    for partial in (torch.zeros(MAX_ROWS + 1, HIDDEN), torch.zeros(1, HIDDEN + 8)):
+        with pytest.raises(ValueError, match="do not fit the buffers"):
+            all_reduce_add_rms_norm(partial, partial.clone(), weight, EPS, peers)
+    with pytest.raises(ValueError, match="weight"):
+        all_reduce_add_rms_norm(
+            torch.zeros(1, HIDDEN), torch.zeros(1, HIDDEN), weight[:8], EPS, peers
+        )
+    with pytest.raises(ValueError, match="multiple of 8"):
+        PeerBuffers.of(0, (torch.zeros(2, 1, 4, 12),), (torch.zeros(4, 1, dtype=torch.int32),))
