@@ -64,8 +64,9 @@ for part in $PARTS; do
         run throughput python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput.json" ;;
-    tp-tests)  # two ranks against one on GPUs: NCCL, all-reduces inside CUDA graphs
+    tp-tests)  # two ranks against one on GPUs: the fused all-reduce and NCCL, inside CUDA graphs
         run tp-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+            tests/integration/test_gpu_fused_all_reduce.py \
             tests/integration/test_gpu_tensor_parallel.py ;;
     allreduce)  # one all-reduce between $TP GPUs: NCCL eager and in graphs, symmetric memory
         run allreduce python3 -m torch.distributed.run --nproc-per-node "$TP" \
@@ -74,6 +75,10 @@ for part in $PARTS; do
         run latency-tp python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
             --tensor-parallel-size "$TP" --input-len 128 --output-len 256 --profile-steps 20 \
             --output-json "$OUT/latency_tp$TP.json" ;;
+    latency-tp-nccl)  # latency-tp with NCCL's all-reduce and the norm apart (no fused kernel)
+        run latency-tp-nccl python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
+            --tensor-parallel-size "$TP" --disable-custom-all-reduce --input-len 128 \
+            --output-len 256 --output-json "$OUT/latency_tp${TP}_nccl.json" ;;
     throughput-tp)  # the throughput part on $TP GPUs
         run throughput-tp python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --tensor-parallel-size "$TP" --num-prompts 256 --input-len 512 --output-len 256 \
