@@ -218,6 +218,7 @@ def _engine_summary(config: Config) -> dict[str, Any]:
         "max_num_batched_tokens",
         "enable_prefix_caching",
         "enforce_eager",
+        "disable_pdl",
         "tensor_parallel_size",
         "disable_custom_all_reduce",
         "data_parallel_size",

@@ -12,7 +12,7 @@ from kernels.norm import fused_add_rms_norm_reference
 MAX_WORLD = 8  # ranks of one host
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PeerBuffers:
     """A rank's view of memory every rank of its tensor-parallel group maps (symmetric memory,
     set up by services/executor/symmetric_memory.py): each rank's data buffer [2, world,
@@ -25,10 +25,17 @@ class PeerBuffers:
     epochs: torch.Tensor  # [max_rows] int32, this rank's: calls so far per row slot
     data_addresses: torch.Tensor  # [world] int64: data[r].data_ptr(), on the device
     flag_addresses: torch.Tensor  # [world] int64: flags[r].data_ptr()
+    # Programs a call launches at most, the same on every rank: few enough to run all at once
+    # on each GPU (the SMs of the smallest), since each waits for its peers' programs.
+    max_programs: int
 
     @classmethod
     def of(
-        cls, rank: int, data: tuple[torch.Tensor, ...], flags: tuple[torch.Tensor, ...]
+        cls,
+        rank: int,
+        data: tuple[torch.Tensor, ...],
+        flags: tuple[torch.Tensor, ...],
+        max_programs: int,
     ) -> PeerBuffers:
         world, (_, senders, max_rows, hidden) = len(data), data[0].shape
         if not 1 <= world <= MAX_WORLD or senders != world or len(flags) != world or hidden % 8:
@@ -44,7 +51,7 @@ class PeerBuffers:
             return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
 
         epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        return cls(rank, data, flags, epochs, addresses(data), addresses(flags))
+        return cls(rank, data, flags, epochs, addresses(data), addresses(flags), max_programs)
 
     @property
     def world(self) -> int:
@@ -78,7 +85,7 @@ def all_reduce_add_rms_norm_reference(
     peers' parts are read where the kernel reads them (this rank's buffer, the half of the
     call's epoch); nothing waits and nothing is written."""
     rows = torch.arange(partial.shape[0], device=partial.device)
-    half = (peers.epochs[rows] + 1) % 2
+    half = ((peers.epochs[rows] + 1) & 1).long()  # as the kernel: the low bit, wrapped or not
     own = peers.data[peers.rank]
     total = torch.zeros(partial.shape, dtype=torch.float32, device=partial.device)
     for rank in range(peers.world):

@@ -120,6 +120,7 @@ def _launch_tiled(
 ) -> None:
     block = min(triton.next_power_of_2(inter), _BLOCK)
     grid = (rows.shape[0], triton.cdiv(inter, block))
+    early = launches_early(rows)
     _silu_and_mul_kernel[grid](
         rows,
         out,
@@ -130,9 +131,9 @@ def _launch_tiled(
         inter,
         BLOCK=block,
         STATIC_FP8=static_scale is not None,
-        PDL=launches_early(rows),
+        PDL=early,
         num_warps=min(max(block // 256, 1), 4),
-        launch_pdl=launches_early(rows),
+        launch_pdl=early,
     )
 
 
@@ -156,11 +157,12 @@ def silu_and_mul_fp8(
         _launch_tiled(rows, q, inter, static_scale, scale)
     elif num_rows and inter:
         block = min(triton.next_power_of_2(inter), FP8_BLOCK)
+        early = launches_early(rows)
         _silu_and_mul_fp8_kernel[(num_rows,)](
             rows, q, scale, rows.stride(0), q.stride(0), inter,
             BLOCK=block,
-            ONE_BLOCK=inter <= block, PDL=launches_early(rows),
-            num_warps=min(max(block // 512, 1), 32), launch_pdl=launches_early(rows),
+            ONE_BLOCK=inter <= block, PDL=early,
+            num_warps=min(max(block // 512, 1), 32), launch_pdl=early,
         )  # fmt: skip
     return Fp8Rows(q, scale, gate_up.dtype)
 

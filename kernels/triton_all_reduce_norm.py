@@ -3,8 +3,9 @@
 With tensor parallelism each rank's o_proj and down_proj give a partial sum of the layer's
 output, which the next RMSNorm needs whole. At batch 1 the sum is one row of 8 KiB, and what
 it costs is latency: an NCCL all-reduce kernel, then the norm's launch, 64 times a step. Here
-one program a row does it all over symmetric memory (buffers every rank of the group maps,
-`torch.distributed._symmetric_memory`), in one shot over NVLink:
+one kernel does it all over symmetric memory (buffers every rank of the group maps,
+`torch.distributed._symmetric_memory`), in one shot over NVLink, a program per row (each
+program takes rows g, g + G, ... when there are more rows than programs fit on the GPU):
 
     1. wait for the previous kernel (PDL), then write its partial row into its slot of every
        peer's buffer (stores are posted: no round trip, and the peers read locally);
@@ -14,13 +15,14 @@ one program a row does it all over symmetric memory (buffers every rank of the g
        dtype as the all-reduce would, then residual <- sum + residual and out <- norm(residual),
        as `kernels.norm.fused_add_rms_norm_reference` of the all-reduced partial does.
 
-Epochs: each program slot (a row) counts its calls in `epochs` on its rank; a call's epoch is
-that count plus one, and a flag counts as raised once it is at least the epoch (compared
-through an int32 difference, so the counters may wrap). A buffer holds a row per rank and slot
-twice over, used by alternate epochs: a rank writes into a peer's row again two calls later,
-and by then the peer has finished reading it, because the call in between waited for the peer
-to start it, which the peer does only after finishing the one before. Both ranks run the same
-calls with the same row counts (the same plans), so their slots' counts agree.
+Epochs: each row slot counts its calls in `epochs` on its rank; a call's epoch is that count
+plus one, and a flag counts as raised once it is at least the epoch (compared through an int32
+difference, so the counters may wrap; the buffer half is the epoch's low bit). A buffer holds a
+row per rank and slot twice over, used by alternate epochs: a rank writes into a peer's row
+again two calls later, and by then the peer has finished reading it, because the call in
+between waited for the peer to start it, which the peer does only after finishing the one
+before. Both ranks run the same calls with the same row counts (the same plans), so their
+slots' counts agree.
 
 A peer that never arrives stalls the step, as an NCCL collective would; the executor's stall
 watch reports it.
@@ -37,6 +39,52 @@ from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 
 
 @triton.jit
+def _send_row(mine, data_addresses_ptr, first, cols, mask, hidden, max_rows, RANK, WORLD):
+    """Write this rank's row into its slot of every peer's buffer (posted stores)."""
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            # The buffers are 16-byte aligned (rows of a multiple of 8 values): vector stores.
+            data = tl.load(data_addresses_ptr + peer).to(tl.pointer_type(mine.dtype))
+            data = tl.multiple_of(data, 16)
+            tl.store(data + (first + RANK * max_rows).to(tl.int64) * hidden + cols, mine, mask=mask)
+
+
+@triton.jit
+def _meet_peers(flag_addresses_ptr, row, epoch, RANK, WORLD):
+    """Raise this rank's flag for `row` in every peer's flags, then wait for theirs in its own.
+
+    The wait has no bound: a peer that never comes means the group is broken, and the
+    executor's stall watch then ends the process (and the kernel with it)."""
+    tl.debug_barrier()  # the whole row is sent before the flags say so
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            flags = tl.load(flag_addresses_ptr + peer).to(tl.pointer_type(tl.int32))
+            tl.atomic_xchg(flags + row * WORLD + RANK, epoch, sem="release", scope="sys")
+    own_flags = tl.load(flag_addresses_ptr + RANK).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            flag = own_flags + row * WORLD + peer
+            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            while seen - epoch < 0:  # an int32 difference: the counters may wrap
+                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    tl.debug_barrier()  # every thread reads the peers' rows only after the flags were seen
+
+
+@triton.jit
+def _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD):
+    """The ranks' rows added in rank order in float32: every rank adds the same way."""
+    total = tl.zeros(mine.shape, tl.float32)
+    for peer in tl.static_range(WORLD):
+        if peer == RANK:
+            total += mine.to(tl.float32)
+        else:
+            theirs = own_data + (first + peer * max_rows).to(tl.int64) * hidden + cols
+            # .cg: from L2, where the peer's writes land, never from a stale L1 line
+            total += tl.load(theirs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return total
+
+
+@triton.jit
 def _all_reduce_add_rms_norm_kernel(
     partial_ptr,  # [M, H] this rank's partial sums; overwritten with the normed rows
     residual_ptr,  # [M, H], overwritten with the sum + residual
@@ -44,64 +92,46 @@ def _all_reduce_add_rms_norm_kernel(
     data_addresses_ptr,  # [WORLD] int64
     flag_addresses_ptr,  # [WORLD] int64
     epochs_ptr,  # [max_rows] int32
-    rank,
+    num_rows,
     max_rows,
     hidden,
     stride_partial,
     stride_residual,
     eps,
+    RANK: tl.constexpr,
     WORLD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     wait_for_previous_kernel(PDL)
-    row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
     dtype = partial_ptr.dtype.element_ty
-    epoch = tl.load(epochs_ptr + row) + 1
-    # Where rank r's row lies in any rank's buffer [2, WORLD, max_rows, hidden] this call.
-    first = (epoch % 2) * WORLD * max_rows + row
-    mine = tl.load(partial_ptr + row.to(tl.int64) * stride_partial + cols, mask=mask)
-    for peer in tl.static_range(WORLD):  # pushed: the peers read it from their own memory
-        if peer != rank:
-            # The buffers are 16-byte aligned (rows of a multiple of 8 values): vector stores.
-            data = tl.load(data_addresses_ptr + peer).to(tl.pointer_type(dtype))
-            data = tl.multiple_of(data, 16)
-            tl.store(data + (first + rank * max_rows).to(tl.int64) * hidden + cols, mine, mask=mask)
-    tl.debug_barrier()  # the whole row is sent before the flags say so
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            flags = tl.load(flag_addresses_ptr + peer).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(flags + row * WORLD + rank, epoch, sem="release", scope="sys")
-    own_flags = tl.load(flag_addresses_ptr + rank).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        if peer != rank:
-            seen = tl.atomic_add(own_flags + row * WORLD + peer, 0, sem="acquire", scope="sys")
-            while seen - epoch < 0:
-                seen = tl.atomic_add(own_flags + row * WORLD + peer, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()  # every thread reads the peers' rows only after the flags were seen
-
-    own_data = tl.multiple_of(tl.load(data_addresses_ptr + rank).to(tl.pointer_type(dtype)), 16)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    for peer in tl.static_range(WORLD):  # in rank order: every rank adds the same way
-        if peer == rank:
-            total += mine.to(tl.float32)
-        else:
-            theirs_ptrs = own_data + (first + peer * max_rows).to(tl.int64) * hidden + cols
-            # .cg: from L2, where the peer's writes land, never from a stale L1 line
-            total += tl.load(theirs_ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    reduced = total.to(dtype)  # what the all-reduce would hand the norm
-    res_ptrs = residual_ptr + row.to(tl.int64) * stride_residual + cols
-    res = tl.load(res_ptrs, mask=mask, other=0.0)
-    x = (reduced.to(tl.float32) + res.to(tl.float32)).to(dtype)  # the reference's rounding
-    tl.store(res_ptrs, x, mask=mask)
-    x32 = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
-    normed = (x32 * rstd).to(dtype).to(tl.float32)
+    own_data = tl.load(data_addresses_ptr + RANK).to(tl.pointer_type(dtype))
+    own_data = tl.multiple_of(own_data, 16)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + row.to(tl.int64) * stride_partial + cols, normed * weight, mask=mask)
-    tl.store(epochs_ptr + row, epoch)
+    # Rows g, g + G, ... in order, on every rank alike: G programs all fit on the GPU at once,
+    # so no program waits on a peer program that cannot start.
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row64 = tl.full([], 0, tl.int64) + row  # (a plain int under TRITON_INTERPRET)
+        epoch = tl.load(epochs_ptr + row) + 1
+        # Where rank r's row lies in any rank's buffer [2, WORLD, max_rows, hidden] this call.
+        first = (epoch & 1) * WORLD * max_rows + row
+        partial_ptrs = partial_ptr + row64 * stride_partial + cols
+        mine = tl.load(partial_ptrs, mask=mask, other=0.0)
+        _send_row(mine, data_addresses_ptr, first, cols, mask, hidden, max_rows, RANK, WORLD)
+        _meet_peers(flag_addresses_ptr, row, epoch, RANK, WORLD)
+        total = _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD)
+        res_ptrs = residual_ptr + row64 * stride_residual + cols
+        res = tl.load(res_ptrs, mask=mask, other=0.0)
+        # Rounded as the all-reduce hands the sum on, then as the reference adds the residual.
+        x = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+        tl.store(res_ptrs, x, mask=mask)
+        x32 = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+        normed = (x32 * rstd).to(dtype).to(tl.float32)
+        tl.store(partial_ptrs, normed * weight, mask=mask)
+        tl.store(epochs_ptr + row, epoch)
 
 
 def all_reduce_add_rms_norm(
@@ -127,19 +157,20 @@ def all_reduce_add_rms_norm(
         raise ValueError(f"weight {tuple(weight.shape)} does not fit hidden {hidden}")
     block = triton.next_power_of_2(hidden)
     early = launches_early(partial)
-    _all_reduce_add_rms_norm_kernel[(partial.shape[0],)](
+    _all_reduce_add_rms_norm_kernel[(min(partial.shape[0], peers.max_programs),)](
         partial,
         residual,
         weight,
         peers.data_addresses,
         peers.flag_addresses,
         peers.epochs,
-        peers.rank,
+        partial.shape[0],
         peers.max_rows,
         hidden,
         partial.stride(0),
         residual.stride(0),
         eps,
+        RANK=peers.rank,
         WORLD=peers.world,
         BLOCK_H=block,
         PDL=early,

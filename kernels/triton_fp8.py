@@ -71,6 +71,7 @@ def quantize_fp8_rowwise(
     scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
     if rows == 0:
         return q, scale
+    early = launches_early(x)
     _quantize_rowwise_kernel[(rows,)](
         x,
         q,
@@ -81,9 +82,9 @@ def quantize_fp8_rowwise(
         q.stride(0),
         BLOCK=min(_QUANT_BLOCK, triton.next_power_of_2(cols)),
         STATIC=static_scale is not None,
-        PDL=launches_early(x),
+        PDL=early,
         num_warps=4,
-        launch_pdl=launches_early(x),
+        launch_pdl=early,
     )
     return q, scale
 

@@ -226,6 +226,7 @@ def _launch(
     res = x if residual is None else residual  # never dereferenced without HAS_RESIDUAL
     scale, static = fp8_scales if fp8_scales is not None else (None, None)
     grid = (triton.cdiv(num_rows, block_rows),)
+    early = launches_early(x)
     _rms_norm_kernel[grid](
         x,
         res,
@@ -248,7 +249,7 @@ def _launch(
         STATIC_SCALE=static is not None,
         BLOCK_ROWS=block_rows,
         BLOCK_N=block_n,
-        PDL=launches_early(x),
+        PDL=early,
         num_warps=num_warps,
-        launch_pdl=launches_early(x),
+        launch_pdl=early,
     )

@@ -20,33 +20,32 @@ Measured on an H100 (docs/benchmarks.md, "programmatic dependent launch"): Llama
 at batch 1 went from 5.83 to 5.67 ms in bf16 and from 3.96 to 3.76 ms in FP8. The int4 kernels
 are launched the ordinary way: with PDL the int4 step was 3 % slower (3.96 against 3.83 ms).
 
-`KVFLOW_PDL=0` launches everything the ordinary way (read once per process), to compare.
+`--disable-pdl` (kernels/pdl.py) launches everything the ordinary way.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels.pdl import pdl_enabled
+
 L2_LINE_BYTES = 128
 
 
 @functools.cache
 def _device_takes_pdl(device_index: int) -> bool:
-    enabled = os.environ.get("KVFLOW_PDL", "1") != "0"
-    return enabled and torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def launches_early(tensor: torch.Tensor) -> bool:
-    """Whether kernels on `tensor`'s device launch with PDL (CUDA, compute capability >= 9.0).
-
-    Never under TRITON_INTERPRET (its tensors are on the CPU)."""
-    return tensor.is_cuda and _device_takes_pdl(tensor.device.index or 0)
+    """Whether kernels on `tensor`'s device launch with PDL (CUDA, compute capability >= 9.0,
+    unless --disable-pdl). Never under TRITON_INTERPRET (its tensors are on the CPU)."""
+    return pdl_enabled() and tensor.is_cuda and _device_takes_pdl(tensor.device.index or 0)
 
 
 @triton.jit

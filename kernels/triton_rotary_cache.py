@@ -259,6 +259,7 @@ def rotary_write_kv(
     # About 16 elements per thread, as the other element-wise kernels.
     num_warps = min(max(triton.next_power_of_2(elements) // 512, 1), _MAX_WARPS)
     unused = cos_sin_cache  # stands in for an absent norm weight: never dereferenced
+    early = launches_early(query)
     _rotary_write_kv_kernel[(num_tokens, num_head_blocks)](
         positions,
         slot_mapping,
@@ -297,9 +298,9 @@ def rotary_write_kv(
         BLOCK_Q=block_q,
         BLOCK_KV=block_kv,
         BLOCK_HALF=block_half,
-        PDL=launches_early(query),
+        PDL=early,
         num_warps=num_warps,
-        launch_pdl=launches_early(query),
+        launch_pdl=early,
     )
     return query
 

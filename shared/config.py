@@ -349,6 +349,12 @@ class Config:
     enforce_eager: bool = option(
         False, "device", "Run every step eagerly: no CUDA graphs for decode (CUDA only)."
     )
+    disable_pdl: bool = option(
+        False,
+        "device",
+        "Launch the decode path's Triton kernels the ordinary way, each after the previous one"
+        " ends, instead of with programmatic dependent launch (Hopper and later GPUs).",
+    )
     log_level: str = option(
         "info", "device", "Logging level.", ("debug", "info", "warning", "error")
     )

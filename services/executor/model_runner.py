@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import ops
+from kernels.pdl import set_pdl
 from services.executor.cuda_graphs import StepGraphs
 from services.executor.grammar import GrammarMatchers
 from services.executor.kv_cache import (
@@ -103,6 +104,7 @@ class ModelRunner:
         """`tp`: this process's place in a tensor-parallel group, whose ranks all run the same
         steps (services/executor/tensor_parallel.py); `relay`: on rank 0, where the plans go
         on to the other ranks (services/executor/rank_group.py)."""
+        set_pdl(not config.disable_pdl)
         self.relay: PlanRelay | None = None  # set last: warm-up steps run on every rank alone
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)

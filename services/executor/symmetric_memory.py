@@ -10,6 +10,7 @@ memory, GPUs without peer access), the model reduces through NCCL and norms apar
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,42 +19,56 @@ from kernels.all_reduce_norm import MAX_WORLD, PeerBuffers
 
 logger = logging.getLogger(__name__)
 
-# A step's rows the fused kernel takes: every CUDA-graph shape (services/executor/cuda_graphs.py
-# captures up to 512 rows); larger eager steps reduce through NCCL, whose bandwidth wins there.
+# The most rows a call takes: the largest mixed CUDA-graph step (cuda_graphs.py's
+# MIXED_GRAPH_MAX_TOKENS, not imported: that module imports this one's importers). Decode graphs
+# past it (--max-num-seqs > 512) and larger eager steps reduce through NCCL, whose bandwidth wins.
 MAX_FUSED_ROWS = 512
 
 
 def peer_buffers(
-    rank: int, world: int, group: dist.ProcessGroup | None, hidden: int, dtype: torch.dtype,
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+    hidden: int,
+    dtype: torch.dtype,
     device: torch.device,
-) -> PeerBuffers | None:  # fmt: skip
+) -> PeerBuffers | None:
     """The group's buffers for rows of `hidden` values, or None (with the reason logged).
     Collective: every rank of the group calls it at the same point."""
     if world == 1 or device.type != "cuda" or world > MAX_WORLD or hidden % 8:
         return None
-    try:
+    others = [d for d in range(torch.cuda.device_count()) if d != device.index]
+    try:  # any failure here is this rank's alone: agree before the collective rendezvous
+        if not all(torch.cuda.can_device_access_peer(device, d) for d in others):
+            raise RuntimeError("the GPUs cannot access each other's memory")
         import torch.distributed._symmetric_memory as symm_mem
 
         data = symm_mem.empty(2, world, MAX_FUSED_ROWS, hidden, dtype=dtype, device=device)
         flags = symm_mem.empty(MAX_FUSED_ROWS, world, dtype=torch.int32, device=device)
         flags.zero_()
-        allocated = True
-    except (ImportError, RuntimeError) as exc:
+        programs = torch.cuda.get_device_properties(device).multi_processor_count
+    except Exception as exc:  # whatever it is, NCCL serves instead
         logger.warning("fused all-reduce off: symmetric memory unavailable (%s)", exc)
-        allocated = False
-    # Every rank must take the same path: rendezvous is collective.
-    agreed = torch.tensor([int(allocated)], device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
-    if not agreed.item():
+        programs = 0
+    programs = _smallest(programs, group, device)  # one count on every rank
+    if not programs:
         return None
     group_name = (group or dist.group.WORLD).group_name
-    data_handle = symm_mem.rendezvous(data, group_name)
-    flag_handle = symm_mem.rendezvous(flags, group_name)
-    peers = PeerBuffers.of(
-        rank,
-        tuple(_mapped(data_handle, r, data) for r in range(world)),
-        tuple(_mapped(flag_handle, r, flags) for r in range(world)),
-    )
+    try:
+        handles = symm_mem.rendezvous(data, group_name), symm_mem.rendezvous(flags, group_name)
+        if any(handle.rank != rank for handle in handles):
+            raise RuntimeError(f"symmetric memory ranks {handles[0].rank} against {rank}")
+        peers = PeerBuffers.of(
+            rank,
+            tuple(_mapped(handles[0], r, data) for r in range(world)),
+            tuple(_mapped(handles[1], r, flags) for r in range(world)),
+            programs,
+        )
+    except Exception as exc:  # e.g. no IPC between the ranks' containers
+        logger.warning("fused all-reduce off: the ranks' buffers could not be mapped (%s)", exc)
+        peers = None
+    if not _smallest(int(peers is not None), group, device):
+        return None
     torch.cuda.synchronize(device)
     dist.barrier(group=group)  # every rank's flags are zero before any rank raises one
     logger.info(
@@ -64,8 +79,13 @@ def peer_buffers(
     return peers
 
 
-def _mapped(handle: object, rank: int, own: torch.Tensor) -> torch.Tensor:
+def _smallest(value: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
+    """The smallest of the ranks' values (a collective)."""
+    smallest = torch.tensor([value], device=device)
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=group)
+    return int(smallest.item())
+
+
+def _mapped(handle: Any, rank: int, own: torch.Tensor) -> torch.Tensor:
     """Rank `rank`'s buffer as a tensor in this process (its own buffer for itself)."""
-    if rank == handle.rank:  # type: ignore[attr-defined]
-        return own
-    return handle.get_buffer(rank, tuple(own.shape), own.dtype)  # type: ignore[attr-defined]
+    return own if rank == handle.rank else handle.get_buffer(rank, tuple(own.shape), own.dtype)

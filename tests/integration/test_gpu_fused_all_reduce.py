@@ -42,8 +42,11 @@ def check_rank(rank: int, directory: str) -> None:
 
     for rows in (1, 3, 64, 1, MAX_FUSED_ROWS):  # slots used unevenly, then all of them
         partial, residual = draws(rows)
+        assert tp.peers.takes(partial)
+        calls = tp.peers.epochs[:rows].clone()
         want = ops.fused_add_rms_norm(tp.all_reduce(partial.clone()), residual.clone(), weight, EPS)
         got = tp.all_reduce_add_rms_norm(partial, residual.clone(), weight, EPS)
+        assert torch.equal(tp.peers.epochs[:rows], calls + 1)  # the fused kernel ran
         for g, w in zip(got, want, strict=True):  # NCCL adds two bf16 values as floats too
             assert torch.equal(g, w), (rows, (g.float() - w.float()).abs().max().item())
 
@@ -58,6 +61,7 @@ def check_rank(rank: int, directory: str) -> None:
         for _ in range(64):
             x, _ = tp.all_reduce_add_rms_norm(x * 0.5, residual, weight, EPS)
     expected_res = residual0.clone()
+    calls = tp.peers.epochs[:8].clone()
     for replay in range(3):
         expected_x = x0
         for _ in range(64):
@@ -67,6 +71,7 @@ def check_rank(rank: int, directory: str) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(x, expected_x) and torch.equal(residual, expected_res), replay
+    assert torch.equal(tp.peers.epochs[:8], calls + 3 * 64)  # the graph holds the fused kernel
     dist.destroy_process_group()
     print(f"rank {rank}: ok")
 
@@ -84,7 +89,11 @@ def test_two_ranks_reduce_add_and_norm_as_nccl_and_the_norm_do(tmp_path: Path) -
         )
         for rank in range(2)
     ]
-    for rank, process in enumerate(ranks):
-        out, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-3000:]
-        assert f"rank {rank}: ok" in out
+    try:
+        for rank, process in enumerate(ranks):
+            out, err = process.communicate(timeout=300)
+            assert process.returncode == 0, err[-3000:]
+            assert f"rank {rank}: ok" in out
+    finally:  # a rank left waiting for its peer would spin on its GPU for good
+        for process in ranks:
+            process.kill()

@@ -3,7 +3,7 @@
 On the CPU, under TRITON_INTERPRET, one process plays rank 0 of a group whose other ranks
 already raised their flags and wrote their rows: the kernel must find them, give the
 reference's values, raise its own flags in the peers' arrays and count its calls. Two real
-ranks on two GPUs are tested in tests/integration/test_gpu_tensor_parallel.py.
+ranks on two GPUs are tested in tests/integration/test_gpu_fused_all_reduce.py.
 """
 
 from __future__ import annotations
@@ -17,23 +17,28 @@ from kernels.all_reduce_norm import PeerBuffers, all_reduce_add_rms_norm_referen
 from kernels.norm import fused_add_rms_norm_reference
 from kernels.triton_all_reduce_norm import all_reduce_add_rms_norm
 
+# One process plays every rank in host memory: the interpreter's pointers are host addresses.
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU only; on GPUs: test_gpu_fused_all_reduce.py"
+)
 HIDDEN, MAX_ROWS, EPS = 96, 8, 1e-5
 
 
-def _group(world: int, rank: int) -> PeerBuffers:
+def _group(world: int, rank: int, max_programs: int = 2) -> PeerBuffers:
+    """Two programs at most by default: a call of 3 rows makes one program take two rows."""
     data = tuple(torch.zeros(2, world, MAX_ROWS, HIDDEN) for _ in range(world))
     flags = tuple(torch.zeros(MAX_ROWS, world, dtype=torch.int32) for _ in range(world))
-    return PeerBuffers.of(rank, data, flags)
+    return PeerBuffers.of(rank, data, flags, max_programs)
 
 
 def _peers_arrive(peers: PeerBuffers, partials: list[torch.Tensor]) -> None:
     """What the other ranks do first in this call: send their rows, then raise their flags
     (each row slot at its own next epoch)."""
     for row in range(partials[0].shape[0]):
-        epoch = int(peers.epochs[row]) + 1
+        epoch = (peers.epochs[row] + 1).item()  # int32: wraps as the kernel's does
         for rank, part in enumerate(partials):
             if rank != peers.rank:
-                peers.data[peers.rank][epoch % 2, rank, row] = part[row]
+                peers.data[peers.rank][epoch & 1, rank, row] = part[row]
                 peers.flags[peers.rank][row, rank] = epoch
 
 
@@ -54,7 +59,7 @@ def test_rank_sums_the_peers_rows_in_rank_order_then_adds_and_norms(world: int, 
         )
         assert torch.equal(new_residual, expected[1])
         torch.testing.assert_close(normed, expected[0], rtol=1e-6, atol=1e-6)
-        halves, slots = peers.epochs[:rows].long() % 2, torch.arange(rows)
+        halves, slots = (peers.epochs[:rows] & 1).long(), torch.arange(rows)
         for peer in set(range(world)) - {rank}:  # its row sent to every peer
             assert torch.equal(peers.data[peer][halves, rank, slots], partials[rank])
         for peer in set(range(world)) - {rank}:  # its flag raised in every peer's array
@@ -62,10 +67,27 @@ def test_rank_sums_the_peers_rows_in_rank_order_then_adds_and_norms(world: int, 
     assert peers.epochs[:4].tolist() == [3, 2, 2, 0]
 
 
+def test_calls_go_on_when_the_epoch_counters_wrap() -> None:
+    peers = _group(2, 1)
+    peers.epochs[:2] = 2**31 - 2  # the next calls' epochs: 2**31 - 1, then -2**31, -2**31 + 1
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.rand(HIDDEN, generator=gen) + 0.5
+    for expected_epoch in (2**31 - 1, -(2**31), -(2**31) + 1):
+        partials = [torch.randn(2, HIDDEN, generator=gen) for _ in range(2)]
+        residual = torch.randn(2, HIDDEN, generator=gen)
+        _peers_arrive(peers, partials)
+        expected = all_reduce_add_rms_norm_reference(partials[1], residual, weight, EPS, peers)
+        got = all_reduce_add_rms_norm(partials[1].clone(), residual.clone(), weight, EPS, peers)
+        assert torch.equal(got[1], expected[1]) and torch.equal(got[1], sum(partials) + residual)
+        assert peers.epochs[:2].tolist() == [expected_epoch] * 2
+        assert peers.flags[0][:2, 1].tolist() == [expected_epoch] * 2
+
+
 def test_the_reference_matches_the_unfused_pair() -> None:
     peers = _group(2, 0)
-    partials = [torch.randn(2, HIDDEN) for _ in range(2)]
-    residual, weight = torch.randn(2, HIDDEN), torch.rand(HIDDEN)
+    gen = torch.Generator().manual_seed(3)
+    partials = [torch.randn(2, HIDDEN, generator=gen) for _ in range(2)]
+    residual, weight = torch.randn(2, HIDDEN, generator=gen), torch.rand(HIDDEN, generator=gen)
     _peers_arrive(peers, partials)
     got = all_reduce_add_rms_norm_reference(partials[0], residual, weight, EPS, peers)
     want = fused_add_rms_norm_reference(partials[0] + partials[1], residual, weight, EPS)
@@ -83,4 +105,4 @@ def test_inputs_that_do_not_fit_the_buffers_are_refused() -> None:
             torch.zeros(1, HIDDEN), torch.zeros(1, HIDDEN), weight[:8], EPS, peers
         )
     with pytest.raises(ValueError, match="multiple of 8"):
-        PeerBuffers.of(0, (torch.zeros(2, 1, 4, 12),), (torch.zeros(4, 1, dtype=torch.int32),))
+        PeerBuffers.of(0, (torch.zeros(2, 1, 4, 12),), (torch.zeros(4, 1, dtype=torch.int32),), 1)
