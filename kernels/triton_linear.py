@@ -192,7 +192,7 @@ def _skinny_linear_kernel(
     ks = tl.arange(0, BLOCK_K)  # [BK]
     row_valid = rows < m
     col_valid = cols < n
-    if PREFETCH_LINES > 0:  # the weights are never written: read ahead of the previous kernel
+    if PREFETCH_LINES > 0:  # into L2 while the previous kernel ends (safe: kernels.triton_pdl)
         lines = tl.minimum(tl.arange(0, PREFETCH_LINES) * LINE_ELEMENTS, k - 1)
         first = tl.minimum(cols, n - 1).to(tl.int64)[:, None] * stride_w_row + lines[None, :]
         prefetch_to_l2(w_ptr + first)

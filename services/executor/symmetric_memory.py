@@ -10,12 +10,15 @@ memory, GPUs without peer access), the model reduces through NCCL and norms apar
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from kernels.all_reduce_norm import MAX_WORLD, PeerBuffers
+
+if TYPE_CHECKING:  # tensor_parallel imports this module
+    from services.executor.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +29,11 @@ MAX_FUSED_ROWS = 512
 
 
 def peer_buffers(
-    rank: int,
-    world: int,
-    group: dist.ProcessGroup | None,
-    hidden: int,
-    dtype: torch.dtype,
-    device: torch.device,
+    tp: TensorParallel, hidden: int, dtype: torch.dtype, device: torch.device
 ) -> PeerBuffers | None:
-    """The group's buffers for rows of `hidden` values, or None (with the reason logged).
+    """`tp`'s group's buffers for rows of `hidden` values, or None (with the reason logged).
     Collective: every rank of the group calls it at the same point."""
+    rank, world = tp.rank, tp.size
     if world == 1 or device.type != "cuda" or world > MAX_WORLD or hidden % 8:
         return None
     others = [d for d in range(torch.cuda.device_count()) if d != device.index]
@@ -50,10 +49,10 @@ def peer_buffers(
     except Exception as exc:  # whatever it is, NCCL serves instead
         logger.warning("fused all-reduce off: symmetric memory unavailable (%s)", exc)
         programs = 0
-    programs = _smallest(programs, group, device)  # one count on every rank
+    programs = tp.smallest(programs, device)  # one count on every rank
     if not programs:
         return None
-    group_name = (group or dist.group.WORLD).group_name
+    group_name = (tp.group or dist.group.WORLD).group_name
     try:
         handles = symm_mem.rendezvous(data, group_name), symm_mem.rendezvous(flags, group_name)
         if any(handle.rank != rank for handle in handles):
@@ -67,23 +66,16 @@ def peer_buffers(
     except Exception as exc:  # e.g. no IPC between the ranks' containers
         logger.warning("fused all-reduce off: the ranks' buffers could not be mapped (%s)", exc)
         peers = None
-    if not _smallest(int(peers is not None), group, device):
+    if not tp.smallest(int(peers is not None), device):
         return None
     torch.cuda.synchronize(device)
-    dist.barrier(group=group)  # every rank's flags are zero before any rank raises one
+    dist.barrier(group=tp.group)  # every rank's flags are zero before any rank raises one
     logger.info(
         "fused all-reduce + RMSNorm over symmetric memory: %d ranks, up to %d rows",
         world,
         MAX_FUSED_ROWS,
     )
     return peers
-
-
-def _smallest(value: int, group: dist.ProcessGroup | None, device: torch.device) -> int:
-    """The smallest of the ranks' values (a collective)."""
-    smallest = torch.tensor([value], device=device)
-    dist.all_reduce(smallest, op=dist.ReduceOp.MIN, group=group)
-    return int(smallest.item())
 
 
 def _mapped(handle: Any, rank: int, own: torch.Tensor) -> torch.Tensor:

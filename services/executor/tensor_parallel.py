@@ -67,7 +67,7 @@ class TensorParallel:
         Collective: every rank calls it at the same point."""
         if self.size == 1:
             return self
-        peers = peer_buffers(self.rank, self.size, self.group, hidden, dtype, device)
+        peers = peer_buffers(self, hidden, dtype, device)
         return dataclasses.replace(self, peers=peers)
 
     def smallest(self, value: int, device: torch.device) -> int:
