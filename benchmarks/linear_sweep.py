@@ -97,6 +97,9 @@ CANDIDATES = [LinearTiles(*c) for c in [
     (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 4, 3),
     # M = 1 at a rank's halved shapes (fewer weight rows or a shorter K per program)
     (4, 512, 4, 3), (8, 256, 4, 4), (8, 512, 4, 4), (4, 1024, 4, 2), (8, 256, 2, 4),
+    # M = 1 with PDL: longer K steps, fewer rows, more stages in flight
+    (2, 1024, 4, 2), (2, 2048, 4, 2), (4, 1024, 4, 3), (4, 2048, 8, 2), (8, 1024, 4, 2),
+    (4, 512, 2, 4),
 ]]  # fmt: skip
 
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from kernels.norm import fused_add_rms_norm_reference
+from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
 MAX_WORLD = 8  # ranks of one host
 
@@ -75,19 +75,22 @@ class PeerBuffers:
 
 def all_reduce_add_rms_norm_reference(
     partial: torch.Tensor,  # [M, hidden]: this rank's part of the sum
-    residual: torch.Tensor,  # [M, hidden]
+    residual: torch.Tensor | None,  # [M, hidden]; None: nothing to add
     weight: torch.Tensor,  # [hidden]
     eps: float,
     peers: PeerBuffers,  # the other ranks' parts already sent to this rank, for this call
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = the sum + residual)
     """What every rank gets: the ranks' parts summed in rank order in float32 and rounded to
-    the model's dtype, as an all-reduce hands them on, then the fused add and RMSNorm. The
-    peers' parts are read where the kernel reads them (this rank's buffer, the half of the
-    call's epoch); nothing waits and nothing is written."""
+    the model's dtype, as an all-reduce hands them on, then the fused add and RMSNorm (without
+    a residual, the RMSNorm of the sum). The peers' parts are read where the kernel reads them
+    (this rank's buffer, the half of the call's epoch); nothing waits and nothing is written."""
     rows = torch.arange(partial.shape[0], device=partial.device)
     half = ((peers.epochs[rows] + 1) & 1).long()  # as the kernel: the low bit, wrapped or not
     own = peers.data[peers.rank]
     total = torch.zeros(partial.shape, dtype=torch.float32, device=partial.device)
     for rank in range(peers.world):
         total += (partial if rank == peers.rank else own[half, rank, rows]).float()
-    return fused_add_rms_norm_reference(total.to(partial.dtype), residual, weight, eps)
+    total = total.to(partial.dtype)
+    if residual is None:
+        return rms_norm_reference(total, weight, eps), total
+    return fused_add_rms_norm_reference(total, residual, weight, eps)

@@ -12,9 +12,11 @@ from types import ModuleType
 import torch
 
 from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
+from kernels.all_gather import all_gather_reference
 from kernels.all_reduce_norm import PeerBuffers, all_reduce_add_rms_norm_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
+from kernels.embedding import embedding_rows_reference
 from kernels.fp8 import Fp8Rows, fp8_group_linear_reference, fp8_linear_reference
 from kernels.gguf import gguf_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
@@ -85,6 +87,13 @@ def compile_attention_variants(
         decode.compile_every_variant(query, key_cache, value_cache)
 
 
+def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, first_id: int) -> torch.Tensor:
+    """[T, hidden]: each id's row of `weight` (rows first_id ..), zeros for ids it lacks."""
+    module = _triton("embedding", weight)
+    kernel = module.embedding_rows if module is not None else embedding_rows_reference
+    return kernel(ids, weight, first_id)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     module = _triton("norm", x)
     return (module.rms_norm if module is not None else rms_norm_reference)(x, weight, eps)
@@ -101,18 +110,26 @@ def fused_add_rms_norm(
 
 def all_reduce_add_rms_norm(
     partial: torch.Tensor,
-    residual: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     peers: PeerBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, the ranks' partials summed + residual), with the sum over `peers`' group; the
-    Triton version reduces in place of its inputs, on every rank at once."""
+    """(normed, the ranks' partials summed + residual), with the sum over `peers`' group (no
+    residual: the sum alone); the Triton version reduces in place of its inputs, on every rank
+    at once."""
     module = _triton("all_reduce_norm", partial)
     kernel = (
         module.all_reduce_add_rms_norm if module is not None else all_reduce_add_rms_norm_reference
     )
     return kernel(partial, residual, weight, eps, peers)
+
+
+def all_gather(part: torch.Tensor, peers: PeerBuffers) -> torch.Tensor:
+    """[M, world * P]: the ranks' parts [M, P] side by side in rank order, over `peers`'
+    buffers; the Triton version on every rank at once."""
+    module = _triton("all_gather", part)
+    return (module.all_gather if module is not None else all_gather_reference)(part, peers)
 
 
 def rms_norm_fp8(

@@ -13,7 +13,9 @@ program takes rows g, g + G, ... when there are more rows than programs fit on t
     3. wait until every peer's flag in its own array reached this call's epoch (acquire);
     4. sum the ranks' rows in rank order (every rank gets the same bits), round to the model's
        dtype as the all-reduce would, then residual <- sum + residual and out <- norm(residual),
-       as `kernels.norm.fused_add_rms_norm_reference` of the all-reduced partial does.
+       as `kernels.norm.fused_add_rms_norm_reference` of the all-reduced partial does. The
+       first norm of the model has no residual to add (its input is the embedding, which each
+       rank looks up for the ids it holds): residual <- sum, out <- norm(sum).
 
 Epochs: each row slot counts its calls in `epochs` on its rank; a call's epoch is that count
 plus one, and a flag counts as raised once it is at least the epoch (compared through an int32
@@ -36,38 +38,7 @@ import triton.language as tl
 
 from kernels.all_reduce_norm import PeerBuffers
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
-
-
-@triton.jit
-def _send_row(mine, data_addresses_ptr, first, cols, mask, hidden, max_rows, RANK, WORLD):
-    """Write this rank's row into its slot of every peer's buffer (posted stores)."""
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            # The buffers are 16-byte aligned (rows of a multiple of 8 values): vector stores.
-            data = tl.load(data_addresses_ptr + peer).to(tl.pointer_type(mine.dtype))
-            data = tl.multiple_of(data, 16)
-            tl.store(data + (first + RANK * max_rows).to(tl.int64) * hidden + cols, mine, mask=mask)
-
-
-@triton.jit
-def _meet_peers(flag_addresses_ptr, row, epoch, RANK, WORLD):
-    """Raise this rank's flag for `row` in every peer's flags, then wait for theirs in its own.
-
-    The wait has no bound: a peer that never comes means the group is broken, and the
-    executor's stall watch then ends the process (and the kernel with it)."""
-    tl.debug_barrier()  # the whole row is sent before the flags say so
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            flags = tl.load(flag_addresses_ptr + peer).to(tl.pointer_type(tl.int32))
-            tl.atomic_xchg(flags + row * WORLD + RANK, epoch, sem="release", scope="sys")
-    own_flags = tl.load(flag_addresses_ptr + RANK).to(tl.pointer_type(tl.int32))
-    for peer in tl.static_range(WORLD):
-        if peer != RANK:
-            flag = own_flags + row * WORLD + peer
-            seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-            while seen - epoch < 0:  # an int32 difference: the counters may wrap
-                seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
-    tl.debug_barrier()  # every thread reads the peers' rows only after the flags were seen
+from kernels.triton_peers import meet_peers, send_row
 
 
 @triton.jit
@@ -87,7 +58,7 @@ def _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD):
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(
     partial_ptr,  # [M, H] this rank's partial sums; overwritten with the normed rows
-    residual_ptr,  # [M, H], overwritten with the sum + residual
+    residual_ptr,  # [M, H], overwritten with the sum + residual (HAS_RESIDUAL; else the sum)
     weight_ptr,  # [H]
     data_addresses_ptr,  # [WORLD] int64
     flag_addresses_ptr,  # [WORLD] int64
@@ -100,6 +71,7 @@ def _all_reduce_add_rms_norm_kernel(
     eps,
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
@@ -119,13 +91,14 @@ def _all_reduce_add_rms_norm_kernel(
         first = (epoch & 1) * WORLD * max_rows + row
         partial_ptrs = partial_ptr + row64 * stride_partial + cols
         mine = tl.load(partial_ptrs, mask=mask, other=0.0)
-        _send_row(mine, data_addresses_ptr, first, cols, mask, hidden, max_rows, RANK, WORLD)
-        _meet_peers(flag_addresses_ptr, row, epoch, RANK, WORLD)
+        send_row(mine, data_addresses_ptr, first, cols, mask, hidden, max_rows, RANK, WORLD)
+        meet_peers(flag_addresses_ptr, row, epoch, RANK, WORLD)
         total = _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD)
         res_ptrs = residual_ptr + row64 * stride_residual + cols
-        res = tl.load(res_ptrs, mask=mask, other=0.0)
-        # Rounded as the all-reduce hands the sum on, then as the reference adds the residual.
-        x = (total.to(dtype).to(tl.float32) + res.to(tl.float32)).to(dtype)
+        x = total.to(dtype)  # rounded as the all-reduce hands the sum on
+        if HAS_RESIDUAL:  # then as the reference adds the residual
+            res = tl.load(res_ptrs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + res.to(tl.float32)).to(dtype)
         tl.store(res_ptrs, x, mask=mask)
         x32 = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
@@ -136,15 +109,18 @@ def _all_reduce_add_rms_norm_kernel(
 
 def all_reduce_add_rms_norm(
     partial: torch.Tensor,  # [M, hidden]: this rank's part of the sum; overwritten with the norm
-    residual: torch.Tensor,  # [M, hidden]: overwritten with the sum + residual
+    residual: torch.Tensor | None,  # [M, hidden]: overwritten with the sum + residual
     weight: torch.Tensor,  # [hidden]
     eps: float,
     peers: PeerBuffers,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (partial, residual): the inputs, updated
     """`kernels.all_reduce_norm.all_reduce_add_rms_norm_reference`, in place, called by every
     rank of `peers`' group: residual <- (the ranks' partials summed) + residual, partial <-
-    rms_norm(residual)."""
+    rms_norm(residual). No residual: a new tensor holds the sum."""
     hidden = partial.shape[-1]
+    has_residual = residual is not None
+    if residual is None:
+        residual = torch.empty_like(partial)
     if not peers.takes(partial) or residual.shape != partial.shape:
         raise ValueError(
             f"partial {tuple(partial.shape)} {partial.dtype} and residual "
@@ -172,6 +148,7 @@ def all_reduce_add_rms_norm(
         eps,
         RANK=peers.rank,
         WORLD=peers.world,
+        HAS_RESIDUAL=has_residual,
         BLOCK_H=block,
         PDL=early,
         num_warps=min(max(block // 512, 1), 16),

@@ -33,19 +33,39 @@ class RMSNorm(nn.Module):
         feeds: Linear | None = None,  # the layer it feeds: an FP8 one takes quantized rows
         reduce: TensorParallel = ONE_RANK,  # x is a rank's part of the sum over this group
     ) -> Activation | tuple[Activation, torch.Tensor]:
+        if residual is None:
+            return self._norm(reduce.all_reduce(x), feeds)
         w, eps = self.weight, self.eps
-        fp8_layer = feeds if feeds is not None and feeds_fp8_rows(feeds) else None
-        if reduce.size > 1 and residual is not None and fp8_layer is None:
+        fp8_layer = _fp8_layer(feeds)
+        if reduce.size > 1 and fp8_layer is None:
             return reduce.all_reduce_add_rms_norm(x, residual, w, eps)
         x = reduce.all_reduce(x)
         if fp8_layer is None:
-            if residual is None:
-                return ops.rms_norm(x, w, eps)
             return ops.fused_add_rms_norm(x, residual, w, eps)
         scale = fp8_layer.fp8_input_scale()  # the layer's static scale, or None: per token
-        if residual is None:
-            return ops.rms_norm_fp8(x, w, eps, scale)
         return ops.fused_add_rms_norm_fp8(x, residual, w, eps, scale)
+
+    def begin(
+        self, x: torch.Tensor, feeds: Linear | None = None, reduce: TensorParallel = ONE_RANK
+    ) -> tuple[Activation, torch.Tensor]:
+        """The first norm of the residual stream: (the norm of x, x), with x the embedding
+        (with `reduce`, x is a rank's part of it, and the residual stream is the sum)."""
+        if reduce.size > 1 and _fp8_layer(feeds) is None:
+            return reduce.all_reduce_add_rms_norm(x, None, self.weight, self.eps)
+        x = reduce.all_reduce(x)
+        return self._norm(x, feeds), x
+
+    def _norm(self, x: torch.Tensor, feeds: Linear | None) -> Activation:
+        fp8_layer = _fp8_layer(feeds)
+        if fp8_layer is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        scale = fp8_layer.fp8_input_scale()  # the layer's static scale, or None: per token
+        return ops.rms_norm_fp8(x, self.weight, self.eps, scale)
+
+
+def _fp8_layer(feeds: Linear | None) -> Linear | None:
+    """The layer fed, if it takes its input quantized to FP8 rows."""
+    return feeds if feeds is not None and feeds_fp8_rows(feeds) else None
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

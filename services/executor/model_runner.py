@@ -112,8 +112,8 @@ class ModelRunner:
         self.device = resolve_device(config.device, tp.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if not config.disable_custom_all_reduce:
-            hidden = self.model_config.hidden_size
-            tp = tp.with_peer_buffers(hidden, self.dtype, self.device)
+            hidden, vocab = self.model_config.hidden_size, self.model_config.vocab_size
+            tp = tp.with_peer_buffers(hidden, vocab // tp.size, self.dtype, self.device)
         self.tp = tp
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens

@@ -1,10 +1,11 @@
-"""The buffers of the fused all-reduce (kernels/triton_all_reduce_norm.py) in symmetric memory.
+"""The buffers of the one-shot collectives over symmetric memory: the all-reduce fused with the
+norm (kernels/triton_all_reduce_norm.py) and the logits' all-gather (kernels/triton_all_gather.py).
 
 Every rank of a tensor-parallel group on one host allocates the same buffers through
 `torch.distributed._symmetric_memory`, which maps each rank's into every other's address space
 (CUDA IPC over NVLink or PCIe peer access). The buffers are set up once, before the model
-loads, and are the kernel's alone. Where they cannot be had (the CPU, a torch without symmetric
-memory, GPUs without peer access), the model reduces through NCCL and norms apart, as before.
+loads, and are their kernel's alone. Where they cannot be had (the CPU, a torch without
+symmetric memory, GPUs without peer access), the model goes through NCCL, as before.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from kernels.all_gather import SLOT_WIDTH, slots_per_row
 from kernels.all_reduce_norm import MAX_WORLD, PeerBuffers
 
 if TYPE_CHECKING:  # tensor_parallel imports this module
@@ -22,19 +24,55 @@ if TYPE_CHECKING:  # tensor_parallel imports this module
 
 logger = logging.getLogger(__name__)
 
-# The most rows a call takes: the largest mixed CUDA-graph step (cuda_graphs.py's
+# The most rows a fused all-reduce takes: the largest mixed CUDA-graph step (cuda_graphs.py's
 # MIXED_GRAPH_MAX_TOKENS, not imported: that module imports this one's importers). Decode graphs
 # past it (--max-num-seqs > 512) and larger eager steps reduce through NCCL, whose bandwidth wins.
 MAX_FUSED_ROWS = 512
+# The most logits rows the one-shot all-gather takes (8 MiB of buffers a rank for Llama-3.1-8B
+# at two ranks). Past it the rows are many enough for NCCL's bandwidth to win.
+MAX_GATHER_ROWS = 16
 
 
-def peer_buffers(
+def reduce_buffers(
     tp: TensorParallel, hidden: int, dtype: torch.dtype, device: torch.device
 ) -> PeerBuffers | None:
-    """`tp`'s group's buffers for rows of `hidden` values, or None (with the reason logged).
-    Collective: every rank of the group calls it at the same point."""
+    """The fused all-reduce's buffers for rows of `hidden` values, or None (with the reason
+    logged). Collective: every rank of the group calls it at the same point."""
+    if hidden % 8:
+        return None
+    peers = _peer_buffers(tp, MAX_FUSED_ROWS, hidden, dtype, device)
+    if peers is not None:
+        logger.info(
+            "fused all-reduce + RMSNorm over symmetric memory: %d ranks, up to %d rows",
+            tp.size,
+            MAX_FUSED_ROWS,
+        )
+    return peers
+
+
+def gather_buffers(
+    tp: TensorParallel, part_cols: int, dtype: torch.dtype, device: torch.device
+) -> PeerBuffers | None:
+    """The logits all-gather's buffers for parts of `part_cols` columns a rank, or None.
+    Collective, as reduce_buffers."""
+    slots = MAX_GATHER_ROWS * slots_per_row(part_cols)
+    peers = _peer_buffers(tp, slots, SLOT_WIDTH, dtype, device)
+    if peers is not None:
+        logger.info(
+            "logits all-gather over symmetric memory: %d ranks, up to %d rows",
+            tp.size,
+            MAX_GATHER_ROWS,
+        )
+    return peers
+
+
+def _peer_buffers(
+    tp: TensorParallel, slots: int, width: int, dtype: torch.dtype, device: torch.device
+) -> PeerBuffers | None:
+    """`tp`'s group's buffers of `slots` rows of `width` values, or None (with the reason
+    logged). Collective: every rank of the group calls it at the same point."""
     rank, world = tp.rank, tp.size
-    if world == 1 or device.type != "cuda" or world > MAX_WORLD or hidden % 8:
+    if world == 1 or device.type != "cuda" or world > MAX_WORLD:
         return None
     others = [d for d in range(torch.cuda.device_count()) if d != device.index]
     try:  # any failure here is this rank's alone: agree before the collective rendezvous
@@ -42,12 +80,12 @@ def peer_buffers(
             raise RuntimeError("the GPUs cannot access each other's memory")
         import torch.distributed._symmetric_memory as symm_mem
 
-        data = symm_mem.empty(2, world, MAX_FUSED_ROWS, hidden, dtype=dtype, device=device)
-        flags = symm_mem.empty(MAX_FUSED_ROWS, world, dtype=torch.int32, device=device)
+        data = symm_mem.empty(2, world, slots, width, dtype=dtype, device=device)
+        flags = symm_mem.empty(slots, world, dtype=torch.int32, device=device)
         flags.zero_()
         programs = torch.cuda.get_device_properties(device).multi_processor_count
     except Exception as exc:  # whatever it is, NCCL serves instead
-        logger.warning("fused all-reduce off: symmetric memory unavailable (%s)", exc)
+        logger.warning("one-shot collectives off: symmetric memory unavailable (%s)", exc)
         programs = 0
     programs = tp.smallest(programs, device)  # one count on every rank
     if not programs:
@@ -64,17 +102,12 @@ def peer_buffers(
             programs,
         )
     except Exception as exc:  # e.g. no IPC between the ranks' containers
-        logger.warning("fused all-reduce off: the ranks' buffers could not be mapped (%s)", exc)
+        logger.warning("one-shot collectives off: the ranks' buffers were not mapped (%s)", exc)
         peers = None
     if not tp.smallest(int(peers is not None), device):
         return None
     torch.cuda.synchronize(device)
     dist.barrier(group=tp.group)  # every rank's flags are zero before any rank raises one
-    logger.info(
-        "fused all-reduce + RMSNorm over symmetric memory: %d ranks, up to %d rows",
-        world,
-        MAX_FUSED_ROWS,
-    )
     return peers
 
 

@@ -2,7 +2,8 @@
 
 Each of N ranks holds a 1/N part of every layer and all of it sees every token:
 
-    embed_tokens   vocab rows [r V/N, (r+1) V/N): ids elsewhere give zeros, then all-reduce
+    embed_tokens   vocab rows [r V/N, (r+1) V/N): ids elsewhere give zeros; the first norm
+                   adds the ranks' rows up (its all-reduce, fused)
     qkv_proj       column-parallel: its q heads and its KV heads (a KV head each rank shares
                    with others when there are fewer KV heads than ranks)
     attention      over its own heads, with its own KV cache
@@ -25,13 +26,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import ops
+from kernels.all_gather import gather_takes
 from kernels.all_reduce_norm import PeerBuffers
 from services.executor.linear_shards import Loaded, Split, TensorDims, shard_tensor
-from services.executor.symmetric_memory import peer_buffers
+from services.executor.symmetric_memory import gather_buffers, reduce_buffers
 from shared.model_config import ModelConfig
 
 
@@ -42,7 +43,10 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
-    peers: PeerBuffers | None = None  # the fused all-reduce's buffers (with_peer_buffers)
+    # The one-shot collectives' buffers (with_peer_buffers): the fused all-reduce's, the
+    # logits all-gather's
+    peers: PeerBuffers | None = None
+    gather_peers: PeerBuffers | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of x, in place."""
@@ -51,24 +55,29 @@ class TensorParallel:
         return x
 
     def all_reduce_add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(sum + residual), sum + residual) with sum the ranks' x added up, in
-        place: one fused kernel over the peers' buffers where they take x, else NCCL's
-        all-reduce and then the fused add and norm."""
+        place (no residual: of the sum alone): one fused kernel over the peers' buffers where
+        they take x, else NCCL's all-reduce and then the add and norm."""
         if self.peers is not None and self.peers.takes(x):
             return ops.all_reduce_add_rms_norm(x, residual, weight, eps, self.peers)
-        return ops.fused_add_rms_norm(self.all_reduce(x), residual, weight, eps)
+        x = self.all_reduce(x)
+        if residual is None:
+            return ops.rms_norm(x, weight, eps), x
+        return ops.fused_add_rms_norm(x, residual, weight, eps)
 
     def with_peer_buffers(
-        self, hidden: int, dtype: torch.dtype, device: torch.device
+        self, hidden: int, vocab_part: int, dtype: torch.dtype, device: torch.device
     ) -> TensorParallel:
-        """This rank with the fused all-reduce's buffers, where the group can have them.
-        Collective: every rank calls it at the same point."""
+        """This rank with the one-shot collectives' buffers, where the group can have them:
+        for rows of `hidden` values and logits parts of `vocab_part`. Collective: every rank
+        calls it at the same point."""
         if self.size == 1:
             return self
-        peers = peer_buffers(self, hidden, dtype, device)
-        return dataclasses.replace(self, peers=peers)
+        peers = reduce_buffers(self, hidden, dtype, device)
+        gather_peers = gather_buffers(self, vocab_part, dtype, device) if peers else None
+        return dataclasses.replace(self, peers=peers, gather_peers=gather_peers)
 
     def smallest(self, value: int, device: torch.device) -> int:
         """The smallest of the ranks' values (what every rank can hold)."""
@@ -79,9 +88,12 @@ class TensorParallel:
         return int(tensor.item())
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """The ranks' x side by side along the last dimension, in rank order."""
+        """The ranks' x [rows, cols] side by side along the last dimension, in rank order: one
+        kernel over the peers' buffers where they take x, else NCCL's all-gather."""
         if self.size == 1:
             return x
+        if self.gather_peers is not None and gather_takes(self.gather_peers, x):
+            return ops.all_gather(x, self.gather_peers)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -147,12 +159,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(layout.vocab_rows, hidden_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if self.layout.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.layout.vocab_start
-        mine = (local >= 0) & (local < self.layout.vocab_rows)
-        out = F.embedding(local.clamp(0, self.layout.vocab_rows - 1), self.weight)
-        return self.layout.tp.all_reduce(out * mine[:, None].to(out.dtype))
+        """This rank's part of the embedding: the rows of the ids it holds, zeros for the
+        others. Summed over the ranks (by the first norm: RMSNorm.begin), the embedding."""
+        return ops.embedding_rows(input_ids, self.weight, self.layout.vocab_start)
 
 
 # The checkpoint's modules by how their tensors split: Q rows by heads, K and V rows by KV

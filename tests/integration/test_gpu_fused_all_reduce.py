@@ -1,10 +1,12 @@
 """The fused all-reduce + residual add + RMSNorm between two GPUs, over symmetric memory
 (kernels/triton_all_reduce_norm.py), against NCCL's all-reduce followed by the fused add and
 norm: eagerly, for row counts from 1 to the most the buffers take, and captured in a CUDA graph
-that replays a layer stack's worth of calls. Each rank runs in a process of its own."""
+that replays a layer stack's worth of calls; and the logits all-gather over symmetric memory
+(kernels/triton_all_gather.py) against NCCL's. Each rank runs in a process of its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,11 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.executor.symmetric_memory import MAX_GATHER_ROWS
+from services.executor.tensor_parallel import TensorParallel
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
 ]
-HIDDEN, EPS = 4096, 1e-5
+HIDDEN, VOCAB_PART, EPS = 4096, 64128, 1e-5
 
 
 def check_rank(rank: int, directory: str) -> None:
@@ -29,7 +34,7 @@ def check_rank(rank: int, directory: str) -> None:
     from shared.config import Config
 
     tp = join_group(Config(device="cuda", tensor_parallel_size=2), Path(directory), rank)
-    tp = tp.with_peer_buffers(HIDDEN, torch.bfloat16, torch.device("cuda", rank))
+    tp = tp.with_peer_buffers(HIDDEN, VOCAB_PART, torch.bfloat16, torch.device("cuda", rank))
     assert tp.peers is not None, "no symmetric memory between the two GPUs"
     gen = torch.Generator(device="cuda").manual_seed(7)  # the same draws on both ranks
     weight = torch.rand(HIDDEN, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
@@ -49,6 +54,13 @@ def check_rank(rank: int, directory: str) -> None:
         assert torch.equal(tp.peers.epochs[:rows], calls + 1)  # the fused kernel ran
         for g, w in zip(got, want, strict=True):  # NCCL adds two bf16 values as floats too
             assert torch.equal(g, w), (rows, (g.float() - w.float()).abs().max().item())
+
+    for rows in (1, 5):  # the model's first norm: nothing to add, the sum becomes the residual
+        partial, _ = draws(rows)
+        summed = tp.all_reduce(partial.clone())
+        got = tp.all_reduce_add_rms_norm(partial, None, weight, EPS)
+        assert torch.equal(got[1], summed)
+        assert torch.equal(got[0], ops.rms_norm(summed, weight, EPS))
 
     # A stack of layers in a graph, each call's output feeding the next; the graph's input
     # stays x0 and the residual carries on from replay to replay.
@@ -72,8 +84,25 @@ def check_rank(rank: int, directory: str) -> None:
         torch.cuda.synchronize()
         assert torch.equal(x, expected_x) and torch.equal(residual, expected_res), replay
     assert torch.equal(tp.peers.epochs[:8], calls + 3 * 64)  # the graph holds the fused kernel
+    check_gather(tp, gen)
     dist.destroy_process_group()
     print(f"rank {rank}: ok")
+
+
+def check_gather(tp: TensorParallel, gen: torch.Generator) -> None:
+    """The logits all-gather over the peers' buffers gives NCCL's all-gather, up to the rows
+    the buffers take (past them NCCL serves)."""
+    assert tp.gather_peers is not None
+    nccl = dataclasses.replace(tp, gather_peers=None)
+    for rows in (1, 3, MAX_GATHER_ROWS, 1, MAX_GATHER_ROWS + 1):
+        parts = torch.randn(2, rows, VOCAB_PART, generator=gen, device="cuda")
+        part = parts[tp.rank].to(torch.bfloat16)
+        calls = tp.gather_peers.epochs.clone()
+        got = tp.all_gather(part)
+        assert torch.equal(got, nccl.all_gather(part)), rows
+        assert torch.equal(got, torch.cat(list(parts.to(torch.bfloat16)), dim=-1)), rows
+        ran = not torch.equal(tp.gather_peers.epochs, calls)
+        assert ran == (rows <= MAX_GATHER_ROWS), rows
 
 
 def test_two_ranks_reduce_add_and_norm_as_nccl_and_the_norm_do(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.all_reduce_norm import PeerBuffers, all_reduce_add_rms_norm_reference
-from kernels.norm import fused_add_rms_norm_reference
+from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.triton_all_reduce_norm import all_reduce_add_rms_norm
 
 # One process plays every rank in host memory: the interpreter's pointers are host addresses.
@@ -81,6 +81,23 @@ def test_calls_go_on_when_the_epoch_counters_wrap() -> None:
         assert torch.equal(got[1], expected[1]) and torch.equal(got[1], sum(partials) + residual)
         assert peers.epochs[:2].tolist() == [expected_epoch] * 2
         assert peers.flags[0][:2, 1].tolist() == [expected_epoch] * 2
+
+
+def test_without_a_residual_the_sum_is_the_new_residual() -> None:
+    """The model's first norm: the embedding's parts summed, normed, and the sum kept."""
+    peers = _group(2, 1)
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.rand(HIDDEN, generator=gen) + 0.5
+    for rows in (3, 1):
+        partials = [torch.randn(rows, HIDDEN, generator=gen) for _ in range(2)]
+        _peers_arrive(peers, partials)
+        expected = all_reduce_add_rms_norm_reference(partials[1], None, weight, EPS, peers)
+        assert torch.equal(expected[1], partials[0] + partials[1])
+        torch.testing.assert_close(expected[0], rms_norm_reference(expected[1], weight, EPS))
+        normed, total = all_reduce_add_rms_norm(partials[1].clone(), None, weight, EPS, peers)
+        assert torch.equal(total, expected[1])
+        torch.testing.assert_close(normed, expected[0], rtol=1e-6, atol=1e-6)
+    assert peers.epochs[:3].tolist() == [2, 1, 1]
 
 
 def test_the_reference_matches_the_unfused_pair() -> None:

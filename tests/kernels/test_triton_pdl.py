@@ -22,6 +22,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
 
 from kernels import ops
 from kernels.argmax import argmax_reference
+from kernels.embedding import embedding_rows_reference
 from kernels.fp8 import fp8_linear_reference, quantize_fp8_rowwise_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.pdl import set_pdl
@@ -98,6 +99,10 @@ def test_each_pdl_kernel_waits_for_the_input_written_late() -> None:
     sampled = torch.tensor([7, 8, 9], dtype=torch.int64, device="cuda")
     ops.gather_sampled_inputs(input_ids, _late(source_rows), sampled)
     assert input_ids.tolist() == [8, 0, 7, 9]
+    table = _bf16(VOCAB // 2, HIDDEN, seed=7)
+    ids = torch.tensor([3, VOCAB // 2 + 5, VOCAB - 1], device="cuda")
+    got = ops.embedding_rows(_late(ids), table, VOCAB // 2)
+    assert torch.equal(got, embedding_rows_reference(ids, table, VOCAB // 2))
 
 
 def _chain_output(rows: int) -> torch.Tensor:

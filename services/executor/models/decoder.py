@@ -172,9 +172,8 @@ class DecoderLayer(nn.Module):
         # Attention and the MLP return their rank's part of a sum (their last projections are
         # row-parallel); the norm after each adds the ranks' parts up (`reduce`).
         qkv_proj = self.self_attn.qkv_proj
-        if residual is None:  # x: the embedding, whole on every rank
-            residual = x
-            x = self.input_layernorm(x, feeds=qkv_proj)
+        if residual is None:  # x: the embedding (with tensor parallelism, a rank's part)
+            x, residual = self.input_layernorm.begin(x, feeds=qkv_proj, reduce=self.tp)
         else:
             x, residual = self.input_layernorm(x, residual, feeds=qkv_proj, reduce=self.tp)
         x = self.self_attn(positions, x, kv_cache, meta, lora)
