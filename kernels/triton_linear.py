@@ -122,15 +122,20 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
         one rank of two     qkv 10.6 / 11.6, 8.7 / 10.2; gate_up 40.0 / 42.1, 31.3 / 33.5;
                             lm_head 168.6 / 172.1, 125.4 / 128.2; o (K 2048) 8.1 / 8.1, 7.1 / 7.0
     Fewer weight rows a program and longer K steps keep more bytes in flight where a rank's
-    halved N leaves fewer programs; down (K 14336 / 7168) keeps n8 k512 (22.6 / 23.1 us).
+    halved N leaves fewer programs.
+
+    M = 1, K > 4096 or N >= 65536 (down, lm_head): fma n8 k1024 w4 s2 since 2026-11-27 (same
+    command, H200, with PDL), against n8 k512 w4 s3 for down and n4 k1024 w4 s2 for lm_head,
+    us per call, whole model / one rank of two: down 28.5 / 34.7, 15.6 / 18.8; lm_head 241.4 /
+    248.3, 123.9 / 127.5. (o, K <= 4096, would gain 0.5-1.0 us with it; qkv loses 1.6-1.8.)
 
     float32 (the CPU interpreter, tests) halves block_k, to keep the bytes of a weight tile and
     so the pipelined shared memory the same; block_k never exceeds K rounded up to a power of two.
     """
-    if m == 1 and k <= 4096:
-        tiles = LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
+    if m == 1 and (k > 4096 or n >= 65536):
+        tiles = LinearTiles(block_n=8, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
     elif m == 1:
-        tiles = LinearTiles(block_n=8, block_k=512, num_warps=4, num_stages=3, use_dot=False)
+        tiles = LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
     elif m > 16:  # x tiles of 32 or 64 rows share the pipelined shared memory
         tiles = LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)
     elif k >= 8192 or n >= 65536:

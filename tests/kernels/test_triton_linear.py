@@ -99,7 +99,8 @@ def test_matches_reference(
 @pytest.mark.parametrize(
     ("m", "n", "k", "dtype", "expected"),
     [  # Llama-3.1-8B's down and lm_head are the wide cases; float32 halves block_k
-        (1, 4096, 14336, torch.bfloat16, LinearTiles(8, 512, 4, 3, use_dot=False)),
+        (1, 4096, 14336, torch.bfloat16, LinearTiles(8, 1024, 4, 2, use_dot=False)),
+        (1, 128256, 4096, torch.bfloat16, LinearTiles(8, 1024, 4, 2, use_dot=False)),
         (1, 6144, 4096, torch.bfloat16, LinearTiles(4, 1024, 4, 2, use_dot=False)),
         (1, 6144, 4096, torch.float32, LinearTiles(4, 512, 4, 2, use_dot=False)),
         (2, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),
