@@ -16,42 +16,29 @@ MAX_WORLD = 8  # ranks of one host
 class PeerBuffers:
     """A rank's view of memory every rank of its tensor-parallel group maps (symmetric memory,
     set up by services/executor/symmetric_memory.py): each rank's data buffer [2, world,
-    max_rows, hidden] (what each rank sent it, per epoch half) and flags [max_rows, world]
-    int32, and this rank's own call counts."""
+    max_rows, hidden] (what each rank sent it, per epoch half; -0.0 where nothing arrived,
+    kernels/triton_peers.py), and this rank's own call counts."""
 
     rank: int
     data: tuple[torch.Tensor, ...]  # per rank [2, world, max_rows, hidden]; peers' mapped here
-    flags: tuple[torch.Tensor, ...]  # per rank [max_rows, world] int32
     epochs: torch.Tensor  # [max_rows] int32, this rank's: calls so far per row slot
     data_addresses: torch.Tensor  # [world] int64: data[r].data_ptr(), on the device
-    flag_addresses: torch.Tensor  # [world] int64: flags[r].data_ptr()
     # Programs a call launches at most, the same on every rank: few enough to run all at once
     # on each GPU (the SMs of the smallest), since each waits for its peers' programs.
     max_programs: int
 
     @classmethod
-    def of(
-        cls,
-        rank: int,
-        data: tuple[torch.Tensor, ...],
-        flags: tuple[torch.Tensor, ...],
-        max_programs: int,
-    ) -> PeerBuffers:
+    def of(cls, rank: int, data: tuple[torch.Tensor, ...], max_programs: int) -> PeerBuffers:
         world, (_, senders, max_rows, hidden) = len(data), data[0].shape
-        if not 1 <= world <= MAX_WORLD or senders != world or len(flags) != world or hidden % 8:
+        if not 1 <= world <= MAX_WORLD or senders != world or hidden % 8:
             raise ValueError(
                 f"{world} ranks (1 to {MAX_WORLD}, a buffer row each), hidden {hidden} (a "
                 "multiple of 8)"
             )
-        if any(f.shape != (max_rows, world) or f.dtype != torch.int32 for f in flags):
-            raise ValueError(f"flags must be [{max_rows}, {world}] int32 on every rank")
         device = data[rank].device
-
-        def addresses(tensors: tuple[torch.Tensor, ...]) -> torch.Tensor:
-            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
-
+        addresses = torch.tensor([t.data_ptr() for t in data], dtype=torch.int64, device=device)
         epochs = torch.zeros(max_rows, dtype=torch.int32, device=device)
-        return cls(rank, data, flags, epochs, addresses(data), addresses(flags), max_programs)
+        return cls(rank, data, epochs, addresses, max_programs)
 
     @property
     def world(self) -> int:

@@ -5,15 +5,12 @@ lays them side by side cost more than the bytes (128 KiB a rank for Llama-3.1-8B
 Here a program owns a slot (one row's columns c .. c + SLOT_WIDTH of the rank's part) and:
 
     1. waits for the previous kernel (PDL), then writes its slot into every peer's buffer;
-    2. raises its flag for the slot in every peer's flags and waits for theirs
-       (kernels/triton_peers.py);
-    3. copies every rank's slot to its place in the output row (its own from registers, the
-       peers' from its buffer).
+    2. copies every rank's slot to its place in the output row: its own from registers, each
+       peer's from its buffer once it arrived, emptying the slot again (kernels/triton_peers.py).
 
 The buffers, epochs and halves work as in kernels/triton_all_reduce_norm.py: the ranks make the
-same calls with the same row counts, so a slot's counts agree, and a slot's half is written
-again two calls later, after the peer finished reading it. The output is a tensor of its own, so
-the next call may reuse the buffers while the sampler still reads these logits.
+same calls with the same row counts, so a slot's counts agree. The output is a tensor of its
+own, so the next call may reuse the buffers while the sampler still reads these logits.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import triton.language as tl
 from kernels.all_gather import SLOT_WIDTH, gather_takes, slots_per_row
 from kernels.all_reduce_norm import PeerBuffers
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
-from kernels.triton_peers import meet_peers, send_row
+from kernels.triton_peers import int_of_width, receive_row, send_row, without_negative_zero
 
 
 @triton.jit
@@ -33,7 +30,6 @@ def _all_gather_kernel(
     part_ptr,  # [M, P]: this rank's part of each row
     out_ptr,  # [M, WORLD * P]
     data_addresses_ptr,  # [WORLD] int64
-    flag_addresses_ptr,  # [WORLD] int64
     epochs_ptr,  # [max slots] int32
     num_slots,  # M * slots a row
     slots_per_row,
@@ -44,6 +40,7 @@ def _all_gather_kernel(
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     WIDTH: tl.constexpr,  # SLOT_WIDTH
+    BITS: tl.constexpr,  # the integer type of the values' width
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     wait_for_previous_kernel(PDL)
@@ -58,17 +55,16 @@ def _all_gather_kernel(
         mask = first_col + offsets < part_cols
         epoch = tl.load(epochs_ptr + slot) + 1
         first = (epoch & 1) * WORLD * max_slots + slot  # rank 0's copy of the slot, this call
-        mine = tl.load(part_ptr + row * stride_part + first_col + offsets, mask=mask)
+        mine = tl.load(part_ptr + row * stride_part + first_col + offsets, mask=mask, other=0.0)
+        mine = without_negative_zero(mine)  # as the peers get it: every rank the same bits
         send_row(mine, data_addresses_ptr, first, offsets, mask, WIDTH, max_slots, RANK, WORLD)
-        meet_peers(flag_addresses_ptr, slot, epoch, RANK, WORLD)
         out_row = out_ptr + row * stride_out + first_col + offsets
         for rank in tl.static_range(WORLD):
             if rank == RANK:
                 values = mine
             else:
                 theirs = own_data + (first + rank * max_slots).to(tl.int64) * WIDTH + offsets
-                # .cg: from L2, where the peer's writes land, never from a stale L1 line
-                values = tl.load(theirs, mask=mask, cache_modifier=".cg")
+                values = receive_row(theirs, mask, BITS)
             tl.store(out_row + rank * part_cols, values, mask=mask)
         tl.store(epochs_ptr + slot, epoch)
 
@@ -88,7 +84,6 @@ def all_gather(part: torch.Tensor, peers: PeerBuffers) -> torch.Tensor:
         part,
         out,
         peers.data_addresses,
-        peers.flag_addresses,
         peers.epochs,
         num_slots,
         slots_per_row(cols),
@@ -99,6 +94,7 @@ def all_gather(part: torch.Tensor, peers: PeerBuffers) -> torch.Tensor:
         RANK=peers.rank,
         WORLD=peers.world,
         WIDTH=SLOT_WIDTH,
+        BITS=int_of_width(part.dtype),
         PDL=early,
         num_warps=8,
         launch_pdl=early,

@@ -8,23 +8,18 @@ one kernel does it all over symmetric memory (buffers every rank of the group ma
 program takes rows g, g + G, ... when there are more rows than programs fit on the GPU):
 
     1. wait for the previous kernel (PDL), then write its partial row into its slot of every
-       peer's buffer (stores are posted: no round trip, and the peers read locally);
-    2. raise its flag in every peer's flag array (a release store: the row is visible first);
-    3. wait until every peer's flag in its own array reached this call's epoch (acquire);
-    4. sum the ranks' rows in rank order (every rank gets the same bits), round to the model's
+       peer's buffer (posted stores: no round trip, and the peers read locally);
+    2. wait until every peer's row has arrived in its own buffer, each value marking its own
+       arrival, and empty those slots again (kernels/triton_peers.py);
+    3. sum the ranks' rows in rank order (every rank gets the same bits), round to the model's
        dtype as the all-reduce would, then residual <- sum + residual and out <- norm(residual),
        as `kernels.norm.fused_add_rms_norm_reference` of the all-reduced partial does. The
        first norm of the model has no residual to add (its input is the embedding, which each
        rank looks up for the ids it holds): residual <- sum, out <- norm(sum).
 
-Epochs: each row slot counts its calls in `epochs` on its rank; a call's epoch is that count
-plus one, and a flag counts as raised once it is at least the epoch (compared through an int32
-difference, so the counters may wrap; the buffer half is the epoch's low bit). A buffer holds a
-row per rank and slot twice over, used by alternate epochs: a rank writes into a peer's row
-again two calls later, and by then the peer has finished reading it, because the call in
-between waited for the peer to start it, which the peer does only after finishing the one
-before. Both ranks run the same calls with the same row counts (the same plans), so their
-slots' counts agree.
+Epochs: each row slot counts its calls in `epochs` on its rank, and a call's buffer half is the
+low bit of that count plus one (the counters may wrap). Both ranks run the same calls with the
+same row counts (the same plans), so their slots' counts agree.
 
 A peer that never arrives stalls the step, as an NCCL collective would; the executor's stall
 watch reports it.
@@ -38,20 +33,20 @@ import triton.language as tl
 
 from kernels.all_reduce_norm import PeerBuffers
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
-from kernels.triton_peers import meet_peers, send_row
+from kernels.triton_peers import int_of_width, receive_row, send_row, without_negative_zero
 
 
 @triton.jit
-def _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD):
-    """The ranks' rows added in rank order in float32: every rank adds the same way."""
+def _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD, BITS):
+    """The ranks' rows added in rank order in float32, each peer's once it arrived: every
+    rank adds the same values the same way."""
     total = tl.zeros(mine.shape, tl.float32)
     for peer in tl.static_range(WORLD):
         if peer == RANK:
             total += mine.to(tl.float32)
         else:
             theirs = own_data + (first + peer * max_rows).to(tl.int64) * hidden + cols
-            # .cg: from L2, where the peer's writes land, never from a stale L1 line
-            total += tl.load(theirs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            total += receive_row(theirs, mask, BITS).to(tl.float32)
     return total
 
 
@@ -61,7 +56,6 @@ def _all_reduce_add_rms_norm_kernel(
     residual_ptr,  # [M, H], overwritten with the sum + residual (HAS_RESIDUAL; else the sum)
     weight_ptr,  # [H]
     data_addresses_ptr,  # [WORLD] int64
-    flag_addresses_ptr,  # [WORLD] int64
     epochs_ptr,  # [max_rows] int32
     num_rows,
     max_rows,
@@ -72,6 +66,7 @@ def _all_reduce_add_rms_norm_kernel(
     RANK: tl.constexpr,
     WORLD: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    BITS: tl.constexpr,  # the integer type of the values' width
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
@@ -90,10 +85,9 @@ def _all_reduce_add_rms_norm_kernel(
         # Where rank r's row lies in any rank's buffer [2, WORLD, max_rows, hidden] this call.
         first = (epoch & 1) * WORLD * max_rows + row
         partial_ptrs = partial_ptr + row64 * stride_partial + cols
-        mine = tl.load(partial_ptrs, mask=mask, other=0.0)
+        mine = without_negative_zero(tl.load(partial_ptrs, mask=mask, other=0.0))
         send_row(mine, data_addresses_ptr, first, cols, mask, hidden, max_rows, RANK, WORLD)
-        meet_peers(flag_addresses_ptr, row, epoch, RANK, WORLD)
-        total = _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD)
+        total = _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD, BITS)
         res_ptrs = residual_ptr + row64 * stride_residual + cols
         x = total.to(dtype)  # rounded as the all-reduce hands the sum on
         if HAS_RESIDUAL:  # then as the reference adds the residual
@@ -138,7 +132,6 @@ def all_reduce_add_rms_norm(
         residual,
         weight,
         peers.data_addresses,
-        peers.flag_addresses,
         peers.epochs,
         partial.shape[0],
         peers.max_rows,
@@ -149,6 +142,7 @@ def all_reduce_add_rms_norm(
         RANK=peers.rank,
         WORLD=peers.world,
         HAS_RESIDUAL=has_residual,
+        BITS=int_of_width(partial.dtype),
         BLOCK_H=block,
         PDL=early,
         num_warps=min(max(block // 512, 1), 16),

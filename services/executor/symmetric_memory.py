@@ -81,8 +81,7 @@ def _peer_buffers(
         import torch.distributed._symmetric_memory as symm_mem
 
         data = symm_mem.empty(2, world, slots, width, dtype=dtype, device=device)
-        flags = symm_mem.empty(slots, world, dtype=torch.int32, device=device)
-        flags.zero_()
+        data.fill_(-0.0)  # every slot empty (kernels/triton_peers.py)
         programs = torch.cuda.get_device_properties(device).multi_processor_count
     except Exception as exc:  # whatever it is, NCCL serves instead
         logger.warning("one-shot collectives off: symmetric memory unavailable (%s)", exc)
@@ -92,14 +91,11 @@ def _peer_buffers(
         return None
     group_name = (tp.group or dist.group.WORLD).group_name
     try:
-        handles = symm_mem.rendezvous(data, group_name), symm_mem.rendezvous(flags, group_name)
-        if any(handle.rank != rank for handle in handles):
-            raise RuntimeError(f"symmetric memory ranks {handles[0].rank} against {rank}")
+        handle = symm_mem.rendezvous(data, group_name)
+        if handle.rank != rank:
+            raise RuntimeError(f"symmetric memory rank {handle.rank} against {rank}")
         peers = PeerBuffers.of(
-            rank,
-            tuple(_mapped(handles[0], r, data) for r in range(world)),
-            tuple(_mapped(handles[1], r, flags) for r in range(world)),
-            programs,
+            rank, tuple(_mapped(handle, r, data) for r in range(world)), programs
         )
     except Exception as exc:  # e.g. no IPC between the ranks' containers
         logger.warning("one-shot collectives off: the ranks' buffers were not mapped (%s)", exc)
@@ -107,7 +103,7 @@ def _peer_buffers(
     if not tp.smallest(int(peers is not None), device):
         return None
     torch.cuda.synchronize(device)
-    dist.barrier(group=tp.group)  # every rank's flags are zero before any rank raises one
+    dist.barrier(group=tp.group)  # every rank's slots are empty before any rank sends
     return peers
 
 

@@ -1,8 +1,8 @@
 """The logits all-gather over symmetric memory (kernels/triton_all_gather.py).
 
 On the CPU, under TRITON_INTERPRET, one process plays one rank of a group whose other ranks
-already wrote their slots and raised their flags: the kernel must lay every rank's part in
-place, send its own to every peer and raise its flags there, and count its calls. Two real
+already wrote their slots: the kernel must lay every rank's part in place, empty those slots
+again (-0.0), send its own to every peer and count its calls. Two real
 ranks on two GPUs are tested in tests/integration/test_gpu_fused_all_reduce.py.
 """
 
@@ -27,13 +27,12 @@ MAX_ROWS = 3
 def _group(world: int, rank: int, max_programs: int = 4) -> PeerBuffers:
     """Four programs at most: a call of 2 rows (6 slots) makes some take two slots."""
     slots = MAX_ROWS * slots_per_row(PART)
-    data = tuple(torch.zeros(2, world, slots, SLOT_WIDTH) for _ in range(world))
-    flags = tuple(torch.zeros(slots, world, dtype=torch.int32) for _ in range(world))
-    return PeerBuffers.of(rank, data, flags, max_programs)
+    data = tuple(torch.full((2, world, slots, SLOT_WIDTH), -0.0) for _ in range(world))
+    return PeerBuffers.of(rank, data, max_programs)
 
 
 def _peers_arrive(peers: PeerBuffers, parts: list[torch.Tensor]) -> None:
-    """What the other ranks do first in this call: write their slots, raise their flags."""
+    """What the other ranks do first in this call: write their slots."""
     per_row = slots_per_row(PART)
     for slot in range(parts[0].shape[0] * per_row):
         row, first = divmod(slot, per_row)
@@ -43,7 +42,6 @@ def _peers_arrive(peers: PeerBuffers, parts: list[torch.Tensor]) -> None:
             if rank != peers.rank:
                 width = cols.stop - cols.start
                 peers.data[peers.rank][epoch & 1, rank, slot, :width] = part[row, cols]
-                peers.flags[peers.rank][slot, rank] = epoch
 
 
 @pytest.mark.parametrize(("world", "rank"), [(2, 0), (2, 1), (4, 3)])
@@ -57,14 +55,15 @@ def test_rank_lays_every_ranks_part_in_place(world: int, rank: int) -> None:
         assert torch.equal(expected, torch.cat(parts, dim=-1))
         assert torch.equal(all_gather(parts[rank], peers), expected)
         per_row = slots_per_row(PART)
-        for slot in range(rows * per_row):  # its slots sent to and flagged in every peer
+        for slot in range(rows * per_row):  # its slots sent to every peer, theirs taken
             row, first = divmod(slot, per_row)
             cols = slice(first * SLOT_WIDTH, min((first + 1) * SLOT_WIDTH, PART))
             width, half = cols.stop - cols.start, int(peers.epochs[slot]) & 1
             for peer in set(range(world)) - {rank}:
                 sent = peers.data[peer][half, rank, slot, :width]
                 assert torch.equal(sent, parts[rank][row, cols])
-                assert peers.flags[peer][slot, rank] == peers.epochs[slot]
+                taken = peers.data[rank][half, peer, slot].view(torch.int32)
+                assert (taken == -(2**31)).all()  # -0.0: empty again
     assert peers.epochs.tolist() == [3] * 3 + [2] * 3 + [1] * 3
 
 

@@ -1,9 +1,9 @@
 """The all-reduce fused with the residual add and RMSNorm (kernels/triton_all_reduce_norm.py).
 
-On the CPU, under TRITON_INTERPRET, one process plays rank 0 of a group whose other ranks
-already raised their flags and wrote their rows: the kernel must find them, give the
-reference's values, raise its own flags in the peers' arrays and count its calls. Two real
-ranks on two GPUs are tested in tests/integration/test_gpu_fused_all_reduce.py.
+On the CPU, under TRITON_INTERPRET, one process plays one rank of a group whose other ranks
+already wrote their rows: the kernel must find them, give the reference's values, empty their
+slots again (-0.0), send its own row to every peer (a -0.0 in it as +0.0) and count its calls.
+Two real ranks on two GPUs are tested in tests/integration/test_gpu_fused_all_reduce.py.
 """
 
 from __future__ import annotations
@@ -26,20 +26,23 @@ HIDDEN, MAX_ROWS, EPS = 96, 8, 1e-5
 
 def _group(world: int, rank: int, max_programs: int = 2) -> PeerBuffers:
     """Two programs at most by default: a call of 3 rows makes one program take two rows."""
-    data = tuple(torch.zeros(2, world, MAX_ROWS, HIDDEN) for _ in range(world))
-    flags = tuple(torch.zeros(MAX_ROWS, world, dtype=torch.int32) for _ in range(world))
-    return PeerBuffers.of(rank, data, flags, max_programs)
+    data = tuple(torch.full((2, world, MAX_ROWS, HIDDEN), -0.0) for _ in range(world))
+    return PeerBuffers.of(rank, data, max_programs)
+
+
+def _empty(slots: torch.Tensor) -> bool:
+    """Whether every value is -0.0, the mark of an empty slot."""
+    return bool((slots.view(torch.int32) == -(2**31)).all())
 
 
 def _peers_arrive(peers: PeerBuffers, partials: list[torch.Tensor]) -> None:
-    """What the other ranks do first in this call: send their rows, then raise their flags
-    (each row slot at its own next epoch)."""
+    """What the other ranks do first in this call: send their rows (each row slot in the half
+    of its own next epoch)."""
     for row in range(partials[0].shape[0]):
         epoch = (peers.epochs[row] + 1).item()  # int32: wraps as the kernel's does
         for rank, part in enumerate(partials):
             if rank != peers.rank:
                 peers.data[peers.rank][epoch & 1, rank, row] = part[row]
-                peers.flags[peers.rank][row, rank] = epoch
 
 
 @pytest.mark.parametrize(("world", "rank"), [(2, 0), (2, 1), (4, 2)])
@@ -62,8 +65,7 @@ def test_rank_sums_the_peers_rows_in_rank_order_then_adds_and_norms(world: int, 
         halves, slots = (peers.epochs[:rows] & 1).long(), torch.arange(rows)
         for peer in set(range(world)) - {rank}:  # its row sent to every peer
             assert torch.equal(peers.data[peer][halves, rank, slots], partials[rank])
-        for peer in set(range(world)) - {rank}:  # its flag raised in every peer's array
-            assert torch.equal(peers.flags[peer][:rows, rank], peers.epochs[:rows])
+            assert _empty(peers.data[rank][halves, peer, slots])  # the peer's row taken
     assert peers.epochs[:4].tolist() == [3, 2, 2, 0]
 
 
@@ -80,7 +82,7 @@ def test_calls_go_on_when_the_epoch_counters_wrap() -> None:
         got = all_reduce_add_rms_norm(partials[1].clone(), residual.clone(), weight, EPS, peers)
         assert torch.equal(got[1], expected[1]) and torch.equal(got[1], sum(partials) + residual)
         assert peers.epochs[:2].tolist() == [expected_epoch] * 2
-        assert peers.flags[0][:2, 1].tolist() == [expected_epoch] * 2
+        assert _empty(peers.data[1][expected_epoch & 1, 0, :2])
 
 
 def test_without_a_residual_the_sum_is_the_new_residual() -> None:
@@ -122,4 +124,17 @@ def test_inputs_that_do_not_fit_the_buffers_are_refused() -> None:
             torch.zeros(1, HIDDEN), torch.zeros(1, HIDDEN), weight[:8], EPS, peers
         )
     with pytest.raises(ValueError, match="multiple of 8"):
-        PeerBuffers.of(0, (torch.zeros(2, 1, 4, 12),), (torch.zeros(4, 1, dtype=torch.int32),), 1)
+        PeerBuffers.of(0, (torch.zeros(2, 1, 4, 12),), 1)
+
+
+def test_a_negative_zero_is_sent_as_a_positive_one() -> None:
+    """-0.0 marks an empty slot: a row holding it must not look as if it never arrived."""
+    peers = _group(2, 0)
+    partials = [torch.ones(1, HIDDEN), torch.ones(1, HIDDEN)]
+    partials[0][0, :3] = torch.tensor([-0.0, 0.0, -1.0])
+    _peers_arrive(peers, partials)
+    _, total = all_reduce_add_rms_norm(partials[0].clone(), None, torch.ones(HIDDEN), EPS, peers)
+    sent = peers.data[1][1, 0, 0]
+    assert torch.equal(sent, partials[0][0]) and sent[0].item() == 0.0
+    assert sent.view(torch.int32)[:2].tolist() == [0, 0]  # both +0.0
+    assert total[0, :3].tolist() == [1.0, 1.0, 0.0]
