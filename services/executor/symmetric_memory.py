@@ -40,14 +40,8 @@ def reduce_buffers(
     logged). Collective: every rank of the group calls it at the same point."""
     if hidden % 8:
         return None
-    peers = _peer_buffers(tp, MAX_FUSED_ROWS, hidden, dtype, device)
-    if peers is not None:
-        logger.info(
-            "fused all-reduce + RMSNorm over symmetric memory: %d ranks, up to %d rows",
-            tp.size,
-            MAX_FUSED_ROWS,
-        )
-    return peers
+    what = f"fused all-reduce + RMSNorm of up to {MAX_FUSED_ROWS} rows"
+    return _peer_buffers(tp, MAX_FUSED_ROWS, hidden, dtype, device, what)
 
 
 def gather_buffers(
@@ -56,18 +50,17 @@ def gather_buffers(
     """The logits all-gather's buffers for parts of `part_cols` columns a rank, or None.
     Collective, as reduce_buffers."""
     slots = MAX_GATHER_ROWS * slots_per_row(part_cols)
-    peers = _peer_buffers(tp, slots, SLOT_WIDTH, dtype, device)
-    if peers is not None:
-        logger.info(
-            "logits all-gather over symmetric memory: %d ranks, up to %d rows",
-            tp.size,
-            MAX_GATHER_ROWS,
-        )
-    return peers
+    what = f"logits all-gather of up to {MAX_GATHER_ROWS} rows"
+    return _peer_buffers(tp, slots, SLOT_WIDTH, dtype, device, what)
 
 
 def _peer_buffers(
-    tp: TensorParallel, slots: int, width: int, dtype: torch.dtype, device: torch.device
+    tp: TensorParallel,
+    slots: int,
+    width: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    what: str,  # the collective they serve, for the log
 ) -> PeerBuffers | None:
     """`tp`'s group's buffers of `slots` rows of `width` values, or None (with the reason
     logged). Collective: every rank of the group calls it at the same point."""
@@ -104,6 +97,7 @@ def _peer_buffers(
         return None
     torch.cuda.synchronize(device)
     dist.barrier(group=tp.group)  # every rank's slots are empty before any rank sends
+    logger.info("%s over symmetric memory: %d ranks", what, world)
     return peers
 
 
