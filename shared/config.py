@@ -111,9 +111,9 @@ class Config:
     disable_custom_all_reduce: bool = option(
         False,
         "parallel",
-        "With --tensor-parallel-size > 1 on GPUs: sum the ranks' parts with NCCL and norm them"
-        " apart, instead of one kernel that reads the peers' rows over symmetric memory and"
-        " adds and norms them (steps of up to 512 tokens).",
+        "With --tensor-parallel-size > 1 on GPUs: sum the ranks' parts and gather the logits"
+        " with NCCL (and norm apart), instead of one-shot kernels that send the rows to the"
+        " peers over symmetric memory (steps of up to 512 tokens; logits of up to 16 rows).",
     )
     pipeline_parallel_size: int = option(
         1, "parallel", "Only 1: kvflow splits a model by tensor parallelism, not by layers."
