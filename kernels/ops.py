@@ -13,7 +13,7 @@ import torch
 
 from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
 from kernels.all_gather import all_gather_reference
-from kernels.all_reduce_norm import PeerBuffers, all_reduce_add_rms_norm_reference
+from kernels.all_reduce_norm import all_reduce_add_rms_norm_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
 from kernels.embedding import embedding_rows_reference
@@ -29,6 +29,7 @@ from kernels.norm import (
     rms_norm_fp8_reference,
     rms_norm_reference,
 )
+from kernels.peers import PeerBuffers
 from kernels.rotary_cache import rotary_write_kv_reference
 
 # Decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS up to 16 rows; past

@@ -20,12 +20,14 @@ import triton
 import triton.language as tl
 
 from kernels.all_gather import SLOT_WIDTH, gather_takes, slots_per_row
-from kernels.all_reduce_norm import PeerBuffers
+from kernels.peers import PeerBuffers
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
-from kernels.triton_peers import int_of_width, receive_row, send_row, without_negative_zero
+from kernels.triton_peers import int_of_width, receive_row, send_row
 
 
-@triton.jit
+# NOTE: the slot count follows the rows; not specialised, so no row count compiles anew while
+# the peer waits in its kernel.
+@triton.jit(do_not_specialize=["num_slots"])
 def _all_gather_kernel(
     part_ptr,  # [M, P]: this rank's part of each row
     out_ptr,  # [M, WORLD * P]
@@ -56,8 +58,9 @@ def _all_gather_kernel(
         epoch = tl.load(epochs_ptr + slot) + 1
         first = (epoch & 1) * WORLD * max_slots + slot  # rank 0's copy of the slot, this call
         mine = tl.load(part_ptr + row * stride_part + first_col + offsets, mask=mask, other=0.0)
-        mine = without_negative_zero(mine)  # as the peers get it: every rank the same bits
-        send_row(mine, data_addresses_ptr, first, offsets, mask, WIDTH, max_slots, RANK, WORLD)
+        mine = send_row(
+            mine, data_addresses_ptr, first, offsets, mask, WIDTH, max_slots, RANK, WORLD, BITS
+        )
         out_row = out_ptr + row * stride_out + first_col + offsets
         for rank in tl.static_range(WORLD):
             if rank == RANK:
@@ -87,7 +90,7 @@ def all_gather(part: torch.Tensor, peers: PeerBuffers) -> torch.Tensor:
         peers.epochs,
         num_slots,
         slots_per_row(cols),
-        peers.max_rows,
+        peers.slots,
         cols,
         part.stride(0),
         out.stride(0),

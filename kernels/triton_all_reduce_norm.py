@@ -31,9 +31,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.all_reduce_norm import PeerBuffers
+from kernels.all_reduce_norm import reduce_takes
+from kernels.peers import PeerBuffers
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
-from kernels.triton_peers import int_of_width, receive_row, send_row, without_negative_zero
+from kernels.triton_peers import int_of_width, receive_row, send_row
 
 
 @triton.jit
@@ -85,8 +86,10 @@ def _all_reduce_add_rms_norm_kernel(
         # Where rank r's row lies in any rank's buffer [2, WORLD, max_rows, hidden] this call.
         first = (epoch & 1) * WORLD * max_rows + row
         partial_ptrs = partial_ptr + row64 * stride_partial + cols
-        mine = without_negative_zero(tl.load(partial_ptrs, mask=mask, other=0.0))
-        send_row(mine, data_addresses_ptr, first, cols, mask, hidden, max_rows, RANK, WORLD)
+        mine = tl.load(partial_ptrs, mask=mask, other=0.0)
+        mine = send_row(
+            mine, data_addresses_ptr, first, cols, mask, hidden, max_rows, RANK, WORLD, BITS
+        )
         total = _sum_rows(mine, own_data, first, cols, mask, hidden, max_rows, RANK, WORLD, BITS)
         res_ptrs = residual_ptr + row64 * stride_residual + cols
         x = total.to(dtype)  # rounded as the all-reduce hands the sum on
@@ -115,7 +118,7 @@ def all_reduce_add_rms_norm(
     has_residual = residual is not None
     if residual is None:
         residual = torch.empty_like(partial)
-    if not peers.takes(partial) or residual.shape != partial.shape:
+    if not reduce_takes(peers, partial) or residual.shape != partial.shape:
         raise ValueError(
             f"partial {tuple(partial.shape)} {partial.dtype} and residual "
             f"{tuple(residual.shape)} do not fit the buffers {tuple(peers.data[0].shape)} "
@@ -134,7 +137,7 @@ def all_reduce_add_rms_norm(
         peers.data_addresses,
         peers.epochs,
         partial.shape[0],
-        peers.max_rows,
+        peers.slots,
         hidden,
         partial.stride(0),
         residual.stride(0),

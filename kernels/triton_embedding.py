@@ -27,6 +27,7 @@ def _embedding_rows_kernel(
     first_id,
     num_rows,
     hidden,
+    stride_ids,
     stride_weight,
     stride_out,
     BLOCK: tl.constexpr,
@@ -37,7 +38,7 @@ def _embedding_rows_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     # The id's row, as a vector over the block (a scalar mask is not one Triton takes).
-    local = tl.full([BLOCK], 0, tl.int64) + tl.load(ids_ptr + token) - first_id
+    local = tl.full([BLOCK], 0, tl.int64) + tl.load(ids_ptr + token * stride_ids) - first_id
     held = (local >= 0) & (local < num_rows)
     row = tl.where(held, local, 0)
     values = tl.load(weight_ptr + row * stride_weight + cols, mask=mask & held, other=0.0)
@@ -65,6 +66,7 @@ def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, first_id: int) -> to
         first_id,
         num_rows,
         hidden,
+        ids.stride(0),
         weight.stride(0),
         out.stride(0),
         BLOCK=block,

@@ -124,15 +124,16 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     Fewer weight rows a program and longer K steps keep more bytes in flight where a rank's
     halved N leaves fewer programs.
 
-    M = 1, K > 4096 or N >= 65536 (down, lm_head): fma n8 k1024 w4 s2 since 2026-11-27 (same
+    M = 1, K > 4096 or N >= 32768 (down, lm_head): fma n8 k1024 w4 s2 since 2026-11-27 (same
     command, H200, with PDL), against n8 k512 w4 s3 for down and n4 k1024 w4 s2 for lm_head,
     us per call, whole model / one rank of two: down 28.5 / 34.7, 15.6 / 18.8; lm_head 241.4 /
-    248.3, 123.9 / 127.5. (o, K <= 4096, would gain 0.5-1.0 us with it; qkv loses 1.6-1.8.)
+    248.3, 123.9 / 127.5. (o, K <= 4096, would gain 0.5-1.0 us with it; qkv loses 1.6-1.8;
+    gate_up, N 28672 and 14336, is within 1 %.)
 
     float32 (the CPU interpreter, tests) halves block_k, to keep the bytes of a weight tile and
     so the pipelined shared memory the same; block_k never exceeds K rounded up to a power of two.
     """
-    if m == 1 and (k > 4096 or n >= 65536):
+    if m == 1 and (k > 4096 or n >= 32768):
         tiles = LinearTiles(block_n=8, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
     elif m == 1:
         tiles = LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)

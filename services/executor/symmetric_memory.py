@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.all_gather import SLOT_WIDTH, slots_per_row
-from kernels.all_reduce_norm import MAX_WORLD, PeerBuffers
+from kernels.peers import MAX_WORLD, PeerBuffers
 
 if TYPE_CHECKING:  # tensor_parallel imports this module
     from services.executor.tensor_parallel import TensorParallel
@@ -77,7 +77,7 @@ def _peer_buffers(
         data.fill_(-0.0)  # every slot empty (kernels/triton_peers.py)
         programs = torch.cuda.get_device_properties(device).multi_processor_count
     except Exception as exc:  # whatever it is, NCCL serves instead
-        logger.warning("one-shot collectives off: symmetric memory unavailable (%s)", exc)
+        logger.warning("%s off: symmetric memory unavailable (%s)", what, exc)
         programs = 0
     programs = tp.smallest(programs, device)  # one count on every rank
     if not programs:
@@ -91,7 +91,7 @@ def _peer_buffers(
             rank, tuple(_mapped(handle, r, data) for r in range(world)), programs
         )
     except Exception as exc:  # e.g. no IPC between the ranks' containers
-        logger.warning("one-shot collectives off: the ranks' buffers were not mapped (%s)", exc)
+        logger.warning("%s off: the ranks' buffers were not mapped (%s)", what, exc)
         peers = None
     if not tp.smallest(int(peers is not None), device):
         return None

@@ -30,7 +30,8 @@ from torch import nn
 
 from kernels import ops
 from kernels.all_gather import gather_takes
-from kernels.all_reduce_norm import PeerBuffers
+from kernels.all_reduce_norm import reduce_takes
+from kernels.peers import PeerBuffers
 from services.executor.linear_shards import Loaded, Split, TensorDims, shard_tensor
 from services.executor.symmetric_memory import gather_buffers, reduce_buffers
 from shared.model_config import ModelConfig
@@ -45,7 +46,7 @@ class TensorParallel:
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
     # The one-shot collectives' buffers (with_peer_buffers): the fused all-reduce's, the
     # logits all-gather's
-    peers: PeerBuffers | None = None
+    reduce_peers: PeerBuffers | None = None
     gather_peers: PeerBuffers | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,10 +59,11 @@ class TensorParallel:
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(sum + residual), sum + residual) with sum the ranks' x added up, in
-        place (no residual: of the sum alone): one fused kernel over the peers' buffers where
-        they take x, else NCCL's all-reduce and then the add and norm."""
-        if self.peers is not None and self.peers.takes(x):
-            return ops.all_reduce_add_rms_norm(x, residual, weight, eps, self.peers)
+        place of x and residual (no residual: the sum in a new tensor): one fused kernel over
+        the peers' buffers where they take x, else NCCL's all-reduce and then the add and
+        norm."""
+        if self.reduce_peers is not None and reduce_takes(self.reduce_peers, x):
+            return ops.all_reduce_add_rms_norm(x, residual, weight, eps, self.reduce_peers)
         x = self.all_reduce(x)
         if residual is None:
             return ops.rms_norm(x, weight, eps), x
@@ -75,9 +77,13 @@ class TensorParallel:
         calls it at the same point."""
         if self.size == 1:
             return self
-        peers = reduce_buffers(self, hidden, dtype, device)
-        gather_peers = gather_buffers(self, vocab_part, dtype, device) if peers else None
-        return dataclasses.replace(self, peers=peers, gather_peers=gather_peers)
+        reduce_peers = reduce_buffers(self, hidden, dtype, device)
+        # Both or neither: the gather's setup follows the all-reduce's (the same conditions,
+        # and a group that failed one would only log the same warning twice).
+        gather_peers = None
+        if reduce_peers is not None:
+            gather_peers = gather_buffers(self, vocab_part, dtype, device)
+        return dataclasses.replace(self, reduce_peers=reduce_peers, gather_peers=gather_peers)
 
     def smallest(self, value: int, device: torch.device) -> int:
         """The smallest of the ranks' values (what every rank can hold)."""

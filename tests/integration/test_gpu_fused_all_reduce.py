@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.all_reduce_norm import reduce_takes
 from services.executor.symmetric_memory import MAX_GATHER_ROWS
 from services.executor.tensor_parallel import TensorParallel
 
@@ -35,7 +36,7 @@ def check_rank(rank: int, directory: str) -> None:
 
     tp = join_group(Config(device="cuda", tensor_parallel_size=2), Path(directory), rank)
     tp = tp.with_peer_buffers(HIDDEN, VOCAB_PART, torch.bfloat16, torch.device("cuda", rank))
-    assert tp.peers is not None, "no symmetric memory between the two GPUs"
+    assert tp.reduce_peers is not None, "no symmetric memory between the two GPUs"
     gen = torch.Generator(device="cuda").manual_seed(7)  # the same draws on both ranks
     weight = torch.rand(HIDDEN, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
 
@@ -47,18 +48,20 @@ def check_rank(rank: int, directory: str) -> None:
 
     for rows in (1, 3, 64, 1, MAX_FUSED_ROWS):  # slots used unevenly, then all of them
         partial, residual = draws(rows)
-        assert tp.peers.takes(partial)
-        calls = tp.peers.epochs[:rows].clone()
+        assert reduce_takes(tp.reduce_peers, partial)
+        calls = tp.reduce_peers.epochs[:rows].clone()
         want = ops.fused_add_rms_norm(tp.all_reduce(partial.clone()), residual.clone(), weight, EPS)
         got = tp.all_reduce_add_rms_norm(partial, residual.clone(), weight, EPS)
-        assert torch.equal(tp.peers.epochs[:rows], calls + 1)  # the fused kernel ran
+        assert torch.equal(tp.reduce_peers.epochs[:rows], calls + 1)  # the fused kernel ran
         for g, w in zip(got, want, strict=True):  # NCCL adds two bf16 values as floats too
             assert torch.equal(g, w), (rows, (g.float() - w.float()).abs().max().item())
 
     for rows in (1, 5):  # the model's first norm: nothing to add, the sum becomes the residual
         partial, _ = draws(rows)
         summed = tp.all_reduce(partial.clone())
+        calls = tp.reduce_peers.epochs[:rows].clone()
         got = tp.all_reduce_add_rms_norm(partial, None, weight, EPS)
+        assert torch.equal(tp.reduce_peers.epochs[:rows], calls + 1)  # the fused kernel ran
         assert torch.equal(got[1], summed)
         assert torch.equal(got[0], ops.rms_norm(summed, weight, EPS))
 
@@ -73,7 +76,7 @@ def check_rank(rank: int, directory: str) -> None:
         for _ in range(64):
             x, _ = tp.all_reduce_add_rms_norm(x * 0.5, residual, weight, EPS)
     expected_res = residual0.clone()
-    calls = tp.peers.epochs[:8].clone()
+    calls = tp.reduce_peers.epochs[:8].clone()
     for replay in range(3):
         expected_x = x0
         for _ in range(64):
@@ -83,7 +86,7 @@ def check_rank(rank: int, directory: str) -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(x, expected_x) and torch.equal(residual, expected_res), replay
-    assert torch.equal(tp.peers.epochs[:8], calls + 3 * 64)  # the graph holds the fused kernel
+    assert torch.equal(tp.reduce_peers.epochs[:8], calls + 3 * 64)  # the graph holds the kernel
     check_gather(tp, gen)
     dist.destroy_process_group()
     print(f"rank {rank}: ok")

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.all_gather import SLOT_WIDTH, all_gather_reference, gather_takes, slots_per_row
-from kernels.all_reduce_norm import PeerBuffers
+from kernels.peers import PeerBuffers
 from kernels.triton_all_gather import all_gather
 
 pytestmark = pytest.mark.skipif(

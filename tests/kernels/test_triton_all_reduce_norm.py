@@ -13,8 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.all_reduce_norm import PeerBuffers, all_reduce_add_rms_norm_reference
+from kernels.all_reduce_norm import all_reduce_add_rms_norm_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from kernels.peers import PeerBuffers
 from kernels.triton_all_reduce_norm import all_reduce_add_rms_norm
 
 # One process plays every rank in host memory: the interpreter's pointers are host addresses.
@@ -24,9 +25,12 @@ pytestmark = pytest.mark.skipif(
 HIDDEN, MAX_ROWS, EPS = 96, 8, 1e-5
 
 
-def _group(world: int, rank: int, max_programs: int = 2) -> PeerBuffers:
+def _group(
+    world: int, rank: int, max_programs: int = 2, dtype: torch.dtype = torch.float32
+) -> PeerBuffers:
     """Two programs at most by default: a call of 3 rows makes one program take two rows."""
-    data = tuple(torch.full((2, world, MAX_ROWS, HIDDEN), -0.0) for _ in range(world))
+    shape = (2, world, MAX_ROWS, HIDDEN)
+    data = tuple(torch.full(shape, -0.0, dtype=dtype) for _ in range(world))
     return PeerBuffers.of(rank, data, max_programs)
 
 
@@ -127,14 +131,18 @@ def test_inputs_that_do_not_fit_the_buffers_are_refused() -> None:
         PeerBuffers.of(0, (torch.zeros(2, 1, 4, 12),), 1)
 
 
-def test_a_negative_zero_is_sent_as_a_positive_one() -> None:
+@pytest.mark.parametrize(
+    ("dtype", "bits"), [(torch.float32, torch.int32), (torch.bfloat16, torch.int16)]
+)
+def test_a_negative_zero_is_sent_as_a_positive_one(dtype: torch.dtype, bits: torch.dtype) -> None:
     """-0.0 marks an empty slot: a row holding it must not look as if it never arrived."""
-    peers = _group(2, 0)
-    partials = [torch.ones(1, HIDDEN), torch.ones(1, HIDDEN)]
+    peers = _group(2, 0, dtype=dtype)
+    partials = [torch.ones(1, HIDDEN, dtype=dtype), torch.ones(1, HIDDEN, dtype=dtype)]
     partials[0][0, :3] = torch.tensor([-0.0, 0.0, -1.0])
     _peers_arrive(peers, partials)
-    _, total = all_reduce_add_rms_norm(partials[0].clone(), None, torch.ones(HIDDEN), EPS, peers)
+    weight = torch.ones(HIDDEN, dtype=dtype)
+    _, total = all_reduce_add_rms_norm(partials[0].clone(), None, weight, EPS, peers)
     sent = peers.data[1][1, 0, 0]
     assert torch.equal(sent, partials[0][0]) and sent[0].item() == 0.0
-    assert sent.view(torch.int32)[:2].tolist() == [0, 0]  # both +0.0
+    assert sent.view(bits)[:2].tolist() == [0, 0]  # both +0.0
     assert total[0, :3].tolist() == [1.0, 1.0, 0.0]

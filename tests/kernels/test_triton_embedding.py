@@ -39,11 +39,15 @@ def test_two_ranks_rows_add_up_to_the_whole_embedding() -> None:
     assert torch.equal(parts[0] + parts[1], F.embedding(ids.long(), whole))
 
 
+def test_strided_ids() -> None:
+    weight = torch.randn(8, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    ids = torch.tensor([[1, 9], [5, 9], [7, 9]], device=DEVICE)[:, 0]  # every other value
+    assert torch.equal(embedding_rows(ids, weight, 0), weight[[1, 5, 7]])
+
+
 def test_no_tokens_and_bad_shapes() -> None:
     weight = torch.zeros(4, 8, device=DEVICE)
-    assert embedding_rows(torch.zeros(0, dtype=torch.int64, device=DEVICE), weight, 0).shape == (
-        0,
-        8,
-    )
+    none = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    assert embedding_rows(none, weight, 0).shape == (0, 8)
     with pytest.raises(ValueError, match="ids"):
         embedding_rows(torch.zeros(2, 1, dtype=torch.int64, device=DEVICE), weight, 0)

@@ -101,6 +101,8 @@ def test_matches_reference(
     [  # Llama-3.1-8B's down and lm_head are the wide cases; float32 halves block_k
         (1, 4096, 14336, torch.bfloat16, LinearTiles(8, 1024, 4, 2, use_dot=False)),
         (1, 128256, 4096, torch.bfloat16, LinearTiles(8, 1024, 4, 2, use_dot=False)),
+        (1, 64128, 4096, torch.bfloat16, LinearTiles(8, 1024, 4, 2, use_dot=False)),  # a rank's
+        (1, 28672, 4096, torch.bfloat16, LinearTiles(4, 1024, 4, 2, use_dot=False)),
         (1, 6144, 4096, torch.bfloat16, LinearTiles(4, 1024, 4, 2, use_dot=False)),
         (1, 6144, 4096, torch.float32, LinearTiles(4, 512, 4, 2, use_dot=False)),
         (2, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),
