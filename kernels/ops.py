@@ -32,9 +32,12 @@ from kernels.norm import (
 from kernels.peers import PeerBuffers
 from kernels.rotary_cache import rotary_write_kv_reference
 
-# Decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS up to 16 rows; past
-# that cuBLAS is within 3 % of it (benchmarks/linear_sweep.py), so it keeps those.
-SKINNY_MAX_ROWS = 16
+# Decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS up to 64 rows (with
+# per-shape tiles and PDL; benchmarks/linear_sweep.py, H100, Qwen3-8B: a step's linear layers
+# 5.55 against 5.91 ms at 32 rows, 5.70 against 5.97 at 64).
+SKINNY_MAX_ROWS = 64
+# Block-scaled FP8 goes to cuBLASLt's blockwise GEMM past this many rows, where it has one.
+FP8_BLOCK_SKINNY_MAX_ROWS = 16
 # FP8 weights stream faster through the skinny kernel than through cuBLASLt's scaled GEMM up
 # to its 64 rows (benchmarks/fp8_sweep.py, H100, Llama-3.1-8B layers, quantization included:
 # 116 against 139 us a layer at M = 32, 112 against 134 at M = 64).
@@ -295,13 +298,13 @@ def fp8_group_linear(
     block_scale: torch.Tensor | None = None,  # [ceil(N / 128), K / 128]: 128 x 128 blocks
 ) -> torch.Tensor:  # [M, N], x.dtype
     """A block-scaled FP8 W8A8 layer (`kernels/fp8.py`): on CUDA the activation quantized per
-    token and group, then one Triton kernel; past SKINNY_MAX_ROWS rows of bf16, cuBLASLt's
-    blockwise-scaled FP8 GEMM instead where the layer has `block_scale` (Fp8Block.prepare
-    makes one only where cuBLASLt takes the layer); elsewhere the reference."""
+    token and group, then one Triton kernel; past FP8_BLOCK_SKINNY_MAX_ROWS rows of bf16,
+    cuBLASLt's blockwise-scaled FP8 GEMM instead where the layer has `block_scale`
+    (Fp8Block.prepare makes one only where cuBLASLt takes the layer); elsewhere the reference."""
     module = _triton("fp8", x)
     if module is None:
         return fp8_group_linear_reference(x, qweight, weight_scale, group, bias)
-    small = x.shape[0] <= SKINNY_MAX_ROWS
+    small = x.shape[0] <= FP8_BLOCK_SKINNY_MAX_ROWS
     if small or block_scale is None or x.dtype != torch.bfloat16:
         return module.fp8_group_linear(x, qweight, weight_scale, group, bias)
     m = x.shape[0]

@@ -105,14 +105,20 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
         M >= 2, the rest       dot n32 k128 w4 s5  qkv 20.0 / 21.0, o 14.5 / 16.3,
                                                    gate_up 82.0 / 81.9
 
-        M = 17..64             dot n32 k256 w4 s4  Qwen3-8B shapes at M = 32 (2026-11-24,
-                                                   `--model qwen3 --m 1 16 32 48 64`): qkv
-                                                   22.6 / 21.6, o 15.2 / 14.7, gate_up 73.1 /
-                                                   73.7, down 40.1 / 40.7, lm_head 425.5 / 444.6
-
-    Above 16 rows a step's linear layers take as long as with cuBLAS (at M = 32: 5.86 against
-    5.87 ms; the best config per shape, 5.72 against 5.90), so the engine keeps cuBLAS there
-    (kernels.ops.SKINNY_MAX_ROWS).
+    M = 17..64 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 1 16 32 48 64 --step-m
+    32 64`), Qwen3-8B shapes, us per call, these tiles / cuBLAS:
+        17-32 rows             qkv (N 4097..16383)  dot n16 k256 w4 s4   20.8 / 21.6
+        (x tile of 32)         gate_up (N 16384..)  dot n64 k128 w4 s4   71.2 / 73.8
+                               o, down, lm_head     dot n32 k512 w4 s4   14.0 / 14.7,
+                                                                         37.8 / 40.8,
+                                                                         419.4 / 444.3
+        33-64 rows (x tile of  lm_head (N 65536..)  dot n128 k128 w8 s3  422.9 / 453.0 at 64
+        64: k512 no longer     qkv, gate_up         dot n64 k128 w4 s4   20.9 / 20.6, 73.2 / 74.9
+        fits shared memory)    o, down (N <= 4096)  dot n32 k256 w4 s4   14.2 / 15.0, 38.8 / 42.0
+    A step's linear layers with the best tiles per shape: 5.55 against 5.91 ms with cuBLAS at
+    32 rows, 5.70 against 5.97 at 64; a whole Qwen3-8B decode step (benchmarks/step_mix.py)
+    6.81 against 7.20 ms at 32 rows, 7.22 against 7.48 at 64. Before PDL the same tiles gained
+    half as much, and one tile for every shape (n32 k256 w4 s4) a fifth (7.11 against 7.19).
 
     M = 1, K <= 4096: fma n4 k1024 w4 s2 since 2026-11-27 (`--model llama llama-tp2 --m 1`,
     the latter one rank's shapes at --tensor-parallel-size 2), against n8 k512 w4 s3, us per
@@ -137,8 +143,10 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
         tiles = LinearTiles(block_n=8, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
     elif m == 1:
         tiles = LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
-    elif m > 16:  # x tiles of 32 or 64 rows share the pipelined shared memory
-        tiles = LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)
+    elif m > 32:  # x tiles of 64 rows: K steps of 512 no longer fit the shared memory
+        tiles = _tiles_64_rows(n)
+    elif m > 16:
+        tiles = _tiles_32_rows(n, k)
     elif k >= 8192 or n >= 65536:
         tiles = LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
     else:
@@ -146,6 +154,27 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     block_k = tiles.block_k // 2 if dtype == torch.float32 else tiles.block_k
     block_k = max(DOT_MIN, min(block_k, triton.next_power_of_2(k)))
     return dataclasses.replace(tiles, block_k=block_k)
+
+
+def _tiles_32_rows(n: int, k: int) -> LinearTiles:
+    """17-32 rows (see default_tiles): gate_up-like N in 64-row blocks, qkv-like N in 16-row
+    blocks (N = 6144 makes 384 programs, against 192 for 1.45 waves of 132 SMs at 32), the
+    rest (o, down, lm_head) in 32-row blocks with K steps of 512."""
+    if 16384 <= n < 65536:
+        return LinearTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if 4096 < n < 16384 and k < 8192:
+        return LinearTiles(block_n=16, block_k=256, num_warps=4, num_stages=4)
+    return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
+
+
+def _tiles_64_rows(n: int) -> LinearTiles:
+    """33-64 rows (see default_tiles): lm_head-like N in 128-row blocks over 8 warps, the other
+    wide layers (qkv, gate_up) in 64-row blocks, N <= 4096 (o, down) in 32-row blocks."""
+    if n >= 65536:
+        return LinearTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+    if n > 4096:
+        return LinearTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
 
 # NOTE: m is not specialised, so M = 1 (Triton's "== 1" case) and M = 16 ("divisible by 16")

@@ -9,6 +9,7 @@ zero where the GPU rounds to nearest, so bf16 errors on CPU are about twice thos
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -97,6 +98,17 @@ def test_matches_reference(
 
 
 @pytest.mark.parametrize(
+    ("m", "n", "k"),  # each pick for 17-64 rows, run at a small N and K (block_k <= 256)
+    [(32, 24576, 4096), (32, 6144, 4096), (32, 4096, 14336), (48, 151936, 4096), (64, 6144, 4096)],
+)
+def test_wide_row_picks_match_reference(m: int, n: int, k: int) -> None:
+    tiles = default_tiles(m, n, k, torch.bfloat16)
+    x, weight, bias = make_case(m, 2 * tiles.block_n + 3, 300, torch.bfloat16, seed=m + n)
+    small = dataclasses.replace(tiles, block_k=min(tiles.block_k, 256))
+    check(skinny_linear(x, weight, bias, tiles=small), linear_reference(x, weight, bias), 1e-2)
+
+
+@pytest.mark.parametrize(
     ("m", "n", "k", "dtype", "expected"),
     [  # Llama-3.1-8B's down and lm_head are the wide cases; float32 halves block_k
         (1, 4096, 14336, torch.bfloat16, LinearTiles(8, 1024, 4, 2, use_dot=False)),
@@ -108,7 +120,14 @@ def test_matches_reference(
         (2, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),
         (16, 128256, 4096, torch.float16, LinearTiles(32, 512, 4, 4)),
         (16, 28672, 4096, torch.bfloat16, LinearTiles(32, 128, 4, 5)),
-        (17, 4096, 14336, torch.bfloat16, LinearTiles(32, 256, 4, 4)),
+        (17, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # down, 32-row x tile
+        (32, 24576, 4096, torch.bfloat16, LinearTiles(64, 128, 4, 4)),  # Qwen3-8B gate_up
+        (32, 6144, 4096, torch.bfloat16, LinearTiles(16, 256, 4, 4)),  # qkv
+        (32, 151936, 4096, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # lm_head
+        (32, 6144, 4096, torch.float32, LinearTiles(16, 128, 4, 4)),
+        (33, 151936, 4096, torch.bfloat16, LinearTiles(128, 128, 8, 3)),  # 64-row x tile
+        (64, 28672, 4096, torch.bfloat16, LinearTiles(64, 128, 4, 4)),
+        (64, 4096, 14336, torch.bfloat16, LinearTiles(32, 256, 4, 4)),
         (4, 4096, 4096, torch.float32, LinearTiles(32, 64, 4, 5)),
         (4, 48, 20, torch.bfloat16, LinearTiles(32, 32, 4, 5)),  # block_k <= next pow2 of K
         (1, 48, 8, torch.float32, LinearTiles(4, 16, 4, 2, use_dot=False)),  # and >= 16
