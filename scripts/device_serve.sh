@@ -35,9 +35,9 @@ run() {
     "${@:2}" || { echo "=== $1 failed (exit $?)"; status=1; }
 }
 
-wait_healthy() {  # URL PID
+wait_healthy() {  # URL PID: URL answers 200 once the server is ready
     local start=$SECONDS
-    until curl -sf "$1/ready" >/dev/null; do
+    until curl -sf "$1" >/dev/null; do
         kill -0 "$2" 2>/dev/null || { echo "server exited during startup"; return 1; }
         ((SECONDS - start < 400)) || { echo "not ready after 400 s"; return 1; }
         sleep 0.5
@@ -72,7 +72,7 @@ serve_kvflow() {  # NAME WORKLOADS [FLAGS...]
     python3 -m services serve "$MODEL_DIR" --load-format dummy --max-model-len 4096 \
         --port 8100 "${@:3}" >"$RESULTS/$1_serve.log" 2>&1 &
     local pid=$!
-    if wait_healthy http://127.0.0.1:8100 $pid; then
+    if wait_healthy http://127.0.0.1:8100/ready $pid; then
         echo "$1 start to ready: $((SECONDS - start)) s"
         [[ $2 == *serve* ]] && bench "$1" 8100
         [[ $2 == *prefix* ]] && bench_prefix "$1" 8100
@@ -103,7 +103,7 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
         --port 8100 --data-parallel-size "$2" --data-parallel-routing "$3" ${SERVE_FLAGS:-} \
         >"$RESULTS/$1_serve.log" 2>&1 &
     local pid=$!
-    if wait_healthy $url $pid; then
+    if wait_healthy $url/ready $pid; then
         echo "$1 start to ready: $((SECONDS - start)) s"
         local common=(--port 8100 --tokenizer "$MODEL_DIR" --ignore-eos --disable-tqdm)
         # Twice: the first load meets a fresh server (first-use compiles), the second not;
@@ -157,7 +157,8 @@ serve_vllm() {
         --load-format dummy --max-model-len 4096 --served-model-name m --port 8200 \
         >"$RESULTS/vllm_serve.log" 2>&1) &
     local pid=$!
-    wait_healthy http://127.0.0.1:8200 $pid && echo "vllm start to ready: $((SECONDS - start)) s" \
+    # vLLM has no /ready: /health answers once its engine is up
+    wait_healthy http://127.0.0.1:8200/health $pid && echo "vllm start to ready: $((SECONDS - start)) s" \
         && bench vllm 8200 && bench_prefix vllm 8200
     kill -INT $pid; wait $pid
     sleep 5
