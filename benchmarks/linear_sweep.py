@@ -3,8 +3,8 @@
 For each shape (qkv, o, gate_up, down, lm_head) of --model (Llama-3.1-8B or Qwen3-8B) and each M
 in --m, times torch's F.linear (cuBLAS) and every config in CANDIDATES of `kernels.triton_linear`,
 and reports microseconds per call and GB/s of weights read. Then times one decode step's worth of
-linear layers, layers x (qkv, o, gate_up, down) + lm_head, with torch and with the best Triton
-config per shape. `default_tiles` holds the picks of the last run.
+linear layers, layers x (qkv, o, gate_up, down) + lm_head, with torch, with `default_tiles` (the
+picks of the last run) and with the best Triton config per shape.
 
 Not an L2 measurement: each shape has one weight copy per layer (32 or 36, as the model has; 2
 for lm_head, 1 GB each), 15-16 GB in all against the H100's 50 MB L2, and a timed CUDA graph
@@ -43,7 +43,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # runs from a checkout whether or not kvflow is installed
 
-from kernels.triton_linear import MAX_ROWS, LinearTiles, skinny_linear  # noqa: E402
+from kernels.triton_linear import (  # noqa: E402
+    MAX_ROWS,
+    LinearTiles,
+    default_tiles,
+    skinny_linear,
+)
 
 DEVICE = "cuda"
 FLOOR_BYTES_PER_S = 3.0e12  # H100 copy bandwidth, measured 3.02 TB/s (results/h100/floors.json)
@@ -257,10 +262,14 @@ def best_results(results: list[dict[str, Any]]) -> dict[tuple[str, int], dict[st
 
 
 def step_variants(
-    best: dict[tuple[str, int], dict[str, Any]], shapes: list[Shape], m: int
+    best: dict[tuple[str, int], dict[str, Any]], shapes: list[Shape], m: int, dtype: torch.dtype
 ) -> dict[str, dict[str, Linear]]:
-    """Layer functions of a step: torch, and Triton's best per shape (if every shape has one)."""
-    variants = {"torch": {shape.name: linear_fn(None) for shape in shapes}}
+    """Layer functions of a step: torch, Triton's `default_tiles` and its best per shape (if
+    every shape has one)."""
+    variants = {
+        "torch": {shape.name: linear_fn(None) for shape in shapes},
+        "triton_default": {s.name: linear_fn(default_tiles(m, s.n, s.k, dtype)) for s in shapes},
+    }
     rows = {shape.name: best.get((shape.name, m)) for shape in shapes}
     if any(row is None for row in rows.values()):
         return variants  # a shape with no working config: no Triton step
@@ -295,7 +304,7 @@ def time_steps(
     per_layer = sum(weights[s.name][0].nbytes for s in shapes if s.name != "lm_head")
     step_bytes = layers * per_layer + weights["lm_head"][0].nbytes
     rows = []
-    for variant, fns in step_variants(best, shapes, m).items():
+    for variant, fns in step_variants(best, shapes, m, dtype).items():
         graph = capture(decode_step(fns, weights, inputs, layers))
         seconds = time_graph(graph)
         del graph

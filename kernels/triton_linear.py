@@ -105,6 +105,12 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
         M >= 2, the rest       dot n32 k128 w4 s5  qkv 20.0 / 21.0, o 14.5 / 16.3,
                                                    gate_up 82.0 / 81.9
 
+    M = 2..16 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 2 4 8 16 32 64` and
+    `--model llama --m 4 8 16`): o (N <= 4096) joins down and lm_head in n32 k512 w4 s4, 13.4 /
+    16.3 us at 4 rows on both models; qkv (N 4097..16383) takes dot n16 k512 w4 s3, 19.3 / 20.8
+    on both; gate_up stays (Qwen3-8B 70.0 / 72.5, Llama 81.5 / 82.0: the one shape where the
+    two models' best tiles differ, n64 k128 w4 s4 68.2 against n64 k256 w8 s3 81.0).
+
     M = 17..64 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 1 16 32 48 64 --step-m
     32 64`), Qwen3-8B shapes, us per call, these tiles / cuBLAS:
         17-32 rows             qkv (N 4097..16383)  dot n16 k256 w4 s4   20.8 / 21.6
@@ -147,13 +153,22 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
         tiles = _tiles_64_rows(n)
     elif m > 16:
         tiles = _tiles_32_rows(n, k)
-    elif k >= 8192 or n >= 65536:
-        tiles = LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
     else:
-        tiles = LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
+        tiles = _tiles_16_rows(n, k)
     block_k = tiles.block_k // 2 if dtype == torch.float32 else tiles.block_k
     block_k = max(DOT_MIN, min(block_k, triton.next_power_of_2(k)))
     return dataclasses.replace(tiles, block_k=block_k)
+
+
+def _tiles_16_rows(n: int, k: int) -> LinearTiles:
+    """2-16 rows (see default_tiles): the wide-K, the vocabulary-wide and the narrow layers
+    (down, lm_head, o: at most 128 programs of 32 rows) in K steps of 512, qkv-like N in
+    16-row blocks, gate_up-like N in 32-row blocks with K steps of 128."""
+    if k >= 8192 or n >= 65536 or n <= 4096:
+        return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
+    if n < 16384:
+        return LinearTiles(block_n=16, block_k=512, num_warps=4, num_stages=3)
+    return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
 
 
 def _tiles_32_rows(n: int, k: int) -> LinearTiles:

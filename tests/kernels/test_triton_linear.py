@@ -119,7 +119,9 @@ def test_wide_row_picks_match_reference(m: int, n: int, k: int) -> None:
         (1, 6144, 4096, torch.float32, LinearTiles(4, 512, 4, 2, use_dot=False)),
         (2, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),
         (16, 128256, 4096, torch.float16, LinearTiles(32, 512, 4, 4)),
-        (16, 28672, 4096, torch.bfloat16, LinearTiles(32, 128, 4, 5)),
+        (16, 28672, 4096, torch.bfloat16, LinearTiles(32, 128, 4, 5)),  # gate_up
+        (8, 6144, 4096, torch.bfloat16, LinearTiles(16, 512, 4, 3)),  # qkv
+        (2, 4096, 4096, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # o
         (17, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # down, 32-row x tile
         (32, 24576, 4096, torch.bfloat16, LinearTiles(64, 128, 4, 4)),  # Qwen3-8B gate_up
         (32, 6144, 4096, torch.bfloat16, LinearTiles(16, 256, 4, 4)),  # qkv
@@ -128,8 +130,9 @@ def test_wide_row_picks_match_reference(m: int, n: int, k: int) -> None:
         (33, 151936, 4096, torch.bfloat16, LinearTiles(128, 128, 8, 3)),  # 64-row x tile
         (64, 28672, 4096, torch.bfloat16, LinearTiles(64, 128, 4, 4)),
         (64, 4096, 14336, torch.bfloat16, LinearTiles(32, 256, 4, 4)),
-        (4, 4096, 4096, torch.float32, LinearTiles(32, 64, 4, 5)),
-        (4, 48, 20, torch.bfloat16, LinearTiles(32, 32, 4, 5)),  # block_k <= next pow2 of K
+        (4, 4096, 4096, torch.float32, LinearTiles(32, 256, 4, 4)),
+        (4, 28672, 4096, torch.float32, LinearTiles(32, 64, 4, 5)),
+        (4, 48, 20, torch.bfloat16, LinearTiles(32, 32, 4, 4)),  # block_k <= next pow2 of K
         (1, 48, 8, torch.float32, LinearTiles(4, 16, 4, 2, use_dot=False)),  # and >= 16
     ],
 )
