@@ -54,8 +54,9 @@ for part in $PARTS; do
             --out "$OUT/attention_sweep.json" ;;
     overlap)  # decode attention and linear layers on two streams at once: do they overlap?
         run overlap python3 benchmarks/overlap_probe.py --out "$OUT/overlap.json" ;;
-    sweep)  # decode GEMV tiles against cuBLAS at the Llama-3.1-8B shapes
-        run sweep python3 benchmarks/linear_sweep.py --out "$OUT/linear_sweep.json" ;;
+    sweep)  # decode GEMV tiles against cuBLAS at the Llama-3.1-8B shapes, 1 to 64 rows
+        run sweep python3 benchmarks/linear_sweep.py --m 1 4 8 16 32 48 64 \
+            --step-m 1 4 16 32 64 --out "$OUT/linear_sweep.json" ;;
     latency)
         run latency python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
             --input-len 128 --output-len 256 --profile-steps 20 \

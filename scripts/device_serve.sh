@@ -113,12 +113,13 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
             local load=$([[ $seed == 300 ]] && echo load || echo load_again)
             triton_kernels >"$RESULTS/$1_triton_before_$load.txt"
             # Each process's CPU share while the load runs: which one keeps the GPUs waiting.
+            # Every request's timings too (--save-detailed): which requests start late.
             top -b -c -d 1 -n 30 -w 300 | grep -E --line-buffered "^top -|python" \
                 >"$RESULTS/$1_top_$load.txt" &
             local top_pid=$!
             [[ $4 == *serve* ]] && run "$1 $load" timeout 240 python3 -m services bench serve \
                 "${common[@]}" --random-input-len 200 --random-output-len 200 \
-                --num-prompts "$NUM_PROMPTS" --request-rate inf --seed $seed \
+                --num-prompts "$NUM_PROMPTS" --request-rate inf --seed $seed --save-detailed \
                 --output-json "$RESULTS/$1_$load.json"
             kill $top_pid 2>/dev/null
             # prompt tokens each replica has taken so far: the router's split, load by load
