@@ -114,13 +114,19 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     M = 17..64 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 1 16 32 48 64 --step-m
     32 64`), Qwen3-8B shapes, us per call, these tiles / cuBLAS:
         17-32 rows             qkv (N 4097..16383)  dot n16 k256 w4 s4   20.8 / 21.6
-        (x tile of 32)         gate_up (N 16384..)  dot n64 k128 w4 s4   71.2 / 73.8
+        (x tile of 32)         gate_up (N 16384..)  dot n32 k128 w4 s5   72.4 / 73.8 (*)
                                o, down, lm_head     dot n32 k512 w4 s4   14.0 / 14.7,
                                                                          37.8 / 40.8,
                                                                          419.4 / 444.3
         33-64 rows (x tile of  lm_head (N 65536..)  dot n128 k128 w8 s3  422.9 / 453.0 at 64
-        64: k512 no longer     qkv, gate_up         dot n64 k128 w4 s4   20.9 / 20.6, 73.2 / 74.9
-        fits shared memory)    o, down (N <= 4096)  dot n32 k256 w4 s4   14.2 / 15.0, 38.8 / 42.0
+        64: k512 no longer     qkv                  dot n64 k128 w4 s4   20.9 / 20.6
+        fits shared memory)    gate_up              dot n64 k256 w8 s3   73.4 / 75.0 (*)
+                               o, down (N <= 4096)  dot n32 k256 w4 s4   14.2 / 15.0, 38.8 / 42.0
+    (*) Qwen3-8B's gate_up is fastest with n64 k128 w4 s4 (71.2 at 32 rows, 73.2 at 64), the
+    pick of the end-to-end figures below, but that tile is 5 % slower than cuBLAS on
+    Llama-3.1-8B's gate_up (N 28672) at 4-16 rows, and Llama was not swept past 16 rows; these
+    two are no slower than cuBLAS on either model at 2-16 rows, and cost a Qwen3-8B step +43
+    us at 32 rows and +14 us at 64 (sweep sums), not measured end to end.
     A step's linear layers with the best tiles per shape: 5.55 against 5.91 ms with cuBLAS at
     32 rows, 5.70 against 5.97 at 64; a whole Qwen3-8B decode step (benchmarks/step_mix.py)
     6.81 against 7.20 ms at 32 rows, 7.22 against 7.48 at 64. Before PDL the same tiles gained
@@ -172,21 +178,26 @@ def _tiles_16_rows(n: int, k: int) -> LinearTiles:
 
 
 def _tiles_32_rows(n: int, k: int) -> LinearTiles:
-    """17-32 rows (see default_tiles): gate_up-like N in 64-row blocks, qkv-like N in 16-row
-    blocks (N = 6144 makes 384 programs, against 192 for 1.45 waves of 132 SMs at 32), the
-    rest (o, down, lm_head) in 32-row blocks with K steps of 512."""
+    """17-32 rows (see default_tiles): qkv-like N in 16-row blocks (N = 6144 makes 384
+    programs, against 192 for 1.45 waves of 132 SMs at 32), gate_up-like N as at 2-16 rows
+    (Qwen3-8B's best, 64-row blocks, is 5 % slower than cuBLAS on Llama-3.1-8B's gate_up at
+    16 rows), the rest (o, down, lm_head) in 32-row blocks with K steps of 512."""
     if 16384 <= n < 65536:
-        return LinearTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
+        return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
     if 4096 < n < 16384 and k < 8192:
         return LinearTiles(block_n=16, block_k=256, num_warps=4, num_stages=4)
     return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
 
 
 def _tiles_64_rows(n: int) -> LinearTiles:
-    """33-64 rows (see default_tiles): lm_head-like N in 128-row blocks over 8 warps, the other
-    wide layers (qkv, gate_up) in 64-row blocks, N <= 4096 (o, down) in 32-row blocks."""
+    """33-64 rows (see default_tiles): lm_head-like N in 128-row blocks over 8 warps, gate_up
+    in 64-row blocks with K steps of 256 over 8 warps (the best on both models' gate_up at
+    2-16 rows, within 1 % of Qwen3-8B's best at 64), qkv in 64-row blocks, N <= 4096 (o, down)
+    in 32-row blocks."""
     if n >= 65536:
         return LinearTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+    if n >= 16384:
+        return LinearTiles(block_n=64, block_k=256, num_warps=8, num_stages=3)
     if n > 4096:
         return LinearTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
     return LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)

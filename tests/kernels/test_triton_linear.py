@@ -99,7 +99,15 @@ def test_matches_reference(
 
 @pytest.mark.parametrize(
     ("m", "n", "k"),  # each pick for 17-64 rows, run at a small N and K (block_k <= 256)
-    [(32, 24576, 4096), (32, 6144, 4096), (32, 4096, 14336), (48, 151936, 4096), (64, 6144, 4096)],
+    [
+        (32, 24576, 4096),
+        (32, 6144, 4096),
+        (32, 4096, 14336),
+        (48, 151936, 4096),
+        (64, 6144, 4096),
+        (64, 28672, 4096),
+        (64, 4096, 4096),
+    ],
 )
 def test_wide_row_picks_match_reference(m: int, n: int, k: int) -> None:
     tiles = default_tiles(m, n, k, torch.bfloat16)
@@ -123,12 +131,13 @@ def test_wide_row_picks_match_reference(m: int, n: int, k: int) -> None:
         (8, 6144, 4096, torch.bfloat16, LinearTiles(16, 512, 4, 3)),  # qkv
         (2, 4096, 4096, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # o
         (17, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # down, 32-row x tile
-        (32, 24576, 4096, torch.bfloat16, LinearTiles(64, 128, 4, 4)),  # Qwen3-8B gate_up
+        (32, 24576, 4096, torch.bfloat16, LinearTiles(32, 128, 4, 5)),  # Qwen3-8B gate_up
         (32, 6144, 4096, torch.bfloat16, LinearTiles(16, 256, 4, 4)),  # qkv
         (32, 151936, 4096, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # lm_head
         (32, 6144, 4096, torch.float32, LinearTiles(16, 128, 4, 4)),
         (33, 151936, 4096, torch.bfloat16, LinearTiles(128, 128, 8, 3)),  # 64-row x tile
-        (64, 28672, 4096, torch.bfloat16, LinearTiles(64, 128, 4, 4)),
+        (64, 28672, 4096, torch.bfloat16, LinearTiles(64, 256, 8, 3)),  # gate_up
+        (64, 6144, 4096, torch.bfloat16, LinearTiles(64, 128, 4, 4)),  # qkv
         (64, 4096, 14336, torch.bfloat16, LinearTiles(32, 256, 4, 4)),
         (4, 4096, 4096, torch.float32, LinearTiles(32, 256, 4, 4)),
         (4, 28672, 4096, torch.float32, LinearTiles(32, 64, 4, 5)),
