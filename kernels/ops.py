@@ -32,12 +32,8 @@ from kernels.norm import (
 from kernels.peers import PeerBuffers
 from kernels.rotary_cache import rotary_write_kv_reference
 
-# Decode-sized inputs: the Triton GEMV streams weights faster than cuBLAS up to 64 rows (with
-# per-shape tiles and PDL; benchmarks/linear_sweep.py, H100, Qwen3-8B: a step's linear layers
-# 5.55 against 5.91 ms at 32 rows, 5.70 against 5.97 at 64).
-SKINNY_MAX_ROWS = 64
 # Block-scaled FP8 goes to cuBLASLt's blockwise GEMM past this many rows, where it has one.
-FP8_BLOCK_SKINNY_MAX_ROWS = 16
+FP8_BLOCK_TRITON_MAX_ROWS = 16
 # FP8 weights stream faster through the skinny kernel than through cuBLASLt's scaled GEMM up
 # to its 64 rows (benchmarks/fp8_sweep.py, H100, Llama-3.1-8B layers, quantization included:
 # 116 against 139 us a layer at M = 32, 112 against 134 at M = 64).
@@ -230,9 +226,11 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
     lora: LoraDelta | None = None,  # what each row's LoRA adapter adds
 ) -> torch.Tensor:  # [M, N]
-    """A linear layer; up to SKINNY_MAX_ROWS rows on CUDA, the weight-streaming Triton GEMV
-    (which adds the LoRA delta in its epilogue); past that cuBLAS, then the LoRA expand."""
-    if 1 <= x.shape[0] <= SKINNY_MAX_ROWS and (module := _triton("linear", x)) is not None:
+    """A linear layer; for decode-sized inputs on CUDA (`skinny_max_rows`: 64 rows on Hopper,
+    16 elsewhere) the weight-streaming Triton GEMV, which adds the LoRA delta in its epilogue
+    where it can; past that cuBLAS, then the LoRA expand."""
+    module = _triton("linear", x)
+    if module is not None and 1 <= x.shape[0] <= module.skinny_max_rows(x):
         return module.skinny_linear(x, weight, bias, lora=lora)
     out = linear_reference(x, weight, bias)
     return out if lora is None else lora_expand(out, *lora)
@@ -298,13 +296,13 @@ def fp8_group_linear(
     block_scale: torch.Tensor | None = None,  # [ceil(N / 128), K / 128]: 128 x 128 blocks
 ) -> torch.Tensor:  # [M, N], x.dtype
     """A block-scaled FP8 W8A8 layer (`kernels/fp8.py`): on CUDA the activation quantized per
-    token and group, then one Triton kernel; past FP8_BLOCK_SKINNY_MAX_ROWS rows of bf16,
+    token and group, then one Triton kernel; past FP8_BLOCK_TRITON_MAX_ROWS rows of bf16,
     cuBLASLt's blockwise-scaled FP8 GEMM instead where the layer has `block_scale`
     (Fp8Block.prepare makes one only where cuBLASLt takes the layer); elsewhere the reference."""
     module = _triton("fp8", x)
     if module is None:
         return fp8_group_linear_reference(x, qweight, weight_scale, group, bias)
-    small = x.shape[0] <= FP8_BLOCK_SKINNY_MAX_ROWS
+    small = x.shape[0] <= FP8_BLOCK_TRITON_MAX_ROWS
     if small or block_scale is None or x.dtype != torch.bfloat16:
         return module.fp8_group_linear(x, qweight, weight_scale, group, bias)
     m = x.shape[0]

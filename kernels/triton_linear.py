@@ -52,6 +52,7 @@ from kernels.triton_pdl import (
 )
 
 MAX_ROWS = 64  # the most rows this layer takes: past it a GEMM reuses weights enough for cuBLAS
+NO_PDL_MAX_ROWS = 16  # the most ops.linear gives it where kernels launch without PDL
 DOT_MIN = 16  # tl.dot needs every dimension >= 16
 FMA_MAX_ACC_PER_THREAD = 128  # float32 accumulator registers per thread, past which it spills
 EPILOGUE_MAX_VALUES = 8192  # a LoRA B tile fused in the epilogue: 64 floats a thread at 4 warps
@@ -106,15 +107,16 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
                                                    gate_up 82.0 / 81.9
 
     M = 2..16 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 2 4 8 16 32 64` and
-    `--model llama --m 4 8 16`): o (N <= 4096) joins down and lm_head in n32 k512 w4 s4, 13.4 /
-    16.3 us at 4 rows on both models; qkv (N 4097..16383) takes dot n16 k512 w4 s3, 19.3 / 20.8
-    on both; gate_up stays (Qwen3-8B 70.0 / 72.5, Llama 81.5 / 82.0: the one shape where the
-    two models' best tiles differ, n64 k128 w4 s4 68.2 against n64 k256 w8 s3 81.0).
+    `--model llama --m 4 8 16`), us per call at 4 rows, Qwen3-8B and Llama-3.1-8B, these
+    tiles / cuBLAS: o (N <= 4096) joins down and lm_head in n32 k512 w4 s4, 13.4 / 16.2 and
+    13.4 / 16.3; qkv (N 4097..16383) takes dot n16 k512 w4 s3, 19.3 / 20.8 and 19.3 / 21.0;
+    gate_up keeps n32 k128 w4 s5, 70.0 / 72.5 and 81.5 / 82.0 (the models' bests differ: n64
+    k128 w4 s4, 68.2, for Qwen3-8B's N 24576; n64 k256 w8 s3, 81.0, for Llama's N 28672).
 
     M = 17..64 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 1 16 32 48 64 --step-m
     32 64`), Qwen3-8B shapes, us per call, these tiles / cuBLAS:
         17-32 rows             qkv (N 4097..16383)  dot n16 k256 w4 s4   20.8 / 21.6
-        (x tile of 32)         gate_up (N 16384..)  dot n32 k128 w4 s5   72.4 / 73.8 (*)
+        (x tile of 32)         gate_up (N 16384..)  dot n32 k128 w4 s5   72.4 / 73.9 (*)
                                o, down, lm_head     dot n32 k512 w4 s4   14.0 / 14.7,
                                                                          37.8 / 40.8,
                                                                          419.4 / 444.3
@@ -126,7 +128,7 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     pick of the end-to-end figures below, but that tile is 5 % slower than cuBLAS on
     Llama-3.1-8B's gate_up (N 28672) at 4-16 rows, and Llama was not swept past 16 rows; these
     two are no slower than cuBLAS on either model at 2-16 rows, and cost a Qwen3-8B step +43
-    us at 32 rows and +14 us at 64 (sweep sums), not measured end to end.
+    us at 32 rows and +16 us at 64 (sweep sums), not measured end to end.
     A step's linear layers with the best tiles per shape: 5.55 against 5.91 ms with cuBLAS at
     32 rows, 5.70 against 5.97 at 64; a whole Qwen3-8B decode step (benchmarks/step_mix.py)
     6.81 against 7.20 ms at 32 rows, 7.22 against 7.48 at 64. Before PDL the same tiles gained
@@ -167,9 +169,9 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
 
 
 def _tiles_16_rows(n: int, k: int) -> LinearTiles:
-    """2-16 rows (see default_tiles): the wide-K, the vocabulary-wide and the narrow layers
-    (down, lm_head, o: at most 128 programs of 32 rows) in K steps of 512, qkv-like N in
-    16-row blocks, gate_up-like N in 32-row blocks with K steps of 128."""
+    """2-16 rows (see default_tiles): down (wide K), lm_head (wide N) and o (N <= 4096, so at
+    most 128 programs of 32 weight rows) in K steps of 512; qkv-like N in programs of 16
+    weight rows; gate_up-like N in programs of 32 with K steps of 128."""
     if k >= 8192 or n >= 65536 or n <= 4096:
         return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
     if n < 16384:
@@ -178,10 +180,11 @@ def _tiles_16_rows(n: int, k: int) -> LinearTiles:
 
 
 def _tiles_32_rows(n: int, k: int) -> LinearTiles:
-    """17-32 rows (see default_tiles): qkv-like N in 16-row blocks (N = 6144 makes 384
-    programs, against 192 for 1.45 waves of 132 SMs at 32), gate_up-like N as at 2-16 rows
-    (Qwen3-8B's best, 64-row blocks, is 5 % slower than cuBLAS on Llama-3.1-8B's gate_up at
-    16 rows), the rest (o, down, lm_head) in 32-row blocks with K steps of 512."""
+    """17-32 rows (see default_tiles): qkv-like N in programs of 16 weight rows (N = 6144
+    makes 384 programs, against 192 for 1.45 waves of 132 SMs at 32), gate_up-like N as at
+    2-16 rows (Qwen3-8B's best, 64 weight rows a program, is 5 % slower than cuBLAS on
+    Llama-3.1-8B's gate_up at 16 rows), the rest (o, down, lm_head) in programs of 32 weight
+    rows with K steps of 512."""
     if 16384 <= n < 65536:
         return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
     if 4096 < n < 16384 and k < 8192:
@@ -190,10 +193,9 @@ def _tiles_32_rows(n: int, k: int) -> LinearTiles:
 
 
 def _tiles_64_rows(n: int) -> LinearTiles:
-    """33-64 rows (see default_tiles): lm_head-like N in 128-row blocks over 8 warps, gate_up
-    in 64-row blocks with K steps of 256 over 8 warps (the best on both models' gate_up at
-    2-16 rows, within 1 % of Qwen3-8B's best at 64), qkv in 64-row blocks, N <= 4096 (o, down)
-    in 32-row blocks."""
+    """33-64 rows (see default_tiles), weight rows a program: lm_head-like N 128 over 8 warps;
+    gate_up 64 with K steps of 256 over 8 warps (Llama-3.1-8B's best at 2-16 rows, within
+    1 % of Qwen3-8B's best at 64); qkv 64; N <= 4096 (o, down) 32."""
     if n >= 65536:
         return LinearTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
     if n >= 16384:
@@ -201,6 +203,15 @@ def _tiles_64_rows(n: int) -> LinearTiles:
     if n > 4096:
         return LinearTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
     return LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)
+
+
+def skinny_max_rows(x: torch.Tensor) -> int:
+    """The most rows `kernels.ops.linear` gives this kernel rather than cuBLAS: all it takes
+    where kernels launch with PDL (Hopper on, --disable-pdl off), whose early launch and L2
+    prefetch put the tiles 6 % ahead of cuBLAS at 32 rows (3 % without it, session 4's
+    sweep); elsewhere 16, also because the 17-64-row tiles were swept on Hopper only (K steps
+    of 512 over 32 rows take more shared memory than an A100 has)."""
+    return MAX_ROWS if launches_early(x) else NO_PDL_MAX_ROWS
 
 
 # NOTE: m is not specialised, so M = 1 (Triton's "== 1" case) and M = 16 ("divisible by 16")

@@ -159,7 +159,8 @@ serve_vllm() {
         >"$RESULTS/vllm_serve.log" 2>&1) &
     local pid=$!
     # vLLM has no /ready: /health answers once its engine is up
-    wait_healthy http://127.0.0.1:8200/health $pid && echo "vllm start to ready: $((SECONDS - start)) s" \
+    wait_healthy http://127.0.0.1:8200/health $pid \
+        && echo "vllm start to ready: $((SECONDS - start)) s" \
         && bench vllm 8200 && bench_prefix vllm 8200
     kill -INT $pid; wait $pid
     sleep 5

@@ -7,14 +7,16 @@ the first request. These steps meet them before the server says it is ready: a m
 (graph), decode steps (graphs), and eager steps of more tokens than the largest mixed graph,
 one of an odd token count and one of a multiple of 16; then the decode attention kernels at
 every merge width, which an eager step picks by its batch (one met mid-burst stalled a server
-for its compile). (Rarer variants still compile on first use: eager steps whose longest query
-is short, or of more than 256 requests.) They use blocks
-from 0 up; nothing is registered in the prefix cache, so real requests never read what they
-wrote. Limits too small for these steps skip them, with a log line.
+for its compile); without CUDA graphs (whose capture meets them) also the linear layers at the
+skinny GEMV's two larger row tiles. (Rarer variants still compile on first use: eager steps
+whose longest query is short, or of more than 256 requests.) They use blocks from 0 up;
+nothing is registered in the prefix cache, so real requests never read what they wrote.
+Limits too small for these steps skip them, with a log line.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -23,6 +25,7 @@ import torch
 
 from kernels import ops
 from services.executor.cuda_graphs import MIXED_GRAPH_MAX_TOKENS
+from services.executor.linear import Linear
 from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -37,6 +40,9 @@ _FIRST_STEP = {  # request id -> (prompt length, sampling): every sampler path a
 }
 _FIRST_STEP_TOKENS = sum(n for n, _ in _FIRST_STEP.values())
 _NUM_DECODES = 3
+# Rows in the skinny GEMV's 32- and 64-row tiles (kernels/triton_linear.py: 17-32, 33-64),
+# whose kernels the decode steps here (3 rows) do not meet.
+_LINEAR_ROWS = (24, 48)
 
 
 class _Plans:
@@ -120,8 +126,22 @@ def _compile_attention_variants(runner: ModelRunner) -> None:
     ops.compile_attention_variants(query, key_cache, value_cache)
 
 
+def _compile_linear_variants(runner: ModelRunner) -> None:
+    """Without CUDA graphs, the first layer's projections and the lm_head at _LINEAR_ROWS:
+    every layer has their shapes, so the eager decode steps of those batches compile
+    nothing. (Graph capture runs every decode batch size.)"""
+    if runner.graphs is not None:
+        return
+    model = runner.model
+    linears = [m for m in model.layers[0].modules() if isinstance(m, Linear)] + [model.lm_head]
+    with torch.inference_mode():
+        for rows, linear in itertools.product(_LINEAR_ROWS, linears):
+            linear(torch.zeros(rows, linear.in_features, dtype=runner.dtype, device=runner.device))
+
+
 def warm_up(runner: ModelRunner) -> None:
     _compile_attention_variants(runner)  # needs one cache block alone
+    _compile_linear_variants(runner)
     reason = skip_reason(runner)
     if reason is not None:
         logger.info("warm-up skipped (%s): the first requests may pay for compiles", reason)

@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from kvflow import LLM, SamplingParams
+from services.executor.linear import Linear
 from services.executor.warm_up import (
     blocks_needed,
     eager_lengths,
@@ -21,6 +22,7 @@ from tests.integration.tiny_models import FAMILIES, TINY
 
 PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 2, 6, 1, 9, 3, 3, 7, 2, 5, 8, 1, 6, 2, 4, 9]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+LAYER_LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def make_llm(folder: Path, **limits: int) -> LLM:
@@ -50,6 +52,27 @@ def test_warm_up_leaves_nothing_behind(long_context_dir: Path) -> None:
     assert llm.runner.requests == {}
     got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
     assert got == expected
+
+
+def test_warm_up_runs_the_linear_layers_at_the_larger_row_tiles(long_context_dir: Path) -> None:
+    """Without CUDA graphs (as on the CPU) the first layer's projections and the lm_head run at
+    24 and 48 rows, the skinny GEMV's 32- and 64-row tiles, so eager decode batches of 17-64
+    rows compile nothing."""
+    llm = make_llm(long_context_dir, num_gpu_blocks_override=256)
+    seen: list[tuple[str, int]] = []
+    hooks = [
+        module.register_forward_hook(
+            lambda _module, args, _out, name=name: seen.append((name, args[0].shape[0]))
+        )
+        for name, module in llm.runner.model.named_modules()
+        if isinstance(module, Linear)
+    ]
+    warm_up(llm.runner)
+    for hook in hooks:
+        hook.remove()
+    first_layer = {f"layers.0.{n}" for n in LAYER_LINEARS}
+    for rows in (24, 48):
+        assert {name for name, r in seen if r == rows} == first_layer | {"lm_head"}
 
 
 def test_warm_up_fits_a_small_budget(long_context_dir: Path) -> None:

@@ -19,7 +19,16 @@ pytest.importorskip("triton")
 
 import kernels.triton_linear as triton_linear
 from kernels.linear import linear_reference
-from kernels.triton_linear import FMA_MAX_ACC_PER_THREAD, LinearTiles, default_tiles, skinny_linear
+from kernels.pdl import set_pdl
+from kernels.triton_linear import (
+    FMA_MAX_ACC_PER_THREAD,
+    MAX_ROWS,
+    NO_PDL_MAX_ROWS,
+    LinearTiles,
+    default_tiles,
+    skinny_linear,
+    skinny_max_rows,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -87,8 +96,8 @@ def test_reference_matches_float64() -> None:
 def test_matches_reference(
     m: int, with_bias: bool, dtype: torch.dtype, tiles: LinearTiles | None
 ) -> None:
-    """None: default_tiles, fma at M = 1 and dot above, K = 100 in steps of 64 or 128."""
-    x, weight, bias = make_case(m, N, K, dtype, seed=m)
+    """None: default_tiles, fma at M = 1 and dot above, K = 300 in steps of up to 512."""
+    x, weight, bias = make_case(m, N, K if tiles else 300, dtype, seed=m)
     bias = bias if with_bias else None
     check(
         skinny_linear(x, weight, bias, tiles=tiles),
@@ -245,6 +254,19 @@ def gpu_case(
     return x, weight, torch.randn(n, generator=gen, device="cuda").to(dtype)
 
 
+def test_skinny_max_rows_follows_pdl() -> None:
+    """ops.linear gives the kernel 17-64 rows only where kernels launch with PDL: never on
+    the CPU or with --disable-pdl, on CUDA from Hopper on."""
+    x = torch.zeros(1, 16, device=DEVICE)
+    takes_pdl = x.is_cuda and torch.cuda.get_device_capability() >= (9, 0)
+    try:
+        assert skinny_max_rows(x) == (MAX_ROWS if takes_pdl else NO_PDL_MAX_ROWS)
+        set_pdl(False)
+        assert skinny_max_rows(x) == NO_PDL_MAX_ROWS == 16
+    finally:
+        set_pdl(True)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
@@ -324,9 +346,21 @@ def test_lora_delta_in_the_epilogue(
     check(skinny_linear(x, weight, bias, tiles=tiles, lora=stale), expected, REL_TOL[dtype])
 
 
+@pytest.mark.parametrize("m", [32, 64])
+def test_lora_delta_at_the_larger_row_tiles(m: int) -> None:
+    """Rank 16 on blocks of 16 columns: in the epilogue at 32 rows (8,192 values of B), by
+    the expand after the launch at 64."""
+    dtype, pieces = torch.float32, (64, 32, 32)
+    x, lora, stale = lora_case(m, sum(pieces), K, dtype, seed=m, pieces=pieces, rank=16)
+    _, weight, bias = make_case(m, sum(pieces), K, dtype, seed=m + 1)
+    expected = linear_reference(x, weight, bias, lora)
+    assert triton_linear._fuses(lora, DOT, m) == (m == 32)
+    check(skinny_linear(x, weight, bias, tiles=DOT, lora=stale), expected, REL_TOL[dtype])
+
+
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
 def test_gpu_lora_delta_in_the_epilogue(m: int) -> None:
     from kernels.lora import LoraDelta
     from kernels.triton_lora import lora_shrink
