@@ -107,8 +107,11 @@ def test_matches_reference(
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k"),  # each pick for 17-64 rows, run at a small N and K (block_k <= 256)
+    ("m", "n", "k"),  # each pick for 2-64 rows, run at a small N and K (block_k <= 256)
     [
+        (8, 6144, 4096),
+        (8, 24576, 4096),
+        (8, 4096, 14336),
         (32, 24576, 4096),
         (32, 6144, 4096),
         (32, 4096, 14336),
@@ -118,7 +121,7 @@ def test_matches_reference(
         (64, 4096, 4096),
     ],
 )
-def test_wide_row_picks_match_reference(m: int, n: int, k: int) -> None:
+def test_default_picks_match_reference(m: int, n: int, k: int) -> None:
     tiles = default_tiles(m, n, k, torch.bfloat16)
     x, weight, bias = make_case(m, 2 * tiles.block_n + 3, 300, torch.bfloat16, seed=m + n)
     small = dataclasses.replace(tiles, block_k=min(tiles.block_k, 256))
