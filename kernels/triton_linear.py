@@ -57,6 +57,11 @@ DOT_MIN = 16  # tl.dot needs every dimension >= 16
 FMA_MAX_ACC_PER_THREAD = 128  # float32 accumulator registers per thread, past which it spills
 EPILOGUE_MAX_VALUES = 8192  # a LoRA B tile fused in the epilogue: 64 floats a thread at 4 warps
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The layer shapes default_tiles tells apart at 2-64 rows (8B models, hidden size 4096):
+NARROW_N = 4096  # o, down: N <= this
+WIDE_N = 16384  # gate_up: N >= this; qkv lies between
+VOCAB_N = 65536  # lm_head: N >= this
+WIDE_K = 8192  # down: K >= this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,15 +173,19 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     return dataclasses.replace(tiles, block_k=block_k)
 
 
+# gate_up at 2-32 rows: no slower than cuBLAS on both Qwen3-8B's and Llama-3.1-8B's N.
+_GATE_UP_TILES = LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
+
+
 def _tiles_16_rows(n: int, k: int) -> LinearTiles:
-    """2-16 rows (see default_tiles): down (wide K), lm_head (wide N) and o (N <= 4096, so at
-    most 128 programs of 32 weight rows) in K steps of 512; qkv-like N in programs of 16
-    weight rows; gate_up-like N in programs of 32 with K steps of 128."""
-    if k >= 8192 or n >= 65536 or n <= 4096:
+    """2-16 rows (see default_tiles): down, lm_head and o (at most 128 programs of 32 weight
+    rows) in K steps of 512; qkv-like N in programs of 16 weight rows; gate_up-like N in
+    programs of 32 with K steps of 128."""
+    if k >= WIDE_K or n >= VOCAB_N or n <= NARROW_N:
         return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
-    if n < 16384:
+    if n < WIDE_N:
         return LinearTiles(block_n=16, block_k=512, num_warps=4, num_stages=3)
-    return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
+    return _GATE_UP_TILES
 
 
 def _tiles_32_rows(n: int, k: int) -> LinearTiles:
@@ -185,9 +194,9 @@ def _tiles_32_rows(n: int, k: int) -> LinearTiles:
     2-16 rows (Qwen3-8B's best, 64 weight rows a program, is 5 % slower than cuBLAS on
     Llama-3.1-8B's gate_up at 16 rows), the rest (o, down, lm_head) in programs of 32 weight
     rows with K steps of 512."""
-    if 16384 <= n < 65536:
-        return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
-    if 4096 < n < 16384 and k < 8192:
+    if WIDE_N <= n < VOCAB_N:
+        return _GATE_UP_TILES
+    if NARROW_N < n < WIDE_N and k < WIDE_K:
         return LinearTiles(block_n=16, block_k=256, num_warps=4, num_stages=4)
     return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
 
@@ -195,12 +204,12 @@ def _tiles_32_rows(n: int, k: int) -> LinearTiles:
 def _tiles_64_rows(n: int) -> LinearTiles:
     """33-64 rows (see default_tiles), weight rows a program: lm_head-like N 128 over 8 warps;
     gate_up 64 with K steps of 256 over 8 warps (Llama-3.1-8B's best at 2-16 rows, within
-    1 % of Qwen3-8B's best at 64); qkv 64; N <= 4096 (o, down) 32."""
-    if n >= 65536:
+    1 % of Qwen3-8B's best at 64); qkv 64; o and down 32."""
+    if n >= VOCAB_N:
         return LinearTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
-    if n >= 16384:
+    if n >= WIDE_N:
         return LinearTiles(block_n=64, block_k=256, num_warps=8, num_stages=3)
-    if n > 4096:
+    if n > NARROW_N:
         return LinearTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
     return LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)
 
