@@ -29,12 +29,16 @@ logger = logging.getLogger(__name__)
 Forward = Callable[[StepView], torch.Tensor]  # -> hidden states [T, hidden]
 
 MIXED_GRAPH_MAX_TOKENS = 512
+DECODE_GRAPH_MAX_BATCH = 512  # larger decode steps run eagerly (as vLLM's default capture)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 256, then every 16, capped at max_batch (included)."""
-    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
-    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+    """1, 2, 4, 8, then every 8 up to 256, then every 16 up to 512, capped at max_batch
+    (included). Past 512 rows a step's device work outlasts its launches, and one graph at
+    max_batch would pad a step of 513 rows to --max-num-seqs (1024: twice the work)."""
+    limit = min(max_batch, DECODE_GRAPH_MAX_BATCH)
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, DECODE_GRAPH_MAX_BATCH + 1, 16)]
+    return sorted({s for s in sizes if s < limit} | {limit})
 
 
 def mixed_token_sizes(max_tokens: int) -> list[int]:

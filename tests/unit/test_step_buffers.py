@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.executor.cuda_graphs import MIXED_GRAPH_MAX_TOKENS, StepGraphs
+from services.executor.cuda_graphs import (
+    DECODE_GRAPH_MAX_BATCH,
+    MIXED_GRAPH_MAX_TOKENS,
+    StepGraphs,
+)
 from services.executor.step_buffers import PADDING_SLOT, PaddedShape, StepBuffers
 
 BLOCK = 4
@@ -72,3 +76,16 @@ def test_graph_shapes_cover_every_step_up_to_the_limit() -> None:
             assert shape is not None
             assert shape.num_tokens >= num_tokens and shape.num_reqs >= num_reqs
             assert shape.decode == (num_reqs == num_tokens)
+
+
+def test_decode_steps_past_the_graph_limit_run_eagerly_rather_than_padded() -> None:
+    """--max-num-seqs 1024: a step of 513 rows is not padded to 1024 (twice its work)."""
+    buffers = StepBuffers(2048, 1024, 8, BLOCK, torch.device("cpu"))
+    graphs = StepGraphs(lambda view: view.input_ids, buffers, max_batch=1024, max_seq_len=32)
+    limit = DECODE_GRAPH_MAX_BATCH
+    assert graphs.shape_for(limit, limit) == PaddedShape(limit, limit, decode=True)
+    assert graphs.shape_for(limit - 15, limit - 15) == PaddedShape(limit, limit, decode=True)
+    assert graphs.shape_for(limit + 1, limit + 1) is None
+    assert graphs.shape_for(1000, 1000) is None
+    small = StepGraphs(lambda view: view.input_ids, buffers, max_batch=300, max_seq_len=32)
+    assert small.shape_for(290, 290) == PaddedShape(300, 300, decode=True)  # max_batch's own
