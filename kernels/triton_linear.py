@@ -50,6 +50,7 @@ from kernels.triton_pdl import (
     prefetch_to_l2,
     wait_for_previous_kernel,
 )
+from kernels.triton_stages import launch_fitting
 
 MAX_ROWS = 64  # the most rows this layer takes: past it a GEMM reuses weights enough for cuBLAS
 NO_PDL_MAX_ROWS = 16  # the most ops.linear gives it where kernels launch without PDL
@@ -410,7 +411,8 @@ def launch_skinny_linear(
     lora_args = _lora_arguments(lora, n, m) if lora is not None else [weight, weight, weight]
     lora_args += [0] * (12 - len(lora_args))
     early = launches_early(x)
-    _skinny_linear_kernel[(triton.cdiv(n, tiles.block_n),)](
+    grid = (triton.cdiv(n, tiles.block_n),)
+    args = (
         x,
         weight,
         bias if bias is not None else weight,
@@ -424,6 +426,8 @@ def launch_skinny_linear(
         weight.stride(0),
         out.stride(0),
         *lora_args,
+    )
+    constants = dict(
         BLOCK_M=tiles.rows(m),
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
@@ -446,8 +450,13 @@ def launch_skinny_linear(
         else 0,
         LINE_ELEMENTS=L2_LINE_BYTES // weight.element_size(),
         num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
         launch_pdl=early,
+    )
+    variant = ("skinny_linear", x.device, x.dtype, weight.dtype, tiles.rows(m), tiles)
+    launch_fitting(
+        variant,
+        tiles.num_stages,
+        lambda stages: _skinny_linear_kernel[grid](*args, **constants, num_stages=stages),
     )
 
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_decode_attention import LOG2E, _check_shapes
+from kernels.triton_stages import launch_fitting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,8 +288,8 @@ def default_tiles(
     elif head_dim <= 64:
         block_m, block_n, num_warps, num_stages = 64, 64, 4, 2
     elif head_dim <= 128:
-        # NOTE: 3 K/V stages and the Q tile take ~224 KB of the 227 KB of shared memory a
-        # Hopper program may have.
+        # NOTE: 3 stages take 161 KB of shared memory a block on Hopper, 97 KB before
+        # (Triton 3.6-3.9): within the 99 KB of an L40S or A10 (kernels/triton_stages.py).
         block_m, block_n, num_warps, num_stages = 128, 128, 8, 3
     else:
         block_m, block_n, num_warps, num_stages = 64, 32, 4, 2
@@ -368,7 +369,7 @@ def paged_prefill_attention(
     # fewer where the step has fewer items. Shapes alone fix the grid (see the kernel).
     max_items = num_reqs + triton.cdiv(query.shape[0], block_q)
     grid = (min(max_items, _programs_per_kv_head(query.device, num_kv_heads)), num_kv_heads)
-    _prefill_kernel[grid](
+    args = (
         out,
         query,
         key_cache,
@@ -387,6 +388,8 @@ def paged_prefill_attention(
         key_cache.stride(2),
         block_tables.stride(0),
         num_reqs,
+    )
+    constants = dict(
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -398,6 +401,11 @@ def paged_prefill_attention(
         REQS_POW2=max(256, triton.next_power_of_2(num_reqs)),
         SKIP_SINGLE=skip_single_queries,
         num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
+    )
+    variant = ("prefill_attention", query.device, query.dtype, key_cache.dtype, head_dim, tiles)
+    launch_fitting(
+        variant,
+        tiles.num_stages,
+        lambda stages: _prefill_kernel[grid](*args, **constants, num_stages=stages),
     )
     return out

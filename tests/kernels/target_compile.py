@@ -1,0 +1,179 @@
+"""Compile kvflow's real kernel launches for a GPU that is not here, and report their shared
+memory: a Triton kernel whose pipelined tiles need more shared memory than the GPU gives a
+block fails at its first launch (OutOfResources), so a tile picked on an H100 (227 KB) can
+break every decode step on an L40S or an A10 (99 KB).
+
+Run as a script (the test suite interprets kernels instead: TRITON_INTERPRET must be unset):
+
+    python3 -m tests.kernels.target_compile 86 89   # one JSON line per launch attempt
+
+The launchers run on CPU tensors with `JITFunction.run` replaced: each launch is specialised
+and compiled as Triton's own launch path does (`create_function_from_signature`,
+`_pack_args`), for the named compute capability (Triton's bundled ptxas; no GPU, no driver),
+and raises OutOfResources where it would not fit that GPU, as a real launch does; so the
+launchers' own retries with fewer stages (kernels/triton_stages.py) run as they would there.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    raise SystemExit("run with TRITON_INTERPRET unset: interpreted kernels have no compile")
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile, make_backend
+from triton.runtime.errors import OutOfResources
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+Launch = tuple[JITFunction, tuple[Any, ...], dict[str, Any]]
+# Shared memory a block may take (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN):
+SHARED_LIMITS = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}  # A100; A10; L40S; H100
+
+
+@contextmanager
+def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
+    """Within it, every Triton kernel launch is compiled for `capability`, not run: one that
+    needs more shared memory than such a GPU has raises OutOfResources, as at a real launch.
+    Yields the attempts: kernel, constants, shared bytes, and whether they fit."""
+    from kernels import triton_stages
+
+    triton_stages._stages_that_fit.clear()  # counts that fit another GPU do not carry over
+    attempts: list[dict[str, Any]] = []
+    original = JITFunction.run
+
+    def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
+        if "INTERPRETED" in kw:  # the launchers' CPU-tensor path: compile the GPU one
+            kw["INTERPRETED"] = False
+        shared = shared_bytes((self, args, kw), capability)
+        fits = shared <= SHARED_LIMITS[capability]
+        attempts.append({"launch": describe((self, args, kw)), "shared": shared, "fits": fits})
+        if not fits:
+            raise OutOfResources(shared, SHARED_LIMITS[capability], "shared memory")
+
+    JITFunction.run = compile_only  # type: ignore[method-assign]
+    try:
+        yield attempts
+    finally:
+        JITFunction.run = original  # type: ignore[method-assign]
+
+
+@functools.cache
+def _compiled_shared(kernel: JITFunction, label: str, capability: int, call: _Call) -> int:
+    del label  # part of the cache key only
+    args, kwargs = call.args, call.kwargs
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return int(compile(source, target=target, options=options.__dict__).metadata.shared)
+
+
+class _Call:
+    """A launch's arguments, hashed by what its compile depends on (its description)."""
+
+    def __init__(self, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.label, self.args, self.kwargs = label, args, kwargs
+
+    def __hash__(self) -> int:
+        return hash(self.label)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Call) and other.label == self.label
+
+
+def shared_bytes(launch: Launch, capability: int) -> int:
+    """The shared memory a block of this launch takes on a GPU of `capability` (e.g. 86),
+    compiled as Triton's launch path compiles it."""
+    kernel, args, kwargs = launch
+    label = describe(launch)
+    return _compiled_shared(kernel, label, capability, _Call(label, args, kwargs))
+
+
+def describe(launch: Launch) -> str:
+    """The kernel and its compile-time choices (constants, warps, stages, argument dtypes)."""
+    kernel, args, kwargs = launch
+    shown = {k: v for k, v in kwargs.items() if k.isupper() or k.startswith("num_")}
+    dtypes = sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor)})
+    return f"{kernel.fn.__name__} {shown} {dtypes}"
+
+
+# -- The launches to check: each decode/prefill kernel at the default tiles of 8B shapes ------
+
+LLAMA_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+                "down": (4096, 14336), "lm_head": (128256, 4096)}  # fmt: skip
+
+
+def _skinny_launches(rows: list[int], fp8: bool) -> None:
+    from kernels.fp8 import FP8
+    from kernels.triton_fp8 import fp8_skinny_linear
+    from kernels.triton_linear import skinny_linear
+
+    for m in rows:
+        for n, k in LLAMA_SHAPES.values():
+            x = torch.empty(m, k, dtype=torch.bfloat16)
+            if fp8:
+                weight = torch.empty(n, k, dtype=FP8)
+                fp8_skinny_linear(x, weight, torch.empty(n, dtype=torch.float32))
+            else:
+                skinny_linear(x, torch.empty(n, k, dtype=torch.bfloat16))
+
+
+def _attention_launches(kv_dtype: torch.dtype) -> None:
+    from kernels.triton_decode_attention import paged_decode_attention
+    from kernels.triton_prefill_attention import paged_prefill_attention
+
+    for head_dim in (64, 128, 256):
+        cache = torch.empty(64, 16, 8, head_dim, dtype=kv_dtype)
+        tables = torch.zeros(4, 16, dtype=torch.int32)
+        seq_lens = torch.full((4,), 256, dtype=torch.int32)
+        for tokens in (4, 1024):  # four decodes; four prompts of 256
+            query = torch.empty(tokens, 32, head_dim, dtype=torch.bfloat16)
+            starts = torch.arange(5, dtype=torch.int32) * (tokens // 4)
+            if tokens == 4:
+                paged_decode_attention(query, cache, cache, tables, seq_lens, 0.1)
+            else:
+                paged_prefill_attention(
+                    query, cache, cache, tables, seq_lens, starts, 256, 256, 0.1
+                )
+
+
+# name -> (what launches, the compute capabilities it must fit)
+CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
+    # No PDL before Hopper: ops.linear gives the skinny GEMV at most 16 rows there.
+    "skinny bf16, 1-16 rows": (lambda: _skinny_launches([1, 4, 16], fp8=False), (80, 86, 89)),
+    "skinny bf16, 17-64 rows (Hopper)": (lambda: _skinny_launches([32, 64], fp8=False), (90,)),
+    "skinny fp8": (lambda: _skinny_launches([1, 16, 32, 64], fp8=True), (89, 90)),
+    "attention bf16 cache": (lambda: _attention_launches(torch.bfloat16), (80, 86, 89, 90)),
+    "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),
+}
+
+
+def main() -> None:
+    """One JSON line per launch attempt of each check on each of its GPUs: the kernel, its
+    shared memory, whether it fits. Exits non-zero if a launcher fails on a GPU it must run on
+    (OutOfResources escaped its retries)."""
+    only = {int(c) for c in sys.argv[1:]}
+    for name, (launch_all, capabilities) in CHECKS.items():
+        for capability in capabilities:
+            if only and capability not in only:
+                continue
+            with launches_on(capability) as attempts:
+                launch_all()
+            for attempt in {a["launch"]: a for a in attempts}.values():
+                print(json.dumps({"check": name, "capability": capability, **attempt}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Kernel launches fit the shared memory of the GPUs people serve on, not only the H100's.
+
+The default tiles are tuned on an H100 (227 KB of shared memory a block). On an L40S, an A10
+or an RTX card (99 KB) some of them do not fit, and a launch that does not fit fails before it
+runs; `kernels.triton_stages.launch_fitting` retries it with fewer pipeline stages.
+`tests/kernels/target_compile.py` compiles the real launchers' launches for those GPUs with
+Triton's bundled compiler (no GPU needed) and fails them as such a GPU would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from triton.runtime.errors import OutOfResources
+
+from kernels import triton_stages
+from kernels.triton_stages import launch_fitting
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gpu_that_fits(limit_stages: int, launched: list[int]) -> object:
+    def launch(stages: int) -> None:
+        launched.append(stages)
+        if stages > limit_stages:
+            raise OutOfResources(stages * 48 * 1024, limit_stages * 48 * 1024, "shared memory")
+
+    return launch
+
+
+def test_a_launch_that_does_not_fit_runs_with_fewer_stages_and_the_count_is_kept() -> None:
+    triton_stages._stages_that_fit.clear()
+    launched: list[int] = []
+    launch = gpu_that_fits(2, launched)
+    launch_fitting(("kernel", "tiles"), 4, launch)  # type: ignore[arg-type]
+    assert launched == [4, 3, 2]
+    launch_fitting(("kernel", "tiles"), 4, launch)  # type: ignore[arg-type]
+    assert launched == [4, 3, 2, 2]  # straight to the count that fit
+    launch_fitting(("kernel", "other tiles"), 2, launch)  # type: ignore[arg-type]
+    assert launched == [4, 3, 2, 2, 2]  # other variants keep their own count
+
+
+def test_a_launch_that_fits_at_no_stage_count_fails() -> None:
+    triton_stages._stages_that_fit.clear()
+    launched: list[int] = []
+    with pytest.raises(OutOfResources):
+        launch_fitting(("kernel", "huge"), 3, gpu_that_fits(0, launched))  # type: ignore[arg-type]
+    assert launched == [3, 2, 1]
+
+
+def test_other_errors_are_not_retried() -> None:
+    def launch(stages: int) -> None:
+        raise ValueError(f"bad input at {stages}")
+
+    with pytest.raises(ValueError, match="at 4"):
+        launch_fitting(("kernel", "bad"), 4, launch)
+
+
+@pytest.mark.slow
+def test_default_launches_fit_an_a100_an_a10_an_l40s_and_an_h100() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.target_compile"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]  # a launcher failed on a GPU it runs on
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    checked = {(row["check"], row["capability"]) for row in rows}
+    assert ("skinny bf16, 1-16 rows", 86) in checked and ("skinny fp8", 89) in checked
+    assert ("attention bf16 cache", 86) in checked and ("attention fp8 cache", 89) in checked
+    kernels = {row["launch"].split()[0] for row in rows}
+    assert {"_skinny_linear_kernel", "_prefill_kernel", "_decode_partition_kernel"} <= kernels
+    # The H100 runs every tile as tuned: no launch of it needs a retry.
+    assert all(row["fits"] for row in rows if row["capability"] == 90)
