@@ -122,19 +122,20 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     M = 17..64 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 1 16 32 48 64 --step-m
     32 64`), Qwen3-8B shapes, us per call, these tiles / cuBLAS:
         17-32 rows             qkv (N 4097..16383)  dot n16 k256 w4 s4   20.8 / 21.6
-        (x tile of 32)         gate_up (N 16384..)  dot n32 k128 w4 s5   72.4 / 73.9 (*)
-                               o, down, lm_head     dot n32 k512 w4 s4   14.0 / 14.7,
+        (x tile of 32)         o, gate_up, down,    dot n32 k512 w4 s4   14.0 / 14.7,
+                               lm_head                                   73.8 / 73.8,
                                                                          37.8 / 40.8,
                                                                          419.4 / 444.3
-        33-64 rows (x tile of  lm_head (N 65536..)  dot n128 k128 w8 s3  422.9 / 453.0 at 64
-        64: k512 no longer     qkv                  dot n64 k128 w4 s4   20.9 / 20.6
-        fits shared memory)    gate_up              dot n64 k256 w8 s3   73.4 / 75.0 (*)
+        33-64 rows (x tile of  gate_up, lm_head     dot n128 k128 w8 s3  74.6 / 74.9,
+        64: k512 no longer     (N 16384..)                               422.9 / 453.0 at 64
+        fits shared memory)    qkv                  dot n64 k128 w4 s4   20.9 / 20.6
                                o, down (N <= 4096)  dot n32 k256 w4 s4   14.2 / 15.0, 38.8 / 42.0
-    (*) Qwen3-8B's gate_up is fastest with n64 k128 w4 s4 (71.2 at 32 rows, 73.2 at 64), the
-    pick of the end-to-end figures below, but that tile is 5 % slower than cuBLAS on
-    Llama-3.1-8B's gate_up (N 28672) at 4-16 rows, and Llama was not swept past 16 rows; these
-    two are no slower than cuBLAS on either model at 2-16 rows, and cost a Qwen3-8B step +43
-    us at 32 rows and +16 us at 64 (sweep sums), not measured end to end.
+    Llama-3.1-8B at 32 / 48 / 64 rows (2026-11-28, `--m 32 48 64 --step-m 32 64`), these
+    tiles / cuBLAS: gate_up (N 28672) 84.9 / 84.2 at 32, 82.5 / 87.3 and 83.1 / 86.6 at 48
+    and 64; the others up to 8 % under cuBLAS, but qkv at 64 (20.8 / 20.6). gate_up had
+    taken n32 k128 w4 s5 at 17-32 rows and n64 k256 w8 s3 at 33-64 (Qwen3-8B's 72.4 and
+    73.4 us), 5 % and 2 % slower than cuBLAS on Llama's gate_up; these are within 1 % of
+    cuBLAS on both models, +1.4 and +1.1 us a layer on Qwen3-8B, 4-6 % faster on Llama.
     A step's linear layers with the best tiles per shape: 5.55 against 5.91 ms with cuBLAS at
     32 rows, 5.70 against 5.97 at 64; a whole Qwen3-8B decode step (benchmarks/step_mix.py)
     6.81 against 7.20 ms at 32 rows, 7.22 against 7.48 at 64. Before PDL the same tiles gained
@@ -174,10 +175,6 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     return dataclasses.replace(tiles, block_k=block_k)
 
 
-# gate_up at 2-32 rows: no slower than cuBLAS on both Qwen3-8B's and Llama-3.1-8B's N.
-_GATE_UP_TILES = LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
-
-
 def _tiles_16_rows(n: int, k: int) -> LinearTiles:
     """2-16 rows (see default_tiles): down, lm_head and o (at most 128 programs of 32 weight
     rows) in K steps of 512; qkv-like N in programs of 16 weight rows; gate_up-like N in
@@ -186,30 +183,23 @@ def _tiles_16_rows(n: int, k: int) -> LinearTiles:
         return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
     if n < WIDE_N:
         return LinearTiles(block_n=16, block_k=512, num_warps=4, num_stages=3)
-    return _GATE_UP_TILES
+    return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
 
 
 def _tiles_32_rows(n: int, k: int) -> LinearTiles:
     """17-32 rows (see default_tiles): qkv-like N in programs of 16 weight rows (N = 6144
-    makes 384 programs, against 192 for 1.45 waves of 132 SMs at 32), gate_up-like N as at
-    2-16 rows (Qwen3-8B's best, 64 weight rows a program, is 5 % slower than cuBLAS on
-    Llama-3.1-8B's gate_up at 16 rows), the rest (o, down, lm_head) in programs of 32 weight
-    rows with K steps of 512."""
-    if WIDE_N <= n < VOCAB_N:
-        return _GATE_UP_TILES
+    makes 384 programs, against 192 for 1.45 waves of 132 SMs at 32), the rest (o, gate_up,
+    down, lm_head) in programs of 32 weight rows with K steps of 512."""
     if NARROW_N < n < WIDE_N and k < WIDE_K:
         return LinearTiles(block_n=16, block_k=256, num_warps=4, num_stages=4)
     return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
 
 
 def _tiles_64_rows(n: int) -> LinearTiles:
-    """33-64 rows (see default_tiles), weight rows a program: lm_head-like N 128 over 8 warps;
-    gate_up 64 with K steps of 256 over 8 warps (Llama-3.1-8B's best at 2-16 rows, within
-    1 % of Qwen3-8B's best at 64); qkv 64; o and down 32."""
-    if n >= VOCAB_N:
-        return LinearTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
+    """33-64 rows (see default_tiles), weight rows a program: gate_up- and lm_head-like N
+    128 over 8 warps; qkv 64; o and down 32."""
     if n >= WIDE_N:
-        return LinearTiles(block_n=64, block_k=256, num_warps=8, num_stages=3)
+        return LinearTiles(block_n=128, block_k=128, num_warps=8, num_stages=3)
     if n > NARROW_N:
         return LinearTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
     return LinearTiles(block_n=32, block_k=256, num_warps=4, num_stages=4)

@@ -143,12 +143,12 @@ def test_default_picks_match_reference(m: int, n: int, k: int) -> None:
         (8, 6144, 4096, torch.bfloat16, LinearTiles(16, 512, 4, 3)),  # qkv
         (2, 4096, 4096, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # o
         (17, 4096, 14336, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # down, 32-row x tile
-        (32, 24576, 4096, torch.bfloat16, LinearTiles(32, 128, 4, 5)),  # Qwen3-8B gate_up
+        (32, 24576, 4096, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # Qwen3-8B gate_up
         (32, 6144, 4096, torch.bfloat16, LinearTiles(16, 256, 4, 4)),  # qkv
         (32, 151936, 4096, torch.bfloat16, LinearTiles(32, 512, 4, 4)),  # lm_head
         (32, 6144, 4096, torch.float32, LinearTiles(16, 128, 4, 4)),
         (33, 151936, 4096, torch.bfloat16, LinearTiles(128, 128, 8, 3)),  # 64-row x tile
-        (64, 28672, 4096, torch.bfloat16, LinearTiles(64, 256, 8, 3)),  # gate_up
+        (64, 28672, 4096, torch.bfloat16, LinearTiles(128, 128, 8, 3)),  # gate_up
         (64, 6144, 4096, torch.bfloat16, LinearTiles(64, 128, 4, 4)),  # qkv
         (64, 4096, 14336, torch.bfloat16, LinearTiles(32, 256, 4, 4)),
         (4, 4096, 4096, torch.float32, LinearTiles(32, 256, 4, 4)),
