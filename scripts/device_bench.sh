@@ -52,6 +52,9 @@ for part in $PARTS; do
     attention-sweep)  # decode attention launch configs, bf16 and FP8 caches (issue 13)
         run attention-sweep python3 benchmarks/attention_sweep.py \
             --out "$OUT/attention_sweep.json" ;;
+    prefill-attention)  # prefill attention tiles against PyTorch's FlashAttention-2 and cuDNN
+        run prefill-attention python3 benchmarks/prefill_attention_sweep.py \
+            --out "$OUT/prefill_attention_sweep.json" ;;
     overlap)  # decode attention and linear layers on two streams at once: do they overlap?
         run overlap python3 benchmarks/overlap_probe.py --out "$OUT/overlap.json" ;;
     sweep)  # decode GEMV tiles against cuBLAS at the Llama-3.1-8B shapes, 1 to 64 rows
