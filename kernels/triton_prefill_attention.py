@@ -299,6 +299,15 @@ def default_tiles(
     return PrefillTiles(block_m, block_n, num_warps, num_stages)
 
 
+REQS_MIN_POW2 = 256  # one compile serves every batch up to this many requests
+
+
+def reqs_pow2(num_reqs: int) -> int:
+    """The kernel's REQS_POW2 for a batch: past REQS_MIN_POW2 requests each power of two is a
+    compile of its own (services/executor/warm_up.py meets them at start)."""
+    return max(REQS_MIN_POW2, triton.next_power_of_2(num_reqs))
+
+
 @functools.cache
 def _programs_per_kv_head(device: torch.device, num_kv_heads: int) -> int:
     """Programs per KV head: eight per SM in all (a few waves, so the hardware balances
@@ -397,8 +406,7 @@ def paged_prefill_attention(
         BLOCK_Q=block_q,
         BLOCK_N=tiles.block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        # One variant for every batch up to 256 requests: no compile when the mix changes.
-        REQS_POW2=max(256, triton.next_power_of_2(num_reqs)),
+        REQS_POW2=reqs_pow2(num_reqs),
         SKIP_SINGLE=skip_single_queries,
         num_warps=tiles.num_warps,
     )

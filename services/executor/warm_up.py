@@ -7,10 +7,12 @@ the first request. These steps meet them before the server says it is ready: a m
 (graph), decode steps (graphs), and eager steps of more tokens than the largest mixed graph,
 one of an odd token count and one of a multiple of 16; then the decode attention kernels at
 every merge width, which an eager step picks by its batch (one met mid-burst stalled a server
-for its compile); without CUDA graphs (whose capture meets them) also the linear layers at the
-skinny GEMV's two larger row tiles. (Rarer variants still compile on first use: eager steps
-whose longest query is short, or of more than 256 requests.) They use blocks from 0 up;
-nothing is registered in the prefix cache, so real requests never read what they wrote.
+for its compile); past 256 requests (--max-num-seqs), an eager step of each power of two of
+requests, which the prefill kernel compiles apart; without CUDA graphs (whose capture meets
+them) also the linear layers at the skinny GEMV's two larger row tiles. (Rarer variants still
+compile on first use: eager steps of more than 256 requests whose longest query is short.)
+They use blocks from 0 up; nothing is registered in the prefix cache, so real requests never
+read what they wrote.
 Limits too small for these steps skip them, with a log line.
 """
 
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import ops
+from kernels.triton_prefill_attention import REQS_MIN_POW2
 from services.executor.cuda_graphs import MIXED_GRAPH_MAX_TOKENS
 from services.executor.linear import Linear
 from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
@@ -43,6 +46,9 @@ _NUM_DECODES = 3
 # Rows in the skinny GEMV's 32- and 64-row tiles (kernels/triton_linear.py: 17-32, 33-64),
 # whose kernels the decode steps here (3 rows) do not meet.
 _LINEAR_ROWS = (24, 48)
+# A prompt in the steps of more than 256 requests: the prefill kernel's large tiles (any GQA
+# group), and with the one-token prompts more tokens than the largest mixed graph.
+_LONG_PROMPT = MIXED_GRAPH_MAX_TOKENS
 
 
 class _Plans:
@@ -92,6 +98,31 @@ def eager_lengths(runner: ModelRunner) -> list[int]:
     return [n for n in lengths if MIXED_GRAPH_MAX_TOKENS < n <= limit]
 
 
+def many_request_steps(runner: ModelRunner) -> list[int]:
+    """Past 256 requests (--max-num-seqs) each power of two of requests in an eager mixed step
+    is a compile of the prefill kernel of its own (`reqs_pow2`): a step of one more request
+    than each lower power of two meets it, if its requests and long prompt fit the budget."""
+    limit = min(runner.buffers.max_reqs, runner.max_num_batched_tokens - _LONG_PROMPT + 1)
+    counts, power = [], 2 * REQS_MIN_POW2
+    while power // 2 < limit:
+        counts.append(power // 2 + 1)
+        power *= 2
+    fits = runner.max_model_len - _NUM_DECODES - 1 >= _LONG_PROMPT
+    return counts if fits else []
+
+
+def _run_many_requests(plans: _Plans, num_reqs: int) -> list[str]:
+    """One eager mixed step: num_reqs - 1 one-token prompts, as decodes ride along, beside
+    a prompt long enough for the kernel's large tiles and for more tokens than any mixed
+    graph takes."""
+    greedy = SamplingParams(temperature=0.0)
+    requests = [plans.new(f"warm-many-{i}", 1, greedy) for i in range(num_reqs - 1)]
+    requests.append(plans.new("warm-many-long", _LONG_PROMPT, greedy))
+    scheduled = {r.request_id: len(r.prompt_token_ids) for r in requests}
+    plans.run(scheduled, new=requests)
+    return list(scheduled)
+
+
 def first_step_lengths(runner: ModelRunner) -> list[int]:
     """The first step's prompt lengths, scaled down to fit the token budget and the context."""
     scale = min(1.0, runner.max_num_batched_tokens / _FIRST_STEP_TOKENS)
@@ -101,6 +132,8 @@ def first_step_lengths(runner: ModelRunner) -> list[int]:
 
 def blocks_needed(runner: ModelRunner) -> int:
     lengths = first_step_lengths(runner) + eager_lengths(runner)
+    for num_reqs in many_request_steps(runner):
+        lengths += [1] * (num_reqs - 1) + [_LONG_PROMPT]
     return sum(-(-(n + _NUM_DECODES + 1) // runner.block_size) for n in lengths)
 
 
@@ -172,6 +205,9 @@ def warm_up(runner: ModelRunner) -> None:
         request = plans.new(f"warm-eager-{index}", length, SamplingParams(temperature=0.0))
         plans.run({request.request_id: length}, new=[request], finished=finished)
         finished = [request.request_id]
+    for num_reqs in many_request_steps(runner):
+        plans.run({}, finished=finished)  # rows free first: the step may take all of them
+        finished = _run_many_requests(plans, num_reqs)
     plans.run({}, finished=finished)
     logger.info("warm-up steps ran in %.1f s", time.perf_counter() - start)
     try:  # the grammar tokenizer, which the first structured-output request would wait for

@@ -15,6 +15,7 @@ from services.executor.warm_up import (
     blocks_needed,
     eager_lengths,
     first_step_lengths,
+    many_request_steps,
     skip_reason,
     warm_up,
 )
@@ -101,3 +102,26 @@ def test_warm_up_skips_limits_it_does_not_fit(
     assert reason in (skip_reason(llm.runner) or "")
     warm_up(llm.runner)  # logs and returns
     assert llm.runner.requests == {}
+
+
+def test_warm_up_steps_past_256_requests_leave_nothing_behind(long_context_dir: Path) -> None:
+    """--max-num-seqs 600: eager mixed steps of 257 and 513 requests, the prefill kernel's two
+    variants past 256 requests, each with rows free for it; then the same tokens as cold."""
+    limits = dict(max_num_seqs=600, max_num_batched_tokens=1100, num_gpu_blocks_override=1024)
+    cold = make_llm(long_context_dir, **limits)
+    expected = [r.outputs[0].token_ids for r in cold.generate(PROMPTS, PARAMS)]
+
+    llm = make_llm(long_context_dir, **limits)
+    assert many_request_steps(llm.runner) == [257, 513]
+    default = make_llm(long_context_dir, max_num_batched_tokens=1100)  # 256 sequences
+    assert many_request_steps(default.runner) == []
+    rows: list[int] = []
+    hook = llm.runner.model.lm_head.register_forward_hook(
+        lambda _module, args, _out: rows.append(args[0].shape[0])
+    )
+    warm_up(llm.runner)
+    hook.remove()
+    assert 257 in rows and 513 in rows  # every request of those steps samples
+    assert llm.runner.requests == {}
+    got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
+    assert got == expected
