@@ -401,6 +401,7 @@ def launch_skinny_linear(
     lora_args = _lora_arguments(lora, n, m) if lora is not None else [weight, weight, weight]
     lora_args += [0] * (12 - len(lora_args))
     early = launches_early(x)
+    block_m = tiles.rows(m)
     grid = (triton.cdiv(n, tiles.block_n),)
     args = (
         x,
@@ -418,7 +419,7 @@ def launch_skinny_linear(
         *lora_args,
     )
     constants = dict(
-        BLOCK_M=tiles.rows(m),
+        BLOCK_M=block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot,
@@ -442,7 +443,7 @@ def launch_skinny_linear(
         num_warps=tiles.num_warps,
         launch_pdl=early,
     )
-    variant = ("skinny_linear", x.device, x.dtype, weight.dtype, tiles.rows(m), tiles)
+    variant = ("skinny_linear", x.device, x.dtype, weight.dtype, *constants.values())
     launch_fitting(
         variant,
         tiles.num_stages,

@@ -410,7 +410,7 @@ def paged_prefill_attention(
         SKIP_SINGLE=skip_single_queries,
         num_warps=tiles.num_warps,
     )
-    variant = ("prefill_attention", query.device, query.dtype, key_cache.dtype, head_dim, tiles)
+    variant = ("prefill_attention", query.device, query.dtype, key_cache.dtype, *constants.values())
     launch_fitting(
         variant,
         tiles.num_stages,

@@ -33,6 +33,12 @@ from triton.compiler import ASTSource, compile, make_backend
 from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from kernels.fp8 import FP8
+from kernels.triton_decode_attention import paged_decode_attention
+from kernels.triton_fp8 import fp8_skinny_linear
+from kernels.triton_linear import skinny_linear
+from kernels.triton_prefill_attention import paged_prefill_attention
+
 Launch = tuple[JITFunction, tuple[Any, ...], dict[str, Any]]
 # Shared memory a block may take (CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN):
 SHARED_LIMITS = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}  # A100; A10; L40S; H100
@@ -48,6 +54,12 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
     triton_stages._stages_that_fit.clear()  # counts that fit another GPU do not carry over
     attempts: list[dict[str, Any]] = []
     original = JITFunction.run
+    # Kernels launch with PDL (and the GEMV's L2 prefetch) from Hopper on, as on such a GPU.
+    pdl = {name: module for name, module in sys.modules.items()
+           if name.startswith("kernels.") and hasattr(module, "launches_early")}  # fmt: skip
+    saved = {name: module.launches_early for name, module in pdl.items()}
+    for module in pdl.values():
+        module.launches_early = lambda tensor: capability >= 90
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
         if "INTERPRETED" in kw:  # the launchers' CPU-tensor path: compile the GPU one
@@ -63,6 +75,8 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
         yield attempts
     finally:
         JITFunction.run = original  # type: ignore[method-assign]
+        for name, module in pdl.items():
+            module.launches_early = saved[name]
 
 
 @functools.cache
@@ -81,7 +95,8 @@ def _compiled_shared(kernel: JITFunction, label: str, capability: int, call: _Ca
 
 
 class _Call:
-    """A launch's arguments, hashed by what its compile depends on (its description)."""
+    """A launch's arguments, hashed by its description (kernel, constants, warps, stages,
+    argument dtypes): launches alike in those compile alike here, whatever their sizes."""
 
     def __init__(self, label: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.label, self.args, self.kwargs = label, args, kwargs
@@ -116,10 +131,6 @@ LLAMA_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)
 
 
 def _skinny_launches(rows: list[int], fp8: bool) -> None:
-    from kernels.fp8 import FP8
-    from kernels.triton_fp8 import fp8_skinny_linear
-    from kernels.triton_linear import skinny_linear
-
     for m in rows:
         for n, k in LLAMA_SHAPES.values():
             x = torch.empty(m, k, dtype=torch.bfloat16)
@@ -131,9 +142,6 @@ def _skinny_launches(rows: list[int], fp8: bool) -> None:
 
 
 def _attention_launches(kv_dtype: torch.dtype) -> None:
-    from kernels.triton_decode_attention import paged_decode_attention
-    from kernels.triton_prefill_attention import paged_prefill_attention
-
     for head_dim in (64, 128, 256):
         cache = torch.empty(64, 16, 8, head_dim, dtype=kv_dtype)
         tables = torch.zeros(4, 16, dtype=torch.int32)

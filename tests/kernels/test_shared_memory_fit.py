@@ -13,44 +13,61 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from triton.runtime.errors import OutOfResources
 
 from kernels import triton_stages
-from kernels.triton_stages import launch_fitting
+from kernels.triton_stages import exact_stages, launch_fitting
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def gpu_that_fits(limit_stages: int, launched: list[int]) -> object:
+@pytest.fixture(autouse=True)
+def no_counts_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_stages, "_stages_that_fit", {})
+
+
+def gpu_that_fits(
+    limit_stages: int, launched: list[int], resource: str = "shared memory"
+) -> Callable[[int], None]:
     def launch(stages: int) -> None:
         launched.append(stages)
         if stages > limit_stages:
-            raise OutOfResources(stages * 48 * 1024, limit_stages * 48 * 1024, "shared memory")
+            raise OutOfResources(stages * 48 * 1024, limit_stages * 48 * 1024, resource)
 
     return launch
 
 
 def test_a_launch_that_does_not_fit_runs_with_fewer_stages_and_the_count_is_kept() -> None:
-    triton_stages._stages_that_fit.clear()
     launched: list[int] = []
     launch = gpu_that_fits(2, launched)
-    launch_fitting(("kernel", "tiles"), 4, launch)  # type: ignore[arg-type]
+    launch_fitting(("kernel", "tiles"), 4, launch)
     assert launched == [4, 3, 2]
-    launch_fitting(("kernel", "tiles"), 4, launch)  # type: ignore[arg-type]
+    launch_fitting(("kernel", "tiles"), 4, launch)
     assert launched == [4, 3, 2, 2]  # straight to the count that fit
-    launch_fitting(("kernel", "other tiles"), 2, launch)  # type: ignore[arg-type]
+    launch_fitting(("kernel", "other tiles"), 2, launch)
     assert launched == [4, 3, 2, 2, 2]  # other variants keep their own count
 
 
 def test_a_launch_that_fits_at_no_stage_count_fails() -> None:
-    triton_stages._stages_that_fit.clear()
     launched: list[int] = []
     with pytest.raises(OutOfResources):
-        launch_fitting(("kernel", "huge"), 3, gpu_that_fits(0, launched))  # type: ignore[arg-type]
+        launch_fitting(("kernel", "huge"), 3, gpu_that_fits(0, launched))
     assert launched == [3, 2, 1]
+
+
+def test_only_shared_memory_is_retried_and_not_under_exact_stages() -> None:
+    launched: list[int] = []
+    with pytest.raises(OutOfResources):  # fewer stages free no threads
+        launch_fitting(("kernel", "threads"), 3, gpu_that_fits(1, launched, "threads"))
+    with exact_stages(), pytest.raises(OutOfResources):  # a sweep's candidate as labelled
+        launch_fitting(("kernel", "sweep"), 3, gpu_that_fits(1, launched))
+    assert launched == [3, 3]
+    launch_fitting(("kernel", "sweep"), 3, gpu_that_fits(1, launched))  # retries again after
+    assert launched == [3, 3, 3, 2, 1]
 
 
 def test_other_errors_are_not_retried() -> None:
@@ -79,5 +96,5 @@ def test_default_launches_fit_an_a100_an_a10_an_l40s_and_an_h100() -> None:
     assert ("attention bf16 cache", 86) in checked and ("attention fp8 cache", 89) in checked
     kernels = {row["launch"].split()[0] for row in rows}
     assert {"_skinny_linear_kernel", "_prefill_kernel", "_decode_partition_kernel"} <= kernels
-    # The H100 runs every tile as tuned: no launch of it needs a retry.
+    # The H100 runs every tile as tuned (with PDL, as there): no launch of it needs a retry.
     assert all(row["fits"] for row in rows if row["capability"] == 90)
