@@ -34,8 +34,9 @@ DECODE_GRAPH_MAX_BATCH = 512  # larger decode steps run eagerly (as vLLM's defau
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 256, then every 16 up to 512, capped at max_batch
-    (included). Past 512 rows a step's device work outlasts its launches, and one graph at
-    max_batch would pad a step of 513 rows to --max-num-seqs (1024: twice the work)."""
+    (included). Past 512 rows steps run eagerly, as past vLLM's default capture sizes: one
+    graph at max_batch padded a step of 513 rows to --max-num-seqs (1024: twice the work).
+    Eager against padded at those sizes is not measured."""
     limit = min(max_batch, DECODE_GRAPH_MAX_BATCH)
     sizes = [1, 2, 4, *range(8, 257, 8), *range(272, DECODE_GRAPH_MAX_BATCH + 1, 16)]
     return sorted({s for s in sizes if s < limit} | {limit})

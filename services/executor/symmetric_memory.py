@@ -25,8 +25,8 @@ if TYPE_CHECKING:  # tensor_parallel imports this module
 logger = logging.getLogger(__name__)
 
 # The most rows a fused all-reduce takes: the largest mixed CUDA-graph step (cuda_graphs.py's
-# MIXED_GRAPH_MAX_TOKENS, not imported: that module imports this one's importers). Decode graphs
-# past it (--max-num-seqs > 512) and larger eager steps reduce through NCCL, whose bandwidth wins.
+# MIXED_GRAPH_MAX_TOKENS, not imported: that module imports this one's importers; decode graphs
+# stop at the same 512 rows). Larger steps, all eager, reduce through NCCL, whose bandwidth wins.
 MAX_FUSED_ROWS = 512
 # The most logits rows the one-shot all-gather takes (8 MiB of buffers a rank for Llama-3.1-8B
 # at two ranks). Past it the rows are many enough for NCCL's bandwidth to win.
