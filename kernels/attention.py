@@ -14,6 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The Triton prefill kernel holds a step's requests in one vector of a power of two: one compile
+# serves every step of up to this many requests, and past it each power of two is a compile of
+# its own (kernels/triton_prefill_attention.py; services/executor/warm_up.py meets them at start).
+PREFILL_REQS_MIN_POW2 = 256
+
 
 def paged_attention_reference(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention import PREFILL_REQS_MIN_POW2
 from kernels.triton_decode_attention import LOG2E, _check_shapes
 from kernels.triton_stages import launch_fitting
 
@@ -299,13 +300,9 @@ def default_tiles(
     return PrefillTiles(block_m, block_n, num_warps, num_stages)
 
 
-REQS_MIN_POW2 = 256  # one compile serves every batch up to this many requests
-
-
 def reqs_pow2(num_reqs: int) -> int:
-    """The kernel's REQS_POW2 for a batch: past REQS_MIN_POW2 requests each power of two is a
-    compile of its own (services/executor/warm_up.py meets them at start)."""
-    return max(REQS_MIN_POW2, triton.next_power_of_2(num_reqs))
+    """The kernel's REQS_POW2 for a batch (kernels.attention.PREFILL_REQS_MIN_POW2)."""
+    return max(PREFILL_REQS_MIN_POW2, triton.next_power_of_2(num_reqs))
 
 
 @functools.cache

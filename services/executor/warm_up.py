@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import ops
-from kernels.triton_prefill_attention import REQS_MIN_POW2
+from kernels.attention import PREFILL_REQS_MIN_POW2
 from services.executor.cuda_graphs import MIXED_GRAPH_MAX_TOKENS
 from services.executor.linear import Linear
 from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
@@ -103,7 +103,7 @@ def many_request_steps(runner: ModelRunner) -> list[int]:
     is a compile of the prefill kernel of its own (`reqs_pow2`): a step of one more request
     than each lower power of two meets it, if its requests and long prompt fit the budget."""
     limit = min(runner.buffers.max_reqs, runner.max_num_batched_tokens - _LONG_PROMPT + 1)
-    counts, power = [], 2 * REQS_MIN_POW2
+    counts, power = [], 2 * PREFILL_REQS_MIN_POW2
     while power // 2 < limit:
         counts.append(power // 2 + 1)
         power *= 2
