@@ -4,16 +4,18 @@ Same layout as `kernels.int4` (read its docstring: words interleaved in chunks o
 Up to 64 rows one launch, of one of three kernels (`Int4Tiles.kind`, picked by
 `default_tiles`):
 
-- **rows** (one row, or up to 4 where "dot" does not apply; no act-order): a program per
-  row of x owns BLOCK_N weight rows and walks K; each thread holds whole chunks (4 words) of
-  its rows and the x values they multiply, read as 16-bit pairs by one vector load per nibble
-  pair, so no tile changes layout between threads until the final sum. The multiply-adds run
-  on the CUDA cores, and their count is the limit: a nibble costs a shift, a mask and an FMA.
-- **dot** (2-64 rows; 16-bit x, groups of a multiple of 128, no act-order): out^T = W x^T,
+- **dot** (1-64 rows; 16-bit x, groups of a multiple of 128, no act-order): out^T = W x^T,
   the weight tl.dot's first operand, made in registers from its words: nibbles 2p and 2p + 1
   joined as neighbours along K take the chunk's columns 8p .. 8p + 7 (the layout's point), so
   x comes in runs of 8 columns, by asynchronous copies. A step is 128 columns inside one
-  group, and a nibble q becomes 128 + q by OR-ing it into the bits of 128.0 (bf16).
+  group; on the GPU each pair of nibbles becomes q - z in x's dtype by three instructions of
+  inline PTX (_NIBBLE_PAIRS_ASM), so the tensor cores take the exact integer and the scale
+  multiplies the step's float32 sum. The kernel launches with PDL (kernels.triton_pdl).
+- **rows** (up to 4 rows where "dot" does not apply: float32 x, groups of 32 or 64; no
+  act-order): a program per row of x owns BLOCK_N weight rows and walks K; each thread holds
+  whole chunks (4 words) of its rows and the x values they multiply, read as 16-bit pairs by
+  one vector load per nibble pair, so no tile changes layout between threads until the final
+  sum. The multiply-adds run on the CUDA cores: a nibble costs a shift, a mask and an FMA.
 - **dequant_dot** (the rest: act-order, groups of 32 or 64, float32): x tl.dot's first
   operand, the weight made whole and rounded to x's dtype, nibble by nibble
   (kernels/triton_int4_dequant.py).
@@ -21,7 +23,7 @@ Up to 64 rows one launch, of one of three kernels (`Int4Tiles.kind`, picked by
 Past 64 rows the weight is dequantized to the activation's dtype by a fourth kernel
 (kernels/triton_int4_dequant.py), then multiplied by cuBLAS.
 
-Scales and zero points: in the rows and dot kernels one per packed word or step (a word's 8
+Scales and zero points: in the dot and rows kernels one per step or packed word (a word's 8
 columns share a group), applied after the sum, in float32, so the result is closer to the
 exact product than the reference, which rounds each dequantized weight to the activation's
 dtype first (the tests allow for that). dequant_dot makes the weight whole and rounds it as
@@ -38,13 +40,22 @@ import triton.language as tl
 
 from kernels.int4 import CHUNK, PACK
 from kernels.triton_int4_dequant import dequantize_int4, launch_dequant_dot, operands
+from kernels.triton_pdl import (
+    L2_LINE_BYTES,
+    launches_early,
+    prefetch_to_l2,
+    wait_for_previous_kernel,
+)
 
 _CHUNK = tl.constexpr(CHUNK)
+_LINE_WORDS = tl.constexpr(L2_LINE_BYTES // 4)  # packed words in a 128-byte line
 DEQUANTIZE_ABOVE_ROWS = 64
 DOT_STEP = 128  # the dot kernel's K step: one group of 128 (or a part of a larger one)
-DOT_PROGRAMS = 2048  # the dot kernel splits K until it has about this many programs,
-DOT_MIN_STEPS = 8  # leaving each at least this many steps,
+DOT_WARPS = 2048  # the dot kernel splits K until about this many warps run,
+DOT_MIN_STEPS = 8  # leaving each split at least this many loop iterations,
 DOT_MAX_SPLIT = 8  # in at most this many parts
+WIDE_N = 16384  # gate_up-like layers: N >= this
+WIDE_K = 8192  # down-like layers: K >= this
 MAX_TICKETS = 1 << 16  # output tiles a split-K launch may have (the ticket counters)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KINDS = ("rows", "dot", "dequant_dot")
@@ -55,7 +66,7 @@ class Int4Tiles:
     kind: str  # one of KINDS (module docstring)
     block_m: int  # rows of x per program: 1 for "rows"
     block_n: int  # weight rows per program
-    block_k: int  # columns per K step: whole chunks; DOT_STEP for "dot"; >= 128 for dequant_dot
+    block_k: int  # K per iteration: whole chunks; DOT_STEP steps for "dot"; >= 128 dequant_dot
     num_warps: int
     num_stages: int
     split_k: int = 1  # "dot": programs along K per output tile
@@ -68,39 +79,51 @@ class Int4Tiles:
 
 
 def dot_applies(dtype: torch.dtype, group_size: int, act_order: bool) -> bool:
-    """Whether the dot kernel can run: a 16-bit x (the 128 + q operand), steps inside one
+    """Whether the dot kernel can run: a 16-bit x (the q - z operand), steps inside one
     group, no act-order."""
     return dtype in (torch.bfloat16, torch.float16) and group_size % DOT_STEP == 0 and not act_order
 
 
 def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = False) -> Int4Tiles:
-    """benchmarks/int4_sweep.py's picks (H100 and H200, Llama-3.1-8B shapes, groups of 128,
-    2026-11-26; docs/benchmarks.md has the table). `dot`: whether `dot_applies`.
+    """benchmarks/int4_sweep.py's picks (H100, Llama-3.1-8B shapes, groups of 128,
+    2026-11-28; docs/benchmarks.md has the table). `dot`: whether `dot_applies`.
 
-    - One row: "rows" with 8 weight rows and 2048 columns a step over 2 warps. (The dot kernel
-      without split-K took 1.7x as long there; with it, the H100 sweep has it 4 % faster a
-      layer, 86.0 against 89.4 us: not switched yet, unmeasured end to end.)
-    - 2-64 rows: "dot" with 32 weight rows x 8 x rows over 2 warps up to 8 rows, 128 x 16 over
-      4 warps past that, K split in up to 8 (on the H100 at 8 rows: 4 for qkv and o, 8 for
-      down, 2 for gate_up; 91.5 us a layer against 89.6 for the best split of each).
-    - Without "dot": "rows" with 4 weight rows and 1024 columns up to 4 rows (but for the
-      widest layer, gate_up), then dequant_dot tiles of 16 rows with steps of 128, which
-      act-order takes at any row count."""
-    wide = n >= 16384
+    - With "dot", x tiles of 8 rows up to 8 rows: 32 weight rows over 2 warps, K steps of 128;
+      for gate_up and down (N >= WIDE_N or K >= WIDE_K) 64 weight rows over 4 warps, two steps
+      an iteration. 9-16 rows: 16 x 64 over 4 warps; 17-64 rows: 32 x 128 over 8 warps (the
+      16 x 64 tile converted each weight once per 16 rows: gate_up at 32 rows 54.8 against
+      40.2 us). K is split until about DOT_WARPS warps run, leaving each split at least
+      DOT_MIN_STEPS iterations. At one row, us per layer: qkv 9.6, o 8.0, gate_up 30.9, down
+      21.0 (the rows kernel: 12.4, 9.4, 43.2, 25.6; PyTorch's int4 GEMM 10.2, 7.1, 33.0, 18.8).
+    - Without "dot": "rows" with 8 weight rows and 2048 columns a step over 2 warps at one row,
+      4 rows and 1024 columns over one warp up to 4 rows (but for the widest layer, gate_up),
+      then dequant_dot tiles of 16 rows with steps of 128, which act-order takes at any row
+      count."""
+    wide = n >= WIDE_N
+    if not act_order and dot:
+        block_m, block_n, block_k, warps = _dot_tile(m, n, k)
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        wanted = max(1, min(DOT_WARPS // warps // tiles, k // block_k // DOT_MIN_STEPS))
+        split_k = min(DOT_MAX_SPLIT, 1 << (wanted.bit_length() - 1))  # a power of two
+        return Int4Tiles("dot", block_m, block_n, block_k, warps, 3, split_k)
     if not act_order and m == 1:
         return Int4Tiles("rows", 1, 8, min(2048, triton.next_power_of_2(k)), 2, 1)
-    if not act_order and dot:
-        small = m <= 8
-        block_m, block_n = (8, 32) if small else (16, 128)
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        wanted = max(1, min(DOT_PROGRAMS // tiles, k // DOT_STEP // DOT_MIN_STEPS))
-        split_k = min(DOT_MAX_SPLIT, 1 << (wanted.bit_length() - 1))  # a power of two
-        return Int4Tiles("dot", block_m, block_n, DOT_STEP, 2 if small else 4, 3, split_k)
     if not act_order and m <= 4 and not wide:
         return Int4Tiles("rows", 1, 4, min(1024, triton.next_power_of_2(k)), 1, 1)
     if wide:
         return Int4Tiles("dequant_dot", 16, 128, 128, num_warps=8, num_stages=3)
     return Int4Tiles("dequant_dot", 16, 64, 128, num_warps=4, num_stages=4)
+
+
+def _dot_tile(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """The dot kernel's (block_m, block_n, block_k, num_warps) for M rows (default_tiles)."""
+    if m > 16:
+        return 32, 128, DOT_STEP, 8
+    if m > 8:
+        return 16, 64, DOT_STEP, 4
+    if n >= WIDE_N or k >= WIDE_K:  # gate_up, down
+        return 8, 64, 2 * DOT_STEP, 4
+    return 8, 32, DOT_STEP, 2
 
 
 @triton.jit
@@ -206,15 +229,71 @@ def _int4_row_kernel(
     )
 
 
+# The dot kernel's weight operand, on the GPU: per word, for p = 0..3, a PRMT puts byte p of the
+# word (nibbles 2p, 2p + 1) in the low half and byte p of the word shifted by 4 in the high half,
+# a LOP3 keeps one nibble in each half and ORs in the bits of BASE (1024 in fp16, 128 in bf16:
+# BASE + q is exact), and a packed FMA adds -(BASE + z): q - z, exact, two values at a time.
+# $0-$3 the four pairs; $4, $5 the word and the word >> 4; $6, $7 the packed -(BASE + z).
+_NIBBLE_PAIRS_ASM = """
+{
+.reg .b32 one;
+mov.b32 one, ONE;
+prmt.b32 $0, $4, $5, 0x4400;
+prmt.b32 $1, $4, $5, 0x5511;
+prmt.b32 $2, $4, $5, 0x6622;
+prmt.b32 $3, $4, $5, 0x7733;
+lop3.b32 $0, $0, 0x000F000F, BASE, 0xEA;
+lop3.b32 $1, $1, 0x000F000F, BASE, 0xEA;
+lop3.b32 $2, $2, 0x000F000F, BASE, 0xEA;
+lop3.b32 $3, $3, 0x000F000F, BASE, 0xEA;
+fma.rn.TYPE $0, $0, one, $6;
+fma.rn.TYPE $1, $1, one, $6;
+fma.rn.TYPE $2, $2, one, $6;
+fma.rn.TYPE $3, $3, one, $6;
+}
+"""
+_BF16_PAIRS_ASM = tl.constexpr(
+    _NIBBLE_PAIRS_ASM.replace("ONE", "0x3F803F80").replace("BASE", "0x43004300")
+    .replace("TYPE", "bf16x2")
+)  # fmt: skip
+_FP16_PAIRS_ASM = tl.constexpr(
+    _NIBBLE_PAIRS_ASM.replace("ONE", "0x3C003C00").replace("BASE", "0x64006400")
+    .replace("TYPE", "f16x2")
+)  # fmt: skip
+
+
 @triton.jit
-def _bf16_128_plus(packed, shift: tl.constexpr, INTERPRETED: tl.constexpr):
-    """128 + q as bf16 for the nibble at `shift` of each word: q OR-ed into the bits of 128.0
-    (on the GPU a 16-bit pattern as is; the interpreter gets there through float32, whose top
-    half bf16 is)."""
-    bits = ((packed >> shift) & 0xF) | 0x4300
+def _q_minus_z(packed, i: tl.constexpr, zero):
+    """q - z of nibble i of each word [BN, W], in float32 (the interpreter's path)."""
+    return ((packed >> (4 * i)) & 0xF).to(tl.float32) - zero[:, None]
+
+
+@triton.jit
+def _q_minus_z_pairs(packed, zero, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+    """q - z of every nibble, in `dtype` (bf16 or fp16; exact: |q - z| <= 15), as four
+    [BN, W, 2] tiles: tile p holds nibbles 2p and 2p + 1 of each word side by side. zero:
+    [BN] float32. On the GPU two values cost a PRMT, a LOP3 and a packed FMA
+    (_NIBBLE_PAIRS_ASM); the interpreter, which runs no assembly, gets there nibble by
+    nibble."""
     if INTERPRETED:
-        return (bits << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        return (
+            tl.join(_q_minus_z(packed, 0, zero), _q_minus_z(packed, 1, zero)).to(dtype),
+            tl.join(_q_minus_z(packed, 2, zero), _q_minus_z(packed, 3, zero)).to(dtype),
+            tl.join(_q_minus_z(packed, 4, zero), _q_minus_z(packed, 5, zero)).to(dtype),
+            tl.join(_q_minus_z(packed, 6, zero), _q_minus_z(packed, 7, zero)).to(dtype),
+        )
+    base = 1024.0 if dtype == tl.float16 else 128.0
+    bits = (-(zero + base)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    minus_offset = (bits | (bits << 16))[:, None]  # [BN, 1]: -(BASE + z) twice
+    asm: tl.constexpr = _FP16_PAIRS_ASM if dtype == tl.float16 else _BF16_PAIRS_ASM
+    return tl.inline_asm_elementwise(
+        asm,
+        "=r,=r,=r,=r,r,r,r,r",
+        [tl.join(packed, packed >> 4), tl.join(minus_offset, minus_offset)],
+        dtype=(dtype.value, dtype.value, dtype.value, dtype.value),  # constexpr: unwrapped
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -239,17 +318,20 @@ def _int4_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr,  # packed words per weight row per K step
+    UNROLL: tl.constexpr,  # K steps per loop iteration
     SPLIT_K: tl.constexpr,  # programs along K per output tile
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: float32 dots (see triton_linear)
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
+    PREFETCH_LINES: tl.constexpr,  # with PDL: the 128-byte lines of its first steps a row
 ):
     """out[rows, cols]^T = sum over steps of W_step x_step^T. In a step, for each nibble pair
-    p the weight tile [BN, 2W] is (128 + q) of nibbles 2p and 2p + 1 of each word side by side,
-    which hold the chunk's columns 8p .. 8p + 7, and x^T [2W, BM] those columns: runs of 8.
-    The offset and the zero point come off once a step: sum x (128 + q) - (128 + z) sum x,
-    times the group's scale, in float32. fp16 x: 128 + q is exact in fp16 too, so the bf16
-    operand's value is the same; the dot takes both as fp16.
+    p the weight tile [BN, 2W] is q - z of nibbles 2p and 2p + 1 of each word side by side
+    (_q_minus_z_pairs), which hold the chunk's columns 8p .. 8p + 7, and x^T [2W, BM] those
+    columns: runs of 8. The tensor cores sum the exact integers times x in float32; the
+    group's scale multiplies the step's sum. UNROLL steps an iteration (each inside one
+    group); an iteration's steps past the split's end load nothing.
 
     SPLIT_K: the tile's steps are shared by SPLIT_K programs (narrow layers have too few
     tiles to fill the GPU, and each would walk all of K). Each writes its partial sum; the
@@ -267,35 +349,42 @@ def _int4_dot_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     steps = tl.cdiv(k // (8 * WORDS), SPLIT_K)  # K % step == 0: checked by the launcher
     split = tl.program_id(2)
-    k_end = tl.minimum((split + 1) * steps * 8 * WORDS, k)
+    k_begin = split * steps * 8 * WORDS
+    k_end = tl.minimum(k_begin + steps * 8 * WORDS, k)
     w_ptrs += split * steps * WORDS
-    for k_start in range(split * steps * 8 * WORDS, k_end, 8 * WORDS):
-        packed = tl.load(w_ptrs, mask=col_valid[:, None], other=0)  # [BN, W]
-        group = k_start // GROUP_SIZE
-        scale_ptrs = scales_ptr + cols * stride_scales_row + group
-        scale = tl.load(scale_ptrs, mask=col_valid, other=0.0).to(tl.float32)  # [BN]
-        offset = tl.full([BLOCK_N], 128.0 + 8.0, tl.float32)  # 128 + z
-        if HAS_ZEROS:
-            zero_ptrs = zeros_ptr + cols * stride_zeros_row + group
-            offset = tl.load(zero_ptrs, mask=col_valid, other=0).to(tl.float32) + 128.0
-        step = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        x_sum = tl.zeros([2 * WORDS, BLOCK_M], tl.float32)
-        for p in tl.static_range(4):
-            x_ptrs = x_rows + (k_start + 8 * p + x_cols)[:, None]
-            xt = tl.load(x_ptrs, mask=row_valid[None, :], other=0.0)  # [2W, BM]
-            low = _bf16_128_plus(packed, 8 * p, INTERPRETED)
-            high = _bf16_128_plus(packed, 8 * p + 4, INTERPRETED)
-            weight = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * WORDS])
-            if INTERPRETED:
-                step = tl.dot(
-                    weight.to(tl.float32), xt.to(tl.float32), step, input_precision="ieee"
-                )
-            else:
-                step = tl.dot(weight.to(x_ptr.dtype.element_ty), xt, step)
-            x_sum += xt.to(tl.float32)
-        x_total = tl.sum(x_sum, axis=0)  # [BM]
-        acc += (step - offset[:, None] * x_total[None, :]) * scale[:, None]
-        w_ptrs += WORDS
+    if PREFETCH_LINES > 0:  # into L2 while the previous kernel ends (safe: kernels.triton_pdl)
+        lines = tl.arange(0, PREFETCH_LINES) * _LINE_WORDS  # [L]
+        first = tl.minimum(split * steps * WORDS + lines, k // 8 - 1)
+        rows_first = tl.minimum(cols, n - 1).to(tl.int64) * stride_qweight_row
+        prefetch_to_l2(qweight_ptr + rows_first[:, None] + first[None, :])
+    wait_for_previous_kernel(PDL)
+    for k_start in range(k_begin, k_end, 8 * WORDS * UNROLL):
+        for u in tl.static_range(UNROLL):  # a step each; past the split's end, masked out
+            k_step = k_start + u * 8 * WORDS
+            valid = tl.full([1], k_step, tl.int32) < k_end  # [1]
+            w_mask = col_valid[:, None] & valid[None, :]
+            packed = tl.load(w_ptrs + u * WORDS, mask=w_mask, other=0)
+            group = k_step // GROUP_SIZE
+            scale_ptrs = scales_ptr + cols * stride_scales_row + group
+            scale = tl.load(scale_ptrs, mask=col_valid & valid, other=0.0).to(tl.float32)
+            zero = tl.full([BLOCK_N], 8.0, tl.float32)
+            if HAS_ZEROS:
+                zero_ptrs = zeros_ptr + cols * stride_zeros_row + group
+                zero = tl.load(zero_ptrs, mask=col_valid & valid, other=0).to(tl.float32)
+            pairs = _q_minus_z_pairs(packed, zero, x_ptr.dtype.element_ty, INTERPRETED)
+            step = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for p in tl.static_range(4):
+                x_ptrs = x_rows + (k_step + 8 * p + x_cols)[:, None]
+                xt = tl.load(x_ptrs, mask=row_valid[None, :] & valid[:, None], other=0.0)
+                weight = tl.reshape(pairs[p], [BLOCK_N, 2 * WORDS])
+                if INTERPRETED:
+                    step = tl.dot(
+                        weight.to(tl.float32), xt.to(tl.float32), step, input_precision="ieee"
+                    )
+                else:
+                    step = tl.dot(weight, xt, step)
+            acc += step * scale[:, None]
+        w_ptrs += WORDS * UNROLL
 
     mask = col_valid[:, None] & row_valid[None, :]  # [BN, BM]
     if SPLIT_K > 1:
@@ -426,14 +515,15 @@ def _launch_dot(
     out: torch.Tensor,
     tiles: Int4Tiles,
 ) -> None:
-    if tiles.block_k != DOT_STEP:
-        raise ValueError(f"{tiles}: the dot kernel steps {DOT_STEP} columns at a time")
+    if tiles.block_k % DOT_STEP:
+        raise ValueError(f"{tiles}: the dot kernel takes K steps of {DOT_STEP} columns")
     if g_idx is not None:
         raise ValueError(f"{tiles}: the dot kernel does not take act-order (g_idx)")
     m, n = x.shape[0], qweight.shape[0]
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
     if tiles.split_k > 1 and grid[0] * grid[1] > MAX_TICKETS:
         raise ValueError(f"{tiles}: more than {MAX_TICKETS} output tiles to split along K")
+    early = launches_early(x)
     partials = out  # unused without a split
     if tiles.split_k > 1:
         partials = torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
@@ -446,13 +536,23 @@ def _launch_dot(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         WORDS=DOT_STEP // PACK,
+        UNROLL=tiles.block_k // DOT_STEP,
         SPLIT_K=tiles.split_k,
         HAS_ZEROS=zeros is not None,
         HAS_BIAS=bias is not None,
         INTERPRETED=not x.is_cuda,
+        PDL=early,
+        # The lines of each weight row's first num_stages steps: what the pipeline loads first.
+        PREFETCH_LINES=prefetch_lines(tiles.num_stages) if early else 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        launch_pdl=early,
     )
+
+
+def prefetch_lines(num_stages: int) -> int:
+    """The 128-byte lines that hold num_stages steps of a weight row (a power of two)."""
+    return triton.next_power_of_2(triton.cdiv(num_stages * DOT_STEP // 2, L2_LINE_BYTES))
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}

@@ -11,14 +11,15 @@ The rule that keeps this correct, for every kernel launched with `launch_pdl=Tru
   every program calls `wait_for_previous_kernel` before it reads anything another kernel
   writes and before it writes anything, and it never returns before that call.
 Then a kernel completes only after the one before it did, so a chain of PDL kernels, or one
-mixed with ordinary launches (cuBLAS, NCCL, torch ops, the int4 kernels), keeps stream order
+mixed with ordinary launches (cuBLAS, NCCL, torch ops, int4's fallback kernels), keeps stream order
 for every byte. Before the wait a program may only compute addresses and `prefetch_to_l2` the
 weights it reads first: a prefetch fills L2, which is where device memory is coherent, so it
 can never return a value older than the previous kernel's writes.
 
 Measured on an H100 (docs/benchmarks.md, "programmatic dependent launch"): Llama-3.1-8B decode
-at batch 1 went from 5.83 to 5.67 ms in bf16 and from 3.96 to 3.76 ms in FP8. The int4 kernels
-are launched the ordinary way: with PDL the int4 step was 3 % slower (3.96 against 3.83 ms).
+at batch 1 went from 5.83 to 5.67 ms in bf16 and from 3.96 to 3.76 ms in FP8. int4's tl.dot
+kernel launches with it too (2.96 against 3.06 ms at batch 1, 2026-11-28); its CUDA-core
+kernels do not (their step was 3 % slower with it).
 
 `--disable-pdl` (kernels/pdl.py) launches everything the ordinary way.
 """

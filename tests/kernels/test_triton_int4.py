@@ -5,6 +5,8 @@ row kernel with x in each dtype, read as pairs or one by one."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -164,11 +166,29 @@ def test_the_dot_kernel_splits_k_and_leaves_its_tickets_at_zero(split_k: int) ->
         torch.testing.assert_close(outs[-1].float(), expected.float(), rtol=2e-2, atol=2e-2)
         assert not triton_int4._tickets(x.device).any()
     assert torch.equal(outs[0], outs[1])  # the partials added in split order, every time
-    # At 8 rows: qkv (192 tiles) and o split in 4, down (112 steps) in 8, gate_up in 2.
-    splits = [default_tiles(8, n, k).split_k for n, k in LLAMA_SHAPES.values()]
-    assert sorted(splits) == [2, 4, 4, 8]
+    # At 1-8 rows: qkv (192 tiles), o and down (56 steps of 256) split in 4, gate_up not; at
+    # 32, down (112 steps of 128, 32 tiles) in 8.
+    for m in (1, 8):
+        splits = [default_tiles(m, n, k).split_k for n, k in LLAMA_SHAPES.values()]
+        assert sorted(splits) == [1, 4, 4, 4]
+    assert default_tiles(32, 4096, 14336).split_k == 8
     with pytest.raises(ValueError, match="dot kernel only"):
         Int4Tiles("rows", 1, 8, 128, 1, 1, split_k=2)
+
+
+@pytest.mark.parametrize(("block_k", "split_k"), [(256, 1), (512, 1), (256, 2)])
+def test_the_dot_kernel_takes_several_steps_an_iteration(block_k: int, split_k: int) -> None:
+    # K = 384: 3 steps of 128, so the last iteration (or a split's) runs past its end, masked;
+    # groups of 128 change inside an iteration.
+    qweight, scales, zeros, _ = random_layer(40, 384, 128, False, False, block_k)
+    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    scales = scales.to(torch.bfloat16)
+    tiles = Int4Tiles("dot", 8, 32, block_k, num_warps=2, num_stages=2, split_k=split_k)
+    out = int4_linear(x, qweight, scales, zeros, 128, tiles=tiles)
+    expected = int4_linear_reference(x, qweight, scales, zeros, 128)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="K steps of 128"):
+        int4_linear(x, qweight, scales, zeros, 128, tiles=dataclasses.replace(tiles, block_k=192))
 
 
 def test_bad_inputs_are_refused() -> None:
@@ -187,7 +207,7 @@ def test_bad_inputs_are_refused() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", sorted(LLAMA_SHAPES))
-@pytest.mark.parametrize("m", [1, 7, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 7, 16, 20, 64, 300])
 def test_gpu_real_shapes_match_the_reference(shape: str, m: int) -> None:
     # Judged as a whole: the reference rounds each dequantized weight to bf16 and the kernel
     # does not (on the device it subtracts the zero point after the sum), so over K = 14336
