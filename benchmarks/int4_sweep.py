@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import triton
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -44,8 +45,11 @@ CANDIDATES = [Int4Tiles(*c) for c in [
     *[("rows", 1, bn, bk, w, 1) for bn, bk, w in [
         (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (4, 2048, 1), (8, 2048, 2), (4, 2048, 2),
         (8, 1024, 2), (16, 1024, 4)]],
-    *[("dot", bm, bn, 128, w, 3, split) for bm, bn, w in [
-        (8, 16, 1), (8, 32, 2), (16, 32, 2), (8, 64, 2), (16, 64, 4), (16, 128, 4)]
+    *[("dot", bm, bn, bk, w, 3, split) for bm, bn, bk, w in [
+        (8, 16, 128, 1), (8, 32, 128, 2), (16, 32, 128, 2), (8, 64, 128, 2), (16, 64, 128, 4),
+        (16, 128, 128, 4), (8, 64, 128, 4), (8, 128, 128, 4), (8, 32, 256, 2), (8, 32, 512, 2),
+        (8, 64, 256, 4), (16, 64, 256, 4), (32, 64, 128, 4), (64, 64, 128, 4), (32, 128, 128, 8),
+        (64, 128, 128, 8)]
         for split in (1, 2, 4, 8)],
     ("dequant_dot", 16, 32, 128, 4, 4), ("dequant_dot", 16, 64, 128, 4, 4),
     ("dequant_dot", 16, 128, 128, 8, 3),
@@ -57,6 +61,8 @@ def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
     """The candidate at M rows, or None where it does not apply."""
     if tiles.kind == "rows":
         return tiles if m <= ROW_KERNEL_MAX_TIMED else None
+    if tiles.kind == "dot" and tiles.block_m > max(8, triton.next_power_of_2(m)):
+        return None  # x tiles more than twice M (or than 8) waste the tensor cores
     return None if m > 64 else tiles
 
 
