@@ -36,6 +36,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 from kernels.fp8 import FP8
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_fp8 import fp8_skinny_linear
+from kernels.triton_int4 import int4_linear
 from kernels.triton_linear import skinny_linear
 from kernels.triton_prefill_attention import paged_prefill_attention
 
@@ -141,6 +142,19 @@ def _skinny_launches(rows: list[int], fp8: bool) -> None:
                 skinny_linear(x, torch.empty(n, k, dtype=torch.bfloat16))
 
 
+def _int4_launches() -> None:
+    """The int4 tl.dot kernel at each of its tiles (1, 16 and 32 rows), in bf16 and fp16: its
+    inline PTX must assemble for every GPU too."""
+    for dtype, rows in ((torch.bfloat16, [1, 16, 32]), (torch.float16, [1])):
+        for m in rows:
+            for name, (n, k) in LLAMA_SHAPES.items():
+                if name != "lm_head":  # int4 checkpoints keep lm_head in 16 bits
+                    qweight = torch.empty(n, k // 8, dtype=torch.int32)
+                    scales = torch.empty(n, k // 128, dtype=dtype)
+                    zeros = torch.empty(n, k // 128, dtype=torch.uint8)
+                    int4_linear(torch.empty(m, k, dtype=dtype), qweight, scales, zeros, 128)
+
+
 def _attention_launches(kv_dtype: torch.dtype) -> None:
     for head_dim in (64, 128, 256):
         cache = torch.empty(64, 16, 8, head_dim, dtype=kv_dtype)
@@ -163,6 +177,7 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "skinny bf16, 1-16 rows": (lambda: _skinny_launches([1, 4, 16], fp8=False), (80, 86, 89)),
     "skinny bf16, 17-64 rows (Hopper)": (lambda: _skinny_launches([32, 64], fp8=False), (90,)),
     "skinny fp8": (lambda: _skinny_launches([1, 16, 32, 64], fp8=True), (89, 90)),
+    "int4 dot": (_int4_launches, (80, 86, 89, 90)),
     "attention bf16 cache": (lambda: _attention_launches(torch.bfloat16), (80, 86, 89, 90)),
     "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),
 }
