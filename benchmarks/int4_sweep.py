@@ -39,8 +39,8 @@ from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear  # noqa: E
 
 GROUP = 128
 # (kind, block_m, block_n, block_k, num_warps, num_stages[, split_k]): the rows kernel (timed
-# up to 8 rows), the dot kernel (steps of 128: groups of 128; K split over 1-8 programs) and
-# dequant_dot (what act-order runs).
+# up to 8 rows), the dot kernel (steps of 128 inside a group of 128, one to four an iteration;
+# K split over 1-8 programs) and dequant_dot (what act-order runs).
 CANDIDATES = [Int4Tiles(*c) for c in [
     *[("rows", 1, bn, bk, w, 1) for bn, bk, w in [
         (2, 1024, 1), (4, 1024, 1), (8, 1024, 1), (4, 2048, 1), (8, 2048, 2), (4, 2048, 2),
@@ -62,7 +62,7 @@ def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
     if tiles.kind == "rows":
         return tiles if m <= ROW_KERNEL_MAX_TIMED else None
     if tiles.kind == "dot" and tiles.block_m > max(8, triton.next_power_of_2(m)):
-        return None  # x tiles more than twice M (or than 8) waste the tensor cores
+        return None  # x tiles past M rounded up to a power of two (at least 8): idle MMAs
     return None if m > 64 else tiles
 
 

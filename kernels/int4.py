@@ -12,8 +12,9 @@ load into one layout, which the kernels read:
                              column k is in group k // group_size
 
 and the weight is w[n, k] = (q[n, k] - z[n, g]) * scales[n, g] with g the group of k. Why the
-chunks: the decode kernel reads x as pairs of 16-bit values, and nibbles 2p, 2p+1 of the 4
-words of a chunk then take the 4 consecutive pairs 4p .. 4p+3, one vector load
+chunks: nibbles 2p, 2p+1 of the 4 words of a chunk then hold its 8 consecutive columns
+8p .. 8p+7, so the tl.dot kernel's x operand comes in runs of 8 columns, and the CUDA-core
+kernel reads the 4 consecutive 16-bit pairs 4p .. 4p+3 with one vector load
 (kernels/triton_int4.py). K and group sizes are multiples of CHUNK, so a word's 8 columns
 share a group. `pack_int4` / `unpack_int4` are the plain nibble packing (value c at bits
 4*(c % 8) of word c // 8) that checkpoints use; `transpose_chunks` turns it into the kernel

@@ -11,11 +11,12 @@ Up to 64 rows one launch, of one of three kernels (`Int4Tiles.kind`, picked by
   group; on the GPU each pair of nibbles becomes q - z in x's dtype by three instructions of
   inline PTX (_NIBBLE_PAIRS_ASM), so the tensor cores take the exact integer and the scale
   multiplies the step's float32 sum. The kernel launches with PDL (kernels.triton_pdl).
-- **rows** (up to 4 rows where "dot" does not apply: float32 x, groups of 32 or 64; no
-  act-order): a program per row of x owns BLOCK_N weight rows and walks K; each thread holds
-  whole chunks (4 words) of its rows and the x values they multiply, read as 16-bit pairs by
-  one vector load per nibble pair, so no tile changes layout between threads until the final
-  sum. The multiply-adds run on the CUDA cores: a nibble costs a shift, a mask and an FMA.
+- **rows** (up to 4 rows where "dot" does not apply: float32 x, groups of 32 or 64, K not
+  a multiple of 128; no act-order): a program per row of x owns BLOCK_N weight rows and walks
+  K; each thread holds whole chunks (4 words) of its rows and the x values they multiply,
+  read as 16-bit pairs by one vector load per nibble pair, so no tile changes layout between
+  threads until the final sum. The multiply-adds run on the CUDA cores: a nibble costs a
+  shift, a mask and an FMA.
 - **dequant_dot** (the rest: act-order, groups of 32 or 64, float32): x tl.dot's first
   operand, the weight made whole and rounded to x's dtype, nibble by nibble
   (kernels/triton_int4_dequant.py).
@@ -24,9 +25,10 @@ Past 64 rows the weight is dequantized to the activation's dtype by a fourth ker
 (kernels/triton_int4_dequant.py), then multiplied by cuBLAS.
 
 Scales and zero points: in the dot and rows kernels one per step or packed word (a word's 8
-columns share a group), applied after the sum, in float32, so the result is closer to the
-exact product than the reference, which rounds each dequantized weight to the activation's
-dtype first (the tests allow for that). dequant_dot makes the weight whole and rounds it as
+columns share a group). The dot kernel takes the zero point off each weight, exactly, and the
+rows kernel off each word's sum; both apply the scale after the sum, in float32, so the
+result is closer to the exact product than the reference, which rounds each dequantized
+weight to the activation's dtype first (the tests allow for that). dequant_dot makes the weight whole and rounds it as
 the reference does, with act-order by each column's group, gathered by g_idx.
 """
 
@@ -52,7 +54,7 @@ _LINE_WORDS = tl.constexpr(L2_LINE_BYTES // 4)  # packed words in a 128-byte lin
 DEQUANTIZE_ABOVE_ROWS = 64
 DOT_STEP = 128  # the dot kernel's K step: one group of 128 (or a part of a larger one)
 DOT_WARPS = 2048  # the dot kernel splits K until about this many warps run,
-DOT_MIN_STEPS = 8  # leaving each split at least this many loop iterations,
+DOT_MIN_ITERATIONS = 8  # leaving each split at least this many loop iterations,
 DOT_MAX_SPLIT = 8  # in at most this many parts
 WIDE_N = 16384  # gate_up-like layers: N >= this
 WIDE_K = 8192  # down-like layers: K >= this
@@ -93,7 +95,7 @@ def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = Fa
       an iteration. 9-16 rows: 16 x 64 over 4 warps; 17-64 rows: 32 x 128 over 8 warps (the
       16 x 64 tile converted each weight once per 16 rows: gate_up at 32 rows 54.8 against
       40.2 us). K is split until about DOT_WARPS warps run, leaving each split at least
-      DOT_MIN_STEPS iterations. At one row, us per layer: qkv 9.6, o 8.0, gate_up 30.9, down
+      DOT_MIN_ITERATIONS iterations. At one row, us per layer: qkv 9.6, o 8.0, gate_up 30.9, down
       21.0 (the rows kernel: 12.4, 9.4, 43.2, 25.6; PyTorch's int4 GEMM 10.2, 7.1, 33.0, 18.8).
     - Without "dot": "rows" with 8 weight rows and 2048 columns a step over 2 warps at one row,
       4 rows and 1024 columns over one warp up to 4 rows (but for the widest layer, gate_up),
@@ -103,7 +105,7 @@ def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = Fa
     if not act_order and dot:
         block_m, block_n, block_k, warps = _dot_tile(m, n, k)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        wanted = max(1, min(DOT_WARPS // warps // tiles, k // block_k // DOT_MIN_STEPS))
+        wanted = max(1, min(DOT_WARPS // warps // tiles, k // block_k // DOT_MIN_ITERATIONS))
         split_k = min(DOT_MAX_SPLIT, 1 << (wanted.bit_length() - 1))  # a power of two
         return Int4Tiles("dot", block_m, block_n, block_k, warps, 3, split_k)
     if not act_order and m == 1:
@@ -229,11 +231,14 @@ def _int4_row_kernel(
     )
 
 
-# The dot kernel's weight operand, on the GPU: per word, for p = 0..3, a PRMT puts byte p of the
-# word (nibbles 2p, 2p + 1) in the low half and byte p of the word shifted by 4 in the high half,
-# a LOP3 keeps one nibble in each half and ORs in the bits of BASE (1024 in fp16, 128 in bf16:
-# BASE + q is exact), and a packed FMA adds -(BASE + z): q - z, exact, two values at a time.
-# $0-$3 the four pairs; $4, $5 the word and the word >> 4; $6, $7 the packed -(BASE + z).
+# The dot kernel's weight operand, on the GPU, two elements an instance (pack=2): the inputs
+# $4, $5 are the elements' words, the first as is and the second shifted right by 4 (what
+# tl.join(packed, packed >> 4) puts side by side), $6 their -(BASE + z) as a 16-bit pair. For
+# p = 0..3 a PRMT puts byte p of $4 in the low half and byte p of $5 in the high half (nibbles
+# 2p and 2p + 1 of the word when the pair is one word's: each half depends on its own element
+# only, so any pairing gives each element nibble 2p of its input), a LOP3 keeps the low nibble
+# of each half and ORs in the bits of BASE (1024.0 in fp16, 128.0 in bf16: BASE + q is exact),
+# and a packed FMA by 1.0 adds $6: q - z, exact for z in 0..15. $0-$3: the four pairs.
 _NIBBLE_PAIRS_ASM = """
 {
 .reg .b32 one;
@@ -270,11 +275,11 @@ def _q_minus_z(packed, i: tl.constexpr, zero):
 
 @triton.jit
 def _q_minus_z_pairs(packed, zero, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
-    """q - z of every nibble, in `dtype` (bf16 or fp16; exact: |q - z| <= 15), as four
-    [BN, W, 2] tiles: tile p holds nibbles 2p and 2p + 1 of each word side by side. zero:
-    [BN] float32. On the GPU two values cost a PRMT, a LOP3 and a packed FMA
-    (_NIBBLE_PAIRS_ASM); the interpreter, which runs no assembly, gets there nibble by
-    nibble."""
+    """q - z of every nibble, in `dtype` (bf16 or fp16; exact for the zero points 0..15
+    that the loaders keep), as four [BN, W, 2] tiles: tile p holds nibbles 2p and 2p + 1 of
+    each word side by side. zero: [BN] float32. On the GPU two values cost a PRMT, a LOP3
+    and a packed FMA (_NIBBLE_PAIRS_ASM); the interpreter, which runs no assembly, gets there
+    nibble by nibble."""
     if INTERPRETED:
         return (
             tl.join(_q_minus_z(packed, 0, zero), _q_minus_z(packed, 1, zero)).to(dtype),
@@ -283,12 +288,11 @@ def _q_minus_z_pairs(packed, zero, dtype: tl.constexpr, INTERPRETED: tl.constexp
             tl.join(_q_minus_z(packed, 6, zero), _q_minus_z(packed, 7, zero)).to(dtype),
         )
     base = 1024.0 if dtype == tl.float16 else 128.0
-    bits = (-(zero + base)).to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    minus_offset = (bits | (bits << 16))[:, None]  # [BN, 1]: -(BASE + z) twice
+    minus_offset = (-(zero + base)).to(dtype)[:, None]  # [BN, 1], 16-bit: packed in pairs
     asm: tl.constexpr = _FP16_PAIRS_ASM if dtype == tl.float16 else _BF16_PAIRS_ASM
     return tl.inline_asm_elementwise(
         asm,
-        "=r,=r,=r,=r,r,r,r,r",
+        "=r,=r,=r,=r,r,r,r",
         [tl.join(packed, packed >> 4), tl.join(minus_offset, minus_offset)],
         dtype=(dtype.value, dtype.value, dtype.value, dtype.value),  # constexpr: unwrapped
         is_pure=True,
@@ -429,8 +433,10 @@ def _check_inputs(
         raise ValueError("zeros must be contiguous along G")
     if g_idx is None and num_groups * group_size < k:
         raise ValueError(f"{num_groups} groups of {group_size} do not cover K={k}")
-    if k % CHUNK or (g_idx is None and group_size % CHUNK):
-        raise ValueError(f"K={k} and the group size {group_size} must be multiples of {CHUNK}")
+    if k == 0 or k % CHUNK or (g_idx is None and group_size % CHUNK):
+        raise ValueError(
+            f"K={k} and the group size {group_size} must be positive multiples of {CHUNK}"
+        )
     if g_idx is not None and (g_idx.shape != (k,) or g_idx.dtype != torch.int32):
         raise ValueError(f"g_idx must be int32 [{k}], got {g_idx.dtype} {tuple(g_idx.shape)}")
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
@@ -542,17 +548,18 @@ def _launch_dot(
         HAS_BIAS=bias is not None,
         INTERPRETED=not x.is_cuda,
         PDL=early,
-        # The lines of each weight row's first num_stages steps: what the pipeline loads first.
-        PREFETCH_LINES=prefetch_lines(tiles.num_stages) if early else 0,
+        PREFETCH_LINES=_prefetch_lines(tiles) if early else 0,
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         launch_pdl=early,
     )
 
 
-def prefetch_lines(num_stages: int) -> int:
-    """The 128-byte lines that hold num_stages steps of a weight row (a power of two)."""
-    return triton.next_power_of_2(triton.cdiv(num_stages * DOT_STEP // 2, L2_LINE_BYTES))
+def _prefetch_lines(tiles: Int4Tiles) -> int:
+    """The 128-byte lines a program prefetches of each weight row: num_stages steps of 128
+    columns (half a byte a column), rounded up to a power of two; the start of what the
+    pipeline loads first, which at two steps an iteration is (num_stages - 1) * 2 steps."""
+    return triton.next_power_of_2(triton.cdiv(tiles.num_stages * DOT_STEP // 2, L2_LINE_BYTES))
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}

@@ -166,8 +166,8 @@ def test_the_dot_kernel_splits_k_and_leaves_its_tickets_at_zero(split_k: int) ->
         torch.testing.assert_close(outs[-1].float(), expected.float(), rtol=2e-2, atol=2e-2)
         assert not triton_int4._tickets(x.device).any()
     assert torch.equal(outs[0], outs[1])  # the partials added in split order, every time
-    # At 1-8 rows: qkv (192 tiles), o and down (56 steps of 256) split in 4, gate_up not; at
-    # 32, down (112 steps of 128, 32 tiles) in 8.
+    # At 1-8 rows: qkv (192 tiles), o and down (56 iterations of 256 columns) split in 4,
+    # gate_up not; at 32, down (112 iterations of 128, 32 tiles) in 8.
     for m in (1, 8):
         splits = [default_tiles(m, n, k).split_k for n, k in LLAMA_SHAPES.values()]
         assert sorted(splits) == [1, 4, 4, 4]
@@ -202,6 +202,9 @@ def test_bad_inputs_are_refused() -> None:
         int4_linear(x, qweight, scales, zeros.to(torch.int32), 32)
     with pytest.raises(ValueError, match="multiples of 32"):
         int4_linear(x, qweight, scales.repeat(1, 2), zeros.repeat(1, 2), 16)
+    empty = torch.zeros(16, 0, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="positive multiples"):  # K = 0
+        int4_linear(x[:, :0], empty, scales[:, :0], zeros[:, :0], 32)
 
 
 @pytest.mark.gpu
@@ -210,7 +213,7 @@ def test_bad_inputs_are_refused() -> None:
 @pytest.mark.parametrize("m", [1, 7, 16, 20, 64, 300])
 def test_gpu_real_shapes_match_the_reference(shape: str, m: int) -> None:
     # Judged as a whole: the reference rounds each dequantized weight to bf16 and the kernel
-    # does not (on the device it subtracts the zero point after the sum), so over K = 14336
+    # does not (it sums the exact q - z times x and scales the sum), so over K = 14336
     # products single outputs differ by a few bf16 steps (measured: the kernel is the closer
     # of the two to float64), while the relative error of the output stays near 1e-3.
     n, k = LLAMA_SHAPES[shape]
@@ -221,3 +224,20 @@ def test_gpu_real_shapes_match_the_reference(shape: str, m: int) -> None:
     assert out.dtype == DTYPE and out.shape == (m, n)
     error = (out.float() - expected.float()).norm() / expected.float().norm()
     assert error.item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("shape", sorted(LLAMA_SHAPES))
+@pytest.mark.parametrize("m", [1, 20])
+def test_gpu_fp16_at_real_shapes_matches_the_reference(shape: str, m: int) -> None:
+    # The dot kernel's fp16 operand (1024 + q less 1024 + z) at its 8-, 8 x 64- and 32-row
+    # tiles, with zero points.
+    n, k = LLAMA_SHAPES[shape]
+    qweight, scales, zeros, _ = random_layer(n, k, 128, False, False, m + k)
+    scales = scales.to(torch.float16)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.float16)
+    out = int4_linear(x, qweight, scales, zeros, 128)
+    expected = int4_linear_reference(x, qweight, scales, zeros, 128)
+    error = (out.float() - expected.float()).norm() / expected.float().norm()
+    assert out.dtype == torch.float16 and error.item() < 1e-2

@@ -1,7 +1,8 @@
 """Programmatic dependent launch (kernels.triton_pdl) changes when kernels start, never a value.
 
-- Each PDL kernel waits for the kernel before it: a producer that lets its dependents launch at
-  once, then writes their input only after 200 us, must still be seen whole.
+- Each PDL kernel (the int4 dot kernel among them) waits for the kernel before it: a producer
+  that lets its dependents launch at once, then writes their input only after 200 us, must
+  still be seen whole.
 - A chain of dependent decode kernels (RMSNorm, skinny linear layers in bf16 and FP8, the FP8
   quantization, SiLU-and-mul, argmax) captured in a CUDA graph gives the same bits with PDL
   and without (`set_pdl(False)`, what --disable-pdl does).
@@ -24,6 +25,7 @@ from kernels import ops
 from kernels.argmax import argmax_reference
 from kernels.embedding import embedding_rows_reference
 from kernels.fp8 import fp8_linear_reference, quantize_fp8_rowwise_reference
+from kernels.int4 import int4_linear_reference, quantize_int4_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.pdl import set_pdl
 from kernels.triton_pdl import launches_early
@@ -92,6 +94,12 @@ def test_each_pdl_kernel_waits_for_the_input_written_late() -> None:
     qweight, scale = quantize_fp8_rowwise_reference(w_up)
     got = ops.fp8_linear(_late(x[:2]), qweight, scale[:, 0].contiguous())
     _close(got, fp8_linear_reference(x[:2], qweight, scale[:, 0].contiguous()))
+    qweight, scales, zeros = quantize_int4_reference(w_up.float(), 128, symmetric=False)
+    scales = scales.to(torch.bfloat16)
+    for rows in (1, 32):  # the int4 dot kernel's tiles of 8 rows (split along K) and of 32
+        h = _bf16(rows, HIDDEN, seed=8)
+        got = ops.int4_linear(_late(h), qweight, scales, zeros, 128)
+        _close(got, int4_linear_reference(h, qweight, scales, zeros, 128))
     logits = _bf16(2, VOCAB, seed=6).float()
     assert torch.equal(ops.argmax(_late(logits)), argmax_reference(logits))
     input_ids = torch.zeros(4, dtype=torch.int32, device="cuda")

@@ -1,0 +1,109 @@
+"""The int4 dot kernel's inline PTX (`_BF16_PAIRS_ASM`, `_FP16_PAIRS_ASM`), executed here
+instruction by instruction as the PTX ISA defines them: CI has no GPU, and the interpreter
+runs the kernel's plain-Triton path instead, so without this only a GPU run would notice a
+wrong selector, mask or constant."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels import triton_int4
+
+MASK32 = 0xFFFFFFFF
+ASM = {torch.bfloat16: triton_int4._BF16_PAIRS_ASM, torch.float16: triton_int4._FP16_PAIRS_ASM}
+BASE = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+
+
+def prmt(a: int, b: int, selector: int) -> int:
+    """prmt.b32 in its default mode: byte i of the result is byte selector[i] of {b, a}
+    (bytes 0-3 from a, 4-7 from b), sign-replicated where the selector's bit 3 is set."""
+    source = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        pick = (selector >> 4 * i) & 0xF
+        byte = source[pick & 7]
+        if pick & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << 8 * i
+    return out
+
+
+def lop3(a: int, b: int, c: int, lut: int) -> int:
+    """lop3.b32: each result bit is bit (a << 2 | b << 1 | c) of the lookup table."""
+    bits = (((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1), i) for i in range(32))
+    return sum((lut >> index & 1) << i for index, i in bits)
+
+
+def halves(bits: int, dtype: torch.dtype) -> list[float]:
+    pair = torch.tensor([bits & MASK32], dtype=torch.int64).to(torch.int32).view(dtype)
+    return pair.tolist()
+
+
+def packed(values: list[float], dtype: torch.dtype) -> int:
+    return torch.tensor(values, dtype=dtype).view(torch.int32).item() & MASK32
+
+
+def fma_x2(a: int, b: int, c: int, dtype: torch.dtype) -> int:
+    """fma.rn on two 16-bit halves: a * b + c exactly, rounded once (float64 holds it)."""
+    exact = [x * y + z for x, y, z in zip(*(halves(v, dtype) for v in (a, b, c)), strict=True)]
+    return packed(exact, dtype)
+
+
+def run_asm(text: str, registers: dict[str, int], dtype: torch.dtype) -> dict[str, int]:
+    """Execute the asm's instructions on 32-bit registers named as in the text."""
+    value = lambda operand: int(operand, 16) if operand.startswith("0x") else registers[operand]  # noqa: E731
+    for line in text.splitlines():
+        match = re.fullmatch(r"\s*([a-z][\w.]*)\s+(.*);", line)
+        if match is None:
+            continue  # braces, register declarations (.reg)
+        op, operands = match.group(1), [o.strip() for o in match.group(2).split(",")]
+        args = [value(o) for o in operands[1:]]
+        if op == "mov.b32":
+            result = args[0]
+        elif op == "prmt.b32":
+            result = prmt(*args)
+        elif op == "lop3.b32":
+            result = lop3(*args)
+        elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
+            result = fma_x2(*args, dtype)
+        else:
+            raise AssertionError(f"an instruction this test does not know: {line.strip()}")
+        registers[operands[0]] = result & MASK32
+    return registers
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_nibble_pairs_asm_makes_q_minus_z_exactly(dtype: torch.dtype) -> None:
+    generator = random.Random(0)
+    for _ in range(200):
+        word = generator.getrandbits(32)
+        zero = generator.randrange(16)
+        signed = word - (1 << 32) if word >> 31 else word
+        offset = -(BASE[dtype] + zero)
+        registers = {
+            "$4": word,
+            "$5": (signed >> 4) & MASK32,  # packed >> 4 on int32: an arithmetic shift
+            "$6": packed([offset, offset], dtype),
+        }
+        out = run_asm(ASM[dtype].value, registers, dtype)
+        nibbles = [(word >> 4 * i) & 0xF for i in range(8)]
+        for p in range(4):
+            assert halves(out[f"${p}"], dtype) == [nibbles[2 * p] - zero, nibbles[2 * p + 1] - zero]
+
+
+def test_each_half_depends_on_its_own_element_only() -> None:
+    # Whichever two elements Triton hands one instance, each half is nibble 2p of its own input
+    # minus its own zero point: here two unrelated words (neither shifted) and two zero points.
+    words, zeros = (0x89ABCDEF, 0x01234567), (3.0, 11.0)
+    offsets = [-(128.0 + z) for z in zeros]
+    registers = {"$4": words[0], "$5": words[1], "$6": packed(offsets, torch.bfloat16)}
+    out = run_asm(ASM[torch.bfloat16].value, registers, torch.bfloat16)
+    for p in range(4):
+        expected = [((w >> 8 * p) & 0xF) - z for w, z in zip(words, zeros, strict=True)]
+        assert halves(out[f"${p}"], torch.bfloat16) == expected
