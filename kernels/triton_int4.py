@@ -28,8 +28,9 @@ Scales and zero points: in the dot and rows kernels one per step or packed word 
 columns share a group). The dot kernel takes the zero point off each weight, exactly, and the
 rows kernel off each word's sum; both apply the scale after the sum, in float32, so the
 result is closer to the exact product than the reference, which rounds each dequantized
-weight to the activation's dtype first (the tests allow for that). dequant_dot makes the weight whole and rounds it as
-the reference does, with act-order by each column's group, gathered by g_idx.
+weight to the activation's dtype first (the tests allow for that). dequant_dot makes the
+weight whole and rounds it as the reference does, with act-order by each column's group,
+gathered by g_idx.
 """
 
 from __future__ import annotations
