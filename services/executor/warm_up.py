@@ -11,9 +11,10 @@ for its compile); past 256 requests (--max-num-seqs), an eager step of each powe
 requests, which the prefill kernel compiles apart; without CUDA graphs (whose capture meets
 them) also the linear layers at the skinny GEMV's two larger row tiles. (Rarer variants still
 compile on first use: eager steps of more than 256 requests whose longest query is short.)
-They use blocks from 0 up; nothing is registered in the prefix cache, so real requests never
-read what they wrote.
-Limits too small for these steps skip them, with a log line.
+They use blocks from 0 up, and each step of many requests uses them again from 0 (every
+request before it has finished); nothing is registered in the prefix cache, so real requests
+never read what they wrote. Limits too small for these steps skip them, with a log line; a KV
+cache too small for a step of many requests skips that step alone.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class _Plans:
         )
         self.runner.execute(plan)
 
+    def reuse_blocks(self) -> None:
+        """Hand out blocks from 0 again: for a plan run after every earlier request finished."""
+        self.next_block = 0
+
     def new(self, request_id: str, prompt_len: int, params: SamplingParams) -> NewRequestData:
         num_blocks = -(-(prompt_len + _NUM_DECODES + 1) // self.runner.block_size)
         blocks = list(range(self.next_block, self.next_block + num_blocks))
@@ -98,7 +103,7 @@ def eager_lengths(runner: ModelRunner) -> list[int]:
     return [n for n in lengths if MIXED_GRAPH_MAX_TOKENS < n <= limit]
 
 
-def many_request_steps(runner: ModelRunner) -> list[int]:
+def _many_request_counts(runner: ModelRunner) -> list[int]:
     """Past 256 requests (--max-num-seqs) each power of two of requests in an eager mixed step
     is a compile of the prefill kernel of its own (`reqs_pow2`): a step of one more request
     than each lower power of two meets it, if its requests and long prompt fit the budget."""
@@ -111,13 +116,27 @@ def many_request_steps(runner: ModelRunner) -> list[int]:
     return counts if fits else []
 
 
+def _many_request_lengths(num_reqs: int) -> list[int]:
+    return [1] * (num_reqs - 1) + [_LONG_PROMPT]  # what _run_many_requests plans
+
+
+def many_request_steps(runner: ModelRunner) -> list[int]:
+    """The steps of many requests to run: those whose blocks fit the KV cache on their own."""
+    return [
+        num_reqs
+        for num_reqs in _many_request_counts(runner)
+        if _blocks(runner, _many_request_lengths(num_reqs)) <= runner.num_blocks
+    ]
+
+
 def _run_many_requests(plans: _Plans, num_reqs: int) -> list[str]:
     """One eager mixed step: num_reqs - 1 one-token prompts, as decodes ride along, beside
     a prompt long enough for the kernel's large tiles and for more tokens than any mixed
     graph takes."""
     greedy = SamplingParams(temperature=0.0)
-    requests = [plans.new(f"warm-many-{i}", 1, greedy) for i in range(num_reqs - 1)]
-    requests.append(plans.new("warm-many-long", _LONG_PROMPT, greedy))
+    *short, long = _many_request_lengths(num_reqs)
+    requests = [plans.new(f"warm-many-{i}", n, greedy) for i, n in enumerate(short)]
+    requests.append(plans.new("warm-many-long", long, greedy))
     scheduled = {r.request_id: len(r.prompt_token_ids) for r in requests}
     plans.run(scheduled, new=requests)
     return list(scheduled)
@@ -130,11 +149,15 @@ def first_step_lengths(runner: ModelRunner) -> list[int]:
     return [max(1, min(int(n * scale), longest)) for n, _ in _FIRST_STEP.values()]
 
 
+def _blocks(runner: ModelRunner, prompt_lengths: list[int]) -> int:
+    """The blocks that warm-up requests of these prompt lengths take (_Plans.new)."""
+    return sum(-(-(n + _NUM_DECODES + 1) // runner.block_size) for n in prompt_lengths)
+
+
 def blocks_needed(runner: ModelRunner) -> int:
-    lengths = first_step_lengths(runner) + eager_lengths(runner)
-    for num_reqs in many_request_steps(runner):
-        lengths += [1] * (num_reqs - 1) + [_LONG_PROMPT]
-    return sum(-(-(n + _NUM_DECODES + 1) // runner.block_size) for n in lengths)
+    """The blocks of the first step's requests and the eager steps', held together (the steps
+    of many requests reuse them: many_request_steps)."""
+    return _blocks(runner, first_step_lengths(runner) + eager_lengths(runner))
 
 
 def skip_reason(runner: ModelRunner) -> str | None:
@@ -205,8 +228,13 @@ def warm_up(runner: ModelRunner) -> None:
         request = plans.new(f"warm-eager-{index}", length, SamplingParams(temperature=0.0))
         plans.run({request.request_id: length}, new=[request], finished=finished)
         finished = [request.request_id]
-    for num_reqs in many_request_steps(runner):
+    many = many_request_steps(runner)
+    too_many = [n for n in _many_request_counts(runner) if n not in many]
+    if too_many:
+        logger.info("warm-up: no step of %s requests (the KV cache is too small for it)", too_many)
+    for num_reqs in many:
         plans.run({}, finished=finished)  # rows free first: the step may take all of them
+        plans.reuse_blocks()
         finished = _run_many_requests(plans, num_reqs)
     plans.run({}, finished=finished)
     logger.info("warm-up steps ran in %.1f s", time.perf_counter() - start)

@@ -125,3 +125,23 @@ def test_warm_up_steps_past_256_requests_leave_nothing_behind(long_context_dir: 
     assert llm.runner.requests == {}
     got = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)]
     assert got == expected
+
+
+def test_a_step_of_many_requests_that_the_cache_cannot_hold_is_skipped_alone(
+    long_context_dir: Path,
+) -> None:
+    """300 blocks hold the first steps (112 blocks) and, reusing them, the step of 257 requests
+    (289 blocks), but not the step of 513 (545): that step alone is left out."""
+    limits = dict(max_num_seqs=600, max_num_batched_tokens=1100, num_gpu_blocks_override=300)
+    llm = make_llm(long_context_dir, **limits)
+    assert skip_reason(llm.runner) is None
+    assert blocks_needed(llm.runner) == 112
+    assert many_request_steps(llm.runner) == [257]
+    rows: list[int] = []
+    hook = llm.runner.model.lm_head.register_forward_hook(
+        lambda _module, args, _out: rows.append(args[0].shape[0])
+    )
+    warm_up(llm.runner)
+    hook.remove()
+    assert 257 in rows and 513 not in rows
+    assert llm.runner.requests == {}
