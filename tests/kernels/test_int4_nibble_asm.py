@@ -57,7 +57,10 @@ def fma_x2(a: int, b: int, c: int, dtype: torch.dtype) -> int:
 
 def run_asm(text: str, registers: dict[str, int], dtype: torch.dtype) -> dict[str, int]:
     """Execute the asm's instructions on 32-bit registers named as in the text."""
-    value = lambda operand: int(operand, 16) if operand.startswith("0x") else registers[operand]  # noqa: E731
+
+    def value(operand: str) -> int:  # an immediate or a register
+        return int(operand, 16) if operand.startswith("0x") else registers[operand]
+
     for line in text.splitlines():
         match = re.fullmatch(r"\s*([a-z][\w.]*)\s+(.*);", line)
         if match is None:
