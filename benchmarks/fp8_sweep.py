@@ -2,11 +2,13 @@
 
 For each projection of --model and each M in --m, times `fp8_skinny_linear` (the activation
 quantization and the skinny kernel, as `kernels.ops.fp8_linear` runs them up to 64 rows) with
-`fp8_default_tiles` and with every config of CANDIDATES, cuBLASLt's scaled GEMM (what the
-engine runs past 64 rows) and bf16 through `kernels.ops.linear`; reports microseconds per call
-and GB/s of FP8 weights (timing and checks: benchmarks/quantized_sweep.py).
+`fp8_default_tiles` and with every config of CANDIDATES, cuBLASLt's scaled
+GEMM (what the engine runs past 64 rows) and bf16 through `kernels.ops.linear`; reports
+microseconds per call and GB/s of FP8 weights (timing and checks:
+benchmarks/quantized_sweep.py). With --quantized-rows the FP8 layers take rows quantized
+before the timing, as the engine's norms and SiLU hand them to qkv, gate_up and down.
 
-    python3 benchmarks/fp8_sweep.py --out $OUT/fp8_sweep.json --m 1 4 16
+    python3 benchmarks/fp8_sweep.py --out $OUT/fp8_sweep.json --m 1 4 16 [--quantized-rows]
 
 Needs a CUDA GPU and ~8 GB of its memory.
 """
@@ -25,31 +27,49 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import quantized_sweep  # noqa: E402
-from benchmarks.linear_sweep import DEVICE, Shape, label  # noqa: E402
-from kernels.fp8 import fp8_linear_reference, quantize_fp8_rowwise_reference  # noqa: E402
+from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
+from kernels.fp8 import (  # noqa: E402
+    Fp8Rows,
+    fp8_linear_reference,
+    quantize_fp8_rowwise_reference,
+)
 from kernels.triton_fp8 import (  # noqa: E402
+    Fp8Tiles,
     fp8_default_tiles,
     fp8_skinny_linear,
     quantize_fp8_rowwise,
 )
-from kernels.triton_linear import LinearTiles  # noqa: E402
 from kernels.triton_stages import exact_stages  # noqa: E402
 
-# (block_n, block_k, num_warps, num_stages, use_dot): FP8 bytes per weight row per step are
-# block_k, so these reach twice the K of the bf16 sweep's.
-CANDIDATES = [LinearTiles(*c) for c in [
-    (16, 512, 4, 4, True), (16, 1024, 4, 3, True), (32, 256, 4, 5, True), (32, 512, 4, 4, True),
-    (32, 1024, 4, 3, True), (32, 1024, 8, 3, True), (64, 256, 4, 4, True), (64, 512, 4, 3, True),
-    (64, 512, 8, 4, True), (16, 256, 4, 6, True),
-    (8, 1024, 4, 3, False), (8, 2048, 4, 2, False), (16, 512, 4, 3, False), (4, 2048, 4, 3, False),
-]]  # fmt: skip
+# The FP8 GEMV's (block_n, block_k, num_warps, num_stages), each with K in 1, 2, 4 and 8 splits
+# (as many as leave every split a K step).
+CANDIDATES = [
+    (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 256, 4, 4), (64, 256, 4, 6),
+    (64, 512, 4, 3), (64, 512, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
+    (128, 256, 4, 4),
+]  # fmt: skip
 
 
-def applies(tiles: LinearTiles, m: int) -> bool:
-    return tiles.use_dot or tiles.acc_per_thread(m) <= 128
+def candidates(m: int, k: int) -> list[Fp8Tiles]:
+    block_m = fp8_default_tiles(m, 1, k).block_m
+    return [
+        Fp8Tiles(block_m, block_n, block_k, warps, stages, split)
+        for block_n, block_k, warps, stages in CANDIDATES
+        for split in (1, 2, 4, 8)
+        if split <= k // block_k
+    ]
 
 
-def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]]:
+def label(tiles: Fp8Tiles) -> str:
+    return (
+        f"m{tiles.block_m} n{tiles.block_n} k{tiles.block_k} w{tiles.num_warps}"
+        f" s{tiles.num_stages} split{tiles.split_k}"
+    )
+
+
+def sweep_shape(
+    shape: Shape, ms: list[int], copies: int, quantized_rows: bool = False
+) -> list[dict[str, Any]]:
     gen = torch.Generator(device=DEVICE).manual_seed(shape.n)
     layers = []
     for _ in range(copies):
@@ -62,30 +82,45 @@ def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]
         x = torch.randn(m, shape.k, device=DEVICE).to(torch.bfloat16)
         rows.append(quantized_sweep.bf16_row(shape, m, x, copies))
         named = [("default", fp8_default_tiles(m, shape.n, shape.k))]
-        named += [(label(t), t) for t in CANDIDATES if applies(t, m)]
-        configs = [(name, functools.partial(_fp8, tiles=t), t) for name, t in named]
-        configs.append(("cublaslt", _cublaslt, None))  # what ops.fp8_linear runs past 64 rows
+        named += [(label(t), t) for t in candidates(m, shape.k)]
+        rows_q = Fp8Rows(*quantize_fp8_rowwise(x), x.dtype) if quantized_rows else None
+        configs = [(name, functools.partial(_fp8, tiles=t, rows_q=rows_q), t) for name, t in named]
+        cublaslt = functools.partial(_cublaslt, rows_q=rows_q)
+        configs.append(("cublaslt", cublaslt, None))  # what ops.fp8_linear runs past 64 rows
         expected = fp8_linear_reference(x, *layers[0])
         rows += quantized_sweep.time_configs(shape, x, layers, expected, configs, fp8_bytes)
         quantized_sweep.print_best(shape, m, rows)
     return rows
 
 
-def _cublaslt(x: torch.Tensor, layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The quantization kernel, then cuBLASLt's row-wise scaled FP8 GEMM."""
+def _cublaslt(
+    x: torch.Tensor, layer: tuple[torch.Tensor, ...], rows_q: Fp8Rows | None
+) -> torch.Tensor:
+    """The quantization kernel (unless rows_q), then cuBLASLt's row-wise scaled FP8 GEMM."""
     qweight, scale = layer
-    qx, x_scale = quantize_fp8_rowwise(x)
+    qx, x_scale = (rows_q.q, rows_q.scale) if rows_q is not None else quantize_fp8_rowwise(x)
     return torch._scaled_mm(
         qx, qweight.t(), scale_a=x_scale, scale_b=scale[None, :], out_dtype=x.dtype
     )
 
 
-def _fp8(x: torch.Tensor, layer: tuple[torch.Tensor, ...], tiles: LinearTiles) -> torch.Tensor:
+def _fp8(
+    x: torch.Tensor,
+    layer: tuple[torch.Tensor, ...],
+    tiles: Fp8Tiles,
+    rows_q: Fp8Rows | None,  # x quantized before the timing
+) -> torch.Tensor:
     qweight, scale = layer
-    return fp8_skinny_linear(x, qweight, scale, tiles=tiles)
+    return fp8_skinny_linear(rows_q if rows_q is not None else x, qweight, scale, tiles=tiles)
 
 
 if __name__ == "__main__":
     description = __doc__.split("\n\n")[0]
+    args = quantized_sweep.parse_args(
+        description,
+        [1, 4, 16],
+        lambda parser: parser.add_argument("--quantized-rows", action="store_true"),
+    )
+    sweep = functools.partial(sweep_shape, quantized_rows=args.quantized_rows)
     with exact_stages():  # a candidate runs as labelled, or is skipped as not fitting
-        quantized_sweep.main(description, sweep_shape, [1, 4, 16], with_lm_head=True)
+        quantized_sweep.run(args, sweep, with_lm_head=False)

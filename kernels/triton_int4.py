@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_split_k as split_k
 from kernels.int4 import CHUNK, PACK
 from kernels.triton_int4_dequant import dequantize_int4, launch_dequant_dot, operands
 from kernels.triton_pdl import (
@@ -49,6 +50,7 @@ from kernels.triton_pdl import (
     prefetch_to_l2,
     wait_for_previous_kernel,
 )
+from kernels.triton_split_k import sum_of_splits
 
 _CHUNK = tl.constexpr(CHUNK)
 _LINE_WORDS = tl.constexpr(L2_LINE_BYTES // 4)  # packed words in a 128-byte line
@@ -59,7 +61,6 @@ DOT_MIN_ITERATIONS = 8  # leaving each split at least this many loop iterations,
 DOT_MAX_SPLIT = 8  # in at most this many parts
 WIDE_N = 16384  # gate_up-like layers: N >= this
 WIDE_K = 8192  # down-like layers: K >= this
-MAX_TICKETS = 1 << 16  # output tiles a split-K launch may have (the ticket counters)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KINDS = ("rows", "dot", "dequant_dot")
 
@@ -107,8 +108,8 @@ def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = Fa
         block_m, block_n, block_k, warps = _dot_tile(m, n, k)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
         wanted = max(1, min(DOT_WARPS // warps // tiles, k // block_k // DOT_MIN_ITERATIONS))
-        split_k = min(DOT_MAX_SPLIT, 1 << (wanted.bit_length() - 1))  # a power of two
-        return Int4Tiles("dot", block_m, block_n, block_k, warps, 3, split_k)
+        split = min(DOT_MAX_SPLIT, 1 << (wanted.bit_length() - 1))  # a power of two
+        return Int4Tiles("dot", block_m, block_n, block_k, warps, 3, split)
     if not act_order and m == 1:
         return Int4Tiles("rows", 1, 8, min(2048, triton.next_power_of_2(k)), 2, 1)
     if not act_order and m <= 4 and not wide:
@@ -393,18 +394,9 @@ def _int4_dot_kernel(
 
     mask = col_valid[:, None] & row_valid[None, :]  # [BN, BM]
     if SPLIT_K > 1:
-        partial_ptrs = partials_ptr + (split * m + rows[None, :]) * n + cols[:, None]
-        tl.store(partial_ptrs, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial stored before the ticket is taken
-        ticket_ptr = tickets_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") < SPLIT_K - 1:
+        acc, last = sum_of_splits(acc, partials_ptr, tickets_ptr, rows, cols, mask, m, n, SPLIT_K)
+        if not last:
             return
-        tl.debug_barrier()
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for other in tl.static_range(SPLIT_K):  # in split order: the same sum every time
-            other_ptrs = partials_ptr + (other * m + rows[None, :]) * n + cols[:, None]
-            acc += tl.load(other_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(ticket_ptr, 0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + rows[None, :] * stride_out_row + cols[:, None]
@@ -528,17 +520,15 @@ def _launch_dot(
         raise ValueError(f"{tiles}: the dot kernel does not take act-order (g_idx)")
     m, n = x.shape[0], qweight.shape[0]
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
-    if tiles.split_k > 1 and grid[0] * grid[1] > MAX_TICKETS:
-        raise ValueError(f"{tiles}: more than {MAX_TICKETS} output tiles to split along K")
-    early = launches_early(x)
-    partials = out  # unused without a split
     if tiles.split_k > 1:
-        partials = torch.empty((tiles.split_k, m, n), dtype=torch.float32, device=x.device)
+        split_k.check_tiles(grid[0] * grid[1], tiles)
+    early = launches_early(x)
+    partials = split_k.partials(tiles.split_k, m, n, x.device) if tiles.split_k > 1 else out
     _int4_dot_kernel[grid](
         *operands(x, qweight, scales, zeros, bias, out),
         m,
         partials,
-        _tickets(x.device),
+        split_k.tickets(x.device),
         GROUP_SIZE=group_size,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
@@ -561,18 +551,3 @@ def _prefetch_lines(tiles: Int4Tiles) -> int:
     columns (half a byte a column), rounded up to a power of two; the start of what the
     pipeline loads first, which at two steps an iteration is (num_stages - 1) * 2 steps."""
     return triton.next_power_of_2(triton.cdiv(tiles.num_stages * DOT_STEP // 2, L2_LINE_BYTES))
-
-
-_TICKETS: dict[torch.device, torch.Tensor] = {}
-
-
-def _tickets(device: torch.device) -> torch.Tensor:
-    """The split-K ticket counters of a device: made zero once, left zero by every launch (the
-    last program of each tile resets its counter), so CUDA graphs replay them as they are.
-    Made outside a graph capture (whose zero fill would not run until the first replay): the
-    engine's eager warm-up calls every layer first."""
-    if device not in _TICKETS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("int4 split-K: run the layer once before capturing a CUDA graph")
-        _TICKETS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
-    return _TICKETS[device]

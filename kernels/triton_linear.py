@@ -222,8 +222,6 @@ def _skinny_linear_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
     bias_ptr,  # [N]; any pointer when not HAS_BIAS
-    x_scale_ptr,  # [M] float32 with HAS_SCALES (FP8 operands); any pointer otherwise
-    w_scale_ptr,  # [N] float32 with HAS_SCALES
     out_ptr,  # [M, N]
     m,
     n,
@@ -248,10 +246,8 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,  # FP8 x and w: the float32 sum times x_scale[row] w_scale[col]
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     DOT_PRECISION: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr,  # FP8: K summed in reduced precision at most; else None
     INTERPRETED: tl.constexpr,  # under TRITON_INTERPRET: see UPCAST below
     HAS_LORA: tl.constexpr,  # add each row's LoRA adapter (BLOCK_N divides every piece)
     LORA_RANK: tl.constexpr,
@@ -295,15 +291,7 @@ def _skinny_linear_kernel(
         if USE_DOT and INTERPRETED:  # the interpreter's tl.dot is wrong for bf16 (see UPCAST)
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         elif USE_DOT:
-            # FP8 products on Hopper: wgmma (64-row tiles) accumulates them in reduced precision,
-            # so partial sums are promoted into the float32 accumulator every IMPRECISE_ACC of K.
-            acc = tl.dot(
-                x,
-                tl.trans(w),
-                acc,
-                input_precision=DOT_PRECISION,
-                max_num_imprecise_acc=IMPRECISE_ACC,
-            )  # [BM, BN]
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)  # [BM, BN]
         else:
             acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BM, BN, BK]
         x_ptrs += BLOCK_K
@@ -311,10 +299,6 @@ def _skinny_linear_kernel(
 
     if not USE_DOT:
         acc = tl.sum(acc, axis=2)  # [BM, BN]
-    if HAS_SCALES:
-        x_scale = tl.load(x_scale_ptr + rows, mask=row_valid, other=0.0)  # [BM]
-        w_scale = tl.load(w_scale_ptr + cols, mask=col_valid, other=0.0)  # [BN]
-        acc = acc * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)[None, :]
     if HAS_LORA:
@@ -372,7 +356,7 @@ def skinny_linear(
     if n == 0:
         return out
     fused = lora is not None and _fuses(lora, tiles, m)
-    launch_skinny_linear(x, weight, bias, out, tiles, lora=lora if fused else None)
+    _launch_skinny_linear(x, weight, bias, out, tiles, lora=lora if fused else None)
     if lora is not None and not fused:
         lora_expand(out, *lora)
     return out
@@ -386,18 +370,16 @@ def _fuses(lora: LoraDelta, tiles: LinearTiles, m: int) -> bool:
     return within_pieces and b_values <= EPILOGUE_MAX_VALUES
 
 
-def launch_skinny_linear(
+def _launch_skinny_linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None,  # [N]
     out: torch.Tensor,  # [M, N], written
     tiles: LinearTiles,
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8 operands: ([M], [N]) f32
     lora: LoraDelta | None = None,  # whose pieces' rows tiles.block_n divides
 ) -> None:
-    """One launch of the kernel over checked inputs (skinny_linear, and the FP8 layer)."""
+    """One launch of the kernel over checked inputs."""
     m, (n, k) = x.shape[0], weight.shape
-    x_scale, w_scale = scales if scales is not None else (weight, weight)
     lora_args = _lora_arguments(lora, n, m) if lora is not None else [weight, weight, weight]
     lora_args += [0] * (12 - len(lora_args))
     early = launches_early(x)
@@ -407,8 +389,6 @@ def launch_skinny_linear(
         x,
         weight,
         bias if bias is not None else weight,
-        x_scale,
-        w_scale,
         out,
         m,
         n,
@@ -424,11 +404,9 @@ def launch_skinny_linear(
         BLOCK_K=tiles.block_k,
         USE_DOT=tiles.use_dot,
         HAS_BIAS=bias is not None,
-        HAS_SCALES=scales is not None,
         EVEN_K=k % tiles.block_k == 0,
         # Read for float32 operands only.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        IMPRECISE_ACC=min(128, tiles.block_k) if scales is not None else None,
         # UPCAST: off CUDA the kernel can only run under TRITON_INTERPRET, whose tl.dot multiplies
         # bfloat16 as raw uint16 bits (Triton 3.9), so the tiles go to float32 first: exact, as a
         # product of two 8-bit mantissas fits in 24 bits, and tensor cores accumulate in float32.

@@ -10,12 +10,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_activation
+from kernels import triton_activation, triton_split_k
 from kernels.activation import silu_and_mul_fp8_reference
 from kernels.fp8 import FP8, Fp8Rows, fp8_linear_reference, quantize_fp8_rowwise_reference
 from kernels.norm import fused_add_rms_norm_fp8_reference, rms_norm_fp8_reference
 from kernels.triton_activation import silu_and_mul, silu_and_mul_fp8
-from kernels.triton_fp8 import fp8_skinny_linear, quantize_fp8_rowwise
+from kernels.triton_fp8 import (
+    Fp8Tiles,
+    fp8_default_tiles,
+    fp8_skinny_linear,
+    quantize_fp8_rowwise,
+)
 from kernels.triton_norm import fused_add_rms_norm, fused_add_rms_norm_fp8, rms_norm, rms_norm_fp8
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -75,6 +80,50 @@ def test_skinny_fp8_linear_takes_rows_its_producer_quantized() -> None:
     out = fp8_skinny_linear(Fp8Rows.quantize(x), qweight, scale)
     assert out.dtype == DTYPE
     assert torch.equal(out, fp8_skinny_linear(x, qweight, scale))
+
+
+# (M, N, K, tiles): one row in a tile of 8, rows past a tile, a masked K tail, N not a multiple of
+# the weight tile, and K split in 2 and 3 (whose last split has one step, or none).
+GEMV_CASES = [
+    (1, 80, 160, Fp8Tiles(8, 64, 64, 4, 2)),
+    (3, 64, 512, Fp8Tiles(8, 64, 64, 4, 2, split_k=2)),
+    (9, 130, 1000, Fp8Tiles(16, 64, 128, 4, 3, split_k=3)),
+    (12, 64, 256, Fp8Tiles(8, 64, 32, 4, 2, split_k=3)),
+    (40, 128, 256, Fp8Tiles(64, 128, 32, 8, 2)),
+]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "tiles"), GEMV_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_gemv_matches_the_reference(
+    m: int, n: int, k: int, tiles: Fp8Tiles, bias: bool
+) -> None:
+    generator = torch.Generator().manual_seed(m + n)
+    x = torch.randn(m, k, generator=generator).to(DEVICE, DTYPE)
+    weight = torch.randn(n, k, generator=generator).to(DEVICE) * 0.1
+    qweight, scale = quantize_fp8_rowwise_reference(weight)
+    b = torch.randn(n, generator=generator).to(DEVICE, DTYPE) if bias else None
+    expected = fp8_linear_reference(x, qweight, scale[:, 0], b)
+    outs = []
+    for _ in range(2):  # the second call finds the ticket counters as the first left them
+        outs.append(fp8_skinny_linear(x, qweight, scale[:, 0], b, tiles=tiles))
+        assert outs[-1].dtype == DTYPE and outs[-1].shape == (m, n)
+        tolerance = 2e-2 if DEVICE == "cuda" else 1e-4  # bf16 outputs there, float32 here
+        torch.testing.assert_close(
+            outs[-1].float(), expected.float(), rtol=tolerance, atol=tolerance
+        )
+        if tiles.split_k > 1:
+            assert not triton_split_k.tickets(x.device).any()
+    assert torch.equal(outs[0], outs[1])  # the splits added in split order, every time
+
+
+def test_fp8_default_tiles_split_narrow_layers_and_pad_rows_to_eight() -> None:
+    down, gate_up = fp8_default_tiles(1, 4096, 14336), fp8_default_tiles(1, 28672, 4096)
+    assert (down.block_m, gate_up.block_m, fp8_default_tiles(9, 4096, 4096).block_m) == (8, 8, 16)
+    assert (down.split_k, fp8_default_tiles(9, 4096, 14336).split_k, gate_up.split_k) == (4, 2, 1)
+    assert fp8_default_tiles(1, 64, 160).split_k == 1  # one K step: nothing to share
+    with pytest.raises(ValueError, match="power of two"):
+        Fp8Tiles(8, 48, 64, 4, 2)
 
 
 # --- Producers that quantize for the FP8 layer they feed ---------------------------------------

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_int4
+from kernels import triton_int4, triton_split_k
 from kernels.int4 import (
     int4_linear_reference,
     pack_int4,
@@ -164,7 +164,7 @@ def test_the_dot_kernel_splits_k_and_leaves_its_tickets_at_zero(split_k: int) ->
     for _ in range(2):  # the second call finds the counters as the first left them
         outs.append(int4_linear(x, qweight, scales, zeros, 128, tiles=tiles))
         torch.testing.assert_close(outs[-1].float(), expected.float(), rtol=2e-2, atol=2e-2)
-        assert not triton_int4._tickets(x.device).any()
+        assert not triton_split_k.tickets(x.device).any()
     assert torch.equal(outs[0], outs[1])  # the partials added in split order, every time
     # At 1-8 rows: qkv (192 tiles), o and down (56 iterations of 256 columns) split in 4,
     # gate_up not; at 32, down (112 iterations of 128, 32 tiles) in 8.

@@ -1,0 +1,73 @@
+"""Split-K for the weight-streaming GEMVs (int4, FP8): SPLIT_K programs share an output tile's
+K steps, each writes its float32 partial sum, and the last to finish, told by a ticket counter,
+adds them. A narrow layer has too few output tiles to fill the GPU, and each would walk all of K.
+
+The last program adds the partials in split order, so the sum is the same whichever finishes
+last, and it sets the tile's counter back to zero: the counters stay zero between launches, so
+CUDA graphs replay them as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TICKETS = 1 << 16  # output tiles a split-K launch may have (the ticket counters)
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def tickets(device: torch.device) -> torch.Tensor:
+    """The split-K ticket counters of a device, shared by every kernel that splits K (kernels
+    on one stream run one after another; with PDL the next waits before it takes a ticket).
+    Made zero once, outside a graph capture (whose zero fill would not run until the first
+    replay): the engine's eager warm-up calls every layer first."""
+    if device not in _TICKETS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("split-K: run the layer once before capturing a CUDA graph")
+        _TICKETS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
+    return _TICKETS[device]
+
+
+def partials(split_k: int, m: int, n: int, device: torch.device) -> torch.Tensor:
+    """The float32 workspace [SPLIT_K, M, N] of one launch (checked: it needs its tickets)."""
+    return torch.empty((split_k, m, n), dtype=torch.float32, device=device)
+
+
+def check_tiles(output_tiles: int, what: object) -> None:
+    if output_tiles > MAX_TICKETS:
+        raise ValueError(f"{what}: more than {MAX_TICKETS} output tiles to split along K")
+
+
+@triton.jit
+def sum_of_splits(
+    acc,  # [BN, BM] float32: this program's partial sum, weight rows by rows of x
+    partials_ptr,  # [SPLIT_K, M, N] float32
+    tickets_ptr,  # [output tiles] int32, zero between launches
+    rows,  # [BM] rows of x
+    cols,  # [BN] weight rows (output columns)
+    mask,  # [BN, BM]
+    m,
+    n,
+    SPLIT_K: tl.constexpr,
+):
+    """(the tile's whole sum, True) for the last program of the tile to finish; (its own
+    partial, False) for the others, which have nothing left to write."""
+    split = tl.program_id(2)
+    partial_ptrs = partials_ptr + (split * m + rows[None, :]) * n + cols[:, None]
+    tl.store(partial_ptrs, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+    ticket_ptr = tickets_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    if last:
+        tl.debug_barrier()
+        acc = tl.zeros_like(acc)
+        for other in tl.static_range(SPLIT_K):  # in split order: the same sum every time
+            other_ptrs = partials_ptr + (other * m + rows[None, :]) * n + cols[:, None]
+            acc += tl.load(other_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(ticket_ptr, 0)
+    return acc, last
+
+
+__all__ = ["MAX_TICKETS", "check_tiles", "partials", "sum_of_splits", "tickets"]
