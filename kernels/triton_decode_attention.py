@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
+from kernels.triton_stages import launch_fitting
 
 LOG2E = 1.4426950408889634
 # Splits down to one 64-token tile each: at batch 1 (8 KV heads, context bound 4096) 64 splits
@@ -56,11 +57,14 @@ class DecodeTiles:
 
 
 def default_decode_tiles(kv_dtype: torch.dtype, block_size: int) -> DecodeTiles:
-    """benchmarks/attention_sweep.py's picks (H100, Llama-3.1-8B heads, block_size 16,
-    2026-11-26), 4 warps and 3 stages: 64 tokens per step (or one block, if larger) read a bf16
-    cache at 0.99 of copy bandwidth, no other config faster; an e4m3 cache takes 128 (0.78
-    against 0.74 at 64 x 32k and 256 x 4k contexts): its tiles hold half the bytes, and its
-    in-register conversions are the limit. (The sweep covered head_dim 128.)"""
+    """benchmarks/attention_sweep.py's picks (H100, Llama-3.1-8B heads, block_size 16), 4 warps
+    and 3 stages: 64 tokens per step (or one block, if larger) read a bf16 cache at 0.99 of
+    copy bandwidth, no other config faster (2026-11-26); an e4m3 cache, read as words
+    (_e4m3_tile), takes 128: 0.77 / 0.84 of copy at 64 x 32k / 256 x 4k contexts
+    (2026-11-28). 64 tokens in 2 stages read 0.85 / 0.83 there, but made a decode step of 32
+    short contexts 3 % slower (6.74 against 6.53 ms, Llama-3.1-8B, twice each in one call);
+    what the 64 x 32k case lacks at 128 is splits (four: 0.86). (The sweep covered head_dim
+    128.)"""
     tokens = 128 if kv_dtype == torch.float8_e4m3fn else 64
     return DecodeTiles(tile=max(block_size, tokens), num_warps=4, num_stages=3)
 
@@ -98,6 +102,7 @@ def _decode_partition_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_QUERY_LOC: tl.constexpr,  # a mixed batch: only one-token requests, at their own rows
     FP16_DOTS: tl.constexpr,  # an FP8 cache and a bf16 query: both dots in fp16 (see below)
+    E4M3_WORDS: tl.constexpr,  # the caches (and their strides) as 32-bit words: _e4m3_tile
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     wait_for_previous_kernel(PDL)
@@ -142,14 +147,16 @@ def _decode_partition_kernel(
             + (pos % BLOCK_SIZE) * stride_cache_slot
             + head_offset
         )  # [T]
-        kv_offsets = slot_offsets[:, None] + dims[None, :]  # [T, D]
         # Masked loads: slots past the context are never read, so garbage there cannot leak.
-        k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
-        v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)  # [T, D]
-        k, v = (
-            k.to(q.dtype),
-            v.to(q.dtype),
-        )  # an FP8 cache in the dots' dtype (its scales: the caller's)
+        # An FP8 cache comes in the dots' dtype (its scales: the caller's).
+        if E4M3_WORDS:
+            k = _e4m3_tile(key_cache_ptr, slot_offsets, pos_valid, HEAD_DIM)  # [T, D] fp16
+            v = _e4m3_tile(value_cache_ptr, slot_offsets, pos_valid, HEAD_DIM)
+        else:
+            kv_offsets = slot_offsets[:, None] + dims[None, :]  # [T, D]
+            k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)
+            v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)
+            k, v = k.to(q.dtype), v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
         scores = tl.where(pos_valid[None, :], scores, float("-inf"))
@@ -168,6 +175,42 @@ def _decode_partition_kernel(
     tl.store(part_sum_ptr + part, l_i, mask=row_valid)
     acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
     tl.store(acc_ptrs, acc, mask=row_valid[:, None])
+
+
+# Four e4m3 values (one 32-bit word: $4) to fp16: a CVT turns each half of the word into an
+# fp16 pair (exact: every e4m3 value is an fp16 value); $0-$3 are the values of bytes 0-3.
+_E4M3_WORD_ASM = tl.constexpr("""
+{
+.reg .b16 lo, hi;
+.reg .b32 pair;
+mov.b32 {lo, hi}, $4;
+cvt.rn.f16x2.e4m3x2 pair, lo;
+mov.b32 {$0, $1}, pair;
+cvt.rn.f16x2.e4m3x2 pair, hi;
+mov.b32 {$2, $3}, pair;
+}
+""")
+
+
+@triton.jit
+def _e4m3_tile(cache_words_ptr, slot_offsets, pos_valid, HEAD_DIM: tl.constexpr):
+    """The [T, D] fp16 tile of an e4m3 cache read as 32-bit words ([T, D / 4], offsets in
+    words). Converted by inline PTX, the tile reaches the dots as fp16 through vector moves;
+    left to Triton, the e4m3 tile went through shared memory a byte at a time (for v, an
+    8-bit operand along the dot's N, which ldmatrix cannot transpose)."""
+    words = tl.arange(0, HEAD_DIM // 4)
+    word_ptrs = cache_words_ptr + slot_offsets[:, None] + words[None, :]
+    packed = tl.load(word_ptrs, mask=pos_valid[:, None], other=0)  # [T, D / 4] int32
+    b0, b1, b2, b3 = tl.inline_asm_elementwise(
+        _E4M3_WORD_ASM,
+        "=h,=h,=h,=h,r",
+        [packed],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+    tile = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [T, D / 4, 2, 2]: value 4w + 2i + j
+    return tl.reshape(tile, [slot_offsets.shape[0], HEAD_DIM])
 
 
 @triton.jit
@@ -311,8 +354,11 @@ def paged_decode_attention(
     part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
     early = launches_early(query)
+    words = _reads_e4m3_words(query, key_cache, value_cache)
+    if words:  # the caches as 32-bit words of four values, their strides in words
+        key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
 
-    _decode_partition_kernel[(num_reqs, num_kv_heads, num_splits)](
+    args = (
         query,
         key_cache,
         value_cache,
@@ -332,6 +378,8 @@ def paged_decode_attention(
         key_cache.stride(1),
         key_cache.stride(2),
         block_tables.stride(0),
+    )
+    constants = dict(
         NUM_HEADS=num_heads,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -340,11 +388,20 @@ def paged_decode_attention(
         TILE=tiles.tile,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_QUERY_LOC=has_query_loc,
-        FP16_DOTS=key_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16,
+        FP16_DOTS=query.dtype == torch.bfloat16
+        and (words or key_cache.dtype == torch.float8_e4m3fn),
+        E4M3_WORDS=words,
         PDL=early,
         num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
         launch_pdl=early,
+    )
+    # Shared memory for the stages asked, or fewer where the GPU has less (kernels/triton_stages).
+    variant = ("decode_partition", query.device, query.dtype, key_cache.dtype, *constants.values())
+    grid = (num_reqs, num_kv_heads, num_splits)
+    launch_fitting(
+        variant,
+        tiles.num_stages,
+        lambda stages: _decode_partition_kernel[grid](*args, **constants, num_stages=stages),
     )
     _merge_partitions_kernel[(num_reqs * num_heads,)](
         out,
@@ -362,6 +419,38 @@ def paged_decode_attention(
         launch_pdl=early,
     )
     return out
+
+
+@functools.cache
+def _hopper_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def reads_e4m3_words_on(tensor: torch.Tensor) -> bool:
+    """Whether decode attention on `tensor`'s device reads an e4m3 cache as words: CUDA from
+    Hopper on. The conversion (_E4M3_WORD_ASM) runs from Ada (8.9) on, but there the word
+    tiles of 128-dim heads fit a block's 99 KB only unpipelined (1 stage: 69,632 bytes,
+    tests/kernels/target_compile.py), which no Ada GPU has measured; Ada reads bytes. Never
+    under TRITON_INTERPRET, which runs no assembly."""
+    return tensor.is_cuda and _hopper_or_later(tensor.device.index or 0)
+
+
+WORDS_MAX_HEAD_DIM = 128  # the head sizes measured with words (larger ones read bytes)
+
+
+def _reads_e4m3_words(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
+    """Whether the partition kernel reads an e4m3 cache as words through _e4m3_tile: where
+    `reads_e4m3_words_on`, for a 16-bit query and heads of up to WORDS_MAX_HEAD_DIM, from
+    caches whose rows start on 4-byte boundaries."""
+    if key_cache.dtype != torch.float8_e4m3fn or not reads_e4m3_words_on(query):
+        return False
+    if query.shape[2] > WORDS_MAX_HEAD_DIM:
+        return False
+    aligned = all(
+        c.storage_offset() % 4 == 0 and all(s % 4 == 0 for s in c.stride()[:3])
+        for c in (key_cache, value_cache)
+    )
+    return aligned and query.dtype in (torch.bfloat16, torch.float16)
 
 
 def compile_every_variant(

@@ -50,7 +50,7 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
     """Within it, every Triton kernel launch is compiled for `capability`, not run: one that
     needs more shared memory than such a GPU has raises OutOfResources, as at a real launch.
     Yields the attempts: kernel, constants, shared bytes, and whether they fit."""
-    from kernels import triton_stages
+    from kernels import triton_decode_attention, triton_stages
 
     triton_stages._stages_that_fit.clear()  # counts that fit another GPU do not carry over
     attempts: list[dict[str, Any]] = []
@@ -61,6 +61,9 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
     saved = {name: module.launches_early for name, module in pdl.items()}
     for module in pdl.values():
         module.launches_early = lambda tensor: capability >= 90
+    # An FP8 cache is read as words, converted by inline PTX, from Hopper on, as on such a GPU.
+    reads_words = triton_decode_attention.reads_e4m3_words_on
+    triton_decode_attention.reads_e4m3_words_on = lambda tensor: capability >= 90
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
         if "INTERPRETED" in kw:  # the launchers' CPU-tensor path: compile the GPU one
@@ -78,6 +81,7 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
         JITFunction.run = original  # type: ignore[method-assign]
         for name, module in pdl.items():
             module.launches_early = saved[name]
+        triton_decode_attention.reads_e4m3_words_on = reads_words
 
 
 @functools.cache

@@ -129,6 +129,30 @@ def test_decode_reads_the_fp8_cache_as_the_reference() -> None:
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(dtype: torch.dtype) -> None:
+    # Llama-3.1-8B's heads, contexts of 1 to 4096 tokens (tails of a tile and of a block),
+    # every split count kind; on Ada and Hopper the cache is read as words (_e4m3_tile).
+    generator = torch.Generator().manual_seed(7)
+    seq_lens = torch.randint(1, 4097, (48,), generator=generator)
+    seq_lens[:4] = torch.tensor([1, 4096, 4095, 129])
+    query, key_cache, value_cache, tables, lens = decode_tests.make_case(
+        seq_lens.tolist(), 32, 8, 128, torch.float32, seed=8
+    )
+    key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
+    query = query.to(dtype)
+    expected = decode_tests.reference(query, key_cache, value_cache, tables, lens, 128**-0.5)
+    for num_splits in (1, 8, None):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, tables, lens, 128**-0.5, num_splits=num_splits
+        )
+        torch.testing.assert_close(
+            out.float(), expected.float(), atol=2e-2, rtol=2e-2, msg=f"{num_splits=}"
+        )
+
+
 @pytest.mark.parametrize("batch", list(prefill_tests.BATCHES))
 def test_prefill_reads_the_fp8_cache_as_the_reference(batch: str) -> None:
     case = prefill_tests.make_case(prefill_tests.BATCHES[batch], 8, 2, 64, torch.float32, seed=5)

@@ -1,7 +1,8 @@
-"""The int4 dot kernel's inline PTX (`_BF16_PAIRS_ASM`, `_FP16_PAIRS_ASM`), executed here
-instruction by instruction as the PTX ISA defines them: CI has no GPU, and the interpreter
-runs the kernel's plain-Triton path instead, so without this only a GPU run would notice a
-wrong selector, mask or constant."""
+"""The kernels' inline PTX, executed here instruction by instruction as the PTX ISA defines
+them: the int4 dot kernel's nibble pairs (`_BF16_PAIRS_ASM`, `_FP16_PAIRS_ASM`) and the decode
+attention's e4m3 words (`_E4M3_WORD_ASM`). CI has no GPU, and the interpreter runs the
+kernels' plain-Triton paths instead, so without this only a GPU run would notice a wrong
+selector, mask, constant or output order."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_int4
+from kernels import triton_decode_attention, triton_int4
 
 MASK32 = 0xFFFFFFFF
 ASM = {torch.bfloat16: triton_int4._BF16_PAIRS_ASM, torch.float16: triton_int4._FP16_PAIRS_ASM}
@@ -55,13 +56,25 @@ def fma_x2(a: int, b: int, c: int, dtype: torch.dtype) -> int:
     return packed(exact, dtype)
 
 
+def e4m3x2_to_f16x2(pair: int) -> int:
+    """cvt.rn.f16x2.e4m3x2: the low byte's value in the low half, the high byte's above."""
+    values = torch.tensor([pair & 0xFF, pair >> 8 & 0xFF], dtype=torch.uint8)
+    return packed(values.view(torch.float8_e4m3fn).to(torch.float16).tolist(), torch.float16)
+
+
 def run_asm(text: str, registers: dict[str, int], dtype: torch.dtype) -> dict[str, int]:
-    """Execute the asm's instructions on 32-bit registers named as in the text."""
+    """Execute the asm's instructions on registers named as in the text (32-bit, or 16-bit
+    where a `mov.b32 {lo, hi}` splits or fills them)."""
 
     def value(operand: str) -> int:  # an immediate or a register
         return int(operand, 16) if operand.startswith("0x") else registers[operand]
 
     for line in text.splitlines():
+        split = re.fullmatch(r"\s*mov\.b32\s+\{(\S+),\s*(\S+)\},\s*(\S+);", line)
+        if split is not None:  # a 32-bit value into two 16-bit registers, low half first
+            low, high, source = split.groups()
+            registers[low], registers[high] = value(source) & 0xFFFF, value(source) >> 16 & 0xFFFF
+            continue
         match = re.fullmatch(r"\s*([a-z][\w.]*)\s+(.*);", line)
         if match is None:
             continue  # braces, register declarations (.reg)
@@ -75,6 +88,8 @@ def run_asm(text: str, registers: dict[str, int], dtype: torch.dtype) -> dict[st
             result = lop3(*args)
         elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
             result = fma_x2(*args, dtype)
+        elif op == "cvt.rn.f16x2.e4m3x2":
+            result = e4m3x2_to_f16x2(args[0])
         else:
             raise AssertionError(f"an instruction this test does not know: {line.strip()}")
         registers[operands[0]] = result & MASK32
@@ -110,3 +125,16 @@ def test_each_half_depends_on_its_own_element_only() -> None:
     for p in range(4):
         expected = [((w >> 8 * p) & 0xF) - z for w, z in zip(words, zeros, strict=True)]
         assert halves(out[f"${p}"], torch.bfloat16) == expected
+
+
+def test_the_e4m3_word_asm_gives_each_byte_in_fp16_in_order() -> None:
+    generator = random.Random(1)
+    e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    finite = [b for b in range(256) if not e4m3[b].float().isnan()]  # the cache saturates
+    asm = triton_decode_attention._E4M3_WORD_ASM.value
+    for _ in range(200):
+        values = [generator.choice(finite) for _ in range(4)]
+        word = sum(b << 8 * i for i, b in enumerate(values))
+        out = run_asm(asm, {"$4": word}, torch.float16)
+        got = [halves(out[f"${i}"], torch.float16)[0] for i in range(4)]  # 16-bit outputs
+        assert got == [e4m3[b].float().item() for b in values]
