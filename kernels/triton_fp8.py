@@ -153,14 +153,15 @@ def fp8_default_tiles(m: int, n: int, k: int) -> Fp8Tiles:
     """benchmarks/fp8_sweep.py's picks (H100, Llama-3.1-8B shapes, rows quantized by their
     producer, 2026-11-28; docs/benchmarks.md has the table): 64 weight rows over 4 warps, x
     in tiles of 8 rows up to 8 rows, then M rounded up to a power of two; K steps of 512 in 4
-    stages (3 past 32 rows), but 256 for gate_up-like N past 8 rows and for o-like layers past
-    32; narrow N (o, down: 64 output tiles) split K in 4 up to 8 rows, then in 2. Within 0.6
-    us of the best per shape at 1-64 rows; a layer's four projections at 1 / 8 / 32 / 64 rows
-    take 85.4 / 86.8 / 91.4 / 97.7 us, against 87.9 / 89.4 / 98.6 / 107.5 with the skinny
-    kernel's FP8 tiles before. A split never leaves a program without a K step."""
+    stages (3 past 32 rows), but of 256 for gate_up-like N past 8 rows, and of 256 in 4 stages
+    for o-like layers past 32; narrow N (o, down: 64 output tiles) split K in 4 up to 8 rows,
+    then in 2, each split keeping at least two K steps. Within 0.6 us of the best per shape at
+    1-64 rows; a layer's four projections at 1 / 8 / 32 / 64 rows take 85.4 / 86.8 / 91.4 /
+    97.7 us, against 87.9 / 89.4 / 98.6 / 107.5 with the skinny kernel's FP8 tiles before."""
     narrow, wide = n <= NARROW_N, n >= WIDE_N
-    block_k, stages = 512, 3 if m > 32 else 4
-    if (wide and m > 8) or (narrow and k < WIDE_K and m > 32):
+    block_k = 256 if wide and m > 8 else 512
+    stages = 3 if m > 32 else 4
+    if narrow and k < WIDE_K and m > 32:  # o
         block_k, stages = 256, 4
     block_k = max(32, min(block_k, triton.next_power_of_2(k)))
     split = (4 if m <= 8 else 2) if narrow else 1

@@ -122,6 +122,8 @@ def test_fp8_default_tiles_split_narrow_layers_and_pad_rows_to_eight() -> None:
     assert (down.block_m, gate_up.block_m, fp8_default_tiles(9, 4096, 4096).block_m) == (8, 8, 16)
     assert (down.split_k, fp8_default_tiles(9, 4096, 14336).split_k, gate_up.split_k) == (4, 2, 1)
     assert fp8_default_tiles(1, 64, 160).split_k == 1  # one K step: nothing to share
+    wide_64 = fp8_default_tiles(64, 28672, 4096)  # the sweep's best there: 256 K in 3 stages
+    assert (wide_64.block_m, wide_64.block_k, wide_64.num_stages) == (64, 256, 3)
     with pytest.raises(ValueError, match="power of two"):
         Fp8Tiles(8, 48, 64, 4, 2)
 
