@@ -1,7 +1,7 @@
-"""FP8 (W8A8) skinny linear layers at 8B shapes: tile configs against the defaults and bf16.
+"""FP8 (W8A8) decode-sized linear layers at 8B shapes: GEMV tiles against the defaults and bf16.
 
 For each projection of --model and each M in --m, times `fp8_skinny_linear` (the activation
-quantization and the skinny kernel, as `kernels.ops.fp8_linear` runs them up to 64 rows) with
+quantization and the FP8 GEMV, as `kernels.ops.fp8_linear` runs them up to 64 rows) with
 `fp8_default_tiles` and with every config of CANDIDATES, cuBLASLt's scaled
 GEMM (what the engine runs past 64 rows) and bf16 through `kernels.ops.linear`; reports
 microseconds per call and GB/s of FP8 weights (timing and checks:
@@ -42,7 +42,7 @@ from kernels.triton_fp8 import (  # noqa: E402
 from kernels.triton_stages import exact_stages  # noqa: E402
 
 # The FP8 GEMV's (block_n, block_k, num_warps, num_stages), each with K in 1, 2, 4 and 8 splits
-# (as many as leave every split a K step).
+# (no more splits than K steps; with uneven steps the last splits may get one or none).
 CANDIDATES = [
     (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 256, 4, 4), (64, 256, 4, 6),
     (64, 512, 4, 3), (64, 512, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),

@@ -34,9 +34,9 @@ from kernels.rotary_cache import rotary_write_kv_reference
 
 # Block-scaled FP8 goes to cuBLASLt's blockwise GEMM past this many rows, where it has one.
 FP8_BLOCK_TRITON_MAX_ROWS = 16
-# FP8 weights stream faster through the skinny kernel than through cuBLASLt's scaled GEMM up
-# to its 64 rows (benchmarks/fp8_sweep.py, H100, Llama-3.1-8B layers, quantization included:
-# 116 against 139 us a layer at M = 32, 112 against 134 at M = 64).
+# FP8 weights stream faster through the FP8 GEMV than through cuBLASLt's scaled GEMM up to its
+# 64 rows (benchmarks/fp8_sweep.py --quantized-rows, H100, Llama-3.1-8B layers, 2026-11-28:
+# 91.4 against 123.6 us a layer's four projections at M = 32, 97.7 against 117.0 at M = 64).
 FP8_SKINNY_MAX_ROWS = 64
 _modules: dict[str, ModuleType] = {}
 
@@ -244,9 +244,9 @@ def fp8_linear(
     input_scale: torch.Tensor | None = None,  # [1]: x's static scale (else one per token)
 ) -> torch.Tensor:  # [M, N], x's float dtype
     """An FP8 W8A8 linear layer: on CUDA the activation quantized per token (or by its static
-    scale) in Triton, unless its producer did; then up to FP8_SKINNY_MAX_ROWS rows the skinny
-    Triton kernel, past that cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`);
-    elsewhere the reference."""
+    scale) in Triton, unless its producer did; then up to FP8_SKINNY_MAX_ROWS rows the Triton
+    FP8 GEMV, past that cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`); elsewhere
+    the reference."""
     if isinstance(x, Fp8Rows) and input_scale is not None:
         raise ValueError("x is quantized already: its producer chose the scales")
     module = _triton("fp8", x.q if isinstance(x, Fp8Rows) else x)
@@ -259,7 +259,7 @@ def fp8_linear(
     m = rows.q.shape[0]
     if m == 0:
         return torch.empty((0, qweight.shape[0]), dtype=rows.dtype, device=rows.q.device)
-    if m <= FP8_SKINNY_MAX_ROWS:  # decode: the weight streamed by the skinny kernel
+    if m <= FP8_SKINNY_MAX_ROWS:  # decode: the weight streamed by the FP8 GEMV
         return module.fp8_skinny_linear(rows, qweight, weight_scale, bias)
     if rows.dtype != torch.bfloat16:
         raise ValueError(

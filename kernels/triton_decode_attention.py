@@ -447,7 +447,7 @@ def _reads_e4m3_words(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     if query.shape[2] > WORDS_MAX_HEAD_DIM:
         return False
     aligned = all(
-        c.storage_offset() % 4 == 0 and all(s % 4 == 0 for s in c.stride()[:3])
+        c.data_ptr() % 4 == 0 and all(s % 4 == 0 for s in c.stride()[:3])
         for c in (key_cache, value_cache)
     )
     return aligned and query.dtype in (torch.bfloat16, torch.float16)

@@ -155,9 +155,10 @@ def fp8_default_tiles(m: int, n: int, k: int) -> Fp8Tiles:
     in tiles of 8 rows up to 8 rows, then M rounded up to a power of two; K steps of 512 in 4
     stages (3 past 32 rows), but of 256 for gate_up-like N past 8 rows, and of 256 in 4 stages
     for o-like layers past 32; narrow N (o, down: 64 output tiles) split K in 4 up to 8 rows,
-    then in 2, each split keeping at least two K steps. Within 0.6 us of the best per shape at
-    1-64 rows; a layer's four projections at 1 / 8 / 32 / 64 rows take 85.4 / 86.8 / 91.4 /
-    97.7 us, against 87.9 / 89.4 / 98.6 / 107.5 with the skinny kernel's FP8 tiles before."""
+    then in 2, into at most half as many splits as K steps. Within 0.6 us of the best per
+    shape at 1-64 rows; a layer's four projections at 1 / 8 / 32 / 64 rows take 85.4 / 86.8 /
+    91.4 / 97.7 us, against 87.9 / 89.4 / 98.6 / 107.5 with the skinny kernel's FP8 tiles
+    before."""
     narrow, wide = n <= NARROW_N, n >= WIDE_N
     block_k = 256 if wide and m > 8 else 512
     stages = 3 if m > 32 else 4
@@ -321,9 +322,10 @@ class Fp8GroupTiles:
 
 def fp8_group_default_tiles(m: int) -> Fp8GroupTiles:
     """benchmarks/fp8_block_sweep.py's picks (H100, Llama-3.1-8B shapes, 128 x 128 blocks,
-    2026-11-26): within 5 % of per-channel FP8's skinny kernel at 1-16 rows on qkv, o and
-    gate_up. Past 16 rows `ops.fp8_group_linear` uses cuBLASLt where it can (faster from 256
-    rows on); these tiles serve the layers it cannot take."""
+    2026-11-26): within 5 % of per-channel FP8's skinny-kernel path of that day (since
+    replaced by the faster FP8 GEMV) at 1-16 rows on qkv, o and gate_up. Past 16 rows
+    `ops.fp8_group_linear` uses cuBLASLt where it can (faster from 256 rows on); these tiles
+    serve the layers it cannot take."""
     if m <= 16:
         return Fp8GroupTiles(16, 32, num_warps=4, num_stages=4)
     return Fp8GroupTiles(64, 64, 4, 4) if m <= 512 else Fp8GroupTiles(64, 128, 4, 3)

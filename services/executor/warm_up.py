@@ -44,9 +44,10 @@ _FIRST_STEP = {  # request id -> (prompt length, sampling): every sampler path a
 }
 _FIRST_STEP_TOKENS = sum(n for n, _ in _FIRST_STEP.values())
 _NUM_DECODES = 3
-# Rows in the skinny GEMV's 32- and 64-row tiles (kernels/triton_linear.py: 17-32, 33-64),
-# whose kernels the decode steps here (3 rows) do not meet.
-_LINEAR_ROWS = (24, 48)
+# Rows in the GEMVs' row tiles whose kernels the decode steps here (3 rows) do not meet: the
+# FP8 GEMV's 16-row tile (kernels/triton_fp8.py: 9-16; 1-8 take 8), and both GEMVs' 32- and
+# 64-row tiles (17-32, 33-64).
+_LINEAR_ROWS = (12, 24, 48)
 # A prompt in the steps of more than 256 requests: the prefill kernel's large tiles (any GQA
 # group), and with the one-token prompts more tokens than the largest mixed graph.
 _LONG_PROMPT = MIXED_GRAPH_MAX_TOKENS

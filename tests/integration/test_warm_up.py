@@ -57,8 +57,8 @@ def test_warm_up_leaves_nothing_behind(long_context_dir: Path) -> None:
 
 def test_warm_up_runs_the_linear_layers_at_the_larger_row_tiles(long_context_dir: Path) -> None:
     """Without CUDA graphs (as on the CPU) the first layer's projections and the lm_head run at
-    24 and 48 rows, the skinny GEMV's 32- and 64-row tiles, so eager decode batches of 17-64
-    rows compile nothing."""
+    12, 24 and 48 rows: the FP8 GEMV's 16-row tile and both GEMVs' 32- and 64-row tiles, so
+    eager decode batches of 9-64 rows compile nothing."""
     llm = make_llm(long_context_dir, num_gpu_blocks_override=256)
     seen: list[tuple[str, int]] = []
     hooks = [
@@ -72,7 +72,7 @@ def test_warm_up_runs_the_linear_layers_at_the_larger_row_tiles(long_context_dir
     for hook in hooks:
         hook.remove()
     first_layer = {f"layers.0.{n}" for n in LAYER_LINEARS}
-    for rows in (24, 48):
+    for rows in (12, 24, 48):
         assert {name for name, r in seen if r == rows} == first_layer | {"lm_head"}
 
 

@@ -180,7 +180,7 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     # No PDL before Hopper: ops.linear gives the skinny GEMV at most 16 rows there.
     "skinny bf16, 1-16 rows": (lambda: _skinny_launches([1, 4, 16], fp8=False), (80, 86, 89)),
     "skinny bf16, 17-64 rows (Hopper)": (lambda: _skinny_launches([32, 64], fp8=False), (90,)),
-    "skinny fp8": (lambda: _skinny_launches([1, 16, 32, 64], fp8=True), (89, 90)),
+    "fp8 gemv": (lambda: _skinny_launches([1, 16, 32, 64], fp8=True), (89, 90)),
     "int4 dot": (_int4_launches, (80, 86, 89, 90)),
     "attention bf16 cache": (lambda: _attention_launches(torch.bfloat16), (80, 86, 89, 90)),
     "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),

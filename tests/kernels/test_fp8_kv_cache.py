@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernels import triton_decode_attention
 from kernels.attention import paged_attention_reference
 from kernels.cache import to_cache_dtype
 from kernels.rotary_cache import rotary_write_kv_reference
@@ -134,7 +135,7 @@ def test_decode_reads_the_fp8_cache_as_the_reference() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(dtype: torch.dtype) -> None:
     # Llama-3.1-8B's heads, contexts of 1 to 4096 tokens (tails of a tile and of a block),
-    # every split count kind; on Ada and Hopper the cache is read as words (_e4m3_tile).
+    # every split count kind; on Hopper the cache is read as words (_e4m3_tile).
     generator = torch.Generator().manual_seed(7)
     seq_lens = torch.randint(1, 4097, (48,), generator=generator)
     seq_lens[:4] = torch.tensor([1, 4096, 4095, 129])
@@ -143,6 +144,8 @@ def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(dtype: torch.dtype) -> No
     )
     key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
     query = query.to(dtype)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert triton_decode_attention._reads_e4m3_words(query, key_cache, value_cache) == hopper
     expected = decode_tests.reference(query, key_cache, value_cache, tables, lens, 128**-0.5)
     for num_splits in (1, 8, None):
         out = paged_decode_attention(

@@ -1,5 +1,5 @@
 """FP8 W8A8 linear layers: the reference against exact arithmetic, and `ops.fp8_linear` on
-CUDA (the skinny kernel up to 64 rows, cuBLASLt's scaled GEMM past that) against the
+CUDA (the FP8 GEMV up to 64 rows, cuBLASLt's scaled GEMM past that) against the
 reference at the Llama-3.1-8B shapes."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ LLAMA_SHAPES = {
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("shape", sorted(LLAMA_SHAPES))
-@pytest.mark.parametrize("m", [1, 16, 33, 64, 65, 300])  # the skinny kernel to 64, then cuBLASLt
+@pytest.mark.parametrize("m", [1, 16, 33, 64, 65, 300])  # the FP8 GEMV to 64, then cuBLASLt
 def test_gpu_fp8_linear_matches_the_reference(shape: str, m: int) -> None:
     n, k = LLAMA_SHAPES[shape]
     generator = torch.Generator(device="cuda").manual_seed(m)

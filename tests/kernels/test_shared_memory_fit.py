@@ -92,11 +92,11 @@ def test_default_launches_fit_an_a100_an_a10_an_l40s_and_an_h100() -> None:
     assert done.returncode == 0, done.stderr[-3000:]  # a launcher failed on a GPU it runs on
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     checked = {(row["check"], row["capability"]) for row in rows}
-    assert ("skinny bf16, 1-16 rows", 86) in checked and ("skinny fp8", 89) in checked
+    assert ("skinny bf16, 1-16 rows", 86) in checked and ("fp8 gemv", 89) in checked
     assert ("attention bf16 cache", 86) in checked and ("attention fp8 cache", 89) in checked
     assert ("int4 dot", 80) in checked  # its inline PTX assembles for the oldest GPU too
     kernels = {row["launch"].split()[0] for row in rows}
     assert {"_skinny_linear_kernel", "_prefill_kernel", "_decode_partition_kernel"} <= kernels
-    assert "_int4_dot_kernel" in kernels
+    assert {"_int4_dot_kernel", "_fp8_gemv_kernel"} <= kernels
     # The H100 runs every tile as tuned (with PDL, as there): no launch of it needs a retry.
     assert all(row["fits"] for row in rows if row["capability"] == 90)

@@ -83,10 +83,11 @@ def test_skinny_fp8_linear_takes_rows_its_producer_quantized() -> None:
 
 
 # (M, N, K, tiles): one row in a tile of 8, rows past a tile, a masked K tail, N not a multiple of
-# the weight tile, and K split in 2 and 3 (whose last split has one step, or none).
+# the weight tile, and K split in 2, 3 and 4 (5 steps in 4 splits: 2, 2, 1 and none).
 GEMV_CASES = [
     (1, 80, 160, Fp8Tiles(8, 64, 64, 4, 2)),
     (3, 64, 512, Fp8Tiles(8, 64, 64, 4, 2, split_k=2)),
+    (3, 64, 320, Fp8Tiles(8, 64, 64, 4, 2, split_k=4)),
     (9, 130, 1000, Fp8Tiles(16, 64, 128, 4, 3, split_k=3)),
     (12, 64, 256, Fp8Tiles(8, 64, 32, 4, 2, split_k=3)),
     (40, 128, 256, Fp8Tiles(64, 128, 32, 8, 2)),

@@ -3,7 +3,7 @@
 - Each PDL kernel (the int4 dot kernel among them) waits for the kernel before it: a producer
   that lets its dependents launch at once, then writes their input only after 200 us, must
   still be seen whole.
-- A chain of dependent decode kernels (RMSNorm, skinny linear layers in bf16 and FP8, the FP8
+- A chain of dependent decode kernels (RMSNorm, the bf16 skinny linear and the FP8 GEMV, the FP8
   quantization, SiLU-and-mul, argmax) captured in a CUDA graph gives the same bits with PDL
   and without (`set_pdl(False)`, what --disable-pdl does).
 """
