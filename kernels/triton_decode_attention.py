@@ -354,6 +354,7 @@ def paged_decode_attention(
     part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
     early = launches_early(query)
+    fp8_cache = key_cache.dtype == torch.float8_e4m3fn
     words = _reads_e4m3_words(query, key_cache, value_cache)
     if words:  # the caches as 32-bit words of four values, their strides in words
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
@@ -388,8 +389,7 @@ def paged_decode_attention(
         TILE=tiles.tile,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_QUERY_LOC=has_query_loc,
-        FP16_DOTS=query.dtype == torch.bfloat16
-        and (words or key_cache.dtype == torch.float8_e4m3fn),
+        FP16_DOTS=fp8_cache and query.dtype == torch.bfloat16,
         E4M3_WORDS=words,
         PDL=early,
         num_warps=tiles.num_warps,

@@ -262,11 +262,7 @@ def _launch_gemv(
     if rows.q.stride(1) != 1 or qweight.stride(1) != 1:
         raise ValueError("x and qweight must be contiguous along K")
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
-    device = rows.q.device
-    partials = out  # unused without a split
-    if tiles.split_k > 1:
-        split_k.check_tiles(grid[0] * grid[1], tiles)
-        partials = split_k.partials(tiles.split_k, m, n, device)
+    partials, tickets = split_k.workspace(grid, m, n, out, tiles)
     early = launches_early(rows.q)
     args = (
         rows.q,
@@ -276,7 +272,7 @@ def _launch_gemv(
         bias if bias is not None else weight_scale,
         out,
         partials,
-        split_k.tickets(device) if tiles.split_k > 1 else weight_scale,
+        tickets,
         m,
         n,
         k,
@@ -298,7 +294,7 @@ def _launch_gemv(
         num_warps=tiles.num_warps,
         launch_pdl=early,
     )
-    variant = ("fp8_gemv", device, out.dtype, *constants.values())
+    variant = ("fp8_gemv", out.device, out.dtype, *constants.values())
     launch_fitting(
         variant,
         tiles.num_stages,

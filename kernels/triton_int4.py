@@ -520,15 +520,13 @@ def _launch_dot(
         raise ValueError(f"{tiles}: the dot kernel does not take act-order (g_idx)")
     m, n = x.shape[0], qweight.shape[0]
     grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m), tiles.split_k)
-    if tiles.split_k > 1:
-        split_k.check_tiles(grid[0] * grid[1], tiles)
+    partials, tickets = split_k.workspace(grid, m, n, out, tiles)
     early = launches_early(x)
-    partials = split_k.partials(tiles.split_k, m, n, x.device) if tiles.split_k > 1 else out
     _int4_dot_kernel[grid](
         *operands(x, qweight, scales, zeros, bias, out),
         m,
         partials,
-        split_k.tickets(x.device),
+        tickets,
         GROUP_SIZE=group_size,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,

@@ -30,14 +30,21 @@ def tickets(device: torch.device) -> torch.Tensor:
     return _TICKETS[device]
 
 
-def partials(split_k: int, m: int, n: int, device: torch.device) -> torch.Tensor:
-    """The float32 workspace [SPLIT_K, M, N] of one launch (checked: it needs its tickets)."""
-    return torch.empty((split_k, m, n), dtype=torch.float32, device=device)
-
-
-def check_tiles(output_tiles: int, what: object) -> None:
-    if output_tiles > MAX_TICKETS:
+def workspace(
+    grid: tuple[int, int, int],  # (output tiles along N, along M, splits of K)
+    m: int,
+    n: int,
+    unused: torch.Tensor,  # passed for both where K is not split (the kernel reads neither)
+    what: object,  # the launch's tiles, for the error
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([SPLIT_K, M, N] float32 partials, tickets)
+    """What a launch over `grid` needs to split K: a float32 partial sum per split and the
+    device's ticket counters, one per output tile."""
+    if grid[2] == 1:
+        return unused, unused
+    if grid[0] * grid[1] > MAX_TICKETS:
         raise ValueError(f"{what}: more than {MAX_TICKETS} output tiles to split along K")
+    partials = torch.empty((grid[2], m, n), dtype=torch.float32, device=unused.device)
+    return partials, tickets(unused.device)
 
 
 @triton.jit
@@ -70,4 +77,4 @@ def sum_of_splits(
     return acc, last
 
 
-__all__ = ["MAX_TICKETS", "check_tiles", "partials", "sum_of_splits", "tickets"]
+__all__ = ["MAX_TICKETS", "sum_of_splits", "tickets", "workspace"]
