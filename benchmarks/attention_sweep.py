@@ -8,9 +8,11 @@ again at SPLIT_FACTORS times their split count. Reports microseconds per call an
 of copy bandwidth (bytes and timing: benchmarks/kernel_bench.py; an FP8 cache counts its own,
 half, bytes). Every config is first checked against the defaults' output and skipped, with the
 error, if it fails, does not compile or runs out of shared memory. Kernels are compiled in
-parallel processes first (NUM_SPLITS is a constexpr: one kernel per tile config and split count).
+parallel processes first (one kernel per tile config). `--split-counts` times only the defaults'
+tiles, at their picked split count and at each count given (how `pick_num_splits` should count).
 
     python3 benchmarks/attention_sweep.py --out $OUT/attention_sweep.json
+    python3 benchmarks/attention_sweep.py --split-counts 1 2 3 4 8 --cases 64x32768 32x4096
 
 Needs a CUDA GPU and ~10 GB of its memory; about 2-3 minutes on an H100.
 """
@@ -92,6 +94,16 @@ def first_configs(kv_dtype: torch.dtype, batch: int, context: int) -> list[Confi
     default = default_config(kv_dtype, batch, context)
     others = [Config(t, picked_splits(batch, context, t)) for t in CANDIDATES]
     return [default, *(c for c in others if c != default)]
+
+
+def given_splits(
+    kv_dtype: torch.dtype, batch: int, context: int, counts: list[int]
+) -> list[Config]:
+    """The defaults, then their tiles at each of `counts` the kernel would make."""
+    default = default_config(kv_dtype, batch, context)
+    most = most_splits(triton.cdiv(context, BLOCK_SIZE), BLOCK_SIZE, default.tiles.tile)
+    others = [Config(default.tiles, n) for n in counts if n <= most]
+    return [default, *(c for c in dict.fromkeys(others) if c != default)]
 
 
 def split_variants(config: Config, context: int) -> list[Config]:
@@ -219,7 +231,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kv-dtypes", nargs="+", choices=sorted(KV_DTYPES), default=["bf16", "fp8"]
     )
     parser.add_argument("--jobs", type=int, default=12, help="compile processes; 0: in the sweep")
+    parser.add_argument(
+        "--split-counts",
+        nargs="+",
+        type=int,
+        help="time only the default tiles, at these split counts (one stage)",
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        type=parse_case,
+        default=CASES,
+        help="BATCHxCONTEXT cases (default: %(default)s)",
+    )
     return parser.parse_args(argv)
+
+
+def parse_case(text: str) -> tuple[int, int]:
+    batch, _, context = text.partition("x")
+    return int(batch), int(context)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     print(f"[device] {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__}", flush=True)  # fmt: skip
-    cells = [(kv, batch, context) for kv in args.kv_dtypes for batch, context in CASES]
-    first = {cell: first_configs(KV_DTYPES[cell[0]], *cell[1:]) for cell in cells}
+    cells = [(kv, batch, context) for kv in args.kv_dtypes for batch, context in args.cases]
+    if args.split_counts:
+        first = {c: given_splits(KV_DTYPES[c[0]], *c[1:], args.split_counts) for c in cells}
+    else:
+        first = {cell: first_configs(KV_DTYPES[cell[0]], *cell[1:]) for cell in cells}
     precompile([(cell[0], c) for cell, configs in first.items() for c in configs], args.jobs)
     copy_gbs = copy_bandwidth_gbs()
     print(f"[copy] {copy_gbs:.0f} GB/s", flush=True)
@@ -242,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         tick = time.perf_counter()
         cell_rows, cell_skips = measure_cell(*cell, first[cell], copy_gbs, stage=1)
         rows, skipped = rows + cell_rows, skipped + cell_skips
-        if cell_rows:  # split counts around the fastest config and the defaults
+        if cell_rows and not args.split_counts:  # split counts around the fastest, the defaults
             best = min(cell_rows, key=lambda r: r["us"])["label"]
             by_label = {c.label(): c for c in first[cell]}
             around = dict.fromkeys([first[cell][0], by_label[best]])  # the defaults, the best
