@@ -8,9 +8,11 @@ query heads of that KV head at once, so every key and value is read once per KV 
     program   (r, kv, 0)            (r, kv, 1)          (r, kv, 2)
               -> max, sum, acc      -> max, sum, acc    -> max, sum, acc  (float32 scratch)
 
-A second small kernel merges the partitions of each (request, query head) with the usual
-log-sum-exp rescaling. Same math as `kernels.attention.paged_attention_reference` with one
-query per request.
+The last program of a (request, KV head) to finish, told by a ticket counter as in
+kernels/triton_split_k.py, merges the partitions of its query heads with the usual log-sum-exp
+rescaling and writes the output; with one split a program writes it at once. A separate merge
+kernel cost a launch per layer (a kernel boundary is about 3 us at batch 1). Same math as
+`kernels.attention.paged_attention_reference` with one query per request.
 
 In a mixed batch (`query_start_loc` given) the kernels attend only the requests with exactly one
 query token, at their rows of the step's tokens, and leave every other row to the prefill kernel:
@@ -22,11 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_split_k as split_k
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 from kernels.triton_stages import launch_fitting
 
@@ -40,7 +44,7 @@ MAX_SPLITS = 64
 
 @dataclasses.dataclass(frozen=True)
 class DecodeTiles:
-    """One launch configuration of the partition kernel (the merge kernel keeps its defaults)."""
+    """One launch configuration of the partition kernel."""
 
     tile: int = 64  # context tokens per loop step; a power of two >= 16
     num_warps: int = 4  # warps per program
@@ -80,15 +84,18 @@ def _decode_partition_kernel(
     block_tables_ptr,  # [R, max_blocks] int32
     seq_lens_ptr,  # [R] int32
     query_start_loc_ptr,  # [R + 1] int32 with HAS_QUERY_LOC, else unused
-    part_max_ptr,  # [R, H, S] float32, running max of log2-scaled scores
-    part_sum_ptr,  # [R, H, S] float32, sum of exp2(score - max)
-    part_acc_ptr,  # [R, H, S, D] float32, unnormalised weighted sum of values
+    out_ptr,  # [T, H, D], heads and dims contiguous
+    part_max_ptr,  # [R, H, S] float32, running max of log2-scaled scores (S > 1)
+    part_sum_ptr,  # [R, H, S] float32, sum of exp2(score - max) (S > 1)
+    part_acc_ptr,  # [R, H, S, D] float32, unnormalised weighted sum of values (S > 1)
+    tickets_ptr,  # [R, KV] int32, zero between launches (S > 1)
     qk_scale,  # softmax scale * log2(e)
     num_splits,
     partition_tokens,  # tokens per split, a multiple of BLOCK_SIZE
     max_blocks,
     stride_q_token,
     stride_q_head,
+    stride_out_token,
     stride_cache_block,
     stride_cache_slot,
     stride_cache_head,
@@ -96,6 +103,7 @@ def _decode_partition_kernel(
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16, for tl.dot
+    GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of two, for the merge
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,  # context tokens per loop step, may span several cache blocks
@@ -170,11 +178,74 @@ def _decode_partition_kernel(
         )  # [G, D]
         m_i = m_new
 
+    out_rows = out_ptr + token * stride_out_token + heads[:, None] * HEAD_DIM + dims[None, :]
+    if num_splits == 1:  # split 0 holds position 0 (seq_len >= 1): l_i > 0
+        tl.store(
+            out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None]
+        )
+        return
     part = (req * NUM_HEADS + heads) * num_splits + split  # [G] index into [R, H, S]
     tl.store(part_max_ptr + part, m_i, mask=row_valid)
     tl.store(part_sum_ptr + part, l_i, mask=row_valid)
     acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
     tl.store(acc_ptrs, acc, mask=row_valid[:, None])
+    tl.debug_barrier()  # every thread's partial stored before the ticket is taken
+    ticket_ptr = tickets_ptr + req * tl.num_programs(1) + kv_head
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        tl.debug_barrier()
+        live = tl.cdiv(seq_len, partition_tokens)  # the splits past the context are empty
+        group_out = out_ptr + token * stride_out_token + kv_head * GROUP * HEAD_DIM
+        first_part = (req * NUM_HEADS + kv_head * GROUP) * num_splits
+        _merge_splits(
+            group_out, part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, num_splits, live,
+            GROUP, GROUP_P2, HEAD_DIM,
+        )  # fmt: skip
+        tl.store(ticket_ptr, 0)  # zero again for the next launch (and graph replay)
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr,  # [GROUP, D] of this KV head's query heads in the token's output row
+    part_max_ptr,  # [R, H, S] float32
+    part_sum_ptr,  # [R, H, S] float32
+    part_acc_ptr,  # [R, H, S, D] float32
+    first_part,  # index of (request, first query head of the group, split 0) in [R, H, S]
+    num_splits,
+    live,  # splits that hold context, 1 <= live <= num_splits
+    GROUP: tl.constexpr,
+    GROUP_P2: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """The group's output from its live splits' partials, CHUNK splits a step, in split order
+    (the same sum whichever program merges). Partials are read past L1 (.cg): other programs
+    wrote them."""
+    CHUNK: tl.constexpr = max(1, 32 // GROUP_P2)  # [CHUNK, GROUP_P2, D]: 32 x D values a step
+    g = tl.arange(0, GROUP_P2)
+    dims = tl.arange(0, HEAD_DIM)
+    chunk = tl.arange(0, CHUNK)
+    g_valid = g < GROUP
+    m_run = tl.zeros([GROUP_P2], tl.float32) + float("-inf")
+    l_run = tl.zeros([GROUP_P2], tl.float32)
+    acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+    for first in range(0, live, CHUNK):
+        splits = first + chunk  # [C]
+        valid = (splits < live)[:, None] & g_valid[None, :]  # [C, G]
+        part = first_part + g[None, :] * num_splits + splits[:, None]  # [C, G]
+        m = tl.load(part_max_ptr + part, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        m = tl.where(g_valid[None, :], m, 0.0)  # padding heads: finite, never stored
+        s = tl.load(part_sum_ptr + part, mask=valid, other=0.0, cache_modifier=".cg")
+        a_ptrs = part_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :]
+        a = tl.load(a_ptrs, mask=valid[:, :, None], other=0.0, cache_modifier=".cg")  # [C, G, D]
+        # Split 0 holds position 0, so after the first chunk m_new is finite for every head.
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))  # [G]
+        alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk
+        w = tl.exp2(m - m_new[None, :])  # [C, G], 0 for empty and absent splits
+        l_run = l_run * alpha + tl.sum(s * w, axis=0)
+        acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
+        m_run = m_new
+    out = acc / l_run[:, None]
+    out_ptrs = out_ptr + g[:, None] * HEAD_DIM + dims[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
 
 
 # Four e4m3 values (one 32-bit word: $4) to fp16: a CVT turns each half of the word into an
@@ -221,43 +292,6 @@ def _query_row(query_start_loc_ptr, req, HAS_QUERY_LOC: tl.constexpr):
     start = tl.load(query_start_loc_ptr + req)
     end = tl.load(query_start_loc_ptr + req + 1)
     return tl.where(end - start == 1, start, -1)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_partitions_kernel(
-    out_ptr,  # [T, H, D]
-    query_start_loc_ptr,  # [R + 1] int32 with HAS_QUERY_LOC, else unused
-    part_max_ptr,  # [R, H, S] float32
-    part_sum_ptr,  # [R, H, S] float32
-    part_acc_ptr,  # [R, H, S, D] float32
-    stride_out_token,
-    num_splits,
-    NUM_HEADS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,  # next_power_of_2(num_splits): 1, 2, 4, ..., MAX_SPLITS
-    HEAD_DIM: tl.constexpr,
-    HAS_QUERY_LOC: tl.constexpr,
-    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
-):
-    wait_for_previous_kernel(PDL)
-    row = tl.program_id(0)  # flat (request, query head)
-    token = _query_row(query_start_loc_ptr, row // NUM_HEADS, HAS_QUERY_LOC)
-    if token < 0:
-        return
-    splits = tl.arange(0, SPLITS_PAD)
-    dims = tl.arange(0, HEAD_DIM)
-    split_valid = splits < num_splits
-    base = row * num_splits + splits  # [S]
-    m = tl.load(part_max_ptr + base, mask=split_valid, other=float("-inf"))  # [S]
-    s = tl.load(part_sum_ptr + base, mask=split_valid, other=0.0)  # [S]
-    acc_ptrs = part_acc_ptr + base[:, None] * HEAD_DIM + dims[None, :]
-    acc = tl.load(acc_ptrs, mask=split_valid[:, None], other=0.0)  # [S, D]
-    # NOTE: split 0 always holds position 0 (seq_len >= 1), so the max is finite and empty
-    # splits get weight exp2(-inf) = 0.
-    m_all = tl.max(m, axis=0)
-    w = tl.exp2(m - m_all)  # [S]
-    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(s * w, axis=0)  # [D]
-    out_ptrs = out_ptr + token * stride_out_token + (row % NUM_HEADS) * HEAD_DIM + dims
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -349,10 +383,7 @@ def paged_decode_attention(
     seq_lens = seq_lens.to(torch.int32).contiguous()
     has_query_loc = query_start_loc is not None
     query_loc = query_start_loc.to(torch.int32).contiguous() if has_query_loc else seq_lens
-    f32 = dict(device=query.device, dtype=torch.float32)
-    part_max = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
-    part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
-    part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
+    part_max, part_sum, part_acc, tickets = _partials(out, num_reqs, num_kv_heads, num_splits)
     early = launches_early(query)
     fp8_cache = key_cache.dtype == torch.float8_e4m3fn
     words = _reads_e4m3_words(query, key_cache, value_cache)
@@ -366,15 +397,18 @@ def paged_decode_attention(
         block_tables,
         seq_lens,
         query_loc,
+        out,
         part_max,
         part_sum,
         part_acc,
+        tickets,
         scale * LOG2E,
         num_splits,
         partition_tokens,
         max_blocks,
         query.stride(0),
         query.stride(1),
+        out.stride(0),
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
@@ -384,6 +418,7 @@ def paged_decode_attention(
         NUM_HEADS=num_heads,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE=tiles.tile,
@@ -403,22 +438,30 @@ def paged_decode_attention(
         tiles.num_stages,
         lambda stages: _decode_partition_kernel[grid](*args, **constants, num_stages=stages),
     )
-    _merge_partitions_kernel[(num_reqs * num_heads,)](
-        out,
-        query_loc,
-        part_max,
-        part_sum,
-        part_acc,
-        out.stride(0),
-        num_splits,
-        NUM_HEADS=num_heads,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim,
-        HAS_QUERY_LOC=has_query_loc,
-        PDL=early,
-        launch_pdl=early,
-    )
     return out
+
+
+def _partials(
+    out: torch.Tensor,  # [T, H, D]
+    num_reqs: int,
+    num_kv_heads: int,
+    num_splits: int,
+) -> tuple[torch.Tensor, ...]:  # part_max, part_sum, part_acc, tickets
+    """What the partition kernel merges through with several splits: float32 partials per
+    (request, query head, split) and a ticket counter per (request, KV head). With one split
+    it writes the output at once and touches none of them: empty tensors of their dtypes
+    stand in (the kernel specialises on its pointers' dtypes)."""
+    if num_splits == 1:
+        empty = torch.empty(0, dtype=torch.float32, device=out.device)
+        return empty, empty, empty, torch.empty(0, dtype=torch.int32, device=out.device)
+    if num_reqs * num_kv_heads > split_k.MAX_TICKETS:
+        raise ValueError(f"{num_reqs} requests x {num_kv_heads} KV heads: too many to split")
+    num_heads, head_dim = out.shape[1], out.shape[2]
+    f32 = dict(device=out.device, dtype=torch.float32)
+    part_max = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
+    part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
+    part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
+    return part_max, part_sum, part_acc, split_k.tickets(out.device)
 
 
 @functools.cache
@@ -458,22 +501,19 @@ def compile_every_variant(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
 ) -> None:
-    """Launch both kernels once for every merge width (SPLITS_PAD) with and without a mixed
-    batch, on one request of one cached token (block 0, read only), so that no step of a
-    running server meets a variant it has to compile first (an eager step's split count
-    follows its batch)."""
+    """Launch the kernel once with and without a mixed batch, on one request of one cached
+    token (block 0, read only), so that no step of a running server meets a variant it has
+    to compile first (the split count and table width are runtime values), and the ticket
+    counters exist before a CUDA graph is captured."""
     device = query.device
-    tables = torch.zeros(1, MAX_SPLITS, dtype=torch.int32, device=device)  # block 0: read only
+    tables = torch.zeros(1, 2, dtype=torch.int32, device=device)  # block 0: read only
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
     mixed = torch.tensor([0, 1], dtype=torch.int32, device=device)
-    splits = 1
-    while splits <= MAX_SPLITS:
-        for query_start_loc in (None, mixed):
-            paged_decode_attention(
-                query[:1], key_cache, value_cache, tables, seq_lens, 1.0, splits,
-                query_start_loc=query_start_loc,
-            )  # fmt: skip
-        splits *= 2
+    for splits, query_start_loc in itertools.product((1, 2), (None, mixed)):
+        paged_decode_attention(
+            query[:1], key_cache, value_cache, tables, seq_lens, 1.0, splits,
+            query_start_loc=query_start_loc,
+        )  # fmt: skip
 
 
 def _check_rows(

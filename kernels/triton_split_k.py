@@ -19,8 +19,9 @@ _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
 def tickets(device: torch.device) -> torch.Tensor:
-    """The split-K ticket counters of a device, shared by every kernel that splits K (kernels
-    on one stream run one after another; with PDL the next waits before it takes a ticket).
+    """The split-K ticket counters of a device, shared by every kernel that splits its work
+    (the GEMVs' K, decode attention's context: kernels/triton_decode_attention.py); kernels on
+    one stream run one after another, and with PDL the next waits before it takes a ticket.
     Made zero once, outside a graph capture (whose zero fill would not run until the first
     replay): the engine's eager warm-up calls every layer first."""
     if device not in _TICKETS:

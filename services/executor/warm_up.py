@@ -5,10 +5,10 @@ or is not a multiple of 16, another tile size); cuBLAS picks algorithms per shap
 has a greedy, a random and a logprob path. On a fresh machine that cost 0.2-0.5 s, paid by
 the first request. These steps meet them before the server says it is ready: a mixed step
 (graph), decode steps (graphs), and eager steps of more tokens than the largest mixed graph,
-one of an odd token count and one of a multiple of 16; then the decode attention kernels at
-every merge width, which an eager step picks by its batch (one met mid-burst stalled a server
-for its compile); past 256 requests (--max-num-seqs), an eager step of each power of two of
-requests, which the prefill kernel compiles apart; without CUDA graphs (whose capture meets
+one of an odd token count and one of a multiple of 16; then the decode attention kernel with
+and without a mixed batch (a variant met mid-burst stalled a server for its compile); past 256
+requests (--max-num-seqs), an eager step of each power of two of requests, which the prefill
+kernel compiles apart; without CUDA graphs (whose capture meets
 them) also the linear layers at the skinny GEMV's two larger row tiles. (Rarer variants still
 compile on first use: eager steps of more than 256 requests whose longest query is short.)
 They use blocks from 0 up, and each step of many requests uses them again from 0 (every
@@ -175,8 +175,8 @@ def skip_reason(runner: ModelRunner) -> str | None:
 
 
 def _compile_attention_variants(runner: ModelRunner) -> None:
-    """The decode kernels' other merge widths: an eager step's split count follows its batch,
-    and the steps above meet only some of them."""
+    """The decode attention kernel in a decode and in a mixed batch, with several splits (its
+    split-K ticket counters made here, outside any graph capture)."""
     cfg = runner.model.layout.local_config
     key_cache, value_cache = runner.kv_caches[0][0], runner.kv_caches[0][1]
     query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=runner.device)

@@ -11,12 +11,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernels import triton_split_k as split_k
 from kernels.attention import paged_attention_reference
 from kernels.triton_decode_attention import (
     MAX_SPLITS,
     DecodeTiles,
     _decode_partition_kernel,
-    _merge_partitions_kernel,
     compile_every_variant,
     default_decode_tiles,
     paged_decode_attention,
@@ -89,6 +89,20 @@ def test_split_count_does_not_change_result() -> None:
     # 5 splits of 32 tokens over 96 slots: request 1 leaves four splits empty.
     many = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125, 5)
     torch.testing.assert_close(many, one, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2), (16, 2)])
+def test_merge_of_many_splits_matches_reference(num_heads: int, num_kv_heads: int) -> None:
+    """The last program of a (request, KV head) merges its live splits a chunk at a time:
+    32 // GROUP rounded up to a power of two per step, so more splits than a chunk holds,
+    groups of 1, 3 (padded to 4) and 8, and empty splits past the short context."""
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        [700, 40, 1], num_heads, num_kv_heads, 64, torch.float32, seed=num_heads
+    )
+    expected = reference(query, key_cache, value_cache, block_tables, seq_lens, 0.125)
+    out = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125, 40)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert not split_k.tickets(query.device).any()  # zero again for the next launch
 
 
 def test_rejects_head_dim_not_power_of_two() -> None:
@@ -180,9 +194,8 @@ def test_a_tile_may_be_smaller_than_a_block() -> None:
 
 
 def _num_compiled() -> int:
-    """Triton's compiled variants of both kernels, on every device (its JIT cache)."""
-    kernels = (_decode_partition_kernel, _merge_partitions_kernel)
-    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+    """Triton's compiled variants of the kernel, on every device (its JIT cache)."""
+    return sum(len(cache[0]) for cache in _decode_partition_kernel.device_caches.values())
 
 
 @pytest.mark.gpu
