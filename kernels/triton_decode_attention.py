@@ -14,8 +14,8 @@ rescaling and writes the output; with one split a program writes it at once. A s
 kernel cost a launch per layer (a kernel boundary is about 3 us at batch 1). Same math as
 `kernels.attention.paged_attention_reference` with one query per request.
 
-In a mixed batch (`query_start_loc` given) the kernels attend only the requests with exactly one
-query token, at their rows of the step's tokens, and leave every other row to the prefill kernel:
+In a mixed batch (`query_start_loc` given) the kernel attends only the requests with exactly one
+query token, at their rows of the step's tokens, and leaves every other row to the prefill kernel:
 a decode riding along with a prompt gets split-KV parallelism instead of one program walking its
 whole context.
 """
@@ -219,7 +219,11 @@ def _merge_splits(
     """The group's output from its live splits' partials, CHUNK splits a step, in split order
     (the same sum whichever program merges). Partials are read past L1 (.cg): other programs
     wrote them."""
-    CHUNK: tl.constexpr = max(1, 32 // GROUP_P2)  # [CHUNK, GROUP_P2, D]: 32 x D values a step
+    # [CHUNK, GROUP_P2, D] of 4,096 values a step, and one split a step for 256-wide heads:
+    # compiled for sm_90 (Triton 3.9, on the CPU), larger chunks there raised the kernel's
+    # registers a thread above what its attention loop needs (195 against 150 at any chunk
+    # of 2 or more); 128-wide heads take 90 at chunks of 8.
+    CHUNK: tl.constexpr = 1 if HEAD_DIM >= 256 else max(1, 4096 // (GROUP_P2 * HEAD_DIM))
     g = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, HEAD_DIM)
     chunk = tl.arange(0, CHUNK)
@@ -243,7 +247,7 @@ def _merge_splits(
         l_run = l_run * alpha + tl.sum(s * w, axis=0)
         acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
         m_run = m_new
-    out = acc / l_run[:, None]
+    out = acc / tl.where(g_valid, l_run, 1.0)[:, None]  # padding heads: 0, never stored
     out_ptrs = out_ptr + g[:, None] * HEAD_DIM + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
 
@@ -357,7 +361,8 @@ def paged_decode_attention(
     With query_start_loc, only requests with exactly one query token are attended, at their
     rows; the other rows of the result are left as they were (see the module docstring).
     The context bound for choosing splits is the block table's capacity, not max(seq_lens),
-    so no device-to-host sync is needed; splits past a request's context exit at once.
+    so no device-to-host sync is needed; splits past a request's context skip the loop and
+    only report an empty partial.
     """
     _check_shapes(query, key_cache, value_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -446,7 +451,7 @@ def _partials(
     num_reqs: int,
     num_kv_heads: int,
     num_splits: int,
-) -> tuple[torch.Tensor, ...]:  # part_max, part_sum, part_acc, tickets
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # max, sum, acc, tickets
     """What the partition kernel merges through with several splits: float32 partials per
     (request, query head, split) and a ticket counter per (request, KV head). With one split
     it writes the output at once and touches none of them: empty tensors of their dtypes
@@ -501,10 +506,11 @@ def compile_every_variant(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
 ) -> None:
-    """Launch the kernel once with and without a mixed batch, on one request of one cached
-    token (block 0, read only), so that no step of a running server meets a variant it has
-    to compile first (the split count and table width are runtime values), and the ticket
-    counters exist before a CUDA graph is captured."""
+    """Launch the kernel with one and two splits, with and without a mixed batch, on one
+    request of one cached token (block 0, read only), so that no step of a running server
+    meets a variant it has to compile first (the split count and table width are runtime
+    values). (The ticket counters are made by the first eager launch with splits; a graph's
+    capture follows an eager run of the same step, cuda_graphs.StepGraphs.capture.)"""
     device = query.device
     tables = torch.zeros(1, 2, dtype=torch.int32, device=device)  # block 0: read only
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)

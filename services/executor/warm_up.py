@@ -175,8 +175,8 @@ def skip_reason(runner: ModelRunner) -> str | None:
 
 
 def _compile_attention_variants(runner: ModelRunner) -> None:
-    """The decode attention kernel in a decode and in a mixed batch, with several splits (its
-    split-K ticket counters made here, outside any graph capture)."""
+    """The decode attention kernel in a decode and in a mixed batch, with one split and with
+    several: an eager step's split count follows its batch."""
     cfg = runner.model.layout.local_config
     key_cache, value_cache = runner.kv_caches[0][0], runner.kv_caches[0][1]
     query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=runner.device)

@@ -94,13 +94,20 @@ def test_split_count_does_not_change_result() -> None:
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2), (16, 2)])
 def test_merge_of_many_splits_matches_reference(num_heads: int, num_kv_heads: int) -> None:
     """The last program of a (request, KV head) merges its live splits a chunk at a time:
-    32 // GROUP rounded up to a power of two per step, so more splits than a chunk holds,
-    groups of 1, 3 (padded to 4) and 8, and empty splits past the short context."""
+    4096 // (GROUP rounded up to a power of two x head_dim) per step, 64 for a group of 1, so
+    more splits than a chunk holds (1,100 tokens in splits of one block: 69 live), groups
+    of 1, 3 (padded to 4) and 8, and empty splits past the shorter contexts."""
     query, key_cache, value_cache, block_tables, seq_lens = make_case(
-        [700, 40, 1], num_heads, num_kv_heads, 64, torch.float32, seed=num_heads
+        [1100, 40, 1], num_heads, num_kv_heads, 64, torch.float32, seed=num_heads
     )
+    # The first request's last block scores highest: the running max moves in the last chunk.
+    group_queries = query[0].view(num_kv_heads, num_heads // num_kv_heads, 64)
+    key_cache[block_tables[0, 1099 // BLOCK_SIZE]] = 2 * group_queries.mean(dim=1)
     expected = reference(query, key_cache, value_cache, block_tables, seq_lens, 0.125)
-    out = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125, 40)
+    splits = block_tables.shape[1]  # a block each
+    out = paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, 0.125, splits
+    )
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     assert not split_k.tickets(query.device).any()  # zero again for the next launch
 
