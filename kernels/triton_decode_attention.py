@@ -189,10 +189,8 @@ def _decode_partition_kernel(
     tl.store(part_sum_ptr + part, l_i, mask=row_valid)
     acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
     tl.store(acc_ptrs, acc, mask=row_valid[:, None])
-    tl.debug_barrier()  # every thread's partial stored before the ticket is taken
     ticket_ptr = tickets_ptr + req * tl.num_programs(1) + kv_head
-    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        tl.debug_barrier()
+    if split_k.last_to_arrive(ticket_ptr, num_splits):
         live = tl.cdiv(seq_len, partition_tokens)  # the splits past the context are empty
         group_out = out_ptr + token * stride_out_token + kv_head * GROUP * HEAD_DIM
         first_part = (req * NUM_HEADS + kv_head * GROUP) * num_splits
@@ -459,14 +457,13 @@ def _partials(
     if num_splits == 1:
         empty = torch.empty(0, dtype=torch.float32, device=out.device)
         return empty, empty, empty, torch.empty(0, dtype=torch.int32, device=out.device)
-    if num_reqs * num_kv_heads > split_k.MAX_TICKETS:
-        raise ValueError(f"{num_reqs} requests x {num_kv_heads} KV heads: too many to split")
+    counters = split_k.tickets(out.device, num_reqs * num_kv_heads, "decode attention")
     num_heads, head_dim = out.shape[1], out.shape[2]
     f32 = dict(device=out.device, dtype=torch.float32)
     part_max = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
     part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
     part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
-    return part_max, part_sum, part_acc, split_k.tickets(out.device)
+    return part_max, part_sum, part_acc, counters
 
 
 @functools.cache

@@ -18,7 +18,7 @@ MAX_TICKETS = 1 << 16  # output tiles a split-K launch may have (the ticket coun
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
-def tickets(device: torch.device) -> torch.Tensor:
+def tickets(device: torch.device, count: int = MAX_TICKETS, what: object = "") -> torch.Tensor:
     """The split-K ticket counters of a device, shared by every kernel that splits its work
     (the GEMVs' K, decode attention's context: kernels/triton_decode_attention.py); kernels on
     one stream run one after another, and with PDL the next waits before it takes a ticket.
@@ -28,6 +28,8 @@ def tickets(device: torch.device) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("split-K: run the layer once before capturing a CUDA graph")
         _TICKETS[device] = torch.zeros(MAX_TICKETS, dtype=torch.int32, device=device)
+    if count > MAX_TICKETS:
+        raise ValueError(f"{what}: {count} ticket counters wanted, there are {MAX_TICKETS}")
     return _TICKETS[device]
 
 
@@ -42,10 +44,20 @@ def workspace(
     device's ticket counters, one per output tile."""
     if grid[2] == 1:
         return unused, unused
-    if grid[0] * grid[1] > MAX_TICKETS:
-        raise ValueError(f"{what}: more than {MAX_TICKETS} output tiles to split along K")
+    counters = tickets(unused.device, grid[0] * grid[1], what)  # one per output tile
     partials = torch.empty((grid[2], m, n), dtype=torch.float32, device=unused.device)
-    return partials, tickets(unused.device)
+    return partials, counters
+
+
+@triton.jit
+def last_to_arrive(ticket_ptr, count):
+    """Whether this program is the last of `count` to take a ticket at ticket_ptr: every
+    thread's stores before are visible to it, and its loads after see every other program's
+    (acquire-release at GPU scope). The last one sets the counter back to zero when done."""
+    tl.debug_barrier()  # every thread's stores made before the ticket is taken
+    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == count - 1
+    tl.debug_barrier()
+    return last
 
 
 @triton.jit
@@ -65,11 +77,9 @@ def sum_of_splits(
     split = tl.program_id(2)
     partial_ptrs = partials_ptr + (split * m + rows[None, :]) * n + cols[:, None]
     tl.store(partial_ptrs, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial stored before the ticket is taken
     ticket_ptr = tickets_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    last = last_to_arrive(ticket_ptr, SPLIT_K)
     if last:
-        tl.debug_barrier()
         acc = tl.zeros_like(acc)
         for other in tl.static_range(SPLIT_K):  # in split order: the same sum every time
             other_ptrs = partials_ptr + (other * m + rows[None, :]) * n + cols[:, None]
@@ -78,4 +88,4 @@ def sum_of_splits(
     return acc, last
 
 
-__all__ = ["MAX_TICKETS", "sum_of_splits", "tickets", "workspace"]
+__all__ = ["MAX_TICKETS", "last_to_arrive", "sum_of_splits", "tickets", "workspace"]
