@@ -31,6 +31,15 @@ def _llm(config: Config) -> LLM:
     return LLM(**{k: getattr(config, k) for k in Config.__dataclass_fields__})
 
 
+def _late_compiles(llm: LLM) -> list[str]:
+    """The Triton kernel variants this process met after the warm-up so far (on a GPU)."""
+    if llm.runner.device.type != "cuda":
+        return []
+    from kernels.triton_compile_watch import late_compiles  # Triton: on GPUs only
+
+    return list(late_compiles().variants)
+
+
 def _lora_ids(llm: LLM, paths: list[str]) -> list[int]:
     """The adapters at `paths` registered (ids 1, 2, ...); none: the base model alone."""
     if paths and not llm.config.enable_lora:
@@ -65,6 +74,7 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     warm_prompts = random_prompts(len(warm_loras), [16] * len(warm_loras), vocab, config.seed + 3)
     warm_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     llm.generate(warm_prompts, warm_params, lora_request=warm_loras)
+    compiled_before = len(_late_compiles(llm))
     start = time.perf_counter()
     results = llm.generate(prompts, params, lora_request=per_prompt, show_progress=True)
     elapsed = time.perf_counter() - start
@@ -86,6 +96,8 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "num_preemptions": sum(s.num_preemptions for s in llm.replica_stats()),
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,  # in each replica
         "lora_adapters": len(loras),
+        # Compiled inside the timing, had the warm-up missed them (replica 0's process).
+        "triton_compiles_in_timed_run": _late_compiles(llm)[compiled_before:],
         "config": _engine_summary(config),
     }
     if args.profile_steps:

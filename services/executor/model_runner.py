@@ -3,6 +3,7 @@ each step's plan into one forward pass and one batched sampling call."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from typing import TYPE_CHECKING
@@ -89,6 +90,15 @@ def log_kv_scales(model: DecoderForCausalLM, kv_dtype: torch.dtype) -> None:
     )  # fmt: skip
 
 
+def _start_up_compiles(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """On a GPU, where Triton's compiles are the start-up's (kernels/triton_compile_watch.py)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from kernels.triton_compile_watch import late_compiles  # Triton: on GPUs only
+
+    return late_compiles().warming_up()
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -104,8 +114,16 @@ class ModelRunner:
         """`tp`: this process's place in a tensor-parallel group, whose ranks all run the same
         steps (services/executor/tensor_parallel.py); `relay`: on rank 0, where the plans go
         on to the other ranks (services/executor/rank_group.py)."""
+        # Set last: the warm-up steps run on every rank alone.
+        self.relay: PlanRelay | None = None
+        # Triton's compiles until the warm-up ends are meant; any later one is logged.
+        with _start_up_compiles(resolve_device(config.device, tp.rank)):
+            self._start(config, tp)
+        self.relay = relay
+
+    def _start(self, config: Config, tp: TensorParallel) -> None:
+        """Loads the model, sizes and allocates the KV cache, captures graphs, warms up."""
         set_pdl(not config.disable_pdl)
-        self.relay: PlanRelay | None = None  # set last: warm-up steps run on every rank alone
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
@@ -193,7 +211,6 @@ class ModelRunner:
                 self.graphs.capture()
         if self.device.type == "cuda":
             warm_up(self)
-        self.relay = relay
 
     def ready_message(self, model_name: str, session: int | None = None) -> ExecutorReady:
         """What the scheduler is built from: the model's facts and this runner's limits;

@@ -1,0 +1,83 @@
+"""On a GPU, Triton compiles nothing inside serving-like steps once the engine has warmed up,
+and `kernels.triton_compile_watch` records a variant compiled outside a warm-up (and none
+inside one). A variant the warm-up misses is compiled inside a step: on a fresh machine every
+running request waits for it (docs/architecture.md, the warm-up)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvflow import LLM, SamplingParams
+from tests.integration.tiny_models import FAMILIES, TINY
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def test_the_watch_records_compiles_outside_a_warm_up() -> None:
+    import triton
+    import triton.language as tl
+
+    from kernels.triton_compile_watch import late_compiles
+
+    @triton.jit
+    def _fill(out_ptr, VALUE: tl.constexpr):  # type: ignore[no-untyped-def]
+        tl.store(out_ptr, VALUE)
+
+    watch = late_compiles()
+    out = torch.zeros(1, device="cuda")
+    before = len(watch.variants)
+    with watch.warming_up():
+        _fill[(1,)](out, VALUE=1)
+    assert len(watch.variants) == before
+    _fill[(1,)](out, VALUE=2)
+    _fill[(1,)](out, VALUE=2)  # met before: no compile
+    assert len(watch.variants) == before + 1 and "_fill" in watch.variants[-1]
+    assert out.item() == 2
+
+
+def test_serving_steps_compile_nothing_after_the_warm_up(tmp_path: Path) -> None:
+    """Prompts of 1 to 700 tokens in waves past --max-num-seqs, chunked beside running decodes,
+    greedy and sampled, with and without logprobs: decode graphs, mixed graphs and eager steps
+    of many sizes."""
+    from kernels.triton_compile_watch import late_compiles
+
+    config_cls, extra = FAMILIES["qwen3"]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra, "max_position_embeddings": 1024})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    llm = LLM(
+        str(tmp_path),
+        dtype="bfloat16",
+        max_model_len=1024,
+        max_num_batched_tokens=640,
+        max_num_seqs=48,
+        gpu_memory_utilization=0.2,
+    )
+    watch = late_compiles()
+    before = len(watch.variants)
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(TINY["vocab_size"]) for _ in range(rng.choice([1, 5, 16, 33, 200, 700]))]
+        for _ in range(120)
+    ]
+    params = [
+        SamplingParams(
+            temperature=rng.choice([0.0, 0.8]),
+            top_p=rng.choice([1.0, 0.9]),
+            logprobs=rng.choice([None, 2]),
+            max_tokens=rng.randrange(1, 40),
+            ignore_eos=True,
+        )
+        for _ in prompts
+    ]
+    results = llm.generate(prompts, params)
+    assert [len(r.outputs[0].token_ids) for r in results] == [p.max_tokens for p in params]
+    assert watch.variants[before:] == []
