@@ -201,8 +201,8 @@ class Config:
     api_server_count: int = option(
         1,
         "server",
-        "Frontend processes `serve` starts, all taking connections from one socket on --port: "
-        "one streams about 25,000 tokens a second; more stream more.",
+        "Frontend processes `serve` starts, all taking connections on --port (the kernel "
+        "spreads them evenly): one streams about 25,000 tokens a second; more stream more.",
     )
     max_queued_requests: int = option(
         4096, "server", "Requests waiting for the engine before new ones get 429."

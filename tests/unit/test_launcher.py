@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import shutil
 import signal
 import socket
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from services.launcher.serve import Launcher
+from services.launcher.serve import Launcher, listening_sockets
 from shared.config import Config, ConfigError
 from shared.replicas import replica_devices
 
@@ -54,22 +55,47 @@ def test_each_replica_gets_its_own_gpus_and_too_few_are_refused(monkeypatch) -> 
         Launcher(Config(device="cuda", data_parallel_size=2, tensor_parallel_size=2))
 
 
-def test_several_frontends_get_their_own_addresses_and_one_socket_on_a_free_port() -> None:
+def test_several_frontends_get_their_own_addresses_and_sockets_on_one_port() -> None:
     """--api-server-count 2: one ipc address per frontend, both named to the components, a
-    folder for their shared metrics, and one listening socket; a port another server holds
-    stops serve instead of being shared with it."""
-    with socket.socket() as probe:  # a port free now
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    folder for their shared metrics, and one listening socket each on the same port; a port
+    another server holds stops serve instead of being shared with it."""
+    port = _free_port()
     launcher = Launcher(Config(api_server_count=2, port=port))
     try:
-        assert launcher.listener is not None
+        assert [s.getsockname()[1] for s in launcher.listeners] == [port, port]
         addresses = launcher.config.addresses("frontend_address")
         assert len(addresses) == 2 and addresses[0] != addresses[1]
         assert launcher.config.metrics_share_dir is not None
         with pytest.raises(OSError):
             Launcher(Config(api_server_count=2, port=port))
     finally:
-        assert launcher.listener is not None
-        launcher.listener.close()
+        for listener in launcher.listeners:
+            listener.close()
         shutil.rmtree(launcher.runtime, ignore_errors=True)
+
+
+def test_the_frontends_sockets_each_take_a_share_of_new_connections() -> None:
+    """The kernel spreads connections over the sockets (by their addresses' hash): of 64, each
+    of two sockets takes some (all on one: a chance of 2 in 2^64). One shared socket let
+    whichever frontend woke first take most of a burst."""
+    port = _free_port()
+    listeners = listening_sockets(Config(api_server_count=2, port=port), 2)
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+    try:
+        taken = [0, 0]
+        while sum(taken) < 64:  # each connection is queued on one socket or the other
+            ready, _, _ = select.select(listeners, [], [], 30)
+            assert ready, f"{64 - sum(taken)} connections never arrived"
+            for listener in ready:
+                listener.accept()[0].close()
+                taken[listeners.index(listener)] += 1
+        assert min(taken) > 0, taken
+    finally:
+        for sock in clients + listeners:
+            sock.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:  # a port free now
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
