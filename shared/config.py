@@ -198,11 +198,12 @@ class Config:
         "server",
         "Tokenizer worker processes `serve` starts (run apart, the pool is whoever joins).",
     )
-    api_server_count: int = option(
-        1,
+    api_server_count: int | None = option(
+        None,
         "server",
         "Frontend processes `serve` starts, all taking connections on --port (the kernel "
-        "spreads them evenly): one streams about 25,000 tokens a second; more stream more.",
+        "spreads them evenly); default: two per engine replica with --data-parallel-size, "
+        "else one. One streams up to about 25,000 tokens a second.",
     )
     max_queued_requests: int = option(
         4096, "server", "Requests waiting for the engine before new ones get 429."
@@ -365,7 +366,11 @@ class Config:
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.tokenizer_pool_size >= 1, "tokenizer_pool_size", "must be >= 1")
-        _require(self.api_server_count >= 1, "api_server_count", "must be >= 1")
+        _require(
+            self.api_server_count is None or self.api_server_count >= 1,
+            "api_server_count",
+            "must be >= 1",
+        )
         _require(
             self.worker_index is None or self.worker_index >= 0, "worker_index", "must be >= 0"
         )
@@ -456,6 +461,18 @@ class Config:
     def replica(self) -> int:
         """This scheduler's or executor's engine replica (--data-parallel-rank)."""
         return self.data_parallel_rank or 0
+
+    @property
+    def frontends(self) -> int:
+        """How many frontends `serve` starts: --api-server-count, or by default two per engine
+        replica with --data-parallel-size (two H200s serving an 8B model at DP=2 stalled
+        streams with two frontends, each at a full core, and not with four: docs/benchmarks.md,
+        issue 16, session 9), else one, as where --frontend-address names its one address."""
+        if self.api_server_count is not None:
+            return self.api_server_count
+        if self.data_parallel_size == 1 or self.frontend_address is not None:
+            return 1
+        return 2 * self.data_parallel_size
 
     def addresses(self, name: str) -> list[str]:
         """A comma-list address field's entries (scheduler_address, kv_events_address)."""

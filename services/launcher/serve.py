@@ -67,21 +67,22 @@ class Launcher:
     def __init__(self, config: Config) -> None:
         self.security = WireSecurity.of(config)  # a key it cannot read stops serve right here
         self.gpus = replica_gpus(config)  # too few: serve stops right here too
-        if config.api_server_count > 1 and config.frontend_address is not None:
+        if config.frontends > 1 and config.frontend_address is not None:
             raise ValueError("--api-server-count > 1 picks the frontends' addresses itself")
         # Several frontends take connections on one port, each from a socket bound here: a
         # port that another server holds stops serve now, and never ends up shared with it.
-        count = config.api_server_count
+        count = config.frontends
         self.listeners = listening_sockets(config, count) if count > 1 else []
         self.runtime = private_runtime_dir()  # 0700: no other user reaches the ipc:// sockets
         # One address per frontend (--api-server-count): each binds its own, the components
         # report to all of them, and the frontends share the HTTP port and their metrics.
         self.frontend_addresses = self._frontend_addresses(config)
         self.config = config.replace(
+            api_server_count=count,  # resolved: frontend_address below would read as one
             frontend_address=",".join(self.frontend_addresses),
             scheduler_address=config.scheduler_address or self._private("scheduler", config),
         )
-        if config.api_server_count > 1:
+        if config.frontends > 1:
             (self.runtime / "metrics").mkdir()
             self.config = self.config.replace(metrics_share_dir=str(self.runtime / "metrics"))
         if config.data_parallel_size > 1 and config.kv_events_address is None:
@@ -149,7 +150,7 @@ class Launcher:
             )
 
     def _frontend_addresses(self, config: Config) -> list[str]:
-        count = config.api_server_count
+        count = config.frontends
         if count == 1:
             return [config.frontend_address or f"ipc://{self.runtime}/frontend"]
         return [f"ipc://{self.runtime}/frontend-{k}" for k in range(count)]

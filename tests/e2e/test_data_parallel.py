@@ -1,7 +1,7 @@
-"""`kvflow serve --data-parallel-size 2` on CPU: two engine replicas behind one frontend and
-tokenizer pool. Requests are served on both (their metrics carry a replica label), a repeated
-long prefix goes to the replica that holds it, and a replica busy with a long request does not
-hold up the others' requests."""
+"""`kvflow serve --data-parallel-size 2` on CPU: two engine replicas behind the frontends (four
+by default) and one tokenizer pool. Requests are served on both (their metrics carry a replica
+label), a repeated long prefix goes to the replica that holds it, and a replica busy with a
+long request does not hold up the others' requests."""
 
 from __future__ import annotations
 

@@ -60,6 +60,22 @@ def test_boolean_flags_have_a_negative_form() -> None:
 
 
 @pytest.mark.parametrize(
+    ("argv", "frontends"),
+    [
+        ([], 1),
+        (["--data-parallel-size", "2"], 4),  # two per replica
+        (["--data-parallel-size", "2", "--api-server-count", "1"], 1),
+        (["--api-server-count", "3"], 3),
+        (["--data-parallel-size", "2", "--frontend-address", "ipc:///tmp/f"], 1),  # its one
+    ],
+)
+def test_serve_starts_two_frontends_per_replica_unless_told(
+    argv: list[str], frontends: int
+) -> None:
+    assert config_from_args(parse(argv)).frontends == frontends
+
+
+@pytest.mark.parametrize(
     ("argv", "flag"),
     [
         (["--block-size", "12"], "--block-size"),
@@ -70,6 +86,7 @@ def test_boolean_flags_have_a_negative_form() -> None:
         (["--max-queued-tokens", "0"], "--max-queued-tokens"),
         (["--max-logprobs", "0"], "--max-logprobs"),
         (["--engine-stall-timeout", "-1"], "--engine-stall-timeout"),
+        (["--api-server-count", "0"], "--api-server-count"),
     ],
 )
 def test_invalid_values_name_the_flag(argv: list[str], flag: str) -> None:
