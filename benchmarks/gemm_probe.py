@@ -101,11 +101,12 @@ def main() -> None:
             x = make_input(shape, m, dtype, seed=1)
             expected = F.linear(x, weights[0])
             flop = 2 * m * shape.n * shape.k
+            default = torch.backends.cuda.preferred_blas_library()
             for library in ("cublas", "cublaslt"):
                 torch.backends.cuda.preferred_blas_library(library)
                 seconds = time_layer(lambda x, w: F.linear(x, w), x, weights)
                 rows.append(_row(shape.name, m, library, seconds, flop))
-            torch.backends.cuda.preferred_blas_library("cublas")
+            torch.backends.cuda.preferred_blas_library(default)
             for config in CONFIGS:
                 name = "triton m{} n{} k{} w{} s{}".format(*config)
                 try:

@@ -98,7 +98,9 @@ PY
 # counters read before and after.
 serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
     local start=$SECONDS url=http://127.0.0.1:8100
-    # shellcheck disable=SC2086  # SERVE_FLAGS: more serve flags, e.g. --api-server-count 2
+    # SERVE_FLAGS: more serve flags, e.g. --api-server-count 4 (the same frontends for every
+    # replica count; by default serve starts one frontend at DP=1 and two per replica above)
+    # shellcheck disable=SC2086
     python3 -m services serve "$MODEL_DIR" --load-format dummy --max-model-len 4096 \
         --port 8100 --data-parallel-size "$2" --data-parallel-routing "$3" ${SERVE_FLAGS:-} \
         >"$RESULTS/$1_serve.log" 2>&1 &

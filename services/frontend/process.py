@@ -127,8 +127,8 @@ def run_frontend(config: Config) -> None:
             tasks.append(asyncio.create_task(say_ready(state, Path(config.ready_file))))
         sockets = None
         if config.listen_fd is not None:
-            # Side by side on serve's one listening socket, a frontend takes connections only
-            # once it takes requests: until then the others, or the queue, hold them.
+            # Side by side on serve's port, a frontend takes connections from its own socket
+            # only once it takes requests: until then that socket's queue holds them.
             stops = (signal.SIGTERM, signal.SIGINT)  # until uvicorn's handlers come with serve
             for sig in stops:
                 server.loop.add_signal_handler(sig, lambda: setattr(state, "draining", True))

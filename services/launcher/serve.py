@@ -44,9 +44,15 @@ def listening_sockets(config: Config, count: int) -> list[socket.socket]:
     seconds while the other idled, and its streams stalled for up to 2.9 s. A plain bind comes
     first, so a port that another server holds stops serve instead of being shared with it."""
     _bound(config.host, config.port, reuse_port=False).close()
-    sockets = [_bound(config.host, config.port, reuse_port=True) for _ in range(count)]
-    for listener in sockets:
-        listener.listen(2048)
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(_bound(config.host, config.port, reuse_port=True))
+            sockets[-1].listen(2048)
+    except OSError:
+        for listener in sockets:
+            listener.close()
+        raise
     return sockets
 
 
@@ -67,22 +73,22 @@ class Launcher:
     def __init__(self, config: Config) -> None:
         self.security = WireSecurity.of(config)  # a key it cannot read stops serve right here
         self.gpus = replica_gpus(config)  # too few: serve stops right here too
-        if config.frontends > 1 and config.frontend_address is not None:
+        count = config.frontends
+        if count > 1 and config.frontend_address is not None:
             raise ValueError("--api-server-count > 1 picks the frontends' addresses itself")
         # Several frontends take connections on one port, each from a socket bound here: a
         # port that another server holds stops serve now, and never ends up shared with it.
-        count = config.frontends
         self.listeners = listening_sockets(config, count) if count > 1 else []
         self.runtime = private_runtime_dir()  # 0700: no other user reaches the ipc:// sockets
         # One address per frontend (--api-server-count): each binds its own, the components
         # report to all of them, and the frontends share the HTTP port and their metrics.
         self.frontend_addresses = self._frontend_addresses(config)
         self.config = config.replace(
-            api_server_count=count,  # resolved: frontend_address below would read as one
+            api_server_count=count,  # as resolved (with frontend_address set, it reads as 1)
             frontend_address=",".join(self.frontend_addresses),
             scheduler_address=config.scheduler_address or self._private("scheduler", config),
         )
-        if config.frontends > 1:
+        if count > 1:
             (self.runtime / "metrics").mkdir()
             self.config = self.config.replace(metrics_share_dir=str(self.runtime / "metrics"))
         if config.data_parallel_size > 1 and config.kv_events_address is None:
@@ -132,6 +138,10 @@ class Launcher:
                 fds = (self.listeners[k].fileno(),)
                 own += ["--listen-fd", str(fds[0])]
             self._spawn(self._frontend_name(k), [*base, "frontend", *args, *own], env, fds)
+        # Each frontend holds its own now: a socket left open here would keep taking its share
+        # of connections after its frontend closed it (draining), for nobody to accept.
+        for listener in self.listeners:
+            listener.close()
         replicas = self.config.data_parallel_size
         for r in range(replicas):
             rank = ["--data-parallel-rank", str(r)]
@@ -235,7 +245,7 @@ class Launcher:
 
     def _silent_frontend(self) -> str | None:
         """A frontend that has not written its metrics file for SHARE_SILENCE_S: its loop is
-        stuck (a probe through the shared socket reaches one frontend of several, at random)."""
+        stuck (a probe through the port reaches one frontend of several, at random)."""
         folder = self.config.metrics_share_dir
         if folder is None:
             return None

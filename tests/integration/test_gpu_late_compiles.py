@@ -5,15 +5,18 @@ running request waits for it (docs/architecture.md, the warm-up)."""
 
 from __future__ import annotations
 
-import random
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from kvflow import LLM, SamplingParams
 from tests.integration.tiny_models import FAMILIES, TINY
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
     pytest.mark.gpu,
@@ -43,41 +46,44 @@ def test_the_watch_records_compiles_outside_a_warm_up() -> None:
     assert out.item() == 2
 
 
+# Run in a process of its own: Triton's kernel cache is per process, so a variant an earlier
+# test in this one compiled would never reach the watch.
+_SERVING_STEPS = """
+import json, random, sys
+from kernels.triton_compile_watch import late_compiles
+from kvflow import LLM, SamplingParams
+
+vocab = int(sys.argv[2])
+llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=640,
+          max_num_seqs=48, gpu_memory_utilization=0.2)
+rng = random.Random(0)
+prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 16, 33, 200, 700]))]
+           for _ in range(120)]
+params = [SamplingParams(temperature=rng.choice([0.0, 0.8]), top_p=rng.choice([1.0, 0.9]),
+                         logprobs=rng.choice([None, 2]), max_tokens=rng.randrange(1, 40),
+                         ignore_eos=True) for _ in prompts]
+results = llm.generate(prompts, params)
+lengths_ok = [len(r.outputs[0].token_ids) for r in results] == [p.max_tokens for p in params]
+print(json.dumps({"lengths_ok": lengths_ok, "late": late_compiles().variants}))
+"""
+
+
 def test_serving_steps_compile_nothing_after_the_warm_up(tmp_path: Path) -> None:
     """Prompts of 1 to 700 tokens in waves past --max-num-seqs, chunked beside running decodes,
     greedy and sampled, with and without logprobs: decode graphs, mixed graphs and eager steps
-    of many sizes."""
-    from kernels.triton_compile_watch import late_compiles
-
+    of many sizes, in a fresh process."""
     config_cls, extra = FAMILIES["qwen3"]
     torch.manual_seed(0)
     config = config_cls(**{**TINY, **extra, "max_position_embeddings": 1024})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    llm = LLM(
-        str(tmp_path),
-        dtype="bfloat16",
-        max_model_len=1024,
-        max_num_batched_tokens=640,
-        max_num_seqs=48,
-        gpu_memory_utilization=0.2,
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVING_STEPS, str(tmp_path), str(TINY["vocab_size"])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    watch = late_compiles()
-    before = len(watch.variants)
-    rng = random.Random(0)
-    prompts = [
-        [rng.randrange(TINY["vocab_size"]) for _ in range(rng.choice([1, 5, 16, 33, 200, 700]))]
-        for _ in range(120)
-    ]
-    params = [
-        SamplingParams(
-            temperature=rng.choice([0.0, 0.8]),
-            top_p=rng.choice([1.0, 0.9]),
-            logprobs=rng.choice([None, 2]),
-            max_tokens=rng.randrange(1, 40),
-            ignore_eos=True,
-        )
-        for _ in prompts
-    ]
-    results = llm.generate(prompts, params)
-    assert [len(r.outputs[0].token_ids) for r in results] == [p.max_tokens for p in params]
-    assert watch.variants[before:] == []
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["lengths_ok"]
+    assert report["late"] == []

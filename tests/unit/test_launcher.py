@@ -42,7 +42,11 @@ def test_sigterm_reaches_the_frontend_at_once() -> None:
 
 def test_each_replica_gets_its_own_gpus_and_too_few_are_refused(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6,7")
-    launcher = Launcher(Config(device="cuda", data_parallel_size=2, tensor_parallel_size=2))
+    config = Config(device="cuda", data_parallel_size=2, tensor_parallel_size=2, port=_free_port())
+    launcher = Launcher(config)
+    assert len(launcher.listeners) == 4  # two frontends per replica
+    for listener in launcher.listeners:
+        listener.close()
     shutil.rmtree(launcher.runtime, ignore_errors=True)
     assert [replica_devices(launcher.gpus, r, launcher.config) for r in range(2)] == [
         {"CUDA_VISIBLE_DEVICES": "3,5"},
@@ -52,7 +56,7 @@ def test_each_replica_gets_its_own_gpus_and_too_few_are_refused(monkeypatch) -> 
     assert len(launcher.config.addresses("kv_events_address")) == 2
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
     with pytest.raises(ConfigError, match="needs 4 GPUs; 3 are visible"):
-        Launcher(Config(device="cuda", data_parallel_size=2, tensor_parallel_size=2))
+        Launcher(config)
 
 
 def test_several_frontends_get_their_own_addresses_and_sockets_on_one_port() -> None:
