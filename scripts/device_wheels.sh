@@ -16,7 +16,7 @@ download() {  # DIR PACKAGE...
 download .whl msgspec gguf pyzmq fastapi==0.165.0 starlette uvicorn pydantic==2.13.4 \
     pydantic-core==2.46.4 annotated-types typing-inspection typing_extensions \
     python-multipart opentelemetry-api==1.45.2 llguidance==1.9.1 jsonschema \
-    jsonschema-specifications referencing rpds-py attrs
+    jsonschema-specifications referencing rpds-py attrs httptools
 download .vwhl sniffio python-json-logger ijson jsonschema jsonschema-specifications \
     referencing rpds-py lark==1.2.2 anthropic docstring-parser "mistral_common>=1.11.5" \
     pydantic-extra-types pycountry lm-format-enforcer==0.11.3 interegular outlines_core==0.2.14 \

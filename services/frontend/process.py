@@ -109,6 +109,9 @@ def run_frontend(config: Config) -> None:
             host=config.host,
             port=config.port,
             loop="none",
+            # Named, not "auto": without httptools uvicorn would fall back to its pure-Python
+            # parser (h11) unannounced, a third more CPU per streamed chunk.
+            http="httptools",
             log_level="warning",
             timeout_graceful_shutdown=5,
         ),
