@@ -74,6 +74,12 @@ def add_bench_parser(
             " (throughput: and the first 3 steps of fresh prompts).",
         )
     throughput.add_argument(
+        "--profile-run",
+        action="store_true",
+        help="Also run the workload once more, on prompts the prefix cache has not seen, under"
+        " the profiler (CUDA): where the GPU waits over a whole run, and the kernels' totals.",
+    )
+    throughput.add_argument(
         "--ignore-eos", action="store_true", help="Always generate --output-len tokens."
     )
     latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])

@@ -53,8 +53,8 @@ def _device_name(llm: LLM) -> str:
 
 
 def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
-    if args.profile_steps and config.data_parallel_size > 1:
-        raise SystemExit("--profile-steps profiles one engine: not with --data-parallel-size")
+    if (args.profile_steps or args.profile_run) and config.data_parallel_size > 1:
+        raise SystemExit("profiles are of one engine: not with --data-parallel-size")
     llm = _llm(config)
     vocab = llm.runner.model_config.vocab_size
     input_lens = draw_lengths(args.input_len, args.num_prompts, config.seed + 1)
@@ -111,6 +111,12 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
             llm.engine, prompts, params, args.profile_steps, prompt_loras
         )
         report["gpu_busy_fraction"] = report["decode_profile"]["gpu_busy_fraction"]
+    if args.profile_run:
+        from benchmarks.step_profile import profile_run
+
+        fresh = random_prompts(args.num_prompts, input_lens, vocab, config.seed + 8)
+        prompt_loras = [r.lora_int_id for r in per_prompt] if per_prompt else None
+        report["run_profile"] = profile_run(llm.engine, fresh, params, prompt_loras)
     return report
 
 

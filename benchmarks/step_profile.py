@@ -6,6 +6,8 @@ last one's end: the fraction of wall time the GPU computes rather than waits for
 
 from __future__ import annotations
 
+import bisect
+import time
 from typing import Any
 
 import torch
@@ -13,21 +15,28 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
+def idle_gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """(start, length) of each stretch inside the span of [start, end) intervals that none
+    of them covers, in time order."""
+    gaps: list[tuple[float, float]] = []
+    if not intervals:
+        return gaps
+    intervals = sorted(intervals)
+    run_end = intervals[0][1]
+    for start, end in intervals[1:]:
+        if start > run_end:
+            gaps.append((run_end, start - run_end))
+        run_end = max(run_end, end)
+    return gaps
+
+
 def busy_fraction(intervals: list[tuple[float, float]]) -> float:
     """Covered length of the union of [start, end) intervals over their whole span."""
     if not intervals:
         return 0.0
-    intervals = sorted(intervals)
-    covered, (run_start, run_end) = 0.0, intervals[0]
-    for start, end in intervals[1:]:
-        if start > run_end:
-            covered += run_end - run_start
-            run_start, run_end = start, end
-        else:
-            run_end = max(run_end, end)
-    covered += run_end - run_start
-    span = max(end for _, end in intervals) - intervals[0][0]
-    return covered / span if span > 0 else 0.0
+    span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+    idle = sum(length for _, length in idle_gaps(intervals))
+    return (span - idle) / span if span > 0 else 0.0
 
 
 def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
@@ -126,3 +135,68 @@ def profile_decode(
     report = profile_steps(engine, num_steps)
     _abort(engine, ids)
     return report
+
+
+def profile_run(
+    engine: Any,
+    prompts: list[list[int]],
+    params: list[Any],
+    lora_ids: list[int] | None = None,
+    top: int = 12,
+) -> dict[str, Any]:
+    """Admit `prompts` and profile every step until they finish: where the GPU waits over a
+    whole run (its start and end, and between steps), and what the kernels cost in all."""
+    if not torch.cuda.is_available():
+        raise SystemExit("profiling measures the GPU: it needs a CUDA device")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        _admit(engine, prompts, params, "profile-run", lora_ids)
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+        host_us = (time.perf_counter() - start) * 1e6
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
+    first = intervals[0][0]
+    span_us = max(end for _, end in intervals) - first
+    gaps = idle_gaps(intervals)
+    starts = [start for start, _ in intervals]
+    totals: dict[str, float] = {}
+    for event in kernels:
+        totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us()
+
+    def around(gap_start: float) -> str:
+        after = bisect.bisect_left(starts, gap_start)  # the first kernel at or past the gap
+        before = kernels[after - 1].name[:40] if after else "-"
+        return f"{before} | {kernels[after].name[:40]}" if after < len(kernels) else before
+
+    return {
+        "steps": steps,
+        "host_ms": round(host_us / 1000, 1),
+        "kernel_span_ms": round(span_us / 1000, 1),
+        # Admitting the prompts, the first plan, and the last step's outputs: host time with
+        # no kernel between the run's start and end.
+        "host_outside_span_ms": round((host_us - span_us) / 1000, 1),
+        "gpu_busy_fraction": round(busy_fraction(intervals), 4),
+        "idle_ms": round(sum(length for _, length in gaps) / 1000, 1),
+        "idle_ms_in_gaps_over_100us": round(sum(g for _, g in gaps if g > 100) / 1000, 1),
+        "longest_gaps": [
+            {
+                "at_ms": round((at - first) / 1000, 1),
+                "ms": round(length / 1000, 2),
+                "kernels": around(at),
+            }
+            for at, length in sorted(gaps, key=lambda gap: -gap[1])[:top]
+        ],
+        "kernel_ms": round(sum(totals.values()) / 1000, 1),
+        "top_kernels_ms": {
+            name[:90]: round(us / 1000, 1)
+            for name, us in sorted(totals.items(), key=lambda item: -item[1])[:top]
+        },
+    }
