@@ -10,7 +10,9 @@ query heads of that KV head at once, so every key and value is read once per KV 
 
 The last program of a (request, KV head) to finish, told by a ticket counter as in
 kernels/triton_split_k.py, merges the partitions of its query heads with the usual log-sum-exp
-rescaling and writes the output; with one split a program writes it at once. A separate merge
+rescaling and writes the output; where the context fits one split (the splits are cut from the
+block table's width, the model's context bound, so short contexts often do), its program writes
+the output at once and the empty splits end without a trace. A separate merge
 kernel cost a launch per layer (a kernel boundary is about 3 us at batch 1). Same math as
 `kernels.attention.paged_attention_reference` with one query per request.
 
@@ -124,6 +126,11 @@ def _decode_partition_kernel(
     # NOTE: the context is clamped to the table's capacity, so no slot outside the request's
     # own blocks is ever addressed, whatever seq_lens says.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + req), max_blocks * BLOCK_SIZE)
+    # Splits are cut from the table's width (the model's context bound), so a short context
+    # leaves the later ones empty: they end here, and take no part in the merge.
+    live = tl.cdiv(seq_len, partition_tokens)  # >= 1: seq_len >= 1
+    if split >= live:
+        return
     split_start = split * partition_tokens
     split_end = tl.minimum(split_start + partition_tokens, seq_len)
 
@@ -145,7 +152,6 @@ def _decode_partition_kernel(
 
     table_row = block_tables_ptr + req * stride_table_req
     head_offset = kv_head * stride_cache_head
-    # An empty split (split_start >= split_end) skips the loop and reports max=-inf, sum=0.
     for tile_start in range(split_start, split_end, TILE):
         pos = tile_start + tl.arange(0, TILE)  # [T] context positions
         pos_valid = pos < split_end
@@ -179,7 +185,7 @@ def _decode_partition_kernel(
         m_i = m_new
 
     out_rows = out_ptr + token * stride_out_token + heads[:, None] * HEAD_DIM + dims[None, :]
-    if num_splits == 1:  # split 0 holds position 0 (seq_len >= 1): l_i > 0
+    if live == 1:  # the whole context in split 0, which holds position 0: l_i > 0
         tl.store(
             out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None]
         )
@@ -190,8 +196,7 @@ def _decode_partition_kernel(
     acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
     tl.store(acc_ptrs, acc, mask=row_valid[:, None])
     ticket_ptr = tickets_ptr + req * tl.num_programs(1) + kv_head
-    if split_k.last_to_arrive(ticket_ptr, num_splits):
-        live = tl.cdiv(seq_len, partition_tokens)  # the splits past the context are empty
+    if split_k.last_to_arrive(ticket_ptr, live):
         group_out = out_ptr + token * stride_out_token + kv_head * GROUP * HEAD_DIM
         first_part = (req * NUM_HEADS + kv_head * GROUP) * num_splits
         _merge_splits(
@@ -241,7 +246,7 @@ def _merge_splits(
         # Split 0 holds position 0, so after the first chunk m_new is finite for every head.
         m_new = tl.maximum(m_run, tl.max(m, axis=0))  # [G]
         alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk
-        w = tl.exp2(m - m_new[None, :])  # [C, G], 0 for empty and absent splits
+        w = tl.exp2(m - m_new[None, :])  # [C, G], 0 for the masked splits past `live`
         l_run = l_run * alpha + tl.sum(s * w, axis=0)
         acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
         m_run = m_new
@@ -359,8 +364,8 @@ def paged_decode_attention(
     With query_start_loc, only requests with exactly one query token are attended, at their
     rows; the other rows of the result are left as they were (see the module docstring).
     The context bound for choosing splits is the block table's capacity, not max(seq_lens),
-    so no device-to-host sync is needed; splits past a request's context skip the loop and
-    only report an empty partial.
+    so no device-to-host sync is needed; splits past a request's context end at once, and a
+    context that fits the first split is written by it directly, with no merge.
     """
     _check_shapes(query, key_cache, value_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
