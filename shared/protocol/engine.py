@@ -1,0 +1,177 @@
+"""Requests into the scheduler, its plans to the executor, the executor's sampled tokens back,
+and each request's outputs out."""
+
+from __future__ import annotations
+
+from shared.protocol.base import FinishReason, Message, RequestError
+from shared.protocol.sampling import SamplingParams
+
+# ---------------------------------------------------------------- requests in
+
+
+class EngineRequest(Message, tag=True, kw_only=True):
+    """A tokenized request, as the scheduler receives it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
+    # The LoRA adapter it runs under, by the id it was registered with (0: the base model).
+    lora_id: int = 0
+
+
+class AbortRequests(Message, tag=True):
+    request_ids: list[str]
+
+
+# ---------------------------------------------------------- scheduler -> executor
+
+
+class NewRequestData(Message, kw_only=True):
+    """A request the executor has no state for: first scheduled, or resumed after preemption."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resumed after preemption
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits)
+    lora_id: int = 0  # its LoRA adapter (0: the base model)
+
+
+class CachedRequestData(Message, kw_only=True):
+    """A request the executor already holds: only what changed since the last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+class SchedulerOutput(Message, tag=True, kw_only=True):
+    """The plan of one step.
+
+    NOTE: `num_scheduled_tokens` is ordered: the executor lays out the batch in this
+    order. `finished_request_ids` lists requests whose state the executor must drop
+    (finished, aborted or preempted) since the previous step.
+    """
+
+    step: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    finished_request_ids: list[str]
+    # Rows to append to plan `step`, which the executor holds and has not launched yet: new
+    # requests that arrived after the plan was sent (see DeviceReady).
+    addendum: bool = False
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class LaunchStep(Message, tag=True):
+    """Launch plan `step` (with its addenda): the scheduler will not amend it any more."""
+
+    step: int
+
+
+class SchedulerHello(Message, tag=True):
+    """A scheduler without an executor asks for one: the executor drops whatever it ran for
+    another scheduler (another `session`) and answers with ExecutorReady(session=session).
+
+    Sent again every second until answered, so a scheduler (re)started before or after the
+    executor finds it; an executor answers a repeated hello of its own session again, and
+    resets nothing for it.
+    """
+
+    session: int  # random, new each time a scheduler (re)starts or adopts a new executor
+
+
+# ------------------------------------------- executor rank 0 -> the other ranks
+
+
+class ResetRanks(Message, tag=True):
+    """Rank 0 of a tensor-parallel executor dropped every request and step (a new scheduler,
+    or a plan it could not run): every other rank does the same. Plans and launches reach the
+    other ranks as the scheduler sent them (SchedulerOutput, LaunchStep), and the LoRA adapters
+    rank 0 took (AddLoraAdapter)."""
+
+
+# ---------------------------------------------------------- executor -> scheduler
+
+
+class DeviceReady(Message, tag=True):
+    """The device is about to run out of launched work (the last step launched has finished
+    its forward pass, or none is in flight): the next plan should launch now.
+
+    Why the scheduler says when, not the executor: until then it may still append requests
+    that arrived meanwhile to that plan (`SchedulerOutput.addendum`), so a prompt that comes
+    in while step k runs is computed in step k+1, not one pipelined step later in k+2. The
+    round trip is hidden behind the end of the step (its lm_head and sampling).
+    """
+
+
+class TokenLogprobs(Message, array_like=True):
+    """Logprob of the sampled token, its rank, and the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class PromptLogprobs(Message, array_like=True):
+    """Logprobs of a run of prompt tokens, computed by one step (one prompt chunk)."""
+
+    start: int  # the prompt position of the first entry's token (>= 1)
+    entries: list[TokenLogprobs]
+
+
+class ModelRunnerOutput(Message, tag=True, kw_only=True):
+    """Tokens sampled in one step, for the requests that reached the end of their input."""
+
+    step: int
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = {}
+    device_ms: float = 0.0  # how long the step kept the device busy (0 where not measured)
+    prompt_logprobs: dict[str, PromptLogprobs] = {}  # for requests with prompt_logprobs
+
+
+# ------------------------------------------------------------- outputs out
+
+
+class RequestOutput(Message, tag=True, kw_only=True):
+    """What one step produced for one request: new tokens and, at the end, why it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] = []
+    finish_reason: FinishReason | None = None
+    error: RequestError | None = None  # with finish_reason ERROR
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # With the first output of a request with prompt_logprobs: prompt tokens 1..n-1.
+    prompt_logprobs: list[TokenLogprobs] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def failure(cls, request_id: str, error: RequestError, num_prompt_tokens: int) -> RequestOutput:
+        """The last output of a request that ended in an error."""
+        return cls(
+            request_id=request_id,
+            new_token_ids=[],
+            finish_reason=FinishReason.ERROR,
+            error=error,
+            num_prompt_tokens=num_prompt_tokens,
+        )
+
+
+class OutputBatch(Message, tag=True):
+    """One scheduler step's outputs for the requests of one tokenizer worker."""
+
+    outputs: list[RequestOutput]
