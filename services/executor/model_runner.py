@@ -116,18 +116,19 @@ class ModelRunner:
         on to the other ranks (services/executor/rank_group.py)."""
         # Set last: the warm-up steps run on every rank alone.
         self.relay: PlanRelay | None = None
+        self.device = resolve_device(config.device, tp.rank)
         # Triton's compiles until the warm-up ends are meant; any later one is logged.
-        with _start_up_compiles(resolve_device(config.device, tp.rank)):
+        with _start_up_compiles(self.device):
             self._start(config, tp)
         self.relay = relay
 
     def _start(self, config: Config, tp: TensorParallel) -> None:
-        """Loads the model, sizes and allocates the KV cache, captures graphs, warms up."""
+        """Loads the model, sizes and allocates the KV cache, captures graphs, warms up (on
+        self.device)."""
         set_pdl(not config.disable_pdl)
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
-        self.device = resolve_device(config.device, tp.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if not config.disable_custom_all_reduce:
             hidden, vocab = self.model_config.hidden_size, self.model_config.vocab_size
