@@ -145,7 +145,9 @@ def profile_run(
     top: int = 12,
 ) -> dict[str, Any]:
     """Admit `prompts` and profile every step until they finish: where the GPU waits over a
-    whole run (its start and end, and between steps), and what the kernels cost in all."""
+    whole run (its start and end, and between steps), and what the kernels cost in all.
+    Copies and memsets count as GPU activity; a gap's "kernels" are the last to start before
+    it and the first after it."""
     if not torch.cuda.is_available():
         raise SystemExit("profiling measures the GPU: it needs a CUDA device")
     torch.cuda.synchronize()
@@ -162,6 +164,8 @@ def profile_run(
         (e for e in prof.events() if e.device_type == DeviceType.CUDA),
         key=lambda e: e.time_range.start,
     )
+    if not kernels:
+        raise SystemExit("the profiler recorded no GPU activity in the run")
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     first = intervals[0][0]
     span_us = max(end for _, end in intervals) - first

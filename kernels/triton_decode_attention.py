@@ -10,9 +10,9 @@ query heads of that KV head at once, so every key and value is read once per KV 
 
 The last program of a (request, KV head) to finish, told by a ticket counter as in
 kernels/triton_split_k.py, merges the partitions of its query heads with the usual log-sum-exp
-rescaling and writes the output; where the context fits one split (the splits are cut from the
-block table's width, the model's context bound, so short contexts often do), its program writes
-the output at once and the empty splits end without a trace. A separate merge
+rescaling and writes the output. The splits are cut from the block table's width (the model's
+context bound), so a short context leaves some empty: those end at once, without a trace, and
+where the context fits the first split, its program writes the output directly. A separate merge
 kernel cost a launch per layer (a kernel boundary is about 3 us at batch 1). Same math as
 `kernels.attention.paged_attention_reference` with one query per request.
 
