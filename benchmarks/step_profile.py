@@ -39,11 +39,22 @@ def busy_fraction(intervals: list[tuple[float, float]]) -> float:
     return (span - idle) / span if span > 0 else 0.0
 
 
-def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
-    """Profile `num_steps` engine steps; GPU busy fraction and the costliest kernels."""
+def _require_cuda() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("profiling measures the GPU: it needs a CUDA device")
     torch.cuda.synchronize()
+
+
+def _microseconds_by_name(events: list[Any]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for event in events:
+        totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us()
+    return totals
+
+
+def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
+    """Profile `num_steps` engine steps; GPU busy fraction and the costliest kernels."""
+    _require_cuda()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             if not engine.has_unfinished():
@@ -53,9 +64,7 @@ def profile_steps(engine: Any, num_steps: int, top: int = 12) -> dict[str, Any]:
     kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     span_us = max(end for _, end in intervals) - min(start for start, _ in intervals)
-    totals: dict[str, float] = {}
-    for event in kernels:
-        totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us()
+    totals = _microseconds_by_name(kernels)
     costliest = sorted(totals.items(), key=lambda item: -item[1])[:top]
     host_ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
     return {
@@ -148,9 +157,7 @@ def profile_run(
     whole run (its start and end, and between steps), and what the kernels cost in all.
     Copies and memsets count as GPU activity; a gap's "kernels" are the last to start before
     it and the first after it."""
-    if not torch.cuda.is_available():
-        raise SystemExit("profiling measures the GPU: it needs a CUDA device")
-    torch.cuda.synchronize()
+    _require_cuda()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         _admit(engine, prompts, params, "profile-run", lora_ids)
@@ -171,9 +178,7 @@ def profile_run(
     span_us = max(end for _, end in intervals) - first
     gaps = idle_gaps(intervals)
     starts = [start for start, _ in intervals]
-    totals: dict[str, float] = {}
-    for event in kernels:
-        totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us()
+    totals = _microseconds_by_name(kernels)
 
     def around(gap_start: float) -> str:
         after = bisect.bisect_left(starts, gap_start)  # the first kernel at or past the gap
