@@ -177,6 +177,7 @@ def profile_run(
     first = intervals[0][0]
     span_us = max(end for _, end in intervals) - first
     gaps = idle_gaps(intervals)
+    idle_us = sum(length for _, length in gaps)
     starts = [start for start, _ in intervals]
     totals = _microseconds_by_name(kernels)
 
@@ -192,8 +193,8 @@ def profile_run(
         # Admitting the prompts, the first plan, and the last step's outputs: host time with
         # no kernel between the run's start and end.
         "host_outside_span_ms": round((host_us - span_us) / 1000, 1),
-        "gpu_busy_fraction": round(busy_fraction(intervals), 4),
-        "idle_ms": round(sum(length for _, length in gaps) / 1000, 1),
+        "gpu_busy_fraction": round((span_us - idle_us) / span_us, 4) if span_us else 0.0,
+        "idle_ms": round(idle_us / 1000, 1),
         "idle_ms_in_gaps_over_100us": round(sum(g for _, g in gaps if g > 100) / 1000, 1),
         "longest_gaps": [
             {
