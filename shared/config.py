@@ -36,6 +36,15 @@ def option(default: Any, group: str, doc: str, choices: tuple[str, ...] | None =
     return field(default=default, metadata={"group": group, "doc": doc, "choices": choices})
 
 
+# vLLM's other spellings of a value, which a command line copied from vLLM may hold: the value
+# each one means here (the field's choices list both).
+_VLLM_SPELLINGS: dict[str, dict[str, str]] = {
+    "dtype": {"half": "float16", "float": "float32"},
+    "quantization": {"awq_marlin": "awq", "gptq_marlin": "gptq"},
+    "kv_cache_dtype": {"fp8_e4m3": "fp8"},
+}
+
+
 @dataclass(frozen=True)
 class Config:
     # -- model
@@ -54,8 +63,9 @@ class Config:
     dtype: str = option(
         "auto",
         "model",
-        "Weight and activation dtype; auto is float32 on CPU, bfloat16 on CUDA.",
-        ("auto", "float32", "bfloat16", "float16"),
+        "Weight and activation dtype; auto is float32 on CPU, bfloat16 on CUDA. half and "
+        "float (vLLM's other names) mean float16 and float32.",
+        ("auto", "float32", "bfloat16", "float16", "half", "float"),
     )
     quantization: str | None = option(
         None,
@@ -65,8 +75,9 @@ class Config:
         "fp8 on a float checkpoint: e4m3 weights made at load, a scale per output channel, "
         "activations quantized per token. The int4 methods also run on --load-format dummy. "
         "gguf: a .gguf file's blocks kept as they are (the default on CUDA; on CPU its weights "
-        "are dequantized to float unless this is set).",
-        ("fp8", "awq", "gptq", "compressed-tensors", "gguf"),
+        "are dequantized to float unless this is set). awq_marlin and gptq_marlin (vLLM's "
+        "names for its kernels) mean awq and gptq.",
+        ("fp8", "awq", "gptq", "compressed-tensors", "gguf", "awq_marlin", "gptq_marlin"),
     )
     max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."
@@ -140,8 +151,9 @@ class Config:
         "cache",
         "KV cache element type: auto (the model's dtype) or fp8 (e4m3, values saturating at "
         "+-448: twice the tokens in the same memory; scaled by the checkpoint's calibrated "
-        "k_scale/v_scale where it has them, else by 1.0).",
-        ("auto", "fp8"),
+        "k_scale/v_scale where it has them, else by 1.0). fp8_e4m3, vLLM's other name for it, "
+        "means fp8.",
+        ("auto", "fp8", "fp8_e4m3"),
     )
     enable_prefix_caching: bool = option(True, "cache", "Reuse KV blocks of shared prefixes.")
     gpu_memory_utilization: float = option(
@@ -361,6 +373,9 @@ class Config:
     )
 
     def __post_init__(self) -> None:
+        for name, spellings in _VLLM_SPELLINGS.items():  # one name each past this point
+            value = getattr(self, name)
+            object.__setattr__(self, name, spellings.get(value, value))
         _require(
             self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8..128, a power of 2"
         )

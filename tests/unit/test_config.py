@@ -99,3 +99,23 @@ def test_unknown_file_keys_are_rejected(tmp_path: Path) -> None:
     file.write_text('{"max_num_seqz": 3}')
     with pytest.raises(ConfigError, match="max_num_seqz"):
         config_from_args(parse(["--config", str(file)]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "field", "value"),
+    [
+        (["--dtype", "half"], "dtype", "float16"),
+        (["--dtype", "float"], "dtype", "float32"),
+        (["--kv-cache-dtype", "fp8_e4m3"], "kv_cache_dtype", "fp8"),
+        (["--quantization", "awq_marlin"], "quantization", "awq"),
+        (["--quantization", "gptq_marlin"], "quantization", "gptq"),
+        (["--quantization", "gptq"], "quantization", "gptq"),
+    ],
+)
+def test_vllm_spellings_mean_the_same_value(argv: list[str], field: str, value: str) -> None:
+    assert getattr(config_from_args(parse(argv)), field) == value
+
+
+def test_a_kv_cache_format_kvflow_lacks_is_refused() -> None:
+    with pytest.raises(ConfigError, match="--kv-cache-dtype"):
+        Config(kv_cache_dtype="fp8_e5m2")
