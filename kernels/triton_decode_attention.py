@@ -10,10 +10,13 @@ query heads of that KV head at once, so every key and value is read once per KV 
 
 The last program of a (request, KV head) to finish, told by a ticket counter as in
 kernels/triton_split_k.py, merges the partitions of its query heads with the usual log-sum-exp
-rescaling and writes the output. The splits are cut from the block table's width (the model's
-context bound), so a short context leaves some empty: those end at once, without a trace, and
-where the context fits the first split, its program writes the output directly. A separate merge
-kernel cost a launch per layer (a kernel boundary is about 3 us at batch 1). Same math as
+rescaling and writes the output. The launch has `num_splits` programs for each (request, KV
+head), chosen on the host from the batch and the block table's width (no device-to-host sync);
+each request's own context decides how many of them take part (`_split_tokens`): about
+sqrt(SPLIT_BALANCE * context) tokens a split, which weighs a split's loop against the merge's
+walk over the partials. The others end at once, without a trace, and where the context fits
+the first split, its program writes the output directly. A separate merge kernel cost a launch
+per layer (a kernel boundary is about 3 us at batch 1). Same math as
 `kernels.attention.paged_attention_reference` with one query per request.
 
 In a mixed batch (`query_start_loc` given) the kernel attends only the requests with exactly one
@@ -42,6 +45,11 @@ LOG2E = 1.4426950408889634
 # larger batches get few splits anyway (4 * SMs programs are enough), where merging costs more.
 MIN_PARTITION_TOKENS = 64
 MAX_SPLITS = 64
+# A request of C context tokens takes about sqrt(SPLIT_BALANCE * C) tokens a split (whole tiles),
+# so C / split splits: H200, batch 1, Llama-3.1-8B heads, the best of 1-64 splits had 4, 8, 16,
+# 32 and 32 splits at 256, 1,024, 4,096, 16,384 and 32,768 tokens (bf16 cache; 4,096 tokens
+# took 13.2 us in 16 splits, 27.1 in 64: the last program's merge walks every split's partials).
+SPLIT_BALANCE = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +86,15 @@ def default_decode_tiles(kv_dtype: torch.dtype, block_size: int) -> DecodeTiles:
 # NOTE: the split count and the block table's width change from step to step in eager steps
 # (they follow the batch and its longest context); as runtime values, not specialised, they
 # cost no compile per new value, which a burst of requests would otherwise pay mid-run.
-@triton.jit(do_not_specialize=["num_splits", "partition_tokens", "max_blocks", "stride_table_req"])
+@triton.jit(
+    do_not_specialize=[
+        "num_splits",
+        "split_balance",
+        "min_split_tokens",
+        "max_blocks",
+        "stride_table_req",
+    ]
+)
 def _decode_partition_kernel(
     query_ptr,  # [R, H, D]
     key_cache_ptr,  # [num_blocks, BLOCK_SIZE, KV, D]
@@ -92,8 +108,9 @@ def _decode_partition_kernel(
     part_acc_ptr,  # [R, H, S, D] float32, unnormalised weighted sum of values (S > 1)
     tickets_ptr,  # [R, KV] int32, zero between launches (S > 1)
     qk_scale,  # softmax scale * log2(e)
-    num_splits,
-    partition_tokens,  # tokens per split, a multiple of BLOCK_SIZE
+    num_splits,  # programs per (request, KV head): the most splits a context may take
+    split_balance,  # > 0: splits of about sqrt(split_balance * context) tokens (_split_tokens)
+    min_split_tokens,  # the fewest context tokens a split takes (_split_tokens)
     max_blocks,
     stride_q_token,
     stride_q_head,
@@ -126,9 +143,12 @@ def _decode_partition_kernel(
     # NOTE: the context is clamped to the table's capacity, so no slot outside the request's
     # own blocks is ever addressed, whatever seq_lens says.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + req), max_blocks * BLOCK_SIZE)
-    # Splits are cut from the table's width (the model's context bound), so a short context
-    # leaves the later ones empty: they end here, and take no part in the merge.
-    live = tl.cdiv(seq_len, partition_tokens)  # >= 1: seq_len >= 1
+    # The context takes the splits it needs (_split_tokens); the others end here, and take no
+    # part in the merge.
+    partition_tokens = _split_tokens(
+        seq_len, num_splits, split_balance, min_split_tokens, BLOCK_SIZE, TILE
+    )
+    live = tl.cdiv(seq_len, partition_tokens)  # 1 <= live <= num_splits: seq_len >= 1
     if split >= live:
         return
     split_start = split * partition_tokens
@@ -204,6 +224,29 @@ def _decode_partition_kernel(
             GROUP, GROUP_P2, HEAD_DIM,
         )  # fmt: skip
         tl.store(ticket_ptr, 0)  # zero again for the next launch (and graph replay)
+
+
+@triton.jit
+def _split_tokens(
+    seq_len,
+    num_splits,
+    split_balance,
+    min_split_tokens,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    """Context tokens a split of this request. With split_balance > 0, about
+    sqrt(split_balance * seq_len) in whole tiles, which weighs each split's loop against the
+    merge's walk over every split's partials, where the launch has that many splits. Else the
+    most of seq_len / num_splits in whole blocks (so that the launch's splits hold it all) and
+    min_split_tokens."""
+    tokens = tl.maximum(
+        tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_SIZE) * BLOCK_SIZE, min_split_tokens
+    )
+    balanced = tl.sqrt((split_balance * seq_len).to(tl.float32)).to(tl.int32)
+    balanced = tl.maximum(tl.cdiv(balanced, TILE), 1) * TILE
+    fits = tl.cdiv(seq_len, balanced) <= num_splits
+    return tl.where((split_balance > 0) & fits, balanced, tokens)
 
 
 @triton.jit
@@ -321,6 +364,22 @@ def pick_num_splits(
     return max(1, min(wanted, most_splits(max_blocks, block_size, tile)))
 
 
+def _split_rule(
+    pairs: int, num_splits: int, max_blocks: int, block_size: int, device: torch.device
+) -> tuple[int, int]:
+    """(split_balance, min_split_tokens) for picked splits: a split covers 1/num_splits of
+    the table's width at least, but with no more (request, KV head) pairs than SMs a context
+    takes its balanced splits where the launch has them. (With more, the batch fills the GPU,
+    and splitting shorter contexts only added merges: 32 x 1,024 tokens in a 131,072-token
+    table, H200; a batch of 8 or 12 contexts as long as the table, each in as many splits
+    as launched, ran 14-27 % slower in splits of 448 or 656 tokens than of 464 or 688, for
+    reasons not found.)"""
+    width_split = triton.cdiv(max_blocks, num_splits) * block_size
+    if pairs <= (_num_sms(device.index or 0) if device.type == "cuda" else 8):
+        return SPLIT_BALANCE, width_split
+    return 0, width_split
+
+
 def most_splits(max_blocks: int, block_size: int, tile: int) -> int:
     """The most splits worth making of a context of `max_blocks` blocks: none shorter than
     MIN_PARTITION_TOKENS or one tile (a shorter split would compute a mostly masked tile),
@@ -353,7 +412,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32, context length including the query token
     scale: float,
-    num_splits: int | None = None,  # split-KV partitions; None picks from context / batch
+    num_splits: int | None = None,  # the most split-KV partitions; None: picked (below)
     *,
     query_start_loc: torch.Tensor | None = None,  # [num_reqs + 1] int32: a mixed batch
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into
@@ -363,9 +422,12 @@ def paged_decode_attention(
 
     With query_start_loc, only requests with exactly one query token are attended, at their
     rows; the other rows of the result are left as they were (see the module docstring).
-    The context bound for choosing splits is the block table's capacity, not max(seq_lens),
-    so no device-to-host sync is needed; splits past a request's context end at once, and a
-    context that fits the first split is written by it directly, with no merge.
+    `num_splits` is the most splits a context may take. By default it is picked from the
+    batch and the block table's capacity, not max(seq_lens), so no device-to-host sync is
+    needed, and each request takes about sqrt(SPLIT_BALANCE * its context) tokens a split
+    (`_split_tokens`); a given count cuts each context into that many splits, as even as
+    whole blocks allow. Splits past a context end at once, and a context that fits the first
+    split is written by it directly, with no merge.
     """
     _check_shapes(query, key_cache, value_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -376,12 +438,17 @@ def paged_decode_attention(
         tiles = default_decode_tiles(key_cache.dtype, block_size)
     max_blocks = block_tables.shape[1]
     group = num_heads // num_kv_heads
+    picked = num_splits is None
     if num_splits is None:
         num_splits = pick_num_splits(
             num_reqs, num_kv_heads, max_blocks, block_size, query.device, tiles.tile
         )
     num_splits = max(1, min(num_splits, max_blocks))
-    partition_tokens = triton.cdiv(max_blocks, num_splits) * block_size
+    split_balance, min_split_tokens = 0, 0  # a given count: even splits of each context
+    if picked:
+        split_balance, min_split_tokens = _split_rule(
+            num_reqs * num_kv_heads, num_splits, max_blocks, block_size, query.device
+        )
 
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
@@ -412,7 +479,8 @@ def paged_decode_attention(
         tickets,
         scale * LOG2E,
         num_splits,
-        partition_tokens,
+        split_balance,
+        min_split_tokens,
         max_blocks,
         query.stride(0),
         query.stride(1),

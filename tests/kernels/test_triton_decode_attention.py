@@ -11,12 +11,20 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton
+import triton.language as tl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kernels import triton_split_k as split_k
 from kernels.attention import paged_attention_reference
 from kernels.triton_decode_attention import (
     MAX_SPLITS,
+    SPLIT_BALANCE,
     DecodeTiles,
     _decode_partition_kernel,
+    _split_rule,
+    _split_tokens,
     compile_every_variant,
     default_decode_tiles,
     paged_decode_attention,
@@ -86,7 +94,7 @@ def test_split_count_does_not_change_result() -> None:
         [70, 3], 8, 2, 64, torch.float32, seed=7
     )
     one = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125, 1)
-    # 5 splits of 32 tokens over 96 slots: request 1 leaves four splits empty.
+    # Request 0 in 5 splits of one block (70 tokens); request 1 in one, leaving four empty.
     many = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125, 5)
     torch.testing.assert_close(many, one, atol=1e-5, rtol=1e-5)
 
@@ -225,3 +233,80 @@ def test_after_compiling_every_variant_no_split_count_compiles() -> None:
                     query_start_loc=loc,
                 )  # fmt: skip
     assert _num_compiled() == compiled
+
+
+@triton.jit
+def _split_tokens_of(
+    seq_lens_ptr, out_ptr, n, num_splits, split_balance, min_split_tokens,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, N: tl.constexpr,
+):  # fmt: skip
+    i = tl.arange(0, N)
+    seq_lens = tl.load(seq_lens_ptr + i, mask=i < n, other=1)
+    tokens = _split_tokens(seq_lens, num_splits, split_balance, min_split_tokens, BLOCK_SIZE, TILE)
+    tl.store(out_ptr + i, tokens, mask=i < n)
+
+
+def split_tokens(
+    seq_lens: list[int], num_splits: int, balance: int, least: int = 0, tile: int = 64
+) -> list[int]:
+    """The kernel's context tokens a split for each context (its own device function), with
+    blocks of 16 tokens."""
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(lens)
+    size = triton.next_power_of_2(len(seq_lens))
+    _split_tokens_of[(1,)](lens, out, len(seq_lens), num_splits, balance, least, 16, tile, size)
+    return out.tolist()
+
+
+def test_picked_splits_follow_the_context_not_the_table_width() -> None:
+    """At batch 1 (64 splits launched) 256, 1,024, 4,096, 16,384 and 32,768 tokens of context
+    take 4, 8, 16, 32 and 43 splits, whatever the model's context bound; before, the table's
+    width cut them (a 4,096-token context ran 64 splits at a 4,096-token bound, and one at
+    Llama-3.1's 131,072). Where the launch has fewer splits than that, the floor decides."""
+    lens = [256, 1024, 4096, 16384, 32768]
+    for width_split in (64, 2048):
+        tokens = split_tokens(lens, MAX_SPLITS, SPLIT_BALANCE, width_split)
+        assert tokens == [64, 128, 256, 512, 768]
+        assert [triton.cdiv(c, t) for c, t in zip(lens, tokens, strict=True)] == [4, 8, 16, 32, 43]
+    assert split_tokens([3900], 9, SPLIT_BALANCE, 464) == [464]  # 16 balanced splits: 9 launched
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seq_lens=st.lists(st.integers(1, 1 << 17), min_size=1, max_size=16),
+    num_splits=st.integers(1, MAX_SPLITS),
+    balance=st.sampled_from([0, SPLIT_BALANCE]),
+    least=st.sampled_from([0, 16, 1024, 43696]),  # 0, or cdiv(width in blocks, splits) blocks
+    tile=st.sampled_from([16, 64, 128]),
+)
+def test_splits_hold_the_context_in_whole_blocks(
+    seq_lens: list[int], num_splits: int, balance: int, least: int, tile: int
+) -> None:
+    tokens_of = split_tokens(seq_lens, num_splits, balance, least, tile)
+    for seq_len, tokens in zip(seq_lens, tokens_of, strict=True):
+        assert tokens % 16 == 0 and triton.cdiv(seq_len, tokens) <= num_splits
+        balanced = max(1, triton.cdiv(int((balance * seq_len) ** 0.5), tile)) * tile
+        if balance and triton.cdiv(seq_len, balanced) <= num_splits:  # whole tiles
+            assert tokens == balanced
+        else:  # as even as whole blocks allow, with the floor
+            assert tokens == max(triton.cdiv(triton.cdiv(seq_len, num_splits), 16) * 16, least)
+
+
+def test_a_long_context_in_its_balanced_splits_matches_reference() -> None:
+    """600 tokens take five splits of 128 (two tiles each) among those launched, merged."""
+    query, key_cache, value_cache, block_tables, seq_lens = make_case(
+        [600, 37], 8, 2, 64, torch.float32, seed=21
+    )
+    assert split_tokens([600], MAX_SPLITS, SPLIT_BALANCE) == [128]
+    expected = reference(query, key_cache, value_cache, block_tables, seq_lens, 0.125)
+    out = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert not split_k.tickets(query.device).any()
+
+
+def test_a_batch_that_fills_the_gpu_splits_by_the_table_width() -> None:
+    """Picked splits cover 1/num_splits of the table's width at least (whole blocks); up to a
+    (request, KV head) pair an SM (8 on CPU) a context takes its balanced splits instead."""
+    cpu = torch.device("cpu")
+    assert _split_rule(8, 64, 256, 16, cpu) == (SPLIT_BALANCE, 64)
+    assert _split_rule(9, 3, 8192, 16, cpu) == (0, 2731 * 16)
