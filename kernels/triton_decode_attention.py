@@ -12,7 +12,8 @@ The last program of a (request, KV head) to finish, told by a ticket counter as 
 kernels/triton_split_k.py, merges the partitions of its query heads with the usual log-sum-exp
 rescaling and writes the output. The launch has `num_splits` programs for each (request, KV
 head), chosen on the host from the batch and the block table's width (no device-to-host sync);
-each request's own context decides how many of them take part (`_split_tokens`): about
+a split covers 1/num_splits of the width, but while the batch leaves SMs free each request's
+own context decides how many take part (`_split_tokens`, `_split_rule`): about
 sqrt(SPLIT_BALANCE * context) tokens a split, which weighs a split's loop against the merge's
 walk over the partials. The others end at once, without a trace, and where the context fits
 the first split, its program writes the output directly. A separate merge kernel cost a launch
@@ -424,10 +425,9 @@ def paged_decode_attention(
     rows; the other rows of the result are left as they were (see the module docstring).
     `num_splits` is the most splits a context may take. By default it is picked from the
     batch and the block table's capacity, not max(seq_lens), so no device-to-host sync is
-    needed, and each request takes about sqrt(SPLIT_BALANCE * its context) tokens a split
-    (`_split_tokens`); a given count cuts each context into that many splits, as even as
-    whole blocks allow. Splits past a context end at once, and a context that fits the first
-    split is written by it directly, with no merge.
+    needed, and the splits' size follows `_split_rule`; a given count cuts each context into
+    that many splits, as even as whole blocks allow. Splits past a context end at once, and a
+    context that fits the first split is written by it directly, with no merge.
     """
     _check_shapes(query, key_cache, value_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
