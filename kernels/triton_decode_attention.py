@@ -1,6 +1,6 @@
 """Paged attention for decodes (one query token per request), in Triton, flash-decoding style.
 
-Each request's context is cut into `num_splits` partitions of whole cache blocks; one program
+Each request's context is cut into at most `num_splits` partitions; one program
 handles one (request, KV head, partition) and attends all `group = num_heads // num_kv_heads`
 query heads of that KV head at once, so every key and value is read once per KV head:
 
@@ -236,18 +236,22 @@ def _split_tokens(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
 ):
-    """Context tokens a split of this request. With split_balance > 0, about
-    sqrt(split_balance * seq_len) in whole tiles, which weighs each split's loop against the
-    merge's walk over every split's partials, where the launch has that many splits. Else the
-    most of seq_len / num_splits in whole blocks (so that the launch's splits hold it all) and
-    min_split_tokens."""
-    tokens = tl.maximum(
-        tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_SIZE) * BLOCK_SIZE, min_split_tokens
-    )
+    """Context tokens a split of this request. An even share, `even`: seq_len / num_splits in
+    whole blocks (at least one), so that the launch's splits hold it all. Without
+    split_balance, the most of that and min_split_tokens. With it (a batch that leaves SMs
+    free, `_split_rule`), about sqrt(split_balance * seq_len) in whole tiles where the launch
+    has that many splits: it weighs each split's loop against the merge's walk over every
+    split's partials; else `even` for a context within half the table's width (the launch's
+    splits times min_split_tokens), and the table's share only for longer ones (near the width
+    `even` ran slower: `_split_rule`)."""
+    even = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_SIZE), 1) * BLOCK_SIZE
+    by_width = tl.maximum(even, min_split_tokens)
     balanced = tl.sqrt((split_balance * seq_len).to(tl.float32)).to(tl.int32)
     balanced = tl.maximum(tl.cdiv(balanced, TILE), 1) * TILE
     fits = tl.cdiv(seq_len, balanced) <= num_splits
-    return tl.where((split_balance > 0) & fits, balanced, tokens)
+    short = 2 * seq_len <= num_splits * min_split_tokens
+    free = split_balance > 0
+    return tl.where(free & fits, balanced, tl.where(free & short, even, by_width))
 
 
 @triton.jit
@@ -360,25 +364,23 @@ def pick_num_splits(
 ) -> int:
     """Enough programs for a few waves of 64-token steps on the GPU (fewer programs where each
     step reads more), within `most_splits`."""
-    num_sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
-    wanted = triton.cdiv(4 * num_sms * 64 // max(tile, 64), num_reqs * num_kv_heads)
+    wanted = triton.cdiv(4 * _sms(device) * 64 // max(tile, 64), num_reqs * num_kv_heads)
     return max(1, min(wanted, most_splits(max_blocks, block_size, tile)))
 
 
-def _split_rule(
-    pairs: int, num_splits: int, max_blocks: int, block_size: int, device: torch.device
-) -> tuple[int, int]:
-    """(split_balance, min_split_tokens) for picked splits: a split covers 1/num_splits of
-    the table's width at least, but with no more (request, KV head) pairs than SMs a context
-    takes its balanced splits where the launch has them. (With more, the batch fills the GPU,
-    and splitting shorter contexts only added merges: 32 x 1,024 tokens in a 131,072-token
-    table, H200; a batch of 8 or 12 contexts as long as the table, each in as many splits
-    as launched, ran 14-27 % slower in splits of 448 or 656 tokens than of 464 or 688, for
-    reasons not found.)"""
-    width_split = triton.cdiv(max_blocks, num_splits) * block_size
-    if pairs <= (_num_sms(device.index or 0) if device.type == "cuda" else 8):
-        return SPLIT_BALANCE, width_split
-    return 0, width_split
+def _sms(device: torch.device) -> int:
+    """The device's SMs; 8 for a CPU (the interpreter's tests)."""
+    return _num_sms(device.index or 0) if device.type == "cuda" else 8
+
+
+def _split_rule(pairs: int, device: torch.device) -> int:
+    """The split_balance of picked splits (`_split_tokens`): SPLIT_BALANCE with no more
+    (request, KV head) pairs than SMs, else 0. With more, the batch fills the GPU, and
+    splitting shorter contexts only added merges (32 x 1,024 tokens in a 131,072-token table,
+    H200). Near the table's width a small batch keeps the table's share too: 8 or 12 contexts
+    as long as the table, in as many splits as launched, ran 14-27 % slower in splits of 448
+    or 656 tokens than of 464 or 688, for reasons not found."""
+    return SPLIT_BALANCE if pairs <= _sms(device) else 0
 
 
 def most_splits(max_blocks: int, block_size: int, tile: int) -> int:
@@ -425,9 +427,10 @@ def paged_decode_attention(
     rows; the other rows of the result are left as they were (see the module docstring).
     `num_splits` is the most splits a context may take. By default it is picked from the
     batch and the block table's capacity, not max(seq_lens), so no device-to-host sync is
-    needed, and the splits' size follows `_split_rule`; a given count cuts each context into
-    that many splits, as even as whole blocks allow. Splits past a context end at once, and a
-    context that fits the first split is written by it directly, with no merge.
+    needed, and each request sizes its splits on the device (`_split_tokens`); a given count
+    cuts each context into at most that many, as even as whole blocks allow. Splits past a
+    context end at once, and a context that fits the first split is written by it directly,
+    with no merge.
     """
     _check_shapes(query, key_cache, value_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -438,17 +441,9 @@ def paged_decode_attention(
         tiles = default_decode_tiles(key_cache.dtype, block_size)
     max_blocks = block_tables.shape[1]
     group = num_heads // num_kv_heads
-    picked = num_splits is None
-    if num_splits is None:
-        num_splits = pick_num_splits(
-            num_reqs, num_kv_heads, max_blocks, block_size, query.device, tiles.tile
-        )
-    num_splits = max(1, min(num_splits, max_blocks))
-    split_balance, min_split_tokens = 0, 0  # a given count: even splits of each context
-    if picked:
-        split_balance, min_split_tokens = _split_rule(
-            num_reqs * num_kv_heads, num_splits, max_blocks, block_size, query.device
-        )
+    num_splits, split_balance, min_split_tokens = _splits(
+        num_splits, num_reqs, num_kv_heads, max_blocks, block_size, query.device, tiles.tile
+    )
 
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
@@ -515,6 +510,25 @@ def paged_decode_attention(
         lambda stages: _decode_partition_kernel[grid](*args, **constants, num_stages=stages),
     )
     return out
+
+
+def _splits(
+    num_splits: int | None,
+    num_reqs: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    device: torch.device,
+    tile: int,
+) -> tuple[int, int, int]:  # (num_splits, split_balance, min_split_tokens)
+    """The launch's splits and how a request sizes its share (`_split_tokens`): a given count
+    evenly; a picked one by `_split_rule`, with the table's share as the floor."""
+    if num_splits is not None:
+        return max(1, min(num_splits, max_blocks)), 0, 0
+    picked = pick_num_splits(num_reqs, num_kv_heads, max_blocks, block_size, device, tile)
+    picked = max(1, min(picked, max_blocks))
+    width_share = triton.cdiv(max_blocks, picked) * block_size
+    return picked, _split_rule(num_reqs * num_kv_heads, device), width_share
 
 
 def _partials(

@@ -25,6 +25,7 @@ from kernels.triton_decode_attention import (
     _decode_partition_kernel,
     _split_rule,
     _split_tokens,
+    _splits,
     compile_every_variant,
     default_decode_tiles,
     paged_decode_attention,
@@ -163,8 +164,8 @@ def test_decode_bf16_real_shapes() -> None:
     "tiles", [DecodeTiles(32, 2, 1), DecodeTiles(128, 8, 4)], ids=["tile32", "tile128"]
 )
 def test_tiles_do_not_change_result(tiles: DecodeTiles) -> None:
-    # Tiles smaller and larger than the default 64 tokens, with splits of 48 tokens (3 splits
-    # over 128 slots: tiles of 32 cross split ends) and the picked count (tile-aware).
+    # Tiles smaller and larger than the default 64 tokens, with 3 splits given (100 tokens in
+    # splits of 48: tiles of 32 cross split ends) and the picked count (tile-aware).
     query, key_cache, value_cache, block_tables, seq_lens = make_case(
         SEQ_LENS, 8, 2, 64, torch.float32, seed=11
     )
@@ -224,7 +225,7 @@ def test_after_compiling_every_variant_no_split_count_compiles() -> None:
     compile_every_variant(query, key_cache, value_cache)
     compiled = _num_compiled()
     mixed = torch.arange(4, device=DEVICE, dtype=torch.int32)
-    for num_splits in range(1, MAX_SPLITS + 1):
+    for num_splits in [None, *range(1, MAX_SPLITS + 1)]:  # None: the picked arguments
         for width in (block_tables.shape[1], 17):
             tables = block_tables[:, :width].contiguous()
             for loc in (None, mixed):
@@ -268,7 +269,10 @@ def test_picked_splits_follow_the_context_not_the_table_width() -> None:
         tokens = split_tokens(lens, MAX_SPLITS, SPLIT_BALANCE, width_split)
         assert tokens == [64, 128, 256, 512, 768]
         assert [triton.cdiv(c, t) for c, t in zip(lens, tokens, strict=True)] == [4, 8, 16, 32, 43]
-    assert split_tokens([3900], 9, SPLIT_BALANCE, 464) == [464]  # 16 balanced splits: 9 launched
+    # 16 balanced splits wanted, 9 launched: the table's share near its width (4,096 tokens),
+    # an even share within half of it (131,072).
+    assert split_tokens([3900], 9, SPLIT_BALANCE, 464) == [464]
+    assert split_tokens([3900], 9, SPLIT_BALANCE, 14576) == [448]
 
 
 @settings(max_examples=25, deadline=None)
@@ -286,14 +290,18 @@ def test_splits_hold_the_context_in_whole_blocks(
     for seq_len, tokens in zip(seq_lens, tokens_of, strict=True):
         assert tokens % 16 == 0 and triton.cdiv(seq_len, tokens) <= num_splits
         balanced = max(1, triton.cdiv(int((balance * seq_len) ** 0.5), tile)) * tile
+        even = triton.cdiv(triton.cdiv(seq_len, num_splits), 16) * 16
         if balance and triton.cdiv(seq_len, balanced) <= num_splits:  # whole tiles
             assert tokens == balanced
+        elif balance and 2 * seq_len <= num_splits * least:  # within half the table
+            assert tokens == even
         else:  # as even as whole blocks allow, with the floor
-            assert tokens == max(triton.cdiv(triton.cdiv(seq_len, num_splits), 16) * 16, least)
+            assert tokens == max(even, least)
 
 
 def test_a_long_context_in_its_balanced_splits_matches_reference() -> None:
-    """600 tokens take five splits of 128 (two tiles each) among those launched, merged."""
+    """600 tokens in the balanced splits of the picked count (five of 128, by the rule
+    asserted first), merged, match the reference."""
     query, key_cache, value_cache, block_tables, seq_lens = make_case(
         [600, 37], 8, 2, 64, torch.float32, seed=21
     )
@@ -305,8 +313,11 @@ def test_a_long_context_in_its_balanced_splits_matches_reference() -> None:
 
 
 def test_a_batch_that_fills_the_gpu_splits_by_the_table_width() -> None:
-    """Picked splits cover 1/num_splits of the table's width at least (whole blocks); up to a
-    (request, KV head) pair an SM (8 on CPU) a context takes its balanced splits instead."""
+    """Picked splits: up to a (request, KV head) pair an SM (8 on CPU) a context takes its
+    balanced splits; past that a split covers at least 1/num_splits of the table's width.
+    A given count: even shares, no floor."""
     cpu = torch.device("cpu")
-    assert _split_rule(8, 64, 256, 16, cpu) == (SPLIT_BALANCE, 64)
-    assert _split_rule(9, 3, 8192, 16, cpu) == (0, 2731 * 16)
+    assert _split_rule(8, cpu) == SPLIT_BALANCE and _split_rule(9, cpu) == 0
+    assert _splits(None, 1, 8, 256, 16, cpu, 64) == (4, SPLIT_BALANCE, 1024)
+    assert _splits(None, 2, 8, 256, 16, cpu, 64) == (2, 0, 2048)
+    assert _splits(5, 2, 8, 256, 16, cpu, 64) == (5, 0, 0)
