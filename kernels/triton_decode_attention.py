@@ -526,7 +526,6 @@ def _splits(
     if num_splits is not None:
         return max(1, min(num_splits, max_blocks)), 0, 0
     picked = pick_num_splits(num_reqs, num_kv_heads, max_blocks, block_size, device, tile)
-    picked = max(1, min(picked, max_blocks))
     width_share = triton.cdiv(max_blocks, picked) * block_size
     return picked, _split_rule(num_reqs * num_kv_heads, device), width_share
 
