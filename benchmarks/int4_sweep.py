@@ -31,11 +31,12 @@ if str(ROOT) not in sys.path:
 from benchmarks import quantized_sweep  # noqa: E402
 from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
 from kernels.int4 import (  # noqa: E402
+    Int4Tiles,
     int4_linear_reference,
     quantize_int4_reference,
     unpack_weight,
 )
-from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear  # noqa: E402
+from kernels.triton_int4 import default_tiles, int4_linear  # noqa: E402
 
 GROUP = 128
 # (kind, block_m, block_n, block_k, num_warps, num_stages[, split_k]): the rows kernel (timed

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 # The Triton prefill kernel holds a step's requests in one vector of a power of two: one compile
 # serves every step of up to this many requests, and past it each power of two is a compile of
-# its own (kernels/triton_prefill_attention.py; services/executor/warm_up.py meets them at start).
+# its own (kernels/triton_prefill_attention.py; services/executor/runner/warm_up.py meets them at
+# start).
 PREFILL_REQS_MIN_POW2 = 256
 
 

@@ -76,7 +76,7 @@ def fp8_linear_reference(
 # -- Block-scaled FP8 (DeepSeek-V3 style, `weight_block_size` [bn, bk]) ----------------------
 # The checkpoint's scale per [bn, bk] block of the weight is stored per output row, one per
 # group of bk input columns: weight_scale [N, K / bk] (a block's scale repeated over its bn
-# rows; services/executor/quantized_checkpoints.py expands it), so fused projections split
+# rows; services/executor/quantization/checkpoints.py expands it), so fused projections split
 # their rows like any per-row tensor. Activations are quantized per token and per group of bk
 # columns at each call, so the product sums each group's FP8 products and scales them by both.
 

@@ -25,12 +25,35 @@ fast paths apply the scale after the sum).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 PACK = 8  # 4-bit values per int32 word
 CHUNK = 32  # columns of the kernels' interleave (module docstring)
 SYMMETRIC_ZERO = 8
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
+
+
+# How a Triton int4 launch tiles its work (kernels/triton_int4.py picks one per shape).
+KINDS = ("rows", "dot", "dequant_dot")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Tiles:
+    kind: str  # one of KINDS (kernels/triton_int4.py's docstring)
+    block_m: int  # rows of x per program: 1 for "rows"
+    block_n: int  # weight rows per program
+    block_k: int  # K per iteration: whole chunks; DOT_STEP steps for "dot"; >= 128 dequant_dot
+    num_warps: int
+    num_stages: int
+    split_k: int = 1  # "dot": programs along K per output tile
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Int4Tiles.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.split_k < 1 or (self.split_k > 1 and self.kind != "dot"):
+            raise ValueError("Int4Tiles.split_k: >= 1, and above 1 for the dot kernel only")
 
 
 def pack_int4(values: torch.Tensor) -> torch.Tensor:  # [R, C] in 0..15 -> [R, C/8] int32

@@ -1,5 +1,5 @@
 """The buffers of the one-shot collectives (kernels/triton_peers.py): memory every rank of a
-tensor-parallel group maps, set up by services/executor/symmetric_memory.py."""
+tensor-parallel group maps, set up by services/executor/parallel/symmetric_memory.py."""
 
 from __future__ import annotations
 

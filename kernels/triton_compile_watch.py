@@ -2,7 +2,7 @@
 
 Triton compiles a kernel variant the first time a process launches it with new constants (or
 loads it from its disk cache, if an earlier process compiled it). The warm-up at start (graph
-capture and services/executor/warm_up.py) is meant to meet every variant a step uses; one it
+capture and services/executor/runner/warm_up.py) is meant to meet every variant a step uses; one it
 misses is compiled inside a request's step, which on a fresh machine stalls every running
 request for the compile (0.1-1 s a variant). `late_compiles()` logs each such variant with its
 constants, so the gap shows in the server's log, in `bench throughput`'s JSON and in the GPU

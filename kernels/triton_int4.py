@@ -35,14 +35,12 @@ gathered by g_idx.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels import triton_split_k as split_k
-from kernels.int4 import CHUNK, PACK
+from kernels.int4 import CHUNK, PACK, Int4Tiles
 from kernels.triton_int4_dequant import dequantize_int4, launch_dequant_dot, operands
 from kernels.triton_pdl import (
     L2_LINE_BYTES,
@@ -62,24 +60,6 @@ DOT_MAX_SPLIT = 8  # in at most this many parts
 WIDE_N = 16384  # gate_up-like layers: N >= this
 WIDE_K = 8192  # down-like layers: K >= this
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-KINDS = ("rows", "dot", "dequant_dot")
-
-
-@dataclasses.dataclass(frozen=True)
-class Int4Tiles:
-    kind: str  # one of KINDS (module docstring)
-    block_m: int  # rows of x per program: 1 for "rows"
-    block_n: int  # weight rows per program
-    block_k: int  # K per iteration: whole chunks; DOT_STEP steps for "dot"; >= 128 dequant_dot
-    num_warps: int
-    num_stages: int
-    split_k: int = 1  # "dot": programs along K per output tile
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"Int4Tiles.kind must be one of {KINDS}, got {self.kind!r}")
-        if self.split_k < 1 or (self.split_k > 1 and self.kind != "dot"):
-            raise ValueError("Int4Tiles.split_k: >= 1, and above 1 for the dot kernel only")
 
 
 def dot_applies(dtype: torch.dtype, group_size: int, act_order: bool) -> bool:

@@ -12,16 +12,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.int4 import CHUNK, PACK
-
-if TYPE_CHECKING:
-    from kernels.triton_int4 import Int4Tiles
+from kernels.int4 import CHUNK, PACK, Int4Tiles
 
 DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 16
 _CHUNK = tl.constexpr(CHUNK)

@@ -19,10 +19,10 @@ from kvflow.data_parallel import OtherReplicas, share_cpu_threads
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Completion, GenerationResult
 from kvflow.progress import Progress, ProgressSink
-from services.executor.plan_check import PlanError
 from services.executor.rank_group import start_runner
-from services.frontend.openai_types import Message, Tool, chat_message
-from services.frontend.structured import tool_definition
+from services.executor.runner.plan_check import PlanError
+from services.frontend.api.openai_types import Message, Tool, chat_message
+from services.frontend.api.structured import tool_definition
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.handshake import scheduler_config
 from services.scheduler.scheduler import Scheduler

@@ -6,7 +6,7 @@ them the way the format's own tool does (AutoAWQ's GEMM packer, AutoGPTQ's packe
 compressed-tensors that package itself), saves config.json + model.safetensors, and returns
 the dequantized float weights the checkpoint stands for, to run the reference model with.
 The packing loops follow the formats' definitions word by word on purpose: they share no code
-with kvflow's vectorised translation (services/executor/quantized_checkpoints.py).
+with kvflow's vectorised translation (services/executor/quantization/checkpoints.py).
 """
 
 from __future__ import annotations

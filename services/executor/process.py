@@ -29,10 +29,10 @@ from typing import Any
 
 import zmq
 
-from services.executor.model_runner import ModelRunner
-from services.executor.plan_check import PlanError
 from services.executor.rank_group import start_runner
-from services.executor.step_watch import StepWatch
+from services.executor.runner.model_runner import ModelRunner
+from services.executor.runner.plan_check import PlanError
+from services.executor.runner.step_watch import StepWatch
 from shared.config import Config
 from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder, connect_dealer, encode

@@ -38,13 +38,15 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from services.executor.model_runner import ModelRunner, resolve_device
-from services.executor.plan_check import PlanError
-from services.executor.step_watch import StepWatch
-from services.executor.tensor_parallel import ShardLayout, TensorParallel
+from services.executor.parallel.layout import ShardLayout
+from services.executor.parallel.tensor_parallel import TensorParallel
+from services.executor.runner.model_runner import ModelRunner, resolve_device
+from services.executor.runner.plan_check import PlanError
+from services.executor.runner.plan_relay import WATCH_INTERVAL_S, PlanRelay
+from services.executor.runner.step_watch import StepWatch
 from shared.config import Config, config_from_file
 from shared.frontend_links import HeartbeatThread
-from shared.ipc import Decoder, encode
+from shared.ipc import Decoder
 from shared.model_config import load_model_config, resolve_model_source
 from shared.protocol import AddLoraAdapter, LaunchStep, ResetRanks, SchedulerOutput, ToRanks
 from shared.replicas import engine_component
@@ -52,36 +54,7 @@ from shared.stall_watch import StallWatch
 from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
-WATCH_INTERVAL_S = 0.2  # how often rank 0 looks at the other ranks, and they at rank 0
 TEARDOWN_S = 10  # how long rank 0 waits at exit for the other ranks and the group to end
-
-
-class PlanRelay:
-    """Rank 0's side of the relay: an XPUB socket the other ranks subscribe to.
-
-    Nothing is dropped: no high-water mark on either side, and rank 0 publishes only once
-    every rank's subscription has arrived (XPUB shows each one).
-    """
-
-    def __init__(self, address: str) -> None:
-        context: zmq.Context[Any] = zmq.Context.instance()
-        self.socket = context.socket(zmq.XPUB)
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, repeats included
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.bind(address)
-
-    def wait_for(self, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        seen = 0
-        while seen < count:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{count - seen} executor ranks did not connect in {timeout} s")
-            if self.socket.poll(int(WATCH_INTERVAL_S * 1000)):
-                seen += self.socket.recv()[:1] == b"\x01"  # a subscription, not its end
-
-    def send(self, message: ToRanks) -> None:
-        self.socket.send(encode(message))
 
 
 def start_runner(config: Config) -> ModelRunner:

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kernels.all_reduce_norm import reduce_takes
-from services.executor.symmetric_memory import MAX_GATHER_ROWS
-from services.executor.tensor_parallel import TensorParallel
+from services.executor.parallel.symmetric_memory import MAX_GATHER_ROWS, with_peer_buffers
+from services.executor.parallel.tensor_parallel import TensorParallel
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,12 +30,12 @@ def check_rank(rank: int, directory: str) -> None:
     import torch.distributed as dist
 
     from kernels import ops
+    from services.executor.parallel.symmetric_memory import MAX_FUSED_ROWS
     from services.executor.rank_group import join_group
-    from services.executor.symmetric_memory import MAX_FUSED_ROWS
     from shared.config import Config
 
     tp = join_group(Config(device="cuda", tensor_parallel_size=2), Path(directory), rank)
-    tp = tp.with_peer_buffers(HIDDEN, VOCAB_PART, torch.bfloat16, torch.device("cuda", rank))
+    tp = with_peer_buffers(tp, HIDDEN, VOCAB_PART, torch.bfloat16, torch.device("cuda", rank))
     assert tp.reduce_peers is not None, "no symmetric memory between the two GPUs"
     gen = torch.Generator(device="cuda").manual_seed(7)  # the same draws on both ranks
     weight = torch.rand(HIDDEN, generator=gen, device="cuda").to(torch.bfloat16) + 0.5

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from kvflow import LLM, SamplingParams
-from services.executor.step_buffers import PaddedShape
+from services.executor.runner.step_buffers import PaddedShape
 from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
-from services.executor.model_runner import ModelRunner
+from services.executor.runner.model_runner import ModelRunner
 from services.scheduler.engine_core import EngineCore
 from shared.protocol import EngineRequest, ModelRunnerOutput, RequestOutput, SchedulerOutput
 

@@ -1,5 +1,5 @@
 """Tensor parallelism on CPU over gloo: `kvflow.LLM` on N ranks, processes each with its part
-of every layer (services/executor/tensor_parallel.py) that run the plans rank 0 relays
+of every layer (services/executor/parallel/tensor_parallel.py) that run the plans rank 0 relays
 (services/executor/rank_group.py), gives the greedy tokens of one process, and of
 transformers, for the tiny parity models (Llama and Qwen3, and Llama with one KV head that
 every rank holds) at 2 ranks and the embedded SmolLM2 (9 query and 3 KV heads) at 3, also with
@@ -16,7 +16,8 @@ import pytest
 import torch
 import transformers
 
-from services.executor.tensor_parallel import ShardLayout, TensorParallel
+from services.executor.parallel.layout import ShardLayout
+from services.executor.parallel.tensor_parallel import TensorParallel
 from shared.model_config import load_model_config, resolve_model_source
 from tests.integration.test_parity import hf_greedy
 from tests.integration.tiny_models import FAMILIES, TINY, make_prompts

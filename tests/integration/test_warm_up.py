@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from kvflow import LLM, SamplingParams
-from services.executor.linear import Linear
-from services.executor.warm_up import (
+from services.executor.layers.linear import Linear
+from services.executor.runner.warm_up import (
     blocks_needed,
     eager_lengths,
     first_step_lengths,

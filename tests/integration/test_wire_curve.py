@@ -13,7 +13,7 @@ import pytest
 import zmq
 from zmq.auth.thread import AuthenticationThread
 
-from services.frontend.engine_client import EngineClient
+from services.frontend.engine.client import EngineClient
 from shared.config import Config
 from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder, bind_router, connect_dealer, terminate

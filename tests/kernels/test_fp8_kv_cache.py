@@ -16,7 +16,7 @@ from kernels.rotary_cache import rotary_write_kv_reference
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_prefill_attention import paged_prefill_attention
 from kernels.triton_rotary_cache import rotary_write_kv
-from services.executor.layers import RotaryEmbedding
+from services.executor.layers.rotary import RotaryEmbedding
 from tests.kernels import test_triton_decode_attention as decode_tests
 from tests.kernels import test_triton_prefill_attention as prefill_tests
 

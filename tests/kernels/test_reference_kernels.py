@@ -14,7 +14,7 @@ from kernels.attention import contiguous_attention_reference, paged_attention_re
 from kernels.cache import write_kv_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.rotary import rotary_embedding_reference
-from services.executor.layers import RotaryEmbedding, rope_inv_freq
+from services.executor.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64

@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 from kernels import triton_int4, triton_split_k
 from kernels.int4 import (
+    Int4Tiles,
     int4_linear_reference,
     pack_int4,
     pack_weight,
@@ -21,7 +22,7 @@ from kernels.int4 import (
     unpack_int4,
     unpack_weight,
 )
-from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear
+from kernels.triton_int4 import default_tiles, int4_linear
 from tests.kernels.test_fp8_linear import LLAMA_SHAPES
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

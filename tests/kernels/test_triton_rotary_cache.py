@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 from kernels import triton_rotary_cache
 from kernels.rotary_cache import rotary_write_kv_reference
 from kernels.triton_rotary_cache import rotary_write_kv
-from services.executor.layers import RotaryEmbedding
+from services.executor.layers.rotary import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from services.executor.process import serve_plans
-from services.executor.step_watch import StepWatch
+from services.executor.runner.step_watch import StepWatch
 from shared.ipc import Decoder, encode
 from shared.protocol import (
     DeviceReady,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.executor.linear import PackedWeight
-from services.executor.linear_shards import CheckpointSlice, read
-from services.executor.weights import iter_gguf
+from services.executor.loading.gguf import iter_gguf
+from services.executor.parallel.shards import CheckpointSlice, read
+from services.executor.quantization.gguf import PackedWeight
 from shared.model_config import load_model_config, resolve_model_source
 
 SOURCE = resolve_model_source(None)

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from llguidance import LLMatcher, LLTokenizer
 
-from services.executor.grammar import GrammarMatchers, eos_only_row, pack_bits
-from services.executor.sampler import Sampler, SamplingRow, apply_token_bitmask, unpack_bits
+from services.executor.runner.grammar import GrammarMatchers, eos_only_row, pack_bits
+from services.executor.runner.sampler import Sampler, SamplingRow, apply_token_bitmask, unpack_bits
 from shared.grammar import GrammarChecker, grammar_of, llg_tokenizer, parser_limits
 from shared.protocol import ParameterError, SamplingParams, StructuredOutput
 from tests.integration.test_structured_output import GBNF_ARITHMETIC, LARK_ARITHMETIC

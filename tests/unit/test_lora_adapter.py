@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 peft = pytest.importorskip("peft")
 
-from services.executor.lora_adapter import (  # noqa: E402
+from services.executor.lora.adapter import (  # noqa: E402
     TARGETS,
     LoraAdapterError,
     load_lora_adapter,

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from services.frontend.lora_listings import LoraListings
+from services.frontend.engine.lora_listings import LoraListings
 from services.scheduler.lora_control import LoraControl
 from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.scheduler import Scheduler

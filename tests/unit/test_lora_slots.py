@@ -16,14 +16,10 @@ from hypothesis import strategies as st
 pytest.importorskip("peft")
 
 from kernels import ops
-from services.executor.lora_adapter import (
-    TARGETS,
-    LoraAdapter,
-    load_lora_adapter,
-    projection_shape,
-)
-from services.executor.lora_slots import FUSED, LoraSlots, SlotTable, slot_rank
-from services.executor.tensor_parallel import ONE_RANK, ShardLayout, TensorParallel
+from services.executor.lora.adapter import TARGETS, LoraAdapter, load_lora_adapter, projection_shape
+from services.executor.lora.slots import FUSED, LoraSlots, SlotTable, slot_rank
+from services.executor.parallel.layout import ShardLayout
+from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from tests.unit.test_lora_adapter import kvflow_config, merged_deltas, save_adapter
 
 # On a GPU the slots and tokens live there and the batched kernels are Triton's.

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.frontend.metrics import Metrics
-from services.frontend.metrics_share import MetricsShare
+from services.frontend.metrics.prometheus import Metrics
+from services.frontend.metrics.share import MetricsShare
 
 
 def frontend(

@@ -1,11 +1,11 @@
 """The executor's host-side checks of a plan: what a scheduler of its session sends passes,
-and each inconsistency is a PlanError naming it (services/executor/plan_check.py)."""
+and each inconsistency is a PlanError naming it (services/executor/runner/plan_check.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.executor.plan_check import PlanError, PlanLimits, check_plan
+from services.executor.runner.plan_check import PlanError, PlanLimits, check_plan
 from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 
 LIMITS = PlanLimits(

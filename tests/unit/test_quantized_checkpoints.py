@@ -1,4 +1,4 @@
-"""The quantized checkpoint layouts (services/executor/quantized_checkpoints.py) and
+"""The quantized checkpoint layouts (services/executor/quantization/checkpoints.py) and
 quantization configs (shared/quant_config.py): kvflow's reading of AWQ and compressed-tensors
 int4 tensors is checked against the compressed-tensors package, which unpacks both
 independently; GPTQ's against words worked out by hand from its definition; FP8 scales per
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from kernels.int4 import unpack_weight
-from services.executor.linear_shards import read
-from services.executor.quantized_checkpoints import translate_quantized
+from services.executor.parallel.shards import read
+from services.executor.quantization.checkpoints import translate_quantized
 from shared.model_config import ModelSource
 from shared.quant_config import QuantSpec, read_quant_spec
 from tests import quantized_writers

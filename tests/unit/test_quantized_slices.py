@@ -1,5 +1,5 @@
 """A tensor-parallel rank loading a quantized checkpoint reads only its share of the packed
-weights (services/executor/quantized_checkpoints.py translates lazily), and loads exactly what
+weights (services/executor/quantization/checkpoints.py translates lazily), and loads exactly what
 it loads when every tensor is read and translated whole first: for each int4 and FP8 layout,
 with a KV head of its own or one shared by both ranks. Nothing here runs a forward pass."""
 
@@ -14,11 +14,11 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from services.executor.linear import linear_method
-from services.executor.linear_shards import CheckpointSlice, Loaded, read
 from services.executor.models.decoder import DecoderForCausalLM
-from services.executor.quantized_checkpoints import translate_quantized
-from services.executor.tensor_parallel import TensorParallel
+from services.executor.parallel.shards import CheckpointSlice, Loaded, read
+from services.executor.parallel.tensor_parallel import TensorParallel
+from services.executor.quantization.checkpoints import translate_quantized
+from services.executor.quantization.methods import linear_method
 from shared.model_config import ModelSource, from_hf_dict
 from shared.quant_config import QuantSpec, read_quant_spec
 from tests import quantized_writers

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.executor.sampler import (
+from services.executor.runner.sampler import (
     Sampler,
     SamplingRow,
     build_sampling_tensors,

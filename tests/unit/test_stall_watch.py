@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from services.executor.step_watch import StepWatch
+from services.executor.runner.step_watch import StepWatch
 from shared.stall_watch import StallWatch
 
 

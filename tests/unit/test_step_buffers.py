@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.executor.cuda_graphs import (
+from services.executor.runner.cuda_graphs import (
     DECODE_GRAPH_MAX_BATCH,
     MIXED_GRAPH_MAX_TOKENS,
     StepGraphs,
 )
-from services.executor.step_buffers import PADDING_SLOT, PaddedShape, StepBuffers
+from services.executor.runner.step_buffers import PADDING_SLOT, PaddedShape, StepBuffers
 
 BLOCK = 4
 

@@ -11,8 +11,8 @@ from typing import Any
 import jsonschema
 import pytest
 
-from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest, decode_body
-from services.frontend.structured import ToolRequest, structured_output, tool_request
+from services.frontend.api.openai_types import ChatCompletionRequest, CompletionRequest, decode_body
+from services.frontend.api.structured import ToolRequest, structured_output, tool_request
 from services.tokenizer.worker import TokenizerWorker
 from shared.protocol import (
     ChatMessage,

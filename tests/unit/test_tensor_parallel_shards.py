@@ -11,9 +11,9 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from services.executor.loading.safetensors import iter_safetensor_slices
 from services.executor.models.decoder import DecoderForCausalLM
-from services.executor.tensor_parallel import TensorParallel
-from services.executor.weights import iter_safetensor_slices
+from services.executor.parallel.tensor_parallel import TensorParallel
 from shared.model_config import from_hf_dict
 from tests.integration.tiny_models import TINY
 

@@ -3,7 +3,7 @@
 The families differ only in switches read from ModelConfig: a bias on the qkv projection
 (Qwen2), an RMSNorm on each head of q and k (Qwen3), Llama 3's RoPE scaling, and tied
 embeddings. Weights load from Hugging Face names (see `load_weights`). Under tensor
-parallelism a rank builds the layers of its part (services/executor/tensor_parallel.py) and
+parallelism a rank builds the layers of its part (services/executor/parallel/tensor_parallel.py) and
 loads its part of each weight.
 """
 
@@ -17,18 +17,17 @@ import torch
 from torch import nn
 
 from kernels import ops
-from services.executor.attention_metadata import AttentionMetadata
-from services.executor.layers import GatedMLP, RMSNorm, RotaryEmbedding
-from services.executor.linear import Activation, Linear, LinearMethod, PackedWeight
-from services.executor.linear_shards import Loaded, packed_dims, read
-from services.executor.lora_slots import LoraTokens
-from services.executor.tensor_parallel import (
-    ONE_RANK,
-    ShardLayout,
-    TensorParallel,
-    VocabParallelEmbedding,
-    rank_part,
-)
+from services.executor.layers.attention_metadata import AttentionMetadata
+from services.executor.layers.embedding import VocabParallelEmbedding
+from services.executor.layers.linear import Activation, Linear, LinearMethod
+from services.executor.layers.lora import LoraTokens
+from services.executor.layers.mlp import GatedMLP
+from services.executor.layers.norm import RMSNorm
+from services.executor.layers.rotary import RotaryEmbedding
+from services.executor.parallel.layout import ShardLayout, rank_part
+from services.executor.parallel.shards import Loaded, packed_dims, read
+from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
+from services.executor.quantization.gguf import PackedWeight
 from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's

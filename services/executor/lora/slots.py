@@ -17,14 +17,13 @@ to B A x: no collective of its own.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
-from services.executor.linear_shards import TensorDims, read
-from services.executor.lora_adapter import ATTENTION, LoraAdapter, projection_shape
-from services.executor.tensor_parallel import ShardLayout, rank_part
+from services.executor.layers.lora import ProjectionSlots
+from services.executor.lora.adapter import ATTENTION, LoraAdapter, projection_shape
+from services.executor.parallel.layout import ShardLayout, rank_part
+from services.executor.parallel.shards import TensorDims, read
 
 # kvflow's projections and the PEFT modules they fuse, in their output rows' order
 FUSED = {
@@ -39,20 +38,6 @@ MIN_RANK = 16  # the kernels' tl.dot needs 16 along the rank (kernels/triton_lor
 def slot_rank(max_lora_rank: int) -> int:
     """The slots' rank: --max-lora-rank rounded up to a power of two, at least MIN_RANK."""
     return max(MIN_RANK, 1 << (max_lora_rank - 1).bit_length())
-
-
-class LoraTokens(NamedTuple):
-    """A step's tokens as LoRA sees them: each token's slot, and the tokens grouped by slot."""
-
-    slots: torch.Tensor  # [T] int32, -1: the base model
-    order: torch.Tensor  # [T] int32, a permutation of the tokens, sorted by slot
-
-
-@dataclass(frozen=True)
-class ProjectionSlots:
-    lora_a: torch.Tensor  # [S, P, R, K]
-    lora_b: torch.Tensor  # [S, N, R], times each adapter's scaling
-    piece_rows: tuple[int, ...]  # output rows of each piece
 
 
 class LoraSlots:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.executor.step_buffers import PaddedShape, StepBuffers, StepView
+from services.executor.runner.step_buffers import PaddedShape, StepBuffers, StepView
 
 logger = logging.getLogger(__name__)
 

@@ -6,25 +6,28 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels import ops
 from kernels.pdl import set_pdl
-from services.executor.cuda_graphs import StepGraphs
-from services.executor.grammar import GrammarMatchers
-from services.executor.kv_cache import (
+from services.executor.loading.loader import load_model
+from services.executor.lora.adapter import LoraAdapterError
+from services.executor.lora.manager import LoraManager
+from services.executor.models.decoder import DecoderForCausalLM
+from services.executor.parallel.symmetric_memory import with_peer_buffers
+from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
+from services.executor.runner.cuda_graphs import StepGraphs
+from services.executor.runner.grammar import GrammarMatchers
+from services.executor.runner.kv_cache import (
     KVCacheLayout,
     log_kv_cache,
     num_kv_blocks,
     profile_step_peak,
 )
-from services.executor.lora_adapter import LoraAdapterError
-from services.executor.lora_manager import LoraManager
-from services.executor.models.decoder import DecoderForCausalLM
-from services.executor.plan_check import PlanError, PlanLimits, check_plan
-from services.executor.sampler import (
+from services.executor.runner.plan_check import PlanError, PlanLimits, check_plan
+from services.executor.runner.plan_relay import PlanRelay
+from services.executor.runner.sampler import (
     PendingSample,
     Sampler,
     TokenBitmask,
@@ -32,11 +35,9 @@ from services.executor.sampler import (
     step_seed,
     to_device,
 )
-from services.executor.step_buffers import StepBuffers, StepView
-from services.executor.step_state import DeviceSpan, InFlightStep, PreparedStep, RequestState
-from services.executor.tensor_parallel import ONE_RANK, TensorParallel
-from services.executor.warm_up import warm_up
-from services.executor.weights import load_model
+from services.executor.runner.step_buffers import StepBuffers, StepView
+from services.executor.runner.step_state import DeviceSpan, InFlightStep, PreparedStep, RequestState
+from services.executor.runner.warm_up import warm_up
 from shared.config import Config
 from shared.hf_tokenizer import load_tokenizer
 from shared.lora_modules import parse_lora_modules
@@ -56,9 +57,6 @@ from shared.protocol import (
     ResetRanks,
     SchedulerOutput,
 )
-
-if TYPE_CHECKING:
-    from services.executor.rank_group import PlanRelay
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +110,8 @@ class ModelRunner:
         self, config: Config, tp: TensorParallel = ONE_RANK, relay: PlanRelay | None = None
     ) -> None:
         """`tp`: this process's place in a tensor-parallel group, whose ranks all run the same
-        steps (services/executor/tensor_parallel.py); `relay`: on rank 0, where the plans go
-        on to the other ranks (services/executor/rank_group.py)."""
+        steps (services/executor/parallel/tensor_parallel.py); `relay`: on rank 0, where the
+        plans go on to the other ranks (services/executor/rank_group.py)."""
         # Set last: the warm-up steps run on every rank alone.
         self.relay: PlanRelay | None = None
         self.device = resolve_device(config.device, tp.rank)
@@ -132,7 +130,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if not config.disable_custom_all_reduce:
             hidden, vocab = self.model_config.hidden_size, self.model_config.vocab_size
-            tp = tp.with_peer_buffers(hidden, vocab // tp.size, self.dtype, self.device)
+            tp = with_peer_buffers(tp, hidden, vocab // tp.size, self.dtype, self.device)
         self.tp = tp
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens

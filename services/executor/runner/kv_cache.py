@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from services.executor.models.decoder import DecoderForCausalLM
-from services.executor.step_buffers import StepBuffers
+from services.executor.runner.step_buffers import StepBuffers
 from shared.config import Config
 from shared.constants import CUDA_GRAPH_RESERVE_BYTES, DEFAULT_CPU_KV_BYTES
 from shared.model_config import ModelConfig

@@ -10,17 +10,16 @@ symmetric memory, GPUs without peer access), the model goes through NCCL, as bef
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kernels.all_gather import SLOT_WIDTH, slots_per_row
 from kernels.peers import MAX_WORLD, PeerBuffers
-
-if TYPE_CHECKING:  # tensor_parallel imports this module
-    from services.executor.tensor_parallel import TensorParallel
+from services.executor.parallel.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +30,23 @@ MAX_FUSED_ROWS = 512
 # The most logits rows the one-shot all-gather takes (8 MiB of buffers a rank for Llama-3.1-8B
 # at two ranks). Past it the rows are many enough for NCCL's bandwidth to win.
 MAX_GATHER_ROWS = 16
+
+
+def with_peer_buffers(
+    tp: TensorParallel, hidden: int, vocab_part: int, dtype: torch.dtype, device: torch.device
+) -> TensorParallel:
+    """The rank `tp` with the one-shot collectives' buffers, where the group can have them:
+    for rows of `hidden` values and logits parts of `vocab_part`. Collective: every rank calls
+    it at the same point."""
+    if tp.size == 1:
+        return tp
+    reduce_peers = reduce_buffers(tp, hidden, dtype, device)
+    # Both or neither: the gather's setup follows the all-reduce's (the same conditions, and a
+    # group that failed one would only log the same warning twice).
+    gather_peers = None
+    if reduce_peers is not None:
+        gather_peers = gather_buffers(tp, vocab_part, dtype, device)
+    return dataclasses.replace(tp, reduce_peers=reduce_peers, gather_peers=gather_peers)
 
 
 def reduce_buffers(

@@ -40,7 +40,7 @@ import torch
 
 from kernels.fp8 import expand_block_scales
 from kernels.int4 import pack_weight, transpose_chunks, unpack_int4
-from services.executor.linear_shards import CheckpointSlice, Loaded, read
+from services.executor.parallel.shards import CheckpointSlice, Loaded, read
 from shared.quant_config import QuantSpec
 
 # The parts that make up one quantized module, by format: (the part that marks a module as

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from services.executor.lora_adapter import LoraAdapter, LoraAdapterError, load_lora_adapter
-from services.executor.lora_slots import FUSED, LoraSlots, SlotTable
+from services.executor.lora.adapter import LoraAdapter, LoraAdapterError, load_lora_adapter
+from services.executor.lora.slots import FUSED, LoraSlots, SlotTable
 from services.executor.models.decoder import DecoderForCausalLM
 from shared.lora_modules import LoraModule
 from shared.model_config import ModelConfig

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from llguidance import LLMatcher
 
-from services.executor.sampler import PendingSample, SamplingRow
-from services.executor.step_buffers import PaddedShape
+from services.executor.runner.sampler import PendingSample, SamplingRow
+from services.executor.runner.step_buffers import PaddedShape
 from shared.protocol import (
     ModelRunnerOutput,
     NewRequestData,

@@ -22,18 +22,25 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kernels import ops
 from kernels.attention import PREFILL_REQS_MIN_POW2
-from services.executor.cuda_graphs import MIXED_GRAPH_MAX_TOKENS
-from services.executor.linear import Linear
-from shared.protocol import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-
-if TYPE_CHECKING:
-    from services.executor.model_runner import ModelRunner
+from services.executor.layers.linear import Linear
+from services.executor.models.decoder import DecoderForCausalLM
+from services.executor.runner.cuda_graphs import MIXED_GRAPH_MAX_TOKENS, StepGraphs
+from services.executor.runner.grammar import GrammarMatchers
+from services.executor.runner.step_buffers import StepBuffers
+from shared.model_config import ModelConfig
+from shared.protocol import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +60,29 @@ _LINEAR_ROWS = (12, 24, 48)
 _LONG_PROMPT = MIXED_GRAPH_MAX_TOKENS
 
 
+class WarmUpTarget(Protocol):
+    """What the warm-up reads of the model runner (runner/model_runner.py), which runs it."""
+
+    block_size: int
+    buffers: StepBuffers
+    device: torch.device
+    dtype: torch.dtype
+    grammars: GrammarMatchers
+    graphs: StepGraphs | None
+    kv_caches: list[torch.Tensor]
+    max_model_len: int
+    max_num_batched_tokens: int
+    model: DecoderForCausalLM
+    model_config: ModelConfig
+    num_blocks: int
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
 class _Plans:
     """Hands out blocks and step numbers for the warm-up plans."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: WarmUpTarget) -> None:
         self.runner = runner
         self.vocab_size = runner.model_config.vocab_size
         self.next_block = 0
@@ -97,14 +123,14 @@ class _Plans:
         )
 
 
-def eager_lengths(runner: ModelRunner) -> list[int]:
+def eager_lengths(runner: WarmUpTarget) -> list[int]:
     """Token counts past the largest mixed graph that fit a step: odd, then a multiple of 16."""
     limit = min(runner.max_num_batched_tokens, runner.max_model_len - _NUM_DECODES - 1)
     lengths = [MIXED_GRAPH_MAX_TOKENS + 19, (limit // 16) * 16]
     return [n for n in lengths if MIXED_GRAPH_MAX_TOKENS < n <= limit]
 
 
-def _many_request_counts(runner: ModelRunner) -> list[int]:
+def _many_request_counts(runner: WarmUpTarget) -> list[int]:
     """Past 256 requests (--max-num-seqs) each power of two of requests in an eager mixed step
     is a compile of the prefill kernel of its own (`reqs_pow2`): a step of one more request
     than each lower power of two meets it, if its requests and long prompt fit the budget."""
@@ -121,7 +147,7 @@ def _many_request_lengths(num_reqs: int) -> list[int]:
     return [1] * (num_reqs - 1) + [_LONG_PROMPT]  # what _run_many_requests plans
 
 
-def many_request_steps(runner: ModelRunner) -> list[int]:
+def many_request_steps(runner: WarmUpTarget) -> list[int]:
     """The steps of many requests to run: those whose blocks fit the KV cache on their own."""
     return [
         num_reqs
@@ -143,25 +169,25 @@ def _run_many_requests(plans: _Plans, num_reqs: int) -> list[str]:
     return list(scheduled)
 
 
-def first_step_lengths(runner: ModelRunner) -> list[int]:
+def first_step_lengths(runner: WarmUpTarget) -> list[int]:
     """The first step's prompt lengths, scaled down to fit the token budget and the context."""
     scale = min(1.0, runner.max_num_batched_tokens / _FIRST_STEP_TOKENS)
     longest = runner.max_model_len - _NUM_DECODES - 1
     return [max(1, min(int(n * scale), longest)) for n, _ in _FIRST_STEP.values()]
 
 
-def _blocks(runner: ModelRunner, prompt_lengths: list[int]) -> int:
+def _blocks(runner: WarmUpTarget, prompt_lengths: list[int]) -> int:
     """The blocks that warm-up requests of these prompt lengths take (_Plans.new)."""
     return sum(-(-(n + _NUM_DECODES + 1) // runner.block_size) for n in prompt_lengths)
 
 
-def blocks_needed(runner: ModelRunner) -> int:
+def blocks_needed(runner: WarmUpTarget) -> int:
     """The blocks of the first step's requests and the eager steps', held together (the steps
     of many requests reuse them: many_request_steps)."""
     return _blocks(runner, first_step_lengths(runner) + eager_lengths(runner))
 
 
-def skip_reason(runner: ModelRunner) -> str | None:
+def skip_reason(runner: WarmUpTarget) -> str | None:
     """Why the warm-up steps do not fit this runner's limits, if they do not."""
     if runner.buffers.max_reqs < len(_FIRST_STEP):
         return f"--max-num-seqs below {len(_FIRST_STEP)}"
@@ -174,7 +200,7 @@ def skip_reason(runner: ModelRunner) -> str | None:
     return None
 
 
-def _compile_attention_variants(runner: ModelRunner) -> None:
+def _compile_attention_variants(runner: WarmUpTarget) -> None:
     """The decode attention kernel in a decode and in a mixed batch, with one split and with
     several: an eager step's split count follows its batch."""
     cfg = runner.model.layout.local_config
@@ -183,7 +209,7 @@ def _compile_attention_variants(runner: ModelRunner) -> None:
     ops.compile_attention_variants(query, key_cache, value_cache)
 
 
-def _compile_linear_variants(runner: ModelRunner) -> None:
+def _compile_linear_variants(runner: WarmUpTarget) -> None:
     """Without CUDA graphs, the first layer's projections and the lm_head at _LINEAR_ROWS:
     every layer has their shapes, so the eager decode steps of those batches compile
     nothing. (Graph capture runs every decode batch size.)"""
@@ -196,7 +222,7 @@ def _compile_linear_variants(runner: ModelRunner) -> None:
             linear(torch.zeros(rows, linear.in_features, dtype=runner.dtype, device=runner.device))
 
 
-def warm_up(runner: ModelRunner) -> None:
+def warm_up(runner: WarmUpTarget) -> None:
     _compile_attention_variants(runner)  # needs one cache block alone
     _compile_linear_variants(runner)
     reason = skip_reason(runner)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.executor.attention_metadata import AttentionMetadata
-from services.executor.lora_slots import LoraTokens
+from services.executor.layers.attention_metadata import AttentionMetadata
+from services.executor.layers.lora import LoraTokens
 
 PADDING_SLOT = -1  # write_kv skips it: padded graph rows must not touch the cache
 

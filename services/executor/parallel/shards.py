@@ -9,7 +9,7 @@ on rank 0 alone, zeros on the others).
 Each linear method says, for every tensor it loads, which dimension runs along the output rows
 and which along the input columns, and in what blocks (`TensorDims`, from the method's
 `shard_dims`); `shard_tensor` cuts a checkpoint tensor by that, in the layout the layer loads
-(after services/executor/quantized_checkpoints.py's translation, which reads only what the
+(after services/executor/quantization/checkpoints.py's translation, which reads only what the
 cut takes), so that a rank reads and copies in only its part and its method prepares that
 part as it would a whole layer. GGUF pieces, which the method loads itself, are cut by the
 dimensions of `packed_dims`. Quantized formats decide where a cut may fall: whole packed

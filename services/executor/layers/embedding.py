@@ -1,0 +1,23 @@
+"""The token embedding, split by vocabulary rows across tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels import ops
+from services.executor.parallel.layout import ShardLayout
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The rank's rows of the embedding: each id is looked up by the rank that holds it."""
+
+    def __init__(self, layout: ShardLayout, hidden_size: int) -> None:
+        super().__init__()
+        self.layout = layout
+        self.weight = nn.Parameter(torch.empty(layout.vocab_rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        """This rank's part of the embedding: the rows of the ids it holds, zeros for the
+        others. Summed over the ranks (by the first norm: RMSNorm.begin), the embedding."""
+        return ops.embedding_rows(input_ids, self.weight, self.layout.vocab_start)

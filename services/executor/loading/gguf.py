@@ -1,0 +1,133 @@
+"""GGUF files as a stream of (Hugging Face name, tensor): llama.cpp's names and q/k row order
+translated back, each tensor read (and dequantized) only for the part a rank takes."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from types import EllipsisType
+
+import gguf
+import numpy as np
+import torch
+
+from kernels.gguf import GGUF_TYPES
+from services.executor.parallel.shards import CheckpointSlice
+from services.executor.quantization.gguf import PackedWeight
+from shared.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+# GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def _unpermute_rope(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order (interleaved RoPE pairs) back to rotate-half order."""
+    # llama.cpp stores each head's rows as (pairs, 2); the checkpoint had (2, pairs).
+    pairs = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, pairs, 2, *weight.shape[1:])
+    return w.transpose(1, 2).reshape(weight.shape)
+
+
+def iter_gguf(
+    path: Path, cfg: ModelConfig, keep_blocks: bool = False
+) -> Iterator[tuple[str, CheckpointSlice | PackedWeight]]:
+    """The file's tensors unread (a tensor-parallel rank reads and dequantizes only its part),
+    as float32; with `keep_blocks`, the projections' weights as `PackedWeight`s instead:
+    their blocks as stored, or float for the types without a kernel (and F16/F32), which are
+    counted in a warning."""
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    dequantized: Counter[str] = Counter()
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        qtype = tensor.tensor_type.name
+        packed = keep_blocks and name.endswith("_proj.weight")
+        blocks = packed and qtype in GGUF_TYPES
+        if packed and not blocks and qtype not in ("F32", "F16", "BF16"):
+            dequantized[qtype] += 1
+        # llama.cpp's q/k row order; a row permutation moves whole rows of blocks as well.
+        rope_rows = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+        part = _GgufPart(tensor.data, tensor.tensor_type, blocks, cfg.head_dim if rope_rows else 0)
+        weight = CheckpointSlice(part)
+        yield name, (PackedWeight(_packed_type(qtype), weight) if packed else weight)
+    if dequantized:
+        logger.warning(
+            "GGUF types without a kernel, dequantized to float at load (more memory): %s",
+            ", ".join(f"{count} {qtype}" for qtype, count in sorted(dequantized.items())),
+        )
+
+
+class _GgufPart:
+    """A GGUF tensor in its memory-mapped file, as `CheckpointSlice` reads one: its shape, and
+    the part an index takes, read then (blocks as stored, or dequantized to float32). Columns
+    are values of a dequantized tensor (the blocks holding them are read) or bytes of a blocks
+    one. `rope_head_dim`: llama.cpp's q/k rows, put back in rotate-half order as read (a cut
+    takes whole heads, so each head is unpermuted alone)."""
+
+    def __init__(
+        self, data: np.ndarray, qtype: gguf.GGMLQuantizationType, blocks: bool, rope_head_dim: int
+    ) -> None:
+        self.data, self.qtype, self.blocks = data, qtype, blocks
+        self.rope_head_dim = rope_head_dim
+        # Each stored row is blocks of `elems` values in `width` entries (bytes, or one typed
+        # value for F32/F16/BF16).
+        elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        self.elems, self.width = (1, 1) if blocks else (elems, nbytes // data.itemsize)
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.data.shape)
+        shape[-1] = shape[-1] // self.width * self.elems
+        return shape
+
+    def __getitem__(self, index: tuple[slice, ...] | EllipsisType) -> torch.Tensor:
+        view, columns = self.data, slice(None)
+        if isinstance(index, tuple):
+            *rows, columns = index if len(index) == view.ndim else (*index, slice(None))
+            view = view[tuple(rows)]
+        start, stop, _ = columns.indices(self.get_shape()[-1])
+        if self.blocks:  # bytes of whole blocks: what a rank cuts is the method's to check
+            weight = torch.from_numpy(np.array(view[..., start:stop], dtype=np.uint8))
+        else:  # the whole blocks holding the columns, dequantized, then the columns
+            first, last = start // self.elems, -(-stop // self.elems)
+            stored = np.ascontiguousarray(view[..., first * self.width : last * self.width])
+            values = gguf.quants.dequantize(stored, self.qtype)
+            offset = first * self.elems
+            values = values[..., start - offset : stop - offset]
+            weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
+        if self.rope_head_dim:
+            weight = _unpermute_rope(weight, weight.shape[0] // self.rope_head_dim)
+        return weight
+
+
+def _packed_type(qtype: str) -> str:
+    return qtype if qtype in GGUF_TYPES else "float"
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    _, layer, piece, suffix = gguf_name.split(".")
+    if piece not in _GGUF_LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[piece]}.{suffix}"

@@ -1,0 +1,137 @@
+"""Weight sources, each yielding (Hugging Face name, tensor): safetensors folders, GGUF files,
+and random dummy weights for benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+
+from services.executor.layers.linear import Linear
+from services.executor.loading.gguf import iter_gguf
+from services.executor.loading.safetensors import (
+    iter_safetensor_slices,
+    iter_safetensors,
+    safetensors_names,
+)
+from services.executor.models.decoder import DecoderForCausalLM, hf_module_names
+from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
+from services.executor.quantization.checkpoints import translate_quantized
+from services.executor.quantization.methods import linear_method, prepare_linear_layers
+from shared.model_config import ModelConfig, ModelSource
+from shared.quant_config import QuantSpec, read_quant_spec
+
+logger = logging.getLogger(__name__)
+
+
+def refuse_ignored_projections(model: DecoderForCausalLM, spec: QuantSpec | None) -> None:
+    """A checkpoint whose ignore list leaves some of kvflow's quantized projections in float
+    is refused before loading: every projection but the lm_head runs one method."""
+    if spec is None:
+        return
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or name == "lm_head":
+            continue
+        for hf_name in hf_module_names(name):
+            if spec.ignores(f"model.{hf_name}"):
+                raise ValueError(
+                    f"the checkpoint leaves model.{hf_name} unquantized (its ignore list); "
+                    "kvflow quantizes every projection but the lm_head"
+                )
+
+
+def init_dummy(model: DecoderForCausalLM, seed: int) -> None:
+    """Random weights with realistic scale (norms at 1), for benchmarks and tests; each
+    projection's method fills its own parameters (packed int4 has its own ranges).
+
+    Drawn on the parameters' device: an 8B model's worth of randn on the host takes minutes.
+    """
+    device = model.embed_tokens.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    linear_params: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.init_dummy(module, generator)
+            linear_params.update(id(p) for p in module.parameters())
+    for name, param in model.named_parameters():
+        if "norm" in name or name.endswith(("k_scale", "v_scale")):  # KV scales: none
+            param.data.fill_(1.0)
+        elif id(param) not in linear_params:
+            values = torch.randn(param.shape, generator=generator, device=device)
+            param.data.copy_(values.mul_(0.02))
+
+
+def load_model(
+    source: ModelSource,
+    cfg: ModelConfig,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_position: int,
+    seed: int,
+    quantization: str | None = None,
+    tp: TensorParallel = ONE_RANK,
+) -> DecoderForCausalLM:
+    """`quantization`: the --quantization flag; the checkpoint's own config decides when set
+    (shared/quant_config.py). `tp`: the rank loads its part of every weight."""
+    spec = read_quant_spec(quantization, source, load_format, device_type=device.type)
+    fp8 = spec is not None and spec.checkpoint_format == "fp8" and spec.fp8_block is None
+    if fp8 and device.type == "cuda" and dtype != torch.bfloat16:
+        # cuBLASLt's row-wise scaled FP8 GEMM writes bf16 only.
+        raise ValueError("FP8 linear layers run with --dtype bfloat16 (or auto) on CUDA")
+    start = time.perf_counter()
+    # Parameters are made in `dtype`; those that need another (packed ints, FP8 and its
+    # float32 scales, the rotary table) name it.
+    with torch.device(device), _default_dtype(dtype):
+        kv_scales = spec is not None and spec.kv_scales
+        model = DecoderForCausalLM(cfg, max_position, linear_method(spec), kv_scales, tp)
+    refuse_ignored_projections(model, spec)
+    fmt = source.format if load_format == "auto" else load_format
+    if fmt == "dummy" or source.format == "preset":
+        init_dummy(model, seed)
+    elif fmt == "gguf":
+        keep_blocks = spec is not None and spec.method == "gguf"
+        model.load_weights(iter_gguf(source.path, cfg, keep_blocks))
+    elif fmt == "safetensors" and spec is not None and spec.from_checkpoint:
+        names = safetensors_names(source.path)
+        tensors = iter_safetensor_slices(source.path)
+        model.load_weights(translate_quantized(tensors, names, spec))
+    elif fmt == "safetensors" and tp.size > 1:
+        model.load_weights(iter_safetensor_slices(source.path))
+    elif fmt == "safetensors":
+        model.load_weights(iter_safetensors(source.path))
+    else:
+        raise ValueError(f"cannot load {source.path} with --load-format {load_format}")
+    prepare_linear_layers(model, spec)
+    for layer in model.layers:
+        layer.self_attn.prepare_kv_scales()
+    logger.info(
+        "loaded %s (%s, %s%s, %.2f GiB of weights, %s) in %.1f s",
+        source.name,
+        fmt,
+        str(dtype).removeprefix("torch."),
+        f", {spec.label} linear layers" if spec else "",
+        weight_bytes(model) / 2**30,
+        device,
+        time.perf_counter() - start,
+    )
+    return model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """What the weights hold in memory: parameters, and the quantized weights and scales."""
+    tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if "weight" in n)]
+    return sum(t.numel() * t.element_size() for t in tensors)

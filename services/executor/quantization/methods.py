@@ -1,0 +1,43 @@
+"""Which linear method a model's projections run: chosen once at load, from the checkpoint's
+config or --quantization."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from services.executor.layers.linear import Linear, LinearMethod, Unquantized
+from services.executor.quantization.fp8 import Fp8Block, Fp8Checkpoint, Fp8Dynamic, Fp8Static
+from services.executor.quantization.gguf import GgufBlocks
+from services.executor.quantization.int4 import Int4WeightOnly
+from shared.quant_config import QuantSpec
+
+logger = logging.getLogger(__name__)
+
+
+def linear_method(spec: QuantSpec | None) -> LinearMethod:
+    """The method every projection but the lm_head runs (the lm_head keeps its float weight,
+    as vLLM keeps it: it is tied to the embedding in many models, and quantizing it moves
+    logits more than any other layer)."""
+    if spec is None:
+        return Unquantized()
+    if spec.fp8_block is not None:
+        return Fp8Block(spec.fp8_block)
+    if spec.checkpoint_format == "fp8" and spec.static_input:
+        return Fp8Static()
+    if spec.checkpoint_format == "fp8":
+        return Fp8Checkpoint() if spec.from_checkpoint else Fp8Dynamic()
+    if spec.method == "gguf":
+        return GgufBlocks()
+    return Int4WeightOnly(spec)
+
+
+def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:
+    """After loading: let each layer's method prepare its weights (e.g. quantize them)."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    for _, layer in layers:
+        layer.method.prepare(layer)
+    if spec is not None:
+        quantized = sum(1 for name, _ in layers if name != "lm_head")
+        logger.info("quantization: %s on %d linear layers (lm_head kept)", spec.label, quantized)
