@@ -13,17 +13,16 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from services.frontend import openapi
-from services.frontend.engine_client import EngineClient
-from services.frontend.errors import APIError
-from services.frontend.guards import admit, authorize, load_api_keys
-from services.frontend.limits import RequestLimits
-from services.frontend.metrics import Metrics
-from services.frontend.metrics_share import MetricsShare
-from services.frontend.request_log import RequestLog
-from services.frontend.routes import generate, info, lora, tokenize
-from services.frontend.state import FrontendState
-from services.frontend.validation import Served
+from services.frontend.api.errors import APIError
+from services.frontend.api.limits import RequestLimits
+from services.frontend.api.validation import Served
+from services.frontend.engine.client import EngineClient
+from services.frontend.metrics.prometheus import Metrics
+from services.frontend.metrics.request_log import RequestLog
+from services.frontend.metrics.share import MetricsShare
+from services.frontend.routes import generate, info, lora, openapi, tokenize
+from services.frontend.routes.guards import admit, authorize, load_api_keys
+from services.frontend.routes.state import FrontendState
 from shared.config import Config
 from shared.version import VERSION
 

@@ -15,9 +15,9 @@ import uvloop
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.frontend.app import create_app
-from services.frontend.engine_client import EngineClient
-from services.frontend.request_log import PROBE_PATHS
-from services.frontend.state import FrontendState
+from services.frontend.engine.client import EngineClient
+from services.frontend.metrics.request_log import PROBE_PATHS
+from services.frontend.routes.state import FrontendState
 from shared.config import Config
 from shared.constants import DRAIN_ERROR_GRACE_S
 from shared.model_config import resolve_model_source

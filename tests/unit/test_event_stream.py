@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.frontend import event_stream
-from services.frontend.event_stream import EventStream
+from services.frontend.routes import event_stream
+from services.frontend.routes.event_stream import EventStream
 
 
 def run_stream(send_blocks_after: int | None) -> tuple[list[bytes], bool]:

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.frontend.app import create_app
-from services.frontend.engine_client import EngineClient
+from services.frontend.engine.client import EngineClient
 from shared.config import Config, ConfigError
 from shared.protocol import LoraAdapterInfo, LoraAdapterListing
 from shared.version import VERSION
@@ -154,20 +154,22 @@ def test_request_log_off_logs_nothing(app: App, caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.INFO, logger="services.frontend"):
         client.get("/version", headers=AUTH)
         client.post("/v1/completions", headers=AUTH, json={"prompt": "hi"})
-    assert [r for r in caplog.records if r.name == "services.frontend.request_log"] == []
+    assert [r for r in caplog.records if r.name == "services.frontend.metrics.request_log"] == []
 
 
 def test_request_log_on_logs_one_line_per_api_request(
     logged_app: App, caplog: pytest.LogCaptureFixture
 ) -> None:
     client, _ = logged_app
-    with caplog.at_level(logging.INFO, logger="services.frontend.request_log"):
+    with caplog.at_level(logging.INFO, logger="services.frontend.metrics.request_log"):
         client.get("/health")
         client.get("/metrics", headers=AUTH)
         client.get("/version")
         client.post("/v1/chat/completions", headers=AUTH, json={"messages": []})
         client.post("/v1/completions", headers=AUTH, json={"prompt": "hi"})
-    lines = [r.getMessage() for r in caplog.records if r.name == "services.frontend.request_log"]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "services.frontend.metrics.request_log"
+    ]
     assert len(lines) == 3, lines
     assert lines[0].startswith("GET /version request_id=- status=401 ")
     assert lines[1].startswith("POST /v1/chat/completions request_id=- status=400 ")

@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from services.frontend.engine_client import IDLE, EngineClient, QueueFull, RequestTimeout
+from services.frontend.engine.client import IDLE, EngineClient, QueueFull, RequestTimeout
 from shared.config import Config
 from shared.ipc import Decoder, encode
 from shared.protocol import (

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from services.frontend.health import engine_failure, tokenizer_pool_reason, unavailable_reason
+from services.frontend.engine.health import (
+    engine_failure,
+    tokenizer_pool_reason,
+    unavailable_reason,
+)
 
 EXPECTED = ["scheduler", "executor-0"]
 TIMEOUT = 10.0

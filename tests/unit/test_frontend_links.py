@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from services.frontend.engine_client import EngineClient
+from services.frontend.engine.client import EngineClient
 from shared.config import Config
 from shared.frontend_links import FrontendLinks
 

@@ -13,16 +13,16 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from services.frontend.app import create_app
-from services.frontend.engine_client import EngineClient
-from services.frontend.errors import APIError, queue_full
-from services.frontend.openai_types import (
+from services.frontend.api.errors import APIError, queue_full
+from services.frontend.api.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeBody,
     TokenizeBody,
 )
-from services.frontend.openapi import ErrorBody
+from services.frontend.app import create_app
+from services.frontend.engine.client import EngineClient
+from services.frontend.routes.openapi import ErrorBody
 from shared.config import Config
 
 KEY = "sk-test"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.frontend.request_log import RequestRecord, log_line
+from services.frontend.metrics.request_log import RequestRecord, log_line
 
 
 def test_a_generate_request_line() -> None:

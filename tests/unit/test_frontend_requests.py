@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from services.frontend.endpoints import CHAT, COMPLETIONS, Endpoint
-from services.frontend.errors import APIError
-from services.frontend.limits import RequestLimits
-from services.frontend.validation import CallPlan, Served, plan_call
+from services.frontend.api.endpoints import CHAT, COMPLETIONS, Endpoint
+from services.frontend.api.errors import APIError
+from services.frontend.api.limits import RequestLimits
+from services.frontend.api.validation import CallPlan, Served, plan_call
 from shared.config import Config
 from shared.ipc import encode
 from shared.protocol import ChatMessage

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from services.frontend import responses as r
-from services.frontend.endpoints import CHAT, COMPLETIONS
-from services.frontend.errors import APIError, api_error, bad_request, unavailable
+from services.frontend.api import responses as r
+from services.frontend.api.endpoints import CHAT, COMPLETIONS
+from services.frontend.api.errors import APIError, api_error, bad_request, unavailable
 from shared.protocol import (
     ErrorKind,
     FinishReason,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.frontend.tokenizer_pool import TokenizerPool
+from services.frontend.engine.tokenizer_pool import TokenizerPool
 
 
 def pool_of(*names: str, at: float = 0.0) -> TokenizerPool:

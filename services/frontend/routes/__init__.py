@@ -8,9 +8,9 @@ from typing import TypeVar
 
 from fastapi import Request
 
-from services.frontend.engine_client import EngineUnavailable
-from services.frontend.errors import api_error, unavailable
-from services.frontend.request_log import record_of
+from services.frontend.api.errors import api_error, unavailable
+from services.frontend.engine.client import EngineUnavailable
+from services.frontend.metrics.request_log import record_of
 from shared.protocol import LoraAdapterResult, TokenizeResult
 
 Answer = TypeVar("Answer", TokenizeResult, LoraAdapterResult)

@@ -8,13 +8,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from services.frontend.calls import APICall
-from services.frontend.endpoints import CHAT, COMPLETIONS, Endpoint
-from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
-from services.frontend.openapi import json_body
+from services.frontend.api.endpoints import CHAT, COMPLETIONS, Endpoint
+from services.frontend.api.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.api.validation import plan_call
 from services.frontend.routes import new_request_id
-from services.frontend.state import AppState, FrontendState
-from services.frontend.validation import plan_call
+from services.frontend.routes.calls import APICall
+from services.frontend.routes.openapi import json_body
+from services.frontend.routes.state import AppState, FrontendState
 
 router = APIRouter()
 GENERATE_ERRORS = (400, 401, 404, 413, 429, 503, 504)  # documented, with the body types

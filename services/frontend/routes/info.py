@@ -15,10 +15,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from services.frontend.errors import unavailable
-from services.frontend.openapi import errors
-from services.frontend.state import AppState
-from services.frontend.validation import model_not_found
+from services.frontend.api.errors import unavailable
+from services.frontend.api.validation import model_not_found
+from services.frontend.routes.openapi import errors
+from services.frontend.routes.state import AppState
 from shared.version import VERSION
 
 health_router = APIRouter()

@@ -8,12 +8,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from services.frontend.errors import bad_request
-from services.frontend.openai_types import LoadLoraAdapterBody, UnloadLoraAdapterBody
-from services.frontend.openapi import json_body
+from services.frontend.api.errors import bad_request
+from services.frontend.api.openai_types import LoadLoraAdapterBody, UnloadLoraAdapterBody
+from services.frontend.api.validation import decode
 from services.frontend.routes import engine_answer, new_request_id
-from services.frontend.state import AppState, FrontendState
-from services.frontend.validation import decode
+from services.frontend.routes.openapi import json_body
+from services.frontend.routes.state import AppState, FrontendState
 from shared.protocol import LoraAdapterRequest
 
 router = APIRouter()

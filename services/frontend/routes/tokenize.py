@@ -7,13 +7,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from services.frontend.errors import bad_request
-from services.frontend.openai_types import DetokenizeBody, TokenizeBody
-from services.frontend.openapi import json_body
+from services.frontend.api.errors import bad_request
+from services.frontend.api.openai_types import DetokenizeBody, TokenizeBody
+from services.frontend.api.structured import tool_definition
+from services.frontend.api.validation import decode
 from services.frontend.routes import engine_answer, new_request_id
-from services.frontend.state import AppState, FrontendState
-from services.frontend.structured import tool_definition
-from services.frontend.validation import decode
+from services.frontend.routes.openapi import json_body
+from services.frontend.routes.state import AppState, FrontendState
 from shared.protocol import ParameterError, TokenizeRequest, TokenizeResult
 
 router = APIRouter()

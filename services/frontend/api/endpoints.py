@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from services.frontend import responses as r
-from services.frontend.openai_types import ChatCompletionRequest, CompletionRequest
-from services.frontend.structured import ToolRequest, structured_output, tool_request
+from services.frontend.api import responses as r
+from services.frontend.api.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.api.structured import ToolRequest, structured_output, tool_request
 from shared.protocol import (
     ChatMessage,
     GenerateRequest,

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from services.frontend.openai_types import (
+from services.frontend.api.openai_types import (
     ChatCompletionRequest,
     GenerateBody,
     NamedToolChoice,

@@ -57,7 +57,7 @@ class Histogram:
 
 class FrontendFigures(msgspec.Struct, forbid_unknown_fields=True):
     """One frontend's request-level figures, as frontends run side by side share them
-    (services/frontend/metrics_share.py)."""
+    (services/frontend/metrics/share.py)."""
 
     histograms: dict[str, tuple[list[int], float]]  # name -> (bucket counts, sum)
     finished: dict[str, int]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.frontend.endpoints import Inputs
+from services.frontend.api.endpoints import Inputs
 from shared.config import Config
 from shared.protocol import ParameterError
 

@@ -13,19 +13,19 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from services.frontend import responses as r
-from services.frontend.engine_client import (
+from services.frontend.api import responses as r
+from services.frontend.api.errors import APIError, api_error, queue_full, timed_out, unavailable
+from services.frontend.api.validation import CallPlan
+from services.frontend.engine.client import (
     EngineClient,
     EngineUnavailable,
     Idle,
     QueueFull,
     RequestTimeout,
 )
-from services.frontend.errors import APIError, api_error, queue_full, timed_out, unavailable
-from services.frontend.event_stream import EventStream
-from services.frontend.metrics import Metrics
-from services.frontend.request_log import record_of
-from services.frontend.validation import CallPlan
+from services.frontend.metrics.prometheus import Metrics
+from services.frontend.metrics.request_log import record_of
+from services.frontend.routes.event_stream import EventStream
 from shared.constants import SSE_KEEPALIVE_S
 from shared.protocol import ErrorKind, TextDelta
 

@@ -7,10 +7,10 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from services.frontend.engine_client import EngineClient
-from services.frontend.metrics import Metrics
-from services.frontend.metrics_share import MetricsShare
-from services.frontend.validation import Served
+from services.frontend.api.validation import Served
+from services.frontend.engine.client import EngineClient
+from services.frontend.metrics.prometheus import Metrics
+from services.frontend.metrics.share import MetricsShare
 from shared.config import Config
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 
-from services.frontend.metrics import FrontendFigures
+from services.frontend.metrics.prometheus import FrontendFigures
 
 logger = logging.getLogger(__name__)
 WRITE_INTERVAL_S = 1.0

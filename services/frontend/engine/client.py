@@ -13,9 +13,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from services.frontend.health import engine_failure, starting_reason, tokenizer_pool_reason
-from services.frontend.lora_listings import LoraListings
-from services.frontend.tokenizer_pool import TokenizerPool
+from services.frontend.engine.health import engine_failure, starting_reason, tokenizer_pool_reason
+from services.frontend.engine.lora_listings import LoraListings
+from services.frontend.engine.tokenizer_pool import TokenizerPool
 from shared.config import Config
 from shared.constants import LORA_ANSWER_MARGIN_S, LORA_LOAD_TIMEOUT_S, TOKENIZE_TIMEOUT_S
 from shared.ipc import Decoder, bind_router, encode, routed, terminate

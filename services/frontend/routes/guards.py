@@ -8,8 +8,8 @@ from pathlib import Path
 
 from fastapi import Request
 
-from services.frontend.errors import APIError, unavailable
-from services.frontend.state import frontend_state
+from services.frontend.api.errors import APIError, unavailable
+from services.frontend.routes.state import frontend_state
 from shared.config import Config, ConfigError
 
 

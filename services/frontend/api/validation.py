@@ -9,10 +9,10 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from services.frontend.endpoints import Endpoint
-from services.frontend.errors import APIError, bad_request
-from services.frontend.limits import RequestLimits
-from services.frontend.openai_types import decode_body
+from services.frontend.api.endpoints import Endpoint
+from services.frontend.api.errors import APIError, bad_request
+from services.frontend.api.limits import RequestLimits
+from services.frontend.api.openai_types import decode_body
 from shared.protocol import GenerateRequest, LoraAdapterInfo, ParameterError
 
 T = TypeVar("T")
