@@ -24,7 +24,7 @@ from pathlib import Path
 
 import zmq
 
-from services.frontend.metrics_share import share_file
+from services.frontend.metrics.share import share_file
 from shared.config import ENV_PREFIX, Config
 from shared.constants import DEATH_GRACE_S, UNHEALTHY_LIMIT_S
 from shared.ipc import connect_dealer, encode

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from services.frontend.metrics import Metrics
+from services.frontend.metrics.prometheus import Metrics
 from tests.unit.snapshots import stats
 
 ROOT = Path(__file__).resolve().parents[2]

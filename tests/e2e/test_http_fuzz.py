@@ -1,7 +1,7 @@
 """Fuzzing the HTTP API from its own OpenAPI document: no input gets a 5xx or hangs.
 
 One real `kvflow serve` (with an API key) serves `/openapi.json`, whose request bodies are
-generated from the msgspec types the routes decode (`services/frontend/openapi.py`).
+generated from the msgspec types the routes decode (`services/frontend/routes/openapi.py`).
 schemathesis loads that document from the running server and sends every operation its
 coverage cases (boundary values, wrong types, missing fields, other methods) and a bounded
 number of random examples, valid by the document (positive) and not (negative). Each answer
