@@ -9,6 +9,7 @@ Precedence: field defaults < config file (`--config`, JSON or TOML) < `KVFLOW_*`
     validation.py  the checks Config runs when made, one function per flag group
     sources.py     the layers: --config file, KVFLOW_* environment, flags; OFFLINE_DEFAULTS
     cli.py         the flags, generated from the fields
+    summary.py     what startup logs: the fields that differ from their defaults, secrets masked
 """
 
 from shared.config.cli import add_config_flags

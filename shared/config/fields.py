@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared.config.options import option
+from shared.config.summary import non_default_summary
 from shared.config.validation import canonical_spellings, validate
 
 
@@ -165,6 +166,7 @@ class Config:
         "server",
         "Require this bearer token on every route but /health and /ready; several may be given"
         " comma-separated.",
+        secret=True,
     )
     api_key_file: str | None = option(
         None,
@@ -379,16 +381,9 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
 
-    def summary(self) -> str:
-        """Every field as name=value, secrets masked: what startup logs."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in _SECRETS:
-            if values[name] is not None:
-                values[name] = "***"
-        return " ".join(f"{name}={value}" for name, value in values.items())
-
-
-_SECRETS = ("api_key",)
+    def non_default_summary(self) -> str:
+        """The fields that differ from their defaults, secrets masked: what startup logs."""
+        return non_default_summary(self)
 
 
 def field_doc(name: str) -> str:

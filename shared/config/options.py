@@ -19,9 +19,17 @@ class ConfigError(ValueError):
     pass
 
 
-def option(default: Any, group: str, doc: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A documented field: its flag's group, help text and allowed values."""
-    return field(default=default, metadata={"group": group, "doc": doc, "choices": choices})
+def option(
+    default: Any,
+    group: str,
+    doc: str,
+    choices: tuple[str, ...] | None = None,
+    secret: bool = False,
+) -> Any:
+    """A documented field: its flag's group, help text and allowed values. A `secret` one's
+    value is never written where it could be read: the startup log shows it as ***."""
+    metadata = {"group": group, "doc": doc, "choices": choices, "secret": secret}
+    return field(default=default, metadata=metadata)
 
 
 def flag(name: str) -> str:
