@@ -71,10 +71,10 @@ def _run_component(args: argparse.Namespace) -> int:
         from services.launcher.serve import Launcher
 
         launcher = Launcher(config)  # picks the private addresses its processes use
-        logger.info("config: %s", launcher.config.summary())
+        logger.info("non-default args: %s", launcher.config.non_default_summary())
         return launcher.run()
     if not args.supervised:
-        logger.info("config: %s", config.summary())
+        logger.info("non-default args: %s", config.non_default_summary())
     if command == "frontend":
         from services.frontend.process import run_frontend
 

@@ -62,7 +62,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from kvflow import LLM  # imports torch: only when needed
 
     config = config_from_args(args, defaults=OFFLINE_DEFAULTS)
-    logger.info("config: %s", config.summary())
+    logger.info("non-default args: %s", config.non_default_summary())
     options = options_from_args(GenerateOptions, args)
     params = SamplingParams(
         temperature=options.temperature,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,64 @@ def test_vllm_spellings_mean_the_same_value(argv: list[str], field: str, value: 
 def test_a_kv_cache_format_kvflow_lacks_is_refused() -> None:
     with pytest.raises(ConfigError, match="--kv-cache-dtype"):
         Config(kv_cache_dtype="fp8_e5m2")
+
+
+# -- the startup log's line: what differs from the defaults, secrets masked
+
+SECRET = "sk-very-secret-0123"
+
+
+def test_the_summary_of_the_defaults_is_empty() -> None:
+    assert Config().non_default_summary() == "{}"
+    assert config_from_args(parse([])).non_default_summary() == "{}"
+
+
+def test_the_summary_names_only_the_changed_fields() -> None:
+    config = config_from_args(
+        parse(
+            [
+                "--port",
+                "8001",
+                "--max-num-seqs",
+                "256",
+                "--dtype",
+                "half",
+                "--no-enable-prefix-caching",
+            ]
+        )
+    )  # --max-num-seqs 256 is its default
+    assert config.non_default_summary() == (
+        "{'dtype': 'float16', 'enable_prefix_caching': False, 'port': 8001}"
+    )
+
+
+def test_the_summary_never_holds_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFLOW_API_KEY", f"{SECRET},{SECRET}-2")
+    config = config_from_args(parse(["--api-key-file", "/run/keys"]))
+    summary = config.non_default_summary()
+    assert SECRET not in summary
+    assert "'api_key': '***'" in summary
+    assert "'api_key_file': '/run/keys'" in summary  # where the keys are is no secret
+
+
+def test_every_field_that_holds_a_secret_is_masked() -> None:
+    """A field named as a credential is declared secret, unless it holds where one is kept."""
+    where_kept = {"api_key_file", "curve_key_dir"}
+    credentials = {"key", "secret", "token", "password", "credential"}
+    named = {f.name for f in fields(Config) if credentials & set(f.name.split("_"))}
+    secret = {f.name for f in fields(Config) if f.metadata["secret"]}
+    assert named - where_kept == secret == {"api_key"}
+    everything = {f.name: SECRET for f in fields(Config) if f.name in secret}
+    assert SECRET not in Config(**everything).non_default_summary()
+
+
+def test_the_summary_stays_short_for_a_served_config() -> None:
+    config = Config(
+        model="/models/Qwen3-8B",
+        tensor_parallel_size=2,
+        api_key=SECRET,
+        scheduler_address="ipc:///tmp/kvflow-abc/scheduler",
+        frontend_address="ipc:///tmp/kvflow-abc/frontend-0",
+        api_server_count=1,
+    )
+    assert len(config.non_default_summary()) < 250

@@ -1,52 +1,25 @@
-"""The one configuration object, its CLI flags and its environment variables.
+"""`Config`: every field kvflow is configured by, documented, in the order --help lists them.
 
-Precedence: field defaults < config file (`--config`, JSON or TOML) < `KVFLOW_*` environment
-< command-line flags. `--help` is generated from the field docs below. Nothing else in
-kvflow reads `os.environ`.
+The fields are grouped by their flags' group (the `-- model`, `-- lora`, ... comments); each
+group's checks are in validation.py, and what sets the values in sources.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import os
-import tomllib
-import types
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any
 
-from shared.lora_modules import LoraModuleError, parse_lora_modules
-
-ENV_PREFIX = "KVFLOW_"
-# Offline generation (the `LLM` class, `kvflow generate`, `kvflow bench`) trades step latency
-# for throughput, as vLLM's LLM class does: larger steps. Layered above the field defaults and
-# below everything a user sets. Offline 256 x 512/256 on an H100 (docs/benchmarks.md): 8,946
-# output tok/s at 16384 and 8,900 at 8192 in one run; 8,683 at 2048 in an earlier one.
-OFFLINE_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 16384}
-
-
-T = TypeVar("T")
-
-
-def option(default: Any, group: str, doc: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A documented field: its flag's group, help text and allowed values."""
-    return field(default=default, metadata={"group": group, "doc": doc, "choices": choices})
-
-
-# vLLM's other spellings of a value, which a command line copied from vLLM may hold: the value
-# each one means here (the field's choices list both).
-_VLLM_SPELLINGS: dict[str, dict[str, str]] = {
-    "dtype": {"half": "float16", "float": "float32"},
-    "quantization": {"awq_marlin": "awq", "gptq_marlin": "gptq"},
-    "kv_cache_dtype": {"fp8_e4m3": "fp8"},
-}
+from shared.config.options import option
+from shared.config.summary import non_default_summary
+from shared.config.validation import canonical_spellings, validate
 
 
 @dataclass(frozen=True)
 class Config:
+    """Everything one kvflow process is configured by, whole: a process hands it on as a JSON
+    file (`config_from_file`), never pickled."""
+
     # -- model
     model: str | None = option(
         None,
@@ -193,6 +166,7 @@ class Config:
         "server",
         "Require this bearer token on every route but /health and /ready; several may be given"
         " comma-separated.",
+        secret=True,
     )
     api_key_file: str | None = option(
         None,
@@ -373,104 +347,9 @@ class Config:
     )
 
     def __post_init__(self) -> None:
-        for name, spellings in _VLLM_SPELLINGS.items():  # one name each past this point
-            value = getattr(self, name)
-            object.__setattr__(self, name, spellings.get(value, value))
-        _require(
-            self.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8..128, a power of 2"
-        )
-        _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        _require(self.tokenizer_pool_size >= 1, "tokenizer_pool_size", "must be >= 1")
-        _require(
-            self.api_server_count is None or self.api_server_count >= 1,
-            "api_server_count",
-            "must be >= 1",
-        )
-        _require(
-            self.worker_index is None or self.worker_index >= 0, "worker_index", "must be >= 0"
-        )
-        _require(1 <= self.port <= 65535, "port", "must be in 1..65535")
-        _require(self.max_queued_requests >= 1, "max_queued_requests", "must be >= 1")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
-        _require(
-            0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"
-        )
-        _require(
-            self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1"
-        )
-        _require(
-            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
-            "tool_call_parser",
-            "--enable-auto-tool-choice needs --tool-call-parser",
-        )
-        for name in (
-            "startup_timeout",
-            "engine_stall_timeout",
-            "component_timeout",
-            "grammar_compile_timeout",
-        ):
-            _require(getattr(self, name) > 0, name, "must be > 0 seconds")
-        _require(self.drain_timeout >= 0, "drain_timeout", "must be >= 0 seconds")
-        _require(
-            self.request_timeout is None or self.request_timeout > 0,
-            "request_timeout",
-            "must be > 0 seconds",
-        )
-        _require(
-            self.max_queued_tokens is None or self.max_queued_tokens >= 1,
-            "max_queued_tokens",
-            "must be >= 1",
-        )
-        for name in _LIMITS:
-            value = getattr(self, name)
-            _require(value is None or value >= 1, name, "must be >= 1")
-        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
-        _require(
-            self.pipeline_parallel_size == 1,
-            "pipeline_parallel_size",
-            "pipeline parallelism is not supported: split the model with "
-            "--tensor-parallel-size instead",
-        )
-        _require(self.data_parallel_size >= 1, "data_parallel_size", "must be >= 1")
-        _require(
-            self.data_parallel_rank is None
-            or 0 <= self.data_parallel_rank < self.data_parallel_size,
-            "data_parallel_rank",
-            "must be in 0..--data-parallel-size - 1",
-        )
-        for name in ("scheduler_address", "kv_events_address"):
-            count = len(self.addresses(name))
-            _require(
-                count in (0, self.data_parallel_size),
-                name,
-                f"{count} addresses for {self.data_parallel_size} engine replicas",
-            )
-        _require(self.max_loras >= 1, "max_loras", "must be >= 1")
-        _require(
-            self.enable_lora or not (self.lora_modules or self.allow_runtime_lora_updating),
-            "enable_lora",
-            "--lora-modules and --allow-runtime-lora-updating need --enable-lora",
-        )
-        try:
-            parse_lora_modules(self.lora_modules)
-        except LoraModuleError as exc:
-            raise ConfigError(str(exc)) from None
-        _require(self.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
-        _require(
-            self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
-            "max_cpu_loras",
-            "must be >= --max-loras",
-        )
-        _require(
-            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
-            "num_gpu_blocks_override",
-            "must be >= 1",
-        )
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices and value is not None and value not in choices:
-                raise ConfigError(f"--{_flag(f.name)}: must be one of {', '.join(choices)}")
+        for name, value in canonical_spellings(self).items():  # one name each past this point
+            object.__setattr__(self, name, value)
+        validate(self)
 
     @property
     def replica(self) -> int:
@@ -502,157 +381,12 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
 
-    def summary(self) -> str:
-        """Every field as name=value, secrets masked: what startup logs."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for name in _SECRETS:
-            if values[name] is not None:
-                values[name] = "***"
-        return " ".join(f"{name}={value}" for name, value in values.items())
-
-
-_SECRETS = ("api_key",)
-_LIMITS = (
-    "max_request_body_bytes",
-    "max_num_messages",
-    "max_num_prompts",
-    "max_prompt_chars",
-    "max_n",
-    "max_tokens_limit",
-    "max_logprobs",
-    "max_stop_strings",
-    "max_stop_string_chars",
-    "max_logit_bias",
-)
+    def non_default_summary(self) -> str:
+        """The fields that differ from their defaults, secrets masked: what startup logs."""
+        return non_default_summary(self)
 
 
 def field_doc(name: str) -> str:
     """A Config field's help text (for positional arguments, which have no generated flag)."""
     doc: str = Config.__dataclass_fields__[name].metadata["doc"]
     return doc
-
-
-class ConfigError(ValueError):
-    pass
-
-
-def _require(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"--{_flag(name)}: {message}")
-
-
-def _flag(name: str) -> str:
-    return name.replace("_", "-")
-
-
-def _base_type(options: type, name: str) -> type:
-    hint = typing.get_type_hints(options)[name]
-    if isinstance(hint, types.UnionType):  # `int | None` parses as int
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    if typing.get_origin(hint) is tuple:  # `tuple[str, ...]`: several values
-        return tuple
-    return typing.cast(type, hint)
-
-
-def _parse_value(options: type, name: str, text: str) -> Any:
-    kind = _base_type(options, name)
-    if kind is tuple:  # a JSON list, or values split on whitespace
-        return tuple(json.loads(text)) if text.lstrip().startswith("[") else tuple(text.split())
-    if text.lower() in ("", "none", "null") and kind is not str:
-        return None
-    if kind is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{ENV_PREFIX}{name.upper()}: not a boolean: {text!r}")
-    try:
-        return kind(text)
-    except ValueError:
-        raise ConfigError(f"{name}: expected {kind.__name__}, got {text!r}") from None
-
-
-def add_config_flags(
-    parser: argparse.ArgumentParser, groups: tuple[str, ...], options: type = Config
-) -> None:
-    """Add one flag per field of the given groups; defaults stay unset (None).
-
-    `options` is Config or another dataclass whose fields are declared with `option()`.
-    """
-    if options is Config:
-        parser.add_argument("--config", help="JSON or TOML file of config values.")
-    by_group: dict[str, argparse._ArgumentGroup] = {}
-    for f in dataclasses.fields(options):
-        group = f.metadata["group"]
-        if group not in groups or f.name == "model":  # the model is positional
-            continue
-        if group not in by_group:
-            by_group[group] = parser.add_argument_group(f"{group} options")
-        doc = f"{f.metadata['doc']} [env {ENV_PREFIX}{f.name.upper()}; default: {f.default}]"
-        flag = f"--{_flag(f.name)}"
-        kind = _base_type(options, f.name)
-        if kind is bool:
-            by_group[group].add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=None, help=doc
-            )
-        elif kind is tuple:
-            by_group[group].add_argument(flag, nargs="+", default=None, help=doc, metavar="VALUE")
-        else:
-            by_group[group].add_argument(
-                flag,
-                type=str,
-                default=None,
-                choices=f.metadata.get("choices"),
-                help=doc,
-                metavar=None if f.metadata.get("choices") else kind.__name__.upper(),
-            )
-
-
-def config_from_args(
-    args: argparse.Namespace, defaults: dict[str, Any] | None = None, **overrides: Any
-) -> Config:
-    """Layer field defaults < `defaults` (e.g. OFFLINE_DEFAULTS) < --config file < KVFLOW_* env
-    < flags < explicit overrides."""
-    values: dict[str, Any] = dict(defaults or {})
-    if getattr(args, "config", None):
-        values.update(_read_file(Path(args.config)))
-    values.update(_env_and_flags(Config, args))
-    values.update(overrides)
-    return Config(**values)
-
-
-def config_from_file(path: Path) -> Config:
-    """The config a file holds, alone (what a process started with a resolved config reads)."""
-    return Config(**_read_file(path))
-
-
-def options_from_args(options: type[T], args: argparse.Namespace) -> T:
-    """Another options dataclass, layered defaults < KVFLOW_* env < flags."""
-    return options(**_env_and_flags(options, args))
-
-
-def _env_and_flags(options: type, args: argparse.Namespace) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for f in dataclasses.fields(options):
-        env = os.environ.get(ENV_PREFIX + f.name.upper())
-        if env is not None:
-            values[f.name] = _parse_value(options, f.name, env)
-        flag = getattr(args, f.name, None)
-        if flag is not None:
-            if isinstance(flag, bool):
-                values[f.name] = flag
-            elif isinstance(flag, list):
-                values[f.name] = tuple(flag)
-            else:
-                values[f.name] = _parse_value(options, f.name, str(flag))
-    return values
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    text = path.read_text()
-    data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    known = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"{path}: unknown config keys {unknown}")
-    return {k.replace("-", "_"): tuple(v) if isinstance(v, list) else v for k, v in data.items()}
