@@ -31,7 +31,7 @@ import zmq
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import GenerationResult
 from kvflow.progress import Progress, ProgressSink
-from services.executor.runner.model_runner import resolve_device
+from services.executor.runner.devices import resolve_device
 from shared.config import Config
 from shared.protocol import GenerateRequest, ParameterError, SamplingParams, StatsSnapshot
 from shared.replicas import replica_devices, replica_gpus

@@ -257,33 +257,7 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
     strategy = weights.get("strategy")
     ignore = tuple(cfg.get("ignore") or ())
     if fmt == "float-quantized":
-        kind = f"{weights.get('type')}{weights.get('num_bits')}"
-        _require(kind == "float8", "weights", kind, "float8")
-        strategies = ("tensor", "channel", "block")
-        _require(strategy in strategies, "weights.strategy", strategy, ", ".join(strategies))
-        block = None
-        if strategy == "block":
-            block = _fp8_block(weights.get("block_structure"), "weights.block_structure")
-        act = scheme.get("input_activations") or {}
-        fp8_act = f"{act.get('type')}{act.get('num_bits')}" == "float8"
-        fp8_act = fp8_act and act.get("symmetric", True) is True
-        dynamic_token = act.get("dynamic") is True and act.get("strategy") == "token"
-        dynamic_group = act.get("dynamic") is True and act.get("strategy") == "group"
-        static = act.get("dynamic") is False and act.get("strategy") == "tensor"
-        if block is None:
-            supported = "FP8, dynamic per token or static per tensor"
-            _require(fp8_act and (dynamic_token or static), "input_activations", act, supported)
-        else:
-            same_group = fp8_act and dynamic_group and act.get("group_size") == block[1]
-            _require(same_group, "input_activations", act, "FP8, dynamic, the block's groups")
-        return QuantSpec(
-            "compressed-tensors",
-            True,
-            ignore=ignore,
-            fp8_weights=True,
-            fp8_block=block,
-            static_input=static,
-        )
+        return _compressed_fp8(scheme, weights, strategy, ignore)
     _require(scheme.get("input_activations") is None, "input_activations", "set", "none: W4A16")
     kind = f"{weights.get('type', 'int')}{weights.get('num_bits')}"
     _require(kind == "int4", "weights", kind, "int4")
@@ -296,6 +270,39 @@ def _compressed_tensors(cfg: dict[str, Any]) -> QuantSpec:
         symmetric=bool(weights.get("symmetric", True)),
         act_order=weights.get("actorder") == "group",
         ignore=ignore,
+    )
+
+
+def _compressed_fp8(
+    scheme: dict[str, Any], weights: dict[str, Any], strategy: Any, ignore: tuple[str, ...]
+) -> QuantSpec:
+    """A float-quantized compressed-tensors group: FP8 weights with FP8 activations."""
+    kind = f"{weights.get('type')}{weights.get('num_bits')}"
+    _require(kind == "float8", "weights", kind, "float8")
+    strategies = ("tensor", "channel", "block")
+    _require(strategy in strategies, "weights.strategy", strategy, ", ".join(strategies))
+    block = None
+    if strategy == "block":
+        block = _fp8_block(weights.get("block_structure"), "weights.block_structure")
+    act = scheme.get("input_activations") or {}
+    fp8_act = f"{act.get('type')}{act.get('num_bits')}" == "float8"
+    fp8_act = fp8_act and act.get("symmetric", True) is True
+    dynamic_token = act.get("dynamic") is True and act.get("strategy") == "token"
+    dynamic_group = act.get("dynamic") is True and act.get("strategy") == "group"
+    static = act.get("dynamic") is False and act.get("strategy") == "tensor"
+    if block is None:
+        supported = "FP8, dynamic per token or static per tensor"
+        _require(fp8_act and (dynamic_token or static), "input_activations", act, supported)
+    else:
+        same_group = fp8_act and dynamic_group and act.get("group_size") == block[1]
+        _require(same_group, "input_activations", act, "FP8, dynamic, the block's groups")
+    return QuantSpec(
+        "compressed-tensors",
+        True,
+        ignore=ignore,
+        fp8_weights=True,
+        fp8_block=block,
+        static_input=static,
     )
 
 

@@ -116,15 +116,8 @@ def serve_plans(
             continue
         message = decoder.decode(socket.recv())
         try:
-            if isinstance(message, LaunchStep):
-                steps.launching(message.step)
-                runner.launch(message.step)
+            if _take(message, runner, socket, steps):
                 asked = False
-            elif isinstance(message, SchedulerOutput):
-                (runner.amend if message.addendum else runner.prepare)(message)
-            elif isinstance(message, AddLoraAdapter):
-                error = runner.add_lora(message.lora_id, message.name, message.path)
-                socket.send(encode(LoraAdapterAdded(lora_id=message.lora_id, error=error)))
         except PlanError as exc:
             # The scheduler's view and this one have parted: start over as a new executor.
             # The unasked report makes the scheduler fail what it held and adopt this again.
@@ -140,3 +133,20 @@ def serve_plans(
                 steps.reset()
                 session, asked = message.session, False
             socket.send(encode(runner.ready_message(model_name, session)))
+
+
+def _take(
+    message: ToExecutor | None, runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch
+) -> bool:
+    """Act on a plan, an addendum, a launch or a LoRA adapter to load; whether it launched a
+    step. Raises PlanError for a plan the runner cannot run."""
+    if isinstance(message, LaunchStep):
+        steps.launching(message.step)
+        runner.launch(message.step)
+        return True
+    if isinstance(message, SchedulerOutput):
+        (runner.amend if message.addendum else runner.prepare)(message)
+    elif isinstance(message, AddLoraAdapter):
+        error = runner.add_lora(message.lora_id, message.name, message.path)
+        socket.send(encode(LoraAdapterAdded(lora_id=message.lora_id, error=error)))
+    return False

@@ -40,7 +40,8 @@ import zmq
 
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import TensorParallel
-from services.executor.runner.model_runner import ModelRunner, resolve_device
+from services.executor.runner.devices import resolve_device
+from services.executor.runner.model_runner import ModelRunner
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.plan_relay import WATCH_INTERVAL_S, PlanRelay
 from services.executor.runner.step_watch import StepWatch

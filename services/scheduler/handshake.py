@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from services.scheduler.scheduler import SchedulerConfig
+from services.scheduler.scheduler_config import SchedulerConfig
 from shared.config import Config, ConfigError
 from shared.lora_modules import parse_lora_modules
 from shared.protocol import PROTOCOL_VERSION, ExecutorReady, ExecutorVersion

@@ -19,11 +19,11 @@ import bisect
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from services.scheduler.block_pool import BlockEvents
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
+from services.scheduler.scheduler_config import SchedulerConfig
 from services.scheduler.waiting_queue import WaitingQueue, priority_key
 from shared.protocol import (
     CachedRequestData,
@@ -41,24 +41,6 @@ from shared.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int | None = None
-    max_queued_requests: int | None = None  # waiting requests beyond which new ones are refused
-    max_queued_tokens: int | None = None  # waiting tokens beyond which new ones are refused
-    scheduling_policy: str = "fcfs"  # or "priority" (see WaitingQueue)
-    max_loras: int = 0  # LoRA adapters among the running requests at once (0: LoRA is off)
-    kv_events: bool = False  # record the prefix cache's changes (`Scheduler.block_events`)
 
 
 class Scheduler:

@@ -13,7 +13,8 @@ Precedence: field defaults < config file (`--config`, JSON or TOML) < `KVFLOW_*`
 """
 
 from shared.config.cli import add_config_flags
-from shared.config.fields import Config, field_doc
+from shared.config.config import Config
+from shared.config.fields import field_doc
 from shared.config.options import ENV_PREFIX, ConfigError, option
 from shared.config.sources import (
     OFFLINE_DEFAULTS,

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from shared.config.fields import Config
+from shared.config.config import Config
 from shared.config.options import ENV_PREFIX, base_type, flag
 
 

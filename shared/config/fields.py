@@ -1,4 +1,5 @@
-"""`Config`: every field kvflow is configured by, documented, in the order --help lists them.
+"""`ConfigFields`: every field kvflow is configured by, documented, in the order --help lists
+them; `Config` (config.py) adds the checks made when one is built.
 
 The fields are grouped by their flags' group (the `-- model`, `-- lora`, ... comments); each
 group's checks are in validation.py, and what sets the values in sources.py.
@@ -8,17 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from shared.config.options import option
-from shared.config.summary import non_default_summary
-from shared.config.validation import canonical_spellings, validate
 
 
 @dataclass(frozen=True)
-class Config:
+class ConfigFields:
     """Everything one kvflow process is configured by, whole: a process hands it on as a JSON
-    file (`config_from_file`), never pickled."""
+    file (`config_from_file`), never pickled. Built as a `Config`, which checks it."""
 
     # -- model
     model: str | None = option(
@@ -347,9 +346,7 @@ class Config:
     )
 
     def __post_init__(self) -> None:
-        for name, value in canonical_spellings(self).items():  # one name each past this point
-            object.__setattr__(self, name, value)
-        validate(self)
+        """Config's checks (config.py); the generated __init__ calls this hook."""
 
     @property
     def replica(self) -> int:
@@ -360,8 +357,8 @@ class Config:
     def frontends(self) -> int:
         """How many frontends `serve` starts: --api-server-count, or by default two per engine
         replica with --data-parallel-size (two H200s serving an 8B model at DP=2 stalled
-        streams with two frontends, each at a full core, and not with four: docs/benchmarks.md,
-        issue 16, session 9), else one, as where --frontend-address names its one address."""
+        streams with two frontends, each at a full core, and not with four), else one, as where
+        --frontend-address names its one address."""
         if self.api_server_count is not None:
             return self.api_server_count
         if self.data_parallel_size == 1 or self.frontend_address is not None:
@@ -378,15 +375,11 @@ class Config:
         entries = self.addresses(name)
         return entries[self.replica] if entries else None
 
-    def replace(self, **changes: Any) -> Config:
+    def replace(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)
-
-    def non_default_summary(self) -> str:
-        """The fields that differ from their defaults, secrets masked: what startup logs."""
-        return non_default_summary(self)
 
 
 def field_doc(name: str) -> str:
     """A Config field's help text (for positional arguments, which have no generated flag)."""
-    doc: str = Config.__dataclass_fields__[name].metadata["doc"]
+    doc: str = ConfigFields.__dataclass_fields__[name].metadata["doc"]
     return doc

@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
-from shared.config.fields import Config
+from shared.config.config import Config
 from shared.config.options import ENV_PREFIX, ConfigError, base_type
 
 # Offline generation (the `LLM` class, `kvflow generate`, `kvflow bench`) trades step latency

@@ -4,15 +4,14 @@ vLLM's "non-default args" line, and a secret field's value (option(secret=True))
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shared.config.fields import Config
+from shared.config.fields import ConfigFields
 
 MASK = "***"
 
 
-def non_default_values(config: Config) -> dict[str, Any]:
+def non_default_values(config: ConfigFields) -> dict[str, Any]:
     """Each field whose value is not its default, by name in field order; secrets masked."""
     return {
         f.name: MASK if f.metadata["secret"] else getattr(config, f.name)
@@ -21,7 +20,7 @@ def non_default_values(config: Config) -> dict[str, Any]:
     }
 
 
-def non_default_summary(config: Config) -> str:
+def non_default_summary(config: ConfigFields) -> str:
     """`{'model': 'Qwen/Qwen3-8B', 'port': 8001, 'api_key': '***'}`; `{}` for the defaults."""
     return repr(non_default_values(config))
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from shared.config.fields import ConfigFields
 from shared.config.options import ConfigError, flag
 from shared.lora_modules import LoraModuleError, parse_lora_modules
-
-if TYPE_CHECKING:
-    from shared.config.fields import Config
 
 # vLLM's other spellings of a value, which a command line copied from vLLM may hold: the value
 # each one means here (the field's choices list both).
@@ -35,7 +33,7 @@ LIMITS = (
 )
 
 
-def canonical_spellings(config: Config) -> dict[str, Any]:
+def canonical_spellings(config: ConfigFields) -> dict[str, Any]:
     """The fields that hold one of vLLM's other spellings, with the value it means here."""
     changes = {}
     for name, spellings in VLLM_SPELLINGS.items():
@@ -45,7 +43,7 @@ def canonical_spellings(config: Config) -> dict[str, Any]:
     return changes
 
 
-def validate(config: Config) -> None:
+def validate(config: ConfigFields) -> None:
     """Raise a ConfigError for the first value out of range, checking group by group."""
     for check in _CHECKS:
         check(config)
@@ -56,18 +54,18 @@ def require(ok: bool, name: str, message: str) -> None:
         raise ConfigError(f"--{flag(name)}: {message}")
 
 
-def _at_least_one(config: Config, *names: str) -> None:
+def _at_least_one(config: ConfigFields, *names: str) -> None:
     """Each of these fields, where it is set, is >= 1."""
     for name in names:
         value = getattr(config, name)
         require(value is None or value >= 1, name, "must be >= 1")
 
 
-def _check_model(config: Config) -> None:
+def _check_model(config: ConfigFields) -> None:
     _at_least_one(config, "max_model_len")
 
 
-def _check_lora(config: Config) -> None:
+def _check_lora(config: ConfigFields) -> None:
     require(config.max_loras >= 1, "max_loras", "must be >= 1")
     require(
         config.enable_lora or not (config.lora_modules or config.allow_runtime_lora_updating),
@@ -86,7 +84,7 @@ def _check_lora(config: Config) -> None:
     )
 
 
-def _check_parallel(config: Config) -> None:
+def _check_parallel(config: ConfigFields) -> None:
     _at_least_one(config, "tensor_parallel_size")
     require(
         config.pipeline_parallel_size == 1,
@@ -97,7 +95,7 @@ def _check_parallel(config: Config) -> None:
     _at_least_one(config, "data_parallel_size")
 
 
-def _check_cache(config: Config) -> None:
+def _check_cache(config: ConfigFields) -> None:
     require(config.block_size in (8, 16, 32, 64, 128), "block_size", "must be 8..128, a power of 2")
     require(
         0.0 < config.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"
@@ -105,11 +103,11 @@ def _check_cache(config: Config) -> None:
     _at_least_one(config, "num_gpu_blocks_override")
 
 
-def _check_scheduler(config: Config) -> None:
+def _check_scheduler(config: ConfigFields) -> None:
     _at_least_one(config, "max_num_seqs", "max_num_batched_tokens")
 
 
-def _check_server(config: Config) -> None:
+def _check_server(config: ConfigFields) -> None:
     _at_least_one(config, "tokenizer_pool_size", "api_server_count")
     require(1 <= config.port <= 65535, "port", "must be in 1..65535")
     _at_least_one(config, "max_queued_requests", "max_queued_tokens")
@@ -126,12 +124,12 @@ def _check_server(config: Config) -> None:
     )
 
 
-def _check_limits(config: Config) -> None:
+def _check_limits(config: ConfigFields) -> None:
     _at_least_one(config, *LIMITS)
     _positive_seconds(config, "grammar_compile_timeout")
 
 
-def _check_components(config: Config) -> None:
+def _check_components(config: ConfigFields) -> None:
     require(config.worker_index is None or config.worker_index >= 0, "worker_index", "must be >= 0")
     _positive_seconds(config, "startup_timeout", "engine_stall_timeout", "component_timeout")
     require(
@@ -149,7 +147,7 @@ def _check_components(config: Config) -> None:
         )
 
 
-def _check_choices(config: Config) -> None:
+def _check_choices(config: ConfigFields) -> None:
     for f in dataclasses.fields(config):
         choices = f.metadata.get("choices")
         value = getattr(config, f.name)
@@ -157,14 +155,14 @@ def _check_choices(config: Config) -> None:
             raise ConfigError(f"--{flag(f.name)}: must be one of {', '.join(choices)}")
 
 
-def _positive_seconds(config: Config, *names: str) -> None:
+def _positive_seconds(config: ConfigFields, *names: str) -> None:
     for name in names:
         require(getattr(config, name) > 0, name, "must be > 0 seconds")
 
 
 # In the order --help lists the flag groups (of several bad values, the one reported is in the
 # earliest group); the choices last, as they cover every group.
-_CHECKS: tuple[Callable[[Config], None], ...] = (
+_CHECKS: tuple[Callable[[ConfigFields], None], ...] = (
     _check_model,
     _check_lora,
     _check_parallel,

@@ -18,7 +18,8 @@ import httpx
 import pytest
 import zmq
 
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.scheduler_config import SchedulerConfig
 from shared.ipc import Decoder, connect_dealer
 from shared.protocol import (
     PROTOCOL_VERSION,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.scheduler_config import SchedulerConfig
 from shared.protocol import EngineRequest, SamplingParams
 
 EOS = 2

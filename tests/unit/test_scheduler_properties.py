@@ -17,7 +17,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.scheduler_config import SchedulerConfig
 from shared.protocol import (
     EngineRequest,
     FinishReason,

@@ -138,3 +138,20 @@ def log_kv_cache(layout: KVCacheLayout, num_blocks: int, max_model_len: int) -> 
         num_tokens / max_model_len,
         max_model_len,
     )
+
+
+def log_kv_scales(model: DecoderForCausalLM, kv_dtype: torch.dtype) -> None:
+    """Say whether the checkpoint's calibrated KV cache scales are used (FP8 caches only)."""
+    scales = [layer.self_attn.kv_scale_values for layer in model.layers]
+    if not any(s != (1.0, 1.0) for s in scales):
+        return
+    if kv_dtype != torch.float8_e4m3fn:
+        logger.warning(
+            "the checkpoint's KV cache scales are not used: they apply to --kv-cache-dtype fp8"
+        )
+        return
+    keys, values = zip(*scales, strict=True)
+    logger.info(
+        "KV cache scales from the checkpoint: keys %.3g..%.3g, values %.3g..%.3g",
+        min(keys), max(keys), min(values), max(values),
+    )  # fmt: skip

@@ -14,24 +14,24 @@ from kernels.pdl import set_pdl
 from services.executor.loading.loader import load_model
 from services.executor.lora.adapter import LoraAdapterError
 from services.executor.lora.manager import LoraManager
-from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.parallel.symmetric_memory import with_peer_buffers
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.runner.cuda_graphs import StepGraphs
+from services.executor.runner.devices import resolve_device, resolve_dtype
 from services.executor.runner.grammar import GrammarMatchers
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
     log_kv_cache,
+    log_kv_scales,
     num_kv_blocks,
     profile_step_peak,
 )
 from services.executor.runner.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.runner.plan_relay import PlanRelay
+from services.executor.runner.prompt_logprobs import prompt_logprobs
 from services.executor.runner.sampler import (
-    PendingSample,
     Sampler,
     TokenBitmask,
-    logprob_tensors,
     step_seed,
     to_device,
 )
@@ -60,33 +60,6 @@ from shared.protocol import (
 
 logger = logging.getLogger(__name__)
 
-_PROMPT_LOGPROB_ROWS = 512  # prompt positions whose logits are made at once
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str, rank: int = 0) -> torch.device:
-    """The device of tensor-parallel rank `rank` (GPU `rank`, on CUDA)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name, rank) if name == "cuda" else torch.device(name)
-
-
-def log_kv_scales(model: DecoderForCausalLM, kv_dtype: torch.dtype) -> None:
-    """Say whether the checkpoint's calibrated KV cache scales are used (FP8 caches only)."""
-    scales = [layer.self_attn.kv_scale_values for layer in model.layers]
-    if not any(s != (1.0, 1.0) for s in scales):
-        return
-    if kv_dtype != torch.float8_e4m3fn:
-        logger.warning(
-            "the checkpoint's KV cache scales are not used: they apply to --kv-cache-dtype fp8"
-        )
-        return
-    keys, values = zip(*scales, strict=True)
-    logger.info(
-        "KV cache scales from the checkpoint: keys %.3g..%.3g, values %.3g..%.3g",
-        min(keys), max(keys), min(values), max(values),
-    )  # fmt: skip
-
 
 def _start_up_compiles(device: torch.device) -> contextlib.AbstractContextManager[None]:
     """On a GPU, where Triton's compiles are the start-up's (kernels/triton_compile_watch.py)."""
@@ -95,12 +68,6 @@ def _start_up_compiles(device: torch.device) -> contextlib.AbstractContextManage
     from kernels.triton_compile_watch import late_compiles  # Triton: on GPUs only
 
     return late_compiles().warming_up()
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class ModelRunner:
@@ -124,6 +91,36 @@ class ModelRunner:
         """Loads the model, sizes and allocates the KV cache, captures graphs, warms up (on
         self.device)."""
         set_pdl(not config.disable_pdl)
+        self.block_size = config.block_size
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self._load_model(config, tp)
+        self.buffers = StepBuffers(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            -(-self.max_model_len // self.block_size),  # table columns: the longest request
+            self.block_size,
+            self.device,
+        )
+        self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
+        self._allocate_kv_cache(config)
+        self._make_samplers(config)
+        self.requests: dict[str, RequestState] = {}
+        self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
+        self._prepared: PreparedStep | None = None
+        # The last step's sampled ids, where the next step's decodes read their input token.
+        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.graphs: StepGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = StepGraphs(
+                self._forward, self.buffers, config.max_num_seqs, self.max_model_len
+            )
+            with torch.inference_mode():
+                self.graphs.capture()
+        if self.device.type == "cuda":
+            warm_up(self)
+
+    def _load_model(self, config: Config, tp: TensorParallel) -> None:
+        """The model's config and weights (this rank's part), and the LoRA slots."""
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
@@ -132,8 +129,6 @@ class ModelRunner:
             hidden, vocab = self.model_config.hidden_size, self.model_config.vocab_size
             tp = with_peer_buffers(tp, hidden, vocab // tp.size, self.dtype, self.device)
         self.tp = tp
-        self.block_size = config.block_size
-        self.max_num_batched_tokens = config.max_num_batched_tokens
         torch.manual_seed(config.seed)
         self.model = load_model(
             self.source,
@@ -158,15 +153,9 @@ class ModelRunner:
                 self.device,
                 parse_lora_modules(config.lora_modules),
             )
-        max_blocks = -(-self.max_model_len // self.block_size)
-        self.buffers = StepBuffers(
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
-            max_blocks,
-            self.block_size,
-            self.device,
-        )
-        self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
+
+    def _allocate_kv_cache(self, config: Config) -> None:
+        """As many KV blocks as the memory left holds, on every rank alike."""
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         # A rank's cache holds its own KV heads.
         local_config = self.model.layout.local_config
@@ -178,10 +167,13 @@ class ModelRunner:
             lambda: profile_step_peak(self.model, self.buffers, self.kv_layout, self.max_model_len),
         )
         # Every rank must hold the blocks any plan names.
-        self.num_blocks = tp.smallest(self.num_blocks, self.device)
+        self.num_blocks = self.tp.smallest(self.num_blocks, self.device)
         self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
         log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len)
         log_kv_scales(self.model, kv_dtype)
+
+    def _make_samplers(self, config: Config) -> None:
+        """The token sampler and the grammar matchers of structured output."""
         # Each engine replica draws its own unseeded samples (the weights' seed is shared:
         # dummy weights must be the same on every replica).
         seed = config.seed if config.replica == 0 else step_seed(config.seed, config.replica)
@@ -196,20 +188,6 @@ class ModelRunner:
             self.model_config.vocab_size,
             list(self.model_config.eos_token_ids),
         )
-        self.requests: dict[str, RequestState] = {}
-        self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
-        self._prepared: PreparedStep | None = None
-        # The last step's sampled ids, where the next step's decodes read their input token.
-        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
-        self.graphs: StepGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = StepGraphs(
-                self._forward, self.buffers, config.max_num_seqs, self.max_model_len
-            )
-            with torch.inference_mode():
-                self.graphs.capture()
-        if self.device.type == "cuda":
-            warm_up(self)
 
     def ready_message(self, model_name: str, session: int | None = None) -> ExecutorReady:
         """What the scheduler is built from: the model's facts and this runner's limits;
@@ -347,7 +325,10 @@ class ModelRunner:
         for row, state in enumerate(states):
             state.num_pending += 1
             state.sample_row = row
-        prompt_parts = [self._prompt_logprobs(hidden, *rows) for rows in prepared.prompt_rows]
+        prompt_parts = [
+            prompt_logprobs(self.model, hidden, self.requests[rows[0]], *rows)
+            for rows in prepared.prompt_rows
+        ]
         span = DeviceSpan(started, DeviceSpan.mark(self.device))
         self._in_flight.append(
             InFlightStep(
@@ -386,28 +367,6 @@ class ModelRunner:
             return True
         event = self._in_flight[-1].forward_done
         return event is None or event.query()
-
-    def _prompt_logprobs(
-        self, hidden: torch.Tensor, request_id: str, first: int, start: int, count: int
-    ) -> tuple[str, int, PendingSample]:
-        """Queue the logprobs of prompt tokens start + 1 .. start + count, from the hidden
-        states at token indices first .. first + count - 1, and their copy to the host."""
-        state = self.requests[request_id]
-        k = state.params.prompt_logprobs or 0
-        targets = state.prompt_token_ids[start + 1 : start + 1 + count]
-        target_ids = to_device(targets, torch.int64, self.device)
-        parts: list[list[torch.Tensor]] = [[], [], [], []]
-        # Why in slices: a 2,048-token chunk's float32 logits over a 150k vocabulary are 1.2 GB.
-        for lo in range(0, count, _PROMPT_LOGPROB_ROWS):
-            hi = min(lo + _PROMPT_LOGPROB_ROWS, count)
-            logits = self.model.compute_logits(hidden[first + lo : first + hi])  # [n, vocab]
-            raw = logits[:, : self.model_config.vocab_size].float().log_softmax(dim=-1)
-            for column, tensor in zip(
-                parts, logprob_tensors(raw, target_ids[lo:hi], k), strict=True
-            ):
-                column.append(tensor)
-        tensors = tuple(torch.cat(column) for column in parts)
-        return request_id, start + 1, PendingSample(target_ids, tensors, [k] * count)
 
     def _token_bitmask(self, states: list[RequestState]) -> TokenBitmask | None:
         """The allowed next tokens of the rows with a grammar, computed on the host while the
@@ -481,7 +440,8 @@ class ModelRunner:
         for state, (request_id, num_new) in zip(
             states, plan.num_scheduled_tokens.items(), strict=True
         ):
-            self._add_row(prepared, request_id, state, num_new)
+            prepared.add_row(request_id, state, num_new)
+            self._write_table_row(len(prepared.counts) - 1, state)
         if self.graphs is not None:
             prepared.shape = self.graphs.shape_for(len(prepared.counts), len(prepared.token_ids))
         row_slots = None
@@ -502,35 +462,6 @@ class ModelRunner:
         if prepared.shape is not None and prepared.shape.decode:
             for row in range(len(prepared.counts), prepared.shape.num_reqs):
                 self.row_owner[row] = None  # decode padding overwrote it
-
-    def _add_row(
-        self, prepared: PreparedStep, request_id: str, state: RequestState, num_new: int
-    ) -> None:
-        start = state.num_computed_tokens
-        end = start + num_new
-        token_ids = prepared.token_ids
-        first = len(token_ids)
-        token_ids.extend(state.token_ids[start:end])
-        if len(token_ids) < first + num_new:
-            # NOTE: only a request's last token can be in flight (the scheduler readmits
-            # a preempted request once its tokens are in), so one is missing at most.
-            if end != state.num_tokens or state.num_pending != 1:
-                raise PlanError(f"request_id={request_id}: inputs {start}:{end} unknown")
-            prepared.sources.append((len(token_ids), state.sample_row))
-            token_ids.append(0)  # a placeholder the device overwrites
-        if state.wants_prompt_logprobs and start < len(state.prompt_token_ids) - 1:
-            # Position i's logits give token i + 1's logprob: the chunk's positions up to the
-            # prompt's second-to-last token (the last one's logits sample the first output).
-            count = min(end, len(state.prompt_token_ids) - 1) - start
-            prepared.prompt_rows.append((request_id, first, start, count))
-        prepared.starts.append(start)
-        prepared.counts.append(num_new)
-        prepared.lora_ids.append(state.lora_id)
-        self._write_table_row(len(prepared.counts) - 1, state)
-        state.num_computed_tokens = end
-        if end == state.num_tokens:  # reached the end: sample the next
-            prepared.sample_ids.append(request_id)
-            prepared.sample_rows.append(len(token_ids) - 1)
 
     def _write_table_row(self, row: int, state: RequestState) -> None:
         # Why track owners: a request usually keeps its row, so only new blocks are written.

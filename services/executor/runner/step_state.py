@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from llguidance import LLMatcher
 
+from services.executor.runner.plan_check import PlanError
 from services.executor.runner.sampler import PendingSample, SamplingRow
 from services.executor.runner.step_buffers import PaddedShape
 from shared.protocol import (
@@ -180,3 +181,30 @@ class PreparedStep:
     # Requests whose prompt logprobs this step computes: (request id, token index of the first
     # position, that position, number of positions).
     prompt_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+
+    def add_row(self, request_id: str, state: RequestState, num_new: int) -> None:
+        """Append a request's next `num_new` tokens as a row of this step (its block table
+        row is the runner's to write)."""
+        start = state.num_computed_tokens
+        end = start + num_new
+        first = len(self.token_ids)
+        self.token_ids.extend(state.token_ids[start:end])
+        if len(self.token_ids) < first + num_new:
+            # NOTE: only a request's last token can be in flight (the scheduler readmits
+            # a preempted request once its tokens are in), so one is missing at most.
+            if end != state.num_tokens or state.num_pending != 1:
+                raise PlanError(f"request_id={request_id}: inputs {start}:{end} unknown")
+            self.sources.append((len(self.token_ids), state.sample_row))
+            self.token_ids.append(0)  # a placeholder the device overwrites
+        if state.wants_prompt_logprobs and start < len(state.prompt_token_ids) - 1:
+            # Position i's logits give token i + 1's logprob: the chunk's positions up to the
+            # prompt's second-to-last token (the last one's logits sample the first output).
+            count = min(end, len(state.prompt_token_ids) - 1) - start
+            self.prompt_rows.append((request_id, first, start, count))
+        self.starts.append(start)
+        self.counts.append(num_new)
+        self.lora_ids.append(state.lora_id)
+        state.num_computed_tokens = end
+        if end == state.num_tokens:  # reached the end: sample the next
+            self.sample_ids.append(request_id)
+            self.sample_rows.append(len(self.token_ids) - 1)

@@ -1,0 +1,24 @@
+"""What the scheduler is built from: the executor's limits (blocks, lengths, batch sizes) and
+the operator's policies (prefix caching, chunked prefill, queue limits, LoRA slots)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None
+    max_queued_requests: int | None = None  # waiting requests beyond which new ones are refused
+    max_queued_tokens: int | None = None  # waiting tokens beyond which new ones are refused
+    scheduling_policy: str = "fcfs"  # or "priority" (see WaitingQueue)
+    max_loras: int = 0  # LoRA adapters among the running requests at once (0: LoRA is off)
+    kv_events: bool = False  # record the prefix cache's changes (`Scheduler.block_events`)
