@@ -32,8 +32,7 @@ def paged_attention_reference(
     max_seq_len: int,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_tokens = query.shape[0]
     device = query.device
     num_queries = query_start_loc[1:] - query_start_loc[:-1]  # [R]
 
@@ -43,17 +42,8 @@ def paged_attention_reference(
     q_index = (query_start_loc[:-1, None] + q_offsets[None, :]).clamp(max=num_tokens - 1)
     q = query[q_index]  # [R, Q, H, D]
 
-    # Gather each request's context from its blocks. Slots past a context hold stale or
-    # uninitialised memory (NaN * 0 would still poison the sum): read the request's first
-    # slot there instead, which is finite and masked out anyway.
     positions = torch.arange(max_seq_len, device=device)
-    blocks = block_tables[:, positions // block_size].long()  # [R, S]
-    slots = blocks * block_size + positions % block_size  # [R, S]
-    slots = torch.where(positions[None, :] < seq_lens[:, None], slots, slots[:, :1])
-    # An FP8 cache is read back in the query's dtype (its scales, if any, are the caller's:
-    # the softmax scale and the output carry them).
-    k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(query.dtype)  # [R, S, KV, D]
-    v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(query.dtype)  # [R, S, KV, D]
+    k, v = _gather_context(key_cache, value_cache, block_tables, seq_lens, positions, query)
 
     first_query_pos = (seq_lens - num_queries)[:, None]  # [R, 1]
     query_pos = first_query_pos + q_offsets[None, :]  # [R, Q]
@@ -61,9 +51,45 @@ def paged_attention_reference(
     # Padding rows see position 0 only, so softmax stays finite; they are dropped below.
     visible |= ~q_valid[:, :, None] & (positions == 0)[None, None, :]
 
-    # GQA: the `group` query heads of one KV head attend together, as one longer query
-    # block, so keys and values are never copied per query head.
-    num_reqs, group = q.shape[0], num_heads // num_kv_heads
+    out = _grouped_attention(q, k, v, visible, scale)  # [R, Q, H, D]
+    return _flat_rows(out, query_start_loc, num_queries, num_tokens)
+
+
+def _gather_context(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [R, max_blocks_per_req] int
+    seq_lens: torch.Tensor,  # [R] int
+    positions: torch.Tensor,  # [S]: 0 .. max_seq_len - 1
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the dtype and head_dim read
+) -> tuple[torch.Tensor, torch.Tensor]:  # k, v: [R, S, KV, D] of query.dtype
+    """Each request's context, gathered from its blocks."""
+    head_dim = query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    # Slots past a context hold stale or uninitialised memory (NaN * 0 would still poison the
+    # sum): read the request's first slot there instead, which is finite and masked out anyway.
+    blocks = block_tables[:, positions // block_size].long()  # [R, S]
+    slots = blocks * block_size + positions % block_size  # [R, S]
+    slots = torch.where(positions[None, :] < seq_lens[:, None], slots, slots[:, :1])
+    # An FP8 cache is read back in the query's dtype (its scales, if any, are the caller's:
+    # the softmax scale and the output carry them).
+    k = key_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(query.dtype)  # [R, S, KV, D]
+    v = value_cache.reshape(-1, num_kv_heads, head_dim)[slots].to(query.dtype)  # [R, S, KV, D]
+    return k, v
+
+
+def _grouped_attention(
+    q: torch.Tensor,  # [R, Q, H, D]
+    k: torch.Tensor,  # [R, S, KV, D]
+    v: torch.Tensor,  # [R, S, KV, D]
+    visible: torch.Tensor,  # [R, Q, S] bool
+    scale: float,
+) -> torch.Tensor:  # [R, Q, H, D]
+    """GQA: the `group` query heads of one KV head attend together, as one longer query
+    block, so keys and values are never copied per query head."""
+    num_reqs, max_query_len, num_heads, head_dim = q.shape
+    num_kv_heads, max_seq_len = k.shape[2], k.shape[1]
+    group = num_heads // num_kv_heads
     q = q.view(num_reqs, max_query_len, num_kv_heads, group, head_dim)
     q = q.permute(0, 2, 3, 1, 4).reshape(num_reqs, num_kv_heads, group * max_query_len, head_dim)
     mask = visible[:, None].expand(num_reqs, group, max_query_len, max_seq_len)
@@ -75,9 +101,18 @@ def paged_attention_reference(
         scale=scale,
     )  # [R, KV, G*Q, D]
     out = out.view(num_reqs, num_kv_heads, group, max_query_len, head_dim)
-    out = out.permute(0, 3, 1, 2, 4).reshape(num_reqs, max_query_len, num_heads, head_dim)
-    # Back to the flat layout by index arithmetic: a boolean mask would cost a device-to-host
-    # sync in every layer, leaving the GPU idle while the host catches up.
+    return out.permute(0, 3, 1, 2, 4).reshape(num_reqs, max_query_len, num_heads, head_dim)
+
+
+def _flat_rows(
+    out: torch.Tensor,  # [R, Q, H, D]
+    query_start_loc: torch.Tensor,  # [R + 1] int
+    num_queries: torch.Tensor,  # [R]
+    num_tokens: int,
+) -> torch.Tensor:  # [num_tokens, H, D]
+    """Back to the flat layout by index arithmetic: a boolean mask would cost a device-to-host
+    sync in every layer, leaving the GPU idle while the host catches up."""
+    num_reqs, device = out.shape[0], out.device
     requests = torch.arange(num_reqs, device=device)
     token_req = torch.repeat_interleave(requests, num_queries.long(), output_size=num_tokens)
     token_offset = torch.arange(num_tokens, device=device) - query_start_loc[:-1].long()[token_req]

@@ -433,15 +433,13 @@ def paged_decode_attention(
     with no merge.
     """
     _check_shapes(query, key_cache, value_cache)
-    num_heads, head_dim = query.shape[1], query.shape[2]
     num_reqs = seq_lens.shape[0]
     _check_rows(query, num_reqs, query_start_loc, out)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if tiles is None:
         tiles = default_decode_tiles(key_cache.dtype, block_size)
     max_blocks = block_tables.shape[1]
-    group = num_heads // num_kv_heads
-    num_splits, split_balance, min_split_tokens = _splits(
+    splits = _splits(
         num_splits, num_reqs, num_kv_heads, max_blocks, block_size, query.device, tiles.tile
     )
 
@@ -449,18 +447,67 @@ def paged_decode_attention(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
     if num_reqs == 0:
         return out
+    _launch_partitions(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
+        splits, tiles,
+    )  # fmt: skip
+    return out
+
+
+def _launch_partitions(
+    query: torch.Tensor,  # [R, H, D]; [T, H, D] with query_start_loc
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    block_tables: torch.Tensor,  # [R, max_blocks] int
+    seq_lens: torch.Tensor,  # [R] int
+    query_start_loc: torch.Tensor | None,  # [R + 1] int: a mixed batch
+    out: torch.Tensor,  # [T, H, D], contiguous
+    scale: float,
+    splits: tuple[int, int, int],  # (num_splits, split_balance, min_split_tokens): _splits
+    tiles: DecodeTiles,
+) -> None:
+    """One launch of the partition kernel, a program per (request, KV head, split), on int32
+    metadata, with the partials it merges through."""
+    num_reqs, num_kv_heads, num_splits = seq_lens.shape[0], key_cache.shape[2], splits[0]
     block_tables = block_tables.to(torch.int32).contiguous()  # [R, max_blocks]
     seq_lens = seq_lens.to(torch.int32).contiguous()
     has_query_loc = query_start_loc is not None
     query_loc = query_start_loc.to(torch.int32).contiguous() if has_query_loc else seq_lens
-    part_max, part_sum, part_acc, tickets = _partials(out, num_reqs, num_kv_heads, num_splits)
-    early = launches_early(query)
-    fp8_cache = key_cache.dtype == torch.float8_e4m3fn
+    partials = _partials(out, num_reqs, num_kv_heads, num_splits)
     words = _reads_e4m3_words(query, key_cache, value_cache)
+    constants = _partition_constants(query, key_cache, tiles, has_query_loc, words)
     if words:  # the caches as 32-bit words of four values, their strides in words
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
+    args = _partition_args(
+        query, key_cache, value_cache, block_tables, seq_lens, query_loc, out, partials, scale,
+        splits,
+    )  # fmt: skip
+    # Shared memory for the stages asked, or fewer where the GPU has less (kernels/triton_stages).
+    variant = ("decode_partition", query.device, query.dtype, key_cache.dtype, *constants.values())
+    grid = (num_reqs, num_kv_heads, num_splits)
+    launch_fitting(
+        variant,
+        tiles.num_stages,
+        lambda stages: _decode_partition_kernel[grid](*args, **constants, num_stages=stages),
+    )
 
-    args = (
+
+def _partition_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,  # as the kernel reads it: 32-bit words where it reads e4m3 words
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [R, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor,  # [R] int32, contiguous
+    query_loc: torch.Tensor,  # [R + 1] int32 query_start_loc; seq_lens without one
+    out: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # _partials
+    scale: float,
+    splits: tuple[int, int, int],  # (num_splits, split_balance, min_split_tokens): _splits
+) -> tuple:
+    """The partition kernel's runtime arguments, in its order."""
+    part_max, part_sum, part_acc, tickets = partials
+    num_splits, split_balance, min_split_tokens = splits
+    return (
         query,
         key_cache,
         value_cache,
@@ -476,7 +523,7 @@ def paged_decode_attention(
         num_splits,
         split_balance,
         min_split_tokens,
-        max_blocks,
+        block_tables.shape[1],  # max_blocks
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -485,7 +532,22 @@ def paged_decode_attention(
         key_cache.stride(2),
         block_tables.stride(0),
     )
-    constants = dict(
+
+
+def _partition_constants(
+    query: torch.Tensor,  # [R or T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], as given (not as words)
+    tiles: DecodeTiles,
+    has_query_loc: bool,
+    words: bool,  # _reads_e4m3_words
+) -> dict:
+    """The partition kernel's compile-time constants and launch options."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    early = launches_early(query)
+    fp8_cache = key_cache.dtype == torch.float8_e4m3fn
+    return dict(
         NUM_HEADS=num_heads,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
@@ -501,15 +563,6 @@ def paged_decode_attention(
         num_warps=tiles.num_warps,
         launch_pdl=early,
     )
-    # Shared memory for the stages asked, or fewer where the GPU has less (kernels/triton_stages).
-    variant = ("decode_partition", query.device, query.dtype, key_cache.dtype, *constants.values())
-    grid = (num_reqs, num_kv_heads, num_splits)
-    launch_fitting(
-        variant,
-        tiles.num_stages,
-        lambda stages: _decode_partition_kernel[grid](*args, **constants, num_stages=stages),
-    )
-    return out
 
 
 def _splits(

@@ -112,13 +112,6 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
         M >= 2, the rest       dot n32 k128 w4 s5  qkv 20.0 / 21.0, o 14.5 / 16.3,
                                                    gate_up 82.0 / 81.9
 
-    M = 2..16 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 2 4 8 16 32 64` and
-    `--model llama --m 4 8 16`), us per call at 4 rows, Qwen3-8B and Llama-3.1-8B, these
-    tiles / cuBLAS: o (N <= 4096) joins down and lm_head in n32 k512 w4 s4, 13.4 / 16.2 and
-    13.4 / 16.3; qkv (N 4097..16383) takes dot n16 k512 w4 s3, 19.3 / 20.8 and 19.3 / 21.0;
-    gate_up keeps n32 k128 w4 s5, 70.0 / 72.5 and 81.5 / 82.0 (the models' bests differ: n64
-    k128 w4 s4, 68.2, for Qwen3-8B's N 24576; n64 k256 w8 s3, 81.0, for Llama's N 28672).
-
     M = 17..64 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 1 16 32 48 64 --step-m
     32 64`), Qwen3-8B shapes, us per call, these tiles / cuBLAS:
         17-32 rows             qkv (N 4097..16383)  dot n16 k256 w4 s4   20.8 / 21.6
@@ -141,6 +134,24 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     6.81 against 7.20 ms at 32 rows, 7.22 against 7.48 at 64. Before PDL the same tiles gained
     half as much, and one tile for every shape (n32 k256 w4 s4) a fifth (7.11 against 7.19).
 
+    The later picks for one row and for 2-16 rows, with their measurements, are in
+    `_tiles_one_row` and `_tiles_16_rows`; `_fit_block_k` fits the K step to float32 and to K.
+    """
+    if m == 1:
+        tiles = _tiles_one_row(n, k)
+    elif m > 32:  # x tiles of 64 rows: K steps of 512 no longer fit the shared memory
+        tiles = _tiles_64_rows(n)
+    elif m > 16:
+        tiles = _tiles_32_rows(n, k)
+    else:
+        tiles = _tiles_16_rows(n, k)
+    return _fit_block_k(tiles, k, dtype)
+
+
+def _tiles_one_row(n: int, k: int) -> LinearTiles:
+    """One row (see default_tiles): fma, 8 weight rows a program for a long K or a wide N
+    (down, lm_head), 4 for the rest, in K steps of 1024.
+
     M = 1, K <= 4096: fma n4 k1024 w4 s2 since 2026-11-27 (`--model llama llama-tp2 --m 1`,
     the latter one rank's shapes at --tensor-parallel-size 2), against n8 k512 w4 s3, us per
     call, H100 / H200:
@@ -156,20 +167,18 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     us per call, whole model / one rank of two: down 28.5 / 34.7, 15.6 / 18.8; lm_head 241.4 /
     248.3, 123.9 / 127.5. (o, K <= 4096, would gain 0.5-1.0 us with it; qkv loses 1.6-1.8;
     gate_up, N 28672 and 14336, is within 1 %.)
+    """
+    if k > 4096 or n >= 32768:
+        return LinearTiles(block_n=8, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
+    return LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
+
+
+def _fit_block_k(tiles: LinearTiles, k: int, dtype: torch.dtype) -> LinearTiles:
+    """The tiles with their K step fitted to the dtype and to K.
 
     float32 (the CPU interpreter, tests) halves block_k, to keep the bytes of a weight tile and
     so the pipelined shared memory the same; block_k never exceeds K rounded up to a power of two.
     """
-    if m == 1 and (k > 4096 or n >= 32768):
-        tiles = LinearTiles(block_n=8, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
-    elif m == 1:
-        tiles = LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
-    elif m > 32:  # x tiles of 64 rows: K steps of 512 no longer fit the shared memory
-        tiles = _tiles_64_rows(n)
-    elif m > 16:
-        tiles = _tiles_32_rows(n, k)
-    else:
-        tiles = _tiles_16_rows(n, k)
     block_k = tiles.block_k // 2 if dtype == torch.float32 else tiles.block_k
     block_k = max(DOT_MIN, min(block_k, triton.next_power_of_2(k)))
     return dataclasses.replace(tiles, block_k=block_k)
@@ -178,7 +187,15 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
 def _tiles_16_rows(n: int, k: int) -> LinearTiles:
     """2-16 rows (see default_tiles): down, lm_head and o (at most 128 programs of 32 weight
     rows) in K steps of 512; qkv-like N in programs of 16 weight rows; gate_up-like N in
-    programs of 32 with K steps of 128."""
+    programs of 32 with K steps of 128.
+
+    M = 2..16 since 2026-11-27 (H100, with PDL, `--model qwen3 --m 2 4 8 16 32 64` and
+    `--model llama --m 4 8 16`), us per call at 4 rows, Qwen3-8B and Llama-3.1-8B, these
+    tiles / cuBLAS: o (N <= 4096) joins down and lm_head in n32 k512 w4 s4, 13.4 / 16.2 and
+    13.4 / 16.3; qkv (N 4097..16383) takes dot n16 k512 w4 s3, 19.3 / 20.8 and 19.3 / 21.0;
+    gate_up keeps n32 k128 w4 s5, 70.0 / 72.5 and 81.5 / 82.0 (the models' bests differ: n64
+    k128 w4 s4, 68.2, for Qwen3-8B's N 24576; n64 k256 w8 s3, 81.0, for Llama's N 28672).
+    """
     if k >= WIDE_K or n >= VOCAB_N or n <= NARROW_N:
         return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
     if n < WIDE_N:

@@ -357,24 +357,39 @@ def paged_prefill_attention(
     _check_shapes(query, key_cache, value_cache)
     _check_metadata(query, block_tables, seq_lens, query_start_loc)
     num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     num_reqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
+    group = num_heads // key_cache.shape[2]
     tiles = tiles or default_tiles(head_dim, group, max_query_len, query.element_size())
-    block_q = max(1, tiles.block_m // group_pad)
 
     out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
     if num_reqs == 0 or max_query_len == 0 or query.shape[0] == 0:
         return out
+    _launch_prefill(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
+        tiles, skip_single_queries,
+    )  # fmt: skip
+    return out
+
+
+def _launch_prefill(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    block_tables: torch.Tensor,  # [R, max_blocks] int
+    seq_lens: torch.Tensor,  # [R] int
+    query_start_loc: torch.Tensor,  # [R + 1] int
+    out: torch.Tensor,  # [T, H, D], contiguous
+    scale: float,
+    tiles: PrefillTiles,
+    skip_single_queries: bool,
+) -> None:
+    """One launch of the prefill kernel on int32 metadata, its grid fixed by shapes alone."""
+    num_reqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
     block_tables = block_tables.to(torch.int32).contiguous()  # [R, max_blocks]
     seq_lens = seq_lens.to(torch.int32).contiguous()  # [R]
     query_start_loc = query_start_loc.to(torch.int32).contiguous()  # [R + 1]
-
-    # Every program loops over work items; enough programs to fill the GPU a few times over,
-    # fewer where the step has fewer items. Shapes alone fix the grid (see the kernel).
-    max_items = num_reqs + triton.cdiv(query.shape[0], block_q)
-    grid = (min(max_items, _programs_per_kv_head(query.device, num_kv_heads)), num_kv_heads)
+    constants = _prefill_constants(query, key_cache, tiles, num_reqs, skip_single_queries)
+    grid = _prefill_grid(query, num_reqs, num_kv_heads, constants["BLOCK_Q"])
     args = (
         out,
         query,
@@ -395,22 +410,45 @@ def paged_prefill_attention(
         block_tables.stride(0),
         num_reqs,
     )
-    constants = dict(
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        BLOCK_N=tiles.block_n,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        REQS_POW2=reqs_pow2(num_reqs),
-        SKIP_SINGLE=skip_single_queries,
-        num_warps=tiles.num_warps,
-    )
     variant = ("prefill_attention", query.device, query.dtype, key_cache.dtype, *constants.values())
     launch_fitting(
         variant,
         tiles.num_stages,
         lambda stages: _prefill_kernel[grid](*args, **constants, num_stages=stages),
     )
-    return out
+
+
+def _prefill_grid(
+    query: torch.Tensor, num_reqs: int, num_kv_heads: int, block_q: int
+) -> tuple[int, int]:  # (programs per KV head, KV heads)
+    """Every program loops over work items; enough programs to fill the GPU a few times over,
+    fewer where the step has fewer items. Shapes alone fix the grid (see the kernel)."""
+    max_items = num_reqs + triton.cdiv(query.shape[0], block_q)
+    return (min(max_items, _programs_per_kv_head(query.device, num_kv_heads)), num_kv_heads)
+
+
+def _prefill_constants(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    tiles: PrefillTiles,
+    num_reqs: int,
+    skip_single_queries: bool,
+) -> dict:
+    """The prefill kernel's compile-time constants and launch options: a tile's BLOCK_M rows
+    are BLOCK_Q tokens of GROUP_PAD query heads each."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    return dict(
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=max(1, tiles.block_m // group_pad),
+        BLOCK_N=tiles.block_n,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        REQS_POW2=reqs_pow2(num_reqs),
+        SKIP_SINGLE=skip_single_queries,
+        num_warps=tiles.num_warps,
+    )

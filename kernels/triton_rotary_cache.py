@@ -244,20 +244,40 @@ def rotary_write_kv(
     if key_cache.dtype != torch.float8_e4m3fn and (k_scale, v_scale) != (1.0, 1.0):
         raise ValueError(f"KV scales apply to an FP8 cache, not {key_cache.dtype}")
     _check_tables(query, key, cos_sin_cache, key_cache, value_cache, q_norm_weight, k_norm_weight)
+    if query.shape[0] == 0:
+        return query
+    _launch_rotary_write_kv(
+        positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
+        q_norm_weight, k_norm_weight, eps, k_scale, v_scale,
+    )  # fmt: skip
+    return query
+
+
+def _launch_rotary_write_kv(
+    positions: torch.Tensor,  # [T]
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, KV, D]
+    value: torch.Tensor,  # [T, KV, D]
+    cos_sin_cache: torch.Tensor,  # [max_position, 2, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
+    slot_mapping: torch.Tensor,  # [T]
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """One launch of the kernel: a program per (token, head block)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    if num_tokens == 0:
-        return query
     half = head_dim // 2
     block_half = triton.next_power_of_2(half)
-    num_head_blocks = _num_head_blocks(num_heads, num_kv_heads, block_half)
-    q_per_program = triton.cdiv(num_heads, num_head_blocks)
-    kv_per_program = triton.cdiv(num_kv_heads, num_head_blocks)
+    num_head_blocks, q_per_program, kv_per_program = _split_heads(
+        num_heads, num_kv_heads, block_half
+    )
     block_q = triton.next_power_of_2(q_per_program)
     block_kv = triton.next_power_of_2(kv_per_program)
-    elements = (block_q + 2 * block_kv) * 2 * block_half
-    # About 16 elements per thread, as the other element-wise kernels.
-    num_warps = min(max(triton.next_power_of_2(elements) // 512, 1), _MAX_WARPS)
     unused = cos_sin_cache  # stands in for an absent norm weight: never dereferenced
     early = launches_early(query)
     _rotary_write_kv_kernel[(num_tokens, num_head_blocks)](
@@ -271,19 +291,7 @@ def rotary_write_kv(
         value_cache,
         unused if q_norm_weight is None else q_norm_weight,
         unused if k_norm_weight is None else k_norm_weight,
-        positions.stride(0),
-        slot_mapping.stride(0),
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        cos_sin_cache.stride(0),
-        cos_sin_cache.stride(1),
-        key_cache.stride(0),
-        key_cache.stride(1),
-        key_cache.stride(2),
+        *_strides(positions, slot_mapping, query, key, value, cos_sin_cache, key_cache),
         num_heads,
         num_kv_heads,
         q_per_program,
@@ -299,10 +307,54 @@ def rotary_write_kv(
         BLOCK_KV=block_kv,
         BLOCK_HALF=block_half,
         PDL=early,
-        num_warps=num_warps,
+        num_warps=_num_warps(block_q, block_kv, block_half),
         launch_pdl=early,
     )
-    return query
+
+
+def _split_heads(
+    num_heads: int, num_kv_heads: int, block_half: int
+) -> tuple[int, int, int]:  # (num_head_blocks, q_per_program, kv_per_program)
+    """A token's heads shared among its programs: an equal share of the query heads and of
+    the KV heads each (`_num_head_blocks` programs)."""
+    num_head_blocks = _num_head_blocks(num_heads, num_kv_heads, block_half)
+    q_per_program = triton.cdiv(num_heads, num_head_blocks)
+    kv_per_program = triton.cdiv(num_kv_heads, num_head_blocks)
+    return num_head_blocks, q_per_program, kv_per_program
+
+
+def _num_warps(block_q: int, block_kv: int, block_half: int) -> int:
+    """Warps for a program's q, k and v elements (both halves of each head)."""
+    elements = (block_q + 2 * block_kv) * 2 * block_half
+    # About 16 elements per thread, as the other element-wise kernels.
+    return min(max(triton.next_power_of_2(elements) // 512, 1), _MAX_WARPS)
+
+
+def _strides(
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    key_cache: torch.Tensor,  # value_cache shares its strides (_check_tables)
+) -> tuple[int, ...]:
+    """The kernel's stride arguments, in its order (head dims are contiguous: not passed)."""
+    return (
+        positions.stride(0),
+        slot_mapping.stride(0),
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cos_sin_cache.stride(0),
+        cos_sin_cache.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+    )
 
 
 def _num_head_blocks(num_heads: int, num_kv_heads: int, block_half: int) -> int:
