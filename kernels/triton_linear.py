@@ -225,7 +225,7 @@ def _tiles_64_rows(n: int) -> LinearTiles:
 def skinny_max_rows(x: torch.Tensor) -> int:
     """The most rows `kernels.ops.linear` gives this kernel rather than cuBLAS: all it takes
     where kernels launch with PDL (Hopper on, --disable-pdl off), whose early launch and L2
-    prefetch put the tiles 6 % ahead of cuBLAS at 32 rows (3 % without it, session 4's
+    prefetch put the tiles 6 % ahead of cuBLAS at 32 rows (3 % without it, in an earlier
     sweep); elsewhere 16, also because the 17-64-row tiles were swept on Hopper only (K steps
     of 512 over 32 rows take more shared memory than an A100 has)."""
     return MAX_ROWS if launches_early(x) else NO_PDL_MAX_ROWS
