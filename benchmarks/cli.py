@@ -63,7 +63,7 @@ def add_bench_parser(
             default=[],
             help="PEFT adapter folders (with --enable-lora): throughput spreads the requests"
             " evenly over them, latency runs every request under the first"
-            " (benchmarks/lora_adapters.py makes random ones).",
+            " (`python -m sweeps.lora_adapters` makes random ones).",
         )
     for parser in (throughput, latency):
         parser.add_argument(

@@ -11,9 +11,9 @@ import gguf
 import pytest
 import torch
 
-from benchmarks.gguf_writer import Shape, write_gguf
 from kvflow.llm import LLM
 from services.executor.linear import GgufBlocks, Linear, PackedWeight
+from sweeps.gguf_writer import Shape, write_gguf
 from tests.integration.test_parity import kvflow_greedy
 from tests.integration.tiny_models import make_prompts
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.gguf_writer import random_weight
 from kernels.gguf import row_bytes
 from services.executor.linear import (
     Fp8Block,
@@ -29,6 +28,7 @@ from services.executor.linear import (
 )
 from services.executor.linear_shards import Split, packed_dims, shard_tensor
 from shared.quant_config import QuantSpec
+from sweeps.gguf_writer import random_weight
 
 K, PIECES = 256, (64, 32, 32)  # a fused q/k/v of 128 rows
 N = sum(PIECES)

@@ -14,8 +14,8 @@ Every config is first checked against F.linear (relative error < 2e-2) and skipp
 reason, if it fails or does not compile. Kernels are compiled in parallel processes first, to
 fill Triton's disk cache (about 1 s of compile each, ~20 kernels).
 
-    python3 benchmarks/linear_sweep.py --out $OUT/linear_sweep.json
-    python3 benchmarks/linear_sweep.py --model qwen3 --m 1 16 32 64 --step-m 32 64
+    python -m sweeps.linear_sweep --out $OUT/linear_sweep.json
+    python -m sweeps.linear_sweep --model qwen3 --m 1 16 32 64 --step-m 32 64
 
 Needs a CUDA GPU and ~17 GB of its memory; a minute or two on an H100.
 """
@@ -39,17 +39,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # runs from a checkout whether or not kvflow is installed
-
-from kernels.triton_linear import (  # noqa: E402
+from kernels.triton_linear import (
     MAX_ROWS,
     LinearTiles,
     default_tiles,
     skinny_linear,
 )
-from kernels.triton_stages import exact_stages  # noqa: E402
+from kernels.triton_stages import exact_stages
 
 DEVICE = "cuda"
 FLOOR_BYTES_PER_S = 3.0e12  # H100 copy bandwidth, measured 3.02 TB/s (results/h100/floors.json)

@@ -2,8 +2,8 @@
 for, its check in the tokenizer pool (cold and cached), a matcher's start, and the per-step
 bitmask of a batch of matchers walking a valid document, token by token.
 
-    python3 benchmarks/grammar_bench.py TOKENIZER_DIR --out grammar.json
-    python3 benchmarks/grammar_bench.py --extra-body extra.json   # the serve benchmark's body
+    python -m sweeps.grammar_bench TOKENIZER_DIR --out grammar.json
+    python -m sweeps.grammar_bench --extra-body extra.json   # the serve benchmark's body
 
 Writes JSON; times are medians of repeats, in milliseconds.
 """

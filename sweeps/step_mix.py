@@ -7,7 +7,7 @@ request's prompt. This measures, in-process through `EngineCore`:
 - steps that each add one `--prompt-len` prompt to that batch (a mixed-step CUDA graph up to
   512 tokens, eager above): the first few timed apart, then profiled the same way.
 
-    python -m benchmarks.step_mix Qwen3-8B --load-format dummy --batch 32 --prompt-len 200
+    python -m sweeps.step_mix Qwen3-8B --load-format dummy --batch 32 --prompt-len 200
 """
 
 from __future__ import annotations

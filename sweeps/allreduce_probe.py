@@ -2,7 +2,7 @@
 NCCL through torch.distributed eagerly and inside a CUDA graph, and torch's symmetric-memory
 one-shot all-reduce (peer-to-peer loads, no NVLink multicast) inside a graph.
 
-    python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/allreduce_probe.py OUT.json
+    python3 -m torch.distributed.run --nproc-per-node 2 sweeps/allreduce_probe.py OUT.json
 
 Sizes are rows of Llama-3.1-8B's hidden size (4096, bf16): 1 row is batch-1 decode. A graph
 holds 64 all-reduces (two per layer of 32 layers), as a decode step does.

@@ -1,6 +1,6 @@
 """Random LoRA adapters for a model or preset, made with `peft`, for the LoRA benchmarks.
 
-    python -m benchmarks.lora_adapters Llama-3.1-8B --num 8 --rank 16 --out /tmp/loras
+    python -m sweeps.lora_adapters Llama-3.1-8B --num 8 --rank 16 --out /tmp/loras
 
 PEFT lays the adapters out (its config file and tensor names) around the base model built on
 the meta device, so no base weights are made; the A and B matrices are random (B too, unlike

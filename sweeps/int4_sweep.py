@@ -3,13 +3,13 @@
 For each projection of --model and each M in --m, times `kernels.triton_int4.int4_linear` with
 every config of CANDIDATES (groups of 128, asymmetric, as AWQ writes them), bf16 through
 `kernels.ops.linear` (what the engine runs), and reports microseconds per call and the GB/s of
-packed weights, scales and zero points read (timing and checks: benchmarks/quantized_sweep.py).
+packed weights, scales and zero points read (timing and checks: sweeps/quantized_sweep.py).
 Past 64 rows it times what the engine runs there (dequantize, then cuBLAS).
 `triton_int4.default_tiles` holds the picks. A peer on the same weights: PyTorch's own int4
 GEMM (`torch._weight_int4pack_mm`, gpt-fast's and torchao's "tinygemm"), as a measure of what
 a CUDA kernel reaches at these shapes. `--default-only` times the engine's tiles alone.
 
-    python3 benchmarks/int4_sweep.py --out $OUT/int4_sweep.json --m 1 4 16 64 256
+    python -m sweeps.int4_sweep --out $OUT/int4_sweep.json --m 1 4 16 64 256
 
 Needs a CUDA GPU and ~12 GB of its memory.
 """
@@ -17,25 +17,19 @@ Needs a CUDA GPU and ~12 GB of its memory.
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import quantized_sweep  # noqa: E402
-from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
-from kernels.int4 import (  # noqa: E402
+from kernels.int4 import (
     int4_linear_reference,
     quantize_int4_reference,
     unpack_weight,
 )
-from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear  # noqa: E402
+from kernels.triton_int4 import Int4Tiles, default_tiles, int4_linear
+from sweeps import quantized_sweep
+from sweeps.linear_sweep import DEVICE, Shape
 
 GROUP = 128
 # (kind, block_m, block_n, block_k, num_warps, num_stages[, split_k]): the rows kernel (timed

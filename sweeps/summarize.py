@@ -1,6 +1,6 @@
 """Print the device run's table: each figure against its floor, its target and the peer.
 
-    python benchmarks/summarize.py $OUT     # reads the JSON files scripts/device_bench.sh wrote
+    python -m sweeps.summarize $OUT     # reads the JSON files scripts/device_bench.sh wrote
 
 Floors use the ceilings measured in the same run (floors.json): a decode step cannot beat
 reading every weight once at the copy bandwidth; a whole offline run cannot beat its matmul

@@ -5,10 +5,10 @@ quantization and the FP8 GEMV, as `kernels.ops.fp8_linear` runs them up to 64 ro
 `fp8_default_tiles` and with every config of CANDIDATES, cuBLASLt's scaled
 GEMM (what the engine runs past 64 rows) and bf16 through `kernels.ops.linear`; reports
 microseconds per call and GB/s of FP8 weights (timing and checks:
-benchmarks/quantized_sweep.py). With --quantized-rows the FP8 layers take rows quantized
+sweeps/quantized_sweep.py). With --quantized-rows the FP8 layers take rows quantized
 before the timing, as the engine's norms and SiLU hand them to qkv, gate_up and down.
 
-    python3 benchmarks/fp8_sweep.py --out $OUT/fp8_sweep.json --m 1 4 16 [--quantized-rows]
+    python -m sweeps.fp8_sweep --out $OUT/fp8_sweep.json --m 1 4 16 [--quantized-rows]
 
 Needs a CUDA GPU and ~8 GB of its memory.
 """
@@ -16,30 +16,24 @@ Needs a CUDA GPU and ~8 GB of its memory.
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import quantized_sweep  # noqa: E402
-from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
-from kernels.fp8 import (  # noqa: E402
+from kernels.fp8 import (
     Fp8Rows,
     fp8_linear_reference,
     quantize_fp8_rowwise_reference,
 )
-from kernels.triton_fp8 import (  # noqa: E402
+from kernels.triton_fp8 import (
     Fp8Tiles,
     fp8_default_tiles,
     fp8_skinny_linear,
     quantize_fp8_rowwise,
 )
-from kernels.triton_stages import exact_stages  # noqa: E402
+from kernels.triton_stages import exact_stages
+from sweeps import quantized_sweep
+from sweeps.linear_sweep import DEVICE, Shape
 
 # The FP8 GEMV's (block_n, block_k, num_warps, num_stages), each with K in 1, 2, 4 and 8 splits
 # (no more splits than K steps; with uneven steps the last splits may get one or none).

@@ -5,9 +5,9 @@ For each projection of --model and each M in --m, times `kernels.triton_fp8.fp8_
 (the activation quantized per token and group, then the kernel) with every config of
 CANDIDATES, bf16 through `kernels.ops.linear` and per-channel FP8 through `kernels.ops.fp8_linear`;
 reports microseconds per call and the GB/s of FP8 weights and scales (timing and checks:
-benchmarks/quantized_sweep.py).
+sweeps/quantized_sweep.py).
 
-    python3 benchmarks/fp8_block_sweep.py --out $OUT/fp8_block_sweep.json --m 1 16 256 2048
+    python -m sweeps.fp8_block_sweep --out $OUT/fp8_block_sweep.json --m 1 16 256 2048
 
 Needs a CUDA GPU.
 """
@@ -15,25 +15,19 @@ Needs a CUDA GPU.
 from __future__ import annotations
 
 import functools
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import quantized_sweep  # noqa: E402
-from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
-from kernels import ops  # noqa: E402
-from kernels.fp8 import (  # noqa: E402
+from kernels import ops
+from kernels.fp8 import (
     fp8_group_linear_reference,
     quantize_fp8_blockwise_reference,
     quantize_fp8_rowwise_reference,
 )
-from kernels.triton_fp8 import Fp8GroupTiles, fp8_group_linear  # noqa: E402
+from kernels.triton_fp8 import Fp8GroupTiles, fp8_group_linear
+from sweeps import quantized_sweep
+from sweeps.linear_sweep import DEVICE, Shape
 
 GROUP = 128
 # (block_m, block_n, num_warps, num_stages)

@@ -1,4 +1,4 @@
-"""What the quantized-layer sweeps share (benchmarks/int4_sweep.py, benchmarks/fp8_sweep.py):
+"""What the quantized-layer sweeps share (sweeps/int4_sweep.py, sweeps/fp8_sweep.py):
 a bf16 baseline per cell, each config checked against the reference then timed with
 linear_sweep's CUDA-graph timing over per-layer weight copies (so each weight comes from HBM),
 one JSON row per timing, and the command line."""
@@ -8,18 +8,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.linear_sweep import (  # noqa: E402
+from kernels import ops
+from sweeps.linear_sweep import (
     DEVICE,
     FLOOR_BYTES_PER_S,
     MODEL_LAYERS,
@@ -28,7 +24,6 @@ from benchmarks.linear_sweep import (  # noqa: E402
     rel_error,
     time_layer,
 )
-from kernels import ops  # noqa: E402
 
 MAX_REL_ERR = 2e-2
 Layer = Callable[[torch.Tensor, Any], torch.Tensor]  # (x, one layer copy's tensors) -> out

@@ -2,11 +2,11 @@
 
 For each projection of --model, each GGUF type of --types and each M in --m, times
 `kernels.triton_gguf.gguf_linear` with every config of CANDIDATES on random blocks
-(benchmarks/gguf_writer.py), bf16 through `kernels.ops.linear`, and reports microseconds per
-call and the GB/s of blocks read (timing and checks: benchmarks/quantized_sweep.py). Past 64
+(sweeps/gguf_writer.py), bf16 through `kernels.ops.linear`, and reports microseconds per
+call and the GB/s of blocks read (timing and checks: sweeps/quantized_sweep.py). Past 64
 rows it times what the engine runs there (dequantize, then cuBLAS).
 
-    python3 benchmarks/gguf_sweep.py --out $OUT/gguf_sweep.json --types Q4_K Q6_K --m 1 16
+    python -m sweeps.gguf_sweep --out $OUT/gguf_sweep.json --types Q4_K Q6_K --m 1 16
 
 Needs a CUDA GPU.
 """
@@ -15,28 +15,22 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks import quantized_sweep  # noqa: E402
-from benchmarks.gguf_writer import random_weight  # noqa: E402
-from benchmarks.linear_sweep import DEVICE, Shape  # noqa: E402
-from kernels.gguf import gguf_linear_reference  # noqa: E402
-from kernels.triton_gguf import (  # noqa: E402
+from kernels.gguf import gguf_linear_reference
+from kernels.triton_gguf import (
     DEQUANTIZE_ABOVE_ROWS,
     FMA_MAX_ROWS,
     GgufTiles,
     default_tiles,
     gguf_linear,
 )
+from sweeps import quantized_sweep
+from sweeps.gguf_writer import random_weight
+from sweeps.linear_sweep import DEVICE, Shape
 
 # (block_m, block_n, num_warps, use_dot, num_stages)
 CANDIDATES = [

@@ -4,7 +4,7 @@ The same random-token prompts, greedy, ignore EOS, run (1) through `kvflow serve
 concurrent streaming clients and (2) offline through `LLM.generate`, one after the other
 on the same machine. Writes JSON; prints a short table last.
 
-    python -m benchmarks.serve_cpu --num-prompts 64 --input-len 128 --output-len 64
+    python -m sweeps.serve_cpu --num-prompts 64 --input-len 128 --output-len 64
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ own writer): Llama-3.1-8B-shaped files for the GPU benchmarks, tiny ones for the
 Types the `gguf` package quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, F32) are quantized
 from normal weights; the K-quants (which it only dequantizes) get random blocks whose scale
 fields are set so the weights have the requested spread around zero. Either way the file is
-what llama.cpp would read; `python -m benchmarks.gguf_writer --help` writes one.
+what llama.cpp would read; `python -m sweeps.gguf_writer --help` writes one.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ nothing is served from L2:
 and reports `both` against the sum and the larger of the two: a sum means the kernels take
 turns on the SMs, the larger one means they overlap fully.
 
-    python3 benchmarks/overlap_probe.py --batch 128 --context 640 --out $OUT/overlap.json
+    python -m sweeps.overlap_probe --batch 128 --context 640 --out $OUT/overlap.json
 """
 
 from __future__ import annotations
@@ -25,12 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # runs from a checkout whether or not kvflow is installed
-
-from benchmarks.linear_sweep import capture, time_graph  # noqa: E402
-from kernels.triton_decode_attention import paged_decode_attention  # noqa: E402
+from kernels.triton_decode_attention import paged_decode_attention
+from sweeps.linear_sweep import capture, time_graph
 
 LAYERS = 36
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128

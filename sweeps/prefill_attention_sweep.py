@@ -10,7 +10,7 @@ products of head_dim multiply-adds per key and head). Every config is first chec
 defaults' output and skipped, with the error, if it fails, does not compile or runs out of
 shared memory.
 
-    python3 benchmarks/prefill_attention_sweep.py --out $OUT/prefill_attention_sweep.json
+    python -m sweeps.prefill_attention_sweep --out $OUT/prefill_attention_sweep.json
 
 Needs a CUDA GPU and ~4 GB of its memory.
 """
@@ -21,23 +21,18 @@ import argparse
 import dataclasses
 import functools
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.kernel_bench import median_ms  # noqa: E402
-from kernels.triton_prefill_attention import (  # noqa: E402
+from benchmarks.kernel_bench import median_ms
+from kernels.triton_prefill_attention import (
     PrefillTiles,
     default_tiles,
     paged_prefill_attention,
 )
-from kernels.triton_stages import exact_stages  # noqa: E402
+from kernels.triton_stages import exact_stages
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 GROUP = NUM_HEADS // NUM_KV_HEADS

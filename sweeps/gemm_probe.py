@@ -12,14 +12,13 @@ them (a CUDA graph over one weight copy per layer, from HBM):
   split among programs (kernels/triton_split_k.py), at each config in TMA_CONFIGS (the best
   of a wider sweep on an H200, 2026-11-28: docs/benchmarks.md).
 
-    python3 benchmarks/gemm_probe.py --model qwen3 --m 128 256 512 --out $OUT/gemm_probe.json
+    python -m sweeps.gemm_probe --model qwen3 --m 128 256 512 --out $OUT/gemm_probe.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,11 +29,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.linear_sweep import (  # noqa: E402
+from kernels import triton_split_k as split_k
+from kernels.triton_split_k import sum_of_splits
+from sweeps.linear_sweep import (
     MODEL_LAYERS,
     MODEL_SHAPES,
     make_input,
@@ -42,8 +39,6 @@ from benchmarks.linear_sweep import (  # noqa: E402
     rel_error,
     time_layer,
 )
-from kernels import triton_split_k as split_k  # noqa: E402
-from kernels.triton_split_k import sum_of_splits  # noqa: E402
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
 CONFIGS = [

@@ -11,8 +11,8 @@ error, if it fails, does not compile or runs out of shared memory. Kernels are c
 parallel processes first (one kernel per tile config). `--split-counts` times only the defaults'
 tiles, at their picked split count and at each count given (how `pick_num_splits` should count).
 
-    python3 benchmarks/attention_sweep.py --out $OUT/attention_sweep.json
-    python3 benchmarks/attention_sweep.py --split-counts 1 2 3 4 8 --cases 64x32768 32x4096
+    python -m sweeps.attention_sweep --out $OUT/attention_sweep.json
+    python -m sweeps.attention_sweep --split-counts 1 2 3 4 8 --cases 64x32768 32x4096
 
 Needs a CUDA GPU and ~10 GB of its memory; about 2-3 minutes on an H100.
 """
@@ -33,12 +33,8 @@ from typing import Any
 import torch
 import triton
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # runs from a checkout whether or not kvflow is installed
-
-from benchmarks.kernel_bench import copy_bandwidth_gbs, decode_case, median_ms  # noqa: E402
-from kernels.triton_decode_attention import (  # noqa: E402
+from benchmarks.kernel_bench import copy_bandwidth_gbs, decode_case, median_ms
+from kernels.triton_decode_attention import (
     DecodeTiles,
     default_decode_tiles,
     most_splits,

@@ -18,8 +18,8 @@ and every output is checked to be exactly --output-len tokens long). Three measu
 
 Every timed region is bracketed by device synchronisation; each mode gets one warm-up call.
 
-    python benchmarks/peer_transformers.py --model Llama-3.1-8B
-    python benchmarks/peer_transformers.py --model /tmp/tiny.json --device cpu --dtype float32 \\
+    python -m sweeps.peer_transformers --model Llama-3.1-8B
+    python -m sweeps.peer_transformers --model /tmp/tiny.json --device cpu --dtype float32 \\
         --num-prompts 4 --input-len 16 --output-len 8 --static-batch-size 2
 
 Writes JSON to --out (default $OUT/peer_transformers.json, or ./peer_transformers.json).

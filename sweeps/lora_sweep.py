@@ -5,7 +5,7 @@ executor passes them), times `kernels.triton_lora.lora_shrink` and `lora_expand`
 projection with the default config and the CANDIDATES, and reports the bytes the expand must
 move at least (its output read and written) over the time.
 
-    python3 benchmarks/lora_sweep.py --out $OUT/lora_sweep.json --tokens 32 256 8192
+    python -m sweeps.lora_sweep --out $OUT/lora_sweep.json --tokens 32 256 8192
 
 Needs a CUDA GPU.
 """
@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import triton.testing
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from kernels.triton_lora import lora_expand, lora_shrink  # noqa: E402
+from kernels.triton_lora import lora_expand, lora_shrink
 
 HIDDEN, INTERMEDIATE, Q, KV = 4096, 14336, 4096, 1024
 # projection -> (input columns, output rows of each piece)

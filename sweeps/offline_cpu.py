@@ -3,7 +3,7 @@
 Random-token prompts (distinct, fixed seed), greedy, ignore EOS, so every system generates
 exactly the same number of tokens. Writes a JSON report; prints a short table last.
 
-    python benchmarks/offline_cpu.py --num-prompts 32 --input-len 128 --output-len 128
+    python -m sweeps.offline_cpu --num-prompts 32 --input-len 128 --output-len 128
 """
 
 from __future__ import annotations
