@@ -48,7 +48,9 @@ from kernels.triton_linear import (
 from kernels.triton_stages import exact_stages
 
 DEVICE = "cuda"
-FLOOR_BYTES_PER_S = 3.0e12  # H100 copy bandwidth, measured 3.02 TB/s (results/h100/floors.json)
+# H100 copy bandwidth, measured 3.02 TB/s
+# (docs/results/2026-11-23-h100-kernels-graphs-vs-transformers/floors.json)
+FLOOR_BYTES_PER_S = 3.0e12
 MAX_REL_ERR = 2e-2
 TIMED_S = 0.05  # replays per measurement: about this long, 5 to 30 of them
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}

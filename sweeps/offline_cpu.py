@@ -104,7 +104,11 @@ def main() -> None:
         "--mixed", action="store_true", help="Lengths uniform in [len/4, len] instead of fixed."
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/offline_cpu.json")
+    parser.add_argument(
+        "--out",
+        default=f"docs/results/{time.strftime('%Y-%m-%d')}-cpu-offline/offline_cpu.json",
+        help="JSON path (default: a folder of today's date under docs/results/)",
+    )
     args = parser.parse_args()
 
     prompts, output_lens = make_workload(

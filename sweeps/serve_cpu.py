@@ -77,7 +77,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/serve_cpu.json")
+    parser.add_argument(
+        "--out",
+        default=f"docs/results/{time.strftime('%Y-%m-%d')}-cpu-serve/serve_cpu.json",
+        help="JSON path (default: a folder of today's date under docs/results/)",
+    )
     args = parser.parse_args()
 
     # SmolLM2's vocabulary; lengths fixed (range ratio 0)
