@@ -43,7 +43,9 @@ def add_bench_parser(
         "serve",
         help="Load a running OpenAI-compatible server over HTTP/SSE: TTFT, TPOT, ITL, goodput.",
         description="Send a dataset's requests to any OpenAI-compatible server at a request "
-        "rate and measure it at the client; vLLM's `bench serve` flag names.",
+        "rate and measure it at the client. Takes `vllm bench serve`'s command lines and "
+        "writes its result file (--save-result); refuses what it cannot do.",
+        usage="%(prog)s [OPTIONS] (--help lists them)",
     )
     add_serve_flags(serve)
     throughput = kinds.add_parser("throughput", help="Offline engine throughput (tok/s).")
