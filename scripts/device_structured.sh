@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Structured output on a GPU machine (docs/benchmarks.md, issue 12): the host cost of the
+# Structured output on a GPU machine (docs/benchmarks.md, "structured output"): the host cost of the
 # 20-field schema (sweeps/grammar_bench.py), then `kvflow serve` on the Qwen3-8B shape with
 # dummy weights at 32 concurrent streams, unconstrained and with that schema on every request,
 # alternated twice; last, constrained answers of the GPU server are checked against the schema.

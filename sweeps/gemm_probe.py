@@ -10,7 +10,7 @@ them (a CUDA graph over one weight copy per layer, from HBM):
 - "triton": a plain tiled GEMM at each config in CONFIGS;
 - "tma": out^T = W x^T with both tiles brought by Hopper's tensor memory accelerator and K
   split among programs (kernels/triton_split_k.py), at each config in TMA_CONFIGS (the best
-  of a wider sweep on an H200, 2026-11-28: docs/benchmarks.md).
+  of a wider sweep on an H200, 2026-11-28: docs/benchmarks-history.md).
 
     python -m sweeps.gemm_probe --model qwen3 --m 128 256 512 --out $OUT/gemm_probe.json
 """
