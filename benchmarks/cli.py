@@ -43,29 +43,41 @@ def add_bench_parser(
         "serve",
         help="Load a running OpenAI-compatible server over HTTP/SSE: TTFT, TPOT, ITL, goodput.",
         description="Send a dataset's requests to any OpenAI-compatible server at a request "
-        "rate and measure it at the client; vLLM's `bench serve` flag names.",
+        "rate and measure it at the client. Takes `vllm bench serve`'s command lines and "
+        "writes its result file (--save-result); refuses what it cannot do.",
+        usage="%(prog)s [OPTIONS] (--help lists them)",
     )
     add_serve_flags(serve)
     throughput = kinds.add_parser("throughput", help="Offline engine throughput (tok/s).")
     latency = kinds.add_parser("latency", help="Decode inter-token latency at batch 1, 8, 32.")
+    _engine_flags(throughput, latency, engine_flags)
     attention = kinds.add_parser("attention", help="Decode attention kernel GB/s vs copy.")
+    _attention_flags(attention)
     floors = kinds.add_parser("floors", help="Measured copy bandwidth and bf16 matmul rate.")
+    for parser in (throughput, latency, attention, floors):
+        parser.add_argument("--output-json", type=Path, help="Write the figures here.")
+
+
+def _engine_flags(
+    throughput: argparse.ArgumentParser,
+    latency: argparse.ArgumentParser,
+    engine_flags: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """What `bench throughput` and `bench latency` share (the engine's own flags among them),
+    then each one's own."""
     for parser in (throughput, latency):
         parser.add_argument("model", nargs="?", help="Model or preset (see kvflow generate).")
         parser.add_argument("--input-len", type=parse_length, default=(512, 512))
         parser.add_argument("--output-len", type=parse_length, default=(256, 256))
         engine_flags(parser)
-    throughput.add_argument("--num-prompts", type=int, default=256)
-    for parser in (throughput, latency):
         parser.add_argument(
             "--lora-paths",
             nargs="+",
             default=[],
             help="PEFT adapter folders (with --enable-lora): throughput spreads the requests"
             " evenly over them, latency runs every request under the first"
-            " (benchmarks/lora_adapters.py makes random ones).",
+            " (`python -m sweeps.lora_adapters` makes random ones).",
         )
-    for parser in (throughput, latency):
         parser.add_argument(
             "--profile-steps",
             type=int,
@@ -73,6 +85,7 @@ def add_bench_parser(
             help="Also profile this many decode steps (CUDA): GPU busy and top kernels"
             " (throughput: and the first 3 steps of fresh prompts).",
         )
+    throughput.add_argument("--num-prompts", type=int, default=256)
     throughput.add_argument(
         "--profile-run",
         action="store_true",
@@ -83,6 +96,9 @@ def add_bench_parser(
         "--ignore-eos", action="store_true", help="Always generate --output-len tokens."
     )
     latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+
+
+def _attention_flags(attention: argparse.ArgumentParser) -> None:
     attention.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
     attention.add_argument("--context-lens", type=int, nargs="+", default=[1024, 4096, 32768])
     attention.add_argument("--num-heads", type=int, default=32)
@@ -91,8 +107,6 @@ def add_bench_parser(
     attention.add_argument(
         "--kv-cache-dtype", choices=["auto", "fp8"], default="auto", help="auto: bf16"
     )
-    for parser in (throughput, latency, attention, floors):
-        parser.add_argument("--output-json", type=Path, help="Write the figures here.")
 
 
 def run_bench(args: argparse.Namespace) -> int:

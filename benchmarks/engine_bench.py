@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,10 +53,28 @@ def _device_name(llm: LLM) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
-    if (args.profile_steps or args.profile_run) and config.data_parallel_size > 1:
-        raise SystemExit("profiles are of one engine: not with --data-parallel-size")
-    llm = _llm(config)
+@dataclass(frozen=True)
+class Workload:
+    """An offline run's requests: random-token prompts, their lengths and params, and the
+    LoRA adapters they run under (spread evenly; none without --lora-paths)."""
+
+    prompts: list[list[int]]
+    input_lens: list[int]
+    params: list[SamplingParams]
+    adapters: list[LoRARequest]
+
+    def per_prompt(self) -> list[LoRARequest] | None:
+        """Prompt i's adapter, in turn; None runs the base model."""
+        if not self.adapters:
+            return None
+        return [self.adapters[i % len(self.adapters)] for i in range(len(self.prompts))]
+
+    def lora_ids(self) -> list[int] | None:
+        loras = self.per_prompt()
+        return [r.lora_int_id for r in loras] if loras else None
+
+
+def _workload(llm: LLM, config: Config, args: argparse.Namespace) -> Workload:
     vocab = llm.runner.model_config.vocab_size
     input_lens = draw_lengths(args.input_len, args.num_prompts, config.seed + 1)
     output_lens = draw_lengths(args.output_len, args.num_prompts, config.seed + 2)
@@ -64,21 +83,34 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=args.ignore_eos)
         for n in output_lens
     ]
-    lora_ids = _lora_ids(llm, args.lora_paths)
-    pairs = zip(lora_ids, args.lora_paths, strict=True)
-    loras = [LoRARequest(f"lora-{i}", i, path) for i, path in pairs]
-    per_prompt = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
-    # Warm-up, with every adapter on every replica: they are read and put in slots outside
-    # the timing (prompt i goes to replica i mod N).
-    warm_loras = [lora for lora in loras or [None] for _ in range(config.data_parallel_size)]
-    warm_prompts = random_prompts(len(warm_loras), [16] * len(warm_loras), vocab, config.seed + 3)
-    warm_params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    llm.generate(warm_prompts, warm_params, lora_request=warm_loras)
+    pairs = zip(_lora_ids(llm, args.lora_paths), args.lora_paths, strict=True)
+    adapters = [LoRARequest(f"lora-{i}", i, path) for i, path in pairs]
+    return Workload(prompts, input_lens, params, adapters)
+
+
+def _warm_up(llm: LLM, config: Config, adapters: list[LoRARequest]) -> None:
+    """A short request with every adapter on every replica, so that the adapters are read and
+    put in slots outside the timing (prompt i goes to replica i mod N)."""
+    vocab = llm.runner.model_config.vocab_size
+    warm = [lora for lora in adapters or [None] for _ in range(config.data_parallel_size)]
+    prompts = random_prompts(len(warm), [16] * len(warm), vocab, config.seed + 3)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    llm.generate(prompts, params, lora_request=warm)
+
+
+def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
+    if (args.profile_steps or args.profile_run) and config.data_parallel_size > 1:
+        raise SystemExit("profiles are of one engine: not with --data-parallel-size")
+    llm = _llm(config)
+    work = _workload(llm, config, args)
+    _warm_up(llm, config, work.adapters)
     compiled_before = len(_late_compiles(llm))
     start = time.perf_counter()
-    results = llm.generate(prompts, params, lora_request=per_prompt, show_progress=True)
+    loras = work.per_prompt()
+    results = llm.generate(work.prompts, work.params, lora_request=loras, show_progress=True)
     elapsed = time.perf_counter() - start
     num_out = sum(len(r.token_ids) for r in results)
+    total = num_out + sum(work.input_lens)
     report = {
         "benchmark": "throughput",
         "model": llm.runner.source.name,
@@ -89,35 +121,47 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(elapsed, 3),
         "requests_per_s": round(args.num_prompts / elapsed, 2),
         "output_tok_per_s": round(num_out / elapsed, 1),
-        "total_tok_per_s": round((num_out + sum(input_lens)) / elapsed, 1),
+        "total_tok_per_s": round(total / elapsed, 1),
         "output_tokens": num_out,
-        "total_tokens": num_out + sum(input_lens),
+        "total_tokens": total,
         "matmul_parameters": _matmul_parameters(llm.runner.model),
         "num_preemptions": sum(s.num_preemptions for s in llm.replica_stats()),
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,  # in each replica
-        "lora_adapters": len(loras),
+        "lora_adapters": len(work.adapters),
         # Compiled inside the timing, had the warm-up missed them (replica 0's process).
         "triton_compiles_in_timed_run": _late_compiles(llm)[compiled_before:],
         "config": _engine_summary(config),
     }
-    if args.profile_steps:
-        from benchmarks.step_profile import profile_decode, profile_prefill
-
-        # Prompts the prefix cache has not seen, or the profiled steps would compute little.
-        fresh = random_prompts(args.num_prompts, input_lens, vocab, config.seed + 7)
-        prompt_loras = [r.lora_int_id for r in per_prompt] if per_prompt else None
-        report["prefill_profile"] = profile_prefill(llm.engine, fresh, params, 3, prompt_loras)
-        report["decode_profile"] = profile_decode(
-            llm.engine, prompts, params, args.profile_steps, prompt_loras
-        )
-        report["gpu_busy_fraction"] = report["decode_profile"]["gpu_busy_fraction"]
-    if args.profile_run:
-        from benchmarks.step_profile import profile_run
-
-        fresh = random_prompts(args.num_prompts, input_lens, vocab, config.seed + 8)
-        prompt_loras = [r.lora_int_id for r in per_prompt] if per_prompt else None
-        report["run_profile"] = profile_run(llm.engine, fresh, params, prompt_loras)
+    report.update(_throughput_profiles(llm, config, args, work))
     return report
+
+
+def _throughput_profiles(
+    llm: LLM, config: Config, args: argparse.Namespace, work: Workload
+) -> dict[str, Any]:
+    """--profile-steps: the first prefill steps of fresh prompts and the decode steps;
+    --profile-run: the whole workload again on fresh prompts."""
+    profiles: dict[str, Any] = {}
+    if not (args.profile_steps or args.profile_run):
+        return profiles
+    from benchmarks.step_profile import profile_decode, profile_prefill, profile_run
+
+    vocab = llm.runner.model_config.vocab_size
+    prompt_loras = work.lora_ids()
+    if args.profile_steps:
+        # Prompts the prefix cache has not seen, or the profiled steps would compute little.
+        fresh = random_prompts(args.num_prompts, work.input_lens, vocab, config.seed + 7)
+        profiles["prefill_profile"] = profile_prefill(
+            llm.engine, fresh, work.params, 3, prompt_loras
+        )
+        profiles["decode_profile"] = profile_decode(
+            llm.engine, work.prompts, work.params, args.profile_steps, prompt_loras
+        )
+        profiles["gpu_busy_fraction"] = profiles["decode_profile"]["gpu_busy_fraction"]
+    if args.profile_run:
+        fresh = random_prompts(args.num_prompts, work.input_lens, vocab, config.seed + 8)
+        profiles["run_profile"] = profile_run(llm.engine, fresh, work.params, prompt_loras)
+    return profiles
 
 
 def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:

@@ -173,6 +173,12 @@ def profile_run(
     )
     if not kernels:
         raise SystemExit("the profiler recorded no GPU activity in the run")
+    return {"steps": steps, **_run_timeline(kernels, host_us, top)}
+
+
+def _run_timeline(kernels: list[Any], host_us: float, top: int) -> dict[str, Any]:
+    """A profiled run's GPU time from its kernels (sorted by start): span, idle gaps (the
+    longest, with the kernels around each), and the kernels' totals by name."""
     intervals = [(e.time_range.start, e.time_range.end) for e in kernels]
     first = intervals[0][0]
     span_us = max(end for _, end in intervals) - first
@@ -187,7 +193,6 @@ def profile_run(
         return f"{before} | {kernels[after].name[:40]}" if after < len(kernels) else before
 
     return {
-        "steps": steps,
         "host_ms": round(host_us / 1000, 1),
         "kernel_span_ms": round(span_us / 1000, 1),
         # Admitting the prompts, the first plan, and the last step's outputs: host time with

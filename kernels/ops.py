@@ -35,7 +35,7 @@ from kernels.rotary_cache import rotary_write_kv_reference
 # Block-scaled FP8 goes to cuBLASLt's blockwise GEMM past this many rows, where it has one.
 FP8_BLOCK_TRITON_MAX_ROWS = 16
 # FP8 weights stream faster through the FP8 GEMV than through cuBLASLt's scaled GEMM up to its
-# 64 rows (benchmarks/fp8_sweep.py --quantized-rows, H100, Llama-3.1-8B layers, 2026-11-28:
+# 64 rows (sweeps/fp8_sweep.py --quantized-rows, H100, Llama-3.1-8B layers, 2026-11-28:
 # 91.4 against 123.6 us a layer's four projections at M = 32, 97.7 against 117.0 at M = 64).
 FP8_SKINNY_MAX_ROWS = 64
 _modules: dict[str, ModuleType] = {}

@@ -72,7 +72,7 @@ class DecodeTiles:
 
 
 def default_decode_tiles(kv_dtype: torch.dtype, block_size: int) -> DecodeTiles:
-    """benchmarks/attention_sweep.py's picks (H100, Llama-3.1-8B heads, block_size 16), 4 warps
+    """sweeps/attention_sweep.py's picks (H100, Llama-3.1-8B heads, block_size 16), 4 warps
     and 3 stages: 64 tokens per step (or one block, if larger) read a bf16 cache at 0.99 of
     copy bandwidth, no other config faster (2026-11-26); an e4m3 cache, read as words
     (_e4m3_tile), takes 128: 0.77 / 0.84 of copy at 64 x 32k / 256 x 4k contexts

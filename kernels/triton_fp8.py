@@ -150,8 +150,8 @@ class Fp8Tiles:
 
 
 def fp8_default_tiles(m: int, n: int, k: int) -> Fp8Tiles:
-    """benchmarks/fp8_sweep.py's picks (H100, Llama-3.1-8B shapes, rows quantized by their
-    producer, 2026-11-28; docs/benchmarks.md has the table): 64 weight rows over 4 warps, x
+    """sweeps/fp8_sweep.py's picks (H100, Llama-3.1-8B shapes, rows quantized by their
+    producer, 2026-11-28; docs/benchmarks-history.md has the table): 64 weight rows over 4 warps, x
     in tiles of 8 rows up to 8 rows, then M rounded up to a power of two; K steps of 512 in 4
     stages (3 past 32 rows), but of 256 for gate_up-like N past 8 rows, and of 256 in 4 stages
     for o-like layers past 32; narrow N (o, down: 64 output tiles) split K in 4 up to 8 rows,
@@ -317,7 +317,7 @@ class Fp8GroupTiles:
 
 
 def fp8_group_default_tiles(m: int) -> Fp8GroupTiles:
-    """benchmarks/fp8_block_sweep.py's picks (H100, Llama-3.1-8B shapes, 128 x 128 blocks,
+    """sweeps/fp8_block_sweep.py's picks (H100, Llama-3.1-8B shapes, 128 x 128 blocks,
     2026-11-26): within 5 % of per-channel FP8's skinny-kernel path of that day (since
     replaced by the faster FP8 GEMV) at 1-16 rows on qkv, o and gate_up. Past 16 rows
     `ops.fp8_group_linear` uses cuBLASLt where it can (faster from 256 rows on); these tiles

@@ -47,8 +47,8 @@ class GgufTiles:
 
 
 def default_tiles(m: int) -> GgufTiles:
-    """benchmarks/gguf_sweep.py's picks (H100, Llama-3.1-8B shapes, Q4_K, Q6_K and Q8_0,
-    2026-11-26; docs/benchmarks.md has the table): at 1-2 rows a program of one warp per two
+    """sweeps/gguf_sweep.py's picks (H100, Llama-3.1-8B shapes, Q4_K, Q6_K and Q8_0,
+    2026-11-26; docs/benchmarks-history.md has the table): at 1-2 rows a program of one warp per two
     weight rows and activation row (within 9 % of each shape's best on average); from 3 rows
     tl.dot tiles of 16 x 32 (within 5 %)."""
     if m <= FMA_MAX_ROWS:

@@ -69,8 +69,8 @@ def dot_applies(dtype: torch.dtype, group_size: int, act_order: bool) -> bool:
 
 
 def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = False) -> Int4Tiles:
-    """benchmarks/int4_sweep.py's picks (H100, Llama-3.1-8B shapes, groups of 128,
-    2026-11-28; docs/benchmarks.md has the table). `dot`: whether `dot_applies`.
+    """sweeps/int4_sweep.py's picks (H100, Llama-3.1-8B shapes, groups of 128,
+    2026-11-28; docs/benchmarks-history.md has the table). `dot`: whether `dot_applies`.
 
     - With "dot", x tiles of 8 rows up to 8 rows: 32 weight rows over 2 warps, K steps of 128;
       for gate_up and down (N >= WIDE_N or K >= WIDE_K) 64 weight rows over 4 warps, two steps

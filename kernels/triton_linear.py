@@ -99,9 +99,9 @@ class LinearTiles:
 
 
 def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
-    """The configuration for [m, k] x [n, k]^T: benchmarks/linear_sweep.py's picks.
+    """The configuration for [m, k] x [n, k]^T: sweeps/linear_sweep.py's picks.
 
-    Measured on an H100 (bf16, Triton 3.6, 2026-11-23, `python3 benchmarks/linear_sweep.py`):
+    Measured on an H100 (bf16, Triton 3.6, 2026-11-23, `python -m sweeps.linear_sweep`):
     microseconds per call at Llama-3.1-8B shapes, these tiles / cuBLAS (at M = 4 for M >= 2):
 
         M = 1                  fma n8 k512 w4 s3   qkv 19.3 / 20.9, o 14.0 / 16.3,
@@ -130,7 +130,7 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     73.4 us), 5 % and 2 % slower than cuBLAS on Llama's gate_up; these are within 1 % of
     cuBLAS on both models, +1.4 and +1.1 us a layer on Qwen3-8B, 4-6 % faster on Llama.
     A step's linear layers with the best tiles per shape: 5.55 against 5.91 ms with cuBLAS at
-    32 rows, 5.70 against 5.97 at 64; a whole Qwen3-8B decode step (benchmarks/step_mix.py)
+    32 rows, 5.70 against 5.97 at 64; a whole Qwen3-8B decode step (sweeps/step_mix.py)
     6.81 against 7.20 ms at 32 rows, 7.22 against 7.48 at 64. Before PDL the same tiles gained
     half as much, and one tile for every shape (n32 k256 w4 s4) a fifth (7.11 against 7.19).
 

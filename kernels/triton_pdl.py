@@ -16,8 +16,8 @@ for every byte. Before the wait a program may only compute addresses and `prefet
 weights it reads first: a prefetch fills L2, which is where device memory is coherent, so it
 can never return a value older than the previous kernel's writes.
 
-Measured on an H100 (docs/benchmarks.md, "programmatic dependent launch"): Llama-3.1-8B decode
-at batch 1 went from 5.83 to 5.67 ms in bf16 and from 3.96 to 3.76 ms in FP8. int4's tl.dot
+Measured on an H100 (docs/benchmarks-history.md, "programmatic dependent launch"): Llama-3.1-8B
+decode at batch 1 went from 5.83 to 5.67 ms in bf16 and from 3.96 to 3.76 ms in FP8. int4's tl.dot
 kernel launches with it too (2.96 against 3.06 ms at batch 1, 2026-11-28); its fallbacks
 (the CUDA-core rows kernel, whose step was 3 % slower with it, and dequant_dot) do not.
 

@@ -50,15 +50,15 @@ for part in $PARTS; do
             --kv-cache-dtype fp8 --input-len 128 --output-len 256 --profile-steps 20 \
             --output-json "$OUT/latency_kv_fp8.json" ;;
     attention-sweep)  # decode attention launch configs, bf16 and FP8 caches (issue 13)
-        run attention-sweep python3 benchmarks/attention_sweep.py \
+        run attention-sweep python3 -m sweeps.attention_sweep \
             --out "$OUT/attention_sweep.json" ;;
     prefill-attention)  # prefill attention tiles against PyTorch's FlashAttention-2 and cuDNN
-        run prefill-attention python3 benchmarks/prefill_attention_sweep.py \
+        run prefill-attention python3 -m sweeps.prefill_attention_sweep \
             --out "$OUT/prefill_attention_sweep.json" ;;
     overlap)  # decode attention and linear layers on two streams at once: do they overlap?
-        run overlap python3 benchmarks/overlap_probe.py --out "$OUT/overlap.json" ;;
+        run overlap python3 -m sweeps.overlap_probe --out "$OUT/overlap.json" ;;
     sweep)  # decode GEMV tiles against cuBLAS at the Llama-3.1-8B shapes, 1 to 64 rows
-        run sweep python3 benchmarks/linear_sweep.py --m 1 4 8 16 32 48 64 \
+        run sweep python3 -m sweeps.linear_sweep --m 1 4 8 16 32 48 64 \
             --step-m 1 4 16 32 64 --out "$OUT/linear_sweep.json" ;;
     latency)
         run latency python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
@@ -74,7 +74,7 @@ for part in $PARTS; do
             tests/integration/test_gpu_tensor_parallel.py ;;
     allreduce)  # one all-reduce between $TP GPUs: NCCL eager and in graphs, symmetric memory
         run allreduce python3 -m torch.distributed.run --nproc-per-node "$TP" \
-            benchmarks/allreduce_probe.py "$OUT/allreduce.json" ;;
+            -m sweeps.allreduce_probe "$OUT/allreduce.json" ;;
     latency-tp)  # the latency part on $TP GPUs
         run latency-tp python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
             --tensor-parallel-size "$TP" --input-len 128 --output-len 256 --profile-steps 20 \
@@ -123,7 +123,7 @@ for part in $PARTS; do
             tests/kernels/test_triton_lora.py tests/integration/test_lora.py \
             tests/kernels/test_triton_linear.py -k "lora or llama_shapes" ;;
     lora-adapters)  # 8 random rank-16 adapters on all seven projections (peft), outside the tree
-        run lora-adapters python3 -m benchmarks.lora_adapters "$MODEL" --num 8 --rank 16 \
+        run lora-adapters python3 -m sweeps.lora_adapters "$MODEL" --num 8 --rank 16 \
             --out "$LORA_DIR" ;;
     latency-lora)  # every request under one adapter (issue 14); compare with `latency`
         run latency-lora python3 -m services bench latency "$MODEL" "${COMMON[@]}" \
@@ -137,10 +137,10 @@ for part in $PARTS; do
             --max-num-batched-tokens 8192 --profile-steps ${LORA_PROFILE_STEPS:-0} \
             --output-json "$OUT/throughput_lora.json" ;;
     int4-sweep)  # int4 tiles at the Llama-3.1-8B shapes against bf16
-        run int4-sweep python3 benchmarks/int4_sweep.py --out "$OUT/int4_sweep.json" \
+        run int4-sweep python3 -m sweeps.int4_sweep --out "$OUT/int4_sweep.json" \
             --m ${INT4_M:-1 16 64 256} ;;
     fp8-sweep)  # FP8 skinny tiles at the Llama-3.1-8B shapes against bf16
-        run fp8-sweep python3 benchmarks/fp8_sweep.py --out "$OUT/fp8_sweep.json" \
+        run fp8-sweep python3 -m sweeps.fp8_sweep --out "$OUT/fp8_sweep.json" \
             --m ${FP8_M:-1 4 16} ;;
     fp8-block-tests)
         run fp8-block-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
@@ -167,7 +167,7 @@ json.dump(c, open(sys.argv[2], 'w'))" shared/presets/Llama-3.1-8B.json \
             --output-len 256 --ignore-eos --max-num-batched-tokens 8192 \
             --output-json "$OUT/throughput_fp8_kv_fp8.json" ;;
     fp8-block-sweep)  # block-scaled FP8 tiles at the Llama-3.1-8B shapes against bf16
-        run fp8-block-sweep python3 benchmarks/fp8_block_sweep.py \
+        run fp8-block-sweep python3 -m sweeps.fp8_block_sweep \
             --out "$OUT/fp8_block_sweep.json" --m ${FP8_BLOCK_M:-1 16 256 2048} ;;
     latency-fp8-block)  # dummy e4m3 weights with a scale per 128 x 128 block
         run latency-fp8-block python3 -m services bench latency "$FP8_BLOCK_MODEL" \
@@ -180,10 +180,10 @@ json.dump(c, open(sys.argv[2], 'w'))" shared/presets/Llama-3.1-8B.json \
     gguf-tests)  # GGUF kernels at Llama shapes (issue 13)
         run gguf-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gguf.py ;;
     gguf-sweep)  # GGUF tiles at the Llama-3.1-8B shapes against bf16
-        run gguf-sweep python3 benchmarks/gguf_sweep.py --out "$OUT/gguf_sweep.json" \
+        run gguf-sweep python3 -m sweeps.gguf_sweep --out "$OUT/gguf_sweep.json" \
             --types ${GGUF_TYPES:-Q4_K Q6_K Q8_0} --m ${GGUF_M:-1 4 16 64 256} ;;
     gguf-file)  # a Llama-3.1-8B-shaped Q4_K_M GGUF file of random blocks, outside the tree
-        run gguf-file python3 -m benchmarks.gguf_writer "$GGUF_FILE" ;;
+        run gguf-file python3 -m sweeps.gguf_writer "$GGUF_FILE" ;;
     latency-gguf)  # that file, kept in its blocks (the default on CUDA)
         mkdir -p /tmp/no-tokenizer
         run latency-gguf python3 -m services bench latency "$GGUF_FILE" --max-model-len 4096 \
@@ -204,11 +204,11 @@ json.dump(c, open(sys.argv[2], 'w'))" shared/presets/Llama-3.1-8B.json \
             --num-prompts 256 --input-len 100:1024 --output-len 100:1024 --ignore-eos \
             --max-num-batched-tokens 8192 --profile-steps 30 --output-json "$OUT/small.json" ;;
     peer)
-        run peer python3 benchmarks/peer_transformers.py --model "$MODEL" --seed 0 \
+        run peer python3 -m sweeps.peer_transformers --model "$MODEL" --seed 0 \
             --num-prompts "${PEER_PROMPTS:-256}" --input-len 512 --output-len 256 \
             --out "$OUT/peer_transformers.json" ;;
     *) echo "unknown part $part"; status=1 ;;
     esac
 done
-python3 benchmarks/summarize.py "$OUT" | tee "$OUT/summary.txt"
+python3 -m sweeps.summarize "$OUT" | tee "$OUT/summary.txt"
 exit $status

@@ -176,7 +176,7 @@ for part in $PARTS; do
             tests/integration/test_gpu_parity.py tests/integration/test_gpu_graphs.py \
             tests/integration/test_pipelined_engine.py ;;
     probe)
-        run probe python3 -m benchmarks.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
+        run probe python3 -m sweeps.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;
     kvflow) serve_kvflow kvflow serve,prefix ;;
     dp)  # one replica, then DP replicas routed by prefix, then DP replicas in turn
@@ -210,7 +210,7 @@ for part in $PARTS; do
             --output-json "$RESULTS/offline_vllm.json" >"$RESULTS/offline_vllm.log" 2>&1)
         tail -5 "$RESULTS/offline_vllm.log" ;;
     sweep-qwen3)  # the decode linear layers at 1..64 rows: Triton tiles against cuBLAS
-        run sweep-qwen3 python3 benchmarks/linear_sweep.py --model qwen3 --m 1 16 32 48 64 \
+        run sweep-qwen3 python3 -m sweeps.linear_sweep --model qwen3 --m 1 16 32 48 64 \
             --step-m 32 64 --out "$RESULTS/linear_sweep_qwen3.json" ;;
     offline-long-kvflow)  # 1000 requests, lengths U[100, 1024] in and out: KV pressure
         for seqs in 256 1024; do  # kvflow's default, and vLLM's offline default on an H100

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Structured output on a GPU machine (docs/benchmarks.md, issue 12): the host cost of the
-# 20-field schema (benchmarks/grammar_bench.py), then `kvflow serve` on the Qwen3-8B shape with
+# Structured output on a GPU machine (docs/benchmarks.md, "structured output"): the host cost of the
+# 20-field schema (sweeps/grammar_bench.py), then `kvflow serve` on the Qwen3-8B shape with
 # dummy weights at 32 concurrent streams, unconstrained and with that schema on every request,
 # alternated twice; last, constrained answers of the GPU server are checked against the schema.
 #
@@ -23,7 +23,7 @@ run() {
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-run grammar python3 benchmarks/grammar_bench.py "$MODEL_DIR" --out "$OUT/grammar.json" \
+run grammar python3 -m sweeps.grammar_bench "$MODEL_DIR" --out "$OUT/grammar.json" \
     --extra-body /tmp/extra.json
 
 python3 -m services serve "$MODEL_DIR" --load-format dummy --max-model-len 4096 --port 8100 \
@@ -50,7 +50,7 @@ done
 run check python3 - <<'EOF'
 import json, urllib.request
 import jsonschema
-from benchmarks.grammar_bench import SCHEMA_20, extra_body
+from sweeps.grammar_bench import SCHEMA_20, extra_body
 ok = 0
 for seed in range(16):
     body = {"model": "qwen3-8b", "prompt": "Describe a person:", "max_tokens": 800,

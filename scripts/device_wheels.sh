@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download the wheels the GPU machine lacks (it has no network) into git-ignored folders that
-# the device tool carries (see docs/benchmarks.md, issue 9's runs):
+# the device tool carries (see docs/benchmarks-history.md, the serving runs against vLLM):
 #   .whl/   kvflow's serving dependencies for the machine's Python 3.12
 #   .vwhl/  vLLM 0.26's imports that neither the machine nor the vLLM bundle has
 #           (`PARTS=vllm` in scripts/device_serve.sh installs them before the bundle)

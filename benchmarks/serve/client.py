@@ -14,8 +14,10 @@ from typing import Any
 
 import aiohttp
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+from benchmarks.serve import flags
+
+COMPLETIONS = flags.COMPLETIONS
+CHAT = flags.CHAT
 
 
 @dataclass

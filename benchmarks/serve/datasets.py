@@ -46,13 +46,16 @@ def random_requests(
     range_ratio: float,
     seed: int,
     vocab_bound: int = DEFAULT_VOCAB_BOUND,
+    prefix_len: int = 0,
 ) -> list[SampleRequest]:
-    """Prompts of random token ids: distinct, so no prefix cache helps (seed them apart)."""
+    """Prompts of random token ids: distinct, so no prefix cache helps (seed them apart),
+    unless `prefix_len` ids of one random prefix open every prompt."""
     rng = random.Random(seed)
     inputs = _lengths(rng, input_len, range_ratio, num)
     outputs = _lengths(rng, output_len, range_ratio, num)
+    prefix = _random_ids(rng, prefix_len, vocab_bound)
     return [
-        SampleRequest(_random_ids(rng, n_in, vocab_bound), n_in, n_out)
+        SampleRequest(prefix + _random_ids(rng, n_in, vocab_bound), prefix_len + n_in, n_out)
         for n_in, n_out in zip(inputs, outputs, strict=True)
     ]
 
@@ -85,8 +88,11 @@ def sharegpt_requests(
     seed: int,
     tokenizer: Tokenizer | None,
     output_len: int | None,
+    shuffle: bool = True,
+    oversample: bool = True,
 ) -> list[SampleRequest]:
-    """The first human turn of conversations from a ShareGPT-format JSON file as prompts.
+    """The first human turn of conversations from a ShareGPT-format JSON file as prompts,
+    shuffled unless `shuffle` is off, repeated up to `num` unless `oversample` is off.
 
     The output length is the reference reply's token count (needs `tokenizer`) unless
     `output_len` fixes it; conversations without a human turn followed by a reply are skipped.
@@ -99,9 +105,11 @@ def sharegpt_requests(
     pairs = [pair for entry in entries if (pair := _first_exchange(entry)) is not None]
     if not pairs:
         raise ValueError(f"{path}: no conversation has a human turn followed by a reply")
-    random.Random(seed).shuffle(pairs)
+    if shuffle:
+        random.Random(seed).shuffle(pairs)
+    repeats = num // len(pairs) + 1 if oversample else 1
     requests = []
-    for prompt, reply in (pairs * (num // len(pairs) + 1))[:num]:
+    for prompt, reply in (pairs * repeats)[:num]:
         prompt_len = None if tokenizer is None else len(tokenizer.encode(prompt))
         if output_len is not None:
             reply_len = output_len

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.serve.client import RequestResult
-from benchmarks.serve.flags import Slo
+from benchmarks.serve.flags import METRICS, Slo, percentile_key
 
-METRICS = ("ttft", "tpot", "itl", "e2el")  # seconds in, milliseconds out
 METRIC_NAMES = {
     "ttft": "Time to first token",
     "tpot": "Time per output token (excl. 1st)",
@@ -47,8 +47,9 @@ def summarize(
     duration: float,
     percentiles: list[float],
     slos: list[Slo],
+    metrics: Sequence[str] = METRICS,
 ) -> dict[str, Any]:
-    """The figures of one run; latencies in milliseconds."""
+    """The figures of one run, of `metrics`' latencies (in milliseconds) only."""
     done = [r for r in results if r.success]
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.completion_tokens for r in done)
@@ -69,19 +70,25 @@ def summarize(
             "good_requests": good,
             "request_goodput": good / duration,
         }
-    for name, values in samples(results).items():
-        ms = [v * 1000 for v in values]
+    values = samples(results)
+    for name in metrics:
+        ms = [v * 1000 for v in values[name]]
         summary[f"mean_{name}_ms"] = statistics.fmean(ms) if ms else None
         summary[f"median_{name}_ms"] = statistics.median(ms) if ms else None
         summary[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else None
         for p in percentiles:
-            summary[f"p{p:g}_{name}_ms"] = percentile(ms, p) if ms else None
+            summary[f"p{percentile_key(p)}_{name}_ms"] = percentile(ms, p) if ms else None
     errors = [r.error for r in results if not r.success]
     summary["errors"] = sorted(set(errors))[:10]
     return summary
 
 
-def format_table(title: str, summary: dict[str, Any], percentiles: list[float]) -> str:
+def format_table(
+    title: str,
+    summary: dict[str, Any],
+    percentiles: list[float],
+    metrics: Sequence[str] = METRICS,
+) -> str:
     """vLLM's bench serve layout, so the two read side by side."""
     lines = [f"{f' {title} ':=^60}"]
 
@@ -99,12 +106,13 @@ def format_table(title: str, summary: dict[str, Any], percentiles: list[float]) 
         row("Request goodput (req/s):", summary["goodput"]["request_goodput"])
     row("Output token throughput (tok/s):", summary["output_throughput"])
     row("Total token throughput (tok/s):", summary["total_token_throughput"])
-    for name in METRICS:
+    for name in metrics:
         lines.append(f"{f' {METRIC_NAMES[name]} ':-^60}")
         row(f"Mean {name.upper()} (ms):", summary[f"mean_{name}_ms"])
         row(f"Median {name.upper()} (ms):", summary[f"median_{name}_ms"])
         for p in percentiles:
-            row(f"P{p:g} {name.upper()} (ms):", summary[f"p{p:g}_{name}_ms"])
+            key = percentile_key(p)
+            row(f"P{key} {name.upper()} (ms):", summary[f"p{key}_{name}_ms"])
     lines.extend(f"error: {e}" for e in summary["errors"])
     lines.append("=" * 60)
     return "\n".join(lines)

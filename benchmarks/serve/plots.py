@@ -11,7 +11,8 @@ matplotlib.use("Agg")  # files only: no display on servers and CI
 
 import matplotlib.pyplot as plt
 
-from benchmarks.serve.metrics import METRIC_NAMES, METRICS, percentile, samples
+from benchmarks.serve.flags import METRICS
+from benchmarks.serve.metrics import METRIC_NAMES, percentile, samples
 from benchmarks.serve.runner import Run
 
 

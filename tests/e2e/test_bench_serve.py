@@ -4,6 +4,7 @@ was asked and with each other, and the plots are written. Never timings."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -81,6 +82,41 @@ def test_random_dataset_at_two_rates(server: Server, tmp_path: Path) -> None:
         assert max(s["running"] for s in run["server_samples"]) <= 3  # --max-concurrency
     for name in ("latency_cdf.png", "timeline_rate-8.png", "timeline_rate-inf.png"):
         assert (plots / name).read_bytes().startswith(PNG_SIGNATURE), name
+    server.wait_idle()
+
+
+def test_a_vllm_command_line_writes_vllms_result_file(server: Server, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    code, report, output = bench(
+        server,
+        tmp_path / "kvflow.json",
+        "--backend", "vllm",
+        "--dataset-name", "random",
+        "--random-input-len", "16",
+        "--random-output-len", "4",
+        "--num-prompts", "3",
+        "--request-rate", "inf",
+        "--max-concurrency", "2",
+        "--ignore-eos",
+        "--save-result",
+        "--result-dir", str(results),
+        "--label", "kv",
+        "--metadata", "device=cpu", "run=e2e",
+        "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99",
+    )  # fmt: skip
+    assert code == 0, output
+    (path,) = results.iterdir()
+    name = r"kv-infqps-concurrency2-SmolLM2-135M-Instruct-\d{8}-\d{6}\.json"
+    assert re.fullmatch(name, path.name), path.name
+    record = json.loads(path.read_text())
+    assert (record["backend"], record["label"], record["request_rate"]) == ("vllm", "kv", "inf")
+    assert (record["device"], record["run"]) == ("cpu", "e2e")
+    assert (record["completed"], record["failed"], record["total_output_tokens"]) == (3, 0, 12)
+    assert {f"p{p}_{m}_ms" for p in (50, 99) for m in ("ttft", "tpot", "itl", "e2el")} <= set(
+        record
+    )
+    assert report["runs"][0]["result_file"] == str(path)
     server.wait_idle()
 
 

@@ -11,10 +11,10 @@ import gguf
 import pytest
 import torch
 
-from benchmarks.gguf_writer import Shape, write_gguf
 from kvflow.llm import LLM
 from services.executor.layers.linear import Linear
 from services.executor.quantization.gguf import GgufBlocks, PackedWeight
+from sweeps.gguf_writer import Shape, write_gguf
 from tests.integration.test_parity import kvflow_greedy
 from tests.integration.tiny_models import make_prompts
 

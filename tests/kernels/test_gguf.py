@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.gguf_writer import random_weight
 from kernels.gguf import GGUF_TYPES, dequantize_gguf_reference, gguf_linear_reference, row_bytes
+from sweeps.gguf_writer import random_weight
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32

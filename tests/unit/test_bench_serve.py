@@ -1,10 +1,13 @@
-"""`kvflow bench serve`'s parts that need no server: datasets, arrivals, metrics, gauges."""
+"""`kvflow bench serve`'s parts that need no server: datasets, arrivals, metrics, gauges,
+the flags of `vllm bench serve`'s command lines, and vLLM's result file."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
+import shlex
 import statistics
 from pathlib import Path
 
@@ -17,9 +20,24 @@ from benchmarks.serve.datasets import (
     random_requests,
     sharegpt_requests,
 )
-from benchmarks.serve.flags import Slo, parse_percentiles, parse_rates
-from benchmarks.serve.metrics import percentile, summarize
+from benchmarks.serve.flags import (
+    REFUSED,
+    Slo,
+    add_serve_flags,
+    check_serve_args,
+    parse_percentiles,
+    parse_rates,
+    percentile_key,
+)
+from benchmarks.serve.metrics import format_table, percentile, summarize
 from benchmarks.serve.monitor import parse_gauges
+from benchmarks.serve.results import (
+    file_name,
+    result_path,
+    result_record,
+    timestamp,
+    write_result,
+)
 from benchmarks.serve.runner import arrival_gaps
 
 
@@ -138,3 +156,240 @@ def test_gauges_from_any_engines_metrics_page() -> None:
         ]
     )
     assert parse_gauges(page) == {"running": 5.0, "waiting": 7.0, "kv_usage": 0.25}
+
+
+# `vllm bench serve`'s command lines: parsed, checked, refused where kvflow cannot honour them.
+
+VLLM_LINE = (
+    "--backend vllm --model meta-llama/Llama-3.1-8B-Instruct --endpoint /v1/completions"
+    " --dataset-name random --random-input-len 200 --random-output-len 200"
+    " --random-range-ratio 0.1 --num-prompts 500 --request-rate 16 --burstiness 1.0"
+    " --max-concurrency 64 --ignore-eos --seed 7 --save-result --result-dir out"
+    " --result-filename run.json --label kv --metadata gpu=h200 note=a=b"
+    " --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 25,50,99"
+    " --save-detailed --append-result --served-model-name llama --tokenizer /tmp/tok"
+    " --tokenizer-mode auto --temperature 0 --top-p 1 --min-p 0 --repetition-penalty 1"
+)
+
+
+def serve_args(line: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvflow bench serve")
+    add_serve_flags(parser)
+    args = parser.parse_args(shlex.split(line))
+    check_serve_args(args)
+    return args
+
+
+def refusal(line: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as raised:
+        serve_args(line)
+    return f"{raised.value.code} {capsys.readouterr().err}"
+
+
+def test_a_vllm_command_line_parses_to_what_it_says() -> None:
+    args = serve_args(VLLM_LINE)
+    assert (args.backend, args.model, args.served_model_name) == (
+        "vllm",
+        "meta-llama/Llama-3.1-8B-Instruct",
+        "llama",
+    )
+    assert (args.random_input_len, args.random_output_len, args.random_range_ratio) == (
+        200,
+        200,
+        0.1,
+    )
+    assert args.random_prefix_len == 0  # the dataset's defaults filled in
+    assert args.request_rate == [16.0] and args.burstiness == 1.0 and args.max_concurrency == 64
+    assert args.save_result and args.append_result and args.save_detailed
+    assert (args.result_dir, args.result_filename, args.label) == (Path("out"), "run.json", "kv")
+    assert args.metadata == [("gpu", "h200"), ("note", "a=b")]
+    assert args.percentile_metrics == ["ttft", "tpot", "itl", "e2el"]
+    assert args.metric_percentiles == [25.0, 50.0, 99.0]
+
+
+def test_defaults_are_vllms() -> None:
+    args = serve_args("")
+    assert (args.backend, args.dataset_name, args.num_prompts, args.seed) == (
+        "openai",
+        "random",
+        1000,
+        0,
+    )
+    assert (args.random_input_len, args.random_output_len, args.random_range_ratio) == (
+        1024,
+        128,
+        0.0,
+    )
+    assert args.request_rate == [math.inf] and args.burstiness == 1.0
+    assert args.metric_percentiles == [99.0] and args.label is None
+    assert not (args.save_result or args.append_result or args.save_detailed)
+
+
+def test_general_lengths_and_vllms_dataset_spelling() -> None:
+    args = serve_args("--input-len 64 --output-len 8")
+    assert (args.random_input_len, args.random_output_len) == (64, 8)
+    args = serve_args("--dataset-name prefix_repetition --output-len 9")
+    assert args.dataset_name == "prefix-repetition"
+    assert args.prefix_repetition_output_len == 9 and args.prefix_repetition_prefix_len == 256
+    check_serve_args(args)  # a second check changes nothing
+    assert args.prefix_repetition_output_len == 9
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED))
+def test_vllm_flags_kvflow_cannot_honour_are_refused_by_name(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    said = refusal(f"{flag} 1", capsys)
+    assert said.startswith("2 ") and f"{flag} (a vllm bench serve flag) is not supported" in said
+
+
+@pytest.mark.parametrize(
+    ("line", "reason"),
+    [
+        ("--dataset-path d.json", "--dataset-path is a sharegpt dataset flag"),
+        ("--dataset-name sharegpt --dataset-path d.json --random-input-len 5", "random dataset"),
+        ("--dataset-name sharegpt --dataset-path d.json --input-len 5", "--input-len has no"),
+        ("--input-len 5 --random-input-len 6", "not both"),
+        ("--dataset-name sharegpt", "needs --dataset-path"),
+        ("--endpoint /v1/chat/completions", "needs text prompts"),
+        ("--backend openai-chat", "--backend openai-chat needs --endpoint /v1/chat/completions"),
+        ("--burstiness 2", "every rate here is inf"),
+        ("--request-rate 4 --burstiness 0", "must be positive"),
+        ("--max-concurrency 0", "must be positive"),
+        ("--tokenizer-mode hf", "--tokenizer-mode needs --tokenizer"),
+        ("--trust-remote-code", "--trust-remote-code needs --tokenizer"),
+        ("--tokenizer t --skip-tokenizer-init", "contradict"),
+        ("--result-dir out", "--result-dir names or fills the result file: add --save-result"),
+        ("--label kv", "add --save-result"),
+        ("--metadata a=b", "add --save-result"),
+        ("--result-filename r.json", "add --save-result"),
+        ("--save-detailed", "--save-detailed needs --save-result or --output-json"),
+        ("--save-result --result-filename r.json --request-rate 4,inf", "--append-result"),
+    ],
+)
+def test_flags_that_would_do_nothing_are_refused(
+    line: str, reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert reason in refusal(line, capsys)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "--backend tgi",
+        "--dataset-name sonnet",
+        "--tokenizer t --tokenizer-mode mistral",
+        "--percentile-metrics ttft,client_queue_time",
+        "--metadata novalue",
+        "--header novalue",
+    ],
+)
+def test_values_kvflow_cannot_take_are_refused(
+    line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    said = refusal(line, capsys)
+    assert said.startswith("2 ") and line.split()[-2] in said
+
+
+def test_percentile_keys_are_written_as_vllm_writes_them() -> None:
+    assert [percentile_key(p) for p in (99.0, 50, 99.9, 0.5)] == ["99", "50", "99.9", "0.5"]
+    results = [result(0.1, 1.0, 10), result(0.3, 2.1, 10)]
+    summary = summarize(results, 4.0, [50, 99.9], [], ["ttft", "e2el"])
+    assert {"p50_ttft_ms", "p99.9_ttft_ms", "mean_e2el_ms", "std_e2el_ms"} <= set(summary)
+    assert not any("tpot" in key or "itl" in key for key in summary)  # --percentile-metrics
+    table = format_table("t", summary, [50, 99.9], ["ttft", "e2el"])
+    assert "P99.9 TTFT (ms):" in table and "TPOT" not in table
+
+
+def test_result_file_names_follow_vllm() -> None:
+    stamp = timestamp(datetime.datetime(2026, 11, 28, 9, 5, 7))
+    assert stamp == "20261128-090507"
+    assert (
+        file_name("openai", 16, None, "meta-llama/Llama-3.1-8B", stamp)
+        == "openai-16.0qps-Llama-3.1-8B-20261128-090507.json"
+    )
+    assert (
+        file_name("kv", math.inf, 32, "/tmp/qwen3-8b", stamp)
+        == "kv-infqps-concurrency32-qwen3-8b-20261128-090507.json"
+    )
+
+
+def test_result_path_takes_the_label_dir_and_filename(tmp_path: Path) -> None:
+    args = serve_args(f"--save-result --backend vllm --result-dir {tmp_path / 'r'}")
+    path = result_path(args, "org/m", 4.0, "20261128-090507")
+    assert path == tmp_path / "r" / "vllm-4.0qps-m-20261128-090507.json"
+    assert path.parent.is_dir()  # made
+    args = serve_args("--save-result --label kv --max-concurrency 8")
+    assert result_path(args, "m", 4.0, "S") == Path("kv-4.0qps-concurrency8-m-S.json")
+    args = serve_args(f"--save-result --result-filename x.json --result-dir {tmp_path}")
+    assert result_path(args, "m", 4.0, "S") == tmp_path / "x.json"
+
+
+def test_the_result_record_has_vllms_keys_and_the_metadata() -> None:
+    args = serve_args(
+        "--save-result --save-detailed --backend vllm --label kv --tokenizer t"
+        " --metadata gpu=h200 tp=2 --num-prompts 3 --max-concurrency 2 --goodput ttft:200"
+    )
+    results = [result(0.1, 1.0, 10), result(0.3, 2.1, 10), result(0, 0, 0, success=False)]
+    for i, r in enumerate(results):
+        r.start = 10.0 - i  # sent in the reverse of the list's order
+    summary = summarize(results, 4.0, [99], args.goodput, args.percentile_metrics)
+    record = result_record(args, "20261128-090507", "org/m", math.inf, summary, results)
+    expected = {
+        "date": "20261128-090507",
+        "endpoint_type": "vllm",
+        "backend": "vllm",
+        "label": "kv",
+        "model_id": "org/m",
+        "tokenizer_id": "t",
+        "num_prompts": 3,
+        "gpu": "h200",
+        "tp": "2",
+        "request_rate": "inf",
+        "burstiness": 1.0,
+        "max_concurrency": 2,
+        "duration": 4.0,
+        "completed": 2,
+        "failed": 1,
+        "total_input_tokens": 20,
+        "total_output_tokens": 20,
+        "request_throughput": 0.5,
+        "request_goodput": 0.25,
+        "output_throughput": 5.0,
+        "total_token_throughput": 10.0,
+    }
+    assert {key: record[key] for key in expected} == expected
+    assert record["median_ttft_ms"] == pytest.approx(200) and "p99_e2el_ms" in record
+    assert record["errors"] == ["HTTP 500: boom", "", ""]  # in send order
+    assert record["output_lens"] == [0, 10, 10] and len(record["itls"][1]) == 9
+    assert {"ttfts", "input_lens", "start_times", "latencies"} <= set(record)
+    plain = result_record(args, "s", "m", 16.0, summary)
+    assert plain["request_rate"] == 16.0 and "ttfts" not in plain and "errors" not in plain
+
+
+def test_results_are_written_or_appended_a_line_each(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    write_result(path, {"a": 1}, append=False)
+    write_result(path, {"a": 2}, append=False)
+    assert json.loads(path.read_text()) == {"a": 2}
+    write_result(path, {"a": 3}, append=True)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"a": 2}, {"a": 3}]
+
+
+def test_random_prefix_and_sharegpt_order(tmp_path: Path) -> None:
+    plain = random_requests(4, 10, 5, 0.0, seed=3, vocab_bound=500)
+    shared = random_requests(4, 10, 5, 0.0, seed=3, vocab_bound=500, prefix_len=6)
+    assert len({tuple(r.prompt[:6]) for r in shared}) == 1
+    assert all(len(r.prompt) == 16 and r.prompt_len == 16 for r in shared)
+    assert random_requests(4, 10, 5, 0.0, seed=3, vocab_bound=500, prefix_len=0) == plain
+    path = tmp_path / "sharegpt.json"
+    pairs = [f"q{i}" for i in range(5)]
+    path.write_text(
+        json.dumps(
+            [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "a"}]}
+             for q in pairs]
+        )
+    )  # fmt: skip
+    in_order = sharegpt_requests(path, 7, 0, None, 3, shuffle=False)
+    assert [r.prompt for r in in_order] == [*pairs, "q0", "q1"]
+    assert len(sharegpt_requests(path, 7, 0, None, 3, oversample=False)) == 5

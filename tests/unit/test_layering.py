@@ -7,6 +7,8 @@
 - Only the executor imports `kernels`; only the launcher (the `kvflow bench` entry) imports
   `benchmarks`, and benchmarks reach the engine through `kvflow` (and its messages, config and
   kernels), never through a service's internals.
+- Nothing installed (`kvflow`, the services, `shared`, `kernels`, `benchmarks`) imports
+  `sweeps`, the research scripts that live beside the package in a checkout.
 - The scheduler and the frontend never load torch, however indirectly.
 - Tests reach their helpers as modules of the `tests` package.
 """
@@ -22,6 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ("kvflow", "services", "shared")
+# What the import rules read: the product and the two packages that serve it (all installed).
+LAYERED = (*PRODUCT, "kernels", "benchmarks")
 SERVICES = sorted(p.name for p in (ROOT / "services").iterdir() if (p / "__init__.py").is_file())
 COMPOSITION_ROOTS = ("services/launcher", "kvflow")
 
@@ -37,8 +41,8 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def product_files() -> list[Path]:
-    return sorted(f for package in PRODUCT for f in (ROOT / package).rglob("*.py"))
+def product_files(packages: tuple[str, ...] = PRODUCT) -> list[Path]:
+    return sorted(f for package in packages for f in (ROOT / package).rglob("*.py"))
 
 
 def owner(path: Path) -> str:
@@ -49,7 +53,7 @@ def owner(path: Path) -> str:
 
 def violations(rule: str) -> list[str]:
     found = []
-    for path in product_files():
+    for path in product_files(LAYERED):
         where = owner(path)
         for module in imported_modules(path):
             top, _, rest = module.partition(".")
@@ -70,13 +74,15 @@ def _breaks(rule: str, where: str, target: str) -> bool:
     if rule == "shared":
         return where == "shared" and target in ("services", "kvflow", "kernels", "benchmarks")
     if rule == "kernels":
-        return target == "kernels" and where != "services/executor"
+        return target == "kernels" and where not in ("services/executor", "kernels", "benchmarks")
     if rule == "benchmarks":
-        return target == "benchmarks" and where != "services/launcher"
+        return target == "benchmarks" and where not in ("services/launcher", "benchmarks")
+    if rule == "sweeps":
+        return target == "sweeps"
     raise ValueError(rule)
 
 
-@pytest.mark.parametrize("rule", ["services", "shared", "kernels", "benchmarks"])
+@pytest.mark.parametrize("rule", ["services", "shared", "kernels", "benchmarks", "sweeps"])
 def test_imports_follow_the_layering(rule: str) -> None:
     assert violations(rule) == []
 
@@ -94,6 +100,15 @@ def test_benchmarks_use_the_public_api() -> None:
 def test_the_rules_see_every_service() -> None:
     assert SERVICES == ["executor", "frontend", "launcher", "scheduler", "tokenizer"]
     assert len(product_files()) > 30
+    assert {owner(p) for p in product_files(LAYERED)} >= {"kernels", "benchmarks"}
+
+
+def test_the_sweeps_rule_would_catch_an_import(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("from sweeps.linear_sweep import time_layer\nimport sweeps\n")
+    assert imported_modules(probe) == {"sweeps.linear_sweep", "sweeps"}
+    assert _breaks("sweeps", "benchmarks", "sweeps")
+    assert not _breaks("sweeps", "benchmarks", "kernels")
 
 
 @pytest.mark.parametrize("service", ["scheduler", "frontend"])

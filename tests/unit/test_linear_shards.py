@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.gguf_writer import random_weight
 from kernels.gguf import row_bytes
 from services.executor.layers.linear import Linear, LinearMethod, Unquantized
 from services.executor.parallel.shards import Split, packed_dims, shard_tensor
@@ -21,6 +20,7 @@ from services.executor.quantization.fp8 import Fp8Block, Fp8Checkpoint, Fp8Dynam
 from services.executor.quantization.gguf import GgufBlocks, PackedWeight
 from services.executor.quantization.int4 import Int4WeightOnly
 from shared.quant_config import QuantSpec
+from sweeps.gguf_writer import random_weight
 
 K, PIECES = 256, (64, 32, 32)  # a fused q/k/v of 128 rows
 N = sum(PIECES)

@@ -1,0 +1,148 @@
+"""Write GGUF files of random weights in chosen GGUF types, with the `gguf` package (llama.cpp's
+own writer): Llama-3.1-8B-shaped files for the GPU benchmarks, tiny ones for the tests.
+
+Types the `gguf` package quantizes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, F32) are quantized
+from normal weights; the K-quants (which it only dequantizes) get random blocks whose scale
+fields are set so the weights have the requested spread around zero. Either way the file is
+what llama.cpp would read; `python -m sweeps.gguf_writer --help` writes one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+QT = gguf.GGMLQuantizationType
+# Per K-quant: where its f16 fields sit, and the offset (a multiple of d) that centres it.
+_RANDOM_BLOCK_FIELDS = {
+    "Q4_K": ((0, 2), 7.5),
+    "Q5_K": ((0, 2), 15.5),
+    "Q6_K": ((208,), 0.0),
+    "Q3_K": ((108,), 0.0),
+    "Q2_K": ((80, 82), 1.5),
+}
+# GGUF layer tensor -> our name for its place in a type mix
+PIECES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# llama.cpp's Q4_K_M: Q4_K, with Q6_K for v and down (it alternates layers; all of them here).
+Q4_K_M = {**dict.fromkeys(PIECES, "Q4_K"), "attn_v": "Q6_K", "ffn_down": "Q6_K"}
+
+
+@dataclass(frozen=True)
+class Shape:
+    arch: str  # llama | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 500000.0
+    context_length: int = 8192
+
+
+LLAMA_8B = Shape("llama", 128256, 4096, 14336, 32, 32, 8, 128)
+
+
+def random_weight(
+    qtype: str, rows: int, k: int, std: float, rng: np.random.Generator
+) -> np.ndarray:
+    """[rows, row_bytes] uint8 in `qtype` (float types: [rows, k] of that dtype)."""
+    if qtype in ("F32", "F16"):
+        values = rng.standard_normal((rows, k), dtype=np.float32) * std
+        return values.astype(np.float16 if qtype == "F16" else np.float32)
+    if qtype not in _RANDOM_BLOCK_FIELDS:
+        values = rng.standard_normal((rows, k), dtype=np.float32) * std
+        return gguf.quants.quantize(values, QT[qtype])
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[QT[qtype]]
+    raw = rng.integers(0, 256, (rows, k // block_elems, block_bytes), dtype=np.uint8)
+    fields, offset = _RANDOM_BLOCK_FIELDS[qtype]
+    _set_f16(raw, fields, 1.0, offset)
+    sample = gguf.quants.dequantize(raw[: min(rows, 16)].reshape(min(rows, 16), -1), QT[qtype])
+    scale = std / float(sample.std())
+    _set_f16(raw, fields, scale, offset * scale)
+    return raw.reshape(rows, -1)
+
+
+def _set_f16(raw: np.ndarray, fields: tuple[int, ...], d: float, dmin: float) -> None:
+    for at, value in zip(fields, (d, dmin)[: len(fields)], strict=True):
+        raw[..., at : at + 2] = np.frombuffer(np.float16(value).tobytes(), np.uint8)
+
+
+def write_gguf(
+    path: Path,
+    shape: Shape,
+    types: Callable[[int, str], str],  # (layer, piece) -> GGUF type name
+    *,
+    output_type: str | None = "Q6_K",  # None: the lm_head is tied to the embedding
+    embedding_type: str = "Q4_K",
+    seed: int = 0,
+    std: float = 0.02,
+) -> None:
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), shape.arch)
+    writer.add_block_count(shape.num_layers)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.hidden_size)
+    writer.add_feed_forward_length(shape.intermediate_size)
+    writer.add_head_count(shape.num_heads)
+    writer.add_head_count_kv(shape.num_kv_heads)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_vocab_size(shape.vocab_size)
+
+    def add(name: str, qtype: str, rows: int, k: int, scale: float = std) -> None:
+        data = random_weight(qtype, rows, k, scale, rng)
+        writer.add_tensor(name, data, raw_dtype=None if qtype in ("F32", "F16") else QT[qtype])
+
+    h, q_rows = shape.hidden_size, shape.num_heads * shape.head_dim
+    kv_rows = shape.num_kv_heads * shape.head_dim
+    add("token_embd.weight", embedding_type, shape.vocab_size, h, 1.0)
+    for layer in range(shape.num_layers):
+        rows = {
+            "attn_q": (q_rows, h),
+            "attn_k": (kv_rows, h),
+            "attn_v": (kv_rows, h),
+            "attn_output": (h, q_rows),
+            "ffn_gate": (shape.intermediate_size, h),
+            "ffn_up": (shape.intermediate_size, h),
+            "ffn_down": (h, shape.intermediate_size),
+        }
+        for piece, (n, k) in rows.items():
+            add(f"blk.{layer}.{piece}.weight", types(layer, piece), n, k)
+        writer.add_tensor(f"blk.{layer}.attn_norm.weight", np.ones(h, np.float32))
+        writer.add_tensor(f"blk.{layer}.ffn_norm.weight", np.ones(h, np.float32))
+        if shape.arch == "qwen3":
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{layer}.{norm}.weight", np.ones(shape.head_dim, np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    if output_type is not None:
+        add("output.weight", output_type, shape.vocab_size, h)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--type", default="Q4_K_M", help="Q4_K_M, or one GGUF type for all")
+    parser.add_argument("--layers", type=int, default=LLAMA_8B.num_layers)
+    args = parser.parse_args()
+    shape = dataclasses.replace(LLAMA_8B, num_layers=args.layers)
+    mix = Q4_K_M if args.type == "Q4_K_M" else dict.fromkeys(PIECES, args.type)
+    write_gguf(args.path, shape, lambda _layer, piece: mix[piece])
+    print(f"wrote {args.path} ({args.path.stat().st_size / 2**30:.2f} GiB, {args.type})")
+
+
+if __name__ == "__main__":
+    main()
