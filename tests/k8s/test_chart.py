@@ -2,8 +2,9 @@
 Kubernetes schemas strictly, and the rendered objects agree with kvflow itself: its
 components and flags, the image's user, the compose file's ports, the drain timeout.
 
-No cluster runs here. Needs helm (scripts/helm.sh installs it); without one the tests are
-skipped, unless KVFLOW_TEST_HELM=1 demands it, as CI does.
+No cluster runs here. Every test runs under Helm 3 and under Helm 4 (`bash scripts/helm.sh 3`
+and `4` install them); without one its tests are skipped, unless KVFLOW_TEST_HELM=1 demands
+both, as CI does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import argparse
 import base64
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from shared.config import ENV_PREFIX, config_from_args
+from tests.k8s import helm
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "k8s" / "kvflow"
@@ -32,18 +33,9 @@ COMPONENTS = {"frontend", "tokenizer", "scheduler", "executor"}
 Obj = dict[str, Any]
 
 
-def helm() -> str:
-    tools = Path(os.environ.get("KVFLOW_TOOLS", Path.home() / ".cache/kvflow/tools"))
-    found = shutil.which("helm") or (str(tools / "helm") if (tools / "helm").exists() else None)
-    if found is None:
-        if os.environ.get("KVFLOW_TEST_HELM") == "1":
-            pytest.fail("KVFLOW_TEST_HELM=1 but no helm (bash scripts/helm.sh installs it)")
-        pytest.skip("no helm (bash scripts/helm.sh installs it)")
-    return found
-
-
 def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
+    """The test's helm: each test runs under Helm 3 and Helm 4 (tests/k8s/conftest.py)."""
+    return subprocess.run([helm.current(), *args], capture_output=True, text=True, timeout=120)
 
 
 def render(values: str = "values.yaml", *sets: str) -> list[Obj]:
