@@ -80,6 +80,17 @@ def test_the_chart_lints_strictly(values: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_charts_own_defaults_render_and_lint() -> None:
+    """No values file: the chart's own values.yaml, which Helm 3.18.0 reads with numbers as
+    json.Number strings (a 0 among them is true to `if`), renders what the same file renders
+    when given with -f, whose numbers every helm reads as numbers."""
+    result = run_helm("lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_helm("template", "kvflow", str(CHART))
+    assert result.returncode == 0, result.stderr
+    assert [obj for obj in yaml.safe_load_all(result.stdout) if obj] == render()
+
+
 @pytest.mark.parametrize("values", VALUES)
 def test_every_object_passes_the_kubernetes_schema_strictly(values: str) -> None:
     objects = render(values, "apiKey.value=sk-test")
@@ -181,11 +192,15 @@ def test_engine_replicas_are_pods_each_reached_by_name_with_its_own_rank(monkeyp
         assert config.replica_address("scheduler_address") == f"tcp://{host}:5558"
     policy = by_kind(objects, "NetworkPolicy")["kvflow-engine"]["spec"]["ingress"][0]
     assert {p["port"] for p in policy["ports"]} == {5558, 5559}
-    for bad in ("0", "08", "two"):  # refused, not read as 1, octal 0 or nothing
-        result = run_helm(
-            "template", "kvflow", str(CHART), "--set-string", f"flags.data-parallel-size={bad}"
-        )
-        assert result.returncode != 0 and "whole number >= 1" in result.stderr
+    for how, bad in [
+        ("--set-string", "0"),
+        ("--set-string", "08"),
+        ("--set-string", "two"),
+        ("--set", "0"),
+    ]:
+        # refused, not read as 1 (a 0 is no unset flag), octal 0 or nothing
+        result = run_helm("template", "kvflow", str(CHART), how, f"flags.data-parallel-size={bad}")
+        assert result.returncode != 0 and "whole number >= 1" in result.stderr, (how, bad)
 
 
 def test_the_api_port_is_the_compose_files() -> None:
@@ -253,9 +268,11 @@ def test_the_gpu_values_give_the_executor_alone_a_gpu_and_shared_memory() -> Non
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in found["executor"]["volumeMounts"]
     assert not any("nvidia.com/gpu" in str(c) for c in render("values-cpu.yaml"))
+    executor = containers(render("values-gpu.yaml", "engine.executor.gpus=0"))["executor"]
+    assert "nvidia.com/gpu" not in executor["resources"]["limits"]
 
 
-def test_tensor_parallel_ranks_get_a_gpu_each() -> None:
+def test_tensor_parallel_ranks_get_a_gpu_each(tmp_path: Path) -> None:
     ranks = "flags.tensor-parallel-size=2"
     objects = render("values-gpu.yaml", ranks, "engine.executor.gpus=2")
     executor = containers(objects)["executor"]
@@ -264,6 +281,15 @@ def test_tensor_parallel_ranks_get_a_gpu_each() -> None:
     args = ["template", "kvflow", str(CHART), "-f", str(CHART / "values-gpu.yaml")]
     result = run_helm(*args, "--set", ranks)
     assert result.returncode != 0 and "needs engine.executor.gpus: 2" in result.stderr
+    # The same asked for in a values file (a number there, not --set's).
+    (tmp_path / "ranks.yaml").write_text("flags: {tensor-parallel-size: 2}\n")
+    result = run_helm(*args, "-f", str(tmp_path / "ranks.yaml"))
+    assert result.returncode != 0 and "needs engine.executor.gpus: 2" in result.stderr
+    # No GPU asked for (the default values' gpus: 0): any number of ranks, no GPU limit.
+    objects = render("values.yaml", ranks)
+    executor = containers(objects)["executor"]
+    assert environment(objects, executor)["KVFLOW_TENSOR_PARALLEL_SIZE"] == "2"
+    assert "nvidia.com/gpu" not in str(executor["resources"])
 
 
 def test_autoscalers_scale_the_frontends_and_the_tokenizer_pool() -> None:
