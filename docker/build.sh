@@ -3,6 +3,7 @@
 #
 #   bash docker/build.sh            # kvflow:cpu (the embedded model baked in)
 #   VARIANT=cuda bash docker/build.sh   # kvflow:cuda (PyPI's CUDA torch; GPU nodes)
+#   KVFLOW_IMAGE=kvflow:mine bash docker/build.sh   # another tag (compose reads the same)
 #
 # 1. A Debian bookworm base image (python3, venv, CA certificates), made with debootstrap from
 #    the Debian mirror and `docker import`ed as kvflow-base:bookworm, unless it exists.
@@ -56,4 +57,4 @@ cpu-*+cpu-* | cuda-torch-2.13.0-*) ;;
 esac
 
 DOCKER_BUILDKIT=0 docker build --network none --build-arg VARIANT="$VARIANT" \
-    --build-arg BASE_IMAGE="$BASE_IMAGE" -t "kvflow:$VARIANT" .
+    --build-arg BASE_IMAGE="$BASE_IMAGE" -t "${KVFLOW_IMAGE:-kvflow:$VARIANT}" .

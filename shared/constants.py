@@ -2,7 +2,12 @@
 built-in limits that are not flags. Settings an operator changes are `Config` fields instead."""
 
 # -- liveness: every process says it is alive; the frontend judges health from that
-HEARTBEAT_INTERVAL_S = 0.5  # between heartbeats; --component-timeout is how long one may lapse
+HEARTBEAT_INTERVAL_S = 0.5  # between heartbeats; --component-timeout is how long they may lapse
+# A component whose heartbeat connection closed and that has not beaten again this long is
+# gone (services/frontend/engine/liveness.py). A live process whose connection broke reconnects and
+# beats within a second, or within ZMTP_HEARTBEAT_MS * 4 where the break went unnoticed (an
+# impostor took its identity): a margin for a starved one besides.
+RECONNECT_GRACE_S = 10.0
 LINKS_REFRESH_S = 1.0  # between lookups of the frontends behind --frontend-address
 MISSING_GRACE_S = 10.0  # a frontend missing from the lookups this long is gone
 ZMTP_HEARTBEAT_MS = 1000  # a DEALER's connection that carries nothing for 3 of these reconnects

@@ -46,7 +46,7 @@ from shared.protocol import (
     ToExecutor,
 )
 from shared.replicas import engine_component
-from shared.stall_watch import StallWatch
+from shared.stall_watch import StallWatch, thread_cpu_clock
 from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ def run_executor(config: Config) -> None:
         # The launcher stops components with SIGTERM: rank 0 ends its group on the way out.
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     runner = start_runner(config)
+    if runner.device.type == "cpu":  # a step computes in this thread: that is progress
+        watch.cpu_clock = thread_cpu_clock()
     # The DEALER identity is the scheduler's name for its executor, whatever the replica.
     socket = connect_dealer(zmq.Context.instance(), address, "executor-0", security)
     model_name = config.served_model_name or runner.source.name

@@ -300,7 +300,10 @@ class ConfigFields:
         "metrics: each writes its own there every second, and /metrics on any counts them all.",
     )
     component_timeout: float = option(
-        10.0, "components", "Seconds without a heartbeat before a component counts as dead."
+        60.0,
+        "components",
+        "Seconds without a heartbeat before a component whose connection is still open counts"
+        " as dead (one that exits or disconnects counts at once; a slow one is not dead).",
     )
     engine_stall_timeout: float = option(
         120.0,

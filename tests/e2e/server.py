@@ -1,7 +1,9 @@
-"""Start `kvflow serve` as a real subprocess on a free port, and read its /metrics."""
+"""Start `kvflow serve` as a real subprocess on a free port, read its /metrics, and pause one
+of its processes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -83,6 +85,24 @@ class Server:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+class Paused:
+    """A process stopped (SIGSTOP) for the block, then resumed: alive, its connections open,
+    but it does nothing, as a process starved of CPU would. Tests pause the executor where
+    requests must still be in flight (or pile up) when something happens, whatever the
+    machine's speed. One that died meanwhile is left be."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def __enter__(self) -> Paused:
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGCONT)
 
 
 def start_server(*flags: str, timeout: float = 240.0) -> Server:

@@ -15,7 +15,7 @@ import msgspec
 import openai
 import zmq
 
-from tests.e2e.server import free_port
+from tests.e2e.server import Paused, free_port
 
 
 def test_components_started_apart_over_tcp() -> None:
@@ -88,6 +88,7 @@ def test_two_frontends_share_one_engine_and_one_drains_alone() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFLOW_")}
     env["KVFLOW_SCHEDULER_ADDRESS"] = f"tcp://127.0.0.1:{free_port()}"
     env["KVFLOW_MAX_MODEL_LEN"] = "512"
+    env["KVFLOW_DRAIN_TIMEOUT"] = "600"  # a drain ends when its requests do
     both = ",".join(f"tcp://127.0.0.1:{port}" for port in zmq_ports)
     commands = [
         ["frontend", "--port", str(http), "--frontend-address", f"tcp://127.0.0.1:{port}"]
@@ -106,30 +107,36 @@ def test_two_frontends_share_one_engine_and_one_drains_alone() -> None:
             time.sleep(0.25)
         for url in urls:
             assert_answers(url)
-        # A stream through the first frontend finishes while it drains.
+        # A stream through the first frontend finishes while it drains: the executor is paused
+        # from before it starts until that frontend says it drains, so it is in flight then.
         finish: list[str | None] = []
-        streaming = threading.Event()
 
         def stream() -> None:
-            client = openai.OpenAI(base_url=f"{urls[0]}/v1", api_key="unused")
+            client = openai.OpenAI(base_url=f"{urls[0]}/v1", api_key="unused", timeout=300)
             events = client.completions.create(
                 model="SmolLM2-135M-Instruct",
                 prompt="Count:",
-                max_tokens=60,
+                max_tokens=8,
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
             for event in events:
-                streaming.set()
                 finish.append(event.choices[0].finish_reason)
 
         reader = threading.Thread(target=stream)
-        reader.start()
-        assert streaming.wait(60)
-        procs[0].send_signal(signal.SIGTERM)
-        reader.join(120)
-        assert finish[-1] == "length"
-        assert procs[0].wait(timeout=60) == 0
+        with Paused(procs[3].pid):  # the executor
+            reader.start()
+            until = time.monotonic() + 120
+            while in_engine(urls[1]) != 1:
+                assert time.monotonic() < until, "the stream never reached the engine"
+                time.sleep(0.1)
+            procs[0].send_signal(signal.SIGTERM)
+            while healthy(urls[0]):
+                assert time.monotonic() < until, "the first frontend never said it drains"
+                time.sleep(0.1)
+        reader.join(600)
+        assert finish and finish[-1] == "length"
+        assert procs[0].wait(timeout=120) == 0
         client = openai.OpenAI(base_url=f"{urls[1]}/v1", api_key="unused")
         out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
         assert out.usage.completion_tokens == 2 and healthy(urls[1])
@@ -151,6 +158,15 @@ def assert_answers(url: str, api_key: str = "unused") -> None:
         temperature=0,
     )
     assert out.choices[0].text.startswith(" Paris")
+
+
+def in_engine(url: str) -> int:
+    """Requests the scheduler holds, running or waiting, as a frontend's /metrics says."""
+    held = 0
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(("kvflow:num_requests_running{", "kvflow:num_requests_waiting{")):
+            held += int(float(line.split()[-1]))
+    return held
 
 
 def healthy(url: str) -> bool:

@@ -11,8 +11,8 @@ import sys
 
 import openai
 
-from tests.e2e.server import API_KEY, Server, free_port
-from tests.e2e.test_failures import stream_in_background, wait_for
+from tests.e2e.server import API_KEY, Paused, Server, free_port
+from tests.e2e.test_failures import in_engine, stream_in_background, wait_for
 
 
 class Components:
@@ -57,7 +57,7 @@ class Components:
 
 def completes(server: Server) -> bool:
     """Whether a greedy completion comes back whole (any error: not yet)."""
-    client = server.client(max_retries=0, timeout=20)
+    client = server.client(max_retries=0, timeout=300)  # a bound on a stall, not on speed
     try:
         out = client.completions.create(
             model="SmolLM2-135M-Instruct",
@@ -104,27 +104,29 @@ def test_a_restarted_executor_or_scheduler_is_adopted_and_the_frontend_stays() -
 
 def test_a_tokenizer_worker_told_to_stop_finishes_its_streams_and_exits_zero() -> None:
     """SIGTERM to a worker (a rolling update, a scale-down): it takes no new requests (the
-    frontend sends them to the other worker), finishes the stream it holds, and exits 0."""
+    frontend sends them to the other worker), finishes the stream it holds, and exits 0. The
+    executor is paused from before the stream starts until the frontend has heard that the
+    worker drains, so the stream is in flight then, however fast or slow the machine."""
     components = Components()
     for name in ("frontend", "scheduler", "executor", "tokenizer-0", "tokenizer-1"):
         components.start(name)
     server = Server(components.procs["frontend"], components.http_port)
     try:
         wait_for(lambda: completes(server), 240)
-        wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 2, 60)
-        # Both idle: the stream goes to tokenizer-0 (ties go by name).
-        thread, record = stream_in_background(server, max_tokens=300)
-        assert record["started"].wait(60)
+        wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 2, 120)
         draining = components.procs["tokenizer-0"]
-        draining.send_signal(signal.SIGTERM)
-        wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 1, 30)
+        with Paused(components.procs["executor"].pid):
+            # Both idle: the stream goes to tokenizer-0 (ties go by name).
+            thread, record = stream_in_background(server, max_tokens=16)
+            wait_for(lambda: in_engine(server) == 1, 120)
+            draining.send_signal(signal.SIGTERM)
+            wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 1, 120)
+            assert draining.poll() is None and record["chunks"] == 0  # it waits for its stream
         assert completes(server)  # through tokenizer-1
-        chunks = record["chunks"]
-        wait_for(lambda: record["chunks"] > chunks, 60)  # still streaming, through tokenizer-0
-        assert draining.poll() is None
         thread.join(600)
         assert record["finish_reason"] == "length" and record["error"] is None
-        assert draining.wait(timeout=30) == 0
+        assert record["chunks"] > 0  # all streamed through tokenizer-0 while it drained
+        assert draining.wait(timeout=120) == 0
         assert completes(server)
     finally:
         components.stop()

@@ -63,7 +63,8 @@ def test_ready_says_starting_then_loading_then_ready_while_health_says_alive(app
         "the engine is unavailable: starting: waiting for scheduler, executor-0"
     )
     assert client.get("/health").status_code == 200  # starting is alive
-    engine.last_seen = dict.fromkeys(engine.expected, time.monotonic())
+    for component in engine.expected:
+        engine.liveness.beat(component, time.monotonic())
     assert ready_message(client) == "the engine is unavailable: starting: loading the model"
     engine.snapshots[0], engine.snapshot_at[0] = stats(), time.monotonic()
     assert ready_message(client) == (
@@ -228,7 +229,8 @@ def test_metrics_without_auth_opens_metrics_only() -> None:
 
 def test_a_stalled_component_fails_health_and_ready(app: App) -> None:
     client, engine = app
-    engine.last_seen = dict.fromkeys(engine.expected, time.monotonic())
+    for component in engine.expected:
+        engine.liveness.beat(component, time.monotonic())
     engine.snapshots[0], engine.snapshot_at[0] = stats(), time.monotonic()
     engine.stalled["executor-0"] = "step 9 has made no progress for 31 s"
     for probe in ("/health", "/ready"):

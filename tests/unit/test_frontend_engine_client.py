@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -249,3 +250,83 @@ def test_a_full_queue_is_refused_up_front() -> None:
             engine.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_whose_connection_closes_fails_its_requests_and_a_silent_one_keeps_them(
+    tmp_path: Path,
+) -> None:
+    """Over ipc://, as `serve` runs it: tokenizer-1's process goes (its sockets close), and the
+    request it held ends with an error once the reconnect grace is over; tokenizer-0, alive
+    but silent all the while (a starved process), keeps its request, which then completes."""
+
+    async def scenario() -> tuple[list[TextDelta], list[TextDelta], list[str]]:
+        engine, peers = await ready_engine(f"ipc://{tmp_path}/frontend")
+        engine.liveness.reconnect_grace = 0.3
+        try:
+            peers.socket("tokenizer-1")
+            await peers.send(beat("tokenizer-1"))
+            while len(engine.tokenizers.accepting) < 2:
+                await asyncio.sleep(0.01)
+            requests = [
+                GenerateRequest(request_id=r, sampling_params=SamplingParams(), prompt="x")
+                for r in ("r0", "r1")  # to tokenizer-0, then the less loaded tokenizer-1
+            ]
+            results: dict[str, list[TextDelta]] = {"r0": [], "r1": []}
+
+            async def consume(request: GenerateRequest) -> None:
+                async for delta in engine.generate([request]):
+                    assert isinstance(delta, TextDelta)
+                    results[request.request_id].append(delta)
+
+            first = asyncio.create_task(consume(requests[0]))
+            await peers.recv()
+            second = asyncio.create_task(consume(requests[1]))
+            await asyncio.wait_for(peers.socket("tokenizer-1").recv(), 10)
+            for identity in ("tokenizer-1", "tokenizer-1-heartbeat"):  # the process exits
+                peers.sockets.pop(identity).close(linger=0)
+            await asyncio.wait_for(second, 10)
+            assert not first.done()
+            done = TextDelta(request_id="r0", text="y", token_ids=[5], finish_reason="length")
+            await peers.send(done)
+            await asyncio.wait_for(first, 10)
+            return results["r0"], results["r1"], engine.tokenizers.names
+        finally:
+            peers.close()
+            engine.close()
+
+    kept, lost, pool = asyncio.run(scenario())
+    assert [(d.finish_reason, d.error) for d in kept] == [("length", None)]
+    [failure] = lost
+    assert failure.error is not None
+    assert failure.error.message.startswith("tokenizer-1 is gone (its connection closed")
+    assert pool == ["tokenizer-0"]
+
+
+def test_an_engine_component_whose_connection_closes_fails_health_until_it_beats_again(
+    tmp_path: Path,
+) -> None:
+    """The executor's process goes: /health names it once the grace is over; a new process
+    (a restarted container) beats on a new connection and the engine is alive again."""
+
+    async def scenario() -> tuple[str | None, str | None, str | None]:
+        engine, peers = await ready_engine(f"ipc://{tmp_path}/frontend")
+        engine.liveness.reconnect_grace = 0.3
+        try:
+            before = engine.failure_reason()
+            peers.sockets.pop("executor-0-heartbeat").close(linger=0)
+            deadline = time.monotonic() + 10
+            while (during := engine.failure_reason()) is None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await peers.send(beat("executor-0", session="s2"))
+            while engine.failure_reason() is not None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            return before, during, engine.failure_reason()
+        finally:
+            peers.close()
+            engine.close()
+
+    before, during, after = asyncio.run(scenario())
+    assert before is None and after is None
+    assert during is not None and during.startswith("executor-0 is gone (its connection closed")

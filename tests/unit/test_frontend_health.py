@@ -1,4 +1,5 @@
-"""How /health words the engine's state: starting is not failing."""
+"""How /health words the engine's state: starting is not failing. Which component counts as
+gone is the liveness rule's (tests/unit/test_frontend_liveness.py); here it judges silence."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from services.frontend.engine.health import (
     tokenizer_pool_reason,
     unavailable_reason,
 )
+from services.frontend.engine.liveness import Liveness
 
 EXPECTED = ["scheduler", "executor-0"]
 TIMEOUT = 10.0
@@ -23,9 +25,19 @@ def reason(
         timeout=TIMEOUT,
         expected=EXPECTED,
         last_seen=last_seen,
+        gone=gone(last_seen, now),
         stats_at=stats_at,
         down=down,
     )
+
+
+def gone(last_seen: dict[str, float], now: float = 100.0) -> list[str]:
+    """The liveness rule's verdicts on the expected components, with these beats."""
+    liveness = Liveness(TIMEOUT)
+    for name, at in last_seen.items():
+        liveness.beat(name, at)
+    verdicts = [liveness.gone(name, now) for name in EXPECTED]
+    return [why for why in verdicts if why is not None]
 
 
 def pool_reason(num_accepting: int, heard_at: float | None) -> str | None:
@@ -76,7 +88,7 @@ def test_a_component_heard_then_silent_is_a_failure_with_its_silence() -> None:
     assert reason(last_seen, stats_at=99.9) == "no heartbeat from executor-0 for 12 s"
     last_seen["scheduler"] = 70.0
     assert reason(last_seen, stats_at=99.9) == (
-        "no heartbeat from scheduler for 30 s, executor-0 for 12 s"
+        "no heartbeat from scheduler for 30 s; no heartbeat from executor-0 for 12 s"
     )
 
 
@@ -103,6 +115,7 @@ def test_a_stalled_component_is_a_failure_though_it_beats() -> None:
         timeout=TIMEOUT,
         expected=EXPECTED,
         last_seen=beating(),
+        gone=[],
         stats_at=99.9,
         down=None,
         stalled=stalled,
@@ -112,7 +125,7 @@ def test_a_stalled_component_is_a_failure_though_it_beats() -> None:
 def test_liveness_ignores_starting_but_not_failures() -> None:
     def failure(last_seen: dict[str, float], stats_at: float | None = None) -> str | None:
         return engine_failure(
-            now=100.0, timeout=TIMEOUT, last_seen=last_seen, stats_at=stats_at, down=None
+            now=100.0, timeout=TIMEOUT, gone=gone(last_seen), stats_at=stats_at, down=None
         )
 
     assert failure({}) is None  # nothing heard yet: starting, alive

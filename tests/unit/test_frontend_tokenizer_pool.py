@@ -38,13 +38,12 @@ def test_a_worker_that_joins_later_takes_the_next_requests() -> None:
     assert pool.assign("2") == "tokenizer-b"
 
 
-def test_a_silent_worker_leaves_with_its_requests() -> None:
+def test_a_worker_that_leaves_takes_its_requests_with_it() -> None:
     pool = pool_of("tokenizer-a", "tokenizer-b")
     pool.assign("1"), pool.assign("2"), pool.assign("3")
-    pool.beat("tokenizer-a", "s1", 9.0)
-    assert pool.expire(now=10.5, timeout=10.0) == {"tokenizer-b": ["2"]}
+    assert pool.leave("tokenizer-b") == ["2"]
     assert pool.names == ["tokenizer-a"] and pool.owner("2") is None
-    assert pool.expire(now=10.5, timeout=10.0) == {}
+    assert pool.leave("tokenizer-b") == []
     assert pool.assign("4") == "tokenizer-a"
 
 
@@ -61,6 +60,7 @@ def test_a_draining_worker_keeps_its_requests_but_takes_no_new_ones() -> None:
     pool = pool_of("tokenizer-a", "tokenizer-b")
     pool.assign("1"), pool.assign("2")
     assert pool.beat("tokenizer-a", "s1", 1.0, draining=True) == []
+    assert pool.draining("tokenizer-a") and not pool.draining("tokenizer-b")
     assert pool.accepting == ["tokenizer-b"] and pool.names == ["tokenizer-a", "tokenizer-b"]
     assert [pool.assign(r) for r in "34"] == ["tokenizer-b", "tokenizer-b"]
     assert pool.owner("1") == "tokenizer-a"  # finishes where it is

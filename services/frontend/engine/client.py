@@ -1,19 +1,22 @@
 """The frontend's view of the engine: one ROUTER socket, one asyncio queue per live request,
-the pool of tokenizer workers, and the health of every component (heartbeats, the launcher's
-ComponentDown notices)."""
+the pool of tokenizer workers, and the health of every component (heartbeats, the connections
+they come on, the launcher's ComponentDown notices)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 from collections.abc import AsyncGenerator
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from services.frontend.engine.health import engine_failure, starting_reason, tokenizer_pool_reason
+from services.frontend.engine.liveness import Liveness
 from services.frontend.engine.lora_listings import LoraListings
 from services.frontend.engine.tokenizer_pool import TokenizerPool
 from shared.config import Config
@@ -42,6 +45,7 @@ from shared.replicas import engine_components, replica_name
 from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
+WATCHDOG_INTERVAL_S = 0.25
 
 
 class EngineUnavailable(RuntimeError):
@@ -75,11 +79,14 @@ class EngineClient:
         self.config = config
         self.context = zmq.asyncio.Context()
         self.socket = bind_router(self.context, config.frontend_address, WireSecurity.of(config))
+        # Which of the ROUTER's connections close: a component's closing is the first word
+        # that its process is gone (the kernel closes a dead process's sockets at once).
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.decoder = Decoder(ToFrontend, "frontend")
         self.queues: dict[str, asyncio.Queue[TextDelta]] = {}
         # Requests answered by one message: /tokenize (TokenizeResult), LoRA loads and unloads
         self.waiters: dict[str, asyncio.Future[TokenizeResult | LoraAdapterResult]] = {}
-        self.last_seen: dict[str, float] = {}
+        self.liveness = Liveness(config.component_timeout)  # every component's, workers too
         self.stalled: dict[str, str] = {}  # component -> why its main loop is stuck
         self.expected = engine_components(config)  # each replica's scheduler and executors
         self.tokenizers = TokenizerPool()
@@ -93,12 +100,15 @@ class EngineClient:
     async def start(self) -> None:
         self._tasks = [
             asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._monitor_loop()),
             asyncio.create_task(self._watchdog()),
         ]
 
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self.socket.disable_monitor()
+        self.monitor.close()
         self.socket.close()
         terminate(self.context)
 
@@ -123,12 +133,14 @@ class EngineClient:
         return min(self.snapshot_at.values())
 
     def failure_reason(self) -> str | None:
-        """Why the engine has failed (a component dead, silent or stuck), or None while it is
-        alive, even if still starting: what /health answers."""
+        """Why the engine has failed (a component gone or stuck), or None while it is alive,
+        even if still starting or slow: what /health answers."""
+        now = time.monotonic()
+        gone = [self.liveness.gone(name, now) for name in self.expected]
         return engine_failure(
-            now=time.monotonic(),
+            now=now,
             timeout=self.config.component_timeout,
-            last_seen=self.last_seen,
+            gone=[why for why in gone if why is not None],
             stats_at=self.stats_at,
             down=self.down,
             stalled=self.stalled,
@@ -146,16 +158,18 @@ class EngineClient:
     def _engine_reason(self) -> str | None:
         """Why the engine cannot serve (starting, a silent, stuck or dead component), or None."""
         return self.failure_reason() or starting_reason(
-            expected=self.expected, last_seen=self.last_seen, stats_at=self.stats_at
+            expected=self.expected, last_seen=self.liveness.last_seen, stats_at=self.stats_at
         )
 
     async def _watchdog(self) -> None:
         started, failing = time.monotonic(), False
         while self.down is None:
-            await asyncio.sleep(0.25)
-            now, timeout = time.monotonic(), self.config.component_timeout
-            for name, request_ids in self.tokenizers.expire(now, timeout).items():
-                self._fail(request_ids, f"{name} stopped answering")
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            now = time.monotonic()
+            for name in self.tokenizers.names:
+                why = self.liveness.gone(name, now)
+                if why is not None:
+                    self._worker_left(name, why)
             if self.stats_at is None and time.monotonic() - started < self.config.startup_timeout:
                 continue  # still loading: the launcher watches startup
             # The engine's failures end what runs; the pool fails what a worker held itself.
@@ -163,6 +177,16 @@ class EngineClient:
             if reason is not None and not failing:
                 self._lost(reason)
             failing = reason is not None  # silence can end: then serve again
+
+    def _worker_left(self, name: str, why: str) -> None:
+        """A tokenizer worker counts as gone (or cannot be reached): the requests it held end
+        with an error now, the others run on."""
+        draining = self.tokenizers.draining(name)
+        lost_ids = self.tokenizers.leave(name)
+        self.liveness.forget(name)
+        level = logging.INFO if draining and not lost_ids else logging.WARNING
+        logger.log(level, "%s left the tokenizer pool: %s", name, why)
+        self._fail(lost_ids, why)
 
     def _mark_down(self, reason: str) -> None:
         """A component is gone for good (its process exited, or it speaks another protocol)."""
@@ -196,22 +220,35 @@ class EngineClient:
 
     async def _receive_loop(self) -> None:
         while True:
-            received = routed(await self.socket.recv_multipart())
+            frames = await self.socket.recv_multipart(copy=False)
+            received = routed([frame.bytes for frame in frames])
             if received is None:
                 continue
             identity, data = received
             message = self.decoder.decode(data)
             if message is None:
                 continue
+            connection = _connection(frames[-1]) if isinstance(message, Heartbeat) else None
             for part in message.deltas if isinstance(message, TextDeltas) else [message]:
-                self._receive(identity, part)
+                self._receive(identity, part, connection)
 
-    def _receive(self, identity: bytes, message: object) -> None:
+    async def _monitor_loop(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(await self.monitor.recv_multipart())
+            except (ValueError, struct.error):  # not an event: never expected
+                continue
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.liveness.closed(int(event["value"]), time.monotonic())
+
+    def _receive(self, identity: bytes, message: object, connection: int | None = None) -> None:
+        """Take a message from `identity`, which came on `connection` (a descriptor; None:
+        unknown or not needed)."""
         if not self._from_its_sender(identity, message):
             logger.warning("dropped a %s from %r", type(message).__name__, identity[:64])
             return
         try:
-            self._take(message)
+            self._take(message, connection)
         except Exception:  # one message must never end the loop (and silence the engine)
             logger.exception("could not take a %s from %r", type(message).__name__, identity)
 
@@ -231,7 +268,7 @@ class EngineClient:
             return identity == (self.tokenizers.owner(message.request_id) or "").encode()
         return False
 
-    def _take(self, message: object) -> None:
+    def _take(self, message: object, connection: int | None = None) -> None:
         if isinstance(message, TextDelta):
             queue = self.queues.get(message.request_id)
             if queue is not None:
@@ -242,7 +279,7 @@ class EngineClient:
                     f"{message.component} speaks protocol "
                     f"{message.protocol_version}, not {PROTOCOL_VERSION}"
                 )
-            self._heard(message)
+            self._heard(message, connection)
         elif isinstance(message, StatsSnapshot):
             self.snapshots[message.replica] = message
             self.snapshot_at[message.replica] = time.monotonic()
@@ -263,10 +300,10 @@ class EngineClient:
         elif isinstance(message, ComponentDown):
             self._mark_down(f"{message.component} exited with code {message.exit_code}")
 
-    def _heard(self, beat: Heartbeat) -> None:
+    def _heard(self, beat: Heartbeat, connection: int | None) -> None:
         now = time.monotonic()
+        self.liveness.beat(beat.component, now, connection)
         if not beat.component.startswith("tokenizer-"):
-            self.last_seen[beat.component] = now
             if beat.stalled is None:
                 self.stalled.pop(beat.component, None)
             else:
@@ -282,8 +319,8 @@ class EngineClient:
                 await self.socket.send_multipart([name.encode(), encode(message)])
                 return
             except zmq.ZMQError as exc:
-                lost_ids = self.tokenizers.leave(name)
-                self._fail([r for r in lost_ids if r != request_id], f"{name} unreachable: {exc}")
+                self.tokenizers.release(request_id)  # not sent: not the worker's to lose
+                self._worker_left(name, f"{name} unreachable: {exc}")
         raise EngineUnavailable("no tokenizer worker takes requests")
 
     async def _send(self, request_id: str, message: msgspec.Struct) -> None:
@@ -393,6 +430,16 @@ class EngineClient:
         finally:
             self.waiters.pop(request_id, None)
             self.tokenizers.release(request_id)
+
+
+def _connection(frame: zmq.Frame) -> int | None:
+    """The connection a message came on, as the ROUTER's descriptor for it (which its monitor
+    names when it closes); None over inproc:// or where libzmq does not say."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None
 
 
 async def _next_delta(

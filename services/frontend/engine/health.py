@@ -1,4 +1,5 @@
-"""The engine's health, judged from what the frontend has heard: heartbeats, stats, deaths.
+"""The engine's health, judged from what the frontend has heard: heartbeats, stats, deaths,
+closed connections (which component counts as gone is services/frontend/engine/liveness.py's rule).
 
 Pure: the engine client passes in what it has seen and when, and gets back why the engine
 (or the tokenizer pool) cannot serve now, or None when it can.
@@ -15,24 +16,21 @@ def unavailable_reason(
     timeout: float,
     expected: Sequence[str],
     last_seen: Mapping[str, float],
+    gone: Sequence[str],
     stats_at: float | None,
     down: str | None,
     stalled: Mapping[str, str] | None = None,
 ) -> str | None:
     """Why the engine cannot serve at `now`, or None when it can (readiness: /ready).
 
-    `last_seen` holds each expected component's last heartbeat time, `stats_at` the
-    scheduler's last snapshot (None before the first), `down` why a component is gone for
-    good, `stalled` what each component whose main loop is stuck says of it. A component never
-    heard from is still starting; a failure is said first, as it is what an operator must act on.
+    `last_seen` holds each component heard from and when it last beat, `gone` why each expected
+    component that counts as gone does (services/frontend/engine/liveness.py), `stats_at` the
+    scheduler's last snapshot (None before the first), `down` why a component is gone for good,
+    `stalled` what each component whose main loop is stuck says of it. A component never heard
+    from is still starting; a failure is said first, as it is what an operator must act on.
     """
     failure = engine_failure(
-        now=now,
-        timeout=timeout,
-        last_seen=last_seen,
-        stats_at=stats_at,
-        down=down,
-        stalled=stalled,
+        now=now, timeout=timeout, gone=gone, stats_at=stats_at, down=down, stalled=stalled
     )
     return failure or starting_reason(expected=expected, last_seen=last_seen, stats_at=stats_at)
 
@@ -53,22 +51,20 @@ def engine_failure(
     *,
     now: float,
     timeout: float,
-    last_seen: Mapping[str, float],
+    gone: Sequence[str],
     stats_at: float | None,
     down: str | None,
     stalled: Mapping[str, str] | None = None,
 ) -> str | None:
     """Why the engine has failed (liveness: /health), or None while it is alive, starting
-    or not: a component gone, silent, or stuck while it still beats."""
+    or not, slow or not: a component gone (exited, disconnected, or silent past the timeout),
+    stuck while it still beats, or a scheduler whose snapshots stopped for `timeout`."""
     if down is not None:
         return down
     if stalled:
         return "; ".join(f"{name} is stalled: {why}" for name, why in sorted(stalled.items()))
-    silent = [
-        f"{name} for {now - seen:.0f} s" for name, seen in last_seen.items() if now - seen > timeout
-    ]
-    if silent:
-        return f"no heartbeat from {', '.join(silent)}"
+    if gone:
+        return "; ".join(gone)
     if stats_at is not None and now - stats_at > timeout:
         return "the scheduler has stopped reporting"  # alive but stuck
     return None

@@ -1,7 +1,8 @@
 """Which tokenizer workers the frontend can send to, and which of them holds each request.
 
-The pool is whoever beats: a worker joins with its first heartbeat and leaves when it falls
-silent, so compose `--scale` and Kubernetes replicas grow and shrink it with no configuration.
+The pool is whoever beats: a worker joins with its first heartbeat and leaves when it counts as
+gone (services/frontend/engine/liveness.py: its connection closed, or silent past the timeout), so
+compose `--scale` and Kubernetes replicas grow and shrink it with no configuration.
 A request stays with the worker that took it (its detokenizer lives there, and the engine
 sends its outputs there), so a worker that goes, or comes back as a new process under the
 same name (a new heartbeat session), takes its requests with it: the caller fails them.
@@ -17,7 +18,6 @@ import dataclasses
 @dataclasses.dataclass
 class _Worker:
     session: str  # the process's heartbeat session: a new one means a restart
-    last_seen: float
     draining: bool = False  # finishing its requests before it exits: it takes no new ones
     request_ids: set[str] = dataclasses.field(default_factory=set)
 
@@ -44,17 +44,16 @@ class TokenizerPool:
         lost = []
         if worker is None or worker.session != session:
             lost = self.leave(name)
-            worker = self._workers[name] = _Worker(session, now)
-        worker.last_seen, worker.draining = now, draining
+            worker = self._workers[name] = _Worker(session)
+        worker.draining = draining
         return lost
 
-    def expire(self, now: float, timeout: float) -> dict[str, list[str]]:
-        """Drop the workers silent for longer than `timeout`: {name: the requests it held}."""
-        silent = [n for n, w in self._workers.items() if now - w.last_seen > timeout]
-        return {name: self.leave(name) for name in silent}
+    def draining(self, name: str) -> bool:
+        worker = self._workers.get(name)
+        return worker is not None and worker.draining
 
     def leave(self, name: str) -> list[str]:
-        """Drop a worker (silent, restarted, unreachable); returns the requests it held."""
+        """Drop a worker (gone, restarted, unreachable); returns the requests it held."""
         worker = self._workers.pop(name, None)
         if worker is None:
             return []
