@@ -14,7 +14,8 @@ import torch
 from benchmarks.gguf_writer import Shape, write_gguf
 from kvflow.llm import LLM
 from services.executor.layers.linear import Linear
-from services.executor.quantization.gguf import GgufBlocks, PackedWeight
+from services.executor.parallel.shards import PackedWeight
+from services.executor.quantization.gguf import GgufBlocks
 from tests.integration.test_parity import kvflow_greedy
 from tests.integration.tiny_models import make_prompts
 

@@ -25,9 +25,8 @@ from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.norm import RMSNorm
 from services.executor.layers.rotary import RotaryEmbedding
 from services.executor.parallel.layout import ShardLayout, rank_part
-from services.executor.parallel.shards import Loaded, packed_dims, read
+from services.executor.parallel.shards import Loaded, PackedWeight, packed_dims, read
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
-from services.executor.quantization.gguf import PackedWeight
 from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's

@@ -6,7 +6,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from services.executor.parallel.shards import Loaded, Split, TensorDims, shard_tensor
+from services.executor.parallel.shards import (
+    Loaded,
+    Piece,
+    Sharding,
+    Split,
+    TensorDims,
+    shard_tensor,
+)
 from services.executor.parallel.tensor_parallel import TensorParallel
 from shared.model_config import ModelConfig
 
@@ -57,6 +64,30 @@ class ShardLayout:
     def shares_kv_heads(self) -> bool:
         """Fewer KV heads than ranks: each is held whole by several ranks."""
         return self.kv_heads < self.tp.size
+
+    def column_parallel(self, *rows: int) -> Sharding:
+        """A layer split by output rows (gate_up_proj, the lm_head): `rows` of each fused
+        piece on this rank, its equal part of the piece."""
+        return Sharding("rows", tuple(Piece(n, self.tp.rank, self.tp.size) for n in rows))
+
+    def qkv_parallel(self) -> Sharding:
+        """q, k and v split by output rows: the rank's query heads, and its KV heads (the one
+        it shares with other ranks, when there are fewer KV heads than ranks)."""
+        cfg = self.local_config
+        q = Piece(cfg.num_heads * cfg.head_dim, self.tp.rank, self.tp.size)
+        local_kv = cfg.num_kv_heads  # the rank's KV heads: part kv_head / local_kv of them
+        kv_part, kv_parts = self.kv_head // local_kv, self.kv_heads // local_kv
+        kv = Piece(local_kv * cfg.head_dim, kv_part, kv_parts)
+        return Sharding("rows", (q, kv, kv))
+
+    def row_parallel(self, rows: int) -> Sharding:
+        """A layer split by input columns (o_proj, down_proj): all `rows`, the rank's part of
+        the columns (its inputs are its heads' or its MLP columns' outputs)."""
+        return Sharding("cols", (Piece(rows, self.tp.rank, self.tp.size),))
+
+    def vocab_parallel(self) -> Sharding:
+        """The embedding's and the lm_head's vocabulary rows."""
+        return self.column_parallel(self.vocab_rows)
 
 
 # The checkpoint's modules by how their tensors split: Q rows by heads, K and V rows by KV

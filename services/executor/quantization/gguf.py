@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels import ops
 from kernels.gguf import row_bytes
 from kernels.lora import LoraDelta
 from services.executor.layers.linear import BIAS_DIMS, Activation, Linear, float_input, with_lora
-from services.executor.parallel.shards import Loaded, TensorDims
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """A checkpoint weight in a form only its layer's method reads (a GGUF tensor's blocks):
-    the loader hands it to `method.load_shard` with the row it starts at in the (fused)
-    layer, rather than copying it into a parameter."""
-
-    qtype: str  # a kernels.gguf type, or "float": `data` is the weight itself
-    data: Loaded  # [rows, row_bytes] uint8, or [rows, K] float; read once cut for the rank
+from services.executor.parallel.shards import PackedWeight, TensorDims
 
 
 class GgufBlocks:
@@ -44,7 +32,7 @@ class GgufBlocks:
         raise ValueError("GGUF weights come from a .gguf file; --load-format dummy has none")
 
     def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
-        # Its pieces come to load_shard, cut by linear_shards.packed_dims.
+        # Its pieces come to load_shard, cut by shards.packed_dims.
         return dict(BIAS_DIMS)
 
     def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
