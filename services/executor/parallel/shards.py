@@ -72,8 +72,7 @@ Loaded = torch.Tensor | CheckpointSlice
 @dataclass(frozen=True)
 class PackedWeight:
     """A checkpoint weight in a form only its layer's method reads (a GGUF tensor's blocks):
-    the loader hands it to `method.load_shard` with the row it starts at in the (fused)
-    layer, rather than copying it into a parameter."""
+    the parameter it is handed to keeps it for its method, rather than copying it in."""
 
     qtype: str  # a kernels.gguf type, or "float": `data` is the weight itself
     data: Loaded  # [rows, row_bytes] uint8, or [rows, K] float; read once cut for the rank
