@@ -13,7 +13,8 @@ import torch
 
 from kvflow.llm import LLM
 from services.executor.layers.linear import Linear
-from services.executor.quantization.gguf import GgufBlocks, PackedWeight
+from services.executor.parallel.shards import PackedWeight
+from services.executor.quantization.gguf import GgufBlocks
 from sweeps.gguf_writer import Shape, write_gguf
 from tests.integration.test_parity import kvflow_greedy
 from tests.integration.tiny_models import make_prompts

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from services.executor.loading.gguf import iter_gguf
-from services.executor.parallel.shards import CheckpointSlice, read
-from services.executor.quantization.gguf import PackedWeight
+from services.executor.parallel.shards import CheckpointSlice, PackedWeight, read
 from shared.model_config import load_model_config, resolve_model_source
 
 SOURCE = resolve_model_source(None)

@@ -15,9 +15,9 @@ import torch
 
 from kernels.gguf import row_bytes
 from services.executor.layers.linear import Linear, LinearMethod, Unquantized
-from services.executor.parallel.shards import Split, packed_dims, shard_tensor
+from services.executor.parallel.shards import PackedWeight, Split, packed_dims, shard_tensor
 from services.executor.quantization.fp8 import Fp8Block, Fp8Checkpoint, Fp8Dynamic, Fp8Static
-from services.executor.quantization.gguf import GgufBlocks, PackedWeight
+from services.executor.quantization.gguf import GgufBlocks
 from services.executor.quantization.int4 import Int4WeightOnly
 from shared.quant_config import QuantSpec
 from sweeps.gguf_writer import random_weight

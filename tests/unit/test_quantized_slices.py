@@ -14,6 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from services.executor.loading.weights import load_weights
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.parallel.shards import CheckpointSlice, Loaded, read
 from services.executor.parallel.tensor_parallel import TensorParallel
@@ -91,7 +92,7 @@ def rank_state(
 ) -> dict[str, torch.Tensor]:
     """What rank `rank` of two loads of the translated tensors `weights`."""
     model = DecoderForCausalLM(cfg, 64, linear_method(spec), tp=TensorParallel(rank, 2))  # type: ignore[arg-type]
-    model.load_weights(weights)
+    load_weights(model, weights)
     return model.state_dict()
 
 

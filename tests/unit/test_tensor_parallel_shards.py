@@ -12,6 +12,7 @@ import transformers
 from safetensors.torch import save_file
 
 from services.executor.loading.safetensors import iter_safetensor_slices
+from services.executor.loading.weights import load_weights
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.parallel.tensor_parallel import TensorParallel
 from shared.model_config import from_hf_dict
@@ -32,7 +33,7 @@ def checkpoint(**changes: object) -> tuple[dict[str, torch.Tensor], object]:
 
 def rank_model(cfg: object, state: dict[str, torch.Tensor], rank: int, world: int):
     model = DecoderForCausalLM(cfg, 64, kv_scales=True, tp=TensorParallel(rank, world))  # type: ignore[arg-type]
-    model.load_weights(state.items())
+    load_weights(model, state.items())
     return model
 
 
@@ -78,7 +79,7 @@ def test_a_rank_reading_slices_of_the_file_loads_what_it_loads_from_whole_tensor
     for rank in range(world):
         whole = rank_model(cfg, state, rank, world).state_dict()
         model = DecoderForCausalLM(cfg, 64, kv_scales=True, tp=TensorParallel(rank, world))  # type: ignore[arg-type]
-        model.load_weights(iter_safetensor_slices(tmp_path))
+        load_weights(model, iter_safetensor_slices(tmp_path))
         sliced = model.state_dict()
         assert sliced.keys() == whole.keys()
         for name, tensor in whole.items():

@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from kernels import ops
+from services.executor.layers.weight_loader import set_weight_loader, sharded_loader
 from services.executor.parallel.layout import ShardLayout
+from services.executor.parallel.shards import TensorDims
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -16,6 +18,8 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.layout = layout
         self.weight = nn.Parameter(torch.empty(layout.vocab_rows, hidden_size))
+        loader = sharded_loader(layout.vocab_parallel(), TensorDims(rows=0, cols=1))
+        set_weight_loader(self.weight, loader)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         """This rank's part of the embedding: the rows of the ids it holds, zeros for the

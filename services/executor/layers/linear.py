@@ -7,6 +7,11 @@ the float one, `Unquantized`, here): the method registers the parameters a check
 loading (`prepare`, e.g. quantizing a float weight to FP8) and runs each call (`apply`). The
 model code calls `layer(x)` and never asks which format it holds.
 
+A layer knows how it is split across tensor-parallel ranks and which checkpoint tensors it
+fuses (its `Sharding`); each of its parameters carries a `weight_loader` that cuts the rank's
+part of a checkpoint tensor and copies it into its piece's rows, by where the method says the
+tensor holds rows and columns (`shard_dims`; layers/weight_loader.py).
+
 A method with `takes_fp8_rows` also takes its input already quantized per token
 (`kernels.fp8.Fp8Rows`): the norm or activation that feeds such a layer quantizes its output
 in the same pass (`layers/norm.py`, `layers/mlp.py`), and the layer skips its own quantization.
@@ -23,7 +28,8 @@ from kernels import ops
 from kernels.fp8 import Fp8Rows
 from kernels.lora import LoraDelta
 from services.executor.layers.lora import LoraTokens, ProjectionSlots
-from services.executor.parallel.shards import TensorDims
+from services.executor.layers.weight_loader import set_weight_loader, sharded_loader
+from services.executor.parallel.shards import Sharding, TensorDims
 
 Activation = torch.Tensor | Fp8Rows  # what a layer takes: Fp8Rows only if takes_fp8_rows
 
@@ -33,7 +39,8 @@ class LinearMethod(Protocol):
     takes_fp8_rows: bool  # apply also takes activations quantized per token (Fp8Rows)
 
     def create_weights(self, layer: Linear) -> None:
-        """Register the parameters a checkpoint fills, under the names it loads."""
+        """Register the parameters a checkpoint fills, under the names it loads (those that
+        `shard_dims` does not name set their own `weight_loader`)."""
 
     def init_dummy(self, layer: Linear, generator: torch.Generator) -> None:
         """Fill them with random values of a realistic scale (--load-format dummy)."""
@@ -114,15 +121,34 @@ class Linear(nn.Module):
         bias: bool = False,
         method: LinearMethod | None = None,
         whole_in_features: int | None = None,
+        sharding: Sharding | None = None,
     ) -> None:
-        """`whole_in_features`: the input columns of the whole layer when this is a rank's
-        part of a row-parallel one (`in_features` of them); act-order int4 scales span all."""
+        """`sharding`: this rank's part of the layer and the checkpoint tensors fused in it
+        (None: one, held whole). `whole_in_features`: the input columns of the whole layer
+        when this is a rank's part of a row-parallel one (`in_features` of them; by default
+        from `sharding`); act-order int4 scales span all."""
         super().__init__()
+        self.sharding = sharding or Sharding.whole(out_features)
+        if self.sharding.rows != out_features:
+            raise ValueError(f"pieces of {self.sharding.rows} rows do not make {out_features}")
         self.in_features, self.out_features = in_features, out_features
-        self.whole_in_features = whole_in_features or in_features
+        parts = self.sharding.pieces[0].parts if self.sharding.split == "cols" else 1
+        self.whole_in_features = whole_in_features or in_features * parts
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.method: LinearMethod = method or Unquantized()
         self.method.create_weights(self)
+        self._set_weight_loaders()
+
+    def _set_weight_loaders(self) -> None:
+        """Each parameter's loader, by where the method says its tensors hold rows and
+        columns (a parameter the method loads itself has its own)."""
+        dims = self.method.shard_dims(self)
+        for name, param in self.named_parameters(recurse=False):
+            if name in dims:
+                loader = sharded_loader(self.sharding, dims[name])
+                set_weight_loader(param, loader, len(self.sharding.pieces))
+            elif not hasattr(param, "weight_loader"):
+                raise TypeError(f"the {self.method.name} method loads no {name}")
 
     def forward(self, x: Activation, lora: LoraTokens | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N]; `lora`: the rows' LoRA slots, when the model runs with LoRA."""

@@ -9,23 +9,19 @@ from kernels import ops
 from services.executor.layers.linear import Activation, Linear, LinearMethod
 from services.executor.layers.lora import LoraTokens
 from services.executor.layers.norm import feeds_fp8_rows
-from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
+from services.executor.parallel.layout import ShardLayout
 
 
 class GatedMLP(nn.Module):
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,  # this rank's columns (all of them on one rank)
-        method: LinearMethod | None = None,
-        tp: TensorParallel = ONE_RANK,
-    ) -> None:
+    def __init__(self, layout: ShardLayout, method: LinearMethod | None = None) -> None:
+        """`layout`: what this rank holds (its MLP columns; all of them on one rank)."""
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, method=method)
-        whole = intermediate_size * tp.size  # down_proj is row-parallel
-        self.down_proj = Linear(
-            intermediate_size, hidden_size, method=method, whole_in_features=whole
-        )
+        hidden, columns = layout.local_config.hidden_size, layout.local_config.intermediate_size
+        # gate and up split by output rows, down by input columns
+        gate_up = layout.column_parallel(columns, columns)
+        self.gate_up_proj = Linear(hidden, 2 * columns, method=method, sharding=gate_up)
+        down = layout.row_parallel(hidden)
+        self.down_proj = Linear(columns, hidden, method=method, sharding=down)
 
     def forward(self, x: Activation, lora: LoraTokens | None = None) -> torch.Tensor:
         """`lora`: the tokens' LoRA slots (see Linear.forward), or None."""

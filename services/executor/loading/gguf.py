@@ -14,8 +14,7 @@ import numpy as np
 import torch
 
 from kernels.gguf import GGUF_TYPES
-from services.executor.parallel.shards import CheckpointSlice
-from services.executor.quantization.gguf import PackedWeight
+from services.executor.parallel.shards import CheckpointSlice, PackedWeight
 from shared.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
-"""Weight sources, each yielding (Hugging Face name, tensor): safetensors folders, GGUF files,
-and random dummy weights for benchmarks."""
+"""Loading a model: built with its linear method, filled from its source (a safetensors folder,
+read whole or as slices, its quantized modules translated; a GGUF file; random dummy weights for
+benchmarks) by the walk of services/executor/loading/weights.py, then prepared."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from services.executor.loading.safetensors import (
     iter_safetensors,
     safetensors_names,
 )
+from services.executor.loading.weights import load_weights
 from services.executor.models.decoder import DecoderForCausalLM, hf_module_names
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.quantization.checkpoints import translate_quantized
@@ -94,15 +96,15 @@ def load_model(
         init_dummy(model, seed)
     elif fmt == "gguf":
         keep_blocks = spec is not None and spec.method == "gguf"
-        model.load_weights(iter_gguf(source.path, cfg, keep_blocks))
+        load_weights(model, iter_gguf(source.path, cfg, keep_blocks))
     elif fmt == "safetensors" and spec is not None and spec.from_checkpoint:
         names = safetensors_names(source.path)
         tensors = iter_safetensor_slices(source.path)
-        model.load_weights(translate_quantized(tensors, names, spec))
+        load_weights(model, translate_quantized(tensors, names, spec))
     elif fmt == "safetensors" and tp.size > 1:
-        model.load_weights(iter_safetensor_slices(source.path))
+        load_weights(model, iter_safetensor_slices(source.path))
     elif fmt == "safetensors":
-        model.load_weights(iter_safetensors(source.path))
+        load_weights(model, iter_safetensors(source.path))
     else:
         raise ValueError(f"cannot load {source.path} with --load-format {load_format}")
     prepare_linear_layers(model, spec)

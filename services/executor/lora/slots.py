@@ -8,7 +8,7 @@ adapter leaves alone stays zero, so it adds nothing. `SlotTable` decides which a
 which slot: the adapters a step needs stay, the least recently used one makes room.
 
 Under tensor parallelism a rank's slots hold its part of each adapter, cut as the base layer is
-(`rank_part`): a column-parallel projection keeps A whole and B's rows of its own heads or
+(its `Sharding`): a column-parallel projection keeps A whole and B's rows of its own heads or
 columns; a row-parallel one keeps A's columns of its own input and B whole. Each rank then adds
 B (A_r x_r) to its partial output, and the all-reduce that sums the partial outputs sums these
 to B A x: no collective of its own.
@@ -21,9 +21,9 @@ from collections import OrderedDict
 import torch
 
 from services.executor.layers.lora import ProjectionSlots
-from services.executor.lora.adapter import ATTENTION, LoraAdapter, projection_shape
-from services.executor.parallel.layout import ShardLayout, rank_part
-from services.executor.parallel.shards import TensorDims, read
+from services.executor.lora.adapter import LoraAdapter, projection_shape
+from services.executor.parallel.layout import ShardLayout
+from services.executor.parallel.shards import Sharding, TensorDims, read
 
 # kvflow's projections and the PEFT modules they fuse, in their output rows' order
 FUSED = {
@@ -32,6 +32,8 @@ FUSED = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+A_DIMS = TensorDims(rows=None, cols=1)  # A [rank, in_features]
+B_DIMS = TensorDims(rows=0, cols=None)  # B [out_features, rank]
 MIN_RANK = 16  # the kernels' tl.dot needs 16 along the rank (kernels/triton_lora.py DOT_MIN)
 
 
@@ -60,6 +62,7 @@ class LoraSlots:
         self.rank = slot_rank(max_lora_rank)
         self.layers: list[dict[str, ProjectionSlots]] = []
         cfg = layout.local_config
+        self.shardings = _shardings(layout)
         for _ in range(cfg.num_layers):
             layer = {}
             for fused, pieces in FUSED.items():
@@ -79,25 +82,17 @@ class LoraSlots:
                 f"adapter {adapter.name!r} has rank {adapter.rank} > {self.max_lora_rank}"
             )
         self.clear(slot)
-        for (layer, target), whole in adapter.weights.items():
-            a, b = self._rank_part(layer, target, *whole)
+        for (layer, target), (a, b) in adapter.weights.items():
             fused = next(name for name, pieces in FUSED.items() if target in pieces)
             slots = self.layers[layer][fused]
             piece = FUSED[fused].index(target)
+            sharding = self.shardings[fused]
+            a = read(sharding.cut(a, A_DIMS, piece))
+            b = read(sharding.cut(b, B_DIMS, piece))
             start = sum(slots.piece_rows[:piece])
             rows = slots.piece_rows[piece]
             slots.lora_a[slot, piece, : adapter.rank].copy_(a)
             slots.lora_b[slot, start : start + rows, : adapter.rank].copy_(b * adapter.scaling)
-
-    def _rank_part(
-        self, layer: int, target: str, a: torch.Tensor, b: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of an adapter's A [r, in] and B [out, r] for one projection."""
-        module = "self_attn" if target in ATTENTION else "mlp"
-        name = f"model.layers.{layer}.{module}.{target}"
-        a = read(rank_part(self.layout, f"{name}.lora_A", a, TensorDims(rows=None, cols=1)))
-        b = read(rank_part(self.layout, f"{name}.lora_B", b, TensorDims(rows=0, cols=None)))
-        return a, b
 
     def clear(self, slot: int) -> None:
         if not 0 <= slot < self.max_loras:
@@ -106,6 +101,18 @@ class LoraSlots:
             for slots in layer.values():
                 slots.lora_a[slot].zero_()
                 slots.lora_b[slot].zero_()
+
+
+def _shardings(layout: ShardLayout) -> dict[str, Sharding]:
+    """How the rank holds each projection (as the model's layers do): its adapters' part."""
+    cfg = layout.local_config
+    columns = cfg.intermediate_size
+    return {
+        "qkv_proj": layout.qkv_parallel(),
+        "o_proj": layout.row_parallel(cfg.hidden_size),
+        "gate_up_proj": layout.column_parallel(columns, columns),
+        "down_proj": layout.row_parallel(cfg.hidden_size),
+    }
 
 
 class SlotTable:

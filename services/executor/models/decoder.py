@@ -2,16 +2,13 @@
 
 The families differ only in switches read from ModelConfig: a bias on the qkv projection
 (Qwen2), an RMSNorm on each head of q and k (Qwen3), Llama 3's RoPE scaling, and tied
-embeddings. Weights load from Hugging Face names (see `load_weights`). Under tensor
-parallelism a rank builds the layers of its part (services/executor/parallel/tensor_parallel.py) and
-loads its part of each weight.
+embeddings. Weights load from Hugging Face names: `checkpoint_param` maps each to the parameter
+it fills (services/executor/loading/weights.py walks the checkpoint). Under tensor parallelism a
+rank builds the layers of its part (services/executor/parallel/tensor_parallel.py), and each
+layer's parameters take their part of each weight.
 """
 
 from __future__ import annotations
-
-import dataclasses
-from collections import Counter
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -24,10 +21,8 @@ from services.executor.layers.lora import LoraTokens
 from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.norm import RMSNorm
 from services.executor.layers.rotary import RotaryEmbedding
-from services.executor.parallel.layout import ShardLayout, rank_part
-from services.executor.parallel.shards import Loaded, packed_dims, read
+from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
-from services.executor.quantization.gguf import PackedWeight
 from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
@@ -53,14 +48,14 @@ def hf_module_names(name: str) -> list[str]:
 class Attention(nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        layout: ShardLayout,
         rotary: RotaryEmbedding,
         method: LinearMethod | None,
         kv_scales: bool = False,
-        tp: TensorParallel = ONE_RANK,
     ) -> None:
-        """`cfg`: this rank's part of the model (all of it on one rank)."""
+        """`layout`: what this rank holds of the model (all of it on one rank)."""
         super().__init__()
+        cfg = layout.local_config
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -68,11 +63,11 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, method
-        )
-        whole_q = self.q_size * tp.size  # o_proj is row-parallel: its inputs are all ranks'
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, method=method, whole_in_features=whole_q)
+        qkv_size = self.q_size + 2 * self.kv_size
+        qkv = layout.qkv_parallel()
+        self.qkv_proj = Linear(cfg.hidden_size, qkv_size, cfg.attention_bias, method, sharding=qkv)
+        o = layout.row_parallel(cfg.hidden_size)  # its inputs: the rank's heads' outputs
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, method=method, sharding=o)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -145,18 +140,18 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        layout: ShardLayout,
         rotary: RotaryEmbedding,
         method: LinearMethod | None,
         kv_scales: bool = False,
-        tp: TensorParallel = ONE_RANK,
     ) -> None:
         super().__init__()
+        cfg = layout.local_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, method, kv_scales, tp)
+        self.self_attn = Attention(layout, rotary, method, kv_scales)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, method, tp)
-        self.tp = tp
+        self.mlp = GatedMLP(layout, method)
+        self.tp = layout.tp
 
     def forward(
         self,
@@ -197,14 +192,14 @@ class DecoderForCausalLM(nn.Module):
         a tensor-parallel group; ValueError if the model does not split its ways."""
         super().__init__()
         self.config = cfg
-        self.layout = ShardLayout.of(cfg, tp)
-        local = self.layout.local_config
+        self.layout = layout = ShardLayout.of(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
-        self.embed_tokens = VocabParallelEmbedding(self.layout, cfg.hidden_size)
-        layers = (DecoderLayer(local, rotary, method, kv_scales, tp) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size)
+        layers = (DecoderLayer(layout, rotary, method, kv_scales) for _ in range(cfg.num_layers))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, self.layout.vocab_rows)
+        vocab = layout.vocab_parallel()
+        self.lm_head = Linear(cfg.hidden_size, layout.vocab_rows, sharding=vocab)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -228,106 +223,17 @@ class DecoderForCausalLM(nn.Module):
         # copies to float32 where it computes probabilities.
         return self.layout.tp.all_gather(self.lm_head(hidden))  # [N, vocab], model dtype
 
-    def load_weights(self, weights: Iterable[tuple[str, Loaded | PackedWeight]]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; all must be present.
-        A CheckpointSlice is read for the rank's part alone."""
-        params = dict(self.named_parameters())  # a tied lm_head is not listed twice
-        num_loaded: Counter[str] = Counter()
-        for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            for old, new in _KV_SCALE_NAMES.items():
-                name = name.replace(old, new) if name.endswith(old) else name
-            if "rotary_emb" in name or (name not in params and name == "lm_head.weight"):
-                continue  # rotary tables are computed; a tied head is the embedding
-            piece = next((p for p in _STACKED if f".{p}." in name), None)
-            if isinstance(tensor, PackedWeight):
-                self._load_packed(name, piece, tensor, hf_name)
-                continue
-            if piece is None:
-                if name not in params:
-                    raise ValueError(f"unexpected weight {hf_name!r}")
-                _copy(params[name].data, read(self._rank_part(hf_name, name, tensor)), hf_name)
-            else:
-                fused, shard = _STACKED[piece]
-                name = name.replace(piece, fused)
-                if name not in params:
-                    raise ValueError(f"unexpected weight {hf_name!r}")
-                tensor = read(self._rank_part(hf_name, name, tensor))
-                if name.endswith(".g_idx"):  # per input column: shared by the fused shards
-                    _copy_shared(params[name].data, tensor, hf_name, first=not num_loaded[name])
-                else:
-                    _copy(self._shard(params[name], fused, shard), tensor, hf_name)
-            num_loaded[name] += 1
-        missing = [n for n in params if num_loaded[n] != _num_shards(n)]
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint: {missing[:5]}")
-
-    def _shard(self, param: torch.Tensor, fused: str, shard: int) -> torch.Tensor:
-        start, rows = self._shard_rows(fused, shard)
-        return param.data.narrow(0, start, rows)
-
-    def _rank_part(self, hf_name: str, name: str, tensor: Loaded) -> Loaded:
-        """This rank's part of a checkpoint tensor, cut as the layer it loads into holds it;
-        tensors of other modules (norms, KV cache scales) whole."""
-        owner_name, _, leaf = name.rpartition(".")
-        owner = self.get_submodule(owner_name)
-        if isinstance(owner, Linear):
-            return rank_part(self.layout, hf_name, tensor, owner.method.shard_dims(owner).get(leaf))
-        if isinstance(owner, VocabParallelEmbedding):
-            return rank_part(self.layout, hf_name, tensor, None)
-        return tensor
-
-    def _shard_rows(self, fused: str, shard: int) -> tuple[int, int]:
-        """The rows [start, start + rows) of shard `shard` in a fused projection."""
-        cfg = self.layout.local_config
-        if fused == "qkv_proj":
-            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-        else:
-            sizes = [cfg.intermediate_size] * 2
-        return sum(sizes[:shard]), sizes[shard]
-
-    def _load_packed(
-        self, name: str, piece: str | None, weight: PackedWeight, hf_name: str
-    ) -> None:
-        """A weight its layer's method loads itself, at the rows its shard takes."""
-        start, rows = 0, None
-        if piece is not None:
-            fused, shard = _STACKED[piece]
-            name = name.replace(piece, fused)
-            start, rows = self._shard_rows(fused, shard)
-        try:
-            layer = self.get_submodule(name.removesuffix(".weight"))
-        except AttributeError:
-            layer = None
-        method = layer.method if isinstance(layer, Linear) else None
-        load_shard = getattr(method, "load_shard", None)
-        if not name.endswith(".weight") or load_shard is None:
-            raise ValueError(f"unexpected weight {hf_name!r} ({weight.qtype})")
-        rows = layer.out_features if rows is None else rows
-        dims = packed_dims(weight.qtype)
-        weight = dataclasses.replace(
-            weight, data=read(rank_part(self.layout, hf_name, weight.data, dims))
-        )
-        if weight.data.shape[0] != rows:
-            raise ValueError(f"{hf_name}: checkpoint has {weight.data.shape[0]} rows, not {rows}")
-        load_shard(layer, start, weight)
-
-
-def _num_shards(name: str) -> int:
-    return 3 if ".qkv_proj." in name else (2 if ".gate_up_proj." in name else 1)
-
-
-def _copy_shared(target: torch.Tensor, tensor: torch.Tensor, name: str, first: bool) -> None:
-    """A tensor every shard of a fused projection carries: loaded once, then checked."""
-    if first:
-        _copy(target, tensor, name)
-    elif not torch.equal(target, tensor.to(target.device, target.dtype)):
-        raise ValueError(f"{name} differs from the other projections fused with it")
-
-
-def _copy(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if target.numel() == tensor.numel() == 1:  # a scalar, stored as [] or [1]
-        tensor = tensor.reshape(target.shape)
-    if target.shape != tensor.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(target.shape)}")
-    target.copy_(tensor)
+    def checkpoint_param(self, hf_name: str) -> tuple[str, int | None] | None:
+        """Where a Hugging Face-named tensor loads: (our parameter, the piece of it the tensor
+        fills in a fused layer, None: all of it), or None: it is not loaded (rotary tables are
+        computed; a tied head is the embedding)."""
+        name = hf_name.removeprefix("model.")
+        for old, new in _KV_SCALE_NAMES.items():
+            name = name.replace(old, new) if name.endswith(old) else name
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        piece = next((p for p in _STACKED if f".{p}." in name), None)
+        if piece is None:
+            return name, None
+        fused, shard = _STACKED[piece]
+        return name.replace(piece, fused), shard

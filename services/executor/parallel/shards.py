@@ -14,6 +14,11 @@ cut takes), so that a rank reads and copies in only its part and its method prep
 part as it would a whole layer. GGUF pieces, which the method loads itself, are cut by the
 dimensions of `packed_dims`. Quantized formats decide where a cut may fall: whole packed
 words, whole scale groups, whole GGUF blocks; a split that would cut one is refused by name.
+
+Which part a rank takes is the layer's to say (`Sharding`, built by `ShardLayout`): each
+checkpoint tensor is one piece of the layer (q, k or v of a fused qkv_proj), and the rank takes
+part `part` of `parts` equal ones of it: its own heads or columns, or the one KV head it shares
+with other ranks when there are fewer KV heads than ranks.
 """
 
 from __future__ import annotations
@@ -64,6 +69,18 @@ class CheckpointSlice:
 Loaded = torch.Tensor | CheckpointSlice
 
 
+@dataclass(frozen=True)
+class PackedWeight:
+    """A checkpoint weight in a form only its layer's method reads (a GGUF tensor's blocks):
+    the parameter it is handed to keeps it for its method, rather than copying it in."""
+
+    qtype: str  # a kernels.gguf type, or "float": `data` is the weight itself
+    data: Loaded  # [rows, row_bytes] uint8, or [rows, K] float; read once cut for the rank
+
+
+CheckpointTensor = Loaded | PackedWeight  # what a checkpoint source yields
+
+
 def read(tensor: Loaded) -> torch.Tensor:
     """The tensor itself, read from its file if it was not yet."""
     return tensor.read() if isinstance(tensor, CheckpointSlice) else tensor
@@ -106,6 +123,51 @@ def shard_tensor(
     local = _local_columns(total, world, columns, dims.what)
     width = local // columns * entries
     return tensor.narrow(dims.cols, rank * width, width)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor's share of a layer on this rank (a fused layer has several: q, k
+    and v; gate and up): `rows` output rows of the layer, cut as part `part` of `parts` equal
+    ones of the checkpoint tensor (of its rows in a column-parallel layer, of its columns in a
+    row-parallel one)."""
+
+    rows: int
+    part: int = 0
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a layer of this rank holds its checkpoint tensors: split by output rows
+    (column-parallel), by input columns (row-parallel) or not at all (None: whole on every
+    rank), and its pieces in the order of its output rows."""
+
+    split: Split | None
+    pieces: tuple[Piece, ...]
+
+    @classmethod
+    def whole(cls, rows: int) -> Sharding:
+        return cls(None, (Piece(rows),))
+
+    @property
+    def rows(self) -> int:
+        return sum(piece.rows for piece in self.pieces)
+
+    def piece_rows(self, shard: int | None) -> tuple[int, int]:
+        """(start, rows): where piece `shard` lies in the layer's output rows (None: all)."""
+        if shard is None:
+            return 0, self.rows
+        return sum(piece.rows for piece in self.pieces[:shard]), self.pieces[shard].rows
+
+    def cut(self, tensor: Loaded, dims: TensorDims, shard: int | None) -> Loaded:
+        """This rank's part of a checkpoint tensor of piece `shard` (None: the layer's one
+        piece), by where the tensor holds rows and columns (`dims`); uncut where the rank
+        holds it whole."""
+        piece = self.pieces[shard or 0]
+        if self.split is None or piece.parts == 1:
+            return tensor
+        return shard_tensor(tensor, dims, self.split, piece.part, piece.parts)
 
 
 def packed_dims(qtype: str) -> TensorDims:

@@ -14,8 +14,9 @@ Each of N ranks holds a 1/N part of every layer and all of it sees every token:
                    samples the same tokens (same logits, same seeds)
 
 A rank's layers are those of a smaller model (`ShardLayout.local_config`): the model code builds
-them unchanged. Its weights are cut from the checkpoint's as they load (`rank_part`, by the
-dimensions each linear method declares: services/executor/parallel/shards.py).
+them unchanged, each told its part (`Sharding`, from the layout). Its weights are cut from the
+checkpoint's as they load (by each parameter's `weight_loader`, with the dimensions each linear
+method declares: services/executor/parallel/shards.py).
 """
 
 from __future__ import annotations

@@ -2,25 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from torch import nn
 
 from kernels import ops
 from kernels.gguf import row_bytes
 from kernels.lora import LoraDelta
 from services.executor.layers.linear import BIAS_DIMS, Activation, Linear, float_input, with_lora
-from services.executor.parallel.shards import Loaded, TensorDims
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """A checkpoint weight in a form only its layer's method reads (a GGUF tensor's blocks):
-    the loader hands it to `method.load_shard` with the row it starts at in the (fused)
-    layer, rather than copying it into a parameter."""
-
-    qtype: str  # a kernels.gguf type, or "float": `data` is the weight itself
-    data: Loaded  # [rows, row_bytes] uint8, or [rows, K] float; read once cut for the rank
+from services.executor.layers.weight_loader import set_weight_loader
+from services.executor.parallel.shards import (
+    CheckpointTensor,
+    PackedWeight,
+    TensorDims,
+    packed_dims,
+    read,
+)
 
 
 class GgufBlocks:
@@ -33,8 +29,16 @@ class GgufBlocks:
     takes_fp8_rows = False
 
     def create_weights(self, layer: Linear) -> None:
-        layer.weight = None
-        layer.shards: dict[int, PackedWeight] = {}  # by first row, until `prepare`
+        # What the checkpoint's weights are handed to (`load_weight`), until `prepare`.
+        layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+        def load(
+            param: nn.Parameter, tensor: CheckpointTensor, shard: int | None, name: str
+        ) -> None:
+            self.load_weight(layer, tensor, shard, name)
+
+        set_weight_loader(layer.weight, load, len(layer.sharding.pieces))
+        layer.packed: dict[int, PackedWeight] = {}  # by first row, until `prepare`
         layer.runs: list[str] = []  # the qtype of buffer qweight{i}, in row order
         # Where the buffers go (the model is built under its dtype and device).
         layer.float_dtype = torch.get_default_dtype()
@@ -44,11 +48,23 @@ class GgufBlocks:
         raise ValueError("GGUF weights come from a .gguf file; --load-format dummy has none")
 
     def shard_dims(self, layer: Linear) -> dict[str, TensorDims]:
-        # Its pieces come to load_shard, cut by linear_shards.packed_dims.
+        # Its weight's pieces come to load_weight, cut by shards.packed_dims.
         return dict(BIAS_DIMS)
 
     def fp8_input_scale(self, layer: Linear) -> torch.Tensor | None:
         return None
+
+    def load_weight(
+        self, layer: Linear, tensor: CheckpointTensor, shard: int | None, name: str
+    ) -> None:
+        """A checkpoint weight's blocks: the rank's part of piece `shard`, at its rows."""
+        if not isinstance(tensor, PackedWeight):
+            raise ValueError(f"unexpected weight {name!r}")
+        data = read(layer.sharding.cut(tensor.data, packed_dims(tensor.qtype), shard))
+        start, rows = layer.sharding.piece_rows(shard)
+        if data.shape[0] != rows:
+            raise ValueError(f"{name}: checkpoint has {data.shape[0]} rows, not {rows}")
+        self.load_shard(layer, start, PackedWeight(tensor.qtype, data))
 
     def load_shard(self, layer: Linear, start: int, weight: PackedWeight) -> None:
         """Checked and moved to the layer's device as it arrives (so the host never holds
@@ -61,11 +77,11 @@ class GgufBlocks:
                 f"(bytes), got {tuple(data.shape)}"
             )
         dtype = layer.float_dtype if weight.qtype == "float" else torch.uint8
-        layer.shards[start] = PackedWeight(weight.qtype, data.to(layer.device, dtype))
+        layer.packed[start] = PackedWeight(weight.qtype, data.to(layer.device, dtype))
 
     def prepare(self, layer: Linear) -> None:
-        starts = sorted(layer.shards)
-        shards = [layer.shards[start] for start in starts]
+        starts = sorted(layer.packed)
+        shards = [layer.packed[start] for start in starts]
         ends = [0] + [start + s.data.shape[0] for start, s in zip(starts, shards, strict=True)]
         if ends[-1] != layer.out_features or starts != ends[:-1]:
             raise ValueError(
@@ -82,7 +98,8 @@ class GgufBlocks:
             data = run[0].data if len(run) == 1 else torch.cat([s.data for s in run])
             layer.register_buffer(f"qweight{i}", data)
         layer.runs = [run[0].qtype for run in runs]
-        layer.shards = {}
+        layer.packed = {}
+        layer.weight = None  # the placeholder the blocks were handed to
 
     def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
         x = float_input(x, self)
