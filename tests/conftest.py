@@ -17,70 +17,12 @@ import transformers
 
 from kvflow import LLM
 
-# Tests run in several processes (pytest-xdist, --dist loadgroup: pyproject.toml). A fixture
-# wider than a test but narrower than the session (a `kvflow serve`, a loaded reference model, a
-# fuzzed component) is built in each process that runs a test needing it; so tests that share
-# one (the same fixture, with the same parameter) are kept on one process, as an xdist_group:
-# a package-scoped one (tests/e2e/conftest.py's shared servers) wherever they are, a module- or
-# class-scoped one within its module. Docker tests share one engine and compose project: one
-# process runs them, one at a time. Session fixtures are built once per process.
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    groups = _Groups()
-    keyed = [(item, _shared_fixtures(item)) for item in items]
-    for _, keys in keyed:
-        for key in keys[1:]:
-            groups.join(keys[0], key)
-    for item, keys in keyed:
-        if keys and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(groups.name(keys[0])))
-
-
-def _shared_fixtures(item: pytest.Item) -> list[str]:
-    """What the test shares with others: the wider-than-a-test fixtures it uses (by module and
-    parameter), or Docker."""
-    if item.get_closest_marker("docker") is not None:
-        return ["docker"]
-    info = getattr(item, "_fixtureinfo", None)  # a Function's; other items have no fixtures
-    if info is None:
-        return []
-    callspec = getattr(item, "callspec", None)
-    indices = callspec.indices if callspec is not None else {}
-    module = item.nodeid.split("::")[0]
-    keys = []
-    for name, defs in sorted(info.name2fixturedefs.items()):
-        scope = defs[-1].scope
-        if scope in ("module", "class", "package"):
-            where = "" if scope == "package" else f"{module}::"
-            param = f"[{indices[name]}]" if name in indices else ""
-            keys.append(f"{where}{name}{param}")
-    return keys
-
-
-class _Groups:
-    """Union-find over fixture keys: tests joined through any shared fixture form one group,
-    named by its widest fixture (package-scoped first), then in sorted order."""
-
-    def __init__(self) -> None:
-        self.parent: dict[str, str] = {}
-
-    def find(self, key: str) -> str:
-        self.parent.setdefault(key, key)
-        while self.parent[key] != key:
-            self.parent[key] = self.parent[self.parent[key]]
-            key = self.parent[key]
-        return key
-
-    def join(self, a: str, b: str) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra != rb:
-            first, second = sorted((ra, rb), key=lambda key: ("::" in key, key))
-            self.parent[second] = first
-
-    def name(self, key: str) -> str:
-        return self.find(key)
+# Which tests share a pytest-xdist worker (`as`: hooks of this conftest).
+from tests.xdist_groups import pytest_collection_modifyitems as pytest_collection_modifyitems
+from tests.xdist_groups import pytest_configure as pytest_configure
+from tests.xdist_groups import pytest_configure_node as pytest_configure_node
+from tests.xdist_groups import pytest_unconfigure as pytest_unconfigure
+from tests.xdist_groups import pytest_xdist_make_scheduler as pytest_xdist_make_scheduler
 
 
 @pytest.fixture(scope="session")
