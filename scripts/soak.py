@@ -18,7 +18,7 @@ Before the traffic it also times a short request alone and beside 500 idle conne
 client that never reads its stream (reported, not checked).
 
 It writes the figures as JSON (`--json`) and exits non-zero when a check fails.
-`scripts/soak.sh` runs it for 10 minutes; CI runs a 60-second version (tests/e2e/test_soak.py).
+`scripts/soak.sh` runs it for 10 minutes; CI runs a 30-second version (tests/e2e/test_soak.py).
 """
 
 from __future__ import annotations

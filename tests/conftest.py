@@ -17,6 +17,13 @@ import transformers
 
 from kvflow import LLM
 
+# Which tests share a pytest-xdist worker (`as`: hooks of this conftest).
+from tests.xdist_groups import pytest_collection_modifyitems as pytest_collection_modifyitems
+from tests.xdist_groups import pytest_configure as pytest_configure
+from tests.xdist_groups import pytest_configure_node as pytest_configure_node
+from tests.xdist_groups import pytest_unconfigure as pytest_unconfigure
+from tests.xdist_groups import pytest_xdist_make_scheduler as pytest_xdist_make_scheduler
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -41,8 +48,10 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2() -> LLM:
-    """The embedded SmolLM2-135M-Instruct, loaded once for every test that reads text."""
-    return LLM(dtype="float32", device="cpu", max_model_len=2048)
+    """The embedded SmolLM2-135M-Instruct, loaded once for every test that reads text. Its KV
+    cache is 256 MiB (5,800 tokens), not the CPU default of 1 GiB: it lives as long as the test
+    process, beside the servers and models of other tests."""
+    return LLM(dtype="float32", device="cpu", max_model_len=2048, kv_cache_memory_bytes=256 << 20)
 
 
 @pytest.fixture(scope="session")

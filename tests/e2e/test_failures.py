@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -87,8 +88,9 @@ def unhealthy_because(server: Server, probe: str = "/health") -> str | None:
     return None if response.status_code == 200 else response.json()["error"]["message"]
 
 
-def kill_mid_run(server: Server, component: str) -> None:
-    """Kill `component` while three streams run (held mid-stream: the executor is paused):
+def kill_mid_run(server: Server, victim: str | Callable[[], int]) -> None:
+    """Kill `victim` (a component's name, or what finds the pid of a process of one) while
+    three streams run (held mid-stream: the executor is paused):
     the streams end with an error, /health fails naming the death, not a silence, and serve
     exits non-zero."""
     streams = [stream_in_background(server, max_tokens=400) for _ in range(3)]
@@ -101,7 +103,8 @@ def kill_mid_run(server: Server, component: str) -> None:
         return bool(reasons)
 
     with Paused(server.child_pid("executor")):
-        os.kill(server.child_pid(component), signal.SIGKILL)
+        pid = server.child_pid(victim) if isinstance(victim, str) else victim()
+        os.kill(pid, signal.SIGKILL)
         wait_for(failing, timeout=120)
     # The launcher saw the process exit (or the frontend its connection close): no silence
     # had to last for a timeout first.

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.server import API_KEY, start_server
+from tests.e2e.server import API_KEY, Server
 
 LOCUSTFILE = Path(__file__).parents[2] / "loadtest" / "locustfile.py"
 METRICS = ("ttft", "itl", "tpot", "output_tok_per_s")
@@ -44,29 +44,32 @@ def count(stats: Stats, kind: str, name: str) -> int:
 
 
 @pytest.mark.slow
-def test_every_scenario_against_kvflow_serve(tmp_path: Path) -> None:
+def test_every_scenario_against_kvflow_serve(tmp_path: Path, default_server: Server) -> None:
     """Six users for 20 s across the four scenarios, with tiny outputs (CPU): no failure, every
-    figure reported, the CSV agrees with the server's counters, and the server ends idle."""
-    server = start_server()
+    figure reported, the CSV agrees with the server's counters, and the server ends idle. The
+    server is shared (tests/e2e/conftest.py): its counters are read before and after."""
+    server = default_server
+    before = server.wait_idle()
     started = time.monotonic()
-    try:
-        result = run_locust(
-            server.url,
-            tmp_path / "out",
-            *("-u", "6", "-r", "6", "-t", "20s", "--stop-timeout", "30"),
-            *("--ignore-eos", "--max-tokens", "8", "--random-output-min", "2"),
-            *("--random-output-max", "8", "--random-input-min", "4", "--random-input-max", "48"),
-            *("--shared-prefix-words", "128", "--question-words", "8", "--turns", "3"),
-            *("--cancel-after", "2", "--cancel-fraction", "1"),  # every cancel stream: no chance
-            api_key=API_KEY,
-        )
-        after = server.wait_idle()
-        elapsed = time.monotonic() - started
-    finally:
-        server.stop()
+    result = run_locust(
+        server.url,
+        tmp_path / "out",
+        *("-u", "6", "-r", "6", "-t", "20s", "--stop-timeout", "30"),
+        *("--ignore-eos", "--max-tokens", "8", "--random-output-min", "2"),
+        *("--random-output-max", "8", "--random-input-min", "4", "--random-input-max", "48"),
+        *("--shared-prefix-words", "128", "--question-words", "8", "--turns", "3"),
+        *("--cancel-after", "2", "--cancel-fraction", "1"),  # every cancel stream: no chance
+        api_key=API_KEY,
+    )
+    after = server.wait_idle()
+    elapsed = time.monotonic() - started
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     # The engine's steps ran one at a time for part of the run: busy, never longer than it.
-    assert 0 < after["device_busy_seconds_total"] < elapsed
+    assert 0 < grew("device_busy_seconds_total") < elapsed
     stats = read_stats(tmp_path / "out")
     assert stats[("", "Aggregated")]["Failure Count"] == "0"
 
@@ -85,16 +88,16 @@ def test_every_scenario_against_kvflow_serve(tmp_path: Path) -> None:
     assert count(stats, "METRIC", "output_tok_per_s") == read_to_end
     assert count(stats, "METRIC", "ttft") <= read_to_end + closed_early
     num_chunks = count(stats, "METRIC", "ttft") + count(stats, "METRIC", "itl")
-    assert num_chunks <= after["generation_tokens_total"]
+    assert num_chunks <= grew("generation_tokens_total")
     assert count(stats, "GET", "/v1/models") == 6  # once per user
 
     # Every request the server saw ended exactly once, by length (ignore_eos) or, for a
     # stream closed early, by length or abort; none with an error. No KV block is left held.
-    assert after["request_success_total:stop"] == 0
-    assert after["request_success_total:error"] == 0
-    assert after["request_success_total:abort"] <= closed_early
+    assert grew("request_success_total:stop") == 0
+    assert grew("request_success_total:error") == 0
+    assert grew("request_success_total:abort") <= closed_early
     assert (
-        after["request_success_total:length"] + after["request_success_total:abort"]
+        grew("request_success_total:length") + grew("request_success_total:abort")
         == read_to_end + closed_early
     )
     idle = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")

@@ -4,7 +4,6 @@ shape."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -12,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import Server
 from tests.integration.test_prompt_logprobs import reference_logprobs
 
 pytestmark = pytest.mark.slow
@@ -20,10 +19,10 @@ PROMPT = "The capital of France is Paris, and the capital of Germany is"
 
 
 @pytest.fixture(scope="module")
-def server(tool_chat_model_dir: Path) -> Iterator[Server]:
-    server = start_server(str(tool_chat_model_dir), "--device", "cpu")
-    yield server
-    server.stop()
+def server(tool_server: Server) -> Server:
+    """The tool chat model's server, which test_structured_output.py shares (tests/e2e/conftest.py):
+    tool parsing and its 64 KV blocks change nothing for these short prompts."""
+    return tool_server
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,14 @@ import openai
 import pytest
 
 from kvflow import LLM, SamplingParams
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import Server
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colors:"]
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = start_server()
-    yield server
-    server.stop()
+def server(default_server: Server) -> Server:
+    return default_server  # shared with other modules (tests/e2e/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,9 @@ template (tests/tool_chat_model.py). Its unconstrained output is noise, so every
 parses here was made valid by the grammar, never by the model. Schemas are bounded (string
 lengths, enums, item counts) so that noise inside them still ends well within `max_tokens`.
 
-One server serves the module, with the hermes tool-call parser for `tool_choice: "auto"` and
-only 64 KV blocks (one max_model_len), so that a batch of long constrained outputs must be
+One server serves the module (tests/e2e/conftest.py's `tool_server`, which
+test_prompt_logprobs_http.py shares), with the hermes tool-call parser for `tool_choice: "auto"`
+and only 64 KV blocks (one max_model_len), so that a batch of long constrained outputs must be
 preempted and resumed. A few checks drive a service's core instead, where the server cannot
 show the behaviour within a test; each says why.
 """
@@ -17,10 +18,8 @@ from __future__ import annotations
 import copy
 import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import httpx
@@ -31,15 +30,9 @@ from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionMessage
 from pydantic import BaseModel, Field
 
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import Server
 from tests.tool_chat_model import TOOL_CHAT_TEMPLATE
 
-SERVER_FLAGS = (
-    *("--device", "cpu", "--tokenizer-pool-size", "1"),
-    *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
-    # 64 blocks of 16 tokens: one request of max_model_len (1024) fits, eight long ones don't.
-    *("--num-gpu-blocks-override", "64"),
-)
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 WEATHER_PARAMETERS = {
@@ -101,10 +94,8 @@ class GetWeather(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tool_chat_model_dir: Path) -> Iterator[Server]:
-    server = start_server(str(tool_chat_model_dir), *SERVER_FLAGS)
-    yield server
-    server.stop()
+def server(tool_server: Server) -> Server:
+    return tool_server
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,10 @@ def rank_pid(executor: int, rank: int) -> int:
     return int(out[0])
 
 
-def test_three_ranks_serve_the_tokens_of_one_and_die_together() -> None:
-    expected = [
+def test_three_ranks_serve_the_tokens_of_one_and_die_together(smollm2: LLM) -> None:
+    expected = [  # one process: the session's SmolLM2 (float32 on CPU, as `serve` defaults to)
         result.outputs[0].text
-        for result in LLM(max_model_len=1024).generate(
+        for result in smollm2.generate(
             PROMPTS, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         )
     ]

@@ -9,17 +9,15 @@ from __future__ import annotations
 import pytest
 
 from kvflow import LLM, SamplingParams
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import Server
 
 PIZZA_FIRST_BYTES = 10813  # SmolLM2's token for the first two bytes of "🍕" (F0 9F)
 FORCE_IT = {str(PIZZA_FIRST_BYTES): 100.0}
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = start_server("--tokenizer-pool-size", "1")
-    yield server
-    server.stop()
+def server(default_server: Server) -> Server:
+    return default_server  # shared with other modules (tests/e2e/conftest.py)
 
 
 def test_max_tokens_inside_a_character_gives_no_replacement_character(server: Server) -> None:

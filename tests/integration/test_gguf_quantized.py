@@ -54,9 +54,9 @@ def gguf_layers(llm: LLM) -> dict[str, list[str]]:
 
 
 @pytest.mark.slow
-def test_the_embedded_q4_1_model_runs_from_its_blocks() -> None:
+def test_the_embedded_q4_1_model_runs_from_its_blocks(smollm2: LLM) -> None:
     prompts = [[1, 504, 3458, 282, 4649, 314], [28, 2657, 30, 216, 567, 17, 8, 41]]
-    dequantized = LLM(device="cpu", dtype="float32")
+    dequantized = smollm2  # the session's: LLM(device="cpu", dtype="float32", max_model_len=2048)
     assert gguf_layers(dequantized) == {}  # on CPU the default is float
     expected = kvflow_greedy(dequantized, prompts, ignore_eos=True)
     quantized = LLM(device="cpu", dtype="float32", quantization="gguf")

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 
+from kvflow import LLM, SamplingParams
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import TensorParallel
 from shared.model_config import load_model_config, resolve_model_source
@@ -62,11 +63,18 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: 
 
 
 @pytest.mark.parametrize("quantization", [None, "gguf"], ids=["dequantized", "gguf-blocks"])
-def test_the_embedded_model_on_three_ranks(tmp_path: Path, quantization: str | None) -> None:
+def test_the_embedded_model_on_three_ranks(
+    tmp_path: Path, quantization: str | None, request: pytest.FixtureRequest
+) -> None:
     """SmolLM2's Q4_1 GGUF, dequantized at load or kept in its blocks (each rank cutting whole
     blocks of o_proj's and down_proj's input columns)."""
     prompts = [[1, 504, 3458, 282, 4649, 314], [28, 1171, 2424, 30, 216, 9123]]
-    one = greedy(tmp_path / "one", 1, None, prompts, quantization=quantization)
+    if quantization is None:  # one process: the session's SmolLM2 (CPU, float32)
+        smollm2: LLM = request.getfixturevalue("smollm2")
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        one = [result.token_ids for result in smollm2.generate(prompts, params)]
+    else:
+        one = greedy(tmp_path / "one", 1, None, prompts, quantization=quantization)
     assert greedy(tmp_path / "three", 3, None, prompts, quantization=quantization) == one
 
 

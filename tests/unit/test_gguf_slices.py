@@ -5,20 +5,27 @@ undone per head."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from services.executor.loading.gguf import iter_gguf
 from services.executor.parallel.shards import CheckpointSlice, PackedWeight, read
-from shared.model_config import load_model_config, resolve_model_source
+from shared.model_config import ModelConfig, load_model_config, resolve_model_source
 
 SOURCE = resolve_model_source(None)
-CONFIG = load_model_config(SOURCE)
+
+
+@functools.cache
+def config() -> ModelConfig:
+    """Read when a test needs it, not when the module is collected (2 s of GGUF metadata)."""
+    return load_model_config(SOURCE)
 
 
 def tensors(keep_blocks: bool) -> dict[str, CheckpointSlice]:
     loaded = {}
-    for name, tensor in iter_gguf(SOURCE.path, CONFIG, keep_blocks):
+    for name, tensor in iter_gguf(SOURCE.path, config(), keep_blocks):
         loaded[name] = tensor.data if isinstance(tensor, PackedWeight) else tensor
     return {name: t for name, t in loaded.items() if isinstance(t, CheckpointSlice)}
 
