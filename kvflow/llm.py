@@ -71,7 +71,7 @@ class LLM:
         for lora_id in range(1, len(ready.lora_modules) + 1):  # --lora-modules: ids 1, 2, ...
             self.engine.scheduler.add_lora(lora_id)
         self.worker = TokenizerWorker(
-            load_tokenizer(self.runner.source, self.config.tokenizer),
+            load_tokenizer(self.runner.source, self.config.tokenizer, self.config.cache_dir),
             grammar_timeout_s=self.config.grammar_compile_timeout,
         )
         self._next_id = 0

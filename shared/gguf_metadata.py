@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
+import numpy as np
+
+from shared.gguf_file import read_gguf
 
 # GGUF key (after the "<arch>." prefix) -> config.json key
 _ARCH_KEYS = {
@@ -24,21 +26,12 @@ _FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def read_fields(path: Path) -> dict[str, Any]:
-    """All scalar and string metadata fields (token lists are skipped: they are large)."""
-    reader = gguf.GGUFReader(str(path))
-    out: dict[str, Any] = {}
-    for key, fld in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[1] in (
-            "tokens",
-            "merges",
-            "token_type",
-            "scores",
-        ):
-            continue
-        out[key] = fld.contents()
-    out["_tensor_names"] = [t.name for t in reader.tensors]
+    """All scalar and string metadata fields (arrays, such as the token lists, are skipped)."""
+    file = read_gguf(path)
+    out = {k: v for k, v in file.fields.items() if not isinstance(v, (list, np.ndarray))}
+    out["_tensor_names"] = [t.name for t in file.tensors]
     out["_token_embd_rows"] = next(
-        (int(t.shape[-1]) for t in reader.tensors if t.name == "token_embd.weight"), None
+        (int(t.shape[-1]) for t in file.tensors if t.name == "token_embd.weight"), None
     )
     return out
 

@@ -21,6 +21,7 @@ import llguidance.torch
 import torch
 from llguidance import LLExecutor, LLMatcher
 
+from shared.config import Config
 from shared.grammar import GrammarChecker, grammar_of, llg_tokenizer, parser_limits
 from shared.hf_tokenizer import load_tokenizer
 from shared.model_config import ModelSource
@@ -100,7 +101,7 @@ def median_ms(work: Any, repeats: int) -> float:
 
 def measure(tokenizer_dir: Path, batch: int) -> dict[str, Any]:
     source = ModelSource(path=tokenizer_dir, format="safetensors", name=tokenizer_dir.name)
-    hf_tokenizer = load_tokenizer(source)
+    hf_tokenizer = load_tokenizer(source, None, Config().cache_dir)
     start = time.perf_counter()
     tokenizer = llg_tokenizer(hf_tokenizer)
     tokenizer_ms = (time.perf_counter() - start) * 1000

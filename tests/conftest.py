@@ -56,10 +56,11 @@ def smollm2() -> LLM:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer():
+    from shared.config import Config
     from shared.hf_tokenizer import load_tokenizer
     from shared.model_config import resolve_model_source
 
-    return load_tokenizer(resolve_model_source(None))
+    return load_tokenizer(resolve_model_source(None), None, Config().cache_dir)
 
 
 @pytest.fixture(scope="session")

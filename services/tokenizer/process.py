@@ -69,7 +69,7 @@ class TokenizerProcess:
         if config.ready_file is not None:  # one left by a previous process is not true now
             Path(config.ready_file).unlink(missing_ok=True)
         source = resolve_model_source(config.model)
-        tokenizer = load_tokenizer(source, config.tokenizer)
+        tokenizer = load_tokenizer(source, config.tokenizer, config.cache_dir)
         if tokenizer is None:
             raise ValueError(f"{source.name} ships no tokenizer; pass --tokenizer")
         self.worker = TokenizerWorker(

@@ -29,6 +29,12 @@ class ConfigFields:
     tokenizer: str | None = option(
         None, "model", "Tokenizer folder or .gguf; default: the model's."
     )
+    cache_dir: str = option(
+        "~/.cache/kvflow",
+        "model",
+        "Where kvflow keeps what it derives from a model once, so that later starts are "
+        "faster: the tokenizer of a .gguf file, converted. An empty string keeps nothing.",
+    )
     load_format: str = option(
         "auto", "model", "How to load weights.", ("auto", "safetensors", "gguf", "dummy")
     )

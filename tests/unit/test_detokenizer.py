@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
-from shared.hf_tokenizer import load_tokenizer
-from shared.model_config import resolve_model_source
 
 IM_END = 2  # SmolLM2's <|im_end|>, a special token
 
@@ -27,11 +25,9 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok() -> PreTrainedTokenizerBase:
-    tokenizer = load_tokenizer(resolve_model_source(None))
-    assert tokenizer is not None
-    return tokenizer
+@pytest.fixture(scope="session")
+def tok(smollm2_tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    return smollm2_tokenizer
 
 
 def encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:

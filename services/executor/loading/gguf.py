@@ -15,6 +15,7 @@ import torch
 
 from kernels.gguf import GGUF_TYPES
 from services.executor.parallel.shards import CheckpointSlice, PackedWeight
+from shared.gguf_file import read_gguf
 from shared.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -55,19 +56,19 @@ def iter_gguf(
     as float32; with `keep_blocks`, the projections' weights as `PackedWeight`s instead:
     their blocks as stored, or float for the types without a kernel (and F16/F32), which are
     counted in a warning."""
-    reader = gguf.GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
+    file = read_gguf(path)
+    arch = file.fields["general.architecture"]
     dequantized: Counter[str] = Counter()
-    for tensor in reader.tensors:
+    for tensor in file.tensors:
         name = _hf_name(tensor.name)
-        qtype = tensor.tensor_type.name
+        qtype = tensor.qtype.name
         packed = keep_blocks and name.endswith("_proj.weight")
         blocks = packed and qtype in GGUF_TYPES
         if packed and not blocks and qtype not in ("F32", "F16", "BF16"):
             dequantized[qtype] += 1
         # llama.cpp's q/k row order; a row permutation moves whole rows of blocks as well.
         rope_rows = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
-        part = _GgufPart(tensor.data, tensor.tensor_type, blocks, cfg.head_dim if rope_rows else 0)
+        part = _GgufPart(tensor.data, tensor.qtype, blocks, cfg.head_dim if rope_rows else 0)
         weight = CheckpointSlice(part)
         yield name, (PackedWeight(_packed_type(qtype), weight) if packed else weight)
     if dequantized:

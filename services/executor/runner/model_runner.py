@@ -182,9 +182,9 @@ class ModelRunner:
         )
         # Why locals: a lambda over self would make a cycle, and a deleted engine would hold
         # its GPU memory until the garbage collector ran.
-        source, tokenizer_path = self.source, config.tokenizer
+        source, tokenizer_path, cache_dir = self.source, config.tokenizer, config.cache_dir
         self.grammars = GrammarMatchers(
-            lambda: load_tokenizer(source, tokenizer_path),
+            lambda: load_tokenizer(source, tokenizer_path, cache_dir),
             self.model_config.vocab_size,
             list(self.model_config.eos_token_ids),
         )
