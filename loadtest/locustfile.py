@@ -27,12 +27,13 @@ import json
 import random
 import time
 from argparse import ArgumentTypeError
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import gevent
 import requests
-from locust import HttpUser, constant, events, tag, task
+from locust import HttpUser, TaskSet, constant, events, tag, task
 from locust.clients import ResponseContextManager
 from locust.env import Environment
 from locust.event import EventHook
@@ -326,11 +327,46 @@ def report_metrics(request: EventHook, stream: Stream) -> None:
         fire("tpot", 1000 * (stream.end - stream.content_times[0]) / (num_tokens - 1))
 
 
+# The scenarios' turns, counted over every user of this process.
+_TURNS = itertools.count()
+
+
+class Scenarios(TaskSet):
+    """Each task is one scenario, tagged with its name (`--tags multi-turn`). They are taken
+    in turn across the users, not drawn at random: the mix is even in any run, and the first
+    streams of a run, one per user, already cover every scenario (when there are as many
+    users)."""
+
+    def get_next_task(self) -> Callable[..., Any]:
+        return self.tasks[next(_TURNS) % len(self.tasks)]
+
+    @tag("random")
+    @task
+    def random_lengths(self) -> None:
+        self.user.random_lengths()
+
+    @tag("shared-prefix")
+    @task
+    def shared_prefix(self) -> None:
+        self.user.shared_prefix()
+
+    @tag("multi-turn")
+    @task
+    def multi_turn(self) -> None:
+        self.user.multi_turn()
+
+    @tag("cancel")
+    @task
+    def cancel(self) -> None:
+        self.user.cancel()
+
+
 class OpenAIUser(HttpUser):
     """One client with one stream in flight at a time, so `-u` is the number of concurrent
-    streams. Each task is one scenario, tagged with its name (`--tags multi-turn`)."""
+    streams; its tasks are the `Scenarios`."""
 
     wait_time = constant(0)  # a closed loop: the next request leaves when a stream ends
+    tasks = [Scenarios]  # noqa: RUF012 (locust reads the class attribute, a list)
 
     def on_start(self) -> None:
         self.options = self.environment.parsed_options
@@ -347,16 +383,12 @@ class OpenAIUser(HttpUser):
                 response.failure(f"no model id in /v1/models: {http_problem(response)}")
         raise StopUser()
 
-    @tag("random")
-    @task
     def random_lengths(self) -> None:
         options = self.options
         prompt = words(random.randint(options.random_input_min, options.random_input_max))
         max_tokens = random.randint(options.random_output_min, options.random_output_max)
         self.stream("random", self.pick_api(), [user(prompt)], max_tokens)
 
-    @tag("shared-prefix")
-    @task
     def shared_prefix(self) -> None:
         messages = [
             {"role": "system", "content": system_prompt(self.options.shared_prefix_words)},
@@ -364,8 +396,6 @@ class OpenAIUser(HttpUser):
         ]
         self.stream("shared-prefix", self.pick_api(), messages, self.options.max_tokens)
 
-    @tag("multi-turn")
-    @task
     def multi_turn(self) -> None:
         if len(self.conversation) >= 2 * self.options.turns:
             self.conversation = []
@@ -376,8 +406,6 @@ class OpenAIUser(HttpUser):
         else:
             self.conversation = []
 
-    @tag("cancel")
-    @task
     def cancel(self) -> None:
         options = self.options
         close_after = options.cancel_after if random.random() < options.cancel_fraction else None

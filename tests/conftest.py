@@ -13,6 +13,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One compute thread in each test process and in every process it starts (OMP_NUM_THREADS,
+# inherited). The suite runs several test processes, each with its servers, on a few cores;
+# OpenMP threads that spin while they wait for each other then take turns on the cores with
+# every other process, and a CPU forward pass became 3-20 times slower (the HTTP fuzz: 75 s
+# with one thread, 264 s with two, beside three busy processes on 2 cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 import transformers
 
 from kvflow import LLM

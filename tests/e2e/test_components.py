@@ -124,9 +124,14 @@ def test_two_frontends_share_one_engine_and_one_drains_alone() -> None:
                 finish.append(event.choices[0].finish_reason)
 
         reader = threading.Thread(target=stream)
+        until = time.monotonic() + 120
+        # The engine's counts reach the frontends a snapshot later: the requests above are
+        # counted out before the stream is counted in.
+        while in_engine(urls[1]) != 0:
+            assert time.monotonic() < until, "the engine never went idle"
+            time.sleep(0.1)
         with Paused(procs[3].pid):  # the executor
             reader.start()
-            until = time.monotonic() + 120
             while in_engine(urls[1]) != 1:
                 assert time.monotonic() < until, "the stream never reached the engine"
                 time.sleep(0.1)

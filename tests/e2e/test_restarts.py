@@ -115,6 +115,9 @@ def test_a_tokenizer_worker_told_to_stop_finishes_its_streams_and_exits_zero() -
         wait_for(lambda: completes(server), 240)
         wait_for(lambda: server.metrics()["num_tokenizer_workers"] == 2, 120)
         draining = components.procs["tokenizer-0"]
+        # The engine's counts reach the frontend a snapshot later: the completions above are
+        # counted out before the stream is counted in.
+        wait_for(lambda: in_engine(server) == 0, 120)
         with Paused(components.procs["executor"].pid):
             # Both idle: the stream goes to tokenizer-0 (ties go by name).
             thread, record = stream_in_background(server, max_tokens=16)
