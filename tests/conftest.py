@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
 # every other process, and a CPU forward pass became 3-20 times slower (the HTTP fuzz: 75 s
 # with one thread, 264 s with two, beside three busy processes on 2 cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import transformers
 
@@ -31,6 +30,8 @@ from tests.xdist_groups import pytest_configure as pytest_configure
 from tests.xdist_groups import pytest_configure_node as pytest_configure_node
 from tests.xdist_groups import pytest_unconfigure as pytest_unconfigure
 from tests.xdist_groups import pytest_xdist_make_scheduler as pytest_xdist_make_scheduler
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # this process: torch has started
 
 
 @pytest.fixture(scope="session")
