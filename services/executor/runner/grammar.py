@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import llguidance.torch
 import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
@@ -65,6 +64,10 @@ class GrammarMatchers:
         A matcher in an error state (a token it refused: only possible past the grammar's end,
         e.g. under ignore_eos) allows the EOS tokens alone, so the row ends cleanly.
         """
+        # Imported at the first grammar: llguidance.torch brings in torch.compile's machinery
+        # (1 s of CPU in every executor start, grammar or not).
+        import llguidance.torch
+
         if self._executor is None:
             self._executor = LLExecutor()
         host = torch.empty(
