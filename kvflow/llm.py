@@ -73,6 +73,7 @@ class LLM:
         self.worker = TokenizerWorker(
             load_tokenizer(self.runner.source, self.config.tokenizer, self.config.cache_dir),
             grammar_timeout_s=self.config.grammar_compile_timeout,
+            lenient_json=not self.config.disable_additional_properties,
         )
         self._next_id = 0
         if self.replicas is not None:

@@ -27,10 +27,13 @@ from shared.protocol import ParameterError, StructuredOutput
 
 logger = logging.getLogger(__name__)
 
-# Whitespace a JSON document may hold between its tokens: a space or two, or a line break and
-# an indentation (pretty-printed JSON, 8 levels of 2 spaces). Bounded: small models otherwise
-# fill the document with blank lines until max_tokens, and it never closes.
-JSON_WHITESPACE = r"[\x20\x09]{0,2}(\x0D?\x0A[\x20\x09]{0,16})?"
+# Whitespace a lenient JSON document may hold between its tokens: a space or two, or a line
+# break and an indentation (pretty-printed JSON, 8 levels of 2 spaces). Bounded: small models
+# otherwise fill the document with blank lines until max_tokens, and it never closes.
+LENIENT_WHITESPACE = r"[\x20\x09]{0,2}(\x0D?\x0A[\x20\x09]{0,16})?"
+# Compact JSON, the default: at most one space between tokens (after `,` and `:` as json.dumps
+# writes them, or none). A small model then spends its tokens on values, not on layout.
+COMPACT_WHITESPACE = r"\x20?"
 
 
 def parser_limits() -> LLParserLimits:
@@ -47,11 +50,9 @@ def grammar_of(spec: StructuredOutput) -> str:
             schema = {}  # JSON Schema's `true`: any value
         if not isinstance(schema, dict):
             raise ParameterError(spec.source, "a JSON Schema must be an object")
-        options: dict[str, Any] = (
-            {"whitespace_flexible": False}
-            if spec.disable_any_whitespace
-            else {"whitespace_pattern": JSON_WHITESPACE}
-        )
+        if not spec.lenient:
+            schema = closed_objects(schema)
+        options = _whitespace(spec)
         try:
             return LLMatcher.grammar_from_json_schema(schema, defaults=options)  # type: ignore[arg-type]
         except ValueError as exc:
@@ -70,6 +71,46 @@ def grammar_of(spec: StructuredOutput) -> str:
         except Exception as exc:  # its parser raises several kinds for bad input
             raise ParameterError(spec.source, f"invalid GBNF grammar: {exc}") from None
     return LLMatcher.grammar_from_lark(lark)
+
+
+def _whitespace(spec: StructuredOutput) -> dict[str, Any]:
+    """llguidance's whitespace options: none when asked; tool arguments always compact."""
+    if spec.disable_any_whitespace:
+        return {"whitespace_flexible": False}
+    lenient = spec.lenient and spec.source != "tools"
+    return {"whitespace_pattern": LENIENT_WHITESPACE if lenient else COMPACT_WHITESPACE}
+
+
+# JSON Schema keywords whose value is a subschema, a list of them, or a map of them by name.
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "propertyNames", "not", "if", "then")
+_SUBSCHEMA += ("else", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_MAPS += ("dependentSchemas",)
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` on every object schema that lists
+    properties and says nothing of others (a copy; values such as `const`, `enum` and
+    `default` are data, not schemas, and are left alone)."""
+    if not isinstance(schema, dict):
+        return schema  # `true`, `false`, or not a schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(item) for item in out[key]]
+    if isinstance(out.get("items"), list):  # draft 4-7 tuples
+        out["items"] = [closed_objects(item) for item in out["items"]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    listed = "properties" in out or "patternProperties" in out
+    if listed and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 # A GBNF rule's head (`name ::=` at a line's start); Lark writes `name:`.

@@ -75,6 +75,7 @@ class TokenizerProcess:
         self.worker = TokenizerWorker(
             tokenizer,
             grammar_timeout_s=config.grammar_compile_timeout,
+            lenient_json=not config.disable_additional_properties,
             tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         )
         self.worker.start_grammar_tokenizer()

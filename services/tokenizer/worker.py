@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from llguidance import LLTokenizer
 from transformers import PreTrainedTokenizerBase
 
@@ -33,6 +34,7 @@ from shared.protocol import (
     PromptTokenLogprob,
     RequestError,
     RequestOutput,
+    SamplingParams,
     TextDelta,
     TokenizeRequest,
     TokenizeResult,
@@ -65,12 +67,14 @@ class TokenizerWorker:
         *,
         grammar_timeout_s: float = 10.0,
         tool_call_parser: str | None = None,
+        lenient_json: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.live: dict[str, _LiveRequest] = {}
         self._token_texts: dict[int, str] = {}  # logprob text by token id: decoded once
         self.grammar_timeout_s = grammar_timeout_s
         self.tool_call_parser = tool_call_parser
+        self.lenient_json = lenient_json  # --no-disable-additional-properties
         self._grammars: GrammarChecker | None = None  # made on first use
         self._grammar_tokenizer: concurrent.futures.Future[LLTokenizer] | None = None
 
@@ -79,7 +83,7 @@ class TokenizerWorker:
     def admit(self, request: GenerateRequest) -> EngineRequest:
         """Tokenize a request for the engine; raises ParameterError for a bad prompt."""
         token_ids = self._prompt_ids(request)
-        params = request.sampling_params
+        params = self._with_server_json_rules(request.sampling_params)
         if self.tokenizer is None and params.stop:
             raise ParameterError("stop", "stop strings need a tokenizer; this model has none")
         if params.structured_output is not None:
@@ -108,6 +112,15 @@ class TokenizerWorker:
             priority=request.priority,
             lora_id=request.lora_id,
         )
+
+    def _with_server_json_rules(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the server's JSON rules on its structured output: the engine builds
+        the grammar from the message alone, so the rule travels in it."""
+        spec = params.structured_output
+        if spec is None or spec.lenient == self.lenient_json:
+            return params
+        spec = msgspec.structs.replace(spec, lenient=self.lenient_json)
+        return msgspec.structs.replace(params, structured_output=spec)
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.prompt_token_ids is not None:

@@ -225,6 +225,15 @@ class ConfigFields:
         "server",
         "Let the model decide when to call tools (`tool_choice: auto`); needs --tool-call-parser.",
     )
+    disable_additional_properties: bool = option(
+        True,
+        "server",
+        "Structured output is strict, as OpenAI's strict mode and vLLM's default (xgrammar) "
+        "backend: an object schema that does not say additionalProperties admits only its listed "
+        "properties (in response_format and every tool's parameters), and generated JSON has at "
+        "most one space between tokens. --no-disable-additional-properties lets such objects "
+        "take any other keys and JSON be pretty-printed (tool arguments stay compact).",
+    )
     tool_call_parser: str | None = option(
         None,
         "server",

@@ -21,6 +21,12 @@ class StructuredOutput(Message, kw_only=True, omit_defaults=True, forbid_unknown
     disable_any_whitespace: bool = False  # JSON without whitespace between tokens
     # The request field it came from ("response_format", "tools", ...), named in its errors.
     source: str = "structured_outputs"
+    # Set by the tokenizer worker on a server started with --no-disable-additional-properties:
+    # an object schema that does not say `additionalProperties` takes any other keys, and JSON
+    # may hold the whitespace of pretty-printing. Otherwise such objects are closed and JSON
+    # has at most one space between tokens, as OpenAI's strict mode and vLLM's default xgrammar
+    # backend behave.
+    lenient: bool = False
 
     def validate(self) -> None:
         kinds = [self.json, self.json_object or None, self.regex, self.choice, self.grammar]

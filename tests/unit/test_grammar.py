@@ -20,7 +20,13 @@ from llguidance import LLMatcher, LLTokenizer
 
 from services.executor.runner.grammar import GrammarMatchers, eos_only_row, pack_bits
 from services.executor.runner.sampler import Sampler, SamplingRow, apply_token_bitmask, unpack_bits
-from shared.grammar import GrammarChecker, grammar_of, llg_tokenizer, parser_limits
+from shared.grammar import (
+    GrammarChecker,
+    closed_objects,
+    grammar_of,
+    llg_tokenizer,
+    parser_limits,
+)
 from shared.protocol import ParameterError, SamplingParams, StructuredOutput
 from tests.integration.test_structured_output import GBNF_ARITHMETIC, LARK_ARITHMETIC
 
@@ -71,14 +77,69 @@ def test_a_json_schema_matches_its_documents(tokenizer: LLTokenizer) -> None:
     assert not accepts(tokenizer, spec, "{}")  # required
 
 
-def test_json_whitespace_is_bounded_or_off(tokenizer: LLTokenizer) -> None:
-    spec = schema_spec(OK_SCHEMA)
-    assert accepts(tokenizer, spec, '{ "ok":\n true}')
-    assert not accepts(tokenizer, spec, "{" + " " * 100 + '"ok":true}')  # JSON_WHITESPACE
+def test_json_whitespace_is_compact_bounded_or_off(tokenizer: LLTokenizer) -> None:
+    spec = schema_spec(OK_SCHEMA)  # strict: at most one space between tokens
+    assert accepts(tokenizer, spec, '{"ok": true}')
+    assert accepts(tokenizer, spec, '{ "ok" : true }')
+    assert not accepts(tokenizer, spec, '{"ok":  true}')
+    assert not accepts(tokenizer, spec, '{\n  "ok": true\n}')
+    lenient = schema_spec(OK_SCHEMA, lenient=True)  # pretty-printing, bounded
+    assert accepts(tokenizer, lenient, '{\n  "ok":\n true}')
+    assert not accepts(tokenizer, lenient, "{" + " " * 100 + '"ok":true}')
+    tools = schema_spec(OK_SCHEMA, lenient=True, source="tools")  # arguments: always compact
+    assert not accepts(tokenizer, tools, '{\n  "ok": true\n}')
     compact = schema_spec(OK_SCHEMA, disable_any_whitespace=True)
     assert accepts(tokenizer, compact, '{"ok":true}')
     assert not accepts(tokenizer, compact, '{"ok": true}')
     assert not accepts(tokenizer, compact, '{"ok":true}\n')
+
+
+OPEN_SCHEMA = {  # as most clients send tool parameters: nothing said of other keys
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
+
+
+def test_objects_take_only_their_listed_properties_unless_lenient_or_told(
+    tokenizer: LLTokenizer,
+) -> None:
+    assert accepts(tokenizer, schema_spec(OPEN_SCHEMA), '{"a": 3, "b": 9}')
+    assert not accepts(tokenizer, schema_spec(OPEN_SCHEMA), '{"a": 3, "b": 9, "c": 1}')
+    assert accepts(tokenizer, schema_spec(OPEN_SCHEMA, lenient=True), '{"a": 3, "b": 9, "c": 1}')
+    told = {**OPEN_SCHEMA, "additionalProperties": True}
+    assert accepts(tokenizer, schema_spec(told), '{"a": 3, "b": 9, "c": 1}')
+    typed = {**OPEN_SCHEMA, "additionalProperties": {"type": "string"}}
+    assert accepts(tokenizer, schema_spec(typed), '{"a": 3, "b": 9, "c": "x"}')
+    assert not accepts(tokenizer, schema_spec(typed), '{"a": 3, "b": 9, "c": 1}')
+
+
+def test_closed_objects_closes_every_object_schema_and_no_data() -> None:
+    inner = {"type": "object", "properties": {"x": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": inner,  # a property named like the keyword
+            "list": {"type": "array", "items": inner},
+            "either": {"anyOf": [inner, {"type": "null"}]},
+            "ref": {"$ref": "#/$defs/thing"},
+            "open": {**inner, "additionalProperties": True},
+        },
+        "$defs": {"thing": inner},
+        "default": {"properties": {"y": 1}},  # data: left alone
+        "enum": [{"properties": {}}],
+    }
+    closed = closed_objects(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False
+    assert props["properties"]["additionalProperties"] is False
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["thing"]["additionalProperties"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert closed["default"] == {"properties": {"y": 1}} and closed["enum"] == schema["enum"]
+    assert "additionalProperties" not in inner  # a copy: the input is unchanged
+    assert closed_objects({"type": "object"}) == {"type": "object"}  # no properties: any keys
 
 
 def test_json_object_matches_any_object_and_nothing_else(tokenizer: LLTokenizer) -> None:

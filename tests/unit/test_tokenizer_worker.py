@@ -16,6 +16,7 @@ from shared.protocol import (
     ParameterError,
     RequestOutput,
     SamplingParams,
+    StructuredOutput,
     TokenizeRequest,
     TokenLogprobs,
 )
@@ -147,3 +148,18 @@ def test_a_request_whose_text_fails_ends_alone_and_is_stopped(smollm2_tokenizer)
     assert failed.error is not None and failed.error.kind is ErrorKind.INTERNAL
     assert ended == ["bad"] and list(worker.live) == ["good"]  # the engine stops "bad" too
     assert fine.text == " there" and fine.error is None
+
+
+@pytest.mark.parametrize("lenient", [False, True])
+def test_the_servers_json_rule_travels_with_the_structured_output(
+    smollm2_tokenizer, lenient: bool
+) -> None:
+    """--no-disable-additional-properties reaches the engine in the request itself, since the
+    executor builds each grammar from the message alone."""
+    worker = TokenizerWorker(copy.copy(smollm2_tokenizer), lenient_json=lenient)
+    spec = StructuredOutput(json='{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    params = SamplingParams(structured_output=spec)
+    admitted = worker.admit(request(prompt="Hi", sampling_params=params))
+    structured = admitted.sampling_params.structured_output
+    assert structured is not None and structured.lenient is lenient
+    assert structured.json == spec.json
