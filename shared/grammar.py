@@ -82,11 +82,12 @@ def _whitespace(spec: StructuredOutput) -> dict[str, Any]:
 
 
 # JSON Schema keywords whose value is a subschema, a list of them, or a map of them by name.
-_SUBSCHEMA = ("additionalProperties", "items", "contains", "propertyNames", "not", "if", "then")
-_SUBSCHEMA += ("else", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SUBSCHEMA = (
+    *("additionalProperties", "items", "contains", "propertyNames", "not", "if", "then"),
+    *("else", "unevaluatedProperties", "unevaluatedItems", "additionalItems"),
+)
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SUBSCHEMA_MAPS += ("dependentSchemas",)
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def closed_objects(schema: Any) -> Any:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import pytest
 
 from services.frontend.api import responses as r
-from services.frontend.api.endpoints import CHAT, COMPLETIONS
+from services.frontend.api.endpoints import CHAT, COMPLETIONS, CallPlan, Endpoint
 from services.frontend.api.errors import APIError, api_error, bad_request, unavailable
 from shared.protocol import (
     ErrorKind,
@@ -209,17 +210,34 @@ def test_chat_chunks_name_the_role_in_each_choices_first_chunk_only() -> None:
 
 def test_usage_chunk_has_no_choices() -> None:
     usage = r.usage([finished(0, 2, 3)], 1)
-    chunk = r.usage_chunk("chatcmpl-1", "m", CHAT.chunk_object, usage)
+    chunk = r.usage_chunk("chatcmpl-1", "m", "chat.completion.chunk", usage)
     check_envelope(chunk, "chatcmpl-1", "chat.completion.chunk")
     assert (chunk["choices"], chunk["usage"]["total_tokens"]) == ([], 5)
-    assert COMPLETIONS.chunk_object == "text_completion"
+
+
+def call_plan(endpoint: Endpoint[Any], include_usage: bool = True) -> CallPlan:
+    return CallPlan("c", "m", endpoint, [], 1, True, include_usage, False, None)
 
 
 def test_endpoints_pick_their_builders() -> None:
     choice = finished(0, 2, 3)
-    assert COMPLETIONS.response_body("c", "m", [choice], 1, False)["object"] == "text_completion"
-    assert CHAT.response_body("c", "m", [choice], 1, False)["object"] == "chat.completion"
+    assert COMPLETIONS.response_body(call_plan(COMPLETIONS), [choice])["object"] == (
+        "text_completion"
+    )
+    assert CHAT.response_body(call_plan(CHAT), [choice])["object"] == "chat.completion"
     assert (COMPLETIONS.id_prefix, CHAT.id_prefix) == ("cmpl", "chatcmpl")
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_chunk_stream_ends_with_its_usage_when_asked_then_done(include_usage: bool) -> None:
+    for endpoint, obj in ((COMPLETIONS, "text_completion"), (CHAT, "chat.completion.chunk")):
+        writer = endpoint.stream_writer(call_plan(endpoint, include_usage))
+        closing = writer.closing([finished(0, 2, 3)])
+        assert closing[-1] == b"data: [DONE]\n\n"
+        if include_usage:
+            usage = json.loads(closing[0].removeprefix(b"data: "))
+            assert (usage["object"], usage["usage"]["total_tokens"]) == (obj, 5)
+        assert len(closing) == 1 + include_usage
 
 
 # ------------------------------------------------------------------ errors

@@ -1,7 +1,9 @@
-"""What /v1/completions and /v1/chat/completions do differently, as data.
+"""What each generate route does differently, as data.
 
-Both run one flow (validation.py, calls.py); an Endpoint says how its body is read (prompts
-or messages, max_tokens, logprobs) and which builders of responses.py shape its answers.
+All run one flow (validation.py, routes/calls.py); an Endpoint says how its body is read
+(prompts or messages, max_tokens, logprobs) and how its answers are shaped: a whole body, or
+a stream's events (sse.py). Chat completions are the internal request the other chat APIs
+(Responses, Messages) translate to.
 """
 
 from __future__ import annotations
@@ -12,19 +14,16 @@ from typing import Any, Generic, TypeVar
 
 from services.frontend.api import responses as r
 from services.frontend.api.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.api.sse import ChunkBuilder, ChunkStream, StreamWriter
 from services.frontend.api.structured import ToolRequest, structured_output, tool_request
 from shared.protocol import (
     ChatMessage,
     GenerateRequest,
     ParameterError,
     SamplingParams,
-    TextDelta,
 )
 
-Body = TypeVar("Body", CompletionRequest, ChatCompletionRequest)
-BodyBuilder = Callable[[str, str, list[r.Choice], int, bool], dict[str, Any]]
-# None: nothing to send for this delta
-ChunkBuilder = Callable[[str, str, r.Choice, TextDelta, bool], dict[str, Any] | None]
+Body = TypeVar("Body")
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,7 @@ class Inputs:
     logprobs: bool  # whether the response carries logprobs
     priority: int = 0
     timeout: float | None = None  # seconds the call may run, as the body asks
+    context: Any = None  # what the endpoint's answers repeat of the body (its own type)
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,24 @@ class Endpoint(Generic[Body]):
     read: Callable[[Body], Inputs]  # raises ParameterError naming the bad parameter
     logprobs_param: str  # the body field that asks for top logprobs
     id_prefix: str  # of the call's request_id: "cmpl-..." or "chatcmpl-..."
-    chunk_object: str  # the `object` of its stream chunks, the usage chunk's too
-    response_body: BodyBuilder  # (request_id, model, choices, num_prompts, logprobs)
-    chunk: ChunkBuilder  # (request_id, model, choice, delta, logprobs)
+    response_body: Callable[[CallPlan, list[r.Choice]], dict[str, Any]]
+    stream_writer: Callable[[CallPlan], StreamWriter]
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """A validated generate call."""
+
+    request_id: str
+    model: str  # the served model or LoRA adapter, as the response names it
+    endpoint: Endpoint[Any]
+    sub_requests: list[GenerateRequest]  # prompt p, sample j is sub-request p * n + j
+    num_prompts: int
+    stream: bool
+    include_usage: bool  # streams end with a usage chunk
+    logprobs: bool  # choices carry logprobs
+    timeout: float | None  # seconds the call may run: the body's, within --request-timeout
+    context: Any = None  # Inputs.context
 
 
 def _read_completion(body: CompletionRequest) -> Inputs:
@@ -109,7 +124,7 @@ def _read_completion(body: CompletionRequest) -> Inputs:
     )
 
 
-def _read_chat(body: ChatCompletionRequest) -> Inputs:
+def read_chat(body: ChatCompletionRequest) -> Inputs:
     body.check_unsupported()
     messages = body.chat_messages()
     max_tokens = body.max_completion_tokens
@@ -131,21 +146,38 @@ def _read_chat(body: ChatCompletionRequest) -> Inputs:
     )
 
 
+def _chunks(chunk: ChunkBuilder, chunk_object: str) -> Callable[[CallPlan], StreamWriter]:
+    def writer(plan: CallPlan) -> StreamWriter:
+        return ChunkStream(
+            chunk,
+            chunk_object,
+            plan.request_id,
+            plan.model,
+            plan.logprobs,
+            plan.include_usage,
+            plan.num_prompts,
+        )
+
+    return writer
+
+
 COMPLETIONS = Endpoint(
     body_type=CompletionRequest,
     read=_read_completion,
     logprobs_param="logprobs",
     id_prefix="cmpl",
-    chunk_object="text_completion",
-    response_body=r.completion_body,
-    chunk=r.completion_chunk,
+    response_body=lambda plan, choices: r.completion_body(
+        plan.request_id, plan.model, choices, plan.num_prompts, plan.logprobs
+    ),
+    stream_writer=_chunks(r.completion_chunk, "text_completion"),
 )
 CHAT = Endpoint(
     body_type=ChatCompletionRequest,
-    read=_read_chat,
+    read=read_chat,
     logprobs_param="top_logprobs",
     id_prefix="chatcmpl",
-    chunk_object="chat.completion.chunk",
-    response_body=r.chat_body,
-    chunk=r.chat_chunk,
+    response_body=lambda plan, choices: r.chat_body(
+        plan.request_id, plan.model, choices, plan.num_prompts, plan.logprobs
+    ),
+    stream_writer=_chunks(r.chat_chunk, "chat.completion.chunk"),
 )

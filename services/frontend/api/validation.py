@@ -9,11 +9,11 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from services.frontend.api.endpoints import Endpoint
+from services.frontend.api.endpoints import CallPlan, Endpoint
 from services.frontend.api.errors import APIError, bad_request
 from services.frontend.api.limits import RequestLimits
 from services.frontend.api.openai_types import decode_body
-from shared.protocol import GenerateRequest, LoraAdapterInfo, ParameterError
+from shared.protocol import LoraAdapterInfo, ParameterError
 
 T = TypeVar("T")
 
@@ -25,21 +25,6 @@ class Served:
     model: str
     limits: RequestLimits
     request_timeout: float | None = None
-
-
-@dataclass(frozen=True)
-class CallPlan:
-    """A validated generate call."""
-
-    request_id: str
-    model: str  # the served model or LoRA adapter, as the response names it
-    endpoint: Endpoint[Any]
-    sub_requests: list[GenerateRequest]  # prompt p, sample j is sub-request p * n + j
-    num_prompts: int
-    stream: bool
-    include_usage: bool  # streams end with a usage chunk
-    logprobs: bool  # choices carry logprobs
-    timeout: float | None  # seconds the call may run: the body's, within --request-timeout
 
 
 def plan_call(
@@ -81,6 +66,7 @@ def plan_call(
         include_usage=body.include_usage,
         logprobs=inputs.logprobs,
         timeout=min(timeouts, default=None),
+        context=inputs.context,
     )
 
 

@@ -7,15 +7,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from services.frontend.api import responses as r
 from services.frontend.api.errors import APIError, api_error, queue_full, timed_out, unavailable
-from services.frontend.api.validation import CallPlan
+from services.frontend.api.endpoints import CallPlan
 from services.frontend.engine.client import (
     EngineClient,
     EngineUnavailable,
@@ -64,14 +63,7 @@ class APICall:
         if self.plan.stream:
             return await self._stream()
         await self._unless_disconnected(self._consume())
-        choices = list(self.choices.values())
-        body = self.plan.endpoint.response_body(
-            self.plan.request_id,
-            self.plan.model,
-            choices,
-            self.plan.num_prompts,
-            self.plan.logprobs,
-        )
+        body = self.plan.endpoint.response_body(self.plan, list(self.choices.values()))
         return JSONResponse(body)
 
     def _observe(self, delta: TextDelta) -> None:
@@ -138,31 +130,25 @@ class APICall:
     async def _events(
         self, first: Item | None, deltas: AsyncGenerator[Item, None]
     ) -> AsyncIterator[bytes]:
-        plan = self.plan
+        writer = self.plan.endpoint.stream_writer(self.plan)
         try:
+            for chunk in writer.opening():
+                yield chunk
             item = first
             while item is not None:
                 if isinstance(item, Idle):
                     yield b": keep-alive\n\n"  # an SSE comment: clients skip it
                 else:
-                    choice, delta = item
-                    chunk = plan.endpoint.chunk(
-                        plan.request_id, plan.model, choice, delta, plan.logprobs
-                    )
-                    if chunk is not None:
-                        yield _sse(chunk)
+                    for chunk in writer.on_delta(*item):
+                        yield chunk
                 item = await anext(deltas, None)
-            if plan.include_usage:
-                usage = r.usage(list(self.choices.values()), plan.num_prompts)
-                chunk = r.usage_chunk(
-                    plan.request_id, plan.model, plan.endpoint.chunk_object, usage
-                )
-                yield _sse(chunk)
+            for chunk in writer.closing(list(self.choices.values())):
+                yield chunk
         except APIError as exc:
-            yield _sse(exc.body())
+            for chunk in writer.on_error(exc):
+                yield chunk
         finally:
             await deltas.aclose()
-        yield b"data: [DONE]\n\n"
 
     async def _unless_disconnected(self, work: Awaitable[T]) -> T:
         """Run `work`; if the client disconnects first, cancel it (which aborts its requests)."""
@@ -181,7 +167,3 @@ class APICall:
             task.cancel()
             raise APIError(499, "client disconnected", "client_closed_request")
         return task.result()
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
