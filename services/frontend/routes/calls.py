@@ -13,8 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from services.frontend.api import responses as r
-from services.frontend.api.errors import APIError, api_error, queue_full, timed_out, unavailable
 from services.frontend.api.endpoints import CallPlan
+from services.frontend.api.errors import APIError, api_error, queue_full, timed_out, unavailable
 from services.frontend.engine.client import (
     EngineClient,
     EngineUnavailable,
