@@ -15,12 +15,13 @@ from starlette.exceptions import HTTPException
 
 from services.frontend.api.errors import APIError
 from services.frontend.api.limits import RequestLimits
+from services.frontend.api.response_store import ResponseStore
 from services.frontend.api.validation import Served
 from services.frontend.engine.client import EngineClient
 from services.frontend.metrics.prometheus import Metrics
 from services.frontend.metrics.request_log import RequestLog
 from services.frontend.metrics.share import MetricsShare
-from services.frontend.routes import generate, info, lora, openapi, tokenize
+from services.frontend.routes import generate, info, lora, openapi, responses, tokenize
 from services.frontend.routes.guards import admit, authorize, load_api_keys
 from services.frontend.routes.state import FrontendState
 from shared.config import Config
@@ -38,7 +39,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     share = MetricsShare(config.metrics_share_dir) if config.metrics_share_dir else None
     app.state.frontend = FrontendState(
         config, engine, model_name, Metrics(model_name), served, load_api_keys(config),
-        metrics_share=share,
+        metrics_share=share, response_store=ResponseStore(config.responses_store_size),
     )  # fmt: skip
     app.add_exception_handler(APIError, _on_api_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _on_http_error)  # type: ignore[arg-type]
@@ -49,6 +50,8 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     app.include_router(info.metrics_router, dependencies=metrics_guards)
     app.include_router(tokenize.router, dependencies=[Depends(admit)])
     app.include_router(generate.router, dependencies=[Depends(admit)])
+    app.include_router(responses.router, dependencies=[Depends(admit)])
+    app.include_router(responses.stored_router, dependencies=[Depends(authorize)])
     if config.allow_runtime_lora_updating:
         app.include_router(lora.router, dependencies=[Depends(admit)])
     if config.enable_log_requests:

@@ -225,6 +225,12 @@ class ConfigFields:
         "server",
         "Let the model decide when to call tools (`tool_choice: auto`); needs --tool-call-parser.",
     )
+    responses_store_size: int = option(
+        1000,
+        "server",
+        "Finished /v1/responses responses (store: true) each frontend keeps for "
+        "previous_response_id and GET /v1/responses/{id}; the oldest go first. 0 keeps none.",
+    )
     disable_additional_properties: bool = option(
         True,
         "server",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from services.frontend.api.response_store import ResponseStore
 from services.frontend.api.validation import Served
 from services.frontend.engine.client import EngineClient
 from services.frontend.metrics.prometheus import Metrics
@@ -25,6 +26,8 @@ class FrontendState:
     draining: bool = False  # set on SIGTERM: new requests get 503, /ready too
     # the other frontends' request metrics, when several run side by side (--api-server-count)
     metrics_share: MetricsShare | None = None
+    # finished /v1/responses responses kept for previous_response_id and GET (store: true)
+    response_store: ResponseStore = field(default_factory=lambda: ResponseStore(0))
 
     def not_ready_reason(self) -> str | None:
         """Why new requests are not taken now (what /ready answers), or None."""
