@@ -266,6 +266,7 @@ class TokenizerWorker:
             num_cached_tokens=output.num_cached_tokens,
             error=output.error,
             tool_calls=tool_calls,
+            stop_reason=detokenizer.stop_hit if detokenizer is not None and finish else None,
         )
         if live.echo_prompt_ids is not None:
             delta.prompt_token_ids = live.echo_prompt_ids

@@ -134,6 +134,7 @@ class TextDelta(Message, tag=True, kw_only=True):
     error: RequestError | None = None  # with finish_reason ERROR
     tool_calls: list[ToolCallDelta] = []  # `text` is then the content beside them
     prompt_logprobs: list[PromptTokenLogprob] | None = None  # the first delta, when asked
+    stop_reason: str | None = None  # with finish_reason STOP: the stop string that ended it
 
     @classmethod
     def failure(cls, request_id: str, error: RequestError) -> TextDelta:

@@ -129,6 +129,7 @@ def test_completion_body_with_echo_and_logprobs() -> None:
                 "text_offset": [0, 7, 8, 12],
             },
             "finish_reason": "length",
+            "stop_reason": None,
             "prompt_logprobs": [
                 None,
                 {

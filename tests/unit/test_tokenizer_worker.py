@@ -73,6 +73,7 @@ def test_stop_string_ends_the_request_and_asks_the_scheduler_to_stop(smollm2_tok
     assert (logprob.token_id, logprob.token, logprob.rank) == (ids[0], " Paris", 1)
     assert (logprob.top[0].token_id, logprob.top[0].token) == (ids[0], " Paris")
     assert "".join(d.text for d in deltas) == " Paris"
+    assert [d.stop_reason for d in deltas] == [None, "."]  # the stop string that ended it
     assert deltas[-1].finish_reason is FinishReason.STOP and stopped == ["r"]
     assert not worker.live  # later outputs for "r" make no text (stopping it again is harmless)
     assert worker.on_outputs([RequestOutput(request_id="r", new_token_ids=ids)]) == ([], ["r"])

@@ -47,6 +47,7 @@ class Choice:
     num_deltas: int = 0  # a chat stream's first chunk of each choice names the role
     tool_calls: dict[int, ToolCall] = field(default_factory=dict)  # by index
     prompt_logprobs: list[PromptTokenLogprob] | None = None
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's stop_reason)
 
     def absorb(self, delta: TextDelta) -> None:
         self.num_deltas += 1
@@ -66,6 +67,7 @@ class Choice:
             self.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             self.finish_reason = self._openai_reason(delta.finish_reason)
+            self.stop_reason = delta.stop_reason
 
     def _openai_reason(self, reason: FinishReason) -> str:
         calls = self.tool_calls and self.tool_choice in (ToolChoice.AUTO, ToolChoice.REQUIRED)
@@ -158,6 +160,7 @@ def completion_body(
                 if logprobs
                 else None,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
                 "prompt_logprobs": vllm_prompt_logprobs(c.prompt_logprobs),
             }
             for c in choices
@@ -227,6 +230,7 @@ def chat_body(
                 "message": c.message(),
                 "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
             for c in choices
         ],
