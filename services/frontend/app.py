@@ -15,13 +15,14 @@ from starlette.exceptions import HTTPException
 
 from services.frontend.api.errors import APIError
 from services.frontend.api.limits import RequestLimits
+from services.frontend.api.messages_output import anthropic_error
 from services.frontend.api.response_store import ResponseStore
 from services.frontend.api.validation import Served
 from services.frontend.engine.client import EngineClient
 from services.frontend.metrics.prometheus import Metrics
 from services.frontend.metrics.request_log import RequestLog
 from services.frontend.metrics.share import MetricsShare
-from services.frontend.routes import generate, info, lora, openapi, responses, tokenize
+from services.frontend.routes import generate, info, lora, messages, openapi, responses, tokenize
 from services.frontend.routes.guards import admit, authorize, load_api_keys
 from services.frontend.routes.state import FrontendState
 from shared.config import Config
@@ -51,6 +52,7 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     app.include_router(tokenize.router, dependencies=[Depends(admit)])
     app.include_router(generate.router, dependencies=[Depends(admit)])
     app.include_router(responses.router, dependencies=[Depends(admit)])
+    app.include_router(messages.router, dependencies=[Depends(admit)])
     app.include_router(responses.stored_router, dependencies=[Depends(authorize)])
     if config.allow_runtime_lora_updating:
         app.include_router(lora.router, dependencies=[Depends(admit)])
@@ -59,17 +61,26 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     return app
 
 
-async def _on_api_error(_request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+async def _on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return _in_the_routes_shape(request, exc)
 
 
-async def _on_http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's own refusals (no such route: 404, a wrong method: 405) in OpenAI's shape."""
+async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (no such route: 404, a wrong method: 405) in the API's shape."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     headers = dict(exc.headers) if exc.headers else None
-    return APIError(exc.status_code, str(exc.detail), kind, headers=headers).response()
+    error = APIError(exc.status_code, str(exc.detail), kind, headers=headers)
+    return _in_the_routes_shape(request, error)
 
 
-async def _on_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _on_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("internal error")
-    return APIError(500, f"internal error: {exc}", "internal_error").response()
+    return _in_the_routes_shape(request, APIError(500, f"internal error: {exc}", "internal_error"))
+
+
+def _in_the_routes_shape(request: Request, error: APIError) -> JSONResponse:
+    """OpenAI's error body, or Anthropic's on its routes (their SDK reads that one)."""
+    if request.url.path.startswith("/v1/messages"):
+        body = anthropic_error(error)
+        return JSONResponse(body, status_code=error.status, headers=error.headers)
+    return error.response()

@@ -29,13 +29,15 @@ def load_api_keys(config: Config) -> tuple[bytes, ...]:
 
 
 async def authorize(request: Request) -> None:
-    """With API keys set, a bearer token matching one of them, else 401. Every key is compared,
-    each in constant time, so the time taken tells nothing of which one (nearly) matched."""
+    """With API keys set, a bearer token (or, as Anthropic's clients send it, an `x-api-key`
+    header) matching one of them, else 401. Every key is compared, each in constant time, so
+    the time taken tells nothing of which one (nearly) matched."""
     keys = frontend_state(request).api_keys
     if not keys:
         return
     header = request.headers.get("authorization", "")
-    token = (header[7:] if header.lower().startswith("bearer ") else "").encode()
+    bearer = header[7:] if header.lower().startswith("bearer ") else ""
+    token = (bearer or request.headers.get("x-api-key", "")).encode()
     matched = False
     for key in keys:
         matched |= hmac.compare_digest(token, key)
