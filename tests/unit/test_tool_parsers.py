@@ -6,14 +6,12 @@ guide for `hermes`, Llama 3.1's JSON-based tool calling for `llama3_json`.
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from services.tokenizer.tool_parsers import (
     TOOL_PARSERS,
@@ -23,6 +21,7 @@ from services.tokenizer.tool_parsers import (
     ToolParser,
     tool_parser,
 )
+from tests.unit.tool_call_streams import check_stream_matches_parse, texts_and_pieces
 
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 
@@ -232,7 +231,7 @@ def test_llama3_call_cut_by_max_tokens_keeps_the_text_generated() -> None:
 
 
 def test_registry_names_match_vllm() -> None:
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json"]
+    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
 
 
 def test_tool_parser_returns_a_fresh_parser() -> None:
@@ -242,8 +241,8 @@ def test_tool_parser_returns_a_fresh_parser() -> None:
 
 
 def test_unknown_tool_parser_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"unknown tool call parser 'mistral'; choose from hermes"):
-        tool_parser("mistral")
+    with pytest.raises(ValueError, match=r"unknown tool call parser 'granite'; choose from hermes"):
+        tool_parser("granite")
 
 
 # --- streaming, step by step --------------------------------------------------------------
@@ -317,35 +316,6 @@ def test_llama3_stream_sends_arguments_as_they_come() -> None:
 # --- streaming agrees with parse, for any split ---------------------------------------------
 
 
-def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    """The content and the (name, arguments) calls a client assembles from the deltas."""
-    content = ""
-    names: dict[int, str] = {}
-    ids: dict[int, str] = {}
-    arguments: dict[int, str] = {}
-    for delta in [*(parser.feed(piece) for piece in pieces), parser.finish()]:
-        content += delta.content
-        for call in delta.tool_calls:
-            if call.id is None:  # a later delta of a call already opened
-                assert call.index in ids and call.name is None
-            else:
-                assert call.index not in ids and call.name is not None
-                ids[call.index], names[call.index] = call.id, call.name
-            arguments[call.index] = arguments.get(call.index, "") + call.arguments
-    assert sorted(ids) == list(range(len(ids)))
-    assert len(set(ids.values())) == len(ids)
-    return content, [(names[i], arguments[i]) for i in sorted(ids)]
-
-
-def check_stream_matches_parse(name: str, text: str, pieces: list[str]) -> None:
-    content, calls = tool_parser(name).parse(text)
-    assert content is not None or calls
-    assert stream(tool_parser(name), pieces) == (
-        content or "",
-        [(call.name, call.arguments) for call in calls],
-    )
-
-
 HERMES_PARTS = [
     "Let me check.",
     QWEN3_THINKING,
@@ -379,16 +349,6 @@ LLAMA_PARTS = [
     "The weather is sunny. ",
     LLAMA_BUILTIN,
 ]
-
-
-@st.composite
-def texts_and_pieces(
-    draw: st.DrawFn, parts: list[str], endings: list[str]
-) -> tuple[str, list[str]]:
-    text = "".join(draw(st.lists(st.sampled_from(parts), max_size=6)))
-    text += draw(st.sampled_from(endings))
-    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=10)))
-    return text, [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
 
 
 @settings(max_examples=200, deadline=None)
