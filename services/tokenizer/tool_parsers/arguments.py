@@ -4,6 +4,7 @@ by the JSON Schema type of the tool's parameter when the request's tools give on
 from __future__ import annotations
 
 import ast
+import functools
 import json
 
 # What an argument written as text can become, tried in order, for each JSON Schema type.
@@ -65,6 +66,9 @@ def convert_text(value: str, schema_type: object) -> object:
     return value
 
 
+# The scanners read the whole output again at each piece: an argument already whole is read
+# once. (Callers only serialize the value, so sharing it is safe.)
+@functools.lru_cache(maxsize=256)
 def literal_value(source: str) -> object:
     """A Python literal argument (`"Paris"`, `3`, `True`, `[1, 2]`) as a JSON value; its
     source text when it is not a literal that JSON can hold."""

@@ -21,6 +21,8 @@ and streaming alike. A block that does not open with `<function=name>` stays in 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.tokenizer.tool_parsers.arguments import convert_text
 from services.tokenizer.tool_parsers.base import Scan, ScannedCall, ToolParser, schema_types
 from services.tokenizer.tool_parsers.scanning import (
@@ -29,6 +31,7 @@ from services.tokenizer.tool_parsers.scanning import (
     object_text,
     scan_marked,
 )
+from shared.protocol import ToolDefinition
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -46,12 +49,23 @@ def _strip_newline(value: str) -> str:
 
 def _next_tag(text: str, pos: int) -> tuple[int, str] | None:
     """The next of <parameter=, </function>, </tool_call> at or after `pos`."""
-    found = [(text.find(tag, pos), tag) for tag in (PARAMETER_START, FUNCTION_END, TOOL_CALL_END)]
-    return min(((at, tag) for at, tag in found if at >= 0), default=None)
+    at = text.find(PARAMETER_START, pos)
+    limit = len(text) if at < 0 else at  # the end tags are looked for before it only
+    ends = [(text.find(tag, pos, limit), tag) for tag in (FUNCTION_END, TOOL_CALL_END)]
+    found = [(end_at, tag) for end_at, tag in ends if end_at >= 0]
+    if found:
+        return min(found)
+    return None if at < 0 else (at, PARAMETER_START)
 
 
 class Qwen3CoderToolParser(ToolParser):
     """`<tool_call><function=name><parameter=p>value</parameter>...` blocks (Qwen3-Coder)."""
+
+    def __init__(self, tools: Sequence[ToolDefinition] | None = None) -> None:
+        super().__init__(tools)
+        self._types = schema_types(self.tools)  # parameter types by tool, then parameter
+        # Each scan reads the whole output again: a parameter already whole is converted once.
+        self._converted: dict[tuple[str, str, str], object] = {}
 
     def scan(self, text: str, final: bool) -> Scan:
         return scan_marked(text, TOOL_CALL_START, final, self._read_block)
@@ -74,7 +88,6 @@ class Qwen3CoderToolParser(ToolParser):
 
     def _parameters(self, text: str, name: str, pos: int) -> tuple[str, int | None]:
         """The function's arguments text so far, and where its block ends (None: not yet)."""
-        types = schema_types(self.tools).get(name, {})
         arguments: list[tuple[str, object]] = []
         while (tag := _next_tag(text, pos)) is not None:
             at, kind = tag
@@ -88,6 +101,14 @@ class Qwen3CoderToolParser(ToolParser):
                 break
             key = text[at + len(PARAMETER_START) : key_end].strip()
             value = _strip_newline(text[key_end + 1 : value_end])
-            arguments.append((key, convert_text(value, types.get(key))))
+            arguments.append((key, self._convert(name, key, value)))
             pos = value_end + len(PARAMETER_END)
         return object_text(arguments, closed=False), None
+
+    def _convert(self, name: str, key: str, value: str) -> object:
+        """A parameter's value by its type in the tool's schema (see the module docstring)."""
+        converted = self._converted.get((name, key, value), self._converted)
+        if converted is self._converted:  # not converted yet
+            schema_type = self._types.get(name, {}).get(key)
+            converted = self._converted[name, key, value] = convert_text(value, schema_type)
+        return converted
