@@ -10,6 +10,7 @@ Llama 3.2's pythonic tool calling (vLLM's tool-calling docs).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -58,6 +59,15 @@ def test_mistral_parses_both_forms(text: str) -> None:
     content, calls = tool_parser("mistral").parse(text)
     assert content is None
     assert calls_of(calls) == MISTRAL_CALLS
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits() -> None:
+    # Mistral's chat templates check the ids of the calls sent back.
+    _, calls = tool_parser("mistral").parse(MISTRAL_ARRAY)
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", call.id) for call in calls)
+    assert calls[0].id != calls[1].id
+    [opened, *_] = tool_parser("mistral").feed(MISTRAL_NAMED[0]).tool_calls
+    assert opened.id is not None and re.fullmatch(r"[A-Za-z0-9]{9}", opened.id)
 
 
 def test_mistral_text_before_the_calls_is_content() -> None:

@@ -29,7 +29,7 @@ from shared.protocol import ToolCallDelta, ToolDefinition
 class ToolCall:
     """One call, as OpenAI's `message.tool_calls[i]` (of type "function")."""
 
-    id: str  # "call_" + 24 hex digits, unique per call
+    id: str  # "call_" + 24 hex digits (mistral: 9 letters and digits), unique per call
     name: str
     arguments: str  # the arguments object as JSON text (incomplete when cut by max_tokens)
 
@@ -97,6 +97,10 @@ class ToolParser(ABC):
         self._sent_content = 0  # characters of the scan's content sent so far
         self._sent_arguments: list[int] = []  # per call: characters of its arguments sent
 
+    def call_id(self) -> str:
+        """A new call's id; a format whose chat template checks ids gives its own."""
+        return new_call_id()
+
     @abstractmethod
     def scan(self, text: str, final: bool) -> Scan:
         """What `text` says for sure; `final`: it is the whole output. Must be monotone."""
@@ -104,7 +108,7 @@ class ToolParser(ABC):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The whole output: (content, or None when empty and there are calls; calls)."""
         scan = self.scan(text, final=True)
-        calls = [ToolCall(new_call_id(), call.name, call.arguments) for call in scan.calls]
+        calls = [ToolCall(self.call_id(), call.name, call.arguments) for call in scan.calls]
         return (scan.content or None) if calls else scan.content, calls
 
     def feed(self, text: str) -> ParsedDelta:
@@ -124,7 +128,7 @@ class ToolParser(ABC):
             if index == len(self._sent_arguments):  # a new call: its id and name first
                 self._sent_arguments.append(0)
                 delta.tool_calls.append(
-                    ToolCallDelta(index=index, id=new_call_id(), name=call.name)
+                    ToolCallDelta(index=index, id=self.call_id(), name=call.name)
                 )
             arguments = call.arguments[self._sent_arguments[index] :]
             if arguments:

@@ -6,7 +6,8 @@ Magistral): optional text, then `[TOOL_CALLS]` and either
 - one call, `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`, the marker repeated before each
   further call (the newer tokenizers; an optional `[CALL_ID]id` before `[ARGS]` is skipped).
 
-A call is a call from its name on: its arguments object's text streams as generated (when
+Call ids are 9 letters and digits, as Mistral's chat templates require. A call is a call
+from its name on: its arguments object's text streams as generated (when
 max_tokens cuts it, the call keeps the text generated, in `parse` and streaming alike), the
 rest of each array element is dropped. An array whose first element is in another shape is
 read whole once it ends; if it never ends or does not parse as calls, the marker and what
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 
 from services.tokenizer.tool_parsers.base import Scan, ScannedCall, ToolParser, make_call
 from services.tokenizer.tool_parsers.scanning import (
@@ -36,6 +39,7 @@ TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
 ARGUMENT_KEYS = ('"arguments"', '"parameters"')
+CALL_ID_CHARS = string.ascii_letters + string.digits
 _NAME = re.compile(r'[^\s\[\]{}"]*')
 _CALL_ID_VALUE = re.compile(r"[^\s\[\]{}]*")
 
@@ -118,6 +122,11 @@ def read_calls(text: str, body: int, final: bool) -> Region | None:
 
 class MistralToolParser(ToolParser):
     """`[TOOL_CALLS]` then a JSON array of calls, or `name[ARGS]{...}` (Mistral models)."""
+
+    def call_id(self) -> str:
+        # Mistral's chat templates refuse a conversation whose call ids are not 9 letters and
+        # digits, so the ids sent back in an agent loop must be so.
+        return "".join(secrets.choice(CALL_ID_CHARS) for _ in range(9))
 
     def scan(self, text: str, final: bool) -> Scan:
         return scan_marked(text, TOOL_CALLS, final, read_calls)
