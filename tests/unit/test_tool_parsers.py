@@ -127,6 +127,11 @@ def test_hermes_call_cut_by_max_tokens_keeps_the_text_generated() -> None:
     assert (calls[1].name, calls[1].arguments) == ("get_temperature_date", '{"loca')
 
 
+def test_hermes_block_without_its_end_tag_ends_at_the_next_block() -> None:
+    text = QWEN_BLOCKS[0].removesuffix("</tool_call>") + QWEN_BLOCKS[1]
+    assert calls_of(tool_parser("hermes").parse(text)[1]) == QWEN_ARGUMENTS
+
+
 def test_hermes_block_in_another_key_order_is_read_whole() -> None:
     block = '<tool_call>\n{"arguments": {"a": 1}, "name": "f"}\n</tool_call>'
     assert calls_of(tool_parser("hermes").parse(block)[1]) == [("f", {"a": 1})]
@@ -333,6 +338,11 @@ HERMES_PARTS = [
     "<tool_call>",
     "</tool_call>",
     "Use <tool_call> tags.",
+    '<tool_call>\n{"name": "f", "arguments": {"a": "</tool_call>", "b": [1, {"c": "}"}]}}\n',
+    '<tool_call>\n{"name": "g", "argu',
+    '{"x": "\\"}',
+    "}\n</tool_call>",
+    '<tool_call>{"arguments": {}, "name": "h"}</tool_call>',
 ]
 LLAMA_PARTS = [
     LLAMA_CALL,

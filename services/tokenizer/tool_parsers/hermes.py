@@ -8,7 +8,8 @@ A block that starts `{"name": "...", "arguments": {` is a call from then on: its
 go out, then the arguments object's text as it is generated, up to its closing brace (or up to
 `</tool_call>` outside a string, or the end of the output when max_tokens cut it: the
 arguments are then the text generated, incomplete JSON, in `parse` and streaming alike). The
-rest of the block up to `</tool_call>` is dropped. A block in another shape is read whole at
+rest of the block up to `</tool_call>` (or up to the next `<tool_call>`, when the model left
+out the end tag) is dropped. A block in another shape is read whole at
 `</tool_call>` (keys in another order, no "arguments" meaning `{}`); if that does not parse
 as a call, or the block never ends, it stays in the content as text.
 """
@@ -47,7 +48,15 @@ def _streamed_block(text: str, header: Header, final: bool) -> Region:
     start = header.arguments_start
     end, closed = json_extent(text, start, final, stops=(TOOL_CALL_END,))
     call = ScannedCall(header.name, text[start:end])
-    close = text.find(TOOL_CALL_END, end) if closed or text.startswith(TOOL_CALL_END, end) else -1
+    if not closed:  # ended by </tool_call>, or still open
+        stopped = text.startswith(TOOL_CALL_END, end)
+        return Region([call], end + len(TOOL_CALL_END) if stopped else None)
+    # The block ends at its </tool_call>, or before the next <tool_call> when the model left
+    # out the end tag.
+    close = text.find(TOOL_CALL_END, end)
+    following = text.find(TOOL_CALL_START, end, None if close < 0 else close)
+    if following >= 0:
+        return Region([call], following)
     return Region([call], None if close < 0 else close + len(TOOL_CALL_END))
 
 
