@@ -51,6 +51,7 @@ MISTRAL_NAMED = [
     [
         MISTRAL_ARRAY,
         "".join(MISTRAL_NAMED),
+        "\n".join(MISTRAL_NAMED),
         MISTRAL_NAMED[0].replace("[ARGS]", "[CALL_ID]a1B2c3D4e[ARGS]") + MISTRAL_NAMED[1],
         MISTRAL_ARRAY.replace("[TOOL_CALLS][", "[TOOL_CALLS] [\n"),
     ],

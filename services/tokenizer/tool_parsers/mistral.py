@@ -4,7 +4,8 @@ Magistral): optional text, then `[TOOL_CALLS]` and either
 - a JSON array, `[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, ...]`
   (the older tokenizers), or
 - one call, `[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}`, the marker repeated before each
-  further call (the newer tokenizers; an optional `[CALL_ID]id` before `[ARGS]` is skipped).
+  further call (the newer tokenizers; an optional `[CALL_ID]id` before `[ARGS]` is skipped;
+  what follows the arguments up to the next marker is dropped).
 
 Call ids are 9 letters and digits, as Mistral's chat templates require. A call is a call
 from its name on: its arguments object's text streams as generated (when
@@ -117,7 +118,8 @@ def read_calls(text: str, body: int, final: bool) -> Region | None:
     start = header.arguments_start
     end, _ = json_extent(text, start, final, stops=(TOOL_CALLS,))
     call = ScannedCall(header.name, text[start:end])
-    return Region([call], end if text.startswith(TOOL_CALLS, end) else None)
+    following = text.find(TOOL_CALLS, end)  # the next call's marker; what is between is dropped
+    return Region([call], None if following < 0 else following)
 
 
 class MistralToolParser(ToolParser):
