@@ -116,3 +116,11 @@ def test_auto_passes_the_tools_to_the_parser() -> None:
     reader = ToolCallReader(ToolChoice.AUTO, None, "qwen3_coder", tools=[tool])
     text = "<tool_call>\n<function=f>\n<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
     assert calls_of(read(reader, text)[1]) == [("f", {"n": 3})]
+
+
+def test_required_array_cut_anywhere_keeps_the_calls_ended_before_the_cut() -> None:
+    ends = [REQUIRED_ARRAY.index("}}") + 2, REQUIRED_ARRAY.rindex("}}") + 2]
+    for cut_at in range(len(REQUIRED_ARRAY) + 1):
+        num_calls = sum(end <= cut_at for end in ends)
+        names = [name for name, _ in calls_of(required_calls(REQUIRED_ARRAY[:cut_at]))]
+        assert names == ["get_weather", "get_time"][:num_calls], cut_at
