@@ -173,7 +173,11 @@ class TokenizerWorker:
                 "and --tool-call-parser",
             )
         return ToolCallReader(
-            choice, request.tool_name, self.tool_call_parser, request.parallel_tool_calls
+            choice,
+            request.tool_name,
+            self.tool_call_parser,
+            request.parallel_tool_calls,
+            request.tools,
         )
 
     def _require_tokenizer(self, param: str) -> PreTrainedTokenizerBase:

@@ -244,8 +244,10 @@ class ConfigFields:
         None,
         "server",
         "How tool calls are read from the model's output with `tool_choice: auto`: hermes "
-        "(Qwen2.5, Qwen3, Hermes: <tool_call> blocks) or llama3_json (Llama 3.1/3.2 JSON).",
-        ("hermes", "llama3_json"),
+        "(Qwen2.5, Qwen3, Hermes: <tool_call> JSON blocks), llama3_json (Llama 3.1/3.2 JSON), "
+        "mistral (Mistral, Mixtral, Devstral: [TOOL_CALLS]), qwen3_coder (Qwen3-Coder: "
+        "<function=...> XML) or pythonic (Llama 3.2/4 pythonic: [f(x=1)]).",
+        ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"),
     )
     # -- limits: what one request may ask for (400 or 413 naming the limit beyond)
     max_request_body_bytes: int = option(8 << 20, "limits", "Larger request bodies get 413.")

@@ -6,14 +6,12 @@ guide for `hermes`, Llama 3.1's JSON-based tool calling for `llama3_json`.
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from services.tokenizer.tool_parsers import (
     TOOL_PARSERS,
@@ -23,6 +21,7 @@ from services.tokenizer.tool_parsers import (
     ToolParser,
     tool_parser,
 )
+from tests.unit.tool_call_streams import check_stream_matches_parse, texts_and_pieces
 
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 
@@ -98,9 +97,8 @@ def test_hermes_whitespace_before_the_calls_is_no_content() -> None:
         "  \n",
         "The temperature in San Francisco is 26.1°C.\n",
         "Wrap calls in <tool_call></tool_call> tags.",
-        MALFORMED_BLOCK,
         NAMELESS_BLOCK,
-        UNTERMINATED_BLOCK,
+        '<tool_call>\n{"arguments": {"location": "Paris"}',
         '<tool_call>\n["get_current_temperature"]\n</tool_call>',
         '<tool_call>\n{"name": 7, "arguments": {}}\n</tool_call>',
         '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>',
@@ -111,17 +109,37 @@ def test_hermes_output_without_calls_is_unchanged(text: str) -> None:
     assert tool_parser("hermes").parse(text) == (text, [])
 
 
-def test_hermes_malformed_block_stays_in_the_content() -> None:
+def test_hermes_call_with_broken_arguments_keeps_the_text_generated() -> None:
+    # Its name was sent while streaming, so it stays a call: the arguments end at the marker.
     text = "Checking.\n" + MALFORMED_BLOCK + "\n" + QWEN_BLOCKS[1]
     content, calls = tool_parser("hermes").parse(text)
-    assert content == "Checking.\n" + MALFORMED_BLOCK
-    assert calls_of(calls) == QWEN_ARGUMENTS[1:]
+    assert content == "Checking."
+    assert [(c.name, c.arguments) for c in calls[:1]] == [
+        ("get_current_temperature", '{"location": \n')
+    ]
+    assert calls_of(calls[1:]) == QWEN_ARGUMENTS[1:]
 
 
-def test_hermes_unterminated_block_stays_in_the_content() -> None:
+def test_hermes_call_cut_by_max_tokens_keeps_the_text_generated() -> None:
     content, calls = tool_parser("hermes").parse(QWEN_BLOCKS[0] + "\n" + UNTERMINATED_BLOCK)
-    assert content == "\n" + UNTERMINATED_BLOCK
-    assert calls_of(calls) == QWEN_ARGUMENTS[:1]
+    assert content is None
+    assert calls_of(calls[:1]) == QWEN_ARGUMENTS[:1]
+    assert (calls[1].name, calls[1].arguments) == ("get_temperature_date", '{"loca')
+
+
+def test_hermes_block_without_its_end_tag_ends_at_the_next_block() -> None:
+    text = QWEN_BLOCKS[0].removesuffix("</tool_call>") + QWEN_BLOCKS[1]
+    assert calls_of(tool_parser("hermes").parse(text)[1]) == QWEN_ARGUMENTS
+
+
+def test_hermes_block_in_another_key_order_is_read_whole() -> None:
+    block = '<tool_call>\n{"arguments": {"a": 1}, "name": "f"}\n</tool_call>'
+    assert calls_of(tool_parser("hermes").parse(block)[1]) == [("f", {"a": 1})]
+
+
+def test_hermes_block_without_a_name_that_never_ends_stays_content() -> None:
+    text = "Hi " + '<tool_call>\n{"arguments": {"a": 1}'
+    assert tool_parser("hermes").parse(text) == (text, [])
 
 
 def test_hermes_text_after_the_calls_is_content() -> None:
@@ -180,10 +198,6 @@ def test_llama3_parses_calls_separated_by_semicolons(prefix: str, separator: str
         "Here it is: " + LLAMA_CALL,
         LLAMA_BUILTIN,
         "<|python_tag|>",
-        LLAMA_CALL[:-5],
-        LLAMA_CALL + " Let me know if you need more.",
-        LLAMA_CALL + ";",
-        LLAMA_CALL + "; {broken",
         '{"answer": 42}',
         '{"name": "get_current_conditions"}',
         '{"name": "get_current_conditions", "parameters": "San Francisco"}',
@@ -194,11 +208,35 @@ def test_llama3_output_that_is_not_all_calls_is_unchanged(text: str) -> None:
     assert tool_parser("llama3_json").parse(text) == (text, [])
 
 
+@pytest.mark.parametrize(
+    ("tail", "content"),
+    [
+        (" Let me know if you need more.", " Let me know if you need more."),
+        (";", None),
+        ("; {broken", "; {broken"),
+        (" \n", None),
+    ],
+)
+def test_llama3_text_after_the_calls(tail: str, content: str | None) -> None:
+    parsed, calls = tool_parser("llama3_json").parse(LLAMA_CALL + tail)
+    assert parsed == content
+    assert calls_of(calls) == [("get_current_conditions", LLAMA_ARGUMENTS)]
+
+
+def test_llama3_call_cut_by_max_tokens_keeps_the_text_generated() -> None:
+    content, [call] = tool_parser("llama3_json").parse(LLAMA_CALL[:-5])
+    assert content is None
+    assert (call.name, call.arguments) == (
+        "get_current_conditions",
+        LLAMA_CALL[LLAMA_CALL.index("{", 1) : -5],
+    )
+
+
 # --- the registry -------------------------------------------------------------------------
 
 
 def test_registry_names_match_vllm() -> None:
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json"]
+    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
 
 
 def test_tool_parser_returns_a_fresh_parser() -> None:
@@ -208,8 +246,8 @@ def test_tool_parser_returns_a_fresh_parser() -> None:
 
 
 def test_unknown_tool_parser_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"unknown tool call parser 'mistral'; choose from hermes"):
-        tool_parser("mistral")
+    with pytest.raises(ValueError, match=r"unknown tool call parser 'granite'; choose from hermes"):
+        tool_parser("granite")
 
 
 # --- streaming, step by step --------------------------------------------------------------
@@ -218,13 +256,13 @@ def test_unknown_tool_parser_is_a_clear_error() -> None:
 def test_hermes_stream_holds_a_split_marker() -> None:
     parser = tool_parser("hermes")
     assert parser.feed("Let me check.<tool_") == ParsedDelta("Let me check.")
-    assert parser.feed(QWEN_BLOCKS[0][len("<tool_") : -3]) == ParsedDelta("")
-    delta = parser.feed(QWEN_BLOCKS[0][-3:])
+    delta = parser.feed(QWEN_BLOCKS[0][len("<tool_") : -3])
     assert delta.content == ""
     first, rest = delta.tool_calls
     assert (first.index, first.name, first.arguments) == (0, "get_current_temperature", "")
     assert first.id is not None and CALL_ID.fullmatch(first.id)
     assert rest == ToolCallDelta(index=0, arguments='{"location": "San Francisco, CA, USA"}')
+    assert parser.feed(QWEN_BLOCKS[0][-3:]) == ParsedDelta("")
     assert parser.finish() == ParsedDelta("")
 
 
@@ -244,10 +282,18 @@ def test_hermes_stream_numbers_the_calls() -> None:
     assert parser.finish() == ParsedDelta("")
 
 
-def test_hermes_stream_flushes_an_unterminated_block_as_content() -> None:
+def test_hermes_stream_sends_arguments_as_they_come() -> None:
     parser = tool_parser("hermes")
-    assert parser.feed("Hi " + UNTERMINATED_BLOCK) == ParsedDelta("Hi")
-    assert parser.finish() == ParsedDelta(" " + UNTERMINATED_BLOCK)
+    assert parser.feed('Hi <tool_call>\n{"name": "get_temperature_date", "argu') == ParsedDelta(
+        "Hi"
+    )
+    opened, first = parser.feed('ments": {"loca').tool_calls
+    assert (opened.index, opened.name, opened.arguments) == (0, "get_temperature_date", "")
+    assert first == ToolCallDelta(index=0, arguments='{"loca')
+    more = ParsedDelta("", [ToolCallDelta(index=0, arguments='tion": "Paris"}')])
+    assert parser.feed('tion": "Paris"}') == more
+    assert parser.feed("}\n</tool_call>") == ParsedDelta("")
+    assert parser.finish() == ParsedDelta("")
 
 
 def test_llama3_stream_sends_plain_text_at_once() -> None:
@@ -258,49 +304,21 @@ def test_llama3_stream_sends_plain_text_at_once() -> None:
     assert parser.finish() == ParsedDelta("")
 
 
-def test_llama3_stream_sends_calls_at_the_end() -> None:
+def test_llama3_stream_sends_arguments_as_they_come() -> None:
     parser = tool_parser("llama3_json")
     assert parser.feed("<|python") == ParsedDelta("")
-    assert parser.feed("_tag|>" + LLAMA_CALL) == ParsedDelta("")
-    delta = parser.finish()
+    head, rest = LLAMA_CALL[:60], LLAMA_CALL[60:]
+    delta = parser.feed("_tag|>" + head)
     assert delta.content == ""
-    assert [(d.index, d.name) for d in delta.tool_calls] == [
-        (0, "get_current_conditions"),
-        (0, None),
+    assert [(d.index, d.name, d.arguments) for d in delta.tool_calls] == [
+        (0, "get_current_conditions", ""),
+        (0, None, head[head.index("{", 1) :]),
     ]
-    assert json.loads(delta.tool_calls[1].arguments) == LLAMA_ARGUMENTS
+    assert parser.feed(rest).tool_calls == [ToolCallDelta(index=0, arguments=rest[:-1])]
+    assert parser.finish() == ParsedDelta("")
 
 
 # --- streaming agrees with parse, for any split ---------------------------------------------
-
-
-def stream(parser: ToolParser, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    """The content and the (name, arguments) calls a client assembles from the deltas."""
-    content = ""
-    names: dict[int, str] = {}
-    ids: dict[int, str] = {}
-    arguments: dict[int, str] = {}
-    for delta in [*(parser.feed(piece) for piece in pieces), parser.finish()]:
-        content += delta.content
-        for call in delta.tool_calls:
-            if call.id is None:  # a later delta of a call already opened
-                assert call.index in ids and call.name is None
-            else:
-                assert call.index not in ids and call.name is not None
-                ids[call.index], names[call.index] = call.id, call.name
-            arguments[call.index] = arguments.get(call.index, "") + call.arguments
-    assert sorted(ids) == list(range(len(ids)))
-    assert len(set(ids.values())) == len(ids)
-    return content, [(names[i], arguments[i]) for i in sorted(ids)]
-
-
-def check_stream_matches_parse(name: str, text: str, pieces: list[str]) -> None:
-    content, calls = tool_parser(name).parse(text)
-    assert content is not None or calls
-    assert stream(tool_parser(name), pieces) == (
-        content or "",
-        [(call.name, call.arguments) for call in calls],
-    )
 
 
 HERMES_PARTS = [
@@ -320,6 +338,11 @@ HERMES_PARTS = [
     "<tool_call>",
     "</tool_call>",
     "Use <tool_call> tags.",
+    '<tool_call>\n{"name": "f", "arguments": {"a": "</tool_call>", "b": [1, {"c": "}"}]}}\n',
+    '<tool_call>\n{"name": "g", "argu',
+    '{"x": "\\"}',
+    "}\n</tool_call>",
+    '<tool_call>{"arguments": {}, "name": "h"}</tool_call>',
 ]
 LLAMA_PARTS = [
     LLAMA_CALL,
@@ -336,16 +359,6 @@ LLAMA_PARTS = [
     "The weather is sunny. ",
     LLAMA_BUILTIN,
 ]
-
-
-@st.composite
-def texts_and_pieces(
-    draw: st.DrawFn, parts: list[str], endings: list[str]
-) -> tuple[str, list[str]]:
-    text = "".join(draw(st.lists(st.sampled_from(parts), max_size=6)))
-    text += draw(st.sampled_from(endings))
-    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=10)))
-    return text, [text[a:b] for a, b in itertools.pairwise([0, *cuts, len(text)])]
 
 
 @settings(max_examples=200, deadline=None)
