@@ -22,7 +22,7 @@ from llguidance import LLTokenizer
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
-from services.tokenizer.reasoning import ReasoningReader, starts_in_reasoning
+from services.tokenizer.reasoning import THINK_END, ReasoningReader, starts_in_reasoning
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.tool_calls import ToolCallReader
 from shared.grammar import GrammarChecker, llg_tokenizer
@@ -95,6 +95,8 @@ class TokenizerWorker:
         if params.structured_output is not None:
             self._grammar_checker(params.structured_output.source).check(params.structured_output)
         reasoning = self._reasoning_reader(request, token_ids)
+        if reasoning is not None and params.structured_output is not None:
+            params = self._grammar_after_thinking(params, token_ids)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
@@ -151,6 +153,20 @@ class TokenizerWorker:
         # The prompt's tail says whether the template opened <think> (qwen3 thinking models).
         tail = decode(self.tokenizer, token_ids[-8:], skip_special_tokens=False)
         return ReasoningReader(starts_in_reasoning(self.reasoning_parser, tail))
+
+    def _grammar_after_thinking(
+        self, params: SamplingParams, token_ids: list[int]
+    ) -> SamplingParams:
+        """A chat's grammar constrains its answer: it starts after `</think>`, unless the prompt
+        closed the thinking already (Qwen3 with thinking off). Only where `</think>` is one
+        token (Qwen3, DeepSeek R1): else it constrains the whole output, as before."""
+        assert self.tokenizer is not None and params.structured_output is not None
+        end_ids = encode(self.tokenizer, THINK_END, add_special_tokens=False)
+        tail = decode(self.tokenizer, token_ids[-8:], skip_special_tokens=False)
+        if len(end_ids) != 1 or tail.rstrip().endswith(THINK_END):
+            return params
+        spec = msgspec.structs.replace(params.structured_output, reasoning_end_token_ids=end_ids)
+        return msgspec.structs.replace(params, structured_output=spec)
 
     def _chat_ids(
         self,
