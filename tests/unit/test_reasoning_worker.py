@@ -113,6 +113,7 @@ def test_stop_strings_end_the_answer_not_the_thinking(smollm2_tokenizer) -> None
     assert reasoning_of(deltas) == "Is it 4? Yes, 4.\n"
     assert text_of(deltas) == "It is "
     assert deltas[-1].finish_reason is FinishReason.STOP and "r" not in worker.live
+    assert deltas[-1].stop_reason == "4"  # vLLM's stop_reason: the answer's stop string
 
 
 def test_a_completion_is_not_read_for_thinking(smollm2_tokenizer) -> None:
