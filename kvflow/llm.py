@@ -74,6 +74,7 @@ class LLM:
             load_tokenizer(self.runner.source, self.config.tokenizer, self.config.cache_dir),
             grammar_timeout_s=self.config.grammar_compile_timeout,
             lenient_json=not self.config.disable_additional_properties,
+            reasoning_parser=self.config.reasoning_parser,
         )
         self._next_id = 0
         if self.replicas is not None:
@@ -123,12 +124,15 @@ class LLM:
         tools: Sequence[dict[str, Any]] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         show_progress: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationResult]:
         """Generate a reply for each conversation, through the model's chat template.
 
         Messages and `tools` take the OpenAI chat API's shapes (tool calls and tool results
         included), read as the server reads them; the tools are shown to the template, and the
-        reply is the model's text (as vLLM's LLM.chat).
+        reply is the model's text (as vLLM's LLM.chat). `chat_template_kwargs` are extra
+        template variables (`{"enable_thinking": False}`). With `reasoning_parser` set, a
+        completion's `text` is the answer and its `reasoning` the thinking.
         """
         definitions = _tool_definitions(tools)
         requests = [
@@ -137,6 +141,7 @@ class LLM:
                 sampling_params=SamplingParams(),
                 messages=_chat_messages(messages),
                 tools=definitions,
+                chat_template_kwargs=chat_template_kwargs,
             )
             for messages in conversations
         ]

@@ -16,12 +16,14 @@ class Completion:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when SamplingParams.logprobs
     text: str = ""  # cut at a stop string; empty for a model without a tokenizer
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    reasoning: str = ""  # LLM.chat with a reasoning_parser: the thinking (`text` is the answer)
     _text_parts: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
     def absorb(self, delta: TextDelta) -> None:
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)
         self._text_parts.append(delta.text)
+        self.reasoning += delta.reasoning
         if delta.finish_reason is not None:
             self.text = "".join(self._text_parts)
             self._text_parts.clear()  # the text holds them now

@@ -81,18 +81,48 @@ def _save(tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
         logger.warning("could not cache the converted tokenizer in %s: %s", folder, exc)
 
 
+# The arguments apply_chat_template sets itself: a request's extra variables may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "return_tensors",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "return_assistant_tokens_mask",
+    }
+)
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
+    """The prompt's token ids; `template_kwargs` are extra variables the template sees (e.g.
+    Qwen3's `enable_thinking`); none may be one of RESERVED_TEMPLATE_KWARGS."""
     if tokenizer.chat_template is None:
         raise ValueError("this model has no chat template")
+    extra = template_kwargs or {}
+    clobbered = sorted(RESERVED_TEMPLATE_KWARGS.intersection(extra))
+    if clobbered:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clobbered)}")
     text = tokenizer.apply_chat_template(
         messages,
         tools=cast(list[dict[Any, Any] | Callable[..., Any]] | None, tools),
         tokenize=False,
         add_generation_prompt=True,
+        **extra,
     )
     return encode(tokenizer, str(text), add_special_tokens=False)
 

@@ -15,8 +15,8 @@ Two layers, each O(new tokens + a small window) per step:
    tail is held and the window grows until a token completes it; then the window slides to
    its last few tokens.
 
-2. Stop strings. Text that might be the start of a stop string is held until the next tokens
-   show whether it is; a match cuts the text and ends the stream.
+2. Stop strings (stop_strings.py). Text that might be the start of a stop string is held
+   until the next tokens show whether it is; a match cuts the text and ends the stream.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from services.tokenizer.stop_strings import StopStrings
 from shared.hf_tokenizer import decode
 
 REPLACEMENT_CHAR = "\ufffd"  # what decoders emit for incomplete or invalid UTF-8
@@ -51,17 +52,13 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stop = [s for s in stop if s]  # "" would match everywhere: treat it as absent
-        self._max_stop_len = max((len(s) for s in self._stop), default=0)
-        self._include_stop_str = include_stop_str_in_output
+        self._stops = StopStrings(stop, include_stop_str_in_output)
         # Seeding with the prompt's tail makes the first output token decode as it does after
         # the prompt (a leading space SentencePiece would drop at the start of a text).
         self._window_ids = list(prompt_token_ids[-_NUM_CONTEXT_TOKENS:])
         self._num_window_chars_emitted = len(self._decode(self._window_ids))
-        self._held_text = ""  # decoded, not yet emitted: might start a stop string
         self._emitted_parts: list[str] = []
         self._finished = False
-        self.stop_hit: str | None = None
 
     @property
     def text(self) -> str:
@@ -123,42 +120,16 @@ class IncrementalDetokenizer:
 
     def _emit(self, new_text: str, final: bool) -> str:
         """Pass decoded text through the stop-string filter; return what can be emitted."""
-        text = self._held_text + new_text
-        match = self._find_stop(text)
-        if match is not None:
-            start, stop = match
-            out = text[: start + len(stop) if self._include_stop_str else start]
-            self.stop_hit, self._held_text, self._finished = stop, "", True
-        else:
-            num_held = 0 if final else self._num_chars_to_hold(text)
-            out, self._held_text = text[: len(text) - num_held], text[len(text) - num_held :]
-            self._finished = self._finished or final
+        out = self._stops.feed(new_text, final)
+        self._finished = self._finished or final or self._stops.stop_hit is not None
         if out:
             self._emitted_parts.append(out)
         return out
 
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """The stop string that completes first in `text`, and where it starts.
-
-        `text` is the held text plus the new text, so this searches only where a match can
-        newly end: held text is shorter than any stop string, so earlier positions were searched.
-        "First" is by end so the result does not depend on how tokens were chunked: a streaming
-        reader sees "bc" before "abcd" in "abcd". On a tie the longer (earlier-starting) wins.
-        """
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stop:
-            start = text.find(stop)
-            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-                best = (start + len(stop), start, stop)
-        return None if best is None else (best[1], best[2])
-
-    def _num_chars_to_hold(self, text: str) -> int:
-        """The length of the longest tail of `text` that is a proper prefix of a stop string."""
-        for num_chars in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-num_chars:]
-            if any(stop.startswith(tail) for stop in self._stop):
-                return num_chars
-        return 0
+    @property
+    def stop_hit(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stops.stop_hit
 
 
 def token_text(tokenizer: PreTrainedTokenizerBase, token_id: int) -> str:

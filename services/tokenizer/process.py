@@ -77,6 +77,7 @@ class TokenizerProcess:
             grammar_timeout_s=config.grammar_compile_timeout,
             lenient_json=not config.disable_additional_properties,
             tool_call_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+            reasoning_parser=config.reasoning_parser,
         )
         self.worker.start_grammar_tokenizer()
         context: zmq.Context[Any] = zmq.Context.instance()

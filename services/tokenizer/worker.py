@@ -22,9 +22,11 @@ from llguidance import LLTokenizer
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
+from services.tokenizer.reasoning import THINK_END, ReasoningReader, starts_in_reasoning
+from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.tool_calls import ToolCallReader
 from shared.grammar import GrammarChecker, llg_tokenizer
-from shared.hf_tokenizer import apply_chat_template, decode, encode
+from shared.hf_tokenizer import RESERVED_TEMPLATE_KWARGS, apply_chat_template, decode, encode
 from shared.protocol import (
     ChatMessage,
     EngineRequest,
@@ -58,6 +60,8 @@ class _LiveRequest:
     tool_calls: ToolCallReader | None = None  # a chat with tools: reads its calls
     prompt_token_ids: list[int] | None = None  # kept when its prompt logprobs will come
     prompt_only: bool = False  # echo with max_tokens 0: the one token computed is dropped
+    reasoning: ReasoningReader | None = None  # a chat under --reasoning-parser
+    answer_stops: StopStrings | None = None  # with `reasoning`: stop strings of the answer
 
 
 class TokenizerWorker:
@@ -68,6 +72,7 @@ class TokenizerWorker:
         grammar_timeout_s: float = 10.0,
         tool_call_parser: str | None = None,
         lenient_json: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.live: dict[str, _LiveRequest] = {}
@@ -75,6 +80,7 @@ class TokenizerWorker:
         self.grammar_timeout_s = grammar_timeout_s
         self.tool_call_parser = tool_call_parser
         self.lenient_json = lenient_json  # --no-disable-additional-properties
+        self.reasoning_parser = reasoning_parser
         self._grammars: GrammarChecker | None = None  # made on first use
         self._grammar_tokenizer: concurrent.futures.Future[LLTokenizer] | None = None
 
@@ -88,13 +94,17 @@ class TokenizerWorker:
             raise ParameterError("stop", "stop strings need a tokenizer; this model has none")
         if params.structured_output is not None:
             self._grammar_checker(params.structured_output.source).check(params.structured_output)
+        reasoning = self._reasoning_reader(request, token_ids)
+        if reasoning is not None and params.structured_output is not None:
+            params = self._grammar_after_thinking(params, token_ids)
         detokenizer = None
         if self.tokenizer is not None:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
                 skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
+                # With a reasoning reader, stop strings end the answer, not the thinking.
+                stop=() if reasoning is not None else params.stop,
             )
         self.live[request.request_id] = _LiveRequest(
             detokenizer,
@@ -103,6 +113,8 @@ class TokenizerWorker:
             tool_calls=self._tool_call_reader(request),
             prompt_token_ids=token_ids if params.prompt_logprobs is not None else None,
             prompt_only=request.prompt_only,
+            reasoning=reasoning,
+            answer_stops=None if reasoning is None else StopStrings(params.stop),
         )
         return EngineRequest(
             request_id=request.request_id,
@@ -129,18 +141,51 @@ class TokenizerWorker:
                 raise ParameterError("prompt", f"token ids must be in [0, {vocab})")
             return list(request.prompt_token_ids)
         if request.messages is not None:
-            return self._chat_ids(request.messages, request.tools)
+            return self._chat_ids(request.messages, request.tools, request.chat_template_kwargs)
         return encode(self._require_tokenizer("prompt"), request.prompt or "")
 
+    def _reasoning_reader(
+        self, request: GenerateRequest, token_ids: list[int]
+    ) -> ReasoningReader | None:
+        """Chats only (a completion's text is the client's to read), with a tokenizer."""
+        if self.reasoning_parser is None or request.messages is None or self.tokenizer is None:
+            return None
+        # The prompt's tail says whether the template opened <think> (qwen3 thinking models).
+        tail = decode(self.tokenizer, token_ids[-8:], skip_special_tokens=False)
+        return ReasoningReader(starts_in_reasoning(self.reasoning_parser, tail))
+
+    def _grammar_after_thinking(
+        self, params: SamplingParams, token_ids: list[int]
+    ) -> SamplingParams:
+        """A chat's grammar constrains its answer: it starts after `</think>`, unless the prompt
+        closed the thinking already (Qwen3 with thinking off). Only where `</think>` is one
+        token (Qwen3, DeepSeek R1): else it constrains the whole output, as before."""
+        assert self.tokenizer is not None and params.structured_output is not None
+        end_ids = encode(self.tokenizer, THINK_END, add_special_tokens=False)
+        tail = decode(self.tokenizer, token_ids[-8:], skip_special_tokens=False)
+        if len(end_ids) != 1 or tail.rstrip().endswith(THINK_END):
+            return params
+        spec = msgspec.structs.replace(params.structured_output, reasoning_end_token_ids=end_ids)
+        return msgspec.structs.replace(params, structured_output=spec)
+
     def _chat_ids(
-        self, messages: list[ChatMessage], tools: list[ToolDefinition] | None = None
+        self,
+        messages: list[ChatMessage],
+        tools: list[ToolDefinition] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         tokenizer = self._require_tokenizer("messages")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {}))
+        if reserved:
+            raise ParameterError(
+                "chat_template_kwargs", f"may not set the template's own {', '.join(reserved)}"
+            )
         try:
             return apply_chat_template(
                 tokenizer,
                 [template_message(m) for m in messages],
                 None if tools is None else [template_tool(t) for t in tools],
+                template_kwargs,
             )
         except Exception as exc:  # chat templates raise jinja2 errors for bad conversations
             raise ParameterError("messages", str(exc)) from exc
@@ -198,7 +243,7 @@ class TokenizerWorker:
                     request_id=request.request_id, text=text, token_ids=request.token_ids
                 )
             if request.messages is not None:
-                ids = self._chat_ids(request.messages, request.tools)
+                ids = self._chat_ids(request.messages, request.tools, request.chat_template_kwargs)
             else:
                 ids = encode(
                     self._require_tokenizer("prompt"),
@@ -249,6 +294,9 @@ class TokenizerWorker:
                 finish = FinishReason.STOP
             elif finish is not None:
                 text += detokenizer.flush()
+        reasoning = ""
+        if live.reasoning is not None:
+            reasoning, text, finish = _split_reasoning(live, text, finish)
         tool_calls: list[ToolCallDelta] = []
         if live.tool_calls is not None:
             text, tool_calls = live.tool_calls.feed(text)
@@ -270,7 +318,8 @@ class TokenizerWorker:
             num_cached_tokens=output.num_cached_tokens,
             error=output.error,
             tool_calls=tool_calls,
-            stop_reason=detokenizer.stop_hit if detokenizer is not None and finish else None,
+            stop_reason=_stop_hit(live) if finish else None,
+            reasoning=reasoning,
         )
         if live.echo_prompt_ids is not None:
             delta.prompt_token_ids = live.echo_prompt_ids
@@ -314,6 +363,28 @@ class TokenizerWorker:
             TopLogprob(t, self._token_text(t), v)
             for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
         ]
+
+
+def _stop_hit(live: _LiveRequest) -> str | None:
+    """The stop string that ended the text: the answer's under a reasoning parser."""
+    if live.answer_stops is not None:
+        return live.answer_stops.stop_hit
+    return None if live.detokenizer is None else live.detokenizer.stop_hit
+
+
+def _split_reasoning(
+    live: _LiveRequest, text: str, finish: FinishReason | None
+) -> tuple[str, str, FinishReason | None]:
+    """A piece of a chat's text read apart into thinking and answer; the answer's stop
+    strings may end it (finish STOP)."""
+    assert live.reasoning is not None and live.answer_stops is not None
+    split = live.reasoning.feed(text)
+    if finish is not None:
+        split += live.reasoning.finish()
+    content = live.answer_stops.feed(split.content, final=finish is not None)
+    if live.answer_stops.stop_hit is not None:
+        finish = FinishReason.STOP
+    return split.reasoning, content, finish
 
 
 def template_message(message: ChatMessage) -> dict[str, Any]:

@@ -249,6 +249,14 @@ class ConfigFields:
         "<function=...> XML) or pythonic (Llama 3.2/4 pythonic: [f(x=1)]).",
         ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"),
     )
+    reasoning_parser: str | None = option(
+        None,
+        "server",
+        "How a chat's thinking is read apart from its answer (`reasoning_content`): qwen3 "
+        "(Qwen3: <think>...</think>, none when thinking is off) or deepseek_r1 (DeepSeek R1, "
+        "QwQ: the output starts inside <think>).",
+        ("deepseek_r1", "qwen3"),
+    )
     # -- limits: what one request may ask for (400 or 413 naming the limit beyond)
     max_request_body_bytes: int = option(8 << 20, "limits", "Larger request bodies get 413.")
     max_num_messages: int = option(1024, "limits", "Most chat messages in one request.")

@@ -4,6 +4,7 @@ that streams back."""
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from shared.protocol.base import FinishReason, Message, RequestError
 from shared.protocol.sampling import SamplingParams
@@ -62,6 +63,9 @@ class GenerateRequest(Message, tag=True, kw_only=True):
     # the prompt (with its logprobs) alone.
     prompt_only: bool = False
     lora_id: int = 0  # the LoRA adapter it runs under (0: the base model)
+    # Extra variables for the chat template (`{"enable_thinking": false}`), as the client sent
+    # them; JSON values only.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(Message, tag=True, kw_only=True):
@@ -73,6 +77,7 @@ class TokenizeRequest(Message, tag=True, kw_only=True):
     token_ids: list[int] | None = None
     add_special_tokens: bool = True
     tools: list[ToolDefinition] | None = None  # given to the chat template with messages
+    chat_template_kwargs: dict[str, Any] | None = None  # as a GenerateRequest's
 
 
 class TokenizeResult(Message, tag=True, kw_only=True):
@@ -135,6 +140,8 @@ class TextDelta(Message, tag=True, kw_only=True):
     tool_calls: list[ToolCallDelta] = []  # `text` is then the content beside them
     prompt_logprobs: list[PromptTokenLogprob] | None = None  # the first delta, when asked
     stop_reason: str | None = None  # with finish_reason STOP: the stop string that ended it
+    # With --reasoning-parser, a chat's thinking; `text` is then its answer alone.
+    reasoning: str = ""
 
     @classmethod
     def failure(cls, request_id: str, error: RequestError) -> TextDelta:

@@ -27,6 +27,9 @@ class StructuredOutput(Message, kw_only=True, omit_defaults=True, forbid_unknown
     # has at most one space between tokens, as OpenAI's strict mode and vLLM's default xgrammar
     # backend behave.
     lenient: bool = False
+    # With --reasoning-parser: the grammar starts after one of these ids (`</think>`) has been
+    # generated, and constrains the answer alone; empty: from the first output token.
+    reasoning_end_token_ids: list[int] = []
 
     def validate(self) -> None:
         kinds = [self.json, self.json_object or None, self.regex, self.choice, self.grammar]

@@ -46,9 +46,11 @@ class GrammarMatchers:
         return self._tokenizer
 
     def matcher(self, spec: StructuredOutput, output_token_ids: list[int]) -> LLMatcher:
-        """A matcher for `spec` that has consumed `output_token_ids` (a resumed request's)."""
+        """A matcher for `spec` that has consumed `output_token_ids` (a resumed request's), or
+        their part past the reasoning's end (`grammar_input`)."""
         # grammar_of takes microseconds (text, no compile): nothing is cached per schema here.
         matcher = LLMatcher(self.tokenizer, grammar_of(spec), log_level=0, limits=parser_limits())
+        output_token_ids = grammar_input(spec, output_token_ids) or []
         if output_token_ids and not matcher.consume_tokens(output_token_ids):
             logger.warning("a resumed request's output does not match its grammar")
         return matcher
@@ -82,6 +84,18 @@ class GrammarMatchers:
                     self._eos_row = eos_only_row(self.eos_token_ids, self.width)
                 host[i] = self._eos_row
         return host.to(device, non_blocking=device.type == "cuda")
+
+
+def grammar_input(spec: StructuredOutput, output_token_ids: list[int]) -> list[int] | None:
+    """The output tokens `spec`'s grammar reads: all of them, or with reasoning end ids, those
+    after the first of them; None while the reasoning has not ended (the grammar waits)."""
+    ends = spec.reasoning_end_token_ids
+    if not ends:
+        return output_token_ids
+    for i, token_id in enumerate(output_token_ids):
+        if token_id in ends:
+            return output_token_ids[i + 1 :]
+    return None
 
 
 def eos_only_row(eos_token_ids: list[int], width: int) -> torch.Tensor:

@@ -376,11 +376,15 @@ class ModelRunner:
         still be sampling: it is waited for here, after this step's forward pass has been
         queued behind it, so the wait costs the device nothing.
         """
-        constrained = [(i, s) for i, s in enumerate(states) if s.matcher is not None]
+        with_grammar = [(i, s) for i, s in enumerate(states) if s.matcher is not None]
+        if not with_grammar:
+            return None
+        # A row still in its reasoning may have the reasoning's end in flight: waited for too.
+        if any(state.num_pending for _, state in with_grammar):
+            self._finish_in_flight()
+        constrained = [(i, s) for i, s in with_grammar if not s.grammar_waits]
         if not constrained:
             return None
-        if any(state.num_pending for _, state in constrained):
-            self._finish_in_flight()
         rows = [i for i, _ in constrained]
         bitmask = self.grammars.bitmask([s.matcher for _, s in constrained], self.device)
         # Pinned, as every upload here: from pageable memory the copy would wait for the forward

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from llguidance import LLMatcher
 
+from services.executor.runner.grammar import grammar_input
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.sampler import PendingSample, SamplingRow
 from services.executor.runner.step_buffers import PaddedShape
@@ -38,6 +39,9 @@ class RequestState:
     # Structured output: the grammar's state after the tokens above. NOTE: like penalties, its
     # next mask needs every token in flight on the host (see ModelRunner._token_bitmask).
     matcher: LLMatcher | None = field(default=None)
+    # With a reasoning parser, the grammar waits for the reasoning's end token: until then the
+    # row is free (and its matcher reads nothing).
+    grammar_waits: bool = field(default=False)
     # Prompt logprobs still to compute: not for a request resumed after its prompt was done.
     wants_prompt_logprobs: bool = field(default=False)
     lora_id: int = field(default=0)  # its LoRA adapter (0: the base model)
@@ -53,6 +57,10 @@ class RequestState:
             num_computed_tokens=data.num_computed_tokens,
             has_penalties=data.sampling_params.has_penalties,
             matcher=matcher,
+            grammar_waits=matcher is not None
+            and data.sampling_params.structured_output is not None
+            and grammar_input(data.sampling_params.structured_output, data.output_token_ids)
+            is None,
             wants_prompt_logprobs=data.sampling_params.prompt_logprobs is not None
             and not data.output_token_ids,
             lora_id=data.lora_id,
@@ -68,6 +76,10 @@ class RequestState:
         self.output_token_ids.append(token_id)
         self.num_pending -= 1
         if self.matcher is not None:
+            if self.grammar_waits:
+                spec = self.params.structured_output
+                self.grammar_waits = spec is None or token_id not in spec.reasoning_end_token_ids
+                return
             # A refused token (past the grammar's end, under ignore_eos) leaves the matcher in
             # its error state, whose mask allows EOS alone.
             self.matcher.consume_token(token_id)

@@ -36,6 +36,7 @@ class Prompt:
     echo: bool = False  # completions only: return the prompt before its completion
     tools: ToolRequest = field(default_factory=ToolRequest)  # chat only
     prompt_only: bool = False  # echo with max_tokens 0: the prompt alone comes back
+    chat_template_kwargs: dict[str, Any] | None = None  # chat only
 
     def request(
         self, request_id: str, params: SamplingParams, arrival_time: float, priority: int
@@ -54,6 +55,7 @@ class Prompt:
             tool_name=self.tools.name,
             parallel_tool_calls=self.tools.parallel,
             prompt_only=self.prompt_only,
+            chat_template_kwargs=self.chat_template_kwargs,
         )
 
 
@@ -138,7 +140,9 @@ def read_chat(body: ChatCompletionRequest) -> Inputs:
         max_tokens, body.num_logprobs, spec or tools.structured_output, body.prompt_logprobs
     )
     return Inputs(
-        prompts=[Prompt(messages=messages, tools=tools)],
+        prompts=[
+            Prompt(messages=messages, tools=tools, chat_template_kwargs=body.chat_template_kwargs)
+        ],
         params=params,
         logprobs=body.logprobs,
         priority=body.priority,

@@ -228,6 +228,9 @@ class ChatCompletionRequest(GenerateBody, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or named
     parallel_tool_calls: bool = True
+    # vLLM's: extra variables for the chat template (`{"enable_thinking": false}`); the
+    # tokenizer worker refuses those that would replace the template's own arguments.
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI fields this server does not serve: refused by name (check_unsupported), never
     # ignored, as their answers would silently differ from what was asked.
     functions: Any = None  # the legacy form of tools
@@ -272,6 +275,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: list[Message] | None = None
     tools: list[Tool] | None = None  # shown to the chat template, as a chat request's are
+    chat_template_kwargs: dict[str, Any] | None = None  # as a chat request's
     add_special_tokens: bool = True
 
     def chat_messages(self) -> list[ChatMessage] | None:

@@ -48,10 +48,13 @@ class Choice:
     tool_calls: dict[int, ToolCall] = field(default_factory=dict)  # by index
     prompt_logprobs: list[PromptTokenLogprob] | None = None
     stop_reason: str | None = None  # the stop string that ended it (vLLM's stop_reason)
+    reasoning: list[str] = field(default_factory=list)  # with --reasoning-parser
 
     def absorb(self, delta: TextDelta) -> None:
         self.num_deltas += 1
         self.text.append(delta.text)
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
         for piece in delta.tool_calls:
             call = self.tool_calls.get(piece.index)
             if call is None:
@@ -78,10 +81,21 @@ class Choice:
     def message(self) -> dict[str, Any]:
         """The whole assistant message: its content, and its tool calls if it made any."""
         content = "".join(self.text)
-        if not self.tool_calls:
-            return {"role": "assistant", "content": content}
-        calls = [self.tool_calls[i].as_openai() for i in sorted(self.tool_calls)]
-        return {"role": "assistant", "content": content or None, "tool_calls": calls}
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.reasoning:
+            message.update(_reasoning_fields("".join(self.reasoning)))
+        if self.tool_calls:
+            message["content"] = content or None
+            message["tool_calls"] = [
+                self.tool_calls[i].as_openai() for i in sorted(self.tool_calls)
+            ]
+        return message
+
+
+def _reasoning_fields(reasoning: str) -> dict[str, str]:
+    """A chat's thinking under both of vLLM's names: `reasoning` (vLLM 0.26 and later) and
+    `reasoning_content` (the older name, which DeepSeek's API and many clients read)."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
 
 
 def usage(choices: list[Choice], num_prompts: int) -> dict[str, Any]:
@@ -246,11 +260,15 @@ def chat_chunk(
     """`delta` was the last absorbed into `choice`; the first of each choice names the role.
     None when it brings nothing to say (text held back: a possible stop string, or a tool
     call's JSON not complete yet), as OpenAI sends no empty chunk."""
-    empty = not (delta.text or delta.tool_calls or delta.logprobs or delta.finish_reason)
-    if empty and choice.num_deltas > 1:
+    said = delta.text or delta.reasoning or delta.tool_calls or delta.logprobs
+    if not (said or delta.finish_reason) and choice.num_deltas > 1:
         return None
     message: dict[str, Any] = {"role": "assistant"} if choice.num_deltas == 1 else {}
-    message["content"] = delta.text if delta.text or not delta.tool_calls else None
+    # A piece of thinking alone has no content (null), as vLLM sends it.
+    alone = delta.tool_calls or (delta.reasoning and not delta.text)
+    message["content"] = delta.text if delta.text or not alone else None
+    if delta.reasoning:
+        message.update(_reasoning_fields(delta.reasoning))
     if delta.tool_calls:
         message["tool_calls"] = [_tool_call_chunk(piece) for piece in delta.tool_calls]
     return {

@@ -37,6 +37,7 @@ async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
             messages=messages,
             add_special_tokens=body.add_special_tokens,
             tools=tools,
+            chat_template_kwargs=body.chat_template_kwargs,
         ),
     )
     return {
