@@ -396,7 +396,9 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
             logprobs = result.logprobs.get(request_id)
-            outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
+            output = self._output(request, [token_id], [logprobs] if logprobs else [])
+            output.embedding = result.embeddings.get(request_id)
+            outputs.append(output)
         return outputs
 
     def _ends_with_pending(self, request: Request) -> bool:

@@ -89,7 +89,7 @@ class TokenizerWorker:
         if params.structured_output is not None:
             self._grammar_checker(params.structured_output.source).check(params.structured_output)
         detokenizer = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not params.embed:  # an embedding has no text
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
@@ -102,7 +102,7 @@ class TokenizerWorker:
             echo_prompt_ids=token_ids if request.echo else None,
             tool_calls=self._tool_call_reader(request),
             prompt_token_ids=token_ids if params.prompt_logprobs is not None else None,
-            prompt_only=request.prompt_only,
+            prompt_only=request.prompt_only or params.embed,
         )
         return EngineRequest(
             request_id=request.request_id,
@@ -267,6 +267,7 @@ class TokenizerWorker:
             error=output.error,
             tool_calls=tool_calls,
             stop_reason=detokenizer.stop_hit if detokenizer is not None and finish else None,
+            embedding=output.embedding,
         )
         if live.echo_prompt_ids is not None:
             delta.prompt_token_ids = live.echo_prompt_ids

@@ -60,6 +60,15 @@ class ConfigFields:
     max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."
     )
+    task: str = option(
+        "auto",
+        "model",
+        "What the model serves: generate (completions, chat) or embed (/v1/embeddings, "
+        "LLM.embed: the prompt's pooled last hidden states). auto: embed for a folder with "
+        "sentence-transformers modules (modules.json) or a bare ...Model architecture, else "
+        "generate. vLLM's --runner pooling / --convert embed mean embed.",
+        ("auto", "generate", "embed"),
+    )
     # -- LoRA
     enable_lora: bool = option(
         False, "lora", "Serve LoRA adapters (PEFT format) beside the base model."

@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 class Message(msgspec.Struct, gc=False):

@@ -135,6 +135,7 @@ class TextDelta(Message, tag=True, kw_only=True):
     tool_calls: list[ToolCallDelta] = []  # `text` is then the content beside them
     prompt_logprobs: list[PromptTokenLogprob] | None = None  # the first delta, when asked
     stop_reason: str | None = None  # with finish_reason STOP: the stop string that ended it
+    embedding: list[float] | None = None  # the last delta of an embed request
 
     @classmethod
     def failure(cls, request_id: str, error: RequestError) -> TextDelta:
