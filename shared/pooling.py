@@ -6,13 +6,14 @@ The frontend, the offline `LLM` and the executor all read it; none of them needs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.model_config import ModelSource
+from shared.model_config import ModelSource, resolve_model_source
 from shared.protocol.base import require
 
 POOLING_TYPES = ("last", "mean", "cls")
@@ -37,6 +38,7 @@ class PoolingConfig:
     pooling_type: str = "last"  # vLLM's default for decoder embedding models
     normalize: bool = True
     matryoshka: bool = False
+    num_dimensions: int | None = None  # the vector's length (hidden_size), where known
 
 
 def _read_json(path: Path) -> Any:
@@ -72,7 +74,9 @@ def load_pooling_config(source: ModelSource) -> PoolingConfig:
     found = _sentence_transformers(source.path) or PoolingConfig()
     config = _read_json(source.path / "config.json") or {}
     matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
-    return PoolingConfig(found.pooling_type, found.normalize, matryoshka)
+    hidden = config.get("hidden_size")
+    num_dimensions = hidden if isinstance(hidden, int) else None
+    return PoolingConfig(found.pooling_type, found.normalize, matryoshka, num_dimensions)
 
 
 def is_embedding_model(source: ModelSource) -> bool:
@@ -95,14 +99,36 @@ def resolve_task(task: str, source: ModelSource) -> str:
     return "embed" if is_embedding_model(source) else "generate"
 
 
+def served_pooling(task: str, model: str | None) -> PoolingConfig | None:
+    """What a frontend serves: an embedding model's pooling, or None for a generate model. A
+    frontend without the model's files (started alone) serves `--task embed` with defaults."""
+    if task == "generate":
+        return None
+    try:
+        source = resolve_model_source(model)
+    except FileNotFoundError:
+        return PoolingConfig() if task == "embed" else None
+    return load_pooling_config(source) if resolve_task(task, source) == "embed" else None
+
+
+def check_dimensions(dimensions: int | None, config: PoolingConfig) -> None:
+    """Raise ParameterError (the `dimensions` field) unless the model gives vectors of
+    `dimensions` values: its own length, or a shorter one of a Matryoshka model."""
+    if dimensions is None or dimensions == config.num_dimensions:
+        return
+    require(config.matryoshka, "dimensions", "this model does not support shorter embeddings")
+    top = config.num_dimensions
+    require(dimensions >= 1, "dimensions", "must be >= 1")
+    require(top is None or dimensions <= top, "dimensions", f"must be in [1, {top}]")
+
+
 def shorten(vector: list[float], dimensions: int | None, config: PoolingConfig) -> list[float]:
     """The first `dimensions` values of an embedding, renormalized (a Matryoshka model's
     shorter embedding); the whole vector for None. Raises ParameterError (the `dimensions`
     field) where the model does not allow it or the number is out of range."""
     if dimensions is None or dimensions == len(vector):
         return vector
-    require(config.matryoshka, "dimensions", "this model does not support shorter embeddings")
-    require(1 <= dimensions <= len(vector), "dimensions", f"must be in [1, {len(vector)}]")
+    check_dimensions(dimensions, dataclasses.replace(config, num_dimensions=len(vector)))
     head = vector[:dimensions]
     if not config.normalize:
         return head
