@@ -14,11 +14,13 @@ from tests.integration.tiny_models import FAMILIES, TINY
 ST_FLAGS = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens"}
 
 
-def make_tiny_embedding_model() -> transformers.PreTrainedModel:
-    """The bare tiny Qwen3 decoder, float32, random weights (norms too) from seed 0."""
+def make_tiny_embedding_model(vocab_size: int | None = None) -> transformers.PreTrainedModel:
+    """The bare tiny Qwen3 decoder, float32, random weights (norms too) from seed 0; with
+    `vocab_size` (a real tokenizer's), a context of 2,048."""
     config_cls, extra = FAMILIES["qwen3"]
     torch.manual_seed(0)
-    config = config_cls(**{**TINY, **extra})
+    sized = {} if vocab_size is None else dict(vocab_size=vocab_size, max_position_embeddings=2048)
+    config = config_cls(**{**TINY, **extra, **sized})
     model = transformers.AutoModel.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # random norms, or the final norm would be tested at 1.0 only
         for name, param in model.named_parameters():
@@ -28,13 +30,20 @@ def make_tiny_embedding_model() -> transformers.PreTrainedModel:
 
 
 def save_tiny_embedding_model(
-    folder: Path, pooling: str = "last", normalize: bool = True, matryoshka: bool = False
+    folder: Path,
+    pooling: str = "last",
+    normalize: bool = True,
+    matryoshka: bool = False,
+    tokenizer: transformers.PreTrainedTokenizerBase | None = None,
 ) -> Path:
-    """Save the model to `folder` with sentence-transformers files for `pooling`."""
-    model = make_tiny_embedding_model()
+    """Save the model to `folder` with sentence-transformers files for `pooling` (and the
+    tokenizer, whose vocabulary the model then takes)."""
+    model = make_tiny_embedding_model(None if tokenizer is None else len(tokenizer))
     if matryoshka:
         model.config.matryoshka_dimensions = [16, 32, 64]
     model.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {
