@@ -61,6 +61,14 @@ def create_app(
     metrics_guards = [] if config.metrics_without_auth else [Depends(authorize)]
     app.include_router(info.metrics_router, dependencies=metrics_guards)
     app.include_router(tokenize.router, dependencies=[Depends(admit)])
+    if config.enable_tokenizer_info_endpoint:
+        app.add_api_route(
+            "/tokenizer_info",
+            tokenize.tokenizer_info,
+            methods=["GET"],
+            dependencies=[Depends(authorize)],
+            openapi_extra=openapi.errors(401, 503),
+        )
     app.include_router(generate.router, dependencies=[Depends(admit)])
     app.include_router(responses.router, dependencies=[Depends(admit)])
     app.include_router(responses.stored_router, dependencies=[Depends(authorize)])

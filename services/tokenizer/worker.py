@@ -22,6 +22,7 @@ from llguidance import LLTokenizer
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
+from services.tokenizer.tokenizer_info import tokenizer_info
 from services.tokenizer.tool_calls import ToolCallReader
 from shared.grammar import GrammarChecker, llg_tokenizer
 from shared.hf_tokenizer import apply_chat_template, decode, encode
@@ -188,6 +189,9 @@ class TokenizerWorker:
     def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
         """/tokenize (text or messages to ids) and /detokenize (ids to text)."""
         try:
+            if request.info:
+                info = tokenizer_info(self._require_tokenizer("tokenizer"))
+                return TokenizeResult(request_id=request.request_id, text=info)
             if request.token_ids is not None:
                 text = decode(self._require_tokenizer("tokens"), request.token_ids)
                 return TokenizeResult(

@@ -229,6 +229,12 @@ class ConfigFields:
     enable_log_requests: bool = option(
         False, "server", "Log one line per API request (route, status, tokens, duration)."
     )
+    enable_tokenizer_info_endpoint: bool = option(
+        False,
+        "server",
+        "Serve GET /tokenizer_info: the tokenizer's configuration, chat template included "
+        "(off by default, as in vLLM: a template may be private).",
+    )
     enable_auto_tool_choice: bool = option(
         False,
         "server",

@@ -65,7 +65,7 @@ class GenerateRequest(Message, tag=True, kw_only=True):
 
 
 class TokenizeRequest(Message, tag=True, kw_only=True):
-    """/tokenize (text or messages -> ids) and /detokenize (ids -> text)."""
+    """/tokenize (text or messages -> ids), /detokenize (ids -> text) and /tokenizer_info."""
 
     request_id: str
     prompt: str | None = None
@@ -73,6 +73,8 @@ class TokenizeRequest(Message, tag=True, kw_only=True):
     token_ids: list[int] | None = None
     add_special_tokens: bool = True
     tools: list[ToolDefinition] | None = None  # given to the chat template with messages
+    # /tokenizer_info: the answer's `text` is the tokenizer's configuration, as JSON text.
+    info: bool = False
 
 
 class TokenizeResult(Message, tag=True, kw_only=True):

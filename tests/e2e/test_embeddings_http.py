@@ -1,5 +1,6 @@
 """/v1/embeddings over HTTP with the official client: the same vectors as `LLM.embed` on the same
-engine cores, in float and base64, batched, from text and token ids, and no KV held after."""
+engine cores, in float and base64, batched, from text and token ids, and no KV held after;
+and /tokenizer_info."""
 
 from __future__ import annotations
 
@@ -30,7 +31,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Pa
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[Server]:
     # Chunks of 16 tokens: the longer texts are pooled across steps.
-    server = start_server(str(model_dir), "--max-num-batched-tokens", "16")
+    server = start_server(
+        str(model_dir), "--max-num-batched-tokens", "16", "--enable-tokenizer-info-endpoint"
+    )
     yield server
     server.stop()
 
@@ -77,6 +80,14 @@ def test_token_ids_and_dimensions(server: Server, offline: LLM) -> None:
 def test_generating_on_an_embedding_model_is_a_400(server: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="/v1/embeddings"):
         server.client().completions.create(model=model_name(server), prompt="hi")
+
+
+def test_tokenizer_info(server: Server, smollm2_tokenizer) -> None:
+    assert httpx.get(f"{server.url}/tokenizer_info").status_code == 401  # behind the key
+    info = httpx.get(f"{server.url}/tokenizer_info", headers=server.headers()).json()
+    assert info["tokenizer_class"] == type(smollm2_tokenizer).__name__
+    assert info["eos_token"] == smollm2_tokenizer.eos_token
+    assert info["chat_template"] == smollm2_tokenizer.chat_template
 
 
 def model_name(server: Server) -> str:
