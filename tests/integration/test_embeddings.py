@@ -53,6 +53,7 @@ def test_embeddings_match_transformers(pooled_model, setting: str) -> None:
     stats = llm.stats()
     assert stats.kv_usage == 0.0 and stats.num_running == 0
     assert stats.prefix_cache_hits == 0
+    assert stats.num_generation_tokens == 0  # the token computed with each embedding is dropped
 
 
 def test_embed_and_generate_refuse_the_other_task(pooled_model, tiny_llama_dir: Path) -> None:
@@ -77,6 +78,18 @@ def test_dimensions_need_a_matryoshka_model(tmp_path: Path) -> None:
     [short] = llm.embed([[5, 6, 7]], dimensions=16)
     head = torch.nn.functional.normalize(torch.tensor(full.embedding[:16]), dim=0)
     assert torch.allclose(torch.tensor(short.embedding), head, atol=1e-6)
+
+
+def test_a_prompt_may_fill_the_context(tmp_path: Path) -> None:
+    """No token follows an embedding's prompt, so it may take all of max_model_len."""
+    folder = save_tiny_embedding_model(tmp_path / "m")
+    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=64)
+    prompt = list(range(10, 74))
+    [result] = llm.embed(prompt)
+    [expected] = reference_embeddings(make_tiny_embedding_model(), [prompt], "last", True)
+    assert min(cosines([result.embedding], [expected])) >= 1 - 1e-3
+    with pytest.raises(ParameterError, match="prompt"):
+        llm.embed([*prompt, 5])
 
 
 def test_task_embed_forces_a_causal_lm_to_embed(tiny_llama_dir: Path) -> None:
