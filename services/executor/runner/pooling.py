@@ -42,7 +42,8 @@ def pool_chunk(
     if start + count < num_prompt:
         return None
     if config.pooling_type == "last":
-        vector = chunk[num_prompt - 1 - start]  # [hidden]
+        # A copy: on a float32 model `chunk` is a view of the step's (reused) hidden states.
+        vector = chunk[num_prompt - 1 - start].clone()  # [hidden]
     elif config.pooling_type == "mean":
         assert state.pooled is not None
         vector = state.pooled / num_prompt
