@@ -18,7 +18,13 @@ from tests.integration.tiny_embedding import (
 from tests.integration.tiny_models import make_prompts
 
 # Chunks of 16 split every prompt past 16 tokens across steps: pooling must span them.
-SETTINGS = {"whole prompts": {}, "chunked prefill 16": dict(max_num_batched_tokens=16)}
+# A pool of 6 blocks of 16 holds one or two prompts at once: the others wait, or are preempted
+# in the middle of their prompt and pooled again from its start.
+SETTINGS = {
+    "whole prompts": {},
+    "chunked prefill 16": dict(max_num_batched_tokens=16),
+    "small pool": dict(max_num_batched_tokens=32, num_gpu_blocks_override=6, block_size=16),
+}
 
 
 @pytest.fixture(scope="module", params=["last", "mean"])
@@ -54,6 +60,8 @@ def test_embeddings_match_transformers(pooled_model, setting: str) -> None:
     assert stats.kv_usage == 0.0 and stats.num_running == 0
     assert stats.prefix_cache_hits == 0
     assert stats.num_generation_tokens == 0  # the token computed with each embedding is dropped
+    if setting == "small pool":
+        assert stats.num_preemptions > 0
 
 
 def test_embed_and_generate_refuse_the_other_task(pooled_model, tiny_llama_dir: Path) -> None:
