@@ -12,7 +12,7 @@ that drive steps one by one, as the benchmarks do.
 
 from kvflow.llm import LLM
 from kvflow.lora_request import LoRARequest
-from kvflow.outputs import Completion, GenerationResult
+from kvflow.outputs import Completion, EmbeddingResult, GenerationResult
 from services.scheduler.engine_core import EngineCore
 from shared.protocol import EngineRequest, SamplingParams, TokenLogprob, TopLogprob
 from shared.version import VERSION as __version__
@@ -20,6 +20,7 @@ from shared.version import VERSION as __version__
 __all__ = [
     "LLM",
     "Completion",
+    "EmbeddingResult",
     "EngineCore",
     "EngineRequest",
     "GenerationResult",

@@ -17,7 +17,7 @@ import msgspec
 
 from kvflow.data_parallel import OtherReplicas, share_cpu_threads
 from kvflow.lora_request import LoRARequest
-from kvflow.outputs import Completion, GenerationResult
+from kvflow.outputs import Completion, EmbeddingResult, GenerationResult
 from kvflow.progress import Progress, ProgressSink
 from services.executor.rank_group import start_runner
 from services.executor.runner.plan_check import PlanError
@@ -29,6 +29,7 @@ from services.scheduler.scheduler import Scheduler
 from services.tokenizer.worker import TokenizerWorker
 from shared.config import OFFLINE_DEFAULTS, Config
 from shared.hf_tokenizer import load_tokenizer
+from shared.pooling import shorten
 from shared.protocol import (
     ChatMessage,
     GenerateRequest,
@@ -68,6 +69,7 @@ class LLM:
             scheduler_config(self.config, ready), max_queued_requests=None, max_queued_tokens=None
         )
         self.engine = EngineCore(Scheduler(settings), self.runner)
+        self.task = self.runner.task  # "generate" or "embed" (shared/pooling.py)
         for lora_id in range(1, len(ready.lora_modules) + 1):  # --lora-modules: ids 1, 2, ...
             self.engine.scheduler.add_lora(lora_id)
         self.worker = TokenizerWorker(
@@ -103,18 +105,39 @@ class LLM:
         `lora_request`, the LoRA adapter a prompt runs under (None: the base model; needs
         `enable_lora=True`).
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [cast(Prompt, prompts)]
-        requests = [
-            GenerateRequest(
-                request_id="",
-                sampling_params=SamplingParams(),
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=None if isinstance(prompt, str) else list(cast(list[int], prompt)),
-            )
-            for prompt in prompts
-        ]
+        self._require_task("generate")
+        requests = _prompt_requests(prompts)
         return self._run(requests, sampling_params, lora_request, show_progress)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        dimensions: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        show_progress: bool = False,
+    ) -> list[EmbeddingResult]:
+        """The embedding of every prompt (text or token ids), pooled as the model defines
+        (shared/pooling.py), in one continuous batch. `dimensions`: a Matryoshka model's
+        shorter vectors (truncated and renormalized)."""
+        self._require_task("embed")
+        requests = _prompt_requests(prompts)
+        params = SamplingParams(embed=True, max_tokens=1, temperature=0.0)
+        results = self._run(requests, params, lora_request, show_progress)
+        embeddings = []
+        for result in results:
+            if result.embedding is None:  # ended without one (finish_reason says why)
+                raise RuntimeError(f"a prompt ended with {result.finish_reason}, not embedded")
+            vector = shorten(result.embedding, dimensions, self.runner.pooling)
+            embeddings.append(EmbeddingResult(result.prompt, result.prompt_token_ids, vector))
+        return embeddings
+
+    def _require_task(self, task: str) -> None:
+        if self.task != task:
+            raise ParameterError(
+                "task",
+                f"this model is loaded for {self.task}, not {task} (LLM(..., task={task!r}))",
+            )
 
     def chat(
         self,
@@ -134,6 +157,7 @@ class LLM:
         template variables (`{"enable_thinking": False}`). With `reasoning_parser` set, a
         completion's `text` is the answer and its `reasoning` the thinking.
         """
+        self._require_task("generate")
         definitions = _tool_definitions(tools)
         requests = [
             GenerateRequest(
@@ -263,6 +287,8 @@ class LLM:
                 completion.absorb(delta)
                 if delta.prompt_logprobs is not None:
                     result.prompt_logprobs = delta.prompt_logprobs
+                if delta.embedding is not None:
+                    result.embedding = delta.embedding
                 num_tokens += len(delta.token_ids)
                 if delta.finish_reason is not None:
                     result.num_cached_tokens = max(
@@ -272,6 +298,21 @@ class LLM:
                     num_done += 1
             progress.update(num_tokens, num_done)
         progress.close()
+
+
+def _prompt_requests(prompts: Prompt | Sequence[Prompt]) -> list[GenerateRequest]:
+    """One request per prompt (a single prompt, text or token ids, is a batch of one)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [cast(Prompt, prompts)]
+    return [
+        GenerateRequest(
+            request_id="",
+            sampling_params=SamplingParams(),
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=None if isinstance(prompt, str) else list(prompt),
+        )
+        for prompt in cast(Sequence[Prompt], prompts)
+    ]
 
 
 def _per_prompt_loras(

@@ -40,6 +40,7 @@ class GenerationResult:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     # With SamplingParams.prompt_logprobs: each prompt token, the first without a logprob.
     prompt_logprobs: list[PromptTokenLogprob] | None = None
+    embedding: list[float] | None = None  # an embed request's pooled prompt
 
     @property
     def text(self) -> str:
@@ -52,3 +53,12 @@ class GenerationResult:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+
+@dataclass
+class EmbeddingResult:
+    """What `LLM.embed` returns for one prompt."""
+
+    prompt: str | None  # the prompt's text, when it was given as text
+    prompt_token_ids: list[int]
+    embedding: list[float]

@@ -22,21 +22,34 @@ from services.frontend.engine.client import EngineClient
 from services.frontend.metrics.prometheus import Metrics
 from services.frontend.metrics.request_log import RequestLog
 from services.frontend.metrics.share import MetricsShare
-from services.frontend.routes import generate, info, lora, messages, openapi, responses, tokenize
+from services.frontend.routes import (
+    embeddings,
+    generate,
+    info,
+    lora,
+    messages,
+    openapi,
+    responses,
+    tokenize,
+)
 from services.frontend.routes.guards import admit, authorize, load_api_keys
 from services.frontend.routes.state import FrontendState
 from shared.config import Config
+from shared.pooling import PoolingConfig
 from shared.version import VERSION
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI:
+def create_app(
+    config: Config, engine: EngineClient, model_name: str, pooling: PoolingConfig | None = None
+) -> FastAPI:
+    """`pooling`: an embedding model's (shared/pooling.py); None: the model generates."""
     # FastAPI's own /openapi.json and /docs need no key; the document is served by
     # info.router instead, behind the key like /v1/models (see routes/info.py).
     app = FastAPI(title="kvflow", version=VERSION, openapi_url=None, docs_url=None, redoc_url=None)
     openapi.install(app)
-    served = Served(model_name, RequestLimits.of(config), config.request_timeout)
+    served = Served(model_name, RequestLimits.of(config), config.request_timeout, pooling)
     share = MetricsShare(config.metrics_share_dir) if config.metrics_share_dir else None
     app.state.frontend = FrontendState(
         config, engine, model_name, Metrics(model_name), served, load_api_keys(config),
@@ -50,10 +63,19 @@ def create_app(config: Config, engine: EngineClient, model_name: str) -> FastAPI
     metrics_guards = [] if config.metrics_without_auth else [Depends(authorize)]
     app.include_router(info.metrics_router, dependencies=metrics_guards)
     app.include_router(tokenize.router, dependencies=[Depends(admit)])
+    if config.enable_tokenizer_info_endpoint:
+        app.add_api_route(
+            "/tokenizer_info",
+            tokenize.tokenizer_info,
+            methods=["GET"],
+            dependencies=[Depends(authorize)],
+            openapi_extra=openapi.errors(401, 503),
+        )
     app.include_router(generate.router, dependencies=[Depends(admit)])
     app.include_router(responses.router, dependencies=[Depends(admit)])
     app.include_router(messages.router, dependencies=[Depends(admit)])
     app.include_router(responses.stored_router, dependencies=[Depends(authorize)])
+    app.include_router(embeddings.router, dependencies=[Depends(admit)])
     if config.allow_runtime_lora_updating:
         app.include_router(lora.router, dependencies=[Depends(admit)])
     if config.enable_log_requests:

@@ -21,6 +21,7 @@ from services.frontend.routes.state import FrontendState
 from shared.config import Config
 from shared.constants import DRAIN_ERROR_GRACE_S
 from shared.model_config import resolve_model_source
+from shared.pooling import served_pooling
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def run_frontend(config: Config) -> None:
     if config.ready_file is not None:  # one left by a previous process is not true now
         Path(config.ready_file).unlink(missing_ok=True)
     engine = EngineClient(config)
-    app = create_app(config, engine, model_name)
+    app = create_app(config, engine, model_name, served_pooling(config.task, config.model))
     state: FrontendState = app.state.frontend
     in_flight = InFlightCounter(app)
     server = DrainingServer(

@@ -32,9 +32,11 @@ class KVCacheManager:
 
         NOTE: at least one token is always left to compute, because the step that
         computes the last token is the one that produces the next token's logits. A request
-        that asks for prompt logprobs computes its whole prompt: they come from its logits.
+        that asks for prompt logprobs computes its whole prompt: they come from its logits; so
+        does an embed request, whose pooling may read every position's hidden state.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+        params = request.sampling_params
+        if not self.enable_prefix_caching or params.prompt_logprobs is not None or params.embed:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []

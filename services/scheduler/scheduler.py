@@ -137,6 +137,8 @@ class Scheduler:
         ):
             raise ParameterError("prompt", f"token ids must be in [0, {cfg.vocab_size})")
         room = cfg.max_model_len - num_prompt
+        if params.embed and room >= 0:
+            return 1  # an embedding computes its prompt and nothing past it
         if room < 1:
             raise ParameterError(
                 "prompt",
@@ -389,14 +391,16 @@ class Scheduler:
             if request is None or token_id is None:
                 continue  # finished meanwhile, or a prompt chunk that samples nothing
             request.append_output(token_id)
-            self.num_generation_tokens += 1
+            self.num_generation_tokens += not request.sampling_params.embed  # dropped there
             if request.num_output_tokens == 1:
                 self.num_prompt_tokens += request.num_prompt_tokens
             reason = self._stop_reason(request, token_id)
             if reason is not None:
                 self._finish(request, reason)
             logprobs = result.logprobs.get(request_id)
-            outputs.append(self._output(request, [token_id], [logprobs] if logprobs else []))
+            output = self._output(request, [token_id], [logprobs] if logprobs else [])
+            output.embedding = result.embeddings.get(request_id)
+            outputs.append(output)
         return outputs
 
     def _ends_with_pending(self, request: Request) -> bool:

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
 from services.tokenizer.reasoning import THINK_END, ReasoningReader, starts_in_reasoning
 from services.tokenizer.stop_strings import StopStrings
+from services.tokenizer.tokenizer_info import tokenizer_info
 from services.tokenizer.tool_calls import ToolCallReader
 from shared.grammar import GrammarChecker, llg_tokenizer
 from shared.hf_tokenizer import RESERVED_TEMPLATE_KWARGS, apply_chat_template, decode, encode
@@ -98,7 +99,7 @@ class TokenizerWorker:
         if reasoning is not None and params.structured_output is not None:
             params = self._grammar_after_thinking(params, token_ids)
         detokenizer = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not params.embed:  # an embedding has no text
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
@@ -112,7 +113,7 @@ class TokenizerWorker:
             echo_prompt_ids=token_ids if request.echo else None,
             tool_calls=self._tool_call_reader(request),
             prompt_token_ids=token_ids if params.prompt_logprobs is not None else None,
-            prompt_only=request.prompt_only,
+            prompt_only=request.prompt_only or params.embed,
             reasoning=reasoning,
             answer_stops=None if reasoning is None else StopStrings(params.stop),
         )
@@ -237,6 +238,9 @@ class TokenizerWorker:
     def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
         """/tokenize (text or messages to ids) and /detokenize (ids to text)."""
         try:
+            if request.info:
+                info = tokenizer_info(self._require_tokenizer("tokenizer"))
+                return TokenizeResult(request_id=request.request_id, text=info)
             if request.token_ids is not None:
                 text = decode(self._require_tokenizer("tokens"), request.token_ids)
                 return TokenizeResult(
@@ -320,6 +324,7 @@ class TokenizerWorker:
             tool_calls=tool_calls,
             stop_reason=_stop_hit(live) if finish else None,
             reasoning=reasoning,
+            embedding=output.embedding,
         )
         if live.echo_prompt_ids is not None:
             delta.prompt_token_ids = live.echo_prompt_ids

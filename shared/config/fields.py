@@ -60,6 +60,15 @@ class ConfigFields:
     max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."
     )
+    task: str = option(
+        "auto",
+        "model",
+        "What the model serves: generate (completions, chat) or embed (/v1/embeddings, "
+        "LLM.embed: the prompt's pooled last hidden states). auto: embed for a folder with "
+        "sentence-transformers modules (modules.json) or a bare ...Model architecture, else "
+        "generate. vLLM's --runner pooling / --convert embed mean embed.",
+        ("auto", "generate", "embed"),
+    )
     # -- LoRA
     enable_lora: bool = option(
         False, "lora", "Serve LoRA adapters (PEFT format) beside the base model."
@@ -219,6 +228,12 @@ class ConfigFields:
     )
     enable_log_requests: bool = option(
         False, "server", "Log one line per API request (route, status, tokens, duration)."
+    )
+    enable_tokenizer_info_endpoint: bool = option(
+        False,
+        "server",
+        "Serve GET /tokenizer_info: the tokenizer's configuration, chat template included "
+        "(off by default, as in vLLM: a template may be private).",
     )
     enable_auto_tool_choice: bool = option(
         False,

@@ -137,6 +137,7 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     logprobs: dict[str, TokenLogprobs] = {}
     device_ms: float = 0.0  # how long the step kept the device busy (0 where not measured)
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # for requests with prompt_logprobs
+    embeddings: dict[str, list[float]] = {}  # pooled prompts, for requests with embed
 
 
 # ------------------------------------------------------------- outputs out
@@ -154,6 +155,7 @@ class RequestOutput(Message, tag=True, kw_only=True):
     num_cached_tokens: int = 0
     # With the first output of a request with prompt_logprobs: prompt tokens 1..n-1.
     prompt_logprobs: list[TokenLogprobs] = []
+    embedding: list[float] | None = None  # with the output of a request with embed
 
     @property
     def finished(self) -> bool:

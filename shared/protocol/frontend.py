@@ -69,7 +69,7 @@ class GenerateRequest(Message, tag=True, kw_only=True):
 
 
 class TokenizeRequest(Message, tag=True, kw_only=True):
-    """/tokenize (text or messages -> ids) and /detokenize (ids -> text)."""
+    """/tokenize (text or messages -> ids), /detokenize (ids -> text) and /tokenizer_info."""
 
     request_id: str
     prompt: str | None = None
@@ -78,6 +78,8 @@ class TokenizeRequest(Message, tag=True, kw_only=True):
     add_special_tokens: bool = True
     tools: list[ToolDefinition] | None = None  # given to the chat template with messages
     chat_template_kwargs: dict[str, Any] | None = None  # as a GenerateRequest's
+    # /tokenizer_info: the answer's `text` is the tokenizer's configuration, as JSON text.
+    info: bool = False
 
 
 class TokenizeResult(Message, tag=True, kw_only=True):
@@ -142,6 +144,7 @@ class TextDelta(Message, tag=True, kw_only=True):
     stop_reason: str | None = None  # with finish_reason STOP: the stop string that ended it
     # With --reasoning-parser, a chat's thinking; `text` is then its answer alone.
     reasoning: str = ""
+    embedding: list[float] | None = None  # the last delta of an embed request
 
     @classmethod
     def failure(cls, request_id: str, error: RequestError) -> TextDelta:

@@ -65,6 +65,10 @@ class SamplingParams(Message, kw_only=True, omit_defaults=True):
     # Logprobs of the prompt's tokens (each given the ones before it) and this many top
     # alternatives; the first token has none. Such a request reads no prefix cache.
     prompt_logprobs: int | None = None
+    # An embedding: the prompt's pooled final hidden state comes back with the request's one
+    # output (its sampled token is dropped). Such a request reads no prefix cache: mean pooling
+    # needs every position's hidden state.
+    embed: bool = False
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ParameterError naming the first invalid parameter."""
@@ -89,6 +93,8 @@ class SamplingParams(Message, kw_only=True, omit_defaults=True):
             "must be >= 0",
         )
         require(self.n >= 1, "n", "must be >= 1")
+        # An embedding is made by the step that would sample the first token, which ends it.
+        require(not self.embed or self.max_tokens == 1, "max_tokens", "must be 1 with embed")
         if self.structured_output is not None:
             self.structured_output.validate()
             # Once the grammar is complete only EOS is allowed, which min_tokens would forbid.

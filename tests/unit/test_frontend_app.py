@@ -88,6 +88,7 @@ def test_ready_says_starting_then_loading_then_ready_while_health_says_alive(app
         ("POST", "/detokenize"),
         ("POST", "/v1/completions"),
         ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/embeddings"),
     ],
 )
 def test_every_route_but_the_probes_needs_the_key(app: App, method: str, path: str) -> None:

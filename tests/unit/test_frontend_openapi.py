@@ -13,6 +13,7 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
+from services.frontend.api.embeddings import EmbeddingRequest
 from services.frontend.api.errors import APIError, queue_full
 from services.frontend.api.openai_types import (
     ChatCompletionRequest,
@@ -20,6 +21,7 @@ from services.frontend.api.openai_types import (
     DetokenizeBody,
     TokenizeBody,
 )
+from services.frontend.api.responses_request import ResponsesRequest
 from services.frontend.app import create_app
 from services.frontend.engine.client import EngineClient
 from services.frontend.routes.openapi import ErrorBody
@@ -32,6 +34,8 @@ BODIES = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/tokenize": TokenizeBody,
     "/detokenize": DetokenizeBody,
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/responses": ResponsesRequest,
 }
 _addresses = itertools.count()
 

@@ -4,6 +4,7 @@ model without a tokenizer."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -164,3 +165,13 @@ def test_the_servers_json_rule_travels_with_the_structured_output(
     structured = admitted.sampling_params.structured_output
     assert structured is not None and structured.lenient is lenient
     assert structured.json == spec.json
+
+
+def test_tokenizer_info_is_the_tokenizer_config_as_json(smollm2_tokenizer) -> None:
+    answer = make_worker(smollm2_tokenizer).tokenize(TokenizeRequest(request_id="t", info=True))
+    info = json.loads(answer.text)
+    assert info["tokenizer_class"] == type(smollm2_tokenizer).__name__
+    assert info["eos_token"] == smollm2_tokenizer.eos_token
+    assert info["chat_template"] == smollm2_tokenizer.chat_template
+    assert info["vocab_size"] == len(smollm2_tokenizer)
+    assert make_worker(None).tokenize(TokenizeRequest(request_id="t", info=True)).error is not None

@@ -4,6 +4,7 @@ each step's plan into one forward pass and one batched sampling call."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections import deque
 
@@ -28,6 +29,7 @@ from services.executor.runner.kv_cache import (
 )
 from services.executor.runner.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.runner.plan_relay import PlanRelay
+from services.executor.runner.pooling import pool_chunk
 from services.executor.runner.prompt_logprobs import prompt_logprobs
 from services.executor.runner.sampler import (
     Sampler,
@@ -48,6 +50,7 @@ from shared.model_config import (
     load_model_config,
     resolve_model_source,
 )
+from shared.pooling import load_pooling_config, resolve_task
 from shared.protocol import (
     PROTOCOL_VERSION,
     AddLoraAdapter,
@@ -124,6 +127,12 @@ class ModelRunner:
         self.source: ModelSource = resolve_model_source(config.model)
         self.model_config: ModelConfig = load_model_config(self.source)
         self.max_model_len = derive_max_model_len(config.max_model_len, self.model_config)
+        self.task = resolve_task(config.task, self.source)
+        self.pooling = load_pooling_config(self.source)  # for embed requests
+        if self.task == "embed":
+            # Its sampled token is dropped, so the lm_head is never read: tied to the embedding,
+            # it needs no weights (embedding checkpoints, as AutoModel saves them, have none).
+            self.model_config = dataclasses.replace(self.model_config, tie_word_embeddings=True)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if not config.disable_custom_all_reduce:
             hidden, vocab = self.model_config.hidden_size, self.model_config.vocab_size
@@ -329,6 +338,12 @@ class ModelRunner:
             prompt_logprobs(self.model, hidden, self.requests[rows[0]], *rows)
             for rows in prepared.prompt_rows
         ]
+        pooled = [
+            (rows[0], vector)
+            for rows in prepared.pool_rows
+            if (vector := pool_chunk(self.pooling, hidden, self.requests[rows[0]], *rows[1:]))
+            is not None
+        ]
         span = DeviceSpan(started, DeviceSpan.mark(self.device))
         self._in_flight.append(
             InFlightStep(
@@ -339,6 +354,7 @@ class ModelRunner:
                 forward_done,
                 span,
                 prompt_parts=prompt_parts,
+                pooled=pooled,
             )
         )
 

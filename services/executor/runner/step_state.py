@@ -45,6 +45,8 @@ class RequestState:
     # Prompt logprobs still to compute: not for a request resumed after its prompt was done.
     wants_prompt_logprobs: bool = field(default=False)
     lora_id: int = field(default=0)  # its LoRA adapter (0: the base model)
+    # An embed request's pooled hidden states of the prompt chunks so far (runner/pooling.py).
+    pooled: torch.Tensor | None = field(default=None)
 
     @classmethod
     def from_new(cls, data: NewRequestData, matcher: LLMatcher | None = None) -> RequestState:
@@ -132,6 +134,8 @@ class InFlightStep:
     output: ModelRunnerOutput | None = None
     # Prompt logprobs on their way to the host: (request id, first position, their copies).
     prompt_parts: list[tuple[str, int, PendingSample]] = field(default_factory=list)
+    # Embeddings made by this step: (request id, its vector [hidden]).
+    pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
     def finish(self) -> ModelRunnerOutput:
         if self.output is not None:
@@ -140,12 +144,14 @@ class InFlightStep:
             request_id: PromptLogprobs(start, [lp for lp in part.result().logprobs if lp])
             for request_id, start, part in self.prompt_parts
         }
+        embeddings = {request_id: vector.tolist() for request_id, vector in self.pooled}
         if self.pending is None:
             self.output = ModelRunnerOutput(
                 step=self.step,
                 sampled={},
                 device_ms=self.device_ms,
                 prompt_logprobs=prompt_logprobs,
+                embeddings=embeddings,
             )
             return self.output
         result = self.pending.result()
@@ -158,6 +164,7 @@ class InFlightStep:
             logprobs={rid: lp for rid, lp in pairs if lp is not None},
             device_ms=self.device_ms,
             prompt_logprobs=prompt_logprobs,
+            embeddings=embeddings,
         )
         return self.output
 
@@ -193,6 +200,8 @@ class PreparedStep:
     # Requests whose prompt logprobs this step computes: (request id, token index of the first
     # position, that position, number of positions).
     prompt_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # Embed requests' prompt chunks this step pools, in the same form.
+    pool_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
 
     def add_row(self, request_id: str, state: RequestState, num_new: int) -> None:
         """Append a request's next `num_new` tokens as a row of this step (its block table
@@ -213,6 +222,9 @@ class PreparedStep:
             # prompt's second-to-last token (the last one's logits sample the first output).
             count = min(end, len(state.prompt_token_ids) - 1) - start
             self.prompt_rows.append((request_id, first, start, count))
+        if state.params.embed and start < len(state.prompt_token_ids):
+            count = min(end, len(state.prompt_token_ids)) - start
+            self.pool_rows.append((request_id, first, start, count))
         self.starts.append(start)
         self.counts.append(num_new)
         self.lora_ids.append(state.lora_id)

@@ -81,6 +81,7 @@ class Endpoint(Generic[Body]):
     id_prefix: str  # of the call's request_id: "cmpl-..." or "chatcmpl-..."
     response_body: Callable[[CallPlan, list[r.Choice]], dict[str, Any]]
     stream_writer: Callable[[CallPlan], StreamWriter]
+    read_embeds: bool = False  # its requests are embed requests (an embedding model's)
 
 
 @dataclass(frozen=True)

@@ -156,21 +156,7 @@ class CompletionRequest(GenerateBody, kw_only=True):
             raise ParameterError("suffix", "suffix is not supported")
         if self.best_of not in (None, self.n):
             raise ParameterError("best_of", "best_of must equal n (or be omitted)")
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if isinstance(prompt, list) and prompt:
-            if all(isinstance(p, str) for p in prompt):
-                return list(prompt)
-            if all(_is_token_id(t) for t in prompt):
-                return [list(prompt)]
-            if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
-                return [list(p) for p in prompt]
-        raise ParameterError(
-            "prompt",
-            "must be a non-empty string, list of strings, list of token ids, "
-            "or list of lists of token ids",
-        )
+        return read_prompts(self.prompt, "prompt")
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -349,6 +335,25 @@ def _field_of(message: str) -> str:
     if "field `" in message:
         return message.split("field `", 1)[1].split("`", 1)[0]
     return "body"
+
+
+def read_prompts(prompt: Any, param: str) -> list[str | list[int]]:
+    """A PromptValue (completions' `prompt`, embeddings' `input`) as a list of texts or
+    token-id lists; ParameterError naming `param` for any other shape."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(_is_token_id(t) for t in prompt):
+            return [list(prompt)]
+        if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise ParameterError(
+        param,
+        "must be a non-empty string, list of strings, list of token ids, "
+        "or list of lists of token ids",
+    )
 
 
 def _default(value: float | None, default: float) -> float:

@@ -49,6 +49,7 @@ class Choice:
     prompt_logprobs: list[PromptTokenLogprob] | None = None
     stop_reason: str | None = None  # the stop string that ended it (vLLM's stop_reason)
     reasoning: list[str] = field(default_factory=list)  # with --reasoning-parser
+    embedding: list[float] | None = None  # an embed request's
 
     def absorb(self, delta: TextDelta) -> None:
         self.num_deltas += 1
@@ -68,6 +69,8 @@ class Choice:
             self.prompt_text = delta.prompt_text
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.embedding is not None:
+            self.embedding = delta.embedding
         if delta.finish_reason is not None:
             self.finish_reason = self._openai_reason(delta.finish_reason)
             self.stop_reason = delta.stop_reason

@@ -13,6 +13,7 @@ from services.frontend.api.endpoints import CallPlan, Endpoint
 from services.frontend.api.errors import APIError, bad_request
 from services.frontend.api.limits import RequestLimits
 from services.frontend.api.openai_types import decode_body
+from shared.pooling import PoolingConfig
 from shared.protocol import LoraAdapterInfo, ParameterError
 
 T = TypeVar("T")
@@ -25,6 +26,7 @@ class Served:
     model: str
     limits: RequestLimits
     request_timeout: float | None = None
+    pooling: PoolingConfig | None = None  # an embedding model's pooling; None: it generates
 
 
 def plan_call(
@@ -38,6 +40,11 @@ def plan_call(
     """Decode and validate a body; raise APIError (400 naming the parameter or the limit, 404
     for a model that is neither the served one nor one of its LoRA adapters `loras`) at the
     first problem, in the order a client would fix them."""
+    if served.pooling is not None and not endpoint.read_embeds:
+        raise bad_request(
+            "this model serves embeddings only: use /v1/embeddings (or start with --task generate)",
+            "model",
+        )
     body = decode(raw_body, endpoint.body_type)
     model, lora_id = resolve_model(body.model, served.model, loras or {})
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
+from fastapi.responses import Response
 
 from services.frontend.api.errors import bad_request
 from services.frontend.api.openai_types import DetokenizeBody, TokenizeBody
@@ -57,6 +58,13 @@ async def detokenize(request: Request, state: AppState) -> dict[str, Any]:
         request, state, TokenizeRequest(request_id=new_request_id("tok"), token_ids=token_ids)
     )
     return {"prompt": result.text}
+
+
+async def tokenizer_info(request: Request, state: AppState) -> Response:
+    """GET /tokenizer_info (mounted with --enable-tokenizer-info-endpoint)."""
+    asked = TokenizeRequest(request_id=new_request_id("tok"), info=True)
+    result = await _ask_pool(request, state, asked)
+    return Response(result.text, media_type="application/json")
 
 
 async def _ask_pool(
