@@ -136,7 +136,11 @@ def bound_generation(case: schemathesis.Case) -> None:
     for 16 tokens (refused here) and chat (or completions' explicit null) runs to the end of the
     context, which would take minutes on 2 CPU cores."""
     body = case.body
-    if case.path not in GENERATE_PATHS or not isinstance(body, dict):
+    if not isinstance(body, dict):
+        return
+    if case.path == "/v1/responses" and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = DEFAULT_MAX_TOKENS  # (Messages requires its max_tokens)
+    if case.path not in GENERATE_PATHS:
         return
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = DEFAULT_MAX_TOKENS

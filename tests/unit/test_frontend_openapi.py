@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from services.frontend.api.embeddings import EmbeddingRequest
 from services.frontend.api.errors import APIError, queue_full
+from services.frontend.api.messages_request import CountTokensRequest, MessagesRequest
 from services.frontend.api.openai_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +37,8 @@ BODIES = {
     "/detokenize": DetokenizeBody,
     "/v1/embeddings": EmbeddingRequest,
     "/v1/responses": ResponsesRequest,
+    "/v1/messages": MessagesRequest,
+    "/v1/messages/count_tokens": CountTokensRequest,
 }
 _addresses = itertools.count()
 

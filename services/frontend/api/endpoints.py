@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from services.frontend.api import responses as r
-from services.frontend.api.openai_types import ChatCompletionRequest, CompletionRequest
+from services.frontend.api.openai_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    template_kwargs,
+)
 from services.frontend.api.sse import ChunkBuilder, ChunkStream, StreamWriter
 from services.frontend.api.structured import ToolRequest, structured_output, tool_request
 from shared.protocol import (
@@ -142,7 +146,11 @@ def read_chat(body: ChatCompletionRequest) -> Inputs:
     )
     return Inputs(
         prompts=[
-            Prompt(messages=messages, tools=tools, chat_template_kwargs=body.chat_template_kwargs)
+            Prompt(
+                messages=messages,
+                tools=tools,
+                chat_template_kwargs=template_kwargs(body.chat_template_kwargs),
+            )
         ],
         params=params,
         logprobs=body.logprobs,

@@ -318,6 +318,17 @@ def _text_of(content: str | list[ContentPart] | None) -> str:
     return "".join(part.text or "" for part in content)
 
 
+def template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs` that the wire to the tokenizer pool (msgpack) can carry: JSON
+    allows integers of any size, msgpack 64 bits."""
+    if kwargs is not None:
+        try:
+            msgspec.msgpack.encode(kwargs)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise ParameterError("chat_template_kwargs", f"cannot be passed on: {exc}") from None
+    return kwargs
+
+
 def decode_body(body: bytes, kind: type[T]) -> T:
     """Decode and type-check a JSON body, raising ParameterError naming the bad field."""
     try:

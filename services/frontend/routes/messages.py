@@ -23,7 +23,7 @@ from services.frontend.api.validation import decode, plan_call, resolve_model
 from services.frontend.routes import engine_answer, new_request_id
 from services.frontend.routes.calls import APICall
 from services.frontend.routes.generate import GENERATE_ERRORS
-from services.frontend.routes.openapi import json_body
+from services.frontend.routes.openapi import AnthropicErrorBody, json_body
 from services.frontend.routes.state import AppState
 from shared.protocol import ParameterError, TokenizeRequest
 
@@ -31,7 +31,10 @@ router = APIRouter()
 
 
 @router.post(
-    "/v1/messages", openapi_extra=json_body(MESSAGES.body_type, GENERATE_ERRORS, stream=True)
+    "/v1/messages",
+    openapi_extra=json_body(
+        MESSAGES.body_type, GENERATE_ERRORS, stream=True, error_body=AnthropicErrorBody
+    ),
 )
 async def create_message(request: Request, state: AppState) -> Response:
     plan = plan_call(
@@ -46,7 +49,10 @@ async def create_message(request: Request, state: AppState) -> Response:
 
 
 @router.post(
-    "/v1/messages/count_tokens", openapi_extra=json_body(CountTokensRequest, (400, 401, 404, 503))
+    "/v1/messages/count_tokens",
+    openapi_extra=json_body(
+        CountTokensRequest, (400, 401, 404, 413, 503), error_body=AnthropicErrorBody
+    ),
 )
 async def count_tokens(request: Request, state: AppState) -> dict[str, Any]:
     """The prompt's tokens, as the chat template renders the messages, system and tools."""

@@ -39,6 +39,18 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    """The error bodies of Anthropic's routes (/v1/messages), in its shape."""
+
+    type: str
+    error: AnthropicErrorDetail
+
+
 _ERROR_STATUSES = {
     400: "Invalid request: a parameter (named in `error.param`) or a limit",
     401: "Invalid or missing API key",
@@ -55,22 +67,28 @@ _types: dict[str, type[msgspec.Struct]] = {"ErrorBody": ErrorBody}
 
 
 def json_body(
-    body_type: type[msgspec.Struct], statuses: tuple[int, ...], stream: bool = False
+    body_type: type[msgspec.Struct],
+    statuses: tuple[int, ...],
+    stream: bool = False,
+    error_body: type[msgspec.Struct] = ErrorBody,
 ) -> dict[str, Any]:
     """A POST route's `openapi_extra`: its required JSON body, a `body_type`, and the error
-    statuses it answers with an ErrorBody; `stream`: 200 may also be an SSE stream."""
-    extra = errors(*statuses)
+    statuses it answers with an `error_body`; `stream`: 200 may also be an SSE stream."""
+    extra = errors(*statuses, error_body=error_body)
     extra["requestBody"] = {"required": True, "content": _json(_ref(body_type))}
     if stream:
         extra["responses"]["200"] = {"content": {"text/event-stream": {"schema": _SSE_EVENT}}}
     return extra
 
 
-def errors(*statuses: int) -> dict[str, Any]:
-    """A route's `openapi_extra`: the error statuses it answers, each with an ErrorBody."""
+def errors(*statuses: int, error_body: type[msgspec.Struct] = ErrorBody) -> dict[str, Any]:
+    """A route's `openapi_extra`: the error statuses it answers, each with an `error_body`."""
     return {
         "responses": {
-            str(status): {"description": _ERROR_STATUSES[status], "content": _json(_ref(ErrorBody))}
+            str(status): {
+                "description": _ERROR_STATUSES[status],
+                "content": _json(_ref(error_body)),
+            }
             for status in statuses
         }
     }

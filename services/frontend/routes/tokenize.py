@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.frontend.api.errors import bad_request
-from services.frontend.api.openai_types import DetokenizeBody, TokenizeBody
+from services.frontend.api.openai_types import DetokenizeBody, TokenizeBody, template_kwargs
 from services.frontend.api.structured import tool_definition
 from services.frontend.api.validation import decode
 from services.frontend.routes import engine_answer, new_request_id
@@ -27,6 +27,7 @@ async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
     try:
         messages = body.chat_messages()
         tools = None if body.tools is None else [tool_definition(t) for t in body.tools]
+        kwargs = template_kwargs(body.chat_template_kwargs)
     except ParameterError as exc:
         raise bad_request(exc) from None
     result = await _ask_pool(
@@ -38,7 +39,7 @@ async def tokenize(request: Request, state: AppState) -> dict[str, Any]:
             messages=messages,
             add_special_tokens=body.add_special_tokens,
             tools=tools,
-            chat_template_kwargs=body.chat_template_kwargs,
+            chat_template_kwargs=kwargs,
         ),
     )
     return {
