@@ -3,8 +3,8 @@ choice a message has, and the stream of named events the `anthropic` SDK reads
 (`message_start`, then per block `content_block_start`, `content_block_delta`s and
 `content_block_stop`, then `message_delta` with the stop reason and `message_stop`).
 
-Blocks come in the order they began: text, then one `tool_use` block per call, whose input
-streams as `input_json_delta` pieces.
+Blocks come in the order they began: `thinking` (with --reasoning-parser), text, then one
+`tool_use` block per call, whose input streams as `input_json_delta` pieces.
 """
 
 from __future__ import annotations
@@ -80,9 +80,16 @@ def _no_usage() -> dict[str, Any]:
 
 
 def content_blocks(choice: r.Choice) -> list[dict[str, Any]]:
-    text = "".join(choice.text)
-    blocks = [{"type": "text", "text": text}] if text or not choice.tool_calls else []
+    text, thinking = "".join(choice.text), "".join(choice.reasoning)
+    blocks = [_thinking(thinking)] if thinking else []
+    blocks += [{"type": "text", "text": text}] if text or not choice.tool_calls else []
     return blocks + [_tool_use(choice.tool_calls[i]) for i in sorted(choice.tool_calls)]
+
+
+def _thinking(text: str) -> dict[str, Any]:
+    # The signature Anthropic's API checks when thinking is sent back; this server drops
+    # earlier thinking from prompts, so it signs nothing.
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def _tool_use(call: r.ToolCall) -> dict[str, Any]:
@@ -114,6 +121,9 @@ class MessagesStream:
 
     def on_delta(self, choice: r.Choice, delta: TextDelta) -> list[bytes]:
         events: list[bytes] = []
+        if delta.reasoning:
+            events += self._start("thinking", _thinking(""))
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
         if delta.text:
             events += self._start("text", {"type": "text", "text": ""})
             events.append(self._delta({"type": "text_delta", "text": delta.text}))

@@ -1,11 +1,11 @@
 """OpenAI's Responses API answers: the response object and its output items, built from the
 one choice a response has, and the stream of typed events the OpenAI SDK reads.
 
-Output items come in the order they began: the message (its text), then one `function_call`
-item per tool call. The stream opens each item when its first piece arrives and closes every
-open item at the end, then sends `response.completed` (or `response.incomplete` when
-`max_output_tokens` cut it) with the whole response, the same object a non-streamed call
-returns and the store keeps.
+Output items come in the order they began: the reasoning (with --reasoning-parser), the message
+(its text), then one `function_call` item per tool call. The stream opens each item when its
+first piece arrives and closes every open item at the end, then sends `response.completed`
+(or `response.incomplete` when `max_output_tokens` cut it) with the whole response, the same
+object a non-streamed call returns and the store keeps.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def usage(choice: r.Choice) -> dict[str, Any]:
         "input_tokens": choice.num_prompt_tokens,
         "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
         "output_tokens": choice.num_output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},  # not counted apart
         "total_tokens": choice.num_prompt_tokens + choice.num_output_tokens,
     }
 
@@ -102,15 +102,17 @@ def output_items(
     """The finished choice's items, in `order` (the keys a stream opened them in) or in the
     natural one: the message, then the calls."""
     text = "".join(choice.text)
-    natural = (["message"] if text or not choice.tool_calls else []) + [
-        f"call{i}" for i in sorted(choice.tool_calls)
-    ]
+    natural = ["reasoning"] if choice.reasoning else []
+    natural += ["message"] if text or not choice.tool_calls else []
+    natural += [f"call{i}" for i in sorted(choice.tool_calls)]
     return [_item(call, choice, key, "completed") for key in order or natural]
 
 
 def _item(call: ResponsesCall, choice: r.Choice, key: str, status: str) -> dict[str, Any]:
     if key == "message":
         return message_item(call, "".join(choice.text), status)
+    if key == "reasoning":
+        return reasoning_item(call, "".join(choice.reasoning), status)
     index = int(key.removeprefix("call"))
     tool_call = choice.tool_calls[index]
     return function_call_item(
@@ -128,6 +130,16 @@ def message_item(call: ResponsesCall, text: str | None, status: str) -> dict[str
         "status": status,
         "content": content,
     }
+
+
+def reasoning_item(call: ResponsesCall, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_reasoning_text(text)]
+    item_id = call.item_id("rs")
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def _reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _output_text(text: str) -> dict[str, Any]:
@@ -180,14 +192,21 @@ class ResponsesStream:
 
     def on_delta(self, choice: r.Choice, delta: TextDelta) -> list[bytes]:
         events: list[bytes] = []
+        if delta.reasoning:
+            if "reasoning" not in self.open:
+                events += self._open_reasoning()
+            events.append(self._part_delta("reasoning", "rs", delta.reasoning))
         if delta.text:
+            if "reasoning" in self.open:
+                events += self._close("reasoning", choice)
             if "message" not in self.open:
                 events += self._open_message()
             events.append(self._text_delta(delta.text))
         for piece in delta.tool_calls:
             key = f"call{piece.index}"
             if key not in self.open and piece.name is not None:
-                events += self._close("message", choice) if "message" in self.open else []
+                for earlier in ("reasoning", "message"):
+                    events += self._close(earlier, choice) if earlier in self.open else []
                 events += self._open_call(piece.index, piece.id or "", piece.name)
             if piece.arguments:
                 item_id = self.call.item_id("fc", piece.index + 1)
@@ -227,6 +246,25 @@ class ResponsesStream:
             ),
         ]
 
+    def _open_reasoning(self) -> list[bytes]:
+        self.order.append("reasoning")
+        self.open.add("reasoning")
+        item = reasoning_item(self.call, None, "in_progress")
+        added = {"type": "response.output_item.added", "output_index": len(self.order) - 1}
+        return [self._event(added | {"item": item})]
+
+    def _part_delta(self, key: str, kind: str, text: str) -> bytes:
+        """A reasoning text delta (its item holds one content part)."""
+        return self._event(
+            {
+                "type": "response.reasoning_text.delta",
+                "item_id": self.call.item_id(kind),
+                "output_index": self.order.index(key),
+                "content_index": 0,
+                "delta": text,
+            }
+        )
+
     def _text_delta(self, text: str) -> bytes:
         return self._event(
             {
@@ -253,7 +291,13 @@ class ResponsesStream:
         index = self.order.index(key)
         item = _item(self.call, choice, key, "completed")
         events = []
-        if key == "message":
+        if key == "reasoning":
+            text = item["content"][0]["text"]
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            events.append(
+                self._event({"type": "response.reasoning_text.done", "text": text} | where)
+            )
+        elif key == "message":
             text = item["content"][0]["text"]
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             events.append(
