@@ -100,3 +100,11 @@ def test_bad_turns_are_refused_naming_messages(turn: dict) -> None:
     with pytest.raises(ParameterError) as refused:
         chat_messages(None, [turn])
     assert refused.value.param == "messages"
+
+
+def test_thinking_switches_the_templates_enable_thinking() -> None:
+    assert to_chat(request()).chat_template_kwargs is None
+    enabled = to_chat(request(thinking={"type": "enabled", "budget_tokens": 1024}))
+    assert enabled.chat_template_kwargs == {"enable_thinking": True}
+    disabled = to_chat(request(thinking={"type": "disabled"}))
+    assert disabled.chat_template_kwargs == {"enable_thinking": False}

@@ -9,7 +9,8 @@ the one internal request every chat API becomes (endpoints.py `read_chat`).
 - `tools` (`name`, `description`, `input_schema`) and `tool_choice` (`auto`, `any`,
   `tool` with its name, `none`; `disable_parallel_tool_use`), `stop_sequences`,
   `max_tokens` (required), `output_config.format` (a JSON Schema for the text), `stream`;
-  `temperature`, `top_p` and `top_k`, which Anthropic's newer clients send in `extra_body`.
+  `temperature`, `top_p` and `top_k`, which Anthropic's newer clients send in `extra_body`;
+  `thinking` (`enabled` or `disabled`), passed to the chat template as `enable_thinking`.
 """
 
 from __future__ import annotations
@@ -90,7 +91,15 @@ def to_chat(body: MessagesRequest) -> ChatCompletionRequest:
         tool_choice=choice if body.tools else None,
         parallel_tool_calls=parallel,
         response_format=_response_format(body.output_config),
+        chat_template_kwargs=_thinking(body.thinking),
     )
+
+
+def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`thinking` as the switch Qwen3's chat template (and others') reads: `enable_thinking`."""
+    if thinking is None:
+        return None
+    return {"enable_thinking": thinking.get("type") == "enabled"}
 
 
 def _response_format(config: dict[str, Any] | None) -> ResponseFormat | None:
