@@ -98,6 +98,14 @@ Overrides = dict[str, st.SearchStrategy[Any]]
 MARK = "\x01\x02\x03"  # a string that `damaged` finds in an encoding to replace
 
 
+# What a field typed Any (chat_template_kwargs' values) may hold: anything msgpack carries.
+ANY_VALUES: st.SearchStrategy[Any] = st.recursive(
+    st.none() | st.booleans() | INTS | FLOATS | TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=8,
+)
+
+
 def typed(t: mi.Type, overrides: Overrides) -> st.SearchStrategy[Any]:
     """Values of type `t` a typed decoder accepts: well-typed, and as hostile as that allows."""
     if isinstance(t, mi.StructType):
@@ -119,6 +127,7 @@ def typed(t: mi.Type, overrides: Overrides) -> st.SearchStrategy[Any]:
         mi.BoolType: st.booleans(),
         mi.NoneType: st.none(),
         mi.BytesType: st.binary(max_size=40),
+        mi.AnyType: ANY_VALUES,
     }
     return scalars[type(t)]
 
