@@ -78,9 +78,9 @@ def test_tiny_model_output_survives_engine_settings(tiny_model, variant: str) ->
 
 
 @pytest.fixture(scope="module")
-def smollm2_reference():
+def smollm2_reference(smollm2_tokenizer):
     path = embedded_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = smollm2_tokenizer  # the prompts' ids: both engines get the same ones
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
