@@ -24,7 +24,7 @@ GENERATE_ERRORS = (400, 401, 404, 413, 429, 503, 504)  # documented, with the bo
     "/v1/completions", openapi_extra=json_body(CompletionRequest, GENERATE_ERRORS, stream=True)
 )
 async def completions(request: Request, state: AppState) -> Response:
-    return await _generate(request, state, COMPLETIONS)
+    return await generate(request, state, COMPLETIONS)
 
 
 @router.post(
@@ -32,10 +32,10 @@ async def completions(request: Request, state: AppState) -> Response:
     openapi_extra=json_body(ChatCompletionRequest, GENERATE_ERRORS, stream=True),
 )
 async def chat_completions(request: Request, state: AppState) -> Response:
-    return await _generate(request, state, CHAT)
+    return await generate(request, state, CHAT)
 
 
-async def _generate(request: Request, state: FrontendState, endpoint: Endpoint[Any]) -> Response:
+async def generate(request: Request, state: FrontendState, endpoint: Endpoint[Any]) -> Response:
     """Validate the body, run its sub-requests, answer with a stream or a body."""
     plan = plan_call(
         endpoint,

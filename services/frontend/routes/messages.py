@@ -4,7 +4,6 @@ Anthropic's shape (app.py)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,10 +18,9 @@ from services.frontend.api.messages_request import (
 )
 from services.frontend.api.openai_types import chat_message
 from services.frontend.api.structured import tool_definition
-from services.frontend.api.validation import decode, plan_call, resolve_model
+from services.frontend.api.validation import decode, resolve_model
 from services.frontend.routes import engine_answer, new_request_id
-from services.frontend.routes.calls import APICall
-from services.frontend.routes.generate import GENERATE_ERRORS
+from services.frontend.routes.generate import GENERATE_ERRORS, generate
 from services.frontend.routes.openapi import AnthropicErrorBody, json_body
 from services.frontend.routes.state import AppState
 from shared.protocol import ParameterError, TokenizeRequest
@@ -37,15 +35,7 @@ router = APIRouter()
     ),
 )
 async def create_message(request: Request, state: AppState) -> Response:
-    plan = plan_call(
-        MESSAGES,
-        request.state.body,
-        state.served,
-        new_request_id(MESSAGES.id_prefix),
-        time.time(),
-        state.engine.lora_adapters,
-    )
-    return await APICall(state.engine, state.metrics, plan, request).respond()
+    return await generate(request, state, MESSAGES)
 
 
 @router.post(

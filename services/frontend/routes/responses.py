@@ -3,7 +3,6 @@ responses this frontend keeps (`GET`, `DELETE /v1/responses/{id}`)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -11,10 +10,7 @@ from fastapi.responses import Response
 
 from services.frontend.api.responses_endpoint import response_not_found, responses_endpoint
 from services.frontend.api.responses_request import ResponsesRequest
-from services.frontend.api.validation import plan_call
-from services.frontend.routes import new_request_id
-from services.frontend.routes.calls import APICall
-from services.frontend.routes.generate import GENERATE_ERRORS
+from services.frontend.routes.generate import GENERATE_ERRORS, generate
 from services.frontend.routes.openapi import errors, json_body
 from services.frontend.routes.state import AppState
 
@@ -27,15 +23,7 @@ stored_router = APIRouter()  # behind the API key only
 )
 async def create_response(request: Request, state: AppState) -> Response:
     endpoint = responses_endpoint(state.response_store)
-    plan = plan_call(
-        endpoint,
-        request.state.body,
-        state.served,
-        new_request_id(endpoint.id_prefix),
-        time.time(),
-        state.engine.lora_adapters,
-    )
-    return await APICall(state.engine, state.metrics, plan, request).respond()
+    return await generate(request, state, endpoint)
 
 
 @stored_router.get("/v1/responses/{response_id}", openapi_extra=errors(404))
