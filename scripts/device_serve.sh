@@ -4,12 +4,15 @@
 #
 #   PARTS="probe kvflow" bash scripts/device_serve.sh    # kvflow only
 #   PARTS="vllm kvflow" bash scripts/device_serve.sh     # vLLM (installed from .peer/), then kvflow
+#   PARTS="structured-kvflow embed-kvflow api-vllm" bash scripts/device_serve.sh
+#                                     # structured output and embeddings, kvflow and vLLM
 #
 # Carried: .whl/ and .vwhl/ (wheels the GPU machine lacks: bash scripts/device_wheels.sh),
 # .peer/qwen3-8b.tar.xz and, for vLLM, the three vllm_bundle parts with SHA256SUMS and
-# install_vllm.sh (copied from the steering repo's peer/ folder). A call carries 64 MiB at most:
-# parts 00 and 01 (in .peerA/) in one call, part 02 (in .peerB/) and .vwhl/ in the next while the
-# machine is warm; each call leaves its parts in /tmp/vllm-parts.
+# install_vllm.sh (copied from the steering repo's peer/ folder). A call carries 64 MiB at most,
+# the tree (13 MB) included: one part a call (.peerA/, .peerB/, .peerC/), in consecutive calls
+# while the machine is warm, .vwhl/ beside one of them; each call leaves its part in
+# /tmp/vllm-parts, and the call with the last installs vLLM.
 set -uo pipefail
 OUT=${OUT:-$PWD/bench-out}  # gets serve-out.tgz (every JSON, log and plot) and summary.txt
 RESULTS=/tmp/serve-results
@@ -76,7 +79,55 @@ serve_kvflow() {  # NAME WORKLOADS [FLAGS...]
         echo "$1 start to ready: $((SECONDS - start)) s"
         [[ $2 == *serve* ]] && bench "$1" 8100
         [[ $2 == *prefix* ]] && bench_prefix "$1" 8100
+        [[ $2 == *structured* ]] && bench_structured "$1" 8100
     fi
+    kill -INT $pid; wait $pid
+}
+
+# Structured output (issue 45): 160 requests of 200 random prompt tokens and at most 200 out,
+# 32 in flight, temperature 1; plain (ignoring EOS), then with the 20-field JSON Schema of
+# sweeps/grammar_bench.py as `response_format` (a constrained answer ends where its JSON
+# closes), alternated twice; then 16 answers checked against the schema.
+bench_structured() {  # NAME PORT
+    local common=(--port "$2" --tokenizer "$MODEL_DIR" --random-input-len 200
+        --random-output-len 200 --num-prompts 160 --max-concurrency 32 --temperature 1
+        --disable-tqdm)
+    local schema
+    schema=$(python3 -c "import json; from sweeps.grammar_bench import extra_body; print(json.dumps(extra_body()))")
+    for round in 1 2; do
+        run "$1 plain $round" python3 -m services bench serve "${common[@]}" --ignore-eos \
+            --seed "6$round" --output-json "$RESULTS/$1_structured_plain_$round.json"
+        run "$1 json $round" python3 -m services bench serve "${common[@]}" --seed "7$round" \
+            --extra-body "$schema" --output-json "$RESULTS/$1_structured_json_$round.json"
+    done
+    run "$1 schema check" python3 -m sweeps.grammar_bench --check "http://127.0.0.1:$2" \
+        --out "$RESULTS/$1_structured_check.json"
+}
+
+# Embeddings (issue 45): a Qwen3-Embedding-0.6B-shaped model (last token, normalized), 256
+# random tokens a prompt; one prompt a request (256 in flight), then 32 a request.
+EMBED_DIR=/tmp/qwen3-embedding-0.6b
+bench_embed() {  # NAME PORT
+    local common=(--backend openai-embeddings --endpoint /v1/embeddings --port "$2"
+        --tokenizer "$EMBED_DIR" --random-input-len 256 --disable-tqdm)
+    for round in 1 2; do
+        run "$1 embed single $round" python3 -m services bench serve "${common[@]}" \
+            --num-prompts 8000 --max-concurrency 256 --seed "8$round" \
+            --output-json "$RESULTS/$1_embed_single_$round.json"
+        run "$1 embed batch $round" python3 -m services bench serve "${common[@]}" \
+            --num-prompts 16000 --random-batch-size 32 --max-concurrency 16 --seed "9$round" \
+            --output-json "$RESULTS/$1_embed_batch_$round.json"
+    done
+}
+
+serve_embed_kvflow() {
+    python3 -m sweeps.embedding_model "$MODEL_DIR" "$EMBED_DIR" || return 1
+    local start=$SECONDS
+    python3 -m services serve "$EMBED_DIR" --task embed --load-format dummy \
+        --max-model-len 4096 --port 8100 >"$RESULTS/kvflow_embed_serve.log" 2>&1 &
+    local pid=$!
+    wait_healthy http://127.0.0.1:8100/ready $pid \
+        && echo "kvflow embed start to ready: $((SECONDS - start)) s" && bench_embed kvflow 8100
     kill -INT $pid; wait $pid
 }
 
@@ -146,7 +197,9 @@ install_vllm() {
     if [ ! -f "$SITE/vllm_env.sh" ]; then
         # vLLM's dependencies that neither the machine nor the bundle has (.vwhl/), first:
         # install_vllm.sh must come last (a later pip --target would drop its bin/vllm).
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .vwhl/*.whl
+        # (An earlier call may have brought them: the parts and .vwhl/ together pass 64 MiB.)
+        [ -d .vwhl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
+            --target "$SITE" .vwhl/*.whl
         (cd /tmp/vllm-parts && VLLM_SKIP_SMOKE=1 bash install_vllm.sh "$SITE") || return 1
     fi
     (cd /tmp && PYTHONPATH=$SITE python3 -c "import vllm.entrypoints.openai.api_server")
@@ -168,6 +221,29 @@ serve_vllm() {
     sleep 5
 }
 
+serve_vllm_api() {  # structured output and embeddings, each on its own vLLM server
+    install_vllm || return 1
+    python3 -m sweeps.embedding_model "$MODEL_DIR" "$EMBED_DIR" || return 1
+    local start=$SECONDS
+    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$MODEL_DIR" \
+        --load-format dummy --max-model-len 4096 --served-model-name m --port 8200 \
+        >"$RESULTS/vllm_structured_serve.log" 2>&1) &
+    local pid=$!
+    wait_healthy http://127.0.0.1:8200/health $pid \
+        && echo "vllm start to ready: $((SECONDS - start)) s" && bench_structured vllm 8200
+    kill -INT $pid; wait $pid
+    sleep 5
+    start=$SECONDS
+    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$EMBED_DIR" \
+        --runner pooling --convert embed --load-format dummy --max-model-len 4096 \
+        --served-model-name m --port 8200 >"$RESULTS/vllm_embed_serve.log" 2>&1) &
+    pid=$!
+    wait_healthy http://127.0.0.1:8200/health $pid \
+        && echo "vllm embed start to ready: $((SECONDS - start)) s" && bench_embed vllm 8200
+    kill -INT $pid; wait $pid
+    sleep 5
+}
+
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 for part in $PARTS; do
     case $part in
@@ -179,6 +255,9 @@ for part in $PARTS; do
         run probe python3 -m sweeps.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;
     kvflow) serve_kvflow kvflow serve,prefix ;;
+    structured-kvflow) serve_kvflow kvflow structured ;;
+    embed-kvflow) serve_embed_kvflow ;;
+    api-vllm) serve_vllm_api ;;
     dp)  # one replica, then DP replicas routed by prefix, then DP replicas in turn
         serve_dp dp1 1 prefix serve,prefix
         serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve,prefix

@@ -4,6 +4,10 @@ bitmask of a batch of matchers walking a valid document, token by token.
 
     python -m sweeps.grammar_bench TOKENIZER_DIR --out grammar.json
     python -m sweeps.grammar_bench --extra-body extra.json   # the serve benchmark's body
+    python -m sweeps.grammar_bench --check http://127.0.0.1:8100 --out check.json
+
+`--check` asks a running server (kvflow or vLLM) for 16 sampled answers under the schema and
+counts those that finished and those that validate.
 
 Writes JSON; times are medians of repeats, in milliseconds.
 """
@@ -14,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -144,13 +149,55 @@ def measure(tokenizer_dir: Path, batch: int) -> dict[str, Any]:
     }
 
 
+def check_server(base_url: str, answers: int = 16) -> dict[str, Any]:
+    """`answers` sampled completions under SCHEMA_20 from the server at `base_url`: how many
+    finished (not cut by max_tokens) and how many of those validate against the schema."""
+    import jsonschema  # only here: the host measurement does not need it
+
+    def post(path: str, body: dict[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            base_url + path, data=data, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return json.load(reply)
+
+    model = post("/v1/models")["data"][0]["id"]
+    finished, invalid = 0, []
+    for seed in range(answers):
+        body = {
+            "model": model,
+            "prompt": "Describe a person:",
+            "max_tokens": 800,
+            "temperature": 1.0,
+            "seed": seed,
+            **extra_body(),
+        }
+        choice = post("/v1/completions", body)["choices"][0]
+        if choice["finish_reason"] != "stop":
+            continue
+        finished += 1
+        try:
+            jsonschema.validate(json.loads(choice["text"]), SCHEMA_20)
+        except (ValueError, jsonschema.ValidationError) as exc:
+            invalid.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+    return {"server": base_url, "answers": answers, "finished": finished, "invalid": invalid}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tokenizer", type=Path, nargs="?", help="A tokenizer folder.")
     parser.add_argument("--batch", type=int, default=32, help="Matchers masked per step.")
     parser.add_argument("--out", type=Path, help="Write the figures here (JSON).")
     parser.add_argument("--extra-body", type=Path, help="Write the serve benchmark's body here.")
+    parser.add_argument("--check", metavar="URL", help="Check a server's answers instead.")
     args = parser.parse_args()
+    if args.check is not None:
+        result = check_server(args.check)
+        print(json.dumps(result, indent=2))
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=2))
+        raise SystemExit(0 if not result["invalid"] else 1)
     if args.extra_body is not None:
         args.extra_body.write_text(json.dumps(extra_body()))
     if args.tokenizer is None:

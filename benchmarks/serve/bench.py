@@ -17,6 +17,7 @@ from benchmarks.serve.datasets import (
     DEFAULT_VOCAB_BOUND,
     SampleRequest,
     Tokenizer,
+    batched,
     prefix_repetition_requests,
     random_requests,
     sharegpt_requests,
@@ -45,7 +46,7 @@ def make_requests(
 ) -> list[SampleRequest]:
     bound = len(tokenizer) if tokenizer is not None else DEFAULT_VOCAB_BOUND
     if args.dataset_name == "random":
-        return random_requests(
+        requests = random_requests(
             num,
             args.random_input_len,
             args.random_output_len,
@@ -54,6 +55,7 @@ def make_requests(
             bound,
             prefix_len=args.random_prefix_len,
         )
+        return batched(requests, args.random_batch_size) if args.random_batch_size > 1 else requests
     if args.dataset_name == "prefix-repetition":
         return prefix_repetition_requests(
             num,

@@ -18,6 +18,7 @@ from benchmarks.serve import flags
 
 COMPLETIONS = flags.COMPLETIONS
 CHAT = flags.CHAT
+EMBEDDINGS = flags.EMBEDDINGS
 
 
 @dataclass
@@ -52,12 +53,15 @@ class RequestResult:
 def request_body(
     endpoint: str,
     model: str,
-    prompt: str | list[int],
+    prompt: str | list[int] | list[list[int]],
     max_tokens: int,
     ignore_eos: bool,
     extra: dict[str, Any],
 ) -> dict[str, Any]:
-    """The JSON body of a streamed request that asks for a usage chunk at the end."""
+    """The JSON body of a streamed request that asks for a usage chunk at the end; of an
+    embedding request, the prompt (or batch of them) as `input`."""
+    if endpoint == EMBEDDINGS:
+        return {"model": model, "input": prompt, **extra}
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": max_tokens,
@@ -148,3 +152,39 @@ async def _read_events(response: aiohttp.ClientResponse, result: RequestResult) 
                 result.ttft = now
             result.chunk_times.append(now)
     return False
+
+
+async def embed_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> RequestResult:
+    """Send an embedding request; it succeeds with one vector per input and the usage, and a
+    bad reply fails it without raising. Its latency is its only time."""
+    result = RequestResult(output_len=0)
+    result.start = time.perf_counter()
+    inputs = body["input"]
+    expected = len(inputs) if inputs and isinstance(inputs[0], list) else 1
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            text = await response.text()
+            result.latency = time.perf_counter() - result.start
+        if response.status != 200:
+            result.error = f"HTTP {response.status}: {text[:300]}"
+            return result
+        reply = json.loads(text)
+        if len(reply.get("data") or []) != expected:
+            result.error = f"{len(reply.get('data') or [])} embeddings for {expected} inputs"
+            return result
+        result.prompt_tokens = int(reply["usage"]["prompt_tokens"])
+        result.usage_seen = True
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    except Exception as exc:  # a malformed reply fails this request, not the benchmark
+        result.error = f"bad reply: {type(exc).__name__}: {exc}"
+        return result
+    result.ttft = result.latency
+    result.success = True
+    return result

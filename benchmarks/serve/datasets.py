@@ -6,7 +6,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 # Without a tokenizer, random prompts draw ids below this: every supported vocabulary has
 # more ids than that, so any model accepts them.
@@ -24,9 +24,21 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class SampleRequest:
-    prompt: str | list[int]  # text, or token ids for /v1/completions
+    # text, token ids for /v1/completions, or a batch of token-id prompts for /v1/embeddings
+    prompt: str | list[int] | list[list[int]]
     prompt_len: int | None  # in tokens, where known before sending (the server's usage says)
     output_len: int  # max_tokens
+
+
+def batched(requests: list[SampleRequest], batch_size: int) -> list[SampleRequest]:
+    """The random dataset's token-id prompts in requests of `batch_size` (the last may hold
+    fewer): an embedding request's `input` list (vLLM's --random-batch-size)."""
+    batches = []
+    for start in range(0, len(requests), batch_size):
+        group = requests[start : start + batch_size]
+        prompts = [cast(list[int], r.prompt) for r in group]
+        batches.append(SampleRequest(prompts, sum(r.prompt_len or 0 for r in group), 0))
+    return batches
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float, count: int) -> list[int]:

@@ -22,9 +22,27 @@ from typing import Any
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 METRICS = ("ttft", "tpot", "itl", "e2el")
-# vLLM's backends that speak the OpenAI API, and the endpoint each needs (None: either).
-BACKENDS = {"openai": None, "vllm": None, "openai-chat": CHAT}
+EMBEDDING_METRICS = ("e2el",)  # an embedding request has no tokens out: only its latency
+# vLLM's backends that speak the OpenAI API, and the endpoint each needs (None: either
+# generating endpoint).
+BACKENDS = {"openai": None, "vllm": None, "openai-chat": CHAT, "openai-embeddings": EMBEDDINGS}
+# What means nothing to an embedding request, by dest: refused with --backend openai-embeddings.
+GENERATION_ONLY = (
+    "ignore_eos",
+    "output_len",
+    "random_output_len",
+    "prefix_repetition_output_len",
+    "sharegpt_output_len",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
 DATASETS = ("random", "prefix-repetition", "sharegpt")
 DATASET_ALIASES = {"prefix_repetition": "prefix-repetition"}  # vLLM's spelling
 # Each dataset's own flags, with their defaults (vLLM's). Given for another dataset they are
@@ -35,6 +53,7 @@ DATASET_FLAGS: dict[str, dict[str, Any]] = {
         "random_output_len": 128,
         "random_range_ratio": 0.0,
         "random_prefix_len": 0,
+        "random_batch_size": 1,
     },
     "prefix-repetition": {
         "prefix_repetition_prefix_len": 256,
@@ -81,7 +100,6 @@ REFUSED = {
     "--chat-template-kwargs": "prompts are never rendered with a chat template on the client",
     "--skip-chat-template": "prompts are never rendered with a chat template on the client",
     "--no-stream": "only local dataset files are read (no streaming datasets)",
-    "--random-batch-size": "embedding benchmarks are not implemented",
     "--no-reranker": "reranking benchmarks are not implemented",
 }
 
@@ -188,13 +206,14 @@ def _server_flags(where: argparse._ArgumentGroup) -> None:
     where.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (else --host/--port)")
     where.add_argument("--host", default="127.0.0.1")
     where.add_argument("--port", type=int, default=8000)
-    where.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT])
+    where.add_argument("--endpoint", default=COMPLETIONS, choices=[COMPLETIONS, CHAT, EMBEDDINGS])
     where.add_argument(
         "--backend",
         default="openai",
         choices=list(BACKENDS),
-        help="vLLM's name for the API spoken: openai and vllm (either endpoint), openai-chat"
-        " (needs --endpoint /v1/chat/completions); the result file's default label.",
+        help="vLLM's name for the API spoken: openai and vllm (either generating endpoint),"
+        " openai-chat (needs --endpoint /v1/chat/completions), openai-embeddings (needs"
+        " --endpoint /v1/embeddings); the result file's default label.",
     )
     where.add_argument(
         "--model",
@@ -247,6 +266,12 @@ def _dataset_flags(data: argparse._ArgumentGroup) -> None:
     )
     data.add_argument(
         "--random-prefix-len", type=int, help="A random prefix every prompt shares; default 0."
+    )
+    data.add_argument(
+        "--random-batch-size",
+        type=int,
+        help="Prompts per request, for --backend openai-embeddings (whose inputs are lists);"
+        " --num-prompts counts prompts; default 1.",
     )
     data.add_argument("--prefix-repetition-prefix-len", type=int, help="Default 256.")
     data.add_argument("--prefix-repetition-suffix-len", type=int, help="Default 256.")
@@ -315,9 +340,8 @@ def _report_flags(report: argparse._ArgumentGroup) -> None:
     report.add_argument(
         "--percentile-metrics",
         type=parse_percentile_metrics,
-        default=list(METRICS),
         help="Comma list of the metrics reported: ttft,tpot,itl,e2el (all four by default;"
-        " vLLM's default leaves e2el out).",
+        " vLLM's default leaves e2el out; e2el alone for embeddings).",
     )
     report.add_argument(
         "--metric-percentiles",
@@ -375,6 +399,7 @@ def check_serve_args(args: argparse.Namespace) -> None:
         _dataset_problem(args)
         or _tokenizer_problem(args)
         or _load_problem(args)
+        or _embedding_problem(args)
         or _result_file_problem(args)
     )
     if problem:
@@ -430,6 +455,8 @@ def _load_problem(args: argparse.Namespace) -> str | None:
     needed = BACKENDS[args.backend]
     if needed is not None and args.endpoint != needed:
         return f"--backend {args.backend} needs --endpoint {needed}"
+    if args.endpoint == EMBEDDINGS and needed != EMBEDDINGS:
+        return f"--endpoint {EMBEDDINGS} needs --backend openai-embeddings"
     if args.burstiness is None:
         args.burstiness = 1.0
     elif args.burstiness != 1.0 and all(math.isinf(rate) for rate in args.request_rate):
@@ -438,6 +465,27 @@ def _load_problem(args: argparse.Namespace) -> str | None:
         return "--burstiness must be positive"
     if args.max_concurrency is not None and args.max_concurrency <= 0:
         return "--max-concurrency must be positive"
+    return None
+
+
+def _embedding_problem(args: argparse.Namespace) -> str | None:
+    """An embedding run has no output: what shapes or measures one is refused; the metrics
+    default to the one it has."""
+    embedding = args.endpoint == EMBEDDINGS
+    if args.percentile_metrics is None:
+        args.percentile_metrics = list(EMBEDDING_METRICS if embedding else METRICS)
+    if not embedding:
+        if args.random_batch_size not in (None, 1):
+            return "--random-batch-size batches embedding inputs: --backend openai-embeddings"
+        return None
+    for name in GENERATION_ONLY:
+        if _given(args, name):
+            return f"{_flag(name)} shapes generated tokens; an embedding request has none"
+    measured = set(args.percentile_metrics) | {slo.metric for slo in args.goodput}
+    if not_measured := sorted(measured - set(EMBEDDING_METRICS)):
+        return f"an embedding request has no tokens out: {','.join(not_measured)} is not measured"
+    if args.random_batch_size is not None and args.random_batch_size < 1:
+        return "--random-batch-size must be at least 1"
     return None
 
 

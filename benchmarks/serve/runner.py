@@ -14,7 +14,13 @@ from typing import Any
 
 import aiohttp
 
-from benchmarks.serve.client import RequestResult, request_body, stream_request
+from benchmarks.serve.client import (
+    EMBEDDINGS,
+    RequestResult,
+    embed_request,
+    request_body,
+    stream_request,
+)
 from benchmarks.serve.datasets import SampleRequest
 from benchmarks.serve.monitor import ServerMonitor
 
@@ -84,6 +90,7 @@ async def run_requests(
     """Send `requests` at `rate` per second (inf: all at once), at most `max_concurrency` in
     flight, while a monitor scrapes /metrics; returns when every stream has ended."""
     url = target.base_url + target.endpoint
+    send = embed_request if target.endpoint == EMBEDDINGS else stream_request
     limit = asyncio.Semaphore(max_concurrency or len(requests) or 1)
     done: list[RequestResult] = []
 
@@ -91,7 +98,7 @@ async def run_requests(
 
         async def one(request: SampleRequest) -> RequestResult:
             async with limit:
-                result = await stream_request(http, url, target.body(request), target.headers)
+                result = await send(http, url, target.body(request), target.headers)
             done.append(result)
             return result
 

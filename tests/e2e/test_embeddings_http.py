@@ -5,7 +5,10 @@ and /tokenizer_info."""
 from __future__ import annotations
 
 import base64
+import json
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 import torch
 
 from kvflow import LLM
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import API_KEY, Server, start_server
 from tests.integration.tiny_embedding import save_tiny_embedding_model
 
 pytestmark = pytest.mark.slow
@@ -80,6 +83,25 @@ def test_token_ids_and_dimensions(server: Server, offline: LLM) -> None:
 def test_generating_on_an_embedding_model_is_a_400(server: Server) -> None:
     with pytest.raises(openai.BadRequestError, match="/v1/embeddings"):
         server.client().completions.create(model=model_name(server), prompt="hi")
+
+
+def test_bench_serve_measures_batched_embedding_requests(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "embed.json"
+    where = ["--base-url", server.url, "--api-key", API_KEY, "--output-json", str(out)]
+    flags = ["--backend", "openai-embeddings", "--endpoint", "/v1/embeddings", "--disable-tqdm"]
+    load = ["--random-input-len", "8", "--num-prompts", "7", "--random-batch-size", "3"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "services", "bench", "serve", *where, *flags, *load],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [run] = json.loads(out.read_text())["runs"]
+    assert (run["completed"], run["failed"]) == (3, 0)  # 7 prompts in requests of 3, 3 and 1
+    assert (run["total_input_tokens"], run["total_output_tokens"]) == (7 * 8, 0)
+    assert run["median_e2el_ms"] > 0 and "median_ttft_ms" not in run
+    assert server.wait_idle()["kv_cache_usage_perc"] == 0
 
 
 def test_tokenizer_info(server: Server, smollm2_tokenizer) -> None:

@@ -1,5 +1,5 @@
-"""`kvflow bench serve`'s client against a small SSE server that misbehaves on request: each
-bad reply fails its request (never the benchmark), and connections are reused."""
+"""`kvflow bench serve`'s client against a small SSE (and embeddings) server that misbehaves on
+request: each bad reply fails its request (never the benchmark), and connections are reused."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import json
 
 from aiohttp import web
 
-from benchmarks.serve.client import COMPLETIONS, RequestResult, request_body, stream_request
+from benchmarks.serve.client import (
+    COMPLETIONS,
+    EMBEDDINGS,
+    RequestResult,
+    embed_request,
+    request_body,
+    stream_request,
+)
 from benchmarks.serve.runner import session
 
 PEERS = web.AppKey("peers", set)
@@ -42,21 +49,43 @@ async def sse(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def run(kinds: list[str]) -> tuple[list[RequestResult], int]:
+async def embeddings(request: web.Request) -> web.Response:
+    """Two vectors for two inputs, unless the model's name asks for a bad reply."""
+    body = await request.json()
+    request.app[PEERS].add(request.transport.get_extra_info("peername"))
+    data = [{"index": i, "embedding": [0.6, 0.8]} for i in range(len(body["input"]))]
+    reply = {"data": data, "usage": {"prompt_tokens": 5, "total_tokens": 5}}
+    match body["model"]:
+        case "http-error":
+            return web.json_response({"error": {"message": "nope"}}, status=400)
+        case "one-short":
+            reply["data"] = data[:-1]
+        case "malformed":
+            return web.Response(text="{not json")
+    return web.json_response(reply)
+
+
+async def run(kinds: list[str], embed: bool = False) -> tuple[list[RequestResult], int]:
     app = web.Application()
     app[PEERS] = set()
     app.router.add_post(COMPLETIONS, sse)
+    app.router.add_post(EMBEDDINGS, embeddings)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    url = f"http://127.0.0.1:{port}{COMPLETIONS}"
+    endpoint = EMBEDDINGS if embed else COMPLETIONS
+    url = f"http://127.0.0.1:{port}{endpoint}"
     results = []
     async with session() as http:
         for kind in kinds:  # one after another: each may reuse the last connection
-            body = request_body(COMPLETIONS, "m", kind, 2, False, {})
-            results.append(await stream_request(http, url, body, {}))
+            if embed:
+                body = request_body(EMBEDDINGS, kind, [[1, 2], [3]], 0, False, {})
+                results.append(await embed_request(http, url, body, {}))
+            else:
+                body = request_body(COMPLETIONS, "m", kind, 2, False, {})
+                results.append(await stream_request(http, url, body, {}))
     await runner.cleanup()
     return results, len(app[PEERS])
 
@@ -86,3 +115,16 @@ def test_each_bad_reply_fails_its_request_only() -> None:
     assert errors["error-event"].startswith("error event")
     assert errors["good"] == "" and results[-1].success
     assert not any(r.success for r in results[:-1])
+
+
+def test_embedding_requests_count_their_inputs_and_fail_on_bad_replies() -> None:
+    kinds = ["good", "http-error", "one-short", "malformed", "good"]
+    results, connections = asyncio.run(run(kinds, embed=True))
+    errors = [r.error for r in results]
+    assert errors[0] == errors[-1] == "" and results[0].success and results[-1].success
+    assert (results[0].prompt_tokens, results[0].completion_tokens) == (5, 0)
+    assert results[0].latency > 0 and results[0].tpot is None
+    assert errors[1].startswith("HTTP 400")
+    assert errors[2] == "1 embeddings for 2 inputs"
+    assert errors[3].startswith("bad reply: JSONDecodeError")
+    assert connections == 1

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.serve.bench import make_requests
 from benchmarks.serve.client import RequestResult, request_body
 from benchmarks.serve.datasets import (
     prefix_repetition_requests,
@@ -186,6 +187,21 @@ def refusal(line: str, capsys: pytest.CaptureFixture[str]) -> str:
     return f"{raised.value.code} {capsys.readouterr().err}"
 
 
+EMBED = "--backend openai-embeddings --endpoint /v1/embeddings"
+
+
+def test_an_embedding_run_measures_latency_and_batches_prompts() -> None:
+    args = serve_args(f"{EMBED} --random-input-len 8 --random-batch-size 3 --num-prompts 7")
+    assert args.percentile_metrics == ["e2el"] and args.random_batch_size == 3
+    requests = make_requests(args, args.num_prompts, 0, None)
+    assert [len(r.prompt) for r in requests] == [3, 3, 1]  # 7 prompts in requests of 3
+    assert [r.prompt_len for r in requests] == [24, 24, 8]
+    singles = random_requests(7, 8, 128, 0.0, seed=0)
+    assert [p for r in requests for p in r.prompt] == [r.prompt for r in singles]
+    body = request_body("/v1/embeddings", "m", requests[0].prompt, 0, False, {})
+    assert body == {"model": "m", "input": requests[0].prompt}  # no max_tokens, no stream
+
+
 def test_a_vllm_command_line_parses_to_what_it_says() -> None:
     args = serve_args(VLLM_LINE)
     assert (args.backend, args.model, args.served_model_name) == (
@@ -265,6 +281,15 @@ def test_vllm_flags_kvflow_cannot_honour_are_refused_by_name(
         ("--result-filename r.json", "add --save-result"),
         ("--save-detailed", "--save-detailed needs --save-result or --output-json"),
         ("--save-result --result-filename r.json --request-rate 4,inf", "--append-result"),
+        ("--endpoint /v1/embeddings", "needs --backend openai-embeddings"),
+        ("--backend openai-embeddings", "needs --endpoint /v1/embeddings"),
+        ("--random-batch-size 4", "--backend openai-embeddings"),
+        (f"{EMBED} --ignore-eos", "--ignore-eos shapes generated tokens"),
+        (f"{EMBED} --output-len 4", "--random-output-len shapes generated tokens"),
+        (f"{EMBED} --temperature 0", "--temperature shapes generated tokens"),
+        (f"{EMBED} --percentile-metrics ttft,e2el", "ttft is not measured"),
+        (f"{EMBED} --goodput tpot:10", "tpot is not measured"),
+        (f"{EMBED} --random-batch-size 0", "at least 1"),
     ],
 )
 def test_flags_that_would_do_nothing_are_refused(
