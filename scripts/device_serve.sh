@@ -4,7 +4,8 @@
 #
 #   PARTS="probe kvflow" bash scripts/device_serve.sh    # kvflow only
 #   PARTS="vllm kvflow" bash scripts/device_serve.sh     # vLLM (installed from .peer/), then kvflow
-#   PARTS="structured-kvflow embed-kvflow api-vllm" bash scripts/device_serve.sh
+#   PARTS="structured-kvflow structured-vllm" bash scripts/device_serve.sh
+#   PARTS="embed-kvflow embed-vllm" bash scripts/device_serve.sh
 #                                     # structured output and embeddings, kvflow and vLLM
 #
 # Carried: .whl/ and .vwhl/ (wheels the GPU machine lacks: bash scripts/device_wheels.sh),
@@ -221,9 +222,10 @@ serve_vllm() {
     sleep 5
 }
 
-serve_vllm_api() {  # structured output and embeddings, each on its own vLLM server
+# Structured output and embeddings on vLLM, each a part of its own: a vLLM start on a fresh
+# machine compiles for a minute or two, and both in one call pass a call's 10 minutes.
+serve_vllm_structured() {
     install_vllm || return 1
-    python3 -m sweeps.embedding_model "$MODEL_DIR" "$EMBED_DIR" || return 1
     local start=$SECONDS
     (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$MODEL_DIR" \
         --load-format dummy --max-model-len 4096 --served-model-name m --port 8200 \
@@ -233,11 +235,16 @@ serve_vllm_api() {  # structured output and embeddings, each on its own vLLM ser
         && echo "vllm start to ready: $((SECONDS - start)) s" && bench_structured vllm 8200
     kill -INT $pid; wait $pid
     sleep 5
-    start=$SECONDS
+}
+
+serve_vllm_embed() {
+    install_vllm || return 1
+    python3 -m sweeps.embedding_model "$MODEL_DIR" "$EMBED_DIR" || return 1
+    local start=$SECONDS
     (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$EMBED_DIR" \
         --runner pooling --convert embed --load-format dummy --max-model-len 4096 \
         --served-model-name m --port 8200 >"$RESULTS/vllm_embed_serve.log" 2>&1) &
-    pid=$!
+    local pid=$!
     wait_healthy http://127.0.0.1:8200/health $pid \
         && echo "vllm embed start to ready: $((SECONDS - start)) s" && bench_embed vllm 8200
     kill -INT $pid; wait $pid
@@ -255,9 +262,12 @@ for part in $PARTS; do
         run probe python3 -m sweeps.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;
     kvflow) serve_kvflow kvflow serve,prefix ;;
+    grammar)  # the host's cost of the 20-field schema: check, matcher start, a step's masks
+        run grammar python3 -m sweeps.grammar_bench "$MODEL_DIR" --out "$RESULTS/grammar.json" ;;
     structured-kvflow) serve_kvflow kvflow structured ;;
     embed-kvflow) serve_embed_kvflow ;;
-    api-vllm) serve_vllm_api ;;
+    structured-vllm) serve_vllm_structured ;;
+    embed-vllm) serve_vllm_embed ;;
     dp)  # one replica, then DP replicas routed by prefix, then DP replicas in turn
         serve_dp dp1 1 prefix serve,prefix
         serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve,prefix
@@ -314,8 +324,8 @@ done
 {
 python3 - "$RESULTS" <<'PY'
 import json, pathlib, sys
-def ms(run, key):  # a run whose requests all failed has no latencies
-    return "-" if run[key] is None else f"{run[key]:.1f}"
+def ms(run, key):  # a run whose requests all failed has no latencies; embeddings no TTFT
+    return "-" if run.get(key) is None else f"{run[key]:.1f}"
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     data = json.loads(path.read_text())
     for run in data.get("runs", []):
@@ -323,7 +333,8 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
               f"fail={run['failed']} req/s={run['request_throughput']:.2f} "
               f"TTFT med/p99={ms(run, 'median_ttft_ms')}/{ms(run, 'p99_ttft_ms')} "
               f"TPOT med/p99={ms(run, 'median_tpot_ms')}/{ms(run, 'p99_tpot_ms')} "
-              f"ITL p99={ms(run, 'p99_itl_ms')}")
+              f"ITL p99={ms(run, 'p99_itl_ms')} E2EL med={ms(run, 'median_e2el_ms')} "
+              f"tok/s={run['total_token_throughput']:.0f}")
 PY
 } | tee "$OUT/summary.txt"
 tar -czf "$OUT/serve-out.tgz" -C "$RESULTS" .

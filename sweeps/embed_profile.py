@@ -1,9 +1,10 @@
 """Where an embedding step's time goes, in-process (no HTTP): `LLM.embed` over random prompts
 of a Qwen3-Embedding-0.6B-shaped model with dummy weights, timed at two token budgets, then
-one call under the torch profiler (the top CUDA kernels and CPU ops).
+one call under the torch profiler (the top CUDA kernels and CPU ops). One token budget a
+process: an `LLM` holds its GPU memory until its process ends.
 
     python -m sweeps.embedding_model QWEN3_FOLDER /tmp/emb
-    python -m sweeps.embed_profile /tmp/emb --out embed_profile.json
+    python -m sweeps.embed_profile /tmp/emb --budget 4096 --profile --out embed_4096.json
 """
 
 from __future__ import annotations
@@ -27,45 +28,41 @@ def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", type=Path)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--budget", type=int, default=4096, help="--max-num-batched-tokens")
+    parser.add_argument("--profile", action="store_true", help="Also one call profiled.")
     parser.add_argument("--count", type=int, default=2048)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    figures: dict[str, object] = {}
-    for budget in args.budgets:
-        llm = LLM(
-            str(args.model),
-            load_format="dummy",
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=budget,
-            gpu_memory_utilization=0.5,
-        )
-        llm.embed(prompts(64, args.length, vocab, 0))
-        batch = prompts(args.count, args.length, vocab, 1)
-        start = time.perf_counter()
-        llm.embed(batch)
-        seconds = time.perf_counter() - start
-        figures[f"tok_per_s_budget_{budget}"] = args.count * args.length / seconds
-        print(budget, figures[f"tok_per_s_budget_{budget}"], flush=True)
-        if budget == args.budgets[0]:
-            with torch.profiler.profile(
-                activities=[
-                    torch.profiler.ProfilerActivity.CPU,
-                    torch.profiler.ProfilerActivity.CUDA,
-                ]
-            ) as prof:
-                llm.embed(prompts(256, args.length, vocab, 2))
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    llm = LLM(
+        str(args.model),
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.budget,
+    )
+    llm.embed(prompts(64, args.length, vocab, 0))  # first-use compiles
+    batch = prompts(args.count, args.length, vocab, 1)
+    start = time.perf_counter()
+    llm.embed(batch)
+    seconds = time.perf_counter() - start
+    figures: dict[str, object] = {
+        "budget": args.budget,
+        "prompts": args.count,
+        "prompt_len": args.length,
+        "seconds": seconds,
+        "tok_per_s": args.count * args.length / seconds,
+    }
+    print(json.dumps(figures), flush=True)
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            llm.embed(prompts(256, args.length, vocab, 2))
+        for sort in ("cuda_time_total", "cpu_time_total"):
+            table = prof.key_averages().table(sort_by=sort, row_limit=25)
             print(table)
-            figures["profile_cuda"] = table
-            table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
-            print(table)
-            figures["profile_cpu"] = table
-        del llm
-        torch.cuda.empty_cache()
+            figures[f"profile_by_{sort}"] = table
     if args.out is not None:
         args.out.write_text(json.dumps(figures, indent=1))
 
