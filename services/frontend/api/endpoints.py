@@ -25,6 +25,7 @@ from shared.protocol import (
     GenerateRequest,
     ParameterError,
     SamplingParams,
+    StructuredOutput,
 )
 
 Body = TypeVar("Body")
@@ -138,11 +139,8 @@ def read_chat(body: ChatCompletionRequest) -> Inputs:
     if max_tokens is None:  # the older name; 0 in either is refused, not taken as unset
         max_tokens = body.max_tokens
     tools = tool_request(body)
-    spec = structured_output(body)
-    if spec is not None and tools.structured_output is not None:
-        raise ParameterError(spec.source, "cannot be combined with a required or named tool_choice")
     params = body.sampling_params(
-        max_tokens, body.num_logprobs, spec or tools.structured_output, body.prompt_logprobs
+        max_tokens, body.num_logprobs, _chat_constraint(body, tools), body.prompt_logprobs
     )
     return Inputs(
         prompts=[
@@ -157,6 +155,21 @@ def read_chat(body: ChatCompletionRequest) -> Inputs:
         priority=body.priority,
         timeout=body.timeout,
     )
+
+
+def _chat_constraint(body: ChatCompletionRequest, tools: ToolRequest) -> StructuredOutput | None:
+    """The grammar of a chat's reply: its structured output, or its required or named call's.
+
+    A forced call makes the reply a call and nothing else, so `response_format` (the shape of
+    a text reply) has nothing to shape and gives way to the call's grammar, as with OpenAI and
+    vLLM: clients send both, e.g. the Agents SDK for an agent with an output_type and a
+    tool_choice. vLLM's own fields ask for the output itself and are refused beside it."""
+    spec = structured_output(body)  # validated (400 for a bad one) even where it gives way
+    if tools.structured_output is None:
+        return spec
+    if spec is not None and spec.source != "response_format":
+        raise ParameterError(spec.source, "cannot be combined with a required or named tool_choice")
+    return tools.structured_output
 
 
 def _chunks(chunk: ChunkBuilder, chunk_object: str) -> Callable[[CallPlan], StreamWriter]:
