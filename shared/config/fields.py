@@ -159,8 +159,9 @@ class ConfigFields:
     max_num_batched_tokens: int = option(
         2048,
         "scheduler",
-        "Most tokens in one step (token budget); offline (`LLM`, `generate`, `bench`) default:"
-        " 16384, as vLLM's LLM class on large GPUs.",
+        "Most tokens in one step (token budget); offline (`LLM`, `generate`, `bench`) and for"
+        " an embedding model (--task embed) the default is 16384, as vLLM's LLM class on large"
+        " GPUs.",
     )
     enable_chunked_prefill: bool = option(
         True, "scheduler", "Split long prompts across steps to fit the token budget."

@@ -181,3 +181,18 @@ def test_the_summary_stays_short_for_a_served_config() -> None:
         api_server_count=1,
     )
     assert len(config.non_default_summary()) < 250
+
+
+def test_an_embedding_model_takes_offline_steps_unless_told(tmp_path: Path) -> None:
+    from services.launcher.cli import build_parser, component_config
+
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    (tmp_path / "modules.json").write_text("[]")  # sentence-transformers: an embedding model
+
+    def budget(*argv: str) -> int:
+        return component_config(build_parser().parse_args(["serve", *argv])).max_num_batched_tokens
+
+    offline = OFFLINE_DEFAULTS["max_num_batched_tokens"]
+    assert budget(str(tmp_path)) == budget(str(tmp_path), "--task", "embed") == offline
+    assert budget(str(tmp_path), "--max-num-batched-tokens", "4096") == 4096
+    assert budget(str(tmp_path), "--task", "generate") == budget() == 2048  # serve's own
