@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -404,3 +405,20 @@ def test_the_priority_reaches_every_sub_request() -> None:
 def test_a_chat_template_in_a_request_is_refused() -> None:
     error = refusal(CHAT, chat(USER_HI, chat_template="{{ 7 * 7 }}"))
     assert (error.status, error.param) == (400, "chat_template")
+
+
+def test_a_field_kvflow_does_not_serve_is_named_in_the_log_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from services.frontend.api.openai_types import CompletionRequest
+    from services.frontend.api.validation import decode
+
+    body = b'{"prompt": "hi", "max_tokens": 3, "service_tier": "flex", "zz_new": {"a": [1]}}'
+    with caplog.at_level(logging.WARNING):
+        first = decode(body, CompletionRequest)
+        decode(body, CompletionRequest)
+    assert first.max_tokens == 3
+    named = [r.getMessage() for r in caplog.records if "does not serve" in r.getMessage()]
+    assert len(named) == 2  # each field once, not once per request
+    assert "'service_tier'" in named[0] and "'zz_new'" in named[1]
+    assert not any("'max_tokens'" in m or "'prompt'" in m for m in named)

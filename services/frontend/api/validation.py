@@ -3,6 +3,8 @@ the response needs. Pure: the request id and the arrival time are given, not dra
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -15,6 +17,8 @@ from services.frontend.api.limits import RequestLimits
 from services.frontend.api.openai_types import decode_body
 from shared.pooling import PoolingConfig
 from shared.protocol import LoraAdapterInfo, ParameterError
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -78,11 +82,36 @@ def plan_call(
 
 
 def decode(raw_body: bytes, kind: type[T]) -> T:
-    """A JSON body as `kind`; a 400 naming the field when it does not fit."""
+    """A JSON body as `kind`; a 400 naming the field when it does not fit. Fields kvflow does
+    not serve are ignored, as OpenAI's newer fields must be for clients that send them on every
+    request, but not silently: a warning names each the first time it comes."""
     try:
-        return decode_body(raw_body, kind)
+        body = decode_body(raw_body, kind)
     except ParameterError as exc:
         raise bad_request(exc) from None
+    _warn_of_ignored_fields(raw_body, kind)
+    return body
+
+
+_warned: set[tuple[str, str]] = set()  # (body type, field) already named in the log
+
+
+def _warn_of_ignored_fields(raw_body: bytes, kind: type) -> None:
+    keys = msgspec.json.decode(raw_body, type=dict[str, msgspec.Raw])  # values left unparsed
+    known = _known_fields(kind)
+    for name in sorted(keys.keys() - known):
+        if (kind.__name__, name) not in _warned and len(_warned) < 1000:
+            _warned.add((kind.__name__, name))
+            logger.warning(
+                "ignored a request field kvflow does not serve: %r (%s; said once per field)",
+                name,
+                kind.__name__,
+            )
+
+
+@functools.cache
+def _known_fields(kind: type) -> frozenset[str]:
+    return frozenset(f.encode_name for f in msgspec.structs.fields(kind))
 
 
 def resolve_model(
