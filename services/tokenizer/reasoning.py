@@ -73,6 +73,14 @@ class ReasoningReader:
         self._state = self._START
         self._held = ""  # text not read yet: a possible tag's start
 
+    @property
+    def thinking(self) -> bool:
+        """Whether the output is in its thinking now (before its start is read: whether it
+        starts there without a `<think>` of its own)."""
+        if self._state == self._START:
+            return self._default == self._REASONING
+        return self._state == self._REASONING
+
     def feed(self, text: str) -> ReasoningSplit:
         self._held += text
         out = ReasoningSplit()

@@ -63,6 +63,7 @@ class _LiveRequest:
     prompt_only: bool = False  # echo with max_tokens 0: the one token computed is dropped
     reasoning: ReasoningReader | None = None  # a chat under --reasoning-parser
     answer_stops: StopStrings | None = None  # with `reasoning`: stop strings of the answer
+    num_reasoning_tokens: int = 0  # with `reasoning`: the output tokens that were thinking
 
 
 class TokenizerWorker:
@@ -300,7 +301,12 @@ class TokenizerWorker:
                 text += detokenizer.flush()
         reasoning = ""
         if live.reasoning is not None:
+            # The thinking is the output's start: every token up to the one that closes it
+            # (the tokens of an opening <think> too, counted once it is read as one).
+            thinking_before = live.reasoning.thinking
             reasoning, text, finish = _split_reasoning(live, text, finish)
+            if thinking_before or live.reasoning.thinking:
+                live.num_reasoning_tokens = live.num_output_tokens + len(output.new_token_ids)
         tool_calls: list[ToolCallDelta] = []
         if live.tool_calls is not None:
             text, tool_calls = live.tool_calls.feed(text)
@@ -324,6 +330,7 @@ class TokenizerWorker:
             tool_calls=tool_calls,
             stop_reason=_stop_hit(live) if finish else None,
             reasoning=reasoning,
+            num_reasoning_tokens=live.num_reasoning_tokens,
             embedding=output.embedding,
         )
         if live.echo_prompt_ids is not None:

@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 class Message(msgspec.Struct, gc=False):

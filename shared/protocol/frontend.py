@@ -144,6 +144,9 @@ class TextDelta(Message, tag=True, kw_only=True):
     stop_reason: str | None = None  # with finish_reason STOP: the stop string that ended it
     # With --reasoning-parser, a chat's thinking; `text` is then its answer alone.
     reasoning: str = ""
+    # With --reasoning-parser: the output tokens so far that were thinking, <think> and
+    # </think> included (OpenAI's reasoning_tokens).
+    num_reasoning_tokens: int = 0
     embedding: list[float] | None = None  # the last delta of an embed request
 
     @classmethod

@@ -32,8 +32,11 @@ def chat(server: Server, **fields: Any) -> httpx.Response:
 
 def test_the_thinking_comes_apart_streamed_and_not(server: Server) -> None:
     # "." is a stop string of the answer: the thinking goes on past its full stops
-    message = chat(server, stop=["."]).json()["choices"][0]["message"]
+    body = chat(server, stop=["."]).json()
+    message = body["choices"][0]["message"]
     assert message["content"] == "" and message["reasoning_content"]
+    every_token = body["usage"]["completion_tokens"]
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": every_token}
     assert message["reasoning"] == message["reasoning_content"]
     client = server.client()
     chunks = list(
@@ -50,6 +53,19 @@ def test_the_thinking_comes_apart_streamed_and_not(server: Server) -> None:
     streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
     assert streamed == message["reasoning_content"]
     assert "".join(d.content or "" for d in deltas) == ""
+
+
+def test_a_response_counts_its_thinking_tokens(server: Server) -> None:
+    client = server.client()
+    response = client.responses.create(
+        model=client.models.list().data[0].id,
+        input="What is the capital of France?",
+        max_output_tokens=8,
+        temperature=0,
+    )
+    assert response.output[0].type == "reasoning"
+    assert response.usage is not None and response.usage.output_tokens == 8
+    assert response.usage.output_tokens_details.reasoning_tokens == 8
 
 
 def test_completions_are_not_read_for_thinking(server: Server) -> None:

@@ -38,10 +38,19 @@ def test_the_message_carries_the_thinking_under_both_names() -> None:
 def test_a_message_without_thinking_has_no_reasoning_fields() -> None:
     choice = r.Choice(0)
     choice.absorb(delta("Hi", finish_reason=FinishReason.STOP))
-    assert r.chat_body("c-1", "m", [choice], 1, False)["choices"][0]["message"] == {
-        "role": "assistant",
-        "content": "Hi",
-    }
+    body = r.chat_body("c-1", "m", [choice], 1, False)
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hi"}
+    assert "completion_tokens_details" not in body["usage"]
+
+
+def test_the_usage_counts_the_thinking_tokens_apart() -> None:
+    choices = [r.Choice(0), r.Choice(1)]
+    choices[0].absorb(delta("", "Two", num_output_tokens=5, num_reasoning_tokens=5))
+    choices[0].absorb(delta("4", num_output_tokens=9, num_reasoning_tokens=7))
+    choices[1].absorb(delta("4", num_output_tokens=2, num_reasoning_tokens=1))
+    counted = r.usage(choices, num_prompts=1)
+    assert counted["completion_tokens"] == 11
+    assert counted["completion_tokens_details"] == {"reasoning_tokens": 8}
 
 
 def test_thinking_and_tool_calls_together() -> None:

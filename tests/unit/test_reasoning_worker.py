@@ -169,3 +169,26 @@ def test_chat_template_kwargs_may_not_replace_the_templates_own(
     )
     assert result.error is not None and result.error.param == "chat_template_kwargs"
     assert not worker.live
+
+
+@pytest.mark.parametrize(
+    ("parser", "kwargs", "text"),
+    [
+        ("qwen3", {}, "<think>\nAdd them.\n</think>\n\nIt is 4."),
+        ("deepseek_r1", {}, "Two and two.\n</think>\n\nIt is 4."),
+        ("qwen3", {"enable_thinking": False}, "It is 4."),
+    ],
+)
+def test_the_thinking_tokens_are_counted_apart(
+    smollm2_tokenizer, parser: str, kwargs: dict[str, object], text: str
+) -> None:
+    worker = make_worker(smollm2_tokenizer, parser)
+    worker.admit(chat(chat_template_kwargs=kwargs or None))
+    encoded = smollm2_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    deltas = run(worker, "r", text, num_pieces=len(encoded["input_ids"]))  # a token a piece
+    # Every token that starts before the thinking's end: </think>'s own included.
+    end = text.find("</think>") + len("</think>") if "</think>" in text else 0
+    expected = sum(start < end for start, _ in encoded["offset_mapping"])
+    assert deltas[-1].num_reasoning_tokens == expected
+    assert 0 < expected < len(encoded["input_ids"]) or "</think>" not in text
+    assert deltas[-1].num_output_tokens == len(encoded["input_ids"])

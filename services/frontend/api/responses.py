@@ -49,6 +49,7 @@ class Choice:
     prompt_logprobs: list[PromptTokenLogprob] | None = None
     stop_reason: str | None = None  # the stop string that ended it (vLLM's stop_reason)
     reasoning: list[str] = field(default_factory=list)  # with --reasoning-parser
+    num_reasoning_tokens: int = 0  # with --reasoning-parser: of num_output_tokens
     embedding: list[float] | None = None  # an embed request's
 
     def absorb(self, delta: TextDelta) -> None:
@@ -64,6 +65,7 @@ class Choice:
         self.logprobs.extend(delta.logprobs)
         self.num_prompt_tokens = delta.num_prompt_tokens or self.num_prompt_tokens
         self.num_output_tokens = delta.num_output_tokens or self.num_output_tokens
+        self.num_reasoning_tokens = delta.num_reasoning_tokens or self.num_reasoning_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_text is not None:
             self.prompt_text = delta.prompt_text
@@ -107,12 +109,15 @@ def usage(choices: list[Choice], num_prompts: int) -> dict[str, Any]:
     prompt_tokens = sum(c.num_prompt_tokens for c in per_prompt.values())
     completion_tokens = sum(c.num_output_tokens for c in choices)
     cached = sum(c.num_cached_tokens for c in per_prompt.values())
-    return {
+    counted: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning_tokens := sum(c.num_reasoning_tokens for c in choices):
+        counted["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return counted
 
 
 # ------------------------------------------------------------------ completions

@@ -91,7 +91,7 @@ def usage(choice: r.Choice) -> dict[str, Any]:
         "input_tokens": choice.num_prompt_tokens,
         "input_tokens_details": {"cached_tokens": choice.num_cached_tokens},
         "output_tokens": choice.num_output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},  # not counted apart
+        "output_tokens_details": {"reasoning_tokens": choice.num_reasoning_tokens},
         "total_tokens": choice.num_prompt_tokens + choice.num_output_tokens,
     }
 
