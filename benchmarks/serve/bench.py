@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 
+from benchmarks.serve.checks import check_serve_args
 from benchmarks.serve.datasets import (
     DEFAULT_VOCAB_BOUND,
     SampleRequest,
@@ -22,7 +23,6 @@ from benchmarks.serve.datasets import (
     random_requests,
     sharegpt_requests,
 )
-from benchmarks.serve.flags import check_serve_args
 from benchmarks.serve.metrics import format_table, summarize
 from benchmarks.serve.results import result_path, result_record, timestamp, write_result
 from benchmarks.serve.runner import Run, Target, print_progress, run_requests

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks.serve.bench import make_requests
+from benchmarks.serve.checks import check_serve_args
 from benchmarks.serve.client import RequestResult, request_body
 from benchmarks.serve.datasets import (
     prefix_repetition_requests,
@@ -25,7 +26,6 @@ from benchmarks.serve.flags import (
     REFUSED,
     Slo,
     add_serve_flags,
-    check_serve_args,
     parse_percentiles,
     parse_rates,
     percentile_key,
