@@ -133,6 +133,11 @@ def measure(tokenizer_dir: Path, batch: int) -> dict[str, Any]:
         step_ms.append((time.perf_counter() - start) * 1000)
         if not all(m.consume_token(token) for m in matchers):
             raise RuntimeError("the instance does not match its schema's grammar")
+    random_ms = random_walk_ms(
+        matchers_of=lambda: [new_matcher() for _ in range(batch)],
+        vocab_size=tokenizer.vocab_size,
+        steps=200,
+    )
     return {
         "tokenizer": str(tokenizer_dir),
         "vocab_size": tokenizer.vocab_size,
@@ -145,8 +150,37 @@ def measure(tokenizer_dir: Path, batch: int) -> dict[str, Any]:
         "batch": batch,
         "step_mask_ms_median": statistics.median(step_ms),
         "step_mask_ms_p99": sorted(step_ms)[int(0.99 * (len(step_ms) - 1))],
+        # The same batch walking random allowed tokens, as a model with random weights does
+        # (long strings of odd tokens, numbers of many digits): the masks the serve run meets.
+        "random_walk_steps": len(random_ms),
+        "random_walk_mask_ms_median": statistics.median(random_ms),
+        "random_walk_mask_ms_p99": sorted(random_ms)[int(0.99 * (len(random_ms) - 1))],
+        "random_walk_mask_ms_max": max(random_ms),
         "threads": torch.get_num_threads(),
     }
+
+
+def random_walk_ms(matchers_of: Any, vocab_size: int, steps: int, seed: int = 0) -> list[float]:
+    """Each step's mask time for a batch of matchers that each take a random allowed token
+    (a row whose grammar is done leaves the batch)."""
+    rng = torch.Generator().manual_seed(seed)
+    matchers = matchers_of()
+    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
+    executor = LLExecutor()
+    times = []
+    for _ in range(steps):
+        live = [(m, i) for i, m in enumerate(matchers) if not m.is_accepting()]
+        if not live:
+            break
+        start = time.perf_counter()
+        llguidance.torch.fill_next_token_bitmask_par(executor, live, bitmask)
+        times.append((time.perf_counter() - start) * 1000)
+        bits = ((bitmask[:, :, None] >> torch.arange(32)) & 1).reshape(len(matchers), -1)
+        for matcher, row in live:
+            allowed = bits[row, :vocab_size].nonzero().flatten()
+            token = allowed[torch.randint(len(allowed), (1,), generator=rng)].item()
+            matcher.consume_token(int(token))
+    return times
 
 
 def check_server(base_url: str, answers: int = 16) -> dict[str, Any]:
