@@ -206,49 +206,23 @@ install_vllm() {
     (cd /tmp && PYTHONPATH=$SITE python3 -c "import vllm.entrypoints.openai.api_server")
 }
 
-serve_vllm() {
+vllm_part() {  # NAME MODEL WORKLOAD_FUNCTION [SERVE FLAGS...]: one vLLM server, its workload
     install_vllm || return 1
     local start=$SECONDS
     # Its own working directory and Python path: it must not import kvflow's packages.
-    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$MODEL_DIR" \
-        --load-format dummy --max-model-len 4096 --served-model-name m --port 8200 \
-        >"$RESULTS/vllm_serve.log" 2>&1) &
+    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$2" \
+        --load-format dummy --max-model-len 4096 --served-model-name m --port 8200 "${@:4}" \
+        >"$RESULTS/$1_serve.log" 2>&1) &
     local pid=$!
     # vLLM has no /ready: /health answers once its engine is up
     wait_healthy http://127.0.0.1:8200/health $pid \
-        && echo "vllm start to ready: $((SECONDS - start)) s" \
-        && bench vllm 8200 && bench_prefix vllm 8200
+        && echo "$1 start to ready: $((SECONDS - start)) s" && "$3" vllm 8200
     kill -INT $pid; wait $pid
     sleep 5
 }
 
-# Structured output and embeddings on vLLM, each a part of its own: a vLLM start on a fresh
-# machine compiles for a minute or two, and both in one call pass a call's 10 minutes.
-serve_vllm_structured() {
-    install_vllm || return 1
-    local start=$SECONDS
-    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$MODEL_DIR" \
-        --load-format dummy --max-model-len 4096 --served-model-name m --port 8200 \
-        >"$RESULTS/vllm_structured_serve.log" 2>&1) &
-    local pid=$!
-    wait_healthy http://127.0.0.1:8200/health $pid \
-        && echo "vllm start to ready: $((SECONDS - start)) s" && bench_structured vllm 8200
-    kill -INT $pid; wait $pid
-    sleep 5
-}
-
-serve_vllm_embed() {
-    install_vllm || return 1
-    python3 -m sweeps.embedding_model "$MODEL_DIR" "$EMBED_DIR" || return 1
-    local start=$SECONDS
-    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE exec vllm serve "$EMBED_DIR" \
-        --runner pooling --convert embed --load-format dummy --max-model-len 4096 \
-        --served-model-name m --port 8200 >"$RESULTS/vllm_embed_serve.log" 2>&1) &
-    local pid=$!
-    wait_healthy http://127.0.0.1:8200/health $pid \
-        && echo "vllm embed start to ready: $((SECONDS - start)) s" && bench_embed vllm 8200
-    kill -INT $pid; wait $pid
-    sleep 5
+bench_serve_and_prefix() {  # NAME PORT
+    bench "$1" "$2" && bench_prefix "$1" "$2"
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -266,8 +240,12 @@ for part in $PARTS; do
         run grammar python3 -m sweeps.grammar_bench "$MODEL_DIR" --out "$RESULTS/grammar.json" ;;
     structured-kvflow) serve_kvflow kvflow structured ;;
     embed-kvflow) serve_embed_kvflow ;;
-    structured-vllm) serve_vllm_structured ;;
-    embed-vllm) serve_vllm_embed ;;
+    # Structured output and embeddings on vLLM, each a part of its own: a vLLM start on a
+    # fresh machine compiles for a minute or two, and both in one call pass a call's 10 minutes.
+    structured-vllm) vllm_part vllm_structured "$MODEL_DIR" bench_structured ;;
+    embed-vllm)
+        python3 -m sweeps.embedding_model "$MODEL_DIR" "$EMBED_DIR" || { status=1; continue; }
+        vllm_part vllm_embed "$EMBED_DIR" bench_embed --runner pooling --convert embed ;;
     dp)  # one replica, then DP replicas routed by prefix, then DP replicas in turn
         serve_dp dp1 1 prefix serve,prefix
         serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve,prefix
@@ -279,7 +257,7 @@ for part in $PARTS; do
         serve_dp dp1 1 prefix serve
         serve_dp "dp${DP:-2}" "${DP:-2}" prefix serve ;;
     kvflow-no-prefix-cache) serve_kvflow kvflow_nocache prefix --no-enable-prefix-caching ;;
-    vllm) serve_vllm ;;
+    vllm) vllm_part vllm "$MODEL_DIR" bench_serve_and_prefix ;;
     offline-kvflow)  # 256 x 512 in / 256 out, all at once; then prompts only (the prefill share)
         for budget in 8192 16384; do
             run "offline-kvflow $budget" python3 -m services bench throughput "$MODEL_DIR" \

@@ -23,6 +23,7 @@ from benchmarks.serve.datasets import (
     random_requests,
     sharegpt_requests,
 )
+from benchmarks.serve.flags import SAMPLING
 from benchmarks.serve.metrics import format_table, summarize
 from benchmarks.serve.results import result_path, result_record, timestamp, write_result
 from benchmarks.serve.runner import Run, Target, print_progress, run_requests
@@ -30,15 +31,6 @@ from benchmarks.serve.runner import Run, Target, print_progress, run_requests
 # Each rate's prompts come from their own seed, so a later rate finds nothing of an earlier
 # one in the prefix cache ("fresh prompts per run").
 _SEED_STRIDE = 1_000_003
-_SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-)
 
 
 def make_requests(
@@ -129,7 +121,7 @@ def request_headers(args: argparse.Namespace) -> dict[str, str]:
 
 
 def target_of(args: argparse.Namespace, model: str, headers: dict[str, str]) -> Target:
-    extra = {name: value for name in _SAMPLING if (value := getattr(args, name)) is not None}
+    extra = {name: value for name in SAMPLING if (value := getattr(args, name)) is not None}
     extra.update(args.extra_body or {})
     return Target(
         base_url=args.base_url or f"http://{args.host}:{args.port}",

@@ -16,6 +16,7 @@ from benchmarks.serve.flags import (
     EMBEDDINGS,
     GENERAL_LENGTHS,
     METRICS,
+    SAMPLING,
 )
 
 # What means nothing to an embedding request, by dest: refused with --backend openai-embeddings.
@@ -25,13 +26,7 @@ GENERATION_ONLY = (
     "random_output_len",
     "prefix_repetition_output_len",
     "sharegpt_output_len",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
+    *SAMPLING,
 )
 
 

@@ -91,6 +91,13 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
+def failure(exc: Exception) -> str:
+    """What failed a request: the connection (aiohttp, a timeout), or a malformed reply."""
+    if isinstance(exc, aiohttp.ClientError | TimeoutError):
+        return f"{type(exc).__name__}: {exc}"
+    return f"bad reply: {type(exc).__name__}: {exc}"
+
+
 async def stream_request(
     session: aiohttp.ClientSession,
     url: str,
@@ -113,11 +120,8 @@ async def stream_request(
             # reusing it, and every later request would pay a new handshake.
             async for _ in response.content.iter_any():
                 pass
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    except Exception as exc:  # a malformed reply fails this request, not the benchmark
-        result.error = f"bad reply: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # a bad reply fails this request, not the benchmark
+        result.error = failure(exc)
         return result
     if not result.chunk_times:
         result.ttft = result.latency  # no text at all (e.g. only special tokens)
@@ -179,11 +183,8 @@ async def embed_request(
             return result
         result.prompt_tokens = int(reply["usage"]["prompt_tokens"])
         result.usage_seen = True
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    except Exception as exc:  # a malformed reply fails this request, not the benchmark
-        result.error = f"bad reply: {type(exc).__name__}: {exc}"
+    except Exception as exc:  # a bad reply fails this request, not the benchmark
+        result.error = failure(exc)
         return result
     result.ttft = result.latency
     result.success = True

@@ -29,6 +29,16 @@ EMBEDDING_METRICS = ("e2el",)  # an embedding request has no tokens out: only it
 # vLLM's backends that speak the OpenAI API, and the endpoint each needs (None: either
 # generating endpoint).
 BACKENDS = {"openai": None, "vllm": None, "openai-chat": CHAT, "openai-embeddings": EMBEDDINGS}
+# The sampling fields a flag of the same name sends (when given), and their types.
+SAMPLING: dict[str, type] = {
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "frequency_penalty": float,
+    "presence_penalty": float,
+    "repetition_penalty": float,
+}
 DATASETS = ("random", "prefix-repetition", "sharegpt")
 DATASET_ALIASES = {"prefix_repetition": "prefix-repetition"}  # vLLM's spelling
 # Each dataset's own flags, with their defaults (vLLM's). Given for another dataset they are
@@ -297,16 +307,12 @@ def _load_flags(load: argparse._ArgumentGroup) -> None:
     )
     load.add_argument("--ignore-eos", action="store_true", help="Always generate max_tokens.")
     load.add_argument("--seed", type=int, default=0)
-    for flag, kind in (
-        ("--temperature", float),
-        ("--top-p", float),
-        ("--top-k", int),
-        ("--min-p", float),
-        ("--frequency-penalty", float),
-        ("--presence-penalty", float),
-        ("--repetition-penalty", float),
-    ):
-        load.add_argument(flag, type=kind, help="Sent when given (else the server's default).")
+    for name, kind in SAMPLING.items():
+        load.add_argument(
+            "--" + name.replace("_", "-"),
+            type=kind,
+            help="Sent when given (else the server's default).",
+        )
     load.add_argument(
         "--extra-body",
         type=_json_object,
