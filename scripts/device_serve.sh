@@ -11,9 +11,10 @@
 # Carried: .whl/ and .vwhl/ (wheels the GPU machine lacks: bash scripts/device_wheels.sh),
 # .peer/qwen3-8b.tar.xz and, for vLLM, the three vllm_bundle parts with SHA256SUMS and
 # install_vllm.sh (copied from the steering repo's peer/ folder). A call carries 64 MiB at most,
-# the tree (13 MB) included: one part a call (.peerA/, .peerB/, .peerC/), in consecutive calls
-# while the machine is warm, .vwhl/ beside one of them; each call leaves its part in
-# /tmp/vllm-parts, and the call with the last installs vLLM.
+# the tree (15 MB) included: .whl/, .vwhl/ and .peer/ in the first call, then one part a call
+# (.peerA/, .peerB/, .peerC/), in consecutive calls while the machine is warm; each call leaves
+# what it brought in /tmp (/tmp/vwhl, /tmp/vllm-parts), and the first vLLM part installs vLLM
+# once all three parts are there.
 set -uo pipefail
 OUT=${OUT:-$PWD/bench-out}  # gets serve-out.tgz (every JSON, log and plot) and summary.txt
 RESULTS=/tmp/serve-results
@@ -24,8 +25,9 @@ NUM_PROMPTS=${NUM_PROMPTS:-500}
 export PYTHONUNBUFFERED=1
 status=0
 
-mkdir -p /tmp/vllm-parts
+mkdir -p /tmp/vllm-parts /tmp/vwhl
 cp .peer*/vllm_bundle.tar.xz.part* .peer/SHA256SUMS .peer/install_vllm.sh /tmp/vllm-parts/ 2>/dev/null
+cp .vwhl/*.whl /tmp/vwhl/ 2>/dev/null
 if [ ! -f "$SITE/.kvflow-wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
         .whl/*.whl && touch "$SITE/.kvflow-wheels" || exit 1
@@ -196,11 +198,11 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
 
 install_vllm() {
     if [ ! -f "$SITE/vllm_env.sh" ]; then
-        # vLLM's dependencies that neither the machine nor the bundle has (.vwhl/), first:
-        # install_vllm.sh must come last (a later pip --target would drop its bin/vllm).
-        # (An earlier call may have brought them: the parts and .vwhl/ together pass 64 MiB.)
-        [ -d .vwhl ] && python3 -m pip install -q --no-index --no-deps --no-compile \
-            --target "$SITE" .vwhl/*.whl
+        # vLLM's dependencies that neither the machine nor the bundle has (.vwhl/, kept in
+        # /tmp/vwhl by an earlier call), first: install_vllm.sh must come last (a later
+        # pip --target would drop its bin/vllm).
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+            /tmp/vwhl/*.whl || return 1
         (cd /tmp/vllm-parts && VLLM_SKIP_SMOKE=1 bash install_vllm.sh "$SITE") || return 1
     fi
     (cd /tmp && PYTHONPATH=$SITE python3 -c "import vllm.entrypoints.openai.api_server")

@@ -3,7 +3,8 @@
 # the device tool carries (see docs/benchmarks-history.md, the serving runs against vLLM):
 #   .whl/   kvflow's serving dependencies for the machine's Python 3.12
 #   .vwhl/  vLLM 0.26's imports that neither the machine nor the vLLM bundle has
-#           (`PARTS=vllm` in scripts/device_serve.sh installs them before the bundle)
+#           (`PARTS=vllm` in scripts/device_serve.sh installs them before the bundle; orjson,
+#           which vLLM's /v1/embeddings asks for at start)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 download() {  # DIR PACKAGE...
@@ -21,5 +22,5 @@ download .vwhl sniffio python-json-logger ijson jsonschema jsonschema-specificat
     referencing rpds-py lark==1.2.2 anthropic docstring-parser "mistral_common>=1.11.5" \
     pydantic-extra-types pycountry lm-format-enforcer==0.11.3 interegular outlines_core==0.2.14 \
     email-validator dnspython websockets httptools python-dotenv mcp httpx-sse sse-starlette \
-    pydantic-settings opentelemetry-sdk opentelemetry-semantic-conventions nvtx==0.2.15
+    pydantic-settings opentelemetry-sdk opentelemetry-semantic-conventions nvtx==0.2.15 orjson
 du -sh .whl .vwhl
