@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any, cast
@@ -45,6 +46,8 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model: str | None = None, **config: Any) -> None:
+        if isinstance(config.get("speculative_config"), dict):  # as vLLM's LLM takes it
+            config["speculative_config"] = json.dumps(config["speculative_config"])
         self.config = Config(model=model, **{**OFFLINE_DEFAULTS, **config})
         if self.config.kv_events_address is not None:
             raise ValueError("--kv-events-address: a serving scheduler publishes KV events")

@@ -71,4 +71,5 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         scheduling_policy=config.scheduling_policy,
         max_loras=ready.max_loras,
         kv_events=config.kv_events_address is not None,
+        num_speculative_tokens=ready.num_speculative_tokens,
     )

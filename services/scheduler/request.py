@@ -47,6 +47,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_hashes: list[bytes] = []
+        # Speculative decoding: whether it verifies drafts (set by the scheduler), and the
+        # drafts the executor proposed after its last token, for its next step.
+        self.speculates = False
+        self.spec_token_ids: list[int] = []
         # Prompt logprobs as the executor computes them, chunk by chunk; they go out with the
         # request's first output (take_prompt_logprobs).
         self.prompt_logprobs: list[TokenLogprobs] = []

@@ -20,10 +20,12 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
+from services.scheduler.admission import admissible_max_tokens, check_queue_room
 from services.scheduler.block_pool import BlockEvents
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_config import SchedulerConfig
+from services.scheduler.speculation import SpecDecodeStats, take_drafts
 from services.scheduler.waiting_queue import WaitingQueue, priority_key
 from shared.protocol import (
     CachedRequestData,
@@ -33,12 +35,12 @@ from shared.protocol import (
     NewRequestData,
     NotFoundError,
     ParameterError,
-    QueueFullError,
     RequestOutput,
     SchedulerOutput,
     StatsSnapshot,
     TokenLogprobs,
 )
+from shared.speculative import speculates
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.device_busy_seconds = 0.0
+        self.spec_decode = SpecDecodeStats()
 
     # ------------------------------------------------------------------ intake
 
@@ -95,76 +98,15 @@ class Scheduler:
         lora_id = engine_request.lora_id
         if lora_id and lora_id not in self.lora_ids:
             raise NotFoundError("model", f"no LoRA adapter has id {lora_id}")
-        max_tokens = self._admissible_max_tokens(engine_request)
-        self._check_queue_room(len(engine_request.prompt_token_ids))
+        max_tokens = admissible_max_tokens(self.config, engine_request)
+        check_queue_room(self.config, self.waiting, len(engine_request.prompt_token_ids))
         self._num_arrivals += 1
         request = Request(engine_request, max_tokens, self.config.block_size, self._num_arrivals)
+        request.speculates = bool(self.config.num_speculative_tokens) and speculates(
+            engine_request.sampling_params
+        )
         self.requests[request_id] = request
         self.waiting.add(request)
-
-    def _check_queue_room(self, num_prompt_tokens: int) -> None:
-        """Raise QueueFullError if the waiting queue cannot take one more request.
-
-        NOTE: an empty queue takes any request, so the token bound never makes a prompt that
-        fits the model unservable; requests already queued (preempted ones too) stay.
-        """
-        cfg, waiting = self.config, self.waiting
-        if cfg.max_queued_requests is not None and len(waiting) >= cfg.max_queued_requests:
-            raise QueueFullError(
-                f"{len(waiting)} requests are waiting (--max-queued-requests "
-                f"{cfg.max_queued_requests})"
-            )
-        limit = cfg.max_queued_tokens
-        if limit is not None and waiting and waiting.num_tokens + num_prompt_tokens > limit:
-            raise QueueFullError(
-                f"{waiting.num_tokens} prompt tokens are waiting and this request brings "
-                f"{num_prompt_tokens} (--max-queued-tokens {limit})"
-            )
-
-    def _admissible_max_tokens(self, engine_request: EngineRequest) -> int:
-        cfg = self.config
-        params = engine_request.sampling_params
-        params.validate(cfg.vocab_size)
-        if engine_request.priority != 0 and cfg.scheduling_policy != "priority":
-            raise ParameterError(
-                "priority", "needs --scheduling-policy priority (this server is fcfs)"
-            )
-        num_prompt = len(engine_request.prompt_token_ids)
-        if num_prompt == 0:
-            raise ParameterError("prompt", "the prompt is empty")
-        if cfg.vocab_size is not None and not all(
-            0 <= t < cfg.vocab_size for t in engine_request.prompt_token_ids
-        ):
-            raise ParameterError("prompt", f"token ids must be in [0, {cfg.vocab_size})")
-        room = cfg.max_model_len - num_prompt
-        if params.embed and room >= 0:
-            return 1  # an embedding computes its prompt and nothing past it
-        if room < 1:
-            raise ParameterError(
-                "prompt",
-                f"the prompt has {num_prompt} tokens; max_model_len is "
-                f"{cfg.max_model_len}, which leaves no room to generate",
-            )
-        max_tokens = room if params.max_tokens is None else params.max_tokens
-        if max_tokens > room:
-            raise ParameterError(
-                "max_tokens",
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) "
-                f"exceeds max_model_len ({cfg.max_model_len})",
-            )
-        if not cfg.enable_chunked_prefill and num_prompt > cfg.max_num_batched_tokens:
-            raise ParameterError(
-                "prompt",
-                f"the prompt has {num_prompt} tokens, more than "
-                f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) without chunked prefill",
-            )
-        if self.kv.num_blocks_for(num_prompt + max_tokens) > cfg.num_blocks:
-            raise ParameterError(
-                "max_tokens",
-                f"prompt + max_tokens ({num_prompt + max_tokens} tokens) needs "
-                f"more KV blocks than the whole cache holds ({cfg.num_blocks})",
-            )
-        return max_tokens
 
     def abort(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []
@@ -185,7 +127,8 @@ class Scheduler:
         self._step += 1
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
-        cached_data, budget, preempted = self._schedule_running(budget, scheduled)
+        drafts: dict[str, list[int]] = {}
+        cached_data, budget, preempted = self._schedule_running(budget, scheduled, drafts)
         new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
         self._commit(scheduled)
         self._plan_loras = {self.requests[rid].lora_id for rid in scheduled} - {0}
@@ -196,6 +139,7 @@ class Scheduler:
             cached_requests=cached_data,
             num_scheduled_tokens=scheduled,
             finished_request_ids=dropped,
+            spec_token_ids=drafts,
         )
 
     def schedule_addendum(self, plan: SchedulerOutput) -> SchedulerOutput | None:
@@ -237,11 +181,11 @@ class Scheduler:
             request = self.requests[request_id]
             request.last_scheduled_step = self._step
             request.num_computed_tokens += num_tokens
-            if request.num_computed_tokens == request.num_scheduled_tokens_end:
-                request.num_pending_tokens += 1  # this step samples the next token
+            if request.num_computed_tokens >= request.num_scheduled_tokens_end:
+                request.num_pending_tokens += 1  # this step samples the next (past any drafts)
 
     def _schedule_running(
-        self, budget: int, scheduled: dict[str, int]
+        self, budget: int, scheduled: dict[str, int], drafts: dict[str, list[int]]
     ) -> tuple[list[CachedRequestData], int, bool]:
         cached_data: list[CachedRequestData] = []
         preempted = False
@@ -249,9 +193,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_scheduled_tokens_end - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_with_pending(request):
+            if num_new <= 0 or self._ends_with_pending(request) or self._awaits_drafts(request):
                 index += 1
                 continue
+            row_drafts = []
+            if request.num_computed_tokens + num_new == request.num_tokens:
+                row_drafts = take_drafts(request, self.config, budget - num_new)
+            num_new += len(row_drafts)
             num_held = len(self.kv.block_ids.get(request.request_id, []))
             while not self.kv.allocate(request, num_new):
                 preempted = True
@@ -270,6 +218,8 @@ class Scheduler:
                 )
             )
             scheduled[request.request_id] = num_new
+            if row_drafts:
+                drafts[request.request_id] = row_drafts
             budget -= num_new
             index += 1
         return cached_data, budget, preempted
@@ -362,6 +312,7 @@ class Scheduler:
         self._count_running_lora(request, -1)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.requeue(request)
@@ -387,21 +338,45 @@ class Scheduler:
                 request.add_prompt_logprobs(part)
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
-            token_id = result.sampled.get(request_id)
-            if request is None or token_id is None:
+            token_ids = result.sampled.get(request_id)
+            if request is None or not token_ids:
                 continue  # finished meanwhile, or a prompt chunk that samples nothing
+            taken = self._take_tokens(request, token_ids, plan.spec_token_ids.get(request_id))
+            if request.status is not RequestStatus.FINISHED:
+                request.spec_token_ids = result.draft_token_ids.get(request_id, [])
+            logprobs = result.logprobs.get(request_id, [])[: len(taken)]
+            output = self._output(request, taken, logprobs)
+            output.embedding = result.embeddings.get(request_id)
+            outputs.append(output)
+        return outputs
+
+    def _take_tokens(
+        self, request: Request, token_ids: list[int], drafts: list[int] | None
+    ) -> list[int]:
+        """Append a step's tokens up to the first that stops the request; returns those taken.
+
+        A row that verified drafts computed them all: its computed tokens fall back to those
+        whose KV holds what was accepted (every token but the last, which no step computed).
+        """
+        taken = []
+        for token_id in token_ids:
             request.append_output(token_id)
+            taken.append(token_id)
             self.num_generation_tokens += not request.sampling_params.embed  # dropped there
             if request.num_output_tokens == 1:
                 self.num_prompt_tokens += request.num_prompt_tokens
             reason = self._stop_reason(request, token_id)
             if reason is not None:
                 self._finish(request, reason)
-            logprobs = result.logprobs.get(request_id)
-            output = self._output(request, [token_id], [logprobs] if logprobs else [])
-            output.embedding = result.embeddings.get(request_id)
-            outputs.append(output)
-        return outputs
+                break
+        if drafts:
+            self.spec_decode.record(len(drafts), len(token_ids) - 1)
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        return taken
+
+    def _awaits_drafts(self, request: Request) -> bool:
+        """A speculating request with a token in flight: its next drafts come with it."""
+        return request.speculates and request.num_pending_tokens > 0
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether the tokens in flight already take the request to its length limit."""

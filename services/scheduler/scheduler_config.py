@@ -22,3 +22,5 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"  # or "priority" (see WaitingQueue)
     max_loras: int = 0  # LoRA adapters among the running requests at once (0: LoRA is off)
     kv_events: bool = False  # record the prefix cache's changes (`Scheduler.block_events`)
+    # Speculative decoding: drafts the executor proposes a step, at most (0: none).
+    num_speculative_tokens: int = 0

@@ -173,6 +173,16 @@ class ConfigFields:
         " first, then arrival; the lowest is preempted first).",
         ("fcfs", "priority"),
     )
+    speculative_config: str | None = option(
+        None,
+        "scheduler",
+        "Speculative decoding, as a JSON object with vLLM's keys: method ngram (prompt lookup:"
+        " the tokens that followed the last prompt_lookup_max..prompt_lookup_min tokens where"
+        " they occurred before in the request), num_speculative_tokens (drafts verified a"
+        " step). Output is what it would be without: greedy token for token, sampled in"
+        ' distribution. E.g. \'{"method": "ngram", "num_speculative_tokens": 4,'
+        ' "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'.',
+    )
     # -- server
     host: str = option("127.0.0.1", "server", "HTTP address to listen on (0.0.0.0 for all).")
     port: int = option(8000, "server", "HTTP port.")

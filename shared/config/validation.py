@@ -10,6 +10,7 @@ from typing import Any
 from shared.config.fields import ConfigFields
 from shared.config.options import ConfigError, flag
 from shared.lora_modules import LoraModuleError, parse_lora_modules
+from shared.speculative import SpeculativeConfigError, parse_speculative_config
 
 # vLLM's other spellings of a value, which a command line copied from vLLM may hold: the value
 # each one means here (the field's choices list both).
@@ -105,6 +106,10 @@ def _check_cache(config: ConfigFields) -> None:
 
 def _check_scheduler(config: ConfigFields) -> None:
     _at_least_one(config, "max_num_seqs", "max_num_batched_tokens")
+    try:
+        parse_speculative_config(config.speculative_config)
+    except SpeculativeConfigError as exc:
+        raise ConfigError(f"--speculative-config: {exc}") from exc
 
 
 def _check_server(config: ConfigFields) -> None:

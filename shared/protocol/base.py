@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 14
+PROTOCOL_VERSION = 15
 
 
 class Message(msgspec.Struct, gc=False):

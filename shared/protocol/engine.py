@@ -64,6 +64,9 @@ class SchedulerOutput(Message, tag=True, kw_only=True):
     # Rows to append to plan `step`, which the executor holds and has not launched yet: new
     # requests that arrived after the plan was sent (see DeviceReady).
     addendum: bool = False
+    # Speculative decoding: the drafts each request's row verifies after its last token (the
+    # row's tokens are its own, then these); proposed by the executor after the step before.
+    spec_token_ids: dict[str, list[int]] = {}
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -130,14 +133,17 @@ class PromptLogprobs(Message, array_like=True):
 
 
 class ModelRunnerOutput(Message, tag=True, kw_only=True):
-    """Tokens sampled in one step, for the requests that reached the end of their input."""
+    """Tokens sampled in one step, for the requests that reached the end of their input: one
+    each, or with speculative decoding the drafts accepted and the token after them."""
 
     step: int
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] = {}
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = {}  # one per sampled token
     device_ms: float = 0.0  # how long the step kept the device busy (0 where not measured)
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # for requests with prompt_logprobs
     embeddings: dict[str, list[float]] = {}  # pooled prompts, for requests with embed
+    # Speculative decoding: each speculating request's drafts for its next step.
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 # ------------------------------------------------------------- outputs out

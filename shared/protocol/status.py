@@ -112,6 +112,8 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     session: int | None = None
     max_loras: int = 0  # distinct LoRA adapters one step may run (0: LoRA is off)
     lora_modules: list[str] = []  # the names of its --lora-modules adapters, ids 1, 2, ...
+    # Drafts its proposer guesses a step, at most (0: no speculative decoding).
+    num_speculative_tokens: int = 0
 
 
 class ExecutorVersion(Message, tag="ExecutorReady"):

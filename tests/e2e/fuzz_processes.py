@@ -270,7 +270,7 @@ class Executor:
             [self.proc],
             "a plan's answer",
         )
-        return int(answer.sampled["r"])
+        return int(answer.sampled["r"][0])
 
 
 # Module-scoped, each test module imports them: one folder and one context per module.

@@ -288,6 +288,6 @@ def test_a_request_id_used_again_at_once_gets_consistent_plans() -> None:
     addendum = scheduler.schedule_addendum(held_plan)  # the engine loop's amend
     if addendum is not None:
         executor_takes(addendum)
-    outputs = scheduler.update(first, ModelRunnerOutput(step=first.step, sampled={"x": 5}))
+    outputs = scheduler.update(first, ModelRunnerOutput(step=first.step, sampled={"x": [5]}))
     assert not [o for o in outputs if o.new_token_ids], "the old x's token went to the new x"
     executor_takes(scheduler.schedule())

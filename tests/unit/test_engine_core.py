@@ -39,7 +39,7 @@ class RecordingExecutor:
         sampled = {}
         for request_id, num_new in plan.num_scheduled_tokens.items():
             if num_computed[request_id] + num_new == self._num_tokens[request_id]:
-                sampled[request_id] = 100 + self._num_outputs[request_id]
+                sampled[request_id] = [100 + self._num_outputs[request_id]]
                 self._num_tokens[request_id] += 1
                 self._num_outputs[request_id] += 1
         self._queued.append(ModelRunnerOutput(step=plan.step, sampled=sampled))

@@ -68,7 +68,7 @@ MESSAGES = {
             max_num_batched_tokens=256,
             session=12345,
         ),
-        ModelRunnerOutput(step=4, sampled={"r": 7}, logprobs={"r": LOGPROBS}, device_ms=7.5),
+        ModelRunnerOutput(step=4, sampled={"r": [7]}, logprobs={"r": [LOGPROBS]}, device_ms=7.5),
         DeviceReady(),
     ],
     ToExecutor: [

@@ -65,12 +65,12 @@ def test_the_row_is_free_until_the_reasoning_ends(matchers: GrammarMatchers) -> 
     assert row.grammar_waits
     for token_id in [*thinking, END]:
         row.num_pending += 1
-        row.append(token_id)  # none of these would fit the grammar: it did not read them
+        row.take([token_id])  # none of these would fit the grammar: it did not read them
     assert not row.grammar_waits and row.matcher is not None and not row.matcher.is_error()
     assert torch.equal(*matchers.bitmask([fresh, row.matcher], CPU))
     for token_id in matchers.tokenizer.tokenize_str('{"ok": true}'):
         row.num_pending += 1
-        row.append(token_id)
+        row.take([token_id])
     assert row.matcher.is_accepting()
 
 

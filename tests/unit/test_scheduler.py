@@ -39,7 +39,7 @@ def run_step(
     for request_id in plan.num_scheduled_tokens:
         request = scheduler.requests[request_id]
         if request.num_computed_tokens == request.num_tokens:
-            sampled[request_id] = token_fn(request)
+            sampled[request_id] = [token_fn(request)]
     outputs = scheduler.update(plan, ModelRunnerOutput(step=plan.step, sampled=sampled))
     scheduler.check_invariants()
     return plan, outputs
@@ -381,7 +381,7 @@ def test_a_token_sampled_for_a_request_aborted_mid_step_is_dropped():
     add(scheduler, "a", prompt_of(4))
     plan = scheduler.schedule()
     scheduler.abort(["a"])
-    outputs = scheduler.update(plan, ModelRunnerOutput(step=plan.step, sampled={"a": 7}))
+    outputs = scheduler.update(plan, ModelRunnerOutput(step=plan.step, sampled={"a": [7]}))
     assert outputs == []
     scheduler.check_invariants()
     assert num_referenced(scheduler) == 0

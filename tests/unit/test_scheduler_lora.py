@@ -40,7 +40,7 @@ def step(scheduler: Scheduler) -> set[str]:
     """One unpipelined step; the requests it ran."""
     plan = scheduler.schedule()
     scheduler.check_invariants()
-    sampled = dict.fromkeys(plan.num_scheduled_tokens, 11)
+    sampled = {rid: [11] for rid in plan.num_scheduled_tokens}
     scheduler.update(plan, ModelRunnerOutput(step=plan.step, sampled=sampled))
     scheduler.check_invariants()
     return set(plan.num_scheduled_tokens)
@@ -70,7 +70,7 @@ def test_an_addendum_counts_the_adapters_of_requests_that_ended() -> None:
     scheduler.abort(["a"])  # a ends; its row stays in held
     add(scheduler, "c", 3)
     assert scheduler.schedule_addendum(held) is None  # held runs adapters 1 and 2 still
-    sampled = dict.fromkeys(first.num_scheduled_tokens, 11)
+    sampled = {rid: [11] for rid in first.num_scheduled_tokens}
     scheduler.update(first, ModelRunnerOutput(step=first.step, sampled=sampled))
     nxt = scheduler.schedule()  # a whole plan: adapter 1's slot is free now
     assert set(nxt.num_scheduled_tokens) == {"b", "c"}

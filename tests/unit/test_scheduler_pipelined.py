@@ -24,7 +24,7 @@ def schedule(scheduler: Scheduler) -> tuple[SchedulerOutput, set[str]]:
 def report(
     scheduler: Scheduler, plan: SchedulerOutput, sampling: set[str], token_id: int
 ) -> list[RequestOutput]:
-    result = ModelRunnerOutput(step=plan.step, sampled=dict.fromkeys(sampling, token_id))
+    result = ModelRunnerOutput(step=plan.step, sampled={rid: [token_id] for rid in sampling})
     outputs = scheduler.update(plan, result)
     scheduler.check_invariants()
     return outputs

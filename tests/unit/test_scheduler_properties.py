@@ -295,8 +295,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for request_id in plan.num_scheduled_tokens:
             state = self.executor[request_id]
             if state.num_computed_tokens == len(state.token_ids):
-                sampled[request_id] = draw_token()
-                state.token_ids.append(sampled[request_id])
+                sampled[request_id] = [draw_token()]
+                state.token_ids.extend(sampled[request_id])
         return sampled
 
     def apply_plan(self, plan: SchedulerOutput) -> None:

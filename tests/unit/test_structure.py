@@ -27,6 +27,7 @@ ROOMS = {
         "process",
         "rank_group",
         "runner",
+        "speculative",
         "lora",
         "loading",
         "models",

@@ -107,6 +107,18 @@ class LoraManager:
         self.registered[lora_id] = ref
         logger.info("LoRA adapter %r (id %d) loaded from %s", name, lora_id, path)
 
+    def try_add(self, lora_id: int, name: str, path: str) -> str | None:
+        """`add`, answering why not (None: taken) rather than raising: whatever its files
+        hold, a bad adapter must not end the executor."""
+        try:
+            self.add(lora_id, name, path)
+        except LoraAdapterError as exc:
+            return str(exc)
+        except Exception as exc:
+            logger.exception("LoRA adapter %r from %s could not be read", name, path)
+            return f"LoRA adapter {name!r} could not be read: {type(exc).__name__}: {exc}"
+        return None
+
     def remove(self, lora_id: int) -> bool:
         """Forget an adapter; whether it was registered."""
         self._host.pop(lora_id, None)

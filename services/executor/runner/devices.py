@@ -1,6 +1,9 @@
-"""Which device and dtype a rank runs on, from the --device and --dtype flags."""
+"""Which device and dtype a rank runs on, from the --device and --dtype flags, and where its
+start-up ends."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -18,3 +21,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def start_up_compiles(device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """On a GPU, where Triton's compiles are the start-up's (kernels/triton_compile_watch.py)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from kernels.triton_compile_watch import late_compiles  # Triton: on GPUs only
+
+    return late_compiles().warming_up()

@@ -106,7 +106,7 @@ def profile_step_peak(
     device = buffers.device_buffer.device
     kv_caches = layout.allocate(next_block, device)
     token_ids = torch.randint(0, model.config.vocab_size, (sum(counts),)).tolist()
-    num_samples = min(buffers.max_reqs, len(token_ids))
+    num_samples = min(buffers.max_samples, len(token_ids))
     for row, block_ids in enumerate(tables):
         buffers.set_table_row(row, block_ids)
     buffers.write(token_ids, [0] * len(counts), counts, list(range(num_samples)))

@@ -3,7 +3,6 @@ each step's plan into one forward pass and one batched sampling call."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from collections import deque
@@ -13,12 +12,11 @@ import torch
 from kernels import ops
 from kernels.pdl import set_pdl
 from services.executor.loading.loader import load_model
-from services.executor.lora.adapter import LoraAdapterError
 from services.executor.lora.manager import LoraManager
 from services.executor.parallel.symmetric_memory import with_peer_buffers
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.runner.cuda_graphs import StepGraphs
-from services.executor.runner.devices import resolve_device, resolve_dtype
+from services.executor.runner.devices import resolve_device, resolve_dtype, start_up_compiles
 from services.executor.runner.grammar import GrammarMatchers
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
@@ -40,6 +38,7 @@ from services.executor.runner.sampler import (
 from services.executor.runner.step_buffers import StepBuffers, StepView
 from services.executor.runner.step_state import DeviceSpan, InFlightStep, PreparedStep, RequestState
 from services.executor.runner.warm_up import warm_up
+from services.executor.speculative.ngram import NgramProposer
 from shared.config import Config
 from shared.hf_tokenizer import load_tokenizer
 from shared.lora_modules import parse_lora_modules
@@ -60,17 +59,9 @@ from shared.protocol import (
     ResetRanks,
     SchedulerOutput,
 )
+from shared.speculative import parse_speculative_config, speculates
 
 logger = logging.getLogger(__name__)
-
-
-def _start_up_compiles(device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """On a GPU, where Triton's compiles are the start-up's (kernels/triton_compile_watch.py)."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from kernels.triton_compile_watch import late_compiles  # Triton: on GPUs only
-
-    return late_compiles().warming_up()
 
 
 class ModelRunner:
@@ -86,7 +77,7 @@ class ModelRunner:
         self.relay: PlanRelay | None = None
         self.device = resolve_device(config.device, tp.rank)
         # Triton's compiles until the warm-up ends are meant; any later one is logged.
-        with _start_up_compiles(self.device):
+        with start_up_compiles(self.device):
             self._start(config, tp)
         self.relay = relay
 
@@ -97,12 +88,16 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._load_model(config, tp)
+        self.speculative = parse_speculative_config(config.speculative_config)
+        self.proposer = NgramProposer(self.speculative) if self.speculative else None
+        self.num_drafts = self.speculative.num_speculative_tokens if self.speculative else 0
         self.buffers = StepBuffers(
             config.max_num_batched_tokens,
             config.max_num_seqs,
             -(-self.max_model_len // self.block_size),  # table columns: the longest request
             self.block_size,
             self.device,
+            max_samples=config.max_num_seqs * (1 + self.num_drafts),  # a row samples after each
         )
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
         self._allocate_kv_cache(config)
@@ -111,7 +106,9 @@ class ModelRunner:
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
         self._prepared: PreparedStep | None = None
         # The last step's sampled ids, where the next step's decodes read their input token.
-        self.sampled_ids = torch.zeros(config.max_num_seqs, dtype=torch.int64, device=self.device)
+        self.sampled_ids = torch.zeros(
+            self.buffers.max_samples, dtype=torch.int64, device=self.device
+        )
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = StepGraphs(
@@ -214,6 +211,7 @@ class ModelRunner:
             session=session,
             max_loras=self.lora.max_loras if self.lora is not None else 0,
             lora_modules=self.lora.modules if self.lora is not None else [],
+            num_speculative_tokens=self.num_drafts,
         )
 
     def reset(self) -> None:
@@ -260,6 +258,7 @@ class ModelRunner:
             max_num_seqs=self.buffers.max_reqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             lora_ids=self.lora.registered if self.lora is not None else (),
+            num_speculative_tokens=self.num_drafts,
         )
 
     def _check(self, plan: SchedulerOutput, prepared: PreparedStep | None = None) -> None:
@@ -328,11 +327,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in prepared.sample_ids]
         token_bitmask = self._token_bitmask(states)
-        pending = self.sampler.sample(logits, [s.sampling_row() for s in states], token_bitmask)
+        rows = [s.sampling_row(a) for s, a in zip(states, prepared.sample_ahead, strict=True)]
+        pending = self.sampler.sample(logits, rows, token_bitmask)
         if pending.token_ids is not None:
             self.sampled_ids[: len(states)].copy_(pending.token_ids, non_blocking=True)
-        for row, state in enumerate(states):
-            state.num_pending += 1
+        for row, (state, ahead) in enumerate(zip(states, prepared.sample_ahead, strict=True)):
+            state.num_pending += ahead == 0  # one step's tokens arrive together
             state.sample_row = row
         prompt_parts = [
             prompt_logprobs(self.model, hidden, self.requests[rows[0]], *rows)
@@ -355,6 +355,7 @@ class ModelRunner:
                 span,
                 prompt_parts=prompt_parts,
                 pooled=pooled,
+                drafts=prepared.drafts,
             )
         )
 
@@ -362,7 +363,14 @@ class ModelRunner:
         """Wait for the oldest step in flight; its tokens join their requests."""
         if not self._in_flight:
             raise RuntimeError("collect() without a step in flight")
-        return self._in_flight.popleft().finish()
+        step = self._in_flight.popleft()
+        output = step.finish()
+        if self.proposer is not None:  # for each speculating request it sampled for
+            rows = zip(step.sample_ids, step.states, strict=True)
+            output.draft_token_ids = self.proposer.propose_batch(
+                (rid, s.token_ids) for rid, s in rows if s.speculates
+            )
+        return output
 
     @property
     def has_in_flight(self) -> bool:
@@ -421,13 +429,8 @@ class ModelRunner:
         0 relays one it took to the other ranks, ahead of any plan that runs it."""
         if self.lora is None:
             return "LoRA is not enabled (--enable-lora)"
-        try:
-            self.lora.add(lora_id, name, path)
-        except LoraAdapterError as exc:
-            return str(exc)
-        except Exception as exc:  # whatever its files hold, a bad adapter must not end us
-            logger.exception("LoRA adapter %r from %s could not be read", name, path)
-            return f"LoRA adapter {name!r} could not be read: {type(exc).__name__}: {exc}"
+        if (refusal := self.lora.try_add(lora_id, name, path)) is not None:
+            return refusal
         if self.relay is not None:
             self.relay.send(AddLoraAdapter(lora_id=lora_id, name=name, path=path))
         return None
@@ -440,7 +443,9 @@ class ModelRunner:
             matcher = None
             if spec is not None:
                 matcher = self.grammars.matcher(spec, data.output_token_ids)
-            self.requests[data.request_id] = RequestState.from_new(data, matcher)
+            state = RequestState.from_new(data, matcher)
+            state.speculates = self.proposer is not None and speculates(data.sampling_params)
+            self.requests[data.request_id] = state
         for delta in plan.cached_requests:
             state = self.requests[delta.request_id]
             state.block_ids.extend(delta.new_block_ids)
@@ -460,7 +465,7 @@ class ModelRunner:
         for state, (request_id, num_new) in zip(
             states, plan.num_scheduled_tokens.items(), strict=True
         ):
-            prepared.add_row(request_id, state, num_new)
+            prepared.add_row(request_id, state, num_new, plan.spec_token_ids.get(request_id, []))
             self._write_table_row(len(prepared.counts) - 1, state)
         if self.graphs is not None:
             prepared.shape = self.graphs.shape_for(len(prepared.counts), len(prepared.token_ids))
@@ -485,9 +490,12 @@ class ModelRunner:
 
     def _write_table_row(self, row: int, state: RequestState) -> None:
         # Why track owners: a request usually keeps its row, so only new blocks are written.
-        if self.row_owner[row] is state:
+        # Both ways: a request that skipped a step (a speculating one waits for its tokens)
+        # took another row meanwhile, and its old row lacks the blocks added there.
+        if self.row_owner[row] is state and state.table_row == row:
             self.buffers.set_table_row(row, state.block_ids, state.table_len)
         else:
             self.buffers.set_table_row(row, state.block_ids)
             self.row_owner[row] = state
+            state.table_row = row
         state.table_len = len(state.block_ids)

@@ -31,6 +31,7 @@ class PlanLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     lora_ids: Container[int] = field(default=())  # the LoRA adapters it has taken
+    num_speculative_tokens: int = 0  # drafts a row may verify
 
 
 Held = Callable[[str], tuple[int, int] | None]  # a request's (tokens known or in flight, blocks)
@@ -87,6 +88,8 @@ def _check_rows(
         raise PlanError(f"more than {limits.max_num_seqs} rows (max_num_seqs)")
     if num_tokens + sum(plan.num_scheduled_tokens.values()) > limits.max_num_batched_tokens:
         raise PlanError(f"more than {limits.max_num_batched_tokens} tokens in one step")
+    if not plan.spec_token_ids.keys() <= plan.num_scheduled_tokens.keys():
+        raise PlanError("drafts for a request without a row")
     computed = {d.request_id: d.num_computed_tokens for d in plan.cached_requests}
     computed.update((d.request_id, d.num_computed_tokens) for d in plan.new_requests)
     for request_id, num_new in plan.num_scheduled_tokens.items():
@@ -95,11 +98,25 @@ def _check_rows(
             raise PlanError(f"tokens scheduled for {request_id!r}, which the plan does not hold")
         length, num_blocks = state
         end = computed[request_id] + num_new
+        drafts = plan.spec_token_ids.get(request_id, [])
+        _check_drafts(request_id, drafts, num_new, end - len(drafts) == length, limits)
         # One token past what is known may be the one in flight (see ModelRunner._add_row).
-        if num_new < 1 or end > length + 1 or end > limits.max_model_len:
+        own_end = end - len(drafts)
+        if num_new < 1 or own_end > length + 1 or end > limits.max_model_len:
             raise PlanError(f"{request_id}: {num_new} tokens from {computed[request_id]}")
         if end > num_blocks * limits.block_size:
             raise PlanError(f"{request_id}: {end} tokens in {num_blocks} blocks")
+
+
+def _check_drafts(
+    request_id: str, drafts: list[int], num_new: int, at_end: bool, limits: PlanLimits
+) -> None:
+    """A row's drafts follow all of its known tokens, within the proposer's length."""
+    if not drafts:
+        return
+    if len(drafts) > limits.num_speculative_tokens or len(drafts) >= num_new or not at_end:
+        raise PlanError(f"{request_id}: {len(drafts)} drafts in a row of {num_new} tokens")
+    _in_range(drafts, limits.vocab_size, f"{request_id}: draft token id")
 
 
 def _in_range(ids: Iterable[int], size: int, what: str) -> None:

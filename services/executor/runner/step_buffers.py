@@ -3,8 +3,8 @@
 Every field lives at a fixed offset of one int32 buffer, sized for the largest step:
 
     input_ids [T] | positions [T] | slot_mapping [T] | source_rows [T] | token_slots [T]
-    | token_order [T] | query_start_loc [R+1] | seq_lens [R] | sample_rows [R]
-    | block_tables [R, max_blocks]   (T, R: the configured maxima)
+    | token_order [T] | query_start_loc [R+1] | seq_lens [R] | sample_rows [S]
+    | block_tables [R, max_blocks]   (T, R, S: the configured maxima)
 
 The host fills a pinned mirror, and one asynchronous copy moves the used prefix to the GPU.
 Fixed offsets also make the device views stable, which CUDA graphs need: a graph captured on
@@ -53,9 +53,18 @@ class StepView:
 
 class StepBuffers:
     def __init__(
-        self, max_tokens: int, max_reqs: int, max_blocks: int, block_size: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_reqs: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        max_samples: int | None = None,
     ) -> None:
+        """`max_samples`: positions sampled in one step, at most (default one a request; more
+        where a row verifies drafts)."""
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        self.max_samples = min(max_samples or max_reqs, max(max_tokens, max_reqs))
         self.block_size = block_size
         sizes = {
             "input_ids": max_tokens,
@@ -66,7 +75,7 @@ class StepBuffers:
             "token_order": max_tokens,
             "query_start_loc": max_reqs + 1,
             "seq_lens": max_reqs,
-            "sample_rows": max_reqs,
+            "sample_rows": self.max_samples,
             "block_tables": max_reqs * max_blocks,
         }
         self.offsets: dict[str, int] = {}

@@ -18,6 +18,7 @@ from shared.protocol import (
     NewRequestData,
     PromptLogprobs,
     SamplingParams,
+    TokenLogprobs,
 )
 
 
@@ -32,6 +33,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     table_len: int = field(default=0)  # blocks already in its block-table row
+    table_row: int = field(default=-1)  # that row
     num_pending: int = field(default=0)  # tokens being sampled by steps in flight
     sample_row: int = field(default=0)  # its row in the last sampled ids, if num_pending
     # Read per step: penalties need the tokens in flight on the host (see submit).
@@ -47,6 +49,7 @@ class RequestState:
     lora_id: int = field(default=0)  # its LoRA adapter (0: the base model)
     # An embed request's pooled hidden states of the prompt chunks so far (runner/pooling.py).
     pooled: torch.Tensor | None = field(default=None)
+    speculates: bool = field(default=False)  # its steps verify drafts (shared/speculative.py)
 
     @classmethod
     def from_new(cls, data: NewRequestData, matcher: LLMatcher | None = None) -> RequestState:
@@ -73,10 +76,15 @@ class RequestState:
         """Its length once every token in flight has arrived."""
         return len(self.token_ids) + self.num_pending
 
-    def append(self, token_id: int) -> None:
+    def take(self, token_ids: list[int]) -> None:
+        """The tokens one step sampled for it: one, or accepted drafts and the one after."""
+        self.num_pending -= 1
+        for token_id in token_ids:
+            self._append(token_id)
+
+    def _append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-        self.num_pending -= 1
         if self.matcher is not None:
             if self.grammar_waits:
                 spec = self.params.structured_output
@@ -86,11 +94,13 @@ class RequestState:
             # its error state, whose mask allows EOS alone.
             self.matcher.consume_token(token_id)
 
-    def sampling_row(self) -> SamplingRow:
+    def sampling_row(self, ahead: int = 0) -> SamplingRow:
+        """Its row of the sampler; `ahead`: for the position after that many of its drafts
+        (min_tokens and a seeded draw count them as output tokens)."""
         # Why no copies: the sampler only reads the lists, and copying a long prompt for
         # every request in every step adds up.
         return SamplingRow(
-            self.params, self.prompt_token_ids, self.output_token_ids, self.num_pending
+            self.params, self.prompt_token_ids, self.output_token_ids, self.num_pending + ahead
         )
 
 
@@ -136,6 +146,8 @@ class InFlightStep:
     prompt_parts: list[tuple[str, int, PendingSample]] = field(default_factory=list)
     # Embeddings made by this step: (request id, its vector [hidden]).
     pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # Speculative decoding: a row's drafts, by the index of its first sampled position.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     def finish(self) -> ModelRunnerOutput:
         if self.output is not None:
@@ -155,13 +167,22 @@ class InFlightStep:
             )
             return self.output
         result = self.pending.result()
-        for state, token_id in zip(self.states, result.token_ids, strict=True):
-            state.append(token_id)
-        pairs = zip(self.sample_ids, result.logprobs, strict=True)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        row = 0
+        while row < len(self.states):
+            drafts = self.drafts.get(row, [])
+            tokens = accepted(result.token_ids[row : row + len(drafts) + 1], drafts)
+            self.states[row].take(tokens)
+            sampled[self.sample_ids[row]] = tokens
+            row_logprobs = [lp for lp in result.logprobs[row : row + len(tokens)] if lp]
+            if row_logprobs:
+                logprobs[self.sample_ids[row]] = row_logprobs
+            row += len(drafts) + 1
         self.output = ModelRunnerOutput(
             step=self.step,
-            sampled=dict(zip(self.sample_ids, result.token_ids, strict=True)),
-            logprobs={rid: lp for rid, lp in pairs if lp is not None},
+            sampled=sampled,
+            logprobs=logprobs,
             device_ms=self.device_ms,
             prompt_logprobs=prompt_logprobs,
             embeddings=embeddings,
@@ -184,6 +205,20 @@ class InFlightStep:
         return forward_ended and prompt_ready and (self.pending is None or self.pending.ready)
 
 
+def accepted(targets: list[int], drafts: list[int]) -> list[int]:
+    """A verified row's tokens: the target's choice at each position, up to the first that
+    differs from the draft there (the target's own token then), or past the last draft.
+
+    Exact for drafts that are single guesses (n-gram): the target's sample at a position is
+    the draft with the target's probability of it, else the target's choice among the rest,
+    which is what rejection sampling against a point-mass draft does.
+    """
+    for position, (target, draft) in enumerate(zip(targets, drafts, strict=False)):
+        if target != draft:
+            return targets[: position + 1]
+    return targets[: len(drafts) + 1]
+
+
 @dataclass
 class PreparedStep:
     """A plan whose inputs are in the host mirror, not launched: addenda can still join it."""
@@ -202,15 +237,23 @@ class PreparedStep:
     prompt_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
     # Embed requests' prompt chunks this step pools, in the same form.
     pool_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # Speculative decoding: each sampled position's count of drafts before it in its row,
+    # and each verifying row's drafts by its first sampled position.
+    sample_ahead: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
-    def add_row(self, request_id: str, state: RequestState, num_new: int) -> None:
+    def add_row(
+        self, request_id: str, state: RequestState, num_new: int, drafts: list[int]
+    ) -> None:
         """Append a request's next `num_new` tokens as a row of this step (its block table
-        row is the runner's to write)."""
+        row is the runner's to write): its own, then the drafts it verifies, if any."""
         start = state.num_computed_tokens
-        end = start + num_new
+        end = start + num_new - len(drafts)  # past its own tokens
         first = len(self.token_ids)
         self.token_ids.extend(state.token_ids[start:end])
-        if len(self.token_ids) < first + num_new:
+        if drafts and (end != len(state.token_ids) or state.num_pending):
+            raise PlanError(f"request_id={request_id}: drafts after tokens not yet known")
+        if len(self.token_ids) < first + end - start:
             # NOTE: only a request's last token can be in flight (the scheduler readmits
             # a preempted request once its tokens are in), so one is missing at most.
             if end != state.num_tokens or state.num_pending != 1:
@@ -225,10 +268,16 @@ class PreparedStep:
         if state.params.embed and start < len(state.prompt_token_ids):
             count = min(end, len(state.prompt_token_ids)) - start
             self.pool_rows.append((request_id, first, start, count))
+        self.token_ids.extend(drafts)
         self.starts.append(start)
         self.counts.append(num_new)
         self.lora_ids.append(state.lora_id)
-        state.num_computed_tokens = end
-        if end == state.num_tokens:  # reached the end: sample the next
-            self.sample_ids.append(request_id)
-            self.sample_rows.append(len(self.token_ids) - 1)
+        state.num_computed_tokens = start + num_new
+        if end == state.num_tokens:  # reached the end: sample the next (after each draft)
+            if drafts:
+                self.drafts[len(self.sample_ids)] = drafts
+            last_own = first + end - start - 1
+            for ahead in range(len(drafts) + 1):
+                self.sample_ids.append(request_id)
+                self.sample_rows.append(last_own + ahead)
+                self.sample_ahead.append(ahead)

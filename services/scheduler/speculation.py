@@ -1,0 +1,62 @@
+"""The scheduler's side of speculative decoding: how many of a request's drafts a step verifies,
+and the counts behind vLLM's spec_decode metrics.
+
+A speculating request's row computes its last token and then its drafts (lookahead slots in
+the token budget and in its blocks). The step returns the drafts the target agreed with and
+the target's token after them, so the request moves 1..k+1 tokens, and the KV of the drafts it
+rejected is past its computed tokens: written over when the row gets that far again.
+
+Its drafts are proposed from the tokens of the step before, so a speculating request is never
+planned while a token of it is in flight: it runs every step whose plan is made after its
+last step was collected (the pipelined loop's other requests are unaffected).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.request import Request
+from services.scheduler.scheduler_config import SchedulerConfig
+
+
+def draft_room(request: Request, config: SchedulerConfig, budget: int) -> int:
+    """How many drafts the request's next row may verify after its `budget` tokens are paid
+    for its own tokens: none past its length limits, where no token could be kept."""
+    return max(
+        0,
+        min(
+            budget,
+            request.max_tokens - request.num_output_tokens - 1,
+            config.max_model_len - request.num_tokens - 1,
+        ),
+    )
+
+
+def take_drafts(request: Request, config: SchedulerConfig, budget: int) -> list[int]:
+    """The drafts the request's row verifies this step (consumed: each set is verified once)."""
+    drafts, request.spec_token_ids = request.spec_token_ids, []
+    return drafts[: draft_room(request, config, budget)]
+
+
+@dataclass
+class SpecDecodeStats:
+    """Totals since start, as vLLM's spec_decode counters count them."""
+
+    num_drafts: int = 0  # rows that verified drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafts:
+            self.accepted_per_position.extend([0] * (num_drafts - len(self.accepted_per_position)))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying row moved on average: its accepted drafts and the target's own."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,120 @@
+"""Speculative decoding changes no output: the same tokens, greedy or seeded, as without it,
+on tiny random Llama and Qwen3 models, under the engine settings that move KV around.
+
+Random weights seldom repeat their prompt, so the n-gram proposer's drafts are mostly wrong
+here (its acceptance on real text is measured on the embedded model). To make rows accept
+0..k drafts at every position, `KnownDrafts` also proposes the tokens a run without
+speculation produced, one draft in three spoiled: verification, the KV it leaves behind and
+the scheduler's accounting are the real ones either way.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from tests.integration.tiny_models import make_tiny_model
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+NGRAM_ONE = {**NGRAM, "prompt_lookup_min": 1}
+VARIANTS = {
+    "default": {},
+    "no prefix cache": dict(enable_prefix_caching=False),
+    "chunked prefill 16": dict(max_num_batched_tokens=16),
+    "small pool": dict(num_gpu_blocks_override=12, block_size=16),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+MIXED = [
+    GREEDY,
+    SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=1.0, seed=5, min_tokens=12, max_tokens=40, top_k=20),
+    SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),  # no speculation
+    SamplingParams(temperature=0.0, max_tokens=40, logprobs=1, ignore_eos=True),
+]
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+
+    def draw(n: int) -> list[int]:
+        return torch.randint(3, 200, (n,), generator=generator).tolist()
+
+    motif = draw(9)
+    return [motif * 3, draw(30), motif + draw(5) + motif, draw(7), draw(50)]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(request.param)
+    make_tiny_model(request.param).save_pretrained(path)
+    return Path(path)
+
+
+def generate(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    return [r.token_ids for r in llm.generate(prompts(), params)]
+
+
+class KnownDrafts:
+    """Proposes what a run without speculation generated after the tokens so far, spoiling
+    one draft in three (at a random position)."""
+
+    def __init__(self, expected: list[list[int]], num: int) -> None:
+        self.sequences = [p + out for p, out in zip(prompts(), expected, strict=True)]
+        self.num = num
+        self.random = random.Random(0)
+
+    def propose_batch(self, requests: Iterable[tuple[str, list[int]]]) -> dict[str, list[int]]:
+        drafts = {}
+        for request_id, tokens in dict(requests).items():
+            whole = next(s for s in self.sequences if s[: len(tokens)] == tokens)
+            ids = whole[len(tokens) : len(tokens) + self.num]
+            if ids and self.random.random() < 1 / 3:
+                ids[self.random.randrange(len(ids))] += 1
+            if ids:
+                drafts[request_id] = ids
+        return drafts
+
+
+def speculating(folder: Path, spec: dict, **settings: object) -> LLM:
+    return LLM(str(folder), dtype="float32", device="cpu", speculative_config=spec, **settings)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_greedy_output_is_unchanged_by_ngram_drafts(folder: Path, variant: str) -> None:
+    settings = VARIANTS[variant]
+    expected = generate(LLM(str(folder), dtype="float32", device="cpu", **settings), GREEDY)
+    llm = speculating(folder, NGRAM_ONE, **settings)
+    assert generate(llm, GREEDY) == expected
+    assert generate(llm, GREEDY) == expected  # again, from the prefix cache where it is on
+    stats = llm.engine.scheduler.spec_decode
+    assert stats.num_drafts > 0
+    llm.engine.scheduler.check_invariants()
+    if variant == "small pool":
+        assert llm.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("variant", ["default", "small pool", "chunked prefill 16"])
+def test_accepted_drafts_give_the_same_tokens_and_logprobs(folder: Path, variant: str) -> None:
+    settings = VARIANTS[variant]
+    plain = LLM(str(folder), dtype="float32", device="cpu", **settings)
+    expected = plain.generate(prompts(), MIXED)
+    llm = speculating(folder, NGRAM, **settings)
+    llm.runner.proposer = KnownDrafts([r.token_ids for r in expected], 4)  # type: ignore[assignment]
+    got = llm.generate(prompts(), MIXED)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        pairs = zip(mine.outputs[0].logprobs, theirs.outputs[0].logprobs, strict=True)
+        for a, b in pairs:
+            assert (a.token_id, a.rank) == (b.token_id, b.rank)
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+    stats = llm.engine.scheduler.spec_decode
+    # Most rows accept several drafts: every position is exercised.
+    assert stats.mean_acceptance_length > 2.0
+    assert all(stats.accepted_per_position)
+    llm.engine.scheduler.check_invariants()

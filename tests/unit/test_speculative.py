@@ -1,0 +1,218 @@
+"""Speculative decoding's parts on their own: the --speculative-config reader, the n-gram
+proposer, the acceptance rule, and the scheduler's lookahead and acceptance accounting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.executor.runner.step_state import accepted
+from services.executor.speculative.ngram import NgramProposer
+from services.scheduler.scheduler import Scheduler
+from shared.config import Config, ConfigError
+from shared.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from shared.speculative import (
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    parse_speculative_config,
+    speculates,
+)
+from tests.unit.scheduler_setup import EOS, add, make_scheduler
+
+# ------------------------------------------------------------------ the config
+
+
+def test_ngram_config_takes_vllms_keys_and_defaults() -> None:
+    def parse(**raw: object) -> SpeculativeConfig | None:
+        return parse_speculative_config(json.dumps(raw))
+
+    assert parse(method="ngram", num_speculative_tokens=3) == SpeculativeConfig("ngram", 3, 5, 5)
+    assert parse(method="ngram", num_speculative_tokens=3, prompt_lookup_max=4) == (
+        SpeculativeConfig("ngram", 3, 4, 4)
+    )
+    assert parse(method="ngram", num_speculative_tokens=2, prompt_lookup_min=2) == (
+        SpeculativeConfig("ngram", 2, 2, 2)
+    )
+    assert parse_speculative_config(None) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ('{"method": "ngram"}', "num_speculative_tokens is required"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', "not built yet"),
+        ('{"model": "draft", "num_speculative_tokens": 3}', "'draft_model' is not built"),
+        ('{"method": "medusa", "num_speculative_tokens": 3}', "method must be one of"),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "do not apply"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, '
+            '"prompt_lookup_max": 2}',
+            "prompt_lookup_min must be <=",
+        ),
+        ("[1, 2]", "JSON object"),
+        ("{nope", "not JSON"),
+    ],
+)
+def test_a_config_that_cannot_run_is_refused_by_name(raw: str, says: str) -> None:
+    with pytest.raises(SpeculativeConfigError, match=says):
+        parse_speculative_config(raw)
+    with pytest.raises(ConfigError, match="--speculative-config"):
+        Config(speculative_config=raw)
+
+
+def test_requests_that_need_every_steps_state_do_not_speculate() -> None:
+    assert speculates(SamplingParams(temperature=0.7, logprobs=2, min_tokens=3))
+    assert not speculates(SamplingParams(repetition_penalty=1.2))
+    assert not speculates(SamplingParams(embed=True, max_tokens=1))
+
+
+# ------------------------------------------------------------------ the proposer
+
+
+def proposer(num: int = 3, low: int = 1, high: int = 3) -> NgramProposer:
+    return NgramProposer(SpeculativeConfig("ngram", num, low, high))
+
+
+def test_the_longest_ngram_is_tried_first_and_its_first_occurrence_taken() -> None:
+    # "1 2 3" occurred at 0 (followed by 4 5 6); "3" alone also at 7 (followed by 9).
+    assert proposer().propose([1, 2, 3, 4, 5, 6, 3, 9, 1, 2, 3]) == [4, 5, 6]
+    assert proposer(high=1).propose([1, 2, 3, 4, 5, 6, 3, 9, 1, 2, 3]) == [4, 5, 6]
+    assert proposer(num=5).propose([7, 8, 7, 8]) == [7, 8]  # what follows, up to the end
+    assert proposer(low=2).propose([1, 2, 3, 4, 3]) == []  # only a 1-gram occurs
+    assert proposer().propose([5]) == []
+
+
+def test_a_batch_proposes_once_per_request_and_leaves_out_empty_drafts() -> None:
+    drafts = proposer().propose_batch([("a", [1, 2, 1]), ("a", [1, 2, 1]), ("b", [4, 5])])
+    assert drafts == {"a": [2, 1]}
+
+
+# ------------------------------------------------------------------ acceptance
+
+
+def test_drafts_are_accepted_up_to_the_first_disagreement() -> None:
+    assert accepted([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all, and the one after
+    assert accepted([5, 9, 7, 8], [5, 6, 7]) == [5, 9]  # the target's token replaces a miss
+    assert accepted([4, 6, 7, 8], [5, 6, 7]) == [4]
+    assert accepted([3], []) == [3]
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=6), st.data())
+def test_acceptance_keeps_the_targets_tokens_and_stops_at_a_miss(
+    targets: list[int], data: st.DataObject
+) -> None:
+    drafts = data.draw(
+        st.lists(st.integers(0, 3), min_size=len(targets) - 1, max_size=len(targets) - 1)
+    )
+    kept = accepted(targets, drafts)
+    assert kept == targets[: len(kept)]  # the target decides every token
+    assert kept[:-1] == drafts[: len(kept) - 1]  # every token before the last was a draft
+    assert len(kept) == len(targets) or kept[-1] != drafts[len(kept) - 1]
+
+
+# ------------------------------------------------------------------ the scheduler
+
+
+def speculating_scheduler(**overrides: object) -> Scheduler:
+    return make_scheduler(num_speculative_tokens=3, **overrides)
+
+
+def verify(
+    scheduler: Scheduler, target: dict[str, list[int]], drafts: dict[str, list[int]]
+) -> tuple[SchedulerOutput, dict[str, list[int]]]:
+    """One step as the executor runs it: each row's tokens are the target's up to the first
+    draft that misses; `target`: each request's next tokens; `drafts`: proposed after it."""
+    plan = scheduler.schedule()
+    scheduler.check_invariants()
+    sampled = {}
+    for request_id in plan.num_scheduled_tokens:
+        request = scheduler.requests[request_id]
+        if request.num_computed_tokens >= request.num_tokens:
+            row_drafts = plan.spec_token_ids.get(request_id, [])
+            sampled[request_id] = accepted(target[request_id][: len(row_drafts) + 1], row_drafts)
+    result = ModelRunnerOutput(step=plan.step, sampled=sampled, draft_token_ids=drafts)
+    outputs = scheduler.update(plan, result)
+    scheduler.check_invariants()
+    return plan, {out.request_id: out.new_token_ids for out in outputs}
+
+
+def test_a_row_verifies_its_drafts_and_moves_past_what_was_accepted() -> None:
+    scheduler = speculating_scheduler()
+    add(scheduler, "a", [10, 11, 12], max_tokens=20, ignore_eos=True)
+    plan, got = verify(scheduler, {"a": [50]}, {"a": [51, 52, 53]})
+    assert plan.num_scheduled_tokens == {"a": 3} and got == {"a": [50]}
+    request = scheduler.requests["a"]
+    assert request.spec_token_ids == [51, 52, 53]
+    # Two drafts match, the third does not: 51 52 then the target's 60.
+    plan, got = verify(scheduler, {"a": [51, 52, 60, 99]}, {"a": [61, 62]})
+    assert plan.num_scheduled_tokens == {"a": 4} and plan.spec_token_ids == {"a": [51, 52, 53]}
+    assert got == {"a": [51, 52, 60]}
+    # The KV of the rejected draft is past the computed tokens: the next row starts at 60.
+    assert request.num_computed_tokens == request.num_tokens - 1 == 3 + 4 - 1
+    plan, got = verify(scheduler, {"a": [61, 62, 63]}, {})
+    assert got == {"a": [61, 62, 63]}  # both drafts and the token after them
+    assert scheduler.spec_decode.num_draft_tokens == 5
+    assert scheduler.spec_decode.num_accepted_tokens == 4
+    assert scheduler.spec_decode.accepted_per_position == [2, 2, 0]
+    assert scheduler.spec_decode.mean_acceptance_length == 3.0
+
+
+def test_a_stop_token_among_the_accepted_ends_the_request_there() -> None:
+    scheduler = speculating_scheduler()
+    add(scheduler, "a", [10, 11, 12], max_tokens=20)
+    verify(scheduler, {"a": [50]}, {"a": [51, EOS, 53]})
+    _, got = verify(scheduler, {"a": [51, EOS, 53, 54]}, {"a": [1]})
+    assert got == {"a": [51, EOS]}
+    assert "a" not in scheduler.requests
+    assert scheduler.kv.pool.num_available == scheduler.config.num_blocks  # nothing leaked
+
+
+def test_drafts_stop_where_max_tokens_and_max_model_len_leave_no_room() -> None:
+    scheduler = speculating_scheduler(max_model_len=16)
+    add(scheduler, "a", [10, 11, 12], max_tokens=3, ignore_eos=True)
+    add(scheduler, "b", [10] * 12, max_tokens=4, ignore_eos=True)
+    verify(scheduler, {"a": [50], "b": [70]}, {"a": [51, 52, 53], "b": [71, 72, 73]})
+    # a: 1 output of 3: one draft may still be kept beside the token after it; b: 13 tokens
+    # of 16 (and 1 output of 4): two.
+    plan, got = verify(scheduler, {"a": [51, 52], "b": [71, 72, 73]}, {})
+    assert plan.spec_token_ids == {"a": [51], "b": [71, 72]}
+    assert got == {"a": [51, 52], "b": [71, 72, 73]}
+    assert not scheduler.requests
+
+
+def test_a_speculating_request_waits_for_its_token_in_flight() -> None:
+    scheduler = speculating_scheduler()
+    add(scheduler, "a", [10, 11, 12], max_tokens=20, ignore_eos=True)
+    add(scheduler, "b", [10, 11, 12], max_tokens=20, ignore_eos=True, repetition_penalty=1.2)
+    first = scheduler.schedule()
+    # Pipelined: the next plan is made before the first step's tokens arrive. Only the request
+    # that does not speculate runs on its token in flight.
+    second = scheduler.schedule()
+    assert set(first.num_scheduled_tokens) == {"a", "b"}
+    assert set(second.num_scheduled_tokens) == {"b"}
+    scheduler.update(first, ModelRunnerOutput(step=1, sampled={"a": [5], "b": [6]}))
+    scheduler.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_no_block_leaks_whatever_is_accepted(data: st.DataObject) -> None:
+    scheduler = speculating_scheduler(num_blocks=24, max_num_batched_tokens=16)
+    num_requests = data.draw(st.integers(1, 4))
+    for i in range(num_requests):
+        prompt = data.draw(st.lists(st.integers(3, 40), min_size=1, max_size=20))
+        add(scheduler, str(i), prompt, max_tokens=data.draw(st.integers(1, 12)))
+    tokens = st.integers(0, 8)  # EOS (2) among them
+    for _ in range(200):
+        if not scheduler.has_unfinished():
+            break
+        live = list(scheduler.requests)
+        target = {rid: data.draw(st.lists(tokens, min_size=4, max_size=4)) for rid in live}
+        drafts = {rid: data.draw(st.lists(tokens, max_size=3)) for rid in live}
+        verify(scheduler, target, drafts)
+    assert not scheduler.has_unfinished()
+    assert scheduler.kv.pool.num_available == scheduler.config.num_blocks
