@@ -118,3 +118,64 @@ def test_accepted_drafts_give_the_same_tokens_and_logprobs(folder: Path, variant
     assert stats.mean_acceptance_length > 2.0
     assert all(stats.accepted_per_position)
     llm.engine.scheduler.check_invariants()
+
+
+class FixedDrafts:
+    """After `prefix` + one sampled token `after`, proposes `drafts`; nothing elsewhere."""
+
+    def __init__(self, prefix: list[int], after: int, drafts: list[int]) -> None:
+        self.sequence, self.drafts = [*prefix, after], drafts
+
+    def propose_batch(self, requests: Iterable[tuple[str, list[int]]]) -> dict[str, list[int]]:
+        return {
+            rid: self.drafts for rid, tokens in dict(requests).items() if tokens == self.sequence
+        }
+
+
+def top_k_probs(model: torch.nn.Module, tokens: list[int], k: int) -> dict[int, float]:
+    """The next token's distribution at temperature 1 under top_k = k."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, -1]
+    values, ids = logits.topk(k)
+    return dict(zip(ids.tolist(), values.softmax(dim=-1).tolist(), strict=True))
+
+
+def chi_square_p(counts: dict[int, int], probs: dict[int, float]) -> float:
+    """The chance of counts at least this far from `probs` (Pearson's test)."""
+    total = sum(counts.values())
+    assert set(counts) <= set(probs), "a token outside the distribution was drawn"
+    stat = sum((counts.get(t, 0) - total * p) ** 2 / (total * p) for t, p in probs.items())
+    dof = torch.tensor((len(probs) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path) -> None:
+    """Unseeded draws at temperature 1, top_k 5: the tokens sampled where drafts were verified
+    (at a draft's position, and after an accepted draft) follow the model's distributions
+    there, by a chi-square test; and the test tells a wrong distribution apart."""
+    model = make_tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    prompt = prompts()[3]
+    first = top_k_probs(model, prompt, 5)
+    a = max(first, key=first.__getitem__)  # the likeliest first token: drafts follow it
+    second = top_k_probs(model, [*prompt, a], 5)
+    d2 = max(second, key=second.__getitem__)
+    third = top_k_probs(model, [*prompt, a, d2], 5)
+    llm = speculating(tmp_path, NGRAM, max_num_seqs=256)
+    llm.runner.proposer = FixedDrafts(prompt, a, [d2, 999 % 256])  # type: ignore[assignment]
+    params = SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True)
+    outputs = [r.token_ids for r in llm.generate([prompt] * 3000, params)]
+    after_a = [out for out in outputs if out[0] == a]
+    after_d2 = [out for out in after_a if out[1] == d2]
+    counts_2 = {t: sum(out[1] == t for out in after_a) for t in {o[1] for o in after_a}}
+    counts_3 = {t: sum(out[2] == t for out in after_d2) for t in {o[2] for o in after_d2}}
+    assert len(after_a) > 500 and len(after_d2) > 200
+    assert llm.engine.scheduler.spec_decode.num_accepted_tokens >= len(after_d2)
+    # Fixed seeds: the same draws every run (p = 0.07 and 0.62 on 2026-12-02).
+    assert chi_square_p(counts_2, second) > 1e-3
+    assert chi_square_p(counts_3, third) > 1e-3
+    # The test's power: the same counts fail against the distribution with its likeliest and
+    # least likely tokens' chances swapped.
+    order = sorted(second, key=second.__getitem__)
+    swapped = {**second, order[0]: second[order[-1]], order[-1]: second[order[0]]}
+    assert chi_square_p(counts_2, swapped) < 1e-6
