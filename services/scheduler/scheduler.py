@@ -450,6 +450,10 @@ class Scheduler:
             num_waiting_tokens=self.waiting.num_tokens,
             max_queued_requests=self.config.max_queued_requests,
             max_queued_tokens=self.config.max_queued_tokens,
+            spec_num_drafts=self.spec_decode.num_drafts,
+            spec_num_draft_tokens=self.spec_decode.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
+            spec_accepted_per_position=list(self.spec_decode.accepted_per_position),
         )
 
     def check_invariants(self) -> None:

@@ -42,5 +42,19 @@ class StatsLog:
             f"KV cache usage: {stats.kv_usage:.1%}, "
             f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}, "
             f"preemptions: {stats.num_preemptions}, "
-            f"device busy: {busy:.1%}"
+            f"device busy: {busy:.1%}" + _speculation(last, stats)
         )
+
+
+def _speculation(last: StatsSnapshot, stats: StatsSnapshot) -> str:
+    """Speculative decoding over the interval, where rows verified drafts (as vLLM logs it):
+    tokens a verifying row moved on average, and the share of drafts accepted."""
+    rows = stats.spec_num_drafts - last.spec_num_drafts
+    if not rows:
+        return ""
+    drafts = stats.spec_num_draft_tokens - last.spec_num_draft_tokens
+    accepted = stats.spec_num_accepted_tokens - last.spec_num_accepted_tokens
+    return (
+        f", spec decode: mean acceptance length {1 + accepted / rows:.2f}, "
+        f"draft acceptance rate {accepted / drafts if drafts else 0.0:.1%}"
+    )

@@ -79,6 +79,12 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     # list, as a load's answer (LoraAdapterResult) may overtake the snapshot before it.
     lora_adapters: list[LoraAdapterInfo] = []
     lora_version: int = 0
+    # Speculative decoding, totals since start (vLLM's spec_decode counters): rows that
+    # verified drafts, their drafts, those accepted, and those accepted at each position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
     @property
     def queue_full(self) -> str | None:

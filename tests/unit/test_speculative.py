@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.executor.runner.step_state import accepted
 from services.executor.speculative.ngram import NgramProposer
+from services.frontend.metrics.prometheus import Metrics
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.stats_log import StatsLog
 from shared.config import Config, ConfigError
 from shared.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from shared.speculative import (
@@ -21,6 +24,7 @@ from shared.speculative import (
     speculates,
 )
 from tests.unit.scheduler_setup import EOS, add, make_scheduler
+from tests.unit.snapshots import stats
 
 # ------------------------------------------------------------------ the config
 
@@ -216,3 +220,40 @@ def test_no_block_leaks_whatever_is_accepted(data: st.DataObject) -> None:
         verify(scheduler, target, drafts)
     assert not scheduler.has_unfinished()
     assert scheduler.kv.pool.num_available == scheduler.config.num_blocks
+
+
+# ------------------------------------------------------------------ what it reports
+
+
+def test_the_stats_line_and_metrics_show_acceptance() -> None:
+    before = stats(num_blocks=100)
+    after = msgspec.structs.replace(
+        before,
+        num_generation_tokens=300,
+        spec_num_drafts=100,
+        spec_num_draft_tokens=400,
+        spec_num_accepted_tokens=150,
+        spec_accepted_per_position=[80, 40, 20, 10],
+    )
+    log = StatsLog(interval=1.0)
+    log.line(0.0, before)
+    line = log.line(1.0, after)
+    assert line is not None
+    assert line.endswith(", spec decode: mean acceptance length 2.50, draft acceptance rate 37.5%")
+    text = Metrics("m").render([after], num_tokenizer_workers=1, num_in_flight=0)
+    assert 'kvflow:spec_decode_num_accepted_tokens_total{model_name="m",replica="0"} 150' in text
+    assert (
+        'kvflow:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",replica="0",'
+        'position="2"} 20'
+    ) in text
+
+
+def test_the_scheduler_reports_its_totals() -> None:
+    scheduler = speculating_scheduler()
+    add(scheduler, "a", [10, 11, 12], max_tokens=20, ignore_eos=True)
+    verify(scheduler, {"a": [50]}, {"a": [51, 52]})
+    verify(scheduler, {"a": [51, 60, 70]}, {})
+    snapshot = scheduler.stats()
+    assert (snapshot.spec_num_drafts, snapshot.spec_num_draft_tokens) == (1, 2)
+    assert snapshot.spec_num_accepted_tokens == 1
+    assert snapshot.spec_accepted_per_position == [1, 0]

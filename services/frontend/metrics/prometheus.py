@@ -123,6 +123,7 @@ class Metrics:
             samples = [(f'{self.labels},replica="{s.replica}"', value(s)) for s in snapshots]
             if samples:
                 lines += _sample(f"kvflow:{name}", kind, doc, samples)
+        lines += _accepted_per_position(self.labels, snapshots)
         lines += [
             "# HELP kvflow:request_success_total Finished requests by reason.",
             "# TYPE kvflow:request_success_total counter",
@@ -182,4 +183,37 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
         "Seconds the device ran steps (its rate is the busy fraction; 0 on CPU).",
         lambda s: s.device_busy_seconds,
     ),
+    (
+        "spec_decode_num_drafts_total",
+        "counter",
+        "Rows that verified drafts (speculative decoding).",
+        lambda s: s.spec_num_drafts,
+    ),
+    (
+        "spec_decode_num_draft_tokens_total",
+        "counter",
+        "Draft tokens verified.",
+        lambda s: s.spec_num_draft_tokens,
+    ),
+    (
+        "spec_decode_num_accepted_tokens_total",
+        "counter",
+        "Draft tokens accepted.",
+        lambda s: s.spec_num_accepted_tokens,
+    ),
 ]
+
+
+def _accepted_per_position(labels: str, snapshots: Sequence[StatsSnapshot]) -> list[str]:
+    """vLLM's spec_decode_num_accepted_tokens_per_pos: drafts accepted at each position."""
+    samples = [
+        (f'{labels},replica="{s.replica}",position="{position}"', count)
+        for s in snapshots
+        for position, count in enumerate(s.spec_accepted_per_position)
+    ]
+    return _sample(
+        "kvflow:spec_decode_num_accepted_tokens_per_pos_total",
+        "counter",
+        "Draft tokens accepted at each position of their row (0: the first draft).",
+        samples,
+    )
