@@ -38,3 +38,8 @@ DEFAULT_CPU_KV_BYTES = 1 << 30  # the KV cache on CPU, unless --kv-cache-memory-
 # The CUDA graphs' activations and workspace (decode batches, mixed steps up to 512 tokens; all
 # share one pool, sized by the largest), a loose bound.
 CUDA_GRAPH_RESERVE_BYTES = 512 << 20
+# Speculative decoding under load: a step's decode rows verify at most this many tokens (their
+# own and their drafts). Below it a decode step reads the weights once whatever its size, so
+# drafts cost little; above it the step turns compute-bound and each rejected draft costs as
+# much as a token that counts. Each row gets an equal share (services/scheduler/speculation.py).
+SPECULATION_TOKEN_CAP = 256

@@ -25,7 +25,7 @@ from services.scheduler.block_pool import BlockEvents
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_config import SchedulerConfig
-from services.scheduler.speculation import SpecDecodeStats, take_drafts
+from services.scheduler.speculation import SpecDecodeStats, drafts_per_row, take_drafts
 from services.scheduler.waiting_queue import WaitingQueue, priority_key
 from shared.protocol import (
     CachedRequestData,
@@ -190,6 +190,7 @@ class Scheduler:
         cached_data: list[CachedRequestData] = []
         preempted = False
         index = 0
+        share = drafts_per_row(sum(1 for r in self.running if r.spec_token_ids))
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_scheduled_tokens_end - request.num_computed_tokens, budget)
@@ -198,7 +199,7 @@ class Scheduler:
                 continue
             row_drafts = []
             if request.num_computed_tokens + num_new == request.num_tokens:
-                row_drafts = take_drafts(request, self.config, budget - num_new)
+                row_drafts = take_drafts(request, self.config, budget - num_new, share)
             num_new += len(row_drafts)
             num_held = len(self.kv.block_ids.get(request.request_id, []))
             while not self.kv.allocate(request, num_new):

@@ -17,11 +17,19 @@ from dataclasses import dataclass, field
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler_config import SchedulerConfig
+from shared.constants import SPECULATION_TOKEN_CAP
+
+
+def drafts_per_row(num_speculating: int) -> int:
+    """The drafts each speculating row may verify in a step of `num_speculating` such rows,
+    under load: an equal share of SPECULATION_TOKEN_CAP, each row's own token included (256
+    tokens: 4 drafts a row up to 51 rows, 1 from 86 to 128, none from 129 on)."""
+    return max(0, SPECULATION_TOKEN_CAP // max(num_speculating, 1) - 1)
 
 
 def draft_room(request: Request, config: SchedulerConfig, budget: int) -> int:
-    """How many drafts the request's next row may verify after its `budget` tokens are paid
-    for its own tokens: none past its length limits, where no token could be kept."""
+    """How many drafts the request's next row may verify with `budget` tokens left once its
+    own are paid for: none past its length limits, where no token could be kept."""
     return max(
         0,
         min(
@@ -32,10 +40,11 @@ def draft_room(request: Request, config: SchedulerConfig, budget: int) -> int:
     )
 
 
-def take_drafts(request: Request, config: SchedulerConfig, budget: int) -> list[int]:
-    """The drafts the request's row verifies this step (consumed: each set is verified once)."""
+def take_drafts(request: Request, config: SchedulerConfig, budget: int, share: int) -> list[int]:
+    """The drafts the request's row verifies this step, at most `share` (drafts_per_row);
+    consumed: each set is verified once."""
     drafts, request.spec_token_ids = request.spec_token_ids, []
-    return drafts[: draft_room(request, config, budget)]
+    return drafts[: min(share, draft_room(request, config, budget))]
 
 
 @dataclass

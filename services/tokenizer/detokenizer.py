@@ -79,6 +79,19 @@ class IncrementalDetokenizer:
         self._window_ids.extend(token_ids)
         return self._emit(self._decode_new_text(), final=False)
 
+    def add_until_stop(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """`add` one token at a time up to the one that completes a stop string: the text,
+        and how many of the ids it took. Speculative decoding returns a step's accepted
+        drafts together, and those after a stop string are no part of the output."""
+        if len(token_ids) == 1 or not self._stops.active:
+            return self.add(token_ids), len(token_ids)
+        parts = []
+        for count, token_id in enumerate(token_ids, start=1):
+            parts.append(self.add([token_id]))
+            if self._finished:
+                return "".join(parts), count
+        return "".join(parts), len(token_ids)
+
     def flush(self) -> str:
         """The request finished for another reason (length, EOS): emit all held text.
 

@@ -20,6 +20,11 @@ class StopStrings:
         self._held_text = ""  # not yet emitted: might start a stop string
         self.stop_hit: str | None = None
 
+    @property
+    def active(self) -> bool:
+        """Whether any stop string is still looked for."""
+        return bool(self._stop) and self.stop_hit is None
+
     def feed(self, new_text: str, final: bool = False) -> str:
         """The text that can be emitted now."""
         if self.stop_hit is not None:

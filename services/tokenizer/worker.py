@@ -292,9 +292,11 @@ class TokenizerWorker:
 
     def _delta(self, output: RequestOutput, live: _LiveRequest) -> TextDelta:
         finish, text = output.finish_reason, ""
+        token_ids, logprobs = output.new_token_ids, output.new_logprobs
         detokenizer = live.detokenizer
         if detokenizer is not None:
-            text = detokenizer.add(output.new_token_ids)
+            text, num_taken = detokenizer.add_until_stop(token_ids)
+            token_ids, logprobs = token_ids[:num_taken], logprobs[:num_taken]
             if detokenizer.stop_hit is not None:
                 finish = FinishReason.STOP
             elif finish is not None:
@@ -306,14 +308,13 @@ class TokenizerWorker:
             thinking_before = live.reasoning.thinking
             reasoning, text, finish = _split_reasoning(live, text, finish)
             if thinking_before or live.reasoning.thinking:
-                live.num_reasoning_tokens = live.num_output_tokens + len(output.new_token_ids)
+                live.num_reasoning_tokens = live.num_output_tokens + len(token_ids)
         tool_calls: list[ToolCallDelta] = []
         if live.tool_calls is not None:
             text, tool_calls = live.tool_calls.feed(text)
             if finish is not None:
                 more_text, more_calls = live.tool_calls.finish()
                 text, tool_calls = text + more_text, tool_calls + more_calls
-        token_ids, logprobs = output.new_token_ids, output.new_logprobs
         if live.prompt_only:  # its one token was never asked for
             text, token_ids, logprobs, finish = "", [], [], FinishReason.LENGTH
         live.num_output_tokens += len(token_ids)

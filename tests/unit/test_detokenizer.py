@@ -193,6 +193,21 @@ def test_include_stop_str_in_output(tok: PreTrainedTokenizerBase) -> None:
     assert detok.stop_hit == "big."
 
 
+def test_tokens_past_a_stop_string_in_one_step_are_not_taken(
+    tok: PreTrainedTokenizerBase,
+) -> None:
+    """Speculative decoding returns several tokens a step: those after the one that completes
+    a stop string are left out (and not counted as output)."""
+    ids = encode(tok, PARIS)
+    whole = IncrementalDetokenizer(tok, [], stop=["big."])
+    text, num_taken = whole.add_until_stop(ids)
+    assert (text, whole.stop_hit) == ("The capital is Paris. It is ", "big.")
+    assert tok.decode(ids[:num_taken]).endswith("big.")
+    assert not tok.decode(ids[: num_taken - 1]).endswith("big.")
+    plain = IncrementalDetokenizer(tok, [])
+    assert plain.add_until_stop(ids) == (plain.text, len(ids))  # no stop string: all of them
+
+
 def test_earliest_stop_string_wins(tok: PreTrainedTokenizerBase) -> None:
     ids = encode(tok, PARIS)
     _, detok = stream(tok, one_at_a_time(ids), stop=["Yes", "big", "Paris!"])

@@ -14,6 +14,7 @@ from services.executor.runner.step_state import accepted
 from services.executor.speculative.ngram import NgramProposer
 from services.frontend.metrics.prometheus import Metrics
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.speculation import drafts_per_row
 from services.scheduler.stats_log import StatsLog
 from shared.config import Config, ConfigError
 from shared.protocol import ModelRunnerOutput, SamplingParams, SchedulerOutput
@@ -257,3 +258,15 @@ def test_the_scheduler_reports_its_totals() -> None:
     assert (snapshot.spec_num_drafts, snapshot.spec_num_draft_tokens) == (1, 2)
     assert snapshot.spec_num_accepted_tokens == 1
     assert snapshot.spec_accepted_per_position == [1, 0]
+
+
+def test_under_load_each_row_verifies_fewer_drafts() -> None:
+    assert [drafts_per_row(n) for n in (1, 51, 52, 86, 128, 129)] == [255, 4, 3, 1, 1, 0]
+    scheduler = speculating_scheduler(max_num_seqs=64, num_blocks=512, max_num_batched_tokens=512)
+    for i in range(64):
+        add(scheduler, str(i), [10, 11, 12], max_tokens=20, ignore_eos=True)
+    verify(
+        scheduler, {str(i): [50] for i in range(64)}, {str(i): [1, 2, 3, 4, 5] for i in range(64)}
+    )
+    plan, _ = verify(scheduler, {str(i): [1, 2, 3, 4, 5, 6] for i in range(64)}, {})
+    assert {len(drafts) for drafts in plan.spec_token_ids.values()} == {drafts_per_row(64)} == {3}

@@ -1,0 +1,47 @@
+"""On a GPU in bfloat16, under CUDA graphs and the pipelined loop: speculative decoding's greedy
+tokens agree with the same engine's without it, by the closeness rule of test_gpu_parity (a
+verifying row's logits come from the prefill attention, a plain decode's from the decode
+attention: in bf16 they may round a near-tie apart, where each token must be in the other's top
+5). Drafts are the plain run's own tokens, one set in three spoiled (tests/integration/
+test_speculative.py), so rows accept 0..k of them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from tests.integration.test_gpu_parity import SHAPE, TOP, build
+from tests.integration.test_speculative import NGRAM, KnownDrafts
+from tests.integration.tiny_models import NUM_NEW_TOKENS, make_prompts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_bf16_speculative_greedy_agrees_with_plain(family: str, tmp_path: Path) -> None:
+    build(family, tmp_path)
+    settings = dict(device="cuda", dtype="bfloat16", max_model_len=512)
+    settings["kv_cache_memory_bytes"] = 256 << 20
+    prompts = make_prompts(SHAPE["vocab_size"])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
+    )
+    plain = LLM(str(tmp_path), **settings).generate(prompts, params)
+    llm = LLM(str(tmp_path), speculative_config=NGRAM, **settings)
+    llm.runner.proposer = KnownDrafts(  # type: ignore[assignment]
+        [r.token_ids for r in plain], NGRAM["num_speculative_tokens"], prompts
+    )
+    agreed = 0
+    for mine, theirs in zip(llm.generate(prompts, params), plain, strict=True):
+        pairs = enumerate(zip(mine.token_ids, theirs.token_ids, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), len(mine.token_ids))
+        if same < len(mine.token_ids):
+            my_top = {t.token_id for t in mine.outputs[0].logprobs[same].top}
+            their_top = {t.token_id for t in theirs.outputs[0].logprobs[same].top}
+            assert mine.token_ids[same] in their_top and theirs.token_ids[same] in my_top
+        agreed += same
+    assert agreed >= len(prompts) * NUM_NEW_TOKENS // 2, f"only {agreed} tokens agreed"
+    assert llm.engine.scheduler.spec_decode.mean_acceptance_length > 1.5
