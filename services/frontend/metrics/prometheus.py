@@ -206,7 +206,7 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
 
 def _accepted_per_position(labels: str, snapshots: Sequence[StatsSnapshot]) -> list[str]:
     """vLLM's spec_decode_num_accepted_tokens_per_pos: drafts accepted at each position."""
-    samples = [
+    samples: list[tuple[str, float]] = [
         (f'{labels},replica="{s.replica}",position="{position}"', count)
         for s in snapshots
         for position, count in enumerate(s.spec_accepted_per_position)
