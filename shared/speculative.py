@@ -16,10 +16,20 @@ from shared.protocol import SamplingParams
 
 # The methods vLLM names, and the ones kvflow runs today.
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
-BUILT_METHODS = ("ngram",)
+BUILT_METHODS = ("ngram", "suffix")
 # vLLM's n-gram window when neither bound is given.
 DEFAULT_NGRAM_WINDOW = 5
-_NGRAM_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+_KEYS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+    "suffix": {
+        "method",
+        "num_speculative_tokens",
+        "suffix_decoding_max_tree_depth",
+        "suffix_decoding_max_cached_requests",
+        "suffix_decoding_max_spec_factor",
+        "suffix_decoding_min_token_prob",
+    },
+}
 
 
 class SpeculativeConfigError(ValueError):
@@ -30,8 +40,15 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int  # drafts verified per step, at most
-    prompt_lookup_min: int  # n-gram: the shortest suffix matched
-    prompt_lookup_max: int  # n-gram: the longest suffix tried first
+    prompt_lookup_min: int = 0  # ngram: the shortest suffix matched
+    prompt_lookup_max: int = 0  # ngram: the longest suffix tried first
+    # suffix (vLLM's defaults): the longest suffix matched; how many ended requests' outputs
+    # are searched too; drafts at most this times the match's length; the least probability
+    # of a draft's path.
+    suffix_max_tree_depth: int = 24
+    suffix_max_cached_requests: int = 10000
+    suffix_max_spec_factor: float = 1.0
+    suffix_min_token_prob: float = 0.1
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -52,10 +69,10 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
         raise SpeculativeConfigError(
             f"method {method!r} is not built yet; built: {', '.join(BUILT_METHODS)}"
         )
-    unknown = sorted(set(raw) - _NGRAM_KEYS)
+    unknown = sorted(set(raw) - _KEYS[method])
     if unknown:
         raise SpeculativeConfigError(f"keys {unknown} do not apply to method {method!r}")
-    return _ngram_config(raw)
+    return _ngram_config(raw) if method == "ngram" else _suffix_config(raw)
 
 
 def _ngram_config(raw: dict[str, Any]) -> SpeculativeConfig:
@@ -70,13 +87,32 @@ def _ngram_config(raw: dict[str, Any]) -> SpeculativeConfig:
     return SpeculativeConfig("ngram", num, low, high)
 
 
-def _positive_int(raw: dict[str, Any], key: str, default: int | None) -> int:
+def _suffix_config(raw: dict[str, Any]) -> SpeculativeConfig:
+    depth = _positive_int(raw, "suffix_decoding_max_tree_depth", 24)
+    cached = _positive_int(raw, "suffix_decoding_max_cached_requests", 10000, least=0)
+    factor = _number(raw, "suffix_decoding_max_spec_factor", 1.0)
+    prob = _number(raw, "suffix_decoding_min_token_prob", 0.1)
+    if prob > 1:
+        raise SpeculativeConfigError("suffix_decoding_min_token_prob must be <= 1")
+    # vLLM's default: as many drafts as the deepest match allows.
+    num = _positive_int(raw, "num_speculative_tokens", depth)
+    return SpeculativeConfig("suffix", num, 0, 0, depth, cached, factor, prob)
+
+
+def _positive_int(raw: dict[str, Any], key: str, default: int | None, least: int = 1) -> int:
     value = raw.get(key, default)
     if value is None:
         raise SpeculativeConfigError(f"{key} is required")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpeculativeConfigError(f"{key} must be an integer >= 1")
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise SpeculativeConfigError(f"{key} must be an integer >= {least}")
     return value
+
+
+def _number(raw: dict[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise SpeculativeConfigError(f"{key} must be a number >= 0")
+    return float(value)
 
 
 def speculates(params: SamplingParams) -> bool:

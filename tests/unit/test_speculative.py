@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from services.executor.runner.step_state import accepted
 from services.executor.speculative.ngram import NgramProposer
+from services.executor.speculative.suffix import SuffixProposer
 from services.frontend.metrics.prometheus import Metrics
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.speculation import drafts_per_row
@@ -270,3 +271,55 @@ def test_under_load_each_row_verifies_fewer_drafts() -> None:
     )
     plan, _ = verify(scheduler, {str(i): [1, 2, 3, 4, 5, 6] for i in range(64)}, {})
     assert {len(drafts) for drafts in plan.spec_token_ids.values()} == {drafts_per_row(64)} == {3}
+
+
+# ------------------------------------------------------------------ suffix decoding
+
+
+def suffix(**keys: object) -> SuffixProposer:
+    config = parse_speculative_config(json.dumps({"method": "suffix", **keys}))
+    assert config is not None
+    return SuffixProposer(config)
+
+
+def test_suffix_config_takes_vllms_keys_and_defaults() -> None:
+    config = parse_speculative_config('{"method": "suffix"}')
+    assert config is not None
+    assert (config.num_speculative_tokens, config.suffix_max_tree_depth) == (24, 24)
+    assert (config.suffix_max_cached_requests, config.suffix_min_token_prob) == (10000, 0.1)
+    with pytest.raises(SpeculativeConfigError, match="do not apply"):
+        parse_speculative_config('{"method": "suffix", "prompt_lookup_max": 3}')
+    with pytest.raises(SpeculativeConfigError, match="<= 1"):
+        parse_speculative_config('{"method": "suffix", "suffix_decoding_min_token_prob": 2}')
+
+
+def test_suffix_drafts_follow_the_longest_match_as_far_as_its_length() -> None:
+    # "1 2 3" occurred before, followed by 4 5 9: trusted for 3 tokens (spec factor 1).
+    assert suffix().propose([1, 2, 3, 4, 5, 9, 1, 2, 3]) == [4, 5, 9]
+    assert suffix(suffix_decoding_max_spec_factor=0.5).propose([1, 2, 3, 4, 5, 9, 1, 2, 3]) == [4]
+    assert suffix(num_speculative_tokens=2).propose([1, 2, 3, 4, 5, 9, 1, 2, 3]) == [4, 5]
+
+
+def test_suffix_drafts_take_the_most_frequent_continuation_while_likely() -> None:
+    # "5 7" was followed by 1 twice and by 2 once.
+    tokens = [5, 7, 1, 5, 7, 1, 5, 7, 2, 5, 7]
+    assert suffix().propose(tokens) == [1, 5]  # 2/3, then 2/3 of the way
+    assert suffix(suffix_decoding_min_token_prob=0.7).propose(tokens) == []
+
+
+def test_suffix_drafts_come_from_recent_outputs_too() -> None:
+    proposer = suffix()
+    assert proposer.propose([99, 10, 11]) == []
+    proposer.finished([10, 11, 12, 13, 14])
+    assert proposer.propose([99, 10, 11]) == [12, 13]
+    off = suffix(suffix_decoding_max_cached_requests=0)
+    off.finished([10, 11, 12, 13, 14])
+    assert off.propose([99, 10, 11]) == []
+
+
+def test_suffix_cache_keeps_the_most_recent_outputs() -> None:
+    proposer = suffix(suffix_decoding_max_cached_requests=2)
+    for output in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 6, 7, 9]):
+        proposer.finished(output)
+    assert proposer.propose([0, 1, 2]) == []  # the first output left the cache
+    assert proposer.propose([0, 6, 7]) == [8]  # "6 7" then 8 or 9: 8 first of a tie, 1/2

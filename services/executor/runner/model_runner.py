@@ -38,7 +38,7 @@ from services.executor.runner.sampler import (
 from services.executor.runner.step_buffers import StepBuffers, StepView
 from services.executor.runner.step_state import DeviceSpan, InFlightStep, PreparedStep, RequestState
 from services.executor.runner.warm_up import warm_up
-from services.executor.speculative.ngram import NgramProposer
+from services.executor.speculative import make_proposer
 from shared.config import Config
 from shared.hf_tokenizer import load_tokenizer
 from shared.lora_modules import parse_lora_modules
@@ -89,7 +89,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._load_model(config, tp)
         self.speculative = parse_speculative_config(config.speculative_config)
-        self.proposer = NgramProposer(self.speculative) if self.speculative else None
+        self.proposer = make_proposer(self.speculative)
         self.num_drafts = self.speculative.num_speculative_tokens if self.speculative else 0
         self.buffers = StepBuffers(
             config.max_num_batched_tokens,
@@ -106,9 +106,7 @@ class ModelRunner:
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
         self._prepared: PreparedStep | None = None
         # The last step's sampled ids, where the next step's decodes read their input token.
-        self.sampled_ids = torch.zeros(
-            self.buffers.max_samples, dtype=torch.int64, device=self.device
-        )
+        self.sampled_ids = torch.zeros(self.buffers.max_samples, dtype=torch.int64).to(self.device)
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = StepGraphs(
@@ -437,15 +435,16 @@ class ModelRunner:
 
     def _apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None and self.proposer is not None:
+                self.proposer.finished(state.output_token_ids)
         for data in plan.new_requests:
             spec = data.sampling_params.structured_output
             matcher = None
             if spec is not None:
                 matcher = self.grammars.matcher(spec, data.output_token_ids)
-            state = RequestState.from_new(data, matcher)
-            state.speculates = self.proposer is not None and speculates(data.sampling_params)
-            self.requests[data.request_id] = state
+            speculating = self.proposer is not None and speculates(data.sampling_params)
+            self.requests[data.request_id] = RequestState.from_new(data, matcher, speculating)
         for delta in plan.cached_requests:
             state = self.requests[delta.request_id]
             state.block_ids.extend(delta.new_block_ids)
@@ -489,9 +488,9 @@ class ModelRunner:
                 self.row_owner[row] = None  # decode padding overwrote it
 
     def _write_table_row(self, row: int, state: RequestState) -> None:
-        # Why track owners: a request usually keeps its row, so only new blocks are written.
-        # Both ways: a request that skipped a step (a speculating one waits for its tokens)
-        # took another row meanwhile, and its old row lacks the blocks added there.
+        # Why track owners: a request usually keeps its row, so only new blocks are written;
+        # both ways, as a request that skipped a step (a speculating one waits for its tokens)
+        # may come back to a row it left, which lacks the blocks added meanwhile.
         if self.row_owner[row] is state and state.table_row == row:
             self.buffers.set_table_row(row, state.block_ids, state.table_len)
         else:

@@ -52,7 +52,9 @@ class RequestState:
     speculates: bool = field(default=False)  # its steps verify drafts (shared/speculative.py)
 
     @classmethod
-    def from_new(cls, data: NewRequestData, matcher: LLMatcher | None = None) -> RequestState:
+    def from_new(
+        cls, data: NewRequestData, matcher: LLMatcher | None = None, speculates: bool = False
+    ) -> RequestState:
         return cls(
             params=data.sampling_params,
             token_ids=data.prompt_token_ids + data.output_token_ids,
@@ -69,6 +71,7 @@ class RequestState:
             wants_prompt_logprobs=data.sampling_params.prompt_logprobs is not None
             and not data.output_token_ids,
             lora_id=data.lora_id,
+            speculates=speculates,
         )
 
     @property

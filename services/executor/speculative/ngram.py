@@ -40,3 +40,6 @@ class NgramProposer:
         once), leaving out those it has none for."""
         drafts = {rid: self.propose(tokens) for rid, tokens in dict(requests).items()}
         return {rid: ids for rid, ids in drafts.items() if ids}
+
+    def finished(self, output_token_ids: list[int]) -> None:
+        """Nothing: prompt lookup reads only the request's own tokens."""
