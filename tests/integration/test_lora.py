@@ -105,6 +105,21 @@ def test_a_batch_mixing_adapters_matches_each_alone(served, setting: str) -> Non
         assert llm.stats().num_preemptions > 0
 
 
+@pytest.mark.parametrize("setting", ["a slot each", "one slot, chunks, preemption"])
+def test_adapters_keep_their_tokens_under_speculative_decoding(served, setting: str) -> None:
+    """Suffix decoding's drafts, verified under each row's adapter: the second pass finds the
+    first's outputs in the recent outputs, so most drafts are accepted."""
+    family, base, prompts, loras, expected = served
+    options = dict(dtype="float32", device="cpu", enable_lora=True, max_lora_rank=MAX_RANK)
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    llm = LLM(str(base), **options, **SETTINGS[setting], speculative_config=spec)
+    for _ in range(2):
+        got = _generate_mixed(llm, prompts, loras, ORDER)
+        for name in ORDER:
+            assert got[name] == expected[name], (family, setting, name)
+    assert llm.stats().spec_num_accepted_tokens > 0
+
+
 def test_the_prefix_cache_keeps_adapters_apart(served) -> None:
     family, base, prompts, loras, expected = served
     llm = LLM(str(base), dtype="float32", device="cpu", enable_lora=True, max_loras=3)
