@@ -116,7 +116,8 @@ def _number(raw: dict[str, Any], key: str, default: float) -> float:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request with these parameters verifies drafts. Those that need each step's
-    state on the host before the next (penalties count every token, a grammar advances on it)
-    and embeddings (no output) run one token a step, in the same batches."""
-    return not (params.has_penalties or params.structured_output is not None or params.embed)
+    """Whether a request with these parameters verifies drafts. Those with penalties (whose
+    counts would change at every position of a row) and embeddings (no output) run one token
+    a step, in the same batches. A grammar's row verifies the drafts its grammar allows, each
+    position sampled under the grammar's state after the drafts before it."""
+    return not (params.has_penalties or params.embed)

@@ -10,6 +10,7 @@ the scheduler's accounting are the real ones either way.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,6 +65,9 @@ def generate(llm: LLM, params: SamplingParams | list[SamplingParams]) -> list[li
 class KnownDrafts:
     """Proposes what a run without speculation generated after the tokens so far, spoiling
     one draft in three (at a random position)."""
+
+    def finished(self, output_token_ids: list[int]) -> None:
+        pass
 
     def __init__(
         self, expected: list[list[int]], num: int, prompt_list: list[list[int]] | None = None
@@ -133,6 +137,9 @@ class FixedDrafts:
     def __init__(self, prefix: list[int], after: int, drafts: list[int]) -> None:
         self.sequence, self.drafts = [*prefix, after], drafts
 
+    def finished(self, output_token_ids: list[int]) -> None:
+        pass
+
     def propose_batch(self, requests: Iterable[tuple[str, list[int]]]) -> dict[str, list[int]]:
         return {
             rid: self.drafts for rid, tokens in dict(requests).items() if tokens == self.sequence
@@ -186,3 +193,26 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path) -> N
     order = sorted(second, key=second.__getitem__)
     swapped = {**second, order[0]: second[order[-1]], order[-1]: second[order[0]]}
     assert chi_square_p(counts_2, swapped) < 1e-6
+
+
+def test_drafts_under_a_grammar_keep_the_same_valid_outputs(tool_chat_model_dir: Path) -> None:
+    """A JSON Schema's rows verify the drafts their grammar allows, each position sampled
+    under the grammar's state after the drafts before it: the same texts as without (greedy
+    and seeded), every one valid."""
+    from shared.protocol import StructuredOutput
+    from tests.integration.test_structured_output import PROMPTS, SMALL_SCHEMA, constrained
+
+    spec = StructuredOutput(json=json.dumps(SMALL_SCHEMA))
+    params = [constrained(spec, seed, max_tokens=120) for seed in (None, 1, 2, None)]
+    settings = dict(dtype="float32", device="cpu", max_model_len=1024)
+    expected = LLM(str(tool_chat_model_dir), **settings).generate(PROMPTS, params)
+    llm = LLM(str(tool_chat_model_dir), speculative_config=NGRAM, **settings)
+    llm.runner.proposer = KnownDrafts(  # type: ignore[assignment]
+        [r.token_ids for r in expected], 4, [r.prompt_token_ids for r in expected]
+    )
+    got = llm.generate(PROMPTS, params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for result in got:
+        assert result.finish_reason == "stop"
+        assert set(json.loads(result.text)) == set(SMALL_SCHEMA["properties"])
+    assert llm.engine.scheduler.spec_decode.mean_acceptance_length > 2.0

@@ -60,6 +60,20 @@ class GrammarMatchers:
         """int32 words per row of a bitmask."""
         return (self.tokenizer.vocab_size + 31) // 32
 
+    def step_bitmask(
+        self, rows: list[tuple[int, LLMatcher]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The sampler's (rows [G] int64, bitmask [G, width]) for (sampled row, matcher)
+        pairs on `device`; None for none."""
+        if not rows:
+            return None
+        bitmask = self.bitmask([matcher for _, matcher in rows], device)
+        # Pinned, as every upload of a step: from pageable memory the copy would wait for the
+        # forward pass queued before it, and the host would idle instead of preparing the next.
+        pinned = device.type == "cuda"
+        indices = torch.tensor([row for row, _ in rows], dtype=torch.int64, pin_memory=pinned)
+        return indices.to(device, non_blocking=pinned), bitmask
+
     def bitmask(self, matchers: list[LLMatcher], device: torch.device) -> torch.Tensor:
         """[len(matchers), width] int32 on `device`: bit t of a row allows token t next.
 

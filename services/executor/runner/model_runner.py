@@ -33,10 +33,15 @@ from services.executor.runner.sampler import (
     Sampler,
     TokenBitmask,
     step_seed,
-    to_device,
 )
 from services.executor.runner.step_buffers import StepBuffers, StepView
-from services.executor.runner.step_state import DeviceSpan, InFlightStep, PreparedStep, RequestState
+from services.executor.runner.step_state import (
+    DeviceSpan,
+    InFlightStep,
+    PreparedStep,
+    RequestState,
+    next_drafts,
+)
 from services.executor.runner.warm_up import warm_up
 from services.executor.speculative import make_proposer
 from shared.config import Config
@@ -324,7 +329,7 @@ class ModelRunner:
             forward_done.record()
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in prepared.sample_ids]
-        token_bitmask = self._token_bitmask(states)
+        token_bitmask = self._token_bitmask(states, prepared)
         rows = [s.sampling_row(a) for s, a in zip(states, prepared.sample_ahead, strict=True)]
         pending = self.sampler.sample(logits, rows, token_bitmask)
         if pending.token_ids is not None:
@@ -363,11 +368,8 @@ class ModelRunner:
             raise RuntimeError("collect() without a step in flight")
         step = self._in_flight.popleft()
         output = step.finish()
-        if self.proposer is not None:  # for each speculating request it sampled for
-            rows = zip(step.sample_ids, step.states, strict=True)
-            output.draft_token_ids = self.proposer.propose_batch(
-                (rid, s.token_ids) for rid, s in rows if s.speculates
-            )
+        if self.proposer is not None:
+            output.draft_token_ids = next_drafts(self.proposer, step)
         return output
 
     @property
@@ -390,28 +392,20 @@ class ModelRunner:
         event = self._in_flight[-1].forward_done
         return event is None or event.query()
 
-    def _token_bitmask(self, states: list[RequestState]) -> TokenBitmask | None:
-        """The allowed next tokens of the rows with a grammar, computed on the host while the
-        step's forward pass runs on the device.
+    def _token_bitmask(
+        self, states: list[RequestState], prepared: PreparedStep
+    ) -> TokenBitmask | None:
+        """The allowed next tokens of the positions under a grammar, computed on the host
+        while the step's forward pass runs on the device.
 
         NOTE: a grammar's next mask depends on its last token, which the step in flight may
-        still be sampling: it is waited for here, after this step's forward pass has been
-        queued behind it, so the wait costs the device nothing.
+        still be sampling (a row in its reasoning, the reasoning's end): it is waited for
+        here, after this step's forward pass has been queued behind it, so the wait costs the
+        device nothing.
         """
-        with_grammar = [(i, s) for i, s in enumerate(states) if s.matcher is not None]
-        if not with_grammar:
-            return None
-        # A row still in its reasoning may have the reasoning's end in flight: waited for too.
-        if any(state.num_pending for _, state in with_grammar):
+        if any(state.matcher is not None and state.num_pending for state in states):
             self._finish_in_flight()
-        constrained = [(i, s) for i, s in with_grammar if not s.grammar_waits]
-        if not constrained:
-            return None
-        rows = [i for i, _ in constrained]
-        bitmask = self.grammars.bitmask([s.matcher for _, s in constrained], self.device)
-        # Pinned, as every upload here: from pageable memory the copy would wait for the forward
-        # pass queued before it, and the host would idle instead of preparing the next step.
-        return to_device(rows, torch.int64, self.device), bitmask
+        return self.grammars.step_bitmask(prepared.grammar_rows(states), self.device)
 
     def _finish_in_flight(self) -> None:
         for step in self._in_flight:

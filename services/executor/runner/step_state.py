@@ -13,6 +13,7 @@ from services.executor.runner.grammar import grammar_input
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.sampler import PendingSample, SamplingRow
 from services.executor.runner.step_buffers import PaddedShape
+from services.executor.speculative import Proposer
 from shared.protocol import (
     ModelRunnerOutput,
     NewRequestData,
@@ -96,6 +97,15 @@ class RequestState:
             # A refused token (past the grammar's end, under ignore_eos) leaves the matcher in
             # its error state, whose mask allows EOS alone.
             self.matcher.consume_token(token_id)
+
+    def allowed_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts up to the first its grammar refuses (none while the grammar waits for
+        the reasoning's end: the grammar's start would fall inside the row)."""
+        if self.matcher is None:
+            return drafts
+        if self.grammar_waits:
+            return []
+        return drafts[: self.matcher.validate_tokens(drafts)]
 
     def sampling_row(self, ahead: int = 0) -> SamplingRow:
         """Its row of the sampler; `ahead`: for the position after that many of its drafts
@@ -245,6 +255,20 @@ class PreparedStep:
     sample_ahead: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)
 
+    def grammar_rows(self, states: list[RequestState]) -> list[tuple[int, LLMatcher]]:
+        """Each sampled position under a grammar (`states`: per position) and the grammar's
+        state it samples from: its row's matcher, or past drafts a copy that read them."""
+        rows: list[tuple[int, LLMatcher]] = []
+        for row, (state, ahead) in enumerate(zip(states, self.sample_ahead, strict=True)):
+            if state.matcher is None or state.grammar_waits:
+                continue
+            matcher = state.matcher
+            if ahead:
+                matcher = rows[-1][1].deep_copy()  # the position before, one draft short
+                matcher.consume_token(self.drafts[row - ahead][ahead - 1])
+            rows.append((row, matcher))
+        return rows
+
     def add_row(
         self, request_id: str, state: RequestState, num_new: int, drafts: list[int]
     ) -> None:
@@ -284,3 +308,12 @@ class PreparedStep:
                 self.sample_ids.append(request_id)
                 self.sample_rows.append(last_own + ahead)
                 self.sample_ahead.append(ahead)
+
+
+def next_drafts(proposer: Proposer, step: InFlightStep) -> dict[str, list[int]]:
+    """Drafts for the next step of each speculating request `step` sampled for, cut where its
+    grammar would refuse them."""
+    states = {rid: s for rid, s in zip(step.sample_ids, step.states, strict=True) if s.speculates}
+    drafts = proposer.propose_batch((rid, state.token_ids) for rid, state in states.items())
+    kept = {rid: states[rid].allowed_drafts(ids) for rid, ids in drafts.items()}
+    return {rid: ids for rid, ids in kept.items() if ids}
