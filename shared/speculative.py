@@ -116,8 +116,7 @@ def _number(raw: dict[str, Any], key: str, default: float) -> float:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request with these parameters verifies drafts. Those with penalties (whose
-    counts would change at every position of a row) and embeddings (no output) run one token
-    a step, in the same batches. A grammar's row verifies the drafts its grammar allows, each
-    position sampled under the grammar's state after the drafts before it."""
-    return not (params.has_penalties or params.embed)
+    """Whether a request with these parameters verifies drafts: all but embeddings (no
+    output). Each position of a row samples as if the drafts before it were output: penalties
+    count them, a grammar has read them."""
+    return not params.embed

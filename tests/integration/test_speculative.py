@@ -36,8 +36,8 @@ MIXED = [
     GREEDY,
     SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=30, ignore_eos=True, logprobs=2),
     SamplingParams(temperature=1.0, seed=5, min_tokens=12, max_tokens=40, top_k=20),
-    SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),  # no speculation
-    SamplingParams(temperature=0.0, max_tokens=40, logprobs=1, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=30, repetition_penalty=1.3),
+    SamplingParams(temperature=0.9, seed=7, max_tokens=30, presence_penalty=0.8, logprobs=1),
 ]
 
 

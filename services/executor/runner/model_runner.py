@@ -330,8 +330,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in prepared.sample_ids]
         token_bitmask = self._token_bitmask(states, prepared)
-        rows = [s.sampling_row(a) for s, a in zip(states, prepared.sample_ahead, strict=True)]
-        pending = self.sampler.sample(logits, rows, token_bitmask)
+        pending = self.sampler.sample(logits, prepared.sampling_rows(states), token_bitmask)
         if pending.token_ids is not None:
             self.sampled_ids[: len(states)].copy_(pending.token_ids, non_blocking=True)
         for row, (state, ahead) in enumerate(zip(states, prepared.sample_ahead, strict=True)):

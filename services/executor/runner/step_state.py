@@ -107,13 +107,19 @@ class RequestState:
             return []
         return drafts[: self.matcher.validate_tokens(drafts)]
 
-    def sampling_row(self, ahead: int = 0) -> SamplingRow:
-        """Its row of the sampler; `ahead`: for the position after that many of its drafts
-        (min_tokens and a seeded draw count them as output tokens)."""
+    def sampling_row(self, drafts: list[int]) -> SamplingRow:
+        """Its row of the sampler, for the position after `drafts` (those of its drafts before
+        it), which count as output: for min_tokens and a seeded draw, and for penalties."""
+        if drafts and self.has_penalties:  # penalties read the tokens themselves
+            outputs = self.output_token_ids + drafts
+            return SamplingRow(self.params, self.prompt_token_ids, outputs, self.num_pending)
         # Why no copies: the sampler only reads the lists, and copying a long prompt for
         # every request in every step adds up.
         return SamplingRow(
-            self.params, self.prompt_token_ids, self.output_token_ids, self.num_pending + ahead
+            self.params,
+            self.prompt_token_ids,
+            self.output_token_ids,
+            self.num_pending + len(drafts),
         )
 
 
@@ -254,6 +260,13 @@ class PreparedStep:
     # and each verifying row's drafts by its first sampled position.
     sample_ahead: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)
+
+    def sampling_rows(self, states: list[RequestState]) -> list[SamplingRow]:
+        """The sampler's rows, one per sampled position (`states`: per position)."""
+        return [
+            state.sampling_row(self.drafts[row - ahead][:ahead] if ahead else [])
+            for row, (state, ahead) in enumerate(zip(states, self.sample_ahead, strict=True))
+        ]
 
     def grammar_rows(self, states: list[RequestState]) -> list[tuple[int, LLMatcher]]:
         """Each sampled position under a grammar (`states`: per position) and the grammar's
