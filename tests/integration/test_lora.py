@@ -105,11 +105,12 @@ def test_a_batch_mixing_adapters_matches_each_alone(served, setting: str) -> Non
         assert llm.stats().num_preemptions > 0
 
 
-@pytest.mark.parametrize("setting", ["a slot each", "one slot, chunks, preemption"])
-def test_adapters_keep_their_tokens_under_speculative_decoding(served, setting: str) -> None:
-    """Suffix decoding's drafts, verified under each row's adapter: the second pass finds the
-    first's outputs in the recent outputs, so most drafts are accepted."""
+def test_adapters_keep_their_tokens_under_speculative_decoding(served) -> None:
+    """Suffix decoding's drafts, verified under each row's adapter (one slot, chunked prompts,
+    preemptions): the second pass finds the first's outputs among the recent outputs, so most
+    drafts are accepted."""
     family, base, prompts, loras, expected = served
+    setting = "one slot, chunks, preemption"
     options = dict(dtype="float32", device="cpu", enable_lora=True, max_lora_rank=MAX_RANK)
     spec = {"method": "suffix", "num_speculative_tokens": 4}
     llm = LLM(str(base), **options, **SETTINGS[setting], speculative_config=spec)
