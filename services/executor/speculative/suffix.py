@@ -37,6 +37,7 @@ class SuffixProposer:
         self.min_prob = config.suffix_min_token_prob
         self.max_cached = config.suffix_max_cached_requests
         self._cached: deque[np.ndarray] = deque()
+        self._num_cached_tokens = 0
         self._cache = np.full(0, _SEPARATOR, dtype=np.int64)  # the outputs, separated
 
     def propose_batch(self, requests: Iterable[tuple[str, list[int]]]) -> dict[str, list[int]]:
@@ -56,10 +57,9 @@ class SuffixProposer:
         if not self.max_cached or not output_token_ids:
             return
         self._cached.append(np.asarray(output_token_ids[-CACHE_TOKENS:], dtype=np.int64))
-        while len(self._cached) > self.max_cached or (
-            len(self._cached) > 1 and sum(map(len, self._cached)) > CACHE_TOKENS
-        ):
-            self._cached.popleft()
+        self._num_cached_tokens += len(self._cached[-1])
+        while len(self._cached) > self.max_cached or self._num_cached_tokens > CACHE_TOKENS:
+            self._num_cached_tokens -= len(self._cached.popleft())
         separator = np.full(1, _SEPARATOR, dtype=np.int64)
         self._cache = np.concatenate([part for out in self._cached for part in (out, separator)])
 
