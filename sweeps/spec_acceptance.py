@@ -24,7 +24,11 @@ from kvflow import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-CONFIGS = [{**NGRAM, "num_speculative_tokens": 4}, {**NGRAM, "num_speculative_tokens": 8}]
+CONFIGS = [
+    {**NGRAM, "num_speculative_tokens": 4},
+    {**NGRAM, "num_speculative_tokens": 8},
+    {"method": "suffix", "num_speculative_tokens": 8},
+]
 CODE_FILES = (
     "services/scheduler/admission.py",
     "services/scheduler/kv_cache_manager.py",
