@@ -202,6 +202,10 @@ class Scheduler:
                 row_drafts = take_drafts(request, self.config, budget - num_new, share)
             num_new += len(row_drafts)
             num_held = len(self.kv.block_ids.get(request.request_id, []))
+            if row_drafts and not self.kv.allocate(request, num_new):
+                # No blocks for the lookahead: drafts are not worth a preemption.
+                num_new -= len(row_drafts)
+                row_drafts = []
             while not self.kv.allocate(request, num_new):
                 preempted = True
                 victim = self.running.pop()  # the last admitted, or of the lowest priority

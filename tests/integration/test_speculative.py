@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from shared.protocol import EngineRequest
 from tests.integration.tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -216,3 +217,30 @@ def test_drafts_under_a_grammar_keep_the_same_valid_outputs(tool_chat_model_dir:
         assert result.finish_reason == "stop"
         assert set(json.loads(result.text)) == set(SMALL_SCHEMA["properties"])
     assert llm.engine.scheduler.spec_decode.mean_acceptance_length > 2.0
+
+
+def test_a_rank_behind_on_collecting_takes_the_next_plan(folder: Path) -> None:
+    """Tensor-parallel ranks 1..N-1 run rank 0's plans and collect their steps when they
+    like: the plan that follows a verifying step may reach one before it has collected that
+    step (rank 0's scheduler made the plan after its own collect). A second runner here takes
+    each plan before collecting the step before, and samples what the first one does."""
+    expected = LLM(str(folder), dtype="float32", device="cpu").generate(prompts(), GREEDY)
+    leader = speculating(folder, NGRAM)
+    leader.runner.proposer = KnownDrafts([r.token_ids for r in expected], 4)  # type: ignore[assignment]
+    follower = speculating(folder, NGRAM).runner
+    scheduler = leader.engine.scheduler
+    for i, prompt in enumerate(prompts()):
+        request = EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=GREEDY)
+        scheduler.add_request(request)
+    leads, follows = [], []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        output = leader.runner.execute(plan)
+        follower.submit(plan)
+        if follower.num_in_flight > 1:
+            follows.append(follower.collect().sampled)
+        leads.append(output.sampled)
+        scheduler.update(plan, output)
+    follows.append(follower.collect().sampled)
+    assert follows == leads
+    assert scheduler.spec_decode.num_accepted_tokens > 0

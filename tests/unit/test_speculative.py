@@ -322,3 +322,14 @@ def test_suffix_cache_keeps_the_most_recent_outputs() -> None:
         proposer.finished(output)
     assert proposer.propose([0, 1, 2]) == []  # the first output left the cache
     assert proposer.propose([0, 6, 7]) == [8]  # "6 7" then 8 or 9: 8 first of a tie, 1/2
+
+
+def test_drafts_without_blocks_are_dropped_rather_than_preempt() -> None:
+    scheduler = speculating_scheduler(num_blocks=2, block_size=4)
+    add(scheduler, "a", [10, 11, 12], max_tokens=5, ignore_eos=True)
+    add(scheduler, "b", [20, 21, 22], max_tokens=5, ignore_eos=True)
+    verify(scheduler, {"a": [50], "b": [60]}, {"a": [51, 52, 53]})
+    # Each holds one of the two blocks, where its next token fits; a's drafts would need more.
+    plan, got = verify(scheduler, {"a": [51], "b": [61]}, {})
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 1} and not plan.spec_token_ids
+    assert scheduler.num_preemptions == 0 and got == {"a": [51], "b": [61]}

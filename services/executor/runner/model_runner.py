@@ -283,6 +283,11 @@ class ModelRunner:
             self.relay.send(plan)
         if self._prepared is not None:
             raise PlanError(f"plan {plan.step} before plan {self._prepared.step} launched")
+        # A speculating request's row follows its last step's tokens, which rank 0 collected
+        # before its scheduler planned it; another rank may not have yet.
+        states = [self.requests.get(rid) for rid in plan.num_scheduled_tokens]
+        if any(state is not None and state.speculates and state.num_pending for state in states):
+            self._finish_in_flight()
         self._check(plan)
         self._apply_plan(plan)
         self._prepared = PreparedStep(plan.step)
@@ -367,7 +372,7 @@ class ModelRunner:
             raise RuntimeError("collect() without a step in flight")
         step = self._in_flight.popleft()
         output = step.finish()
-        if self.proposer is not None:
+        if self.proposer is not None and self.tp.rank == 0:  # the other ranks' are not read
             output.draft_token_ids = next_drafts(self.proposer, step)
         return output
 

@@ -296,7 +296,8 @@ class PreparedStep:
         if len(self.token_ids) < first + end - start:
             # NOTE: only a request's last token can be in flight (the scheduler readmits
             # a preempted request once its tokens are in), so one is missing at most.
-            if end != state.num_tokens or state.num_pending != 1:
+            # A speculating request's token in flight may be any of its last row's positions.
+            if end != state.num_tokens or state.num_pending != 1 or state.speculates:
                 raise PlanError(f"request_id={request_id}: inputs {start}:{end} unknown")
             self.sources.append((len(self.token_ids), state.sample_row))
             self.token_ids.append(0)  # a placeholder the device overwrites
