@@ -3,6 +3,7 @@ waiting queue."""
 
 from __future__ import annotations
 
+from services.scheduler.kv_cache_manager import blocks_for
 from services.scheduler.scheduler_config import SchedulerConfig
 from services.scheduler.waiting_queue import WaitingQueue
 from shared.protocol import EngineRequest, ParameterError, QueueFullError
@@ -62,7 +63,7 @@ def admissible_max_tokens(cfg: SchedulerConfig, engine_request: EngineRequest) -
             f"the prompt has {num_prompt} tokens, more than "
             f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) without chunked prefill",
         )
-    if -(-(num_prompt + max_tokens) // cfg.block_size) > cfg.num_blocks:
+    if blocks_for(num_prompt + max_tokens, cfg.block_size) > cfg.num_blocks:
         raise ParameterError(
             "max_tokens",
             f"prompt + max_tokens ({num_prompt + max_tokens} tokens) needs "

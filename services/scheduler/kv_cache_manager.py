@@ -8,6 +8,11 @@ from services.scheduler.block_pool import BlockEvents, BlockPool
 from services.scheduler.request import Request
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """The KV blocks `num_tokens` tokens take."""
+    return -(-num_tokens // block_size)
+
+
 class KVCacheManager:
     def __init__(
         self,
@@ -25,7 +30,7 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which found in the cache
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request's tokens.

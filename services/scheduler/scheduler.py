@@ -190,7 +190,9 @@ class Scheduler:
         cached_data: list[CachedRequestData] = []
         preempted = False
         index = 0
-        share = drafts_per_row(sum(1 for r in self.running if r.spec_token_ids))
+        share = 0
+        if self.config.num_speculative_tokens:
+            share = drafts_per_row(sum(1 for r in self.running if r.spec_token_ids))
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_scheduled_tokens_end - request.num_computed_tokens, budget)
