@@ -43,3 +43,7 @@ CUDA_GRAPH_RESERVE_BYTES = 512 << 20
 # drafts cost little; above it the step turns compute-bound and each rejected draft costs as
 # much as a token that counts. Each row gets an equal share (services/scheduler/speculation.py).
 SPECULATION_TOKEN_CAP = 256
+# The most steps a speculating request runs pipelined without drafts after its proposals found
+# nothing, before it waits for a token to be proposed for again (scheduler/speculation.py): a
+# wait costs the request one step's overlap, so at most one step in 17 is spent looking.
+SPECULATION_BACKOFF_MAX = 16

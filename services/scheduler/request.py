@@ -51,6 +51,10 @@ class Request:
         # drafts the executor proposed after its last token, for its next step.
         self.speculates = False
         self.spec_token_ids: list[int] = []
+        # Proposals in a row that found nothing, and the steps it runs pipelined (without
+        # drafts, not waiting for its token) before the next: speculation.note_proposal.
+        self.spec_misses = 0
+        self.spec_skip = 0
         # Prompt logprobs as the executor computes them, chunk by chunk; they go out with the
         # request's first output (take_prompt_logprobs).
         self.prompt_logprobs: list[TokenLogprobs] = []

@@ -25,7 +25,13 @@ from services.scheduler.block_pool import BlockEvents
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_config import SchedulerConfig
-from services.scheduler.speculation import SpecDecodeStats, drafts_per_row, take_drafts
+from services.scheduler.speculation import (
+    SpecDecodeStats,
+    awaits_drafts,
+    drafts_per_row,
+    note_proposal,
+    take_drafts,
+)
 from services.scheduler.waiting_queue import WaitingQueue, priority_key
 from shared.protocol import (
     CachedRequestData,
@@ -196,7 +202,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_scheduled_tokens_end - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_with_pending(request) or self._awaits_drafts(request):
+            if num_new <= 0 or self._ends_with_pending(request) or awaits_drafts(request):
                 index += 1
                 continue
             row_drafts = []
@@ -349,8 +355,8 @@ class Scheduler:
             if request is None or not token_ids:
                 continue  # finished meanwhile, or a prompt chunk that samples nothing
             taken = self._take_tokens(request, token_ids, plan.spec_token_ids.get(request_id))
-            if request.status is not RequestStatus.FINISHED:
-                request.spec_token_ids = result.draft_token_ids.get(request_id, [])
+            if request.status is not RequestStatus.FINISHED and request.speculates:
+                note_proposal(request, result.draft_token_ids.get(request_id, []))
             logprobs = result.logprobs.get(request_id, [])[: len(taken)]
             output = self._output(request, taken, logprobs)
             output.embedding = result.embeddings.get(request_id)
@@ -380,10 +386,6 @@ class Scheduler:
             self.spec_decode.record(len(drafts), len(token_ids) - 1)
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         return taken
-
-    def _awaits_drafts(self, request: Request) -> bool:
-        """A speculating request with a token in flight: its next drafts come with it."""
-        return request.speculates and request.num_pending_tokens > 0
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether the tokens in flight already take the request to its length limit."""

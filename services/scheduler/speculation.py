@@ -6,9 +6,13 @@ the token budget and in its blocks). The step returns the drafts the target agre
 the target's token after them, so the request moves 1..k+1 tokens, and the KV of the drafts it
 rejected is past its computed tokens: written over when the row gets that far again.
 
-Its drafts are proposed from the tokens of the step before, so a speculating request is never
-planned while a token of it is in flight: it runs every step whose plan is made after its
-last step was collected (the pipelined loop's other requests are unaffected).
+Its drafts are proposed from the tokens of the step before, so a speculating request waits
+for its token in flight: it runs every step whose plan is made after its last step was
+collected, and loses the pipelined loop's overlap of one step's host work with the last
+step's device work. Where the proposer finds nothing, that wait buys nothing: after a
+proposal that found no drafts, the request runs pipelined, without drafts, for 2, 4, 8, then
+16 steps (SPECULATION_BACKOFF_MAX) before it waits to be proposed for again; drafts found
+start it over (note_proposal). The executor proposes only for requests with no step in flight.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.request import Request
 from services.scheduler.scheduler_config import SchedulerConfig
-from shared.constants import SPECULATION_TOKEN_CAP
+from shared.constants import SPECULATION_BACKOFF_MAX, SPECULATION_TOKEN_CAP
 
 
 def drafts_per_row(num_speculating: int) -> int:
@@ -45,6 +49,27 @@ def take_drafts(request: Request, config: SchedulerConfig, budget: int, share: i
     consumed: each set is verified once."""
     drafts, request.spec_token_ids = request.spec_token_ids, []
     return drafts[: min(share, draft_room(request, config, budget))]
+
+
+def awaits_drafts(request: Request) -> bool:
+    """Whether the request waits for its token in flight before its next step: it speculates
+    and is not in a pipelined stretch after proposals that found nothing."""
+    return request.speculates and request.num_pending_tokens > 0 and request.spec_skip == 0
+
+
+def note_proposal(request: Request, drafts: list[int]) -> None:
+    """Keep the drafts proposed with a step's tokens, or count a miss. Once the step's tokens
+    are in: with none in flight the executor proposed for the request (found `drafts`, maybe
+    none); with a step in flight it did not (any drafts would be for a token it has passed)."""
+    if request.num_pending_tokens:
+        request.spec_token_ids = []
+        request.spec_skip = max(request.spec_skip - 1, 0)
+    elif drafts:
+        request.spec_token_ids, request.spec_misses, request.spec_skip = drafts, 0, 0
+    else:
+        request.spec_token_ids = []
+        request.spec_misses += 1
+        request.spec_skip = min(2**request.spec_misses, SPECULATION_BACKOFF_MAX)
 
 
 @dataclass

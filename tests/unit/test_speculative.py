@@ -203,6 +203,49 @@ def test_a_speculating_request_waits_for_its_token_in_flight() -> None:
         scheduler.check_invariants()
 
 
+def pipelined_steps(scheduler: Scheduler, num_steps: int, drafts_from: int) -> list[int]:
+    """The steps (of a pipelined loop: each plan made before the last step's tokens arrive)
+    that plan request "a", whose proposals find nothing before step `drafts_from` and a draft
+    from then on (the executor proposes only where a request has no step in flight)."""
+    planned, last = [], None
+    for step in range(num_steps):
+        plan = scheduler.schedule()
+        if "a" in plan.num_scheduled_tokens:
+            planned.append(step)
+        if last is not None and "a" in last.num_scheduled_tokens:
+            row = last.spec_token_ids.get("a", [])
+            drafts = {"a": [7]} if step >= drafts_from else {}
+            result = ModelRunnerOutput(
+                step=last.step, sampled={"a": [*row, 7]}, draft_token_ids=drafts
+            )
+            scheduler.update(last, result)
+        last = plan
+        scheduler.check_invariants()
+    return planned
+
+
+def test_a_request_whose_proposals_find_nothing_runs_pipelined_for_longer_and_longer() -> None:
+    scheduler = speculating_scheduler()
+    add(scheduler, "a", [10, 11, 12], max_tokens=100, ignore_eos=True)
+    # Step 0's proposal finds nothing: 2 steps pipelined (3, 4), then a wait for a proposal
+    # (5); nothing again: 4 steps (7-10), then 8 (13-20).
+    planned = pipelined_steps(scheduler, 22, drafts_from=99)
+    assert planned == [0, 2, 3, 4, 6, 7, 8, 9, 10, 12, *range(13, 21)]
+    request = scheduler.requests["a"]
+    assert request.spec_misses == 4 and request.spec_token_ids == []
+
+
+def test_drafts_found_make_the_request_wait_for_each_token_again() -> None:
+    scheduler = speculating_scheduler()
+    add(scheduler, "a", [10, 11, 12], max_tokens=100, ignore_eos=True)
+    # Drafts at the proposal after the pipelined steps 7-10 (step 10's tokens, collected at
+    # step 11): from then on a step, a wait, a step...
+    planned = pipelined_steps(scheduler, 20, drafts_from=11)
+    assert planned[-6:] == [9, 10, 12, 14, 16, 18]
+    assert scheduler.requests["a"].spec_misses == 0
+    assert scheduler.spec_decode.num_drafts == 4  # steps 12, 14, 16 and 18
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_no_block_leaks_whatever_is_accepted(data: st.DataObject) -> None:

@@ -40,6 +40,7 @@ from services.executor.runner.step_state import (
     InFlightStep,
     PreparedStep,
     RequestState,
+    follows_uncollected_drafts,
     next_drafts,
 )
 from services.executor.runner.warm_up import warm_up
@@ -283,10 +284,7 @@ class ModelRunner:
             self.relay.send(plan)
         if self._prepared is not None:
             raise PlanError(f"plan {plan.step} before plan {self._prepared.step} launched")
-        # A speculating request's row follows its last step's tokens, which rank 0 collected
-        # before its scheduler planned it; another rank may not have yet.
-        states = [self.requests.get(rid) for rid in plan.num_scheduled_tokens]
-        if any(state is not None and state.speculates and state.num_pending for state in states):
+        if follows_uncollected_drafts(plan, self.requests):  # a rank behind rank 0
             self._finish_in_flight()
         self._check(plan)
         self._apply_plan(plan)

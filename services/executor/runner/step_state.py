@@ -19,6 +19,7 @@ from shared.protocol import (
     NewRequestData,
     PromptLogprobs,
     SamplingParams,
+    SchedulerOutput,
     TokenLogprobs,
 )
 
@@ -37,6 +38,9 @@ class RequestState:
     table_row: int = field(default=-1)  # that row
     num_pending: int = field(default=0)  # tokens being sampled by steps in flight
     sample_row: int = field(default=0)  # its row in the last sampled ids, if num_pending
+    # Whether its last row verified drafts: its token in flight is then at any of the row's
+    # positions, and no placeholder can read it.
+    verifying: bool = field(default=False)
     # Read per step: penalties need the tokens in flight on the host (see submit).
     has_penalties: bool = field(default=False)
     # Structured output: the grammar's state after the tokens above. NOTE: like penalties, its
@@ -296,8 +300,7 @@ class PreparedStep:
         if len(self.token_ids) < first + end - start:
             # NOTE: only a request's last token can be in flight (the scheduler readmits
             # a preempted request once its tokens are in), so one is missing at most.
-            # A speculating request's token in flight may be any of its last row's positions.
-            if end != state.num_tokens or state.num_pending != 1 or state.speculates:
+            if end != state.num_tokens or state.num_pending != 1 or state.verifying:
                 raise PlanError(f"request_id={request_id}: inputs {start}:{end} unknown")
             self.sources.append((len(self.token_ids), state.sample_row))
             self.token_ids.append(0)  # a placeholder the device overwrites
@@ -310,6 +313,7 @@ class PreparedStep:
             count = min(end, len(state.prompt_token_ids)) - start
             self.pool_rows.append((request_id, first, start, count))
         self.token_ids.extend(drafts)
+        state.verifying = bool(drafts)
         self.starts.append(start)
         self.counts.append(num_new)
         self.lora_ids.append(state.lora_id)
@@ -324,10 +328,23 @@ class PreparedStep:
                 self.sample_ahead.append(ahead)
 
 
+def follows_uncollected_drafts(plan: SchedulerOutput, requests: dict[str, RequestState]) -> bool:
+    """Whether a row of `plan` verifies drafts, or follows a row that did, while its request has
+    a step in flight here: rank 0 collected that step before its scheduler planned the row;
+    another rank may not have yet, and must before it can lay the row out."""
+    return any(
+        state.num_pending and (state.verifying or rid in plan.spec_token_ids)
+        for rid in plan.num_scheduled_tokens
+        if (state := requests.get(rid)) is not None
+    )
+
+
 def next_drafts(proposer: Proposer, step: InFlightStep) -> dict[str, list[int]]:
-    """Drafts for the next step of each speculating request `step` sampled for, cut where its
-    grammar would refuse them."""
-    states = {rid: s for rid, s in zip(step.sample_ids, step.states, strict=True) if s.speculates}
+    """Drafts for the next step of each speculating request `step` sampled for and that has
+    no later step in flight (whose token they would have to guess), cut where its grammar
+    would refuse them."""
+    pairs = zip(step.sample_ids, step.states, strict=True)
+    states = {rid: s for rid, s in pairs if s.speculates and not s.num_pending}
     drafts = proposer.propose_batch((rid, state.token_ids) for rid, state in states.items())
     kept = {rid: states[rid].allowed_drafts(ids) for rid, ids in drafts.items()}
     return {rid: ids for rid, ids in kept.items() if ids}
