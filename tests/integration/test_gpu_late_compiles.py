@@ -55,7 +55,7 @@ from kvflow import LLM, SamplingParams
 
 vocab = int(sys.argv[2])
 llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=640,
-          max_num_seqs=48, gpu_memory_utilization=0.2)
+          max_num_seqs=48, gpu_memory_utilization=0.2, speculative_config=json.loads(sys.argv[3]))
 rng = random.Random(0)
 prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 16, 33, 200, 700]))]
            for _ in range(120)]
@@ -68,16 +68,24 @@ print(json.dumps({"lengths_ok": lengths_ok, "late": late_compiles().variants}))
 """
 
 
-def test_serving_steps_compile_nothing_after_the_warm_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 4}])
+def test_serving_steps_compile_nothing_after_the_warm_up(
+    tmp_path: Path, speculative: dict | None
+) -> None:
     """Prompts of 1 to 700 tokens in waves past --max-num-seqs, chunked beside running decodes,
     greedy and sampled, with and without logprobs: decode graphs, mixed graphs and eager steps
-    of many sizes, in a fresh process."""
+    of many sizes, in a fresh process; with speculative decoding, verifying rows too. The
+    vocabulary is a real model's size: the lm_head's tiles are those of a wide N."""
     config_cls, extra = FAMILIES["qwen3"]
     torch.manual_seed(0)
-    config = config_cls(**{**TINY, **extra, "max_position_embeddings": 1024})
+    vocab_size = 32768
+    config = config_cls(
+        **{**TINY, **extra, "max_position_embeddings": 1024, "vocab_size": vocab_size}
+    )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    script = [_SERVING_STEPS, str(tmp_path), str(vocab_size), json.dumps(speculative)]
     done = subprocess.run(
-        [sys.executable, "-c", _SERVING_STEPS, str(tmp_path), str(TINY["vocab_size"])],
+        [sys.executable, "-c", *script],
         cwd=ROOT,
         capture_output=True,
         text=True,

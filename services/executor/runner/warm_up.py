@@ -8,9 +8,10 @@ the first request. These steps meet them before the server says it is ready: a m
 one of an odd token count and one of a multiple of 16; then the decode attention kernel with
 and without a mixed batch (a variant met mid-burst stalled a server for its compile); past 256
 requests (--max-num-seqs), an eager step of each power of two of requests, which the prefill
-kernel compiles apart; without CUDA graphs (whose capture meets
-them) also the linear layers at the skinny GEMV's two larger row tiles. (Rarer variants still
-compile on first use: eager steps of more than 256 requests whose longest query is short.)
+kernel compiles apart; the lm_head at the skinny GEMV's larger row tiles (it runs on a
+step's sampled rows, outside the graphs), and without CUDA graphs (whose capture meets them)
+the other linear layers too. (Rarer variants still compile on first use: eager steps of more
+than 256 requests whose longest query is short.)
 They use blocks from 0 up, and each step of many requests uses them again from 0 (every
 request before it has finished); nothing is registered in the prefix cache, so real requests
 never read what they wrote. Limits too small for these steps skip them, with a log line; a KV
@@ -210,13 +211,15 @@ def _compile_attention_variants(runner: WarmUpTarget) -> None:
 
 
 def _compile_linear_variants(runner: WarmUpTarget) -> None:
-    """Without CUDA graphs, the first layer's projections and the lm_head at _LINEAR_ROWS:
-    every layer has their shapes, so the eager decode steps of those batches compile
-    nothing. (Graph capture runs every decode batch size.)"""
-    if runner.graphs is not None:
-        return
+    """The lm_head at _LINEAR_ROWS, and without CUDA graphs the first layer's projections too:
+    every layer has their shapes, so the eager decode steps of those batches compile nothing.
+    (Graph capture runs every decode batch size through the layers, not the lm_head, which
+    runs eagerly on the rows a step samples: its batch, or with speculative decoding each
+    row's drafts and the token after them.)"""
     model = runner.model
-    linears = [m for m in model.layers[0].modules() if isinstance(m, Linear)] + [model.lm_head]
+    linears = [model.lm_head]
+    if runner.graphs is None:
+        linears += [m for m in model.layers[0].modules() if isinstance(m, Linear)]
     with torch.inference_mode():
         for rows, linear in itertools.product(_LINEAR_ROWS, linears):
             linear(torch.zeros(rows, linear.in_features, dtype=runner.dtype, device=runner.device))
