@@ -7,6 +7,8 @@
 #   PARTS="structured-kvflow structured-vllm" bash scripts/device_serve.sh
 #   PARTS="embed-kvflow embed-vllm" bash scripts/device_serve.sh
 #                                     # structured output and embeddings, kvflow and vLLM
+#   PARTS="spec-kvflow spec-vllm" bash scripts/device_serve.sh   # speculative decoding
+#   PARTS=stash bash scripts/device_serve.sh   # only bring what this call carries
 #
 # Carried: .whl/ and .vwhl/ (wheels the GPU machine lacks: bash scripts/device_wheels.sh),
 # .peer/qwen3-8b.tar.xz and, for vLLM, the three vllm_bundle parts with SHA256SUMS and
@@ -25,9 +27,10 @@ NUM_PROMPTS=${NUM_PROMPTS:-500}
 export PYTHONUNBUFFERED=1
 status=0
 
-mkdir -p /tmp/vllm-parts /tmp/vwhl
+mkdir -p /tmp/vllm-parts /tmp/vwhl /tmp/gguf-parts
 cp .peer*/vllm_bundle.tar.xz.part* .peer/SHA256SUMS .peer/install_vllm.sh /tmp/vllm-parts/ 2>/dev/null
 cp .vwhl/*.whl /tmp/vwhl/ 2>/dev/null
+cp .peer*/smollm2.gguf.* /tmp/gguf-parts/ 2>/dev/null  # speculative decoding's model, in parts
 if [ ! -f "$SITE/.kvflow-wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
         .whl/*.whl && touch "$SITE/.kvflow-wheels" || exit 1
@@ -223,6 +226,36 @@ vllm_part() {  # NAME MODEL WORKLOAD_FUNCTION [SERVE FLAGS...]: one vLLM server,
     sleep 5
 }
 
+# Speculative decoding (issue 46) on a real model: the embedded SmolLM2-135M-Instruct GGUF,
+# carried in parts (.peerG*/smollm2.gguf.part*, with smollm2.gguf.sha256) and written out as a
+# bf16 folder; the prompts of sweeps/spec_acceptance.py (2 x SPEC_PROMPTS), one at a time and
+# 16 at a time.
+SPEC_MODEL=/tmp/smollm2-bf16
+spec_model() {
+    [ -d $SPEC_MODEL ] && return 0
+    cat /tmp/gguf-parts/smollm2.gguf.part* >/tmp/smollm2.gguf
+    (cd /tmp && sha256sum -c gguf-parts/smollm2.gguf.sha256) || return 1
+    python3 -m sweeps.smollm2_folder $SPEC_MODEL --gguf /tmp/smollm2.gguf
+}
+
+spec_kvflow() {
+    spec_model || return 1
+    run spec-kvflow python3 -m sweeps.spec_acceptance $SPEC_MODEL --batch 1 --batch 16 \
+        --num-prompts "${SPEC_PROMPTS:-24}" --prompts-out "$RESULTS/spec_prompts.json" \
+        --out "$RESULTS/spec_kvflow.json"
+}
+
+spec_vllm() {  # the same prompts (spec_kvflow's file), from outside the checkout
+    install_vllm && spec_model || return 1
+    local script=$PWD/sweeps/spec_acceptance_vllm.py
+    # No suffix config: vLLM's needs arctic-inference, which its bundle lacks.
+    local ngram='{"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2'
+    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE python3 "$script" $SPEC_MODEL \
+        "$RESULTS/spec_prompts.json" --batch 1 --batch 16 --out "$RESULTS/spec_vllm.json" \
+        --config "$ngram, \"num_speculative_tokens\": 4}" \
+        --config "$ngram, \"num_speculative_tokens\": 8}")
+}
+
 bench_serve_and_prefix() {  # NAME PORT
     bench "$1" "$2" && bench_prefix "$1" "$2"
 }
@@ -297,6 +330,9 @@ for part in $PARTS; do
             --random-range-ratio 0.822 --output-json "$RESULTS/offline_long_vllm.json" \
             >"$RESULTS/offline_long_vllm.log" 2>&1)
         tail -5 "$RESULTS/offline_long_vllm.log" ;;
+    stash) ;;  # a call that only brings parts (kept in /tmp while the machine stays warm)
+    spec-kvflow) spec_kvflow || status=1 ;;
+    spec-vllm) run spec-vllm spec_vllm ;;
     *) echo "unknown part $part"; status=1 ;;
     esac
     tar -czf "$OUT/serve-out.tgz" -C "$RESULTS" .  # after each part: a cut-off call keeps it
@@ -308,7 +344,8 @@ def ms(run, key):  # a run whose requests all failed has no latencies; embedding
     return "-" if run.get(key) is None else f"{run[key]:.1f}"
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     data = json.loads(path.read_text())
-    for run in data.get("runs", []):
+    runs = data.get("runs") if isinstance(data, dict) else None
+    for run in runs if isinstance(runs, list) else []:  # bench serve's files only
         print(f"{path.stem:16} rate={run['request_rate']!s:5} ok={run['completed']} "
               f"fail={run['failed']} req/s={run['request_throughput']:.2f} "
               f"TTFT med/p99={ms(run, 'median_ttft_ms')}/{ms(run, 'p99_ttft_ms')} "

@@ -3,7 +3,7 @@ folder: config.json, model.safetensors, the tokenizer and its chat template, as 
 Face hub would hold it. A real-weight model that vLLM serves as well, for speculative
 decoding's side-by-side runs (sweeps/spec_acceptance.py, docs/benchmarks.md).
 
-    python -m sweeps.smollm2_folder OUT_FOLDER
+    python -m sweeps.smollm2_folder OUT_FOLDER [--gguf FILE]
 
 transformers reads the GGUF file (dequantizing its blocks, undoing llama.cpp's rotary
 permutation of q and k); its model is rebuilt without the GGUF marker, which transformers
@@ -21,8 +21,8 @@ import transformers
 from shared.model_config import embedded_model_path
 
 
-def write_folder(out: Path) -> Path:
-    gguf = Path(embedded_model_path())
+def write_folder(out: Path, gguf: Path | None = None) -> Path:
+    gguf = gguf or Path(embedded_model_path())
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
     )
@@ -41,8 +41,9 @@ def write_folder(out: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path, help="the folder to write")
+    parser.add_argument("--gguf", type=Path, help="the GGUF file (default: the embedded one)")
     args = parser.parse_args()
-    write_folder(args.out)
+    write_folder(args.out, args.gguf)
     print(f"wrote {args.out}")
 
 

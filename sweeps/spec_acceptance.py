@@ -16,7 +16,12 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import operator
+import subprocess
+import sys
+import tempfile
 import time
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +39,10 @@ CODE_FILES = (
     "services/scheduler/kv_cache_manager.py",
     "services/tokenizer/stop_strings.py",
     "shared/speculative.py",
+    "services/scheduler/block_pool.py",
+    "services/executor/speculative/suffix.py",
+    "services/tokenizer/detokenizer.py",
+    "services/executor/runner/sampler.py",
 )
 DOC_FILES = ("docs/reliability.md", "docs/serving.md")
 
@@ -66,25 +75,87 @@ def doc_prompts(limit: int) -> list[str]:
 
 def run(llm: LLM, prompts: list[str], params: SamplingParams, batch: int) -> dict[str, Any]:
     conversations = [[{"role": "user", "content": p}] for p in prompts]
+    before = llm.stats()
     start = time.perf_counter()
     results = []
     for first in range(0, len(conversations), batch):
         results += llm.chat(conversations[first : first + batch], params)
     seconds = time.perf_counter() - start
+    after = llm.stats()
     tokens = [r.outputs[0].token_ids for r in results]
-    stats = llm.stats()
-    drafts = stats.spec_num_drafts
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    per_position = [
+        a - b
+        for a, b in zip_longest(
+            after.spec_accepted_per_position, before.spec_accepted_per_position, fillvalue=0
+        )
+    ]
     return {
         "seconds": seconds,
         "output_tokens": sum(map(len, tokens)),
         "output_tok_per_s": sum(map(len, tokens)) / seconds,
         "tokens": tokens,
         "num_drafts": drafts,
-        "num_draft_tokens": stats.spec_num_draft_tokens,
-        "num_accepted_tokens": stats.spec_num_accepted_tokens,
-        "mean_acceptance_length": 1 + stats.spec_num_accepted_tokens / drafts if drafts else None,
-        "accepted_per_position": stats.spec_accepted_per_position,
+        "num_draft_tokens": after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+        "num_accepted_tokens": accepted,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "accepted_per_position": per_position,
     }
+
+
+def prompts_of(num_prompts: int) -> list[str]:
+    return code_prompts(num_prompts) + doc_prompts(num_prompts)
+
+
+def measure(args: argparse.Namespace, config: dict | None) -> dict[int, dict[str, Any]]:
+    """One engine (speculating by `config`, or not) over the prompts at every batch size."""
+    prompts = prompts_of(args.num_prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    llm = LLM(
+        args.model,
+        speculative_config=config,
+        device=args.device,
+        dtype=args.dtype,
+        max_model_len=2048,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    llm.chat([[{"role": "user", "content": "Hello"}]], params)  # first-use compiles
+    return {b or len(prompts): run(llm, prompts, params, b or len(prompts)) for b in args.batch}
+
+
+def measure_apart(args: argparse.Namespace, config: dict | None) -> dict[int, dict[str, Any]]:
+    """measure() in a process of its own, so that each engine has the device to itself."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "runs.json"
+        command = [sys.executable, "-m", "sweeps.spec_acceptance", args.model, "--one"]
+        command += [json.dumps(config), "--out", str(out), *forwarded(args)]
+        subprocess.run(command, check=True, cwd=ROOT)
+        return {int(b): r for b, r in json.loads(out.read_text()).items()}
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    flags = ["--device", args.device, "--dtype", args.dtype, "--max-tokens", str(args.max_tokens)]
+    flags += ["--num-prompts", str(args.num_prompts)]
+    flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return flags + [f"--batch={b}" for b in args.batch]
+
+
+def report(runs: dict[str, dict[int, dict[str, Any]]], num_prompts: int, max_tokens: int) -> None:
+    print(f"{num_prompts} prompts, up to {max_tokens} tokens each")
+    for batch in runs["null"]:
+        plain = runs["null"][batch]
+        for name, by_batch in runs.items():
+            result = by_batch[batch]
+            result["same_output"] = result["tokens"] == plain["tokens"]
+            result["same_outputs"] = sum(map(operator.eq, result["tokens"], plain["tokens"]))
+            result["speedup"] = result["output_tok_per_s"] / plain["output_tok_per_s"]
+            print(
+                f"batch {batch} {name}: {result['output_tok_per_s']:.1f} tok/s "
+                f"({result['speedup']:.2f}x), mean acceptance length "
+                f"{result['mean_acceptance_length']}, the same output as without for "
+                f"{result['same_outputs']} of {len(plain['tokens'])} prompts"
+            )
 
 
 def main() -> None:
@@ -92,35 +163,29 @@ def main() -> None:
     parser.add_argument("model", help="a model folder (sweeps/smollm2_folder.py writes one)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=8, help="of each kind")
-    parser.add_argument("--batch", type=int, default=0, help="prompts a call (0: all)")
+    parser.add_argument("--batch", type=int, action="append", help="prompts a call (0: all)")
     parser.add_argument("--config", action="append", help="a --speculative-config (repeatable)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # measure_apart's child: this config
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--prompts-out", type=Path, help="the prompts as JSON, for another engine")
     args = parser.parse_args()
-    prompts = code_prompts(args.num_prompts) + doc_prompts(args.num_prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    batch = args.batch or len(prompts)
+    args.batch = args.batch or [0]
+    if args.one is not None:
+        args.out.write_text(json.dumps(measure(args, json.loads(args.one))))
+        return
+    if args.prompts_out:
+        args.prompts_out.write_text(json.dumps(prompts_of(args.num_prompts)))
     configs = [json.loads(c) for c in args.config] if args.config else CONFIGS
-    engine = dict(device=args.device, dtype=args.dtype, max_model_len=2048)
-    runs = {"none": run(LLM(args.model, **engine), prompts, params, batch)}
-    for config in configs:
-        llm = LLM(args.model, speculative_config=config, **engine)
-        runs[json.dumps(config)] = run(llm, prompts, params, batch)
-    plain = runs["none"]
-    print(f"{len(prompts)} prompts, batch {batch}, up to {args.max_tokens} tokens each")
-    for name, result in runs.items():
-        result["same_output"] = result["tokens"] == plain["tokens"]
-        result["speedup"] = result["output_tok_per_s"] / plain["output_tok_per_s"]
-        print(
-            f"{name}: {result['output_tok_per_s']:.1f} tok/s ({result['speedup']:.2f}x), "
-            f"mean acceptance length {result['mean_acceptance_length']}, "
-            f"same output: {result['same_output']}"
-        )
+    runs = {json.dumps(c): measure_apart(args, c) for c in [None, *configs]}
+    report(runs, 2 * args.num_prompts, args.max_tokens)
     if args.out:
-        for result in runs.values():
-            del result["tokens"]
-        args.out.write_text(json.dumps({"batch": batch, "runs": runs}, indent=2))
+        for by_batch in runs.values():
+            for result in by_batch.values():
+                del result["tokens"]
+        args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "runs": runs}, indent=2))
 
 
 if __name__ == "__main__":
