@@ -67,7 +67,7 @@ class KnownDrafts:
     """Proposes what a run without speculation generated after the tokens so far, spoiling
     one draft in three (at a random position)."""
 
-    def finished(self, output_token_ids: list[int]) -> None:
+    def finished(self, request_id: str, output_token_ids: list[int]) -> None:
         pass
 
     def __init__(
@@ -147,7 +147,7 @@ class FixedDrafts:
     def __init__(self, prefix: list[int], after: int, drafts: list[int]) -> None:
         self.sequence, self.drafts = [*prefix, after], drafts
 
-    def finished(self, output_token_ids: list[int]) -> None:
+    def finished(self, request_id: str, output_token_ids: list[int]) -> None:
         pass
 
     def propose_batch(self, requests: Iterable[tuple[str, list[int]]]) -> dict[str, list[int]]:

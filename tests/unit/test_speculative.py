@@ -85,11 +85,43 @@ def proposer(num: int = 3, low: int = 1, high: int = 3) -> NgramProposer:
 
 def test_the_longest_ngram_is_tried_first_and_its_first_occurrence_taken() -> None:
     # "1 2 3" occurred at 0 (followed by 4 5 6); "3" alone also at 7 (followed by 9).
-    assert proposer().propose([1, 2, 3, 4, 5, 6, 3, 9, 1, 2, 3]) == [4, 5, 6]
-    assert proposer(high=1).propose([1, 2, 3, 4, 5, 6, 3, 9, 1, 2, 3]) == [4, 5, 6]
-    assert proposer(num=5).propose([7, 8, 7, 8]) == [7, 8]  # what follows, up to the end
-    assert proposer(low=2).propose([1, 2, 3, 4, 3]) == []  # only a 1-gram occurs
-    assert proposer().propose([5]) == []
+    assert proposer().propose("a", [1, 2, 3, 4, 5, 6, 3, 9, 1, 2, 3]) == [4, 5, 6]
+    assert proposer(high=1).propose("a", [1, 2, 3, 4, 5, 6, 3, 9, 1, 2, 3]) == [4, 5, 6]
+    assert proposer(num=5).propose("a", [7, 8, 7, 8]) == [7, 8]  # what follows, up to the end
+    assert proposer(low=2).propose("a", [1, 2, 3, 4, 3]) == []  # only a 1-gram occurs
+    assert proposer().propose("a", [5]) == []
+
+
+def searched_drafts(tokens: list[int], num: int, low: int, high: int) -> list[int]:
+    """Prompt lookup by searching the whole sequence: the index's reference."""
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        for start in range(len(tokens) - n):  # windows that end before the last token
+            if tokens[start : start + n] == tokens[-n:]:
+                return tokens[start + n : start + n + num]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), max_size=60),
+    st.lists(st.integers(1, 6), min_size=1, max_size=12),
+    st.integers(1, 3),
+    st.integers(0, 2),
+)
+def test_the_ngram_index_proposes_what_a_search_finds(
+    tokens: list[int], cuts: list[int], low: int, extra: int
+) -> None:
+    """The sequence grows a few tokens at a time (the executor's list, appended to), and is
+    proposed for after each; a sequence that does not extend the last is indexed afresh."""
+    ngram = proposer(num=4, low=low, high=low + extra)
+    grown: list[int] = []
+    for cut in cuts:
+        grown.extend(tokens[len(grown) : len(grown) + cut])
+        assert ngram.propose("a", grown) == searched_drafts(grown, 4, low, low + extra)
+    other = [9, *tokens[:10]]
+    assert ngram.propose("a", other) == searched_drafts(other, 4, low, low + extra)
+    ngram.finished("a", [])
+    assert "a" not in ngram.indexes
 
 
 def test_a_batch_proposes_once_per_request_and_leaves_out_empty_drafts() -> None:
@@ -352,17 +384,17 @@ def test_suffix_drafts_take_the_most_frequent_continuation_while_likely() -> Non
 def test_suffix_drafts_come_from_recent_outputs_too() -> None:
     proposer = suffix()
     assert proposer.propose([99, 10, 11]) == []
-    proposer.finished([10, 11, 12, 13, 14])
+    proposer.finished("x", [10, 11, 12, 13, 14])
     assert proposer.propose([99, 10, 11]) == [12, 13]
     off = suffix(suffix_decoding_max_cached_requests=0)
-    off.finished([10, 11, 12, 13, 14])
+    off.finished("x", [10, 11, 12, 13, 14])
     assert off.propose([99, 10, 11]) == []
 
 
 def test_suffix_cache_keeps_the_most_recent_outputs() -> None:
     proposer = suffix(suffix_decoding_max_cached_requests=2)
     for output in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 6, 7, 9]):
-        proposer.finished(output)
+        proposer.finished("x", output)
     assert proposer.propose([0, 1, 2]) == []  # the first output left the cache
     assert proposer.propose([0, 6, 7]) == [8]  # "6 7" then 8 or 9: 8 first of a tie, 1/2
 

@@ -433,7 +433,7 @@ class ModelRunner:
         for request_id in plan.finished_request_ids:
             state = self.requests.pop(request_id, None)
             if state is not None and self.proposer is not None:
-                self.proposer.finished(state.output_token_ids)
+                self.proposer.finished(request_id, state.output_token_ids)
         for data in plan.new_requests:
             spec = data.sampling_params.structured_output
             matcher = None

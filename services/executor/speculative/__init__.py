@@ -16,7 +16,7 @@ class Proposer(Protocol):
         """Drafts for each (request id, its tokens so far), leaving out those without any."""
         ...
 
-    def finished(self, output_token_ids: list[int]) -> None:
+    def finished(self, request_id: str, output_token_ids: list[int]) -> None:
         """A request ended (or was preempted) with this output."""
         ...
 

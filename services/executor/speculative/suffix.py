@@ -52,7 +52,7 @@ class SuffixProposer:
         recent = self._draft(self._cache, tokens, len(self._cache))
         return max(own, recent, key=lambda draft: draft[1])[0]
 
-    def finished(self, output_token_ids: list[int]) -> None:
+    def finished(self, request_id: str, output_token_ids: list[int]) -> None:
         """Keep an ended request's output for the requests after it."""
         if not self.max_cached or not output_token_ids:
             return
