@@ -20,6 +20,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from shared.protocol import EngineRequest
+from tests import quantized_writers
 from tests.integration.tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
@@ -253,3 +254,50 @@ def test_a_rank_behind_on_collecting_takes_the_next_plan(folder: Path) -> None:
     follows.append(follower.collect().sampled)
     assert follows == leads
     assert scheduler.spec_decode.num_accepted_tokens > 0
+
+
+QUANTIZED = {
+    "fp8": lambda model, path: quantized_writers.write_fp8(model, path, per_tensor=False),
+    "awq": lambda model, path: quantized_writers.write_awq(model, path, group_size=32),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(QUANTIZED))
+def test_quantized_checkpoints_speculate_without_changing_their_output(
+    fmt: str, tmp_path: Path
+) -> None:
+    """FP8 W8A8 and int4 (AWQ) layers verify drafts: a verifying row's extra positions go
+    through the quantized GEMMs at more rows than a decode's. Int4 weights change nothing:
+    the same tokens. FP8 W8A8 quantizes each layer's input to a coarse grid, where float32's
+    last-bit differences between a GEMM of 5 rows and one of 25 can cross a step and flip a
+    near tie (test_quantized_parity): each output agrees until its first difference, and
+    there each token is among the other's top 5."""
+    QUANTIZED[fmt](make_tiny_model("llama"), tmp_path)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5)
+    plain = LLM(str(tmp_path), dtype="float32", device="cpu").generate(prompts(), params)
+    llm = speculating(tmp_path, NGRAM)
+    llm.runner.proposer = KnownDrafts([r.token_ids for r in plain], 4)  # type: ignore[assignment]
+    got = llm.generate(prompts(), params)
+    if fmt == "awq":
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain]
+    agreed = 0
+    for mine, theirs in zip(got, plain, strict=True):
+        pairs = enumerate(zip(mine.token_ids, theirs.token_ids, strict=True))
+        same = next((i for i, (a, b) in pairs if a != b), len(mine.token_ids))
+        if same < len(mine.token_ids):
+            my_top = {t.token_id for t in mine.outputs[0].logprobs[same].top}
+            their_top = {t.token_id for t in theirs.outputs[0].logprobs[same].top}
+            assert mine.token_ids[same] in their_top and theirs.token_ids[same] in my_top
+        agreed += same
+    assert agreed >= len(plain) * 48 // 2
+    assert llm.engine.scheduler.spec_decode.mean_acceptance_length > 1.5
+
+
+def test_parallel_samples_draw_for_draw_as_without_speculation(folder: Path) -> None:
+    """n > 1: each of a request's samples speculates on its own tokens, and its seeded draws
+    are those it makes without speculation."""
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)
+    plain = LLM(str(folder), dtype="float32", device="cpu").generate(prompts(), params)
+    got = speculating(folder, NGRAM_ONE).generate(prompts(), params)
+    for mine, theirs in zip(got, plain, strict=True):
+        assert [o.token_ids for o in mine.outputs] == [o.token_ids for o in theirs.outputs]
