@@ -13,6 +13,7 @@ from services.scheduler.scheduler_config import SchedulerConfig
 from shared.config import Config, ConfigError
 from shared.lora_modules import parse_lora_modules
 from shared.protocol import PROTOCOL_VERSION, ExecutorReady, ExecutorVersion
+from shared.speculative import parse_speculative_config
 
 # Flags the executor's sizes depend on: the scheduler must plan with the same values.
 _SHARED_LIMITS = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -56,6 +57,7 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
             + ", ".join(mismatches)
             + "; start every component with the same engine flags"
         )
+    spec = parse_speculative_config(config.speculative_config)
     return SchedulerConfig(
         num_blocks=ready.num_blocks,
         block_size=ready.block_size,
@@ -72,4 +74,5 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         max_loras=ready.max_loras,
         kv_events=config.kv_events_address is not None,
         num_speculative_tokens=ready.num_speculative_tokens,
+        num_lookahead_tokens=spec.lookahead if spec is not None else 0,
     )

@@ -222,6 +222,7 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
+            self._reserve_lookahead(request, num_new)
             blocks = self.kv.block_ids[request.request_id]
             cached_data.append(
                 CachedRequestData(
@@ -386,6 +387,14 @@ class Scheduler:
             self.spec_decode.record(len(drafts), len(token_ids) - 1)
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         return taken
+
+    def _reserve_lookahead(self, request: Request, num_new: int) -> None:
+        """Blocks for the KV slots that a speculating row's next proposal writes past its
+        tokens (a draft model's), if the pool has them free; else it drafts fewer."""
+        end = request.num_computed_tokens + num_new
+        lookahead = min(self.config.num_lookahead_tokens, self.config.max_model_len - end)
+        if lookahead > 0 and request.speculates and end >= request.num_tokens:
+            self.kv.allocate(request, num_new + lookahead)
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether the tokens in flight already take the request to its length limit."""

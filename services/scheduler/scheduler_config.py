@@ -24,3 +24,6 @@ class SchedulerConfig:
     kv_events: bool = False  # record the prefix cache's changes (`Scheduler.block_events`)
     # Speculative decoding: drafts the executor proposes a step, at most (0: none).
     num_speculative_tokens: int = 0
+    # KV slots past a speculating request's tokens its blocks hold for the next proposal (a
+    # draft model's: shared/speculative.py, SpeculativeConfig.lookahead).
+    num_lookahead_tokens: int = 0

@@ -62,14 +62,17 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: 
     assert greedy(tmp_path, 2, str(folder), prompts) == expected
 
 
-def test_two_ranks_verify_drafts_and_give_the_tokens_of_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_two_ranks_verify_drafts_and_give_the_tokens_of_one(tmp_path: Path, method: str) -> None:
     """Speculative decoding over two ranks: each rank verifies the drafts rank 0 relays in
-    the plan (prompts that repeat themselves, so n-gram drafts are made)."""
+    the plan (prompts that repeat themselves, so n-gram drafts are made; a draft model, the
+    target itself whole on rank 0, drafts everywhere)."""
     folder, model = tiny_folder(tmp_path, "llama")
     first, second = make_prompts(TINY["vocab_size"])[:2]
     prompts = [first[:6] * 4, second]
     expected = [tokens[:NUM_TOKENS] for tokens in hf_greedy(model, prompts, eos_token_id=None)]
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    spec: dict[str, object] = {"method": method, "num_speculative_tokens": 3}
+    spec.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": str(folder)})
     assert greedy(tmp_path, 2, str(folder), prompts, speculative_config=spec) == expected
 
 

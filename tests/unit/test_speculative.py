@@ -51,7 +51,13 @@ def test_ngram_config_takes_vllms_keys_and_defaults() -> None:
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
         ('{"method": "eagle3", "num_speculative_tokens": 3}', "not built yet"),
-        ('{"model": "draft", "num_speculative_tokens": 3}', "'draft_model' is not built"),
+        ('{"model": "draft"}', "num_speculative_tokens is required"),
+        ('{"method": "draft_model", "num_speculative_tokens": 3}', "model .* is required"),
+        (
+            '{"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}',
+            "draft_tensor_parallel_size must be 1",
+        ),
+        ('{"model": "d", "num_speculative_tokens": 3, "prompt_lookup_max": 2}', "do not apply"),
         ('{"method": "medusa", "num_speculative_tokens": 3}', "method must be one of"),
         ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "do not apply"),
         (
@@ -68,6 +74,33 @@ def test_a_config_that_cannot_run_is_refused_by_name(raw: str, says: str) -> Non
         parse_speculative_config(raw)
     with pytest.raises(ConfigError, match="--speculative-config"):
         Config(speculative_config=raw)
+
+
+def test_draft_model_config_takes_vllms_keys() -> None:
+    raw = {"model": "/m/draft", "num_speculative_tokens": 4, "draft_tensor_parallel_size": 1}
+    config = parse_speculative_config(json.dumps(raw))
+    assert config == SpeculativeConfig("draft_model", 4, draft_model="/m/draft")
+    assert config.lookahead == 4  # the draft writes the KV of its drafts but the last
+    with_quant = parse_speculative_config(json.dumps({**raw, "quantization": "fp8"}))
+    assert with_quant is not None and with_quant.draft_quantization == "fp8"
+    ngram = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}')
+    assert ngram is not None and ngram.lookahead == 0
+
+
+def test_a_draft_models_rows_hold_blocks_for_the_next_proposal() -> None:
+    scheduler = speculating_scheduler(num_lookahead_tokens=3, max_model_len=20)
+    add(scheduler, "a", [10, 11, 12], max_tokens=16, ignore_eos=True)
+    add(scheduler, "b", [10] * 14, max_tokens=6, ignore_eos=True)
+    blocks = scheduler.kv.block_ids
+    verify(scheduler, {"a": [50], "b": [70]}, {"a": [51, 52, 53], "b": [71]})
+    assert (len(blocks["a"]), len(blocks["b"])) == (1, 4)  # prompts: no lookahead yet
+    # a: 4 tokens, 3 drafts and 3 slots past them (10, in 3 blocks of 4); b: 15, 1 and 3.
+    verify(scheduler, {"a": [51, 52, 60, 61], "b": [71, 72]}, {})
+    assert (len(blocks["a"]), len(blocks["b"])) == (3, 5)
+    # b: 17 tokens, 1 more computed: the lookahead stops at max_model_len (20 slots).
+    verify(scheduler, {"a": [62], "b": [73]}, {})
+    assert len(blocks["b"]) == 5
+    scheduler.check_invariants()
 
 
 def test_every_generating_request_speculates() -> None:

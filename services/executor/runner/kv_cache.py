@@ -48,11 +48,16 @@ class KVCacheLayout:
 
 
 def num_kv_blocks(
-    config: Config, layout: KVCacheLayout, device: torch.device, step_peak: Callable[[], int]
+    config: Config,
+    layout: KVCacheLayout,
+    device: torch.device,
+    step_peak: Callable[[], int],
+    draft_bytes_per_block: int = 0,
 ) -> int:
     """How many blocks the cache gets: the override, the byte budget, or what memory allows.
 
-    `step_peak` measures a largest step's activations; it runs only when memory decides.
+    `step_peak` measures a largest step's activations; it runs only when memory decides. A
+    draft model's cache has the same blocks: the budget pays for both (`draft_bytes_per_block`).
     """
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
@@ -63,7 +68,7 @@ def num_kv_blocks(
         budget = _cuda_budget(device, config.gpu_memory_utilization, step_peak() + reserve)
     else:
         budget = DEFAULT_CPU_KV_BYTES
-    num_blocks = budget // layout.bytes_per_block
+    num_blocks = budget // (layout.bytes_per_block + draft_bytes_per_block)
     if num_blocks < 1:
         raise RuntimeError("no memory left for the KV cache; raise --gpu-memory-utilization")
     return num_blocks

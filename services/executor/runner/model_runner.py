@@ -15,6 +15,7 @@ from services.executor.loading.loader import load_model
 from services.executor.lora.manager import LoraManager
 from services.executor.parallel.symmetric_memory import with_peer_buffers
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
+from services.executor.runner import draft_proposer
 from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.devices import resolve_device, resolve_dtype, start_up_compiles
 from services.executor.runner.grammar import GrammarMatchers
@@ -44,7 +45,6 @@ from services.executor.runner.step_state import (
     next_drafts,
 )
 from services.executor.runner.warm_up import warm_up
-from services.executor.speculative import make_proposer
 from shared.config import Config
 from shared.hf_tokenizer import load_tokenizer
 from shared.lora_modules import parse_lora_modules
@@ -95,7 +95,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._load_model(config, tp)
         self.speculative = parse_speculative_config(config.speculative_config)
-        self.proposer = make_proposer(self.speculative)
+        self.proposer = draft_proposer.proposer_for(self.speculative, config, self, tp.rank)
         self.num_drafts = self.speculative.num_speculative_tokens if self.speculative else 0
         self.buffers = StepBuffers(
             config.max_num_batched_tokens,
@@ -109,6 +109,7 @@ class ModelRunner:
         self._allocate_kv_cache(config)
         self._make_samplers(config)
         self.requests: dict[str, RequestState] = {}
+        draft_proposer.allocate_kv_cache(self.proposer, self.num_blocks, self.requests)
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
         self._prepared: PreparedStep | None = None
         # The last step's sampled ids, where the next step's decodes read their input token.
@@ -175,6 +176,7 @@ class ModelRunner:
             self.kv_layout,
             self.device,
             lambda: profile_step_peak(self.model, self.buffers, self.kv_layout, self.max_model_len),
+            draft_proposer.bytes_per_block(self.proposer),
         )
         # Every rank must hold the blocks any plan names.
         self.num_blocks = self.tp.smallest(self.num_blocks, self.device)

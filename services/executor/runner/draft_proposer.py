@@ -1,0 +1,213 @@
+"""Speculative decoding's `draft_model` method: a smaller model of the same tokenizer guesses each
+request's next tokens, greedily, one forward pass a draft.
+
+The draft has a KV cache of its own, in the target's block shape and on the same block ids:
+a request's block-table row serves both models, and the scheduler's accounting covers both (it
+sizes the pool for their bytes together, and reserves the slots past a request's tokens that
+the next proposal writes: SchedulerConfig.num_lookahead_tokens). Per request the proposer
+remembers the tokens whose draft KV it wrote; a proposal first feeds the ones since (the
+accepted drafts are already there, the rest were rejected and are written over), in chunks of
+at most `max_tokens`, then one token a forward pass for each further draft. A request new to
+it (or resumed after a preemption, whose blocks changed) is fed from its first token: the
+blocks a prefix-cache hit shares hold the target's KV, not necessarily the draft's.
+
+It runs on the first rank only, whole (draft_tensor_parallel_size 1), eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Protocol
+
+import torch
+
+from services.executor.loading.loader import load_model
+from services.executor.runner.kv_cache import KVCacheLayout
+from services.executor.runner.step_buffers import StepBuffers
+from services.executor.speculative import Proposer, make_proposer
+from shared.config import Config
+from shared.model_config import ModelConfig, load_model_config, resolve_model_source
+from shared.speculative import SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+
+class HasBlocks(Protocol):
+    block_ids: list[int]  # the request's blocks: the target's block-table row
+
+
+class DraftProposer:
+    def __init__(
+        self,
+        config: Config,
+        spec: SpeculativeConfig,
+        target: ModelConfig,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        source = resolve_model_source(spec.draft_model)
+        self.model_config = load_model_config(source)
+        if self.model_config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({self.model_config.vocab_size} tokens) is not "
+                f"the target's ({target.vocab_size}): it must share the target's tokenizer"
+            )
+        self.num_drafts = spec.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.model = load_model(
+            source,
+            self.model_config,
+            config.load_format,
+            dtype,
+            device,
+            max_position=max_model_len,
+            seed=config.seed,
+            quantization=spec.draft_quantization,
+        )
+        self.layout = KVCacheLayout.of(self.model_config, config.block_size, dtype)
+        self.buffers = StepBuffers(
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            -(-max_model_len // config.block_size),
+            config.block_size,
+            device,
+        )
+        self.device = device
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: Mapping[str, HasBlocks] = {}
+        # Per request: its first block and the tokens whose draft KV is written (another first
+        # block: the request's KV is elsewhere now, and is fed again).
+        self.fed: dict[str, tuple[int, list[int]]] = {}
+        logger.info(
+            "draft model %s: %d layers, %d drafts a step",
+            source.name,
+            self.model_config.num_layers,
+            self.num_drafts,
+        )
+
+    def allocate(self, num_blocks: int, requests: Mapping[str, HasBlocks]) -> None:
+        """The draft's KV cache, on the target's block ids, which `requests` (the runner's,
+        by id) hold."""
+        self.kv_caches = self.layout.allocate(num_blocks, self.device)
+        self.requests = requests
+
+    def finished(self, request_id: str, output_token_ids: list[int]) -> None:
+        """The request ended or was preempted: its blocks (and the draft KV in them) are gone."""
+        self.fed.pop(request_id, None)
+
+    @torch.inference_mode()
+    def propose_batch(self, requests: Iterable[tuple[str, list[int]]]) -> dict[str, list[int]]:
+        """Drafts for each (request id, its tokens), as many as its blocks hold the KV of."""
+        rows = []
+        for request_id, tokens in dict(requests).items():
+            blocks = self.requests[request_id].block_ids
+            room = min(len(blocks) * self.layout.block_size, self.max_model_len)
+            num = min(self.num_drafts, room - len(tokens) + 1)
+            if num < 1 or not tokens:
+                continue
+            first_block, fed = self.fed.get(request_id, (-1, []))
+            done = _common_prefix(fed, tokens) if first_block == blocks[0] else 0
+            rows.append(_Row(request_id, tokens, blocks, min(done, len(tokens) - 1), num))
+        self._catch_up(rows)
+        for _ in range(1, self.num_drafts):
+            going = [row for row in rows if len(row.drafts) < row.num]
+            if not going:
+                break
+            self._run(going, [[row.drafts[-1]] for row in going])
+        for row in rows:
+            self.fed[row.request_id] = (row.blocks[0], row.tokens + row.drafts[:-1])
+        return {row.request_id: row.drafts for row in rows}
+
+    def _catch_up(self, rows: list[_Row]) -> None:
+        """Feed each row its tokens since the draft KV it has, `max_tokens` a pass at most;
+        the pass that feeds a row's last token gives its first draft."""
+        budget = self.buffers.max_tokens
+        waiting = [row for row in rows if row.done < len(row.tokens)]
+        while waiting:
+            batch, chunks, left = [], [], budget
+            for row in waiting:
+                if left == 0 or len(batch) == self.buffers.max_reqs:
+                    break
+                chunk = row.tokens[row.done : row.done + left]
+                batch.append(row)
+                chunks.append(chunk)
+                left -= len(chunk)
+            self._run(batch, chunks)
+            waiting = [row for row in waiting if row.done < len(row.tokens)]
+
+    def _run(self, rows: list[_Row], chunks: list[list[int]]) -> None:
+        """One forward pass: each row computes its chunk (from position row.done); a row
+        whose chunk reaches past its tokens gets the greedy token after it as a draft."""
+        self.buffers.wait_for_copy()
+        for index, row in enumerate(rows):
+            self.buffers.set_table_row(index, row.blocks)
+        counts = [len(chunk) for chunk in chunks]
+        ends = torch.tensor(counts).cumsum(0) - 1
+        self.buffers.write(
+            [t for chunk in chunks for t in chunk],
+            [row.done for row in rows],
+            counts,
+            ends.tolist(),
+        )
+        self.buffers.copy_to_device()
+        view = self.buffers.view()
+        hidden = self.model(view.input_ids, view.positions, self.kv_caches, view.meta)
+        next_ids = self.model.compute_logits(hidden[view.sample_rows]).argmax(dim=-1).tolist()
+        for row, count, token_id in zip(rows, counts, next_ids, strict=True):
+            row.done += count
+            if row.done >= len(row.tokens):
+                row.drafts.append(token_id)
+
+
+class _Row:
+    """A request being proposed for: its tokens, blocks, how far the draft has fed it (its
+    tokens, then its drafts), and how many drafts it may have."""
+
+    def __init__(
+        self, request_id: str, tokens: list[int], blocks: list[int], done: int, num: int
+    ) -> None:
+        self.request_id, self.tokens, self.blocks = request_id, list(tokens), blocks
+        self.done, self.num = done, num
+        self.drafts: list[int] = []
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def bytes_per_block(proposer: object) -> int:
+    """What a KV block costs the draft model besides the target (none without one)."""
+    return proposer.layout.bytes_per_block if isinstance(proposer, DraftProposer) else 0
+
+
+def allocate_kv_cache(proposer: object, num_blocks: int, requests: Mapping[str, HasBlocks]) -> None:
+    """A draft model's KV cache (nothing for the other proposers)."""
+    if isinstance(proposer, DraftProposer):
+        proposer.allocate(num_blocks, requests)
+
+
+class Runner(Protocol):
+    """What proposer_for reads of the model runner."""
+
+    model_config: ModelConfig
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def proposer_for(
+    spec: SpeculativeConfig | None, config: Config, runner: Runner, rank: int
+) -> Proposer | None:
+    """The runner's proposer: none without speculation; a draft model's on the first rank
+    only (the others propose nothing: collect reads rank 0's drafts)."""
+    if spec is None or spec.method != "draft_model":
+        return make_proposer(spec)
+    if rank != 0:
+        return None
+    return DraftProposer(
+        config, spec, runner.model_config, runner.max_model_len, runner.dtype, runner.device
+    )
