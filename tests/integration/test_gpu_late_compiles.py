@@ -68,7 +68,14 @@ print(json.dumps({"lengths_ok": lengths_ok, "late": late_compiles().variants}))
 """
 
 
-@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 4}])
+@pytest.mark.parametrize(
+    "speculative",
+    [
+        None,
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 4},
+    ],
+)
 def test_serving_steps_compile_nothing_after_the_warm_up(
     tmp_path: Path, speculative: dict | None
 ) -> None:
@@ -83,6 +90,8 @@ def test_serving_steps_compile_nothing_after_the_warm_up(
         **{**TINY, **extra, "max_position_embeddings": 1024, "vocab_size": vocab_size}
     )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    if speculative is not None and speculative.get("model") == "SELF":
+        speculative = {**speculative, "model": str(tmp_path)}  # the model drafts for itself
     script = [_SERVING_STEPS, str(tmp_path), str(vocab_size), json.dumps(speculative)]
     done = subprocess.run(
         [sys.executable, "-c", *script],

@@ -32,6 +32,7 @@ from kernels.attention import PREFILL_REQS_MIN_POW2
 from services.executor.layers.linear import Linear
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.runner.cuda_graphs import MIXED_GRAPH_MAX_TOKENS, StepGraphs
+from services.executor.runner.draft_proposer import DraftProposer
 from services.executor.runner.grammar import GrammarMatchers
 from services.executor.runner.step_buffers import StepBuffers
 from shared.model_config import ModelConfig
@@ -76,6 +77,7 @@ class WarmUpTarget(Protocol):
     model: DecoderForCausalLM
     model_config: ModelConfig
     num_blocks: int
+    proposer: object  # a speculative decoding proposer, or None
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -228,6 +230,8 @@ def _compile_linear_variants(runner: WarmUpTarget) -> None:
 def warm_up(runner: WarmUpTarget) -> None:
     _compile_attention_variants(runner)  # needs one cache block alone
     _compile_linear_variants(runner)
+    if isinstance(runner.proposer, DraftProposer):  # before any request holds a block
+        runner.proposer.warm_up()
     reason = skip_reason(runner)
     if reason is not None:
         logger.info("warm-up skipped (%s): the first requests may pay for compiles", reason)
