@@ -136,6 +136,7 @@ class Scheduler:
         drafts: dict[str, list[int]] = {}
         cached_data, budget, preempted = self._schedule_running(budget, scheduled, drafts)
         new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
+        self._reserve_lookahead(cached_data, scheduled)
         self._commit(scheduled)
         self._plan_loras = {self.requests[rid].lora_id for rid in scheduled} - {0}
         dropped, self._dropped_ids = self._dropped_ids, []
@@ -222,7 +223,6 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            self._reserve_lookahead(request, num_new)
             blocks = self.kv.block_ids[request.request_id]
             cached_data.append(
                 CachedRequestData(
@@ -388,13 +388,22 @@ class Scheduler:
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         return taken
 
-    def _reserve_lookahead(self, request: Request, num_new: int) -> None:
-        """Blocks for the KV slots that a speculating row's next proposal writes past its
-        tokens (a draft model's), if the pool has them free; else it drafts fewer."""
-        end = request.num_computed_tokens + num_new
-        lookahead = min(self.config.num_lookahead_tokens, self.config.max_model_len - end)
-        if lookahead > 0 and request.speculates and end >= request.num_tokens:
-            self.kv.allocate(request, num_new + lookahead)
+    def _reserve_lookahead(
+        self, cached_data: list[CachedRequestData], scheduled: dict[str, int]
+    ) -> None:
+        """Blocks for the KV slots that each speculating row's next proposal writes past its
+        tokens (a draft model's), from what the pool has left once every row of the plan is
+        placed: never at the cost of a row or a preemption (without them it drafts fewer)."""
+        for data in cached_data:
+            request = self.requests[data.request_id]
+            num_new = scheduled[data.request_id]
+            end = request.num_computed_tokens + num_new
+            lookahead = min(self.config.num_lookahead_tokens, self.config.max_model_len - end)
+            if lookahead > 0 and request.speculates and end >= request.num_tokens:
+                blocks = self.kv.block_ids[data.request_id]
+                held = len(blocks)
+                if self.kv.allocate(request, num_new + lookahead):
+                    data.new_block_ids.extend(blocks[held:])
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether the tokens in flight already take the request to its length limit."""

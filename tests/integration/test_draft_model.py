@@ -12,8 +12,16 @@ import pytest
 import torch
 import transformers
 
-from kvflow import LLM
-from tests.integration.test_speculative import GREEDY, MIXED, VARIANTS, generate
+from kvflow import LLM, SamplingParams
+from shared.protocol import EngineRequest
+from tests.integration.test_speculative import (
+    GREEDY,
+    MIXED,
+    NGRAM,
+    VARIANTS,
+    generate,
+    prompts,
+)
 from tests.integration.tiny_models import TINY, make_tiny_model
 
 
@@ -93,3 +101,30 @@ def test_a_draft_model_of_another_vocabulary_is_refused(target: Path, tmp_path: 
     other = tiny_draft(tmp_path, vocab_size=TINY["vocab_size"] * 2)
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(target), dtype="float32", device="cpu", speculative_config=draft_config(other))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_request_aborted_with_a_step_in_flight_leaves_nothing_behind(
+    target: Path, draft: Path, method: str
+) -> None:
+    """The step in flight is collected after the abort dropped the request: it is not
+    proposed for (a draft model would write into freed blocks), and no proposer state is
+    left of it."""
+    spec = draft_config(draft) if method == "draft_model" else NGRAM
+    llm = LLM(str(target), dtype="float32", device="cpu", speculative_config=spec)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(prompts()[:2]):
+        engine.add_request(
+            EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params)
+        )
+    while not engine.scheduler.requests["0"].num_pending_tokens:
+        engine.step()
+    engine.abort(["0"])
+    while engine.has_unfinished():
+        engine.step()
+    engine.step()
+    proposer = llm.runner.proposer
+    assert not (proposer.fed if method == "draft_model" else proposer.indexes)
+    assert not llm.runner.requests
+    engine.scheduler.check_invariants()

@@ -71,6 +71,9 @@ class KnownDrafts:
     def finished(self, request_id: str, output_token_ids: list[int]) -> None:
         pass
 
+    def reset(self) -> None:
+        pass
+
     def __init__(
         self, expected: list[list[int]], num: int, prompt_list: list[list[int]] | None = None
     ) -> None:
@@ -149,6 +152,9 @@ class FixedDrafts:
         self.sequence, self.drafts = [*prefix, after], drafts
 
     def finished(self, request_id: str, output_token_ids: list[int]) -> None:
+        pass
+
+    def reset(self) -> None:
         pass
 
     def propose_batch(self, requests: Iterable[tuple[str, list[int]]]) -> dict[str, list[int]]:
@@ -254,6 +260,51 @@ def test_a_rank_behind_on_collecting_takes_the_next_plan(folder: Path) -> None:
     follows.append(follower.collect().sampled)
     assert follows == leads
     assert scheduler.spec_decode.num_accepted_tokens > 0
+
+
+class NoDrafts(KnownDrafts):
+    """Proposes nothing: every speculating request backs off into the pipelined loop."""
+
+    def __init__(self) -> None:
+        super().__init__([[] for _ in prompts()], 0)
+
+
+def test_a_rank_two_steps_behind_lays_out_pipelined_rows_as_rank_0(folder: Path) -> None:
+    """A rank that has two steps in flight when the next plan comes (rank 0 collected the
+    older one before planning) finishes them before it lays out a row whose token is one of
+    theirs, rather than read a placeholder from a step whose sampled ids were overwritten.
+    Rank 0 runs the pipelined loop here, with requests backed off (no drafts) and admitted at
+    different steps."""
+    leader = speculating(folder, NGRAM)
+    leader.runner.proposer = NoDrafts()  # type: ignore[assignment]
+    follower = speculating(folder, NGRAM).runner
+    scheduler = leader.engine.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    leads, follows, last = {}, {}, None
+    for step in range(200):
+        if step < 2:
+            request = EngineRequest(
+                request_id=str(step), prompt_token_ids=prompts()[step], sampling_params=params
+            )
+            scheduler.add_request(request)
+        if not scheduler.has_unfinished():
+            break
+        plan = scheduler.schedule()
+        leader.runner.submit(plan)
+        follower.prepare(plan)  # with its last two steps in flight
+        while follower.num_in_flight > 1:
+            output = follower.collect()
+            follows[output.step] = output.sampled
+        follower.launch(plan.step)
+        if last is not None:
+            output = leader.runner.collect()
+            leads[output.step] = output.sampled
+            scheduler.update(last, output)
+        last = plan
+    while follower.num_in_flight:
+        output = follower.collect()
+        follows[output.step] = output.sampled
+    assert leads and all(follows[step] == sampled for step, sampled in leads.items())
 
 
 QUANTIZED = {

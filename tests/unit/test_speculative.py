@@ -103,6 +103,18 @@ def test_a_draft_models_rows_hold_blocks_for_the_next_proposal() -> None:
     scheduler.check_invariants()
 
 
+def test_lookahead_takes_only_blocks_no_row_needs() -> None:
+    scheduler = speculating_scheduler(num_lookahead_tokens=3, num_blocks=3)
+    add(scheduler, "a", [10, 11, 12], max_tokens=8, ignore_eos=True)
+    add(scheduler, "b", [10, 11, 12, 13], max_tokens=8, ignore_eos=True)
+    verify(scheduler, {"a": [50], "b": [70]}, {})
+    # One block left: b's fifth token needs it; a's lookahead would have taken it first.
+    plan, _ = verify(scheduler, {"a": [51], "b": [71]}, {})
+    assert set(plan.num_scheduled_tokens) == {"a", "b"}
+    assert scheduler.num_preemptions == 0
+    assert [len(scheduler.kv.block_ids[r]) for r in "ab"] == [1, 2]
+
+
 def test_every_generating_request_speculates() -> None:
     assert speculates(SamplingParams(temperature=0.7, logprobs=2, min_tokens=3))
     assert speculates(SamplingParams(repetition_penalty=1.2, frequency_penalty=0.5))

@@ -97,6 +97,9 @@ class DraftProposer:
         """The request ended or was preempted: its blocks (and the draft KV in them) are gone."""
         self.fed.pop(request_id, None)
 
+    def reset(self) -> None:
+        self.fed.clear()
+
     @torch.inference_mode()
     def propose_batch(self, requests: Iterable[tuple[str, list[int]]]) -> dict[str, list[int]]:
         """Drafts for each (request id, its tokens), as many as its blocks hold the KV of."""

@@ -41,7 +41,7 @@ from services.executor.runner.step_state import (
     InFlightStep,
     PreparedStep,
     RequestState,
-    follows_uncollected_drafts,
+    needs_collected_tokens,
     next_drafts,
 )
 from services.executor.runner.warm_up import warm_up
@@ -231,6 +231,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.requests.clear()
+        if self.proposer is not None:
+            self.proposer.reset()
         self._in_flight.clear()
         self._prepared = None
         if self.lora is not None:
@@ -286,7 +288,7 @@ class ModelRunner:
             self.relay.send(plan)
         if self._prepared is not None:
             raise PlanError(f"plan {plan.step} before plan {self._prepared.step} launched")
-        if follows_uncollected_drafts(plan, self.requests):  # a rank behind rank 0
+        if needs_collected_tokens(plan, self.requests, self._in_flight):  # a rank behind
             self._finish_in_flight()
         self._check(plan)
         self._apply_plan(plan)
@@ -340,7 +342,7 @@ class ModelRunner:
             self.sampled_ids[: len(states)].copy_(pending.token_ids, non_blocking=True)
         for row, (state, ahead) in enumerate(zip(states, prepared.sample_ahead, strict=True)):
             state.num_pending += ahead == 0  # one step's tokens arrive together
-            state.sample_row = row
+            state.sample_row, state.sample_step = row, step
         prompt_parts = [
             prompt_logprobs(self.model, hidden, self.requests[rows[0]], *rows)
             for rows in prepared.prompt_rows
@@ -373,7 +375,7 @@ class ModelRunner:
         step = self._in_flight.popleft()
         output = step.finish()
         if self.proposer is not None and self.tp.rank == 0:  # the other ranks' are not read
-            output.draft_token_ids = next_drafts(self.proposer, step)
+            output.draft_token_ids = next_drafts(self.proposer, step, self.requests)
         return output
 
     @property

@@ -4,6 +4,7 @@ addenda may still join), and the steps launched whose tokens have not been colle
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +38,8 @@ class RequestState:
     table_len: int = field(default=0)  # blocks already in its block-table row
     table_row: int = field(default=-1)  # that row
     num_pending: int = field(default=0)  # tokens being sampled by steps in flight
-    sample_row: int = field(default=0)  # its row in the last sampled ids, if num_pending
+    sample_row: int = field(default=0)  # its row in the sampled ids of step sample_step
+    sample_step: int = field(default=-1)
     # Whether its last row verified drafts: its token in flight is then at any of the row's
     # positions, and no placeholder can read it.
     verifying: bool = field(default=False)
@@ -328,23 +330,39 @@ class PreparedStep:
                 self.sample_ahead.append(ahead)
 
 
-def follows_uncollected_drafts(plan: SchedulerOutput, requests: dict[str, RequestState]) -> bool:
-    """Whether a row of `plan` verifies drafts, or follows a row that did, while its request has
-    a step in flight here: rank 0 collected that step before its scheduler planned the row;
-    another rank may not have yet, and must before it can lay the row out."""
+def needs_collected_tokens(
+    plan: SchedulerOutput, requests: dict[str, RequestState], in_flight: Sequence[InFlightStep]
+) -> bool:
+    """Whether a row of `plan` needs a token that is still in flight here and that no
+    placeholder can read: the row verifies drafts or follows a row that did, or a token of
+    it was sampled by a step before the last launched (whose sampled ids are overwritten).
+    Rank 0 collected those tokens before its scheduler planned the row; a rank behind it
+    (two steps in flight when the plan comes) has not yet, and must before it can lay the
+    row out."""
+    last_launched = in_flight[-1].step if in_flight else -1
     return any(
-        state.num_pending and (state.verifying or rid in plan.spec_token_ids)
+        state.num_pending
+        and (
+            state.num_pending > 1
+            or state.verifying
+            or rid in plan.spec_token_ids
+            or state.sample_step != last_launched
+        )
         for rid in plan.num_scheduled_tokens
         if (state := requests.get(rid)) is not None
     )
 
 
-def next_drafts(proposer: Proposer, step: InFlightStep) -> dict[str, list[int]]:
-    """Drafts for the next step of each speculating request `step` sampled for and that has
-    no later step in flight (whose token they would have to guess), cut where its grammar
-    would refuse them."""
+def next_drafts(
+    proposer: Proposer, step: InFlightStep, requests: dict[str, RequestState]
+) -> dict[str, list[int]]:
+    """Drafts for the next step of each speculating request `step` sampled for that is still
+    running (`requests`: not ended, preempted or aborted since) and has no later step in
+    flight (whose token they would have to guess), cut where its grammar would refuse them."""
     pairs = zip(step.sample_ids, step.states, strict=True)
-    states = {rid: s for rid, s in pairs if s.speculates and not s.num_pending}
+    states = {
+        rid: s for rid, s in pairs if s.speculates and not s.num_pending and requests.get(rid) is s
+    }
     drafts = proposer.propose_batch((rid, state.token_ids) for rid, state in states.items())
     kept = {rid: states[rid].allowed_drafts(ids) for rid, ids in drafts.items()}
     return {rid: ids for rid, ids in kept.items() if ids}

@@ -20,6 +20,10 @@ class Proposer(Protocol):
         """A request ended (or was preempted) with this output."""
         ...
 
+    def reset(self) -> None:
+        """Every request is gone (the runner's reset), with no `finished` for each."""
+        ...
+
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
     if config is None:

@@ -79,3 +79,6 @@ class NgramProposer:
     def finished(self, request_id: str, output_token_ids: list[int]) -> None:
         """Drop the request's index (prompt lookup reads only the request's own tokens)."""
         self.indexes.pop(request_id, None)
+
+    def reset(self) -> None:
+        self.indexes.clear()

@@ -63,6 +63,9 @@ class SuffixProposer:
         separator = np.full(1, _SEPARATOR, dtype=np.int64)
         self._cache = np.concatenate([part for out in self._cached for part in (out, separator)])
 
+    def reset(self) -> None:
+        """Nothing: it holds no request's state, and the outputs it keeps stay worth reading."""
+
     def _draft(self, hay: np.ndarray, tokens: np.ndarray, end: int) -> tuple[list[int], float]:
         """A draft following `tokens` from their longest suffix's occurrences in `hay` that end
         before `end`, and its expected number of accepted tokens."""
