@@ -1,8 +1,6 @@
 """`kvflow serve --speculative-config` through the openai client: the embedded SmolLM2's answers
 are those of the server without speculation (the shared default server), whole, streamed and
-cut by a stop string inside a run of accepted drafts; /metrics counts the drafts. With a draft
-model too (the embedded model drafting for itself), through the scheduler's handshake that
-reserves its lookahead slots."""
+cut by a stop string inside a run of accepted drafts; /metrics counts the drafts."""
 
 from __future__ import annotations
 
@@ -11,7 +9,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.model_config import embedded_model_path
 from tests.e2e.server import Server, start_server
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -80,17 +77,3 @@ def test_a_stop_string_inside_accepted_drafts_cuts_at_its_place(
     expected = answer(default_server, stop=[stop])
     assert expected[0] == text[: text.index(stop)] and expected[1] == "stop"
     assert answer(spec_server, stop=[stop]) == expected
-
-
-def test_a_draft_model_answers_as_without_speculation(default_server: Server) -> None:
-    draft = {"model": str(embedded_model_path()), "num_speculative_tokens": 3}
-    server = start_server("--device", "cpu", "--speculative-config", json.dumps(draft))
-    try:
-        assert answer(server) == answer(default_server)
-        after = server.wait_idle()
-        # The model drafting for itself: nearly every draft is accepted.
-        drafted = after["spec_decode_num_draft_tokens_total"]
-        assert after["spec_decode_num_accepted_tokens_total"] > drafted / 2 > 0
-        assert after["num_requests_running"] == 0 and after["kv_cache_usage_perc"] == 0
-    finally:
-        server.stop()

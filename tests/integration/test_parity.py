@@ -26,19 +26,24 @@ VARIANTS = {
 
 
 def hf_greedy(
-    model: torch.nn.Module, prompts: list[list[int]], **kwargs: object
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    num_new_tokens: int = NUM_NEW_TOKENS,
+    **kwargs: object,
 ) -> list[list[int]]:
     outputs = []
     for ids in prompts:
         tokens = model.generate(
-            torch.tensor([ids]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False, **kwargs
+            torch.tensor([ids]), max_new_tokens=num_new_tokens, do_sample=False, **kwargs
         )
         outputs.append(tokens[0, len(ids) :].tolist())
     return outputs
 
 
-def kvflow_greedy(llm: LLM, prompts: list[list[int]], ignore_eos: bool) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=ignore_eos)
+def kvflow_greedy(
+    llm: LLM, prompts: list[list[int]], ignore_eos: bool, num_new_tokens: int = NUM_NEW_TOKENS
+) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=ignore_eos)
     return [r.token_ids for r in llm.generate(prompts, params)]
 
 
@@ -77,6 +82,11 @@ def test_tiny_model_output_survives_engine_settings(tiny_model, variant: str) ->
         assert llm.stats().num_preemptions > 0
 
 
+# Tokens generated per prompt on the embedded model: transformers' reference runs them one
+# prompt at a time (it was two minutes of the suite at 64).
+SMOLLM2_NEW_TOKENS = 32
+
+
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2_tokenizer):
     path = embedded_model_path()
@@ -96,7 +106,7 @@ def smollm2_reference(smollm2_tokenizer):
         "century, changed how physicists think about space, time and gravity. In simple terms,",
     ]
     prompts = [tokenizer.encode(t) for t in texts]
-    return prompts, hf_greedy(model, prompts)
+    return prompts, hf_greedy(model, prompts, SMOLLM2_NEW_TOKENS)
 
 
 @pytest.mark.slow
@@ -111,6 +121,8 @@ def smollm2_reference(smollm2_tokenizer):
 def test_embedded_smollm2_matches_transformers(smollm2_reference, settings: dict) -> None:
     prompts, expected = smollm2_reference
     llm = LLM(dtype="float32", device="cpu", **settings)
-    assert kvflow_greedy(llm, prompts, ignore_eos=False) == expected
+    assert kvflow_greedy(llm, prompts, ignore_eos=False, num_new_tokens=SMOLLM2_NEW_TOKENS) == (
+        expected
+    )
     if settings:
         assert llm.stats().num_preemptions > 0

@@ -58,7 +58,7 @@ def tiny_folder(
 def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: dict) -> None:
     folder, model = tiny_folder(tmp_path, family, **changes)
     prompts = make_prompts(TINY["vocab_size"])[:4]
-    expected = [tokens[:NUM_TOKENS] for tokens in hf_greedy(model, prompts, eos_token_id=None)]
+    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
     assert greedy(tmp_path, 2, str(folder), prompts) == expected
 
 
@@ -70,7 +70,7 @@ def test_two_ranks_verify_drafts_and_give_the_tokens_of_one(tmp_path: Path, meth
     folder, model = tiny_folder(tmp_path, "llama")
     first, second = make_prompts(TINY["vocab_size"])[:2]
     prompts = [first[:6] * 4, second]
-    expected = [tokens[:NUM_TOKENS] for tokens in hf_greedy(model, prompts, eos_token_id=None)]
+    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
     spec: dict[str, object] = {"method": method, "num_speculative_tokens": 3}
     spec.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": str(folder)})
     assert greedy(tmp_path, 2, str(folder), prompts, speculative_config=spec) == expected
@@ -182,7 +182,7 @@ def test_int4_checkpoints_split_across_ranks(tmp_path: Path, fmt: str) -> None:
     model = make_tiny_model("llama")
     WRITERS[fmt](model, tmp_path / "model")  # the model now holds the dequantized weights
     prompts = make_prompts(TINY["vocab_size"])[:4]
-    expected = [tokens[:NUM_TOKENS] for tokens in hf_greedy(model, prompts, eos_token_id=None)]
+    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
     assert greedy(tmp_path, 2, str(tmp_path / "model"), prompts) == expected
 
 

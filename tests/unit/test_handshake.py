@@ -47,6 +47,15 @@ def test_flags_that_disagree_with_the_executor_are_refused(flags: dict, named: s
     assert named in str(error.value)
 
 
+def test_a_draft_model_reserves_its_drafts_as_lookahead_slots() -> None:
+    ready = msgspec.structs.replace(READY, num_speculative_tokens=3)
+    draft = Config(speculative_config='{"model": "/m/draft", "num_speculative_tokens": 3}')
+    ngram = Config(speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert scheduler_config(draft, ready).num_lookahead_tokens == 3
+    assert scheduler_config(ngram, ready).num_lookahead_tokens == 0
+    assert scheduler_config(ngram, ready).num_speculative_tokens == 3
+
+
 def test_an_unset_max_model_len_takes_the_executors() -> None:
     assert scheduler_config(Config(max_model_len=None), READY).max_model_len == 2048
     assert scheduler_config(Config(max_model_len=2048), READY).max_model_len == 2048
