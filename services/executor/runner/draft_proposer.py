@@ -16,6 +16,7 @@ It runs on the first rank only, whole (draft_tensor_parallel_size 1), eagerly.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Protocol
@@ -77,9 +78,10 @@ class DraftProposer:
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         self.requests: Mapping[str, HasBlocks] = {}
-        # Per request: its first block and the tokens whose draft KV is written (another first
-        # block: the request's KV is elsewhere now, and is fed again).
-        self.fed: dict[str, tuple[int, list[int]]] = {}
+        # Per request, as of its last proposal: its first block, its token list (the
+        # executor's, which only grows) and length then, and the drafts fed after them: the
+        # draft KV written. Another first block or list: its KV is elsewhere, fed afresh.
+        self.fed: dict[str, tuple[int, list[int], int, list[int]]] = {}
         logger.info(
             "draft model %s: %d layers, %d drafts a step",
             source.name,
@@ -110,8 +112,7 @@ class DraftProposer:
             num = min(self.num_drafts, room - len(tokens) + 1)
             if num < 1 or not tokens:
                 continue
-            first_block, fed = self.fed.get(request_id, (-1, []))
-            done = _common_prefix(fed, tokens) if first_block == blocks[0] else 0
+            done = self._fed_tokens(request_id, tokens, blocks[0])
             rows.append(_Row(request_id, tokens, blocks, min(done, len(tokens) - 1), num))
         self._catch_up(rows)
         for _ in range(1, self.num_drafts):
@@ -120,8 +121,17 @@ class DraftProposer:
                 break
             self._run(going, [[row.drafts[-1]] for row in going])
         for row in rows:
-            self.fed[row.request_id] = (row.blocks[0], row.tokens + row.drafts[:-1])
+            fed = (row.blocks[0], row.tokens, len(row.tokens), row.drafts[:-1])
+            self.fed[row.request_id] = fed
         return {row.request_id: row.drafts for row in rows}
+
+    def _fed_tokens(self, request_id: str, tokens: list[int], first_block: int) -> int:
+        """How many leading `tokens` have their draft KV written: those of the last proposal,
+        and its drafts up to the first the request's tokens since disagree with."""
+        block, fed_list, length, drafts = self.fed.get(request_id, (-1, [], 0, []))
+        if block != first_block or fed_list is not tokens or len(tokens) < length:
+            return 0
+        return length + _common_prefix(drafts, tokens[length : length + len(drafts)])
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -164,12 +174,9 @@ class DraftProposer:
         for index, row in enumerate(rows):
             self.buffers.set_table_row(index, row.blocks)
         counts = [len(chunk) for chunk in chunks]
-        ends = torch.tensor(counts).cumsum(0) - 1
+        ends = [end - 1 for end in itertools.accumulate(counts)]
         self.buffers.write(
-            [t for chunk in chunks for t in chunk],
-            [row.done for row in rows],
-            counts,
-            ends.tolist(),
+            [t for chunk in chunks for t in chunk], [row.done for row in rows], counts, ends
         )
         self.buffers.copy_to_device()
         view = self.buffers.view()
@@ -188,7 +195,7 @@ class _Row:
     def __init__(
         self, request_id: str, tokens: list[int], blocks: list[int], done: int, num: int
     ) -> None:
-        self.request_id, self.tokens, self.blocks = request_id, list(tokens), blocks
+        self.request_id, self.tokens, self.blocks = request_id, tokens, blocks
         self.done, self.num = done, num
         self.drafts: list[int] = []
 
