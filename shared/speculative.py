@@ -16,7 +16,7 @@ from shared.protocol import SamplingParams
 
 # The methods vLLM names, and the ones kvflow runs today.
 METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
-BUILT_METHODS = ("ngram", "suffix", "draft_model")
+BUILT_METHODS = ("ngram", "suffix", "draft_model", "eagle3")
 # vLLM's n-gram window when neither bound is given.
 DEFAULT_NGRAM_WINDOW = 5
 _KEYS = {
@@ -36,6 +36,7 @@ _KEYS = {
         "draft_tensor_parallel_size",
         "quantization",
     },
+    "eagle3": {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"},
 }
 
 
@@ -56,15 +57,19 @@ class SpeculativeConfig:
     suffix_max_cached_requests: int = 10000
     suffix_max_spec_factor: float = 1.0
     suffix_min_token_prob: float = 0.1
-    # draft_model: the draft's folder or preset (the target's tokenizer), its --quantization.
+    # draft_model, eagle3: the draft's (or the EAGLE-3 head's) folder or preset; the draft's
+    # --quantization.
     draft_model: str | None = None
     draft_quantization: str | None = None
 
     @property
     def lookahead(self) -> int:
         """KV slots past a request's tokens that its blocks must hold for the next proposal:
-        a draft model writes the KV of each draft but the last."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        a draft model writes the KV of each draft but the last; an EAGLE-3 head, whose pass
+        at a position reads the token after it, one fewer."""
+        if self.method == "draft_model":
+            return self.num_speculative_tokens
+        return self.num_speculative_tokens - 1 if self.method == "eagle3" else 0
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
@@ -88,8 +93,8 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     unknown = sorted(set(raw) - _KEYS[method])
     if unknown:
         raise SpeculativeConfigError(f"keys {unknown} do not apply to method {method!r}")
-    if method == "draft_model":
-        return _draft_model_config(raw)
+    if method in ("draft_model", "eagle3"):
+        return _draft_model_config(method, raw)
     return _ngram_config(raw) if method == "ngram" else _suffix_config(raw)
 
 
@@ -117,11 +122,12 @@ def _suffix_config(raw: dict[str, Any]) -> SpeculativeConfig:
     return SpeculativeConfig("suffix", num, 0, 0, depth, cached, factor, prob)
 
 
-def _draft_model_config(raw: dict[str, Any]) -> SpeculativeConfig:
+def _draft_model_config(method: str, raw: dict[str, Any]) -> SpeculativeConfig:
     num = _positive_int(raw, "num_speculative_tokens", None)
     model = raw.get("model")
     if not isinstance(model, str) or not model:
-        raise SpeculativeConfigError("model (the draft model's folder or name) is required")
+        what = "the draft model's" if method == "draft_model" else "the EAGLE-3 head's"
+        raise SpeculativeConfigError(f"model ({what} folder or name) is required")
     if raw.get("draft_tensor_parallel_size", 1) != 1:
         raise SpeculativeConfigError(
             "draft_tensor_parallel_size must be 1: the draft model runs whole on the first rank"
@@ -129,7 +135,7 @@ def _draft_model_config(raw: dict[str, Any]) -> SpeculativeConfig:
     quantization = raw.get("quantization")
     if quantization is not None and not isinstance(quantization, str):
         raise SpeculativeConfigError("quantization must be a string")
-    return SpeculativeConfig("draft_model", num, draft_model=model, draft_quantization=quantization)
+    return SpeculativeConfig(method, num, draft_model=model, draft_quantization=quantization)
 
 
 def _positive_int(raw: dict[str, Any], key: str, default: int | None, least: int = 1) -> int:

@@ -114,7 +114,7 @@ def serve_plans(
             answer = runner.collect()
             socket.send(encode(answer))
             steps.answered(answer.step)
-        if not socket.poll(0 if runner.has_in_flight else None):
+        if not socket.poll(0 if runner.num_in_flight else None):
             continue
         message = decoder.decode(socket.recv())
         try:

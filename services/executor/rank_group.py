@@ -202,7 +202,7 @@ def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> No
     while True:
         while runner.oldest_finished():
             steps.answered(runner.collect().step)
-        if not socket.poll(0 if runner.has_in_flight else None):
+        if not socket.poll(0 if runner.num_in_flight else None):
             continue
         message = decoder.decode(socket.recv())
         if message is None:

@@ -179,7 +179,8 @@ class ConfigFields:
         "Speculative decoding, as a JSON object with vLLM's keys: method ngram (prompt lookup:"
         " the tokens that followed the last prompt_lookup_max..prompt_lookup_min tokens where"
         " they occurred before in the request), suffix (suffix decoding, over recent outputs"
-        " too) or draft_model (model: a smaller model of the same tokenizer drafts),"
+        " too), draft_model (model: a smaller model of the same tokenizer drafts) or eagle3"
+        " (model: an EAGLE-3 head's folder, the published format),"
         " num_speculative_tokens (drafts verified a step). Output is what it would be"
         " without: greedy token for token, sampled in"
         ' distribution. E.g. \'{"method": "ngram", "num_speculative_tokens": 4,'

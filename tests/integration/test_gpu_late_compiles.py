@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 
+from tests.integration.test_eagle3 import write_head
 from tests.integration.tiny_models import FAMILIES, TINY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,6 +75,7 @@ print(json.dumps({"lengths_ok": lengths_ok, "late": late_compiles().variants}))
         None,
         {"method": "ngram", "num_speculative_tokens": 4},
         {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 4},
+        {"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 3},
     ],
 )
 def test_serving_steps_compile_nothing_after_the_warm_up(
@@ -86,12 +88,17 @@ def test_serving_steps_compile_nothing_after_the_warm_up(
     config_cls, extra = FAMILIES["qwen3"]
     torch.manual_seed(0)
     vocab_size = 32768
+    # Eight layers: an EAGLE-3 head reads three of them.
     config = config_cls(
         **{**TINY, **extra, "max_position_embeddings": 1024, "vocab_size": vocab_size}
+        | {"num_hidden_layers": 8}
     )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     if speculative is not None and speculative.get("model") == "SELF":
         speculative = {**speculative, "model": str(tmp_path)}  # the model drafts for itself
+    if speculative is not None and speculative.get("model") == "HEAD":
+        head = write_head(tmp_path / "head", config, list(range(0, vocab_size, 64)))
+        speculative = {**speculative, "model": str(head)}
     script = [_SERVING_STEPS, str(tmp_path), str(vocab_size), json.dumps(speculative)]
     done = subprocess.run(
         [sys.executable, "-c", *script],

@@ -102,7 +102,7 @@ class HeldRunner:
         self.num_addenda += 1
 
     def collect(self) -> ModelRunnerOutput:
-        if not self.runner.has_in_flight:
+        if not self.runner.num_in_flight:
             self._launch_held()
         return self.runner.collect()
 

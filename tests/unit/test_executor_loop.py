@@ -59,8 +59,8 @@ class DeviceThatMovesOn:
         self.looks = 0
 
     @property
-    def has_in_flight(self) -> bool:
-        return bool(self.in_flight)
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
 
     def launch_point_passed(self) -> bool:
         if not self.in_flight:

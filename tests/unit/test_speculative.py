@@ -50,7 +50,12 @@ def test_ngram_config_takes_vllms_keys_and_defaults() -> None:
     [
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', ">= 1"),
-        ('{"method": "eagle3", "num_speculative_tokens": 3}', "not built yet"),
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "not built yet"),
+        ('{"method": "eagle3", "num_speculative_tokens": 3}', "EAGLE-3 head's folder"),
+        (
+            '{"method": "eagle3", "model": "h", "num_speculative_tokens": 3, "seed": 1}',
+            "do not apply",
+        ),
         ('{"model": "draft"}', "num_speculative_tokens is required"),
         ('{"method": "draft_model", "num_speculative_tokens": 3}', "model .* is required"),
         (
@@ -85,6 +90,9 @@ def test_draft_model_config_takes_vllms_keys() -> None:
     assert with_quant is not None and with_quant.draft_quantization == "fp8"
     ngram = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 4}')
     assert ngram is not None and ngram.lookahead == 0
+    eagle = parse_speculative_config(json.dumps({**raw, "method": "eagle3"}))
+    assert eagle == SpeculativeConfig("eagle3", 4, draft_model="/m/draft")
+    assert eagle.lookahead == 3  # the head's passes read the token after their position
 
 
 def test_a_draft_models_rows_hold_blocks_for_the_next_proposal() -> None:

@@ -20,6 +20,7 @@ from services.executor.loading.safetensors import (
 )
 from services.executor.loading.weights import load_weights
 from services.executor.models.decoder import DecoderForCausalLM, hf_module_names
+from services.executor.models.eagle3 import Eagle3Head, read_eagle3_config, uses_own_embedding
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.quantization.checkpoints import translate_quantized
 from services.executor.quantization.methods import linear_method, prepare_linear_layers
@@ -45,13 +46,14 @@ def refuse_ignored_projections(model: DecoderForCausalLM, spec: QuantSpec | None
                 )
 
 
-def init_dummy(model: DecoderForCausalLM, seed: int) -> None:
+def init_dummy(model: torch.nn.Module, seed: int) -> None:
     """Random weights with realistic scale (norms at 1), for benchmarks and tests; each
-    projection's method fills its own parameters (packed int4 has its own ranges).
+    projection's method fills its own parameters (packed int4 has its own ranges); integer
+    tables (an EAGLE-3 head's d2t) keep their zeros.
 
     Drawn on the parameters' device: an 8B model's worth of randn on the host takes minutes.
     """
-    device = model.embed_tokens.weight.device
+    device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     linear_params: set[int] = set()
     for module in model.modules():
@@ -61,7 +63,7 @@ def init_dummy(model: DecoderForCausalLM, seed: int) -> None:
     for name, param in model.named_parameters():
         if "norm" in name or name.endswith(("k_scale", "v_scale")):  # KV scales: none
             param.data.fill_(1.0)
-        elif id(param) not in linear_params:
+        elif id(param) not in linear_params and param.is_floating_point():
             values = torch.randn(param.shape, generator=generator, device=device)
             param.data.copy_(values.mul_(0.02))
 
@@ -121,6 +123,38 @@ def load_model(
         time.perf_counter() - start,
     )
     return model.eval()
+
+
+def load_eagle3_head(
+    source: ModelSource,
+    target: DecoderForCausalLM,
+    load_format: str,
+    dtype: torch.dtype,
+    max_position: int,
+    seed: int,
+) -> Eagle3Head:
+    """An EAGLE-3 head for `target` (on its device), from its folder (dummy weights with
+    --load-format dummy or a preset)."""
+    cfg = read_eagle3_config(source, target.config)
+    dummy = load_format == "dummy" or source.format == "preset"
+    own_embedding = not dummy and uses_own_embedding(safetensors_names(source.path))
+    device = target.embed_tokens.weight.device
+    with torch.device(device), _default_dtype(dtype):
+        head = Eagle3Head(cfg, max_position, own_embedding, target.embed_tokens)
+    if dummy:
+        init_dummy(head, seed)
+    else:
+        load_weights(head, iter_safetensors(source.path))
+    prepare_linear_layers(head, None)
+    logger.info(
+        "loaded EAGLE-3 head %s (%s, reads target layers %s, %d draft tokens, %.2f GiB)",
+        source.name,
+        "dummy" if dummy else "safetensors",
+        list(cfg.aux_layer_ids),
+        cfg.draft_vocab_size,
+        weight_bytes(head) / 2**30,
+    )
+    return head.eval()
 
 
 @contextlib.contextmanager

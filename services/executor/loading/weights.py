@@ -14,11 +14,12 @@ from collections.abc import Iterable
 
 from services.executor.layers.weight_loader import num_shards, weight_loader
 from services.executor.models.decoder import DecoderForCausalLM
+from services.executor.models.eagle3 import Eagle3Head
 from services.executor.parallel.shards import CheckpointTensor, PackedWeight
 
 
 def load_weights(
-    model: DecoderForCausalLM, weights: Iterable[tuple[str, CheckpointTensor]]
+    model: DecoderForCausalLM | Eagle3Head, weights: Iterable[tuple[str, CheckpointTensor]]
 ) -> None:
     """Load every tensor of `weights` into `model`; all its parameters must be filled, each
     fused one by all of its pieces."""

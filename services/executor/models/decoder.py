@@ -52,8 +52,11 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         method: LinearMethod | None,
         kv_scales: bool = False,
+        input_size: int | None = None,
     ) -> None:
-        """`layout`: what this rank holds of the model (all of it on one rank)."""
+        """`layout`: what this rank holds of the model (all of it on one rank); `input_size`:
+        of the qkv projection's input, the hidden size unless given (an EAGLE-3 head reads
+        an embedding and a hidden state side by side)."""
         super().__init__()
         cfg = layout.local_config
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -65,7 +68,8 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         qkv_size = self.q_size + 2 * self.kv_size
         qkv = layout.qkv_parallel()
-        self.qkv_proj = Linear(cfg.hidden_size, qkv_size, cfg.attention_bias, method, sharding=qkv)
+        in_size = input_size or cfg.hidden_size
+        self.qkv_proj = Linear(in_size, qkv_size, cfg.attention_bias, method, sharding=qkv)
         o = layout.row_parallel(cfg.hidden_size)  # its inputs: the rank's heads' outputs
         self.o_proj = Linear(self.q_size, cfg.hidden_size, method=method, sharding=o)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -161,6 +165,7 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         lora: LoraTokens | None = None,
+        aux_out: torch.Tensor | None = None,  # [T, hidden]: takes the residual stream in
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Each norm is told the projection it feeds: an FP8 one takes its input quantized.
         # Attention and the MLP return their rank's part of a sum (their last projections are
@@ -170,6 +175,8 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.begin(x, feeds=qkv_proj, reduce=self.tp)
         else:
             x, residual = self.input_layernorm(x, residual, feeds=qkv_proj, reduce=self.tp)
+        if aux_out is not None:  # now, before the next norm adds to it in place
+            aux_out.copy_(residual)
         x = self.self_attn(positions, x, kv_cache, meta, lora)
         x, residual = self.post_attention_layernorm(
             x, residual, feeds=self.mlp.gate_up_proj, reduce=self.tp
@@ -202,6 +209,23 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, layout.vocab_rows, sharding=vocab)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # EAGLE-3 reads the residual stream that enters some layers (capture_aux_hidden).
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
+
+    def capture_aux_hidden(self, layer_ids: tuple[int, ...], max_tokens: int) -> torch.Tensor:
+        """From now on each forward pass writes the residual stream entering each of these
+        layers into the columns of one buffer, [tokens, len(layer_ids) * hidden], returned
+        (fixed: a CUDA graph writes it too)."""
+        hidden = self.config.hidden_size
+        self.aux_layers = layer_ids
+        self.aux_hidden = torch.empty(
+            max_tokens,
+            len(layer_ids) * hidden,
+            dtype=self.embed_tokens.weight.dtype,
+            device=self.embed_tokens.weight.device,
+        )
+        return self.aux_hidden
 
     def forward(
         self,
@@ -213,10 +237,19 @@ class DecoderForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta, lora)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            aux = self._aux_columns(index, len(input_ids))
+            x, residual = layer(positions, x, residual, kv_cache, meta, lora, aux)
         x, _ = self.norm(x, residual, reduce=self.layout.tp)
         return x
+
+    def _aux_columns(self, layer: int, num_tokens: int) -> torch.Tensor | None:
+        """Where layer `layer` writes the residual stream entering it, if it does."""
+        if layer not in self.aux_layers or self.aux_hidden is None:
+            return None
+        hidden = self.config.hidden_size
+        column = self.aux_layers.index(layer) * hidden
+        return self.aux_hidden[:num_tokens, column : column + hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Why not float32 here: greedy argmax is the same on the model dtype, and the sampler
@@ -232,8 +265,14 @@ class DecoderForCausalLM(nn.Module):
             name = name.replace(old, new) if name.endswith(old) else name
         if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
-        piece = next((p for p in _STACKED if f".{p}." in name), None)
-        if piece is None:
-            return name, None
-        fused, shard = _STACKED[piece]
-        return name.replace(piece, fused), shard
+        return checkpoint_name(name)
+
+
+def checkpoint_name(name: str) -> tuple[str, int | None]:
+    """A Hugging Face module path's parameter here: (its name, the piece of a fused q/k/v or
+    gate/up projection it fills, None: all of it)."""
+    piece = next((p for p in _STACKED if f".{p}." in name), None)
+    if piece is None:
+        return name, None
+    fused, shard = _STACKED[piece]
+    return name.replace(piece, fused), shard

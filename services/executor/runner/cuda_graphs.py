@@ -50,20 +50,31 @@ def mixed_token_sizes(max_tokens: int) -> list[int]:
 
 
 class StepGraphs:
-    def __init__(self, forward: Forward, buffers: StepBuffers, max_batch: int, max_seq_len: int):
+    def __init__(
+        self,
+        forward: Forward,
+        buffers: StepBuffers,
+        max_batch: int,
+        max_seq_len: int,
+        mixed: bool = True,
+        name: str = "",
+    ) -> None:
+        """`mixed`: capture mixed steps too (else decode batches only); `name`: for the log
+        (the target's: none)."""
+        self.name = name
         self.forward = forward
         self.buffers = buffers
         self.max_seq_len = max_seq_len  # attention's context bound, fixed at capture
         self.max_reqs = min(max_batch, buffers.max_reqs)
         self.decode_sizes = graph_batch_sizes(min(self.max_reqs, buffers.max_tokens))
-        self.mixed_sizes = mixed_token_sizes(buffers.max_tokens)
+        self.mixed_sizes = mixed_token_sizes(buffers.max_tokens) if mixed else []
         self.graphs: dict[PaddedShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def shape_for(self, num_reqs: int, num_tokens: int) -> PaddedShape | None:
         """The captured shape a step runs at, or None if it runs eagerly."""
         if num_tokens == num_reqs and num_reqs <= self.decode_sizes[-1]:
             return self._decode(self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_reqs)])
-        if num_tokens <= self.mixed_sizes[-1]:
+        if self.mixed_sizes and num_tokens <= self.mixed_sizes[-1]:
             return self._mixed(self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)])
         return None
 
@@ -95,15 +106,17 @@ class StepGraphs:
             pool = graph.pool()
             self.graphs[shape] = (graph, hidden)
         torch.cuda.synchronize()
+        mixed = self.mixed_sizes or [0]
         logger.info(
-            "captured %d CUDA graphs in %.1f s: decode batches of %d..%d, mixed steps of "
+            "captured %d CUDA graphs%s in %.1f s: decode batches of %d..%d, mixed steps of "
             "%d..%d tokens",
             len(self.graphs),
+            f" of {self.name}" if self.name else "",
             time.perf_counter() - start,
             self.decode_sizes[0],
             self.decode_sizes[-1],
-            self.mixed_sizes[0],
-            self.mixed_sizes[-1],
+            mixed[0],
+            mixed[-1],
         )
 
     def replay(self, shape: PaddedShape) -> torch.Tensor:

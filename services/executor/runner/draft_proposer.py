@@ -26,7 +26,6 @@ import torch
 from services.executor.loading.loader import load_model
 from services.executor.runner.kv_cache import KVCacheLayout
 from services.executor.runner.step_buffers import StepBuffers
-from services.executor.speculative import Proposer, make_proposer
 from shared.config import Config
 from shared.model_config import ModelConfig, load_model_config, resolve_model_source
 from shared.speculative import SpeculativeConfig
@@ -204,37 +203,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens two sequences share."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def bytes_per_block(proposer: object) -> int:
-    """What a KV block costs the draft model besides the target (none without one)."""
-    return proposer.layout.bytes_per_block if isinstance(proposer, DraftProposer) else 0
-
-
-def allocate_kv_cache(proposer: object, num_blocks: int, requests: Mapping[str, HasBlocks]) -> None:
-    """A draft model's KV cache (nothing for the other proposers)."""
-    if isinstance(proposer, DraftProposer):
-        proposer.allocate(num_blocks, requests)
-
-
-class Runner(Protocol):
-    """What proposer_for reads of the model runner."""
-
-    model_config: ModelConfig
-    max_model_len: int
-    dtype: torch.dtype
-    device: torch.device
-
-
-def proposer_for(
-    spec: SpeculativeConfig | None, config: Config, runner: Runner, rank: int
-) -> Proposer | None:
-    """The runner's proposer: none without speculation; a draft model's on the first rank
-    only (the others propose nothing: collect reads rank 0's drafts)."""
-    if spec is None or spec.method != "draft_model":
-        return make_proposer(spec)
-    if rank != 0:
-        return None
-    return DraftProposer(
-        config, spec, runner.model_config, runner.max_model_len, runner.dtype, runner.device
-    )

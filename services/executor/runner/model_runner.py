@@ -15,7 +15,7 @@ from services.executor.loading.loader import load_model
 from services.executor.lora.manager import LoraManager
 from services.executor.parallel.symmetric_memory import with_peer_buffers
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
-from services.executor.runner import draft_proposer
+from services.executor.runner import proposers
 from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.devices import resolve_device, resolve_dtype, start_up_compiles
 from services.executor.runner.grammar import GrammarMatchers
@@ -95,7 +95,7 @@ class ModelRunner:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self._load_model(config, tp)
         self.speculative = parse_speculative_config(config.speculative_config)
-        self.proposer = draft_proposer.proposer_for(self.speculative, config, self, tp.rank)
+        self.proposer = proposers.proposer_for(self.speculative, config, self)
         self.num_drafts = self.speculative.num_speculative_tokens if self.speculative else 0
         self.buffers = StepBuffers(
             config.max_num_batched_tokens,
@@ -109,7 +109,7 @@ class ModelRunner:
         self._allocate_kv_cache(config)
         self._make_samplers(config)
         self.requests: dict[str, RequestState] = {}
-        draft_proposer.allocate_kv_cache(self.proposer, self.num_blocks, self.requests)
+        proposers.allocate_kv_cache(self.proposer, self.num_blocks, self.requests)
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
         self._prepared: PreparedStep | None = None
         # The last step's sampled ids, where the next step's decodes read their input token.
@@ -176,7 +176,7 @@ class ModelRunner:
             self.kv_layout,
             self.device,
             lambda: profile_step_peak(self.model, self.buffers, self.kv_layout, self.max_model_len),
-            draft_proposer.bytes_per_block(self.proposer),
+            proposers.bytes_per_block(self.proposer),
         )
         # Every rank must hold the blocks any plan names.
         self.num_blocks = self.tp.smallest(self.num_blocks, self.device)
@@ -334,6 +334,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             forward_done = torch.cuda.Event()
             forward_done.record()
+        step_hidden = proposers.step_hidden(self.proposer, len(prepared.token_ids))
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in prepared.sample_ids]
         token_bitmask = self._token_bitmask(states, prepared)
@@ -365,6 +366,8 @@ class ModelRunner:
                 prompt_parts=prompt_parts,
                 pooled=pooled,
                 drafts=prepared.drafts,
+                spans=prepared.spans,
+                hidden=step_hidden,
             )
         )
 
@@ -377,10 +380,6 @@ class ModelRunner:
         if self.proposer is not None and self.tp.rank == 0:  # the other ranks' are not read
             output.draft_token_ids = next_drafts(self.proposer, step, self.requests)
         return output
-
-    @property
-    def has_in_flight(self) -> bool:
-        return bool(self._in_flight)
 
     @property
     def num_in_flight(self) -> int:

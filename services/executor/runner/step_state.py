@@ -14,7 +14,7 @@ from services.executor.runner.grammar import grammar_input
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.sampler import PendingSample, SamplingRow
 from services.executor.runner.step_buffers import PaddedShape
-from services.executor.speculative import Proposer
+from services.executor.speculative import HiddenStateProposer, Proposer, RowSpan
 from shared.protocol import (
     ModelRunnerOutput,
     NewRequestData,
@@ -171,8 +171,11 @@ class InFlightStep:
     prompt_parts: list[tuple[str, int, PendingSample]] = field(default_factory=list)
     # Embeddings made by this step: (request id, its vector [hidden]).
     pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    # Speculative decoding: a row's drafts, by the index of its first sampled position.
+    # Speculative decoding: a row's drafts, by the index of its first sampled position;
+    # with EAGLE-3, the step's rows and what the proposer kept of their hidden states.
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    spans: list[RowSpan] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
 
     def finish(self) -> ModelRunnerOutput:
         if self.output is not None:
@@ -266,6 +269,7 @@ class PreparedStep:
     # and each verifying row's drafts by its first sampled position.
     sample_ahead: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    spans: list[RowSpan] = field(default_factory=list)  # each row's
 
     def sampling_rows(self, states: list[RequestState]) -> list[SamplingRow]:
         """The sampler's rows, one per sampled position (`states`: per position)."""
@@ -315,6 +319,7 @@ class PreparedStep:
             count = min(end, len(state.prompt_token_ids)) - start
             self.pool_rows.append((request_id, first, start, count))
         self.token_ids.extend(drafts)
+        self.spans.append(RowSpan(request_id, first, start, num_new))
         state.verifying = bool(drafts)
         self.starts.append(start)
         self.counts.append(num_new)
@@ -354,15 +359,23 @@ def needs_collected_tokens(
 
 
 def next_drafts(
-    proposer: Proposer, step: InFlightStep, requests: dict[str, RequestState]
+    proposer: Proposer | HiddenStateProposer,
+    step: InFlightStep,
+    requests: dict[str, RequestState],
 ) -> dict[str, list[int]]:
     """Drafts for the next step of each speculating request `step` sampled for that is still
     running (`requests`: not ended, preempted or aborted since) and has no later step in
-    flight (whose token they would have to guess), cut where its grammar would refuse them."""
+    flight (whose token they would have to guess), cut where its grammar would refuse them.
+    A proposer of hidden states reads every row of the step (EagleProposer)."""
     pairs = zip(step.sample_ids, step.states, strict=True)
     states = {
         rid: s for rid, s in pairs if s.speculates and not s.num_pending and requests.get(rid) is s
     }
-    drafts = proposer.propose_batch((rid, state.token_ids) for rid, state in states.items())
+    if isinstance(proposer, HiddenStateProposer):
+        if step.hidden is None:
+            return {}
+        drafts = proposer.propose_step(step.spans, step.hidden, set(states), requests)
+    else:
+        drafts = proposer.propose_batch((rid, s.token_ids) for rid, s in states.items())
     kept = {rid: states[rid].allowed_drafts(ids) for rid, ids in drafts.items()}
     return {rid: ids for rid, ids in kept.items() if ids}

@@ -33,6 +33,7 @@ from services.executor.layers.linear import Linear
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.runner.cuda_graphs import MIXED_GRAPH_MAX_TOKENS, StepGraphs
 from services.executor.runner.draft_proposer import DraftProposer
+from services.executor.runner.eagle_proposer import EagleProposer
 from services.executor.runner.grammar import GrammarMatchers
 from services.executor.runner.step_buffers import StepBuffers
 from shared.model_config import ModelConfig
@@ -230,7 +231,7 @@ def _compile_linear_variants(runner: WarmUpTarget) -> None:
 def warm_up(runner: WarmUpTarget) -> None:
     _compile_attention_variants(runner)  # needs one cache block alone
     _compile_linear_variants(runner)
-    if isinstance(runner.proposer, DraftProposer):  # before any request holds a block
+    if isinstance(runner.proposer, DraftProposer | EagleProposer):  # before requests hold blocks
         runner.proposer.warm_up()
     reason = skip_reason(runner)
     if reason is not None:

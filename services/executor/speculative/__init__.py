@@ -3,8 +3,10 @@ the next step verifies with the target model (shared/speculative.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
+
+import torch
 
 from services.executor.speculative.ngram import NgramProposer
 from services.executor.speculative.suffix import SuffixProposer
@@ -23,6 +25,45 @@ class Proposer(Protocol):
     def reset(self) -> None:
         """Every request is gone (the runner's reset), with no `finished` for each."""
         ...
+
+
+class RowSpan(NamedTuple):
+    """A row of a step: its request, token index of its first token in the step, first
+    position, number of tokens."""
+
+    request_id: str
+    first: int
+    start: int
+    count: int
+
+
+class SpeculatingRequest(Protocol):
+    token_ids: list[int]  # prompt and output so far
+    block_ids: list[int]  # its block-table row
+    speculates: bool
+
+
+@runtime_checkable
+class HiddenStateProposer(Protocol):
+    """A proposer that reads the target's hidden states (EAGLE-3): fed every step's rows."""
+
+    def project(self, num_tokens: int) -> torch.Tensor:
+        """Right after a step's forward pass: what the proposer keeps of its hidden states."""
+        ...
+
+    def propose_step(
+        self,
+        spans: Sequence[RowSpan],
+        hidden: torch.Tensor,
+        wanted: set[str],
+        requests: Mapping[str, SpeculatingRequest],
+    ) -> dict[str, list[int]]:
+        """Once the step's tokens are known: drafts for the `wanted` requests."""
+        ...
+
+    def finished(self, request_id: str, output_token_ids: list[int]) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
