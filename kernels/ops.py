@@ -61,6 +61,7 @@ def paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    decode_queries: int = 1,  # the most query tokens of a request the decode kernel takes
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     args = (query, key_cache, value_cache, block_tables, seq_lens)
     decode = _triton("decode_attention", query)
@@ -69,22 +70,28 @@ def paged_attention(
         return decode.paged_decode_attention(*args, scale)
     if decode is not None and (prefill := _triton("prefill_attention", query)) is not None:
         # A mixed batch: prompts through the prefill kernel, and the decodes riding along
-        # through the split-KV kernel, which reads their contexts with many programs each.
-        out = prefill.paged_prefill_attention(
-            *args, query_start_loc, max_query_len, max_seq_len, scale, skip_single_queries=True
+        # (with their drafts, when speculating) through the split-KV kernel, which reads their
+        # contexts with many programs each, once for all of a request's query tokens.
+        out = None
+        if max_query_len > decode_queries:
+            out = prefill.paged_prefill_attention(
+                *args, query_start_loc, max_query_len, max_seq_len, scale,
+                skip_queries_up_to=decode_queries,
+            )  # fmt: skip
+        return decode.paged_decode_attention(
+            *args, scale, query_start_loc=query_start_loc, out=out, max_queries=decode_queries
         )
-        return decode.paged_decode_attention(*args, scale, query_start_loc=query_start_loc, out=out)
     return paged_attention_reference(*args, query_start_loc, max_query_len, max_seq_len, scale)
 
 
 def compile_attention_variants(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, decode_queries: int
 ) -> None:
     """Compile now the attention kernel variants a step may need later (CUDA; on the CPU
     nothing is compiled)."""
     decode = _triton("decode_attention", query)
     if decode is not None:
-        decode.compile_every_variant(query, key_cache, value_cache)
+        decode.compile_every_variant(query, key_cache, value_cache, decode_queries)
 
 
 def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, first_id: int) -> torch.Tensor:

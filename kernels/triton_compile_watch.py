@@ -43,9 +43,24 @@ class LateCompiles:
 
     def _on_compile(self, *, repr: str, **kwargs: Any) -> bool | None:  # Triton names `repr`
         if not self._warming_up:
-            self.variants.append(repr)
-            logger.warning("Triton kernel variant first met after the warm-up: %s", repr)
+            variant = f"{repr.split('(')[0]} {_constants(kwargs)}"
+            self.variants.append(variant)
+            logger.warning("Triton kernel variant first met after the warm-up: %s", variant)
         return self._previous(repr=repr, **kwargs) if self._previous is not None else None
+
+
+def _constants(hook_kwargs: dict[str, Any]) -> str:
+    """The variant's compile-time constants by name (Triton's `repr` lists argument types
+    only), which say what the warm-up missed."""
+    fn, compile_args = hook_kwargs.get("fn"), hook_kwargs.get("compile") or {}
+    params = [param.name for param in getattr(getattr(fn, "jit_function", None), "params", [])]
+    constants = compile_args.get("constants", {})  # {(argument index,): value} in Triton 3.9
+    named = (
+        f"{params[key[0]]}={value}"
+        for key, value in constants.items()
+        if isinstance(key, tuple) and len(key) == 1 and key[0] < len(params)
+    )
+    return ", ".join(named) or "(constants not told)"
 
 
 _watch: LateCompiles | None = None

@@ -20,10 +20,17 @@ the first split, its program writes the output directly. A separate merge kernel
 per layer (a kernel boundary is about 3 us at batch 1). Same math as
 `kernels.attention.paged_attention_reference` with one query per request.
 
-In a mixed batch (`query_start_loc` given) the kernel attends only the requests with exactly one
-query token, at their rows of the step's tokens, and leaves every other row to the prefill kernel:
-a decode riding along with a prompt gets split-KV parallelism instead of one program walking its
-whole context.
+In a mixed batch (`query_start_loc` given) the kernel attends only the requests with at most
+`max_queries` query tokens (QUERIES), at their rows of the step's tokens, and leaves every other
+row to the prefill kernel: a decode riding along with a prompt gets split-KV parallelism instead
+of one program walking its whole context. Several query tokens of a request, a verifying row of
+speculative decoding (its last token and its drafts), share the program's rows with the query
+heads, each query masked causally at its own position:
+
+    row i of the program's dots   query token i // GROUP, query head kv * GROUP + i % GROUP
+
+so the context is read once for all of them, and with GQA groups of 4 the 4 tokens of three
+drafts fill the 16 rows a dot needs anyway (one token pads 4 to 16).
 """
 
 from __future__ import annotations
@@ -104,9 +111,9 @@ def _decode_partition_kernel(
     seq_lens_ptr,  # [R] int32
     query_start_loc_ptr,  # [R + 1] int32 with HAS_QUERY_LOC, else unused
     out_ptr,  # [T, H, D], heads and dims contiguous
-    part_max_ptr,  # [R, H, S] float32, running max of log2-scaled scores (S > 1)
-    part_sum_ptr,  # [R, H, S] float32, sum of exp2(score - max) (S > 1)
-    part_acc_ptr,  # [R, H, S, D] float32, unnormalised weighted sum of values (S > 1)
+    part_max_ptr,  # [R, Q, H, S] float32, running max of log2-scaled scores (S > 1)
+    part_sum_ptr,  # [R, Q, H, S] float32, sum of exp2(score - max) (S > 1)
+    part_acc_ptr,  # [R, Q, H, S, D] float32, unnormalised weighted sum of values (S > 1)
     tickets_ptr,  # [R, KV] int32, zero between launches (S > 1)
     qk_scale,  # softmax scale * log2(e)
     num_splits,  # programs per (request, KV head): the most splits a context may take
@@ -122,13 +129,14 @@ def _decode_partition_kernel(
     stride_table_req,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16, for tl.dot
+    QUERIES: tl.constexpr,  # Q: the most query tokens of a request attended (mixed batches)
+    GROUP_PAD: tl.constexpr,  # GROUP * QUERIES rounded up to a power of two >= 16, for tl.dot
     GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of two, for the merge
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,  # context tokens per loop step, may span several cache blocks
     DOT_PRECISION: tl.constexpr,
-    HAS_QUERY_LOC: tl.constexpr,  # a mixed batch: only one-token requests, at their own rows
+    HAS_QUERY_LOC: tl.constexpr,  # a mixed batch: requests of 1..QUERIES tokens, at their rows
     FP16_DOTS: tl.constexpr,  # an FP8 cache and a bf16 query: both dots in fp16 (see below)
     E4M3_WORDS: tl.constexpr,  # the caches (and their strides) as 32-bit words: _e4m3_tile
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
@@ -137,7 +145,7 @@ def _decode_partition_kernel(
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    token = _query_row(query_start_loc_ptr, req, HAS_QUERY_LOC)
+    token, num_queries = _query_rows(query_start_loc_ptr, req, HAS_QUERY_LOC, QUERIES)
     if token < 0:
         return  # a prompt (chunk) or an empty padding request: the prefill kernel's
 
@@ -155,11 +163,16 @@ def _decode_partition_kernel(
     split_start = split * partition_tokens
     split_end = tl.minimum(split_start + partition_tokens, seq_len)
 
-    rows = tl.arange(0, GROUP_PAD)  # query heads of this KV head (padding rows masked)
+    rows = tl.arange(0, GROUP_PAD)  # (query token, query head of this KV head) pairs
     dims = tl.arange(0, HEAD_DIM)
-    row_valid = rows < GROUP
-    heads = kv_head * GROUP + rows  # [G]
-    q_ptrs = query_ptr + token * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    queries = rows // GROUP  # [G] the request's query token of each row
+    row_valid = queries < num_queries  # padding rows masked
+    heads = kv_head * GROUP + rows % GROUP  # [G]
+    # Causal: query token i of n sees the context up to its own position, seq_len - n + i.
+    visible_end = seq_len - num_queries + queries + 1  # [G]
+    token_rows = (token + queries).to(tl.int64)  # [G] rows of the step's tokens
+    q_ptrs = query_ptr + token_rows[:, None] * stride_q_token + heads[:, None] * stride_q_head
+    q_ptrs += dims[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [G, D]
     # An FP8 cache is read in fp16 when the query is bf16: e4m3 -> fp16 is one conversion per
     # pair of values on Hopper (-> bf16 goes through float32), and a bf16 query is exact in
@@ -194,36 +207,43 @@ def _decode_partition_kernel(
             k, v = k.to(q.dtype), v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
-        scores = tl.where(pos_valid[None, :], scores, float("-inf"))
-        # The first tile of a split always holds a valid position, so m_new is finite.
+        visible = pos_valid[None, :] & (pos[None, :] < visible_end[:, None])  # [G, T]
+        scores = tl.where(visible, scores, float("-inf"))
+        # The first tile of a split holds a valid position, but with several queries the last
+        # split may lie past an early query's own position: its max stays -inf, and the
+        # exponents are taken against 0 then (no inf - inf), leaving its partial empty.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [G]
-        alpha = tl.exp2(m_i - m_new)  # [G], 0 on the first step
-        p = tl.exp2(scores - m_new[:, None])  # [G, T]
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)  # [G], 0 on the first step
+        p = tl.exp2(scores - m_base[:, None])  # [G, T]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(
             p.to(v.dtype), v, input_precision=DOT_PRECISION
         )  # [G, D]
         m_i = m_new
 
-    out_rows = out_ptr + token * stride_out_token + heads[:, None] * HEAD_DIM + dims[None, :]
+    out_rows = out_ptr + token_rows[:, None] * stride_out_token + heads[:, None] * HEAD_DIM
+    out_rows += dims[None, :]
     if live == 1:  # the whole context in split 0, which holds position 0: l_i > 0
         tl.store(
             out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None]
         )
         return
-    part = (req * NUM_HEADS + heads) * num_splits + split  # [G] index into [R, H, S]
+    part = ((req * QUERIES + queries) * NUM_HEADS + heads) * num_splits + split  # in [R, Q, H, S]
     tl.store(part_max_ptr + part, m_i, mask=row_valid)
     tl.store(part_sum_ptr + part, l_i, mask=row_valid)
     acc_ptrs = part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :]
     tl.store(acc_ptrs, acc, mask=row_valid[:, None])
     ticket_ptr = tickets_ptr + req * tl.num_programs(1) + kv_head
     if split_k.last_to_arrive(ticket_ptr, live):
-        group_out = out_ptr + token * stride_out_token + kv_head * GROUP * HEAD_DIM
-        first_part = (req * NUM_HEADS + kv_head * GROUP) * num_splits
-        _merge_splits(
-            group_out, part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, num_splits, live,
-            GROUP, GROUP_P2, HEAD_DIM,
-        )  # fmt: skip
+        for query in range(0, num_queries):
+            group_out = out_ptr + (token + query).to(tl.int64) * stride_out_token
+            group_out += kv_head * GROUP * HEAD_DIM
+            first_part = ((req * QUERIES + query) * NUM_HEADS + kv_head * GROUP) * num_splits
+            _merge_splits(
+                group_out, part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, num_splits,
+                live, GROUP, GROUP_P2, HEAD_DIM,
+            )  # fmt: skip
         tl.store(ticket_ptr, 0)  # zero again for the next launch (and graph replay)
 
 
@@ -257,10 +277,10 @@ def _split_tokens(
 @triton.jit
 def _merge_splits(
     out_ptr,  # [GROUP, D] of this KV head's query heads in the token's output row
-    part_max_ptr,  # [R, H, S] float32
-    part_sum_ptr,  # [R, H, S] float32
-    part_acc_ptr,  # [R, H, S, D] float32
-    first_part,  # index of (request, first query head of the group, split 0) in [R, H, S]
+    part_max_ptr,  # [R, Q, H, S] float32
+    part_sum_ptr,  # [R, Q, H, S] float32
+    part_acc_ptr,  # [R, Q, H, S, D] float32
+    first_part,  # index of (request, query, first head of the group, split 0) in [R, Q, H, S]
     num_splits,
     live,  # splits that hold context, 1 <= live <= num_splits
     GROUP: tl.constexpr,
@@ -291,7 +311,8 @@ def _merge_splits(
         s = tl.load(part_sum_ptr + part, mask=valid, other=0.0, cache_modifier=".cg")
         a_ptrs = part_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :]
         a = tl.load(a_ptrs, mask=valid[:, :, None], other=0.0, cache_modifier=".cg")  # [C, G, D]
-        # Split 0 holds position 0, so after the first chunk m_new is finite for every head.
+        # Split 0 holds position 0, so after the first chunk m_new is finite for every head
+        # (a later split past the query's position has m = -inf: weight 0).
         m_new = tl.maximum(m_run, tl.max(m, axis=0))  # [G]
         alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk
         w = tl.exp2(m - m_new[None, :])  # [C, G], 0 for the masked splits past `live`
@@ -340,13 +361,14 @@ def _e4m3_tile(cache_words_ptr, slot_offsets, pos_valid, HEAD_DIM: tl.constexpr)
 
 
 @triton.jit
-def _query_row(query_start_loc_ptr, req, HAS_QUERY_LOC: tl.constexpr):
-    """Request req's query row; -1 in a mixed batch where it has not exactly one token."""
+def _query_rows(query_start_loc_ptr, req, HAS_QUERY_LOC: tl.constexpr, QUERIES: tl.constexpr):
+    """Request req's first query row and its number of query tokens; row -1 in a mixed batch
+    where it has none or more than QUERIES."""
     if not HAS_QUERY_LOC:
-        return req
+        return req, 1
     start = tl.load(query_start_loc_ptr + req)
-    end = tl.load(query_start_loc_ptr + req + 1)
-    return tl.where(end - start == 1, start, -1)
+    count = tl.load(query_start_loc_ptr + req + 1) - start
+    return tl.where((count >= 1) & (count <= QUERIES), start, -1), count
 
 
 @functools.cache
@@ -420,11 +442,13 @@ def paged_decode_attention(
     query_start_loc: torch.Tensor | None = None,  # [num_reqs + 1] int32: a mixed batch
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into
     tiles: DecodeTiles | None = None,  # None: default_decode_tiles for the cache
+    max_queries: int = 1,  # with query_start_loc: the most query tokens of a request attended
 ) -> torch.Tensor:  # out, or a new [num_tokens, num_heads, head_dim] of query.dtype
     """Decode attention over a paged KV cache; every seq_lens[r] must be >= 1.
 
-    With query_start_loc, only requests with exactly one query token are attended, at their
-    rows; the other rows of the result are left as they were (see the module docstring).
+    With query_start_loc, only requests with 1 to `max_queries` query tokens are attended
+    (causally: the last at seq_lens[r] - 1), at their rows; the other rows of the result are
+    left as they were (see the module docstring).
     `num_splits` is the most splits a context may take. By default it is picked from the
     batch and the block table's capacity, not max(seq_lens), so no device-to-host sync is
     needed, and each request sizes its splits on the device (`_split_tokens`); a given count
@@ -435,6 +459,8 @@ def paged_decode_attention(
     _check_shapes(query, key_cache, value_cache)
     num_reqs = seq_lens.shape[0]
     _check_rows(query, num_reqs, query_start_loc, out)
+    if max_queries < 1 or (max_queries > 1 and query_start_loc is None):
+        raise ValueError(f"max_queries {max_queries}: 1, or more with query_start_loc")
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if tiles is None:
         tiles = default_decode_tiles(key_cache.dtype, block_size)
@@ -449,7 +475,7 @@ def paged_decode_attention(
         return out
     _launch_partitions(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
-        splits, tiles,
+        splits, tiles, max_queries,
     )  # fmt: skip
     return out
 
@@ -465,6 +491,7 @@ def _launch_partitions(
     scale: float,
     splits: tuple[int, int, int],  # (num_splits, split_balance, min_split_tokens): _splits
     tiles: DecodeTiles,
+    max_queries: int,
 ) -> None:
     """One launch of the partition kernel, a program per (request, KV head, split), on int32
     metadata, with the partials it merges through."""
@@ -473,9 +500,9 @@ def _launch_partitions(
     seq_lens = seq_lens.to(torch.int32).contiguous()
     has_query_loc = query_start_loc is not None
     query_loc = query_start_loc.to(torch.int32).contiguous() if has_query_loc else seq_lens
-    partials = _partials(out, num_reqs, num_kv_heads, num_splits)
+    partials = _partials(out, num_reqs, num_kv_heads, num_splits, max_queries)
     words = _reads_e4m3_words(query, key_cache, value_cache)
-    constants = _partition_constants(query, key_cache, tiles, has_query_loc, words)
+    constants = _partition_constants(query, key_cache, tiles, has_query_loc, words, max_queries)
     if words:  # the caches as 32-bit words of four values, their strides in words
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
     args = _partition_args(
@@ -540,6 +567,7 @@ def _partition_constants(
     tiles: DecodeTiles,
     has_query_loc: bool,
     words: bool,  # _reads_e4m3_words
+    max_queries: int,
 ) -> dict:
     """The partition kernel's compile-time constants and launch options."""
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -550,7 +578,8 @@ def _partition_constants(
     return dict(
         NUM_HEADS=num_heads,
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        QUERIES=max_queries,
+        GROUP_PAD=max(16, triton.next_power_of_2(group * max_queries)),
         GROUP_P2=triton.next_power_of_2(group),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -588,9 +617,11 @@ def _partials(
     num_reqs: int,
     num_kv_heads: int,
     num_splits: int,
+    max_queries: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # max, sum, acc, tickets
     """What the partition kernel merges through with several splits: float32 partials per
-    (request, query head, split) and a ticket counter per (request, KV head). With one split
+    (request, query token, query head, split) and a ticket counter per (request, KV head). With
+    one split
     it writes the output at once and touches none of them: empty tensors of their dtypes
     stand in (the kernel specialises on its pointers' dtypes)."""
     if num_splits == 1:
@@ -599,9 +630,10 @@ def _partials(
     counters = split_k.tickets(out.device, num_reqs * num_kv_heads, "decode attention")
     num_heads, head_dim = out.shape[1], out.shape[2]
     f32 = dict(device=out.device, dtype=torch.float32)
-    part_max = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
-    part_sum = torch.empty(num_reqs, num_heads, num_splits, **f32)  # [R, H, S]
-    part_acc = torch.empty(num_reqs, num_heads, num_splits, head_dim, **f32)  # [R, H, S, D]
+    rows = num_reqs * max_queries
+    part_max = torch.empty(rows, num_heads, num_splits, **f32)  # [R * Q, H, S]
+    part_sum = torch.empty(rows, num_heads, num_splits, **f32)  # [R * Q, H, S]
+    part_acc = torch.empty(rows, num_heads, num_splits, head_dim, **f32)  # [R * Q, H, S, D]
     return part_max, part_sum, part_acc, counters
 
 
@@ -641,12 +673,14 @@ def compile_every_variant(
     query: torch.Tensor,  # [>= 1, num_heads, head_dim], the model's dtype
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
+    max_queries: int = 1,  # the engine's mixed steps' (1 + speculative tokens)
 ) -> None:
-    """Launch the kernel with one and two splits, with and without a mixed batch, on one
-    request of one cached token (block 0, read only), so that no step of a running server
-    meets a variant it has to compile first (the split count and table width are runtime
-    values). (The ticket counters are made by the first eager launch with splits; a graph's
-    capture follows an eager run of the same step, cuda_graphs.StepGraphs.capture.)"""
+    """Launch the kernel with one and two splits, with and without a mixed batch (of up to
+    `max_queries` tokens a request), on one request of one cached token (block 0, read only),
+    so that no step of a running server meets a variant it has to compile first (the split
+    count and table width are runtime values). (The ticket counters are made by the first
+    eager launch with splits; a graph's capture follows an eager run of the same step,
+    cuda_graphs.StepGraphs.capture.)"""
     device = query.device
     tables = torch.zeros(1, 2, dtype=torch.int32, device=device)  # block 0: read only
     seq_lens = torch.ones(1, dtype=torch.int32, device=device)
@@ -655,6 +689,7 @@ def compile_every_variant(
         paged_decode_attention(
             query[:1], key_cache, value_cache, tables, seq_lens, 1.0, splits,
             query_start_loc=query_start_loc,
+            max_queries=max_queries if query_start_loc is not None else 1,
         )  # fmt: skip
 
 

@@ -144,7 +144,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     REQS_POW2: tl.constexpr,  # num_reqs rounded up to a power of two
-    SKIP_SINGLE: tl.constexpr,  # leave one-token requests to the decode kernel
+    SKIP_UP_TO: tl.constexpr,  # leave requests of this many tokens or fewer to the decode kernel
 ):
     kv_head = tl.program_id(1)
     # Work items are (request, query tile) pairs, numbered request by request; the kernel
@@ -155,8 +155,7 @@ def _prefill_kernel(
     req_starts = tl.load(query_start_loc_ptr + reqs, mask=in_batch, other=0)
     req_ends = tl.load(query_start_loc_ptr + reqs + 1, mask=in_batch, other=0)
     num_tiles = (req_ends - req_starts + BLOCK_Q - 1) // BLOCK_Q  # [R]
-    if SKIP_SINGLE:
-        num_tiles = tl.where(req_ends - req_starts == 1, 0, num_tiles)
+    num_tiles = tl.where(req_ends - req_starts <= SKIP_UP_TO, 0, num_tiles)
     items_through = tl.cumsum(num_tiles, 0)  # [R] items of requests 0..r
     num_items = tl.sum(num_tiles, 0)
     for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
@@ -342,12 +341,13 @@ def paged_prefill_attention(
     scale: float,
     *,
     tiles: PrefillTiles | None = None,  # None picks from head_dim, GQA group and max_query_len
-    skip_single_queries: bool = False,  # leave one-token requests' rows unwritten
+    skip_queries_up_to: int = 0,  # leave the rows of requests of this many tokens or fewer
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
     """Causal attention of each request's queries over its paged context, any mix of rows.
 
-    With skip_single_queries, requests of one query token get no work here: the caller runs
-    the split-KV decode kernel on their rows (`paged_decode_attention` with query_start_loc).
+    Requests of up to skip_queries_up_to query tokens get no work here: the caller runs the
+    split-KV decode kernel on their rows (`paged_decode_attention` with query_start_loc and
+    max_queries).
     The grid comes from shapes only (num_tokens, num_reqs, num_kv_heads), so there is no
     device-to-host sync and a CUDA graph can replay the launch; max_query_len only picks the
     tiles; max_seq_len is unused (each program reads its own seq_len) and kept for the shared
@@ -366,7 +366,7 @@ def paged_prefill_attention(
         return out
     _launch_prefill(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
-        tiles, skip_single_queries,
+        tiles, skip_queries_up_to,
     )  # fmt: skip
     return out
 
@@ -381,14 +381,14 @@ def _launch_prefill(
     out: torch.Tensor,  # [T, H, D], contiguous
     scale: float,
     tiles: PrefillTiles,
-    skip_single_queries: bool,
+    skip_queries_up_to: int,
 ) -> None:
     """One launch of the prefill kernel on int32 metadata, its grid fixed by shapes alone."""
     num_reqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
     block_tables = block_tables.to(torch.int32).contiguous()  # [R, max_blocks]
     seq_lens = seq_lens.to(torch.int32).contiguous()  # [R]
     query_start_loc = query_start_loc.to(torch.int32).contiguous()  # [R + 1]
-    constants = _prefill_constants(query, key_cache, tiles, num_reqs, skip_single_queries)
+    constants = _prefill_constants(query, key_cache, tiles, num_reqs, skip_queries_up_to)
     grid = _prefill_grid(query, num_reqs, num_kv_heads, constants["BLOCK_Q"])
     args = (
         out,
@@ -432,7 +432,7 @@ def _prefill_constants(
     key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D]
     tiles: PrefillTiles,
     num_reqs: int,
-    skip_single_queries: bool,
+    skip_queries_up_to: int,
 ) -> dict:
     """The prefill kernel's compile-time constants and launch options: a tile's BLOCK_M rows
     are BLOCK_Q tokens of GROUP_PAD query heads each."""
@@ -449,6 +449,6 @@ def _prefill_constants(
         BLOCK_N=tiles.block_n,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         REQS_POW2=reqs_pow2(num_reqs),
-        SKIP_SINGLE=skip_single_queries,
+        SKIP_UP_TO=skip_queries_up_to,
         num_warps=tiles.num_warps,
     )

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
+import itertools
+
 from kernels.attention import paged_attention_reference
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_prefill_attention import PrefillTiles, paged_prefill_attention
@@ -120,13 +122,17 @@ def test_padded_step_matches_unpadded() -> None:
     torch.testing.assert_close(out[:num_tokens], expected, atol=1e-4, rtol=1e-4)
 
 
-def split_mixed(case: dict[str, torch.Tensor | int | float]) -> torch.Tensor:
-    """ops.paged_attention's mixed step: prompts here, one-token requests by the decode kernel."""
-    out = paged_prefill_attention(**case, skip_single_queries=True)
+def split_mixed(
+    case: dict[str, torch.Tensor | int | float], max_queries: int = 1, num_splits: int | None = None
+) -> torch.Tensor:
+    """ops.paged_attention's mixed step: prompts here, requests of up to `max_queries` tokens
+    by the decode kernel."""
+    out = paged_prefill_attention(**case, skip_queries_up_to=max_queries)
     args = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
     return paged_decode_attention(
-        *args, case["scale"], query_start_loc=case["query_start_loc"], out=out
-    )
+        *args, case["scale"], num_splits, query_start_loc=case["query_start_loc"], out=out,
+        max_queries=max_queries,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("batch", ["prefill", "mixed"])
@@ -145,6 +151,41 @@ def test_decodes_split_off_match_reference(batch: str) -> None:
     )
     written = (out != sentinel).any(dim=(1, 2)).nonzero().flatten()
     assert written.tolist() == rows.tolist() and len(rows) > 0
+    torch.testing.assert_close(out[rows], expected[rows], atol=1e-4, rtol=1e-4)
+
+
+# Speculative decoding's verifying rows (a token and its drafts) beside decodes and a prompt;
+# 65 tokens of context end one past a block: split past the early queries' own positions.
+VERIFYING = [(4, 40), (1, 17), (3, 65), (25, 25), (4, 4), (2, 33), (0, 9)]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 8])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (6, 2), (4, 4)])
+def test_verifying_rows_read_as_decodes_match_reference(
+    num_splits: int | None, num_heads: int, num_kv_heads: int
+) -> None:
+    """Requests of up to four tokens by the decode kernel, each token seeing the context up to
+    its own position, in one split or several (with 8, the last split of the 65-token context
+    lies past its first two queries); the prompt by the prefill kernel."""
+    case = make_case(VERIFYING, num_heads, num_kv_heads, 64, torch.float32, seed=num_heads)
+    expected = paged_attention_reference(**case)
+    out = split_mixed(case, max_queries=4, num_splits=num_splits)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_decode_kernel_writes_only_requests_within_max_queries() -> None:
+    case = make_case(VERIFYING, 8, 2, 64, torch.float32, seed=5)
+    expected = paged_attention_reference(**case)
+    args = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+    sentinel = torch.full_like(case["query"], 7.0)
+    out = paged_decode_attention(
+        *args, case["scale"], query_start_loc=case["query_start_loc"], out=sentinel.clone(),
+        max_queries=3,
+    )  # fmt: skip
+    loc = case["query_start_loc"].tolist()
+    rows = [t for s, e in itertools.pairwise(loc) if 1 <= e - s <= 3 for t in range(s, e)]
+    written = (out != sentinel).any(dim=(1, 2)).nonzero().flatten()
+    assert written.tolist() == rows
     torch.testing.assert_close(out[rows], expected[rows], atol=1e-4, rtol=1e-4)
 
 

@@ -27,7 +27,7 @@ def buffers_with_two_requests() -> StepBuffers:
 
 def test_mixed_padding_adds_ownerless_tokens_and_empty_requests() -> None:
     buffers = buffers_with_two_requests()
-    shape = PaddedShape(num_tokens=16, num_reqs=8, decode=False)
+    shape = PaddedShape(num_tokens=16, num_reqs=8, max_query_len=16)
     buffers.write([11, 12, 13, 14], [5, 0], [1, 3], [0, 3], pad_to=shape)
     view = buffers.view()
     assert view.input_ids.tolist()[:4] == [11, 12, 13, 14]
@@ -49,7 +49,7 @@ def test_mixed_padding_adds_ownerless_tokens_and_empty_requests() -> None:
 
 def test_decode_padding_gives_each_row_one_harmless_token() -> None:
     buffers = buffers_with_two_requests()
-    buffers.write([11, 12], [5, 3], [1, 1], [0, 1], pad_to=PaddedShape(4, 4, decode=True))
+    buffers.write([11, 12], [5, 3], [1, 1], [0, 1], pad_to=PaddedShape(4, 4, max_query_len=1))
     view = buffers.view()
     assert view.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert view.meta.seq_lens.tolist() == [6, 4, 1, 1]
@@ -59,23 +59,44 @@ def test_decode_padding_gives_each_row_one_harmless_token() -> None:
 def test_a_step_larger_than_its_shape_is_refused() -> None:
     buffers = buffers_with_two_requests()
     with pytest.raises(ValueError, match="tokens"):
-        buffers.write([11, 12, 13, 14], [5, 0], [1, 3], [0, 3], pad_to=PaddedShape(2, 2, False))
+        buffers.write([11, 12, 13, 14], [5, 0], [1, 3], [0, 3], pad_to=PaddedShape(2, 2, 2))
 
 
 def test_graph_shapes_cover_every_step_up_to_the_limit() -> None:
     buffers = StepBuffers(2048, 256, 8, BLOCK, torch.device("cpu"))
     graphs = StepGraphs(lambda view: view.input_ids, buffers, max_batch=256, max_seq_len=32)
-    assert graphs.shape_for(1, 1) == PaddedShape(1, 1, decode=True)
-    assert graphs.shape_for(3, 3) == PaddedShape(4, 4, decode=True)
-    assert graphs.shape_for(33, 232) == PaddedShape(256, 256, decode=False)
-    assert graphs.shape_for(1, 17) == PaddedShape(32, 32, decode=False)
-    assert graphs.shape_for(2, MIXED_GRAPH_MAX_TOKENS + 1) is None  # eager
+    assert graphs.shape_for(1, 1, 1) == PaddedShape(1, 1, 1)
+    assert graphs.shape_for(3, 3, 1) == PaddedShape(4, 4, 1)
+    assert graphs.shape_for(33, 232, 100) == PaddedShape(256, 256, 256)
+    assert graphs.shape_for(1, 17, 17) == PaddedShape(32, 32, 32)
+    assert graphs.shape_for(2, 4, 3) == PaddedShape(16, 16, 16)  # no drafts: no verifying graphs
+    assert graphs.shape_for(2, MIXED_GRAPH_MAX_TOKENS + 1, 500) is None  # eager
     for num_tokens in range(1, MIXED_GRAPH_MAX_TOKENS + 1):
         for num_reqs in {1, num_tokens // 2 or 1, min(num_tokens, 256)}:
-            shape = graphs.shape_for(num_reqs, num_tokens)
+            longest = num_tokens - num_reqs + 1
+            shape = graphs.shape_for(num_reqs, num_tokens, longest)
             assert shape is not None
             assert shape.num_tokens >= num_tokens and shape.num_reqs >= num_reqs
             assert shape.decode == (num_reqs == num_tokens)
+
+
+def test_verifying_steps_get_graphs_of_their_batch_size() -> None:
+    """Up to 1 + 3 drafts a request: a shape of the batch's size (the decode kernel's split
+    count follows it), padded as a mixed step; a longer row, a mixed shape."""
+    buffers = StepBuffers(2048, 256, 8, BLOCK, torch.device("cpu"), decode_queries=4)
+    graphs = StepGraphs(lambda view: view.input_ids, buffers, max_batch=256, max_seq_len=32)
+    assert graphs.verify_sizes[-1] == 128  # 512 tokens, the mixed graphs' limit
+    assert graphs.shape_for(1, 4, 4) == PaddedShape(4, 1, 4)
+    assert graphs.shape_for(3, 7, 4) == PaddedShape(16, 4, 4)
+    assert graphs.shape_for(3, 3, 1) == PaddedShape(4, 4, 1)  # no drafts: a decode
+    assert graphs.shape_for(2, 6, 5) == PaddedShape(16, 16, 16)  # a prompt chunk
+    assert graphs.shape_for(129, 400, 4) == PaddedShape(448, 256, 448)
+    buffers.write([1, 2, 3, 4, 5], [10, 3], [4, 1], [3, 4], pad_to=PaddedShape(12, 3, 4))
+    assert buffers.last_step[:2] == (12, 3)
+    assert buffers.view().meta.query_start_loc.tolist() == [0, 4, 5, 5]
+    assert buffers.view().meta.decode_queries == 4
+    decode_only = StepGraphs(lambda view: view.input_ids, buffers, 256, 32, mixed=False)
+    assert decode_only.shape_for(1, 4, 4) is None and not decode_only.verify_sizes
 
 
 def test_decode_steps_past_the_graph_limit_run_eagerly_rather_than_padded() -> None:
@@ -83,9 +104,9 @@ def test_decode_steps_past_the_graph_limit_run_eagerly_rather_than_padded() -> N
     buffers = StepBuffers(2048, 1024, 8, BLOCK, torch.device("cpu"))
     graphs = StepGraphs(lambda view: view.input_ids, buffers, max_batch=1024, max_seq_len=32)
     limit = DECODE_GRAPH_MAX_BATCH
-    assert graphs.shape_for(limit, limit) == PaddedShape(limit, limit, decode=True)
-    assert graphs.shape_for(limit - 15, limit - 15) == PaddedShape(limit, limit, decode=True)
-    assert graphs.shape_for(limit + 1, limit + 1) is None
-    assert graphs.shape_for(1000, 1000) is None
+    assert graphs.shape_for(limit, limit, 1) == PaddedShape(limit, limit, 1)
+    assert graphs.shape_for(limit - 15, limit - 15, 1) == PaddedShape(limit, limit, 1)
+    assert graphs.shape_for(limit + 1, limit + 1, 1) is None
+    assert graphs.shape_for(1000, 1000, 1) is None
     small = StepGraphs(lambda view: view.input_ids, buffers, max_batch=300, max_seq_len=32)
-    assert small.shape_for(290, 290) == PaddedShape(300, 300, decode=True)  # max_batch's own
+    assert small.shape_for(290, 290, 1) == PaddedShape(300, 300, 1)  # max_batch's own

@@ -15,3 +15,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32: offsets of each request's tokens
     max_query_len: int
     max_seq_len: int
+    # Requests of up to this many tokens are attended as decodes (ops.paged_attention): 1, or
+    # with speculative decoding 1 + the drafts a row verifies.
+    decode_queries: int = 1

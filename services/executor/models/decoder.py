@@ -134,6 +134,7 @@ class Attention(nn.Module):
             meta.max_query_len,
             meta.max_seq_len,
             self.scale * k_scale,  # the cached keys times k_scale
+            meta.decode_queries,
         )  # [T, H, D]
         if v_scale != 1.0:
             out = out * v_scale  # the cached values times v_scale

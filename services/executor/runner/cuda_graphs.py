@@ -1,4 +1,5 @@
-"""CUDA graphs of the forward pass: decode batches by size, mixed steps by token count.
+"""CUDA graphs of the forward pass: decode and verifying batches by size, mixed steps by
+token count.
 
 A forward pass of a large model is a few hundred kernel launches of a few microseconds each;
 launched one by one from Python, the host is the bottleneck and the GPU idles. A graph
@@ -7,6 +8,9 @@ steps are padded up to the next captured shape, and every input is read from the
 offsets of `StepBuffers`:
 - decode graphs (one token per request, the split-KV decode attention), by batch size;
   padding rows read block 0 and write no KV;
+- with speculative decoding, verifying graphs by batch size: up to 1 + num_speculative_tokens
+  tokens a request, which the decode kernel attends too (a row's tokens share its programs);
+  padded as mixed steps are;
 - mixed graphs (prompts or chunks beside decodes, the prefill attention, whose launch
   depends on shapes only), by token count up to MIXED_GRAPH_MAX_TOKENS; padding tokens
   belong to no request and padding requests have no tokens. Larger steps run eagerly: there
@@ -68,25 +72,41 @@ class StepGraphs:
         self.max_reqs = min(max_batch, buffers.max_reqs)
         self.decode_sizes = graph_batch_sizes(min(self.max_reqs, buffers.max_tokens))
         self.mixed_sizes = mixed_token_sizes(buffers.max_tokens) if mixed else []
+        # A verifying step in a mixed graph would pad its requests to the token count, and the
+        # decode kernel's split-KV count follows the requests: at batch 1, 5 splits where a
+        # decode takes up to 64 (an 8,192-token context's verifying step 1.48x a decode's).
+        self.queries = buffers.decode_queries if mixed else 1
+        verify_limit = min(buffers.max_tokens, MIXED_GRAPH_MAX_TOKENS) // self.queries
+        self.verify_sizes = [s for s in self.decode_sizes if s <= verify_limit]
+        if self.queries == 1:
+            self.verify_sizes = []
         self.graphs: dict[PaddedShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def shape_for(self, num_reqs: int, num_tokens: int) -> PaddedShape | None:
-        """The captured shape a step runs at, or None if it runs eagerly."""
-        if num_tokens == num_reqs and num_reqs <= self.decode_sizes[-1]:
+    def shape_for(self, num_reqs: int, num_tokens: int, max_query_len: int) -> PaddedShape | None:
+        """The captured shape a step (its most tokens a request: `max_query_len`) runs at, or
+        None if it runs eagerly."""
+        if max_query_len == 1 and num_reqs <= self.decode_sizes[-1]:
             return self._decode(self.decode_sizes[bisect.bisect_left(self.decode_sizes, num_reqs)])
+        verify = self.verify_sizes
+        if max_query_len <= self.queries and verify and num_reqs <= verify[-1]:
+            return self._verify(verify[bisect.bisect_left(verify, num_reqs)])
         if self.mixed_sizes and num_tokens <= self.mixed_sizes[-1]:
             return self._mixed(self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)])
         return None
 
     def _decode(self, size: int) -> PaddedShape:
-        return PaddedShape(size, size, decode=True)
+        return PaddedShape(size, size, max_query_len=1)
+
+    def _verify(self, size: int) -> PaddedShape:
+        return PaddedShape(size * self.queries, size, max_query_len=self.queries)
 
     def _mixed(self, size: int) -> PaddedShape:
         # Every request has a token, so min(size, max_reqs) requests hold any step.
-        return PaddedShape(size, min(size, self.max_reqs), decode=False)
+        return PaddedShape(size, min(size, self.max_reqs), max_query_len=size)
 
     def _shapes(self) -> list[PaddedShape]:
-        return [*map(self._decode, self.decode_sizes), *map(self._mixed, self.mixed_sizes)]
+        decode, verify, mixed = self.decode_sizes, self.verify_sizes, self.mixed_sizes
+        return [*map(self._decode, decode), *map(self._verify, verify), *map(self._mixed, mixed)]
 
     def capture(self) -> None:
         start = time.perf_counter()
@@ -95,9 +115,9 @@ class StepGraphs:
         for shape in sorted(self._shapes(), key=lambda s: -s.num_tokens):
             self.buffers.write([], [], [], [], pad_to=shape)
             self.buffers.copy_to_device()
-            # A decode graph runs the decode kernel (one query each); a mixed one the prefill
-            # kernel, with tiles for queries as long as the whole step.
-            view = self.buffers.view(self.max_seq_len, 1 if shape.decode else shape.num_tokens)
+            # A decode or verifying graph runs the decode kernel; a mixed one the prefill
+            # kernel too, with tiles for queries as long as the whole step.
+            view = self.buffers.view(self.max_seq_len, shape.max_query_len)
             self.forward(view)  # warm-up outside the graph: Triton compiles, cuBLAS picks
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -106,15 +126,17 @@ class StepGraphs:
             pool = graph.pool()
             self.graphs[shape] = (graph, hidden)
         torch.cuda.synchronize()
-        mixed = self.mixed_sizes or [0]
+        mixed, verify = self.mixed_sizes or [0], self.verify_sizes or [0]
         logger.info(
-            "captured %d CUDA graphs%s in %.1f s: decode batches of %d..%d, mixed steps of "
-            "%d..%d tokens",
+            "captured %d CUDA graphs%s in %.1f s: decode batches of %d..%d, verifying batches "
+            "of %d..%d, mixed steps of %d..%d tokens",
             len(self.graphs),
             f" of {self.name}" if self.name else "",
             time.perf_counter() - start,
             self.decode_sizes[0],
             self.decode_sizes[-1],
+            verify[0],
+            verify[-1],
             mixed[0],
             mixed[-1],
         )

@@ -73,6 +73,7 @@ class DraftProposer:
             -(-max_model_len // config.block_size),
             config.block_size,
             device,
+            decode_queries=1 + self.num_drafts,  # a row feeds up to the tokens verified
         )
         self.device = device
         self.kv_caches: list[torch.Tensor] = []

@@ -83,7 +83,10 @@ class EagleProposer:
         self.layout = KVCacheLayout.of(self.head.config.layer, config.block_size, dtype)
         max_blocks = -(-max_model_len // config.block_size)
         args = (config.max_num_seqs, max_blocks, config.block_size, device)
-        self.catch_up_buffers = StepBuffers(config.max_num_batched_tokens, *args)
+        # A catch-up row feeds a verified row's tokens: up to 1 + the drafts, read as decodes.
+        self.catch_up_buffers = StepBuffers(
+            config.max_num_batched_tokens, *args, decode_queries=1 + self.num_drafts
+        )
         # One per further draft: each pass's inputs are copied before the first runs.
         self.draft_buffers = [
             StepBuffers(config.max_num_seqs, *args) for _ in range(self.num_drafts - 1)
@@ -178,7 +181,7 @@ class EagleProposer:
         ends = [end - 1 for end in itertools.accumulate(counts[: len(drafting)])]
         tokens = [token for row in rows for token in row.tokens]
         graphs = self.catch_up_graphs
-        shape = graphs.shape_for(len(rows), len(tokens)) if graphs is not None else None
+        shape = graphs.shape_for(len(rows), len(tokens), max(counts)) if graphs else None
         buffers.write(tokens, [row.start for row in rows], counts, ends, shape)
         buffers.copy_to_device()
         index = [row.first + i for row in rows for i in range(len(row.tokens))]
@@ -215,7 +218,7 @@ class EagleProposer:
         starts = [row.start + len(row.tokens) - 1 + j for row in rows]
         sources = [(index, index) for index in range(num)]
         graphs = self.draft_graphs[j - 1] if self.draft_graphs else None
-        shape = graphs.shape_for(num, num) if graphs is not None else None
+        shape = graphs.shape_for(num, num, 1) if graphs is not None else None
         buffers.write([0] * num, starts, [1] * num, list(range(num)), shape, sources)
         buffers.copy_to_device()
         if graphs is not None and shape is not None:

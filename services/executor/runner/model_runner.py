@@ -30,11 +30,7 @@ from services.executor.runner.plan_check import PlanError, PlanLimits, check_pla
 from services.executor.runner.plan_relay import PlanRelay
 from services.executor.runner.pooling import pool_chunk
 from services.executor.runner.prompt_logprobs import prompt_logprobs
-from services.executor.runner.sampler import (
-    Sampler,
-    TokenBitmask,
-    step_seed,
-)
+from services.executor.runner.sampler import Sampler, TokenBitmask, step_seed
 from services.executor.runner.step_buffers import StepBuffers, StepView
 from services.executor.runner.step_state import (
     DeviceSpan,
@@ -104,6 +100,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             max_samples=config.max_num_seqs * (1 + self.num_drafts),  # a row samples after each
+            decode_queries=1 + self.num_drafts,
         )
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
         self._allocate_kv_cache(config)
@@ -466,7 +463,9 @@ class ModelRunner:
             prepared.add_row(request_id, state, num_new, plan.spec_token_ids.get(request_id, []))
             self._write_table_row(len(prepared.counts) - 1, state)
         if self.graphs is not None:
-            prepared.shape = self.graphs.shape_for(len(prepared.counts), len(prepared.token_ids))
+            prepared.shape = self.graphs.shape_for(
+                len(prepared.counts), len(prepared.token_ids), max(prepared.counts, default=0)
+            )
         row_slots = None
         if self.lora is not None:  # a step's adapters in slots before its inputs name them
             try:

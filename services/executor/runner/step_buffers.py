@@ -38,7 +38,14 @@ class PaddedShape:
 
     num_tokens: int
     num_reqs: int
-    decode: bool  # one token per request (decode attention), else any mix (prefill attention)
+    # The most tokens of a request, which picks attention's kernels (ops.paged_attention): 1,
+    # a decode step; up to StepBuffers.decode_queries, a step of verifying rows (a token and
+    # its drafts each: the decode kernel too); num_tokens, any mix (prompts: prefill kernel).
+    max_query_len: int
+
+    @property
+    def decode(self) -> bool:
+        return self.max_query_len == 1
 
 
 @dataclass
@@ -60,10 +67,14 @@ class StepBuffers:
         block_size: int,
         device: torch.device,
         max_samples: int | None = None,
+        decode_queries: int = 1,
     ) -> None:
         """`max_samples`: positions sampled in one step, at most (default one a request; more
-        where a row verifies drafts)."""
+        where a row verifies drafts). `decode_queries`: the most tokens of a request that
+        attention reads its context for as a decode (AttentionMetadata), 1 + the drafts of a
+        verifying row."""
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        self.decode_queries = decode_queries
         self.max_samples = min(max_samples or max_reqs, max(max_tokens, max_reqs))
         self.block_size = block_size
         sizes = {
@@ -225,6 +236,7 @@ class StepBuffers:
             query_start_loc=self._device("query_start_loc", num_reqs + 1),
             max_query_len=max_query_len,
             max_seq_len=max_seq_len if max_seq_len is not None else step_max_seq_len,
+            decode_queries=self.decode_queries,
         )
         return StepView(
             input_ids=self._device("input_ids", num_tokens),

@@ -210,7 +210,7 @@ def _compile_attention_variants(runner: WarmUpTarget) -> None:
     cfg = runner.model.layout.local_config
     key_cache, value_cache = runner.kv_caches[0][0], runner.kv_caches[0][1]
     query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=runner.device)
-    ops.compile_attention_variants(query, key_cache, value_cache)
+    ops.compile_attention_variants(query, key_cache, value_cache, runner.buffers.decode_queries)
 
 
 def _compile_linear_variants(runner: WarmUpTarget) -> None:
