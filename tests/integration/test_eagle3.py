@@ -35,7 +35,7 @@ def make_target(family: str) -> transformers.PreTrainedModel:
 def write_head(folder: Path, target: transformers.PretrainedConfig, draft_ids: list[int]) -> Path:
     """A random EAGLE-3 head for `target` as the published checkpoints lay it out; its draft
     vocabulary is `draft_ids` (target ids, ascending), mapped back through d2t."""
-    hidden, heads, kv_heads, head_dim = 64, 4, 2, 16
+    hidden, heads, kv_heads, head_dim = target.hidden_size, 4, 2, 16
     config = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
