@@ -43,10 +43,16 @@ class LateCompiles:
 
     def _on_compile(self, *, repr: str, **kwargs: Any) -> bool | None:  # Triton names `repr`
         if not self._warming_up:
-            variant = f"{repr.split('(')[0]} {_constants(kwargs)}"
+            variant = f"{repr.split('(')[0]} {_constants(kwargs)} {_types(kwargs)}"
             self.variants.append(variant)
             logger.warning("Triton kernel variant first met after the warm-up: %s", variant)
         return self._previous(repr=repr, **kwargs) if self._previous is not None else None
+
+
+def _types(hook_kwargs: dict[str, Any]) -> str:
+    """The variant's argument types (pointer dtypes, integer widths), in order."""
+    signature = (hook_kwargs.get("compile") or {}).get("signature", {})
+    return f"types=({', '.join(map(str, signature.values()))})"
 
 
 def _constants(hook_kwargs: dict[str, Any]) -> str:

@@ -1,4 +1,5 @@
-"""Paged attention for decodes (one query token per request), in Triton, flash-decoding style.
+"""Paged attention for decodes (one query token a request, or a few: a verifying row's), in
+Triton, flash-decoding style.
 
 Each request's context is cut into at most `num_splits` partitions; one program
 handles one (request, KV head, partition) and attends all `group = num_heads // num_kv_heads`
@@ -620,10 +621,9 @@ def _partials(
     max_queries: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # max, sum, acc, tickets
     """What the partition kernel merges through with several splits: float32 partials per
-    (request, query token, query head, split) and a ticket counter per (request, KV head). With
-    one split
-    it writes the output at once and touches none of them: empty tensors of their dtypes
-    stand in (the kernel specialises on its pointers' dtypes)."""
+    (request, query token, query head, split) and a ticket counter per (request, KV head).
+    With one split it writes the output at once and touches none of them: empty tensors of
+    their dtypes stand in (the kernel specialises on its pointers' dtypes)."""
     if num_splits == 1:
         empty = torch.empty(0, dtype=torch.float32, device=out.device)
         return empty, empty, empty, torch.empty(0, dtype=torch.int32, device=out.device)

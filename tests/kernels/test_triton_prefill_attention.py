@@ -8,12 +8,12 @@ before anything imports triton), so the CPU cases keep shapes small. A request i
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
-
-import itertools
 
 from kernels.attention import paged_attention_reference
 from kernels.triton_decode_attention import paged_decode_attention

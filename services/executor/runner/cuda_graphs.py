@@ -126,19 +126,18 @@ class StepGraphs:
             pool = graph.pool()
             self.graphs[shape] = (graph, hidden)
         torch.cuda.synchronize()
-        mixed, verify = self.mixed_sizes or [0], self.verify_sizes or [0]
+        kinds = [f"decode batches of {self.decode_sizes[0]}..{self.decode_sizes[-1]}"]
+        if self.verify_sizes:
+            sizes = self.verify_sizes
+            kinds.append(f"verifying batches of {sizes[0]}..{sizes[-1]} (<= {self.queries} tokens)")
+        if self.mixed_sizes:
+            kinds.append(f"mixed steps of {self.mixed_sizes[0]}..{self.mixed_sizes[-1]} tokens")
         logger.info(
-            "captured %d CUDA graphs%s in %.1f s: decode batches of %d..%d, verifying batches "
-            "of %d..%d, mixed steps of %d..%d tokens",
+            "captured %d CUDA graphs%s in %.1f s: %s",
             len(self.graphs),
             f" of {self.name}" if self.name else "",
             time.perf_counter() - start,
-            self.decode_sizes[0],
-            self.decode_sizes[-1],
-            verify[0],
-            verify[-1],
-            mixed[0],
-            mixed[-1],
+            ", ".join(kinds),
         )
 
     def replay(self, shape: PaddedShape) -> torch.Tensor:

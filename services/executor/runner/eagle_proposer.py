@@ -240,7 +240,7 @@ class EagleProposer:
         return forward
 
     def capture_graphs(self, max_seq_len: int) -> None:
-        """CUDA graphs of the catch-up (decode and mixed shapes) and of each draft pass
+        """CUDA graphs of the catch-up (decode, verifying and mixed shapes) and of each draft pass
         (decode shapes): a head's pass is a few dozen small kernels, whose launches from
         Python would cost more than the GPU's work."""
         max_reqs = self.catch_up_buffers.max_reqs
