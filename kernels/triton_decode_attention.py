@@ -132,7 +132,7 @@ def _decode_partition_kernel(
     GROUP: tl.constexpr,
     QUERIES: tl.constexpr,  # Q: the most query tokens of a request attended (mixed batches)
     GROUP_PAD: tl.constexpr,  # GROUP * QUERIES rounded up to a power of two >= 16, for tl.dot
-    GROUP_P2: tl.constexpr,  # GROUP rounded up to a power of two, for the merge
+    GROUP_P2: tl.constexpr,  # GROUP * QUERIES rounded up to a power of two, for the merge
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,  # context tokens per loop step, may span several cache blocks
@@ -237,14 +237,12 @@ def _decode_partition_kernel(
     tl.store(acc_ptrs, acc, mask=row_valid[:, None])
     ticket_ptr = tickets_ptr + req * tl.num_programs(1) + kv_head
     if split_k.last_to_arrive(ticket_ptr, live):
-        for query in range(0, num_queries):
-            group_out = out_ptr + (token + query).to(tl.int64) * stride_out_token
-            group_out += kv_head * GROUP * HEAD_DIM
-            first_part = ((req * QUERIES + query) * NUM_HEADS + kv_head * GROUP) * num_splits
-            _merge_splits(
-                group_out, part_max_ptr, part_sum_ptr, part_acc_ptr, first_part, num_splits,
-                live, GROUP, GROUP_P2, HEAD_DIM,
-            )  # fmt: skip
+        group_out = out_ptr + token.to(tl.int64) * stride_out_token + kv_head * GROUP * HEAD_DIM
+        first_part = (req * QUERIES * NUM_HEADS + kv_head * GROUP) * num_splits
+        _merge_splits(
+            group_out, stride_out_token, part_max_ptr, part_sum_ptr, part_acc_ptr, first_part,
+            num_splits, live, num_queries, NUM_HEADS, GROUP, GROUP_P2, HEAD_DIM,
+        )  # fmt: skip
         tl.store(ticket_ptr, 0)  # zero again for the next launch (and graph replay)
 
 
@@ -277,42 +275,48 @@ def _split_tokens(
 
 @triton.jit
 def _merge_splits(
-    out_ptr,  # [GROUP, D] of this KV head's query heads in the token's output row
+    out_ptr,  # the first query token's output row, at this KV head's first query head
+    stride_out_token,
     part_max_ptr,  # [R, Q, H, S] float32
     part_sum_ptr,  # [R, Q, H, S] float32
     part_acc_ptr,  # [R, Q, H, S, D] float32
-    first_part,  # index of (request, query, first head of the group, split 0) in [R, Q, H, S]
+    first_part,  # index of (request, query 0, first head of the group, split 0) in [R, Q, H, S]
     num_splits,
     live,  # splits that hold context, 1 <= live <= num_splits
+    num_queries,  # the request's query tokens, 1 <= num_queries <= QUERIES
+    NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUP_P2: tl.constexpr,
+    GROUP_P2: tl.constexpr,  # GROUP * QUERIES rounded up to a power of two
     HEAD_DIM: tl.constexpr,
 ):
-    """The group's output from its live splits' partials, CHUNK splits a step, in split order
-    (the same sum whichever program merges). Partials are read past L1 (.cg): other programs
-    wrote them."""
+    """The output of every (query token, query head of the group) pair from its live splits'
+    partials, all pairs at once (a verifying row's queries merged one after another cost some
+    4 us a layer at batch 1), CHUNK splits a step, in split order (the same sum whichever
+    program merges). Partials are read past L1 (.cg): other programs wrote them."""
     # [CHUNK, GROUP_P2, D] of 4,096 values a step, and one split a step for 256-wide heads:
     # compiled for sm_90 (Triton 3.9, on the CPU), larger chunks there raised the kernel's
     # registers a thread above what its attention loop needs (195 against 150 at any chunk
     # of 2 or more); 128-wide heads take 90 at chunks of 8.
     CHUNK: tl.constexpr = 1 if HEAD_DIM >= 256 else max(1, 4096 // (GROUP_P2 * HEAD_DIM))
-    g = tl.arange(0, GROUP_P2)
+    pairs = tl.arange(0, GROUP_P2)
+    queries, heads = pairs // GROUP, pairs % GROUP
     dims = tl.arange(0, HEAD_DIM)
     chunk = tl.arange(0, CHUNK)
-    g_valid = g < GROUP
+    g_valid = queries < num_queries
+    pair_part = first_part + (queries * NUM_HEADS + heads) * num_splits  # [G] split 0's
     m_run = tl.zeros([GROUP_P2], tl.float32) + float("-inf")
     l_run = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
     for first in range(0, live, CHUNK):
         splits = first + chunk  # [C]
         valid = (splits < live)[:, None] & g_valid[None, :]  # [C, G]
-        part = first_part + g[None, :] * num_splits + splits[:, None]  # [C, G]
+        part = pair_part[None, :] + splits[:, None]  # [C, G]
         m = tl.load(part_max_ptr + part, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        m = tl.where(g_valid[None, :], m, 0.0)  # padding heads: finite, never stored
+        m = tl.where(g_valid[None, :], m, 0.0)  # padding pairs: finite, never stored
         s = tl.load(part_sum_ptr + part, mask=valid, other=0.0, cache_modifier=".cg")
         a_ptrs = part_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :]
         a = tl.load(a_ptrs, mask=valid[:, :, None], other=0.0, cache_modifier=".cg")  # [C, G, D]
-        # Split 0 holds position 0, so after the first chunk m_new is finite for every head
+        # Split 0 holds position 0, so after the first chunk m_new is finite for every pair
         # (a later split past the query's position has m = -inf: weight 0).
         m_new = tl.maximum(m_run, tl.max(m, axis=0))  # [G]
         alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk
@@ -320,8 +324,9 @@ def _merge_splits(
         l_run = l_run * alpha + tl.sum(s * w, axis=0)
         acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
         m_run = m_new
-    out = acc / tl.where(g_valid, l_run, 1.0)[:, None]  # padding heads: 0, never stored
-    out_ptrs = out_ptr + g[:, None] * HEAD_DIM + dims[None, :]
+    out = acc / tl.where(g_valid, l_run, 1.0)[:, None]  # padding pairs: 0, never stored
+    rows = queries.to(tl.int64) * stride_out_token + heads * HEAD_DIM
+    out_ptrs = out_ptr + rows[:, None] + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
 
 
@@ -581,7 +586,7 @@ def _partition_constants(
         GROUP=group,
         QUERIES=max_queries,
         GROUP_PAD=max(16, triton.next_power_of_2(group * max_queries)),
-        GROUP_P2=triton.next_power_of_2(group),
+        GROUP_P2=triton.next_power_of_2(group * max_queries),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE=tiles.tile,

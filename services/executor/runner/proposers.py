@@ -13,7 +13,12 @@ from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.parallel.tensor_parallel import TensorParallel
 from services.executor.runner.draft_proposer import DraftProposer, HasBlocks
 from services.executor.runner.eagle_proposer import EagleProposer
-from services.executor.speculative import HiddenStateProposer, Proposer, make_proposer
+from services.executor.speculative import (
+    HiddenStateProposer,
+    Proposer,
+    make_proposer,
+    reads_hidden_states,
+)
 from shared.config import Config
 from shared.model_config import ModelConfig
 from shared.speculative import SpeculativeConfig
@@ -62,6 +67,6 @@ def allocate_kv_cache(proposer: object, num_blocks: int, requests: Mapping[str, 
 
 def step_hidden(proposer: object, num_tokens: int) -> torch.Tensor | None:
     """Right after a step's forward pass: what the proposer keeps of its hidden states."""
-    if isinstance(proposer, HiddenStateProposer):
+    if reads_hidden_states(proposer):
         return proposer.project(num_tokens)
     return None

@@ -14,7 +14,12 @@ from services.executor.runner.grammar import grammar_input
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.sampler import PendingSample, SamplingRow
 from services.executor.runner.step_buffers import PaddedShape
-from services.executor.speculative import HiddenStateProposer, Proposer, RowSpan
+from services.executor.speculative import (
+    HiddenStateProposer,
+    Proposer,
+    RowSpan,
+    reads_hidden_states,
+)
 from shared.protocol import (
     ModelRunnerOutput,
     NewRequestData,
@@ -371,7 +376,7 @@ def next_drafts(
     states = {
         rid: s for rid, s in pairs if s.speculates and not s.num_pending and requests.get(rid) is s
     }
-    if isinstance(proposer, HiddenStateProposer):
+    if reads_hidden_states(proposer):
         if step.hidden is None:
             return {}
         drafts = proposer.propose_step(step.spans, step.hidden, set(states), requests)

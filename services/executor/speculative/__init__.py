@@ -4,7 +4,7 @@ the next step verifies with the target model (shared/speculative.py)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, TypeGuard
 
 import torch
 
@@ -43,7 +43,6 @@ class SpeculatingRequest(Protocol):
     speculates: bool
 
 
-@runtime_checkable
 class HiddenStateProposer(Protocol):
     """A proposer that reads the target's hidden states (EAGLE-3): fed every step's rows."""
 
@@ -64,6 +63,13 @@ class HiddenStateProposer(Protocol):
     def finished(self, request_id: str, output_token_ids: list[int]) -> None: ...
 
     def reset(self) -> None: ...
+
+
+def reads_hidden_states(proposer: object) -> TypeGuard[HiddenStateProposer]:
+    """Whether `proposer` is fed every step's rows and hidden states (EAGLE-3). Told by its
+    `propose_step`: an isinstance check against a runtime-checkable protocol took some 30 us,
+    twice a step of a speculating engine."""
+    return hasattr(proposer, "propose_step")
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
