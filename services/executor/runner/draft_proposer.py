@@ -135,20 +135,27 @@ class DraftProposer:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Meet the draft's kernels before the first request: catch-ups of an odd token count
-        and of a multiple of 16, then one-token passes of 1 to 64 rows (the skinny GEMV's row
-        tiles) and past them. Every row uses blocks from 0 up, which no request holds yet."""
+        """Meet the draft's kernels before the first request: catch-ups (eager, as all its
+        passes) whose longest row falls in each of the prefill kernel's row tiles (a power of
+        two: 8, 16, 32, 64 tokens) and is odd or a multiple of 16, then one-token passes of 1
+        to 64 rows (the skinny GEMV's row tiles) and past them. Every row uses blocks from 0
+        up, which no request holds yet."""
         k = self.num_drafts
-        for length in (37, 48):
+        warmed: tuple[int, list[int]] | None = None
+        for length in (7, 13, 25, 37, 48):
             count = -(-(length + k) // self.layout.block_size)
             blocks = list(range(min(count, self.kv_caches[0].shape[1])))
             if count > len(blocks) or length > self.buffers.max_tokens:
                 continue
             self._run([_Row("warm", [1] * length, blocks, 0, k)], [[1] * length])
-            for num_rows in (1, 3, 12, 24, 48, 80):
-                if num_rows <= self.buffers.max_reqs:
-                    rows = [_Row("warm", [1] * length, blocks, length, k) for _ in range(num_rows)]
-                    self._run(rows, [[1]] * num_rows)
+            warmed = (length, blocks)
+        if warmed is None:
+            return
+        length, blocks = warmed
+        for num_rows in (1, 3, 12, 24, 48, 80):
+            if num_rows <= self.buffers.max_reqs:
+                rows = [_Row("warm", [1] * length, blocks, length, k) for _ in range(num_rows)]
+                self._run(rows, [[1]] * num_rows)
 
     def _catch_up(self, rows: list[_Row]) -> None:
         """Feed each row its tokens since the draft KV it has, `max_tokens` a pass at most;

@@ -266,13 +266,18 @@ class EagleProposer:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Capture the head's graphs, then meet its kernels before the first request:
-        catch-ups of an odd token count and of a multiple of 16, and draft passes of 1 to 80
-        rows. Every row uses blocks from 0 up, which no request holds yet."""
+        """Capture the head's graphs, then meet its kernels before the first request: `project`
+        (eager, in every step) on each of the skinny GEMV's row tiles (1, 16, 32, 64 rows),
+        catch-ups of an odd token count and of a multiple of 16 (eagerly: of each prefill row
+        tile too), and draft passes of 1 to 80 rows. Every row uses blocks from 0 up, which no
+        request holds yet."""
         if self.use_graphs and self.catch_up_graphs is None:
             self.capture_graphs(self.max_seq_len)
+        for num_tokens in (1, 12, 24, 48):
+            if num_tokens <= self.aux_hidden.shape[0]:
+                self.project(num_tokens)
         hidden_size = self.head.config.layer.hidden_size
-        for length in (37, 48):
+        for length in (37, 48) if self.use_graphs else (7, 13, 25, 37, 48):
             count = -(-(length + self.num_drafts) // self.layout.block_size)
             blocks = list(range(min(count, self.kv_caches[0].shape[1])))
             if count > len(blocks) or length > self.catch_up_buffers.max_tokens:
