@@ -24,7 +24,7 @@ CODE = (
 MESSAGES = [
     {"role": "user", "content": f"Add type hints to this function. Reply with code only.\n\n{CODE}"}
 ]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 
 
 def config_of(method: str, tmp_path: Path) -> dict:
