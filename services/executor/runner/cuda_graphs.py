@@ -77,9 +77,8 @@ class StepGraphs:
         # decode takes up to 64 (an 8,192-token context's verifying step 1.48x a decode's).
         self.queries = buffers.decode_queries if mixed else 1
         verify_limit = min(buffers.max_tokens, MIXED_GRAPH_MAX_TOKENS) // self.queries
-        self.verify_sizes = [s for s in self.decode_sizes if s <= verify_limit]
-        if self.queries == 1:
-            self.verify_sizes = []
+        verifies = self.queries > 1
+        self.verify_sizes = [s for s in self.decode_sizes if verifies and s <= verify_limit]
         self.graphs: dict[PaddedShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def shape_for(self, num_reqs: int, num_tokens: int, max_query_len: int) -> PaddedShape | None:
