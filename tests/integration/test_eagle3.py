@@ -211,9 +211,10 @@ def test_the_heads_drafts_are_eagle3s_and_change_no_output(
     records = recording(llm)
     assert generate(llm, GREEDY) == expected[0]
     assert generate(llm, MIXED) == expected[1]
-    reference = Reference(target, head)
-    for tokens, drafts in records:
-        assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
+    if variant == "default":  # the drafts are the head's whatever the settings (suite time)
+        reference = Reference(target, head)
+        for tokens, drafts in records:
+            assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
     # Some proposals came after accepted drafts: the catch-up fed more than one position.
     assert any(after_accepted(records, i) for i in range(len(records)))
     scheduler = llm.engine.scheduler
