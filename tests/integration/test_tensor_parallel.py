@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,10 @@ from kvflow import LLM, SamplingParams
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import TensorParallel
 from shared.model_config import load_model_config, resolve_model_source
+from tests.integration.test_eagle3 import NUM_LAYERS, write_head
 from tests.integration.test_parity import hf_greedy
 from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
-from tests.integration.tp_generate import generate
+from tests.integration.tp_generate import generate, spec_counts
 
 NUM_TOKENS = 24
 
@@ -62,18 +64,35 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: 
     assert greedy(tmp_path, 2, str(folder), prompts) == expected
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_two_ranks_verify_drafts_and_give_the_tokens_of_one(tmp_path: Path, method: str) -> None:
     """Speculative decoding over two ranks: each rank verifies the drafts rank 0 relays in
     the plan (prompts that repeat themselves, so n-gram drafts are made; a draft model, the
-    target itself whole on rank 0, drafts everywhere)."""
-    folder, model = tiny_folder(tmp_path, "llama")
+    target itself whole on rank 0, drafts everywhere; an EAGLE-3 head, whole on rank 0 with
+    the target's embedding gathered whole, drafts as on one rank, draft for draft)."""
+    layers = {"num_hidden_layers": NUM_LAYERS} if method == "eagle3" else {}  # the head reads 3
+    folder, model = tiny_folder(tmp_path, "llama", **layers)
     first, second = make_prompts(TINY["vocab_size"])[:2]
     prompts = [first[:6] * 4, second]
     expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
     spec: dict[str, object] = {"method": method, "num_speculative_tokens": 3}
-    spec.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": str(folder)})
-    assert greedy(tmp_path, 2, str(folder), prompts, speculative_config=spec) == expected
+    if method == "ngram":
+        spec["prompt_lookup_min"] = 1
+    elif method == "draft_model":
+        spec["model"] = str(folder)
+    else:  # a random head drafting the target's most frequent tokens: some are accepted
+        counts = Counter(token for output in expected for token in output)
+        draft_ids = sorted(token for token, _ in counts.most_common(24))
+        config = transformers.AutoConfig.from_pretrained(folder)
+        spec["model"] = str(write_head(tmp_path / "head", config, draft_ids))
+    assert greedy(tmp_path / "two", 2, str(folder), prompts, speculative_config=spec) == expected
+    if method == "eagle3":
+        assert greedy(tmp_path / "one", 1, str(folder), prompts, speculative_config=spec) == (
+            expected
+        )
+        one, two = spec_counts(tmp_path / "one"), spec_counts(tmp_path / "two")
+        assert 0 < two["accepted"] < two["drafts"]
+        assert two["proposals"] == one["proposals"]  # draft for draft
 
 
 @pytest.mark.parametrize("quantization", [None, "gguf"], ids=["dequantized", "gguf-blocks"])

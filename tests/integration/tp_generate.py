@@ -6,7 +6,8 @@ ranks' group and threads must not outlive a test):
 JOB.json holds the model folder (or null: the embedded SmolLM2), other engine settings
 ("config", tensor_parallel_size among them), the prompts (token ids), max_tokens, top (the
 logprobs asked for, 0 for none) and each prompt's LoRA adapter ([name, id, folder] or null).
-RESULT.json holds each prompt's tokens and, per token, the ids of its top logprobs. Rank 0
+RESULT.json holds each prompt's tokens and, per token, the ids of its top logprobs (spec.json
+beside it, the drafts proposed, verified and accepted: `spec_counts`). Rank 0
 answers for the group: the other ranks run the plans it relays
 (services/executor/rank_group.py).
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow import LLM, LoRARequest, SamplingParams
+from shared.protocol import ModelRunnerOutput
 
 Result = tuple[list[int], list[list[int]]]  # tokens, and the top logprobs' ids at each
 
@@ -54,6 +56,12 @@ def generate(
     return [(tokens, tops) for tokens, tops in json.loads(out.read_text())]
 
 
+def spec_counts(tmp_path: Path) -> dict[str, Any]:
+    """What speculation did in the job in `tmp_path`: the draft tokens verified ("drafts")
+    and accepted ("accepted"), and every set of drafts proposed ("proposals")."""
+    return json.loads((tmp_path / "spec.json").read_text())
+
+
 def open_job() -> tuple[dict[str, Any], Path, LLM]:
     """A job script's command line: the job (--job), where its result goes (--out), and the
     `kvflow.LLM` its settings make (CPU, float32, unless its "config" says otherwise)."""
@@ -71,6 +79,7 @@ def main() -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, logprobs=job["top"] or None
     )
+    proposals = record_proposals(llm)
     results = []
     loras = [None if lora is None else LoRARequest(*lora) for lora in job["loras"]]
     for result in llm.generate(job["prompts"], params, lora_request=loras):
@@ -78,6 +87,23 @@ def main() -> None:
         tops = [[top.token_id for top in logprob.top] for logprob in completion.logprobs]
         results.append((completion.token_ids, tops))
     out.write_text(json.dumps(results))
+    spec = llm.engine.scheduler.spec_decode  # what speculation did, where it ran
+    counts = {"drafts": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens}
+    out.with_name("spec.json").write_text(json.dumps({**counts, "proposals": proposals}))
+
+
+def record_proposals(llm: LLM) -> list[list[int]]:
+    """Every set of drafts rank 0 proposes from now on, in order (by request within a step)."""
+    proposals: list[list[int]] = []
+    collect = llm.runner.collect
+
+    def recording_collect() -> ModelRunnerOutput:
+        output = collect()
+        proposals.extend(ids for _, ids in sorted(output.draft_token_ids.items()))
+        return output
+
+    llm.runner.collect = recording_collect  # type: ignore[method-assign]
+    return proposals
 
 
 if __name__ == "__main__":

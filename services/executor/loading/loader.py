@@ -125,6 +125,13 @@ def load_model(
     return model.eval()
 
 
+def eagle3_head_has_embedding(source: ModelSource, load_format: str) -> bool:
+    """Whether the head's checkpoint has an embedding of its own (else it reads the
+    target's); dummy heads have none."""
+    dummy = load_format == "dummy" or source.format == "preset"
+    return not dummy and uses_own_embedding(safetensors_names(source.path))
+
+
 def load_eagle3_head(
     source: ModelSource,
     target: DecoderForCausalLM,
@@ -132,15 +139,18 @@ def load_eagle3_head(
     dtype: torch.dtype,
     max_position: int,
     seed: int,
+    target_embedding: torch.nn.Module | None = None,
 ) -> Eagle3Head:
     """An EAGLE-3 head for `target` (on its device), from its folder (dummy weights with
-    --load-format dummy or a preset)."""
+    --load-format dummy or a preset). `target_embedding`: the target's embedding whole, where
+    the target holds a rank's rows of it (default: the target's own)."""
     cfg = read_eagle3_config(source, target.config)
     dummy = load_format == "dummy" or source.format == "preset"
-    own_embedding = not dummy and uses_own_embedding(safetensors_names(source.path))
+    own_embedding = eagle3_head_has_embedding(source, load_format)
     device = target.embed_tokens.weight.device
+    embedding = target_embedding if target_embedding is not None else target.embed_tokens
     with torch.device(device), _default_dtype(dtype):
-        head = Eagle3Head(cfg, max_position, own_embedding, target.embed_tokens)
+        head = Eagle3Head(cfg, max_position, own_embedding, embedding)
     if dummy:
         init_dummy(head, seed)
     else:

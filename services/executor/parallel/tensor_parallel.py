@@ -73,6 +73,23 @@ class TensorParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
+    def first_rank_value(self, value: int, device: torch.device) -> int:
+        """The first rank's value, on every rank."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.broadcast(tensor, group_src=0, group=self.group)
+        return int(tensor.item())
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x [rows, cols] stacked along the first dimension, in rank order (a
+        sharded weight made whole, once at load: NCCL's or gloo's all-gather)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts)
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' x [rows, cols] side by side along the last dimension, in rank order: one
         kernel over the peers' buffers where they take x, else NCCL's all-gather."""

@@ -20,7 +20,9 @@ once its step is collected, prefix-cache hits and resumed requests included (the
 hold both). A shared prefix block's last position read the next token of the request that
 computed it; another request's next token may differ, which costs acceptance, not exactness.
 
-It runs on the first rank of one (tensor parallelism with EAGLE-3 is not built), eagerly.
+It runs whole on the first rank (with tensor parallelism, beside the target's part there: the
+target's hidden states are whole on every rank, and the head reads a whole copy of the
+target's embedding, gathered from the ranks at load), eagerly.
 """
 
 from __future__ import annotations
@@ -69,10 +71,13 @@ class EagleProposer:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        target_embedding: torch.nn.Module | None = None,
     ) -> None:
+        """`target_embedding`: the target's embedding whole, where the target holds one
+        rank's rows of it (tensor parallelism); None: the target's own."""
         source = resolve_model_source(spec.draft_model)
         self.head = load_eagle3_head(
-            source, target, config.load_format, dtype, max_model_len, config.seed
+            source, target, config.load_format, dtype, max_model_len, config.seed, target_embedding
         )
         # Before the KV cache is sized and graphs are captured: both must see the buffer.
         self.aux_hidden = target.capture_aux_hidden(

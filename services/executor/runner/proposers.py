@@ -9,8 +9,11 @@ from typing import Protocol
 
 import torch
 
+from services.executor.layers.embedding import VocabParallelEmbedding
+from services.executor.loading.loader import eagle3_head_has_embedding
 from services.executor.models.decoder import DecoderForCausalLM
-from services.executor.parallel.tensor_parallel import TensorParallel
+from services.executor.parallel.layout import ShardLayout
+from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.runner.draft_proposer import DraftProposer, HasBlocks
 from services.executor.runner.eagle_proposer import EagleProposer
 from services.executor.speculative import (
@@ -20,7 +23,7 @@ from services.executor.speculative import (
     reads_hidden_states,
 )
 from shared.config import Config
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, resolve_model_source
 from shared.speculative import SpeculativeConfig
 
 
@@ -39,17 +42,40 @@ def proposer_for(
     spec: SpeculativeConfig | None, config: Config, runner: Runner
 ) -> Proposer | HiddenStateProposer | None:
     """The runner's proposer: none without speculation; a draft model's or an EAGLE-3 head's
-    on the first rank only (the others propose nothing: collect reads rank 0's drafts)."""
+    on the first rank only (the others propose nothing: collect reads rank 0's drafts, which
+    the plans relay to them)."""
     if spec is None or spec.method not in ("draft_model", "eagle3"):
         return make_proposer(spec)
-    if spec.method == "eagle3" and runner.tp.size > 1:
-        raise ValueError("eagle3 runs with --tensor-parallel-size 1 (with more: not built yet)")
+    embedding = None
+    if spec.method == "eagle3" and runner.tp.size > 1:  # every rank takes part
+        embedding = _whole_target_embedding(spec, config, runner)
     if runner.tp.rank != 0:
         return None
     limits = (runner.max_model_len, runner.dtype, runner.device)
     if spec.method == "draft_model":
         return DraftProposer(config, spec, runner.model_config, *limits)
-    return EagleProposer(config, spec, runner.model, *limits)
+    return EagleProposer(config, spec, runner.model, *limits, embedding)
+
+
+def _whole_target_embedding(
+    spec: SpeculativeConfig, config: Config, runner: Runner
+) -> VocabParallelEmbedding | None:
+    """On the first rank, the target's embedding whole, gathered from every rank's rows, for
+    an EAGLE-3 head that reads the target's (None on the others, and for a head with its own
+    embedding). A collective: every rank calls it. The copy costs the first rank the
+    embedding's memory again, before its KV cache is sized."""
+    source = resolve_model_source(spec.draft_model)
+    tp = runner.tp
+    reads_target = tp.rank == 0 and not eagle3_head_has_embedding(source, config.load_format)
+    if not tp.first_rank_value(int(reads_target), runner.device):
+        return None
+    rows = tp.gather_rows(runner.model.embed_tokens.weight.detach())
+    if tp.rank != 0:
+        return None
+    with torch.device("meta"):  # its weight is the gathered one
+        whole = VocabParallelEmbedding(ShardLayout.of(runner.model_config, ONE_RANK), rows.shape[1])
+    whole.weight = torch.nn.Parameter(rows, requires_grad=False)
+    return whole
 
 
 def bytes_per_block(proposer: object) -> int:
