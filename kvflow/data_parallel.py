@@ -106,6 +106,7 @@ class OtherReplicas:
         self.sockets: list[zmq.Socket[Any]] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self.poller = zmq.Poller()
+        self.started = time.monotonic()  # startup_timeout counts from here
         try:
             for replica in range(1, config.data_parallel_size):
                 self._start(config.replace(data_parallel_rank=replica), gpus)
@@ -138,10 +139,11 @@ class OtherReplicas:
         self.procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
 
     def wait_ready(self, timeout: float) -> None:
-        """Wait until every replica has loaded its model; the config files go then (they
+        """Wait until every replica has loaded its model, at most `timeout` seconds after
+        they started (while this process loaded replica 0's); the config files go then (they
         may hold the API key)."""
         waiting = set(range(len(self.procs)))
-        deadline = time.monotonic() + timeout
+        deadline = self.started + timeout
         try:
             while waiting:
                 if time.monotonic() > deadline:
