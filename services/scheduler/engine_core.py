@@ -11,6 +11,9 @@ the device does not wait while the host schedules, digests outputs and does its 
     host:    schedule k+1 ─ submit k+1 ─ collect k ─ update k ─ schedule k+2 ─ submit k+2 ─ ...
     device:  ── step k ─────────────────┴── step k+1 ──────────────────────────┴── step k+2
 
+A plan with nothing to run or forget is not queued: the loop collects step k instead (a
+speculating request waits so for its drafts, which come with step k's tokens).
+
 A request that arrives while step k runs would so wait for k+2, one whole step more than
 without pipelining. Where the executor launches a plan only when told (the executor process:
 see DeviceReady), `amend` appends such requests to plan k+1 while it is still held.
@@ -92,6 +95,11 @@ class EngineCore:
                 raise RuntimeError("the scheduler could not schedule any unfinished request")
             if in_flight is None and not plan.finished_request_ids:
                 return []  # nothing to run, to wait for, or for the executor to forget
+        if not plan.num_scheduled_tokens and not plan.finished_request_ids and in_flight:
+            # Nothing to run or forget (speculating requests wait for the step in flight):
+            # wait for that step rather than queue an empty one behind it.
+            self._in_flight = None
+            return self.scheduler.update(in_flight, self.executor.collect())
         self.executor.submit(plan)
         self._in_flight = plan
         if in_flight is None:

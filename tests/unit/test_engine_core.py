@@ -108,6 +108,16 @@ def test_an_abort_reaches_the_executor_even_when_nothing_else_runs() -> None:
     assert not executor.plans[-1].num_scheduled_tokens
 
 
+def test_a_request_waiting_for_its_drafts_gets_no_empty_plan_queued() -> None:
+    """A speculating request waits for its step in flight (its drafts come with that step's
+    tokens): the core then collects that step rather than queue a plan with nothing in it."""
+    core, executor = make_core(num_speculative_tokens=3)
+    add(core.scheduler, "a", [1, 3, 4, 5, 6], max_tokens=8)
+    outputs = run(core)
+    assert [t for o in outputs["a"] for t in o.new_token_ids] == list(range(100, 108))
+    assert all(plan.num_scheduled_tokens or plan.finished_request_ids for plan in executor.plans)
+
+
 def test_a_core_that_can_schedule_nothing_says_so() -> None:
     core, _ = make_core(num_blocks=4)
     add(core.scheduler, "a", [1, 3, 4, 5, 6], max_tokens=3)
