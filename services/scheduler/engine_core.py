@@ -12,7 +12,9 @@ the device does not wait while the host schedules, digests outputs and does its 
     device:  ── step k ─────────────────┴── step k+1 ──────────────────────────┴── step k+2
 
 A plan with nothing to run or forget is not queued: the loop collects step k instead (a
-speculating request waits so for its drafts, which come with step k's tokens).
+speculating request waits so for its drafts, which come with step k's tokens), then plans and
+queues the steps that waited before its caller reads step k's tokens, so the device runs the
+next step while the host digests the last.
 
 A request that arrives while step k runs would so wait for k+2, one whole step more than
 without pipelining. Where the executor launches a plan only when told (the executor process:
@@ -97,11 +99,20 @@ class EngineCore:
                 return []  # nothing to run, to wait for, or for the executor to forget
         if not plan.num_scheduled_tokens and not plan.finished_request_ids and in_flight:
             # Nothing to run or forget (speculating requests wait for the step in flight):
-            # wait for that step rather than queue an empty one behind it.
+            # wait for that step rather than queue an empty one behind it, then launch the
+            # requests that waited for its tokens before the caller reads them.
             self._in_flight = None
-            return self.scheduler.update(in_flight, self.executor.collect())
+            outputs = self.scheduler.update(in_flight, self.executor.collect())
+            self._submit_if_any(self.scheduler.schedule())
+            return outputs
         self.executor.submit(plan)
         self._in_flight = plan
         if in_flight is None:
             return []
         return self.scheduler.update(in_flight, self.executor.collect())
+
+    def _submit_if_any(self, plan: SchedulerOutput) -> None:
+        """Queue `plan` unless it has nothing to run or forget (then it is dropped)."""
+        if plan.num_scheduled_tokens or plan.finished_request_ids:
+            self.executor.submit(plan)
+            self._in_flight = plan

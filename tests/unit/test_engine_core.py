@@ -110,11 +110,18 @@ def test_an_abort_reaches_the_executor_even_when_nothing_else_runs() -> None:
 
 def test_a_request_waiting_for_its_drafts_gets_no_empty_plan_queued() -> None:
     """A speculating request waits for its step in flight (its drafts come with that step's
-    tokens): the core then collects that step rather than queue a plan with nothing in it."""
+    tokens): the core then collects that step rather than queue a plan with nothing in it,
+    and queues the request's next step before it hands the tokens to its caller."""
     core, executor = make_core(num_speculative_tokens=3)
     add(core.scheduler, "a", [1, 3, 4, 5, 6], max_tokens=8)
-    outputs = run(core)
-    assert [t for o in outputs["a"] for t in o.new_token_ids] == list(range(100, 108))
+    tokens = []
+    while core.has_unfinished():
+        outputs = core.step()
+        tokens += [t for o in outputs for t in o.new_token_ids]
+        if outputs and outputs[-1].finish_reason is None:
+            in_flight = sum(1 if call == "submit" else -1 for call, _ in executor.calls)
+            assert in_flight, "the device waits for the caller"
+    assert tokens == list(range(100, 108))
     assert all(plan.num_scheduled_tokens or plan.finished_request_ids for plan in executor.plans)
 
 
