@@ -63,6 +63,7 @@ NARROW_N = 4096  # o, down: N <= this
 WIDE_N = 16384  # gate_up: N >= this; qkv lies between
 VOCAB_N = 65536  # lm_head: N >= this
 WIDE_K = 8192  # down: K >= this
+SMALL_K = 1536  # a small model's layers (SmolLM2-135M: hidden 576, MLP 1536): K <= this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +136,12 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     half as much, and one tile for every shape (n32 k256 w4 s4) a fifth (7.11 against 7.19).
 
     The later picks for one row and for 2-16 rows, with their measurements, are in
-    `_tiles_one_row` and `_tiles_16_rows`; `_fit_block_k` fits the K step to float32 and to K.
+    `_tiles_one_row` and `_tiles_16_rows`, those for a small model's short K in
+    `_tiles_small_k`; `_fit_block_k` fits the K step to float32 and to K.
     """
-    if m == 1:
+    if k <= SMALL_K and m <= 16:
+        tiles = _tiles_small_k(m, n, k)
+    elif m == 1:
         tiles = _tiles_one_row(n, k)
     elif m > 32:  # x tiles of 64 rows: K steps of 512 no longer fit the shared memory
         tiles = _tiles_64_rows(n)
@@ -201,6 +205,28 @@ def _tiles_16_rows(n: int, k: int) -> LinearTiles:
     if n < WIDE_N:
         return LinearTiles(block_n=16, block_k=512, num_warps=4, num_stages=3)
     return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
+
+
+def _tiles_small_k(m: int, n: int, k: int) -> LinearTiles:
+    """1-16 rows with K <= SMALL_K (a small model: every layer is a few microseconds of
+    latency, not of bandwidth): K steps of 128 (64 for a vocabulary-wide N), so that a K of
+    576 is a pipeline of five steps rather than one and a masked half of 512; one row keeps
+    `_tiles_one_row` but for the lm_head.
+
+    Since 2026-12-03 (H200, with PDL, `--model smollm2 --m 1 5 9 16 --step-m 1 9`),
+    SmolLM2-135M's shapes, us per call at 9 rows (5 and 16 within 0.2), these tiles / the
+    ones before (`_tiles_16_rows`): qkv (N 960, K 576) dot n16 k128 w4 s5 2.4 / 4.1, o (576)
+    2.3 / 4.1, down (576, K 1536) 4.0 / 5.3; gate_up (3072) dot n32 k128 w4 s5 3.0 / 4.5;
+    lm_head (49152) dot n32 k64 w2 s4 18.2 / 20.0, and 17.3 / 27.1 at one row (fma n8 k1024).
+    A step's linear layers at 9 rows (a row verifying 8 drafts): 0.360 against 0.537 ms.
+    """
+    if n >= 32768:
+        return LinearTiles(block_n=32, block_k=64, num_warps=2, num_stages=4)
+    if m == 1:
+        return _tiles_one_row(n, k)
+    if n >= 2048:
+        return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
+    return LinearTiles(block_n=16, block_k=128, num_warps=4, num_stages=5)
 
 
 def _tiles_32_rows(n: int, k: int) -> LinearTiles:

@@ -64,7 +64,7 @@ class Shape:
     k: int  # input features
 
 
-MODEL_LAYERS = {"llama": 32, "llama-tp2": 32, "qwen3": 36}
+MODEL_LAYERS = {"llama": 32, "llama-tp2": 32, "qwen3": 36, "smollm2": 30}
 MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
     "llama": [  # Llama-3.1-8B, 32 layers
         Shape("qkv", 6144, 4096),
@@ -87,6 +87,13 @@ MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
         Shape("down", 4096, 12288),
         Shape("lm_head", 151936, 4096),
     ],
+    "smollm2": [  # SmolLM2-135M, 30 layers: every layer latency-bound, not bandwidth-bound
+        Shape("qkv", 960, 576),
+        Shape("o", 576, 576),
+        Shape("gate_up", 3072, 576),
+        Shape("down", 576, 1536),
+        Shape("lm_head", 49152, 576),
+    ],
 }
 # (block_n, block_k, num_warps, num_stages): BLOCK_N 16/32/64 x BLOCK_K 128..512, tl.dot; and
 # the multiply-add variant, whose accumulator caps it at M <= 4 (M = 1 for the widest).
@@ -97,6 +104,9 @@ CANDIDATES = [LinearTiles(*c) for c in [
     (64, 128, 4, 4), (64, 256, 4, 5), (64, 256, 8, 3),
     # for 32 and 64 rows, whose x tiles take shared memory too
     (32, 64, 4, 8), (64, 64, 4, 6), (64, 128, 8, 4), (128, 64, 8, 4), (128, 128, 8, 3),
+    # small models (hidden < 1024): more, shorter programs
+    (16, 64, 4, 4), (16, 64, 2, 4), (16, 128, 2, 4), (16, 128, 4, 3), (16, 256, 2, 3),
+    (32, 64, 2, 4), (32, 128, 2, 3),
 ]] + [LinearTiles(*c, use_dot=False) for c in [
     (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 4, 3),
     # M = 1 at a rank's halved shapes (fewer weight rows or a shorter K per program)

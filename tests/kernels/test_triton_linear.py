@@ -107,7 +107,7 @@ def test_matches_reference(
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k"),  # each pick for 2-64 rows, run at a small N and K (block_k <= 256)
+    ("m", "n", "k"),  # each pick for 2-64 rows and short K, at a small N and K (block_k <= 256)
     [
         (8, 6144, 4096),
         (8, 24576, 4096),
@@ -119,6 +119,8 @@ def test_matches_reference(
         (64, 6144, 4096),
         (64, 28672, 4096),
         (64, 4096, 4096),
+        (9, 960, 576),
+        (1, 49152, 576),
     ],
 )
 def test_default_picks_match_reference(m: int, n: int, k: int) -> None:
@@ -153,7 +155,15 @@ def test_default_picks_match_reference(m: int, n: int, k: int) -> None:
         (64, 4096, 14336, torch.bfloat16, LinearTiles(32, 256, 4, 4)),
         (4, 4096, 4096, torch.float32, LinearTiles(32, 256, 4, 4)),
         (4, 28672, 4096, torch.float32, LinearTiles(32, 64, 4, 5)),
-        (4, 48, 20, torch.bfloat16, LinearTiles(32, 32, 4, 4)),  # block_k <= next pow2 of K
+        # SmolLM2-135M: short K steps for a short K (qkv, gate_up, down, lm_head)
+        (9, 960, 576, torch.bfloat16, LinearTiles(16, 128, 4, 5)),
+        (9, 3072, 576, torch.bfloat16, LinearTiles(32, 128, 4, 5)),
+        (16, 576, 1536, torch.bfloat16, LinearTiles(16, 128, 4, 5)),
+        (9, 49152, 576, torch.bfloat16, LinearTiles(32, 64, 2, 4)),
+        (1, 49152, 576, torch.bfloat16, LinearTiles(32, 64, 2, 4)),
+        (1, 960, 576, torch.bfloat16, LinearTiles(4, 1024, 4, 2, use_dot=False)),
+        (17, 960, 576, torch.bfloat16, LinearTiles(32, 512, 4, 4)),
+        (4, 48, 20, torch.bfloat16, LinearTiles(16, 32, 4, 5)),  # block_k <= next pow2 of K
         (1, 48, 8, torch.float32, LinearTiles(4, 16, 4, 2, use_dot=False)),  # and >= 16
     ],
 )
