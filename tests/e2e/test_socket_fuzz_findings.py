@@ -143,8 +143,11 @@ def test_the_frontend_trusts_only_its_components(
 
 
 @pytest.fixture
-def lone_scheduler(folder: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A scheduler started alone: no executor ever answers its hellos. (its ROUTER, it)"""
+def lone_scheduler(
+    folder: Path, context: zmq.Context[zmq.Socket[bytes]]
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A scheduler started alone, reading its ROUTER: no executor ever answers its hellos.
+    (its ROUTER, it)"""
     n = next(LONE)
     address = f"ipc://{folder}/lone-scheduler-{n}"
     proc = spawn(
@@ -154,8 +157,15 @@ def lone_scheduler(folder: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]
         "--scheduler-address",
         address,
     )
-    yield address, proc
-    stop(proc)
+    try:
+        # Started: its startup is not what the tests' shorter probes time.
+        ready = dealer(context, address, f"fuzz-ready-{n}")
+        started = scheduler_reads(ready, proc, timeout=DEADLINE_S)
+        ready.close()
+        assert started, "the scheduler never answered a request"
+        yield address, proc
+    finally:
+        stop(proc)
 
 
 def scheduler_reads(
