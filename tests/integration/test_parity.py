@@ -83,7 +83,8 @@ def test_tiny_model_output_survives_engine_settings(tiny_model, variant: str) ->
 
 
 # Tokens generated per prompt on the embedded model: transformers' reference runs them one
-# prompt at a time (it was two minutes of the suite at 64).
+# prompt at a time (it was two minutes of the suite at 64 tokens; five prompts, not eight, since
+# 2026-12-03).
 SMOLLM2_NEW_TOKENS = 32
 
 
@@ -96,12 +97,9 @@ def smollm2_reference(smollm2_tokenizer):
     ).eval()
     texts = [
         "The capital of France is",
-        "My favourite food is",
         "def fibonacci(n):",
-        "List three colors:",
         "Once upon a time, in a small village at the edge of a dark forest, there lived",
         "Q: What is 12 times 12?\nA:",
-        "Translate to French: I like apples.",
         "The theory of relativity, proposed by Albert Einstein in the early twentieth "
         "century, changed how physicists think about space, time and gravity. In simple terms,",
     ]
