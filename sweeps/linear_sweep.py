@@ -64,7 +64,7 @@ class Shape:
     k: int  # input features
 
 
-MODEL_LAYERS = {"llama": 32, "llama-tp2": 32, "qwen3": 36, "smollm2": 30}
+MODEL_LAYERS = {"llama": 32, "llama-tp2": 32, "qwen3": 36, "smollm2": 30, "qwen3-0.6b": 28}
 MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
     "llama": [  # Llama-3.1-8B, 32 layers
         Shape("qkv", 6144, 4096),
@@ -93,6 +93,13 @@ MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
         Shape("gate_up", 3072, 576),
         Shape("down", 576, 1536),
         Shape("lm_head", 49152, 576),
+    ],
+    "qwen3-0.6b": [  # Qwen3-0.6B, 28 layers: hidden 1024, its o and down reading longer K
+        Shape("qkv", 4096, 1024),
+        Shape("o", 1024, 2048),
+        Shape("gate_up", 6144, 1024),
+        Shape("down", 1024, 3072),
+        Shape("lm_head", 151936, 1024),
     ],
 }
 # (block_n, block_k, num_warps, num_stages): BLOCK_N 16/32/64 x BLOCK_K 128..512, tl.dot; and

@@ -101,6 +101,9 @@ class EngineCore:
             # Nothing to run or forget (speculating requests wait for the step in flight):
             # wait for that step rather than queue an empty one behind it, then launch the
             # requests that waited for its tokens before the caller reads them.
+            # NOTE: if that submit raises, `outputs` are lost with it, as an uncollected step's
+            # tokens are on the pipelined path: the scheduler process then fails every
+            # request (_fail_all).
             self._in_flight = None
             outputs = self.scheduler.update(in_flight, self.executor.collect())
             self._submit_if_any(self.scheduler.schedule())

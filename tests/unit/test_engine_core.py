@@ -117,6 +117,7 @@ def test_a_request_waiting_for_its_drafts_gets_no_empty_plan_queued() -> None:
     tokens = []
     while core.has_unfinished():
         outputs = core.step()
+        core.scheduler.check_invariants()
         tokens += [t for o in outputs for t in o.new_token_ids]
         if outputs and outputs[-1].finish_reason is None:
             in_flight = sum(1 if call == "submit" else -1 for call, _ in executor.calls)
