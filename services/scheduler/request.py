@@ -38,8 +38,9 @@ class Request:
         self.max_tokens = max_tokens  # resolved against max_model_len
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is (or will be, this step) in the cache
-        # Tokens being sampled by steps not yet reported: a pipelined engine schedules the
-        # next step before the last one's token arrives, and the next step computes it.
+        # Tokens that steps not yet reported may bring, at most (a row verifying d drafts: up
+        # to d + 1): a pipelined engine schedules the next step before the last one's tokens
+        # arrive, and the next step computes them. Counted down as each step is reported.
         self.num_pending_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
@@ -80,12 +81,12 @@ class Request:
 
     @property
     def num_scheduled_tokens_end(self) -> int:
-        """Length of the sequence once every pending token arrives."""
+        """Length of the sequence once every pending token arrives (at most: drafts in
+        flight may be rejected)."""
         return len(self.all_token_ids) + self.num_pending_tokens
 
     def append_output(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
-        self.num_pending_tokens = max(self.num_pending_tokens - 1, 0)
         self._update_block_hashes()
 
     def add_prompt_logprobs(self, part: PromptLogprobs) -> None:

@@ -30,6 +30,7 @@ from services.scheduler.speculation import (
     awaits_drafts,
     drafts_per_row,
     note_proposal,
+    reserve_lookahead,
     take_drafts,
 )
 from services.scheduler.waiting_queue import WaitingQueue, priority_key
@@ -136,8 +137,9 @@ class Scheduler:
         drafts: dict[str, list[int]] = {}
         cached_data, budget, preempted = self._schedule_running(budget, scheduled, drafts)
         new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
-        self._reserve_lookahead(cached_data, scheduled)
-        self._commit(scheduled)
+        for data in cached_data:
+            reserve_lookahead(self.kv, self.config, self.requests[data.request_id], data, scheduled)
+        self._commit(scheduled, drafts)
         self._plan_loras = {self.requests[rid].lora_id for rid in scheduled} - {0}
         dropped, self._dropped_ids = self._dropped_ids, []
         return SchedulerOutput(
@@ -183,13 +185,18 @@ class Scheduler:
             addendum=True,
         )
 
-    def _commit(self, scheduled: dict[str, int]) -> None:
+    def _commit(
+        self, scheduled: dict[str, int], drafts: dict[str, list[int]] | None = None
+    ) -> None:
+        """Count the rows as computed; a row that reaches the request's end samples, and may
+        bring it as many tokens as it verifies drafts, and one."""
         for request_id, num_tokens in scheduled.items():
             request = self.requests[request_id]
             request.last_scheduled_step = self._step
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens >= request.num_scheduled_tokens_end:
-                request.num_pending_tokens += 1  # this step samples the next (past any drafts)
+                row_drafts = drafts.get(request_id, []) if drafts else []
+                request.num_pending_tokens += 1 + len(row_drafts)
 
     def _schedule_running(
         self, budget: int, scheduled: dict[str, int], drafts: dict[str, list[int]]
@@ -369,8 +376,9 @@ class Scheduler:
     ) -> list[int]:
         """Append a step's tokens up to the first that stops the request; returns those taken.
 
-        A row that verified drafts computed them all: its computed tokens fall back to those
-        whose KV holds what was accepted (every token but the last, which no step computed).
+        The step's row may have brought 1 + len(drafts) tokens (`num_pending_tokens` counts
+        that many); a row that verified drafts computed them all, and its computed tokens fall
+        back by the drafts it rejected, to those whose KV holds what was accepted.
         """
         taken = []
         for token_id in token_ids:
@@ -383,27 +391,14 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 break
-        if drafts:
-            self.spec_decode.record(len(drafts), len(token_ids) - 1)
-            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        num_drafts = len(drafts) if drafts else 0
+        request.num_pending_tokens -= 1 + num_drafts
+        if num_drafts:
+            num_accepted = len(token_ids) - 1
+            self.spec_decode.record(num_drafts, num_accepted)
+            if request.status is RequestStatus.RUNNING:  # else preempted: it starts over
+                request.num_computed_tokens -= num_drafts - num_accepted
         return taken
-
-    def _reserve_lookahead(
-        self, cached_data: list[CachedRequestData], scheduled: dict[str, int]
-    ) -> None:
-        """Blocks for the KV slots that each speculating row's next proposal writes past its
-        tokens (a draft model's), from what the pool has left once every row of the plan is
-        placed: never at the cost of a row or a preemption (without them it drafts fewer)."""
-        for data in cached_data:
-            request = self.requests[data.request_id]
-            num_new = scheduled[data.request_id]
-            end = request.num_computed_tokens + num_new
-            lookahead = min(self.config.num_lookahead_tokens, self.config.max_model_len - end)
-            if lookahead > 0 and request.speculates and end >= request.num_tokens:
-                blocks = self.kv.block_ids[data.request_id]
-                held = len(blocks)
-                if self.kv.allocate(request, num_new + lookahead):
-                    data.new_block_ids.extend(blocks[held:])
 
     def _ends_with_pending(self, request: Request) -> bool:
         """Whether the tokens in flight already take the request to its length limit."""
@@ -495,3 +490,8 @@ class Scheduler:
         ), "a live request is neither running nor waiting"
         for request in self.waiting:
             assert request.request_id not in self.kv.block_ids, "a waiting request holds blocks"
+        for request in self.requests.values():
+            assert request.num_pending_tokens >= 0, "more tokens reported than were in flight"
+            assert request.num_computed_tokens <= request.num_scheduled_tokens_end, (
+                "computed past the tokens known and in flight"
+            )

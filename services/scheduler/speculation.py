@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request
 from services.scheduler.scheduler_config import SchedulerConfig
 from shared.constants import SPECULATION_BACKOFF_MAX, SPECULATION_TOKEN_CAP
+from shared.protocol import CachedRequestData
 
 
 def drafts_per_row(num_speculating: int) -> int:
@@ -49,6 +51,27 @@ def take_drafts(request: Request, config: SchedulerConfig, budget: int, share: i
     consumed: each set is verified once."""
     drafts, request.spec_token_ids = request.spec_token_ids, []
     return drafts[: min(share, draft_room(request, config, budget))]
+
+
+def reserve_lookahead(
+    kv: KVCacheManager,
+    config: SchedulerConfig,
+    request: Request,
+    data: CachedRequestData,
+    scheduled: dict[str, int],
+) -> None:
+    """Blocks for the KV slots that a speculating row's next proposal writes past its tokens
+    (a draft model's), from what the pool has left once every row of the plan is placed:
+    never at the cost of a row or a preemption (without them it drafts fewer). Called for
+    each running row of a plan, after all are placed; `data` gets the blocks."""
+    num_new = scheduled[request.request_id]
+    end = request.num_computed_tokens + num_new
+    lookahead = min(config.num_lookahead_tokens, config.max_model_len - end)
+    if lookahead > 0 and request.speculates and end >= request.num_tokens:
+        blocks = kv.block_ids[request.request_id]
+        held = len(blocks)
+        if kv.allocate(request, num_new + lookahead):
+            data.new_block_ids.extend(blocks[held:])
 
 
 def awaits_drafts(request: Request) -> bool:
