@@ -14,6 +14,10 @@ as soon as its tokens are on the host.
 
 On a CPU the forward pass runs inside `launch`, so each step is answered right after it.
 
+A plan with rows that verify drafts waits, as it is prepared, for the step in flight (the
+drafts follow its tokens: runner/drafting.py); its DeviceReady goes out before that wait, so
+that its LaunchStep is there when its rows are laid out.
+
 A scheduler with no executor yet says hello (SchedulerHello, with its session); the executor
 answers with ExecutorReady for that session, after dropping all it ran for another session.
 So a restarted scheduler adopts the running executor, and a restarted executor, whose
@@ -30,6 +34,7 @@ from typing import Any
 import zmq
 
 from services.executor.rank_group import start_runner
+from services.executor.runner.drafting import waits_for_drafts
 from services.executor.runner.model_runner import ModelRunner
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.step_watch import StepWatch
@@ -98,9 +103,9 @@ def serve_plans(
     asked = False  # DeviceReady sent, LaunchStep not received yet
     session: int | None = None  # the scheduler session whose plans run here
 
-    def ask_when_due() -> None:
+    def ask_when_due(now: bool = False) -> None:
         nonlocal asked
-        if not asked and runner.launch_point_passed():
+        if not asked and (now or runner.launch_point_passed()):
             socket.send(encode(DeviceReady()))
             asked = True
 
@@ -117,6 +122,10 @@ def serve_plans(
         if not socket.poll(0 if runner.num_in_flight else None):
             continue
         message = decoder.decode(socket.recv())
+        if isinstance(message, SchedulerOutput) and waits_for_drafts(message, runner.requests):
+            # Its rows wait for the step in flight (their drafts follow its tokens): asked
+            # now, the launch is here when they are laid out, its round trip hidden.
+            ask_when_due(now=True)
         try:
             if _take(message, runner, socket, steps):
                 asked = False

@@ -12,9 +12,10 @@ the device does not wait while the host schedules, digests outputs and does its 
     device:  ── step k ─────────────────┴── step k+1 ──────────────────────────┴── step k+2
 
 A plan with nothing to run or forget is not queued: the loop collects step k instead (a
-speculating request waits so for its drafts, which come with step k's tokens), then plans and
-queues the steps that waited before its caller reads step k's tokens, so the device runs the
-next step while the host digests the last.
+request whose tokens in flight may already reach its max_tokens waits so for them), then plans
+and queues the steps that waited before its caller reads step k's tokens, so the device runs
+the next step while the host digests the last. A speculating request's rows are pipelined too,
+with room for drafts that the executor proposes when it lays them out (runner/drafting.py).
 
 A request that arrives while step k runs would so wait for k+2, one whole step more than
 without pipelining. Where the executor launches a plan only when told (the executor process:
@@ -98,9 +99,9 @@ class EngineCore:
             if in_flight is None and not plan.finished_request_ids:
                 return []  # nothing to run, to wait for, or for the executor to forget
         if not plan.num_scheduled_tokens and not plan.finished_request_ids and in_flight:
-            # Nothing to run or forget (speculating requests wait for the step in flight):
-            # wait for that step rather than queue an empty one behind it, then launch the
-            # requests that waited for its tokens before the caller reads them.
+            # Nothing to run or forget (requests wait for the tokens in flight): wait for
+            # that step rather than queue an empty one behind it, then launch the requests
+            # that waited for its tokens before the caller reads them.
             # NOTE: if that submit raises, `outputs` are lost with it, as an uncollected step's
             # tokens are on the pipelined path: the scheduler process then fails every
             # request (_fail_all).

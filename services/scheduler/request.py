@@ -48,12 +48,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_hashes: list[bytes] = []
-        # Speculative decoding: whether it verifies drafts (set by the scheduler), and the
-        # drafts the executor proposed after its last token, for its next step.
+        # Speculative decoding: whether it verifies drafts (set by the scheduler).
         self.speculates = False
-        self.spec_token_ids: list[int] = []
-        # Proposals in a row that found nothing, and the steps it runs pipelined (without
-        # drafts, not waiting for its token) before the next: speculation.note_proposal.
+        # Rows in a row whose drafts the proposer found none for, and the steps its rows get
+        # no draft slots (run pipelined, not waiting for its tokens): note_proposal.
         self.spec_misses = 0
         self.spec_skip = 0
         # Prompt logprobs as the executor computes them, chunk by chunk; they go out with the

@@ -27,11 +27,9 @@ from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_config import SchedulerConfig
 from services.scheduler.speculation import (
     SpecDecodeStats,
-    awaits_drafts,
-    drafts_per_row,
+    add_draft_slots,
     note_proposal,
     reserve_lookahead,
-    take_drafts,
 )
 from services.scheduler.waiting_queue import WaitingQueue, priority_key
 from shared.protocol import (
@@ -134,12 +132,12 @@ class Scheduler:
         self._step += 1
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
-        drafts: dict[str, list[int]] = {}
-        cached_data, budget, preempted = self._schedule_running(budget, scheduled, drafts)
+        slots: dict[str, int] = {}  # draft slots of the speculating rows
+        cached_data, budget, preempted = self._schedule_running(budget, scheduled, slots)
         new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
         for data in cached_data:
             reserve_lookahead(self.kv, self.config, self.requests[data.request_id], data, scheduled)
-        self._commit(scheduled, drafts)
+        self._commit(scheduled, slots)
         self._plan_loras = {self.requests[rid].lora_id for rid in scheduled} - {0}
         dropped, self._dropped_ids = self._dropped_ids, []
         return SchedulerOutput(
@@ -148,7 +146,7 @@ class Scheduler:
             cached_requests=cached_data,
             num_scheduled_tokens=scheduled,
             finished_request_ids=dropped,
-            spec_token_ids=drafts,
+            draft_slots=slots,
         )
 
     def schedule_addendum(self, plan: SchedulerOutput) -> SchedulerOutput | None:
@@ -185,43 +183,30 @@ class Scheduler:
             addendum=True,
         )
 
-    def _commit(
-        self, scheduled: dict[str, int], drafts: dict[str, list[int]] | None = None
-    ) -> None:
+    def _commit(self, scheduled: dict[str, int], slots: dict[str, int] | None = None) -> None:
         """Count the rows as computed; a row that reaches the request's end samples, and may
-        bring it as many tokens as it verifies drafts, and one."""
+        bring it as many tokens as it has draft slots, and one."""
         for request_id, num_tokens in scheduled.items():
             request = self.requests[request_id]
             request.last_scheduled_step = self._step
             request.num_computed_tokens += num_tokens
             if request.num_computed_tokens >= request.num_scheduled_tokens_end:
-                row_drafts = drafts.get(request_id, []) if drafts else []
-                request.num_pending_tokens += 1 + len(row_drafts)
+                request.num_pending_tokens += 1 + (slots.get(request_id, 0) if slots else 0)
 
     def _schedule_running(
-        self, budget: int, scheduled: dict[str, int], drafts: dict[str, list[int]]
+        self, budget: int, scheduled: dict[str, int], slots: dict[str, int]
     ) -> tuple[list[CachedRequestData], int, bool]:
         cached_data: list[CachedRequestData] = []
+        placed: list[tuple[Request, CachedRequestData]] = []
         preempted = False
         index = 0
-        share = 0
-        if self.config.num_speculative_tokens:
-            share = drafts_per_row(sum(1 for r in self.running if r.spec_token_ids))
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_scheduled_tokens_end - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_with_pending(request) or awaits_drafts(request):
+            if num_new <= 0 or self._ends_with_pending(request):
                 index += 1
                 continue
-            row_drafts = []
-            if request.num_computed_tokens + num_new == request.num_tokens:
-                row_drafts = take_drafts(request, self.config, budget - num_new, share)
-            num_new += len(row_drafts)
             num_held = len(self.kv.block_ids.get(request.request_id, []))
-            if row_drafts and not self.kv.allocate(request, num_new):
-                # No blocks for the lookahead: drafts are not worth a preemption.
-                num_new -= len(row_drafts)
-                row_drafts = []
             while not self.kv.allocate(request, num_new):
                 preempted = True
                 victim = self.running.pop()  # the last admitted, or of the lowest priority
@@ -230,19 +215,18 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 break
-            blocks = self.kv.block_ids[request.request_id]
-            cached_data.append(
-                CachedRequestData(
-                    request_id=request.request_id,
-                    new_block_ids=blocks[num_held:],
-                    num_computed_tokens=request.num_computed_tokens,
-                )
+            data = CachedRequestData(
+                request_id=request.request_id,
+                new_block_ids=self.kv.block_ids[request.request_id][num_held:],
+                num_computed_tokens=request.num_computed_tokens,
             )
+            cached_data.append(data)
+            placed.append((request, data))
             scheduled[request.request_id] = num_new
-            if row_drafts:
-                drafts[request.request_id] = row_drafts
             budget -= num_new
             index += 1
+        if self.config.num_speculative_tokens:
+            budget = add_draft_slots(self.kv, self.config, placed, scheduled, slots, budget)
         return cached_data, budget, preempted
 
     def _schedule_waiting(
@@ -333,7 +317,6 @@ class Scheduler:
         self._count_running_lora(request, -1)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.requeue(request)
@@ -362,9 +345,11 @@ class Scheduler:
             token_ids = result.sampled.get(request_id)
             if request is None or not token_ids:
                 continue  # finished meanwhile, or a prompt chunk that samples nothing
-            taken = self._take_tokens(request, token_ids, plan.spec_token_ids.get(request_id))
+            num_slots = plan.draft_slots.get(request_id, 0)
+            num_drafts = result.num_drafts.get(request_id, 0)
+            taken = self._take_tokens(request, token_ids, num_slots, num_drafts)
             if request.status is not RequestStatus.FINISHED and request.speculates:
-                note_proposal(request, result.draft_token_ids.get(request_id, []))
+                note_proposal(request, num_slots, num_drafts)
             logprobs = result.logprobs.get(request_id, [])[: len(taken)]
             output = self._output(request, taken, logprobs)
             output.embedding = result.embeddings.get(request_id)
@@ -372,13 +357,14 @@ class Scheduler:
         return outputs
 
     def _take_tokens(
-        self, request: Request, token_ids: list[int], drafts: list[int] | None
+        self, request: Request, token_ids: list[int], num_slots: int, num_drafts: int
     ) -> list[int]:
         """Append a step's tokens up to the first that stops the request; returns those taken.
 
-        The step's row may have brought 1 + len(drafts) tokens (`num_pending_tokens` counts
-        that many); a row that verified drafts computed them all, and its computed tokens fall
-        back by the drafts it rejected, to those whose KV holds what was accepted.
+        The step's row had `num_slots` draft slots and verified `num_drafts` drafts: it was
+        counted as bringing 1 + num_slots tokens (`num_pending_tokens`, `num_computed_tokens`),
+        and brought the drafts accepted and one; its computed tokens fall back by the slots
+        not accepted, to those whose KV holds what was accepted.
         """
         taken = []
         for token_id in token_ids:
@@ -391,13 +377,12 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 break
-        num_drafts = len(drafts) if drafts else 0
-        request.num_pending_tokens -= 1 + num_drafts
+        num_accepted = len(token_ids) - 1
+        request.num_pending_tokens -= 1 + num_slots
         if num_drafts:
-            num_accepted = len(token_ids) - 1
             self.spec_decode.record(num_drafts, num_accepted)
-            if request.status is RequestStatus.RUNNING:  # else preempted: it starts over
-                request.num_computed_tokens -= num_drafts - num_accepted
+        if request.status is RequestStatus.RUNNING:  # else preempted: it starts over
+            request.num_computed_tokens -= num_slots - num_accepted
         return taken
 
     def _ends_with_pending(self, request: Request) -> bool:

@@ -1,18 +1,21 @@
-"""The scheduler's side of speculative decoding: how many of a request's drafts a step verifies,
-and the counts behind vLLM's spec_decode metrics.
+"""The scheduler's side of speculative decoding: how many drafts a step's rows may verify, and
+the counts behind vLLM's spec_decode metrics.
 
-A speculating request's row computes its last token and then its drafts (lookahead slots in
-the token budget and in its blocks). The step returns the drafts the target agreed with and
-the target's token after them, so the request moves 1..k+1 tokens, and the KV of the drafts it
-rejected is past its computed tokens: written over when the row gets that far again.
+A speculating request's decode row has room for its token and up to `draft_slots` drafts
+after it (lookahead slots in the token budget and in its blocks). The executor proposes the
+drafts when it lays the row out, once the steps before it are in, so the row is planned like
+any other, pipelined. The step returns the drafts the target agreed with and the target's
+token after them, so the request moves 1..k+1 tokens. Until a step is reported the scheduler
+counts it as bringing all it may (`num_pending_tokens`, `num_computed_tokens`: upper bounds)
+and then takes back what it did not: the drafts rejected, or never proposed. Their KV is past
+the request's computed tokens, written over when the row gets that far again.
 
-Its drafts are proposed from the tokens of the step before, so a speculating request waits
-for its token in flight: it runs every step whose plan is made after its last step was
-collected, and loses the pipelined loop's overlap of one step's host work with the last
-step's device work. Where the proposer finds nothing, that wait buys nothing: after a
-proposal that found no drafts, the request runs pipelined, without drafts, for 2, 4, 8, then
-16 steps (SPECULATION_BACKOFF_MAX) before it waits to be proposed for again; drafts found
-start it over (note_proposal). The executor proposes only for requests with no step in flight.
+A row with draft slots waits on the executor for the step before it (its drafts are proposed
+from that step's tokens), which costs the device the pipelined loop's overlap of one step's
+host work with the last step's device work. Where the proposer finds nothing, that wait buys
+nothing: after a row that had slots and verified no drafts, the request's rows get no slots
+for 2, 4, 8, then 16 steps (SPECULATION_BACKOFF_MAX); drafts verified start it over
+(note_proposal).
 """
 
 from __future__ import annotations
@@ -35,22 +38,63 @@ def drafts_per_row(num_speculating: int) -> int:
 
 def draft_room(request: Request, config: SchedulerConfig, budget: int) -> int:
     """How many drafts the request's next row may verify with `budget` tokens left once its
-    own are paid for: none past its length limits, where no token could be kept."""
+    own is paid for: none past its length limits, where no token could be kept, counting
+    the tokens in flight as bringing all they may."""
     return max(
         0,
         min(
             budget,
-            request.max_tokens - request.num_output_tokens - 1,
-            config.max_model_len - request.num_tokens - 1,
+            request.max_tokens - request.num_output_tokens - request.num_pending_tokens - 1,
+            config.max_model_len - request.num_scheduled_tokens_end - 1,
         ),
     )
 
 
-def take_drafts(request: Request, config: SchedulerConfig, budget: int, share: int) -> list[int]:
-    """The drafts the request's row verifies this step, at most `share` (drafts_per_row);
-    consumed: each set is verified once."""
-    drafts, request.spec_token_ids = request.spec_token_ids, []
-    return drafts[: min(share, draft_room(request, config, budget))]
+def add_draft_slots(
+    kv: KVCacheManager,
+    config: SchedulerConfig,
+    placed: list[tuple[Request, CachedRequestData]],
+    scheduled: dict[str, int],
+    slots: dict[str, int],
+    budget: int,
+) -> int:
+    """Room for drafts after each decode row of a speculating request (`placed`: the running
+    rows of a plan, placed; `scheduled` counts each row's slots too, `slots` holds them), from
+    the budget and blocks that are left once every running row is placed: never at the cost
+    of a row or a preemption. Returns the budget left."""
+    share = drafts_per_row(sum(r.speculates and not r.spec_skip for r, _ in placed))
+    for request, data in placed:
+        num_new = scheduled[request.request_id]
+        if budget <= 0 or not decodes(request, num_new):
+            continue
+        row_slots = draft_slots(request, config, budget, share)
+        blocks = kv.block_ids[request.request_id]
+        held = len(blocks)
+        if row_slots and kv.allocate(request, num_new + row_slots):
+            data.new_block_ids.extend(blocks[held:])
+            scheduled[request.request_id] += row_slots
+            slots[request.request_id] = row_slots
+            budget -= row_slots
+    return budget
+
+
+def decodes(request: Request, num_new: int) -> bool:
+    """Whether a row of `num_new` tokens is the request's decode: its one token to compute is
+    its last (known or in flight), and it has sampled before."""
+    return (
+        num_new == 1
+        and request.num_computed_tokens + 1 == request.num_scheduled_tokens_end
+        and request.num_output_tokens + request.num_pending_tokens > 0
+    )
+
+
+def draft_slots(request: Request, config: SchedulerConfig, budget: int, share: int) -> int:
+    """The drafts the request's decode row may verify this step: at most `share`
+    (drafts_per_row) and num_speculative_tokens, none for a request that does not speculate
+    or is in a back-off."""
+    if not request.speculates or request.spec_skip:
+        return 0
+    return min(share, config.num_speculative_tokens, draft_room(request, config, budget))
 
 
 def reserve_lookahead(
@@ -74,25 +118,17 @@ def reserve_lookahead(
             data.new_block_ids.extend(blocks[held:])
 
 
-def awaits_drafts(request: Request) -> bool:
-    """Whether the request waits for its token in flight before its next step: it speculates
-    and is not in a pipelined stretch after proposals that found nothing."""
-    return request.speculates and request.num_pending_tokens > 0 and request.spec_skip == 0
-
-
-def note_proposal(request: Request, drafts: list[int]) -> None:
-    """Keep the drafts proposed with a step's tokens, or count a miss. Once the step's tokens
-    are in: with none in flight the executor proposed for the request (found `drafts`, maybe
-    none); with a step in flight it did not (any drafts would be for a token it has passed)."""
-    if request.num_pending_tokens:
-        request.spec_token_ids = []
-        request.spec_skip = max(request.spec_skip - 1, 0)
-    elif drafts:
-        request.spec_token_ids, request.spec_misses, request.spec_skip = drafts, 0, 0
-    else:
-        request.spec_token_ids = []
+def note_proposal(request: Request, num_slots: int, num_verified: int) -> None:
+    """After a reported row of a speculating request that had `num_slots` draft slots and
+    verified `num_verified` drafts: count a miss where the proposer found nothing, or count
+    down the back-off (see the module's docstring)."""
+    if num_verified:
+        request.spec_misses, request.spec_skip = 0, 0
+    elif num_slots and not request.spec_skip:  # else planned before the back-off began
         request.spec_misses += 1
         request.spec_skip = min(2**request.spec_misses, SPECULATION_BACKOFF_MAX)
+    else:
+        request.spec_skip = max(request.spec_skip - 1, 0)
 
 
 @dataclass

@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 
 
 class Message(msgspec.Struct, gc=False):

@@ -64,8 +64,12 @@ class SchedulerOutput(Message, tag=True, kw_only=True):
     # Rows to append to plan `step`, which the executor holds and has not launched yet: new
     # requests that arrived after the plan was sent (see DeviceReady).
     addendum: bool = False
-    # Speculative decoding: the drafts each request's row verifies after its last token (the
-    # row's tokens are its own, then these); proposed by the executor after the step before.
+    # Speculative decoding: how many drafts each request's row may verify after its one token
+    # (its count in num_scheduled_tokens includes them: room in the budget and the blocks).
+    # The executor proposes them when it lays the row out, once the steps before are in.
+    draft_slots: dict[str, int] = {}
+    # The drafts each row verifies, as rank 0 of the executor chose them: filled in by it for
+    # the other ranks (empty as the scheduler sends a plan).
     spec_token_ids: dict[str, list[int]] = {}
 
     @property
@@ -142,8 +146,9 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     device_ms: float = 0.0  # how long the step kept the device busy (0 where not measured)
     prompt_logprobs: dict[str, PromptLogprobs] = {}  # for requests with prompt_logprobs
     embeddings: dict[str, list[float]] = {}  # pooled prompts, for requests with embed
-    # Speculative decoding: each speculating request's drafts for its next step.
-    draft_token_ids: dict[str, list[int]] = {}
+    # Speculative decoding: how many drafts each row verified (of its draft_slots; sampled
+    # holds those accepted and the token after them).
+    num_drafts: dict[str, int] = {}
 
 
 # ------------------------------------------------------------- outputs out

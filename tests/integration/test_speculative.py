@@ -192,7 +192,8 @@ def test_speculative_sampling_keeps_the_target_distribution(tmp_path: Path) -> N
     second = top_k_probs(model, [*prompt, a], 5)
     d2 = max(second, key=second.__getitem__)
     third = top_k_probs(model, [*prompt, a, d2], 5)
-    llm = speculating(tmp_path, NGRAM, max_num_seqs=256)
+    # 64 rows at a time: each has room for 3 drafts (speculation.drafts_per_row).
+    llm = speculating(tmp_path, NGRAM, max_num_seqs=64)
     llm.runner.proposer = FixedDrafts(prompt, a, [d2, 999 % 256])  # type: ignore[assignment]
     params = SamplingParams(temperature=1.0, top_k=5, max_tokens=3, ignore_eos=True)
     outputs = [r.token_ids for r in llm.generate([prompt] * 3000, params)]
@@ -244,6 +245,7 @@ def test_a_rank_behind_on_collecting_takes_the_next_plan(folder: Path) -> None:
     leader = speculating(folder, NGRAM)
     leader.runner.proposer = KnownDrafts([r.token_ids for r in expected], 4)  # type: ignore[assignment]
     follower = speculating(folder, NGRAM).runner
+    follower.proposer = None  # as on a rank after the first: it reads rank 0's drafts in plans
     scheduler = leader.engine.scheduler
     for i, prompt in enumerate(prompts()):
         request = EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=GREEDY)
@@ -294,6 +296,7 @@ def test_a_rank_two_steps_behind_lays_out_pipelined_rows_as_rank_0(folder: Path)
     leader = speculating(folder, NGRAM)
     leader.runner.proposer = NoDrafts()  # type: ignore[assignment]
     follower = speculating(folder, NGRAM).runner
+    follower.proposer = None  # as on a rank after the first: it reads rank 0's drafts in plans
     scheduler = leader.engine.scheduler
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     leads, follows, last = {}, {}, None

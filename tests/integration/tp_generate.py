@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow import LLM, LoRARequest, SamplingParams
-from shared.protocol import ModelRunnerOutput
+from shared.protocol import SchedulerOutput
 
 Result = tuple[list[int], list[list[int]]]  # tokens, and the top logprobs' ids at each
 
@@ -93,16 +93,16 @@ def main() -> None:
 
 
 def record_proposals(llm: LLM) -> list[list[int]]:
-    """Every set of drafts rank 0 proposes from now on, in order (by request within a step)."""
+    """Every set of drafts rank 0 lays into a plan from now on, in order (by request within a
+    plan)."""
     proposals: list[list[int]] = []
-    collect = llm.runner.collect
+    prepare = llm.runner.prepare
 
-    def recording_collect() -> ModelRunnerOutput:
-        output = collect()
-        proposals.extend(ids for _, ids in sorted(output.draft_token_ids.items()))
-        return output
+    def recording_prepare(plan: SchedulerOutput) -> None:
+        prepare(plan)
+        proposals.extend(ids for _, ids in sorted(plan.spec_token_ids.items()))
 
-    llm.runner.collect = recording_collect  # type: ignore[method-assign]
+    llm.runner.prepare = recording_prepare  # type: ignore[method-assign]
     return proposals
 
 

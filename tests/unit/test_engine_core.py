@@ -20,7 +20,7 @@ from tests.unit.scheduler_setup import add, make_scheduler
 
 class RecordingExecutor:
     """Keeps per-request lengths as the real executor does, samples `100 + k` for a request's
-    k-th output token, and logs every call."""
+    k-th output token (its proposer finds no drafts), and logs every call."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
@@ -28,17 +28,20 @@ class RecordingExecutor:
         self._queued: deque[ModelRunnerOutput] = deque()
         self._num_tokens: dict[str, int] = {}  # prompt + outputs, tokens in flight included
         self._num_outputs: dict[str, int] = {}
+        self._num_computed: dict[str, int] = {}
 
     def submit(self, plan: SchedulerOutput) -> None:
         assert len(self._queued) < 2, "more than two steps in flight"
         for new in plan.new_requests:
             self._num_tokens[new.request_id] = len(new.prompt_token_ids + new.output_token_ids)
             self._num_outputs[new.request_id] = len(new.output_token_ids)
-        num_computed = {c.request_id: c.num_computed_tokens for c in plan.cached_requests}
-        num_computed |= {n.request_id: n.num_computed_tokens for n in plan.new_requests}
+            self._num_computed[new.request_id] = new.num_computed_tokens
+        for cached in plan.cached_requests:  # a bound where drafts are in flight: never less
+            assert cached.num_computed_tokens >= self._num_computed[cached.request_id]
         sampled = {}
         for request_id, num_new in plan.num_scheduled_tokens.items():
-            if num_computed[request_id] + num_new == self._num_tokens[request_id]:
+            self._num_computed[request_id] += num_new - plan.draft_slots.get(request_id, 0)
+            if self._num_computed[request_id] == self._num_tokens[request_id]:
                 sampled[request_id] = [100 + self._num_outputs[request_id]]
                 self._num_tokens[request_id] += 1
                 self._num_outputs[request_id] += 1
@@ -108,10 +111,11 @@ def test_an_abort_reaches_the_executor_even_when_nothing_else_runs() -> None:
     assert not executor.plans[-1].num_scheduled_tokens
 
 
-def test_a_request_waiting_for_its_drafts_gets_no_empty_plan_queued() -> None:
-    """A speculating request waits for its step in flight (its drafts come with that step's
-    tokens): the core then collects that step rather than queue a plan with nothing in it,
-    and queues the request's next step before it hands the tokens to its caller."""
+def test_a_speculating_request_runs_pipelined_and_no_empty_plan_is_queued() -> None:
+    """A speculating request's rows are pipelined, with room for drafts. Near its end, where
+    the steps in flight may bring it to max_tokens already, it waits for them: the core then
+    collects a step rather than queue a plan with nothing in it, and queues the request's
+    next step before it hands the tokens to its caller."""
     core, executor = make_core(num_speculative_tokens=3)
     add(core.scheduler, "a", [1, 3, 4, 5, 6], max_tokens=8)
     tokens = []

@@ -91,3 +91,28 @@ def test_an_addendum_counts_the_rows_of_the_prepared_step() -> None:
     check(plan([new()], scheduled={"r": 5}), num_rows=1)
     with pytest.raises(PlanError, match="max_num_seqs"):
         check(plan([new()], scheduled={"r": 5}), num_rows=2)
+
+
+def with_drafts(slots: dict[str, int], drafts: dict[str, list[int]] | None = None, n: int = 4):
+    """A decode of "old" with `n` tokens and draft slots (rank 0's drafts, if any)."""
+    p = plan(cached=[decode()], scheduled={"old": n})
+    p.draft_slots = slots
+    p.spec_token_ids = drafts or {}
+    return p
+
+
+def test_draft_slots_and_rank_0s_drafts_pass_within_the_proposers_length() -> None:
+    limits = PlanLimits(**{**LIMITS.__dict__, "num_speculative_tokens": 3})
+    held = {"old": (6, 3)}  # blocks for its token and 3 drafts
+    check_plan(with_drafts({"old": 3}), limits, held.get)
+    check_plan(with_drafts({"old": 3}, {"old": [7, 8]}), limits, held.get)
+    bad = [
+        (with_drafts({"old": 3}), PlanLimits(**{**LIMITS.__dict__, "num_speculative_tokens": 2})),
+        (with_drafts({"old": 2}), limits),  # 4 tokens: its own and 3, not 2
+        (with_drafts({"old": 1}, {"old": [7, 8]}, n=2), limits),
+        (with_drafts({}, {"old": [7]}, n=1), limits),  # drafts without slots
+        (with_drafts({"old": 3}, {"old": [100]}), limits),
+    ]
+    for p, lim in bad:
+        with pytest.raises(PlanError, match="draft"):
+            check_plan(p, lim, held.get)

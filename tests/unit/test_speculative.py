@@ -100,14 +100,18 @@ def test_a_draft_models_rows_hold_blocks_for_the_next_proposal() -> None:
     add(scheduler, "a", [10, 11, 12], max_tokens=16, ignore_eos=True)
     add(scheduler, "b", [10] * 14, max_tokens=6, ignore_eos=True)
     blocks = scheduler.kv.block_ids
-    verify(scheduler, {"a": [50], "b": [70]}, {"a": [51, 52, 53], "b": [71]})
+    verify(scheduler, {"a": [50], "b": [70]}, {})
     assert (len(blocks["a"]), len(blocks["b"])) == (1, 4)  # prompts: no lookahead yet
-    # a: 4 tokens, 3 drafts and 3 slots past them (10, in 3 blocks of 4); b: 15, 1 and 3.
-    verify(scheduler, {"a": [51, 52, 60, 61], "b": [71, 72]}, {})
+    # a: 4 tokens, 3 draft slots and 3 lookahead slots past them (10, in 3 blocks of 4); b:
+    # 15 tokens and 3 draft slots (18), its lookahead stopped at max_model_len (20).
+    plan, got = verify(
+        scheduler, {"a": [51, 52, 60, 61], "b": [71, 72]}, {"a": [51, 52, 53], "b": [71]}
+    )
+    assert plan.draft_slots == {"a": 3, "b": 3} and got == {"a": [51, 52, 60], "b": [71, 72]}
     assert (len(blocks["a"]), len(blocks["b"])) == (3, 5)
-    # b: 17 tokens, 1 more computed: the lookahead stops at max_model_len (20 slots).
-    verify(scheduler, {"a": [62], "b": [73]}, {})
-    assert len(blocks["b"]) == 5
+    # b: 17 tokens, 2 slots left by max_tokens and max_model_len: 19, and 20 with lookahead.
+    plan, _ = verify(scheduler, {"a": [62], "b": [73]}, {})
+    assert plan.draft_slots["b"] == 2 and len(blocks["b"]) == 5
     scheduler.check_invariants()
 
 
@@ -116,9 +120,10 @@ def test_lookahead_takes_only_blocks_no_row_needs() -> None:
     add(scheduler, "a", [10, 11, 12], max_tokens=8, ignore_eos=True)
     add(scheduler, "b", [10, 11, 12, 13], max_tokens=8, ignore_eos=True)
     verify(scheduler, {"a": [50], "b": [70]}, {})
-    # One block left: b's fifth token needs it; a's lookahead would have taken it first.
+    # One block left: b's fifth token needs it; a's draft slots or lookahead would have taken
+    # it first. b's draft slots fit in that block.
     plan, _ = verify(scheduler, {"a": [51], "b": [71]}, {})
-    assert set(plan.num_scheduled_tokens) == {"a", "b"}
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 4} and plan.draft_slots == {"b": 3}
     assert scheduler.num_preemptions == 0
     assert [len(scheduler.kv.block_ids[r]) for r in "ab"] == [1, 2]
 
@@ -213,39 +218,64 @@ def speculating_scheduler(**overrides: object) -> Scheduler:
 
 
 def verify(
-    scheduler: Scheduler, target: dict[str, list[int]], drafts: dict[str, list[int]]
+    scheduler: Scheduler, target: dict[str, list[int]], proposals: dict[str, list[int]]
 ) -> tuple[SchedulerOutput, dict[str, list[int]]]:
-    """One step as the executor runs it: each row's tokens are the target's up to the first
-    draft that misses; `target`: each request's next tokens; `drafts`: proposed after it."""
+    """One step as the executor runs it, the step before collected: each row with draft slots
+    verifies the drafts `proposals` holds for its request (as many as it has slots for), and
+    its tokens are the target's (`target`: its next tokens) up to the first draft that misses."""
+    plan = schedule(scheduler)
+    return plan, report(scheduler, plan, target, proposals)
+
+
+def schedule(scheduler: Scheduler) -> SchedulerOutput:
+    """The next plan; which of its rows sample (reach the end of their request) is noted on
+    it for `report`, in `spec_token_ids` (rank 0's field: the scheduler leaves it empty)."""
     plan = scheduler.schedule()
     scheduler.check_invariants()
-    sampled = {}
     for request_id in plan.num_scheduled_tokens:
         request = scheduler.requests[request_id]
         if request.num_computed_tokens >= request.num_tokens:
-            row_drafts = plan.spec_token_ids.get(request_id, [])
-            sampled[request_id] = accepted(target[request_id][: len(row_drafts) + 1], row_drafts)
-    result = ModelRunnerOutput(step=plan.step, sampled=sampled, draft_token_ids=drafts)
+            plan.spec_token_ids[request_id] = []
+    return plan
+
+
+def report(
+    scheduler: Scheduler,
+    plan: SchedulerOutput,
+    target: dict[str, list[int]],
+    proposals: dict[str, list[int]],
+) -> dict[str, list[int]]:
+    """Hand the scheduler `plan`'s step (from `schedule`) as `verify` runs it; what each
+    request got."""
+    sampled, num_drafts = {}, {}
+    for request_id in plan.spec_token_ids:
+        if request_id in scheduler.requests:
+            drafts = proposals.get(request_id, [])[: plan.draft_slots.get(request_id, 0)]
+            sampled[request_id] = accepted(target[request_id][: len(drafts) + 1], drafts)
+            if drafts:
+                num_drafts[request_id] = len(drafts)
+    result = ModelRunnerOutput(step=plan.step, sampled=sampled, num_drafts=num_drafts)
     outputs = scheduler.update(plan, result)
     scheduler.check_invariants()
-    return plan, {out.request_id: out.new_token_ids for out in outputs}
+    return {out.request_id: out.new_token_ids for out in outputs}
 
 
 def test_a_row_verifies_its_drafts_and_moves_past_what_was_accepted() -> None:
     scheduler = speculating_scheduler()
     add(scheduler, "a", [10, 11, 12], max_tokens=20, ignore_eos=True)
-    plan, got = verify(scheduler, {"a": [50]}, {"a": [51, 52, 53]})
-    assert plan.num_scheduled_tokens == {"a": 3} and got == {"a": [50]}
+    plan, got = verify(scheduler, {"a": [50]}, {})
+    assert plan.num_scheduled_tokens == {"a": 3} and not plan.draft_slots and got == {"a": [50]}
     request = scheduler.requests["a"]
-    assert request.spec_token_ids == [51, 52, 53]
-    # Two drafts match, the third does not: 51 52 then the target's 60.
-    plan, got = verify(scheduler, {"a": [51, 52, 60, 99]}, {"a": [61, 62]})
-    assert plan.num_scheduled_tokens == {"a": 4} and plan.spec_token_ids == {"a": [51, 52, 53]}
+    # Room for 3 drafts; two match, the third does not: 51 52 then the target's 60.
+    plan, got = verify(scheduler, {"a": [51, 52, 60, 99]}, {"a": [51, 52, 53]})
+    assert plan.num_scheduled_tokens == {"a": 4} and plan.draft_slots == {"a": 3}
     assert got == {"a": [51, 52, 60]}
     # The KV of the rejected draft is past the computed tokens: the next row starts at 60.
     assert request.num_computed_tokens == request.num_tokens - 1 == 3 + 4 - 1
-    plan, got = verify(scheduler, {"a": [61, 62, 63]}, {})
-    assert got == {"a": [61, 62, 63]}  # both drafts and the token after them
+    # Fewer drafts found than the row has slots for: two, both accepted, and the token after.
+    plan, got = verify(scheduler, {"a": [61, 62, 63]}, {"a": [61, 62]})
+    assert plan.draft_slots == {"a": 3} and got == {"a": [61, 62, 63]}
+    assert request.num_computed_tokens == request.num_tokens - 1
     assert scheduler.spec_decode.num_draft_tokens == 5
     assert scheduler.spec_decode.num_accepted_tokens == 4
     assert scheduler.spec_decode.accepted_per_position == [2, 2, 0]
@@ -255,98 +285,110 @@ def test_a_row_verifies_its_drafts_and_moves_past_what_was_accepted() -> None:
 def test_a_stop_token_among_the_accepted_ends_the_request_there() -> None:
     scheduler = speculating_scheduler()
     add(scheduler, "a", [10, 11, 12], max_tokens=20)
-    verify(scheduler, {"a": [50]}, {"a": [51, EOS, 53]})
-    _, got = verify(scheduler, {"a": [51, EOS, 53, 54]}, {"a": [1]})
+    verify(scheduler, {"a": [50]}, {})
+    _, got = verify(scheduler, {"a": [51, EOS, 53, 54]}, {"a": [51, EOS, 53]})
     assert got == {"a": [51, EOS]}
     assert "a" not in scheduler.requests
     assert scheduler.kv.pool.num_available == scheduler.config.num_blocks  # nothing leaked
 
 
-def test_drafts_stop_where_max_tokens_and_max_model_len_leave_no_room() -> None:
+def test_draft_slots_stop_where_max_tokens_and_max_model_len_leave_no_room() -> None:
     scheduler = speculating_scheduler(max_model_len=16)
     add(scheduler, "a", [10, 11, 12], max_tokens=3, ignore_eos=True)
     add(scheduler, "b", [10] * 12, max_tokens=4, ignore_eos=True)
-    verify(scheduler, {"a": [50], "b": [70]}, {"a": [51, 52, 53], "b": [71, 72, 73]})
+    verify(scheduler, {"a": [50], "b": [70]}, {})
     # a: 1 output of 3: one draft may still be kept beside the token after it; b: 13 tokens
     # of 16 (and 1 output of 4): two.
-    plan, got = verify(scheduler, {"a": [51, 52], "b": [71, 72, 73]}, {})
-    assert plan.spec_token_ids == {"a": [51], "b": [71, 72]}
+    plan, got = verify(
+        scheduler, {"a": [51, 52], "b": [71, 72, 73]}, {"a": [51, 52, 53], "b": [71, 72, 73]}
+    )
+    assert plan.draft_slots == {"a": 1, "b": 2}
     assert got == {"a": [51, 52], "b": [71, 72, 73]}
     assert not scheduler.requests
 
 
-def test_a_speculating_request_waits_for_its_token_in_flight() -> None:
-    for scheduler, runs_again in ((speculating_scheduler(), False), (make_scheduler(), True)):
-        add(scheduler, "a", [10, 11, 12], max_tokens=20, ignore_eos=True)
-        first = scheduler.schedule()
-        # Pipelined: the next plan is made before the first step's token arrives. Without
-        # speculation the request runs on its token in flight; with it, it waits for it.
-        second = scheduler.schedule()
-        assert set(first.num_scheduled_tokens) == {"a"}
-        assert ("a" in second.num_scheduled_tokens) is runs_again
-        scheduler.update(first, ModelRunnerOutput(step=1, sampled={"a": [5]}))
-        scheduler.check_invariants()
+def test_a_speculating_row_runs_pipelined_with_room_for_drafts() -> None:
+    scheduler = speculating_scheduler()
+    add(scheduler, "a", [10, 11, 12], max_tokens=20, ignore_eos=True)
+    first = schedule(scheduler)
+    # Pipelined: the next plan is made before the first step's token arrives, with room for
+    # the drafts the executor will propose once that token is in.
+    second = schedule(scheduler)
+    assert second.num_scheduled_tokens == {"a": 4} and second.draft_slots == {"a": 3}
+    request = scheduler.requests["a"]
+    assert (request.num_pending_tokens, request.num_computed_tokens) == (1 + 4, 3 + 4)
+    report(scheduler, first, {"a": [5]}, {})
+    # Bounds until the second step is reported, which may bring up to 4 tokens.
+    third = schedule(scheduler)
+    assert third.cached_requests[0].num_computed_tokens == 3 + 4
+    report(scheduler, second, {"a": [6, 7]}, {"a": [6]})  # one draft, accepted
+    assert (request.num_tokens, request.num_computed_tokens) == (6, 5 + 4)
+    report(scheduler, third, {"a": [8]}, {})
+    assert (request.num_pending_tokens, request.num_computed_tokens) == (0, 6)
+    assert request.num_computed_tokens == request.num_tokens - 1
 
 
-def pipelined_steps(scheduler: Scheduler, num_steps: int, drafts_from: int) -> list[int]:
-    """The steps (of a pipelined loop: each plan made before the last step's tokens arrive)
-    that plan request "a", whose proposals find nothing before step `drafts_from` and a draft
-    from then on (the executor proposes only where a request has no step in flight)."""
+def pipelined_steps(
+    scheduler: Scheduler, num_steps: int, drafts_from: int
+) -> list[tuple[int, int]]:
+    """Steps of a pipelined loop (each plan made before the last step's tokens arrive) for a
+    request "a" whose proposer finds nothing before step `drafts_from` and a draft that is
+    accepted from then on: (step, its draft slots) for each step that runs it."""
     planned, last = [], None
     for step in range(num_steps):
-        plan = scheduler.schedule()
+        plan = schedule(scheduler)
         if "a" in plan.num_scheduled_tokens:
-            planned.append(step)
+            planned.append((step, plan.draft_slots.get("a", 0)))
         if last is not None and "a" in last.num_scheduled_tokens:
-            row = last.spec_token_ids.get("a", [])
-            drafts = {"a": [7]} if step >= drafts_from else {}
-            result = ModelRunnerOutput(
-                step=last.step, sampled={"a": [*row, 7]}, draft_token_ids=drafts
-            )
-            scheduler.update(last, result)
+            drafts = [7] if step >= drafts_from else []
+            report(scheduler, last, {"a": [7, 7]}, {"a": drafts})
         last = plan
         scheduler.check_invariants()
     return planned
 
 
-def test_a_request_whose_proposals_find_nothing_runs_pipelined_for_longer_and_longer() -> None:
+def test_a_request_whose_proposals_find_nothing_gets_no_slots_for_longer_and_longer() -> None:
     scheduler = speculating_scheduler()
     add(scheduler, "a", [10, 11, 12], max_tokens=100, ignore_eos=True)
-    # Step 0's proposal finds nothing: 2 steps pipelined (3, 4), then a wait for a proposal
-    # (5); nothing again: 4 steps (7-10), then 8 (13-20).
-    planned = pipelined_steps(scheduler, 22, drafts_from=99)
-    assert planned == [0, 2, 3, 4, 6, 7, 8, 9, 10, 12, *range(13, 21)]
-    request = scheduler.requests["a"]
-    assert request.spec_misses == 4 and request.spec_token_ids == []
+    planned = pipelined_steps(scheduler, 24, drafts_from=99)
+    assert [step for step, _ in planned] == list(range(24))  # it runs every step
+    # A miss is known a step late, so two rows with slots find nothing each time; then no
+    # slots for 2, 4, 8 steps.
+    with_slots = [step for step, slots in planned if slots]
+    assert with_slots == [1, 2, 5, 6, 11, 12, 21, 22]
+    assert scheduler.requests["a"].spec_misses == 4
 
 
-def test_drafts_found_make_the_request_wait_for_each_token_again() -> None:
+def test_drafts_found_give_the_request_slots_again() -> None:
     scheduler = speculating_scheduler()
     add(scheduler, "a", [10, 11, 12], max_tokens=100, ignore_eos=True)
-    # Drafts at the proposal after the pipelined steps 7-10 (step 10's tokens, collected at
-    # step 11): from then on a step, a wait, a step...
-    planned = pipelined_steps(scheduler, 20, drafts_from=11)
-    assert planned[-6:] == [9, 10, 12, 14, 16, 18]
+    planned = pipelined_steps(scheduler, 20, drafts_from=12)
+    assert [slots for _, slots in planned][-6:] == [3] * 6
     assert scheduler.requests["a"].spec_misses == 0
-    assert scheduler.spec_decode.num_drafts == 4  # steps 12, 14, 16 and 18
+    assert scheduler.spec_decode.num_drafts >= 6
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_no_block_leaks_whatever_is_accepted(data: st.DataObject) -> None:
+    """Pipelined steps or not, whatever the proposer finds and the target accepts."""
     scheduler = speculating_scheduler(num_blocks=24, max_num_batched_tokens=16)
-    num_requests = data.draw(st.integers(1, 4))
-    for i in range(num_requests):
+    for i in range(data.draw(st.integers(1, 4))):
         prompt = data.draw(st.lists(st.integers(3, 40), min_size=1, max_size=20))
         add(scheduler, str(i), prompt, max_tokens=data.draw(st.integers(1, 12)))
     tokens = st.integers(0, 8)  # EOS (2) among them
+    in_flight: list[SchedulerOutput] = []
     for _ in range(200):
-        if not scheduler.has_unfinished():
+        if not scheduler.has_unfinished() and not in_flight:
             break
-        live = list(scheduler.requests)
-        target = {rid: data.draw(st.lists(tokens, min_size=4, max_size=4)) for rid in live}
-        drafts = {rid: data.draw(st.lists(tokens, max_size=3)) for rid in live}
-        verify(scheduler, target, drafts)
+        if scheduler.has_unfinished():
+            in_flight.append(schedule(scheduler))
+        if len(in_flight) == 2 or not data.draw(st.booleans()) or not scheduler.has_unfinished():
+            step = in_flight.pop(0)
+            live = list(step.num_scheduled_tokens)
+            target = {rid: data.draw(st.lists(tokens, min_size=4, max_size=4)) for rid in live}
+            drafts = {rid: data.draw(st.lists(tokens, max_size=3)) for rid in live}
+            report(scheduler, step, target, drafts)
     assert not scheduler.has_unfinished()
     assert scheduler.kv.pool.num_available == scheduler.config.num_blocks
 
@@ -380,24 +422,25 @@ def test_the_stats_line_and_metrics_show_acceptance() -> None:
 def test_the_scheduler_reports_its_totals() -> None:
     scheduler = speculating_scheduler()
     add(scheduler, "a", [10, 11, 12], max_tokens=20, ignore_eos=True)
-    verify(scheduler, {"a": [50]}, {"a": [51, 52]})
-    verify(scheduler, {"a": [51, 60, 70]}, {})
+    verify(scheduler, {"a": [50]}, {})
+    verify(scheduler, {"a": [51, 60, 70]}, {"a": [51, 52]})
     snapshot = scheduler.stats()
     assert (snapshot.spec_num_drafts, snapshot.spec_num_draft_tokens) == (1, 2)
     assert snapshot.spec_num_accepted_tokens == 1
     assert snapshot.spec_accepted_per_position == [1, 0]
 
 
-def test_under_load_each_row_verifies_fewer_drafts() -> None:
+def test_under_load_each_row_has_room_for_fewer_drafts() -> None:
     assert [drafts_per_row(n) for n in (1, 51, 52, 86, 128, 129)] == [255, 4, 3, 1, 1, 0]
-    scheduler = speculating_scheduler(max_num_seqs=64, num_blocks=512, max_num_batched_tokens=512)
+    scheduler = make_scheduler(
+        num_speculative_tokens=5, max_num_seqs=64, num_blocks=512, max_num_batched_tokens=512
+    )
     for i in range(64):
         add(scheduler, str(i), [10, 11, 12], max_tokens=20, ignore_eos=True)
-    verify(
-        scheduler, {str(i): [50] for i in range(64)}, {str(i): [1, 2, 3, 4, 5] for i in range(64)}
-    )
+    verify(scheduler, {str(i): [50] for i in range(64)}, {})
     plan, _ = verify(scheduler, {str(i): [1, 2, 3, 4, 5, 6] for i in range(64)}, {})
-    assert {len(drafts) for drafts in plan.spec_token_ids.values()} == {drafts_per_row(64)} == {3}
+    assert len(plan.draft_slots) == 64
+    assert set(plan.draft_slots.values()) == {drafts_per_row(64)} == {3}
 
 
 # ------------------------------------------------------------------ suffix decoding
@@ -452,12 +495,12 @@ def test_suffix_cache_keeps_the_most_recent_outputs() -> None:
     assert proposer.propose([0, 6, 7]) == [8]  # "6 7" then 8 or 9: 8 first of a tie, 1/2
 
 
-def test_drafts_without_blocks_are_dropped_rather_than_preempt() -> None:
+def test_draft_slots_without_blocks_are_dropped_rather_than_preempt() -> None:
     scheduler = speculating_scheduler(num_blocks=2, block_size=4)
     add(scheduler, "a", [10, 11, 12], max_tokens=5, ignore_eos=True)
     add(scheduler, "b", [20, 21, 22], max_tokens=5, ignore_eos=True)
-    verify(scheduler, {"a": [50], "b": [60]}, {"a": [51, 52, 53]})
-    # Each holds one of the two blocks, where its next token fits; a's drafts would need more.
-    plan, got = verify(scheduler, {"a": [51], "b": [61]}, {})
-    assert plan.num_scheduled_tokens == {"a": 1, "b": 1} and not plan.spec_token_ids
+    verify(scheduler, {"a": [50], "b": [60]}, {})
+    # Each holds one of the two blocks, where its next token fits; draft slots would need more.
+    plan, got = verify(scheduler, {"a": [51], "b": [61]}, {"a": [51, 52, 53]})
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 1} and not plan.draft_slots
     assert scheduler.num_preemptions == 0 and got == {"a": [51], "b": [61]}

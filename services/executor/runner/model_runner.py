@@ -18,6 +18,7 @@ from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.runner import proposers
 from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.devices import resolve_device, resolve_dtype, start_up_compiles
+from services.executor.runner.drafting import choose_drafts, propose_after
 from services.executor.runner.grammar import GrammarMatchers
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
@@ -38,7 +39,6 @@ from services.executor.runner.step_state import (
     PreparedStep,
     RequestState,
     needs_collected_tokens,
-    next_drafts,
 )
 from services.executor.runner.warm_up import warm_up
 from shared.config import Config
@@ -104,6 +104,16 @@ class ModelRunner:
         )
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
         self._allocate_kv_cache(config)
+        self._plan_limits = PlanLimits(
+            self.model_config.vocab_size,
+            self.num_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.buffers.max_reqs,
+            self.max_num_batched_tokens,
+            self.lora.registered if self.lora is not None else (),  # live: adapters come, go
+            self.num_drafts,
+        )
         self._make_samplers(config)
         self.requests: dict[str, RequestState] = {}
         proposers.allocate_kv_cache(self.proposer, self.num_blocks, self.requests)
@@ -253,23 +263,10 @@ class ModelRunner:
         self.prepare(plan)
         self.launch(plan.step)
 
-    @property
-    def _plan_limits(self) -> PlanLimits:
-        return PlanLimits(
-            vocab_size=self.model_config.vocab_size,
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            max_model_len=self.max_model_len,
-            max_num_seqs=self.buffers.max_reqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            lora_ids=self.lora.registered if self.lora is not None else (),
-            num_speculative_tokens=self.num_drafts,
-        )
-
     def _check(self, plan: SchedulerOutput, prepared: PreparedStep | None = None) -> None:
         def held(request_id: str) -> tuple[int, int] | None:
             state = self.requests.get(request_id)
-            return None if state is None else (state.num_tokens, len(state.block_ids))
+            return None if state is None else state.held(self.num_drafts)
 
         num_rows = len(prepared.counts) if prepared else 0
         num_tokens = len(prepared.token_ids) if prepared else 0
@@ -281,14 +278,16 @@ class ModelRunner:
         Raises PlanError for a plan it cannot run: before touching anything, but for LoRA
         adapters that cannot be put in slots (too many, files gone), found as rows are added;
         the caller then resets."""
-        if self.relay is not None:
-            self.relay.send(plan)
         if self._prepared is not None:
             raise PlanError(f"plan {plan.step} before plan {self._prepared.step} launched")
         if needs_collected_tokens(plan, self.requests, self._in_flight):  # a rank behind
             self._finish_in_flight()
         self._check(plan)
         self._apply_plan(plan)
+        if self.tp.rank == 0:  # the others read rank 0's drafts in the plan it relays
+            choose_drafts(plan, self.requests, self._in_flight, self.proposer)
+        if self.relay is not None:
+            self.relay.send(plan)
         self._prepared = PreparedStep(plan.step)
         self._add_rows(plan)
 
@@ -374,8 +373,8 @@ class ModelRunner:
             raise RuntimeError("collect() without a step in flight")
         step = self._in_flight.popleft()
         output = step.finish()
-        if self.proposer is not None and self.tp.rank == 0:  # the other ranks' are not read
-            output.draft_token_ids = next_drafts(self.proposer, step, self.requests)
+        if self.tp.rank == 0:  # the other ranks read rank 0's drafts in the plans it relays
+            propose_after(self.proposer, step, self.requests)
         return output
 
     @property
@@ -439,12 +438,13 @@ class ModelRunner:
             matcher = None
             if spec is not None:
                 matcher = self.grammars.matcher(spec, data.output_token_ids)
-            speculating = self.proposer is not None and speculates(data.sampling_params)
+            speculating = self.speculative is not None and speculates(data.sampling_params)
             self.requests[data.request_id] = RequestState.from_new(data, matcher, speculating)
         for delta in plan.cached_requests:
             state = self.requests[delta.request_id]
             state.block_ids.extend(delta.new_block_ids)
-            state.num_computed_tokens = delta.num_computed_tokens
+            if not state.speculates:  # else the plan's count may include drafts in flight
+                state.num_computed_tokens = delta.num_computed_tokens
 
     def _add_rows(self, plan: SchedulerOutput) -> None:
         """Append the plan's requests to the prepared step and rewrite the host mirror."""
@@ -460,7 +460,9 @@ class ModelRunner:
         for state, (request_id, num_new) in zip(
             states, plan.num_scheduled_tokens.items(), strict=True
         ):
-            prepared.add_row(request_id, state, num_new, plan.spec_token_ids.get(request_id, []))
+            drafts = plan.spec_token_ids.get(request_id, [])
+            num_new += len(drafts) - plan.draft_slots.get(request_id, 0)  # the slots unused
+            prepared.add_row(request_id, state, num_new, drafts)
             self._write_table_row(len(prepared.counts) - 1, state)
         if self.graphs is not None:
             prepared.shape = self.graphs.shape_for(

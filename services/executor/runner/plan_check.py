@@ -34,7 +34,9 @@ class PlanLimits:
     num_speculative_tokens: int = 0  # drafts a row may verify
 
 
-Held = Callable[[str], tuple[int, int] | None]  # a request's (tokens known or in flight, blocks)
+# A request's tokens known or in flight (at most: a row verifying drafts may bring up to 1 +
+# num_speculative_tokens), and its blocks.
+Held = Callable[[str], tuple[int, int] | None]
 
 
 def check_plan(
@@ -88,8 +90,12 @@ def _check_rows(
         raise PlanError(f"more than {limits.max_num_seqs} rows (max_num_seqs)")
     if num_tokens + sum(plan.num_scheduled_tokens.values()) > limits.max_num_batched_tokens:
         raise PlanError(f"more than {limits.max_num_batched_tokens} tokens in one step")
-    if not plan.spec_token_ids.keys() <= plan.num_scheduled_tokens.keys():
-        raise PlanError("drafts for a request without a row")
+    if (
+        not plan.spec_token_ids.keys()
+        <= plan.draft_slots.keys()
+        <= plan.num_scheduled_tokens.keys()
+    ):
+        raise PlanError("drafts for a request without a row or draft slots")
     computed = {d.request_id: d.num_computed_tokens for d in plan.cached_requests}
     computed.update((d.request_id, d.num_computed_tokens) for d in plan.new_requests)
     for request_id, num_new in plan.num_scheduled_tokens.items():
@@ -97,11 +103,13 @@ def _check_rows(
         if state is None or request_id not in computed:
             raise PlanError(f"tokens scheduled for {request_id!r}, which the plan does not hold")
         length, num_blocks = state
+        # The count and end as planned: with draft slots, bounds (the drafts are the
+        # executor's, and its steps in flight may bring fewer tokens than they have room for).
         end = computed[request_id] + num_new
-        drafts = plan.spec_token_ids.get(request_id, [])
-        _check_drafts(request_id, drafts, num_new, end - len(drafts) == length, limits)
+        slots = plan.draft_slots.get(request_id, 0)
+        _check_drafts(request_id, plan.spec_token_ids.get(request_id, []), slots, num_new, limits)
         # One token past what is known may be the one in flight (see ModelRunner._add_row).
-        own_end = end - len(drafts)
+        own_end = end - slots
         if num_new < 1 or own_end > length + 1 or end > limits.max_model_len:
             raise PlanError(f"{request_id}: {num_new} tokens from {computed[request_id]}")
         if end > num_blocks * limits.block_size:
@@ -109,13 +117,15 @@ def _check_rows(
 
 
 def _check_drafts(
-    request_id: str, drafts: list[int], num_new: int, at_end: bool, limits: PlanLimits
+    request_id: str, drafts: list[int], slots: int, num_new: int, limits: PlanLimits
 ) -> None:
-    """A row's drafts follow all of its known tokens, within the proposer's length."""
-    if not drafts:
+    """A row's draft slots follow its one token, within the proposer's length; its drafts
+    (rank 0's) fill some of them. Where they follow all of its known tokens is checked as
+    the row is laid out (PreparedStep.add_row)."""
+    if not slots:
         return
-    if len(drafts) > limits.num_speculative_tokens or len(drafts) >= num_new or not at_end:
-        raise PlanError(f"{request_id}: {len(drafts)} drafts in a row of {num_new} tokens")
+    if slots > limits.num_speculative_tokens or num_new != 1 + slots or len(drafts) > slots:
+        raise PlanError(f"{request_id}: {slots} draft slots in a row of {num_new} tokens")
     _in_range(drafts, limits.vocab_size, f"{request_id}: draft token id")
 
 

@@ -14,12 +14,7 @@ from services.executor.runner.grammar import grammar_input
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.sampler import PendingSample, SamplingRow
 from services.executor.runner.step_buffers import PaddedShape
-from services.executor.speculative import (
-    HiddenStateProposer,
-    Proposer,
-    RowSpan,
-    reads_hidden_states,
-)
+from services.executor.speculative import RowSpan
 from shared.protocol import (
     ModelRunnerOutput,
     NewRequestData,
@@ -62,6 +57,8 @@ class RequestState:
     # An embed request's pooled hidden states of the prompt chunks so far (runner/pooling.py).
     pooled: torch.Tensor | None = field(default=None)
     speculates: bool = field(default=False)  # its steps verify drafts (shared/speculative.py)
+    # The drafts proposed after its last token, for its next row (runner/drafting.py).
+    next_drafts: list[int] = field(default_factory=list)
 
     @classmethod
     def from_new(
@@ -91,9 +88,21 @@ class RequestState:
         """Its length once every token in flight has arrived."""
         return len(self.token_ids) + self.num_pending
 
-    def take(self, token_ids: list[int]) -> None:
-        """The tokens one step sampled for it: one, or accepted drafts and the one after."""
+    def held(self, num_drafts: int) -> tuple[int, int]:
+        """Its tokens known or in flight, at most, and its blocks: what a plan's rows for it are
+        checked against (plan_check.Held). Speculating (`num_drafts` a row), the scheduler
+        counts a step as bringing all its row has room for until it is reported: up to two
+        steps in flight there, done here or not."""
+        if not self.speculates:
+            return self.num_tokens, len(self.block_ids)
+        bound = len(self.token_ids) + (self.num_pending + 2) * (1 + num_drafts)
+        return bound, len(self.block_ids)
+
+    def take(self, token_ids: list[int], num_drafts: int = 0) -> None:
+        """The tokens one step sampled for it: one, or accepted drafts and the one after (of
+        `num_drafts` its row verified, whose KV past those accepted is not its own)."""
         self.num_pending -= 1
+        self.num_computed_tokens -= num_drafts - (len(token_ids) - 1)
         for token_id in token_ids:
             self._append(token_id)
 
@@ -181,6 +190,7 @@ class InFlightStep:
     drafts: dict[int, list[int]] = field(default_factory=dict)
     spans: list[RowSpan] = field(default_factory=list)
     hidden: torch.Tensor | None = None
+    proposed: bool = False  # its drafts proposed (drafting.propose_after)
 
     def finish(self) -> ModelRunnerOutput:
         if self.output is not None:
@@ -202,12 +212,15 @@ class InFlightStep:
         result = self.pending.result()
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs]] = {}
+        num_drafts: dict[str, int] = {}
         row = 0
         while row < len(self.states):
             drafts = self.drafts.get(row, [])
             tokens = accepted(result.token_ids[row : row + len(drafts) + 1], drafts)
-            self.states[row].take(tokens)
+            self.states[row].take(tokens, len(drafts))
             sampled[self.sample_ids[row]] = tokens
+            if drafts:
+                num_drafts[self.sample_ids[row]] = len(drafts)
             row_logprobs = [lp for lp in result.logprobs[row : row + len(tokens)] if lp]
             if row_logprobs:
                 logprobs[self.sample_ids[row]] = row_logprobs
@@ -217,6 +230,7 @@ class InFlightStep:
             sampled=sampled,
             logprobs=logprobs,
             device_ms=self.device_ms,
+            num_drafts=num_drafts,
             prompt_logprobs=prompt_logprobs,
             embeddings=embeddings,
         )
@@ -361,26 +375,3 @@ def needs_collected_tokens(
         for rid in plan.num_scheduled_tokens
         if (state := requests.get(rid)) is not None
     )
-
-
-def next_drafts(
-    proposer: Proposer | HiddenStateProposer,
-    step: InFlightStep,
-    requests: dict[str, RequestState],
-) -> dict[str, list[int]]:
-    """Drafts for the next step of each speculating request `step` sampled for that is still
-    running (`requests`: not ended, preempted or aborted since) and has no later step in
-    flight (whose token they would have to guess), cut where its grammar would refuse them.
-    A proposer of hidden states reads every row of the step (EagleProposer)."""
-    pairs = zip(step.sample_ids, step.states, strict=True)
-    states = {
-        rid: s for rid, s in pairs if s.speculates and not s.num_pending and requests.get(rid) is s
-    }
-    if reads_hidden_states(proposer):
-        if step.hidden is None:
-            return {}
-        drafts = proposer.propose_step(step.spans, step.hidden, set(states), requests)
-    else:
-        drafts = proposer.propose_batch((rid, s.token_ids) for rid, s in states.items())
-    kept = {rid: states[rid].allowed_drafts(ids) for rid, ids in drafts.items()}
-    return {rid: ids for rid, ids in kept.items() if ids}
