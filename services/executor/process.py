@@ -122,7 +122,11 @@ def serve_plans(
         if not socket.poll(0 if runner.num_in_flight else None):
             continue
         message = decoder.decode(socket.recv())
-        if isinstance(message, SchedulerOutput) and waits_for_drafts(message, runner.requests):
+        if (
+            isinstance(message, SchedulerOutput)
+            and message.draft_slots
+            and waits_for_drafts(message, runner.requests)
+        ):
             # Its rows wait for the step in flight (their drafts follow its tokens): asked
             # now, the launch is here when they are laid out, its round trip hidden.
             ask_when_due(now=True)

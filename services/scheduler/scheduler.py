@@ -133,8 +133,12 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         slots: dict[str, int] = {}  # draft slots of the speculating rows
-        cached_data, budget, preempted = self._schedule_running(budget, scheduled, slots)
+        cached_data, budget, preempted = self._schedule_running(budget, scheduled)
         new_data = [] if preempted else self._schedule_waiting(budget, scheduled)
+        if self.config.num_speculative_tokens:  # from what is left once every row is placed
+            budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+            placed = [(self.requests[data.request_id], data) for data in cached_data]
+            add_draft_slots(self.kv, self.config, placed, scheduled, slots, budget)
         for data in cached_data:
             reserve_lookahead(self.kv, self.config, self.requests[data.request_id], data, scheduled)
         self._commit(scheduled, slots)
@@ -156,8 +160,12 @@ class Scheduler:
         Only first admissions: a preempted request waits for a whole plan, because the
         executor drops its old state at the start of the next one (`finished_request_ids`).
         NOTE: the plan keeps the rows of requests that finished since it was made (their
-        tokens are discarded), so its rows, not the running requests, bound what joins it.
+        tokens are discarded), so its rows, not the running requests, bound what joins it;
+        and such a row still writes KV into the blocks its request freed, which a request
+        admitted into the same step could be given: none is, until the next plan.
         """
+        if plan.step in self._retiring.values():  # a row of it ended since it was made
+            return None
         budget = self.config.max_num_batched_tokens - plan.total_num_scheduled_tokens
         num_rows = self.config.max_num_seqs - len(plan.num_scheduled_tokens)
         scheduled: dict[str, int] = {}
@@ -194,10 +202,9 @@ class Scheduler:
                 request.num_pending_tokens += 1 + (slots.get(request_id, 0) if slots else 0)
 
     def _schedule_running(
-        self, budget: int, scheduled: dict[str, int], slots: dict[str, int]
+        self, budget: int, scheduled: dict[str, int]
     ) -> tuple[list[CachedRequestData], int, bool]:
         cached_data: list[CachedRequestData] = []
-        placed: list[tuple[Request, CachedRequestData]] = []
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
@@ -221,12 +228,9 @@ class Scheduler:
                 num_computed_tokens=request.num_computed_tokens,
             )
             cached_data.append(data)
-            placed.append((request, data))
             scheduled[request.request_id] = num_new
             budget -= num_new
             index += 1
-        if self.config.num_speculative_tokens:
-            budget = add_draft_slots(self.kv, self.config, placed, scheduled, slots, budget)
         return cached_data, budget, preempted
 
     def _schedule_waiting(

@@ -59,9 +59,9 @@ def add_draft_slots(
     budget: int,
 ) -> int:
     """Room for drafts after each decode row of a speculating request (`placed`: the running
-    rows of a plan, placed; `scheduled` counts each row's slots too, `slots` holds them), from
-    the budget and blocks that are left once every running row is placed: never at the cost
-    of a row or a preemption. Returns the budget left."""
+    rows of a plan; `scheduled` counts each row's slots too, `slots` holds them), from the
+    budget and blocks that are left once every row of the plan is placed, new admissions
+    included: never at the cost of a row or a preemption. Returns the budget left."""
     share = drafts_per_row(sum(r.speculates and not r.spec_skip for r, _ in placed))
     for request, data in placed:
         num_new = scheduled[request.request_id]

@@ -135,3 +135,21 @@ def test_an_addendum_never_makes_a_plan_wider_than_max_num_seqs() -> None:
     assert list(held.num_scheduled_tokens) == ["a"]
     following, _ = schedule(scheduler)
     assert "b" in following.num_scheduled_tokens
+
+
+def test_no_request_joins_a_held_plan_with_a_row_of_an_ended_request() -> None:
+    """A request that ends while the next plan is held frees its blocks, but its row in that
+    plan still writes KV into them: a request admitted into the same step could be given
+    them and have its KV overwritten. It waits for the next plan."""
+    scheduler = make_scheduler(num_blocks=3)
+    add(scheduler, "a", [1, 3, 4, 5], max_tokens=4)
+    first, _ = schedule(scheduler)
+    held, _ = schedule(scheduler)  # a's decode, in the block it was given for its 5th token
+    scheduler.abort(["a"])
+    add(scheduler, "b", [6, 7, 8, 9, 10])  # two blocks: the pool's three are free
+    assert scheduler.schedule_addendum(held) is None
+    assert list(held.num_scheduled_tokens) == ["a"]
+    scheduler.update(first, ModelRunnerOutput(step=first.step, sampled={"a": [100]}))
+    scheduler.update(held, ModelRunnerOutput(step=held.step, sampled={"a": [101]}))
+    following, _ = schedule(scheduler)
+    assert "b" in following.num_scheduled_tokens

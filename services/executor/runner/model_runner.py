@@ -288,7 +288,7 @@ class ModelRunner:
             choose_drafts(plan, self.requests, self._in_flight, self.proposer)
         if self.relay is not None:
             self.relay.send(plan)
-        self._prepared = PreparedStep(plan.step)
+        self._prepared = PreparedStep(plan.step, self.block_size)
         self._add_rows(plan)
 
     @torch.inference_mode()
@@ -489,8 +489,8 @@ class ModelRunner:
 
     def _write_table_row(self, row: int, state: RequestState) -> None:
         # Why track owners: a request usually keeps its row, so only new blocks are written;
-        # both ways, as a request that skipped a step (a speculating one waits for its tokens)
-        # may come back to a row it left, which lacks the blocks added meanwhile.
+        # both ways, as a request that skipped a step (waiting for tokens that may end it) may
+        # come back to a row it left, which lacks the blocks added meanwhile.
         if self.row_owner[row] is state and state.table_row == row:
             self.buffers.set_table_row(row, state.block_ids, state.table_len)
         else:

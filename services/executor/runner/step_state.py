@@ -271,6 +271,7 @@ class PreparedStep:
     """A plan whose inputs are in the host mirror, not launched: addenda can still join it."""
 
     step: int
+    block_size: int
     token_ids: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
@@ -318,6 +319,9 @@ class PreparedStep:
         row is the runner's to write): its own, then the drafts it verifies, if any."""
         start = state.num_computed_tokens
         end = start + num_new - len(drafts)  # past its own tokens
+        if start + num_new > len(state.block_ids) * self.block_size:
+            # The plan's checks read its counts, which are bounds for a speculating request.
+            raise PlanError(f"request_id={request_id}: {start + num_new} tokens in its blocks")
         first = len(self.token_ids)
         self.token_ids.extend(state.token_ids[start:end])
         if drafts and (end != len(state.token_ids) or state.num_pending):
@@ -359,10 +363,9 @@ def needs_collected_tokens(
 ) -> bool:
     """Whether a row of `plan` needs a token that is still in flight here and that no
     placeholder can read: the row verifies drafts or follows a row that did, or a token of
-    it was sampled by a step before the last launched (whose sampled ids are overwritten).
-    Rank 0 collected those tokens before its scheduler planned the row; a rank behind it
-    (two steps in flight when the plan comes) has not yet, and must before it can lay the
-    row out."""
+    it was sampled by a step before the last launched (whose sampled ids are overwritten:
+    a rank behind rank 0, with two steps in flight when the plan comes). The steps are then
+    finished before the row is laid out."""
     last_launched = in_flight[-1].step if in_flight else -1
     return any(
         state.num_pending

@@ -8,7 +8,7 @@ the output is followed for the whole lookahead rather than only to where it was 
 Each request keeps an index of where each of its n-grams first occurs, extended by the tokens
 that arrived since its last proposal: a proposal is then a few dictionary lookups, where a
 search of the whole sequence cost about 55 µs a request (numpy), between every two steps of
-a batch that waits for its drafts.
+a batch whose rows wait for their drafts.
 """
 
 from __future__ import annotations
