@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
+import unittest.mock
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from services.executor.runner import step_buffers
 from services.executor.runner.cuda_graphs import (
     DECODE_GRAPH_MAX_BATCH,
     MIXED_GRAPH_MAX_TOKENS,
@@ -110,3 +116,33 @@ def test_decode_steps_past_the_graph_limit_run_eagerly_rather_than_padded() -> N
     assert graphs.shape_for(1000, 1000, 1) is None
     small = StepGraphs(lambda view: view.input_ids, buffers, max_batch=300, max_seq_len=32)
     assert small.shape_for(290, 290, 1) == PaddedShape(300, 300, 1)  # max_batch's own
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12)), min_size=1, max_size=20),
+    lora=st.booleans(),
+)
+def test_a_small_step_is_laid_out_as_the_array_path_lays_it_out(
+    rows: list[tuple[int, int]], lora: bool
+) -> None:
+    """Token by token (few tokens and rows) or by array operations, the same buffer: every
+    position, slot, row bound and LoRA slot."""
+    written = []
+    for small in (True, False):
+        buffers = StepBuffers(
+            max_tokens=256, max_reqs=32, max_blocks=16, block_size=BLOCK, device=torch.device("cpu")
+        )
+        for row in range(len(rows)):
+            buffers.set_table_row(row, [(7 * row + 3 * b) % 64 for b in range(16)])
+        starts, counts = [s for s, _ in rows], [c for _, c in rows]
+        tokens = list(range(sum(counts)))
+        samples = list(itertools.accumulate(counts, initial=-1))[1:]
+        slots = [row % 3 - 1 for row in range(len(rows))] if lora else None
+        limits = (10**6, 10**6) if small else (0, 0)
+        with unittest.mock.patch.multiple(
+            step_buffers, SMALL_STEP_TOKENS=limits[0], SMALL_STEP_ROWS=limits[1]
+        ):
+            buffers.write(tokens, starts, counts, samples, None, [], slots)
+        written.append((buffers.host.clone(), buffers.last_step))
+    assert torch.equal(written[0][0], written[1][0]) and written[0][1] == written[1][1]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -30,6 +31,20 @@ from services.executor.layers.attention_metadata import AttentionMetadata
 from services.executor.layers.lora import LoraTokens
 
 PADDING_SLOT = -1  # write_kv skips it: padded graph rows must not touch the cache
+# At most this many tokens and rows: StepBuffers lays a step out token by token (1 row of 9
+# tokens: 8.7 against 23.7 us; 16 rows of one 18.7 against 26.3; 32 rows 29.3 against 26.6).
+SMALL_STEP_TOKENS, SMALL_STEP_ROWS = 32, 16
+
+
+class _Layout(NamedTuple):
+    """Where a step's tokens go: per token its position, KV slot and request; per request the
+    index of its first token (and one past the last) and its length once the step has run."""
+
+    positions: Sequence[int] | np.ndarray
+    slots: Sequence[int] | np.ndarray
+    query_start: Sequence[int] | np.ndarray
+    seq_lens: Sequence[int] | np.ndarray
+    req_index: Sequence[int] | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -143,29 +158,23 @@ class StepBuffers:
         if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
             raise ValueError(f"step of {num_tokens} tokens / {num_reqs} requests exceeds buffers")
         self.wait_for_copy()
-        count = np.asarray(counts, dtype=np.int64)
-        first = np.cumsum(count) - count  # [R] offset of each request's first token
-        req_index = np.repeat(np.arange(num_reqs), count)  # [T]
-        positions = np.asarray(starts, dtype=np.int64)[req_index] + np.arange(num_tokens)
-        positions -= first[req_index]
-        block_of = self.tables[req_index, positions // self.block_size].astype(np.int64)
-        slots = block_of * self.block_size + positions % self.block_size  # [T]
-
+        if num_tokens <= SMALL_STEP_TOKENS and num_reqs <= SMALL_STEP_ROWS:
+            layout = self._layout_small(starts, counts)
+        else:
+            layout = self._layout(starts, counts, num_tokens)
         self._host("input_ids", num_tokens)[:] = token_ids
-        self._host("positions", num_tokens)[:] = positions
-        self._host("slot_mapping", num_tokens)[:] = slots
+        self._host("positions", num_tokens)[:] = layout.positions
+        self._host("slot_mapping", num_tokens)[:] = layout.slots
         source_rows = self._host("source_rows", num_tokens)
         source_rows[:] = -1
         if sources:
             indices, rows = zip(*sources, strict=True)
             source_rows[list(indices)] = rows
         if row_slots is not None:
-            self._host("token_slots", num_tokens)[:] = np.asarray(row_slots)[req_index]
-        qsl = self._host("query_start_loc", num_reqs + 1)
-        qsl[0] = 0
-        qsl[1:] = np.cumsum(count)
+            self._host("token_slots", num_tokens)[:] = np.asarray(row_slots)[layout.req_index]
+        self._host("query_start_loc", num_reqs + 1)[:] = layout.query_start
         seq_lens = self._host("seq_lens", num_reqs)
-        seq_lens[:] = positions[first + count - 1] + 1 if num_reqs else 0
+        seq_lens[:] = layout.seq_lens
         self._host("sample_rows", len(sample_rows))[:] = sample_rows
         max_seq_len = int(seq_lens.max()) if num_reqs else 0
         if pad_to is not None:
@@ -178,6 +187,37 @@ class StepBuffers:
             slots = self._host("token_slots", num_tokens)
             self._host("token_order", num_tokens)[:] = np.argsort(slots, kind="stable")
         self.last_step = (num_tokens, num_reqs, len(sample_rows), max_seq_len)
+
+    def _layout(self, starts: Sequence[int], counts: Sequence[int], num_tokens: int) -> _Layout:
+        """Each token's position and KV slot, and each request's bounds, by array operations."""
+        count = np.asarray(counts, dtype=np.int64)
+        first = np.cumsum(count) - count  # [R] offset of each request's first token
+        req_index = np.repeat(np.arange(len(counts)), count)  # [T]
+        positions = np.asarray(starts, dtype=np.int64)[req_index] + np.arange(num_tokens)
+        positions -= first[req_index]
+        block_of = self.tables[req_index, positions // self.block_size].astype(np.int64)
+        slots = block_of * self.block_size + positions % self.block_size  # [T]
+        query_start = np.concatenate([[0], np.cumsum(count)])
+        seq_lens = positions[first + count - 1] + 1 if len(counts) else []
+        return _Layout(positions, slots, query_start, seq_lens, req_index)
+
+    def _layout_small(self, starts: Sequence[int], counts: Sequence[int]) -> _Layout:
+        """`_layout` token by token: for a few tokens (a decode at small batch, a verifying
+        row), faster than the array operations' fixed cost of some microseconds each."""
+        positions: list[int] = []
+        slots: list[int] = []
+        req_index: list[int] = []
+        query_start, seq_lens = [0], []
+        size = self.block_size
+        for row, (start, count) in enumerate(zip(starts, counts, strict=True)):
+            blocks = self.tables[row]
+            for position in range(start, start + count):
+                positions.append(position)
+                slots.append(int(blocks[position // size]) * size + position % size)
+            req_index += [row] * count
+            query_start.append(query_start[-1] + count)
+            seq_lens.append(start + count)
+        return _Layout(positions, slots, query_start, seq_lens, req_index)
 
     def _pad_tokens(self, num_tokens: int, size: int) -> None:
         """Tokens num_tokens..size: token 0 at position 0, writing no KV, gathering nothing."""
