@@ -122,13 +122,7 @@ def serve_plans(
         if not socket.poll(0 if runner.num_in_flight else None):
             continue
         message = decoder.decode(socket.recv())
-        if (
-            isinstance(message, SchedulerOutput)
-            and message.draft_slots
-            and waits_for_drafts(message, runner.requests)
-        ):
-            # Its rows wait for the step in flight (their drafts follow its tokens): asked
-            # now, the launch is here when they are laid out, its round trip hidden.
+        if _rows_wait(message, runner):  # asked now, the launch is here when they are laid out
             ask_when_due(now=True)
         try:
             if _take(message, runner, socket, steps):
@@ -148,6 +142,16 @@ def serve_plans(
                 steps.reset()
                 session, asked = message.session, False
             socket.send(encode(runner.ready_message(model_name, session)))
+
+
+def _rows_wait(message: ToExecutor | None, runner: ModelRunner) -> bool:
+    """Whether `message` is a plan whose rows wait for the step in flight to be laid out
+    (their drafts follow its tokens: runner/drafting.py)."""
+    return (
+        isinstance(message, SchedulerOutput)
+        and bool(message.draft_slots)
+        and waits_for_drafts(message, runner.requests)
+    )
 
 
 def _take(
