@@ -20,7 +20,8 @@ from tests.unit.scheduler_setup import add, make_scheduler
 
 class RecordingExecutor:
     """Keeps per-request lengths as the real executor does, samples `100 + k` for a request's
-    k-th output token (its proposer finds no drafts), and logs every call."""
+    k-th output token, and logs every call. A row with draft slots verifies as many drafts,
+    of which it accepts 0 to all (by the step and the request's length), as a real one may."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
@@ -38,14 +39,22 @@ class RecordingExecutor:
             self._num_computed[new.request_id] = new.num_computed_tokens
         for cached in plan.cached_requests:  # a bound where drafts are in flight: never less
             assert cached.num_computed_tokens >= self._num_computed[cached.request_id]
-        sampled = {}
+        sampled, num_drafts = {}, {}
         for request_id, num_new in plan.num_scheduled_tokens.items():
-            self._num_computed[request_id] += num_new - plan.draft_slots.get(request_id, 0)
+            slots = plan.draft_slots.get(request_id, 0)
+            self._num_computed[request_id] += num_new - slots
             if self._num_computed[request_id] == self._num_tokens[request_id]:
-                sampled[request_id] = [100 + self._num_outputs[request_id]]
-                self._num_tokens[request_id] += 1
-                self._num_outputs[request_id] += 1
-        self._queued.append(ModelRunnerOutput(step=plan.step, sampled=sampled))
+                num_accepted = (plan.step + self._num_tokens[request_id]) % (slots + 1)
+                first = 100 + self._num_outputs[request_id]
+                sampled[request_id] = list(range(first, first + 1 + num_accepted))
+                self._num_computed[request_id] += num_accepted  # drafts whose KV is kept
+                self._num_tokens[request_id] += 1 + num_accepted
+                self._num_outputs[request_id] += 1 + num_accepted
+                if slots:
+                    num_drafts[request_id] = slots
+        self._queued.append(
+            ModelRunnerOutput(step=plan.step, sampled=sampled, num_drafts=num_drafts)
+        )
         self.calls.append(("submit", plan.step))
         self.plans.append(plan)
 
@@ -144,6 +153,7 @@ def test_a_core_that_can_schedule_nothing_says_so() -> None:
     budget=st.integers(4, 48),
     max_num_seqs=st.integers(1, 6),
     chunked=st.booleans(),
+    drafts=st.integers(0, 3),
     requests=st.lists(
         st.tuples(st.integers(1, 30), st.integers(1, 12), st.booleans()), min_size=1, max_size=10
     ),
@@ -153,15 +163,18 @@ def test_any_admitted_workload_runs_to_the_end_without_getting_stuck(
     budget: int,
     max_num_seqs: int,
     chunked: bool,
+    drafts: int,
     requests: list[tuple[int, int, bool]],
 ) -> None:
-    """Tight pools and budgets (preemption, chunking, tokens in flight) never trip the loop's
-    "could not schedule" guard, and every admitted request ends, its blocks freed."""
+    """Tight pools and budgets (preemption, chunking, tokens in flight, speculating rows that
+    accept any number of their drafts) never trip the loop's "could not schedule" guard, and
+    every admitted request ends with its tokens in order, its blocks freed."""
     core, _ = make_core(
         num_blocks=num_blocks,
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked,
+        num_speculative_tokens=drafts,
     )
     admitted = set()
     for i, (prompt_len, max_tokens, shared) in enumerate(requests):
@@ -173,4 +186,7 @@ def test_any_admitted_workload_runs_to_the_end_without_getting_stuck(
         admitted.add(str(i))
     outputs = run(core)
     assert {rid for rid, outs in outputs.items() if outs[-1].finish_reason == "length"} == admitted
+    for rid in admitted:
+        tokens = [t for out in outputs[rid] for t in out.new_token_ids]
+        assert tokens == list(range(100, 100 + requests[int(rid)][1]))
     assert core.scheduler.kv.pool.num_referenced == 0
