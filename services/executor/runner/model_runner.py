@@ -321,11 +321,11 @@ class ModelRunner:
             return
         started = DeviceSpan.mark(self.device)
         self.buffers.copy_to_device()
-        view = self.buffers.view()
-        if prepared.shape is not None and self.graphs is not None:
-            hidden = self.graphs.replay(prepared.shape)
+        if prepared.shape is None or self.graphs is None:
+            hidden = self._forward(view := self.buffers.view())
         else:
-            hidden = self._forward(view)
+            hidden = self.graphs.replay(prepared.shape)
+            view = self.buffers.view()  # after: the device computes while the host makes it
         forward_done = None
         if self.device.type == "cuda":
             forward_done = torch.cuda.Event()
