@@ -2,10 +2,10 @@
 guesses each request's next tokens from the target's hidden states.
 
 Every step of the target writes the residual streams entering three of its layers into one
-buffer; `project` turns the step's rows into the head's input (its `fc`) on the device, right
-after the target's forward pass, and the step keeps them until they are read. Once the step's
-tokens are known on the host (runner/drafting.py: once a step, in order), `propose_step` runs
-on the device with one wait at the end:
+buffer; `project` turns the step's rows into the head's input (its `fc`) on the device, after
+the step's sampling (before the next step's forward pass), and the step keeps them until read.
+Once the step's tokens are known on the host (runner/drafting.py: once a step, in order),
+`propose_step` runs on the device with one wait at the end:
 
 - a catch-up pass over every position the step computed whose next token is now known (a
   prompt chunk's positions; a verifying row's last token and the drafts it accepted): the

@@ -268,9 +268,8 @@ class ModelRunner:
             state = self.requests.get(request_id)
             return None if state is None else state.held(self.num_drafts)
 
-        num_rows = len(prepared.counts) if prepared else 0
-        num_tokens = len(prepared.token_ids) if prepared else 0
-        check_plan(plan, self._plan_limits, held, num_rows, num_tokens)
+        rows_and_tokens = (len(prepared.counts), len(prepared.token_ids)) if prepared else (0, 0)
+        check_plan(plan, self._plan_limits, held, *rows_and_tokens)
 
     @torch.inference_mode()
     def prepare(self, plan: SchedulerOutput) -> None:
@@ -330,7 +329,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             forward_done = torch.cuda.Event()
             forward_done.record()
-        step_hidden = proposers.step_hidden(self.proposer, len(prepared.token_ids))
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in prepared.sample_ids]
         token_bitmask = self._token_bitmask(states, prepared)
@@ -351,6 +349,7 @@ class ModelRunner:
             is not None
         ]
         span = DeviceSpan(started, DeviceSpan.mark(self.device))
+        step_hidden = proposers.step_hidden(self.proposer, len(prepared.token_ids))
         self._in_flight.append(
             InFlightStep(
                 step,

@@ -92,7 +92,9 @@ def allocate_kv_cache(proposer: object, num_blocks: int, requests: Mapping[str, 
 
 
 def step_hidden(proposer: object, num_tokens: int) -> torch.Tensor | None:
-    """Right after a step's forward pass: what the proposer keeps of its hidden states."""
+    """What the proposer keeps of a step's hidden states (an EAGLE-3 head's fc of them), queued
+    after the step's sampling and outside its device span: the proposer's work, which the
+    step's tokens need not wait for; before the next forward pass overwrites the states."""
     if reads_hidden_states(proposer):
         return proposer.project(num_tokens)
     return None
