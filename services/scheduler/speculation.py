@@ -57,25 +57,32 @@ def add_draft_slots(
     scheduled: dict[str, int],
     slots: dict[str, int],
     budget: int,
-) -> int:
+) -> None:
     """Room for drafts after each decode row of a speculating request (`placed`: the running
     rows of a plan; `scheduled` counts each row's slots too, `slots` holds them), from the
     budget and blocks that are left once every row of the plan is placed, new admissions
-    included: never at the cost of a row or a preemption. Returns the budget left."""
+    included: never at the cost of a row or a preemption."""
     share = drafts_per_row(sum(r.speculates and not r.spec_skip for r, _ in placed))
     for request, data in placed:
         num_new = scheduled[request.request_id]
         if budget <= 0 or not decodes(request, num_new):
             continue
         row_slots = draft_slots(request, config, budget, share)
-        blocks = kv.block_ids[request.request_id]
-        held = len(blocks)
-        if row_slots and kv.allocate(request, num_new + row_slots):
-            data.new_block_ids.extend(blocks[held:])
+        if row_slots and grow(kv, request, data, num_new + row_slots):
             scheduled[request.request_id] += row_slots
             slots[request.request_id] = row_slots
             budget -= row_slots
-    return budget
+
+
+def grow(kv: KVCacheManager, request: Request, data: CachedRequestData, num_new: int) -> bool:
+    """Blocks for `num_new` tokens of the request's row from what the pool has left, added to
+    the row's new blocks; False, taking none, where the pool has too few."""
+    blocks = kv.block_ids[request.request_id]
+    held = len(blocks)
+    if not kv.allocate(request, num_new):
+        return False
+    data.new_block_ids.extend(blocks[held:])
+    return True
 
 
 def decodes(request: Request, num_new: int) -> bool:
@@ -112,10 +119,7 @@ def reserve_lookahead(
     end = request.num_computed_tokens + num_new
     lookahead = min(config.num_lookahead_tokens, config.max_model_len - end)
     if lookahead > 0 and request.speculates and end >= request.num_tokens:
-        blocks = kv.block_ids[request.request_id]
-        held = len(blocks)
-        if kv.allocate(request, num_new + lookahead):
-            data.new_block_ids.extend(blocks[held:])
+        grow(kv, request, data, num_new + lookahead)
 
 
 def note_proposal(request: Request, num_slots: int, num_verified: int) -> None:
