@@ -20,9 +20,11 @@ offsets of `StepBuffers`:
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -109,10 +111,18 @@ class StepGraphs:
 
     def capture(self) -> None:
         start = time.perf_counter()
+        with _garbage_collected_first():
+            self._capture_each()
+        torch.cuda.synchronize()
+        self._log_captured(time.perf_counter() - start)
+
+    def _capture_each(self) -> None:
         pool = None
         # Largest first: smaller graphs then reuse its memory from the shared pool.
         for shape in sorted(self._shapes(), key=lambda s: -s.num_tokens):
-            self.buffers.write([], [], [], [], pad_to=shape)
+            # One sample row a request (token 0), for a forward pass that reads them (EAGLE-3's
+            # catch-up drafts in its graph); a replay then reads shape.num_reqs of them.
+            self.buffers.write([], [], [], [0] * shape.num_reqs, pad_to=shape)
             self.buffers.copy_to_device()
             # A decode or verifying graph runs the decode kernel; a mixed one the prefill
             # kernel too, with tiles for queries as long as the whole step.
@@ -124,7 +134,8 @@ class StepGraphs:
                 hidden = self.forward(view)
             pool = graph.pool()
             self.graphs[shape] = (graph, hidden)
-        torch.cuda.synchronize()
+
+    def _log_captured(self, seconds: float) -> None:
         kinds = [f"decode batches of {self.decode_sizes[0]}..{self.decode_sizes[-1]}"]
         if self.verify_sizes:
             sizes = self.verify_sizes
@@ -135,7 +146,7 @@ class StepGraphs:
             "captured %d CUDA graphs%s in %.1f s: %s",
             len(self.graphs),
             f" of {self.name}" if self.name else "",
-            time.perf_counter() - start,
+            seconds,
             ", ".join(kinds),
         )
 
@@ -144,3 +155,19 @@ class StepGraphs:
         graph, hidden = self.graphs[shape]
         graph.replay()
         return hidden
+
+
+@contextlib.contextmanager
+def _garbage_collected_first() -> Iterator[None]:
+    """Collect garbage before capturing, and none while capturing: a collection that frees an
+    earlier engine's graphs destroys them mid-capture, which CUDA forbids and which invalidates
+    the capture (seen on an H200: a second engine in one process failed its capture in cuBLAS).
+    torch.cuda.graph no longer collects by itself (torch.compiler.config.force_cudagraph_gc)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
