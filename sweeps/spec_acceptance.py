@@ -104,13 +104,16 @@ def run(llm: LLM, prompts: list[str], params: SamplingParams, batch: int) -> dic
     }
 
 
-def prompts_of(num_prompts: int) -> list[str]:
-    return code_prompts(num_prompts) + doc_prompts(num_prompts)
+def prompts_of(args: argparse.Namespace) -> list[str]:
+    """The prompts of --prompts (another tree's, for an A/B), or this repository's own."""
+    if args.prompts:
+        return list(json.loads(args.prompts.read_text()))
+    return code_prompts(args.num_prompts) + doc_prompts(args.num_prompts)
 
 
 def measure(args: argparse.Namespace, config: dict | None) -> dict[int, dict[str, Any]]:
     """One engine (speculating by `config`, or not) over the prompts at every batch size."""
-    prompts = prompts_of(args.num_prompts)
+    prompts = prompts_of(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm = LLM(
         args.model,
@@ -138,6 +141,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     flags = ["--device", args.device, "--dtype", args.dtype, "--max-tokens", str(args.max_tokens)]
     flags += ["--num-prompts", str(args.num_prompts)]
     flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    flags += ["--prompts", str(args.prompts.resolve())] if args.prompts else []
     return flags + [f"--batch={b}" for b in args.batch]
 
 
@@ -171,16 +175,17 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # measure_apart's child: this config
     parser.add_argument("--out", type=Path)
     parser.add_argument("--prompts-out", type=Path, help="the prompts as JSON, for another engine")
+    parser.add_argument("--prompts", type=Path, help="read the prompts from a --prompts-out file")
     args = parser.parse_args()
     args.batch = args.batch or [0]
     if args.one is not None:
         args.out.write_text(json.dumps(measure(args, json.loads(args.one))))
         return
     if args.prompts_out:
-        args.prompts_out.write_text(json.dumps(prompts_of(args.num_prompts)))
+        args.prompts_out.write_text(json.dumps(prompts_of(args)))
     configs = [json.loads(c) for c in args.config] if args.config else CONFIGS
     runs = {json.dumps(c): measure_apart(args, c) for c in [None, *configs]}
-    report(runs, 2 * args.num_prompts, args.max_tokens)
+    report(runs, len(prompts_of(args)), args.max_tokens)
     if args.out:
         for by_batch in runs.values():
             for result in by_batch.values():
