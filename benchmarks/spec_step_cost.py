@@ -12,6 +12,7 @@ Reported (medians over the decode steps; device times from CUDA events):
 - propose_ms: the proposer's wall time after a step's tokens are known until its drafts are
   on the host (its device passes and the one wait), plus `project` (EAGLE-3's fc on the
   step's hidden states, inside the step); propose / verify step is the other target (<= 10 %);
+- propose_parts_host_ms: the host time of parts of the proposal, a proposal's mean;
 - the wall time per step and per output token of each run.
 With dummy weights the head's drafts are random, so tokens per step say nothing of a real head.
 """
@@ -65,6 +66,43 @@ def _record_proposals(llm: LLM) -> list[float]:
     return times
 
 
+# Parts of EAGLE-3's proposal whose host time is recorded (object path, method): where the
+# proposal's wall time goes; what they leave is the one wait for the drafts and the rest.
+PROPOSAL_PARTS = (
+    ("", "_catch_up"),
+    ("", "_draft_pass"),
+    ("catch_up_buffers", "write"),
+    ("catch_up_buffers", "copy_to_device"),
+    ("catch_up_buffers", "view"),
+    ("catch_up_graphs", "replay"),
+    ("head", "draft_ids"),
+)
+
+
+def _record_parts(llm: LLM) -> dict[str, float]:
+    """Host milliseconds spent in each of PROPOSAL_PARTS, summed over the run."""
+    totals: dict[str, float] = {}
+    proposer = llm.runner.proposer
+    for path, name in PROPOSAL_PARTS if hasattr(proposer, "_catch_up") else ():
+        owner = getattr(proposer, path) if path else proposer
+        if owner is None:
+            continue
+        key = f"{path}.{name}" if path else name
+        totals[key] = 0.0
+        setattr(owner, name, _timed(getattr(owner, name), totals, key))
+    return totals
+
+
+def _timed(method, totals: dict[str, float], key: str):  # type: ignore[no-untyped-def]
+    def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        result = method(*args, **kwargs)
+        totals[key] += (time.perf_counter() - start) * 1e3
+        return result
+
+    return timed
+
+
 def _project_ms(llm: LLM, num_tokens: int) -> float:
     """Device time of the proposer's `project` on a step of `num_tokens` tokens."""
     proposer = llm.runner.proposer
@@ -94,7 +132,7 @@ def run(args: argparse.Namespace, speculative: str | None) -> dict[str, Any]:
     prompt = torch.randint(vocab // 10, vocab // 2, (args.input_len,), generator=generator)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompt.tolist()], params)  # the first request meets what the warm-up missed
-    steps, proposals = _record_steps(llm), _record_proposals(llm)
+    steps, proposals, parts = _record_steps(llm), _record_proposals(llm), _record_parts(llm)
     start = time.perf_counter()
     output = llm.generate([prompt.tolist()], params)[0]
     seconds = time.perf_counter() - start
@@ -108,6 +146,7 @@ def run(args: argparse.Namespace, speculative: str | None) -> dict[str, Any]:
         "step_device_ms": statistics.median(s["device_ms"] for s in decode),
         "step_wall_ms": statistics.median(s["wall_ms"] for s in decode),
         "propose_ms": statistics.median(proposals) if proposals else 0.0,
+        "propose_parts_host_ms": {k: v / max(len(proposals), 1) for k, v in parts.items()},
         "project_ms": _project_ms(llm, k + 1) if k else 0.0,
         "acceptance": llm.engine.scheduler.spec_decode.mean_acceptance_length if k else None,
     }
