@@ -258,3 +258,19 @@ def test_a_dummy_head_needs_only_a_config(target: Path, tmp_path: Path) -> None:
     outputs = generate(llm, GREEDY)
     assert all(len(output) == GREEDY.max_tokens for output in outputs)
     assert llm.engine.scheduler.spec_decode.num_drafts > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_heads_drafts_under_cuda_graphs_are_eagle3s(target: Path, head: Path) -> None:
+    """On a GPU, the head's passes replay CUDA graphs (the catch-up's drafts its first drafts
+    in its graph, for every row the graph holds), and the drafts are still the plain-torch
+    EAGLE-3's: all but a few, which float32 on another device may round apart at a near-tie."""
+    llm = LLM(str(target), dtype="float32", device="cuda", speculative_config=eagle3(head))
+    assert llm.runner.proposer.catch_up_graphs is not None
+    records = recording(llm)
+    generate(llm, GREEDY)
+    reference = Reference(target, head)
+    agreed = sum(drafts == reference.drafts(tokens, len(drafts)) for tokens, drafts in records)
+    assert len(records) > 20 and agreed >= 0.9 * len(records), (agreed, len(records))
+    assert llm.engine.scheduler.spec_decode.num_accepted_tokens > 0

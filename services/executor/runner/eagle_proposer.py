@@ -23,7 +23,9 @@ computed it; another request's next token may differ, which costs acceptance, no
 
 It runs whole on the first rank (with tensor parallelism, beside the target's part there: the
 target's hidden states are whole on every rank, and the head reads a whole copy of the
-target's embedding, gathered from the ranks at load), eagerly.
+target's embedding, gathered from the ranks at load). On a GPU each pass replays a CUDA graph:
+the catch-up's, first drafts included, then one a further draft; what the host does between
+them is to lay out and copy each pass's inputs.
 """
 
 from __future__ import annotations
@@ -188,29 +190,32 @@ class EagleProposer:
         tokens = [token for row in rows for token in row.tokens]
         graphs = self.catch_up_graphs
         shape = graphs.shape_for(len(rows), len(tokens), max(counts)) if graphs else None
-        buffers.write(tokens, [row.start for row in rows], counts, ends, shape)
+        if shape is not None:  # the graph drafts for every row it holds: padding picks token 0
+            ends += [0] * (shape.num_reqs - len(ends))
+        # Each position reads the target's hidden state at its row of the step (source_rows).
+        step_rows = [row.first + i for row in rows for i in range(len(row.tokens))]
+        starts = [row.start for row in rows]
+        buffers.write(tokens, starts, counts, ends, shape, list(enumerate(step_rows)))
         buffers.copy_to_device()
-        index = [row.first + i for row in rows for i in range(len(row.tokens))]
-        step_rows = torch.tensor(index, dtype=torch.int64).to(self.device, non_blocking=True)
-        torch.index_select(hidden, 0, step_rows, out=self.hidden_in[: len(index)])
-        view = buffers.view()
+        sources = buffers.field("source_rows", len(tokens))
+        torch.index_select(hidden, 0, sources, out=self.hidden_in[: len(tokens)])
         if graphs is not None and shape is not None:
-            out = graphs.replay(shape)
+            graphs.replay(shape)
         else:
-            out = self._catch_up_forward(view)
-        if drafting:
-            hidden_size = self.streams.shape[-1]
-            picked = out[view.sample_rows]  # [R, 2 hidden]: normed, stream
-            self.ids[0, : len(drafting)] = self.head.draft_ids(picked[:, :hidden_size])
-            self.streams[0, : len(drafting)] = picked[:, hidden_size:]
+            self._catch_up_forward(buffers.view())
 
     def _catch_up_forward(self, view: StepView) -> torch.Tensor:
-        """[T, 2 hidden]: the head's normed output and stream at each position fed."""
+        """The head at each position fed; at each sample row (a drafting row's last position)
+        its first draft and stream, to ids[0] and streams[0]. Returns the streams [T, hidden]."""
         hidden = self.hidden_in[: view.input_ids.shape[0]]
         normed, stream = self.head(
             view.input_ids, view.positions, hidden, self.kv_caches[0], view.meta
         )
-        return torch.cat([normed, stream], dim=-1)
+        num = view.sample_rows.shape[0]
+        if num:
+            self.ids[0, :num] = self.head.draft_ids(torch.index_select(normed, 0, view.sample_rows))
+            torch.index_select(stream, 0, view.sample_rows, out=self.streams[0, :num])
+        return stream
 
     def _draft_pass(self, buffers: StepBuffers, rows: list[_Row], j: int) -> None:
         """The pass for each row's draft j + 1, at the position after its draft j's: reads

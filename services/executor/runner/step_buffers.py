@@ -10,9 +10,11 @@ The host fills a pinned mirror, and one asynchronous copy moves the used prefix 
 Fixed offsets also make the device views stable, which CUDA graphs need: a graph captured on
 `view(...)` reads whatever the latest copy put there. On the CPU the mirror is the buffer.
 
-`source_rows` is how a step runs before the host knows all of its input tokens: a decode
-whose input is the token the step in flight is still sampling names that token's row in the
-device's last sampled ids (-1 elsewhere), and the forward pass gathers it on the device.
+`source_rows` is where a token's input comes from. In the target's steps, it is how a step
+runs before the host knows all of its input tokens: a decode whose input is the token the step
+in flight is still sampling names that token's row in the device's last sampled ids (-1
+elsewhere), and the forward pass gathers it on the device. In EAGLE-3's catch-up it names the
+row of the target's step whose hidden state each position reads.
 `token_slots` is each token's LoRA slot (-1: the base model) and `token_order` the tokens
 sorted by it (the LoRA kernels read each adapter once per block of its tokens), written when
 LoRA is on.
@@ -125,7 +127,8 @@ class StepBuffers:
         start = self.offsets[name]
         return self.np[start : start + size]
 
-    def _device(self, name: str, size: int) -> torch.Tensor:
+    def field(self, name: str, size: int) -> torch.Tensor:
+        """The first `size` entries of a field on the device, as the last copy left them."""
         start = self.offsets[name]
         return self.device_buffer[start : start + size]
 
@@ -270,21 +273,21 @@ class StepBuffers:
         start = self.offsets["block_tables"]
         block_tables = self.device_buffer[start : start + num_reqs * self.max_blocks]
         meta = AttentionMetadata(
-            slot_mapping=self._device("slot_mapping", num_tokens),
+            slot_mapping=self.field("slot_mapping", num_tokens),
             block_tables=block_tables.view(num_reqs, self.max_blocks),
-            seq_lens=self._device("seq_lens", num_reqs),
-            query_start_loc=self._device("query_start_loc", num_reqs + 1),
+            seq_lens=self.field("seq_lens", num_reqs),
+            query_start_loc=self.field("query_start_loc", num_reqs + 1),
             max_query_len=max_query_len,
             max_seq_len=max_seq_len if max_seq_len is not None else step_max_seq_len,
             decode_queries=self.decode_queries,
         )
         return StepView(
-            input_ids=self._device("input_ids", num_tokens),
-            positions=self._device("positions", num_tokens),
-            source_rows=self._device("source_rows", num_tokens),
+            input_ids=self.field("input_ids", num_tokens),
+            positions=self.field("positions", num_tokens),
+            source_rows=self.field("source_rows", num_tokens),
             lora=LoraTokens(
-                self._device("token_slots", num_tokens), self._device("token_order", num_tokens)
+                self.field("token_slots", num_tokens), self.field("token_order", num_tokens)
             ),
             meta=meta,
-            sample_rows=self._device("sample_rows", num_samples),
+            sample_rows=self.field("sample_rows", num_samples),
         )
