@@ -48,7 +48,9 @@ def test_the_watch_records_compiles_outside_a_warm_up() -> None:
 
 
 # Run in a process of its own: Triton's kernel cache is per process, so a variant an earlier
-# test in this one compiled would never reach the watch.
+# test in this one compiled would never reach the watch. The KV cache gets a byte budget, not
+# a share of the GPU: memory the test process still holds from earlier tests counts against a
+# share (a run of the GPU tests in another order left the child none).
 _SERVING_STEPS = """
 import json, random, sys
 from kernels.triton_compile_watch import late_compiles
@@ -56,7 +58,8 @@ from kvflow import LLM, SamplingParams
 
 vocab = int(sys.argv[2])
 llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=640,
-          max_num_seqs=48, gpu_memory_utilization=0.2, speculative_config=json.loads(sys.argv[3]))
+          max_num_seqs=48, kv_cache_memory_bytes=512 << 20,
+          speculative_config=json.loads(sys.argv[3]))
 rng = random.Random(0)
 prompts = [[rng.randrange(vocab) for _ in range(rng.choice([1, 5, 16, 33, 200, 700]))]
            for _ in range(120)]
