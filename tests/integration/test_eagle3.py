@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import transformers
 
 from kvflow import LLM
+from services.executor.runner.cuda_graphs import StepGraphs
+from services.executor.runner.step_buffers import PaddedShape
 from tests.integration.test_speculative import GREEDY, MIXED, VARIANTS, generate
 from tests.integration.tiny_models import FAMILIES, TINY
 
@@ -274,3 +276,30 @@ def test_the_heads_drafts_under_cuda_graphs_are_eagle3s(target: Path, head: Path
     agreed = sum(drafts == reference.drafts(tokens, len(drafts)) for tokens, drafts in records)
     assert len(records) > 20 and agreed >= 0.9 * len(records), (agreed, len(records))
     assert llm.engine.scheduler.spec_decode.num_accepted_tokens > 0
+
+
+class PaddedEagerly(StepGraphs):
+    """A CUDA graph's padding without the graph: each step is padded to the shape a graph
+    would replay (padding rows that draft nothing, table rows of block 0) and run eagerly."""
+
+    def replay(self, shape: PaddedShape) -> torch.Tensor:
+        return self.forward(self.buffers.view(self.max_seq_len, shape.max_query_len))
+
+
+def test_drafts_padded_to_a_graphs_shape_are_still_eagle3s(target: Path, head: Path) -> None:
+    """What a GPU's graphs do to the head's passes, on the CPU: each catch-up padded to its
+    graph's rows, and the draft passes over every row it holds, the padding's included."""
+    llm = LLM(str(target), dtype="float32", device="cpu", speculative_config=eagle3(head))
+    proposer = llm.runner.proposer
+    proposer.catch_up_graphs = PaddedEagerly(
+        proposer._catch_up_forward,
+        proposer.catch_up_buffers,
+        proposer.catch_up_buffers.max_reqs,
+        proposer.max_model_len,
+    )
+    records = recording(llm)
+    generate(llm, GREEDY)
+    reference = Reference(target, head)
+    for tokens, drafts in records:
+        assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
+    assert llm.engine.scheduler.kv.pool.num_available == llm.engine.scheduler.config.num_blocks

@@ -23,9 +23,10 @@ computed it; another request's next token may differ, which costs acceptance, no
 
 It runs whole on the first rank (with tensor parallelism, beside the target's part there: the
 target's hidden states are whole on every rank, and the head reads a whole copy of the
-target's embedding, gathered from the ranks at load). On a GPU each pass replays a CUDA graph:
-the catch-up's, first drafts included, then one a further draft; what the host does between
-them is to lay out and copy each pass's inputs.
+target's embedding, gathered from the ranks at load). The draft passes take their inputs from
+the catch-up's on the device (each row's last position fed, its blocks, the drafts before), so
+on a GPU one CUDA graph replays the catch-up and every pass: the host lays out and copies the
+catch-up's inputs once, and waits once.
 """
 
 from __future__ import annotations
@@ -37,18 +38,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import ops
+from services.executor.layers.attention_metadata import AttentionMetadata
 from services.executor.loading.loader import load_eagle3_head
 from services.executor.models.decoder import DecoderForCausalLM
-from services.executor.runner.cuda_graphs import Forward, StepGraphs
+from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.kv_cache import KVCacheLayout
-from services.executor.runner.step_buffers import StepBuffers, StepView
+from services.executor.runner.step_buffers import PADDING_SLOT, StepBuffers, StepView
 from services.executor.speculative import RowSpan, SpeculatingRequest
 from shared.config import Config
 from shared.model_config import resolve_model_source
 from shared.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
+
+NO_BLOCK = -1  # a catch-up table entry past a row's blocks
+NO_DRAFTS = -1  # a catch-up sample row of a row that drafts nothing
 
 
 @dataclass
@@ -89,16 +93,12 @@ class EagleProposer:
         self.num_drafts = spec.num_speculative_tokens
         self.max_model_len = max_model_len
         self.layout = KVCacheLayout.of(self.head.config.layer, config.block_size, dtype)
-        max_blocks = -(-max_model_len // config.block_size)
-        args = (config.max_num_seqs, max_blocks, config.block_size, device)
+        self.max_blocks = -(-max_model_len // config.block_size)
+        args = (config.max_num_seqs, self.max_blocks, config.block_size, device)
         # A catch-up row feeds a verified row's tokens: up to 1 + the drafts, read as decodes.
         self.catch_up_buffers = StepBuffers(
             config.max_num_batched_tokens, *args, decode_queries=1 + self.num_drafts
         )
-        # One per further draft: each pass's inputs are copied before the first runs.
-        self.draft_buffers = [
-            StepBuffers(config.max_num_seqs, *args) for _ in range(self.num_drafts - 1)
-        ]
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         # Fixed inputs and outputs of the passes (CUDA graphs read and write them): the
@@ -109,8 +109,8 @@ class EagleProposer:
         self.ids = torch.zeros(self.num_drafts, rows, dtype=torch.int64, device=device)
         self.streams = torch.zeros(self.num_drafts, rows, hidden, dtype=dtype, device=device)
         self.catch_up_graphs: StepGraphs | None = None
-        self.draft_graphs: list[StepGraphs] = []
-        self.max_seq_len = max_model_len
+        # query_start_loc of a draft pass: one token a row
+        self.row_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.use_graphs = device.type == "cuda" and not config.enforce_eager
 
     def allocate(self, num_blocks: int, requests: object = None) -> None:
@@ -158,22 +158,15 @@ class EagleProposer:
         return {row.request_id: row.drafts for row in rows if row.drafts}
 
     def _propose(self, rows: list[_Row], hidden: torch.Tensor) -> None:
-        """The catch-up pass and the draft passes; each drafting row's drafts land in it."""
+        """The catch-up and the draft passes after it; each drafting row's drafts land in it."""
         if not rows:
             return
-        # Drafting rows first, most drafts first: pass j's rows are a prefix of pass j-1's.
-        rows.sort(key=lambda row: -row.num_drafts)
+        rows.sort(key=lambda row: -row.num_drafts)  # drafting rows first: the passes' rows
         drafting = [row for row in rows if row.num_drafts]
         self._catch_up(rows, drafting, hidden)
         if not drafting:
             return
-        num_columns = 1
-        for j, buffers in enumerate(self.draft_buffers, start=1):
-            going = [row for row in drafting if row.num_drafts > j]
-            if not going:
-                break
-            self._draft_pass(buffers, going, j)
-            num_columns += 1
+        num_columns = drafting[0].num_drafts
         drafts = self.ids[:num_columns, : len(drafting)].T.tolist()  # the one wait
         for row, row_drafts in zip(drafting, drafts, strict=True):
             row.drafts = row_drafts[: row.num_drafts]
@@ -185,13 +178,15 @@ class EagleProposer:
         buffers.wait_for_copy()
         for index, row in enumerate(rows):
             buffers.set_table_row(index, row.blocks)
+            # A draft pass finds where the row's room ends on the device: it writes no KV there.
+            buffers.tables[index, len(row.blocks) :] = NO_BLOCK
         counts = [len(row.tokens) for row in rows]
         ends = [end - 1 for end in itertools.accumulate(counts[: len(drafting)])]
         tokens = [token for row in rows for token in row.tokens]
         graphs = self.catch_up_graphs
         shape = graphs.shape_for(len(rows), len(tokens), max(counts)) if graphs else None
-        if shape is not None:  # the graph drafts for every row it holds: padding picks token 0
-            ends += [0] * (shape.num_reqs - len(ends))
+        if shape is not None:  # the graph's other rows draft nothing
+            ends += [NO_DRAFTS] * (shape.num_reqs - len(ends))
         # Each position reads the target's hidden state at its row of the step (source_rows).
         step_rows = [row.first + i for row in rows for i in range(len(row.tokens))]
         starts = [row.start for row in rows]
@@ -205,75 +200,65 @@ class EagleProposer:
             self._catch_up_forward(buffers.view())
 
     def _catch_up_forward(self, view: StepView) -> torch.Tensor:
-        """The head at each position fed; at each sample row (a drafting row's last position)
-        its first draft and stream, to ids[0] and streams[0]. Returns the streams [T, hidden]."""
+        """The head at each position fed, then its drafts: at each sample row (a drafting row's
+        last position; NO_DRAFTS: none) the first, and each further one from a pass of its own,
+        into ids and streams. Returns the streams of the positions fed [T, hidden]."""
         hidden = self.hidden_in[: view.input_ids.shape[0]]
         normed, stream = self.head(
             view.input_ids, view.positions, hidden, self.kv_caches[0], view.meta
         )
         num = view.sample_rows.shape[0]
         if num:
-            self.ids[0, :num] = self.head.draft_ids(torch.index_select(normed, 0, view.sample_rows))
-            torch.index_select(stream, 0, view.sample_rows, out=self.streams[0, :num])
+            drafting = view.sample_rows >= 0
+            at = view.sample_rows.clamp(min=0)
+            self.ids[0, :num] = self.head.draft_ids(torch.index_select(normed, 0, at))
+            torch.index_select(stream, 0, at, out=self.streams[0, :num])
+            last = torch.index_select(view.positions, 0, at)
+            for j in range(1, self.num_drafts):
+                self._draft_pass(view.meta, last + j, drafting, j)
         return stream
 
-    def _draft_pass(self, buffers: StepBuffers, rows: list[_Row], j: int) -> None:
-        """The pass for each row's draft j + 1, at the position after its draft j's: reads
-        ids[j - 1] and streams[j - 1], writes ids[j] and streams[j]."""
-        buffers.wait_for_copy()
-        for index, row in enumerate(rows):
-            buffers.set_table_row(index, row.blocks)
-        num = len(rows)
-        # A row's last fed position is start + len(tokens) - 1; draft j is the token after
-        # the position j past it.
-        starts = [row.start + len(row.tokens) - 1 + j for row in rows]
-        sources = [(index, index) for index in range(num)]
-        graphs = self.draft_graphs[j - 1] if self.draft_graphs else None
-        shape = graphs.shape_for(num, num, 1) if graphs is not None else None
-        buffers.write([0] * num, starts, [1] * num, list(range(num)), shape, sources)
-        buffers.copy_to_device()
-        if graphs is not None and shape is not None:
-            graphs.replay(shape)
-        else:
-            self._draft_forward(j)(buffers.view())
-
-    def _draft_forward(self, j: int) -> Forward:
-        def forward(view: StepView) -> torch.Tensor:
-            num = view.input_ids.shape[0]
-            ops.gather_sampled_inputs(view.input_ids, view.source_rows, self.ids[j - 1])
-            hidden = self.streams[j - 1, :num]
-            kv_cache = self.kv_caches[0]
-            normed, stream = self.head(view.input_ids, view.positions, hidden, kv_cache, view.meta)
-            self.ids[j, :num] = self.head.draft_ids(normed)
-            self.streams[j, :num] = stream
-            return stream
-
-        return forward
+    def _draft_pass(
+        self, meta: AttentionMetadata, positions: torch.Tensor, drafting: torch.Tensor, j: int
+    ) -> None:
+        """Draft j + 1 of each drafting row, at `positions` (its last position fed + j): the
+        head reads draft j and its own stream before it (ids[j - 1], streams[j - 1]) and writes
+        ids[j], streams[j]. Its inputs come from the catch-up's on the device: a row's blocks
+        (the first rows of its table), and a slot where the row has room (a block there and a
+        position under max_model_len), else none and a context of one token."""
+        num = positions.shape[0]
+        size = self.layout.block_size
+        columns = (positions // size).clamp(max=self.max_blocks - 1).long()
+        tables = meta.block_tables[:num]
+        blocks = tables.gather(1, columns[:, None]).squeeze(1)
+        room = drafting & (blocks >= 0) & (positions < self.max_model_len)
+        slots = torch.where(room, blocks * size + positions % size, PADDING_SLOT)
+        pass_meta = AttentionMetadata(
+            slot_mapping=slots.to(meta.slot_mapping.dtype),
+            block_tables=tables,
+            seq_lens=torch.where(room, positions + 1, 1).to(meta.seq_lens.dtype),
+            query_start_loc=self.row_starts[: num + 1],
+            max_query_len=1,
+            max_seq_len=min(meta.max_seq_len + j, self.max_model_len),
+        )
+        before = self.ids[j - 1, :num], self.streams[j - 1, :num]
+        at = positions.clamp(max=self.max_model_len - 1)  # rotary tables end there
+        normed, stream = self.head(before[0], at, before[1], self.kv_caches[0], pass_meta)
+        self.ids[j, :num] = self.head.draft_ids(normed)
+        self.streams[j, :num] = stream
 
     def capture_graphs(self, max_seq_len: int) -> None:
-        """CUDA graphs of the catch-up (decode, verifying and mixed shapes) and of each draft pass
-        (decode shapes): a head's pass is a few dozen small kernels, whose launches from
-        Python would cost more than the GPU's work."""
+        """CUDA graphs of the catch-up and the draft passes after it (decode, verifying and
+        mixed shapes): a head's pass is a few dozen small kernels, whose launches from Python
+        would cost more than the GPU's work."""
         max_reqs = self.catch_up_buffers.max_reqs
         catch_up = self._catch_up_forward
-        name = "the EAGLE-3 catch-up"
+        name = "the EAGLE-3 head"
         self.catch_up_graphs = StepGraphs(
             catch_up, self.catch_up_buffers, max_reqs, max_seq_len, name=name
         )
-        self.draft_graphs = [
-            StepGraphs(
-                self._draft_forward(j),
-                buffers,
-                max_reqs,
-                max_seq_len,
-                mixed=False,
-                name=f"EAGLE-3 draft {j + 1}",
-            )
-            for j, buffers in enumerate(self.draft_buffers, start=1)
-        ]
         with torch.inference_mode():
-            for graphs in [self.catch_up_graphs, *self.draft_graphs]:
-                graphs.capture()
+            self.catch_up_graphs.capture()
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -283,7 +268,7 @@ class EagleProposer:
         tile too), and draft passes of 1 to 80 rows. Every row uses blocks from 0 up, which no
         request holds yet."""
         if self.use_graphs and self.catch_up_graphs is None:
-            self.capture_graphs(self.max_seq_len)
+            self.capture_graphs(self.max_model_len)
         for num_tokens in (1, 12, 24, 48):
             if num_tokens <= self.aux_hidden.shape[0]:
                 self.project(num_tokens)
