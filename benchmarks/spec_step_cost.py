@@ -69,13 +69,11 @@ def _record_proposals(llm: LLM) -> list[float]:
 # Parts of EAGLE-3's proposal whose host time is recorded (object path, method): where the
 # proposal's wall time goes; what they leave is the one wait for the drafts and the rest.
 PROPOSAL_PARTS = (
-    ("", "_catch_up"),
-    ("", "_draft_pass"),
+    ("", "_catch_up"),  # the layout, the copy and the replay (eager: the passes) below
     ("catch_up_buffers", "write"),
     ("catch_up_buffers", "copy_to_device"),
-    ("catch_up_buffers", "view"),
+    ("catch_up_buffers", "view"),  # eager only
     ("catch_up_graphs", "replay"),
-    ("head", "draft_ids"),
 )
 
 

@@ -113,14 +113,15 @@ def _flat_rows(
     """Back to the flat layout by index arithmetic: a boolean mask would cost a device-to-host
     sync in every layer, leaving the GPU idle while the host catches up. Tokens past the last
     request's (a CUDA graph's padding, which belongs to no request) get zeros."""
-    num_reqs, max_query_len, device = out.shape[0], out.shape[1], out.device
+    num_reqs, device = out.shape[0], out.device
     starts = query_start_loc.long()
     counts = torch.cat([num_queries.long(), num_tokens - starts[-1:]])  # + the padding's
     requests = torch.arange(num_reqs + 1, device=device)
     token_req = torch.repeat_interleave(requests, counts, output_size=num_tokens)
     token_offset = torch.arange(num_tokens, device=device) - starts[token_req]
+    token_offset = torch.where(token_req < num_reqs, token_offset, 0)  # padding: the zero row
     out = torch.cat([out, out.new_zeros(1, *out.shape[1:])])
-    return out[token_req, token_offset.clamp(max=max_query_len - 1)]  # [num_tokens, H, D]
+    return out[token_req, token_offset]  # [num_tokens, H, D]
 
 
 def contiguous_attention_reference(

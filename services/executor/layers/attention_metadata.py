@@ -9,8 +9,10 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot each new token is written to
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int: cache slot each new token is written to
+    # [num_reqs, max_blocks] int32; entries past a request's blocks are never read (stale, 0,
+    # or -1 where EAGLE-3's draft passes mark a row's end)
+    block_tables: torch.Tensor
     seq_lens: torch.Tensor  # [num_reqs] int32: context length including this step's tokens
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32: offsets of each request's tokens
     max_query_len: int

@@ -172,21 +172,24 @@ class EagleProposer:
             row.drafts = row_drafts[: row.num_drafts]
 
     def _catch_up(self, rows: list[_Row], drafting: list[_Row], hidden: torch.Tensor) -> None:
-        """The pass over every row's positions fed; the drafting rows' first drafts and
-        streams go to ids[0] and streams[0]."""
+        """The pass over every row's positions fed, then the draft passes: the drafting rows'
+        drafts and streams go to ids and streams."""
         buffers = self.catch_up_buffers
         buffers.wait_for_copy()
+        # A draft pass reads a row's table at most this many entries past its blocks.
+        past = -(-(self.num_drafts - 1) // self.layout.block_size)
         for index, row in enumerate(rows):
             buffers.set_table_row(index, row.blocks)
-            # A draft pass finds where the row's room ends on the device: it writes no KV there.
-            buffers.tables[index, len(row.blocks) :] = NO_BLOCK
+            # Where the row's room ends, for a draft pass on the device: no KV written there.
+            buffers.tables[index, len(row.blocks) : len(row.blocks) + past] = NO_BLOCK
         counts = [len(row.tokens) for row in rows]
         ends = [end - 1 for end in itertools.accumulate(counts[: len(drafting)])]
         tokens = [token for row in rows for token in row.tokens]
         graphs = self.catch_up_graphs
         shape = graphs.shape_for(len(rows), len(tokens), max(counts)) if graphs else None
-        if shape is not None:  # the graph's other rows draft nothing
+        if shape is not None:  # the graph's other rows draft nothing; a pass reads block 0
             ends += [NO_DRAFTS] * (shape.num_reqs - len(ends))
+            buffers.tables[len(rows) : shape.num_reqs, 0] = 0
         # Each position reads the target's hidden state at its row of the step (source_rows).
         step_rows = [row.first + i for row in rows for i in range(len(row.tokens))]
         starts = [row.start for row in rows]

@@ -72,7 +72,9 @@ class StepView:
     source_rows: torch.Tensor  # [T] int32: row of the last sampled ids to take, or -1
     lora: LoraTokens  # LoRA slot of each token (-1: none) and their order (with LoRA only)
     meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] int32: flat index of each sampling request's last token
+    # [S] int32: flat index of each sampling request's last token (EAGLE-3's catch-up: of each
+    # drafting row's, -1 for a row that drafts nothing)
+    sample_rows: torch.Tensor
 
 
 class StepBuffers:
