@@ -23,6 +23,7 @@ from kernels.inputs import gather_sampled_inputs_reference
 from kernels.int4 import int4_linear_reference
 from kernels.linear import linear_reference
 from kernels.lora import LoraDelta, lora_expand_reference, lora_shrink_reference
+from kernels.moe import moe_experts_reference, moe_route_reference
 from kernels.norm import (
     fused_add_rms_norm_fp8_reference,
     fused_add_rms_norm_reference,
@@ -168,6 +169,23 @@ def fused_add_rms_norm_fp8(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     module = _triton("activation", gate_up)
     return (module.silu_and_mul if module is not None else silu_and_mul_reference)(gate_up)
+
+
+def moe_route(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k]
+    return moe_route_reference(logits, top_k, renormalize)  # no kernel of its own yet
+
+
+def moe_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    # The reference on every device for now: the grouped GEMM (issue 47) replaces it on CUDA.
+    return moe_experts_reference(x, gate_up, down, weights, ids)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:

