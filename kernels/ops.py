@@ -184,8 +184,9 @@ def moe_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
 ) -> torch.Tensor:
-    # The reference on every device for now: the grouped GEMM (issue 47) replaces it on CUDA.
-    return moe_experts_reference(x, gate_up, down, weights, ids)
+    module = _triton("moe", x)
+    run = module.moe_experts if module is not None else moe_experts_reference
+    return run(x, gate_up, down, weights, ids)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:
