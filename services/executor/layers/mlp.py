@@ -13,10 +13,14 @@ from services.executor.parallel.layout import ShardLayout
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, layout: ShardLayout, method: LinearMethod | None = None) -> None:
-        """`layout`: what this rank holds (its MLP columns; all of them on one rank)."""
+    def __init__(
+        self, layout: ShardLayout, method: LinearMethod | None = None, columns: int | None = None
+    ) -> None:
+        """`layout`: what this rank holds (its MLP columns; all of them on one rank);
+        `columns`: this rank's width, if not the model's intermediate size (a shared expert)."""
         super().__init__()
-        hidden, columns = layout.local_config.hidden_size, layout.local_config.intermediate_size
+        hidden = layout.local_config.hidden_size
+        columns = columns or layout.local_config.intermediate_size
         # gate and up split by output rows, down by input columns
         gate_up = layout.column_parallel(columns, columns)
         self.gate_up_proj = Linear(hidden, 2 * columns, method=method, sharding=gate_up)

@@ -1,5 +1,6 @@
 """A decoder layer's mixture of experts (shared/model_config.MoeConfig): the router (`gate`) and
-every expert's gate/up and down projections, stacked by expert as the kernels read them.
+every expert's gate/up and down projections, stacked by expert as the kernels read them, and
+Qwen2-MoE's shared expert with its gate.
 
 A checkpoint stores each expert's projections apart (`experts.3.gate_proj.weight`, Mixtral's
 `experts.3.w1.weight`); each is one piece of a stacked parameter (`expert_piece`).
@@ -12,7 +13,9 @@ from torch import nn
 
 from kernels import ops
 from services.executor.layers.linear import Linear
+from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
+from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.shards import CheckpointTensor, read
 from shared.model_config import MoeConfig
 
@@ -28,8 +31,10 @@ EXPERT_PROJECTIONS = {
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden_size: int, moe: MoeConfig) -> None:
+    def __init__(self, layout: ShardLayout, moe: MoeConfig) -> None:
+        """`layout`: the model's on one rank (experts are not split over ranks yet)."""
         super().__init__()
+        hidden_size = layout.local_config.hidden_size
         experts, columns = moe.num_experts, moe.intermediate_size
         self.moe = moe
         self.gate = Linear(hidden_size, experts)  # the router, in the model's dtype
@@ -41,10 +46,17 @@ class SparseMoE(nn.Module):
         )
         set_weight_loader(self.experts_gate_up, _load_expert_piece, 2 * experts)
         set_weight_loader(self.experts_down, _load_expert_piece, experts)
+        self.shared_expert: GatedMLP | None = None
+        if moe.shared_expert_size:
+            self.shared_expert = GatedMLP(layout, columns=moe.shared_expert_size)
+            self.shared_expert_gate = Linear(hidden_size, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = ops.moe_route(self.gate(x), self.moe.top_k, self.moe.renormalize)
-        return ops.moe_experts(x, self.experts_gate_up, self.experts_down, weights, ids)
+        out = ops.moe_experts(x, self.experts_gate_up, self.experts_down, weights, ids)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 def expert_piece(name: str) -> tuple[str, int] | None:

@@ -1,5 +1,5 @@
 """The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3, and by the
-mixtures of experts built like them (Qwen3-MoE, Mixtral).
+mixtures of experts built like them (Qwen2-MoE, Qwen3-MoE, Mixtral).
 
 The families differ only in switches read from ModelConfig: a bias on the qkv projection
 (Qwen2), an RMSNorm on each head of q and k (Qwen3), Llama 3's RoPE scaling, tied embeddings,
@@ -160,7 +160,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(layout, rotary, method, kv_scales)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(layout, method) if moe is None else SparseMoE(cfg.hidden_size, moe)
+        self.mlp = GatedMLP(layout, method) if moe is None else SparseMoE(layout, moe)
         self.tp = layout.tp
 
     def forward(
