@@ -57,6 +57,28 @@ def align(
 
 
 @triton.jit
+def _block(
+    sorted_ptr,
+    block_expert_ptr,
+    w_ptr,
+    num_pairs,
+    N,
+    stride_we,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """This program's pairs (and which are real: a block past the groups, expert -1, holds
+    none), its output columns (none for no expert: no weights read) and its expert's weights."""
+    block, tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block)
+    pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < tl.where(expert >= 0, N, 0)
+    w = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we
+    return pairs, pairs < num_pairs, cols, cols_ok, w
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [E, 2N, K]: gate rows, then up rows
@@ -75,14 +97,10 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    block, tile = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + block)
-    pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    rows_ok = pairs < num_pairs  # a block past the groups (expert -1) holds no pair
+    pairs, rows_ok, cols, cols_ok, w = _block(
+        sorted_ptr, block_expert_ptr, w_ptr, num_pairs, N, stride_we, BLOCK_M, BLOCK_N
+    )
     tokens = tl.where(rows_ok, pairs // top_k, 0)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < tl.where(expert >= 0, N, 0)  # no expert: no weights read
-    w = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
@@ -122,14 +140,10 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    block, tile = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + block)
-    pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    rows_ok = pairs < num_pairs
+    pairs, rows_ok, cols, cols_ok, w = _block(
+        sorted_ptr, block_expert_ptr, w_ptr, num_pairs, N, stride_we, BLOCK_M, BLOCK_N
+    )
     rows = tl.where(rows_ok, pairs, 0)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < tl.where(expert >= 0, N, 0)
-    w = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
