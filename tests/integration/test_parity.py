@@ -15,7 +15,15 @@ import transformers
 
 from kvflow import LLM, SamplingParams
 from shared.model_config import embedded_model_path
-from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
+from tests.integration.tiny_models import (
+    FAMILIES,
+    MOE_FAMILIES,
+    NUM_NEW_TOKENS,
+    TINY,
+    make_prompts,
+)
+
+PARITY_FAMILIES = {**FAMILIES, **MOE_FAMILIES}  # the mixtures of experts' too
 
 # Settings that must not change the output. "small pool" forces preemptions.
 VARIANTS = {
@@ -47,10 +55,10 @@ def kvflow_greedy(
     return [r.token_ids for r in llm.generate(prompts, params)]
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=sorted(PARITY_FAMILIES))
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     family = request.param
-    config_cls, extra = FAMILIES[family]
+    config_cls, extra = PARITY_FAMILIES[family]
     torch.manual_seed(0)
     config = config_cls(**{**TINY, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -58,7 +66,7 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         for name, param in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.2)
-    folder = tmp_path_factory.mktemp(family)
+    folder = tmp_path_factory.mktemp(family.replace(" ", "_"))
     model.save_pretrained(folder)
     prompts = make_prompts(config.vocab_size)
     return family, Path(folder), prompts, hf_greedy(model, prompts, eos_token_id=None)
