@@ -35,7 +35,7 @@ def add_bench_parser(
 ) -> None:
     bench = commands.add_parser(
         "bench",
-        help="Benchmarks: serve, throughput, latency, attention, floors.",
+        help="Benchmarks: serve, throughput, latency, attention, floors, moe.",
         description="Measure kvflow with random-token prompts; figures to stdout and JSON.",
     )
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -54,7 +54,9 @@ def add_bench_parser(
     attention = kinds.add_parser("attention", help="Decode attention kernel GB/s vs copy.")
     _attention_flags(attention)
     floors = kinds.add_parser("floors", help="Measured copy bandwidth and bf16 matmul rate.")
-    for parser in (throughput, latency, attention, floors):
+    moe = kinds.add_parser("moe", help="A mixture-of-experts layer's time vs its bytes, vLLM's.")
+    _moe_flags(moe)
+    for parser in (throughput, latency, attention, floors, moe):
         parser.add_argument("--output-json", type=Path, help="Write the figures here.")
 
 
@@ -109,6 +111,19 @@ def _attention_flags(attention: argparse.ArgumentParser) -> None:
     )
 
 
+def _moe_flags(moe: argparse.ArgumentParser) -> None:
+    """The layer's shape (Qwen3-30B-A3B's by default) and the peer."""
+    moe.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 16, 64, 256])
+    moe.add_argument("--num-experts", type=int, default=128)
+    moe.add_argument("--top-k", type=int, default=8)
+    moe.add_argument("--hidden-size", type=int, default=2048)
+    moe.add_argument("--intermediate-size", type=int, default=768, help="an expert's width")
+    moe.add_argument("--layers", type=int, default=4, help="weight sets a timed call walks")
+    moe.add_argument(
+        "--peer", choices=["none", "vllm"], default="none", help="also time vLLM's fused MoE"
+    )
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.bench == "serve":
         try:
@@ -129,6 +144,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
         if args.bench == "attention":
             report = kernel_bench.attention_bench(args)
+        elif args.bench == "moe":
+            from benchmarks.moe_bench import moe_bench
+
+            report = moe_bench(args)
         else:
             report = kernel_bench.floors_bench()
     print(json.dumps(report, indent=2))

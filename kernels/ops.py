@@ -174,7 +174,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def moe_route(
     logits: torch.Tensor, top_k: int, renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k]
-    return moe_route_reference(logits, top_k, renormalize)  # no kernel of its own yet
+    module = _triton("moe_route", logits)
+    run = module.moe_route if module is not None else moe_route_reference
+    return run(logits, top_k, renormalize)
 
 
 def moe_experts(

@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.moe import moe_experts_reference, moe_route_reference
-from kernels.triton_moe import align, block_rows, moe_experts
+from kernels.triton_moe import block_rows, moe_experts, uses_gemv
+from kernels.triton_moe_route import _align_in_torch, align, moe_route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -23,7 +24,9 @@ def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tens
     return weights, ids
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 4, 2), (9, 6, 3), (40, 8, 2)])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(1, 4, 2), (9, 6, 3), (40, 8, 2), (64, 128, 8)]
+)
 def test_align_puts_each_pair_once_in_its_experts_block(tokens: int, experts: int, top_k: int):
     _, ids = routed(tokens, experts, top_k, seed=tokens)
     block_m = 16
@@ -40,13 +43,55 @@ def test_align_puts_each_pair_once_in_its_experts_block(tokens: int, experts: in
         seen += real
     assert sorted(seen) == list(range(num_pairs))
     assert owners[owners >= 0].diff().ge(0).all()  # groups in expert order
+    # The one-launch kernel and the torch version (past its size) lay the pairs out alike.
+    in_torch = _align_in_torch(ids, experts, block_m)
+    assert torch.equal(sorted_pairs, in_torch[0]) and torch.equal(block_experts, in_torch[1])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "renormalize"),
+    [(1, 128, 8, True), (5, 60, 4, False), (3, 8, 2, True), (2, 6, 6, False)],
+)
+def test_routing_in_one_launch_matches_the_reference(
+    tokens: int, experts: int, top_k: int, renormalize: bool
+) -> None:
+    generator = torch.Generator().manual_seed(experts)
+    logits = torch.randn(tokens, experts, generator=generator).to(torch.bfloat16).to(DEVICE)
+    weights, ids = moe_route(logits, top_k, renormalize)
+    expected_weights, expected_ids = moe_route_reference(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    # bf16 logits tie now and then: the same experts, by weight, whatever the order of a tie
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(ids.sort(dim=-1).values, expected_ids.sort(dim=-1).values)
+
+
+def test_routing_a_row_of_nan_or_inf_still_picks_k_distinct_real_experts() -> None:
+    """A broken row (dummy weights overflow) must not send a kernel past the experts."""
+    logits = torch.full((3, 6), float("nan"), device=DEVICE)
+    logits[1] = -float("inf")
+    logits[2, 4] = float("inf")
+    _, ids = moe_route(logits, 4, renormalize=True)
+    for row in ids.cpu().tolist():
+        assert len(set(row)) == 4 and all(0 <= expert < 6 for expert in row)
+    assert ids[2, 0].item() == 4
+
+
+def test_routing_refuses_more_choices_than_experts() -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        moe_route(torch.zeros(1, 4, device=DEVICE), 5, renormalize=True)
 
 
 @pytest.mark.parametrize(
     ("tokens", "hidden", "inter", "experts", "top_k"),
-    [(1, 32, 48, 4, 2), (7, 64, 80, 6, 3), (520, 32, 16, 5, 2)],  # the last: 64-pair blocks
+    [
+        (1, 32, 48, 4, 2),
+        (7, 64, 80, 6, 3),
+        (520, 32, 16, 5, 2),  # 64-pair blocks
+        (1, 96, 40, 16, 4),  # few pairs against the experts: the GEMV kernels
+        (2, 300, 24, 64, 8),  # GEMV, K past one step of the loop and not a multiple of it
+    ],
 )
-def test_grouped_gemms_match_the_reference(
+def test_expert_gemms_match_the_reference(
     tokens: int, hidden: int, inter: int, experts: int, top_k: int
 ) -> None:
     generator = torch.Generator().manual_seed(hidden + tokens)
@@ -55,6 +100,7 @@ def test_grouped_gemms_match_the_reference(
     down = (torch.randn(experts, hidden, inter, generator=generator) / 8).to(DEVICE)
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
     assert block_rows(tokens * top_k) == (64 if tokens * top_k > 1024 else 16)
+    assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
     out = moe_experts(x, gate_up, down, weights, ids)
     expected = moe_experts_reference(x, gate_up, down, weights, ids)
     torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)

@@ -1,0 +1,119 @@
+"""`kvflow bench moe`: one mixture-of-experts layer (routing and experts, microseconds a layer)
+against the bytes it must read, and against vLLM's fused MoE on the same inputs where vLLM is
+importable.
+
+    kvflow bench moe --batch-sizes 1 4 16 64 256 --peer vllm --output-json moe.json
+
+The default shape is Qwen3-30B-A3B's (128 experts, top 8, hidden 2048, experts' width 768).
+Each engine's call runs over `--layers` layers of random bf16 weights (4 x 1.2 GB: beyond L2,
+as in a model) from one CUDA graph, so the time is the device's with no launch gaps from
+Python, as in a decode step. The routing logits are random: tokens spread over the experts as
+evenly as a trained router's do at best. The floor counts each layer's distinct chosen experts'
+weights, read once, at the measured copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.kernel_bench import copy_bandwidth_gbs, median_ms
+
+MoeCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def kvflow_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               top_k: int) -> torch.Tensor:  # fmt: skip
+    from kernels import ops
+
+    weights, ids = ops.moe_route(logits, top_k, renormalize=True)
+    return ops.moe_experts(x, w13, w2, weights, ids)
+
+
+def vllm_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+             top_k: int) -> torch.Tensor:  # fmt: skip
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+
+    weights, ids, _ = fused_topk(x, logits, top_k, renormalize=True)
+    return fused_experts(x, w13, w2, weights, ids)
+
+
+def graph_ms(run: Callable[[], object]) -> float:
+    """The device time of `run` replayed from a CUDA graph (captured after two eager runs)."""
+    run()
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return median_ms(graph.replay)
+
+
+def distinct_expert_bytes(logits: list[torch.Tensor], top_k: int, per_expert: int) -> int:
+    """Each layer's chosen experts' weights, each read once."""
+    chosen = [torch.topk(layer, top_k, dim=-1).indices.unique().numel() for layer in logits]
+    return sum(chosen) * per_expert
+
+
+def time_layers(
+    moe: MoeCall,
+    x: torch.Tensor,
+    logits: list[torch.Tensor],
+    weights: list[tuple[torch.Tensor, torch.Tensor]],
+    top_k: int,
+) -> float:
+    """Milliseconds a layer: `moe` over every layer's weights, from one CUDA graph."""
+
+    def run() -> None:
+        for layer_logits, (w13, w2) in zip(logits, weights, strict=True):
+            moe(x, layer_logits, w13, w2, top_k)
+
+    return graph_ms(run) / len(weights)
+
+
+def moe_bench(args: argparse.Namespace) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA device")
+    copy_gbs = copy_bandwidth_gbs()
+    num_e, hidden, inter = args.num_experts, args.hidden_size, args.intermediate_size
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        out = torch.randn(*shape, device="cuda", generator=generator) * scale
+        return out.to(torch.bfloat16)
+
+    w13 = [randn(num_e, 2 * inter, hidden, scale=hidden**-0.5) for _ in range(args.layers)]
+    w2 = [randn(num_e, hidden, inter, scale=inter**-0.5) for _ in range(args.layers)]
+    weights = list(zip(w13, w2, strict=True))
+    engines: dict[str, MoeCall] = {"kvflow": kvflow_moe}
+    if args.peer == "vllm":
+        engines["vllm"] = vllm_moe
+    rows = []
+    for batch in args.batch_sizes:
+        x = randn(batch, hidden)
+        logits = [randn(batch, num_e) for _ in range(args.layers)]
+        floor_ms = distinct_expert_bytes(logits, args.top_k, 6 * inter * hidden) / copy_gbs / 1e6
+        row: dict[str, Any] = {"batch_size": batch}
+        row["floor_us"] = round(1000 * floor_ms / args.layers, 1)
+        for name, moe in engines.items():
+            try:
+                ms = time_layers(moe, x, logits, weights, args.top_k)
+            except Exception as exc:  # a peer that cannot run is reported, not fatal
+                row[f"{name}_error"] = repr(exc)[:300]
+                continue
+            row[f"{name}_us"] = round(1000 * ms, 1)
+            row[f"{name}_fraction_of_floor"] = round(floor_ms / args.layers / ms, 3)
+        rows.append(row)
+        print(row, flush=True)
+    return {
+        "benchmark": "moe",
+        "device": torch.cuda.get_device_name(),
+        "copy_gb_per_s": round(copy_gbs, 1),
+        "shape": {"num_experts": num_e, "top_k": args.top_k, "hidden_size": hidden,
+                  "intermediate_size": inter, "dtype": "bfloat16", "layers": args.layers},
+        "results": rows,
+    }  # fmt: skip
