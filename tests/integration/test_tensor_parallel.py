@@ -1,9 +1,10 @@
 """Tensor parallelism on CPU over gloo: `kvflow.LLM` on N ranks, processes each with its part
 of every layer (services/executor/parallel/tensor_parallel.py) that run the plans rank 0 relays
 (services/executor/rank_group.py), gives the greedy tokens of one process, and of
-transformers, for the tiny parity models (Llama and Qwen3, and Llama with one KV head that
-every rank holds) at 2 ranks and the embedded SmolLM2 (9 query and 3 KV heads) at 3, also with
-LoRA adapters (peft's tokens); a split the model does not allow is refused by name."""
+transformers, for the tiny parity models (Llama and Qwen3, Llama with one KV head that every
+rank holds, and three mixtures of experts, each expert split by its columns) at 2 ranks and
+the embedded SmolLM2 (9 query and 3 KV heads) at 3, also with LoRA adapters (peft's tokens);
+a split the model does not allow is refused by name."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from services.executor.parallel.tensor_parallel import TensorParallel
 from shared.model_config import load_model_config, resolve_model_source
 from tests.integration.test_eagle3 import NUM_LAYERS, write_head
 from tests.integration.test_parity import hf_greedy
-from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
+from tests.integration.tiny_models import FAMILIES, MOE_FAMILIES, TINY, make_prompts
 from tests.integration.tp_generate import generate, spec_counts
 
 NUM_TOKENS = 24
@@ -39,7 +40,7 @@ def greedy(
 def tiny_folder(
     tmp_path: Path, family: str, **changes: object
 ) -> tuple[Path, transformers.PreTrainedModel]:
-    config_cls, extra = FAMILIES[family]
+    config_cls, extra = {**FAMILIES, **MOE_FAMILIES}[family]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         config_cls(**{**TINY, **extra, **changes}), dtype=torch.float32
@@ -54,8 +55,24 @@ def tiny_folder(
 
 @pytest.mark.parametrize(
     ("family", "changes"),
-    [("llama", {}), ("qwen2", {}), ("qwen3", {}), ("llama", {"num_key_value_heads": 1})],
-    ids=["llama", "qwen2-biases-tied", "qwen3", "llama-one-kv-head"],
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("llama", {"num_key_value_heads": 1}),
+        ("qwen3_moe dense first", {}),
+        ("qwen2_moe", {}),
+        ("mixtral", {}),
+    ],
+    ids=[
+        "llama",
+        "qwen2-biases-tied",
+        "qwen3",
+        "llama-one-kv-head",
+        "qwen3-moe-dense-first",
+        "qwen2-moe-shared-expert",
+        "mixtral",
+    ],
 )
 def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: dict) -> None:
     folder, model = tiny_folder(tmp_path, family, **changes)

@@ -8,6 +8,8 @@ A checkpoint stores each expert's projections apart (`experts.3.gate_proj.weight
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -16,8 +18,13 @@ from services.executor.layers.linear import Linear
 from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
 from services.executor.parallel.layout import ShardLayout
-from services.executor.parallel.shards import CheckpointTensor, read
-from shared.model_config import MoeConfig
+from services.executor.parallel.shards import (
+    CheckpointTensor,
+    Split,
+    TensorDims,
+    read,
+    shard_tensor,
+)
 
 # A checkpoint's expert projection -> (our stacked parameter, its piece within the expert's rows)
 EXPERT_PROJECTIONS = {
@@ -31,9 +38,14 @@ EXPERT_PROJECTIONS = {
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, layout: ShardLayout, moe: MoeConfig) -> None:
-        """`layout`: the model's on one rank (experts are not split over ranks yet)."""
+    def __init__(self, layout: ShardLayout) -> None:
+        """`layout`: what this rank holds: every expert, each by its part of the columns (as a
+        dense MLP is split), and the router whole. Each rank routes alike (x is whole on all)
+        and returns its part of the sum, which the next norm adds up over the ranks, as a
+        dense MLP's."""
         super().__init__()
+        moe = layout.local_config.moe
+        assert moe is not None, "a SparseMoE's model has experts"
         hidden_size = layout.local_config.hidden_size
         experts, columns = moe.num_experts, moe.intermediate_size
         self.moe = moe
@@ -44,19 +56,20 @@ class SparseMoE(nn.Module):
         self.experts_down = nn.Parameter(
             torch.empty(experts, hidden_size, columns), requires_grad=False
         )
-        set_weight_loader(self.experts_gate_up, _load_expert_piece, 2 * experts)
-        set_weight_loader(self.experts_down, _load_expert_piece, experts)
+        rank = functools.partial(_load_expert_piece, part=layout.tp.rank, parts=layout.tp.size)
+        set_weight_loader(self.experts_gate_up, rank, 2 * experts)
+        set_weight_loader(self.experts_down, rank, experts)
         self.shared_expert: GatedMLP | None = None
         if moe.shared_expert_size:
             self.shared_expert = GatedMLP(layout, columns=moe.shared_expert_size)
-            self.shared_expert_gate = Linear(hidden_size, 1)
+            self.shared_expert_gate = Linear(hidden_size, 1)  # whole: it scales each part
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = ops.moe_route(self.gate(x), self.moe.top_k, self.moe.renormalize)
         out = ops.moe_experts(x, self.experts_gate_up, self.experts_down, weights, ids)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out  # this rank's part
 
 
 def expert_piece(name: str) -> tuple[str, int] | None:
@@ -73,13 +86,19 @@ def expert_piece(name: str) -> tuple[str, int] | None:
 
 
 def _load_expert_piece(
-    param: nn.Parameter, tensor: CheckpointTensor, shard: int | None, name: str
+    param: nn.Parameter,
+    tensor: CheckpointTensor,
+    shard: int | None,
+    name: str,
+    part: int = 0,
+    parts: int = 1,
 ) -> None:
     """Piece `shard` of a stacked expert parameter: its expert's rows, the gate's or the up's
-    half of them in experts_gate_up."""
+    half of them in experts_gate_up; of the checkpoint's tensor, part `part` of `parts` of
+    the expert's columns (gate and up: their rows; down: its input columns)."""
     pieces = int(getattr(param, "num_shards", 1)) // param.shape[0]  # a stacked expert's
     expert, piece = divmod(shard or 0, pieces)
     rows = param.shape[1] // pieces
-    copy_weight(
-        param.data[expert].narrow(0, piece * rows, rows), read(unpacked(tensor, name)), name
-    )
+    split: Split = "rows" if pieces == 2 else "cols"
+    cut = shard_tensor(unpacked(tensor, name), TensorDims(0, 1), split, part, parts)
+    copy_weight(param.data[expert].narrow(0, piece * rows, rows), read(cut), name)

@@ -16,8 +16,8 @@ class ShardLayout:
     """What one rank holds of a model."""
 
     tp: TensorParallel
-    # The rank's layers: its heads, KV heads and MLP columns (vocab_size stays the model's:
-    # every rank samples from all of it)
+    # The rank's layers: its heads, KV heads, MLP columns and each expert's columns
+    # (vocab_size stays the model's: every rank samples from all of it)
     local_config: ModelConfig
     kv_heads: int  # the model's KV heads
     kv_head: int  # the first of them this rank holds (with fewer than ranks: the one it shares)
@@ -37,17 +37,36 @@ class ShardLayout:
             )
             if count % n
         ]
+        if cfg.moe is not None:  # each expert splits like a dense MLP: by its columns
+            problems += [
+                f"{count} {what} do not split {n} ways"
+                for count, what in (
+                    (cfg.moe.intermediate_size, "columns of each expert"),
+                    (cfg.moe.shared_expert_size, "shared expert columns"),
+                )
+                if count % n
+            ]
+        if cfg.qk_norm_whole and n > 1:
+            problems.append("q and k norms over all heads at once (OLMoE's) do not split")
         kv = cfg.num_kv_heads
         if kv % n and n % kv:
             problems.append(f"{kv} KV heads neither split {n} ways nor divide {n}")
         if problems:
             raise ValueError(f"--tensor-parallel-size {n}: " + "; ".join(problems))
         local_kv = kv // n if kv >= n else 1
+        moe = None
+        if cfg.moe is not None:
+            moe = dataclasses.replace(
+                cfg.moe,
+                intermediate_size=cfg.moe.intermediate_size // n,
+                shared_expert_size=cfg.moe.shared_expert_size // n,
+            )
         local = dataclasses.replace(
             cfg,
             num_heads=cfg.num_heads // n,
             num_kv_heads=local_kv,
             intermediate_size=cfg.intermediate_size // n,
+            moe=moe,
         )
         kv_head = tp.rank * local_kv if kv >= n else tp.rank * kv // n
         vocab_rows = cfg.vocab_size // n
