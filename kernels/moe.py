@@ -13,6 +13,41 @@ import torch
 from kernels.activation import silu_and_mul_reference
 
 
+def aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots for the pairs sorted by expert, each expert's group padded to block_m: the most
+    any routing needs (every group one pair past a multiple), rounded up to block_m."""
+    return -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+
+
+def align_reference(
+    ids: torch.Tensor,  # [T, k]: each (token, choice) pair's expert
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # sorted pairs [P] int32, block experts [P / block_m]
+    """The pairs (token t's j-th choice is pair t * k + j) sorted by expert, in pair order
+    within an expert, each expert's group padded to block_m with the pair count (no pair),
+    and each block's expert (-1 past the last group); P = aligned_size. What the grouped
+    GEMMs read (kernels/triton_moe.py)."""
+    flat = ids.flatten()
+    num_pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    group_end = torch.cumsum(padded, 0)  # [E]
+    group_start = group_end - padded
+    order = torch.argsort(flat, stable=True)  # pairs by expert
+    expert = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=ids.device) - first_of_expert[expert]
+    size = aligned_size(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.full((size,), num_pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[group_start[expert] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, size, block_m, device=ids.device)
+    block_experts = torch.searchsorted(group_end, block_start, right=True)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
+    return sorted_pairs, block_experts.to(torch.int32)
+
+
 def moe_route_reference(
     logits: torch.Tensor,  # [T, E]: the router's, in the model's dtype
     top_k: int,
@@ -26,15 +61,31 @@ def moe_route_reference(
     return weights, ids
 
 
+def dequantize_experts(
+    weight: torch.Tensor,  # [E, N, K]: float8_e4m3fn with a scale, else float
+    scale: torch.Tensor | None,  # [E, N, G] float32: per output row and group of K / G columns
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [E, N, K] in dtype
+    """FP8 experts as their float weights, q * scale (the kernels' weight-only math)."""
+    if scale is None:
+        return weight
+    group = weight.shape[2] // scale.shape[2]
+    return (weight.float() * scale.repeat_interleave(group, dim=2)).to(dtype)
+
+
 def moe_experts_reference(
     x: torch.Tensor,  # [T, H]
     gate_up: torch.Tensor,  # [E, 2 I, H]: each expert's gate rows, then its up rows
     down: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] float32
     ids: torch.Tensor,  # [T, k] int
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2 I, G] float32: FP8 experts
+    down_scale: torch.Tensor | None = None,  # [E, H, G'] float32
 ) -> torch.Tensor:  # [T, H], x's dtype
     """sum over a token's k experts e of weight * down_e(silu(gate_e x) * up_e x), summed in
-    float32 in ascending expert order."""
+    float32 in ascending expert order; FP8 experts dequantized first."""
+    gate_up = dequantize_experts(gate_up, gate_up_scale, x.dtype)
+    down = dequantize_experts(down, down_scale, x.dtype)
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     for expert in range(gate_up.shape[0]):
         share = (weights * (ids == expert)).sum(dim=-1)  # [T]: 0 where not chosen

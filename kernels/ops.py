@@ -185,10 +185,12 @@ def moe_experts(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,  # FP8 experts' (kernels/moe.py)
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     module = _triton("moe", x)
     run = module.moe_experts if module is not None else moe_experts_reference
-    return run(x, gate_up, down, weights, ids)
+    return run(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe import align_reference, aligned_size
+
 MAX_EXPERTS = 1024  # a row of logits held in one program's registers
 ALIGN_KERNEL_MAX_PAIRS = 2048  # align's one-program kernel: a walk of 64 chunks (E = 128)
 ALIGN_CHUNK_VALUES = 4096  # chunk x experts comparisons a step holds (and chunk x chunk <= it)
@@ -78,12 +80,6 @@ def moe_route(
     return weights, ids
 
 
-def aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Slots for the pairs sorted by expert, each expert's group padded to block_m: the most
-    any routing needs (every group one pair past a multiple), rounded up to block_m."""
-    return triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-
-
 @triton.jit
 def _align_kernel(
     ids_ptr,  # [pairs]: each pair's expert
@@ -132,10 +128,14 @@ def align(
     """The pairs (token t's j-th choice is pair t * k + j) by expert, in pair order within
     an expert, each expert's group padded to block_m with the pair count (no pair), and each
     block's expert (-1 past the last group); P = aligned_size. Up to ALIGN_KERNEL_MAX_PAIRS
-    pairs (a decode step's) one launch, past them the torch version's dozen."""
+    pairs (a decode step's) one launch; past them four, each over many programs, which
+    place an expert's pairs in any order (each pair's row is computed alike wherever it
+    sits in its block, so the result is the same)."""
     num_pairs = ids.numel()
-    if num_pairs > ALIGN_KERNEL_MAX_PAIRS or num_experts > MAX_EXPERTS:
-        return _align_in_torch(ids, num_experts, block_m)
+    if num_experts > MAX_EXPERTS:
+        return align_reference(ids, num_experts, block_m)
+    if num_pairs > ALIGN_KERNEL_MAX_PAIRS:
+        return _align_in_parallel(ids, num_experts, block_m)
     size = aligned_size(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
@@ -147,25 +147,81 @@ def align(
     return sorted_pairs, block_experts
 
 
-def _align_in_torch(
+_PARALLEL_CHUNK = 1024  # pairs (and slots, and blocks) a program of the parallel align takes
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, sorted_ptr, num_pairs, size, CHUNK: tl.constexpr):
+    """A chunk of pairs counted into their experts' (atomics: counts commute), and a chunk of
+    the sorted slots set empty (the pair count)."""
+    lanes = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    pairs_ok = lanes < num_pairs
+    e = tl.load(ids_ptr + lanes, mask=pairs_ok, other=0)
+    tl.atomic_add(counts_ptr + e, 1, mask=pairs_ok)
+    tl.store(sorted_ptr + lanes, num_pairs, mask=lanes < size)
+
+
+@triton.jit
+def _groups_kernel(counts_ptr, next_ptr, ends_ptr, num_experts, BLOCK_M: tl.constexpr,
+                   BLOCK_E: tl.constexpr):  # fmt: skip
+    """Each expert's padded group: where its next pair goes (its start) and its end."""
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(next_ptr + experts, ends - padded, mask=experts < num_experts)
+    tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr,
+    next_ptr,
+    ends_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    num_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    """A chunk of pairs, each into the next free slot of its expert's group; and a chunk of
+    blocks, each told its expert (-1 past the last group)."""
+    lanes = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    pairs_ok = lanes < num_pairs
+    e = tl.load(ids_ptr + lanes, mask=pairs_ok, other=0)
+    slots = tl.atomic_add(next_ptr + e, 1, mask=pairs_ok)
+    tl.store(sorted_ptr + slots, lanes, mask=pairs_ok)
+    experts = tl.arange(0, BLOCK_E)
+    ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=1 << 30)
+    for start in range(0, CHUNK, 64):
+        blocks = tl.program_id(0) * CHUNK + start + tl.arange(0, 64)
+        owner = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        owner = tl.where(owner < num_experts, owner, -1)
+        tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
+
+
+def _align_in_parallel(
     ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:  # sorted pairs [P] int32, block experts [P / BLOCK_M]
-    """`align` for many pairs: a dozen launches, each parallel."""
-    flat = ids.flatten()
-    num_pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    group_end = torch.cumsum(padded, 0)  # [E]
-    group_start = group_end - padded
-    order = torch.argsort(flat, stable=True)  # pairs by expert
-    expert = flat[order]
-    first_of_expert = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(num_pairs, device=ids.device) - first_of_expert[expert]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align` for many pairs: four launches (counts zeroed, counted, groups, placed)."""
+    num_pairs = ids.numel()
     size = aligned_size(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.full((size,), num_pairs, dtype=torch.int32, device=ids.device)
-    sorted_pairs[group_start[expert] + rank] = order.to(torch.int32)
-    block_start = torch.arange(0, size, block_m, device=ids.device)
-    block_experts = torch.searchsorted(group_end, block_start, right=True)
-    block_experts = torch.where(block_experts < num_experts, block_experts, -1)
-    return sorted_pairs, block_experts.to(torch.int32)
+    num_blocks = size // block_m
+    sorted_pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
+    groups = torch.zeros(3, num_experts, dtype=torch.int32, device=ids.device)
+    counts, next_slot, ends = groups
+    ids = ids.contiguous()
+    chunk = _PARALLEL_CHUNK
+    _count_kernel[(triton.cdiv(size, chunk),)](ids, counts, sorted_pairs, num_pairs, size, chunk)
+    block_e = triton.next_power_of_2(num_experts)
+    _groups_kernel[(1,)](counts, next_slot, ends, num_experts, block_m, block_e)
+    grid = (triton.cdiv(max(num_pairs, num_blocks), chunk),)
+    _place_kernel[grid](
+        ids, next_slot, ends, sorted_pairs, block_experts, num_pairs, num_experts, num_blocks,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
+    )  # fmt: skip
+    return sorted_pairs, block_experts

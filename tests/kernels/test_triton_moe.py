@@ -9,9 +9,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.moe import moe_experts_reference, moe_route_reference
-from kernels.triton_moe import block_rows, moe_experts, uses_gemv
-from kernels.triton_moe_route import _align_in_torch, align, moe_route
+from kernels.moe import (
+    align_reference,
+    dequantize_experts,
+    moe_experts_reference,
+    moe_route_reference,
+)
+from kernels.triton_moe import moe_experts, moe_experts_grouped, uses_gemv
+from kernels.triton_moe_route import _align_in_parallel, align, moe_route
+from kernels.triton_moe_tiles import GROUPED_TILES, grouped_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,9 +49,25 @@ def test_align_puts_each_pair_once_in_its_experts_block(tokens: int, experts: in
         seen += real
     assert sorted(seen) == list(range(num_pairs))
     assert owners[owners >= 0].diff().ge(0).all()  # groups in expert order
-    # The one-launch kernel and the torch version (past its size) lay the pairs out alike.
-    in_torch = _align_in_torch(ids, experts, block_m)
+    # The one-launch kernel lays the pairs out as the reference does.
+    in_torch = align_reference(ids, experts, block_m)
     assert torch.equal(sorted_pairs, in_torch[0]) and torch.equal(block_experts, in_torch[1])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m"), [(40, 8, 2, 16), (300, 24, 4, 32)]
+)
+def test_parallel_align_fills_the_same_blocks_in_any_order(
+    tokens: int, experts: int, top_k: int, block_m: int
+) -> None:
+    """Past ALIGN_KERNEL_MAX_PAIRS the pairs are placed by many programs at once: each block
+    holds the reference's pairs, in some order, and is told the same expert."""
+    _, ids = routed(tokens, experts, top_k, seed=experts)
+    sorted_pairs, block_experts = _align_in_parallel(ids, experts, block_m)
+    expected_pairs, expected_experts = align_reference(ids, experts, block_m)
+    assert torch.equal(block_experts, expected_experts)
+    blocks = sorted_pairs.view(-1, block_m).sort(dim=1).values
+    assert torch.equal(blocks, expected_pairs.view(-1, block_m).sort(dim=1).values)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +108,7 @@ def test_routing_refuses_more_choices_than_experts() -> None:
     [
         (1, 32, 48, 4, 2),
         (7, 64, 80, 6, 3),
-        (520, 32, 16, 5, 2),  # 64-pair blocks
+        (520, 32, 16, 5, 2),  # blocks of 32 pairs
         (1, 96, 40, 16, 4),  # few pairs against the experts: the GEMV kernels
         (2, 300, 24, 64, 8),  # GEMV, K past one step of the loop and not a multiple of it
     ],
@@ -99,8 +121,54 @@ def test_expert_gemms_match_the_reference(
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / 8).to(DEVICE)
     down = (torch.randn(experts, hidden, inter, generator=generator) / 8).to(DEVICE)
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
-    assert block_rows(tokens * top_k) == (64 if tokens * top_k > 1024 else 16)
     assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
     out = moe_experts(x, gate_up, down, weights, ids)
     expected = moe_experts_reference(x, gate_up, down, weights, ids)
     torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("most_pairs", [most for most, _ in GROUPED_TILES])
+def test_grouped_gemms_match_the_reference_at_every_tile_set(most_pairs: int) -> None:
+    tiles = grouped_tiles(most_pairs)
+    generator = torch.Generator().manual_seed(tiles.block_m)
+    tokens, hidden, inter, experts, top_k = 40, 96, 80, 6, 2
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / 8).to(DEVICE)
+    down = (torch.randn(experts, hidden, inter, generator=generator) / 8).to(DEVICE)
+    weights, ids = routed(tokens, experts, top_k, seed=tiles.block_m)
+    out = moe_experts_grouped(x, gate_up, down, weights, ids, tiles)
+    expected = moe_experts_reference(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "groups"),
+    [
+        (1, 16, 1),  # GEMV, a scale per row
+        (2, 64, 4),  # GEMV, a scale per row and group of columns
+        (7, 6, 1),  # grouped GEMMs
+        (9, 6, 2),
+    ],
+)
+def test_fp8_experts_match_the_dequantized_reference(tokens: int, experts: int, groups: int):
+    """FP8 experts (e4m3 with float32 scales per row and group) against the reference run on
+    their dequantized weights."""
+    hidden, inter, top_k = 128, 64, 2
+    generator = torch.Generator().manual_seed(tokens + groups)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+
+    def fp8(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = (torch.randn(experts, rows, cols, generator=generator) * 64).to(torch.float8_e4m3fn)
+        scale = torch.rand(experts, rows, groups, generator=generator) / 256 + 1e-3
+        return q.to(DEVICE), scale.to(DEVICE)
+
+    gate_up, gate_up_scale = fp8(2 * inter, hidden)
+    down, down_scale = fp8(hidden, inter)
+    weights, ids = routed(tokens, experts, top_k, seed=tokens)
+    out = moe_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+    expected = moe_experts_reference(
+        x, dequantize_experts(gate_up, gate_up_scale, x.dtype), down_scale=None,
+        down=dequantize_experts(down, down_scale, x.dtype), weights=weights, ids=ids,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    assert uses_gemv(tokens * top_k, experts) == (experts >= 16)

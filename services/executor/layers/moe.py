@@ -3,17 +3,22 @@ every expert's gate/up and down projections, stacked by expert as the kernels re
 Qwen2-MoE's shared expert with its gate.
 
 A checkpoint stores each expert's projections apart (`experts.3.gate_proj.weight`, Mixtral's
-`experts.3.w1.weight`); each is one piece of a stacked parameter (`expert_piece`).
+`experts.3.w1.weight`); each is one piece of a stacked parameter (`expert_piece`). FP8 experts
+(`ExpertsFp8`) are e4m3 with a float32 scale per output row and group of input columns, read
+from an FP8 checkpoint (its per-block scales one per row, services/executor/quantization/
+checkpoints.py) or quantized per row at load; the router and the shared expert stay float.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 from torch import nn
 
 from kernels import ops
+from kernels.fp8 import FP8, quantize_fp8_rowwise_reference
 from services.executor.layers.linear import Linear
 from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
@@ -25,6 +30,16 @@ from services.executor.parallel.shards import (
     read,
     shard_tensor,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsFp8:
+    """How a model's experts are FP8: as the checkpoint stores them (a scale per output row,
+    or per row and `group` input columns), or quantized per row at load."""
+
+    from_checkpoint: bool
+    group: int | None = None  # input columns a scale spans; None: the whole row
+
 
 # A checkpoint's expert projection -> (our stacked parameter, its piece within the expert's rows)
 EXPERT_PROJECTIONS = {
@@ -38,51 +53,105 @@ EXPERT_PROJECTIONS = {
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, layout: ShardLayout) -> None:
+    def __init__(self, layout: ShardLayout, fp8: ExpertsFp8 | None = None) -> None:
         """`layout`: what this rank holds: every expert, each by its part of the columns (as a
         dense MLP is split), and the router whole. Each rank routes alike (x is whole on all)
         and returns its part of the sum, which the next norm adds up over the ranks, as a
-        dense MLP's."""
+        dense MLP's. `fp8`: the experts' FP8 format (None: float)."""
         super().__init__()
         moe = layout.local_config.moe
         assert moe is not None, "a SparseMoE's model has experts"
         hidden_size = layout.local_config.hidden_size
         experts, columns = moe.num_experts, moe.intermediate_size
-        self.moe = moe
+        self.moe, self.fp8 = moe, fp8
         self.gate = Linear(hidden_size, experts)  # the router, in the model's dtype
-        self.experts_gate_up = nn.Parameter(
-            torch.empty(experts, 2 * columns, hidden_size), requires_grad=False
-        )
-        self.experts_down = nn.Parameter(
-            torch.empty(experts, hidden_size, columns), requires_grad=False
-        )
+        stored = FP8 if fp8 is not None and fp8.from_checkpoint else None
+        self.experts_gate_up = _stacked(experts, 2 * columns, hidden_size, stored)
+        self.experts_down = _stacked(experts, hidden_size, columns, stored)
         rank = functools.partial(_load_expert_piece, part=layout.tp.rank, parts=layout.tp.size)
         set_weight_loader(self.experts_gate_up, rank, 2 * experts)
         set_weight_loader(self.experts_down, rank, experts)
+        self.experts_gate_up_scale: nn.Parameter | None = None
+        self.experts_down_scale: nn.Parameter | None = None
+        if stored is not None and fp8 is not None:
+            groups = (_groups(hidden_size, fp8.group), _groups(columns, fp8.group))
+            self.experts_gate_up_scale = _stacked(experts, 2 * columns, groups[0], torch.float32)
+            self.experts_down_scale = _stacked(experts, hidden_size, groups[1], torch.float32)
+            set_weight_loader(self.experts_gate_up_scale, rank, 2 * experts)
+            set_weight_loader(self.experts_down_scale, rank, experts)
         self.shared_expert: GatedMLP | None = None
         if moe.shared_expert_size:
             self.shared_expert = GatedMLP(layout, columns=moe.shared_expert_size)
             self.shared_expert_gate = Linear(hidden_size, 1)  # whole: it scales each part
 
+    def prepare(self) -> None:
+        """After loading: experts to be quantized at load become FP8, expert by expert (one
+        expert's float32 copy at a time)."""
+        if self.fp8 is None or self.fp8.from_checkpoint:
+            return
+        for name in ("experts_gate_up", "experts_down"):
+            weight = getattr(self, name).data
+            q = torch.empty_like(weight, dtype=FP8)
+            scale = torch.empty(*weight.shape[:2], 1, dtype=torch.float32, device=weight.device)
+            for expert in range(weight.shape[0]):
+                q[expert], scale[expert] = quantize_fp8_rowwise_reference(weight[expert])
+            delattr(self, name)  # the float copy goes back to the allocator
+            delattr(self, f"{name}_scale")  # None until now
+            self.register_buffer(name, q)
+            self.register_buffer(f"{name}_scale", scale)
+
+    def init_dummy(self, generator: torch.Generator) -> None:
+        """Random experts as a checkpoint's: FP8 values across e4m3's range, scaled to ~0.02."""
+        for weight, scale in ((self.experts_gate_up, self.experts_gate_up_scale),
+                              (self.experts_down, self.experts_down_scale)):  # fmt: skip
+            values = torch.randn(weight.shape, generator=generator, device=weight.device)
+            if scale is None:
+                weight.data.copy_(values.mul_(0.02))
+                continue
+            weight.data.copy_(values.mul_(100.0).clamp_(-448.0, 448.0).to(FP8))
+            scale.data.fill_(0.02 / 100.0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = ops.moe_route(self.gate(x), self.moe.top_k, self.moe.renormalize)
-        out = ops.moe_experts(x, self.experts_gate_up, self.experts_down, weights, ids)
+        out = ops.moe_experts(
+            x, self.experts_gate_up, self.experts_down, weights, ids,
+            self.experts_gate_up_scale, self.experts_down_scale,
+        )  # fmt: skip
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out  # this rank's part
 
 
+def _stacked(experts: int, rows: int, cols: int, dtype: torch.dtype | None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(experts, rows, cols, dtype=dtype), requires_grad=False)
+
+
+def _groups(columns: int, group: int | None) -> int:
+    """Scales a row of `columns` input columns has, a group of `group` each (None: one)."""
+    if group is None:
+        return 1
+    if columns % group:
+        raise ValueError(f"FP8 experts: {columns} input columns are not whole groups of {group}")
+    return columns // group
+
+
+# A checkpoint expert tensor's last name -> whether it is a weight's scales
+_EXPERT_PARTS = {"weight": False, "qweight": False, "weight_scale": True}
+
+
 def expert_piece(name: str) -> tuple[str, int] | None:
-    """A checkpoint name (no "model." prefix) of an expert's projection -> (our parameter,
-    the piece it fills: expert * pieces + its piece), or None if it is not one."""
+    """A checkpoint name (no "model." prefix) of an expert's projection (its weight, or an FP8
+    checkpoint's weight and scales as translated) -> (our parameter, the piece it fills:
+    expert * pieces + its piece), or None if it is not one."""
     parts = name.split(".")
-    if len(parts) != 7 or parts[3] != "experts" or parts[6] != "weight":
+    if len(parts) != 7 or parts[3] != "experts" or parts[6] not in _EXPERT_PARTS:
         return None  # layers.N.{mlp,block_sparse_moe}.experts.E.PROJ.weight
     if parts[5] not in EXPERT_PROJECTIONS or not parts[4].isdigit():
         return None
     param, piece = EXPERT_PROJECTIONS[parts[5]]
     pieces = 2 if param == "experts_gate_up" else 1
-    return f"layers.{parts[1]}.mlp.{param}", int(parts[4]) * pieces + piece
+    suffix = "_scale" if _EXPERT_PARTS[parts[6]] else ""
+    return f"layers.{parts[1]}.mlp.{param}{suffix}", int(parts[4]) * pieces + piece
 
 
 def _load_expert_piece(
@@ -95,10 +164,14 @@ def _load_expert_piece(
 ) -> None:
     """Piece `shard` of a stacked expert parameter: its expert's rows, the gate's or the up's
     half of them in experts_gate_up; of the checkpoint's tensor, part `part` of `parts` of
-    the expert's columns (gate and up: their rows; down: its input columns)."""
+    the expert's columns (gate and up: their rows; down: its input columns). An FP8 scale
+    tensor, [rows] or [rows, groups], splits the same way, by its groups of columns."""
     pieces = int(getattr(param, "num_shards", 1)) // param.shape[0]  # a stacked expert's
     expert, piece = divmod(shard or 0, pieces)
     rows = param.shape[1] // pieces
     split: Split = "rows" if pieces == 2 else "cols"
-    cut = shard_tensor(unpacked(tensor, name), TensorDims(0, 1), split, part, parts)
-    copy_weight(param.data[expert].narrow(0, piece * rows, rows), read(cut), name)
+    tensor = unpacked(tensor, name)
+    dims = TensorDims(0, 1 if len(tensor.shape) == 2 else None, what="scale groups")
+    cut = read(shard_tensor(tensor, dims, split, part, parts))
+    target = param.data[expert].narrow(0, piece * rows, rows)
+    copy_weight(target, cut.reshape(rows, -1) if cut.dim() == 1 else cut, name)

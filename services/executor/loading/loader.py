@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import torch
 
 from services.executor.layers.linear import Linear
+from services.executor.layers.moe import SparseMoE
 from services.executor.loading.gguf import iter_gguf
 from services.executor.loading.safetensors import (
     iter_safetensor_slices,
@@ -55,11 +56,14 @@ def init_dummy(model: torch.nn.Module, seed: int) -> None:
     """
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    linear_params: set[int] = set()
+    linear_params: set[int] = set()  # and experts': filled by their own
     for module in model.modules():
         if isinstance(module, Linear):
             module.method.init_dummy(module, generator)
             linear_params.update(id(p) for p in module.parameters())
+        elif isinstance(module, SparseMoE):
+            module.init_dummy(generator)
+            linear_params.update(id(p) for p in module.parameters(recurse=False))
     for name, param in model.named_parameters():
         if "norm" in name or name.endswith(("k_scale", "v_scale")):  # KV scales: none
             param.data.fill_(1.0)

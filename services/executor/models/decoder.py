@@ -21,11 +21,12 @@ from services.executor.layers.embedding import VocabParallelEmbedding
 from services.executor.layers.linear import Activation, Linear, LinearMethod
 from services.executor.layers.lora import LoraTokens
 from services.executor.layers.mlp import GatedMLP
-from services.executor.layers.moe import SparseMoE, expert_piece
+from services.executor.layers.moe import ExpertsFp8, SparseMoE, expert_piece
 from services.executor.layers.norm import RMSNorm
 from services.executor.layers.rotary import RotaryEmbedding
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
+from services.executor.quantization.methods import experts_fp8
 from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
@@ -176,14 +177,16 @@ class DecoderLayer(nn.Module):
         method: LinearMethod | None,
         kv_scales: bool = False,
         sparse: bool = False,
+        fp8: ExpertsFp8 | None = None,
     ) -> None:
-        """`sparse`: the layer's MLP is the model's mixture of experts (else a gated MLP)."""
+        """`sparse`: the layer's MLP is the model's mixture of experts (else a gated MLP),
+        whose experts are FP8 as `fp8` says (None: float)."""
         super().__init__()
         cfg = layout.local_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(layout, rotary, method, kv_scales)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(layout) if sparse else GatedMLP(layout, method)
+        self.mlp = SparseMoE(layout, fp8) if sparse else GatedMLP(layout, method)
         self.tp = layout.tp
 
     def forward(
@@ -230,14 +233,14 @@ class DecoderForCausalLM(nn.Module):
         KV cache's k_scale and v_scale in every attention layer. `tp`: this rank's place in
         a tensor-parallel group; ValueError if the model does not split its ways."""
         super().__init__()
-        _refuse_moe_with(cfg, method)
         self.config = cfg
         self.layout = layout = ShardLayout.of(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size)
         sparse = cfg.moe.sparse_layers if cfg.moe is not None else ()
+        fp8 = experts_fp8(method) if sparse else None  # refuses what experts cannot run
         layers = (
-            DecoderLayer(layout, rotary, method, kv_scales, i in sparse)
+            DecoderLayer(layout, rotary, method, kv_scales, i in sparse, fp8)
             for i in range(cfg.num_layers)
         )
         self.layers = nn.ModuleList(layers)
@@ -306,12 +309,6 @@ class DecoderForCausalLM(nn.Module):
         if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
         return checkpoint_name(name)
-
-
-def _refuse_moe_with(cfg: ModelConfig, method: LinearMethod | None) -> None:
-    """What a mixture of experts does not run with yet (issue 47): say so at start."""
-    if cfg.moe is not None and method is not None and method.name != "unquantized":
-        raise ValueError(f"{cfg.family}: quantized mixture-of-experts models are not supported yet")
 
 
 def checkpoint_name(name: str) -> tuple[str, int | None]:

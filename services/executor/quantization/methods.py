@@ -8,6 +8,7 @@ import logging
 from torch import nn
 
 from services.executor.layers.linear import Linear, LinearMethod, Unquantized
+from services.executor.layers.moe import ExpertsFp8, SparseMoE
 from services.executor.quantization.fp8 import Fp8Block, Fp8Checkpoint, Fp8Dynamic, Fp8Static
 from services.executor.quantization.gguf import GgufBlocks
 from services.executor.quantization.int4 import Int4WeightOnly
@@ -33,11 +34,31 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
     return Int4WeightOnly(spec)
 
 
+def experts_fp8(method: LinearMethod | None) -> ExpertsFp8 | None:
+    """How a mixture of experts' experts are stored under the model's linear method: float,
+    or FP8 as the checkpoint holds them or quantized at load (weight-only, kernels/moe.py);
+    what they cannot run is refused by name."""
+    if method is None or type(method) is Unquantized:
+        return None
+    if isinstance(method, Fp8Block):
+        return ExpertsFp8(from_checkpoint=True, group=method.group)
+    if isinstance(method, Fp8Static):
+        raise ValueError("FP8 experts with static activation scales are not supported yet")
+    if isinstance(method, Fp8Checkpoint):
+        return ExpertsFp8(from_checkpoint=True)
+    if isinstance(method, Fp8Dynamic):
+        return ExpertsFp8(from_checkpoint=False)
+    raise ValueError(f"{method.name} experts are not supported yet (FP8 and float are)")
+
+
 def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:
     """After loading: let each layer's method prepare its weights (e.g. quantize them)."""
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     for _, layer in layers:
         layer.method.prepare(layer)
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.prepare()
     if spec is not None:
         quantized = sum(1 for name, _ in layers if name != "lm_head")
         logger.info("quantization: %s on %d linear layers (lm_head kept)", spec.label, quantized)

@@ -1,0 +1,58 @@
+"""The MoE kernels' tiles (kernels/triton_moe.py), chosen by sweeps on an H200 at
+Qwen3-30B-A3B's layer shape (128 experts, top 8, hidden 2048, experts' width 768):
+sweeps/moe_gemv_sweep.py for the GEMV kernels, sweeps/moe_grouped_sweep.py for the grouped
+GEMMs by the number of (token, expert) pairs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvTiles:
+    """The GEMV kernels' tiles: output columns and K a program step (powers of two), warps."""
+
+    gate_up_n: int = 16
+    gate_up_k: int = 256
+    down_n: int = 4
+    down_k: int = 512
+    num_warps: int = 4
+
+
+DEFAULT_GEMV_TILES = GemvTiles()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+    """One grouped GEMM's tiles: output columns and K a program step, warps, pipeline stages."""
+
+    n: int = 64
+    k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedTiles:
+    """Both grouped GEMMs' tiles; block_m pairs a program (each expert's group is padded to
+    it, so both kernels share it)."""
+
+    block_m: int
+    gate_up: GemmTiles = GemmTiles()
+    down: GemmTiles = GemmTiles()
+
+
+# (at most this many pairs, their tiles), in increasing order; the last takes any count. Swept
+# at 16, 64, 256, 1,024, 4,096 and 16,384 tokens (x 8 pairs); 4-24 % faster than 64 x 64 tiles
+# of block 16 (up to 1,024 pairs) or 64 (past them).
+GROUPED_TILES: tuple[tuple[int, GroupedTiles], ...] = (
+    (256, GroupedTiles(16, GemmTiles(64, 128, 4, 4), GemmTiles(64, 128, 4, 2))),
+    (1024, GroupedTiles(16, GemmTiles(128, 128, 4, 3), GemmTiles(128, 128, 4, 2))),
+    (4096, GroupedTiles(32, GemmTiles(64, 128, 4, 2), GemmTiles(64, 128, 4, 3))),
+    (16384, GroupedTiles(64, GemmTiles(64, 64, 4, 3), GemmTiles(128, 64, 4, 3))),
+    (1 << 62, GroupedTiles(128, GemmTiles(128, 64, 8, 3), GemmTiles(128, 64, 8, 3))),
+)
+
+
+def grouped_tiles(num_pairs: int) -> GroupedTiles:
+    return next(tiles for most, tiles in GROUPED_TILES if num_pairs <= most)

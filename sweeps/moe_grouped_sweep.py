@@ -1,0 +1,117 @@
+"""The MoE grouped GEMMs' tiles (kernels/triton_moe_tiles.py, `GROUPED_TILES`) by token count,
+at Qwen3-30B-A3B's layer shape (GPU):
+
+    python3 -m sweeps.moe_grouped_sweep --out moe_grouped_sweep.json
+
+For each token count and each block_m that suits it, a coordinate descent: the gate/up GEMM's
+tiles with the down GEMM's as they stand, then the down GEMM's with the best gate/up. Each
+figure is a layer's routing and experts, microseconds, from one CUDA graph over 4 layers of
+weights (as `kvflow bench moe`, with fewer repeats). A time budget stops the sweep early; what
+was measured is written either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from triton.testing import do_bench
+
+from kernels import ops
+from kernels.triton_moe import moe_experts_grouped
+from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
+
+NUM_E, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 4
+# block_m worth trying by tokens (top 8 of 128 experts: an expert holds 1/16 of the tokens)
+BLOCK_M = {16: (16,), 64: (16, 32), 256: (16, 32, 64), 1024: (32, 64), 4096: (64, 128),
+           16384: (64, 128)}  # fmt: skip
+CANDIDATES = [
+    GemmTiles(n, k, warps, stages)
+    for n, k, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
+    if not (n == 128 and k == 256 and stages == 4)  # past an H200's shared memory at block 128
+]
+Weights = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class Layers:
+    """A token count's inputs over LAYERS layers of weights, and a tile set's time a layer."""
+
+    def __init__(self, tokens: int, weights: Weights, randn: Any) -> None:
+        self.tokens, self.weights = tokens, weights
+        self.x = randn(tokens, HIDDEN)
+        self.logits = [randn(tokens, NUM_E) for _ in weights]
+        self.rows: list[dict[str, Any]] = []
+
+    def us(self, tiles: GroupedTiles) -> float:
+        def run() -> None:
+            for logits, (w13, w2) in zip(self.logits, self.weights, strict=True):
+                routing, ids = ops.moe_route(logits, TOP_K, renormalize=True)
+                moe_experts_grouped(self.x, w13, w2, routing, ids, tiles)
+
+        try:
+            run()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            ms = float(do_bench(graph.replay, warmup=10, rep=40, return_mode="median"))
+        except Exception as exc:  # e.g. out of shared memory: reported, not fatal
+            print(self.tokens, tiles, repr(exc)[:120], flush=True)
+            return float("inf")
+        us = 1000 * ms / len(self.weights)
+        self.rows.append({"tokens": self.tokens, "tiles": dataclasses.asdict(tiles), "us": us})
+        return us
+
+
+def descend(layers: Layers, deadline: float) -> dict[str, Any]:
+    default = grouped_tiles(layers.tokens * TOP_K)
+    best = default
+    best_us = default_us = layers.us(default)
+    for block_m in BLOCK_M.get(layers.tokens, (default.block_m,)):
+        for field in ("gate_up", "down"):
+            base = dataclasses.replace(best, block_m=block_m)
+            for candidate in CANDIDATES:
+                if time.monotonic() > deadline:
+                    break
+                tiles = dataclasses.replace(base, **{field: candidate})
+                us = layers.us(tiles)
+                if us < best_us:
+                    best, best_us = tiles, us
+    return {"tiles": dataclasses.asdict(best), "us": round(best_us, 1),
+            "default_us": round(default_us, 1)}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 16384, 1024, 64, 4096, 16])
+    parser.add_argument("--budget-s", type=float, default=420.0)
+    parser.add_argument("--out", type=Path, default=Path("moe_grouped_sweep.json"))
+    args = parser.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    weights = [
+        (randn(NUM_E, 2 * INTER, HIDDEN, scale=HIDDEN**-0.5),
+         randn(NUM_E, HIDDEN, INTER, scale=INTER**-0.5))
+        for _ in range(LAYERS)
+    ]  # fmt: skip
+    start, best, rows = time.monotonic(), {}, []
+    for tokens in args.tokens:
+        layers = Layers(tokens, weights, randn)
+        best[tokens] = descend(layers, start + args.budget_s)
+        rows += layers.rows
+        print(tokens, best[tokens], f"{time.monotonic() - start:.0f} s", flush=True)
+        result = {"device": torch.cuda.get_device_name(), "best": best, "rows": rows}
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
