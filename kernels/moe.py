@@ -11,6 +11,11 @@ from __future__ import annotations
 import torch
 
 from kernels.activation import silu_and_mul_reference
+from kernels.fp8 import (
+    dequantize_fp8_groupwise,
+    quantize_fp8_groupwise_reference,
+    quantize_fp8_rowwise_reference,
+)
 
 
 def aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -62,15 +67,27 @@ def moe_route_reference(
 
 
 def dequantize_experts(
-    weight: torch.Tensor,  # [E, N, K]: float8_e4m3fn with a scale, else float
-    scale: torch.Tensor | None,  # [E, N, G] float32: per output row and group of K / G columns
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [E, N, K] in dtype
-    """FP8 experts as their float weights, q * scale (the kernels' weight-only math)."""
-    if scale is None:
-        return weight
+    weight: torch.Tensor,  # [E, N, K]: float8_e4m3fn
+    scale: torch.Tensor,  # [E, N, G] float32: per output row and group of K / G columns
+) -> torch.Tensor:  # [E, N, K] float32
+    """FP8 experts as their float weights, q * scale."""
     group = weight.shape[2] // scale.shape[2]
-    return (weight.float() * scale.repeat_interleave(group, dim=2)).to(dtype)
+    return weight.float() * scale.repeat_interleave(group, dim=2)
+
+
+def fp8_inputs_reference(
+    x: torch.Tensor,  # [R, C]
+    groups: int,  # scales a row: 1 (per row), or one per C / groups columns
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] float8_e4m3fn, [R, groups] float32)
+    """An FP8 expert's input quantized as its weight is scaled: per row, or per row and
+    group of the same columns."""
+    if groups == 1:
+        return quantize_fp8_rowwise_reference(x)
+    return quantize_fp8_groupwise_reference(x, x.shape[1] // groups)
+
+
+def _fp8_rounded(x: torch.Tensor, groups: int) -> torch.Tensor:  # [R, C] float32
+    return dequantize_fp8_groupwise(*fp8_inputs_reference(x, groups))
 
 
 def moe_experts_reference(
@@ -83,12 +100,26 @@ def moe_experts_reference(
     down_scale: torch.Tensor | None = None,  # [E, H, G'] float32
 ) -> torch.Tensor:  # [T, H], x's dtype
     """sum over a token's k experts e of weight * down_e(silu(gate_e x) * up_e x), summed in
-    float32 in ascending expert order; FP8 experts dequantized first."""
-    gate_up = dequantize_experts(gate_up, gate_up_scale, x.dtype)
-    down = dequantize_experts(down, down_scale, x.dtype)
+    float32 in ascending expert order. FP8 experts are W8A8: each projection's input is
+    rounded to e4m3 per row (or per row and group, as its weight's scales go), and both
+    operands are dequantized, in float32; silu(..) * up is rounded to x's dtype first, as
+    the kernels store it."""
+    fp8 = gate_up_scale is not None and down_scale is not None
+    if fp8:
+        assert gate_up_scale is not None and down_scale is not None
+        x_in = _fp8_rounded(x, gate_up_scale.shape[2])
+        gate_up, down = (
+            dequantize_experts(gate_up, gate_up_scale),
+            dequantize_experts(down, down_scale),
+        )
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     for expert in range(gate_up.shape[0]):
         share = (weights * (ids == expert)).sum(dim=-1)  # [T]: 0 where not chosen
-        hidden = silu_and_mul_reference(x @ gate_up[expert].T)  # [T, I]
-        out += share[:, None] * (hidden @ down[expert].T).float()
+        if fp8:
+            assert down_scale is not None
+            hidden = silu_and_mul_reference(x_in @ gate_up[expert].T).to(x.dtype)  # [T, I]
+            product = _fp8_rounded(hidden, down_scale.shape[2]) @ down[expert].T
+        else:
+            product = silu_and_mul_reference(x @ gate_up[expert].T) @ down[expert].T
+        out += share[:, None] * product.float()
     return out.to(x.dtype)

@@ -11,19 +11,13 @@ chosen experts' weights are read at all. Same math as `kernels.moe.moe_experts_r
 3. `_down_kernel`: those rows times the expert's down projection, scaled by each pair's routing
    weight: [pairs, H] in x's dtype; then each token's k rows are summed in float32 (no
    atomics: the sum's order is fixed).
-Blocks past the last group have expert -1: their programs return at once.
+Blocks past the last group have expert -1: their programs return at once. A decode's few pairs
+take the GEMV kernels of kernels/triton_moe_gemv.py instead (`uses_gemv`).
 
-A decode's few pairs among many experts (`uses_gemv`) take two GEMV kernels instead, with no
-sorting: `_pair_gate_up_kernel` reads each pair's expert (a pair per program row, as in
-kernels/triton_linear.py's fma variant) and `_token_down_kernel` sums a token's k experts'
-down projections in its own program, in choice order, so the sum needs no launch of its own.
-Two pairs on one expert read its weights twice, which is rare while pairs are few against
-experts (8 of 128 at batch 1 for Qwen3-30B-A3B), and costs less than the sorting: 37 against
-51 us a layer at one token on an H200 (`GemvTiles`, from sweeps/moe_gemv_sweep.py).
-
-FP8 experts (`gate_up_scale`, `down_scale` given) are read as e4m3 bytes, widened to x's dtype
-(exactly) and scaled per output row and group of `K / G` input columns in float32 at each K
-step: weight-only, as the reference dequantizes them. A K step stays within one group.
+FP8 experts are W8A8, as vLLM's: each GEMM's input is quantized to e4m3 first (x per token, the
+SiLU-and-mul rows per pair; per group of columns where the weights' scales are per group), and
+tl.dot multiplies e4m3 by e4m3 into float32, scaled by both operands' scales after the loop
+(MODE 1: a scale a row) or at each K step (MODE 2: a group's, the step within one).
 """
 
 from __future__ import annotations
@@ -32,8 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_fp8 import quantize_fp8_groupwise, quantize_fp8_rowwise
+from kernels.triton_moe_gemv import WeightScales, moe_experts_gemv
 from kernels.triton_moe_route import align
-from kernels.triton_moe_tiles import DEFAULT_GEMV_TILES, GemvTiles, GroupedTiles, grouped_tiles
+from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
 from kernels.triton_stages import launch_fitting
 
 
@@ -43,49 +39,46 @@ def uses_gemv(num_pairs: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def _block(
-    sorted_ptr,
-    block_expert_ptr,
-    w_ptr,
-    s_ptr,
-    num_pairs,
-    N,
-    stride_we,
-    stride_se,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """This program's pairs (and which are real), its output columns and its expert's weights
-    and scales."""
+def _block(sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr):  # fmt: skip
+    """This program's pairs (and which are real), its expert, and its output columns."""
     block, tile = tl.program_id(0), tl.program_id(1)
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < N
-    return (
-        pairs,
-        pairs < num_pairs,
-        cols,
-        cols_ok,
-        w_ptr + expert * stride_we,
-        s_ptr + expert * stride_se,
-    )
+    return pairs, pairs < num_pairs, expert, cols, cols < N
 
 
 @triton.jit
-def _scaled(acc, s, rows, rows_ok, start, scale_group, stride_sn, SCALED: tl.constexpr):
-    """acc [.., BLOCK_N] (a K step's products) times its rows' scales for the step's group."""
-    if SCALED:
-        scale = tl.load(s + rows * stride_sn + start // scale_group, mask=rows_ok, other=0.0)
-        return acc * scale[None, :]
+def _step_scaled(product, a_s, s, rows, rows_ok, cols, cols_ok, start, group, stride_as,
+                 stride_sn, MODE: tl.constexpr):  # fmt: skip
+    """A K step's [BLOCK_M, BLOCK_N] product, in MODE 2 times its group's input and weight
+    scales."""
+    if MODE == 2:
+        grp = start // group
+        in_scale = tl.load(a_s + rows * stride_as + grp, mask=rows_ok, other=0.0)
+        w_scale = tl.load(s + cols * stride_sn + grp, mask=cols_ok, other=0.0)
+        product = product * in_scale[:, None] * w_scale[None, :]
+    return product
+
+
+@triton.jit
+def _end_scaled(acc, a_s, s, rows, rows_ok, cols, cols_ok, stride_as, stride_sn,
+                MODE: tl.constexpr):  # fmt: skip
+    """The loop's sum, in MODE 1 times each row's input scale and each column's weight's."""
+    if MODE == 1:
+        in_scale = tl.load(a_s + rows * stride_as, mask=rows_ok, other=0.0)
+        w_scale = tl.load(s + cols * stride_sn, mask=cols_ok, other=0.0)
+        acc = acc * in_scale[:, None] * w_scale[None, :]
     return acc
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,  # [T, K]
+    x_ptr,  # [T, K]: e4m3 with MODE > 0
+    x_scale_ptr,  # [T, G] float32 with MODE > 0
     w_ptr,  # [E, 2N, K]: gate rows, then up rows
-    s_ptr,  # [E, 2N, G] float32 with SCALED
+    s_ptr,  # [E, 2N, G] float32 with MODE > 0
     out_ptr,  # [pairs, N]
     sorted_ptr,  # [P] int32
     block_expert_ptr,  # [P / BLOCK_M] int32
@@ -93,8 +86,9 @@ def _gate_up_kernel(
     top_k,
     K,
     N,
-    scale_group,  # K / G
+    group,  # K / G
     stride_x,
+    stride_xs,
     stride_we,
     stride_wn,
     stride_se,
@@ -103,14 +97,14 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SCALED: tl.constexpr,
+    MODE: tl.constexpr,
 ):
     if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
         return  # a block past the last group: no pairs
-    pairs, rows_ok, cols, cols_ok, w, s = _block(
-        sorted_ptr, block_expert_ptr, w_ptr, s_ptr, num_pairs, N, stride_we, stride_se,
-        BLOCK_M, BLOCK_N,
-    )  # fmt: skip
+    pairs, rows_ok, expert, cols, cols_ok = _block(
+        sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
+    w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     tokens = tl.where(rows_ok, pairs // top_k, 0)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -125,10 +119,15 @@ def _gate_up_kernel(
         w_mask = ks_ok[:, None] & cols_ok[None, :]
         w_gate = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w + (cols + N)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        g = tl.dot(a, w_gate.to(a.dtype))
-        u = tl.dot(a, w_up.to(a.dtype))
-        gate += _scaled(g, s, cols, cols_ok, start, scale_group, stride_sn, SCALED)
-        up += _scaled(u, s, cols + N, cols_ok, start, scale_group, stride_sn, SCALED)
+        scales = (x_scale_ptr, s, tokens, rows_ok)
+        gate += _step_scaled(tl.dot(a, w_gate), *scales, cols, cols_ok, start, group, stride_xs,
+                             stride_sn, MODE)  # fmt: skip
+        up += _step_scaled(tl.dot(a, w_up), *scales, cols + N, cols_ok, start, group, stride_xs,
+                           stride_sn, MODE)  # fmt: skip
+    gate = _end_scaled(gate, x_scale_ptr, s, tokens, rows_ok, cols, cols_ok, stride_xs,
+                       stride_sn, MODE)  # fmt: skip
+    up = _end_scaled(up, x_scale_ptr, s, tokens, rows_ok, cols + N, cols_ok, stride_xs,
+                     stride_sn, MODE)  # fmt: skip
     out = gate / (1.0 + tl.exp(-gate)) * up
     out_ptrs = out_ptr + pairs[:, None] * stride_out + cols[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
@@ -136,9 +135,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr,  # [pairs, K]
+    h_ptr,  # [pairs, K]: e4m3 with MODE > 0
+    h_scale_ptr,  # [pairs, G] float32 with MODE > 0
     w_ptr,  # [E, N, K]
-    s_ptr,  # [E, N, G] float32 with SCALED
+    s_ptr,  # [E, N, G] float32 with MODE > 0
     out_ptr,  # [pairs, N]
     weights_ptr,  # [pairs] float32: each pair's routing weight
     sorted_ptr,
@@ -146,8 +146,9 @@ def _down_kernel(
     num_pairs,
     K,
     N,
-    scale_group,
+    group,
     stride_h,
+    stride_hs,
     stride_we,
     stride_wn,
     stride_se,
@@ -156,14 +157,14 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SCALED: tl.constexpr,
+    MODE: tl.constexpr,
 ):
     if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
         return
-    pairs, rows_ok, cols, cols_ok, w, s = _block(
-        sorted_ptr, block_expert_ptr, w_ptr, s_ptr, num_pairs, N, stride_we, stride_se,
-        BLOCK_M, BLOCK_N,
-    )  # fmt: skip
+    pairs, rows_ok, expert, cols, cols_ok = _block(
+        sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
+    w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     rows = tl.where(rows_ok, pairs, 0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
@@ -179,161 +180,14 @@ def _down_kernel(
             mask=ks_ok[:, None] & cols_ok[None, :],
             other=0.0,
         )
-        product = tl.dot(a, w_tile.to(a.dtype))
-        acc += _scaled(product, s, cols, cols_ok, start, scale_group, stride_sn, SCALED)
+        acc += _step_scaled(tl.dot(a, w_tile), h_scale_ptr, s, rows, rows_ok, cols, cols_ok,
+                            start, group, stride_hs, stride_sn, MODE)  # fmt: skip
+    acc = _end_scaled(acc, h_scale_ptr, s, rows, rows_ok, cols, cols_ok, stride_hs, stride_sn,
+                      MODE)  # fmt: skip
     acc *= tl.load(weights_ptr + rows, mask=rows_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs, out, mask=rows_ok[:, None] & cols_ok[None, :])
-
-
-@triton.jit
-def _row_scales(s, rows, rows_ok, start, scale_group, stride_sn, SCALED: tl.constexpr):
-    """[BLOCK_N, 1]: the GEMV's rows' scales for the K step's group (1 without SCALED)."""
-    if SCALED:
-        scale = tl.load(s + rows * stride_sn + start // scale_group, mask=rows_ok, other=0.0)
-        return scale[:, None]
-    return 1.0
-
-
-@triton.jit
-def _pair_gate_up_kernel(
-    x_ptr,  # [T, K]
-    w_ptr,  # [E, 2N, K]
-    s_ptr,  # [E, 2N, G] float32 with SCALED
-    out_ptr,  # [pairs, N]
-    ids_ptr,  # [pairs]: each pair's expert
-    top_k,
-    K,
-    N,
-    scale_group,
-    stride_x,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_out,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SCALED: tl.constexpr,
-):
-    pair, tile = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    x = x_ptr + (pair // top_k).to(tl.int64) * stride_x
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < N
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        ks_ok = ks < K
-        a = tl.load(x + ks, mask=ks_ok, other=0.0).to(tl.float32)[None, :]
-        mask = cols_ok[:, None] & ks_ok[None, :]
-        w_gate = tl.load(w + cols[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
-        w_up = tl.load(w + (cols + N)[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
-        s_gate = _row_scales(s, cols, cols_ok, start, scale_group, stride_sn, SCALED)
-        s_up = _row_scales(s, cols + N, cols_ok, start, scale_group, stride_sn, SCALED)
-        gate += w_gate.to(tl.float32) * s_gate * a
-        up += w_up.to(tl.float32) * s_up * a
-    g, u = tl.sum(gate, axis=1), tl.sum(up, axis=1)
-    out = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + pair * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
-
-
-@triton.jit
-def _token_down_kernel(
-    h_ptr,  # [pairs, K]
-    w_ptr,  # [E, N, K]
-    s_ptr,  # [E, N, G] float32 with SCALED
-    out_ptr,  # [T, N]
-    weights_ptr,  # [pairs] float32
-    ids_ptr,  # [pairs]
-    top_k,
-    K,
-    N,
-    scale_group,
-    stride_h,
-    stride_we,
-    stride_wn,
-    stride_se,
-    stride_sn,
-    stride_out,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    SCALED: tl.constexpr,
-):
-    """One GEMV over the token's k experts' down rows side by side (K' = k * K), each pair's
-    row scaled by its weight: one loop, so loads stay in flight across experts."""
-    token, tile = tl.program_id(0), tl.program_id(1)
-    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_ok = cols < N
-    chunks = tl.cdiv(K, BLOCK_K)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for step in range(top_k * chunks):
-        pair = token * top_k + step // chunks
-        start = (step % chunks) * BLOCK_K
-        ks = start + tl.arange(0, BLOCK_K)
-        ks_ok = ks < K
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-        a = tl.load(h_ptr + pair.to(tl.int64) * stride_h + ks, mask=ks_ok, other=0.0)
-        a = a.to(tl.float32) * tl.load(weights_ptr + pair)
-        mask = cols_ok[:, None] & ks_ok[None, :]
-        w_tile = tl.load(w + cols[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
-        scale = _row_scales(s, cols, cols_ok, start, scale_group, stride_sn, SCALED)
-        acc += w_tile.to(tl.float32) * scale * a[None, :]
-    out = tl.sum(acc, axis=1)
-    tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
-
-
-class Scales:
-    """An expert tensor's FP8 scales as the kernels take them: the tensor (a float32 dummy
-    without), its strides, the columns a group spans, and the K step that stays within one."""
-
-    def __init__(self, scale: torch.Tensor | None, weight: torch.Tensor, block_k: int) -> None:
-        k = weight.shape[2]
-        self.scaled = scale is not None
-        self.tensor = scale if scale is not None else weight.new_empty(1, dtype=torch.float32)
-        self.group = k // scale.shape[2] if scale is not None else k
-        self.strides = (self.tensor.stride(0), self.tensor.stride(1)) if self.scaled else (0, 0)
-        self.block_k = block_k
-        if self.scaled and self.group < k:  # a step within one group: a power of two dividing it
-            self.block_k = min(block_k, self.group & -self.group)
-
-
-def moe_experts_gemv(
-    x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-    tiles: GemvTiles = DEFAULT_GEMV_TILES,
-    gate_up_scale: torch.Tensor | None = None,
-    down_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """moe_experts for few pairs: two launches, no sorting (see the module's docstring)."""
-    num_tokens, top_k = ids.shape
-    hidden, inter = down.shape[1:]
-    ids = ids.contiguous()
-    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    up = Scales(gate_up_scale, gate_up, tiles.gate_up_k)
-    grid = (num_tokens * top_k, triton.cdiv(inter, tiles.gate_up_n))
-    _pair_gate_up_kernel[grid](
-        x, gate_up, up.tensor, h, ids, top_k, hidden, inter, up.group,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), *up.strides, h.stride(0),
-        BLOCK_N=tiles.gate_up_n, BLOCK_K=up.block_k, SCALED=up.scaled,
-        num_warps=tiles.num_warps,
-    )  # fmt: skip
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    dn = Scales(down_scale, down, tiles.down_k)
-    grid = (num_tokens, triton.cdiv(hidden, tiles.down_n))
-    _token_down_kernel[grid](
-        h, down, dn.tensor, out, weights.float().contiguous(), ids, top_k, inter, hidden,
-        dn.group, h.stride(0), down.stride(0), down.stride(1), *dn.strides, out.stride(0),
-        BLOCK_N=tiles.down_n, BLOCK_K=dn.block_k, SCALED=dn.scaled, num_warps=tiles.num_warps,
-    )  # fmt: skip
-    return out
 
 
 def moe_experts(
@@ -350,6 +204,15 @@ def moe_experts(
     if uses_gemv(ids.numel(), down.shape[0]):
         return moe_experts_gemv(x, gate_up, down, weights, ids, **scales)
     return moe_experts_grouped(x, gate_up, down, weights, ids, **scales)
+
+
+def _fp8_input(x: torch.Tensor, scales: WeightScales) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the GEMM reads it: e4m3 per row or group (with its scales) for FP8 weights."""
+    if scales.mode == 0:
+        return x, scales.tensor
+    if scales.mode == 1:
+        return quantize_fp8_rowwise(x)
+    return quantize_fp8_groupwise(x, scales.group)
 
 
 def moe_experts_grouped(
@@ -370,28 +233,26 @@ def moe_experts_grouped(
     tiles = tiles or grouped_tiles(num_pairs)
     sorted_pairs, block_experts = align(ids, num_experts, tiles.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    up, up_scales = tiles.gate_up, Scales(gate_up_scale, gate_up, tiles.gate_up.k)
-    grid = (block_experts.numel(), triton.cdiv(inter, up.n))
+    up = WeightScales(gate_up_scale, gate_up, tiles.gate_up.k, exact=False)
+    a, a_scale = _fp8_input(x, up)
+    grid = (block_experts.numel(), triton.cdiv(inter, tiles.gate_up.n))
     args = (
-        x, gate_up, up_scales.tensor, h, sorted_pairs, block_experts, num_pairs, top_k, hidden,
-        inter, up_scales.group, x.stride(0), gate_up.stride(0), gate_up.stride(1),
-        *up_scales.strides, h.stride(0),
+        a, a_scale, gate_up, up.tensor, h, sorted_pairs, block_experts, num_pairs, top_k,
+        hidden, inter, up.group, a.stride(0), a_scale.stride(0), gate_up.stride(0),
+        gate_up.stride(1), *up.strides, h.stride(0),
     )  # fmt: skip
-    constants = dict(BLOCK_M=tiles.block_m, BLOCK_N=up.n, BLOCK_K=up_scales.block_k,
-                     SCALED=up_scales.scaled, num_warps=up.num_warps)  # fmt: skip
-    _launch(_gate_up_kernel, grid, args, constants, up.num_stages, x)
+    _launch(_gate_up_kernel, grid, args, tiles.block_m, tiles.gate_up, up)
     # Each pair's row in x's dtype (half the bytes of float32, as vLLM's), summed in float32.
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    dn, dn_scales = tiles.down, Scales(down_scale, down, tiles.down.k)
-    grid = (block_experts.numel(), triton.cdiv(hidden, dn.n))
+    dn = WeightScales(down_scale, down, tiles.down.k, exact=False)
+    a, a_scale = _fp8_input(h, dn)
+    grid = (block_experts.numel(), triton.cdiv(hidden, tiles.down.n))
     args = (
-        h, down, dn_scales.tensor, out, weights.float().contiguous(), sorted_pairs,
-        block_experts, num_pairs, inter, hidden, dn_scales.group, h.stride(0), down.stride(0),
-        down.stride(1), *dn_scales.strides, out.stride(0),
+        a, a_scale, down, dn.tensor, out, weights.float().contiguous(), sorted_pairs,
+        block_experts, num_pairs, inter, hidden, dn.group, a.stride(0), a_scale.stride(0),
+        down.stride(0), down.stride(1), *dn.strides, out.stride(0),
     )  # fmt: skip
-    constants = dict(BLOCK_M=tiles.block_m, BLOCK_N=dn.n, BLOCK_K=dn_scales.block_k,
-                     SCALED=dn_scales.scaled, num_warps=dn.num_warps)  # fmt: skip
-    _launch(_down_kernel, grid, args, constants, dn.num_stages, x)
+    _launch(_down_kernel, grid, args, tiles.block_m, tiles.down, dn)
     return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
@@ -399,13 +260,19 @@ def _launch(
     kernel: triton.JITFunction,
     grid: tuple[int, int],
     args: tuple[object, ...],
-    constants: dict[str, object],
-    num_stages: int,
-    x: torch.Tensor,
+    block_m: int,
+    tiles: GemmTiles,
+    scales: WeightScales,
 ) -> None:
     """A grouped GEMM's launch, with fewer pipeline stages where the GPU lacks the shared
     memory for the tiles' (kernels/triton_stages.py)."""
-    variant = (kernel.__name__, x.device, x.dtype, args[1].dtype, *constants.values())  # type: ignore[attr-defined]
+    constants = dict(BLOCK_M=block_m, BLOCK_N=tiles.n, BLOCK_K=scales.block_k,
+                     MODE=scales.mode, num_warps=tiles.num_warps)  # fmt: skip
+    x = args[0]
+    assert isinstance(x, torch.Tensor)
+    variant = (kernel.__name__, x.device, x.dtype, *constants.values())  # type: ignore[attr-defined]
     launch_fitting(
-        variant, num_stages, lambda stages: kernel[grid](*args, **constants, num_stages=stages)
+        variant,
+        tiles.num_stages,
+        lambda stages: kernel[grid](*args, **constants, num_stages=stages),
     )

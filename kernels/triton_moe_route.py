@@ -128,14 +128,10 @@ def align(
     """The pairs (token t's j-th choice is pair t * k + j) by expert, in pair order within
     an expert, each expert's group padded to block_m with the pair count (no pair), and each
     block's expert (-1 past the last group); P = aligned_size. Up to ALIGN_KERNEL_MAX_PAIRS
-    pairs (a decode step's) one launch; past them four, each over many programs, which
-    place an expert's pairs in any order (each pair's row is computed alike wherever it
-    sits in its block, so the result is the same)."""
+    pairs (a decode step's) one launch, past them the torch reference's dozen."""
     num_pairs = ids.numel()
-    if num_experts > MAX_EXPERTS:
+    if num_pairs > ALIGN_KERNEL_MAX_PAIRS or num_experts > MAX_EXPERTS:
         return align_reference(ids, num_experts, block_m)
-    if num_pairs > ALIGN_KERNEL_MAX_PAIRS:
-        return _align_in_parallel(ids, num_experts, block_m)
     size = aligned_size(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
@@ -143,85 +139,5 @@ def align(
     _align_kernel[(1,)](
         ids.contiguous(), sorted_pairs, block_experts, num_pairs, num_experts, size,
         BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=min(64, max(16, ALIGN_CHUNK_VALUES // block_e)),
-    )  # fmt: skip
-    return sorted_pairs, block_experts
-
-
-_PARALLEL_CHUNK = 1024  # pairs (and slots, and blocks) a program of the parallel align takes
-
-
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, sorted_ptr, num_pairs, size, CHUNK: tl.constexpr):
-    """A chunk of pairs counted into their experts' (atomics: counts commute), and a chunk of
-    the sorted slots set empty (the pair count)."""
-    lanes = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    pairs_ok = lanes < num_pairs
-    e = tl.load(ids_ptr + lanes, mask=pairs_ok, other=0)
-    tl.atomic_add(counts_ptr + e, 1, mask=pairs_ok)
-    tl.store(sorted_ptr + lanes, num_pairs, mask=lanes < size)
-
-
-@triton.jit
-def _groups_kernel(counts_ptr, next_ptr, ends_ptr, num_experts, BLOCK_M: tl.constexpr,
-                   BLOCK_E: tl.constexpr):  # fmt: skip
-    """Each expert's padded group: where its next pair goes (its start) and its end."""
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(next_ptr + experts, ends - padded, mask=experts < num_experts)
-    tl.store(ends_ptr + experts, ends, mask=experts < num_experts)
-
-
-@triton.jit
-def _place_kernel(
-    ids_ptr,
-    next_ptr,
-    ends_ptr,
-    sorted_ptr,
-    block_expert_ptr,
-    num_pairs,
-    num_experts,
-    num_blocks,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """A chunk of pairs, each into the next free slot of its expert's group; and a chunk of
-    blocks, each told its expert (-1 past the last group)."""
-    lanes = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    pairs_ok = lanes < num_pairs
-    e = tl.load(ids_ptr + lanes, mask=pairs_ok, other=0)
-    slots = tl.atomic_add(next_ptr + e, 1, mask=pairs_ok)
-    tl.store(sorted_ptr + slots, lanes, mask=pairs_ok)
-    experts = tl.arange(0, BLOCK_E)
-    ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=1 << 30)
-    for start in range(0, CHUNK, 64):
-        blocks = tl.program_id(0) * CHUNK + start + tl.arange(0, 64)
-        owner = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(owner < num_experts, owner, -1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
-
-
-def _align_in_parallel(
-    ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align` for many pairs: four launches (counts zeroed, counted, groups, placed)."""
-    num_pairs = ids.numel()
-    size = aligned_size(num_pairs, num_experts, block_m)
-    num_blocks = size // block_m
-    sorted_pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
-    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=ids.device)
-    groups = torch.zeros(3, num_experts, dtype=torch.int32, device=ids.device)
-    counts, next_slot, ends = groups
-    ids = ids.contiguous()
-    chunk = _PARALLEL_CHUNK
-    _count_kernel[(triton.cdiv(size, chunk),)](ids, counts, sorted_pairs, num_pairs, size, chunk)
-    block_e = triton.next_power_of_2(num_experts)
-    _groups_kernel[(1,)](counts, next_slot, ends, num_experts, block_m, block_e)
-    grid = (triton.cdiv(max(num_pairs, num_blocks), chunk),)
-    _place_kernel[grid](
-        ids, next_slot, ends, sorted_pairs, block_experts, num_pairs, num_experts, num_blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
     )  # fmt: skip
     return sorted_pairs, block_experts

@@ -18,7 +18,8 @@ import torch
 
 from benchmarks.moe_bench import time_layers
 from kernels import ops
-from kernels.triton_moe import moe_experts_gemv, moe_experts_grouped
+from kernels.triton_moe import moe_experts_grouped
+from kernels.triton_moe_gemv import moe_experts_gemv
 from kernels.triton_moe_tiles import GemvTiles
 
 

@@ -20,7 +20,7 @@ from triton.testing import do_bench
 from kernels import ops
 from kernels.fp8 import quantize_fp8_rowwise_reference
 from kernels.moe import align_reference
-from kernels.triton_moe_route import _align_in_parallel, align
+from kernels.triton_moe_route import align
 
 NUM_E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 
@@ -72,7 +72,7 @@ def main() -> None:
     for pairs in (512, 2048, 8192):
         ids = torch.randint(0, NUM_E, (pairs // TOP_K, TOP_K), device="cuda", generator=gen)
         row: dict[str, Any] = {"pairs": pairs}
-        for name, fn in (("one_program", align), ("parallel", _align_in_parallel),
+        for name, fn in (("one_program", align), 
                          ("torch", align_reference)):  # fmt: skip
             if name == "one_program" and pairs > 2048:
                 continue

@@ -1,0 +1,217 @@
+"""A decode's few (token, expert) pairs among many experts (kernels/triton_moe.py `uses_gemv`):
+two GEMV kernels with no sorting. `_pair_gate_up_kernel` reads each pair's expert (a pair per
+program row, as in kernels/triton_linear.py's fma variant) and `_token_down_kernel` sums a
+token's k experts' down projections in its own program, in choice order, so the sum needs no
+launch of its own. Two pairs on one expert read its weights twice, which is rare while pairs
+are few against experts (8 of 128 at batch 1 for Qwen3-30B-A3B), and costs less than the
+sorting: 37 against 51 us a layer at one token on an H200 (`GemvTiles`, from
+sweeps/moe_gemv_sweep.py).
+
+FP8 experts (MODE 1: a scale per weight row; MODE 2: per row and group of GROUP columns, the
+K step then one group) round each input to e4m3 as the reference does (per row, or per group)
+inside the kernel, from its amax: a decode's inputs are a few rows, so no launch of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_e4m3 import scale_for, to_e4m3
+from kernels.triton_moe_tiles import DEFAULT_GEMV_TILES, GemvTiles
+
+
+@triton.jit
+def _row_scale(row_ptr, K, BLOCK_K: tl.constexpr):
+    """The e4m3 scale of a row of K values: its amax / 448."""
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(
+            amax, tl.abs(tl.load(row_ptr + ks, mask=ks < K, other=0.0).to(tl.float32))
+        )
+    return scale_for(tl.max(amax, axis=0))
+
+
+@triton.jit
+def _input_step(a, scale, MODE: tl.constexpr):
+    """A K step of an input row: as is (MODE 0), rounded to e4m3 by the row's scale (1; the
+    scale is applied after the sum), or by its group's, which the step is (2)."""
+    if MODE == 1:
+        a = to_e4m3(a / scale)
+    elif MODE == 2:
+        group_scale = scale_for(tl.max(tl.abs(a), axis=0))
+        a = to_e4m3(a / group_scale) * group_scale
+    return a
+
+
+@triton.jit
+def _weight_step(w, s, rows, rows_ok, start, group, stride_sn, MODE: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] in float32; in MODE 2 times its rows' scales for
+    the step's group."""
+    w = w.to(tl.float32)
+    if MODE == 2:
+        scale = tl.load(s + rows * stride_sn + start // group, mask=rows_ok, other=0.0)
+        w = w * scale[:, None]
+    return w
+
+
+@triton.jit
+def _pair_gate_up_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # [E, 2N, K]
+    s_ptr,  # [E, 2N, G] float32 with MODE > 0
+    out_ptr,  # [pairs, N]
+    ids_ptr,  # [pairs]: each pair's expert
+    top_k,
+    K,
+    N,
+    group,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_out,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    pair, tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    x = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < N
+    x_scale = 1.0
+    if MODE == 1:
+        x_scale = _row_scale(x, K, BLOCK_K)
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        ks = start + tl.arange(0, BLOCK_K)
+        ks_ok = ks < K
+        a = _input_step(tl.load(x + ks, mask=ks_ok, other=0.0).to(tl.float32), x_scale, MODE)
+        mask = cols_ok[:, None] & ks_ok[None, :]
+        w_gate = tl.load(w + cols[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
+        w_up = tl.load(w + (cols + N)[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
+        gate += _weight_step(w_gate, s, cols, cols_ok, start, group, stride_sn, MODE) * a[None, :]
+        up += _weight_step(w_up, s, cols + N, cols_ok, start, group, stride_sn, MODE) * a[None, :]
+    g, u = tl.sum(gate, axis=1), tl.sum(up, axis=1)
+    if MODE == 1:  # the weight rows' scales and the input's, after the sum
+        g *= x_scale * tl.load(s + cols * stride_sn, mask=cols_ok, other=0.0)
+        u *= x_scale * tl.load(s + (cols + N) * stride_sn, mask=cols_ok, other=0.0)
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + pair * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
+
+
+@triton.jit
+def _token_down_kernel(
+    h_ptr,  # [pairs, K]
+    w_ptr,  # [E, N, K]
+    s_ptr,  # [E, N, G] float32 with MODE > 0
+    out_ptr,  # [T, N]
+    weights_ptr,  # [pairs] float32
+    ids_ptr,  # [pairs]
+    top_k,
+    K,
+    N,
+    group,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_out,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    """One GEMV over the token's k experts' down rows side by side (K' = k * K), each pair's
+    row scaled by its routing weight (and in MODE 1 by its rows' and input's scales): one
+    loop, so loads stay in flight across experts."""
+    token, tile = tl.program_id(0), tl.program_id(1)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < N
+    chunks = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for step in range(top_k * chunks):
+        pair = token * top_k + step // chunks
+        start = (step % chunks) * BLOCK_K
+        ks = start + tl.arange(0, BLOCK_K)
+        ks_ok = ks < K
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+        h = h_ptr + pair.to(tl.int64) * stride_h
+        scale = tl.load(weights_ptr + pair)
+        h_scale = 1.0
+        if MODE == 1:  # its row's scale (its first step works it out: the row is L1's now)
+            h_scale = _row_scale(h, K, BLOCK_K)
+        a = _input_step(tl.load(h + ks, mask=ks_ok, other=0.0).to(tl.float32), h_scale, MODE)
+        mask = cols_ok[:, None] & ks_ok[None, :]
+        w_tile = tl.load(w + cols[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
+        w_tile = _weight_step(w_tile, s, cols, cols_ok, start, group, stride_sn, MODE)
+        if MODE == 1:
+            w_rows = tl.load(s + cols * stride_sn, mask=cols_ok, other=0.0)
+            w_tile = w_tile * (w_rows * h_scale)[:, None]
+        acc += w_tile * (a * scale)[None, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
+
+
+def moe_experts_gemv(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    tiles: GemvTiles = DEFAULT_GEMV_TILES,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """moe_experts for few pairs: two launches, no sorting (see the module's docstring)."""
+    num_tokens, top_k = ids.shape
+    hidden, inter = down.shape[1:]
+    ids = ids.contiguous()
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    up = WeightScales(gate_up_scale, gate_up, tiles.gate_up_k)
+    grid = (num_tokens * top_k, triton.cdiv(inter, tiles.gate_up_n))
+    _pair_gate_up_kernel[grid](
+        x, gate_up, up.tensor, h, ids, top_k, hidden, inter, up.group,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), *up.strides, h.stride(0),
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=up.block_k, MODE=up.mode, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    dn = WeightScales(down_scale, down, tiles.down_k)
+    grid = (num_tokens, triton.cdiv(hidden, tiles.down_n))
+    _token_down_kernel[grid](
+        h, down, dn.tensor, out, weights.float().contiguous(), ids, top_k, inter, hidden,
+        dn.group, h.stride(0), down.stride(0), down.stride(1), *dn.strides, out.stride(0),
+        BLOCK_N=tiles.down_n, BLOCK_K=dn.block_k, MODE=dn.mode, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return out
+
+
+class WeightScales:
+    """An expert tensor's FP8 scales as the kernels take them: the tensor (a float32 dummy
+    without), its strides, the columns a group spans, the mode (0: float weights, 1: a scale
+    a row, 2: a scale a row and group) and the K step: in mode 2 a group's, so that the step
+    is one group (the GEMV rounds its input by the step), at most `block_k` elsewhere."""
+
+    def __init__(
+        self, scale: torch.Tensor | None, weight: torch.Tensor, block_k: int, exact: bool = True
+    ) -> None:
+        k = weight.shape[2]
+        groups = scale.shape[2] if scale is not None else 1
+        self.mode = 0 if scale is None else (1 if groups == 1 else 2)
+        self.tensor = scale if scale is not None else weight.new_empty(1, dtype=torch.float32)
+        self.group = k // groups
+        self.strides = (
+            (self.tensor.stride(0), self.tensor.stride(1)) if scale is not None else (0, 0)
+        )
+        self.block_k = block_k
+        if self.mode == 2:
+            if self.group & (self.group - 1) or self.group < 16:
+                raise ValueError(f"FP8 experts' groups of {self.group} columns: not a power of two")
+            self.block_k = self.group if exact else min(block_k, self.group)
