@@ -73,7 +73,9 @@ def _end_scaled(acc, a_s, s, rows, rows_ok, cols, cols_ok, stride_as, stride_sn,
     return acc
 
 
-@triton.jit
+# The pair count is not specialized (a multiple of 16 or not): the warm-up's steps then meet
+# every variant that a tile set has (services/executor/runner/warm_up.py).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr,  # [T, K]: e4m3 with MODE > 0
     x_scale_ptr,  # [T, G] float32 with MODE > 0
@@ -133,7 +135,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     h_ptr,  # [pairs, K]: e4m3 with MODE > 0
     h_scale_ptr,  # [pairs, G] float32 with MODE > 0

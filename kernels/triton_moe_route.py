@@ -80,7 +80,7 @@ def moe_route(
     return weights, ids
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "size"])  # every count one variant
 def _align_kernel(
     ids_ptr,  # [pairs]: each pair's expert
     sorted_ptr,  # [size] int32

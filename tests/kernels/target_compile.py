@@ -38,6 +38,8 @@ from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_fp8 import fp8_skinny_linear
 from kernels.triton_int4 import int4_linear
 from kernels.triton_linear import skinny_linear
+from kernels.triton_moe import moe_experts
+from kernels.triton_moe_tiles import GROUPED_TILES
 from kernels.triton_prefill_attention import paged_prefill_attention
 
 Launch = tuple[JITFunction, tuple[Any, ...], dict[str, Any]]
@@ -175,6 +177,21 @@ def _attention_launches(kv_dtype: torch.dtype) -> None:
                 )
 
 
+def _moe_launches(fp8: bool) -> None:
+    """Qwen3-30B-A3B's experts at one token (the GEMVs) and at each grouped tile set's most
+    pairs (the last at 4,096 tokens), bf16 or FP8 (a scale per row)."""
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+    dtype = FP8 if fp8 else torch.bfloat16
+    gate_up = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+    down = torch.empty(experts, hidden, inter, dtype=dtype)
+    scales = (torch.ones(experts, 2 * inter, 1), torch.ones(experts, hidden, 1)) if fp8 else ()
+    for pairs in [top_k] + [min(most, 4096 * top_k) for most, _ in GROUPED_TILES]:
+        tokens = pairs // top_k
+        ids = torch.arange(pairs).remainder(experts).view(tokens, top_k)
+        x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+        moe_experts(x, gate_up, down, torch.ones(tokens, top_k), ids, *scales)
+
+
 # name -> (what launches, the compute capabilities it must fit)
 CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     # No PDL before Hopper: ops.linear gives the skinny GEMV at most 16 rows there.
@@ -184,6 +201,8 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "int4 dot": (_int4_launches, (80, 86, 89, 90)),
     "attention bf16 cache": (lambda: _attention_launches(torch.bfloat16), (80, 86, 89, 90)),
     "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),
+    "moe bf16": (lambda: _moe_launches(fp8=False), (86, 90)),  # the least shared memory, H100
+    "moe fp8": (lambda: _moe_launches(fp8=True), (89, 90)),
 }
 
 

@@ -90,11 +90,12 @@ FP8 = (
     {"fp8 gemv", "int4 dot", "attention bf16 cache", "attention fp8 cache"},
     {"_skinny_linear_kernel", "_fp8_gemv_kernel", "_int4_dot_kernel", *ATTENTION},
 )
+MOE = {"_gate_up_kernel", "_down_kernel", "_pair_gate_up_kernel", "_token_down_kernel"}
 EXPECTED = {
     80: BEFORE_HOPPER,  # A100 (int4 dot: its inline PTX assembles for the oldest GPU too)
-    86: BEFORE_HOPPER,  # A10
-    89: (FP8[0] | {"skinny bf16, 1-16 rows"}, FP8[1]),  # L40S
-    90: (FP8[0] | {"skinny bf16, 17-64 rows (Hopper)"}, FP8[1]),  # H100
+    86: (BEFORE_HOPPER[0] | {"moe bf16"}, BEFORE_HOPPER[1] | MOE),  # A10
+    89: (FP8[0] | {"skinny bf16, 1-16 rows", "moe fp8"}, FP8[1] | MOE),  # L40S
+    90: (FP8[0] | {"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8"}, FP8[1] | MOE),
 }
 
 

@@ -21,6 +21,17 @@ from kernels.triton_moe_tiles import GROUPED_TILES, grouped_tiles
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def assert_kernel_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Interpreted, the kernels sum in float32 as the reference does: close to 2e-3. On a GPU
+    tl.dot takes float32 operands as TF32, and a sum in another order can move a value that
+    is rounded to e4m3 next by one step: close to 1 % of the output's range."""
+    if out.is_cuda:
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2 * scale)
+    else:
+        torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+
+
 def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(tokens, experts, generator=generator)
@@ -120,8 +131,7 @@ def test_grouped_gemms_match_the_reference_at_every_tile_set(most_pairs: int) ->
     down = (torch.randn(experts, hidden, inter, generator=generator) / 8).to(DEVICE)
     weights, ids = routed(tokens, experts, top_k, seed=tiles.block_m)
     out = moe_experts_grouped(x, gate_up, down, weights, ids, tiles)
-    expected = moe_experts_reference(x, gate_up, down, weights, ids)
-    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    assert_kernel_close(out, moe_experts_reference(x, gate_up, down, weights, ids))
 
 
 @pytest.mark.parametrize(
@@ -150,7 +160,7 @@ def test_fp8_experts_match_the_reference(tokens: int, experts: int, groups: int)
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
     out = moe_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
     expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
-    torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+    assert_kernel_close(out, expected)
     assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
 
 
