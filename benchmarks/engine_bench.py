@@ -184,6 +184,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
                 "itl_ms_median": round(1000 * statistics.median(decode), 3),
                 "itl_ms_p90": round(1000 * decode[int(0.9 * (len(decode) - 1))], 3),
                 "decode_tok_per_s": round(batch / statistics.median(decode), 1),
+                "weight_bytes_per_step": _step_weight_bytes(llm.runner.model, batch),
             }
         )
     report = {
@@ -192,7 +193,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "device": _device_name(llm),
         "input_len": input_len,
         "output_len": output_len,
-        "weight_bytes_per_step": _matmul_weight_bytes(llm.runner.model),  # on each rank
+        "weight_bytes": _matmul_weight_bytes(llm.runner.model),  # on each rank; a step's: rows
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
         "lora_adapter": args.lora_paths[0] if args.lora_paths else None,
         "results": rows,
@@ -248,15 +249,34 @@ def _matmul_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:
     """The weights a step multiplies by, quantized ones and their scales included: all but an
     untied embedding, of which it reads rows (by id: a tied weight counts once)."""
     tensors = {id(p): p for p in model.parameters()}
-    quantized = (  # qweight, weight_scale, a GGUF layer's qweight0, qweight1, ...
+    quantized = (  # qweight, weight_scale, a GGUF layer's qweight0, qweight1, FP8 experts ...
         b
         for n, b in model.named_buffers()
-        if n.rpartition(".")[2].startswith(("qweight", "weight_scale"))
+        if n.rpartition(".")[2].startswith(("qweight", "weight_scale", "experts_"))
     )
     tensors.update({id(b): b for b in quantized})
     if not model.config.tie_word_embeddings:
         tensors.pop(id(model.embed_tokens.weight))
     return tensors
+
+
+def _step_weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    """The weight bytes a decode step of `batch` tokens reads: all of _matmul_weights but, in a
+    mixture of experts, only the experts its tokens choose, as many distinct ones a layer as
+    an even router picks on average: E (1 - (1 - k / E) ** batch)."""
+    moe = model.config.moe
+    weights = _matmul_weights(model)
+    names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    experts = sum(
+        t.numel() * t.element_size()
+        for key, t in weights.items()
+        if ".experts_" in names.get(key, "")
+    )
+    dense = sum(t.numel() * t.element_size() for t in weights.values()) - experts
+    if moe is None:
+        return dense
+    chosen = 1.0 - (1.0 - moe.top_k / moe.num_experts) ** batch
+    return dense + round(experts * chosen)
 
 
 def _matmul_parameters(model: torch.nn.Module) -> int:

@@ -31,9 +31,10 @@ def rows(folder: Path) -> list[tuple[str, str, str, str]]:
     out += attention_rows(load(folder, "attention"))
     latency = load(folder, "latency")
     peer = load(folder, "peer_transformers")
-    weight_bytes = latency.get("weight_bytes_per_step")
     for row in latency.get("results", []):
         floor = ""
+        # a step's bytes: per row (a mixture of experts reads more experts at larger batches)
+        weight_bytes = row.get("weight_bytes_per_step", latency.get("weight_bytes_per_step"))
         if weight_bytes and copy_gbs and row["batch_size"] == 1:
             floor = f"floor {weight_bytes / (copy_gbs * 1e9) * 1e3:.2f} ms"
         peer_itl = peer.get("latency", {}).get("itl_ms") if row["batch_size"] == 1 else None

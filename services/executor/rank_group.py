@@ -62,8 +62,8 @@ def start_runner(config: Config) -> ModelRunner:
     """Rank 0's model runner; with --tensor-parallel-size N > 1, the other N-1 ranks are
     started first, and the runner relays its plans to them."""
     size = config.tensor_parallel_size
-    if size == 1:
-        return ModelRunner(config)
+    if size == 1:  # expert parallelism over one rank: every expert whole, as without it
+        return ModelRunner(config, TensorParallel(expert_parallel=config.enable_expert_parallel))
     check_group(config)
     directory = Path(tempfile.mkdtemp(prefix="kvflow-ranks-"))  # 0700: this user's alone
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
@@ -84,7 +84,8 @@ def check_group(config: Config) -> None:
     """Refuse a group that cannot run, before any rank starts: heads that do not split, or
     fewer GPUs than ranks."""
     size = config.tensor_parallel_size
-    ShardLayout.of(load_model_config(resolve_model_source(config.model)), TensorParallel(0, size))
+    tp = TensorParallel(0, size, expert_parallel=config.enable_expert_parallel)
+    ShardLayout.of(load_model_config(resolve_model_source(config.model)), tp)
     if resolve_device(config.device).type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(
             f"--tensor-parallel-size {size} needs {size} GPUs; "
@@ -110,7 +111,7 @@ def join_group(config: Config, directory: Path, rank: int) -> TensorParallel:
         world_size=size,
         **options,
     )
-    return TensorParallel(rank, size)
+    return TensorParallel(rank, size, expert_parallel=config.enable_expert_parallel)
 
 
 def _spawn_rank(config_path: Path, rank: int, directory: Path) -> subprocess.Popen[bytes]:

@@ -106,6 +106,13 @@ class ConfigFields:
         "Split each layer over this many devices (one process each: NCCL on CUDA, gloo on "
         "CPU); the query heads must divide, and the KV heads divide or be divided.",
     )
+    enable_expert_parallel: bool = option(
+        False,
+        "parallel",
+        "A mixture of experts' experts whole, spread over the --tensor-parallel-size ranks (an "
+        "Nth of them each, in order), instead of every expert's Nth part of the columns on "
+        "each; attention and dense layers stay split by tensor parallelism.",
+    )
     disable_custom_all_reduce: bool = option(
         False,
         "parallel",

@@ -85,3 +85,23 @@ def test_what_experts_do_not_run_with_yet_is_refused(tiny_moe) -> None:
     if config.qk_norm_whole:
         with pytest.raises(ValueError, match="norms over all heads at once"):
             DecoderForCausalLM(config, 64, tp=TensorParallel(rank=0, size=2))
+
+
+def test_a_steps_weight_bytes_count_the_experts_its_tokens_choose(tiny_moe) -> None:
+    """`kvflow bench latency`'s floor: the dense weights, and of each layer's experts the
+    share an even router picks for the batch, 1 - (1 - k / E) ** batch."""
+    from benchmarks.engine_bench import _matmul_weight_bytes, _step_weight_bytes
+
+    _, folder = tiny_moe
+    model = LLM(str(folder), dtype="float32", device="cpu").runner.model
+    moe = model.config.moe
+    expert_bytes = sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts_" in n
+    )
+    total = _matmul_weight_bytes(model)
+    for batch in (1, 4):
+        share = 1 - (1 - moe.top_k / moe.num_experts) ** batch
+        assert _step_weight_bytes(model, batch) == total - expert_bytes + round(
+            expert_bytes * share
+        )
+    assert _step_weight_bytes(model, 10_000) == total  # every expert chosen

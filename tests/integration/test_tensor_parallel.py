@@ -81,6 +81,26 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: 
     assert greedy(tmp_path, 2, str(folder), prompts) == expected
 
 
+THREE_WAYS = {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}
+
+
+@pytest.mark.parametrize(
+    ("family", "world", "changes"),
+    [("qwen3_moe", 1, {}), ("qwen3_moe", 3, THREE_WAYS), ("qwen2_moe", 2, {}), ("mixtral", 2, {})],
+    ids=["one-rank", "qwen3-moe-three-ranks", "qwen2-moe-shared-expert", "mixtral"],
+)
+def test_expert_parallel_ranks_give_the_tokens_of_one(
+    tmp_path: Path, family: str, world: int, changes: dict
+) -> None:
+    """--enable-expert-parallel: each rank holds its run of the experts whole (three ranks:
+    2, 3 and 3 of Qwen3-MoE's 8), attention and the shared expert split as without it."""
+    folder, model = tiny_folder(tmp_path, family, **changes)
+    prompts = make_prompts(TINY["vocab_size"])[:4]
+    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
+    tokens = greedy(tmp_path, world, str(folder), prompts, enable_expert_parallel=True)
+    assert tokens == expected
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_two_ranks_verify_drafts_and_give_the_tokens_of_one(tmp_path: Path, method: str) -> None:
     """Speculative decoding over two ranks: each rank verifies the drafts rank 0 relays in

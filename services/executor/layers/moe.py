@@ -55,30 +55,39 @@ EXPERT_PROJECTIONS = {
 class SparseMoE(nn.Module):
     def __init__(self, layout: ShardLayout, fp8: ExpertsFp8 | None = None) -> None:
         """`layout`: what this rank holds: every expert, each by its part of the columns (as a
-        dense MLP is split), and the router whole. Each rank routes alike (x is whole on all)
-        and returns its part of the sum, which the next norm adds up over the ranks, as a
-        dense MLP's. `fp8`: the experts' FP8 format (None: float)."""
+        dense MLP is split), or with expert parallelism its run of the experts whole; the
+        router whole. Each rank routes alike (x is whole on all) and returns its part of the
+        sum, which the next norm adds up over the ranks, as a dense MLP's. `fp8`: the
+        experts' FP8 format (None: float)."""
         super().__init__()
         moe = layout.local_config.moe
         assert moe is not None, "a SparseMoE's model has experts"
         hidden_size = layout.local_config.hidden_size
-        experts, columns = moe.num_experts, moe.intermediate_size
+        experts, columns = len(layout.experts), moe.intermediate_size
         self.moe, self.fp8 = moe, fp8
-        self.gate = Linear(hidden_size, experts)  # the router, in the model's dtype
+        self.first_expert = layout.experts.start
+        self.all_experts = experts == moe.num_experts  # else another rank holds some
+        self.gate = Linear(hidden_size, moe.num_experts)  # the router, whole, in the model dtype
         stored = FP8 if fp8 is not None and fp8.from_checkpoint else None
         self.experts_gate_up = _stacked(experts, 2 * columns, hidden_size, stored)
         self.experts_down = _stacked(experts, hidden_size, columns, stored)
-        rank = functools.partial(_load_expert_piece, part=layout.tp.rank, parts=layout.tp.size)
-        set_weight_loader(self.experts_gate_up, rank, 2 * experts)
-        set_weight_loader(self.experts_down, rank, experts)
+        part, parts = (0, 1) if layout.tp.expert_parallel else (layout.tp.rank, layout.tp.size)
+        load = functools.partial(
+            _load_expert_piece, first=self.first_expert, part=part, parts=parts
+        )
+        # Every expert's tensors count as loaded (another rank's are skipped): the model's.
+        gate_up_loader = functools.partial(load, pieces=2)
+        set_weight_loader(self.experts_gate_up, gate_up_loader, 2 * moe.num_experts)
+        set_weight_loader(self.experts_down, functools.partial(load, pieces=1), moe.num_experts)
         self.experts_gate_up_scale: nn.Parameter | None = None
         self.experts_down_scale: nn.Parameter | None = None
         if stored is not None and fp8 is not None:
             groups = (_groups(hidden_size, fp8.group), _groups(columns, fp8.group))
             self.experts_gate_up_scale = _stacked(experts, 2 * columns, groups[0], torch.float32)
             self.experts_down_scale = _stacked(experts, hidden_size, groups[1], torch.float32)
-            set_weight_loader(self.experts_gate_up_scale, rank, 2 * experts)
-            set_weight_loader(self.experts_down_scale, rank, experts)
+            set_weight_loader(self.experts_gate_up_scale, gate_up_loader, 2 * moe.num_experts)
+            down_loader = functools.partial(load, pieces=1)
+            set_weight_loader(self.experts_down_scale, down_loader, moe.num_experts)
         self.shared_expert: GatedMLP | None = None
         if moe.shared_expert_size:
             self.shared_expert = GatedMLP(layout, columns=moe.shared_expert_size)
@@ -113,6 +122,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         weights, ids = ops.moe_route(self.gate(x), self.moe.top_k, self.moe.renormalize)
+        if not self.all_experts:
+            weights, ids = self._local_choices(weights, ids)
         out = ops.moe_experts(
             x, self.experts_gate_up, self.experts_down, weights, ids,
             self.experts_gate_up_scale, self.experts_down_scale,
@@ -120,6 +131,16 @@ class SparseMoE(nn.Module):
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out  # this rank's part
+
+    def _local_choices(
+        self, weights: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With expert parallelism: the choices as this rank's experts, those of other ranks'
+        weighted 0 (on expert 0 here: the kernels run every pair, and each rank's part of the
+        sum holds its own experts' alone)."""
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.experts_down.shape[0])
+        return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
 
 
 def _stacked(experts: int, rows: int, cols: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -159,19 +180,24 @@ def _load_expert_piece(
     tensor: CheckpointTensor,
     shard: int | None,
     name: str,
+    first: int = 0,
+    pieces: int = 1,
     part: int = 0,
     parts: int = 1,
 ) -> None:
-    """Piece `shard` of a stacked expert parameter: its expert's rows, the gate's or the up's
-    half of them in experts_gate_up; of the checkpoint's tensor, part `part` of `parts` of
-    the expert's columns (gate and up: their rows; down: its input columns). An FP8 scale
-    tensor, [rows] or [rows, groups], splits the same way, by its groups of columns."""
-    pieces = int(getattr(param, "num_shards", 1)) // param.shape[0]  # a stacked expert's
+    """Piece `shard` (expert * pieces + piece) of a stacked expert parameter: its expert's
+    rows, the gate's or the up's half of them in experts_gate_up, if the rank holds that
+    expert (the parameter's are experts first, first + 1, ...); of the checkpoint's tensor,
+    part `part` of `parts` of the expert's columns (gate and up: their rows; down: its input
+    columns). An FP8 scale tensor, [rows] or [rows, groups], splits the same way, by its
+    groups of columns."""
     expert, piece = divmod(shard or 0, pieces)
+    if not 0 <= expert - first < param.shape[0]:
+        return  # another rank's expert
     rows = param.shape[1] // pieces
     split: Split = "rows" if pieces == 2 else "cols"
     tensor = unpacked(tensor, name)
     dims = TensorDims(0, 1 if len(tensor.shape) == 2 else None, what="scale groups")
     cut = read(shard_tensor(tensor, dims, split, part, parts))
-    target = param.data[expert].narrow(0, piece * rows, rows)
+    target = param.data[expert - first].narrow(0, piece * rows, rows)
     copy_weight(target, cut.reshape(rows, -1) if cut.dim() == 1 else cut, name)

@@ -23,6 +23,9 @@ class ShardLayout:
     kv_head: int  # the first of them this rank holds (with fewer than ranks: the one it shares)
     vocab_start: int  # the first vocabulary row of its embedding and lm_head
     vocab_rows: int  # how many it holds
+    # A mixture of experts' experts the rank holds: all of them, or with expert parallelism an
+    # Nth, whole (in order: ranks 0..N-1 take consecutive runs, the first ones the shorter)
+    experts: range = range(0)
 
     @classmethod
     def of(cls, cfg: ModelConfig, tp: TensorParallel) -> ShardLayout:
@@ -37,15 +40,18 @@ class ShardLayout:
             )
             if count % n
         ]
-        if cfg.moe is not None:  # each expert splits like a dense MLP: by its columns
+        if cfg.moe is not None:  # each expert splits like a dense MLP (or is whole, with EP)
             problems += [
                 f"{count} {what} do not split {n} ways"
                 for count, what in (
-                    (cfg.moe.intermediate_size, "columns of each expert"),
+                    (0 if tp.expert_parallel else cfg.moe.intermediate_size,
+                     "columns of each expert"),
                     (cfg.moe.shared_expert_size, "shared expert columns"),
                 )
                 if count % n
-            ]
+            ]  # fmt: skip
+            if tp.expert_parallel and cfg.moe.num_experts < n:
+                problems.append(f"{cfg.moe.num_experts} experts are fewer than the ranks")
         if cfg.qk_norm_whole and n > 1:
             problems.append("q and k norms over all heads at once (OLMoE's) do not split")
         kv = cfg.num_kv_heads
@@ -54,13 +60,18 @@ class ShardLayout:
         if problems:
             raise ValueError(f"--tensor-parallel-size {n}: " + "; ".join(problems))
         local_kv = kv // n if kv >= n else 1
-        moe = None
+        moe, experts = None, range(0)
         if cfg.moe is not None:
+            columns = 1 if tp.expert_parallel else n
             moe = dataclasses.replace(
                 cfg.moe,
-                intermediate_size=cfg.moe.intermediate_size // n,
+                intermediate_size=cfg.moe.intermediate_size // columns,
                 shared_expert_size=cfg.moe.shared_expert_size // n,
             )
+            total = cfg.moe.num_experts
+            experts = range(total)
+            if tp.expert_parallel:
+                experts = range(tp.rank * total // n, (tp.rank + 1) * total // n)
         local = dataclasses.replace(
             cfg,
             num_heads=cfg.num_heads // n,
@@ -70,7 +81,7 @@ class ShardLayout:
         )
         kv_head = tp.rank * local_kv if kv >= n else tp.rank * kv // n
         vocab_rows = cfg.vocab_size // n
-        return cls(tp, local, kv, kv_head, tp.rank * vocab_rows, vocab_rows)
+        return cls(tp, local, kv, kv_head, tp.rank * vocab_rows, vocab_rows, experts)
 
     def column_parallel(self, *rows: int) -> Sharding:
         """A layer split by output rows (gate_up_proj, the lm_head): `rows` of each fused

@@ -40,6 +40,9 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup; None: the default group
+    # A mixture of experts' experts whole, an Nth of them a rank (--enable-expert-parallel),
+    # instead of every expert's Nth part of the columns
+    expert_parallel: bool = False
     # The one-shot collectives' buffers (parallel/symmetric_memory.py's with_peer_buffers): the
     # fused all-reduce's, the logits all-gather's
     reduce_peers: PeerBuffers | None = None
