@@ -57,12 +57,18 @@ def moe_route_reference(
     logits: torch.Tensor,  # [T, E]: the router's, in the model's dtype
     top_k: int,
     renormalize: bool,  # rescale the chosen experts' probabilities to sum to 1
+    counts: torch.Tensor | None = None,  # [E] int64: each expert's choices, added to in place
+    slots: torch.Tensor | None = None,  # [T]: the tokens' KV slots; < 0: padding, not counted
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k] int64
-    """Softmax over all experts in float32, then the top k (as transformers routes)."""
+    """Softmax over all experts in float32, then the top k (as transformers routes); with
+    `counts`, each real token's choices counted into it."""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if counts is not None:
+        real = torch.ones_like(ids) if slots is None else (slots[:, None] >= 0).expand_as(ids)
+        counts.index_add_(0, ids.flatten(), real.flatten().to(counts.dtype))
     return weights, ids
 
 

@@ -172,11 +172,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def moe_route(
-    logits: torch.Tensor, top_k: int, renormalize: bool
+    logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    counts: torch.Tensor | None = None,  # [E] int64: each real token's choices added to it
+    slots: torch.Tensor | None = None,  # [T]: the tokens' KV slots; < 0: padding, not counted
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k]
     module = _triton("moe_route", logits)
     run = module.moe_route if module is not None else moe_route_reference
-    return run(logits, top_k, renormalize)
+    return run(logits, top_k, renormalize, counts, slots)
 
 
 def moe_experts(

@@ -28,12 +28,16 @@ def _route_kernel(
     logits_ptr,  # [T, E]
     weights_ptr,  # [T, k] float32
     ids_ptr,  # [T, k] int64
+    counts_ptr,  # [E] int64 with COUNT: each expert's choices, added to
+    slots_ptr,  # [T] with SLOTS: the tokens' KV slots (< 0: padding, not counted)
     num_experts,
     top_k,
     stride_logits,
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    COUNT: tl.constexpr,
+    SLOTS: tl.constexpr,
 ):
     token = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
@@ -58,12 +62,19 @@ def _route_kernel(
     out = token.to(tl.int64) * top_k + slots
     tl.store(weights_ptr + out, chosen / total, mask=slots < top_k)
     tl.store(ids_ptr + out, chosen_ids, mask=slots < top_k)
+    if COUNT:  # integer adds: the sum is exact in any order
+        one = tl.full((BLOCK_K,), 1, dtype=tl.int64)
+        if SLOTS:  # a padding row adds 0
+            one = one * (tl.load(slots_ptr + token) >= 0).to(tl.int64)
+        tl.atomic_add(counts_ptr + chosen_ids, one, mask=slots < top_k)
 
 
 def moe_route(
     logits: torch.Tensor,  # [T, E]: the router's, in the model's dtype
     top_k: int,
     renormalize: bool,
+    counts: torch.Tensor | None = None,  # [E] int64: each real token's choices added to it
+    slots: torch.Tensor | None = None,  # [T]: the tokens' KV slots; < 0: padding
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k] int64
     num_tokens, num_experts = logits.shape
     if not 1 <= top_k <= num_experts <= MAX_EXPERTS:
@@ -73,9 +84,11 @@ def moe_route(
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens:
         _route_kernel[(num_tokens,)](
-            logits, weights, ids, num_experts, top_k, logits.stride(0),
+            logits, weights, ids, counts if counts is not None else ids,
+            slots if slots is not None else ids, num_experts, top_k, logits.stride(0),
             RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_K=triton.next_power_of_2(top_k), COUNT=counts is not None,
+            SLOTS=slots is not None,
         )  # fmt: skip
     return weights, ids
 

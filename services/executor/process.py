@@ -35,6 +35,7 @@ import zmq
 
 from services.executor.rank_group import start_runner
 from services.executor.runner.drafting import waits_for_drafts
+from services.executor.runner.expert_load import ExpertLoad
 from services.executor.runner.model_runner import ModelRunner
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.step_watch import StepWatch
@@ -102,6 +103,7 @@ def serve_plans(
     """
     asked = False  # DeviceReady sent, LaunchStep not received yet
     session: int | None = None  # the scheduler session whose plans run here
+    load = ExpertLoad(runner.model)  # a mixture of experts' load, from the first plan on
 
     def ask_when_due(now: bool = False) -> None:
         nonlocal asked
@@ -117,6 +119,7 @@ def serve_plans(
             # a step must be launched before that step's answer lets it send the next one.
             ask_when_due()
             answer = runner.collect()
+            answer.expert_tokens, answer.expert_ranks = load.read()
             socket.send(encode(answer))
             steps.answered(answer.step)
         if not socket.poll(0 if runner.num_in_flight else None):

@@ -81,6 +81,8 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.device_busy_seconds = 0.0
+        self.expert_tokens: list[int] = []  # a mixture of experts' load (ModelRunnerOutput)
+        self.expert_ranks: list[int] = []
         self.spec_decode = SpecDecodeStats()
 
     # ------------------------------------------------------------------ intake
@@ -341,6 +343,8 @@ class Scheduler:
         if self._retiring:
             self._retiring = {r: step for r, step in self._retiring.items() if step > plan.step}
         self.device_busy_seconds += result.device_ms / 1000
+        if result.expert_tokens:  # the newest of the executor's reads
+            self.expert_tokens, self.expert_ranks = result.expert_tokens, result.expert_ranks
         for request_id, part in result.prompt_logprobs.items():
             if (request := self.requests.get(request_id)) is not None:
                 request.add_prompt_logprobs(part)
@@ -465,6 +469,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_decode.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
             spec_accepted_per_position=list(self.spec_decode.accepted_per_position),
+            expert_tokens=self.expert_tokens,
+            expert_ranks=self.expert_ranks,
         )
 
     def check_invariants(self) -> None:

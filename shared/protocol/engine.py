@@ -149,6 +149,11 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     # Speculative decoding: how many drafts each row verified (of its draft_slots; sampled
     # holds those accepted and the token after them).
     num_drafts: dict[str, int] = {}
+    # A mixture of experts' load, at most once a second (else empty): each expert's choices
+    # by real tokens since start, every layer's added up, and the rank holding each expert
+    # whole (--enable-expert-parallel) or -1 (every rank holds a part of it)
+    expert_tokens: list[int] = []
+    expert_ranks: list[int] = []
 
 
 # ------------------------------------------------------------- outputs out

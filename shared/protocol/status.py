@@ -85,6 +85,9 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    # A mixture of experts' load: each expert's choices since start, and its rank (or -1)
+    expert_tokens: list[int] = []
+    expert_ranks: list[int] = []
 
     @property
     def queue_full(self) -> str | None:

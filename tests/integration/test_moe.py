@@ -15,12 +15,15 @@ import torch.nn.functional as F
 import transformers
 
 from kernels.moe import moe_experts_reference, moe_route_reference
-from kvflow import LLM
+from kvflow import LLM, SamplingParams
 from services.executor.layers.moe import SparseMoE
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.parallel.tensor_parallel import TensorParallel
+from services.executor.runner.expert_load import ExpertLoad, expert_ranks
+from services.frontend.metrics.prometheus import Metrics
 from shared.model_config import load_model_config, resolve_model_source
 from tests.integration.tiny_models import MOE_FAMILIES, TINY
+from tests.unit.snapshots import stats
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_FAMILIES))
@@ -105,3 +108,44 @@ def test_a_steps_weight_bytes_count_the_experts_its_tokens_choose(tiny_moe) -> N
             expert_bytes * share
         )
     assert _step_weight_bytes(model, 10_000) == total  # every expert chosen
+
+
+def test_each_experts_load_is_counted_and_shown_in_the_metrics(tiny_moe) -> None:
+    """Every layer's k choices of every token the model runs (a prompt's, then each decoded
+    one's) count once; the scheduler keeps the newest read and /metrics shows it by expert."""
+    _, folder = tiny_moe
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    model = llm.runner.model
+    moe = model.config.moe
+    load = ExpertLoad(model, interval_s=0.0)  # zeroes the counts
+    assert load.read() == ([0] * moe.num_experts, [-1] * moe.num_experts)
+    prompt, new = [5, 9, 11, 200, 31, 7, 8], 6
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    counts, ranks = load.read()
+    tokens_run = len(prompt) + new - 1  # the last token sampled is not run
+    assert sum(counts) == moe.top_k * len(moe.sparse_layers) * tokens_run
+    assert ExpertLoad(model, interval_s=60.0).read() == ([0] * moe.num_experts, ranks)
+    snapshot = stats(expert_tokens=counts, expert_ranks=ranks)
+    text = Metrics("m").render([snapshot], num_tokenizer_workers=1, num_in_flight=0)
+    line = 'kvflow:moe_expert_tokens_total{model_name="m",replica="0",expert="1",rank="all"}'
+    assert f"{line} {counts[1]}" in text
+
+
+def test_expert_parallel_ranks_hold_runs_of_whole_experts(tiny_moe) -> None:
+    _, folder = tiny_moe
+    config = load_model_config(resolve_model_source(str(folder)))
+    assert config.moe is not None
+    if config.qk_norm_whole:
+        return  # OLMoE runs on one rank
+    total = config.moe.num_experts
+    models = [
+        DecoderForCausalLM(config, 64, tp=TensorParallel(rank, 2, expert_parallel=True))
+        for rank in range(2)
+    ]
+    held = [m.layers[-1].mlp.experts_down.shape[0] for m in models]
+    assert held == [total // 2, total - total // 2]
+    assert models[0].layers[-1].mlp.experts_down.shape[2] == config.moe.intermediate_size  # whole
+    assert expert_ranks(models[1]) == [0] * (total // 2) + [1] * (total - total // 2)
+    few = dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=1))
+    with pytest.raises(ValueError, match="1 experts are fewer than the ranks"):
+        DecoderForCausalLM(few, 64, tp=TensorParallel(0, 2, expert_parallel=True))

@@ -184,3 +184,19 @@ def test_the_fp8_reference_rounds_inputs_and_dequantizes_weights() -> None:
     hidden = torch.nn.functional.silu(projected[:, :16]) * projected[:, 16:]
     expected = rounded(hidden) @ (down[0].float() * 0.02).T
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_routing_counts_each_real_tokens_choices() -> None:
+    """The experts' load: each token's k choices added to `counts`, padding rows (a KV slot
+    below 0) left out, as the reference counts them."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 16, generator=generator).to(DEVICE)
+    slots = torch.tensor([5, 6, -1, 7, -1, 9], device=DEVICE)
+    counts = torch.full((16,), 10, dtype=torch.int64, device=DEVICE)
+    _, ids = moe_route(logits, 3, True, counts, slots)
+    expected = torch.full((16,), 10, dtype=torch.int64, device=DEVICE)
+    moe_route_reference(logits, 3, True, expected, slots)
+    assert torch.equal(counts, expected)
+    assert int(counts.sum()) == 10 * 16 + 4 * 3
+    real_ids = ids[slots >= 0].flatten().cpu()
+    assert torch.equal(counts.cpu() - 10, torch.bincount(real_ids, minlength=16))

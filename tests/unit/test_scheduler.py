@@ -507,3 +507,20 @@ def test_a_full_waiting_queue_refuses_new_requests() -> None:
     scheduler.schedule()  # a and b start running: the queue has room again
     add(scheduler, "c", prompt_of(4))
     scheduler.check_invariants()
+
+
+def test_the_stats_keep_the_newest_experts_load_the_executor_read():
+    """The executor reads a mixture of experts' load once a second; steps between carry none."""
+    scheduler = make_scheduler()
+    add(scheduler, "a", prompt_of(4), max_tokens=3)
+    loads = [([3, 5], [-1, -1]), ([], []), ([4, 9], [0, 1])]
+    for tokens, ranks in loads:
+        plan = scheduler.schedule()
+        result = ModelRunnerOutput(
+            step=plan.step, sampled={"a": [7]}, expert_tokens=tokens, expert_ranks=ranks
+        )
+        scheduler.update(plan, result)
+        newest = next(
+            load for load in reversed(loads[: loads.index((tokens, ranks)) + 1]) if load[0]
+        )
+        assert (scheduler.stats().expert_tokens, scheduler.stats().expert_ranks) == newest

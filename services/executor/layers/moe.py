@@ -88,6 +88,8 @@ class SparseMoE(nn.Module):
             set_weight_loader(self.experts_gate_up_scale, gate_up_loader, 2 * moe.num_experts)
             down_loader = functools.partial(load, pieces=1)
             set_weight_loader(self.experts_down_scale, down_loader, moe.num_experts)
+        # Each expert's choices by real tokens, every layer's added up (`counts_into`)
+        self.counts: torch.Tensor | None = None
         self.shared_expert: GatedMLP | None = None
         if moe.shared_expert_size:
             self.shared_expert = GatedMLP(layout, columns=moe.shared_expert_size)
@@ -120,8 +122,18 @@ class SparseMoE(nn.Module):
             weight.data.copy_(values.mul_(100.0).clamp_(-448.0, 448.0).to(FP8))
             scale.data.fill_(0.02 / 100.0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        weights, ids = ops.moe_route(self.gate(x), self.moe.top_k, self.moe.renormalize)
+    def counts_into(self, counts: torch.Tensor) -> None:
+        """From now on each forward pass adds its real tokens' choices to counts [experts]."""
+        self.counts = counts
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        slots: torch.Tensor | None = None,  # [T]: the tokens' KV slots (< 0: padding rows)
+    ) -> torch.Tensor:  # [T, hidden]
+        weights, ids = ops.moe_route(
+            self.gate(x), self.moe.top_k, self.moe.renormalize, self.counts, slots
+        )
         if not self.all_experts:
             weights, ids = self._local_choices(weights, ids)
         out = ops.moe_experts(

@@ -212,7 +212,7 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x, kv_cache, meta, lora)
         if isinstance(self.mlp, SparseMoE):  # float rows in; no LoRA (refused at start)
             x, residual = self.post_attention_layernorm(x, residual, reduce=self.tp)
-            return self.mlp(x), residual
+            return self.mlp(x, meta.slot_mapping), residual
         x, residual = self.post_attention_layernorm(
             x, residual, feeds=self.mlp.gate_up_proj, reduce=self.tp
         )
@@ -249,6 +249,14 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, layout.vocab_rows, sharding=vocab)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Each expert's choices by real tokens since start, every layer's added up (the
+        # experts' load, for /metrics); all of them on every rank, as every rank routes alike.
+        self.expert_tokens: torch.Tensor | None = None
+        if cfg.moe is not None:
+            self.expert_tokens = torch.zeros(cfg.moe.num_experts, dtype=torch.int64)
+            for layer in self.layers:
+                if isinstance(layer.mlp, SparseMoE):
+                    layer.mlp.counts_into(self.expert_tokens)
         # EAGLE-3 reads the residual stream that enters some layers (capture_aux_hidden).
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None

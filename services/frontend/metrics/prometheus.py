@@ -124,6 +124,7 @@ class Metrics:
             if samples:
                 lines += _sample(f"kvflow:{name}", kind, doc, samples)
         lines += _accepted_per_position(self.labels, snapshots)
+        lines += _expert_tokens(self.labels, snapshots)
         lines += [
             "# HELP kvflow:request_success_total Finished requests by reason.",
             "# TYPE kvflow:request_success_total counter",
@@ -217,3 +218,26 @@ def _accepted_per_position(labels: str, snapshots: Sequence[StatsSnapshot]) -> l
         "Draft tokens accepted at each position of their row (0: the first draft).",
         samples,
     )
+
+
+def _expert_tokens(labels: str, snapshots: Sequence[StatsSnapshot]) -> list[str]:
+    """A mixture of experts' load: each expert's choices by tokens (every layer's added up),
+    with the rank that holds it whole under expert parallelism ("all": a part on each)."""
+    samples: list[tuple[str, float]] = [
+        (f'{labels},replica="{s.replica}",expert="{expert}",rank="{_rank(rank)}"', count)
+        for s in snapshots
+        for expert, (count, rank) in enumerate(zip(s.expert_tokens, s.expert_ranks, strict=True))
+    ]
+    if not samples:
+        return []
+    return _sample(
+        "kvflow:moe_expert_tokens_total",
+        "counter",
+        "Tokens routed to each expert, every layer's choices added up (its rank: the GPU that"
+        " holds it whole with --enable-expert-parallel, else all).",
+        samples,
+    )
+
+
+def _rank(rank: int) -> str:
+    return "all" if rank < 0 else str(rank)
