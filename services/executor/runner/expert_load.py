@@ -1,10 +1,16 @@
 """A mixture of experts' load for /metrics: each expert's choices by real tokens since the
 engine started serving (every layer's added up; the route kernel counts them on the device),
-read at most once a second into the step answers the scheduler keeps the newest of."""
+read at most once a second into the step answers the scheduler keeps the newest of.
+
+On a GPU the read never waits for the device: each read starts a copy to pinned host memory
+behind the steps in flight and answers with the copy the read before started, once it landed
+(so the figures are a second old)."""
 
 from __future__ import annotations
 
 import time
+
+import torch
 
 from services.executor.models.decoder import DecoderForCausalLM
 
@@ -18,18 +24,30 @@ class ExpertLoad:
         self.interval_s = interval_s
         self.last_read = -float("inf")
         self.ranks = expert_ranks(model)
+        self.host: torch.Tensor | None = None  # the copy in flight (on a GPU)
+        self.copied: torch.cuda.Event | None = None
         if self.counts is not None:
             self.counts.zero_()
+            if self.counts.is_cuda:
+                self.host = torch.empty_like(self.counts, device="cpu").pin_memory()
 
     def read(self) -> tuple[list[int], list[int]]:
         """(each expert's choices, the rank holding each or -1: a part on every rank), or
-        ([], []) for a model without experts or within a second of the last read. The copy
-        waits for the steps in flight: it comes after a step's answer, which waited already."""
+        ([], []) for a model without experts, within a second of the last read, or while the
+        copy is not back yet."""
         now = time.monotonic()
         if self.counts is None or now - self.last_read < self.interval_s:
             return [], []
         self.last_read = now
-        return self.counts.tolist(), self.ranks
+        if self.host is None:  # on the CPU: the steps ran already
+            return self.counts.tolist(), self.ranks
+        if self.copied is not None and not self.copied.query():
+            return [], []
+        counts = self.host.tolist() if self.copied is not None else []
+        self.host.copy_(self.counts, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return (counts, self.ranks) if counts else ([], [])
 
 
 def expert_ranks(model: DecoderForCausalLM) -> list[int]:
