@@ -42,6 +42,7 @@ def num_parameters(cfg: ModelConfig) -> int:
         ("Qwen2.5-7B", 7.62),
         ("Qwen3-0.6B", 0.596),
         ("Qwen3-30B-A3B", 30.53),
+        ("OLMoE-1B-7B-0924", 6.92),
     ],
 )
 def test_presets_have_the_published_sizes(preset: str, billions: float) -> None:
