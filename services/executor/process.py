@@ -81,7 +81,8 @@ def run_executor(config: Config) -> None:
     logger.info("%s ready on %s, connected to %s", name, runner.device, address)
     try:
         steps = StepWatch(watch, config.fault_hang_step)
-        serve_plans(runner, socket, Decoder(ToExecutor, name), model_name, steps)
+        load = ExpertLoad(runner.model)  # a mixture of experts' load, from the first plan on
+        serve_plans(runner, socket, Decoder(ToExecutor, name), model_name, steps, load)
     finally:
         heartbeat.stop()
 
@@ -92,6 +93,7 @@ def serve_plans(
     decoder: Decoder,
     model_name: str,
     steps: StepWatch,
+    load: ExpertLoad | None = None,
 ) -> None:
     """Answer finished steps, ask for the next launch, and take plans, addenda, launches,
     hellos and LoRA adapters to load.
@@ -103,7 +105,6 @@ def serve_plans(
     """
     asked = False  # DeviceReady sent, LaunchStep not received yet
     session: int | None = None  # the scheduler session whose plans run here
-    load = ExpertLoad(runner.model)  # a mixture of experts' load, from the first plan on
 
     def ask_when_due(now: bool = False) -> None:
         nonlocal asked
@@ -119,7 +120,8 @@ def serve_plans(
             # a step must be launched before that step's answer lets it send the next one.
             ask_when_due()
             answer = runner.collect()
-            answer.expert_tokens, answer.expert_ranks = load.read()
+            if load is not None:
+                answer.expert_tokens, answer.expert_ranks = load.read()
             socket.send(encode(answer))
             steps.answered(answer.step)
         if not socket.poll(0 if runner.num_in_flight else None):
