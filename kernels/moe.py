@@ -110,22 +110,16 @@ def moe_experts_reference(
     rounded to e4m3 per row (or per row and group, as its weight's scales go), and both
     operands are dequantized, in float32; silu(..) * up is rounded to x's dtype first, as
     the kernels store it."""
-    fp8 = gate_up_scale is not None and down_scale is not None
-    if fp8:
-        assert gate_up_scale is not None and down_scale is not None
-        x_in = _fp8_rounded(x, gate_up_scale.shape[2])
-        gate_up, down = (
-            dequantize_experts(gate_up, gate_up_scale),
-            dequantize_experts(down, down_scale),
-        )
+    x_in, down_groups = x, 0  # down_groups: the SiLU rows' rounding (0: none)
+    if gate_up_scale is not None and down_scale is not None:
+        x_in, down_groups = _fp8_rounded(x, gate_up_scale.shape[2]), down_scale.shape[2]
+        gate_up = dequantize_experts(gate_up, gate_up_scale)
+        down = dequantize_experts(down, down_scale)
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     for expert in range(gate_up.shape[0]):
         share = (weights * (ids == expert)).sum(dim=-1)  # [T]: 0 where not chosen
-        if fp8:
-            assert down_scale is not None
-            hidden = silu_and_mul_reference(x_in @ gate_up[expert].T).to(x.dtype)  # [T, I]
-            product = _fp8_rounded(hidden, down_scale.shape[2]) @ down[expert].T
-        else:
-            product = silu_and_mul_reference(x @ gate_up[expert].T) @ down[expert].T
-        out += share[:, None] * product.float()
+        hidden = silu_and_mul_reference(x_in @ gate_up[expert].T)  # [T, I]
+        if down_groups:
+            hidden = _fp8_rounded(hidden.to(x.dtype), down_groups)
+        out += share[:, None] * (hidden @ down[expert].T).float()
     return out.to(x.dtype)

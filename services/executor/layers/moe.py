@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.fp8 import FP8, quantize_fp8_rowwise_reference
+from kernels.fp8 import FP8, FP8_MAX, quantize_fp8_rowwise_reference
 from services.executor.layers.linear import Linear
 from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
@@ -119,7 +119,7 @@ class SparseMoE(nn.Module):
             if scale is None:
                 weight.data.copy_(values.mul_(0.02))
                 continue
-            weight.data.copy_(values.mul_(100.0).clamp_(-448.0, 448.0).to(FP8))
+            weight.data.copy_(values.mul_(100.0).clamp_(-FP8_MAX, FP8_MAX).to(FP8))
             scale.data.fill_(0.02 / 100.0)
 
     def counts_into(self, counts: torch.Tensor) -> None:
