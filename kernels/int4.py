@@ -26,6 +26,7 @@ fast paths apply the scale after the sum).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -37,6 +38,16 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
 
 # How a Triton int4 launch tiles its work (kernels/triton_int4.py picks one per shape).
 KINDS = ("rows", "dot", "dequant_dot")
+
+
+class Int4Stack(NamedTuple):
+    """A mixture of experts' int4 projection (W4A16), stacked by expert: each expert's
+    weight in the layout above."""
+
+    qweight: torch.Tensor  # [E, N, K/8] int32
+    scales: torch.Tensor  # [E, N, G]
+    zeros: torch.Tensor | None  # [E, N, G] uint8; None: 8 (symmetric)
+    group_size: int  # input columns a scale spans (K: one a row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +124,17 @@ def dequantize_int4_reference(
     groups = group_index(q.shape[1], group_size, g_idx, q.device)  # [K]
     zero = SYMMETRIC_ZERO if zeros is None else zeros.float()[:, groups]
     return (q - zero) * scales.float()[:, groups]
+
+
+def dequantize_int4_stack(stack: Int4Stack, dtype: torch.dtype) -> torch.Tensor:  # [E, N, K]
+    """Every expert's weight, dequantized and rounded to `dtype` (as int4_linear_reference)."""
+    return torch.stack([
+        dequantize_int4_reference(
+            stack.qweight[e], stack.scales[e],
+            None if stack.zeros is None else stack.zeros[e], stack.group_size,
+        ).to(dtype)
+        for e in range(stack.qweight.shape[0])
+    ])  # fmt: skip
 
 
 def int4_linear_reference(

@@ -16,6 +16,7 @@ from kernels.fp8 import (
     quantize_fp8_groupwise_reference,
     quantize_fp8_rowwise_reference,
 )
+from kernels.int4 import Int4Stack, dequantize_int4_stack
 
 
 def aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -123,3 +124,18 @@ def moe_experts_reference(
             hidden = _fp8_rounded(hidden.to(x.dtype), down_groups)
         out += share[:, None] * (hidden @ down[expert].T).float()
     return out.to(x.dtype)
+
+
+def moe_experts_int4_reference(
+    x: torch.Tensor,  # [T, H]
+    gate_up: Int4Stack,  # [E, 2 I, H]: each expert's gate rows, then its up rows
+    down: Int4Stack,  # [E, H, I]
+    weights: torch.Tensor,  # [T, k] float32
+    ids: torch.Tensor,  # [T, k] int
+) -> torch.Tensor:  # [T, H], x's dtype
+    """int4 experts, W4A16: each expert's weights dequantized and rounded to x's dtype (as
+    kernels/int4.py's reference), then moe_experts_reference."""
+    gate_up_weight = dequantize_int4_stack(gate_up, x.dtype)
+    return moe_experts_reference(
+        x, gate_up_weight, dequantize_int4_stack(down, x.dtype), weights, ids
+    )

@@ -20,10 +20,10 @@ from kernels.embedding import embedding_rows_reference
 from kernels.fp8 import Fp8Rows, fp8_group_linear_reference, fp8_linear_reference
 from kernels.gguf import gguf_linear_reference
 from kernels.inputs import gather_sampled_inputs_reference
-from kernels.int4 import int4_linear_reference
+from kernels.int4 import Int4Stack, int4_linear_reference
 from kernels.linear import linear_reference
 from kernels.lora import LoraDelta, lora_expand_reference, lora_shrink_reference
-from kernels.moe import moe_experts_reference, moe_route_reference
+from kernels.moe import moe_experts_int4_reference, moe_experts_reference, moe_route_reference
 from kernels.norm import (
     fused_add_rms_norm_fp8_reference,
     fused_add_rms_norm_reference,
@@ -195,6 +195,19 @@ def moe_experts(
     module = _triton("moe", x)
     run = module.moe_experts if module is not None else moe_experts_reference
     return run(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+
+
+def moe_experts_int4(
+    x: torch.Tensor,
+    gate_up: Int4Stack,
+    down: Int4Stack,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """int4 experts (W4A16, kernels/moe.py)."""
+    module = _triton("moe_int4", x)
+    run = module.moe_experts_int4 if module is not None else moe_experts_int4_reference
+    return run(x, gate_up, down, weights, ids)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:

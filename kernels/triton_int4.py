@@ -256,7 +256,7 @@ def _q_minus_z(packed, i: tl.constexpr, zero):
 
 
 @triton.jit
-def _q_minus_z_pairs(packed, zero, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+def q_minus_z_pairs(packed, zero, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
     """q - z of every nibble, in `dtype` (bf16 or fp16; exact for the zero points 0..15
     that the loaders keep), as four [BN, W, 2] tiles: tile p holds nibbles 2p and 2p + 1 of
     each word side by side. zero: [BN] float32. On the GPU two values cost a PRMT, a LOP3
@@ -314,7 +314,7 @@ def _int4_dot_kernel(
 ):
     """out[rows, cols]^T = sum over steps of W_step x_step^T. In a step, for each nibble pair
     p the weight tile [BN, 2W] is q - z of nibbles 2p and 2p + 1 of each word side by side
-    (_q_minus_z_pairs), which hold the chunk's columns 8p .. 8p + 7, and x^T [2W, BM] those
+    (q_minus_z_pairs), which hold the chunk's columns 8p .. 8p + 7, and x^T [2W, BM] those
     columns: runs of 8. The tensor cores sum the exact integers times x in float32; the
     group's scale multiplies the step's sum. UNROLL steps an iteration (each inside one
     group); an iteration's steps past the split's end load nothing.
@@ -357,7 +357,7 @@ def _int4_dot_kernel(
             if HAS_ZEROS:
                 zero_ptrs = zeros_ptr + cols * stride_zeros_row + group
                 zero = tl.load(zero_ptrs, mask=col_valid & valid, other=0).to(tl.float32)
-            pairs = _q_minus_z_pairs(packed, zero, x_ptr.dtype.element_ty, INTERPRETED)
+            pairs = q_minus_z_pairs(packed, zero, x_ptr.dtype.element_ty, INTERPRETED)
             step = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for p in tl.static_range(4):
                 x_ptrs = x_rows + (k_step + 8 * p + x_cols)[:, None]

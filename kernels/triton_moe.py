@@ -39,7 +39,7 @@ def uses_gemv(num_pairs: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def _block(sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M: tl.constexpr,
+def block_pairs(sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M: tl.constexpr,
            BLOCK_N: tl.constexpr):  # fmt: skip
     """This program's pairs (and which are real), its expert, and its output columns."""
     block, tile = tl.program_id(0), tl.program_id(1)
@@ -103,7 +103,7 @@ def _gate_up_kernel(
 ):
     if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
         return  # a block past the last group: no pairs
-    pairs, rows_ok, expert, cols, cols_ok = _block(
+    pairs, rows_ok, expert, cols, cols_ok = block_pairs(
         sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
     )
     w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
@@ -163,7 +163,7 @@ def _down_kernel(
 ):
     if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
         return
-    pairs, rows_ok, expert, cols, cols_ok = _block(
+    pairs, rows_ok, expert, cols, cols_ok = block_pairs(
         sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
     )
     w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se

@@ -87,6 +87,45 @@ def gptq_pack(values: np.ndarray, along_rows: bool) -> np.ndarray:
     return packed if along_rows else packed.T
 
 
+def awq_tensors(name: str, layer: Quantized) -> dict[str, torch.Tensor]:
+    """A projection as AutoAWQ's GEMM format stores it."""
+    return {
+        f"{name}.qweight": to_int32(awq_pack_columns(layer.q.T)),  # [K, N/8]
+        f"{name}.qzeros": to_int32(awq_pack_columns(layer.zeros.T)),  # [G, N/8]
+        f"{name}.scales": layer.scales.t().contiguous(),  # [G, N]
+    }
+
+
+def gptq_tensors(name: str, layer: Quantized) -> dict[str, torch.Tensor]:
+    """A projection as AutoGPTQ stores it."""
+    # The original GPTQ format stores each zero point minus one (wrapping in 4 bits).
+    stored = (layer.zeros.T - 1) & 0xF  # [G, N]
+    return {
+        f"{name}.qweight": to_int32(gptq_pack(layer.q.T, along_rows=True)),  # [K/8, N]
+        f"{name}.qzeros": to_int32(gptq_pack(stored, along_rows=False)),  # [G, N/8]
+        f"{name}.scales": layer.scales.t().contiguous(),  # [G, N]
+        f"{name}.g_idx": torch.from_numpy(layer.g_idx),  # [K]
+    }
+
+
+def compressed_tensors_tensors(
+    name: str, layer: Quantized, symmetric: bool
+) -> dict[str, torch.Tensor]:
+    """A projection as compressed-tensors' pack-quantized format stores it (its own packer)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    signed = torch.from_numpy(layer.q - 8).to(torch.int8)  # compressed-tensors' convention
+    tensors = {
+        f"{name}.weight_packed": pack_to_int32(signed, 4),
+        f"{name}.weight_scale": layer.scales.contiguous(),  # [N, G]
+        f"{name}.weight_shape": torch.tensor(layer.q.shape),
+    }
+    if not symmetric:
+        zero = torch.from_numpy(layer.zeros - 8).to(torch.int8)
+        tensors[f"{name}.weight_zero_point"] = pack_to_int32(zero, 4, packed_dim=0)
+    return tensors
+
+
 def _quantize_model(
     model: torch.nn.Module, group_size: int, symmetric: bool, act_order: bool
 ) -> dict[str, Quantized]:
@@ -129,9 +168,7 @@ def write_awq(model: torch.nn.Module, folder: Path, group_size: int) -> None:
     layers = _quantize_model(model, group_size, symmetric=False, act_order=False)
     tensors = {}
     for name, layer in layers.items():
-        tensors[f"{name}.qweight"] = to_int32(awq_pack_columns(layer.q.T))  # [K, N/8]
-        tensors[f"{name}.qzeros"] = to_int32(awq_pack_columns(layer.zeros.T))  # [G, N/8]
-        tensors[f"{name}.scales"] = layer.scales.t().contiguous()  # [G, N]
+        tensors.update(awq_tensors(name, layer))
     config = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True}
     _save(model, folder, layers, tensors, {**config, "version": "gemm"})
 
@@ -142,12 +179,7 @@ def write_gptq(
     layers = _quantize_model(model, group_size, symmetric, act_order)
     tensors = {}
     for name, layer in layers.items():
-        tensors[f"{name}.qweight"] = to_int32(gptq_pack(layer.q.T, along_rows=True))  # [K/8, N]
-        # The original GPTQ format stores each zero point minus one (wrapping in 4 bits).
-        stored = (layer.zeros.T - 1) & 0xF  # [G, N]
-        tensors[f"{name}.qzeros"] = to_int32(gptq_pack(stored, along_rows=False))  # [G, N/8]
-        tensors[f"{name}.scales"] = layer.scales.t().contiguous()  # [G, N]
-        tensors[f"{name}.g_idx"] = torch.from_numpy(layer.g_idx)  # [K]
+        tensors.update(gptq_tensors(name, layer))
     config = {
         "quant_method": "gptq",
         "bits": 4,
@@ -164,7 +196,6 @@ def write_compressed_tensors(
 ) -> None:
     """pack-quantized W4A16 through compressed-tensors' own packer and config classes;
     `group_size` None: one group per output channel (strategy "channel")."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationScheme,
@@ -178,13 +209,7 @@ def write_compressed_tensors(
             layers[name] = quantize(module.weight.data, size, symmetric, None)
     tensors = {}
     for name, layer in layers.items():
-        signed = torch.from_numpy(layer.q - 8).to(torch.int8)  # compressed-tensors' convention
-        tensors[f"{name}.weight_packed"] = pack_to_int32(signed, 4)
-        tensors[f"{name}.weight_scale"] = layer.scales.contiguous()  # [N, G]
-        tensors[f"{name}.weight_shape"] = torch.tensor(layer.q.shape)
-        if not symmetric:
-            zero = torch.from_numpy(layer.zeros - 8).to(torch.int8)
-            tensors[f"{name}.weight_zero_point"] = pack_to_int32(zero, 4, packed_dim=0)
+        tensors.update(compressed_tensors_tensors(name, layer, symmetric))
     weights = QuantizationArgs(
         num_bits=4,
         type="int",

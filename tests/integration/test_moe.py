@@ -19,6 +19,8 @@ from kvflow import LLM, SamplingParams
 from services.executor.layers.moe import SparseMoE
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.parallel.tensor_parallel import TensorParallel
+from services.executor.quantization.gguf import GgufBlocks
+from services.executor.quantization.methods import experts_method
 from services.executor.runner.expert_load import ExpertLoad, expert_ranks
 from services.frontend.metrics.prometheus import Metrics
 from shared.model_config import load_model_config, resolve_model_source
@@ -78,8 +80,8 @@ def test_what_experts_do_not_run_with_yet_is_refused(tiny_moe) -> None:
     _, folder = tiny_moe
     with pytest.raises(ValueError, match="LoRA on mixture-of-experts"):
         LLM(str(folder), dtype="float32", device="cpu", enable_lora=True)
-    with pytest.raises(ValueError, match="awq experts are not supported yet"):
-        LLM(str(folder), dtype="bfloat16", device="cpu", quantization="awq", load_format="dummy")
+    with pytest.raises(ValueError, match="gguf experts are not supported yet"):
+        experts_method(GgufBlocks())
     config = load_model_config(resolve_model_source(str(folder)))
     assert config.moe is not None
     odd = dataclasses.replace(config, moe=dataclasses.replace(config.moe, intermediate_size=30))

@@ -3,22 +3,21 @@ every expert's gate/up and down projections, stacked by expert as the kernels re
 Qwen2-MoE's shared expert with its gate.
 
 A checkpoint stores each expert's projections apart (`experts.3.gate_proj.weight`, Mixtral's
-`experts.3.w1.weight`); each is one piece of a stacked parameter (`expert_piece`). FP8 experts
-(`ExpertsFp8`) are e4m3 with a float32 scale per output row and group of input columns, read
-from an FP8 checkpoint (its per-block scales one per row, services/executor/quantization/
-checkpoints.py) or quantized per row at load; the router and the shared expert stay float.
+`experts.3.w1.weight`); each is one piece of a stacked parameter (`expert_piece`). How the
+experts are stored and run is their `ExpertsMethod`'s: float here, FP8 and int4 in
+services/executor/quantization/ (the method is picked from the model's linear method by
+quantization/methods.py). The router and the shared expert stay float.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from kernels import ops
-from kernels.fp8 import FP8, FP8_MAX, quantize_fp8_rowwise_reference
 from services.executor.layers.linear import Linear
 from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
@@ -31,16 +30,6 @@ from services.executor.parallel.shards import (
     shard_tensor,
 )
 
-
-@dataclasses.dataclass(frozen=True)
-class ExpertsFp8:
-    """How a model's experts are FP8: as the checkpoint stores them (a scale per output row,
-    or per row and `group` input columns), or quantized per row at load."""
-
-    from_checkpoint: bool
-    group: int | None = None  # input columns a scale spans; None: the whole row
-
-
 # A checkpoint's expert projection -> (our stacked parameter, its piece within the expert's rows)
 EXPERT_PROJECTIONS = {
     "gate_proj": ("experts_gate_up", 0),
@@ -52,42 +41,67 @@ EXPERT_PROJECTIONS = {
 }
 
 
+class ExpertsMethod(Protocol):
+    """How a mixture of experts' experts are stored and run (float, FP8, int4), as a linear
+    method is for a projection: it registers the stacked parameters (`SparseMoE.stack`),
+    fills them with dummy values, prepares them after loading and runs the experts."""
+
+    name: str
+
+    def create_weights(self, moe: SparseMoE, hidden: int, columns: int) -> None: ...
+
+    def init_dummy(self, moe: SparseMoE, generator: torch.Generator) -> None: ...
+
+    def prepare(self, moe: SparseMoE) -> None: ...
+
+    def apply(
+        self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class FloatExperts:
+    """Experts in the model's dtype."""
+
+    name = "float"
+
+    def create_weights(self, moe: SparseMoE, hidden: int, columns: int) -> None:
+        moe.stack("experts_gate_up", 2 * columns, hidden, None, TensorDims(0, 1))
+        moe.stack("experts_down", hidden, columns, None, TensorDims(0, 1))
+
+    def init_dummy(self, moe: SparseMoE, generator: torch.Generator) -> None:
+        for weight in (moe.experts_gate_up, moe.experts_down):
+            values = torch.randn(weight.shape, generator=generator, device=weight.device)
+            weight.data.copy_(values.mul_(0.02))
+
+    def prepare(self, moe: SparseMoE) -> None:
+        pass
+
+    def apply(
+        self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        return ops.moe_experts(x, moe.experts_gate_up, moe.experts_down, weights, ids)
+
+
 class SparseMoE(nn.Module):
-    def __init__(self, layout: ShardLayout, fp8: ExpertsFp8 | None = None) -> None:
+    def __init__(self, layout: ShardLayout, method: ExpertsMethod | None = None) -> None:
         """`layout`: what this rank holds: every expert, each by its part of the columns (as a
         dense MLP is split), or with expert parallelism its run of the experts whole; the
         router whole. Each rank routes alike (x is whole on all) and returns its part of the
-        sum, which the next norm adds up over the ranks, as a dense MLP's. `fp8`: the
-        experts' FP8 format (None: float)."""
+        sum, which the next norm adds up over the ranks, as a dense MLP's. `method`: how the
+        experts are stored (None: float)."""
         super().__init__()
         moe = layout.local_config.moe
         assert moe is not None, "a SparseMoE's model has experts"
         hidden_size = layout.local_config.hidden_size
-        experts, columns = len(layout.experts), moe.intermediate_size
-        self.moe, self.fp8 = moe, fp8
+        self.moe = moe
         self.first_expert = layout.experts.start
-        self.all_experts = experts == moe.num_experts  # else another rank holds some
+        self.num_local_experts = len(layout.experts)
+        self.all_experts = self.num_local_experts == moe.num_experts  # else another rank's
         self.gate = Linear(hidden_size, moe.num_experts)  # the router, whole, in the model dtype
-        stored = FP8 if fp8 is not None and fp8.from_checkpoint else None
-        self.experts_gate_up = _stacked(experts, 2 * columns, hidden_size, stored)
-        self.experts_down = _stacked(experts, hidden_size, columns, stored)
-        part, parts = (0, 1) if layout.tp.expert_parallel else (layout.tp.rank, layout.tp.size)
-        load = functools.partial(
-            _load_expert_piece, first=self.first_expert, part=part, parts=parts
-        )
-        # Every expert's tensors count as loaded (another rank's are skipped): the model's.
-        gate_up_loader = functools.partial(load, pieces=2)
-        set_weight_loader(self.experts_gate_up, gate_up_loader, 2 * moe.num_experts)
-        set_weight_loader(self.experts_down, functools.partial(load, pieces=1), moe.num_experts)
-        self.experts_gate_up_scale: nn.Parameter | None = None
-        self.experts_down_scale: nn.Parameter | None = None
-        if stored is not None and fp8 is not None:
-            groups = (_groups(hidden_size, fp8.group), _groups(columns, fp8.group))
-            self.experts_gate_up_scale = _stacked(experts, 2 * columns, groups[0], torch.float32)
-            self.experts_down_scale = _stacked(experts, hidden_size, groups[1], torch.float32)
-            set_weight_loader(self.experts_gate_up_scale, gate_up_loader, 2 * moe.num_experts)
-            down_loader = functools.partial(load, pieces=1)
-            set_weight_loader(self.experts_down_scale, down_loader, moe.num_experts)
+        # What the rank holds of each expert's columns; with EP its experts whole.
+        self.part = (0, 1) if layout.tp.expert_parallel else (layout.tp.rank, layout.tp.size)
+        self.method: ExpertsMethod = method or FloatExperts()
+        self.method.create_weights(self, hidden_size, moe.intermediate_size)
         # Each expert's choices by real tokens, every layer's added up (`counts_into`)
         self.counts: torch.Tensor | None = None
         self.shared_expert: GatedMLP | None = None
@@ -95,32 +109,32 @@ class SparseMoE(nn.Module):
             self.shared_expert = GatedMLP(layout, columns=moe.shared_expert_size)
             self.shared_expert_gate = Linear(hidden_size, 1)  # whole: it scales each part
 
+    def stack(
+        self, name: str, rows: int, cols: int, dtype: torch.dtype | None, dims: TensorDims
+    ) -> nn.Parameter:
+        """Register a parameter [local experts, rows, cols] that an expert projection's
+        checkpoint tensors fill (`name` starts with experts_gate_up, two pieces an expert, or
+        experts_down), cut for this rank as `dims` says where its columns lie."""
+        param = nn.Parameter(
+            torch.empty(self.num_local_experts, rows, cols, dtype=dtype), requires_grad=False
+        )
+        pieces = 2 if name.startswith("experts_gate_up") else 1
+        part, parts = self.part
+        load = functools.partial(
+            _load_expert_piece, first=self.first_expert, pieces=pieces, part=part, parts=parts,
+            dims=dims,
+        )  # fmt: skip
+        # Every expert's tensors count as loaded (another rank's are skipped): the model's.
+        set_weight_loader(param, load, pieces * self.moe.num_experts)
+        self.register_parameter(name, param)
+        return param
+
     def prepare(self) -> None:
-        """After loading: experts to be quantized at load become FP8, expert by expert (one
-        expert's float32 copy at a time)."""
-        if self.fp8 is None or self.fp8.from_checkpoint:
-            return
-        for name in ("experts_gate_up", "experts_down"):
-            weight = getattr(self, name).data
-            q = torch.empty_like(weight, dtype=FP8)
-            scale = torch.empty(*weight.shape[:2], 1, dtype=torch.float32, device=weight.device)
-            for expert in range(weight.shape[0]):
-                q[expert], scale[expert] = quantize_fp8_rowwise_reference(weight[expert])
-            delattr(self, name)  # the float copy goes back to the allocator
-            delattr(self, f"{name}_scale")  # None until now
-            self.register_buffer(name, q)
-            self.register_buffer(f"{name}_scale", scale)
+        """After loading (experts quantized at load become FP8 here)."""
+        self.method.prepare(self)
 
     def init_dummy(self, generator: torch.Generator) -> None:
-        """Random experts as a checkpoint's: FP8 values across e4m3's range, scaled to ~0.02."""
-        for weight, scale in ((self.experts_gate_up, self.experts_gate_up_scale),
-                              (self.experts_down, self.experts_down_scale)):  # fmt: skip
-            values = torch.randn(weight.shape, generator=generator, device=weight.device)
-            if scale is None:
-                weight.data.copy_(values.mul_(0.02))
-                continue
-            weight.data.copy_(values.mul_(100.0).clamp_(-FP8_MAX, FP8_MAX).to(FP8))
-            scale.data.fill_(0.02 / 100.0)
+        self.method.init_dummy(self, generator)
 
     def counts_into(self, counts: torch.Tensor) -> None:
         """From now on each forward pass adds its real tokens' choices to counts [experts]."""
@@ -136,10 +150,7 @@ class SparseMoE(nn.Module):
         )
         if not self.all_experts:
             weights, ids = self._local_choices(weights, ids)
-        out = ops.moe_experts(
-            x, self.experts_gate_up, self.experts_down, weights, ids,
-            self.experts_gate_up_scale, self.experts_down_scale,
-        )  # fmt: skip
+        out = self.method.apply(self, x, weights, ids)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out  # this rank's part
@@ -151,25 +162,19 @@ class SparseMoE(nn.Module):
         weighted 0 (on expert 0 here: the kernels run every pair, and each rank's part of the
         sum holds its own experts' alone)."""
         local = ids - self.first_expert
-        mine = (local >= 0) & (local < self.experts_down.shape[0])
+        mine = (local >= 0) & (local < self.num_local_experts)
         return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
 
 
-def _stacked(experts: int, rows: int, cols: int, dtype: torch.dtype | None) -> nn.Parameter:
-    return nn.Parameter(torch.empty(experts, rows, cols, dtype=dtype), requires_grad=False)
-
-
-def _groups(columns: int, group: int | None) -> int:
-    """Scales a row of `columns` input columns has, a group of `group` each (None: one)."""
-    if group is None:
-        return 1
-    if columns % group:
-        raise ValueError(f"FP8 experts: {columns} input columns are not whole groups of {group}")
-    return columns // group
-
-
-# A checkpoint expert tensor's last name -> whether it is a weight's scales
-_EXPERT_PARTS = {"weight": False, "qweight": False, "weight_scale": True}
+# A checkpoint expert tensor's last name (as translated, services/executor/quantization/
+# checkpoints.py) -> the suffix of the stacked parameter it fills
+_EXPERT_PARTS = {
+    "weight": "",
+    "qweight": "",  # FP8 or packed int4
+    "weight_scale": "_scale",  # FP8
+    "scales": "_scale",  # int4
+    "zeros": "_zeros",  # int4
+}
 
 
 def expert_piece(name: str) -> tuple[str, int] | None:
@@ -183,8 +188,7 @@ def expert_piece(name: str) -> tuple[str, int] | None:
         return None
     param, piece = EXPERT_PROJECTIONS[parts[5]]
     pieces = 2 if param == "experts_gate_up" else 1
-    suffix = "_scale" if _EXPERT_PARTS[parts[6]] else ""
-    return f"layers.{parts[1]}.mlp.{param}{suffix}", int(parts[4]) * pieces + piece
+    return f"layers.{parts[1]}.mlp.{param}{_EXPERT_PARTS[parts[6]]}", int(parts[4]) * pieces + piece
 
 
 def _load_expert_piece(
@@ -192,24 +196,27 @@ def _load_expert_piece(
     tensor: CheckpointTensor,
     shard: int | None,
     name: str,
-    first: int = 0,
-    pieces: int = 1,
-    part: int = 0,
-    parts: int = 1,
+    *,
+    first: int,
+    pieces: int,
+    part: int,
+    parts: int,
+    dims: TensorDims,
 ) -> None:
     """Piece `shard` (expert * pieces + piece) of a stacked expert parameter: its expert's
     rows, the gate's or the up's half of them in experts_gate_up, if the rank holds that
     expert (the parameter's are experts first, first + 1, ...); of the checkpoint's tensor,
     part `part` of `parts` of the expert's columns (gate and up: their rows; down: its input
-    columns). An FP8 scale tensor, [rows] or [rows, groups], splits the same way, by its
-    groups of columns."""
+    columns), where `dims` says its columns lie. A scale tensor of one a row, [rows], is
+    [rows, 1]."""
     expert, piece = divmod(shard or 0, pieces)
     if not 0 <= expert - first < param.shape[0]:
         return  # another rank's expert
     rows = param.shape[1] // pieces
     split: Split = "rows" if pieces == 2 else "cols"
     tensor = unpacked(tensor, name)
-    dims = TensorDims(0, 1 if len(tensor.shape) == 2 else None, what="scale groups")
+    if len(tensor.shape) == 1:
+        dims = TensorDims(rows=0)
     cut = read(shard_tensor(tensor, dims, split, part, parts))
     target = param.data[expert - first].narrow(0, piece * rows, rows)
     copy_weight(target, cut.reshape(rows, -1) if cut.dim() == 1 else cut, name)

@@ -21,12 +21,12 @@ from services.executor.layers.embedding import VocabParallelEmbedding
 from services.executor.layers.linear import Activation, Linear, LinearMethod
 from services.executor.layers.lora import LoraTokens
 from services.executor.layers.mlp import GatedMLP
-from services.executor.layers.moe import ExpertsFp8, SparseMoE, expert_piece
+from services.executor.layers.moe import ExpertsMethod, SparseMoE, expert_piece
 from services.executor.layers.norm import RMSNorm
 from services.executor.layers.rotary import RotaryEmbedding
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
-from services.executor.quantization.methods import experts_fp8
+from services.executor.quantization.methods import experts_method
 from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
@@ -177,16 +177,16 @@ class DecoderLayer(nn.Module):
         method: LinearMethod | None,
         kv_scales: bool = False,
         sparse: bool = False,
-        fp8: ExpertsFp8 | None = None,
+        experts: ExpertsMethod | None = None,
     ) -> None:
         """`sparse`: the layer's MLP is the model's mixture of experts (else a gated MLP),
-        whose experts are FP8 as `fp8` says (None: float)."""
+        whose experts are stored as `experts` says (None: float)."""
         super().__init__()
         cfg = layout.local_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(layout, rotary, method, kv_scales)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(layout, fp8) if sparse else GatedMLP(layout, method)
+        self.mlp = SparseMoE(layout, experts) if sparse else GatedMLP(layout, method)
         self.tp = layout.tp
 
     def forward(
@@ -238,9 +238,9 @@ class DecoderForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size)
         sparse = cfg.moe.sparse_layers if cfg.moe is not None else ()
-        fp8 = experts_fp8(method) if sparse else None  # refuses what experts cannot run
+        experts = experts_method(method) if sparse else None  # refuses what experts cannot run
         layers = (
-            DecoderLayer(layout, rotary, method, kv_scales, i in sparse, fp8)
+            DecoderLayer(layout, rotary, method, kv_scales, i in sparse, experts)
             for i in range(cfg.num_layers)
         )
         self.layers = nn.ModuleList(layers)

@@ -25,6 +25,7 @@ from services.executor.layers.linear import (
     randn_like,
     with_lora,
 )
+from services.executor.layers.moe import SparseMoE
 from services.executor.parallel.shards import TensorDims
 
 
@@ -156,3 +157,69 @@ class Fp8Block(Fp8Checkpoint):
             layer.block_scale,
         )
         return with_lora(out, lora)
+
+
+class Fp8Experts:
+    """FP8 experts, W8A8 (kernels/moe.py): e4m3 with a float32 scale per output row, or per
+    row and `group` input columns, as an FP8 checkpoint stores them (its per-block scales one
+    per row, services/executor/quantization/checkpoints.py), or quantized per row at load."""
+
+    name = "fp8"
+
+    def __init__(self, from_checkpoint: bool, group: int | None = None) -> None:
+        self.from_checkpoint, self.group = from_checkpoint, group
+
+    def create_weights(self, moe: SparseMoE, hidden: int, columns: int) -> None:
+        stored = FP8 if self.from_checkpoint else None
+        moe.stack("experts_gate_up", 2 * columns, hidden, stored, TensorDims(0, 1))
+        moe.stack("experts_down", hidden, columns, stored, TensorDims(0, 1))
+        if not self.from_checkpoint:  # until `prepare` quantizes the float experts
+            moe.experts_gate_up_scale = moe.experts_down_scale = None
+        else:
+            scales = TensorDims(0, 1, (self.group or columns, 1), "scale groups")
+            moe.stack("experts_gate_up_scale", 2 * columns, self._groups(hidden),
+                      torch.float32, scales)  # fmt: skip
+            moe.stack("experts_down_scale", hidden, self._groups(columns), torch.float32, scales)
+
+    def _groups(self, columns: int) -> int:
+        """Scales a row of `columns` input columns has."""
+        if self.group is None:
+            return 1
+        if columns % self.group:
+            raise ValueError(f"FP8 experts: {columns} input columns are not groups of {self.group}")
+        return columns // self.group
+
+    def init_dummy(self, moe: SparseMoE, generator: torch.Generator) -> None:
+        """As a checkpoint's: FP8 values across e4m3's range, scaled to ~0.02."""
+        for weight, scale in ((moe.experts_gate_up, moe.experts_gate_up_scale),
+                              (moe.experts_down, moe.experts_down_scale)):  # fmt: skip
+            values = randn_like(weight, generator)
+            if scale is None:  # quantized at load
+                weight.data.copy_(values.mul_(0.02))
+                continue
+            weight.data.copy_(values.mul_(100.0).clamp_(-FP8_MAX, FP8_MAX).to(FP8))
+            scale.data.fill_(0.02 / 100.0)
+
+    def prepare(self, moe: SparseMoE) -> None:
+        """Experts to be quantized at load become FP8, expert by expert (one expert's float32
+        copy at a time)."""
+        if self.from_checkpoint:
+            return
+        for name in ("experts_gate_up", "experts_down"):
+            weight = getattr(moe, name).data
+            q = torch.empty_like(weight, dtype=FP8)
+            scale = torch.empty(*weight.shape[:2], 1, dtype=torch.float32, device=weight.device)
+            for expert in range(weight.shape[0]):
+                q[expert], scale[expert] = quantize_fp8_rowwise_reference(weight[expert])
+            delattr(moe, name)  # the float copy goes back to the allocator
+            delattr(moe, f"{name}_scale")  # None until now
+            moe.register_buffer(name, q)
+            moe.register_buffer(f"{name}_scale", scale)
+
+    def apply(
+        self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        return ops.moe_experts(
+            x, moe.experts_gate_up, moe.experts_down, weights, ids,
+            moe.experts_gate_up_scale, moe.experts_down_scale,
+        )  # fmt: skip

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from kernels.int4 import CHUNK, PACK
+from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.lora import LoraDelta
 from services.executor.layers.linear import (
     BIAS_DIMS,
@@ -17,6 +17,7 @@ from services.executor.layers.linear import (
     randn_like,
     with_lora,
 )
+from services.executor.layers.moe import SparseMoE
 from services.executor.parallel.shards import TensorDims
 from shared.quant_config import QuantSpec
 
@@ -107,3 +108,71 @@ class Int4WeightOnly:
             layer.bias,
         )
         return with_lora(out, lora)
+
+
+class Int4Experts:
+    """int4 experts (W4A16) as AWQ, GPTQ and compressed-tensors checkpoints of mixtures of
+    experts hold them, expert by expert, in the layout of `kernels/int4.py` stacked by expert
+    (`kernels.int4.Int4Stack`): a quarter of bf16's bytes per chosen expert."""
+
+    name = "int4"
+
+    def __init__(self, spec: QuantSpec) -> None:
+        if spec.act_order:
+            raise ValueError("int4 experts with act-order (desc_act, g_idx) are not supported")
+        self.spec = spec
+
+    def group_size(self, columns: int) -> int:
+        return self.spec.group_size if self.spec.group_size > 0 else columns
+
+    def create_weights(self, moe: SparseMoE, hidden: int, columns: int) -> None:
+        words = TensorDims(0, 1, (CHUNK, CHUNK // PACK), "chunks of packed words")
+        for name, rows, k in (("experts_gate_up", 2 * columns, hidden),
+                              ("experts_down", hidden, columns)):  # fmt: skip
+            group = self.group_size(k)
+            if k % CHUNK or group % CHUNK or k % group:
+                raise ValueError(
+                    f"int4 experts need input columns and groups in multiples of {CHUNK}, "
+                    f"whole groups: {k} columns in groups of {group}"
+                )
+            # One scale a row: every rank keeps its rows' whole (no column split to follow).
+            channel = self.spec.group_size <= 0
+            groups = TensorDims(rows=0) if channel else TensorDims(0, 1, (group, 1), "groups")
+            moe.stack(name, rows, k // PACK, torch.int32, words)
+            moe.stack(f"{name}_scale", rows, k // group, None, groups)
+            if not self.spec.symmetric:
+                moe.stack(f"{name}_zeros", rows, k // group, torch.uint8, groups)
+
+    def stacks(self, moe: SparseMoE) -> tuple[Int4Stack, Int4Stack]:
+        """(gate_up, down) as the kernels read them."""
+        return tuple(  # type: ignore[return-value]
+            Int4Stack(
+                getattr(moe, name), getattr(moe, f"{name}_scale"),
+                getattr(moe, f"{name}_zeros", None),
+                self.group_size(getattr(moe, name).shape[2] * PACK),
+            )
+            for name in ("experts_gate_up", "experts_down")
+        )  # fmt: skip
+
+    def init_dummy(self, moe: SparseMoE, generator: torch.Generator) -> None:
+        """As Int4WeightOnly's: random 4-bit values, zero points near the middle, scales that
+        give the weights the float dummy's spread."""
+        for stack in self.stacks(moe):
+            device = stack.qweight.device
+            bits = torch.randint(-(2**31), 2**31, stack.qweight.shape, generator=generator,
+                                 device=device)  # fmt: skip
+            stack.qweight.data.copy_(bits)
+            scales = randn_like(stack.scales, generator).abs_().mul_(0.005).add_(0.002)
+            stack.scales.data.copy_(scales)
+            if stack.zeros is not None:
+                zeros = torch.randint(6, 11, stack.zeros.shape, generator=generator,
+                                      device=device)  # fmt: skip
+                stack.zeros.data.copy_(zeros)
+
+    def prepare(self, moe: SparseMoE) -> None:
+        pass
+
+    def apply(
+        self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        return ops.moe_experts_int4(x, *self.stacks(moe), weights, ids)

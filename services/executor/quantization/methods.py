@@ -8,10 +8,16 @@ import logging
 from torch import nn
 
 from services.executor.layers.linear import Linear, LinearMethod, Unquantized
-from services.executor.layers.moe import ExpertsFp8, SparseMoE
-from services.executor.quantization.fp8 import Fp8Block, Fp8Checkpoint, Fp8Dynamic, Fp8Static
+from services.executor.layers.moe import ExpertsMethod, FloatExperts, SparseMoE
+from services.executor.quantization.fp8 import (
+    Fp8Block,
+    Fp8Checkpoint,
+    Fp8Dynamic,
+    Fp8Experts,
+    Fp8Static,
+)
 from services.executor.quantization.gguf import GgufBlocks
-from services.executor.quantization.int4 import Int4WeightOnly
+from services.executor.quantization.int4 import Int4Experts, Int4WeightOnly
 from shared.quant_config import QuantSpec
 
 logger = logging.getLogger(__name__)
@@ -34,21 +40,23 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
     return Int4WeightOnly(spec)
 
 
-def experts_fp8(method: LinearMethod | None) -> ExpertsFp8 | None:
+def experts_method(method: LinearMethod | None) -> ExpertsMethod:
     """How a mixture of experts' experts are stored under the model's linear method: float,
-    or FP8 as the checkpoint holds them or quantized at load (weight-only, kernels/moe.py);
-    what they cannot run is refused by name."""
+    FP8 (as the checkpoint holds them, or quantized at load) or int4; what they cannot run
+    is refused by name."""
     if method is None or type(method) is Unquantized:
-        return None
+        return FloatExperts()
     if isinstance(method, Fp8Block):
-        return ExpertsFp8(from_checkpoint=True, group=method.group)
+        return Fp8Experts(from_checkpoint=True, group=method.group)
     if isinstance(method, Fp8Static):
         raise ValueError("FP8 experts with static activation scales are not supported yet")
     if isinstance(method, Fp8Checkpoint):
-        return ExpertsFp8(from_checkpoint=True)
+        return Fp8Experts(from_checkpoint=True)
     if isinstance(method, Fp8Dynamic):
-        return ExpertsFp8(from_checkpoint=False)
-    raise ValueError(f"{method.name} experts are not supported yet (FP8 and float are)")
+        return Fp8Experts(from_checkpoint=False)
+    if isinstance(method, Int4WeightOnly):
+        return Int4Experts(method.spec)
+    raise ValueError(f"{method.name} experts are not supported yet (float, FP8 and int4 are)")
 
 
 def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:

@@ -1,0 +1,284 @@
+"""int4 experts (W4A16) in Triton: kernels/triton_moe.py's grouped GEMMs over the (token,
+expert) pairs sorted by expert, with each weight tile made in registers from its packed words
+(kernels/int4.py's layout, expert by expert). Same math as
+`kernels.moe.moe_experts_int4_reference`.
+
+A K step of 8 * WORDS columns loads [BLOCK_N, WORDS] words; as in kernels/triton_int4.py's dot
+kernel, nibbles 2p and 2p + 1 of each word side by side hold the chunk's columns 8p .. 8p + 7,
+so tl.dot takes four weight tiles [BLOCK_N, 2 * WORDS] against x^T read in runs of 8 columns.
+Two ways to make the tiles (`FAST`):
+
+- a step inside one group, 16-bit x (a checkpoint's groups of 128, or one a row): q - z exact
+  in x's dtype (on the GPU by kernels/triton_int4.py's inline PTX), the group's scale times
+  the step's float32 sum;
+- otherwise (groups of 32 or 64, float32 x): each weight dequantized by its own group's scale
+  and zero point and rounded to x's dtype, as the reference does.
+
+Every block of pairs reads its expert's words once, so a decode step reads only the chosen
+experts' weights, a quarter of bf16's bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4 import CHUNK, PACK, Int4Stack
+from kernels.triton_int4 import q_minus_z_pairs
+from kernels.triton_moe import block_pairs
+from kernels.triton_moe_route import align
+from kernels.triton_moe_tiles import GemmTiles, grouped_tiles
+from kernels.triton_stages import launch_fitting
+
+_CHUNK = tl.constexpr(CHUNK)
+# K steps of up to 128 columns (one group of a checkpoint's usual 128), 64 weight rows.
+INT4_TILES = GemmTiles(n=64, k=128, num_warps=4, num_stages=3)
+GPU_MIN_STEP = 64  # tl.dot on the GPU: tiles of 2 * WORDS = 16 columns at least
+
+
+@triton.jit
+def _dot(weight, xt, acc, INTERPRETED: tl.constexpr):
+    if INTERPRETED:  # float32 dots: the interpreter's 16-bit ones round differently
+        return tl.dot(weight.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(weight, xt, acc)
+
+
+@triton.jit
+def _step(acc, x_rows, rows_ok, k_step, w_rows, s_rows, z_rows, cols_ok, group_size,
+          WORDS: tl.constexpr, HAS_ZEROS: tl.constexpr, FAST: tl.constexpr,
+          INTERPRETED: tl.constexpr):  # fmt: skip
+    """acc [BN, BM] plus W x^T over the K step of 8 * WORDS columns from k_step. x_rows
+    [1, BM] and w_rows [BN, 1] point at the rows, s_rows and z_rows [BN] at the rows'
+    scales and zero points."""
+    words = tl.arange(0, WORDS)
+    pair_k = tl.arange(0, 2 * WORDS)
+    x_cols = (pair_k // 8) * _CHUNK + pair_k % 8  # tile p's columns, from k_step + 8p
+    packed = tl.load(w_rows + (k_step // PACK + words)[None, :], mask=cols_ok[:, None], other=0)
+    dtype = x_rows.dtype.element_ty
+    if FAST:
+        group = k_step // group_size
+        scale = tl.load(s_rows + group, mask=cols_ok, other=0.0).to(tl.float32)
+        zero = tl.full(scale.shape, 8.0, tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(z_rows + group, mask=cols_ok, other=0).to(tl.float32)
+        pairs = q_minus_z_pairs(packed, zero, dtype, INTERPRETED)
+        step = tl.zeros(acc.shape, tl.float32)
+        for p in tl.static_range(4):
+            xt = tl.load(x_rows + (k_step + 8 * p + x_cols)[:, None], mask=rows_ok[None, :],
+                         other=0.0)  # fmt: skip
+            step = _dot(tl.reshape(pairs[p], [acc.shape[0], 2 * WORDS]), xt, step, INTERPRETED)
+        acc += step * scale[:, None]
+    else:
+        for p in tl.static_range(4):
+            ks = k_step + 8 * p + x_cols  # [2W]
+            groups = (ks // group_size)[None, :]
+            lo = ((packed >> (8 * p)) & 0xF).to(tl.float32)
+            hi = ((packed >> (8 * p + 4)) & 0xF).to(tl.float32)
+            q = tl.reshape(tl.join(lo, hi), [acc.shape[0], 2 * WORDS])
+            mask = cols_ok[:, None]
+            scale = tl.load(s_rows[:, None] + groups, mask=mask, other=0.0).to(tl.float32)
+            zero = tl.full(q.shape, 8.0, tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(z_rows[:, None] + groups, mask=mask, other=0).to(tl.float32)
+            weight = ((q - zero) * scale).to(dtype)
+            xt = tl.load(x_rows + ks[:, None], mask=rows_ok[None, :], other=0.0)
+            acc = _dot(weight, xt, acc, INTERPRETED)
+    return acc
+
+
+# The pair count is not specialized, as in kernels/triton_moe.py (the warm-up meets every
+# variant).
+@triton.jit(do_not_specialize=["num_pairs"])
+def _int4_gate_up_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # [E, 2N, K/8] int32: gate rows, then up rows
+    s_ptr,  # [E, 2N, G]
+    z_ptr,  # [E, 2N, G] uint8 with HAS_ZEROS
+    out_ptr,  # [pairs, N]
+    sorted_ptr,  # [P] int32
+    block_expert_ptr,  # [P / BLOCK_M] int32
+    num_pairs,
+    top_k,
+    K,
+    N,
+    group_size,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    FAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
+        return  # a block past the last group: no pairs
+    pairs, rows_ok, expert, cols, cols_ok = block_pairs(
+        sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
+    x_rows = x_ptr + tl.where(rows_ok, pairs // top_k, 0)[None, :].to(tl.int64) * stride_x
+    w = w_ptr + expert * stride_we + cols[:, None] * stride_wn
+    s = s_ptr + expert * stride_se + cols * stride_sn
+    z = z_ptr + expert * stride_ze + cols * stride_zn
+    gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k_step in range(0, K, 8 * WORDS):
+        gate = _step(gate, x_rows, rows_ok, k_step, w, s, z, cols_ok, group_size, WORDS,
+                     HAS_ZEROS, FAST, INTERPRETED)  # fmt: skip
+        up = _step(up, x_rows, rows_ok, k_step, w + N * stride_wn, s + N * stride_sn,
+                   z + N * stride_zn, cols_ok, group_size, WORDS, HAS_ZEROS, FAST,
+                   INTERPRETED)  # fmt: skip
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_out + cols[:, None]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows_ok[None, :] & cols_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _int4_down_kernel(
+    h_ptr,  # [pairs, K]
+    w_ptr,  # [E, N, K/8] int32
+    s_ptr,  # [E, N, G]
+    z_ptr,  # [E, N, G] uint8 with HAS_ZEROS
+    out_ptr,  # [pairs, N]
+    weights_ptr,  # [pairs] float32: each pair's routing weight
+    sorted_ptr,
+    block_expert_ptr,
+    num_pairs,
+    K,
+    N,
+    group_size,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    FAST: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
+        return
+    pairs, rows_ok, expert, cols, cols_ok = block_pairs(
+        sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+    )
+    rows = tl.where(rows_ok, pairs, 0)
+    h_rows = h_ptr + rows[None, :].to(tl.int64) * stride_h
+    w = w_ptr + expert * stride_we + cols[:, None] * stride_wn
+    s = s_ptr + expert * stride_se + cols * stride_sn
+    z = z_ptr + expert * stride_ze + cols * stride_zn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k_step in range(0, K, 8 * WORDS):
+        acc = _step(acc, h_rows, rows_ok, k_step, w, s, z, cols_ok, group_size, WORDS,
+                    HAS_ZEROS, FAST, INTERPRETED)  # fmt: skip
+    acc *= tl.load(weights_ptr + rows, mask=rows_ok, other=0.0)[None, :]
+    out_ptrs = out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[None, :] & cols_ok[:, None])
+
+
+def moe_experts_int4(
+    x: torch.Tensor,  # [T, H]
+    gate_up: Int4Stack,  # [E, 2 I, H / 8]
+    down: Int4Stack,  # [E, H, I / 8]
+    weights: torch.Tensor,  # [T, k] float32
+    ids: torch.Tensor,  # [T, k]
+    tiles: GemmTiles = INT4_TILES,
+) -> torch.Tensor:  # [T, H], x's dtype
+    """moe_experts_int4_reference over the pairs sorted by expert (the module's docstring):
+    [pairs, I] SiLU-and-mul rows in x's dtype, then each pair's down row times its routing
+    weight, and each token's k rows summed in float32."""
+    x = x.contiguous()
+    num_tokens, top_k = ids.shape
+    hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
+    _check(x, gate_up, hidden)
+    _check(x.new_empty(0, inter), down, inter)
+    num_pairs = num_tokens * top_k
+    block_m = grouped_tiles(num_pairs).block_m
+    sorted_pairs, block_experts = align(ids, down.qweight.shape[0], block_m)
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    grid = (block_experts.numel(), triton.cdiv(inter, tiles.n))
+    args = (x, *_weight_args(gate_up)[:3], h, sorted_pairs, block_experts, num_pairs, top_k,
+            hidden, inter, gate_up.group_size, x.stride(0), *_weight_args(gate_up)[3:],
+            h.stride(0))  # fmt: skip
+    _launch(_int4_gate_up_kernel, grid, args, block_m, tiles, gate_up, x)
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    grid = (block_experts.numel(), triton.cdiv(hidden, tiles.n))
+    args = (h, *_weight_args(down)[:3], out, weights.float().contiguous(), sorted_pairs,
+            block_experts, num_pairs, inter, hidden, down.group_size, h.stride(0),
+            *_weight_args(down)[3:], out.stride(0))  # fmt: skip
+    _launch(_int4_down_kernel, grid, args, block_m, tiles, down, h)
+    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def _check(x: torch.Tensor, stack: Int4Stack, k: int) -> None:
+    experts, n, words = stack.qweight.shape
+    if stack.qweight.dtype != torch.int32 or words * PACK != k or x.shape[1] != k:
+        raise ValueError(f"int4 experts' qweight {tuple(stack.qweight.shape)} must be int32 "
+                         f"[E, N, {k} / {PACK}] against x {tuple(x.shape)}")  # fmt: skip
+    if k % CHUNK or stack.group_size % CHUNK or k % stack.group_size:
+        raise ValueError(f"int4 experts: K={k} and groups of {stack.group_size} must be "
+                         f"multiples of {CHUNK}, K whole groups")  # fmt: skip
+    groups = (experts, n, k // stack.group_size)
+    if tuple(stack.scales.shape) != groups:
+        raise ValueError(f"int4 experts' scales {tuple(stack.scales.shape)} are not {groups}")
+    if stack.zeros is not None and (stack.zeros.shape != stack.scales.shape
+                                    or stack.zeros.dtype != torch.uint8):  # fmt: skip
+        raise ValueError(f"int4 experts' zeros must be uint8 {groups}")
+
+
+def _weight_args(stack: Int4Stack) -> tuple[object, ...]:
+    """The weight's pointers (a zero point stands in by the scales when there are none),
+    then its strides."""
+    zeros = stack.zeros if stack.zeros is not None else stack.scales
+    return (
+        stack.qweight, stack.scales, zeros,
+        stack.qweight.stride(0), stack.qweight.stride(1), stack.scales.stride(0),
+        stack.scales.stride(1), zeros.stride(0), zeros.stride(1),
+    )  # fmt: skip
+
+
+def _step_columns(k: int, group_size: int, tiles: GemmTiles, on_gpu: bool) -> int:
+    """K a step: the tiles' if it divides K, else the largest of 64 (32 interpreted) that
+    does; the GPU's tl.dot takes no step below GPU_MIN_STEP."""
+    for step in (tiles.k, 64, 32):
+        if k % step == 0 and (step >= GPU_MIN_STEP or not on_gpu):
+            return step
+    raise ValueError(f"int4 experts on the GPU need K a multiple of {GPU_MIN_STEP}, got {k}")
+
+
+def _launch(
+    kernel: triton.JITFunction,
+    grid: tuple[int, int],
+    args: tuple[object, ...],
+    block_m: int,
+    tiles: GemmTiles,
+    stack: Int4Stack,
+    x: torch.Tensor,
+) -> None:
+    """A grouped GEMM's launch, with fewer pipeline stages where the GPU lacks the shared
+    memory for the tiles' (kernels/triton_stages.py)."""
+    step = _step_columns(x.shape[1], stack.group_size, tiles, x.is_cuda)
+    sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
+    constants = dict(
+        BLOCK_M=block_m, BLOCK_N=tiles.n, WORDS=step // PACK, HAS_ZEROS=stack.zeros is not None,
+        FAST=stack.group_size % step == 0 and (sixteen_bit or not x.is_cuda),
+        INTERPRETED=not x.is_cuda, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    variant = (kernel.__name__, x.device, x.dtype, *constants.values())  # type: ignore[attr-defined]
+    launch_fitting(
+        variant,
+        tiles.num_stages,
+        lambda stages: kernel[grid](*args, **constants, num_stages=stages),
+    )

@@ -1,0 +1,118 @@
+"""int4 experts (kernels/triton_moe_int4.py) against the torch reference: groups of a step and
+more (the fast path), groups of 32 (weights dequantized one by one), one scale a row,
+symmetric and with zero points. On the CPU under the Triton interpreter (small shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernels.int4 import Int4Stack, dequantize_int4_stack, quantize_int4_reference
+from kernels.moe import moe_experts_int4_reference, moe_experts_reference, moe_route_reference
+from kernels.triton_moe_int4 import moe_experts_int4
+from kernels.triton_moe_tiles import GemmTiles
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def int4_stack(experts: int, rows: int, cols: int, group: int, symmetric: bool,
+               generator: torch.Generator) -> Int4Stack:  # fmt: skip
+    """Random float experts rounded to int4 per group of `group` columns."""
+    parts = [
+        quantize_int4_reference(torch.randn(rows, cols, generator=generator), group, symmetric)
+        for _ in range(experts)
+    ]
+    qweight = torch.stack([part[0] for part in parts]).to(DEVICE)
+    scales = torch.stack([part[1] for part in parts]).to(DEVICE) / 8
+    zeros = None if symmetric else torch.stack([part[2] for part in parts]).to(DEVICE)  # type: ignore[misc]
+    return Int4Stack(qweight, scales, zeros, group)
+
+
+def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=generator)
+    logits[:, 0] -= 100.0  # expert 0 is never chosen: an empty group
+    return moe_route_reference(logits.to(DEVICE), top_k, renormalize=True)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "group", "symmetric"),
+    [
+        (1, 16, 128, True),  # a decode's few pairs; a step a group
+        (7, 6, 128, False),  # zero points
+        (9, 6, 32, False),  # groups of 32: four a step, weights dequantized one by one
+        (40, 8, 0, True),  # one scale a row (a group spans K)
+        (520, 5, 64, False),  # blocks of 32 pairs; steps of 64 columns
+    ],
+)
+def test_int4_experts_match_the_reference(
+    tokens: int, experts: int, group: int, symmetric: bool
+) -> None:
+    hidden, inter, top_k = 256, 128, 2
+    generator = torch.Generator().manual_seed(tokens + group)
+    gate_up = int4_stack(experts, 2 * inter, hidden, group or hidden, symmetric, generator)
+    down = int4_stack(experts, hidden, inter, group or inter, symmetric, generator)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    weights, ids = routed(tokens, experts, top_k, seed=tokens)
+    out = moe_experts_int4(x, gate_up, down, weights, ids)
+    expected = moe_experts_int4_reference(x, gate_up, down, weights, ids)
+    scale = float(expected.abs().max())
+    # GPU: tl.dot's float32 operands go in as TF32
+    tolerance = 1e-2 * scale if out.is_cuda else 1e-4 * scale
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=tolerance)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="16-bit tensor-core dots: on the GPU")
+@pytest.mark.parametrize("tokens", [1, 64, 1024])
+def test_int4_experts_in_bf16_at_a_qwen3_moe_layers_shape(tokens: int) -> None:
+    """Qwen3-30B-A3B's experts (128 of 768 columns over 2048, top 8), groups of 128."""
+    hidden, inter, experts, top_k = 2048, 768, 128, 8
+    generator = torch.Generator().manual_seed(tokens)
+    gate_up = int4_stack(experts, 2 * inter, hidden, 128, False, generator)
+    down = int4_stack(experts, hidden, inter, 128, False, generator)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE, torch.bfloat16)
+    weights, ids = routed(tokens, experts, top_k, seed=tokens)
+    out = moe_experts_int4(x, gate_up, down, weights, ids)
+    expected = moe_experts_int4_reference(x, gate_up, down, weights, ids)
+    scale = float(expected.float().abs().max())
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+def test_the_int4_reference_is_the_float_reference_on_the_dequantized_weights() -> None:
+    """What W4A16 means here: each weight (q - z) * scale rounded to x's dtype first."""
+    generator = torch.Generator().manual_seed(5)
+    gate_up = int4_stack(3, 64, 64, 32, False, generator)
+    down = int4_stack(3, 64, 32, 32, False, generator)
+    x = torch.randn(4, 64, generator=generator).to(DEVICE, torch.bfloat16)
+    weights, ids = routed(4, 3, 2, seed=5)
+    w1 = dequantize_int4_stack(gate_up, torch.bfloat16)
+    assert w1.dtype == torch.bfloat16 and w1.shape == (3, 64, 64)
+    # Expert 1's row 5, column 9, by hand: in a chunk of 32 columns, column 8p + 2c + h sits
+    # in word c at nibble 2p + h (kernels/int4.py), so column 9 in word 0 at nibble 3.
+    value = (int(gate_up.qweight[1, 5, 0]) >> (4 * 3)) & 0xF
+    zero = float(gate_up.zeros[1, 5, 0]) if gate_up.zeros is not None else 8.0
+    by_hand = (value - zero) * float(gate_up.scales[1, 5, 0])
+    assert float(w1[1, 5, 9]) == float(torch.tensor(by_hand).to(torch.bfloat16))
+    out = moe_experts_int4_reference(x, gate_up, down, weights, ids)
+    expected = moe_experts_reference(x, w1, dequantize_int4_stack(down, x.dtype), weights, ids)
+    assert torch.equal(out, expected)
+
+
+def test_int4_experts_refuse_what_they_cannot_read() -> None:
+    generator = torch.Generator().manual_seed(0)
+    gate_up = int4_stack(2, 64, 64, 32, True, generator)
+    down = int4_stack(2, 64, 32, 32, True, generator)
+    weights, ids = routed(1, 2, 1, seed=0)
+    with pytest.raises(ValueError, match="qweight"):
+        moe_experts_int4(torch.randn(1, 96, device=DEVICE), gate_up, down, weights, ids)
+    wrong = Int4Stack(down.qweight, down.scales[:, :, :0], None, 32)
+    with pytest.raises(ValueError, match="scales"):
+        moe_experts_int4(torch.randn(1, 64, device=DEVICE), gate_up, wrong, weights, ids)
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="multiple of 64"):
+            moe_experts_int4(
+                torch.randn(1, 64, device=DEVICE), gate_up, down, weights, ids,
+                GemmTiles(64, 128, 4, 3),
+            )  # fmt: skip
