@@ -122,6 +122,9 @@ def _moe_flags(moe: argparse.ArgumentParser) -> None:
     moe.add_argument(
         "--peer", choices=["none", "vllm"], default="none", help="also time vLLM's fused MoE"
     )
+    moe.add_argument(
+        "--int4", action="store_true", help="also time int4 experts (groups of 128, zero points)"
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:

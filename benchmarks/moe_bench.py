@@ -22,7 +22,7 @@ import torch
 
 from benchmarks.kernel_bench import copy_bandwidth_gbs, median_ms
 
-MoeCall = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+MoeCall = Callable[[torch.Tensor, torch.Tensor, Any, Any, int], torch.Tensor]
 
 
 def kvflow_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -31,6 +31,27 @@ def kvflow_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: tor
 
     weights, ids = ops.moe_route(logits, top_k, renormalize=True)
     return ops.moe_experts(x, w13, w2, weights, ids)
+
+
+def kvflow_int4_moe(x: torch.Tensor, logits: torch.Tensor, w13: Any, w2: Any,
+                    top_k: int) -> torch.Tensor:  # fmt: skip
+    from kernels import ops
+
+    weights, ids = ops.moe_route(logits, top_k, renormalize=True)
+    return ops.moe_experts_int4(x, w13, w2, weights, ids)
+
+
+def int4_stack(experts: int, rows: int, cols: int, generator: torch.Generator) -> Any:
+    """Random int4 experts as a checkpoint's: groups of 128 with zero points, the weights'
+    spread about cols ** -0.5."""
+    from kernels.int4 import Int4Stack
+
+    words = torch.randint(-(2**31), 2**31, (experts, rows, cols // 8), generator=generator,
+                          device="cuda", dtype=torch.int64).to(torch.int32)  # fmt: skip
+    groups = (experts, rows, cols // 128)
+    scales = torch.full(groups, 0.25 * cols**-0.5, device="cuda", dtype=torch.bfloat16)
+    zeros = torch.randint(6, 11, groups, generator=generator, device="cuda").to(torch.uint8)
+    return Int4Stack(words, scales, zeros, 128)
 
 
 def vllm_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -63,7 +84,7 @@ def time_layers(
     moe: MoeCall,
     x: torch.Tensor,
     logits: list[torch.Tensor],
-    weights: list[tuple[torch.Tensor, torch.Tensor]],
+    weights: list[tuple[Any, Any]],
     top_k: int,
 ) -> float:
     """Milliseconds a layer: `moe` over every layer's weights, from one CUDA graph."""
@@ -89,9 +110,17 @@ def moe_bench(args: argparse.Namespace) -> dict[str, Any]:
     w13 = [randn(num_e, 2 * inter, hidden, scale=hidden**-0.5) for _ in range(args.layers)]
     w2 = [randn(num_e, hidden, inter, scale=inter**-0.5) for _ in range(args.layers)]
     weights = list(zip(w13, w2, strict=True))
-    engines: dict[str, MoeCall] = {"kvflow": kvflow_moe}
+    engines: dict[str, tuple[MoeCall, list[tuple[Any, Any]]]] = {"kvflow": (kvflow_moe, weights)}
     if args.peer == "vllm":
-        engines["vllm"] = vllm_moe
+        engines["vllm"] = (vllm_moe, weights)
+    if args.int4:
+        int4 = [
+            (int4_stack(num_e, 2 * inter, hidden, generator),
+             int4_stack(num_e, hidden, inter, generator))
+            for _ in range(args.layers)
+        ]  # fmt: skip
+        engines["kvflow_int4"] = (kvflow_int4_moe, int4)
+        int4_bytes = sum(t.numel() * t.element_size() for stack in int4[0] for t in stack[:3])
     rows = []
     for batch in args.batch_sizes:
         x = randn(batch, hidden)
@@ -99,14 +128,19 @@ def moe_bench(args: argparse.Namespace) -> dict[str, Any]:
         floor_ms = distinct_expert_bytes(logits, args.top_k, 6 * inter * hidden) / copy_gbs / 1e6
         row: dict[str, Any] = {"batch_size": batch}
         row["floor_us"] = round(1000 * floor_ms / args.layers, 1)
-        for name, moe in engines.items():
+        if args.int4:
+            per_expert = int4_bytes // num_e
+            int4_ms = distinct_expert_bytes(logits, args.top_k, per_expert) / copy_gbs / 1e6
+            row["int4_floor_us"] = round(1000 * int4_ms / args.layers, 1)
+        for name, (moe, layer_weights) in engines.items():
             try:
-                ms = time_layers(moe, x, logits, weights, args.top_k)
+                ms = time_layers(moe, x, logits, layer_weights, args.top_k)
             except Exception as exc:  # a peer that cannot run is reported, not fatal
                 row[f"{name}_error"] = repr(exc)[:300]
                 continue
             row[f"{name}_us"] = round(1000 * ms, 1)
-            row[f"{name}_fraction_of_floor"] = round(floor_ms / args.layers / ms, 3)
+            floor = int4_ms if name == "kvflow_int4" else floor_ms
+            row[f"{name}_fraction_of_floor"] = round(floor / args.layers / ms, 3)
         rows.append(row)
         print(row, flush=True)
     return {

@@ -126,18 +126,27 @@ def _token_down_kernel(
     stride_out,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_TOP_K: tl.constexpr,  # top_k's next power of two
     MODE: tl.constexpr,
 ):
     """One GEMV over the token's k experts' down rows side by side (K' = k * K), each pair's
     row scaled by its routing weight (and in MODE 1 by its rows' and input's scales): one
-    loop, so loads stay in flight across experts."""
+    loop, so loads stay in flight across experts. In MODE 1 the k rows' input scales are
+    worked out first, each row read once for them."""
     token, tile = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
     chunks = tl.cdiv(K, BLOCK_K)
+    choices = tl.arange(0, BLOCK_TOP_K)
+    h_scales = tl.full((BLOCK_TOP_K,), 1.0, tl.float32)
+    if MODE == 1:
+        for choice in range(top_k):
+            row = h_ptr + (token * top_k + choice).to(tl.int64) * stride_h
+            h_scales = tl.where(choices == choice, _row_scale(row, K, BLOCK_K), h_scales)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for step in range(top_k * chunks):
-        pair = token * top_k + step // chunks
+        choice = step // chunks
+        pair = token * top_k + choice
         start = (step % chunks) * BLOCK_K
         ks = start + tl.arange(0, BLOCK_K)
         ks_ok = ks < K
@@ -145,9 +154,7 @@ def _token_down_kernel(
         w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
         h = h_ptr + pair.to(tl.int64) * stride_h
         scale = tl.load(weights_ptr + pair)
-        h_scale = 1.0
-        if MODE == 1:  # its row's scale (its first step works it out: the row is L1's now)
-            h_scale = _row_scale(h, K, BLOCK_K)
+        h_scale = tl.sum(tl.where(choices == choice, h_scales, 0.0), axis=0)
         a = _input_step(tl.load(h + ks, mask=ks_ok, other=0.0).to(tl.float32), h_scale, MODE)
         mask = cols_ok[:, None] & ks_ok[None, :]
         w_tile = tl.load(w + cols[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
@@ -188,7 +195,8 @@ def moe_experts_gemv(
     _token_down_kernel[grid](
         h, down, dn.tensor, out, weights.float().contiguous(), ids, top_k, inter, hidden,
         dn.group, h.stride(0), down.stride(0), down.stride(1), *dn.strides, out.stride(0),
-        BLOCK_N=tiles.down_n, BLOCK_K=dn.block_k, MODE=dn.mode, num_warps=tiles.num_warps,
+        BLOCK_N=tiles.down_n, BLOCK_K=dn.block_k, BLOCK_TOP_K=triton.next_power_of_2(top_k),
+        MODE=dn.mode, num_warps=tiles.num_warps,
     )  # fmt: skip
     return out
 

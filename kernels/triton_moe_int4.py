@@ -54,7 +54,7 @@ def _step(acc, x_rows, rows_ok, k_step, w_rows, s_rows, z_rows, cols_ok, group_s
     words = tl.arange(0, WORDS)
     pair_k = tl.arange(0, 2 * WORDS)
     x_cols = (pair_k // 8) * _CHUNK + pair_k % 8  # tile p's columns, from k_step + 8p
-    packed = tl.load(w_rows + (k_step // PACK + words)[None, :], mask=cols_ok[:, None], other=0)
+    packed = tl.load(w_rows + (k_step // 8 + words)[None, :], mask=cols_ok[:, None], other=0)
     dtype = x_rows.dtype.element_ty
     if FAST:
         group = k_step // group_size

@@ -34,11 +34,13 @@ from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from kernels.fp8 import FP8
+from kernels.int4 import Int4Stack
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_fp8 import fp8_skinny_linear
 from kernels.triton_int4 import int4_linear
 from kernels.triton_linear import skinny_linear
 from kernels.triton_moe import moe_experts
+from kernels.triton_moe_int4 import moe_experts_int4
 from kernels.triton_moe_tiles import GROUPED_TILES
 from kernels.triton_prefill_attention import paged_prefill_attention
 
@@ -192,6 +194,25 @@ def _moe_launches(fp8: bool) -> None:
         moe_experts(x, gate_up, down, torch.ones(tokens, top_k), ids, *scales)
 
 
+def _moe_int4_launches() -> None:
+    """Qwen3-30B-A3B's int4 experts (groups of 128, zero points) at one token and at each
+    grouped tile set's most pairs, as _moe_launches."""
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+
+    def stack(rows: int, cols: int) -> Int4Stack:
+        groups = (experts, rows, cols // 128)
+        return Int4Stack(torch.empty(experts, rows, cols // 8, dtype=torch.int32),
+                         torch.empty(groups, dtype=torch.bfloat16),
+                         torch.empty(groups, dtype=torch.uint8), 128)  # fmt: skip
+
+    gate_up, down = stack(2 * inter, hidden), stack(hidden, inter)
+    for pairs in [top_k] + [min(most, 4096 * top_k) for most, _ in GROUPED_TILES]:
+        tokens = pairs // top_k
+        ids = torch.arange(pairs).remainder(experts).view(tokens, top_k)
+        x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+        moe_experts_int4(x, gate_up, down, torch.ones(tokens, top_k), ids)
+
+
 # name -> (what launches, the compute capabilities it must fit)
 CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     # No PDL before Hopper: ops.linear gives the skinny GEMV at most 16 rows there.
@@ -203,6 +224,7 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),
     "moe bf16": (lambda: _moe_launches(fp8=False), (86, 90)),  # the least shared memory, H100
     "moe fp8": (lambda: _moe_launches(fp8=True), (89, 90)),
+    "moe int4": (_moe_int4_launches, (80, 86, 90)),
 }
 
 

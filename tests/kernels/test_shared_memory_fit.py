@@ -91,11 +91,16 @@ FP8 = (
     {"_skinny_linear_kernel", "_fp8_gemv_kernel", "_int4_dot_kernel", *ATTENTION},
 )
 MOE = {"_gate_up_kernel", "_down_kernel", "_pair_gate_up_kernel", "_token_down_kernel"}
+INT4_MOE = ({"moe int4"}, {"_int4_gate_up_kernel", "_int4_down_kernel"})
 EXPECTED = {
-    80: BEFORE_HOPPER,  # A100 (int4 dot: its inline PTX assembles for the oldest GPU too)
-    86: (BEFORE_HOPPER[0] | {"moe bf16"}, BEFORE_HOPPER[1] | MOE),  # A10
+    # A100 (int4 dot: its inline PTX assembles for the oldest GPU too)
+    80: (BEFORE_HOPPER[0] | INT4_MOE[0], BEFORE_HOPPER[1] | INT4_MOE[1]),
+    86: (BEFORE_HOPPER[0] | {"moe bf16"} | INT4_MOE[0], BEFORE_HOPPER[1] | MOE | INT4_MOE[1]),
     89: (FP8[0] | {"skinny bf16, 1-16 rows", "moe fp8"}, FP8[1] | MOE),  # L40S
-    90: (FP8[0] | {"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8"}, FP8[1] | MOE),
+    90: (
+        FP8[0] | {"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8"} | INT4_MOE[0],
+        FP8[1] | MOE | INT4_MOE[1],
+    ),
 }
 
 
