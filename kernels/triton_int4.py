@@ -111,7 +111,7 @@ def _dot_tile(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 
 @triton.jit
-def _one_plus_q16(packed, i: tl.constexpr):
+def one_plus_q16(packed, i: tl.constexpr):
     """1 + q/16 in float32 for nibble i of each word: its 4 bits moved to the top of the
     mantissa under 1.0's exponent, with one shift and one mask-and-or (an integer-to-float
     conversion would be a slow instruction, and subtracting the offset another op)."""
@@ -123,7 +123,7 @@ def _one_plus_q16(packed, i: tl.constexpr):
 
 
 @triton.jit
-def _x_pair(x_row, k_start, words, word_valid, p: tl.constexpr, X_PAIRS: tl.constexpr):
+def x_pair(x_row, k_start, words, word_valid, p: tl.constexpr, X_PAIRS: tl.constexpr):
     """The x values [1, W] that nibbles 2p and 2p + 1 of each word multiply, as float32: the
     chunk's columns 8p + 2c and 8p + 2c + 1 for word c. X_PAIRS (1 bf16, 2 fp16) reads them as
     one int32 each, four words' pairs contiguous (the layout's point); 0 reads them one by
@@ -165,11 +165,11 @@ def _int4_row_kernel(
     WORDS: tl.constexpr,  # packed words per weight row per K step: 8 * WORDS columns
     HAS_ZEROS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    X_PAIRS: tl.constexpr,  # see _x_pair
+    X_PAIRS: tl.constexpr,  # see x_pair
     EVEN_K: tl.constexpr,  # K % (8 * WORDS) == 0: no step needs a mask along K
 ):
     """out[row, cols] for one row of x. A word's sum is sum x (q - z) = 16 sum x v - (16 + z)
-    sum x with v = 1 + q/16 (_one_plus_q16): one FMA a nibble, and the x sum shared by the
+    sum x with v = 1 + q/16 (one_plus_q16): one FMA a nibble, and the x sum shared by the
     program's rows."""
     # Row programs vary fastest: the programs that share a weight block run side by side, so it
     # comes from HBM once and from L2 for the others.
@@ -198,10 +198,10 @@ def _int4_row_kernel(
         step = tl.zeros([BLOCK_N, WORDS], tl.float32)
         x_sum = tl.zeros([1, WORDS], tl.float32)
         for p in tl.static_range(4):
-            lo, hi = _x_pair(x_row, k_start, words, word_valid, p, X_PAIRS)
+            lo, hi = x_pair(x_row, k_start, words, word_valid, p, X_PAIRS)
             x_sum += lo + hi
-            step += _one_plus_q16(packed, 2 * p) * lo
-            step += _one_plus_q16(packed, 2 * p + 1) * hi
+            step += one_plus_q16(packed, 2 * p) * lo
+            step += one_plus_q16(packed, 2 * p + 1) * hi
         acc += (16.0 * step - offset * x_sum) * scale
         w_ptrs += WORDS
 

@@ -15,7 +15,8 @@ Two ways to make the tiles (`FAST`):
   and zero point and rounded to x's dtype, as the reference does.
 
 Every block of pairs reads its expert's words once, so a decode step reads only the chosen
-experts' weights, a quarter of bf16's bytes.
+experts' weights, a quarter of bf16's bytes. One token's pairs take the GEMVs of
+kernels/triton_moe_int4_gemv.py instead.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import triton.language as tl
 from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.triton_int4 import q_minus_z_pairs
 from kernels.triton_moe import block_pairs
+from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
 from kernels.triton_moe_route import align
 from kernels.triton_moe_tiles import GemmTiles, grouped_tiles
 from kernels.triton_stages import launch_fitting
@@ -194,30 +196,45 @@ def moe_experts_int4(
     down: Int4Stack,  # [E, H, I / 8]
     weights: torch.Tensor,  # [T, k] float32
     ids: torch.Tensor,  # [T, k]
-    tiles: GemmTiles = INT4_TILES,
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """moe_experts_int4_reference over the pairs sorted by expert (the module's docstring):
-    [pairs, I] SiLU-and-mul rows in x's dtype, then each pair's down row times its routing
-    weight, and each token's k rows summed in float32."""
+    """moe_experts_int4_reference: one token's pairs by GEMVs (kernels/triton_moe_int4_gemv.py),
+    more by the grouped GEMMs."""
     x = x.contiguous()
-    num_tokens, top_k = ids.shape
     hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     _check(x, gate_up, hidden)
     _check(x.new_empty(0, inter), down, inter)
+    if uses_int4_gemv(ids.numel(), down.qweight.shape[0]):
+        return moe_experts_int4_gemv(x, gate_up, down, weights, ids)
+    return moe_experts_int4_grouped(x, gate_up, down, weights, ids)
+
+
+def moe_experts_int4_grouped(
+    x: torch.Tensor,
+    gate_up: Int4Stack,
+    down: Int4Stack,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    tiles: GemmTiles = INT4_TILES,
+) -> torch.Tensor:
+    """moe_experts_int4 over the pairs sorted by expert (the module's docstring): [pairs, I]
+    SiLU-and-mul rows in x's dtype, then each pair's down row times its routing weight, and
+    each token's k rows summed in float32. x: contiguous, checked by moe_experts_int4."""
+    num_tokens, top_k = ids.shape
+    hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     num_pairs = num_tokens * top_k
     block_m = grouped_tiles(num_pairs).block_m
     sorted_pairs, block_experts = align(ids, down.qweight.shape[0], block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     grid = (block_experts.numel(), triton.cdiv(inter, tiles.n))
-    args = (x, *_weight_args(gate_up)[:3], h, sorted_pairs, block_experts, num_pairs, top_k,
-            hidden, inter, gate_up.group_size, x.stride(0), *_weight_args(gate_up)[3:],
+    args = (x, *weight_args(gate_up)[:3], h, sorted_pairs, block_experts, num_pairs, top_k,
+            hidden, inter, gate_up.group_size, x.stride(0), *weight_args(gate_up)[3:],
             h.stride(0))  # fmt: skip
     _launch(_int4_gate_up_kernel, grid, args, block_m, tiles, gate_up, x)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     grid = (block_experts.numel(), triton.cdiv(hidden, tiles.n))
-    args = (h, *_weight_args(down)[:3], out, weights.float().contiguous(), sorted_pairs,
+    args = (h, *weight_args(down)[:3], out, weights.float().contiguous(), sorted_pairs,
             block_experts, num_pairs, inter, hidden, down.group_size, h.stride(0),
-            *_weight_args(down)[3:], out.stride(0))  # fmt: skip
+            *weight_args(down)[3:], out.stride(0))  # fmt: skip
     _launch(_int4_down_kernel, grid, args, block_m, tiles, down, h)
     return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
@@ -236,17 +253,6 @@ def _check(x: torch.Tensor, stack: Int4Stack, k: int) -> None:
     if stack.zeros is not None and (stack.zeros.shape != stack.scales.shape
                                     or stack.zeros.dtype != torch.uint8):  # fmt: skip
         raise ValueError(f"int4 experts' zeros must be uint8 {groups}")
-
-
-def _weight_args(stack: Int4Stack) -> tuple[object, ...]:
-    """The weight's pointers (a zero point stands in by the scales when there are none),
-    then its strides."""
-    zeros = stack.zeros if stack.zeros is not None else stack.scales
-    return (
-        stack.qweight, stack.scales, zeros,
-        stack.qweight.stride(0), stack.qweight.stride(1), stack.scales.stride(0),
-        stack.scales.stride(1), zeros.stride(0), zeros.stride(1),
-    )  # fmt: skip
 
 
 def _step_columns(k: int, group_size: int, tiles: GemmTiles, on_gpu: bool) -> int:

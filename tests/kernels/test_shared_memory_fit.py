@@ -91,7 +91,11 @@ FP8 = (
     {"_skinny_linear_kernel", "_fp8_gemv_kernel", "_int4_dot_kernel", *ATTENTION},
 )
 MOE = {"_gate_up_kernel", "_down_kernel", "_pair_gate_up_kernel", "_token_down_kernel"}
-INT4_MOE = ({"moe int4"}, {"_int4_gate_up_kernel", "_int4_down_kernel"})
+INT4_MOE = (
+    {"moe int4"},
+    {"_int4_gate_up_kernel", "_int4_down_kernel", "_int4_pair_gate_up_kernel",
+     "_int4_token_down_kernel"},
+)  # fmt: skip
 EXPECTED = {
     # A100 (int4 dot: its inline PTX assembles for the oldest GPU too)
     80: (BEFORE_HOPPER[0] | INT4_MOE[0], BEFORE_HOPPER[1] | INT4_MOE[1]),

@@ -1,6 +1,7 @@
-"""int4 experts (kernels/triton_moe_int4.py) against the torch reference: groups of a step and
-more (the fast path), groups of 32 (weights dequantized one by one), one scale a row,
-symmetric and with zero points. On the CPU under the Triton interpreter (small shapes)."""
+"""int4 experts (kernels/triton_moe_int4.py, and its GEMVs for a decode's few pairs) against the
+torch reference: groups of a step and more (the grouped GEMMs' fast path), groups of 32
+(weights dequantized one by one), one scale a row, symmetric and with zero points. On the CPU
+under the Triton interpreter (small shapes)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ pytest.importorskip("triton")
 
 from kernels.int4 import Int4Stack, dequantize_int4_stack, quantize_int4_reference
 from kernels.moe import moe_experts_int4_reference, moe_experts_reference, moe_route_reference
-from kernels.triton_moe_int4 import moe_experts_int4
+from kernels.triton_moe_int4 import moe_experts_int4, moe_experts_int4_grouped
+from kernels.triton_moe_int4_gemv import uses_int4_gemv
 from kernels.triton_moe_tiles import GemmTiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,8 +42,9 @@ def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tens
 @pytest.mark.parametrize(
     ("tokens", "experts", "group", "symmetric"),
     [
-        (1, 16, 128, True),  # a decode's few pairs; a step a group
-        (7, 6, 128, False),  # zero points
+        (1, 32, 128, True),  # one token's pairs: the GEMVs
+        (2, 64, 32, False),  # GEMVs, groups of 32, zero points
+        (7, 6, 128, False),  # grouped GEMMs; a step a group, zero points
         (9, 6, 32, False),  # groups of 32: four a step, weights dequantized one by one
         (40, 8, 0, True),  # one scale a row (a group spans K)
         (520, 5, 64, False),  # blocks of 32 pairs; steps of 64 columns
@@ -58,6 +61,10 @@ def test_int4_experts_match_the_reference(
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
     out = moe_experts_int4(x, gate_up, down, weights, ids)
     expected = moe_experts_int4_reference(x, gate_up, down, weights, ids)
+    assert uses_int4_gemv(tokens * top_k, experts) == (experts >= 32)
+    if uses_int4_gemv(tokens * top_k, experts):  # the grouped GEMMs take any pair count too
+        grouped = moe_experts_int4_grouped(x, gate_up, down, weights, ids)
+        torch.testing.assert_close(grouped, out, rtol=1e-3, atol=1e-2 * float(out.abs().max()))
     scale = float(expected.abs().max())
     # GPU: tl.dot's float32 operands go in as TF32
     tolerance = 1e-2 * scale if out.is_cuda else 1e-4 * scale
@@ -112,7 +119,7 @@ def test_int4_experts_refuse_what_they_cannot_read() -> None:
         moe_experts_int4(torch.randn(1, 64, device=DEVICE), gate_up, wrong, weights, ids)
     if DEVICE == "cuda":
         with pytest.raises(ValueError, match="multiple of 64"):
-            moe_experts_int4(
+            moe_experts_int4_grouped(
                 torch.randn(1, 64, device=DEVICE), gate_up, down, weights, ids,
                 GemmTiles(64, 128, 4, 3),
             )  # fmt: skip

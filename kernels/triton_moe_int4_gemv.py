@@ -1,0 +1,210 @@
+"""One token's (token, expert) pairs against int4 experts (kernels/triton_moe_int4.py picks
+these kernels by `uses_int4_gemv`): two GEMVs with no sorting, as
+kernels/triton_moe_gemv.py does for float experts, with the multiply-adds of
+kernels/triton_int4.py's rows kernel (CUDA cores, one FMA a nibble: a word's sum is
+16 sum x v - (16 + z) sum x with v = 1 + q/16).
+
+`_int4_pair_gate_up_kernel`: a program per pair and BLOCK_N columns of the expert's gate and
+up rows, SiLU-and-mul fused. `_int4_token_down_kernel`: a program per token and BLOCK_N
+output columns walks its k experts' down rows side by side, each scaled by its routing
+weight, so the sum needs no launch of its own. At one token of Qwen3-30B-A3B (H200) a layer
+takes 40.6 us here against 50.8 in the grouped GEMMs, whose blocks of 16 pairs hold one; from
+two tokens on the grouped GEMMs are faster (56.5 against 60.6 us). Both stay far above the
+bytes' floor (4.7 us) and above bf16's GEMVs (37.5 us): they are not bound by memory, and
+what bounds them is not profiled yet (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.int4 import Int4Stack
+from kernels.triton_int4 import one_plus_q16, x_pair
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4GemvTiles:
+    """Weight rows a program, words of each a K step (8 columns a word; a power of two, the
+    last step masked where it runs past K), warps."""
+
+    gate_up_n: int = 4
+    gate_up_words: int = 256
+    down_n: int = 4
+    down_words: int = 128
+    num_warps: int = 2
+
+
+# sweeps/moe_int4_sweep.py's pick at one token (H200, 2026-12-04): 40.6 us a layer against
+# 53.2 for 8 x 128 words over 4 warps (gate/up) and 8 x 32 (down).
+INT4_GEMV_TILES = Int4GemvTiles()
+
+
+def uses_int4_gemv(num_pairs: int, num_experts: int) -> bool:
+    """One token's pairs of top 8 among 128 experts: at most an eighth of the experts
+    chosen."""
+    return num_pairs * 16 <= num_experts
+
+
+@triton.jit
+def _rows_step(w_rows, s_rows, z_rows, cols_ok, x_row, k_start, K, GROUP_SIZE: tl.constexpr,
+               WORDS: tl.constexpr, HAS_ZEROS: tl.constexpr, X_PAIRS: tl.constexpr):  # fmt: skip
+    """[BN, WORDS]: each word's sum of x times its weights (q - z) * scale, over the K step
+    of 8 * WORDS columns from k_start (those before K). w_rows [BN, 1] points at the weight
+    rows, s_rows and z_rows [BN] at their scales and zero points."""
+    words = tl.arange(0, WORDS)
+    valid = (k_start + 8 * words < K)[None, :]  # by whole chunks: K is a multiple of 32
+    mask = cols_ok[:, None] & valid
+    packed = tl.load(w_rows + (k_start // 8 + words)[None, :], mask=mask, other=0)
+    groups = ((k_start + 8 * words) // GROUP_SIZE)[None, :]  # a word's 8 columns: one group
+    scale = tl.load(s_rows[:, None] + groups, mask=mask, other=0.0).to(tl.float32)
+    offset = tl.full(scale.shape, 16.0 + 8.0, tl.float32)  # 16 + z
+    if HAS_ZEROS:
+        offset = tl.load(z_rows[:, None] + groups, mask=mask, other=0).to(tl.float32) + 16.0
+    step = tl.zeros(scale.shape, tl.float32)
+    x_sum = tl.zeros([1, WORDS], tl.float32)
+    for p in tl.static_range(4):
+        lo, hi = x_pair(x_row, k_start, words, valid, p, X_PAIRS)
+        x_sum += lo + hi
+        step += one_plus_q16(packed, 2 * p) * lo
+        step += one_plus_q16(packed, 2 * p + 1) * hi
+    return (16.0 * step - offset * x_sum) * scale
+
+
+@triton.jit
+def _int4_pair_gate_up_kernel(
+    x_ptr,  # [T, K]
+    w_ptr,  # [E, 2N, K/8] int32: gate rows, then up rows
+    s_ptr,  # [E, 2N, G]
+    z_ptr,  # [E, 2N, G] uint8 with HAS_ZEROS
+    out_ptr,  # [pairs, N]
+    ids_ptr,  # [pairs]: each pair's expert
+    top_k,
+    K,
+    N,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    stride_out,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    X_PAIRS: tl.constexpr,
+):
+    pair, tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < N
+    w = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    s = s_ptr + expert * stride_se + cols * stride_sn
+    z = z_ptr + expert * stride_ze + cols * stride_zn
+    gate = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    for k_start in range(0, K, 8 * WORDS):
+        gate += _rows_step(w, s, z, cols_ok, x_row, k_start, K, GROUP_SIZE, WORDS, HAS_ZEROS,
+                           X_PAIRS)  # fmt: skip
+        up += _rows_step(w + N * stride_wn, s + N * stride_sn, z + N * stride_zn, cols_ok, x_row,
+                         k_start, K, GROUP_SIZE, WORDS, HAS_ZEROS, X_PAIRS)  # fmt: skip
+    g, u = tl.sum(gate, axis=1), tl.sum(up, axis=1)
+    out = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + pair * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
+
+
+@triton.jit
+def _int4_token_down_kernel(
+    h_ptr,  # [pairs, K]
+    w_ptr,  # [E, N, K/8] int32
+    s_ptr,  # [E, N, G]
+    z_ptr,  # [E, N, G] uint8 with HAS_ZEROS
+    out_ptr,  # [T, N]
+    weights_ptr,  # [pairs] float32
+    ids_ptr,  # [pairs]
+    top_k,
+    K,
+    N,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ze,
+    stride_zn,
+    stride_out,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+    HAS_ZEROS: tl.constexpr,
+    X_PAIRS: tl.constexpr,
+):
+    """The token's k experts' down rows side by side (K' = k * K): one loop, so loads stay
+    in flight across experts."""
+    token, tile = tl.program_id(0), tl.program_id(1)
+    cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_ok = cols < N
+    steps = tl.cdiv(K, 8 * WORDS)
+    acc = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+    for step in range(top_k * steps):
+        pair = token * top_k + step // steps
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        s = s_ptr + expert * stride_se + cols * stride_sn
+        z = z_ptr + expert * stride_ze + cols * stride_zn
+        h_row = h_ptr + pair.to(tl.int64) * stride_h
+        k_start = (step % steps) * 8 * WORDS
+        part = _rows_step(w, s, z, cols_ok, h_row, k_start, K, GROUP_SIZE, WORDS, HAS_ZEROS,
+                          X_PAIRS)  # fmt: skip
+        acc += part * tl.load(weights_ptr + pair)
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
+
+
+def moe_experts_int4_gemv(
+    x: torch.Tensor,  # [T, H], contiguous
+    gate_up: Int4Stack,
+    down: Int4Stack,
+    weights: torch.Tensor,  # [T, k] float32
+    ids: torch.Tensor,  # [T, k]
+    tiles: Int4GemvTiles = INT4_GEMV_TILES,
+) -> torch.Tensor:  # [T, H], x's dtype
+    """moe_experts_int4 for few pairs: two launches, no sorting (the module's docstring)."""
+    num_tokens, top_k = ids.shape
+    hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
+    ids = ids.contiguous()
+    h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    x_pairs = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 16-bit rows: int32 pairs
+    grid = (num_tokens * top_k, triton.cdiv(inter, tiles.gate_up_n))
+    _int4_pair_gate_up_kernel[grid](
+        x, *weight_args(gate_up)[:3], h, ids, top_k, hidden, inter, x.stride(0),
+        *weight_args(gate_up)[3:], h.stride(0), GROUP_SIZE=gate_up.group_size,
+        BLOCK_N=tiles.gate_up_n, WORDS=tiles.gate_up_words,
+        HAS_ZEROS=gate_up.zeros is not None, X_PAIRS=x_pairs, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    grid = (num_tokens, triton.cdiv(hidden, tiles.down_n))
+    _int4_token_down_kernel[grid](
+        h, *weight_args(down)[:3], out, weights.float().contiguous(), ids, top_k, inter,
+        hidden, h.stride(0), *weight_args(down)[3:], out.stride(0),
+        GROUP_SIZE=down.group_size, BLOCK_N=tiles.down_n, WORDS=tiles.down_words,
+        HAS_ZEROS=down.zeros is not None, X_PAIRS=x_pairs, num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return out
+
+
+def weight_args(stack: Int4Stack) -> tuple[object, ...]:
+    """The weight's pointers (the scales stand in for missing zero points), then its
+    strides."""
+    zeros = stack.zeros if stack.zeros is not None else stack.scales
+    return (
+        stack.qweight, stack.scales, zeros,
+        stack.qweight.stride(0), stack.qweight.stride(1), stack.scales.stride(0),
+        stack.scales.stride(1), zeros.stride(0), zeros.stride(1),
+    )  # fmt: skip
