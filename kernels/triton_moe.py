@@ -232,7 +232,7 @@ def moe_experts_grouped(
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
     num_pairs = num_tokens * top_k
-    tiles = tiles or grouped_tiles(num_pairs)
+    tiles = tiles or grouped_tiles(num_pairs, fp8=gate_up_scale is not None)
     sorted_pairs, block_experts = align(ids, num_experts, tiles.block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     up = WeightScales(gate_up_scale, gate_up, tiles.gate_up.k, exact=False)

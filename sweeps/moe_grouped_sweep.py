@@ -1,7 +1,7 @@
-"""The MoE grouped GEMMs' tiles (kernels/triton_moe_tiles.py, `GROUPED_TILES`) by token count,
-at Qwen3-30B-A3B's layer shape (GPU):
+"""The MoE grouped GEMMs' tiles (kernels/triton_moe_tiles.py, `GROUPED_TILES` and, with --fp8,
+`GROUPED_TILES_FP8`) by token count, at Qwen3-30B-A3B's layer shape (GPU):
 
-    python3 -m sweeps.moe_grouped_sweep --out moe_grouped_sweep.json
+    python3 -m sweeps.moe_grouped_sweep --out moe_grouped_sweep.json [--fp8]
 
 For each token count and each block_m that suits it, a coordinate descent: the gate/up GEMM's
 tiles with the down GEMM's as they stand, then the down GEMM's with the best gate/up. Each
@@ -24,6 +24,7 @@ import torch
 from triton.testing import do_bench
 
 from kernels import ops
+from kernels.triton_fp8 import quantize_fp8_rowwise
 from kernels.triton_moe import moe_experts_grouped
 from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
 
@@ -36,7 +37,12 @@ CANDIDATES = [
     for n, k, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
     if not (n == 128 and k == 256 and stages == 4)  # past an H200's shared memory at block 128
 ]
-Weights = list[tuple[torch.Tensor, torch.Tensor]]
+# FP8 tiles take half the shared memory: the widest K steps fit in four stages too.
+CANDIDATES_FP8 = [
+    GemmTiles(n, k, warps, stages)
+    for n, k, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
+]
+Weights = list[tuple[torch.Tensor, ...]]
 
 
 class Layers:
@@ -50,9 +56,9 @@ class Layers:
 
     def us(self, tiles: GroupedTiles) -> float:
         def run() -> None:
-            for logits, (w13, w2) in zip(self.logits, self.weights, strict=True):
+            for logits, (w13, w2, *scales) in zip(self.logits, self.weights, strict=True):
                 routing, ids = ops.moe_route(logits, TOP_K, renormalize=True)
-                moe_experts_grouped(self.x, w13, w2, routing, ids, tiles)
+                moe_experts_grouped(self.x, w13, w2, routing, ids, tiles, *scales)
 
         try:
             run()
@@ -69,14 +75,14 @@ class Layers:
         return us
 
 
-def descend(layers: Layers, deadline: float) -> dict[str, Any]:
-    default = grouped_tiles(layers.tokens * TOP_K)
+def descend(layers: Layers, deadline: float, fp8: bool) -> dict[str, Any]:
+    default = grouped_tiles(layers.tokens * TOP_K, fp8)
     best = default
     best_us = default_us = layers.us(default)
     for block_m in BLOCK_M.get(layers.tokens, (default.block_m,)):
         for field in ("gate_up", "down"):
             base = dataclasses.replace(best, block_m=block_m)
-            for candidate in CANDIDATES:
+            for candidate in CANDIDATES_FP8 if fp8 else CANDIDATES:
                 if time.monotonic() > deadline:
                     break
                 tiles = dataclasses.replace(base, **{field: candidate})
@@ -87,11 +93,18 @@ def descend(layers: Layers, deadline: float) -> dict[str, Any]:
             "default_us": round(default_us, 1)}  # fmt: skip
 
 
+def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts [E, N, K] as e4m3 with a float32 scale a row, [E, N, 1]."""
+    q, scale = quantize_fp8_rowwise(weight.flatten(0, 1))
+    return q.view(weight.shape), scale.view(*weight.shape[:2], 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 16384, 1024, 64, 4096, 16])
     parser.add_argument("--budget-s", type=float, default=420.0)
     parser.add_argument("--out", type=Path, default=Path("moe_grouped_sweep.json"))
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts, a scale a row (W8A8)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -103,13 +116,17 @@ def main() -> None:
          randn(NUM_E, HIDDEN, INTER, scale=INTER**-0.5))
         for _ in range(LAYERS)
     ]  # fmt: skip
+    if args.fp8:
+        weights = [(*fp8_rows(w13), *fp8_rows(w2)) for w13, w2 in weights]
+        weights = [(w13, w2, s13, s2) for w13, s13, w2, s2 in weights]
     start, best, rows = time.monotonic(), {}, []
     for tokens in args.tokens:
         layers = Layers(tokens, weights, randn)
-        best[tokens] = descend(layers, start + args.budget_s)
+        best[tokens] = descend(layers, start + args.budget_s, args.fp8)
         rows += layers.rows
         print(tokens, best[tokens], f"{time.monotonic() - start:.0f} s", flush=True)
-        result = {"device": torch.cuda.get_device_name(), "best": best, "rows": rows}
+        result = {"device": torch.cuda.get_device_name(), "fp8": args.fp8, "best": best,
+                  "rows": rows}  # fmt: skip
         args.out.write_text(json.dumps(result, indent=1))
 
 

@@ -16,7 +16,7 @@ from kernels.moe import (
 )
 from kernels.triton_moe import moe_experts, moe_experts_grouped, uses_gemv
 from kernels.triton_moe_route import align, moe_route
-from kernels.triton_moe_tiles import GROUPED_TILES, grouped_tiles
+from kernels.triton_moe_tiles import GROUPED_TILES, GROUPED_TILES_FP8, grouped_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -132,6 +132,26 @@ def test_grouped_gemms_match_the_reference_at_every_tile_set(most_pairs: int) ->
     weights, ids = routed(tokens, experts, top_k, seed=tiles.block_m)
     out = moe_experts_grouped(x, gate_up, down, weights, ids, tiles)
     assert_kernel_close(out, moe_experts_reference(x, gate_up, down, weights, ids))
+
+
+@pytest.mark.parametrize("most_pairs", [most for most, _ in GROUPED_TILES_FP8])
+def test_fp8_grouped_gemms_match_the_reference_at_every_tile_set(most_pairs: int) -> None:
+    """FP8 experts' own tiles (kernels/triton_moe_tiles.py `GROUPED_TILES_FP8`), a scale a
+    row."""
+    tiles = grouped_tiles(most_pairs, fp8=True)
+    generator = torch.Generator().manual_seed(most_pairs % 97)
+    tokens, hidden, inter, experts, top_k = 40, 256, 128, 6, 2
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+
+    def fp8(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = (torch.randn(experts, rows, cols, generator=generator) * 64).to(torch.float8_e4m3fn)
+        return q.to(DEVICE), (torch.rand(experts, rows, 1, generator=generator) / 256).to(DEVICE)
+
+    (gate_up, gate_up_scale), (down, down_scale) = fp8(2 * inter, hidden), fp8(hidden, inter)
+    weights, ids = routed(tokens, experts, top_k, seed=tiles.block_m)
+    out = moe_experts_grouped(x, gate_up, down, weights, ids, tiles, gate_up_scale, down_scale)
+    expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+    assert_kernel_close(out, expected)
 
 
 @pytest.mark.parametrize(
