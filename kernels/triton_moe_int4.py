@@ -16,13 +16,7 @@ Two ways to make the tiles (`FAST`):
 
 Every block of pairs reads its expert's words once, so a decode step reads only the chosen
 experts' weights, a quarter of bf16's bytes. One token's pairs take the GEMVs of
-kernels/triton_moe_int4_gemv.py instead. From DEQUANTIZE_FROM_PAIRS pairs on (a prefill
-chunk's), every expert is dequantized to x's dtype in one launch each for gate/up and down
-(kernels/triton_int4_dequant.py) and the float grouped GEMMs of kernels/triton_moe.py run, as
-the dense int4 layers hand cuBLAS a dequantized weight past 64 rows: converting each weight
-once per block of pairs costs more there than writing the float weights out once (H200,
-Qwen3-30B-A3B's experts: 670.7 us a layer at 1,024 tokens against bf16's 534.1, and about 0.36
-ms to write 1.2 GB of float experts).
+kernels/triton_moe_int4_gemv.py instead.
 """
 
 from __future__ import annotations
@@ -33,8 +27,7 @@ import triton.language as tl
 
 from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.triton_int4 import q_minus_z_pairs
-from kernels.triton_int4_dequant import dequantize_int4
-from kernels.triton_moe import block_pairs, moe_experts_grouped
+from kernels.triton_moe import block_pairs
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
 from kernels.triton_moe_route import align
 from kernels.triton_moe_tiles import GemmTiles, grouped_tiles
@@ -44,7 +37,6 @@ _CHUNK = tl.constexpr(CHUNK)
 # K steps of up to 128 columns (one group of a checkpoint's usual 128), 64 weight rows.
 INT4_TILES = GemmTiles(n=64, k=128, num_warps=4, num_stages=3)
 GPU_MIN_STEP = 64  # tl.dot on the GPU: tiles of 2 * WORDS = 16 columns at least
-DEQUANTIZE_FROM_PAIRS = 16384  # 2,048 tokens of top 8 (the module's docstring)
 
 
 @triton.jit
@@ -213,31 +205,7 @@ def moe_experts_int4(
     _check(x.new_empty(0, inter), down, inter)
     if uses_int4_gemv(ids.numel(), down.qweight.shape[0]):
         return moe_experts_int4_gemv(x, gate_up, down, weights, ids)
-    if ids.numel() >= DEQUANTIZE_FROM_PAIRS:
-        return moe_experts_int4_dequantized(x, gate_up, down, weights, ids)
     return moe_experts_int4_grouped(x, gate_up, down, weights, ids)
-
-
-def moe_experts_int4_dequantized(
-    x: torch.Tensor,
-    gate_up: Int4Stack,
-    down: Int4Stack,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
-) -> torch.Tensor:
-    """moe_experts_int4 as float experts: every expert dequantized to x's dtype (rounded as
-    the reference rounds it), then kernels/triton_moe.py's grouped GEMMs."""
-    return moe_experts_grouped(
-        x, _dequantized(gate_up, x.dtype), _dequantized(down, x.dtype), weights, ids
-    )
-
-
-def _dequantized(stack: Int4Stack, dtype: torch.dtype) -> torch.Tensor:  # [E, N, K]
-    experts, n, words = stack.qweight.shape
-    zeros = stack.zeros.flatten(0, 1) if stack.zeros is not None else None
-    rows = dequantize_int4(stack.qweight.flatten(0, 1), stack.scales.flatten(0, 1), zeros,
-                           stack.group_size, None, dtype)  # fmt: skip
-    return rows.view(experts, n, words * PACK)
 
 
 def moe_experts_int4_grouped(

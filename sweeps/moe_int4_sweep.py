@@ -4,8 +4,7 @@
 
 At a decode's token counts, the GEMVs' tiles (kernels/triton_moe_int4_gemv.py, coordinate
 descent: gate/up, then down) against the grouped GEMMs; past them, the grouped GEMMs' tiles
-(kernels/triton_moe_int4.py `INT4_TILES`), and the experts dequantized for the float grouped
-GEMMs. Each figure is a layer's routing
+(kernels/triton_moe_int4.py `INT4_TILES`) for each block_m. Each figure is a layer's routing
 and experts, microseconds, from one CUDA graph over 4 layers of weights, as `kvflow bench moe
 --int4` times them. A time budget stops the sweep early; what was measured is written.
 """
@@ -26,7 +25,7 @@ from triton.testing import do_bench
 
 from benchmarks.moe_bench import int4_stack
 from kernels import ops
-from kernels.triton_moe_int4 import moe_experts_int4_dequantized, moe_experts_int4_grouped
+from kernels.triton_moe_int4 import moe_experts_int4_grouped
 from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv
 from kernels.triton_moe_tiles import GemmTiles
 
@@ -92,11 +91,9 @@ def sweep_grouped(tokens: int, weights: list[Any], deadline: float) -> dict[str,
                      lambda *a, t=tiles: moe_experts_int4_grouped(*a, tiles=t))  # fmt: skip
         rows.append((us, tiles))
     default = time_us(tokens, weights, moe_experts_int4_grouped)
-    dequantized = time_us(tokens, weights, moe_experts_int4_dequantized)
     us, tiles = min(rows, key=lambda row: row[0])
     return {"grouped": dataclasses.asdict(tiles), "grouped_us": round(us, 1),
-            "grouped_default_us": round(default, 1),
-            "dequantized_us": round(dequantized, 1)}  # fmt: skip
+            "grouped_default_us": round(default, 1)}  # fmt: skip
 
 
 def main() -> None:
