@@ -98,7 +98,7 @@ def sweep_grouped(tokens: int, weights: list[Any], deadline: float) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gemv-tokens", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--gemv-tokens", type=int, nargs="*", default=[1, 2, 4])
     parser.add_argument("--grouped-tokens", type=int, nargs="*", default=[64, 256, 1024, 4096])
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--out", type=Path, default=Path("moe_int4_sweep.json"))
