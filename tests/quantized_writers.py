@@ -12,12 +12,13 @@ with kvflow's vectorised translation (services/executor/quantization/checkpoints
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -366,3 +367,35 @@ def write_fp8_block(
     modules = dict(model.named_modules())
     for name, weight in dequantized.items():
         modules[name].weight.data = weight
+
+
+ExpertWriter = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def write_experts_apart(model: torch.nn.Module, folder: Path, write: ExpertWriter) -> None:
+    """The checkpoint's experts (a dense writer saves them fused, as transformers holds them)
+    as quantized mixtures of experts publish them: each expert's gate, up and down apart,
+    under `model.layers.L.mlp.experts.E.{gate,up,down}_proj`, stored as `write(prefix,
+    weight)` says: (its tensors, the weight they stand for). The model gets those weights."""
+    path = folder / "model.safetensors"
+    tensors = {k: v for k, v in load_file(path).items() if ".experts." not in k}
+    for index, layer in enumerate(model.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        for fused, names in (
+            (experts.gate_up_proj, ("gate_proj", "up_proj")),
+            (experts.down_proj, ("down_proj",)),
+        ):
+            stood_for = []
+            for expert in range(experts.num_experts):
+                pieces = fused.data[expert].split(fused.shape[1] // len(names))
+                parts = []
+                for proj, weight in zip(names, pieces, strict=True):
+                    stored, weight_now = write(f"model.layers.{index}.mlp.experts.{expert}.{proj}",
+                                               weight)  # fmt: skip
+                    tensors.update(stored)
+                    parts.append(weight_now)
+                stood_for.append(torch.cat(parts))
+            fused.data = torch.stack(stood_for).to(fused.dtype)
+    save_file(tensors, str(path))

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file, save_file
 
 from kvflow import LLM
 from tests import quantized_writers
@@ -107,37 +106,17 @@ def write_fp8_experts(model: torch.nn.Module, folder: Path, block: int) -> None:
     publishes them: each expert's projections apart, e4m3 with `weight_scale_inv` per
     [block, block] block (transformers' `quant_method: fp8`); the model gets the weights
     they stand for and rounds each expert's inputs per group of `block`."""
-    path = folder / "model.safetensors"
-    tensors = {k: v for k, v in load_file(path).items() if ".experts." not in k}
-    for index, layer in enumerate(model.model.layers):
+
+    def write(prefix: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        q, scale, stood_for = _block_fp8(weight.float(), block)
+        return {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": scale}, stood_for
+
+    quantized_writers.write_experts_apart(model, folder, write)
+    for layer in model.model.layers:
         experts = getattr(layer.mlp, "experts", None)
-        if experts is None:
-            continue
-        inter = experts.intermediate_dim
-        for name, fused in (
-            ("gate_up_proj", experts.gate_up_proj),
-            ("down_proj", experts.down_proj),
-        ):
-            dequantized = []
-            for expert in range(experts.num_experts):
-                pieces = (
-                    fused.data[expert].split(inter)
-                    if name == "gate_up_proj"
-                    else [fused.data[expert]]
-                )
-                names = ("gate_proj", "up_proj") if name == "gate_up_proj" else ("down_proj",)
-                parts = []
-                for proj, w in zip(names, pieces, strict=True):
-                    q, scale, deq = _block_fp8(w.float(), block)
-                    prefix = f"model.layers.{index}.mlp.experts.{expert}.{proj}"
-                    tensors[f"{prefix}.weight"], tensors[f"{prefix}.weight_scale_inv"] = q, scale
-                    parts.append(deq)
-                dequantized.append(torch.cat(parts))
-            fused.data = torch.stack(dequantized).to(fused.dtype)
-        experts.forward = types.MethodType(
-            functools.partial(fp8_experts_forward, group=block), experts
-        )
-    save_file(tensors, str(path))
+        if experts is not None:
+            forward = functools.partial(fp8_experts_forward, group=block)
+            experts.forward = types.MethodType(forward, experts)
 
 
 def _block_fp8(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from kvflow import LLM
 from services.executor.quantization.int4 import Int4Experts
@@ -54,33 +53,14 @@ FORMATS: dict[str, tuple[Callable[[torch.nn.Module, Path], None], Pack, int | No
 def write_int4_experts(
     model: torch.nn.Module, folder: Path, pack: Pack, group: int | None, symmetric: bool
 ) -> None:
-    """The checkpoint's experts (written fused by the dense writer) as int4 checkpoints of
-    mixtures of experts publish them: each expert's gate, up and down apart, packed by
-    `pack`; the model gets the weights they stand for."""
-    path = folder / "model.safetensors"
-    tensors = {k: v for k, v in load_file(path).items() if ".experts." not in k}
-    for index, layer in enumerate(model.model.layers):
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is None:
-            continue
-        inter = experts.intermediate_dim
-        for fused, names in (
-            (experts.gate_up_proj, ("gate_proj", "up_proj")),
-            (experts.down_proj, ("down_proj",)),
-        ):
-            dequantized = []
-            for expert in range(experts.num_experts):
-                pieces = (
-                    fused.data[expert].split(inter) if len(names) == 2 else [fused.data[expert]]
-                )
-                parts = []
-                for proj, w in zip(names, pieces, strict=True):
-                    q = quantized_writers.quantize(w, group or w.shape[1], symmetric, None)
-                    tensors.update(pack(f"model.layers.{index}.mlp.experts.{expert}.{proj}", q))
-                    parts.append(q.dequantized())
-                dequantized.append(torch.cat(parts))
-            fused.data = torch.stack(dequantized).to(fused.dtype)
-    save_file(tensors, str(path))
+    """The experts as int4 checkpoints of mixtures of experts publish them, packed by `pack`
+    (quantized_writers.write_experts_apart)."""
+
+    def write(prefix: str, weight: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        q = quantized_writers.quantize(weight, group or weight.shape[1], symmetric, None)
+        return pack(prefix, q), q.dequantized()
+
+    quantized_writers.write_experts_apart(model, folder, write)
 
 
 @pytest.mark.slow
