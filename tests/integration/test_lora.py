@@ -7,11 +7,14 @@ the prefix cache, which never gives one adapter's KV to another."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from kvflow import LLM, LoRARequest, SamplingParams
 from shared.protocol import ParameterError
@@ -210,3 +213,54 @@ def test_adapters_on_the_gpu_agree_with_peft(tmp_path: Path) -> None:
         for (name, i), result in zip(jobs, results, strict=True)
     )
     assert agreed >= len(jobs) * NUM_NEW_TOKENS // 10, f"only {agreed} tokens agreed"
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_takes_adapters_on_attention_and_dense_layers(
+    tmp_path: Path,
+) -> None:
+    """Qwen3-MoE with a dense first layer: an adapter of every attention projection (PEFT's)
+    and of the dense layer's MLP (added to its file, and to the reference model as hooks: PEFT
+    turns MLP targets of a mixture of experts into its experts' parameters), and kvflow gives
+    its tokens; an adapter that reaches into the experts is refused by name, and the engine
+    serves on."""
+    from tests.integration.test_moe_fp8 import tiny_moe
+
+    base = tiny_moe("qwen3_moe dense first")
+    base.save_pretrained(tmp_path / "base")
+    prompts = make_prompts(base.config.vocab_size)[:4]
+    plain = _greedy_alone(base, prompts)
+    torch.manual_seed(7)
+    attention = ALL[:4]
+    config = peft.LoraConfig(init_lora_weights=False, r=8, lora_alpha=16, target_modules=attention)
+    adapted = peft.get_peft_model(base, config).eval()
+    adapted.save_pretrained(str(tmp_path / "adapter"))
+    folder = tmp_path / "adapter"
+    tensors = load_file(folder / "adapter_model.safetensors")
+    for proj in ALL[4:]:  # the dense layer's MLP, scaled as PEFT scales (alpha / r = 2)
+        linear = getattr(base.model.layers[0].mlp, proj)
+        a = torch.randn(8, linear.in_features) / 8
+        b = torch.randn(linear.out_features, 8) / 8
+        prefix = f"base_model.model.model.layers.0.mlp.{proj}"
+        tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = a, b
+        linear.register_forward_hook(lambda _m, x, out, a=a, b=b: out + 2.0 * x[0] @ a.T @ b.T)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    listed = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**listed, "target_modules": ALL}))
+    expected = _greedy_alone(adapted, prompts)
+    assert expected != plain  # it adapts something
+    llm = LLM(str(tmp_path / "base"), dtype="float32", device="cpu", enable_lora=True,
+              max_lora_rank=8)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    lora = LoRARequest("attention-and-dense", 1, str(folder))
+    assert [r.token_ids for r in llm.generate(prompts, params, lora_request=lora)] == expected
+    # An expert's projection in the adapter's file: refused, naming what it adapts.
+    expert = "base_model.model.model.layers.1.mlp.experts.0.gate_proj"
+    tensors[f"{expert}.lora_A.weight"] = torch.zeros(8, base.config.hidden_size)
+    tensors[f"{expert}.lora_B.weight"] = torch.zeros(base.config.moe_intermediate_size, 8)
+    shutil.copytree(folder, tmp_path / "experts")
+    save_file(tensors, tmp_path / "experts" / "adapter_model.safetensors")
+    refused = LoRARequest("experts", 2, str(tmp_path / "experts"))
+    with pytest.raises(ParameterError, match="mixture of experts' layer"):
+        llm.generate(prompts[:1], params, lora_request=refused)
+    assert [r.token_ids for r in llm.generate(prompts, params, lora_request=lora)] == expected

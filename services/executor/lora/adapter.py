@@ -42,6 +42,13 @@ _NAME = re.compile(
 )
 
 
+def adaptable(cfg: ModelConfig, layer: int, target: str) -> bool:
+    """Whether layer `layer` has projection `target` that LoRA can adapt: attention always, the
+    MLP where it is dense (a mixture of experts' experts, router and shared expert take no
+    LoRA yet)."""
+    return target in ATTENTION or cfg.moe is None or layer not in cfg.moe.sparse_layers
+
+
 class LoraAdapterError(ValueError):
     """An adapter kvflow cannot load, and why."""
 
@@ -131,7 +138,12 @@ def _check_coverage(
     """The weights hold every listed projection on every layer the config names (PEFT: all
     layers where layers_to_transform is absent or empty): a truncated file is refused."""
     layers = _as_list(config.get("layers_to_transform") or []) or range(cfg.num_layers)
-    expected = {(int(layer), target) for layer in layers for target in listed_targets}
+    expected = {
+        (int(layer), target)
+        for layer in layers
+        for target in listed_targets
+        if adaptable(cfg, int(layer), target)
+    }
     if found != expected:
         differences = sorted(expected ^ found)[:3]
         raise LoraAdapterError(
@@ -210,6 +222,17 @@ def _read_weights(
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         match = _NAME.match(tensor_name)
+        layer_and_target = (int(match[1]), match[2]) if match is not None else None
+        if (
+            cfg.moe is not None
+            and ".mlp." in tensor_name
+            and (layer_and_target is None or not adaptable(cfg, *layer_and_target))
+        ):
+            raise LoraAdapterError(
+                f"LoRA adapter {name!r}: {tensor_name} adapts a mixture of experts' layer "
+                "(its experts, router or shared expert): LoRA on those is not supported yet, "
+                "on its attention and dense MLP layers it is"
+            )
         if match is None or match[2] not in TARGETS or int(match[1]) >= cfg.num_layers:
             raise LoraAdapterError(
                 f"LoRA adapter {name!r}: tensor {tensor_name!r} is not a LoRA weight of one of "

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from services.executor.layers.mlp import GatedMLP
 from services.executor.lora.adapter import LoraAdapter, LoraAdapterError, load_lora_adapter
 from services.executor.lora.slots import FUSED, LoraSlots, SlotTable
 from services.executor.models.decoder import DecoderForCausalLM
@@ -51,10 +52,6 @@ class LoraManager:
         device: torch.device,
         modules: list[LoraModule],
     ) -> None:
-        if model.config.moe is not None:  # the experts have no LoRA slots yet (issue 47)
-            raise ValueError(
-                f"{model.config.family}: LoRA on mixture-of-experts models is not supported yet"
-            )
         self.config: ModelConfig = model.config
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -67,10 +64,11 @@ class LoraManager:
             projections = {
                 "qkv_proj": layer.self_attn.qkv_proj,
                 "o_proj": layer.self_attn.o_proj,
-                "gate_up_proj": layer.mlp.gate_up_proj,
-                "down_proj": layer.mlp.down_proj,
             }
-            assert projections.keys() == FUSED.keys()
+            if isinstance(layer.mlp, GatedMLP):  # a mixture of experts' layer takes none
+                projections.update(gate_up_proj=layer.mlp.gate_up_proj,
+                                   down_proj=layer.mlp.down_proj)  # fmt: skip
+            assert projections.keys() == self.slots.layers[index].keys() <= FUSED.keys()
             for fused, linear in projections.items():
                 linear.lora = self.slots.layers[index][fused]
         num_bytes = sum(

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import torch
 
 from services.executor.layers.lora import ProjectionSlots
-from services.executor.lora.adapter import LoraAdapter, projection_shape
+from services.executor.lora.adapter import LoraAdapter, adaptable, projection_shape
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.shards import Sharding, TensorDims, read
 
@@ -63,9 +63,11 @@ class LoraSlots:
         self.layers: list[dict[str, ProjectionSlots]] = []
         cfg = layout.local_config
         self.shardings = _shardings(layout)
-        for _ in range(cfg.num_layers):
+        for index in range(cfg.num_layers):
             layer = {}
             for fused, pieces in FUSED.items():
+                if not adaptable(cfg, index, pieces[0]):  # a mixture of experts' MLP
+                    continue
                 shapes = [projection_shape(cfg, piece) for piece in pieces]
                 in_features = shapes[0][1]
                 rows = tuple(out for out, _ in shapes)
