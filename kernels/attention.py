@@ -6,7 +6,8 @@ batch; its context is seq_lens[r] tokens long and ends with those queries:
     context  [---------- cached / earlier -----------|====== this step's queries ======]
              0                           seq_lens[r] - num_queries[r]           seq_lens[r]
 
-Query i of request r sees context positions <= seq_lens[r] - num_queries[r] + i (causal).
+Query i of request r sees context positions <= seq_lens[r] - num_queries[r] + i (causal); with
+a sliding window of W tokens, only the last W of them (its own position and the W - 1 before).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def paged_attention_reference(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    window: int | None = None,  # a sliding window: each query sees its last `window` positions
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens = query.shape[0]
     device = query.device
@@ -48,6 +50,8 @@ def paged_attention_reference(
     first_query_pos = (seq_lens - num_queries)[:, None]  # [R, 1]
     query_pos = first_query_pos + q_offsets[None, :]  # [R, Q]
     visible = positions[None, None, :] <= query_pos[:, :, None]  # [R, Q, S]
+    if window is not None:
+        visible &= positions[None, None, :] > query_pos[:, :, None] - window
     # Padding rows see position 0 only, so softmax stays finite; they are dropped below.
     visible |= ~q_valid[:, :, None] & (positions == 0)[None, None, :]
 
@@ -129,6 +133,7 @@ def contiguous_attention_reference(
     key: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [num_queries, num_heads, head_dim]
     """Naive causal attention of one request over a contiguous context (test oracle)."""
     num_queries, num_heads, _ = query.shape
@@ -139,6 +144,8 @@ def contiguous_attention_reference(
     scores = torch.einsum("qhd,shd->hqs", query.float(), k) * scale  # [H, Q, S]
     query_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
     mask = torch.arange(seq_len)[None, :] > query_pos  # [Q, S]
+    if window is not None:
+        mask |= torch.arange(seq_len)[None, :] <= query_pos - window
     scores = scores.masked_fill(mask[None], float("-inf"))
     out = torch.einsum("hqs,shd->qhd", scores.softmax(dim=-1), v)  # [Q, H, D]
     return out.to(query.dtype)

@@ -128,6 +128,7 @@ def _decode_partition_kernel(
     stride_cache_slot,
     stride_cache_head,
     stride_table_req,
+    window,  # with WINDOWED: a query sees the last `window` positions up to its own
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     QUERIES: tl.constexpr,  # Q: the most query tokens of a request attended (mixed batches)
@@ -141,6 +142,7 @@ def _decode_partition_kernel(
     FP16_DOTS: tl.constexpr,  # an FP8 cache and a bf16 query: both dots in fp16 (see below)
     E4M3_WORDS: tl.constexpr,  # the caches (and their strides) as 32-bit words: _e4m3_tile
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
+    WINDOWED: tl.constexpr,  # a sliding window: the splits share only the window's positions
 ):
     wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
@@ -153,15 +155,19 @@ def _decode_partition_kernel(
     # NOTE: the context is clamped to the table's capacity, so no slot outside the request's
     # own blocks is ever addressed, whatever seq_lens says.
     seq_len = tl.minimum(tl.load(seq_lens_ptr + req), max_blocks * BLOCK_SIZE)
+    # What the queries see: from the first query's window on (position 0 without one).
+    first = 0
+    if WINDOWED:
+        first = tl.maximum(seq_len - num_queries - window + 1, 0)
     # The context takes the splits it needs (_split_tokens); the others end here, and take no
     # part in the merge.
     partition_tokens = _split_tokens(
-        seq_len, num_splits, split_balance, min_split_tokens, BLOCK_SIZE, TILE
+        seq_len - first, num_splits, split_balance, min_split_tokens, BLOCK_SIZE, TILE
     )
-    live = tl.cdiv(seq_len, partition_tokens)  # 1 <= live <= num_splits: seq_len >= 1
+    live = tl.cdiv(seq_len - first, partition_tokens)  # 1 <= live <= num_splits
     if split >= live:
         return
-    split_start = split * partition_tokens
+    split_start = first + split * partition_tokens
     split_end = tl.minimum(split_start + partition_tokens, seq_len)
 
     rows = tl.arange(0, GROUP_PAD)  # (query token, query head of this KV head) pairs
@@ -209,6 +215,8 @@ def _decode_partition_kernel(
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
         visible = pos_valid[None, :] & (pos[None, :] < visible_end[:, None])  # [G, T]
+        if WINDOWED:
+            visible &= pos[None, :] >= visible_end[:, None] - window
         scores = tl.where(visible, scores, float("-inf"))
         # The first tile of a split holds a valid position, but with several queries the last
         # split may lie past an early query's own position: its max stays -inf, and the
@@ -225,7 +233,7 @@ def _decode_partition_kernel(
 
     out_rows = out_ptr + token_rows[:, None] * stride_out_token + heads[:, None] * HEAD_DIM
     out_rows += dims[None, :]
-    if live == 1:  # the whole context in split 0, which holds position 0: l_i > 0
+    if live == 1:  # the whole context in split 0, every row's own position with it: l_i > 0
         tl.store(
             out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None]
         )
@@ -316,11 +324,12 @@ def _merge_splits(
         s = tl.load(part_sum_ptr + part, mask=valid, other=0.0, cache_modifier=".cg")
         a_ptrs = part_acc_ptr + part[:, :, None] * HEAD_DIM + dims[None, None, :]
         a = tl.load(a_ptrs, mask=valid[:, :, None], other=0.0, cache_modifier=".cg")  # [C, G, D]
-        # Split 0 holds position 0, so after the first chunk m_new is finite for every pair
-        # (a later split past the query's position has m = -inf: weight 0).
+        # A split past a query's position, or (in a window) before its window, has m = -inf:
+        # weight 0; while every split so far has, the exponents are taken against 0.
         m_new = tl.maximum(m_run, tl.max(m, axis=0))  # [G]
-        alpha = tl.exp2(m_run - m_new)  # 0 on the first chunk
-        w = tl.exp2(m - m_new[None, :])  # [C, G], 0 for the masked splits past `live`
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_base)  # 0 on the first chunk
+        w = tl.exp2(m - m_base[None, :])  # [C, G], 0 for the masked splits past `live`
         l_run = l_run * alpha + tl.sum(s * w, axis=0)
         acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
         m_run = m_new
@@ -449,8 +458,10 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write into
     tiles: DecodeTiles | None = None,  # None: default_decode_tiles for the cache
     max_queries: int = 1,  # with query_start_loc: the most query tokens of a request attended
+    window: int | None = None,  # a sliding window: a query sees its last `window` positions
 ) -> torch.Tensor:  # out, or a new [num_tokens, num_heads, head_dim] of query.dtype
-    """Decode attention over a paged KV cache; every seq_lens[r] must be >= 1.
+    """Decode attention over a paged KV cache; every seq_lens[r] must be >= 1. With a window
+    the splits share the window's positions only: the context before it is not read.
 
     With query_start_loc, only requests with 1 to `max_queries` query tokens are attended
     (causally: the last at seq_lens[r] - 1), at their rows; the other rows of the result are
@@ -481,7 +492,7 @@ def paged_decode_attention(
         return out
     _launch_partitions(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
-        splits, tiles, max_queries,
+        splits, tiles, max_queries, window,
     )  # fmt: skip
     return out
 
@@ -498,6 +509,7 @@ def _launch_partitions(
     splits: tuple[int, int, int],  # (num_splits, split_balance, min_split_tokens): _splits
     tiles: DecodeTiles,
     max_queries: int,
+    window: int | None,
 ) -> None:
     """One launch of the partition kernel, a program per (request, KV head, split), on int32
     metadata, with the partials it merges through."""
@@ -509,11 +521,12 @@ def _launch_partitions(
     partials = _partials(out, num_reqs, num_kv_heads, num_splits, max_queries)
     words = _reads_e4m3_words(query, key_cache, value_cache)
     constants = _partition_constants(query, key_cache, tiles, has_query_loc, words, max_queries)
+    constants["WINDOWED"] = window is not None
     if words:  # the caches as 32-bit words of four values, their strides in words
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
     args = _partition_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_loc, out, partials, scale,
-        splits,
+        splits, window,
     )  # fmt: skip
     # Shared memory for the stages asked, or fewer where the GPU has less (kernels/triton_stages).
     variant = ("decode_partition", query.device, query.dtype, key_cache.dtype, *constants.values())
@@ -536,6 +549,7 @@ def _partition_args(
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # _partials
     scale: float,
     splits: tuple[int, int, int],  # (num_splits, split_balance, min_split_tokens): _splits
+    window: int | None,
 ) -> tuple:
     """The partition kernel's runtime arguments, in its order."""
     part_max, part_sum, part_acc, tickets = partials
@@ -564,6 +578,7 @@ def _partition_args(
         key_cache.stride(1),
         key_cache.stride(2),
         block_tables.stride(0),
+        window or 0,
     )
 
 
@@ -679,6 +694,7 @@ def compile_every_variant(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,
     max_queries: int = 1,  # the engine's mixed steps' (1 + speculative tokens)
+    window: int | None = None,  # the model's sliding window, where it has one
 ) -> None:
     """Launch the kernel with one and two splits, with and without a mixed batch (of up to
     `max_queries` tokens a request), on one request of one cached token (block 0, read only),
@@ -694,7 +710,7 @@ def compile_every_variant(
         paged_decode_attention(
             query[:1], key_cache, value_cache, tables, seq_lens, 1.0, splits,
             query_start_loc=query_start_loc,
-            max_queries=max_queries if query_start_loc is not None else 1,
+            max_queries=max_queries if query_start_loc is not None else 1, window=window,
         )  # fmt: skip
 
 

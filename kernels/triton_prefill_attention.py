@@ -68,11 +68,13 @@ def _attend_context(
     qk_scale,
     stride_cache_block,
     stride_cache_slot,
+    window,  # with WINDOWED: a row sees the last `window` positions up to its own
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False only where every row sees every position of the tile
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     dims = tl.arange(0, HEAD_DIM)
     for tile_start in range(start, end, BLOCK_N):
@@ -103,13 +105,20 @@ def _attend_context(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
         if MASKED:
             visible = (pos[None, :] <= query_pos[:, None]) & pos_valid[None, :]
+            if WINDOWED:
+                visible &= pos[None, :] > query_pos[:, None] - window
             scores = tl.where(visible, scores, float("-inf"))
         # NOTE: the first tile a row meets holds position 0, which every row sees, so m_new
         # is finite from the first step on and exp2(m_i - m_new) never sees -inf - -inf.
+        # In a window a row's first tiles may lie before it: their max stays -inf, and the
+        # exponents are taken against 0 then.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1) * qk_scale)  # [M]
-        alpha = tl.exp2(m_i - m_new)  # [M], 0 on the first step
+        m_base = m_new
+        if WINDOWED:
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)  # [M], 0 on the first step
         # Scaling inside the exponent makes one fused multiply-add per score.
-        p = tl.exp2(scores * qk_scale - m_new[:, None])  # [M, N]
+        p = tl.exp2(scores * qk_scale - m_base[:, None])  # [M, N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -136,6 +145,7 @@ def _prefill_kernel(
     stride_cache_head,
     stride_table_req,
     num_reqs,
+    window,  # with WINDOWED: a query sees the last `window` positions up to its own
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (padding rows masked)
     HEAD_DIM: tl.constexpr,
@@ -145,6 +155,7 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     REQS_POW2: tl.constexpr,  # num_reqs rounded up to a power of two
     SKIP_UP_TO: tl.constexpr,  # leave requests of this many tokens or fewer to the decode kernel
+    WINDOWED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     # Work items are (request, query tile) pairs, numbered request by request; the kernel
@@ -186,6 +197,7 @@ def _prefill_kernel(
             req,
             q_tile,
             kv_head,
+            window,
             GROUP,
             GROUP_PAD,
             HEAD_DIM,
@@ -193,6 +205,7 @@ def _prefill_kernel(
             BLOCK_Q,
             BLOCK_N,
             DOT_PRECISION,
+            WINDOWED,
         )
 
 
@@ -218,6 +231,7 @@ def _attend_tile(
     req,
     q_tile,
     kv_head,
+    window,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -225,8 +239,12 @@ def _attend_tile(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
-    """One (request, query tile, KV head): attend over the context, write the tile's rows."""
+    """One (request, query tile, KV head): attend over the context, write the tile's rows.
+    In a window the tiles before the first row's window are not read, and the tiles every
+    row sees whole need no mask: [first, full_start) masked, [full_start, full_end) not,
+    [full_end, kv_end) masked."""
     q_start = tl.load(query_start_loc_ptr + req)
     num_queries = tl.load(query_start_loc_ptr + req + 1) - q_start
     first_tok = q_tile * BLOCK_Q
@@ -240,6 +258,11 @@ def _attend_tile(
     # [0, full_end) is visible to every row of the tile: no masks needed there.
     full_end = tl.maximum(tl.minimum(ctx_start + first_tok + 1, kv_end), 0)
     full_end = full_end // BLOCK_N * BLOCK_N
+    first, full_start = 0, 0
+    if WINDOWED:  # the first row's window starts the reading; the last row's, the full tiles
+        first = tl.maximum(ctx_start + first_tok - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_start = tl.cdiv(tl.maximum(ctx_start + last_tok - window + 1, 0), BLOCK_N) * BLOCK_N
+        full_start = tl.minimum(tl.maximum(full_start, first), full_end)
 
     rows = tl.arange(0, BLOCK_Q * GROUP_PAD)  # [M]
     dims = tl.arange(0, HEAD_DIM)
@@ -258,15 +281,21 @@ def _attend_tile(
     table_row = block_tables_ptr + req * stride_table_req
     head_offset = kv_head * stride_cache_head
     # fmt: off
+    if WINDOWED:
+        acc, l_i, m_i = _attend_context(
+            acc, l_i, m_i, q, query_pos, key_cache_ptr, value_cache_ptr, table_row, head_offset,
+            first, full_start, kv_end, qk_scale, stride_cache_block, stride_cache_slot, window,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOWED,
+        )
     acc, l_i, m_i = _attend_context(
         acc, l_i, m_i, q, query_pos, key_cache_ptr, value_cache_ptr, table_row, head_offset,
-        0, full_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        full_start, full_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot, window,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, WINDOWED,
     )
     acc, l_i, m_i = _attend_context(
         acc, l_i, m_i, q, query_pos, key_cache_ptr, value_cache_ptr, table_row, head_offset,
-        full_end, kv_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        full_end, kv_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot, window,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOWED,
     )
     # fmt: on
     out = acc / l_i[:, None]  # [M, D]
@@ -342,8 +371,10 @@ def paged_prefill_attention(
     *,
     tiles: PrefillTiles | None = None,  # None picks from head_dim, GQA group and max_query_len
     skip_queries_up_to: int = 0,  # leave the rows of requests of this many tokens or fewer
+    window: int | None = None,  # a sliding window: a query sees its last `window` positions
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
-    """Causal attention of each request's queries over its paged context, any mix of rows.
+    """Causal attention of each request's queries over its paged context, any mix of rows;
+    with a window, the context tiles before a tile's windows are not read.
 
     Requests of up to skip_queries_up_to query tokens get no work here: the caller runs the
     split-KV decode kernel on their rows (`paged_decode_attention` with query_start_loc and
@@ -366,7 +397,7 @@ def paged_prefill_attention(
         return out
     _launch_prefill(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
-        tiles, skip_queries_up_to,
+        tiles, skip_queries_up_to, window,
     )  # fmt: skip
     return out
 
@@ -382,6 +413,7 @@ def _launch_prefill(
     scale: float,
     tiles: PrefillTiles,
     skip_queries_up_to: int,
+    window: int | None,
 ) -> None:
     """One launch of the prefill kernel on int32 metadata, its grid fixed by shapes alone."""
     num_reqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
@@ -389,6 +421,7 @@ def _launch_prefill(
     seq_lens = seq_lens.to(torch.int32).contiguous()  # [R]
     query_start_loc = query_start_loc.to(torch.int32).contiguous()  # [R + 1]
     constants = _prefill_constants(query, key_cache, tiles, num_reqs, skip_queries_up_to)
+    constants["WINDOWED"] = window is not None
     grid = _prefill_grid(query, num_reqs, num_kv_heads, constants["BLOCK_Q"])
     args = (
         out,
@@ -409,6 +442,7 @@ def _launch_prefill(
         key_cache.stride(2),
         block_tables.stride(0),
         num_reqs,
+        window or 0,
     )
     variant = ("prefill_attention", query.device, query.dtype, key_cache.dtype, *constants.values())
     launch_fitting(

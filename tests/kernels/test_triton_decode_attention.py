@@ -321,3 +321,52 @@ def test_a_batch_that_fills_the_gpu_splits_by_the_table_width() -> None:
     assert _splits(None, 1, 8, 256, 16, cpu, 64) == (4, SPLIT_BALANCE, 1024)
     assert _splits(None, 2, 8, 256, 16, cpu, 64) == (2, 0, 2048)
     assert _splits(5, 2, 8, 256, 16, cpu, 64) == (5, 0, 0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_windows_match_the_reference(window: int) -> None:
+    """The splits share only the window's positions: contexts shorter and far longer than the
+    window (1,100 tokens: the splits' merge after a window of 16 or 40), every split count."""
+    seq_lens = [*SEQ_LENS, 1100]
+    query, key_cache, value_cache, block_tables, lens = make_case(
+        seq_lens, 8, 2, 64, torch.float32, seed=window
+    )
+    num_reqs = query.shape[0]
+    case = dict(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+        seq_lens=lens, query_start_loc=torch.arange(num_reqs + 1, device=DEVICE,
+                                                    dtype=torch.int32),
+        max_query_len=1, max_seq_len=max(seq_lens), scale=0.125,
+    )  # fmt: skip
+    expected = paged_attention_reference(**case, window=window)
+    for num_splits in (1, 3, None):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, block_tables, lens, 0.125, num_splits, window=window
+        )
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")
+
+
+@pytest.mark.parametrize("window", [2, 9])
+def test_sliding_windows_of_a_verifying_rows_queries(window: int) -> None:
+    """A mixed batch's requests of up to three query tokens (a verifying row): each query's
+    own window, the first query's reaching furthest back."""
+    generator = torch.Generator().manual_seed(window)
+    counts, seq_lens = [3, 1, 2, 3], [40, 17, 90, 3]
+    key_cache, value_cache, block_tables = scattered_cache(seq_lens, 2, 64, torch.float32,
+                                                           generator)  # fmt: skip
+    query = torch.randn(sum(counts), 8, 64, generator=generator)
+    starts = torch.tensor([0, *counts]).cumsum(0).to(torch.int32)
+    case = dict(
+        query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), query_start_loc=starts,
+        max_query_len=3, max_seq_len=max(seq_lens), scale=0.125,
+    )  # fmt: skip
+    case = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+    expected = paged_attention_reference(**case, window=window)
+    args = [case[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens")]
+    for num_splits in (1, 4):
+        out = paged_decode_attention(
+            *args, 0.125, num_splits, query_start_loc=case["query_start_loc"], max_queries=3,
+            window=window,
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")

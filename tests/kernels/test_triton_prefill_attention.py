@@ -99,6 +99,23 @@ def test_tile_shapes_do_not_change_result(tiles: PrefillTiles) -> None:
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+@pytest.mark.parametrize(
+    "tiles",
+    [PrefillTiles(16, 16, 4, 2), PrefillTiles(32, 32, 4, 2)],
+    ids=lambda t: f"m{t.block_m}-n{t.block_n}",
+)
+def test_sliding_windows_match_the_reference(window: int, tiles: PrefillTiles) -> None:
+    """A window of 1 (each query its own key), windows inside a tile and across several, over
+    prompts longer than the window, chunks whose window starts in the cached prefix, and
+    decodes."""
+    case = make_case(BATCHES["mixed"] + BATCHES["chunked"], 6, 2, 64, torch.float32, seed=window)
+    expected = paged_attention_reference(**case, window=window)
+    assert not torch.allclose(expected, paged_attention_reference(**case))
+    out = paged_prefill_attention(**case, tiles=tiles, window=window)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_padded_step_matches_unpadded() -> None:
     """A CUDA graph's padded step: extra requests with no queries and extra tokens owned by no
     request, launched as the largest step; the owned rows are what the unpadded step gives."""
