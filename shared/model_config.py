@@ -62,7 +62,8 @@ class ModelConfig:
     attention_bias: bool  # qkv projections carry a bias (Qwen2)
     qk_norm: bool  # RMSNorm on q and k per head (Qwen3)
     eos_token_ids: tuple[int, ...]
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # positions a query of a sliding layer sees, its own last
+    sliding_layers: tuple[int, ...] = ()  # the layers that attend in the window
     moe: MoeConfig | None = None
     qk_norm_whole: bool = False  # RMSNorm on the whole q and k projections, all heads (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE)
@@ -139,12 +140,17 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    num_layers = cfg["num_hidden_layers"]
+    # transformers 5 names each layer's attention (Qwen2: the first max_window_layers full);
+    # without the list a window is every layer's (Mistral).
+    types = cfg.get("layer_types") or ["sliding_attention"] * num_layers
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     return ModelConfig(
         family=family,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
@@ -157,7 +163,8 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", family.startswith("qwen2"))),
         qk_norm=family in ("qwen3", "qwen3_moe"),
         eos_token_ids=eos_ids,
-        sliding_window=window,
+        sliding_window=window if window is not None and sliding else None,
+        sliding_layers=sliding if window is not None else (),
         moe=_moe_config(cfg) if family in MOE_FAMILIES else None,
         qk_norm_whole=family == "olmoe",
         clip_qkv=cfg.get("clip_qkv"),
@@ -190,8 +197,6 @@ def _moe_config(cfg: dict[str, Any]) -> MoeConfig:
 def derive_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
     """The context length to serve: the user's, checked against what the model supports."""
     limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None and cfg.sliding_window < limit:
-        limit = cfg.sliding_window  # kvflow attends over full context: stay inside the window
     if requested is None:
         return limit
     if requested > limit:

@@ -36,7 +36,14 @@ FAMILIES = {
         ),
     ),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, head_dim=16)),
+    # Every layer in a window shorter than most prompts
+    "mistral sliding": (transformers.MistralConfig, dict(sliding_window=12, head_dim=16)),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    # Layer 0 full, layer 1 in a window (Qwen2's max_window_layers)
+    "qwen2 sliding": (
+        transformers.Qwen2Config,
+        dict(use_sliding_window=True, sliding_window=20, max_window_layers=1),
+    ),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
 }
 

@@ -17,6 +17,7 @@ launchers' own retries with fewer stages (kernels/triton_stages.py) run as they 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import sys
@@ -164,7 +165,9 @@ def _int4_launches() -> None:
 
 
 def _attention_launches(kv_dtype: torch.dtype) -> None:
-    for head_dim in (64, 128, 256):
+    """Decodes and prompts at each head size, over the whole context and in a sliding window
+    (a variant of its own: the window's bounds and masks)."""
+    for head_dim, window in itertools.product((64, 128, 256), (None, 128)):
         cache = torch.empty(64, 16, 8, head_dim, dtype=kv_dtype)
         tables = torch.zeros(4, 16, dtype=torch.int32)
         seq_lens = torch.full((4,), 256, dtype=torch.int32)
@@ -172,10 +175,10 @@ def _attention_launches(kv_dtype: torch.dtype) -> None:
             query = torch.empty(tokens, 32, head_dim, dtype=torch.bfloat16)
             starts = torch.arange(5, dtype=torch.int32) * (tokens // 4)
             if tokens == 4:
-                paged_decode_attention(query, cache, cache, tables, seq_lens, 0.1)
+                paged_decode_attention(query, cache, cache, tables, seq_lens, 0.1, window=window)
             else:
                 paged_prefill_attention(
-                    query, cache, cache, tables, seq_lens, starts, 256, 256, 0.1
+                    query, cache, cache, tables, seq_lens, starts, 256, 256, 0.1, window=window
                 )
 
 

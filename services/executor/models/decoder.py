@@ -57,10 +57,12 @@ class Attention(nn.Module):
         method: LinearMethod | None,
         kv_scales: bool = False,
         input_size: int | None = None,
+        window: int | None = None,
     ) -> None:
         """`layout`: what this rank holds of the model (all of it on one rank); `input_size`:
         of the qkv projection's input, the hidden size unless given (an EAGLE-3 head reads
-        an embedding and a hidden state side by side)."""
+        an embedding and a hidden state side by side); `window`: a sliding layer's window
+        (a query sees its own position and the window - 1 before), None: the whole context."""
         super().__init__()
         cfg = layout.local_config
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -87,6 +89,7 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps  # of q_norm / k_norm
         self.scale = cfg.head_dim**-0.5
+        self.window = window
         # An FP8 cache holds key / k_scale and value / v_scale: 1.0 unless the checkpoint
         # calibrated them (`kv_scales`: loaded as k_scale and v_scale, read by prepare_kv_scales).
         self.kv_scale_values = (1.0, 1.0)
@@ -162,6 +165,7 @@ class Attention(nn.Module):
             meta.max_seq_len,
             self.scale * k_scale,  # the cached keys times k_scale
             meta.decode_queries,
+            self.window,
         )  # [T, H, D]
         if v_scale != 1.0:
             out = out * v_scale  # the cached values times v_scale
@@ -178,13 +182,15 @@ class DecoderLayer(nn.Module):
         kv_scales: bool = False,
         sparse: bool = False,
         experts: ExpertsMethod | None = None,
+        window: int | None = None,
     ) -> None:
         """`sparse`: the layer's MLP is the model's mixture of experts (else a gated MLP),
-        whose experts are stored as `experts` says (None: float)."""
+        whose experts are stored as `experts` says (None: float); `window`: its attention's
+        sliding window (None: the whole context)."""
         super().__init__()
         cfg = layout.local_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(layout, rotary, method, kv_scales)
+        self.self_attn = Attention(layout, rotary, method, kv_scales, window=window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(layout, experts) if sparse else GatedMLP(layout, method)
         self.tp = layout.tp
@@ -240,9 +246,10 @@ class DecoderForCausalLM(nn.Module):
         sparse = cfg.moe.sparse_layers if cfg.moe is not None else ()
         experts = experts_method(method) if sparse else None  # refuses what experts cannot run
         layers = (
-            DecoderLayer(layout, rotary, method, kv_scales, i in sparse, experts)
+            DecoderLayer(layout, rotary, method, kv_scales, i in sparse, experts,
+                         cfg.sliding_window if i in cfg.sliding_layers else None)
             for i in range(cfg.num_layers)
-        )
+        )  # fmt: skip
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab = layout.vocab_parallel()

@@ -210,7 +210,11 @@ def _compile_attention_variants(runner: WarmUpTarget) -> None:
     cfg = runner.model.layout.local_config
     key_cache, value_cache = runner.kv_caches[0][0], runner.kv_caches[0][1]
     query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=runner.dtype, device=runner.device)
-    ops.compile_attention_variants(query, key_cache, value_cache, runner.buffers.decode_queries)
+    windows = {None if cfg.sliding_window is None or i not in cfg.sliding_layers
+               else cfg.sliding_window for i in range(cfg.num_layers)}  # fmt: skip
+    ops.compile_attention_variants(
+        query, key_cache, value_cache, runner.buffers.decode_queries, tuple(windows)
+    )
 
 
 def _compile_linear_variants(runner: WarmUpTarget) -> None:
