@@ -8,6 +8,9 @@ batch; its context is seq_lens[r] tokens long and ends with those queries:
 
 Query i of request r sees context positions <= seq_lens[r] - num_queries[r] + i (causal); with
 a sliding window of W tokens, only the last W of them (its own position and the W - 1 before).
+With attention sinks (gpt-oss), head h's softmax has one more logit, sinks[h], that takes
+its share of the weights and has no value: the output is scaled by
+sum exp(s) / (sum exp(s) + exp(sinks[h])) over the visible scores s.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def paged_attention_reference(
     max_seq_len: int,
     scale: float,
     window: int | None = None,  # a sliding window: each query sees its last `window` positions
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens = query.shape[0]
     device = query.device
@@ -56,7 +60,24 @@ def paged_attention_reference(
     visible |= ~q_valid[:, :, None] & (positions == 0)[None, None, :]
 
     out = _grouped_attention(q, k, v, visible, scale)  # [R, Q, H, D]
+    if sinks is not None:
+        out = out * _sink_factor(q, k, visible, scale, sinks).to(out.dtype)
     return _flat_rows(out, query_start_loc, num_queries, num_tokens)
+
+
+def _sink_factor(
+    q: torch.Tensor,  # [R, Q, H, D]
+    k: torch.Tensor,  # [R, S, KV, D]
+    visible: torch.Tensor,  # [R, Q, S] bool
+    scale: float,
+    sinks: torch.Tensor,  # [H]
+) -> torch.Tensor:  # [R, Q, H, 1]: sum exp(s) / (sum exp(s) + exp(sink)) = sigmoid(lse - sink)
+    group = q.shape[2] // k.shape[2]
+    keys = k.repeat_interleave(group, dim=2).float()  # [R, S, H, D]
+    scores = torch.einsum("rqhd,rshd->rqhs", q.float(), keys) * scale
+    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [R, Q, H]
+    return torch.sigmoid(lse - sinks.float()[None, None, :])[..., None]
 
 
 def _gather_context(

@@ -64,12 +64,13 @@ def paged_attention(
     scale: float,
     decode_queries: int = 1,  # the most query tokens of a request the decode kernel takes
     window: int | None = None,  # a sliding window: a query sees its last `window` positions
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit (gpt-oss)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     args = (query, key_cache, value_cache, block_tables, seq_lens)
     decode = _triton("decode_attention", query)
     if max_query_len == 1 and decode is not None:
         # One query per request: the split-KV kernel, which fills the GPU at batch 1 too.
-        return decode.paged_decode_attention(*args, scale, window=window)
+        return decode.paged_decode_attention(*args, scale, window=window, sinks=sinks)
     if decode is not None and (prefill := _triton("prefill_attention", query)) is not None:
         # A mixed batch: prompts through the prefill kernel, and the decodes riding along
         # (with their drafts, when speculating) through the split-KV kernel, which reads their
@@ -78,14 +79,14 @@ def paged_attention(
         if max_query_len > decode_queries:
             out = prefill.paged_prefill_attention(
                 *args, query_start_loc, max_query_len, max_seq_len, scale,
-                skip_queries_up_to=decode_queries, window=window,
+                skip_queries_up_to=decode_queries, window=window, sinks=sinks,
             )  # fmt: skip
         return decode.paged_decode_attention(
             *args, scale, query_start_loc=query_start_loc, out=out, max_queries=decode_queries,
-            window=window,
+            window=window, sinks=sinks,
         )  # fmt: skip
     return paged_attention_reference(
-        *args, query_start_loc, max_query_len, max_seq_len, scale, window
+        *args, query_start_loc, max_query_len, max_seq_len, scale, window, sinks
     )
 
 

@@ -129,6 +129,7 @@ def _decode_partition_kernel(
     stride_cache_head,
     stride_table_req,
     window,  # with WINDOWED: a query sees the last `window` positions up to its own
+    sinks_ptr,  # [H] float32 with HAS_SINKS: each head's sink logit
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     QUERIES: tl.constexpr,  # Q: the most query tokens of a request attended (mixed batches)
@@ -143,6 +144,7 @@ def _decode_partition_kernel(
     E4M3_WORDS: tl.constexpr,  # the caches (and their strides) as 32-bit words: _e4m3_tile
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
     WINDOWED: tl.constexpr,  # a sliding window: the splits share only the window's positions
+    HAS_SINKS: tl.constexpr,  # a sink logit a head (gpt-oss), added where the output is written
 ):
     wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
@@ -234,6 +236,8 @@ def _decode_partition_kernel(
     out_rows = out_ptr + token_rows[:, None] * stride_out_token + heads[:, None] * HEAD_DIM
     out_rows += dims[None, :]
     if live == 1:  # the whole context in split 0, every row's own position with it: l_i > 0
+        if HAS_SINKS:
+            l_i += _sink_share(sinks_ptr, heads, row_valid, m_i)
         tl.store(
             out_rows, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=row_valid[:, None]
         )
@@ -249,7 +253,8 @@ def _decode_partition_kernel(
         first_part = (req * QUERIES * NUM_HEADS + kv_head * GROUP) * num_splits
         _merge_splits(
             group_out, stride_out_token, part_max_ptr, part_sum_ptr, part_acc_ptr, first_part,
-            num_splits, live, num_queries, NUM_HEADS, GROUP, GROUP_P2, HEAD_DIM,
+            num_splits, live, num_queries, sinks_ptr + kv_head * GROUP, NUM_HEADS, GROUP,
+            GROUP_P2, HEAD_DIM, HAS_SINKS,
         )  # fmt: skip
         tl.store(ticket_ptr, 0)  # zero again for the next launch (and graph replay)
 
@@ -292,10 +297,12 @@ def _merge_splits(
     num_splits,
     live,  # splits that hold context, 1 <= live <= num_splits
     num_queries,  # the request's query tokens, 1 <= num_queries <= QUERIES
+    group_sinks_ptr,  # with HAS_SINKS: the sink logit of the group's first query head
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     GROUP_P2: tl.constexpr,  # GROUP * QUERIES rounded up to a power of two
     HEAD_DIM: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """The output of every (query token, query head of the group) pair from its live splits'
     partials, all pairs at once (a verifying row's queries merged one after another cost some
@@ -333,10 +340,20 @@ def _merge_splits(
         l_run = l_run * alpha + tl.sum(s * w, axis=0)
         acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], axis=0)
         m_run = m_new
+    if HAS_SINKS:
+        l_run += _sink_share(group_sinks_ptr, heads, g_valid, m_run)
     out = acc / tl.where(g_valid, l_run, 1.0)[:, None]  # padding pairs: 0, never stored
     rows = queries.to(tl.int64) * stride_out_token + heads * HEAD_DIM
     out_ptrs = out_ptr + rows[:, None] + dims[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None])
+
+
+@triton.jit
+def _sink_share(sinks_ptr, heads, valid, m):
+    """exp(sink - max) of each row's head, in the log2 units of the running max m: what the
+    sink adds to the softmax's denominator."""
+    sink = tl.load(sinks_ptr + heads, mask=valid, other=0.0).to(tl.float32)
+    return tl.exp2(sink * 1.4426950408889634 - m)
 
 
 # Four e4m3 values (one 32-bit word: $4) to fp16: a CVT turns each half of the word into an
@@ -459,6 +476,7 @@ def paged_decode_attention(
     tiles: DecodeTiles | None = None,  # None: default_decode_tiles for the cache
     max_queries: int = 1,  # with query_start_loc: the most query tokens of a request attended
     window: int | None = None,  # a sliding window: a query sees its last `window` positions
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit
 ) -> torch.Tensor:  # out, or a new [num_tokens, num_heads, head_dim] of query.dtype
     """Decode attention over a paged KV cache; every seq_lens[r] must be >= 1. With a window
     the splits share the window's positions only: the context before it is not read.
@@ -492,7 +510,7 @@ def paged_decode_attention(
         return out
     _launch_partitions(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
-        splits, tiles, max_queries, window,
+        splits, tiles, max_queries, window, sinks,
     )  # fmt: skip
     return out
 
@@ -510,6 +528,7 @@ def _launch_partitions(
     tiles: DecodeTiles,
     max_queries: int,
     window: int | None,
+    sinks: torch.Tensor | None,
 ) -> None:
     """One launch of the partition kernel, a program per (request, KV head, split), on int32
     metadata, with the partials it merges through."""
@@ -521,12 +540,12 @@ def _launch_partitions(
     partials = _partials(out, num_reqs, num_kv_heads, num_splits, max_queries)
     words = _reads_e4m3_words(query, key_cache, value_cache)
     constants = _partition_constants(query, key_cache, tiles, has_query_loc, words, max_queries)
-    constants["WINDOWED"] = window is not None
+    constants.update(WINDOWED=window is not None, HAS_SINKS=sinks is not None)
     if words:  # the caches as 32-bit words of four values, their strides in words
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
     args = _partition_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_loc, out, partials, scale,
-        splits, window,
+        splits, window, sinks,
     )  # fmt: skip
     # Shared memory for the stages asked, or fewer where the GPU has less (kernels/triton_stages).
     variant = ("decode_partition", query.device, query.dtype, key_cache.dtype, *constants.values())
@@ -550,6 +569,7 @@ def _partition_args(
     scale: float,
     splits: tuple[int, int, int],  # (num_splits, split_balance, min_split_tokens): _splits
     window: int | None,
+    sinks: torch.Tensor | None,
 ) -> tuple:
     """The partition kernel's runtime arguments, in its order."""
     part_max, part_sum, part_acc, tickets = partials
@@ -579,6 +599,7 @@ def _partition_args(
         key_cache.stride(2),
         block_tables.stride(0),
         window or 0,
+        sinks if sinks is not None else seq_lens,
     )
 
 

@@ -146,6 +146,7 @@ def _prefill_kernel(
     stride_table_req,
     num_reqs,
     window,  # with WINDOWED: a query sees the last `window` positions up to its own
+    sinks_ptr,  # [H] float32 with HAS_SINKS: each head's sink logit
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (padding rows masked)
     HEAD_DIM: tl.constexpr,
@@ -156,6 +157,7 @@ def _prefill_kernel(
     REQS_POW2: tl.constexpr,  # num_reqs rounded up to a power of two
     SKIP_UP_TO: tl.constexpr,  # leave requests of this many tokens or fewer to the decode kernel
     WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     # Work items are (request, query tile) pairs, numbered request by request; the kernel
@@ -198,6 +200,7 @@ def _prefill_kernel(
             q_tile,
             kv_head,
             window,
+            sinks_ptr,
             GROUP,
             GROUP_PAD,
             HEAD_DIM,
@@ -206,6 +209,7 @@ def _prefill_kernel(
             BLOCK_N,
             DOT_PRECISION,
             WINDOWED,
+            HAS_SINKS,
         )
 
 
@@ -232,6 +236,7 @@ def _attend_tile(
     q_tile,
     kv_head,
     window,
+    sinks_ptr,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -240,6 +245,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One (request, query tile, KV head): attend over the context, write the tile's rows.
     In a window the tiles before the first row's window are not read, and the tiles every
@@ -298,6 +304,9 @@ def _attend_tile(
         HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOWED,
     )
     # fmt: on
+    if HAS_SINKS:  # the sink's share of the softmax (log2 units, as m_i)
+        sink = tl.load(sinks_ptr + heads, mask=row_valid, other=0.0).to(tl.float32)
+        l_i += tl.exp2(sink * 1.4426950408889634 - m_i)
     out = acc / l_i[:, None]  # [M, D]
     out_ptrs = out_ptr + token_index[:, None] * stride_out_token + heads[:, None] * stride_out_head
     tl.store(out_ptrs + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
@@ -372,6 +381,7 @@ def paged_prefill_attention(
     tiles: PrefillTiles | None = None,  # None picks from head_dim, GQA group and max_query_len
     skip_queries_up_to: int = 0,  # leave the rows of requests of this many tokens or fewer
     window: int | None = None,  # a sliding window: a query sees its last `window` positions
+    sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
     """Causal attention of each request's queries over its paged context, any mix of rows;
     with a window, the context tiles before a tile's windows are not read.
@@ -397,7 +407,7 @@ def paged_prefill_attention(
         return out
     _launch_prefill(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
-        tiles, skip_queries_up_to, window,
+        tiles, skip_queries_up_to, window, sinks,
     )  # fmt: skip
     return out
 
@@ -414,6 +424,7 @@ def _launch_prefill(
     tiles: PrefillTiles,
     skip_queries_up_to: int,
     window: int | None,
+    sinks: torch.Tensor | None,
 ) -> None:
     """One launch of the prefill kernel on int32 metadata, its grid fixed by shapes alone."""
     num_reqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
@@ -421,7 +432,7 @@ def _launch_prefill(
     seq_lens = seq_lens.to(torch.int32).contiguous()  # [R]
     query_start_loc = query_start_loc.to(torch.int32).contiguous()  # [R + 1]
     constants = _prefill_constants(query, key_cache, tiles, num_reqs, skip_queries_up_to)
-    constants["WINDOWED"] = window is not None
+    constants.update(WINDOWED=window is not None, HAS_SINKS=sinks is not None)
     grid = _prefill_grid(query, num_reqs, num_kv_heads, constants["BLOCK_Q"])
     args = (
         out,
@@ -443,6 +454,7 @@ def _launch_prefill(
         block_tables.stride(0),
         num_reqs,
         window or 0,
+        sinks if sinks is not None else seq_lens,
     )
     variant = ("prefill_attention", query.device, query.dtype, key_cache.dtype, *constants.values())
     launch_fitting(

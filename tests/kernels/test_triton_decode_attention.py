@@ -370,3 +370,25 @@ def test_sliding_windows_of_a_verifying_rows_queries(window: int) -> None:
             window=window,
         )  # fmt: skip
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_attention_sinks_match_the_reference(window: int | None) -> None:
+    """gpt-oss's sinks in the one-split path and in the merge of many (1,100 tokens)."""
+    seq_lens = [*SEQ_LENS, 1100]
+    query, key_cache, value_cache, block_tables, lens = make_case(
+        seq_lens, 8, 2, 64, torch.float32, seed=9
+    )
+    sinks = torch.tensor([0.0, 3.0, -2.0, 20.0, -30.0, 1.0, 0.5, -1.0], device=DEVICE)
+    num_reqs = query.shape[0]
+    starts = torch.arange(num_reqs + 1, device=DEVICE, dtype=torch.int32)
+    expected = paged_attention_reference(
+        query, key_cache, value_cache, block_tables, lens, starts, 1, max(seq_lens), 0.125,
+        window, sinks,
+    )  # fmt: skip
+    for num_splits in (1, 3, None):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, block_tables, lens, 0.125, num_splits,
+            window=window, sinks=sinks,
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")

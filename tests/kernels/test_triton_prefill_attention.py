@@ -246,3 +246,16 @@ def test_real_shapes_decodes_split_off() -> None:
     expected = paged_attention_reference(**upcast)
     out = split_mixed(case)
     assert torch.isfinite(out).all() and relative_error(out, expected) < 1e-2
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_sinks_match_the_reference(window: int | None) -> None:
+    """gpt-oss's sinks: a logit a head in the softmax's denominator, some far above the scores
+    (most of the weight to the sink) and some far below (none), with and without a window."""
+    case = make_case(BATCHES["mixed"] + BATCHES["chunked"], 6, 2, 64, torch.float32, seed=5)
+    sinks = torch.tensor([0.0, 3.0, -2.0, 20.0, -30.0, 1.0], device=DEVICE)
+    expected = paged_attention_reference(**case, window=window, sinks=sinks)
+    assert not torch.allclose(expected, paged_attention_reference(**case, window=window))
+    out = paged_prefill_attention(**case, tiles=PrefillTiles(16, 16, 4, 2), window=window,
+                                  sinks=sinks)  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
