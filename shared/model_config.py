@@ -56,7 +56,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # llama3 scaling parameters, or None
+    rope_scaling: dict[str, Any] | None  # llama3 or yarn scaling parameters (rope_type), or None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # qkv projections carry a bias (Qwen2)
@@ -134,8 +134,13 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         )
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3)")
+    if rope_type not in ("default", "llama3", "yarn"):
+        raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3, yarn)")
+    if rope_type == "yarn" and rope.get("factor") is None:  # the context's growth (DeepSeek-V3)
+        rope = {
+            **rope,
+            "factor": cfg["max_position_embeddings"] / rope["original_max_position_embeddings"],
+        }
     num_heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -156,7 +161,7 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-        rope_scaling=dict(rope) if rope_type == "llama3" else None,
+        rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         # transformers 5 calls Qwen2-MoE's qkv bias qkv_bias; its published configs omit it

@@ -45,7 +45,18 @@ FAMILIES = {
         dict(use_sliding_window=True, sliding_window=20, max_window_layers=1),
     ),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
-}
+    # YaRN's long-context rotary, past its original context of 32 within the prompts
+    "qwen3 yarn": (
+        transformers.Qwen3Config,
+        dict(
+            head_dim=32,
+            rope_parameters={
+                "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                "rope_theta": 10000.0,
+            },
+        ),
+    ),
+}  # fmt: skip
 
 
 def make_tiny_model(family: str) -> transformers.PreTrainedModel:

@@ -163,3 +163,35 @@ def test_llama3_scaling_slows_only_low_frequencies() -> None:
     assert torch.equal(scaled[:8], plain[:8])  # high frequencies untouched
     torch.testing.assert_close(scaled[-8:], plain[-8:] / 8.0)  # low frequencies / factor
     assert torch.all(scaled <= plain)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # gpt-oss's: its ramp's ends not rounded (truncate false)
+        dict(factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=4096,
+             truncate=False),
+        dict(factor=4.0, original_max_position_embeddings=32768),  # Qwen3's long context
+        dict(factor=40.0, original_max_position_embeddings=4096, mscale=1.0,
+             mscale_all_dim=1.0),  # mscale's ratio (1 here)
+    ],
+    ids=["gpt-oss", "qwen3", "mscale"],
+)  # fmt: skip
+def test_yarn_table_matches_transformers(params: dict) -> None:
+    """The cos/sin table of YaRN scaling: transformers' inverse frequencies and attention
+    factor, for its configs' variants."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theta, head_dim = 150000.0, 64
+    rope = {"rope_type": "yarn", "rope_theta": theta, **params}
+    config = transformers.Qwen3Config(
+        head_dim=head_dim, hidden_size=256, num_attention_heads=4,
+        max_position_embeddings=131072, rope_parameters=rope,
+    )  # fmt: skip
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    table = RotaryEmbedding(head_dim, 300, theta, rope).cos_sin_cache
+    angles = torch.arange(300).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    torch.testing.assert_close(table[:, 0], angles.cos() * factor)
+    torch.testing.assert_close(table[:, 1], angles.sin() * factor)
