@@ -8,6 +8,8 @@ times the work of the chosen ones, until the grouped-GEMM kernel replaces it on 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from kernels.activation import silu_and_mul_reference
@@ -17,6 +19,29 @@ from kernels.fp8 import (
     quantize_fp8_rowwise_reference,
 )
 from kernels.int4 import Int4Stack, dequantize_int4_stack
+
+
+class ExpertBiases(NamedTuple):
+    """gpt-oss's: each expert's gate/up and down projections' biases."""
+
+    gate_up: torch.Tensor  # [E, 2 I]: the gate's, then the up's
+    down: torch.Tensor  # [E, H]
+
+
+class ClampedSwiglu(NamedTuple):
+    """gpt-oss's activation of an expert's gate and up rows, in place of silu(gate) * up:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g) with g = clamp(gate, max=limit)."""
+
+    limit: float
+    alpha: float = 1.702
+
+
+def clamped_swiglu_reference(gate_up: torch.Tensor, swiglu: ClampedSwiglu) -> torch.Tensor:
+    """[.., 2 I] (gate, then up) -> [.., I], in float32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=swiglu.limit)
+    up = up.clamp(-swiglu.limit, swiglu.limit)
+    return (up + 1) * gate * torch.sigmoid(swiglu.alpha * gate)
 
 
 def aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -105,12 +130,15 @@ def moe_experts_reference(
     ids: torch.Tensor,  # [T, k] int
     gate_up_scale: torch.Tensor | None = None,  # [E, 2 I, G] float32: FP8 experts
     down_scale: torch.Tensor | None = None,  # [E, H, G'] float32
+    biases: ExpertBiases | None = None,
+    swiglu: ClampedSwiglu | None = None,  # None: silu(gate) * up
 ) -> torch.Tensor:  # [T, H], x's dtype
     """sum over a token's k experts e of weight * down_e(silu(gate_e x) * up_e x), summed in
     float32 in ascending expert order. FP8 experts are W8A8: each projection's input is
     rounded to e4m3 per row (or per row and group, as its weight's scales go), and both
     operands are dequantized, in float32; silu(..) * up is rounded to x's dtype first, as
-    the kernels store it."""
+    the kernels store it. gpt-oss's: each projection plus its bias, its activation
+    `swiglu`."""
     x_in, down_groups = x, 0  # down_groups: the SiLU rows' rounding (0: none)
     if gate_up_scale is not None and down_scale is not None:
         x_in, down_groups = _fp8_rounded(x, gate_up_scale.shape[2]), down_scale.shape[2]
@@ -119,10 +147,19 @@ def moe_experts_reference(
     out = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float32, device=x.device)
     for expert in range(gate_up.shape[0]):
         share = (weights * (ids == expert)).sum(dim=-1)  # [T]: 0 where not chosen
-        hidden = silu_and_mul_reference(x_in @ gate_up[expert].T)  # [T, I]
+        projected = x_in @ gate_up[expert].T  # [T, 2 I]
+        if biases is not None:
+            projected = projected + biases.gate_up[expert]
+        if swiglu is not None:
+            hidden = clamped_swiglu_reference(projected, swiglu).to(x.dtype)  # [T, I]
+        else:
+            hidden = silu_and_mul_reference(projected)
         if down_groups:
             hidden = _fp8_rounded(hidden.to(x.dtype), down_groups)
-        out += share[:, None] * (hidden @ down[expert].T).float()
+        rows = (hidden @ down[expert].T).float()
+        if biases is not None:
+            rows = rows + biases.down[expert].float()
+        out += share[:, None] * rows
     return out.to(x.dtype)
 
 

@@ -23,7 +23,13 @@ from kernels.inputs import gather_sampled_inputs_reference
 from kernels.int4 import Int4Stack, int4_linear_reference
 from kernels.linear import linear_reference
 from kernels.lora import LoraDelta, lora_expand_reference, lora_shrink_reference
-from kernels.moe import moe_experts_int4_reference, moe_experts_reference, moe_route_reference
+from kernels.moe import (
+    ClampedSwiglu,
+    ExpertBiases,
+    moe_experts_int4_reference,
+    moe_experts_reference,
+    moe_route_reference,
+)
 from kernels.norm import (
     fused_add_rms_norm_fp8_reference,
     fused_add_rms_norm_reference,
@@ -201,10 +207,12 @@ def moe_experts(
     ids: torch.Tensor,
     gate_up_scale: torch.Tensor | None = None,  # FP8 experts' (kernels/moe.py)
     down_scale: torch.Tensor | None = None,
+    biases: ExpertBiases | None = None,  # gpt-oss's
+    swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
 ) -> torch.Tensor:
     module = _triton("moe", x)
     run = module.moe_experts if module is not None else moe_experts_reference
-    return run(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+    return run(x, gate_up, down, weights, ids, gate_up_scale, down_scale, biases, swiglu)
 
 
 def moe_experts_int4(

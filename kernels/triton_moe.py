@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_fp8 import quantize_fp8_groupwise, quantize_fp8_rowwise
-from kernels.triton_moe_gemv import WeightScales, moe_experts_gemv
+from kernels.triton_moe_gemv import WeightScales, epilogue, expert_activation, moe_experts_gemv
 from kernels.triton_moe_route import align
 from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
 from kernels.triton_stages import launch_fitting
@@ -96,10 +97,15 @@ def _gate_up_kernel(
     stride_se,
     stride_sn,
     stride_out,
+    bias_ptr,  # [E, 2N] with HAS_BIAS
+    limit,  # with SWIGLU
+    alpha,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
         return  # a block past the last group: no pairs
@@ -130,7 +136,8 @@ def _gate_up_kernel(
                        stride_sn, MODE)  # fmt: skip
     up = _end_scaled(up, x_scale_ptr, s, tokens, rows_ok, cols + N, cols_ok, stride_xs,
                      stride_sn, MODE)  # fmt: skip
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    bias_row = bias_ptr + expert * 2 * N
+    out = expert_activation(gate, up, bias_row, cols, cols_ok, N, limit, alpha, HAS_BIAS, SWIGLU)
     out_ptrs = out_ptr + pairs[:, None] * stride_out + cols[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
@@ -156,10 +163,12 @@ def _down_kernel(
     stride_se,
     stride_sn,
     stride_out,
+    bias_ptr,  # [E, N] with HAS_BIAS
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
         return
@@ -186,6 +195,8 @@ def _down_kernel(
                             start, group, stride_hs, stride_sn, MODE)  # fmt: skip
     acc = _end_scaled(acc, h_scale_ptr, s, rows, rows_ok, cols, cols_ok, stride_hs, stride_sn,
                       MODE)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * N + cols, mask=cols_ok, other=0.0)[None, :]
     acc *= tl.load(weights_ptr + rows, mask=rows_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
     out = acc.to(out_ptr.dtype.element_ty)
@@ -200,12 +211,15 @@ def moe_experts(
     ids: torch.Tensor,  # [T, k]
     gate_up_scale: torch.Tensor | None = None,  # [E, 2 I, G] float32: FP8 experts
     down_scale: torch.Tensor | None = None,  # [E, H, G'] float32
+    biases: ExpertBiases | None = None,  # gpt-oss's
+    swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
 ) -> torch.Tensor:  # [T, H], x's dtype
     x = x.contiguous()
-    scales = {"gate_up_scale": gate_up_scale, "down_scale": down_scale}
+    extra = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, biases=biases,
+                 swiglu=swiglu)  # fmt: skip
     if uses_gemv(ids.numel(), down.shape[0]):
-        return moe_experts_gemv(x, gate_up, down, weights, ids, **scales)
-    return moe_experts_grouped(x, gate_up, down, weights, ids, **scales)
+        return moe_experts_gemv(x, gate_up, down, weights, ids, **extra)
+    return moe_experts_grouped(x, gate_up, down, weights, ids, **extra)
 
 
 def _fp8_input(x: torch.Tensor, scales: WeightScales) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,6 +240,8 @@ def moe_experts_grouped(
     tiles: GroupedTiles | None = None,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    biases: ExpertBiases | None = None,
+    swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """moe_experts over the pairs sorted by expert (see the module's docstring); `tiles`:
     by the pair count (kernels/triton_moe_tiles.py) unless given."""
@@ -241,9 +257,10 @@ def moe_experts_grouped(
     args = (
         a, a_scale, gate_up, up.tensor, h, sorted_pairs, block_experts, num_pairs, top_k,
         hidden, inter, up.group, a.stride(0), a_scale.stride(0), gate_up.stride(0),
-        gate_up.stride(1), *up.strides, h.stride(0),
+        gate_up.stride(1), *up.strides, h.stride(0), *epilogue(biases, swiglu, x, "gate_up"),
     )  # fmt: skip
-    _launch(_gate_up_kernel, grid, args, tiles.block_m, tiles.gate_up, up)
+    flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
+    _launch(_gate_up_kernel, grid, args, tiles.block_m, tiles.gate_up, up, flags)
     # Each pair's row in x's dtype (half the bytes of float32, as vLLM's), summed in float32.
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     dn = WeightScales(down_scale, down, tiles.down.k, exact=False)
@@ -253,8 +270,10 @@ def moe_experts_grouped(
         a, a_scale, down, dn.tensor, out, weights.float().contiguous(), sorted_pairs,
         block_experts, num_pairs, inter, hidden, dn.group, a.stride(0), a_scale.stride(0),
         down.stride(0), down.stride(1), *dn.strides, out.stride(0),
+        epilogue(biases, swiglu, x, "down")[0],
     )  # fmt: skip
-    _launch(_down_kernel, grid, args, tiles.block_m, tiles.down, dn)
+    _launch(_down_kernel, grid, args, tiles.block_m, tiles.down, dn,
+            dict(HAS_BIAS=biases is not None))  # fmt: skip
     return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
@@ -265,11 +284,12 @@ def _launch(
     block_m: int,
     tiles: GemmTiles,
     scales: WeightScales,
+    flags: dict[str, bool],  # HAS_BIAS (and SWIGLU)
 ) -> None:
     """A grouped GEMM's launch, with fewer pipeline stages where the GPU lacks the shared
     memory for the tiles' (kernels/triton_stages.py)."""
     constants = dict(BLOCK_M=block_m, BLOCK_N=tiles.n, BLOCK_K=scales.block_k,
-                     MODE=scales.mode, num_warps=tiles.num_warps)  # fmt: skip
+                     MODE=scales.mode, num_warps=tiles.num_warps, **flags)  # fmt: skip
     x = args[0]
     assert isinstance(x, torch.Tensor)
     variant = (kernel.__name__, x.device, x.dtype, *constants.values())  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_e4m3 import scale_for, to_e4m3
 from kernels.triton_moe_tiles import DEFAULT_GEMV_TILES, GemvTiles
 
@@ -58,6 +59,22 @@ def _weight_step(w, s, rows, rows_ok, start, group, stride_sn, MODE: tl.constexp
 
 
 @triton.jit
+def expert_activation(gate, up, bias_row, cols, cols_ok, N, limit, alpha,
+                      HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr):  # fmt: skip
+    """An expert's hidden values from its gate and up sums (float32, the columns last):
+    silu(gate) * up; with gpt-oss's biases (bias_row: the expert's [2N], gate's then up's)
+    added first, and with SWIGLU its clamped SwiGLU (kernels.moe.ClampedSwiglu)."""
+    if HAS_BIAS:
+        gate += tl.load(bias_row + cols, mask=cols_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_row + N + cols, mask=cols_ok, other=0.0).to(tl.float32)
+    if SWIGLU:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _pair_gate_up_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [E, 2N, K]
@@ -74,9 +91,14 @@ def _pair_gate_up_kernel(
     stride_se,
     stride_sn,
     stride_out,
+    bias_ptr,  # [E, 2N] with HAS_BIAS
+    limit,  # with SWIGLU
+    alpha,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     pair, tile = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -102,7 +124,8 @@ def _pair_gate_up_kernel(
     if MODE == 1:  # the weight rows' scales and the input's, after the sum
         g *= x_scale * tl.load(s + cols * stride_sn, mask=cols_ok, other=0.0)
         u *= x_scale * tl.load(s + (cols + N) * stride_sn, mask=cols_ok, other=0.0)
-    out = g / (1.0 + tl.exp(-g)) * u
+    bias_row = bias_ptr + expert * 2 * N
+    out = expert_activation(g, u, bias_row, cols, cols_ok, N, limit, alpha, HAS_BIAS, SWIGLU)
     tl.store(out_ptr + pair * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
 
 
@@ -124,10 +147,12 @@ def _token_down_kernel(
     stride_se,
     stride_sn,
     stride_out,
+    bias_ptr,  # [E, N] with HAS_BIAS
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_TOP_K: tl.constexpr,  # top_k's next power of two
     MODE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     """One GEMV over the token's k experts' down rows side by side (K' = k * K), each pair's
     row scaled by its routing weight (and in MODE 1 by its rows' and input's scales): one
@@ -144,6 +169,7 @@ def _token_down_kernel(
             row = h_ptr + (token * top_k + choice).to(tl.int64) * stride_h
             h_scales = tl.where(choices == choice, _row_scale(row, K, BLOCK_K), h_scales)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    biased = tl.zeros((BLOCK_N,), dtype=tl.float32)  # each pair's bias times its weight
     for step in range(top_k * chunks):
         choice = step // chunks
         pair = token * top_k + choice
@@ -163,7 +189,10 @@ def _token_down_kernel(
             w_rows = tl.load(s + cols * stride_sn, mask=cols_ok, other=0.0)
             w_tile = w_tile * (w_rows * h_scale)[:, None]
         acc += w_tile * (a * scale)[None, :]
-    out = tl.sum(acc, axis=1)
+        if HAS_BIAS:  # once a pair, at its first step
+            bias = tl.load(bias_ptr + expert * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
+            biased += tl.where(step % chunks == 0, bias * scale, 0.0)
+    out = tl.sum(acc, axis=1) + biased
     tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)
 
 
@@ -176,6 +205,8 @@ def moe_experts_gemv(
     tiles: GemvTiles = DEFAULT_GEMV_TILES,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    biases: ExpertBiases | None = None,
+    swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """moe_experts for few pairs: two launches, no sorting (see the module's docstring)."""
     num_tokens, top_k = ids.shape
@@ -187,7 +218,9 @@ def moe_experts_gemv(
     _pair_gate_up_kernel[grid](
         x, gate_up, up.tensor, h, ids, top_k, hidden, inter, up.group,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), *up.strides, h.stride(0),
+        *epilogue(biases, swiglu, x, "gate_up"),
         BLOCK_N=tiles.gate_up_n, BLOCK_K=up.block_k, MODE=up.mode, num_warps=tiles.num_warps,
+        HAS_BIAS=biases is not None, SWIGLU=swiglu is not None,
     )  # fmt: skip
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     dn = WeightScales(down_scale, down, tiles.down_k)
@@ -195,10 +228,20 @@ def moe_experts_gemv(
     _token_down_kernel[grid](
         h, down, dn.tensor, out, weights.float().contiguous(), ids, top_k, inter, hidden,
         dn.group, h.stride(0), down.stride(0), down.stride(1), *dn.strides, out.stride(0),
+        epilogue(biases, swiglu, x, "down")[0],
         BLOCK_N=tiles.down_n, BLOCK_K=dn.block_k, BLOCK_TOP_K=triton.next_power_of_2(top_k),
-        MODE=dn.mode, num_warps=tiles.num_warps,
+        MODE=dn.mode, num_warps=tiles.num_warps, HAS_BIAS=biases is not None,
     )  # fmt: skip
     return out
+
+
+def epilogue(
+    biases: ExpertBiases | None, swiglu: ClampedSwiglu | None, x: torch.Tensor, which: str
+) -> tuple[object, float, float]:
+    """gpt-oss's additions to a kernel's end: the projection's biases (contiguous, [E, 2N] or
+    [E, N]; x stands in without), the SwiGLU's limit and alpha (0 without)."""
+    bias = getattr(biases, which).contiguous() if biases is not None else x
+    return bias, (swiglu.limit if swiglu else 0.0), (swiglu.alpha if swiglu else 0.0)
 
 
 class WeightScales:

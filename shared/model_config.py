@@ -23,9 +23,10 @@ SUPPORTED_FAMILIES = (
     "qwen3_moe",
     "mixtral",
     "olmoe",
+    "gpt_oss",
 )
 # Families whose MLPs are mixtures of experts (ModelConfig.moe)
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,18 @@ class MoeConfig:
     # Qwen2-MoE: a gated MLP of this width every token takes, its output scaled by
     # sigmoid(shared_expert_gate x) and added to the experts' (0: none)
     shared_expert_size: int = 0
+    # gpt-oss: the router and every expert projection have a bias, and an expert's MLP is
+    # (clamp(up, +-limit) + 1) * g * sigmoid(alpha g) with g = clamp(gate, max=limit), its
+    # checkpoint's gate and up columns interleaved and stored fused (`swiglu_limit` set)
+    biases: bool = False
+    swiglu_limit: float | None = None  # None: silu(gate) * up
+    swiglu_alpha: float = 1.702
+
+    @property
+    def fused_checkpoint(self) -> bool:
+        """gpt-oss's checkpoints hold each layer's experts fused: gate_up_proj [E, in, 2 I]
+        with gate and up columns interleaved, down_proj [E, I, out], and their biases."""
+        return self.swiglu_limit is not None
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,8 @@ class ModelConfig:
     moe: MoeConfig | None = None
     qk_norm_whole: bool = False  # RMSNorm on the whole q and k projections, all heads (OLMoE)
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE)
+    output_bias: bool = False  # o_proj carries a bias (gpt-oss)
+    attention_sinks: bool = False  # a sink logit a head in attention's softmax (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -173,29 +188,36 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         moe=_moe_config(cfg) if family in MOE_FAMILIES else None,
         qk_norm_whole=family == "olmoe",
         clip_qkv=cfg.get("clip_qkv"),
+        output_bias=family == "gpt_oss" and bool(cfg.get("attention_bias", True)),
+        attention_sinks=family == "gpt_oss",
     )
 
 
 def _moe_config(cfg: dict[str, Any]) -> MoeConfig:
     """Qwen2/3-MoE's keys (the experts' width in moe_intermediate_size; a layer has experts if
     (layer + 1) % decoder_sparse_step == 0 and it is not in mlp_only_layers) or Mixtral's
-    (every layer; the experts' width in intermediate_size; always renormalized), or OLMoE's
-    (every layer; the experts' width in intermediate_size).
+    (every layer; the experts' width in intermediate_size; always renormalized), OLMoE's
+    (every layer; the experts' width in intermediate_size), or gpt-oss's (every layer, a
+    softmax over the chosen experts' logits: renormalized; biases and its clamped SwiGLU).
     transformers 5 writes num_local_experts where the published Qwen3-MoE configs say
     num_experts."""
     num_layers = cfg["num_hidden_layers"]
     step = cfg.get("decoder_sparse_step", 1) or 1
     dense = set(cfg.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(num_layers) if (i + 1) % step == 0 and i not in dense)
-    mixtral = cfg["model_type"] == "mixtral"
+    gpt_oss = cfg["model_type"] == "gpt_oss"
+    renormalized = cfg["model_type"] == "mixtral" or gpt_oss  # a softmax over the chosen
     width = "moe_intermediate_size" if cfg["model_type"].startswith("qwen") else "intermediate_size"
     return MoeConfig(
         num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
-        top_k=cfg["num_experts_per_tok"],
+        top_k=cfg.get("num_experts_per_tok") or cfg["experts_per_token"],
         intermediate_size=cfg[width],
-        renormalize=mixtral or bool(cfg.get("norm_topk_prob", False)),
+        renormalize=renormalized or bool(cfg.get("norm_topk_prob", False)),
         sparse_layers=sparse,
         shared_expert_size=cfg.get("shared_expert_intermediate_size") or 0,
+        biases=gpt_oss,
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)) if gpt_oss else None,
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
     )
 
 

@@ -122,4 +122,18 @@ MOE_FAMILIES = {
         transformers.OlmoeConfig,
         dict(num_experts=6, num_experts_per_tok=2, intermediate_size=32, clip_qkv=1.0),
     ),
-}
+    # Attention sinks, biases on every projection, the router and the experts, a window on
+    # alternate layers (0: sliding), YaRN, the clamped SwiGLU of interleaved gate/up columns
+    "gpt_oss": (
+        transformers.GptOssConfig,
+        dict(
+            num_local_experts=6, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+            sliding_window=12,
+            rope_parameters={
+                "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
+        ),
+    ),
+}  # fmt: skip

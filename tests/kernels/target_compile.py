@@ -36,6 +36,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from kernels.fp8 import FP8
 from kernels.int4 import Int4Stack
+from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_fp8 import fp8_skinny_linear
 from kernels.triton_int4 import int4_linear
@@ -182,19 +183,24 @@ def _attention_launches(kv_dtype: torch.dtype) -> None:
                 )
 
 
-def _moe_launches(fp8: bool) -> None:
+def _moe_launches(fp8: bool, gpt_oss: bool = False) -> None:
     """Qwen3-30B-A3B's experts at one token (the GEMVs) and at each grouped tile set's most
-    pairs (the last at 4,096 tokens), bf16 or FP8 (a scale per row)."""
+    pairs (the last at 4,096 tokens), bf16 or FP8 (a scale per row); with gpt-oss's biases
+    and clamped SwiGLU."""
     experts, hidden, inter, top_k = 128, 2048, 768, 8
     dtype = FP8 if fp8 else torch.bfloat16
     gate_up = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
     down = torch.empty(experts, hidden, inter, dtype=dtype)
     scales = (torch.ones(experts, 2 * inter, 1), torch.ones(experts, hidden, 1)) if fp8 else ()
+    extra = {}
+    if gpt_oss:
+        biases = ExpertBiases(torch.zeros(experts, 2 * inter), torch.zeros(experts, hidden))
+        extra = dict(biases=biases, swiglu=ClampedSwiglu(7.0))
     for pairs in [top_k] + [min(most, 4096 * top_k) for most, _ in GROUPED_TILES]:
         tokens = pairs // top_k
         ids = torch.arange(pairs).remainder(experts).view(tokens, top_k)
         x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
-        moe_experts(x, gate_up, down, torch.ones(tokens, top_k), ids, *scales)
+        moe_experts(x, gate_up, down, torch.ones(tokens, top_k), ids, *scales, **extra)
 
 
 def _moe_int4_launches() -> None:
@@ -228,6 +234,7 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "moe bf16": (lambda: _moe_launches(fp8=False), (86, 90)),  # the least shared memory, H100
     "moe fp8": (lambda: _moe_launches(fp8=True), (89, 90)),
     "moe int4": (_moe_int4_launches, (80, 86, 90)),
+    "moe gpt-oss": (lambda: _moe_launches(fp8=False, gpt_oss=True), (86, 90)),
 }
 
 

@@ -10,6 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from kernels.moe import (
+    ClampedSwiglu,
+    ExpertBiases,
     align_reference,
     moe_experts_reference,
     moe_route_reference,
@@ -220,3 +222,36 @@ def test_routing_counts_each_real_tokens_choices() -> None:
     assert int(counts.sum()) == 10 * 16 + 4 * 3
     real_ids = ids[slots >= 0].flatten().cpu()
     assert torch.equal(counts.cpu() - 10, torch.bincount(real_ids, minlength=16))
+
+
+@pytest.mark.parametrize(("tokens", "experts"), [(1, 16), (9, 6)], ids=["gemv", "grouped"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+def test_gpt_oss_experts_match_the_reference(tokens: int, experts: int, fp8: bool) -> None:
+    """gpt-oss's experts: each projection's bias, the clamped SwiGLU (a limit the sums reach:
+    both clamps bite), in the GEMVs and the grouped GEMMs, float and FP8 weights."""
+    hidden, inter, top_k = 256, 128, 2
+    generator = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=generator) / 4
+    down = torch.randn(experts, hidden, inter, generator=generator) / 8
+    scales: tuple[torch.Tensor, ...] = (None, None)  # type: ignore[assignment]
+    if fp8:
+        scales = (
+            torch.full((experts, 2 * inter, 1), 1 / 64),
+            torch.full((experts, hidden, 1), 1 / 64),
+        )
+        gate_up, down = (gate_up * 64).to(torch.float8_e4m3fn), (down * 64).to(torch.float8_e4m3fn)
+    gate_up, down = gate_up.to(DEVICE), down.to(DEVICE)
+    scales = tuple(s.to(DEVICE) if s is not None else None for s in scales)
+    biases = ExpertBiases(
+        torch.randn(experts, 2 * inter, generator=generator).to(DEVICE),
+        torch.randn(experts, hidden, generator=generator).to(DEVICE),
+    )
+    swiglu = ClampedSwiglu(limit=2.0)
+    weights, ids = routed(tokens, experts, top_k, seed=tokens)
+    out = moe_experts(x, gate_up, down, weights, ids, *scales, biases, swiglu)
+    expected = moe_experts_reference(x, gate_up, down, weights, ids, *scales, biases, swiglu)
+    assert not torch.allclose(
+        expected, moe_experts_reference(x, gate_up, down, weights, ids, *scales)
+    )
+    assert_kernel_close(out, expected)

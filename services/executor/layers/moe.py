@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kernels import ops
+from kernels.moe import ClampedSwiglu, ExpertBiases
 from services.executor.layers.linear import Linear
 from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
@@ -29,6 +30,8 @@ from services.executor.parallel.shards import (
     read,
     shard_tensor,
 )
+
+WHOLE_ROWS = TensorDims(0, 1)  # a stacked projection's rows by output, columns by input
 
 # A checkpoint's expert projection -> (our stacked parameter, its piece within the expert's rows)
 EXPERT_PROJECTIONS = {
@@ -79,7 +82,10 @@ class FloatExperts:
     def apply(
         self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        return ops.moe_experts(x, moe.experts_gate_up, moe.experts_down, weights, ids)
+        return ops.moe_experts(
+            x, moe.experts_gate_up, moe.experts_down, weights, ids, None, None, moe.biases,
+            moe.swiglu,
+        )  # fmt: skip
 
 
 class SparseMoE(nn.Module):
@@ -97,11 +103,20 @@ class SparseMoE(nn.Module):
         self.first_expert = layout.experts.start
         self.num_local_experts = len(layout.experts)
         self.all_experts = self.num_local_experts == moe.num_experts  # else another rank's
-        self.gate = Linear(hidden_size, moe.num_experts)  # the router, whole, in the model dtype
+        # The router, whole, in the model dtype
+        self.gate = Linear(hidden_size, moe.num_experts, bias=moe.biases)
         # What the rank holds of each expert's columns; with EP its experts whole.
         self.part = (0, 1) if layout.tp.expert_parallel else (layout.tp.rank, layout.tp.size)
         self.method: ExpertsMethod = method or FloatExperts()
         self.method.create_weights(self, hidden_size, moe.intermediate_size)
+        self.biases: ExpertBiases | None = None
+        if moe.biases:  # gpt-oss's, float whatever the experts' format
+            gate_up_bias = self.stack("experts_gate_up_bias", 2 * moe.intermediate_size)
+            self.biases = ExpertBiases(gate_up_bias, self.stack("experts_down_bias", hidden_size))
+        self.swiglu = (
+            ClampedSwiglu(moe.swiglu_limit, moe.swiglu_alpha) if moe.swiglu_limit is not None
+            else None
+        )  # fmt: skip
         # Each expert's choices by real tokens, every layer's added up (`counts_into`)
         self.counts: torch.Tensor | None = None
         self.shared_expert: GatedMLP | None = None
@@ -110,22 +125,29 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = Linear(hidden_size, 1)  # whole: it scales each part
 
     def stack(
-        self, name: str, rows: int, cols: int, dtype: torch.dtype | None, dims: TensorDims
+        self,
+        name: str,
+        rows: int,
+        cols: int | None = None,
+        dtype: torch.dtype | None = None,
+        dims: TensorDims = WHOLE_ROWS,
     ) -> nn.Parameter:
-        """Register a parameter [local experts, rows, cols] that an expert projection's
+        """Register a parameter [local experts, rows(, cols)] that an expert projection's
         checkpoint tensors fill (`name` starts with experts_gate_up, two pieces an expert, or
-        experts_down), cut for this rank as `dims` says where its columns lie."""
-        param = nn.Parameter(
-            torch.empty(self.num_local_experts, rows, cols, dtype=dtype), requires_grad=False
+        experts_down), cut for this rank as `dims` says where its columns lie; from gpt-oss's
+        fused tensors where the model has them (`_load_fused`)."""
+        shape = (
+            (self.num_local_experts, rows) if cols is None else (self.num_local_experts, rows, cols)
         )
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
         pieces = 2 if name.startswith("experts_gate_up") else 1
         part, parts = self.part
-        load = functools.partial(
-            _load_expert_piece, first=self.first_expert, pieces=pieces, part=part, parts=parts,
-            dims=dims,
-        )  # fmt: skip
-        # Every expert's tensors count as loaded (another rank's are skipped): the model's.
-        set_weight_loader(param, load, pieces * self.moe.num_experts)
+        where = dict(first=self.first_expert, part=part, parts=parts)
+        if self.moe.fused_checkpoint:  # one tensor a layer fills every expert
+            set_weight_loader(param, functools.partial(_load_fused, kind=name, **where))
+        else:  # each expert's tensors count as loaded (another rank's are skipped): the model's
+            load = functools.partial(_load_expert_piece, pieces=pieces, dims=dims, **where)
+            set_weight_loader(param, load, pieces * self.moe.num_experts)
         self.register_parameter(name, param)
         return param
 
@@ -135,6 +157,8 @@ class SparseMoE(nn.Module):
 
     def init_dummy(self, generator: torch.Generator) -> None:
         self.method.init_dummy(self, generator)
+        for bias in self.biases or ():
+            bias.data.normal_(0.0, 0.02, generator=generator)
 
     def counts_into(self, counts: torch.Tensor) -> None:
         """From now on each forward pass adds its real tokens' choices to counts [experts]."""
@@ -150,7 +174,7 @@ class SparseMoE(nn.Module):
         )
         if not self.all_experts:
             weights, ids = self._local_choices(weights, ids)
-        out = self.method.apply(self, x, weights, ids)
+        out = self.method.apply(self, x, weights, ids)  # with self.biases, self.swiglu
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out  # this rank's part
@@ -177,11 +201,25 @@ _EXPERT_PARTS = {
 }
 
 
-def expert_piece(name: str) -> tuple[str, int] | None:
+# gpt-oss's fused expert tensors -> our stacked parameters (`_load_fused`)
+_FUSED = {
+    "gate_up_proj": "experts_gate_up",
+    "gate_up_proj_bias": "experts_gate_up_bias",
+    "down_proj": "experts_down",
+    "down_proj_bias": "experts_down_bias",
+}
+
+
+def expert_piece(name: str) -> tuple[str, int | None] | None:
     """A checkpoint name (no "model." prefix) of an expert's projection (its weight, or an FP8
     checkpoint's weight and scales as translated) -> (our parameter, the piece it fills:
     expert * pieces + its piece), or None if it is not one."""
     parts = name.split(".")
+    if len(parts) == 5 and parts[3] == "experts":  # layers.N.mlp.experts.gate_up_proj (gpt-oss)
+        if parts[4] not in _FUSED:
+            raise ValueError(f"{name}: expert weights of this format are not supported yet "
+                             "(gpt-oss runs from bf16 experts; MXFP4 is not built)")  # fmt: skip
+        return f"layers.{parts[1]}.mlp.{_FUSED[parts[4]]}", None
     if len(parts) != 7 or parts[3] != "experts" or parts[6] not in _EXPERT_PARTS:
         return None  # layers.N.{mlp,block_sparse_moe}.experts.E.PROJ.weight
     if parts[5] not in EXPERT_PROJECTIONS or not parts[4].isdigit():
@@ -220,3 +258,34 @@ def _load_expert_piece(
     cut = read(shard_tensor(tensor, dims, split, part, parts))
     target = param.data[expert - first].narrow(0, piece * rows, rows)
     copy_weight(target, cut.reshape(rows, -1) if cut.dim() == 1 else cut, name)
+
+
+def _load_fused(
+    param: nn.Parameter,
+    tensor: CheckpointTensor,
+    shard: int | None,
+    name: str,
+    *,
+    first: int,
+    part: int,
+    parts: int,
+    kind: str,
+) -> None:
+    """gpt-oss's layer of experts, fused: gate_up_proj [E, in, 2 I] (gate and up columns
+    interleaved) and its bias [E, 2 I], down_proj [E, I, out] and its bias [E, out], into the
+    rank's experts first, first + 1, ... as the kernels read them (gate rows, then up rows;
+    down [E, out, I]), of each its part `part` of `parts` of the I columns; down's bias,
+    added once to the ranks' sum, on part 0 alone."""
+    experts = param.shape[0]
+    whole = read(unpacked(tensor, name).narrow(0, first, experts))  # the rank's experts
+    width = whole.shape[-1] // 2 // parts if kind.startswith("experts_gate_up") else 0
+    if kind.startswith("experts_gate_up"):  # [n, (in,) 2 I] interleaved -> [n, (in,) 2 I']
+        gate, up = (whole[..., h::2][..., part * width : (part + 1) * width] for h in (0, 1))
+        value = torch.cat([gate, up], dim=-1)
+        value = value.transpose(1, 2) if value.dim() == 3 else value
+    elif kind == "experts_down":  # [n, I, out] -> [n, out, I']
+        rows = whole.shape[1] // parts
+        value = whole[:, part * rows : (part + 1) * rows].transpose(1, 2)
+    else:  # experts_down_bias [n, out]
+        value = whole if part == 0 else torch.zeros_like(whole)
+    copy_weight(param.data, value.contiguous(), name)

@@ -12,6 +12,8 @@ each weight.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -24,7 +26,9 @@ from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.moe import ExpertsMethod, SparseMoE, expert_piece
 from services.executor.layers.norm import RMSNorm
 from services.executor.layers.rotary import RotaryEmbedding
+from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
 from services.executor.parallel.layout import ShardLayout
+from services.executor.parallel.shards import CheckpointTensor, read
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.quantization.methods import experts_method
 from shared.model_config import ModelConfig
@@ -77,7 +81,7 @@ class Attention(nn.Module):
         in_size = input_size or cfg.hidden_size
         self.qkv_proj = Linear(in_size, qkv_size, cfg.attention_bias, method, sharding=qkv)
         o = layout.row_parallel(cfg.hidden_size)  # its inputs: the rank's heads' outputs
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, method=method, sharding=o)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.output_bias, method, sharding=o)
         # q_norm and k_norm: per head (Qwen3), fused in the rotary kernel; or over all heads
         # at once (OLMoE), before it
         self.norm_whole = cfg.qk_norm_whole
@@ -90,6 +94,13 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps  # of q_norm / k_norm
         self.scale = cfg.head_dim**-0.5
         self.window = window
+        # gpt-oss: a sink logit for each of the rank's query heads (its share of the softmax)
+        self.sinks: nn.Parameter | None = None
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.empty(cfg.num_heads, dtype=torch.float32),
+                                      requires_grad=False)  # fmt: skip
+            first_head = layout.tp.rank * cfg.num_heads
+            set_weight_loader(self.sinks, functools.partial(_load_heads, first=first_head))
         # An FP8 cache holds key / k_scale and value / v_scale: 1.0 unless the checkpoint
         # calibrated them (`kv_scales`: loaded as k_scale and v_scale, read by prepare_kv_scales).
         self.kv_scale_values = (1.0, 1.0)
@@ -166,6 +177,7 @@ class Attention(nn.Module):
             self.scale * k_scale,  # the cached keys times k_scale
             meta.decode_queries,
             self.window,
+            self.sinks,
         )  # [T, H, D]
         if v_scale != 1.0:
             out = out * v_scale  # the cached values times v_scale
@@ -316,6 +328,7 @@ class DecoderForCausalLM(nn.Module):
         fills in a fused layer, None: all of it), or None: it is not loaded (rotary tables are
         computed; a tied head is the embedding)."""
         name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+        name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
         expert = expert_piece(name)
         if expert is not None:
             return expert
@@ -324,6 +337,13 @@ class DecoderForCausalLM(nn.Module):
         if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
         return checkpoint_name(name)
+
+
+def _load_heads(
+    param: nn.Parameter, tensor: CheckpointTensor, shard: int | None, name: str, first: int
+) -> None:
+    """A value a query head ([num_heads] in the checkpoint): the rank's heads from `first`."""
+    copy_weight(param.data, read(unpacked(tensor, name).narrow(0, first, param.shape[0])), name)
 
 
 def checkpoint_name(name: str) -> tuple[str, int | None]:

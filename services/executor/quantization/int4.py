@@ -126,6 +126,8 @@ class Int4Experts:
         return self.spec.group_size if self.spec.group_size > 0 else columns
 
     def create_weights(self, moe: SparseMoE, hidden: int, columns: int) -> None:
+        if moe.moe.fused_checkpoint:
+            raise ValueError("int4 experts of gpt-oss are not supported (its experts: bf16 or FP8)")
         words = TensorDims(0, 1, (CHUNK, CHUNK // PACK), "chunks of packed words")
         for name, rows, k in (("experts_gate_up", 2 * columns, hidden),
                               ("experts_down", hidden, columns)):  # fmt: skip
