@@ -45,10 +45,10 @@ def tiny_folder(
     model = transformers.AutoModelForCausalLM.from_config(
         config_cls(**{**TINY, **extra, **changes}), dtype=torch.float32
     ).eval()
-    with torch.no_grad():  # random norms, as the parity tests have them
+    with torch.no_grad():  # random norms and biases, as the parity tests have them
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(mean=1.0, std=0.2)
+            if "norm" in name or name.endswith("bias"):
+                param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.2)
     model.save_pretrained(tmp_path / "model")
     return tmp_path / "model", model
 
@@ -63,6 +63,7 @@ def tiny_folder(
         ("qwen3_moe dense first", {}),
         ("qwen2_moe", {}),
         ("mixtral", {}),
+        ("gpt_oss", {}),
     ],
     ids=[
         "llama",
@@ -72,6 +73,7 @@ def tiny_folder(
         "qwen3-moe-dense-first",
         "qwen2-moe-shared-expert",
         "mixtral",
+        "gpt-oss-sinks-biases-fused-experts",
     ],
 )
 def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: dict) -> None:
@@ -86,8 +88,14 @@ THREE_WAYS = {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_
 
 @pytest.mark.parametrize(
     ("family", "world", "changes"),
-    [("qwen3_moe", 1, {}), ("qwen3_moe", 3, THREE_WAYS), ("qwen2_moe", 2, {}), ("mixtral", 2, {})],
-    ids=["one-rank", "qwen3-moe-three-ranks", "qwen2-moe-shared-expert", "mixtral"],
+    [
+        ("qwen3_moe", 1, {}),
+        ("qwen3_moe", 3, THREE_WAYS),
+        ("qwen2_moe", 2, {}),
+        ("mixtral", 2, {}),
+        ("gpt_oss", 2, {}),
+    ],
+    ids=["one-rank", "qwen3-moe-three-ranks", "qwen2-moe-shared-expert", "mixtral", "gpt-oss"],
 )
 def test_expert_parallel_ranks_give_the_tokens_of_one(
     tmp_path: Path, family: str, world: int, changes: dict
