@@ -43,6 +43,7 @@ def num_parameters(cfg: ModelConfig) -> int:
         ("Qwen3-0.6B", 0.596),
         ("Qwen3-30B-A3B", 30.53),
         ("OLMoE-1B-7B-0924", 6.92),
+        ("gpt-oss-20b", 20.91),
     ],
 )
 def test_presets_have_the_published_sizes(preset: str, billions: float) -> None:
