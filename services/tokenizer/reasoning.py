@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss")  # the last: harmony.py
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class ReasoningSplit:
 def starts_in_reasoning(parser: str, prompt_text: str) -> bool:
     """Whether an output with no `<think>` of its own is reasoning from its first character:
     always for deepseek_r1; for qwen3 when the prompt ends with an open `<think>`."""
-    if parser not in REASONING_PARSERS:
+    if parser not in REASONING_PARSERS[:2]:
         raise ValueError(f"unknown reasoning parser {parser!r}")
     return parser == "deepseek_r1" or prompt_text.rstrip().endswith(THINK_START)
 

@@ -22,6 +22,7 @@ from llguidance import LLTokenizer
 from transformers import PreTrainedTokenizerBase
 
 from services.tokenizer.detokenizer import IncrementalDetokenizer, token_text
+from services.tokenizer.harmony import HarmonyReader
 from services.tokenizer.reasoning import THINK_END, ReasoningReader, starts_in_reasoning
 from services.tokenizer.stop_strings import StopStrings
 from services.tokenizer.tokenizer_info import tokenizer_info
@@ -61,7 +62,7 @@ class _LiveRequest:
     tool_calls: ToolCallReader | None = None  # a chat with tools: reads its calls
     prompt_token_ids: list[int] | None = None  # kept when its prompt logprobs will come
     prompt_only: bool = False  # echo with max_tokens 0: the one token computed is dropped
-    reasoning: ReasoningReader | None = None  # a chat under --reasoning-parser
+    reasoning: ReasoningReader | HarmonyReader | None = None  # a chat under --reasoning-parser
     answer_stops: StopStrings | None = None  # with `reasoning`: stop strings of the answer
     num_reasoning_tokens: int = 0  # with `reasoning`: the output tokens that were thinking
 
@@ -104,7 +105,9 @@ class TokenizerWorker:
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
-                skip_special_tokens=params.skip_special_tokens,
+                # harmony's markers are special tokens: its reader needs them
+                skip_special_tokens=params.skip_special_tokens
+                and not isinstance(reasoning, HarmonyReader),
                 # With a reasoning reader, stop strings end the answer, not the thinking.
                 stop=() if reasoning is not None else params.stop,
             )
@@ -148,10 +151,12 @@ class TokenizerWorker:
 
     def _reasoning_reader(
         self, request: GenerateRequest, token_ids: list[int]
-    ) -> ReasoningReader | None:
+    ) -> ReasoningReader | HarmonyReader | None:
         """Chats only (a completion's text is the client's to read), with a tokenizer."""
         if self.reasoning_parser is None or request.messages is None or self.tokenizer is None:
             return None
+        if self.reasoning_parser == "openai_gptoss":
+            return HarmonyReader()
         # The prompt's tail says whether the template opened <think> (qwen3 thinking models).
         tail = decode(self.tokenizer, token_ids[-8:], skip_special_tokens=False)
         return ReasoningReader(starts_in_reasoning(self.reasoning_parser, tail))

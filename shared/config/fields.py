@@ -289,9 +289,10 @@ class ConfigFields:
         None,
         "server",
         "How a chat's thinking is read apart from its answer (`reasoning_content`): qwen3 "
-        "(Qwen3: <think>...</think>, none when thinking is off) or deepseek_r1 (DeepSeek R1, "
-        "QwQ: the output starts inside <think>).",
-        ("deepseek_r1", "qwen3"),
+        "(Qwen3: <think>...</think>, none when thinking is off), deepseek_r1 (DeepSeek R1, "
+        "QwQ: the output starts inside <think>) or openai_gptoss (gpt-oss: harmony's analysis "
+        "channel).",
+        ("deepseek_r1", "qwen3", "openai_gptoss"),
     )
     # -- limits: what one request may ask for (400 or 413 naming the limit beyond)
     max_request_body_bytes: int = option(8 << 20, "limits", "Larger request bodies get 413.")

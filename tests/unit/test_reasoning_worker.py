@@ -192,3 +192,22 @@ def test_the_thinking_tokens_are_counted_apart(
     assert deltas[-1].num_reasoning_tokens == expected
     assert 0 < expected < len(encoded["input_ids"]) or "</think>" not in text
     assert deltas[-1].num_output_tokens == len(encoded["input_ids"])
+
+
+HARMONY_MARKERS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+
+
+def test_openai_gptoss_reads_harmony_channels_from_special_tokens(smollm2_tokenizer) -> None:
+    """gpt-oss's markers are special tokens, which decoding drops by default: under this
+    parser the detokenizer keeps them for the reader, and neither part shows them."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_MARKERS})
+    worker = make_worker(tokenizer, "openai_gptoss")
+    worker.admit(chat())
+    output = (
+        "<|channel|>analysis<|message|>User asks 2+2.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>It is 4."
+    )
+    deltas = run(worker, "r", output)
+    assert reasoning_of(deltas) == "User asks 2+2."
+    assert text_of(deltas) == "It is 4."
