@@ -7,14 +7,18 @@ header and a body:
     <|channel|>analysis<|message|>thinking ...<|end|>
     <|start|>assistant<|channel|>final<|message|>the answer ...<|return|>
 
-The `analysis` channel is the thinking; the `final` channel, and `commentary` (a preamble, or a
-tool call's arguments: `<|channel|>commentary to=functions.f <|constrain|>json<|message|>...`,
-not read into tool calls yet), the answer. Headers and the markers (special tokens: the
-detokenizer keeps them for this parser, `keeps_special_tokens`) are dropped. An output with no
-header (a model that writes plain text) is all answer.
+The `analysis` channel is the thinking; the `final` channel, and `commentary` (a preamble), the
+answer. A message to a function (`<|channel|>commentary to=functions.f <|constrain|>json
+<|message|>{...}<|call|>`, the recipient in the header) is a tool call: with the `openai` tool
+call parser its arguments go into the answer as `<|start|>functions.f<|message|>{...}<|call|>`
+for that parser to read (services/tokenizer/tool_parsers/openai.py), without it they are
+answer text. Headers and the markers (special tokens: the detokenizer keeps them for this
+parser) are dropped. An output with no header (a model that writes plain text) is all answer.
 """
 
 from __future__ import annotations
+
+import re
 
 from services.tokenizer.reasoning import ReasoningSplit
 
@@ -22,15 +26,21 @@ MESSAGE = "<|message|>"
 CHANNEL = "<|channel|>"
 BODY_ENDS = ("<|end|>", "<|return|>", "<|call|>", "<|start|>")  # what ends a message's body
 THINKING_CHANNEL = "analysis"
+RECIPIENT = re.compile(r"to=(functions\.[^\s<]+)")  # a message to a function: a tool call
+CALL_START, CALL_END = "<|start|>", "<|call|>"  # a call as the answer carries it
 
 
 class HarmonyReader:
     """Reads one output as it streams, as services/tokenizer/reasoning.ReasoningReader does:
     `feed` per piece of text (split anywhere, a marker too), `finish` at the end."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_calls: bool = False) -> None:
+        """`keep_calls`: messages to functions go into the answer marked for the `openai`
+        tool call parser (the module's docstring)."""
+        self._keep_calls = keep_calls
         self._in_header = True  # the output starts with a message's header
         self._channel = ""  # the body's channel
+        self._recipient = ""  # a function the body is a call to ("functions.f")
         self._held = ""
 
     @property
@@ -61,10 +71,15 @@ class HarmonyReader:
             self._in_header, self._channel = False, "final"  # plain text: no headers
             return ReasoningSplit()
         header, found, rest = held.partition(MESSAGE)
-        if found:
-            channel = header.partition(CHANNEL)[2].split("<|")[0].split()
-            self._channel = channel[0] if channel else "final"
-            self._in_header, self._held = False, rest
+        if not found:
+            return ReasoningSplit()
+        channel = header.partition(CHANNEL)[2].split("<|")[0].split()
+        self._channel = channel[0] if channel else "final"
+        recipient = RECIPIENT.search(header)
+        self._recipient = recipient[1] if recipient and self._keep_calls else ""
+        self._in_header, self._held = False, rest
+        if self._recipient:  # a call's start, for the tool call parser
+            return ReasoningSplit(content=f"{CALL_START}{self._recipient}{MESSAGE}")
         return ReasoningSplit()
 
     def _body(self) -> ReasoningSplit:
@@ -75,13 +90,17 @@ class HarmonyReader:
             self._held, self._in_header = held[at + len(end) :], True
             if end == "<|start|>":  # a header follows at once
                 self._held = end + self._held
-            return self._as_channel(held[:at])
+            body = self._as_channel(held[:at])
+            if self._recipient:  # the call's end
+                body += ReasoningSplit(content=CALL_END)
+                self._recipient = ""
+            return body
         num_held = max(_partial_marker_len(held, end) for end in BODY_ENDS)
         self._held = held[len(held) - num_held :]
         return self._as_channel(held[: len(held) - num_held])
 
     def _as_channel(self, text: str) -> ReasoningSplit:
-        if self._channel == THINKING_CHANNEL:
+        if self._channel == THINKING_CHANNEL and not self._recipient:
             return ReasoningSplit(reasoning=text)
         return ReasoningSplit(content=text)
 

@@ -156,7 +156,7 @@ class TokenizerWorker:
         if self.reasoning_parser is None or request.messages is None or self.tokenizer is None:
             return None
         if self.reasoning_parser == "openai_gptoss":
-            return HarmonyReader()
+            return HarmonyReader(keep_calls=self.tool_call_parser == "openai")
         # The prompt's tail says whether the template opened <think> (qwen3 thinking models).
         tail = decode(self.tokenizer, token_ids[-8:], skip_special_tokens=False)
         return ReasoningReader(starts_in_reasoning(self.reasoning_parser, tail))

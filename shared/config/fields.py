@@ -282,8 +282,9 @@ class ConfigFields:
         "How tool calls are read from the model's output with `tool_choice: auto`: hermes "
         "(Qwen2.5, Qwen3, Hermes: <tool_call> JSON blocks), llama3_json (Llama 3.1/3.2 JSON), "
         "mistral (Mistral, Mixtral, Devstral: [TOOL_CALLS]), qwen3_coder (Qwen3-Coder: "
-        "<function=...> XML) or pythonic (Llama 3.2/4 pythonic: [f(x=1)]).",
-        ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"),
+        "<function=...> XML), pythonic (Llama 3.2/4 pythonic: [f(x=1)]) or openai (gpt-oss: "
+        "harmony's messages to functions; with --reasoning-parser openai_gptoss).",
+        ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai"),
     )
     reasoning_parser: str | None = option(
         None,

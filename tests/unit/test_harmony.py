@@ -15,8 +15,8 @@ THOUGHT = "<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|>"
 ANSWER = "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
 
 
-def read(pieces: list[str]) -> ReasoningSplit:
-    reader = HarmonyReader()
+def read(pieces: list[str], keep_calls: bool = False) -> ReasoningSplit:
+    reader = HarmonyReader(keep_calls)
     out = ReasoningSplit()
     for piece in pieces:
         out += reader.feed(piece)
@@ -53,6 +53,19 @@ def test_a_whole_output(text: str, expected: ReasoningSplit) -> None:
     assert read([text]) == expected
 
 
+def test_calls_are_marked_for_the_openai_tool_parser() -> None:
+    """With keep_calls, a message to a function goes into the answer as the `openai` tool call
+    parser reads it, whatever its channel; the recipient may sit in either part of the
+    header."""
+    call = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a":2}<|call|>'
+    marked = '<|start|>functions.add<|message|>{"a":2}<|call|>'
+    assert read([THOUGHT + "<|start|>assistant" + call], keep_calls=True) == ReasoningSplit(
+        "User asks 2+2. Easy.", marked
+    )
+    other = '<|start|>assistant to=functions.add<|channel|>commentary json<|message|>{"a":2}'
+    assert read([other], keep_calls=True) == ReasoningSplit("", marked[: -len("<|call|>")])
+
+
 def test_thinking_follows_the_channel() -> None:
     reader = HarmonyReader()
     assert reader.thinking  # before the first header is read
@@ -64,14 +77,20 @@ def test_thinking_follows_the_channel() -> None:
 
 _PIECES = st.sampled_from(
     ["<|channel|>", "analysis", "final", "commentary", "<|message|>", "<|end|>", "<|start|>",
-     "assistant", "<|return|>", "<|call|>", "a", " ", "<", "|", ">", "<|"]
+     "assistant", "<|return|>", "<|call|>", " to=functions.f", "a", " ", "<", "|", ">", "<|"]
 )  # fmt: skip
 
 
-@given(text=st.lists(_PIECES, max_size=14).map("".join), cuts=st.lists(st.integers(0, 60)))
-def test_streamed_reading_adds_up_to_the_whole(text: str, cuts: list[int]) -> None:
+@given(
+    text=st.lists(_PIECES, max_size=14).map("".join),
+    cuts=st.lists(st.integers(0, 60)),
+    keep_calls=st.booleans(),
+)
+def test_streamed_reading_adds_up_to_the_whole(
+    text: str, cuts: list[int], keep_calls: bool
+) -> None:
     """However the text is cut into pieces (inside markers too), the pieces' reading is the
     whole text's."""
     points = sorted({min(c, len(text)) for c in cuts})
     pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
-    assert read(pieces) == read([text])
+    assert read(pieces, keep_calls) == read([text], keep_calls)

@@ -211,3 +211,23 @@ def test_openai_gptoss_reads_harmony_channels_from_special_tokens(smollm2_tokeni
     deltas = run(worker, "r", output)
     assert reasoning_of(deltas) == "User asks 2+2."
     assert text_of(deltas) == "It is 4."
+
+
+def test_openai_gptoss_with_the_openai_tool_parser_sends_harmony_calls(smollm2_tokenizer) -> None:
+    """A message to a function becomes a tool call (its recipient the name, its body the
+    arguments); a call the model only thought about (analysis) does not count."""
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_MARKERS})
+    worker = make_worker(tokenizer, "openai_gptoss", tool_call_parser="openai")
+    worker.admit(chat(tools=[ToolDefinition(name="add")], tool_choice=ToolChoice.AUTO))
+    output = (
+        "<|channel|>analysis<|message|>Call add.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json"
+        '<|message|>{"a": 2, "b": 2}<|call|>'
+    )
+    deltas = run(worker, "r", output)
+    assert reasoning_of(deltas) == "Call add."
+    assert text_of(deltas) == ""
+    calls = [p for d in deltas for p in d.tool_calls]
+    assert [p.name for p in calls if p.name] == ["add"]
+    assert "".join(p.arguments or "" for p in calls) == '{"a": 2, "b": 2}'

@@ -236,7 +236,9 @@ def test_llama3_call_cut_by_max_tokens_keeps_the_text_generated() -> None:
 
 
 def test_registry_names_match_vllm() -> None:
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder"]
+    assert sorted(TOOL_PARSERS) == [
+        "hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder",
+    ]  # fmt: skip
 
 
 def test_tool_parser_returns_a_fresh_parser() -> None:
@@ -373,6 +375,19 @@ def test_llama3_stream_matches_parse(text_and_pieces: tuple[str, list[str]]) -> 
     check_stream_matches_parse("llama3_json", *text_and_pieces)
 
 
+# gpt-oss's calls as the openai_gptoss reader hands them on (services/tokenizer/harmony.py)
+OPENAI_CALL = '<|start|>functions.get_weather<|message|>{"city": "Paris"}<|call|>'
+
+
+def test_openai_reads_harmony_calls_and_leaves_the_rest() -> None:
+    content, calls = tool_parser("openai").parse("Checking." + OPENAI_CALL + OPENAI_CALL)
+    assert content == "Checking."
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')] * 2
+    cut, [call] = tool_parser("openai").parse(OPENAI_CALL[:-9])  # max_tokens in the arguments
+    assert cut is None and (call.name, call.arguments) == ("get_weather", '{"city": "Paris"')
+    assert tool_parser("openai").parse("No tools: a <|start| b.") == ("No tools: a <|start| b.", [])
+
+
 EXAMPLES = [
     ("hermes", QWEN3_THINKING + "\n\n" + QWEN_TWO_CALLS + "\n"),
     ("hermes", "Checking.\n" + MALFORMED_BLOCK + "\n" + NON_ASCII_BLOCK + "\nDone. "),
@@ -381,6 +396,7 @@ EXAMPLES = [
     ("llama3_json", "<|python_tag|>" + LLAMA_CALL + "; " + LLAMA_SECOND_CALL),
     ("llama3_json", LLAMA_BUILTIN),
     ("llama3_json", "  The weather is sunny.\n"),
+    ("openai", "Let me look." + OPENAI_CALL + OPENAI_CALL[:-12]),
 ]
 
 

@@ -22,6 +22,7 @@ from services.tokenizer.tool_parsers.base import (
 from services.tokenizer.tool_parsers.hermes import HermesToolParser
 from services.tokenizer.tool_parsers.llama3_json import Llama3JsonToolParser
 from services.tokenizer.tool_parsers.mistral import MistralToolParser
+from services.tokenizer.tool_parsers.openai import OpenAiToolParser
 from services.tokenizer.tool_parsers.pythonic import PythonicToolParser
 from services.tokenizer.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from shared.protocol import ToolCallDelta, ToolDefinition
@@ -30,6 +31,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "openai": OpenAiToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
 }
