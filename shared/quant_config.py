@@ -66,6 +66,9 @@ class QuantSpec:
         return False
 
 
+MXFP4 = "mxfp4"  # quant_method of gpt-oss's checkpoints
+
+
 def read_quant_spec(
     flag: str | None, source: ModelSource, load_format: str, *, device_type: str
 ) -> QuantSpec | None:
@@ -78,6 +81,12 @@ def read_quant_spec(
             "--quantization gguf needs a .gguf model file (and no --load-format dummy)"
         )
     checkpoint = _checkpoint_config(source)
+    if checkpoint is not None and checkpoint.get("quant_method") == MXFP4:
+        # gpt-oss's experts alone, dequantized at load (services/executor/quantization/
+        # mxfp4.py): float layers, or FP8 ones by the flag, as a float checkpoint's
+        if flag not in (None, "fp8"):
+            raise ValueError(f"--quantization {flag} does not apply to an MXFP4 checkpoint")
+        return None if flag is None else QuantSpec("fp8", from_checkpoint=False)
     if checkpoint is not None:
         spec = _from_checkpoint(checkpoint)
         if flag is not None and flag != spec.method:
@@ -110,6 +119,12 @@ def _gguf(flag: str | None, device_type: str) -> QuantSpec | None:
         f"--quantization {flag} does not apply to a GGUF file, whose tensors carry their own "
         "GGUF types; leave the flag out or pass gguf (or fp8, to requantize its weights)"
     )
+
+
+def is_mxfp4_checkpoint(source: ModelSource) -> bool:
+    """gpt-oss's published checkpoints: MXFP4 experts (`*_blocks`, `*_scales`), the rest float."""
+    checkpoint = _checkpoint_config(source)
+    return checkpoint is not None and checkpoint.get("quant_method") == MXFP4
 
 
 def _checkpoint_config(source: ModelSource) -> dict[str, Any] | None:

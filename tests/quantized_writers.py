@@ -399,3 +399,48 @@ def write_experts_apart(model: torch.nn.Module, folder: Path, write: ExpertWrite
                 stood_for.append(torch.cat(parts))
             fused.data = torch.stack(stood_for).to(fused.dtype)
     save_file(tensors, str(path))
+
+
+E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[..., rows, K] -> MXFP4 blocks [..., rows, K/32, 16] and scales [..., rows, K/32], as
+    gpt-oss's checkpoints store them (OCP MX: a power-of-two scale a group of 32, its largest
+    value at most 6 after scaling; the nearest e2m1 value; two a byte, the even one low), and
+    the weight they stand for."""
+    groups = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    amax = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    index = (scaled.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(dim=-1)  # 0..7
+    codes = index + 8 * (scaled < 0).long()
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    values = E2M1_MAGNITUDES[index] * torch.where(scaled < 0, -1.0, 1.0)
+    stood_for = (values * torch.exp2(exponent)[..., None]).reshape(weight.shape)
+    return blocks, (exponent + 127).to(torch.uint8), stood_for
+
+
+def write_mxfp4_gpt_oss(model: torch.nn.Module, folder: Path) -> None:
+    """A gpt-oss model as its published checkpoints are: every layer's experts in MXFP4
+    (`gate_up_proj_blocks` and `_scales` [E, 2 I, H / 32, ...], as [E, out, in]), the rest
+    float; the model gets the experts' weights they stand for."""
+    model.save_pretrained(folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for index, layer in enumerate(model.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(layer.mlp.experts, name)  # [E, in, out]
+            blocks, scales, stood_for = mxfp4(param.data.transpose(1, 2))
+            prefix = f"model.layers.{index}.mlp.experts.{name}"
+            del tensors[prefix]
+            tensors[f"{prefix}_blocks"], tensors[f"{prefix}_scales"] = blocks, scales
+            param.data = stood_for.transpose(1, 2).contiguous().to(param.dtype)
+    save_file(tensors, str(path))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                   "model.embed_tokens", "lm_head"],
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))

@@ -149,3 +149,24 @@ def test_expert_parallel_ranks_hold_runs_of_whole_experts(tiny_moe) -> None:
     few = dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=1))
     with pytest.raises(ValueError, match="1 experts are fewer than the ranks"):
         DecoderForCausalLM(few, 64, tp=TensorParallel(0, 2, expert_parallel=True))
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_checkpoints_load_dequantized(tmp_path: Path) -> None:
+    """gpt-oss as published (its experts MXFP4): greedy tokens of transformers on the weights
+    the checkpoint stands for; the experts are kept dequantized (float)."""
+    from tests.integration.test_parity import hf_greedy, kvflow_greedy
+    from tests.integration.tiny_models import make_prompts
+    from tests.quantized_writers import write_mxfp4_gpt_oss
+
+    config_cls, extra = MOE_FAMILIES["gpt_oss"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**{**TINY, **extra}))
+    prompts = make_prompts(model.config.vocab_size)
+    plain = hf_greedy(model, prompts, eos_token_id=None)
+    write_mxfp4_gpt_oss(model, tmp_path)
+    expected = hf_greedy(model, prompts, eos_token_id=None)
+    assert expected != plain  # the rounding to MXFP4 changes the output
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected
+    assert llm.runner.model.layers[0].mlp.experts_gate_up.dtype == torch.float32

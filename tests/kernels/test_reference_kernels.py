@@ -195,3 +195,16 @@ def test_yarn_table_matches_transformers(params: dict) -> None:
     angles = torch.cat((angles, angles), dim=-1)
     torch.testing.assert_close(table[:, 0], angles.cos() * factor)
     torch.testing.assert_close(table[:, 1], angles.sin() * factor)
+
+
+def test_mxfp4_dequantization_matches_transformers() -> None:
+    """gpt-oss's MXFP4 blocks and scales: the values transformers' own conversion gives
+    (which also transposes them to [E, in, out])."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    from kernels.mxfp4 import dequantize_mxfp4
+
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2, 6, 3, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(118, 136, (2, 6, 3), generator=generator, dtype=torch.uint8)
+    theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    torch.testing.assert_close(dequantize_mxfp4(blocks, scales).transpose(1, 2), theirs)

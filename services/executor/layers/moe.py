@@ -216,9 +216,8 @@ def expert_piece(name: str) -> tuple[str, int | None] | None:
     expert * pieces + its piece), or None if it is not one."""
     parts = name.split(".")
     if len(parts) == 5 and parts[3] == "experts":  # layers.N.mlp.experts.gate_up_proj (gpt-oss)
-        if parts[4] not in _FUSED:
-            raise ValueError(f"{name}: expert weights of this format are not supported yet "
-                             "(gpt-oss runs from bf16 experts; MXFP4 is not built)")  # fmt: skip
+        if parts[4] not in _FUSED:  # MXFP4's blocks and scales come dequantized
+            raise ValueError(f"{name}: not an expert tensor kvflow reads")
         return f"layers.{parts[1]}.mlp.{_FUSED[parts[4]]}", None
     if len(parts) != 7 or parts[3] != "experts" or parts[6] not in _EXPERT_PARTS:
         return None  # layers.N.{mlp,block_sparse_moe}.experts.E.PROJ.weight

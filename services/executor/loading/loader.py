@@ -25,8 +25,9 @@ from services.executor.models.eagle3 import Eagle3Head, read_eagle3_config, uses
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.quantization.checkpoints import translate_quantized
 from services.executor.quantization.methods import linear_method, prepare_linear_layers
+from services.executor.quantization.mxfp4 import dequantized_mxfp4
 from shared.model_config import ModelConfig, ModelSource
-from shared.quant_config import QuantSpec, read_quant_spec
+from shared.quant_config import QuantSpec, is_mxfp4_checkpoint, read_quant_spec
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ def load_model(
         names = safetensors_names(source.path)
         tensors = iter_safetensor_slices(source.path)
         load_weights(model, translate_quantized(tensors, names, spec))
+    elif fmt == "safetensors" and is_mxfp4_checkpoint(source):  # gpt-oss's experts
+        load_weights(model, dequantized_mxfp4(iter_safetensor_slices(source.path)))
     elif fmt == "safetensors" and tp.size > 1:
         load_weights(model, iter_safetensor_slices(source.path))
     elif fmt == "safetensors":
