@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,19 +61,27 @@ class Layers:
                 routing, ids = ops.moe_route(logits, TOP_K, renormalize=True)
                 moe_experts_grouped(self.x, w13, w2, routing, ids, tiles, *scales)
 
-        try:
-            run()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            ms = float(do_bench(graph.replay, warmup=10, rep=40, return_mode="median"))
-        except Exception as exc:  # e.g. out of shared memory: reported, not fatal
-            print(self.tokens, tiles, repr(exc)[:120], flush=True)
-            return float("inf")
-        us = 1000 * ms / len(self.weights)
-        self.rows.append({"tokens": self.tokens, "tiles": dataclasses.asdict(tiles), "us": us})
+        us = graph_us(run, len(self.weights), f"{self.tokens} {tiles}")
+        if us < float("inf"):
+            row = {"tokens": self.tokens, "tiles": dataclasses.asdict(tiles), "us": us}
+            self.rows.append(row)
         return us
+
+
+def graph_us(run: Callable[[], None], layers: int, label: str) -> float:
+    """Microseconds a layer of `run` (over `layers` layers), replayed from one CUDA graph; a
+    run that fails (out of shared memory, ...) is reported under `label`, and infinite."""
+    try:
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        ms = float(do_bench(graph.replay, warmup=10, rep=40, return_mode="median"))
+    except Exception as exc:  # reported, not fatal
+        print(label, repr(exc)[:160], flush=True)
+        return float("inf")
+    return 1000 * ms / layers
 
 
 def descend(layers: Layers, deadline: float, fp8: bool) -> dict[str, Any]:

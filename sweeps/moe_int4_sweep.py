@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from triton.testing import do_bench
 
 from benchmarks.moe_bench import int4_stack
 from kernels import ops
 from kernels.triton_moe_int4 import moe_experts_int4_grouped
 from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv
 from kernels.triton_moe_tiles import GemmTiles
+from sweeps.moe_grouped_sweep import graph_us
 
 NUM_E, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 4
 GEMV_GATE_UP = [
@@ -50,17 +50,7 @@ def time_us(tokens: int, weights: list[Any], experts: Callable[..., torch.Tensor
             routing, ids = ops.moe_route(layer_logits, TOP_K, renormalize=True)
             experts(x, w13, w2, routing, ids)
 
-    try:
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        ms = float(do_bench(graph.replay, warmup=10, rep=40, return_mode="median"))
-    except Exception as exc:  # e.g. out of shared memory: reported, not fatal
-        print(tokens, repr(exc)[:160], flush=True)
-        return float("inf")
-    return 1000 * ms / len(weights)
+    return graph_us(run, len(weights), str(tokens))
 
 
 def sweep_gemv(tokens: int, weights: list[Any], deadline: float) -> dict[str, Any]:
