@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from kernels import triton_split_k as split_k
+from kernels.invariance import INVARIANT_MAX_ROWS, batch_invariant
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 from kernels.triton_stages import launch_fitting
 
@@ -59,6 +60,9 @@ MAX_SPLITS = 64
 # 32 and 32 splits at 256, 1,024, 4,096, 16,384 and 32,768 tokens (bf16 cache; 4,096 tokens
 # took 13.2 us in 16 splits, 27.1 in 64: the last program's merge walks every split's partials).
 SPLIT_BALANCE = 16
+# --batch-invariant (kernels/invariance.py): splits of this many tokens, doubled only past
+# MAX_SPLITS of them (16,384 tokens), so that a query's splits follow its own position alone.
+INVARIANT_SPLIT_TOKENS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +104,7 @@ def default_decode_tiles(kv_dtype: torch.dtype, block_size: int) -> DecodeTiles:
         "num_splits",
         "split_balance",
         "min_split_tokens",
+        "fixed_split_tokens",
         "max_blocks",
         "stride_table_req",
     ]
@@ -120,6 +125,7 @@ def _decode_partition_kernel(
     num_splits,  # programs per (request, KV head): the most splits a context may take
     split_balance,  # > 0: splits of about sqrt(split_balance * context) tokens (_split_tokens)
     min_split_tokens,  # the fewest context tokens a split takes (_split_tokens)
+    fixed_split_tokens,  # > 0: --batch-invariant's split length (_split_tokens)
     max_blocks,
     stride_q_token,
     stride_q_head,
@@ -164,7 +170,13 @@ def _decode_partition_kernel(
     # The context takes the splits it needs (_split_tokens); the others end here, and take no
     # part in the merge.
     partition_tokens = _split_tokens(
-        seq_len - first, num_splits, split_balance, min_split_tokens, BLOCK_SIZE, TILE
+        seq_len - first,
+        num_splits,
+        split_balance,
+        min_split_tokens,
+        fixed_split_tokens,
+        BLOCK_SIZE,
+        TILE,
     )
     live = tl.cdiv(seq_len - first, partition_tokens)  # 1 <= live <= num_splits
     if split >= live:
@@ -265,6 +277,7 @@ def _split_tokens(
     num_splits,
     split_balance,
     min_split_tokens,
+    fixed_split_tokens,
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
 ):
@@ -275,7 +288,9 @@ def _split_tokens(
     has that many splits: it weighs each split's loop against the merge's walk over every
     split's partials; else `even` for a context within half the table's width (the launch's
     splits times min_split_tokens), and the table's share only for longer ones (near the width
-    `even` ran slower: `_split_rule`)."""
+    `even` ran slower: `_split_rule`). With fixed_split_tokens (--batch-invariant), that many,
+    doubled while the launch's splits cannot hold the context: a function of seq_len alone
+    where the launch has MAX_SPLITS splits or the table fits its splits unchanged."""
     even = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_SIZE), 1) * BLOCK_SIZE
     by_width = tl.maximum(even, min_split_tokens)
     balanced = tl.sqrt((split_balance * seq_len).to(tl.float32)).to(tl.int32)
@@ -283,7 +298,11 @@ def _split_tokens(
     fits = tl.cdiv(seq_len, balanced) <= num_splits
     short = 2 * seq_len <= num_splits * min_split_tokens
     free = split_balance > 0
-    return tl.where(free & fits, balanced, tl.where(free & short, even, by_width))
+    picked = tl.where(free & fits, balanced, tl.where(free & short, even, by_width))
+    fixed = tl.maximum(fixed_split_tokens, 1)
+    over = tl.cdiv(seq_len, fixed * num_splits)  # 1 while the splits hold the context
+    doublings = tl.ceil(tl.log2(over.to(tl.float32))).to(tl.int32)
+    return tl.where(fixed_split_tokens > 0, fixed << doublings, picked)
 
 
 @triton.jit
@@ -500,9 +519,11 @@ def paged_decode_attention(
     if tiles is None:
         tiles = default_decode_tiles(key_cache.dtype, block_size)
     max_blocks = block_tables.shape[1]
+    invariant = batch_invariant(query.shape[0])
     splits = _splits(
-        num_splits, num_reqs, num_kv_heads, max_blocks, block_size, query.device, tiles.tile
-    )
+        num_splits, num_reqs, num_kv_heads, max_blocks, block_size, query.device, tiles.tile,
+        invariant,
+    )  # fmt: skip
 
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)  # [T, H, D]
@@ -524,7 +545,7 @@ def _launch_partitions(
     query_start_loc: torch.Tensor | None,  # [R + 1] int: a mixed batch
     out: torch.Tensor,  # [T, H, D], contiguous
     scale: float,
-    splits: tuple[int, int, int],  # (num_splits, split_balance, min_split_tokens): _splits
+    splits: tuple[int, int, int, int],  # _splits
     tiles: DecodeTiles,
     max_queries: int,
     window: int | None,
@@ -539,7 +560,10 @@ def _launch_partitions(
     query_loc = query_start_loc.to(torch.int32).contiguous() if has_query_loc else seq_lens
     partials = _partials(out, num_reqs, num_kv_heads, num_splits, max_queries)
     words = _reads_e4m3_words(query, key_cache, value_cache)
+    padded_queries = INVARIANT_MAX_ROWS if splits[3] > 0 else max_queries
     constants = _partition_constants(query, key_cache, tiles, has_query_loc, words, max_queries)
+    # Invariant: one row shape whatever the queries, so each row's sums take one order.
+    constants.update(_query_pads(constants["GROUP"], padded_queries))
     constants.update(WINDOWED=window is not None, HAS_SINKS=sinks is not None)
     if words:  # the caches as 32-bit words of four values, their strides in words
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
@@ -567,13 +591,13 @@ def _partition_args(
     out: torch.Tensor,
     partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # _partials
     scale: float,
-    splits: tuple[int, int, int],  # (num_splits, split_balance, min_split_tokens): _splits
+    splits: tuple[int, int, int, int],  # _splits
     window: int | None,
     sinks: torch.Tensor | None,
 ) -> tuple:
     """The partition kernel's runtime arguments, in its order."""
     part_max, part_sum, part_acc, tickets = partials
-    num_splits, split_balance, min_split_tokens = splits
+    num_splits, split_balance, min_split_tokens, fixed_split_tokens = splits
     return (
         query,
         key_cache,
@@ -590,6 +614,7 @@ def _partition_args(
         num_splits,
         split_balance,
         min_split_tokens,
+        fixed_split_tokens,
         block_tables.shape[1],  # max_blocks
         query.stride(0),
         query.stride(1),
@@ -621,8 +646,7 @@ def _partition_constants(
         NUM_HEADS=num_heads,
         GROUP=group,
         QUERIES=max_queries,
-        GROUP_PAD=max(16, triton.next_power_of_2(group * max_queries)),
-        GROUP_P2=triton.next_power_of_2(group * max_queries),
+        **_query_pads(group, max_queries),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE=tiles.tile,
@@ -636,6 +660,13 @@ def _partition_constants(
     )
 
 
+def _query_pads(group: int, queries: int) -> dict[str, int]:
+    """The rows the kernel pads a request's (query token, head) pairs to: a power of two for
+    the merge, and at least 16 for tl.dot."""
+    pairs = triton.next_power_of_2(group * queries)
+    return dict(GROUP_PAD=max(16, pairs), GROUP_P2=pairs)
+
+
 def _splits(
     num_splits: int | None,
     num_reqs: int,
@@ -644,14 +675,20 @@ def _splits(
     block_size: int,
     device: torch.device,
     tile: int,
-) -> tuple[int, int, int]:  # (num_splits, split_balance, min_split_tokens)
+    invariant: bool,  # kernels.invariance.batch_invariant
+) -> tuple[int, int, int, int]:  # (num_splits, split_balance, min_split_tokens, fixed tokens)
     """The launch's splits and how a request sizes its share (`_split_tokens`): a given count
-    evenly; a picked one by `_split_rule`, with the table's share as the floor."""
+    evenly; a picked one by `_split_rule`, with the table's share as the floor; invariant,
+    in splits of a fixed length (so that a query's splits depend on nothing but its position)."""
     if num_splits is not None:
-        return max(1, min(num_splits, max_blocks)), 0, 0
+        return max(1, min(num_splits, max_blocks)), 0, 0, 0
+    if invariant:
+        fixed = max(INVARIANT_SPLIT_TOKENS, tile)
+        count = min(MAX_SPLITS, triton.cdiv(max_blocks * block_size, fixed))
+        return count, 0, 0, fixed
     picked = pick_num_splits(num_reqs, num_kv_heads, max_blocks, block_size, device, tile)
     width_share = triton.cdiv(max_blocks, picked) * block_size
-    return picked, _split_rule(num_reqs * num_kv_heads, device), width_share
+    return picked, _split_rule(num_reqs * num_kv_heads, device), width_share, 0
 
 
 def _partials(

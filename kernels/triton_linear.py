@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.invariance import batch_invariant
 from kernels.lora import LoraDelta
 from kernels.triton_lora import check_delta, lora_b, lora_delta, lora_expand, lora_rows
 from kernels.triton_pdl import (
@@ -139,9 +140,12 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
     `_tiles_one_row` and `_tiles_16_rows`, those for a small model's short K in
     `_tiles_small_k`; `_fit_block_k` fits the K step to float32 and to K.
     """
+    # --batch-invariant: one row takes the tiles of 2-16, so a row's sums are the same at any
+    # of those row counts (kernels/invariance.py).
+    one_row = m == 1 and not batch_invariant(m)
     if k <= SMALL_K and m <= 16:
-        tiles = _tiles_small_k(m, n, k)
-    elif m == 1:
+        tiles = _tiles_small_k(one_row, n, k)
+    elif one_row:
         tiles = _tiles_one_row(n, k)
     elif m > 32:  # x tiles of 64 rows: K steps of 512 no longer fit the shared memory
         tiles = _tiles_64_rows(n)
@@ -207,7 +211,7 @@ def _tiles_16_rows(n: int, k: int) -> LinearTiles:
     return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)
 
 
-def _tiles_small_k(m: int, n: int, k: int) -> LinearTiles:
+def _tiles_small_k(one_row: bool, n: int, k: int) -> LinearTiles:
     """1-16 rows with K <= SMALL_K (a small model: every layer is a few microseconds of
     latency, not of bandwidth): K steps of 128 (64 for a vocabulary-wide N), so that a K of
     576 is a pipeline of five steps rather than one and a masked half of 512; one row keeps
@@ -224,7 +228,7 @@ def _tiles_small_k(m: int, n: int, k: int) -> LinearTiles:
     """
     if n >= 32768:
         return LinearTiles(block_n=32, block_k=64, num_warps=2, num_stages=4)
-    if m == 1:
+    if one_row:
         return _tiles_one_row(n, k)
     if n >= 2048:
         return LinearTiles(block_n=32, block_k=128, num_warps=4, num_stages=5)

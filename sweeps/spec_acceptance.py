@@ -122,6 +122,7 @@ def measure(args: argparse.Namespace, config: dict | None) -> dict[int, dict[str
         dtype=args.dtype,
         max_model_len=2048,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        batch_invariant=args.batch_invariant,
     )
     llm.chat([[{"role": "user", "content": "Hello"}]], params)  # first-use compiles
     return {b or len(prompts): run(llm, prompts, params, b or len(prompts)) for b in args.batch}
@@ -142,6 +143,7 @@ def forwarded(args: argparse.Namespace) -> list[str]:
     flags += ["--num-prompts", str(args.num_prompts)]
     flags += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
     flags += ["--prompts", str(args.prompts.resolve())] if args.prompts else []
+    flags += ["--batch-invariant"] if args.batch_invariant else []
     return flags + [f"--batch={b}" for b in args.batch]
 
 
@@ -174,6 +176,9 @@ def main() -> None:
     parser.add_argument("--config", action="append", help="a --speculative-config (repeatable)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # measure_apart's child: this config
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="both engines with --batch-invariant"
+    )
     parser.add_argument("--prompts-out", type=Path, help="the prompts as JSON, for another engine")
     parser.add_argument("--prompts", type=Path, help="read the prompts from a --prompts-out file")
     args = parser.parse_args()

@@ -413,6 +413,14 @@ class ConfigFields:
         "Launch the decode path's Triton kernels the ordinary way, each after the previous one"
         " ends, instead of with programmatic dependent launch (Hopper and later GPUs).",
     )
+    batch_invariant: bool = option(
+        False,
+        "device",
+        "Decode steps of up to 16 query rows compute each row as a step of one row would, so"
+        " that greedy speculative decoding at batch 1 gives the tokens decoding without it"
+        " gives (vLLM's VLLM_BATCH_INVARIANT, for those steps; bf16/fp16 dense models at"
+        " --tensor-parallel-size 1, without LoRA or sliding windows).",
+    )
     log_level: str = option(
         "info", "device", "Logging level.", ("debug", "info", "warning", "error")
     )

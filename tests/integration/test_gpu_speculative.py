@@ -37,3 +37,23 @@ def test_bf16_speculative_greedy_agrees_with_plain(family: str, tmp_path: Path) 
     agreed = tokens_agreed_to_a_near_tie(llm.generate(prompts, params), plain)
     assert agreed >= len(prompts) * NUM_NEW_TOKENS // 2, f"only {agreed} tokens agreed"
     assert llm.engine.scheduler.spec_decode.mean_acceptance_length > 1.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batch_invariant_greedy_speculation_is_token_exact(family: str, tmp_path: Path) -> None:
+    """--batch-invariant, one request at a time: a verifying row's tokens are computed as one-
+    token decodes would be, so greedy output with drafts is the plain run's, token for token."""
+    build(family, tmp_path)
+    settings = dict(device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=1)
+    settings.update(kv_cache_memory_bytes=256 << 20, batch_invariant=True)
+    prompts = make_prompts(SHAPE["vocab_size"])
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    plain = [r.token_ids for r in LLM(str(tmp_path), **settings).generate(prompts, params)]
+    llm = LLM(str(tmp_path), speculative_config=NGRAM, **settings)
+    llm.runner.proposer = KnownDrafts(  # type: ignore[assignment]
+        plain, NGRAM["num_speculative_tokens"], prompts
+    )
+    assert [r.token_ids for r in llm.generate(prompts, params)] == plain
+    assert llm.engine.scheduler.spec_decode.mean_acceptance_length > 1.5

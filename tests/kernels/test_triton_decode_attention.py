@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kernels import triton_split_k as split_k
 from kernels.attention import paged_attention_reference
 from kernels.triton_decode_attention import (
+    INVARIANT_SPLIT_TOKENS,
     MAX_SPLITS,
     SPLIT_BALANCE,
     DecodeTiles,
@@ -238,24 +239,32 @@ def test_after_compiling_every_variant_no_split_count_compiles() -> None:
 
 @triton.jit
 def _split_tokens_of(
-    seq_lens_ptr, out_ptr, n, num_splits, split_balance, min_split_tokens,
+    seq_lens_ptr, out_ptr, n, num_splits, split_balance, min_split_tokens, fixed,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, N: tl.constexpr,
 ):  # fmt: skip
     i = tl.arange(0, N)
     seq_lens = tl.load(seq_lens_ptr + i, mask=i < n, other=1)
-    tokens = _split_tokens(seq_lens, num_splits, split_balance, min_split_tokens, BLOCK_SIZE, TILE)
+    tokens = _split_tokens(
+        seq_lens, num_splits, split_balance, min_split_tokens, fixed, BLOCK_SIZE, TILE
+    )
     tl.store(out_ptr + i, tokens, mask=i < n)
 
 
 def split_tokens(
-    seq_lens: list[int], num_splits: int, balance: int, least: int = 0, tile: int = 64
+    seq_lens: list[int],
+    num_splits: int,
+    balance: int,
+    least: int = 0,
+    tile: int = 64,
+    fixed: int = 0,
 ) -> list[int]:
     """The kernel's context tokens a split for each context (its own device function), with
     blocks of 16 tokens."""
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = torch.empty_like(lens)
     size = triton.next_power_of_2(len(seq_lens))
-    _split_tokens_of[(1,)](lens, out, len(seq_lens), num_splits, balance, least, 16, tile, size)
+    args = (lens, out, len(seq_lens), num_splits, balance, least, fixed, 16, tile, size)
+    _split_tokens_of[(1,)](*args)
     return out.tolist()
 
 
@@ -318,9 +327,22 @@ def test_a_batch_that_fills_the_gpu_splits_by_the_table_width() -> None:
     A given count: even shares, no floor."""
     cpu = torch.device("cpu")
     assert _split_rule(8, cpu) == SPLIT_BALANCE and _split_rule(9, cpu) == 0
-    assert _splits(None, 1, 8, 256, 16, cpu, 64) == (4, SPLIT_BALANCE, 1024)
-    assert _splits(None, 2, 8, 256, 16, cpu, 64) == (2, 0, 2048)
-    assert _splits(5, 2, 8, 256, 16, cpu, 64) == (5, 0, 0)
+    assert _splits(None, 1, 8, 256, 16, cpu, 64, False) == (4, SPLIT_BALANCE, 1024, 0)
+    assert _splits(None, 2, 8, 256, 16, cpu, 64, False) == (2, 0, 2048, 0)
+    assert _splits(5, 2, 8, 256, 16, cpu, 64, False) == (5, 0, 0, 0)
+
+
+def test_invariant_splits_follow_the_position_alone() -> None:
+    """--batch-invariant: the launch holds the table in splits of 256 tokens (at most
+    MAX_SPLITS), and a context takes 256-token splits, doubled only past 64 of them, whatever
+    the batch, the table's width or the split count launched for a shorter table."""
+    cpu = torch.device("cpu")
+    assert _splits(None, 1, 8, 256, 16, cpu, 64, True) == (16, 0, 0, INVARIANT_SPLIT_TOKENS)
+    assert _splits(None, 9, 8, 8192, 16, cpu, 128, True) == (MAX_SPLITS, 0, 0, 256)
+    lens = [1, 255, 256, 4000, 16384, 16385, 40000]
+    expected = [256, 256, 256, 256, 256, 512, 1024]
+    assert split_tokens(lens, MAX_SPLITS, 0, fixed=256) == expected
+    assert split_tokens(lens[:4], 16, SPLIT_BALANCE, 1024, fixed=256) == expected[:4]
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 40])

@@ -20,6 +20,7 @@ from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.devices import resolve_device, resolve_dtype, start_up_compiles
 from services.executor.runner.drafting import choose_drafts, propose_after
 from services.executor.runner.grammar import GrammarMatchers
+from services.executor.runner.invariance import apply_batch_invariant
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
     log_kv_cache,
@@ -84,8 +85,7 @@ class ModelRunner:
         self.relay = relay
 
     def _start(self, config: Config, tp: TensorParallel) -> None:
-        """Loads the model, sizes and allocates the KV cache, captures graphs, warms up (on
-        self.device)."""
+        """Loads the model, sizes and allocates the KV cache, captures graphs, warms up."""
         set_pdl(not config.disable_pdl)
         self.block_size = config.block_size
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -159,6 +159,7 @@ class ModelRunner:
             quantization=config.quantization,
             tp=tp,
         )
+        apply_batch_invariant(config, self.model, self.model_config, self.dtype, tp.size)
         # Before the KV cache is sized: the slots take device memory for good.
         self.lora: LoraManager | None = None
         if config.enable_lora:

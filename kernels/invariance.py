@@ -1,0 +1,32 @@
+"""Whether decode steps of up to INVARIANT_MAX_ROWS query rows compute each row the same way
+whatever the step's row count (`--batch-invariant`). Then a row verifying k drafts computes
+each of its k + 1 tokens as a one-token decode step would, so greedy speculative decoding at
+batch 1 gives the tokens that decoding without it gives, on the GPU too (on the CPU the torch
+paths are row-invariant already).
+
+What it changes, both in Triton only:
+- the skinny linear layer takes its tensor-core tiles at one row too (`kernels.triton_linear`),
+  whose per-row sums do not depend on the other rows of the 16-row tile;
+- the split-KV decode kernel cuts every context into splits of a fixed length
+  (`kernels.triton_decode_attention`), so that a query's splits depend on its own position,
+  not on the step's longest context or its number of requests.
+
+The executor sets it from the flag; it lives apart from the Triton modules so that processes
+on the CPU set it without importing Triton.
+"""
+
+from __future__ import annotations
+
+INVARIANT_MAX_ROWS = 16  # the row tile of the skinny linear layer's tensor-core path
+
+_enabled = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    global _enabled
+    _enabled = enabled
+
+
+def batch_invariant(rows: int) -> bool:
+    """Whether a step of `rows` query rows runs the invariant path."""
+    return _enabled and rows <= INVARIANT_MAX_ROWS
