@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8, Fp8Rows, check_static_scale
+from kernels.invariance import batch_invariant_on
 from kernels.triton_e4m3 import scale_for, to_e4m3
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 
@@ -220,7 +221,9 @@ def _launch(
     if num_rows == 0:
         return
     block_n = triton.next_power_of_2(hidden)
-    block_rows = min(triton.next_power_of_2(num_rows), max(1, _TILE_ELEMENTS // block_n))
+    block_rows = max(1, _TILE_ELEMENTS // block_n)
+    if not batch_invariant_on():  # else one tile shape, so one reduction order, at any count
+        block_rows = min(triton.next_power_of_2(num_rows), block_rows)
     # About 16 elements per thread: two 128-bit loads of bf16, enough to hide the latency.
     num_warps = min(max(block_rows * block_n // 512, 1), 16)
     res = x if residual is None else residual  # never dereferenced without HAS_RESIDUAL

@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernels import triton_norm
 from kernels.invariance import set_batch_invariant
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_linear import skinny_linear
@@ -79,3 +80,19 @@ def test_a_verifying_rows_queries_are_the_decodes_at_their_positions(
 
 def _lens(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("hidden", [576, 128])  # a small model's rows; Qwen3's per-head norm
+def test_a_norms_rows_do_not_depend_on_the_other_rows(invariant: None, hidden: int) -> None:
+    generator = torch.Generator().manual_seed(hidden)
+    x = torch.randn(9, hidden, generator=generator).to(DEVICE, DTYPE)
+    residual = torch.randn(9, hidden, generator=generator).to(DEVICE, DTYPE)
+    weight = torch.rand(hidden, generator=generator).to(DEVICE, DTYPE)
+    together = triton_norm.rms_norm(x, weight, 1e-6)
+    alone = torch.cat([triton_norm.rms_norm(x[i : i + 1], weight, 1e-6) for i in range(9)])
+    assert torch.equal(alone, together)
+    normed, summed = triton_norm.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-6)
+    for i in range(9):
+        one = (x[i : i + 1].clone(), residual[i : i + 1].clone())
+        row = triton_norm.fused_add_rms_norm(*one, weight, 1e-6)
+        assert torch.equal(row[0], normed[i : i + 1]) and torch.equal(row[1], summed[i : i + 1])
