@@ -155,12 +155,18 @@ def report(runs: dict[str, dict[int, dict[str, Any]]], num_prompts: int, max_tok
             result = by_batch[batch]
             result["same_output"] = result["tokens"] == plain["tokens"]
             result["same_outputs"] = sum(map(operator.eq, result["tokens"], plain["tokens"]))
+            result["first_differences"] = [
+                next(i for i, (a, b) in enumerate(zip_longest(got, want)) if a != b)
+                for got, want in zip(result["tokens"], plain["tokens"], strict=True)
+                if got != want
+            ]
             result["speedup"] = result["output_tok_per_s"] / plain["output_tok_per_s"]
             print(
                 f"batch {batch} {name}: {result['output_tok_per_s']:.1f} tok/s "
                 f"({result['speedup']:.2f}x), mean acceptance length "
                 f"{result['mean_acceptance_length']}, the same output as without for "
-                f"{result['same_outputs']} of {len(plain['tokens'])} prompts"
+                f"{result['same_outputs']} of {len(plain['tokens'])} prompts (the others from"
+                f" token {result['first_differences']} on)"
             )
 
 
@@ -176,6 +182,7 @@ def main() -> None:
     parser.add_argument("--config", action="append", help="a --speculative-config (repeatable)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # measure_apart's child: this config
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--keep-tokens", action="store_true", help="the outputs' ids in --out")
     parser.add_argument(
         "--batch-invariant", action="store_true", help="both engines with --batch-invariant"
     )
@@ -194,7 +201,8 @@ def main() -> None:
     if args.out:
         for by_batch in runs.values():
             for result in by_batch.values():
-                del result["tokens"]
+                if not args.keep_tokens:
+                    del result["tokens"]
         args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "runs": runs}, indent=2))
 
 
