@@ -10,6 +10,7 @@ Every block is in exactly one of three states:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class BlockEvents:
@@ -33,9 +34,17 @@ class BlockEvents:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, events: BlockEvents | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        events: BlockEvents | None = None,
+        spill: Callable[[int, bytes], bool] | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.events = events
+        # Where an evicted block's KV may go on (services/scheduler/host_tier.py): True if
+        # kept there, so that its hash is still this engine's.
+        self.spill = spill
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0 first
@@ -70,7 +79,8 @@ class BlockPool:
                 del self._cached[evicted_hash]
                 self.block_hash[block] = None
                 self.num_evictions += 1
-                if self.events is not None:
+                kept = self.spill is not None and self.spill(block, evicted_hash)
+                if self.events is not None and not kept:
                     self.events.removed(evicted_hash)
             self.ref_cnt[block] = 1
             blocks.append(block)

@@ -75,4 +75,6 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         kv_events=config.kv_events_address is not None,
         num_speculative_tokens=ready.num_speculative_tokens,
         num_lookahead_tokens=spec.lookahead if spec is not None else 0,
+        num_host_blocks=ready.num_host_blocks,
+        host_block_bytes=ready.host_block_bytes,
     )

@@ -1,11 +1,14 @@
-"""Per-request KV block allocation on top of the block pool, with automatic prefix caching."""
+"""Per-request KV block allocation on top of the block pool, with automatic prefix caching,
+and the prefix cache's host tier (`--kv-offloading-size`) behind it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from services.scheduler.block_pool import BlockEvents, BlockPool
+from services.scheduler.host_tier import HostTier
 from services.scheduler.request import Request
+from shared.protocol import HostCopies, HostTierStats
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -21,6 +24,8 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         events: BlockEvents | None = None,
     ) -> None:
+        self.events = events
+        self.host: HostTier | None = None
         self.pool = BlockPool(num_blocks, events)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -28,6 +33,15 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
+        self.host_queries = 0  # prompt tokens looked up in the host tier (past the GPU's hits)
+        self.host_hits = 0  # of which restored from it
+
+    def add_host_tier(self, num_blocks: int) -> None:
+        """Keep what the GPU evicts in a host tier of `num_blocks` (none: 0, or without prefix
+        caching, whose blocks it holds)."""
+        if num_blocks and self.enable_prefix_caching:
+            self.host = HostTier(num_blocks, self._lost)
+            self.pool.spill = self.host.store
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
@@ -40,32 +54,59 @@ class KVCacheManager:
         that asks for prompt logprobs computes its whole prompt: they come from its logits; so
         does an embed request, whose pooling may read every position's hidden state.
         """
-        params = request.sampling_params
-        if not self.enable_prefix_caching or params.prompt_logprobs is not None or params.embed:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
         blocks = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in request.block_hashes[: self._max_prefix_blocks(request)]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             blocks.append(block)
         return blocks
 
-    def record_prefix_lookup(self, num_queried: int, num_hit: int) -> None:
-        """Count one admission's lookup (a lookup that fails to get blocks is retried)."""
+    def find_host_prefix(self, request: Request, num_cached: int) -> list[bytes]:
+        """The hashes of the blocks after the `num_cached` found on the GPU that the host tier
+        holds, in a row (stopping at one the GPU holds again: its own hit, later)."""
+        if self.host is None:
+            return []
+        hashes = []
+        for block_hash in request.block_hashes[num_cached : self._max_prefix_blocks(request)]:
+            if block_hash not in self.host or self.pool.lookup(block_hash) is not None:
+                break
+            hashes.append(block_hash)
+        return hashes
+
+    def _max_prefix_blocks(self, request: Request) -> int:
+        params = request.sampling_params
+        if not self.enable_prefix_caching or params.prompt_logprobs is not None or params.embed:
+            return 0
+        return (request.num_tokens - 1) // self.block_size
+
+    def record_prefix_lookup(self, num_queried: int, num_hit: int, num_restored: int = 0) -> None:
+        """Count one admission's lookup (a lookup that fails to get blocks is retried): tokens
+        asked, found on the GPU, and restored from the host tier."""
         if self.enable_prefix_caching:
             self.prefix_queries += num_queried
             self.prefix_hits += num_hit
+        if self.host is not None:
+            self.host_queries += num_queried - num_hit
+            self.host_hits += num_restored
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens (after `cached` prefix hits).
+    def allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        cached: Sequence[int] = (),
+        restored: Sequence[bytes] = (),
+    ) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens, after `cached` prefix hits
+        on the GPU and the `restored` ones (hashes) that the host tier copies back into new
+        blocks (`find_host_prefix`).
 
         Returns False, changing nothing, when the pool cannot supply them.
         """
         held = self.block_ids.get(request.request_id, [])
-        num_tokens = request.num_computed_tokens + len(cached) * self.block_size + num_new_tokens
-        if not cached and num_tokens <= len(held) * self.block_size:
+        hits = len(cached) + len(restored)
+        num_tokens = request.num_computed_tokens + hits * self.block_size + num_new_tokens
+        if not hits and num_tokens <= len(held) * self.block_size:
             # Most decode steps: the last block has room, so only a newly full block to hash.
             self._cache_full_blocks(request, num_tokens)
             return True
@@ -75,11 +116,41 @@ class KVCacheManager:
         if num_needed + num_revived > self.pool.num_available:
             return False
         self.pool.touch(list(cached))
+        if restored:
+            assert self.host is not None, "restored blocks come from the host tier"
+            self.host.pin(list(restored))  # before allocating: an eviction stores into the tier
         blocks = self.block_ids.setdefault(request.request_id, [])
         blocks.extend(cached)
-        blocks.extend(self.pool.allocate(max(num_needed, 0)))
+        new_blocks = self.pool.allocate(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        for block_hash, block in zip(restored, new_blocks, strict=False):
+            self.host.restore(block_hash, block)  # type: ignore[union-attr]
         self._cache_full_blocks(request, num_tokens)
         return True
+
+    def host_tier_stats(self, block_bytes: int) -> HostTierStats | None:
+        if self.host is None:
+            return None
+        return HostTierStats(
+            num_blocks=self.host.num_slots,
+            block_bytes=block_bytes,
+            queries=self.host_queries,
+            hits=self.host_hits,
+            blocks_to_host=self.host.num_offloaded,
+            blocks_to_gpu=self.host.num_onloaded,
+        )
+
+    def take_copies(self) -> HostCopies | None:
+        """The host tier's copies for the plan built since the last call (HostTier)."""
+        if self.host is None:
+            return None
+        offloads, onloads = self.host.take_copies()
+        return HostCopies(offloads=offloads, onloads=onloads) if offloads or onloads else None
+
+    def _lost(self, block_hash: bytes) -> None:
+        """The host tier dropped a hash: gone from this engine unless the GPU holds it."""
+        if self.events is not None and self.pool.lookup(block_hash) is None:
+            self.events.removed(block_hash)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks this step fills, so later requests (even this step's) reuse them.
@@ -109,6 +180,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.host is not None:
+            self.host.check_invariants()
         refs = [0] * self.pool.num_blocks
         for blocks in self.block_ids.values():
             assert len(set(blocks)) == len(blocks), "a request holds a block twice"

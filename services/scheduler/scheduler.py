@@ -57,6 +57,7 @@ class Scheduler:
         self.kv = KVCacheManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching, self.block_events
         )
+        self.kv.add_host_tier(config.num_host_blocks)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
         # fcfs: in admission order; priority: by priority_key. The last is preempted first.
@@ -153,6 +154,7 @@ class Scheduler:
             num_scheduled_tokens=scheduled,
             finished_request_ids=dropped,
             draft_slots=slots,
+            host_copies=self.kv.take_copies(),
         )
 
     def schedule_addendum(self, plan: SchedulerOutput) -> SchedulerOutput | None:
@@ -191,6 +193,7 @@ class Scheduler:
             num_scheduled_tokens=scheduled,
             finished_request_ids=[],
             addendum=True,
+            host_copies=self.kv.take_copies(),  # run after the plan's own (HostTier)
         )
 
     def _commit(self, scheduled: dict[str, int], slots: dict[str, int] | None = None) -> None:
@@ -260,19 +263,21 @@ class Scheduler:
             if first_admissions_only and request.num_preemptions:
                 break
             cached = self.kv.find_cached_prefix(request)
-            num_new = request.num_tokens - len(cached) * self.config.block_size
+            restored = self.kv.find_host_prefix(request, len(cached))
+            num_hit = len(cached) * self.config.block_size
+            num_restored = len(restored) * self.config.block_size
+            num_new = request.num_tokens - num_hit - num_restored
             # NOTE: admission keeps a prompt within max_num_batched_tokens, but a preempted
             # request recomputes its outputs too and may never fit whole: chunk only that one.
             fits_one_step = num_new <= self.config.max_num_batched_tokens
             if num_new > budget and not self.config.enable_chunked_prefill and fits_one_step:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate(request, num_new, cached):
+            if not self.kv.allocate(request, num_new, cached, restored):
                 break
             self.waiting.remove(request)
-            num_cached = len(cached) * self.config.block_size
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached)
-            self._admit(request, num_computed=num_cached)
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit, num_restored)
+            self._admit(request, num_computed=num_hit + num_restored)
             new_data.append(self._new_request_data(request))
             scheduled[request.request_id] = num_new
             budget -= num_new
@@ -471,6 +476,7 @@ class Scheduler:
             spec_accepted_per_position=list(self.spec_decode.accepted_per_position),
             expert_tokens=self.expert_tokens,
             expert_ranks=self.expert_ranks,
+            host_tier=self.kv.host_tier_stats(self.config.host_block_bytes),
         )
 
     def check_invariants(self) -> None:

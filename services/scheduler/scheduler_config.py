@@ -27,3 +27,6 @@ class SchedulerConfig:
     # KV slots past a speculating request's tokens its blocks hold for the next proposal (a
     # draft model's: shared/speculative.py, SpeculativeConfig.lookahead).
     num_lookahead_tokens: int = 0
+    # The prefix cache's host tier (--kv-offloading-size): blocks it holds (0: none).
+    num_host_blocks: int = 0
+    host_block_bytes: int = 0  # a block's KV there, every layer and rank (for the metrics)

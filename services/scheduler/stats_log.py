@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.protocol import StatsSnapshot
+from shared.protocol import HostTierStats, StatsSnapshot
 
 
 class StatsLog:
@@ -42,8 +42,23 @@ class StatsLog:
             f"KV cache usage: {stats.kv_usage:.1%}, "
             f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}, "
             f"preemptions: {stats.num_preemptions}, "
-            f"device busy: {busy:.1%}" + _speculation(last, stats)
+            f"device busy: {busy:.1%}" + _speculation(last, stats) + _host_tier(last, stats)
         )
+
+
+def _host_tier(last: StatsSnapshot, stats: StatsSnapshot) -> str:
+    """The host tier over the interval, where there is one: its hit rate among the prompt
+    tokens the GPU missed, and blocks copied each way."""
+    now, before = stats.host_tier, last.host_tier
+    if now is None:
+        return ""
+    before = before or HostTierStats(num_blocks=now.num_blocks, block_bytes=now.block_bytes)
+    queries, hits = now.queries - before.queries, now.hits - before.hits
+    return (
+        f", host KV tier: hit rate {hits / queries if queries else 0.0:.1%}, blocks to host "
+        f"{now.blocks_to_host - before.blocks_to_host}, to GPU "
+        f"{now.blocks_to_gpu - before.blocks_to_gpu}"
+    )
 
 
 def _speculation(last: StatsSnapshot, stats: StatsSnapshot) -> str:

@@ -161,6 +161,19 @@ class ConfigFields:
     num_gpu_blocks_override: int | None = option(
         None, "cache", "Use exactly this many KV blocks (testing and experiments)."
     )
+    kv_offloading_size: float | None = option(
+        None,
+        "cache",
+        "GiB of host memory (pinned on CUDA, all tensor-parallel ranks together) for the prefix"
+        " cache's host tier: blocks the GPU evicts are copied there and copied back on a later"
+        " prefix hit instead of being recomputed. Needs prefix caching.",
+    )
+    kv_offloading_backend: str = option(
+        "native",
+        "cache",
+        "Where --kv-offloading-size keeps blocks: native (kvflow's own host tier).",
+        ("native",),
+    )
     # -- scheduler
     max_num_seqs: int = option(256, "scheduler", "Most requests in one step.")
     max_num_batched_tokens: int = option(

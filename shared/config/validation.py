@@ -102,14 +102,27 @@ def _check_cache(config: ConfigFields) -> None:
         0.0 < config.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "must be in (0, 1]"
     )
     _at_least_one(config, "num_gpu_blocks_override")
+    size = config.kv_offloading_size
+    require(size is None or size > 0, "kv_offloading_size", "must be > 0 GiB")
+    require(
+        size is None or config.enable_prefix_caching,
+        "kv_offloading_size",
+        "the host tier holds the prefix cache's blocks: it needs prefix caching",
+    )
 
 
 def _check_scheduler(config: ConfigFields) -> None:
     _at_least_one(config, "max_num_seqs", "max_num_batched_tokens")
     try:
-        parse_speculative_config(config.speculative_config)
+        spec = parse_speculative_config(config.speculative_config)
     except SpeculativeConfigError as exc:
         raise ConfigError(f"--speculative-config: {exc}") from exc
+    require(
+        config.kv_offloading_size is None or spec is None or spec.method in ("ngram", "suffix"),
+        "kv_offloading_size",
+        "the host tier does not hold a draft model's or an EAGLE-3 head's own KV cache yet:"
+        " use it with ngram or suffix speculation",
+    )
 
 
 def _check_server(config: ConfigFields) -> None:

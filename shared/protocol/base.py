@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 16
+PROTOCOL_VERSION = 17
 
 
 class Message(msgspec.Struct, gc=False):

@@ -48,6 +48,15 @@ class CachedRequestData(Message, kw_only=True):
     num_computed_tokens: int
 
 
+class HostCopies(Message, kw_only=True):
+    """KV blocks to move between the GPU and the prefix cache's host tier, offloads first:
+    (GPU block, host slot) of blocks a plan evicted, then (host slot, GPU block) of the prefix
+    hits it restores."""
+
+    offloads: list[tuple[int, int]] = []
+    onloads: list[tuple[int, int]] = []
+
+
 class SchedulerOutput(Message, tag=True, kw_only=True):
     """The plan of one step.
 
@@ -71,6 +80,9 @@ class SchedulerOutput(Message, tag=True, kw_only=True):
     # The drafts each row verifies, as rank 0 of the executor chose them: filled in by it for
     # the other ranks (empty as the scheduler sends a plan).
     spec_token_ids: dict[str, list[int]] = {}
+    # The prefix cache's host tier (services/scheduler/host_tier.py): the copies the executor
+    # makes before the step's forward pass.
+    host_copies: HostCopies | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

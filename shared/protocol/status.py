@@ -54,6 +54,18 @@ class ComponentDown(Message, tag=True):
     exit_code: int
 
 
+class HostTierStats(Message, kw_only=True):
+    """The prefix cache's host tier (--kv-offloading-size), totals since start: prompt tokens
+    looked up there (past the GPU's hits) and restored from it, and blocks copied each way."""
+
+    num_blocks: int
+    block_bytes: int  # a block's KV, every layer and rank
+    queries: int = 0
+    hits: int = 0
+    blocks_to_host: int = 0
+    blocks_to_gpu: int = 0
+
+
 class StatsSnapshot(Message, tag=True, kw_only=True):
     """The scheduler's gauges and counters, for /metrics and admission control."""
 
@@ -88,6 +100,7 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     # A mixture of experts' load: each expert's choices since start, and its rank (or -1)
     expert_tokens: list[int] = []
     expert_ranks: list[int] = []
+    host_tier: HostTierStats | None = None  # the prefix cache's, with --kv-offloading-size
 
     @property
     def queue_full(self) -> str | None:
@@ -123,6 +136,10 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     lora_modules: list[str] = []  # the names of its --lora-modules adapters, ids 1, 2, ...
     # Drafts its proposer guesses a step, at most (0: no speculative decoding).
     num_speculative_tokens: int = 0
+    # Blocks of the prefix cache's host tier it holds (--kv-offloading-size; 0: none), and
+    # the bytes a block takes there, every layer and rank.
+    num_host_blocks: int = 0
+    host_block_bytes: int = 0
 
 
 class ExecutorVersion(Message, tag="ExecutorReady"):

@@ -2,9 +2,11 @@
 
 A state machine plays the engine: it replays the executor's side of every plan (its
 per-request state built from the incremental deltas, and a fake KV cache that stores the
-token id written at each slot, and the LoRA adapter it was computed under), so a prefix hit on
-a block that was never written or was written under another adapter, a delta that disagrees
-with the scheduler, a plan with more adapters than slots, or a leaked block all fail here.
+token id written at each slot, and the LoRA adapter it was computed under, copied to and from
+a fake host tier as each plan's host copies say), so a prefix hit on a block that was never
+written or was written under another adapter, a restored block that holds anything else, a
+delta that disagrees with the scheduler, a plan with more adapters than slots, or a leaked
+block all fail here.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         end_by_abort=st.sampled_from([False, False, True]),
         policy=st.sampled_from(["fcfs", "priority"]),
         max_loras=st.integers(1, 2),
+        host_blocks=st.sampled_from([0, 0, 1, 3, 12]),
     )
     def configure(
         self,
@@ -136,6 +139,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         end_by_abort: bool,
         policy: str,
         max_loras: int,
+        host_blocks: int,
     ) -> None:
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
@@ -148,6 +152,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             eos_token_ids=(EOS,),
             scheduling_policy=policy,
             max_loras=max_loras,
+            num_host_blocks=host_blocks,
         )
         self.scheduler = Scheduler(self.config)
         for lora_id in LORA_IDS:
@@ -156,6 +161,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.executor: dict[str, ExecutorState] = {}
         # (block, offset) -> (adapter, token id) written there
         self.kv_slots: dict[tuple[int, int], tuple[int, int]] = {}
+        # host slot -> its block's (adapter, token id) at each offset (None: never written)
+        self.host_slots: dict[int, list[tuple[int, int] | None]] = {}
         self.next_id = 0
         self.end_by_abort = end_by_abort  # else teardown runs everything to completion
         for prompt, params in initial_requests:
@@ -272,7 +279,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event("resumed after preemption")
 
     def execute(self, plan: SchedulerOutput, draw_token: Callable[[], int]) -> dict[str, int]:
-        """The executor's side: apply the deltas, write and read the fake KV, sample."""
+        """The executor's side: the host tier's copies, apply the deltas, write and read the
+        fake KV, sample."""
+        self.copy_host_blocks(plan)
         self.apply_plan(plan)
         for request_id, num_new in plan.num_scheduled_tokens.items():
             state = self.executor[request_id]
@@ -298,6 +307,22 @@ class SchedulerMachine(RuleBasedStateMachine):
                 sampled[request_id] = [draw_token()]
                 state.token_ids.extend(sampled[request_id])
         return sampled
+
+    def copy_host_blocks(self, plan: SchedulerOutput) -> None:
+        """Offloads, then onloads, before any write of the step (services/executor/runner/
+        host_kv.py)."""
+        if plan.host_copies is None:
+            return
+        for block, slot in plan.host_copies.offloads:
+            self.host_slots[slot] = [self.kv_slots.get((block, i)) for i in range(BLOCK_SIZE)]
+            event("offloaded to the host tier")
+        for slot, block in plan.host_copies.onloads:
+            for offset, value in enumerate(self.host_slots[slot]):
+                if value is None:
+                    self.kv_slots.pop((block, offset), None)
+                else:
+                    self.kv_slots[(block, offset)] = value
+            event("restored from the host tier")
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:

@@ -20,6 +20,7 @@ from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.devices import resolve_device, resolve_dtype, start_up_compiles
 from services.executor.runner.drafting import choose_drafts, propose_after
 from services.executor.runner.grammar import GrammarMatchers
+from services.executor.runner.host_kv import HostKVPool, copy_host_kv
 from services.executor.runner.invariance import apply_batch_invariant
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
@@ -105,15 +106,11 @@ class ModelRunner:
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
         self._allocate_kv_cache(config)
         self._plan_limits = PlanLimits(
-            self.model_config.vocab_size,
-            self.num_blocks,
-            self.block_size,
-            self.max_model_len,
-            self.buffers.max_reqs,
-            self.max_num_batched_tokens,
+            self.model_config.vocab_size, self.num_blocks, self.block_size, self.max_model_len,
+            self.buffers.max_reqs, self.max_num_batched_tokens,
             self.lora.registered if self.lora is not None else (),  # live: adapters come, go
-            self.num_drafts,
-        )
+            self.num_drafts, self.host_kv.num_slots if self.host_kv is not None else 0,
+        )  # fmt: skip
         self._make_samplers(config)
         self.requests: dict[str, RequestState] = {}
         proposers.allocate_kv_cache(self.proposer, self.num_blocks, self.requests)
@@ -180,15 +177,16 @@ class ModelRunner:
         local_config = self.model.layout.local_config
         self.kv_layout = KVCacheLayout.of(local_config, self.block_size, kv_dtype)
         self.num_blocks = num_kv_blocks(
-            config,
-            self.kv_layout,
-            self.device,
+            config, self.kv_layout, self.device,
             lambda: profile_step_peak(self.model, self.buffers, self.kv_layout, self.max_model_len),
             proposers.bytes_per_block(self.proposer),
-        )
+        )  # fmt: skip
         # Every rank must hold the blocks any plan names.
         self.num_blocks = self.tp.smallest(self.num_blocks, self.device)
         self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
+        self.host_kv = HostKVPool.sized(
+            config.kv_offloading_size, self.kv_layout, self.kv_caches, self.tp.size
+        )
         log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len)
         log_kv_scales(self.model, kv_dtype)
 
@@ -226,6 +224,8 @@ class ModelRunner:
             max_loras=self.lora.max_loras if self.lora is not None else 0,
             lora_modules=self.lora.modules if self.lora is not None else [],
             num_speculative_tokens=self.num_drafts,
+            num_host_blocks=self.host_kv.num_slots if self.host_kv is not None else 0,
+            host_block_bytes=self.kv_layout.bytes_per_block * self.tp.size,
         )
 
     def reset(self) -> None:
@@ -289,6 +289,7 @@ class ModelRunner:
         if self.relay is not None:
             self.relay.send(plan)
         self._prepared = PreparedStep(plan.step, self.block_size)
+        copy_host_kv(self.host_kv, plan)  # queued now: after the last step, before this one
         self._add_rows(plan)
 
     @torch.inference_mode()
@@ -299,6 +300,7 @@ class ModelRunner:
         if self._prepared is None or self._prepared.step != addendum.step:
             raise PlanError(f"an addendum to plan {addendum.step}, which is not held")
         self._check(addendum, self._prepared)
+        copy_host_kv(self.host_kv, addendum)
         self._apply_plan(addendum)
         self._add_rows(addendum)
 
@@ -475,14 +477,9 @@ class ModelRunner:
             except (ValueError, OSError) as exc:  # more adapters than slots; files gone
                 raise PlanError(f"plan {prepared.step}: its LoRA adapters: {exc}") from exc
         self.buffers.write(
-            prepared.token_ids,
-            prepared.starts,
-            prepared.counts,
-            prepared.sample_rows,
-            prepared.shape,
-            prepared.sources,
-            row_slots,
-        )
+            prepared.token_ids, prepared.starts, prepared.counts, prepared.sample_rows,
+            prepared.shape, prepared.sources, row_slots,
+        )  # fmt: skip
         if prepared.shape is not None and prepared.shape.decode:
             for row in range(len(prepared.counts), prepared.shape.num_reqs):
                 self.row_owner[row] = None  # decode padding overwrote it

@@ -32,6 +32,7 @@ class PlanLimits:
     max_num_batched_tokens: int
     lora_ids: Container[int] = field(default=())  # the LoRA adapters it has taken
     num_speculative_tokens: int = 0  # drafts a row may verify
+    num_host_blocks: int = 0  # slots of the host KV tier
 
 
 # A request's tokens known or in flight (at most: a row verifying drafts may bring up to 1 +
@@ -73,7 +74,20 @@ def check_plan(
             raise PlanError(f"cached rows of {delta.request_id!r}, which is not held")
         _in_range(delta.new_block_ids, limits.num_blocks, f"{delta.request_id}: block id")
         known[delta.request_id] = (state[0], state[1] + len(delta.new_block_ids))
+    _check_host_copies(plan, limits)
     _check_rows(plan, limits, known, num_rows, num_tokens)
+
+
+def _check_host_copies(plan: SchedulerOutput, limits: PlanLimits) -> None:
+    """The host tier's copies name blocks and slots that exist."""
+    if plan.host_copies is None:
+        return
+    for block, slot in plan.host_copies.offloads:
+        _in_range([block], limits.num_blocks, "offload: block id")
+        _in_range([slot], limits.num_host_blocks, "offload: host slot")
+    for slot, block in plan.host_copies.onloads:
+        _in_range([slot], limits.num_host_blocks, "onload: host slot")
+        _in_range([block], limits.num_blocks, "onload: block id")
 
 
 def _check_rows(

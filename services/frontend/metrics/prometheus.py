@@ -202,7 +202,38 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
         "Draft tokens accepted.",
         lambda s: s.spec_num_accepted_tokens,
     ),
+    (
+        "external_prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the host KV tier (past the GPU's hits).",
+        lambda s: s.host_tier.queries if s.host_tier else 0,
+    ),
+    (
+        "external_prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens restored from the host KV tier.",
+        lambda s: s.host_tier.hits if s.host_tier else 0,
+    ),
+    (
+        "kv_offload_bytes_to_host_total",
+        "counter",
+        "KV bytes copied from the GPU to the host tier (evicted blocks).",
+        lambda s: _host_bytes(s, to_host=True),
+    ),
+    (
+        "kv_offload_bytes_to_gpu_total",
+        "counter",
+        "KV bytes copied from the host tier back to the GPU (prefix hits there).",
+        lambda s: _host_bytes(s, to_host=False),
+    ),
 ]
+
+
+def _host_bytes(stats: StatsSnapshot, to_host: bool) -> int:
+    tier = stats.host_tier
+    if tier is None:
+        return 0
+    return (tier.blocks_to_host if to_host else tier.blocks_to_gpu) * tier.block_bytes
 
 
 def _accepted_per_position(labels: str, snapshots: Sequence[StatsSnapshot]) -> list[str]:

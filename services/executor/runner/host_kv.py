@@ -1,0 +1,100 @@
+"""The executor's half of the prefix cache's host tier (`--kv-offloading-size`): a host copy of
+KV blocks, one slot a block, and the copies each plan lists (services/scheduler/host_tier.py
+keeps the books).
+
+    slots  [num_slots, layers, 2 (K, V), block_size, kv_heads, head_dim], pinned on CUDA
+
+A slot holds one block's every layer contiguously, so each copy is one transfer a block. The
+copies are queued on the compute stream when the plan launches, before its forward pass:
+ordered after every step launched before, so a block is read after its last write and written
+before its first read, and nothing on the host waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from services.executor.runner.kv_cache import KVCacheLayout
+from shared.protocol import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def copy_host_kv(pool: HostKVPool | None, plan: SchedulerOutput) -> None:
+    """Queue the plan's host-tier copies, if it has any."""
+    if pool is not None and plan.host_copies is not None:
+        pool.copy(plan.host_copies.offloads, plan.host_copies.onloads)
+
+
+class HostKVPool:
+    def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
+        first = kv_caches[0]  # [2, num_blocks, block_size, kv_heads, head_dim]
+        shape = (num_slots, len(kv_caches), first.shape[0], *first.shape[2:])
+        self.kv_caches = kv_caches
+        self.device = first.device
+        self.slots = torch.empty(shape, dtype=first.dtype, pin_memory=first.is_cuda)
+
+    @classmethod
+    def sized(
+        cls,
+        size_gib: float | None,
+        layout: KVCacheLayout,
+        kv_caches: list[torch.Tensor],
+        tp_size: int,
+    ) -> HostKVPool | None:
+        """The pool of `size_gib` GiB over all ranks (vLLM's meaning), or None without one."""
+        if size_gib is None:
+            return None
+        num_slots = int(size_gib * 2**30) // (layout.bytes_per_block * tp_size)
+        if num_slots < 1:
+            raise ValueError(
+                f"--kv-offloading-size {size_gib} GiB holds no block of"
+                f" {layout.bytes_per_block * tp_size / 2**20:.1f} MiB"
+            )
+        pool = cls(kv_caches, num_slots)
+        logger.info(
+            "host KV tier: %d blocks x %d tokens = %d tokens (%.2f GiB on this rank)",
+            num_slots,
+            layout.block_size,
+            num_slots * layout.block_size,
+            num_slots * layout.bytes_per_block / 2**30,
+        )
+        return pool
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.shape[0]
+
+    def copy(self, offloads: list[tuple[int, int]], onloads: list[tuple[int, int]]) -> None:
+        """One plan's (or addendum's) copies: evicted blocks to their slots, then slots back
+        into blocks."""
+        if offloads:
+            self._to_host(offloads)
+        if onloads:
+            self._to_gpu(onloads)
+
+    def _to_host(self, pairs: list[tuple[int, int]]) -> None:
+        blocks = self._indices([block for block, _ in pairs])
+        # [n, layers, 2, block_size, kv_heads, head_dim]: each block's layers together
+        staged = torch.stack([cache.index_select(1, blocks) for cache in self.kv_caches])
+        staged = staged.permute(2, 0, 1, 3, 4, 5).contiguous()
+        for row, (_, slot) in enumerate(pairs):
+            self.slots[slot].copy_(staged[row], non_blocking=True)
+
+    def _to_gpu(self, pairs: list[tuple[int, int]]) -> None:
+        shape = (len(pairs), *self.slots.shape[1:])
+        staged = torch.empty(shape, dtype=self.slots.dtype, device=self.device)
+        for row, (slot, _) in enumerate(pairs):
+            staged[row].copy_(self.slots[slot], non_blocking=True)
+        blocks = self._indices([block for _, block in pairs])
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, blocks, staged[:, layer].transpose(0, 1))
+
+    def _indices(self, ids: list[int]) -> torch.Tensor:
+        """Block ids on the device, copied from pinned memory so that the host does not wait."""
+        host = torch.tensor(ids, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)

@@ -1,0 +1,92 @@
+"""The prefix cache's host-memory tier (`--kv-offloading-size`): where the KV of a cached block
+goes when the GPU pool evicts it, found again by the same chained hash.
+
+The scheduler only keeps the books: which hash sits in which host slot, least recently used
+first. The executor moves the bytes, in the order each plan lists them (`take_copies`):
+
+    offloads   GPU block -> host slot   of the blocks this plan's allocations evicted: copied
+                                        before the step's forward pass overwrites them
+    onloads    host slot -> GPU block   of the prefix hits this plan restores: copied before
+                                        the forward pass reads them
+
+Both run on the executor's compute stream, so a copy is ordered after every earlier step and
+before its own step, with no wait on the host. Within one plan, offloads run first (a restored
+block may go into a GPU block just evicted), and a slot read or written by the plan being built
+is pinned: no later store of the same plan takes it (an offload would overwrite a slot before
+the plan's onload reads it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class HostTier:
+    def __init__(self, num_slots: int, lost: Callable[[bytes], None] | None = None) -> None:
+        self.num_slots = num_slots
+        self.lost = lost  # told of each hash the tier drops (for the KV events)
+        self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._pinned: set[int] = set()
+        self._offloads: list[tuple[int, int]] = []  # (GPU block, host slot)
+        self._onloads: list[tuple[int, int]] = []  # (host slot, GPU block)
+        self.num_offloaded = 0  # blocks copied to the host since start
+        self.num_onloaded = 0  # blocks copied back (prefix hits in this tier)
+        self.num_dropped = 0  # blocks the tier had no unpinned slot for
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._slots
+
+    def store(self, block: int, block_hash: bytes) -> bool:
+        """The GPU pool evicts `block`: keep its KV under `block_hash`. False when every slot
+        is pinned by the plan being built (the block is then simply gone)."""
+        if block_hash in self._slots:  # already here (evicted before, restored since): same KV
+            self._slots.move_to_end(block_hash)
+            return True
+        slot = self._take_slot()
+        if slot is None:
+            self.num_dropped += 1
+            return False
+        self._slots[block_hash] = slot
+        self._pinned.add(slot)
+        self._offloads.append((block, slot))
+        self.num_offloaded += 1
+        return True
+
+    def pin(self, hashes: list[bytes]) -> None:
+        """Keep these entries through the plan being built (its prefix hits, before the GPU
+        blocks they go to are allocated: an allocation may evict, and so store)."""
+        for block_hash in hashes:
+            self._slots.move_to_end(block_hash)
+            self._pinned.add(self._slots[block_hash])
+
+    def restore(self, block_hash: bytes, block: int) -> None:
+        """Copy the entry back into GPU `block` (pinned first by `pin`)."""
+        slot = self._slots[block_hash]
+        assert slot in self._pinned, "a restored slot is pinned until its plan is sent"
+        self._onloads.append((slot, block))
+        self.num_onloaded += 1
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(offloads, onloads) of the plan built since the last call, which ends its pins."""
+        copies = (self._offloads, self._onloads)
+        self._offloads, self._onloads, self._pinned = [], [], set()
+        return copies
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for block_hash, slot in self._slots.items():  # least recently used first
+            if slot not in self._pinned:
+                del self._slots[block_hash]
+                if self.lost is not None:
+                    self.lost(block_hash)
+                return slot
+        return None
+
+    def check_invariants(self) -> None:
+        slots = list(self._slots.values())
+        assert len(set(slots)) == len(slots), "two hashes share a host slot"
+        assert not set(slots) & set(self._free), "a host slot is both free and held"
+        assert len(slots) + len(self._free) == self.num_slots, "a host slot leaked"
