@@ -35,7 +35,7 @@ def add_bench_parser(
 ) -> None:
     bench = commands.add_parser(
         "bench",
-        help="Benchmarks: serve, throughput, latency, attention, floors, moe.",
+        help="Benchmarks: serve, throughput, latency, multi-turn, attention, floors, moe.",
         description="Measure kvflow with random-token prompts; figures to stdout and JSON.",
     )
     kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
@@ -51,12 +51,17 @@ def add_bench_parser(
     throughput = kinds.add_parser("throughput", help="Offline engine throughput (tok/s).")
     latency = kinds.add_parser("latency", help="Decode inter-token latency at batch 1, 8, 32.")
     _engine_flags(throughput, latency, engine_flags)
+    multi_turn = kinds.add_parser(
+        "multi-turn",
+        help="Conversations that outgrow the GPU's KV pool: time to first token by turn.",
+    )
+    _multi_turn_flags(multi_turn, engine_flags)
     attention = kinds.add_parser("attention", help="Decode attention kernel GB/s vs copy.")
     _attention_flags(attention)
     floors = kinds.add_parser("floors", help="Measured copy bandwidth and bf16 matmul rate.")
     moe = kinds.add_parser("moe", help="A mixture-of-experts layer's time vs its bytes, vLLM's.")
     _moe_flags(moe)
-    for parser in (throughput, latency, attention, floors, moe):
+    for parser in (throughput, latency, multi_turn, attention, floors, moe):
         parser.add_argument("--output-json", type=Path, help="Write the figures here.")
 
 
@@ -98,6 +103,18 @@ def _engine_flags(
         "--ignore-eos", action="store_true", help="Always generate --output-len tokens."
     )
     latency.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+
+
+def _multi_turn_flags(
+    parser: argparse.ArgumentParser, engine_flags: Callable[[argparse.ArgumentParser], None]
+) -> None:
+    parser.add_argument("model", nargs="?", help="Model or preset (see kvflow generate).")
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--first-len", type=int, default=2000, help="the first turn's tokens")
+    parser.add_argument("--turn-len", type=int, default=200, help="each later turn's new tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="each reply's tokens")
+    engine_flags(parser)  # its --seed also draws the prompts
 
 
 def _attention_flags(attention: argparse.ArgumentParser) -> None:
@@ -142,6 +159,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
         bench = engine_bench.throughput if args.bench == "throughput" else engine_bench.latency
         report = bench(config_from_args(args, defaults=OFFLINE_DEFAULTS), args)
+    elif args.bench == "multi-turn":
+        from benchmarks.multi_turn import multi_turn
+
+        report = multi_turn(config_from_args(args, defaults=OFFLINE_DEFAULTS), args)
     else:
         from benchmarks import kernel_bench
 

@@ -4,6 +4,7 @@ the host tier instead of recomputed, with the tokens an engine without the tier 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from services.executor.runner.host_kv import HostKVPool
+from services.launcher.cli import main
 from shared.config import ConfigError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -97,3 +99,21 @@ def test_restored_prefixes_on_a_gpu(tiny_llama_dir: Path) -> None:
     assert chat(llm, together=False) == expected
     tier = llm.stats().host_tier
     assert tier is not None and tier.hits > 0
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_the_multi_turn_bench_restores_later_turns_from_the_tier(
+    tiny_llama_dir: Path, tmp_path: Path, tier: bool
+) -> None:
+    """`kvflow bench multi-turn` on a pool the histories outgrow: with the tier, later turns
+    find their histories there; without it, they recompute them."""
+    out = tmp_path / "multi_turn.json"
+    argv = ["bench", "multi-turn", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
+    argv += ["--conversations", "4", "--turns", "3", "--first-len", "60", "--turn-len", "10"]
+    argv += ["--output-len", "4", "--num-gpu-blocks-override", "12", "--max-model-len", "256"]
+    argv += ["--output-json", str(out)] + (["--kv-offloading-size", str(TIER_GIB)] if tier else [])
+    assert main(argv) == 0
+    turns = json.loads(out.read_text())["turns"]
+    assert len(turns) == 3 and all(t["ttft_ms_median"] > 0 for t in turns)
+    restored = sum(t["host_tier_hit_tokens"] for t in turns[1:])
+    assert (restored > 0) == tier
