@@ -14,6 +14,7 @@ from kvflow import LLM, SamplingParams
 from services.executor.runner.host_kv import HostKVPool
 from services.launcher.cli import main
 from shared.config import ConfigError
+from tests.integration.tp_generate import generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 SETTINGS = dict(dtype="float32", device="cpu", max_model_len=256, block_size=16)
@@ -117,3 +118,19 @@ def test_the_multi_turn_bench_restores_later_turns_from_the_tier(
     assert len(turns) == 3 and all(t["ttft_ms_median"] > 0 for t in turns)
     restored = sum(t["host_tier_hit_tokens"] for t in turns[1:])
     assert (restored > 0) == tier
+
+
+def test_two_ranks_restore_their_own_heads(tmp_path: Path, tiny_llama_dir: Path) -> None:
+    """--tensor-parallel-size 2 over gloo: each rank copies its own KV heads out and back; a
+    prompt whose prefix was evicted by the ones before it is restored, with the tokens of one
+    rank recomputing it."""
+    first = conversations(num=4)
+    prompts = [c[0] for c in first] + [first[0][0] + first[0][1]]  # the first again, longer
+    settings = dict(num_gpu_blocks_override=12, max_num_seqs=1, block_size=16, max_model_len=256)
+    expected = generate(tmp_path / "one", 1, str(tiny_llama_dir), prompts, 6, **settings)
+    got = generate(
+        tmp_path / "two", 2, str(tiny_llama_dir), prompts, 6, kv_offloading_size=TIER_GIB,
+        **settings,
+    )  # fmt: skip
+    assert got == expected
+    assert json.loads((tmp_path / "two" / "host_tier.json").read_text()) > 0

@@ -7,7 +7,8 @@ JOB.json holds the model folder (or null: the embedded SmolLM2), other engine se
 ("config", tensor_parallel_size among them), the prompts (token ids), max_tokens, top (the
 logprobs asked for, 0 for none) and each prompt's LoRA adapter ([name, id, folder] or null).
 RESULT.json holds each prompt's tokens and, per token, the ids of its top logprobs (spec.json
-beside it, the drafts proposed, verified and accepted: `spec_counts`). Rank 0
+beside it, the drafts proposed, verified and accepted: `spec_counts`; host_tier.json, the
+prompt tokens restored from the host tier, or null without one). Rank 0
 answers for the group: the other ranks run the plans it relays
 (services/executor/rank_group.py).
 """
@@ -90,6 +91,8 @@ def main() -> None:
     spec = llm.engine.scheduler.spec_decode  # what speculation did, where it ran
     counts = {"drafts": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens}
     out.with_name("spec.json").write_text(json.dumps({**counts, "proposals": proposals}))
+    tier = llm.stats().host_tier  # the prefix cache's host tier, if it has one
+    out.with_name("host_tier.json").write_text(json.dumps(tier and tier.hits))
 
 
 def record_proposals(llm: LLM) -> list[list[int]]:
