@@ -25,6 +25,7 @@ VARIANTS = {
     "one at a time": dict(num_gpu_blocks_override=20),
     "chunked prefill 16": dict(num_gpu_blocks_override=20, max_num_batched_tokens=16),
     "together, preempting": dict(num_gpu_blocks_override=14),
+    "fp8 cache": dict(num_gpu_blocks_override=20, kv_cache_dtype="fp8"),
 }
 
 
@@ -63,7 +64,7 @@ def test_restored_prefixes_give_the_recomputed_tokens(tiny_llama_dir: Path, vari
     llm = LLM(str(tiny_llama_dir), kv_offloading_size=TIER_GIB, **settings)
     assert chat(llm, together) == expected
     tier = llm.stats().host_tier
-    assert tier is not None and tier.num_blocks == 64
+    assert tier is not None and tier.num_blocks >= 64  # 128 of an FP8 cache's
     assert tier.blocks_to_host > 0 and tier.blocks_to_gpu > 0 and tier.hits > 0
     llm.engine.scheduler.check_invariants()
 
@@ -73,18 +74,18 @@ def test_it_needs_prefix_caching(tiny_llama_dir: Path) -> None:
         LLM(str(tiny_llama_dir), kv_offloading_size=1.0, enable_prefix_caching=False, **SETTINGS)
 
 
-def test_a_restored_block_holds_every_layers_kv_as_it_was() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_restored_block_holds_every_layers_kv_as_it_was(dtype: torch.dtype) -> None:
     """The executor's pool (on the GPU where there is one): blocks copied out, overwritten,
     and copied back into other blocks hold what they held, bit for bit, in every layer."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(0)
     caches = [torch.randn(2, 12, 16, 2, 8, generator=generator).to(device, dtype) for _ in range(3)]
     pool = HostKVPool(caches, num_slots=4)
     before = [cache[:, [3, 7]].clone() for cache in caches]
     pool.copy([(3, 2), (7, 0)], [])
     for cache in caches:
-        cache.normal_()  # the GPU blocks reused by others
+        cache.copy_(torch.randn(cache.shape, generator=generator))  # the blocks reused
     pool.copy([(5, 1)], [(2, 9), (0, 4)])  # an offload and two restores in one plan
     for cache, held in zip(caches, before, strict=True):
         assert torch.equal(cache[:, [9, 4]], held)

@@ -2,7 +2,7 @@
 KV blocks, one slot a block, and the copies each plan lists (services/scheduler/host_tier.py
 keeps the books).
 
-    slots  [num_slots, layers, 2 (K, V), block_size, kv_heads, head_dim], pinned on CUDA
+    slots  [num_slots, layers, 2 (K, V), block_size, kv_heads, head_dim bytes], pinned on CUDA
 
 A slot holds one block's every layer contiguously, so each copy is one transfer a block. The
 copies are queued on the compute stream when the plan launches, before its forward pass:
@@ -30,11 +30,13 @@ def copy_host_kv(pool: HostKVPool | None, plan: SchedulerOutput) -> None:
 
 class HostKVPool:
     def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
-        first = kv_caches[0]  # [2, num_blocks, block_size, kv_heads, head_dim]
+        # As bytes: [2, num_blocks, block_size, kv_heads, head_dim * itemsize], which every
+        # cache dtype can be viewed as, and every copy kernel takes (not all take FP8).
+        self.kv_caches = [cache.view(torch.uint8) for cache in kv_caches]
+        first = self.kv_caches[0]
         shape = (num_slots, len(kv_caches), first.shape[0], *first.shape[2:])
-        self.kv_caches = kv_caches
         self.device = first.device
-        self.slots = torch.empty(shape, dtype=first.dtype, pin_memory=first.is_cuda)
+        self.slots = torch.empty(shape, dtype=torch.uint8, pin_memory=first.is_cuda)
 
     @classmethod
     def sized(
