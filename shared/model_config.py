@@ -19,6 +19,8 @@ SUPPORTED_FAMILIES = (
     "mistral",
     "qwen2",
     "qwen3",
+    "granite",
+    "olmo2",
     "qwen2_moe",
     "qwen3_moe",
     "mixtral",
@@ -82,6 +84,16 @@ class ModelConfig:
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE)
     output_bias: bool = False  # o_proj carries a bias (gpt-oss)
     attention_sinks: bool = False  # a sink logit a head in attention's softmax (gpt-oss)
+    # Granite: the embedding times embedding_multiplier; each sublayer's output times
+    # residual_multiplier as it joins the residual stream; attention_multiplier as the
+    # softmax's scale (None: head_dim ** -0.5); the logits divided by logits_scaling.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # OLMo 2: norms after each sublayer (on its output, before it joins the residual stream)
+    # instead of before it: post_attention_layernorm and post_feedforward_layernorm.
+    post_norms: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,10 +198,24 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         sliding_window=window if window is not None and sliding else None,
         sliding_layers=sliding if window is not None else (),
         moe=_moe_config(cfg) if family in MOE_FAMILIES else None,
-        qk_norm_whole=family == "olmoe",
+        qk_norm_whole=family in ("olmoe", "olmo2"),
         clip_qkv=cfg.get("clip_qkv"),
         output_bias=family == "gpt_oss" and bool(cfg.get("attention_bias", True)),
         attention_sinks=family == "gpt_oss",
+        **_granite_multipliers(cfg),
+        post_norms=family == "olmo2",
+    )
+
+
+def _granite_multipliers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite's scalars (other families: none)."""
+    if cfg.get("model_type") != "granite":
+        return {}
+    return dict(
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
     )
 
 

@@ -45,6 +45,15 @@ FAMILIES = {
         dict(use_sliding_window=True, sliding_window=20, max_window_layers=1),
     ),
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32)),
+    # Every multiplier away from 1, and tied embeddings, as Granite 3 publishes them
+    "granite": (
+        transformers.GraniteConfig,
+        dict(
+            embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+            logits_scaling=8.0, tie_word_embeddings=True,
+        ),
+    ),
+    "olmo2": (transformers.Olmo2Config, dict(rms_norm_eps=1e-6)),
     # YaRN's long-context rotary, past its original context of 32 within the prompts
     "qwen3 yarn": (
         transformers.Qwen3Config,

@@ -1,13 +1,14 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3, and by the
-mixtures of experts built like them (Qwen2-MoE, Qwen3-MoE, Mixtral).
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3, Granite and OLMo 2, and
+by the mixtures of experts built like them (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, gpt-oss).
 
 The families differ only in switches read from ModelConfig: a bias on the qkv projection
-(Qwen2), an RMSNorm on each head of q and k (Qwen3), Llama 3's RoPE scaling, tied embeddings,
-and experts in place of the MLP (layers/moe.py). Weights load from Hugging Face names:
-`checkpoint_param` maps each to the parameter it fills (services/executor/loading/weights.py
-walks the checkpoint). Under tensor parallelism a rank builds the layers of its part
-(services/executor/parallel/tensor_parallel.py), and each layer's parameters take their part of
-each weight.
+(Qwen2), an RMSNorm on each head of q and k (Qwen3) or on all heads at once (OLMoE, OLMo 2),
+Llama 3's RoPE scaling, tied embeddings, Granite's multipliers, OLMo 2's norms after each
+sublayer instead of before, and experts in place of the MLP (layers/moe.py). Weights load
+from Hugging Face names: `checkpoint_param` maps each to the parameter it fills
+(services/executor/loading/weights.py walks the checkpoint). Under tensor parallelism a rank
+builds the layers of its part (services/executor/parallel/tensor_parallel.py), and each layer's
+parameters take their part of each weight.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class Attention(nn.Module):
         self.clip_qkv = cfg.clip_qkv
         self.rotary = rotary
         self.eps = cfg.rms_norm_eps  # of q_norm / k_norm
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5
         self.window = window
         # gpt-oss: a sink logit for each of the rank's query heads (its share of the softmax)
         self.sinks: nn.Parameter | None = None
@@ -201,11 +202,16 @@ class DecoderLayer(nn.Module):
         sliding window (None: the whole context)."""
         super().__init__()
         cfg = layout.local_config
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = cfg.post_norms
+        if self.post_norms:  # OLMo 2
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(layout, rotary, method, kv_scales, window=window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(layout, experts) if sparse else GatedMLP(layout, method)
         self.tp = layout.tp
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's
 
     def forward(
         self,
@@ -220,6 +226,8 @@ class DecoderLayer(nn.Module):
         # Each norm is told the projection it feeds: an FP8 one takes its input quantized.
         # Attention and the MLP return their rank's part of a sum (their last projections are
         # row-parallel); the norm after each adds the ranks' parts up (`reduce`).
+        if self.post_norms:
+            return self._post_normed(positions, x, residual, kv_cache, meta, lora, aux_out)
         qkv_proj = self.self_attn.qkv_proj
         if residual is None:  # x: the embedding (with tensor parallelism, a rank's part)
             x, residual = self.input_layernorm.begin(x, feeds=qkv_proj, reduce=self.tp)
@@ -227,14 +235,43 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual, feeds=qkv_proj, reduce=self.tp)
         if aux_out is not None:  # now, before the next norm adds to it in place
             aux_out.copy_(residual)
-        x = self.self_attn(positions, x, kv_cache, meta, lora)
+        x = self._scaled(self.self_attn(positions, x, kv_cache, meta, lora))
         if isinstance(self.mlp, SparseMoE):  # float rows in; no LoRA (refused at start)
             x, residual = self.post_attention_layernorm(x, residual, reduce=self.tp)
-            return self.mlp(x, meta.slot_mapping), residual
+            return self._scaled(self.mlp(x, meta.slot_mapping)), residual
         x, residual = self.post_attention_layernorm(
             x, residual, feeds=self.mlp.gate_up_proj, reduce=self.tp
         )
-        return self.mlp(x, lora), residual
+        return self._scaled(self.mlp(x, lora)), residual
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream (Granite scales it)."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
+
+    def _post_normed(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoraTokens | None,
+        aux_out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo 2's layer: each sublayer reads the residual stream itself, and its output is
+        normed before it joins it. Returns (the MLP's normed output, the stream before it),
+        which the next layer (or the final norm) adds, as for the other families."""
+        # the embedding (a rank's part), or the last layer's normed MLP output (whole)
+        stream = self.tp.all_reduce(x) if residual is None else residual + x
+        if aux_out is not None:
+            aux_out.copy_(stream)
+        attended = self.self_attn(positions, stream, kv_cache, meta, lora)
+        stream = stream + self.post_attention_layernorm(attended, reduce=self.tp)
+        if isinstance(self.mlp, SparseMoE):
+            out = self.mlp(stream, meta.slot_mapping)
+        else:
+            out = self.mlp(stream, lora)
+        return self.post_feedforward_layernorm(out, reduce=self.tp), stream
 
 
 class DecoderForCausalLM(nn.Module):
@@ -303,11 +340,15 @@ class DecoderForCausalLM(nn.Module):
         lora: LoraTokens | None = None,  # the tokens' LoRA slots, with LoRA
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.config.embedding_multiplier != 1.0:  # Granite's
+            x = x * self.config.embedding_multiplier
         residual = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             aux = self._aux_columns(index, len(input_ids))
             x, residual = layer(positions, x, residual, kv_cache, meta, lora, aux)
-        x, _ = self.norm(x, residual, reduce=self.layout.tp)
+        # OLMo 2's layers end with their output whole: no ranks' parts to add up
+        reduce = ONE_RANK if self.config.post_norms else self.layout.tp
+        x, _ = self.norm(x, residual, reduce=reduce)
         return x
 
     def _aux_columns(self, layer: int, num_tokens: int) -> torch.Tensor | None:
@@ -321,7 +362,10 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Why not float32 here: greedy argmax is the same on the model dtype, and the sampler
         # copies to float32 where it computes probabilities.
-        return self.layout.tp.all_gather(self.lm_head(hidden))  # [N, vocab], model dtype
+        logits = self.layout.tp.all_gather(self.lm_head(hidden))  # [N, vocab], model dtype
+        if self.config.logits_scaling != 1.0:  # Granite's
+            logits = logits / self.config.logits_scaling
+        return logits
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, int | None] | None:
         """Where a Hugging Face-named tensor loads: (our parameter, the piece of it the tensor

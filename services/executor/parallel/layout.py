@@ -53,7 +53,7 @@ class ShardLayout:
             if tp.expert_parallel and cfg.moe.num_experts < n:
                 problems.append(f"{cfg.moe.num_experts} experts are fewer than the ranks")
         if cfg.qk_norm_whole and n > 1:
-            problems.append("q and k norms over all heads at once (OLMoE's) do not split")
+            problems.append("q and k norms over all heads at once (OLMoE's, OLMo 2's) do not split")
         kv = cfg.num_kv_heads
         if kv % n and n % kv:
             problems.append(f"{kv} KV heads neither split {n} ways nor divide {n}")
