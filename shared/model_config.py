@@ -21,6 +21,7 @@ SUPPORTED_FAMILIES = (
     "qwen3",
     "granite",
     "olmo2",
+    "phi3",
     "qwen2_moe",
     "qwen3_moe",
     "mixtral",
@@ -163,6 +164,8 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "yarn"):
         raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3, yarn)")
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
     if rope_type == "yarn" and rope.get("factor") is None:  # the context's growth (DeepSeek-V3)
         rope = {
             **rope,

@@ -54,6 +54,8 @@ FAMILIES = {
         ),
     ),
     "olmo2": (transformers.Olmo2Config, dict(rms_norm_eps=1e-6)),
+    # Fused qkv_proj and gate_up_proj in the checkpoint (Phi-3, Phi-4), a window on every layer
+    "phi3": (transformers.Phi3Config, dict(sliding_window=20, pad_token_id=None)),
     # YaRN's long-context rotary, past its original context of 32 within the prompts
     "qwen3 yarn": (
         transformers.Qwen3Config,

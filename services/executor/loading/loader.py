@@ -7,12 +7,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
 from services.executor.layers.linear import Linear
 from services.executor.layers.moe import SparseMoE
+from services.executor.loading.fused import unfused
 from services.executor.loading.gguf import iter_gguf
 from services.executor.loading.safetensors import (
     iter_safetensor_slices,
@@ -22,6 +23,7 @@ from services.executor.loading.safetensors import (
 from services.executor.loading.weights import load_weights
 from services.executor.models.decoder import DecoderForCausalLM, hf_module_names
 from services.executor.models.eagle3 import Eagle3Head, read_eagle3_config, uses_own_embedding
+from services.executor.parallel.shards import CheckpointTensor
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.quantization.checkpoints import translate_quantized
 from services.executor.quantization.methods import linear_method, prepare_linear_layers
@@ -104,16 +106,8 @@ def load_model(
     elif fmt == "gguf":
         keep_blocks = spec is not None and spec.method == "gguf"
         load_weights(model, iter_gguf(source.path, cfg, keep_blocks))
-    elif fmt == "safetensors" and spec is not None and spec.from_checkpoint:
-        names = safetensors_names(source.path)
-        tensors = iter_safetensor_slices(source.path)
-        load_weights(model, translate_quantized(tensors, names, spec))
-    elif fmt == "safetensors" and is_mxfp4_checkpoint(source):  # gpt-oss's experts
-        load_weights(model, dequantized_mxfp4(iter_safetensor_slices(source.path)))
-    elif fmt == "safetensors" and tp.size > 1:
-        load_weights(model, iter_safetensor_slices(source.path))
     elif fmt == "safetensors":
-        load_weights(model, iter_safetensors(source.path))
+        load_weights(model, _safetensors(source, cfg, spec, tp.size > 1))
     else:
         raise ValueError(f"cannot load {source.path} with --load-format {load_format}")
     prepare_linear_layers(model, spec)
@@ -130,6 +124,23 @@ def load_model(
         time.perf_counter() - start,
     )
     return model.eval()
+
+
+def _safetensors(
+    source: ModelSource, cfg: ModelConfig, spec: QuantSpec | None, sliced: bool
+) -> Iterable[tuple[str, CheckpointTensor]]:
+    """A safetensors folder's tensors as its layers load them: quantized ones translated,
+    MXFP4 experts dequantized, fused projections cut (`sliced`: read as a rank's parts)."""
+    if spec is not None and spec.from_checkpoint:
+        names = safetensors_names(source.path)
+        tensors = translate_quantized(iter_safetensor_slices(source.path), names, spec)
+    elif is_mxfp4_checkpoint(source):  # gpt-oss's experts
+        tensors = dequantized_mxfp4(iter_safetensor_slices(source.path))
+    elif sliced:
+        tensors = iter_safetensor_slices(source.path)
+    else:
+        tensors = iter_safetensors(source.path)
+    return unfused(tensors, cfg) if cfg.family == "phi3" else tensors
 
 
 def eagle3_head_has_embedding(source: ModelSource, load_format: str) -> bool:
