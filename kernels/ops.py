@@ -11,7 +11,12 @@ from types import ModuleType
 
 import torch
 
-from kernels.activation import silu_and_mul_fp8_reference, silu_and_mul_reference
+from kernels.activation import (
+    gelu_tanh_and_mul_fp8_reference,
+    gelu_tanh_and_mul_reference,
+    silu_and_mul_fp8_reference,
+    silu_and_mul_reference,
+)
 from kernels.all_gather import all_gather_reference
 from kernels.all_reduce_norm import all_reduce_add_rms_norm_reference
 from kernels.argmax import argmax_reference
@@ -185,6 +190,22 @@ def fused_add_rms_norm_fp8(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     module = _triton("activation", gate_up)
     return (module.silu_and_mul if module is not None else silu_and_mul_reference)(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma's MLP): gelu_tanh(gate) * up."""
+    module = _triton("activation", gate_up)
+    kernel = module.gelu_tanh_and_mul if module is not None else gelu_tanh_and_mul_reference
+    return kernel(gate_up)
+
+
+def gelu_tanh_and_mul_fp8(
+    gate_up: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> Fp8Rows:
+    """GeGLU feeding an FP8 layer, as silu_and_mul_fp8."""
+    module = _triton("activation", gate_up)
+    kernel = module.gelu_tanh_and_mul_fp8 if module is not None else gelu_tanh_and_mul_fp8_reference
+    return kernel(gate_up, static_scale)
 
 
 def moe_route(

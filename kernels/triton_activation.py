@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the gated MLP's activation, in Triton.
+"""SiLU-and-mul, the gated MLP's activation, in Triton, and GELU-and-mul (GeGLU: `GELU`, the
+tanh approximation, Gemma's) by the same kernels.
 
 Same math as `kernels.activation`: [T, 2I] -> [T, I], silu(gate) * up with gate = the first I
 columns and up = the last I. Fused so that the [T, 2I] projection is read once and only the
@@ -27,11 +28,16 @@ FP8_BLOCK = 16384  # columns of a row in registers in the FP8 variant: 16 floats
 
 
 @triton.jit
-def _silu_mul(gate_ptrs, mask, inter, OUT_DTYPE: tl.constexpr):
-    """silu(gate) * up at gate_ptrs (up lies `inter` further), in float32 rounded to OUT_DTYPE."""
+def _silu_mul(gate_ptrs, mask, inter, OUT_DTYPE: tl.constexpr, GELU: tl.constexpr):
+    """silu(gate) * up at gate_ptrs (up lies `inter` further), in float32 rounded to OUT_DTYPE;
+    with GELU, gelu_tanh(gate) * up."""
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
-    out = gate / (1.0 + tl.exp(-gate)) * up  # exp overflows to inf for gate << 0: silu -> -0
+    if GELU:  # 0.5 g (1 + tanh(y)), tanh(y) = 1 - 2 / (exp(2y) + 1): +-1 where exp saturates
+        y = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        out = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)) * up
+    else:
+        out = gate / (1.0 + tl.exp(-gate)) * up  # exp overflows to inf for gate << 0: -> -0
     return out.to(OUT_DTYPE)
 
 
@@ -46,6 +52,7 @@ def _silu_and_mul_kernel(
     inter,
     BLOCK: tl.constexpr,
     STATIC_FP8: tl.constexpr,  # quantized by a static scale: no row maximum, so any tiling
+    GELU: tl.constexpr,  # gelu_tanh(gate) instead of silu(gate)
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     wait_for_previous_kernel(PDL)
@@ -53,7 +60,7 @@ def _silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
     in_ptrs = gate_up_ptr + row * stride_in_row + cols
-    out = _silu_mul(in_ptrs, mask, inter, gate_up_ptr.dtype.element_ty)
+    out = _silu_mul(in_ptrs, mask, inter, gate_up_ptr.dtype.element_ty, GELU)
     if STATIC_FP8:
         scale = tl.load(static_scale_ptr)
         out = to_e4m3(out.to(tl.float32) / scale)
@@ -72,6 +79,7 @@ def _silu_and_mul_fp8_kernel(
     inter,
     BLOCK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,  # inter <= BLOCK (a constant, so only one branch is compiled)
+    GELU: tl.constexpr,  # gelu_tanh(gate) instead of silu(gate)
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     wait_for_previous_kernel(PDL)
@@ -81,24 +89,37 @@ def _silu_and_mul_fp8_kernel(
     q_ptrs = q_ptr + row * stride_q_row + cols
     dtype = gate_up_ptr.dtype.element_ty
     if ONE_BLOCK:  # the row in registers: read once
-        out = _silu_mul(gate_ptrs, cols < inter, inter, dtype).to(tl.float32)
+        out = _silu_mul(gate_ptrs, cols < inter, inter, dtype, GELU).to(tl.float32)
         scale = scale_for(tl.max(tl.abs(out), axis=0))
         tl.store(q_ptrs, to_e4m3(out / scale).to(q_ptr.dtype.element_ty), mask=cols < inter)
     else:  # pass 1: the row's absolute maximum; pass 2: the product again, quantized
         amax = tl.zeros([BLOCK], tl.float32)
         for start in range(0, inter, BLOCK):
-            out = _silu_mul(gate_ptrs + start, start + cols < inter, inter, dtype)
+            out = _silu_mul(gate_ptrs + start, start + cols < inter, inter, dtype, GELU)
             amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
         scale = scale_for(tl.max(amax, axis=0))
         for start in range(0, inter, BLOCK):
             mask = start + cols < inter
-            out = _silu_mul(gate_ptrs + start, mask, inter, dtype).to(tl.float32)
+            out = _silu_mul(gate_ptrs + start, mask, inter, dtype, GELU).to(tl.float32)
             tl.store(q_ptrs + start, to_e4m3(out / scale).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * inter] -> [..., inter] (new, contiguous): silu(gate) * up."""
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * inter] -> [..., inter] (new, contiguous): gelu_tanh(gate) * up."""
+    return silu_and_mul(gate_up, gelu=True)
+
+
+def gelu_tanh_and_mul_fp8(
+    gate_up: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> Fp8Rows:
+    """`kernels.activation.gelu_tanh_and_mul_fp8_reference`, as silu_and_mul_fp8."""
+    return silu_and_mul_fp8(gate_up, static_scale, gelu=True)
+
+
+def silu_and_mul(gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """[..., 2 * inter] -> [..., inter] (new, contiguous): silu(gate) * up (`gelu`:
+    gelu_tanh(gate) * up)."""
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up {tuple(gate_up.shape)} needs an even last dim")
     inter = gate_up.shape[-1] // 2
@@ -107,7 +128,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_rows = rows.shape[0]
     if num_rows == 0 or inter == 0:
         return out
-    _launch_tiled(rows, out.view(num_rows, inter), inter, None, None)
+    _launch_tiled(rows, out.view(num_rows, inter), inter, None, None, gelu)
     return out
 
 
@@ -117,6 +138,7 @@ def _launch_tiled(
     inter: int,
     static_scale: torch.Tensor | None,  # [1]: quantize `out` by it (FP8)
     scale: torch.Tensor | None,  # [T, 1]: written with static_scale
+    gelu: bool,
 ) -> None:
     block = min(triton.next_power_of_2(inter), _BLOCK)
     grid = (rows.shape[0], triton.cdiv(inter, block))
@@ -131,6 +153,7 @@ def _launch_tiled(
         inter,
         BLOCK=block,
         STATIC_FP8=static_scale is not None,
+        GELU=gelu,
         PDL=early,
         num_warps=min(max(block // 256, 1), 4),
         launch_pdl=early,
@@ -140,6 +163,7 @@ def _launch_tiled(
 def silu_and_mul_fp8(
     gate_up: torch.Tensor,  # [T, 2 * inter]
     static_scale: torch.Tensor | None = None,  # [1] float32: the layer's; None: per token
+    gelu: bool = False,  # gelu_tanh(gate) * up
 ) -> Fp8Rows:
     """`kernels.activation.silu_and_mul_fp8_reference`: [T, 2 * inter] -> the product [T, inter]
     quantized per token (one program a row), or by the static scale (tiled as the plain
@@ -154,14 +178,14 @@ def silu_and_mul_fp8(
     if not inter:  # no values: the scale of zeros
         scale.fill_(MIN_SCALE)
     if num_rows and inter and static_scale is not None:
-        _launch_tiled(rows, q, inter, static_scale, scale)
+        _launch_tiled(rows, q, inter, static_scale, scale, gelu)
     elif num_rows and inter:
         block = min(triton.next_power_of_2(inter), FP8_BLOCK)
         early = launches_early(rows)
         _silu_and_mul_fp8_kernel[(num_rows,)](
             rows, q, scale, rows.stride(0), q.stride(0), inter,
             BLOCK=block,
-            ONE_BLOCK=inter <= block, PDL=early,
+            ONE_BLOCK=inter <= block, GELU=gelu, PDL=early,
             num_warps=min(max(block // 512, 1), 32), launch_pdl=early,
         )  # fmt: skip
     return Fp8Rows(q, scale, gate_up.dtype)

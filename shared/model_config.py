@@ -22,6 +22,7 @@ SUPPORTED_FAMILIES = (
     "granite",
     "olmo2",
     "phi3",
+    "gemma3_text",
     "qwen2_moe",
     "qwen3_moe",
     "mixtral",
@@ -95,6 +96,13 @@ class ModelConfig:
     # OLMo 2: norms after each sublayer (on its output, before it joins the residual stream)
     # instead of before it: post_attention_layernorm and post_feedforward_layernorm.
     post_norms: bool = False
+    # Gemma 3: norms before and after each sublayer (input_layernorm, post_attention_layernorm,
+    # pre_feedforward_layernorm, post_feedforward_layernorm), every norm's weight an offset
+    # from 1 (x * (1 + w)), GeGLU, and the sliding layers' own rotary base.
+    sandwich_norms: bool = False
+    norm_offset: bool = False
+    hidden_act: str = "silu"  # or "gelu_tanh" (GeGLU)
+    local_rope_theta: float | None = None  # the sliding layers' (None: rope_theta, as the rest)
 
 
 @dataclass(frozen=True)
@@ -153,17 +161,37 @@ def load_model_config(source: ModelSource) -> ModelConfig:
     return from_hf_dict(json.loads(config_path.read_text()))
 
 
+# Gemma 3's text model as transformers defaults it: the published configs leave these out.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208,
+    "head_dim": 256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "tie_word_embeddings": True,
+}
+
+
 def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     """Read a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
+    if cfg.get("model_type") in ("gemma3", "gemma3_text"):
+        cfg = _gemma3_text_config(cfg)
     family = cfg.get("model_type", "")
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(
             f"model_type {family!r} is not supported; kvflow runs {', '.join(SUPPORTED_FAMILIES)}"
         )
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)  # transformers 5: by layer type (Gemma 3)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3", "yarn"):
-        raise ValueError(f"rope type {rope_type!r} is not supported (default, llama3, yarn)")
+    if rope_type not in ("default", "linear", "llama3", "yarn"):
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported (default, linear, llama3, yarn)"
+        )
     if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
         raise ValueError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
     if rope_type == "yarn" and rope.get("factor") is None:  # the context's growth (DeepSeek-V3)
@@ -196,7 +224,7 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         # transformers 5 calls Qwen2-MoE's qkv bias qkv_bias; its published configs omit it
         attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", family.startswith("qwen2"))),
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3_text"),
         eos_token_ids=eos_ids,
         sliding_window=window if window is not None and sliding else None,
         sliding_layers=sliding if window is not None else (),
@@ -207,6 +235,49 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         attention_sinks=family == "gpt_oss",
         **_granite_multipliers(cfg),
         post_norms=family == "olmo2",
+        **_gemma3(cfg),
+    )
+
+
+def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 config as its text model's, with transformers' defaults filled in: a whole
+    model's (`gemma3`, image and text) names its text model's in text_config; every sixth
+    layer attends to the whole context, the others in the window, unless layer_types says."""
+    text = (
+        {**cfg.get("text_config", {}), "model_type": "gemma3_text"} if "text_config" in cfg else cfg
+    )
+    text = {**GEMMA3_TEXT_DEFAULTS, **text}
+    for key in ("eos_token_id", "tie_word_embeddings"):  # the whole model's, where it says
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
+    if not text.get("layer_types"):
+        pattern = text["sliding_window_pattern"]
+        text["layer_types"] = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(text["num_hidden_layers"])
+        ]
+    return text
+
+
+def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's text model (other families: nothing): its norms, GeGLU, the embedding scaled
+    by sqrt(hidden), the softmax scaled by query_pre_attn_scalar, and the sliding layers'
+    rotary base (transformers 5's rope_parameters by layer type, or rope_local_base_freq)."""
+    if cfg.get("model_type") != "gemma3_text":
+        return {}
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"{key} (Gemma 2's soft-capping) is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an encoder's attention) is not supported")
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return dict(
+        sandwich_norms=True,
+        norm_offset=True,
+        hidden_act="gelu_tanh",
+        embedding_multiplier=cfg["hidden_size"] ** 0.5,
+        attention_multiplier=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+        local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
     )
 
 

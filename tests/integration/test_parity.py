@@ -132,3 +132,27 @@ def test_embedded_smollm2_matches_transformers(smollm2_reference, settings: dict
     )
     if settings:
         assert llm.stats().num_preemptions > 0
+
+
+def test_gemma3s_text_model_loads_from_a_model_for_text_and_images(tmp_path: Path) -> None:
+    """A Gemma 3 checkpoint for text and images (`Gemma3ForConditionalGeneration`, as the 4B,
+    12B and 27B models are published): its text model's tensors and config are read, the image
+    model's left; greedy tokens equal its own on text."""
+    config_cls, extra = FAMILIES["gemma3_text"]
+    text = config_cls(**{**TINY, **extra}).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config={**vision, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # norms of 1 + w away from 1
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(std=0.2)
+    model.save_pretrained(tmp_path)
+    prompts = make_prompts(TINY["vocab_size"])[:3]
+    expected = hf_greedy(model, prompts, NUM_NEW_TOKENS, eos_token_id=None)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=256)
+    assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected

@@ -54,6 +54,19 @@ FAMILIES = {
         ),
     ),
     "olmo2": (transformers.Olmo2Config, dict(rms_norm_eps=1e-6)),
+    # Gemma 3's text model: sandwich norms of 1 + w, GeGLU, sliding layers with their own
+    # rotary base around full ones with a linear-scaled one
+    "gemma3_text": (
+        transformers.Gemma3TextConfig,
+        dict(
+            head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+        ),
+    ),
     # Fused qkv_proj and gate_up_proj in the checkpoint (Phi-3, Phi-4), a window on every layer
     "phi3": (transformers.Phi3Config, dict(sliding_window=20, pad_token_id=None)),
     # YaRN's long-context rotary, past its original context of 32 within the prompts

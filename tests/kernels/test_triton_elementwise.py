@@ -14,10 +14,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.activation import silu_and_mul_reference
+from kernels.activation import (
+    gelu_tanh_and_mul_fp8_reference,
+    gelu_tanh_and_mul_reference,
+    silu_and_mul_reference,
+)
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
-from kernels.triton_activation import silu_and_mul
+from kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_and_mul_fp8, silu_and_mul
 from kernels.triton_norm import fused_add_rms_norm, rms_norm
+from tests.kernels.test_triton_fp8 import assert_close_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -130,6 +135,17 @@ def test_silu_and_mul_matches_reference(shape: tuple[int, ...]) -> None:
     out = silu_and_mul(gate_up)
     assert out.is_contiguous() and out.shape == (*shape[:-1], shape[-1] // 2)
     torch.testing.assert_close(out, silu_and_mul_reference(gate_up), **TIGHT)
+
+
+@pytest.mark.parametrize("shape", [(3, 80), (2, 3000)])
+def test_gelu_tanh_and_mul_matches_reference(shape: tuple[int, ...]) -> None:
+    """GeGLU (Gemma): gate values far out on both sides, where tanh saturates."""
+    gen = torch.Generator().manual_seed(sum(shape) + 1)
+    gate_up = randn(*shape, gen=gen) * 8
+    out = gelu_tanh_and_mul(gate_up)
+    torch.testing.assert_close(out, gelu_tanh_and_mul_reference(gate_up), **TIGHT)
+    # the FP8 variant: as test_triton_fp8's silu_and_mul_fp8 (a value may land one step away)
+    assert_close_rows(gelu_tanh_and_mul_fp8(gate_up), gelu_tanh_and_mul_fp8_reference(gate_up))
 
 
 def test_silu_and_mul_strided_rows() -> None:

@@ -1,4 +1,5 @@
-"""The gated MLP of a decoder layer: gate_up_proj, SiLU-and-multiply, down_proj."""
+"""The gated MLP of a decoder layer: gate_up_proj, SiLU-and-multiply (or GELU-and-multiply,
+Gemma's GeGLU), down_proj."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ class GatedMLP(nn.Module):
         """`layout`: what this rank holds (its MLP columns; all of them on one rank);
         `columns`: this rank's width, if not the model's intermediate size (a shared expert)."""
         super().__init__()
+        gelu = layout.local_config.hidden_act == "gelu_tanh"
+        self.act = ops.gelu_tanh_and_mul if gelu else ops.silu_and_mul
+        self.act_fp8 = ops.gelu_tanh_and_mul_fp8 if gelu else ops.silu_and_mul_fp8
         hidden = layout.local_config.hidden_size
         columns = columns or layout.local_config.intermediate_size
         # gate and up split by output rows, down by input columns
@@ -32,7 +36,7 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
         if feeds_fp8_rows(self.down_proj):  # quantized as down_proj would (its static scale)
             scale = self.down_proj.fp8_input_scale()
-            out = self.down_proj(ops.silu_and_mul_fp8(gate_up, scale), lora)
+            out = self.down_proj(self.act_fp8(gate_up, scale), lora)
         else:
-            out = self.down_proj(ops.silu_and_mul(gate_up), lora)  # [T, hidden]
+            out = self.down_proj(self.act(gate_up), lora)  # [T, hidden]
         return out  # this rank's part: the next RMSNorm sums the ranks' (its `reduce`)

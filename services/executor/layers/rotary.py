@@ -18,6 +18,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq
     if scaling.get("rope_type") == "yarn":
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+    if scaling.get("rope_type") == "linear":  # positions divided by `factor` (Gemma 3)
+        return inv_freq / scaling["factor"]
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]

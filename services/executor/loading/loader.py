@@ -13,6 +13,7 @@ import torch
 
 from services.executor.layers.linear import Linear
 from services.executor.layers.moe import SparseMoE
+from services.executor.layers.norm import RMSNorm
 from services.executor.loading.fused import unfused
 from services.executor.loading.gguf import iter_gguf
 from services.executor.loading.safetensors import (
@@ -111,6 +112,10 @@ def load_model(
     else:
         raise ValueError(f"cannot load {source.path} with --load-format {load_format}")
     prepare_linear_layers(model, spec)
+    if cfg.norm_offset:  # Gemma's norms scale by 1 + w: the kernels multiply by the sum
+        with torch.no_grad():
+            for norm in (m for m in model.modules() if isinstance(m, RMSNorm)):
+                norm.weight.add_(1.0)
     for layer in model.layers:
         layer.self_attn.prepare_kv_scales()
     logger.info(

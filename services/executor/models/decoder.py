@@ -36,6 +36,9 @@ from shared.model_config import ModelConfig
 
 # Older llm-compressor / AutoFP8 names of an FP8 KV cache's scales -> today's
 _KV_SCALE_NAMES = {".k_proj.output_scale": ".k_scale", ".v_proj.output_scale": ".v_scale"}
+# The tensors of an image and text model that only its image part reads (Gemma 3's)
+_OTHER_MODALITIES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                     "model.multi_modal_projector.")  # fmt: skip
 # HF parameter name piece -> (our fused parameter, shard index within it)
 _STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -202,11 +205,14 @@ class DecoderLayer(nn.Module):
         sliding window (None: the whole context)."""
         super().__init__()
         cfg = layout.local_config
-        self.post_norms = cfg.post_norms
-        if self.post_norms:  # OLMo 2
+        self.post_norms = cfg.post_norms or cfg.sandwich_norms
+        if self.post_norms:  # OLMo 2, and Gemma 3's after-sublayer norms
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        else:
+        if self.post_norms and cfg.sandwich_norms:  # Gemma 3's before-sublayer norm of the MLP
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.post_norms:  # all but OLMo 2
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
         self.self_attn = Attention(layout, rotary, method, kv_scales, window=window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(layout, experts) if sparse else GatedMLP(layout, method)
@@ -258,19 +264,22 @@ class DecoderLayer(nn.Module):
         lora: LoraTokens | None,
         aux_out: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """OLMo 2's layer: each sublayer reads the residual stream itself, and its output is
-        normed before it joins it. Returns (the MLP's normed output, the stream before it),
-        which the next layer (or the final norm) adds, as for the other families."""
+        """OLMo 2's layer: each sublayer reads the residual stream itself (Gemma 3's: its norm),
+        and its output is normed before it joins it. Returns (the MLP's normed output, the
+        stream before it), which the next layer (or the final norm) adds, as for the other
+        families."""
         # the embedding (a rank's part), or the last layer's normed MLP output (whole)
         stream = self.tp.all_reduce(x) if residual is None else residual + x
         if aux_out is not None:
             aux_out.copy_(stream)
-        attended = self.self_attn(positions, stream, kv_cache, meta, lora)
+        attention_in = self.input_layernorm(stream) if self.sandwich else stream
+        attended = self.self_attn(positions, attention_in, kv_cache, meta, lora)
         stream = stream + self.post_attention_layernorm(attended, reduce=self.tp)
+        mlp_in = self.pre_feedforward_layernorm(stream) if self.sandwich else stream
         if isinstance(self.mlp, SparseMoE):
-            out = self.mlp(stream, meta.slot_mapping)
+            out = self.mlp(mlp_in, meta.slot_mapping)
         else:
-            out = self.mlp(stream, lora)
+            out = self.mlp(mlp_in, lora)
         return self.post_feedforward_layernorm(out, reduce=self.tp), stream
 
 
@@ -291,11 +300,15 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.layout = layout = ShardLayout.of(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        local_rotary = rotary  # the sliding layers' (Gemma 3's own base, unscaled)
+        if cfg.local_rope_theta is not None:
+            local_rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.local_rope_theta, None)
         self.embed_tokens = VocabParallelEmbedding(layout, cfg.hidden_size)
         sparse = cfg.moe.sparse_layers if cfg.moe is not None else ()
         experts = experts_method(method) if sparse else None  # refuses what experts cannot run
         layers = (
-            DecoderLayer(layout, rotary, method, kv_scales, i in sparse, experts,
+            DecoderLayer(layout, local_rotary if i in cfg.sliding_layers else rotary, method,
+                         kv_scales, i in sparse, experts,
                          cfg.sliding_window if i in cfg.sliding_layers else None)
             for i in range(cfg.num_layers)
         )  # fmt: skip
@@ -346,8 +359,9 @@ class DecoderForCausalLM(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             aux = self._aux_columns(index, len(input_ids))
             x, residual = layer(positions, x, residual, kv_cache, meta, lora, aux)
-        # OLMo 2's layers end with their output whole: no ranks' parts to add up
-        reduce = ONE_RANK if self.config.post_norms else self.layout.tp
+        # OLMo 2's and Gemma 3's layers end with their output whole: no ranks' parts to add up
+        whole = self.config.post_norms or self.config.sandwich_norms
+        reduce = ONE_RANK if whole else self.layout.tp
         x, _ = self.norm(x, residual, reduce=reduce)
         return x
 
@@ -371,6 +385,10 @@ class DecoderForCausalLM(nn.Module):
         """Where a Hugging Face-named tensor loads: (our parameter, the piece of it the tensor
         fills in a fused layer, None: all of it), or None: it is not loaded (rotary tables are
         computed; a tied head is the embedding)."""
+        if hf_name.startswith(_OTHER_MODALITIES):  # an image model's (Gemma 3's): not loaded
+            return None
+        # a model for text and images (Gemma 3's) names its text model's tensors under this
+        hf_name = hf_name.removeprefix("language_model.").removeprefix("model.language_model.")
         name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
         name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
         expert = expert_piece(name)
