@@ -178,8 +178,7 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 
 def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     """Read a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
-    if cfg.get("model_type") in ("gemma3", "gemma3_text"):
-        cfg = _gemma3_text_config(cfg)
+    cfg = _gemma3_text_config(cfg) if cfg.get("model_type") in ("gemma3", "gemma3_text") else cfg
     family = cfg.get("model_type", "")
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(

@@ -113,6 +113,8 @@ def typed(t: mi.Type, overrides: Overrides) -> st.SearchStrategy[Any]:
     if isinstance(t, mi.ListType):
         items = st.lists(typed(t.item_type, overrides), max_size=6)
         return st.one_of(TOKEN_IDS, items) if isinstance(t.item_type, mi.IntType) else items
+    if isinstance(t, mi.TupleType):  # a fixed-length tuple (the host tier's copies)
+        return st.tuples(*(typed(item, overrides) for item in t.item_types))
     if isinstance(t, mi.DictType):
         keys, values = typed(t.key_type, overrides), typed(t.value_type, overrides)
         return st.dictionaries(keys, values, max_size=4)
