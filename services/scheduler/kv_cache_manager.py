@@ -116,15 +116,17 @@ class KVCacheManager:
         if num_needed + num_revived > self.pool.num_available:
             return False
         self.pool.touch(list(cached))
+        host = self.host
         if restored:
-            assert self.host is not None, "restored blocks come from the host tier"
-            self.host.pin(list(restored))  # before allocating: an eviction stores into the tier
+            assert host is not None, "restored blocks come from the host tier"
+            host.pin(list(restored))  # before allocating: an eviction stores into the tier
         blocks = self.block_ids.setdefault(request.request_id, [])
         blocks.extend(cached)
         new_blocks = self.pool.allocate(max(num_needed, 0))
         blocks.extend(new_blocks)
-        for block_hash, block in zip(restored, new_blocks, strict=False):
-            self.host.restore(block_hash, block)  # type: ignore[union-attr]
+        if host is not None:
+            for block_hash, block in zip(restored, new_blocks, strict=False):
+                host.restore(block_hash, block)
         self._cache_full_blocks(request, num_tokens)
         return True
 

@@ -5,9 +5,9 @@ keeps the books).
     slots  [num_slots, layers, 2 (K, V), block_size, kv_heads, head_dim bytes], pinned on CUDA
 
 A slot holds one block's every layer contiguously, so each copy is one transfer a block. The
-copies are queued on the compute stream when the plan launches, before its forward pass:
-ordered after every step launched before, so a block is read after its last write and written
-before its first read, and nothing on the host waits for them.
+copies are queued on the compute stream as the executor takes a plan (or an addendum): after
+the step launched before it and before its own forward pass, so a block is read after its last
+write and written before its first read, and nothing on the host waits for them.
 """
 
 from __future__ import annotations
