@@ -94,6 +94,10 @@ class Launcher:
         if config.data_parallel_size > 1 and config.kv_events_address is None:
             # The tokenizer workers route by the replicas' KV events.
             self.config = self.config.replace(kv_events_address=self._private("kv-events", config))
+        if config.prefill_replicas and config.kv_transfer_address is None:
+            # The prefill replicas' executors hand KV over to the decode replicas' there.
+            address = self._private("kv-transfer", config)
+            self.config = self.config.replace(kv_transfer_address=address)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = False
 

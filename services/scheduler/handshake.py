@@ -77,4 +77,5 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         num_lookahead_tokens=spec.lookahead if spec is not None else 0,
         num_host_blocks=ready.num_host_blocks,
         host_block_bytes=ready.host_block_bytes,
+        kv_transfer=config.prefill_replicas > 0,
     )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from services.scheduler.block_pool import BlockEvents, BlockPool
 from services.scheduler.host_tier import HostTier
 from services.scheduler.request import Request
-from shared.protocol import HostCopies, HostTierStats
+from shared.protocol import HostCopies, HostTierStats, KVExport
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -35,6 +35,11 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which found in the cache
         self.host_queries = 0  # prompt tokens looked up in the host tier (past the GPU's hits)
         self.host_hits = 0  # of which restored from it
+        # Prefill/decode disaggregation: handed-over prompts' blocks, each held by one more
+        # reference until a plan carries its export (`take_exports`); and the requests whose
+        # imported blocks are not known good yet: none of their blocks is cached until then.
+        self._exports: list[KVExport] = []
+        self.unconfirmed: set[str] = set()
 
     def add_host_tier(self, num_blocks: int) -> None:
         """Keep what the GPU evicts in a host tier of `num_blocks` (none: 0, or without prefix
@@ -80,9 +85,10 @@ class KVCacheManager:
             return 0
         return (request.num_tokens - 1) // self.block_size
 
-    def record_prefix_lookup(self, num_queried: int, num_hit: int, num_restored: int = 0) -> None:
+    def record_prefix_lookup(self, num_queried: int, num_cached: int, num_restored: int) -> None:
         """Count one admission's lookup (a lookup that fails to get blocks is retried): tokens
-        asked, found on the GPU, and restored from the host tier."""
+        asked, and blocks found on the GPU and restored from the host tier."""
+        num_hit, num_restored = num_cached * self.block_size, num_restored * self.block_size
         if self.enable_prefix_caching:
             self.prefix_queries += num_queried
             self.prefix_hits += num_hit
@@ -96,15 +102,16 @@ class KVCacheManager:
         num_new_tokens: int,
         cached: Sequence[int] = (),
         restored: Sequence[bytes] = (),
+        num_imported: int = 0,
     ) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens, after `cached` prefix hits
-        on the GPU and the `restored` ones (hashes) that the host tier copies back into new
-        blocks (`find_host_prefix`).
+        on the GPU, the `restored` ones (hashes) that the host tier copies back into new
+        blocks (`find_host_prefix`), and `num_imported` blocks a prefill engine hands over.
 
         Returns False, changing nothing, when the pool cannot supply them.
         """
         held = self.block_ids.get(request.request_id, [])
-        hits = len(cached) + len(restored)
+        hits = len(cached) + len(restored) + num_imported
         num_tokens = request.num_computed_tokens + hits * self.block_size + num_new_tokens
         if not hits and num_tokens <= len(held) * self.block_size:
             # Most decode steps: the last block has room, so only a newly full block to hash.
@@ -127,6 +134,8 @@ class KVCacheManager:
         if host is not None:
             for block_hash, block in zip(restored, new_blocks, strict=False):
                 host.restore(block_hash, block)
+        if num_imported:
+            self.unconfirmed.add(request.request_id)
         self._cache_full_blocks(request, num_tokens)
         return True
 
@@ -149,6 +158,25 @@ class KVCacheManager:
         offloads, onloads = self.host.take_copies()
         return HostCopies(offloads=offloads, onloads=onloads) if offloads or onloads else None
 
+    def hand_over(self, request: Request) -> None:
+        """Keep the prompt's full blocks of a request that ends now for the plan that exports
+        them (the executor copies them out before that plan's forward pass)."""
+        blocks = self.block_ids[request.request_id][: request.num_prompt_tokens // self.block_size]
+        if blocks:
+            self.pool.touch(blocks)
+            self._exports.append(KVExport(request.request_id, blocks))
+
+    def take_exports(self) -> list[KVExport]:
+        """The exports for the plan being made; their blocks are free again after it."""
+        exports, self._exports = self._exports, []
+        for export in exports:
+            self.pool.release(export.block_ids[::-1])
+        return exports
+
+    @property
+    def num_exporting(self) -> int:
+        return len(self._exports)
+
     def _lost(self, block_hash: bytes) -> None:
         """The host tier dropped a hash: gone from this engine unless the GPU holds it."""
         if self.events is not None and self.pool.lookup(block_hash) is None:
@@ -160,7 +188,7 @@ class KVCacheManager:
         NOTE: sharing within one step is safe because the executor writes every token's
         K/V into the cache before any attention of the same layer reads it.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.request_id in self.unconfirmed:
             return
         blocks = self.block_ids[request.request_id]
         start = self._num_cached_blocks.get(request.request_id, 0)
@@ -173,6 +201,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         blocks = self.block_ids.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self.unconfirmed.discard(request.request_id)
         self.pool.release(blocks[::-1])
 
     @property
@@ -188,5 +217,8 @@ class KVCacheManager:
         for blocks in self.block_ids.values():
             assert len(set(blocks)) == len(blocks), "a request holds a block twice"
             for block in blocks:
+                refs[block] += 1
+        for export in self._exports:
+            for block in export.block_ids:
                 refs[block] += 1
         assert refs == self.pool.ref_cnt, "reference counts disagree with request block lists"

@@ -36,7 +36,7 @@ class Request:
         self.priority = engine_request.priority
         self.lora_id = engine_request.lora_id
         self.max_tokens = max_tokens  # resolved against max_model_len
-        self.all_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = self.prompt_token_ids + list(engine_request.output_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is (or will be, this step) in the cache
         # Tokens that steps not yet reported may bring, at most (a row verifying d drafts: up
         # to d + 1): a pipelined engine schedules the next step before the last one's tokens
@@ -48,6 +48,13 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_hashes: list[bytes] = []
+        # Prefill/decode disaggregation (KVTransfer): a prefill engine's request ends after
+        # its first token and hands its prompt's KV over; a decode engine's fetches it from
+        # prefill replica `kv_source` at its first admission (-1: from nowhere, or done).
+        transfer = engine_request.kv_transfer
+        self.hands_over = transfer is not None and transfer.export
+        self.handed_over = False
+        self.kv_source = -1 if transfer is None else transfer.source
         # Speculative decoding: whether it verifies drafts (set by the scheduler).
         self.speculates = False
         # Rows in a row whose drafts the proposer found none for, and the steps its rows get

@@ -22,9 +22,11 @@ from collections.abc import Sequence
 
 from services.scheduler.admission import admissible_max_tokens, check_queue_room
 from services.scheduler.block_pool import BlockEvents
+from services.scheduler.handover import Handovers
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_config import SchedulerConfig
+from services.scheduler.scheduler_view import check_scheduler, snapshot
 from services.scheduler.speculation import (
     SpecDecodeStats,
     add_draft_slots,
@@ -58,6 +60,7 @@ class Scheduler:
             config.num_blocks, config.block_size, config.enable_prefix_caching, self.block_events
         )
         self.kv.add_host_tier(config.num_host_blocks)
+        self.handover = Handovers(self.kv, config.host_block_bytes)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
         # fcfs: in admission order; priority: by priority_key. The last is preempted first.
@@ -110,8 +113,10 @@ class Scheduler:
         check_queue_room(self.config, self.waiting, len(engine_request.prompt_token_ids))
         self._num_arrivals += 1
         request = Request(engine_request, max_tokens, self.config.block_size, self._num_arrivals)
-        request.speculates = bool(self.config.num_speculative_tokens) and speculates(
-            engine_request.sampling_params
+        request.speculates = (
+            bool(self.config.num_speculative_tokens)
+            and speculates(engine_request.sampling_params)
+            and not request.hands_over
         )
         self.requests[request_id] = request
         self.waiting.add(request)
@@ -155,6 +160,8 @@ class Scheduler:
             finished_request_ids=dropped,
             draft_slots=slots,
             host_copies=self.kv.take_copies(),
+            kv_exports=self.handover.take_exports(),
+            kv_imports=self.handover.take_imports(),
         )
 
     def schedule_addendum(self, plan: SchedulerOutput) -> SchedulerOutput | None:
@@ -194,6 +201,8 @@ class Scheduler:
             finished_request_ids=[],
             addendum=True,
             host_copies=self.kv.take_copies(),  # run after the plan's own (HostTier)
+            kv_exports=self.handover.take_exports(),
+            kv_imports=self.handover.take_imports(),
         )
 
     def _commit(self, scheduled: dict[str, int], slots: dict[str, int] | None = None) -> None:
@@ -215,7 +224,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_scheduled_tokens_end - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._ends_with_pending(request):
+            if num_new <= 0 or self._ends_with_pending(request) or self.handover.waits(request):
                 index += 1
                 continue
             num_held = len(self.kv.block_ids.get(request.request_id, []))
@@ -264,20 +273,24 @@ class Scheduler:
                 break
             cached = self.kv.find_cached_prefix(request)
             restored = self.kv.find_host_prefix(request, len(cached))
-            num_hit = len(cached) * self.config.block_size
-            num_restored = len(restored) * self.config.block_size
-            num_new = request.num_tokens - num_hit - num_restored
+            num_hits = len(cached) + len(restored)  # blocks
+            num_imported = self.handover.num_to_import(request, num_hits)
+            num_computed = (num_hits + num_imported) * self.config.block_size
+            num_new = request.num_tokens - num_computed
             # NOTE: admission keeps a prompt within max_num_batched_tokens, but a preempted
             # request recomputes its outputs too and may never fit whole: chunk only that one.
             fits_one_step = num_new <= self.config.max_num_batched_tokens
             if num_new > budget and not self.config.enable_chunked_prefill and fits_one_step:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate(request, num_new, cached, restored):
+            if not self.kv.allocate(request, num_new, cached, restored, num_imported):
                 break
             self.waiting.remove(request)
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit, num_restored)
-            self._admit(request, num_computed=num_hit + num_restored)
+            self.kv.record_prefix_lookup(request.num_tokens, len(cached), len(restored))
+            if num_imported:  # computed elsewhere: not this engine's cache hits
+                request.num_cached_tokens = num_hits * self.config.block_size
+                self.handover.imported(request, num_hits, num_imported)
+            self._admit(request, num_computed)
             new_data.append(self._new_request_data(request))
             scheduled[request.request_id] = num_new
             budget -= num_new
@@ -322,16 +335,20 @@ class Scheduler:
             lora_id=request.lora_id,
         )
 
-    def _preempt(self, request: Request) -> None:
-        """Release the request's blocks (they stay findable by prefix) and requeue it first."""
+    def _requeue(self, request: Request) -> None:
+        """Release the request's blocks (they stay findable by prefix) and requeue it first, to
+        compute what it holds again."""
         self.kv.free(request)
         self._count_running_lora(request, -1)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.requeue(request)
         self._dropped_ids.append(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
         logger.info(
             "preempted request_id=%s (%d tokens) to free KV blocks; total preemptions=%d",
             request.request_id,
@@ -353,10 +370,14 @@ class Scheduler:
         for request_id, part in result.prompt_logprobs.items():
             if (request := self.requests.get(request_id)) is not None:
                 request.add_prompt_logprobs(part)
+        failed = set(result.kv_import_failed)
+        self.handover.reported(plan, failed)
+        for request_id in failed:
+            self._void_import(request_id)
         for request_id in plan.num_scheduled_tokens:
             request = self.requests.get(request_id)
             token_ids = result.sampled.get(request_id)
-            if request is None or not token_ids:
+            if request is None or not token_ids or request_id in failed:
                 continue  # finished meanwhile, or a prompt chunk that samples nothing
             num_slots = plan.draft_slots.get(request_id, 0)
             num_drafts = result.num_drafts.get(request_id, 0)
@@ -368,6 +389,17 @@ class Scheduler:
             output.embedding = result.embeddings.get(request_id)
             outputs.append(output)
         return outputs
+
+    def _void_import(self, request_id: str) -> None:
+        """Its prompt's fetch failed: the step's token is void; it computes the prompt here."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.num_pending_tokens = 0
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._requeue(request)
+        logger.warning("request_id=%s: its KV could not be fetched: computing it here", request_id)
 
     def _take_tokens(
         self, request: Request, token_ids: list[int], num_slots: int, num_drafts: int
@@ -404,7 +436,8 @@ class Scheduler:
             return False
         num_outputs = request.num_output_tokens + request.num_pending_tokens
         return (
-            num_outputs >= request.max_tokens
+            request.hands_over  # its first token ends it here
+            or num_outputs >= request.max_tokens
             or request.num_scheduled_tokens_end >= self.config.max_model_len
         )
 
@@ -419,6 +452,9 @@ class Scheduler:
             return FinishReason.LENGTH
         if request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
+        if request.hands_over:  # goes on in a decode engine (RequestOutput.handed_over)
+            request.handed_over = True
+            return FinishReason.LENGTH
         return None
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
@@ -429,6 +465,8 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             # Aborted while queued, or preempted while its last token was in flight.
             self.waiting.remove(request)
+        if request.handed_over and request.status is RequestStatus.RUNNING:
+            self.kv.hand_over(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -450,49 +488,13 @@ class Scheduler:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             prompt_logprobs=request.take_prompt_logprobs(),
+            handed_over=request.handed_over,
         )
 
     # ------------------------------------------------------------------ observing
 
     def stats(self) -> StatsSnapshot:
-        return StatsSnapshot(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_usage=self.kv.usage,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
-            num_preemptions=self.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            device_busy_seconds=self.device_busy_seconds,
-            num_blocks=self.config.num_blocks,
-            max_model_len=self.config.max_model_len,
-            num_waiting_tokens=self.waiting.num_tokens,
-            max_queued_requests=self.config.max_queued_requests,
-            max_queued_tokens=self.config.max_queued_tokens,
-            spec_num_drafts=self.spec_decode.num_drafts,
-            spec_num_draft_tokens=self.spec_decode.num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
-            spec_accepted_per_position=list(self.spec_decode.accepted_per_position),
-            expert_tokens=self.expert_tokens,
-            expert_ranks=self.expert_ranks,
-            host_tier=self.kv.host_tier_stats(self.config.host_block_bytes),
-        )
+        return snapshot(self)
 
     def check_invariants(self) -> None:
-        self.kv.check_invariants()
-        self.waiting.check_invariants()
-        assert len(self.running) <= self.config.max_num_seqs
-        loras = Counter(r.lora_id for r in self.running if r.lora_id)
-        assert loras == self._running_loras, "the running adapters' counts drifted"
-        assert len(loras) <= self.config.max_loras, "more adapters run than there are slots"
-        assert {r.request_id for r in self.running} | {r.request_id for r in self.waiting} == set(
-            self.requests
-        ), "a live request is neither running nor waiting"
-        for request in self.waiting:
-            assert request.request_id not in self.kv.block_ids, "a waiting request holds blocks"
-        for request in self.requests.values():
-            assert request.num_pending_tokens >= 0, "more tokens reported than were in flight"
-            assert request.num_computed_tokens <= request.num_scheduled_tokens_end, (
-                "computed past the tokens known and in flight"
-            )
+        check_scheduler(self)

@@ -30,3 +30,4 @@ class SchedulerConfig:
     # The prefix cache's host tier (--kv-offloading-size): blocks it holds (0: none).
     num_host_blocks: int = 0
     host_block_bytes: int = 0  # a block's KV there, every layer and rank (for the metrics)
+    kv_transfer: bool = False  # a replica of a disaggregated server (--prefill-replicas)

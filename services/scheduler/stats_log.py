@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.protocol import HostTierStats, StatsSnapshot
+from shared.protocol import HostTierStats, KVTransferStats, StatsSnapshot
 
 
 class StatsLog:
@@ -42,8 +42,23 @@ class StatsLog:
             f"KV cache usage: {stats.kv_usage:.1%}, "
             f"prefix cache hit rate: {hits / queries if queries else 0.0:.1%}, "
             f"preemptions: {stats.num_preemptions}, "
-            f"device busy: {busy:.1%}" + _speculation(last, stats) + _host_tier(last, stats)
+            f"device busy: {busy:.1%}"
+            + _speculation(last, stats)
+            + _host_tier(last, stats)
+            + _handovers(last, stats)
         )
+
+
+def _handovers(last: StatsSnapshot, stats: StatsSnapshot) -> str:
+    """Prefill/decode disaggregation over the interval: blocks handed over each way."""
+    now, before = stats.kv_transfer, last.kv_transfer or KVTransferStats()
+    if now is None:
+        return ""
+    return (
+        f", KV handed over: {now.blocks_exported - before.blocks_exported} blocks out, "
+        f"{now.blocks_imported - before.blocks_imported} in, "
+        f"{now.failed_imports - before.failed_imports} fetches failed"
+    )
 
 
 def _host_tier(last: StatsSnapshot, stats: StatsSnapshot) -> str:

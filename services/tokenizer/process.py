@@ -13,13 +13,15 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from socket import gethostname
 from typing import Any
 
+import msgspec
 import zmq
 
+from services.tokenizer.handover import HandoverLegs
 from services.tokenizer.lora_fanout import LoraFanout
 from services.tokenizer.owed_endings import OwedEndings
 from services.tokenizer.replica_router import ReplicaRouter
@@ -32,6 +34,7 @@ from shared.ipc import Decoder, connect_dealer, encode, subscribe
 from shared.model_config import resolve_model_source
 from shared.protocol import (
     AbortRequests,
+    EngineRequest,
     FrontendToTokenizer,
     GenerateRequest,
     KvEventBatch,
@@ -40,6 +43,7 @@ from shared.protocol import (
     OutputBatch,
     ParameterError,
     RequestError,
+    RequestOutput,
     SchedulerToTokenizer,
     TextDelta,
     TextDeltas,
@@ -96,6 +100,7 @@ class TokenizerProcess:
             len(self.schedulers), config.data_parallel_routing == "prefix", self.name
         )
         self.placed: dict[str, int] = {}  # request_id -> its replica
+        self.legs = HandoverLegs(config.prefill_replicas, len(self.schedulers))
         self.lora_fanout = LoraFanout(len(self.schedulers), self._to_replica, self._answer_lora)
         events = config.addresses("kv_events_address")
         self.kv_events = [subscribe(context, address, security) for address in events]
@@ -187,6 +192,7 @@ class TokenizerProcess:
         self.worker.abort(request_ids)
         for request_id in request_ids:
             self.origin.pop(request_id, None)
+            self.legs.forget(request_id)
         self._abort(request_ids)
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -289,15 +295,20 @@ class TokenizerProcess:
                 failure = TextDelta.failure(message.request_id, RequestError.of(exc))
                 self._reply(message.request_id, failure)
                 return
-            replica = self.router.pick(admitted.prompt_token_ids, admitted.lora_id)
-            self.placed[admitted.request_id] = replica
-            self.schedulers[replica].send(encode(admitted))
+            self._send(*self.legs.first_leg(admitted))
         elif isinstance(message, TokenizeRequest):
             self._reply(message.request_id, self.worker.tokenize(message))
         elif isinstance(message, AbortRequests):
             self._stop(message.request_ids)
         elif isinstance(message, LoraAdapterRequest):  # every replica's scheduler's to answer
             self.lora_fanout.start(message, time.monotonic())
+
+    def _send(self, request: EngineRequest, among: Sequence[int] | None) -> None:
+        """To the replica the router picks (of `among`)."""
+        token_ids = request.prompt_token_ids + request.output_token_ids
+        replica = self.router.pick(token_ids, request.lora_id, among)
+        self.placed[request.request_id] = replica
+        self.schedulers[replica].send(encode(request))
 
     def _to_replica(self, replica: int, request: LoraAdapterRequest) -> None:
         self.schedulers[replica].send(encode(request))
@@ -315,13 +326,30 @@ class TokenizerProcess:
             return
         if not isinstance(batch, OutputBatch):
             return
-        deltas, ended = self.worker.on_outputs(batch.outputs)
+        outputs = batch.outputs
+        if any(output.handed_over for output in outputs):  # the request goes on elsewhere
+            outputs = [_going_on(output) for output in outputs]
+        deltas, ended = self.worker.on_outputs(outputs)
         self._reply_deltas(deltas)
         if ended:  # ended here (a stop string): the scheduler stops them too
             self._abort(ended)
         for output in batch.outputs:
-            if output.finished:
+            if output.handed_over:
+                self._hand_over(replica, output)
+            elif output.finished:
                 self._unplace(output.request_id)
+                self.legs.forget(output.request_id)
+
+    def _hand_over(self, replica: int, output: RequestOutput) -> None:
+        """A prefill replica computed the request's prompt: on to a decode replica, unless it
+        ended here meanwhile."""
+        self._unplace(output.request_id)
+        if output.request_id not in self.worker.live:
+            self.legs.forget(output.request_id)
+            return
+        request = self.legs.second_leg(output, replica)
+        if request is not None:
+            self._send(request, self.legs.decode)
 
     def _unplace(self, request_id: str) -> int | None:
         """Forget where a request that ended went (None: not placed by this worker)."""
@@ -329,3 +357,10 @@ class TokenizerProcess:
         if replica is not None:
             self.router.release(replica)
         return replica
+
+
+def _going_on(output: RequestOutput) -> RequestOutput:
+    """A handed-over output as the worker reads it: its request has not ended."""
+    if not output.handed_over:
+        return output
+    return msgspec.structs.replace(output, finish_reason=None)

@@ -108,18 +108,24 @@ class ReplicaRouter:
             held.append(count)
         return held
 
-    def pick(self, token_ids: Sequence[int], lora_id: int = 0) -> int:
-        """The replica for a request, counted on it until `release`."""
-        if len(self.engines) == 1:  # no choice: no prompt keys to hash
-            self.engines[0].own += 1
-            return 0
+    def pick(
+        self, token_ids: Sequence[int], lora_id: int = 0, among: Sequence[int] | None = None
+    ) -> int:
+        """The replica for a request, of `among` (default: all), counted on it until
+        `release`."""
+        replicas = list(range(len(self.engines)) if among is None else among)
+        if len(replicas) == 1:  # no choice: no prompt keys to hash
+            self.engines[replicas[0]].own += 1
+            return replicas[0]
+        # In turn from the last pick's successor (of all the engines).
+        order = sorted(replicas, key=lambda r: (r - self._turn) % len(self.engines))
         if not self.by_prefix:
-            chosen, self._turn = self._turn, (self._turn + 1) % len(self.engines)
+            chosen = order[0]
+            self._turn = (chosen + 1) % len(self.engines)
             self.engines[chosen].own += 1
             return chosen
         held = self.cached_blocks(token_ids, lora_id)
         loads = self.loads()
-        order = [(self._turn + i) % len(self.engines) for i in range(len(self.engines))]
         # An engine whose queue is full would refuse it (429): the others first, if any.
         order = [r for r in order if not self.engines[r].full] or order
         least = min(order, key=lambda r: loads[r])

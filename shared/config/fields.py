@@ -138,6 +138,14 @@ class ConfigFields:
         "round-robin (in turn, whatever they hold).",
         ("prefix", "round-robin"),
     )
+    prefill_replicas: int = option(
+        0,
+        "parallel",
+        "Prefill/decode disaggregation: the first N engine replicas (of --data-parallel-size)"
+        " compute prompts and their first tokens, then hand each prompt's KV over to one of the"
+        " other replicas, which fetches it and generates the rest, so that long prompts do not"
+        " stall the decode steps of others. 0: every replica does both.",
+    )
     # -- cache
     block_size: int = option(16, "cache", "Tokens per KV cache block.")
     kv_cache_dtype: str = option(
@@ -355,6 +363,13 @@ class ConfigFields:
         "cached and evicted, and its load) for routers, e.g. tcp://0.0.0.0:5559: msgpack "
         "KvEventBatch frames on a PUB socket. With several engine replicas, a comma list of one "
         "per replica; the tokenizer workers route by them.",
+    )
+    kv_transfer_address: str | None = option(
+        None,
+        "components",
+        "With --prefill-replicas: ZMQ address where each replica's executor serves the KV it"
+        " hands over, a comma list of one per replica (e.g. tcp://10.0.0.5:5560); tensor-"
+        "parallel rank r binds the port + r (tcp) or the name with -r (ipc).",
     )
     worker_index: int | None = option(
         None,

@@ -94,6 +94,11 @@ def _check_parallel(config: ConfigFields) -> None:
         "--tensor-parallel-size instead",
     )
     _at_least_one(config, "data_parallel_size")
+    require(
+        config.prefill_replicas == 0 or 0 < config.prefill_replicas < config.data_parallel_size,
+        "prefill_replicas",
+        "must leave at least one decode replica: 0..--data-parallel-size - 1",
+    )
 
 
 def _check_cache(config: ConfigFields) -> None:
@@ -121,6 +126,12 @@ def _check_scheduler(config: ConfigFields) -> None:
         config.kv_offloading_size is None or spec is None or spec.method in ("ngram", "suffix"),
         "kv_offloading_size",
         "the host tier does not hold a draft model's or an EAGLE-3 head's own KV cache yet:"
+        " use it with ngram or suffix speculation",
+    )
+    require(
+        not config.prefill_replicas or spec is None or spec.method in ("ngram", "suffix"),
+        "prefill_replicas",
+        "a handover does not carry a draft model's or an EAGLE-3 head's own KV cache yet:"
         " use it with ngram or suffix speculation",
     )
 
@@ -156,7 +167,7 @@ def _check_components(config: ConfigFields) -> None:
         "data_parallel_rank",
         "must be in 0..--data-parallel-size - 1",
     )
-    for name in ("scheduler_address", "kv_events_address"):  # one per engine replica
+    for name in ("scheduler_address", "kv_events_address", "kv_transfer_address"):
         count = len(config.addresses(name))
         require(
             count in (0, config.data_parallel_size),

@@ -32,6 +32,9 @@ from shared.protocol.engine import (
     DeviceReady,
     EngineRequest,
     HostCopies,
+    KVExport,
+    KVImport,
+    KVTransfer,
     LaunchStep,
     ModelRunnerOutput,
     NewRequestData,
@@ -79,6 +82,7 @@ from shared.protocol.status import (
     KvEventBatch,
     StatsSnapshot,
 )
+from shared.protocol.transfer import KVFetch, KVFetchReply, KVTransferStats
 
 # ------------------------------------------------------------ what each socket receives
 # One typed decoder per receiving socket (shared.ipc.Decoder); anything else is dropped.
@@ -124,6 +128,12 @@ __all__ = [
     "Heartbeat",
     "HostCopies",
     "HostTierStats",
+    "KVExport",
+    "KVFetch",
+    "KVFetchReply",
+    "KVImport",
+    "KVTransfer",
+    "KVTransferStats",
     "KvEventBatch",
     "LaunchStep",
     "LoraAdapterAdded",

@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 17
+PROTOCOL_VERSION = 18
 
 
 class Message(msgspec.Struct, gc=False):

@@ -9,6 +9,19 @@ from shared.protocol.sampling import SamplingParams
 # ---------------------------------------------------------------- requests in
 
 
+class KVTransfer(Message, kw_only=True):
+    """Prefill/decode disaggregation (--prefill-replicas): a request's part in a handover.
+
+    `export`: to a prefill engine: compute the prompt and the first token, then end, the
+    prompt's full blocks kept for a decode engine to fetch (RequestOutput.handed_over).
+    `source` >= 0: to a decode engine: the prefill replica whose executors hold the prompt's
+    KV (the request's id names it there); the blocks it cannot fetch it computes again.
+    """
+
+    export: bool = False
+    source: int = -1
+
+
 class EngineRequest(Message, tag=True, kw_only=True):
     """A tokenized request, as the scheduler receives it."""
 
@@ -19,6 +32,10 @@ class EngineRequest(Message, tag=True, kw_only=True):
     priority: int = 0  # with --scheduling-policy priority: lower runs first
     # The LoRA adapter it runs under, by the id it was registered with (0: the base model).
     lora_id: int = 0
+    # Tokens it generated already (a prefill engine's first token): they count as outputs
+    # (max_tokens, penalties, a grammar's state) and are not sent again.
+    output_token_ids: list[int] = []
+    kv_transfer: KVTransfer | None = None
 
 
 class AbortRequests(Message, tag=True):
@@ -57,6 +74,25 @@ class HostCopies(Message, kw_only=True):
     onloads: list[tuple[int, int]] = []
 
 
+class KVExport(Message, array_like=True):
+    """A prefill engine's handed-over request: its prompt's full blocks, in order, to keep
+    (copied out before the plan's forward pass) until a decode engine fetches them."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+class KVImport(Message, array_like=True):
+    """A decode engine's request whose prompt blocks `first`, `first` + 1, ... come from the
+    executors of prefill replica `source` (where they are the export of `request_id`) into
+    `block_ids`, before the plan's forward pass."""
+
+    request_id: str
+    source: int
+    first: int
+    block_ids: list[int]
+
+
 class SchedulerOutput(Message, tag=True, kw_only=True):
     """The plan of one step.
 
@@ -83,6 +119,9 @@ class SchedulerOutput(Message, tag=True, kw_only=True):
     # The prefix cache's host tier (services/scheduler/host_tier.py): the copies the executor
     # makes before the step's forward pass.
     host_copies: HostCopies | None = None
+    # Prefill/decode disaggregation (KVTransfer): blocks to hand over, and to fetch.
+    kv_exports: list[KVExport] = []
+    kv_imports: list[KVImport] = []
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -166,6 +205,9 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     # whole (--enable-expert-parallel) or -1 (every rank holds a part of it)
     expert_tokens: list[int] = []
     expert_ranks: list[int] = []
+    # The requests whose KVImport failed (the prefill engine gone, or its export dropped):
+    # their rows ran on blocks that hold nothing, and their tokens are void.
+    kv_import_failed: list[str] = []
 
 
 # ------------------------------------------------------------- outputs out
@@ -184,6 +226,9 @@ class RequestOutput(Message, tag=True, kw_only=True):
     # With the first output of a request with prompt_logprobs: prompt tokens 1..n-1.
     prompt_logprobs: list[TokenLogprobs] = []
     embedding: list[float] | None = None  # with the output of a request with embed
+    # A prefill engine's request (KVTransfer.export) that ends here and goes on in a decode
+    # engine: its finish_reason is not the request's.
+    handed_over: bool = False
 
     @property
     def finished(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from shared.protocol.base import PROTOCOL_VERSION, Message
 from shared.protocol.lora import LoraAdapterInfo
+from shared.protocol.transfer import KVTransferStats
 
 # ------------------------------------------------- scheduler -> routers (KV events)
 
@@ -101,6 +102,7 @@ class StatsSnapshot(Message, tag=True, kw_only=True):
     expert_tokens: list[int] = []
     expert_ranks: list[int] = []
     host_tier: HostTierStats | None = None  # the prefix cache's, with --kv-offloading-size
+    kv_transfer: KVTransferStats | None = None  # with --prefill-replicas
 
     @property
     def queue_full(self) -> str | None:

@@ -13,6 +13,7 @@ write and written before its first read, and nothing on the host waits for them.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -73,11 +74,16 @@ class HostKVPool:
         """One plan's (or addendum's) copies: evicted blocks to their slots, then slots back
         into blocks."""
         if offloads:
-            self._to_host(offloads)
+            self.to_host(offloads)
         if onloads:
             self._to_gpu(onloads)
 
-    def _to_host(self, pairs: list[tuple[int, int]]) -> None:
+    @property
+    def block_bytes(self) -> int:
+        """One block's every layer, K and V: a slot's bytes."""
+        return math.prod(self.slots.shape[1:])
+
+    def to_host(self, pairs: list[tuple[int, int]]) -> None:
         blocks = self._indices([block for block, _ in pairs])
         # [n, layers, 2, block_size, kv_heads, head_dim]: each block's layers together
         staged = torch.stack([cache.index_select(1, blocks) for cache in self.kv_caches])
@@ -90,7 +96,12 @@ class HostKVPool:
         staged = torch.empty(shape, dtype=self.slots.dtype, device=self.device)
         for row, (slot, _) in enumerate(pairs):
             staged[row].copy_(self.slots[slot], non_blocking=True)
-        blocks = self._indices([block for _, block in pairs])
+        self.write([block for _, block in pairs], staged)
+
+    def write(self, block_ids: list[int], staged: torch.Tensor) -> None:
+        """Put blocks' bytes, as slots hold them ([n, layers, 2, ...] on the device), into
+        the cache's blocks `block_ids`."""
+        blocks = self._indices(block_ids)
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(1, blocks, staged[:, layer].transpose(0, 1))
 

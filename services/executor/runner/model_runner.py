@@ -20,7 +20,7 @@ from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.devices import resolve_device, resolve_dtype, start_up_compiles
 from services.executor.runner.drafting import choose_drafts, propose_after
 from services.executor.runner.grammar import GrammarMatchers
-from services.executor.runner.host_kv import HostKVPool, copy_host_kv
+from services.executor.runner.host_kv import HostKVPool
 from services.executor.runner.invariance import apply_batch_invariant
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
@@ -29,6 +29,7 @@ from services.executor.runner.kv_cache import (
     num_kv_blocks,
     profile_step_peak,
 )
+from services.executor.runner.kv_handover import Handover, move_kv
 from services.executor.runner.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.runner.plan_relay import PlanRelay
 from services.executor.runner.pooling import pool_chunk
@@ -184,9 +185,9 @@ class ModelRunner:
         # Every rank must hold the blocks any plan names.
         self.num_blocks = self.tp.smallest(self.num_blocks, self.device)
         self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
-        self.host_kv = HostKVPool.sized(
-            config.kv_offloading_size, self.kv_layout, self.kv_caches, self.tp.size
-        )
+        size_gib, tp_size = config.kv_offloading_size, self.tp.size
+        self.host_kv = HostKVPool.sized(size_gib, self.kv_layout, self.kv_caches, tp_size)
+        self.handover = Handover.start(config, self.kv_caches, self.tp)
         log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len)
         log_kv_scales(self.model, kv_dtype)
 
@@ -289,7 +290,7 @@ class ModelRunner:
         if self.relay is not None:
             self.relay.send(plan)
         self._prepared = PreparedStep(plan.step, self.block_size)
-        copy_host_kv(self.host_kv, plan)  # queued now: after the last step, before this one
+        move_kv(self.host_kv, self.handover, plan)  # queued now: after the last step, before this
         self._add_rows(plan)
 
     @torch.inference_mode()
@@ -300,7 +301,7 @@ class ModelRunner:
         if self._prepared is None or self._prepared.step != addendum.step:
             raise PlanError(f"an addendum to plan {addendum.step}, which is not held")
         self._check(addendum, self._prepared)
-        copy_host_kv(self.host_kv, addendum)
+        move_kv(self.host_kv, self.handover, addendum)
         self._apply_plan(addendum)
         self._add_rows(addendum)
 
@@ -375,6 +376,8 @@ class ModelRunner:
             raise RuntimeError("collect() without a step in flight")
         step = self._in_flight.popleft()
         output = step.finish()
+        if self.handover is not None:
+            output.kv_import_failed = self.handover.failed.pop(step.step, [])
         if self.tp.rank == 0:  # the other ranks read rank 0's drafts in the plans it relays
             propose_after(self.proposer, step, self.requests)
         return output

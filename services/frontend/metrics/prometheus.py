@@ -226,6 +226,30 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
         "KV bytes copied from the host tier back to the GPU (prefix hits there).",
         lambda s: _host_bytes(s, to_host=False),
     ),
+    (
+        "kv_transfer_blocks_exported_total",
+        "counter",
+        "KV blocks of prompts a prefill replica handed over to decode replicas.",
+        lambda s: s.kv_transfer.blocks_exported if s.kv_transfer else 0,
+    ),
+    (
+        "kv_transfer_blocks_imported_total",
+        "counter",
+        "KV blocks a decode replica fetched from prefill replicas.",
+        lambda s: s.kv_transfer.blocks_imported if s.kv_transfer else 0,
+    ),
+    (
+        "kv_transfer_bytes_imported_total",
+        "counter",
+        "KV bytes a decode replica fetched from prefill replicas.",
+        lambda s: s.kv_transfer.blocks_imported * s.kv_transfer.block_bytes if s.kv_transfer else 0,
+    ),
+    (
+        "kv_transfer_failed_imports_total",
+        "counter",
+        "Handed-over prompts whose KV a decode replica could not fetch (computed again there).",
+        lambda s: s.kv_transfer.failed_imports if s.kv_transfer else 0,
+    ),
 ]
 
 

@@ -1,0 +1,42 @@
+"""Between the executors of a prefill engine and a decode engine (--prefill-replicas): a
+decode executor rank asks the same rank of the prefill engine for a handed-over request's
+blocks, and gets them as bytes.
+
+    decode rank r  ── KVFetch ──────────────────────▶ prefill rank r (its KV server)
+                   ◀── KVFetchReply, then the bytes ──
+
+The bytes are the blocks one after another, each block every layer's K and V as the cache
+holds them ([layers, 2, block_size, kv_heads, head_dim] in the cache dtype): `block_bytes`
+each, which must equal the asking rank's own.
+"""
+
+from __future__ import annotations
+
+from shared.protocol.base import Message
+
+
+class KVFetch(Message, tag=True):
+    """Blocks `first` .. `first` + `count` - 1 of the export of `request_id`."""
+
+    request_id: str
+    first: int
+    count: int
+
+
+class KVFetchReply(Message, tag=True, kw_only=True):
+    """The answer to a KVFetch; with `error` empty, the bytes follow in the next frame."""
+
+    num_blocks: int = 0
+    block_bytes: int = 0
+    error: str = ""
+
+
+class KVTransferStats(Message, kw_only=True):
+    """Prefill/decode disaggregation, totals since start: blocks this engine handed over to
+    decode engines, blocks it fetched from prefill engines, and fetches that failed (their
+    requests computed their prompts again)."""
+
+    blocks_exported: int = 0
+    blocks_imported: int = 0
+    failed_imports: int = 0
+    block_bytes: int = 0  # a block's KV, every layer and rank

@@ -1,0 +1,101 @@
+"""`kvflow serve --data-parallel-size 2 --prefill-replicas 1` on CPU: replica 0 computes each
+prompt and its first token, replica 1 fetches the prompt's KV from replica 0's executor and
+generates the rest. Greedy outputs equal one engine's (the shared default server) token for
+token, streamed or not, with logprobs and prompt logprobs; the metrics show the blocks handed
+over each way and no failed fetch; a request that ends with its first token stays where it
+started."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.server import Server, start_server
+from tests.e2e.test_failures import wait_for
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "The history of the Roman empire is long and complicated. It began with the founding of"
+    " the city of Rome, which according to legend",
+    "def fibonacci(n):\n    " * 6,
+    "Hi",  # no full block: nothing to hand over, the decode replica computes it all
+]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    server = start_server(
+        *("--data-parallel-size", "2", "--prefill-replicas", "1"),
+        *("--tokenizer-pool-size", "1", "--drain-timeout", "1"),
+    )
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def metric(server: Server, name: str) -> dict[int, float]:
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers()).text
+    pattern = rf'^kvflow:{name}\{{[^}}]*replica="(\d+)"\}} (\S+)$'
+    return {int(m[1]): float(m[2]) for m in re.finditer(pattern, text, re.MULTILINE)}
+
+
+def complete(server: Server, prompt: str, **params: Any) -> Any:
+    return server.client().completions.create(
+        model=MODEL, prompt=prompt, temperature=0, **{"max_tokens": 24, **params}
+    )
+
+
+def test_greedy_outputs_equal_one_engines(server: Server, default_server: Server) -> None:
+    for prompt in PROMPTS:
+        got = complete(server, prompt, logprobs=2)
+        want = complete(default_server, prompt, logprobs=2)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
+        assert len(got.choices[0].logprobs.token_logprobs) == 24
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert got.usage.completion_tokens == 24
+    exported = metric(server, "kv_transfer_blocks_exported_total")
+    wait_for(lambda: metric(server, "kv_transfer_blocks_imported_total").get(1, 0) > 0, 10)
+    imported = metric(server, "kv_transfer_blocks_imported_total")
+    assert exported[0] == imported[1] > 0 and exported.get(1, 0) == 0
+    assert sum(metric(server, "kv_transfer_failed_imports_total").values()) == 0
+    generated = metric(server, "generation_tokens_total")
+    assert generated[0] == len(PROMPTS) and generated[1] == len(PROMPTS) * 23
+
+
+def test_a_streamed_chat_equals_one_engines(server: Server, default_server: Server) -> None:
+    messages = [
+        {"role": "user", "content": "Name three rivers of Europe, and say why each matters."}
+    ]
+    stream = server.client().chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=32, stream=True
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    want = default_server.client().chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=32
+    )
+    assert text == want.choices[0].message.content
+
+
+def test_prompt_logprobs_come_from_the_prefill_replica(
+    server: Server, default_server: Server
+) -> None:
+    extra = {"extra_body": {"prompt_logprobs": 1}}
+    got = complete(server, PROMPTS[0], max_tokens=4, **extra)
+    want = complete(default_server, PROMPTS[0], max_tokens=4, **extra)
+    got_logprobs = got.choices[0].model_extra["prompt_logprobs"]
+    assert got_logprobs == want.choices[0].model_extra["prompt_logprobs"]
+    assert got.choices[0].text == want.choices[0].text
+
+
+def test_a_request_of_one_token_is_not_handed_over(server: Server) -> None:
+    before = metric(server, "kv_transfer_blocks_exported_total").get(0, 0)
+    generated = metric(server, "generation_tokens_total").get(1, 0)
+    assert complete(server, PROMPTS[0] + " again", max_tokens=1).usage.completion_tokens == 1
+    assert metric(server, "kv_transfer_blocks_exported_total").get(0, 0) == before
+    assert metric(server, "generation_tokens_total").get(1, 0) == generated

@@ -1,0 +1,106 @@
+"""The executors' half of prefill/decode disaggregation (services/executor/runner/
+kv_handover.py) on CPU caches: a prefill rank's exports fetched by a decode rank over a real
+ZeroMQ socket land byte for byte in the blocks asked for, in pieces, in any cache dtype; an
+export is fetched once, the oldest goes when the slots are full, and a fetch that cannot be
+answered (dropped, never made, nobody there) is an error, never wrong bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.executor.runner import kv_handover
+from services.executor.runner.host_kv import HostKVPool
+from services.executor.runner.kv_handover import KVExports, KVImports, rank_address
+from shared.protocol import KVExport, KVImport
+from shared.wire_security import LOCAL
+
+NUM_BLOCKS = 12
+
+
+def caches(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    """Three layers of [2, blocks, block_size 4, 2 heads, head_dim 8]."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, NUM_BLOCKS, 4, 2, 8, generator=generator).to(dtype) for _ in range(3)]
+
+
+def same_blocks(
+    a: list[torch.Tensor], a_ids: list[int], b: list[torch.Tensor], b_ids: list[int]
+) -> bool:
+    return all(
+        torch.equal(x.view(torch.uint8)[:, a_ids], y.view(torch.uint8)[:, b_ids])
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.fixture
+def address(tmp_path: Path) -> Iterator[str]:
+    yield f"ipc://{tmp_path}/kv-transfer-0"
+
+
+def test_an_export_lands_byte_for_byte_in_the_blocks_asked_for(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kv_handover, "FETCH_BYTES", 1)  # a piece per block
+    source, target = caches(seed=1), caches(seed=2)
+    exports = KVExports(HostKVPool(source, 8), address, LOCAL)
+    exports.add([KVExport("a", [5, 1, 3, 9])])
+    imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
+    # Blocks 1.. of the export (its first the decode engine held already).
+    assert imports.load(KVImport("a", 0, 1, [7, 2, 0])) is None
+    assert same_blocks(source, [1, 3, 9], target, [7, 2, 0])
+    assert not same_blocks(source, [5], target, [4])
+    # Fetched to its end, it is gone.
+    error = imports.load(KVImport("a", 0, 0, [4]))
+    assert error is not None and "no export" in error
+
+
+def test_an_fp8_cache_moves_as_bytes(address: str) -> None:
+    source, target = caches(torch.float8_e4m3fn, 1), caches(torch.float8_e4m3fn, 2)
+    exports = KVExports(HostKVPool(source, 4), address, LOCAL)
+    exports.add([KVExport("a", [0, 11])])
+    imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
+    assert imports.load(KVImport("a", 0, 0, [3, 4])) is None
+    assert same_blocks(source, [0, 11], target, [3, 4])
+
+
+def test_the_oldest_export_goes_when_the_slots_are_full(
+    address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kv_handover, "EXPORT_WAIT_S", 30.0)  # a dropped one answers at once
+    source, target = caches(seed=1), caches(seed=2)
+    exports = KVExports(HostKVPool(source, 4), address, LOCAL)
+    exports.add([KVExport("old", [0, 1, 2]), KVExport("new", [3, 4])])
+    imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
+    error = imports.load(KVImport("old", 0, 0, [5, 6, 7]))
+    assert error is not None and "no export" in error
+    assert imports.load(KVImport("new", 0, 0, [5, 6])) is None
+    assert same_blocks(source, [3, 4], target, [5, 6])
+
+
+def test_a_fetch_nobody_answers_fails_and_the_next_one_works(
+    address: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(kv_handover, "FETCH_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(kv_handover, "EXPORT_WAIT_S", 0.05)
+    source, target = caches(seed=1), caches(seed=2)
+    nobody = f"ipc://{tmp_path}/nobody"
+    imports = KVImports(HostKVPool(target, 0), [nobody, address], LOCAL, "decode")
+    error = imports.load(KVImport("a", 0, 0, [1]))
+    assert error is not None and "did not answer" in error
+    exports = KVExports(HostKVPool(source, 4), address, LOCAL)
+    error = imports.load(KVImport("never", 1, 0, [1]))  # no such export: it waited, then said so
+    assert error is not None and "no export" in error
+    exports.add([KVExport("a", [2])])
+    assert imports.load(KVImport("a", 1, 0, [1])) is None
+    assert same_blocks(source, [2], target, [1])
+    assert imports.load(KVImport("a", 2, 0, [1])) == "no prefill replica 2"
+
+
+def test_rank_addresses() -> None:
+    assert rank_address("tcp://10.0.0.5:5560", 0) == "tcp://10.0.0.5:5560"
+    assert rank_address("tcp://10.0.0.5:5560", 3) == "tcp://10.0.0.5:5563"
+    assert rank_address("ipc:///run/kv-0", 1) == "ipc:///run/kv-0-1"

@@ -1,0 +1,145 @@
+"""Prefill/decode disaggregation in the scheduler (services/scheduler/handover.py): a prefill
+engine ends a handed-over request after its first token and exports its prompt's full blocks
+in the next plan; a decode engine imports the blocks it lacks and, if the fetch fails, computes
+the prompt itself. Driven directly, with the executor replayed as in test_scheduler."""
+
+from __future__ import annotations
+
+from services.scheduler.scheduler import Scheduler
+from shared.protocol import (
+    EngineRequest,
+    FinishReason,
+    KVTransfer,
+    ModelRunnerOutput,
+    RequestOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
+from tests.unit.scheduler_setup import make_scheduler
+
+PROMPT = list(range(10, 24))  # 14 tokens: 3 full blocks of 4, and 2 more
+
+
+def send(
+    scheduler: Scheduler, transfer: KVTransfer, outputs: list[int] = (), **params: object
+) -> None:
+    params.setdefault("max_tokens", 6)
+    scheduler.add_request(
+        EngineRequest(
+            request_id="r",
+            prompt_token_ids=PROMPT,
+            sampling_params=SamplingParams(**params),  # type: ignore[arg-type]
+            output_token_ids=list(outputs),
+            kv_transfer=transfer,
+        )
+    )
+
+
+def step(
+    scheduler: Scheduler, failed: tuple[str, ...] = ()
+) -> tuple[SchedulerOutput, list[RequestOutput]]:
+    plan = scheduler.schedule()
+    scheduler.check_invariants()
+    sampled = {}
+    for request_id in plan.num_scheduled_tokens:
+        request = scheduler.requests.get(request_id)
+        if request is not None and request.num_computed_tokens == request.num_tokens:
+            sampled[request_id] = [100 + request.num_output_tokens]
+    result = ModelRunnerOutput(step=plan.step, sampled=sampled, kv_import_failed=list(failed))
+    outputs = scheduler.update(plan, result)
+    scheduler.check_invariants()
+    return plan, outputs
+
+
+def test_a_prefill_engine_ends_after_the_first_token_and_exports_the_full_blocks() -> None:
+    scheduler = make_scheduler(kv_transfer=True)
+    send(scheduler, KVTransfer(export=True))
+    plan, outputs = step(scheduler)
+    assert plan.num_scheduled_tokens == {"r": 14} and not plan.kv_exports
+    [output] = outputs
+    assert output.new_token_ids == [100] and output.handed_over
+    assert output.finish_reason is FinishReason.LENGTH
+    blocks = scheduler.kv.block_ids.get("r")
+    assert blocks is None  # freed, but the export holds the prompt's full blocks
+    assert scheduler.kv.pool.num_referenced == 3 and scheduler.has_unfinished() is False
+    plan, _ = step(scheduler)  # the next plan carries them; then they are free
+    [export] = plan.kv_exports
+    assert export.request_id == "r" and len(export.block_ids) == 3
+    assert plan.finished_request_ids == ["r"]
+    assert scheduler.kv.pool.num_referenced == 0
+    assert scheduler.stats().kv_transfer.blocks_exported == 3  # type: ignore[union-attr]
+
+
+def test_a_request_that_stops_at_its_first_token_is_not_handed_over() -> None:
+    scheduler = make_scheduler()
+    send(scheduler, KVTransfer(export=True), max_tokens=1)
+    _, [output] = step(scheduler)
+    assert not output.handed_over and output.finish_reason is FinishReason.LENGTH
+    plan, _ = step(scheduler)
+    assert not plan.kv_exports and scheduler.kv.pool.num_referenced == 0
+
+
+def test_an_aborted_prefill_is_not_exported() -> None:
+    scheduler = make_scheduler()
+    send(scheduler, KVTransfer(export=True))
+    scheduler.schedule()
+    scheduler.abort(["r"])
+    assert not scheduler.schedule().kv_exports and scheduler.kv.pool.num_referenced == 0
+
+
+def test_a_decode_engine_imports_the_blocks_it_lacks_and_continues() -> None:
+    scheduler = make_scheduler(kv_transfer=True)
+    send(scheduler, KVTransfer(source=0), outputs=[100])
+    plan, [output] = step(scheduler)
+    [entry] = plan.kv_imports
+    assert (entry.source, entry.first, len(entry.block_ids)) == (0, 0, 3)
+    assert entry.block_ids == plan.new_requests[0].block_ids[:3]
+    assert plan.new_requests[0].num_computed_tokens == 12
+    assert plan.num_scheduled_tokens == {"r": 3}  # the prompt's last 2 tokens and the first output
+    assert output.new_token_ids == [101]  # the first output is not sent again
+    assert scheduler.stats().kv_transfer.blocks_imported == 3  # type: ignore[union-attr]
+    for _ in range(4):
+        step(scheduler)
+    assert not scheduler.has_unfinished()
+
+
+def test_imported_blocks_are_cached_only_once_the_fetch_is_reported_good() -> None:
+    scheduler = make_scheduler()
+    send(scheduler, KVTransfer(source=0), outputs=[100])
+    plan = scheduler.schedule()
+    assert scheduler.kv.pool.lookup(scheduler.requests["r"].block_hashes[0]) is None
+    # Until then it runs no further step.
+    assert "r" not in scheduler.schedule().num_scheduled_tokens
+    scheduler.update(plan, ModelRunnerOutput(step=plan.step, sampled={"r": [101]}))
+    step(scheduler)
+    assert scheduler.kv.pool.lookup(scheduler.requests["r"].block_hashes[0]) is not None
+
+
+def test_a_failed_fetch_voids_the_token_and_computes_the_prompt_here() -> None:
+    scheduler = make_scheduler(kv_transfer=True)
+    send(scheduler, KVTransfer(source=0), outputs=[100])
+    plan, outputs = step(scheduler, failed=("r",))
+    assert plan.kv_imports and outputs == []
+    assert scheduler.stats().kv_transfer.failed_imports == 1  # type: ignore[union-attr]
+    plan, [output] = step(scheduler)
+    assert not plan.kv_imports and plan.new_requests[0].num_computed_tokens == 0
+    assert plan.num_scheduled_tokens == {"r": 15}  # the whole prompt, and the first output
+    assert output.new_token_ids == [101]
+    assert scheduler.num_preemptions == 0
+
+
+def test_a_decode_engine_imports_past_its_own_prefix_hits() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(
+        EngineRequest(
+            request_id="warm",
+            prompt_token_ids=PROMPT[:9],
+            sampling_params=SamplingParams(max_tokens=1),
+        )
+    )
+    step(scheduler)
+    step(scheduler)  # its two full blocks are cached
+    send(scheduler, KVTransfer(source=1), outputs=[100])
+    plan, _ = step(scheduler)
+    [entry] = plan.kv_imports
+    assert (entry.source, entry.first, len(entry.block_ids)) == (1, 2, 1)
