@@ -30,7 +30,10 @@ def engine_components(config: Config) -> list[str]:
 def replica_gpus(config: Config) -> list[str] | None:
     """With several replicas on GPUs, the GPUs they share out, one per rank and replica after
     replica (`replica_devices`); None where they run on the CPU, or there is one replica.
-    Fewer GPUs than ranks in all: refused."""
+    Fewer GPUs than ranks in all: the replicas take them in turn, several to a GPU, where each
+    one's KV cache is sized in bytes or blocks (--kv-cache-memory-bytes,
+    --num-gpu-blocks-override; a share of the GPU's memory would count the others'), else
+    refused."""
     replicas, ranks = config.data_parallel_size, config.tensor_parallel_size
     if replicas == 1 or config.device == "cpu":
         return None
@@ -43,10 +46,12 @@ def replica_gpus(config: Config) -> list[str] | None:
         gpus = [str(gpu) for gpu in range(torch.cuda.device_count())]
     if not gpus and config.device == "auto":
         return None  # no GPU: the replicas run on the CPU
-    if len(gpus) < replicas * ranks:
+    sized = config.kv_cache_memory_bytes is not None or config.num_gpu_blocks_override is not None
+    if len(gpus) < replicas * ranks and not (sized and len(gpus) >= ranks):
         raise ConfigError(
             f"--data-parallel-size {replicas} x --tensor-parallel-size {ranks} needs "
-            f"{replicas * ranks} GPUs; {len(gpus)} are visible"
+            f"{replicas * ranks} GPUs; {len(gpus)} are visible (replicas may share GPUs where"
+            " --kv-cache-memory-bytes sizes each one's KV cache)"
         )
     return gpus
 
@@ -57,4 +62,5 @@ def replica_devices(gpus: list[str] | None, replica: int, config: Config) -> dic
     if gpus is None:
         return {}
     ranks = config.tensor_parallel_size
-    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[replica * ranks : (replica + 1) * ranks])}
+    first = replica * ranks
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(first + i) % len(gpus)] for i in range(ranks))}

@@ -48,8 +48,10 @@ class Handovers:
         self.stats.blocks_exported += sum(len(export.block_ids) for export in exports)
         return exports
 
-    def reported(self, plan: SchedulerOutput, failed: set[str]) -> None:
-        """The plan's imports are done: those not `failed` are good, and may be cached."""
+    def reported(self, plan: SchedulerOutput, failed: set[str], seconds: float) -> None:
+        """The plan's imports are done (in `seconds`): those not `failed` are good, and may
+        be cached."""
+        self.stats.import_seconds += seconds
         for entry in plan.kv_imports:
             if entry.request_id in failed:
                 self.stats.failed_imports += 1

@@ -26,7 +26,7 @@ from services.scheduler.handover import Handovers
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_config import SchedulerConfig
-from services.scheduler.scheduler_view import check_scheduler, snapshot
+from services.scheduler.scheduler_view import SchedulerView
 from services.scheduler.speculation import (
     SpecDecodeStats,
     add_draft_slots,
@@ -44,7 +44,6 @@ from shared.protocol import (
     ParameterError,
     RequestOutput,
     SchedulerOutput,
-    StatsSnapshot,
     TokenLogprobs,
 )
 from shared.speculative import speculates
@@ -52,7 +51,7 @@ from shared.speculative import speculates
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(SchedulerView):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_events = BlockEvents() if config.kv_events else None
@@ -371,7 +370,7 @@ class Scheduler:
             if (request := self.requests.get(request_id)) is not None:
                 request.add_prompt_logprobs(part)
         failed = set(result.kv_import_failed)
-        self.handover.reported(plan, failed)
+        self.handover.reported(plan, failed, result.kv_import_seconds)
         for request_id in failed:
             self._void_import(request_id)
         for request_id in plan.num_scheduled_tokens:
@@ -490,11 +489,3 @@ class Scheduler:
             prompt_logprobs=request.take_prompt_logprobs(),
             handed_over=request.handed_over,
         )
-
-    # ------------------------------------------------------------------ observing
-
-    def stats(self) -> StatsSnapshot:
-        return snapshot(self)
-
-    def check_invariants(self) -> None:
-        check_scheduler(self)

@@ -208,6 +208,7 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     # The requests whose KVImport failed (the prefill engine gone, or its export dropped):
     # their rows ran on blocks that hold nothing, and their tokens are void.
     kv_import_failed: list[str] = []
+    kv_import_seconds: float = 0.0  # the host's time fetching and copying the step's imports
 
 
 # ------------------------------------------------------------- outputs out

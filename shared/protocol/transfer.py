@@ -39,4 +39,5 @@ class KVTransferStats(Message, kw_only=True):
     blocks_exported: int = 0
     blocks_imported: int = 0
     failed_imports: int = 0
+    import_seconds: float = 0.0  # the decode executor's time fetching and copying them
     block_bytes: int = 0  # a block's KV, every layer and rank

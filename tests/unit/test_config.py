@@ -88,6 +88,23 @@ def test_serve_starts_two_frontends_per_replica_unless_told(
         (["--max-logprobs", "0"], "--max-logprobs"),
         (["--engine-stall-timeout", "-1"], "--engine-stall-timeout"),
         (["--api-server-count", "0"], "--api-server-count"),
+        (["--prefill-replicas", "1"], "--prefill-replicas"),  # no decode replica left
+        (["--data-parallel-size", "2", "--prefill-replicas", "2"], "--prefill-replicas"),
+        (["--data-parallel-size", "2", "--prefill-replicas", "-1"], "--prefill-replicas"),
+        (
+            [
+                *("--data-parallel-size", "2", "--prefill-replicas", "1"),
+                *(
+                    "--speculative-config",
+                    '{"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}',
+                ),
+            ],
+            "--prefill-replicas",
+        ),
+        (
+            [*("--data-parallel-size", "2", "--kv-transfer-address", "ipc:///a")],
+            "--kv-transfer-address",
+        ),
     ],
 )
 def test_invalid_values_name_the_flag(argv: list[str], flag: str) -> None:

@@ -103,3 +103,27 @@ def _free_port() -> int:
     with socket.socket() as probe:  # a port free now
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def test_replicas_share_gpus_where_each_ones_kv_cache_is_sized_in_bytes(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
+    config = Config(
+        device="cuda",
+        data_parallel_size=2,
+        prefill_replicas=1,
+        kv_cache_memory_bytes=2 << 30,
+        port=_free_port(),
+    )
+    launcher = Launcher(config)
+    for listener in launcher.listeners:
+        listener.close()
+    shutil.rmtree(launcher.runtime, ignore_errors=True)
+    assert [replica_devices(launcher.gpus, r, launcher.config) for r in range(2)] == [
+        {"CUDA_VISIBLE_DEVICES": "4"},
+        {"CUDA_VISIBLE_DEVICES": "4"},
+    ]
+    # The prefill replica's executor serves its KV where the decode replica's fetches it.
+    addresses = launcher.config.addresses("kv_transfer_address")
+    assert [a.rsplit("/", 1)[1] for a in addresses] == ["kv-transfer-0", "kv-transfer-1"]
+    with pytest.raises(ConfigError, match="replicas may share GPUs"):
+        Launcher(config.replace(kv_cache_memory_bytes=None))

@@ -146,3 +146,16 @@ def test_two_workers_split_a_burst_evenly_when_one_engine_reports_late() -> None
         if i % 200 == 0:
             report(1)
     assert [sum(counts.values()) for counts in arrived] == [500, 500]
+
+
+def test_a_pick_among_some_engines_keeps_to_them() -> None:
+    """Prefill/decode disaggregation: prompts go to the prefill engines, then to the decode
+    engines, each group by its own prefixes and load."""
+    router = ReplicaRouter(4)
+    router.observe(batch(0, stored=prefix_block_keys(PROMPT, BLOCK)))  # not among the decoders
+    router.observe(batch(3, stored=prefix_block_keys(PROMPT, BLOCK)[:2]))
+    assert [router.pick(PROMPT, among=range(2, 4)) for _ in range(2)] == [3, 3]
+    assert [router.pick([7] * 40, among=range(2)) for _ in range(4)] == [0, 1, 0, 1]
+    assert router.pick(PROMPT, among=[1]) == 1
+    round_robin = ReplicaRouter(3, by_prefix=False)
+    assert [round_robin.pick(PROMPT, among=[0, 2]) for _ in range(3)] == [0, 2, 0]

@@ -3,17 +3,18 @@
 A state machine plays the engine: it replays the executor's side of every plan (its
 per-request state built from the incremental deltas, and a fake KV cache that stores the
 token id written at each slot, and the LoRA adapter it was computed under, copied to and from
-a fake host tier as each plan's host copies say), so a prefix hit on a block that was never
-written or was written under another adapter, a restored block that holds anything else, a
-delta that disagrees with the scheduler, a plan with more adapters than slots, or a leaked
-block all fail here.
+a fake host tier as each plan's host copies say, and handed over: a request that hands over
+exports its prompt's blocks, and a later request continues it, importing them back, or
+failing to), so a prefix hit on a block that was never written or was written under another
+adapter, a restored or imported block that holds anything else, a delta that disagrees with
+the scheduler, a plan with more adapters than slots, or a leaked block all fail here.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -24,6 +25,7 @@ from services.scheduler.scheduler_config import SchedulerConfig
 from shared.protocol import (
     EngineRequest,
     FinishReason,
+    KVTransfer,
     ModelRunnerOutput,
     ParameterError,
     RequestOutput,
@@ -90,6 +92,8 @@ class Tracked:
     max_tokens: int
     outputs: list[int] = field(default_factory=list)
     ends: list[FinishReason] = field(default_factory=list)
+    hands_over: bool = False  # KVTransfer.export: ends after its first token, handed over
+    lora_id: int = 0
 
 
 @dataclass
@@ -109,7 +113,7 @@ def expected_finish(config: SchedulerConfig, tracked: Tracked) -> FinishReason |
         return FinishReason.STOP
     if num_out >= tracked.max_tokens or len(tracked.prompt) + num_out >= config.max_model_len:
         return FinishReason.LENGTH
-    return None
+    return FinishReason.LENGTH if tracked.hands_over else None
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -163,6 +167,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.kv_slots: dict[tuple[int, int], tuple[int, int]] = {}
         # host slot -> its block's (adapter, token id) at each offset (None: never written)
         self.host_slots: dict[int, list[tuple[int, int] | None]] = {}
+        # Handovers: an export's blocks as (adapter, token id) at each offset, by request id;
+        # and which export each continuing request imports from.
+        self.exports: dict[str, list[list[tuple[int, int]]]] = {}
+        self.import_from: dict[str, str] = {}
         self.next_id = 0
         self.end_by_abort = end_by_abort  # else teardown runs everything to completion
         for prompt, params in initial_requests:
@@ -175,9 +183,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         params=request_params,
         priority=st.integers(-2, 2),
         lora_id=st.sampled_from((0, *LORA_IDS)),
+        hands_over=st.sampled_from([False, False, False, True]),
     )
     def add(
-        self, prompt: list[int], params: SamplingParams, priority: int = 0, lora_id: int = 0
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora_id: int = 0,
+        hands_over: bool = False,
     ) -> None:
         request_id = f"r{self.next_id}"
         self.next_id += 1
@@ -191,6 +205,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             sampling_params=params,
             priority=priority,
             lora_id=lora_id,
+            kv_transfer=KVTransfer(export=True) if hands_over else None,
         )
         try:
             self.scheduler.add_request(request)
@@ -200,7 +215,34 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert rejection is None
         resolved = self.config.max_model_len - len(prompt) if max_tokens is None else max_tokens
-        self.tracked[request_id] = Tracked(prompt, params, resolved)
+        self.tracked[request_id] = Tracked(
+            prompt, params, resolved, hands_over=hands_over, lora_id=lora_id
+        )
+
+    @rule(data=st.data())
+    def continue_handed_over(self, data: st.DataObject) -> None:
+        """A decode engine's request for an export (this engine's own: source 0)."""
+        if not self.exports:
+            return
+        source_id = data.draw(st.sampled_from(sorted(self.exports)))
+        source = self.tracked[source_id]
+        request_id = f"r{self.next_id}"
+        self.next_id += 1
+        self.scheduler.add_request(
+            EngineRequest(
+                request_id=request_id,
+                prompt_token_ids=source.prompt,
+                sampling_params=source.params,
+                lora_id=source.lora_id,
+                output_token_ids=source.outputs[:1],
+                kv_transfer=KVTransfer(source=0),
+            )
+        )
+        self.import_from[request_id] = source_id
+        self.tracked[request_id] = Tracked(
+            source.prompt, source.params, source.max_tokens, source.outputs[:1], [], False,
+            source.lora_id,
+        )  # fmt: skip
 
     @rule(data=st.data())
     def add_duplicate(self, data: st.DataObject) -> None:
@@ -233,7 +275,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         for index in range(num_steps):
             last = index == num_steps - 1
             before_update = abort_one if abort_in_flight and last else lambda plan: None
-            self.run_step(lambda: data.draw(sampled_tokens), before_update)
+            self.run_step(
+                lambda: data.draw(sampled_tokens), before_update, lambda: data.draw(st.booleans())
+            )
 
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
@@ -254,12 +298,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self,
         draw_token: Callable[[], int],
         before_update: Callable[[SchedulerOutput], None] = lambda plan: None,
+        fetch_fails: Callable[[], bool] = lambda: False,
     ) -> None:
         plan = self.scheduler.schedule()
         self.check_plan(plan)
-        sampled = self.execute(plan, draw_token)
+        self.export_blocks(plan)
+        failed = self.import_blocks(plan, fetch_fails)
+        sampled = self.execute(plan, draw_token, failed)
         before_update(plan)
-        self.record(self.scheduler.update(plan, ModelRunnerOutput(step=plan.step, sampled=sampled)))
+        result = ModelRunnerOutput(step=plan.step, sampled=sampled, kv_import_failed=failed)
+        self.record(self.scheduler.update(plan, result))
 
     def check_plan(self, plan: SchedulerOutput) -> None:
         assert plan.total_num_scheduled_tokens <= self.config.max_num_batched_tokens
@@ -278,9 +326,41 @@ class SchedulerMachine(RuleBasedStateMachine):
             if new.output_token_ids:
                 event("resumed after preemption")
 
-    def execute(self, plan: SchedulerOutput, draw_token: Callable[[], int]) -> dict[str, int]:
+    def export_blocks(self, plan: SchedulerOutput) -> None:
+        """A handed-over prompt's full blocks hold its prompt as the plan exports them."""
+        for export in plan.kv_exports:
+            tracked = self.tracked[export.request_id]
+            assert tracked.hands_over and tracked.ends == [FinishReason.LENGTH]
+            assert len(export.block_ids) == len(tracked.prompt) // BLOCK_SIZE
+            blocks = []
+            for index, block in enumerate(export.block_ids):
+                values = [self.kv_slots.get((block, i)) for i in range(BLOCK_SIZE)]
+                prompt = tracked.prompt[index * BLOCK_SIZE : (index + 1) * BLOCK_SIZE]
+                assert values == [(tracked.lora_id, t) for t in prompt], "exports stale KV"
+                blocks.append(values)
+            self.exports[export.request_id] = blocks  # type: ignore[assignment]
+            event("exported")
+
+    def import_blocks(self, plan: SchedulerOutput, fetch_fails: Callable[[], bool]) -> list[str]:
+        """Each import's blocks from its export, unless the fetch fails: then garbage."""
+        failed = []
+        for entry in plan.kv_imports:
+            source = self.exports.pop(self.import_from[entry.request_id], None)
+            fails = source is None or fetch_fails()
+            for index, block in enumerate(entry.block_ids):
+                for offset in range(BLOCK_SIZE):
+                    value = (-1, -1) if fails else source[entry.first + index][offset]  # type: ignore[index]
+                    self.kv_slots[(block, offset)] = value
+            if fails:
+                failed.append(entry.request_id)
+            event("import failed" if fails else "imported")
+        return failed
+
+    def execute(
+        self, plan: SchedulerOutput, draw_token: Callable[[], int], failed: list[str]
+    ) -> dict[str, int]:
         """The executor's side: the host tier's copies, apply the deltas, write and read the
-        fake KV, sample."""
+        fake KV, sample (a row whose import failed reads garbage: its token is void)."""
         self.copy_host_blocks(plan)
         self.apply_plan(plan)
         for request_id, num_new in plan.num_scheduled_tokens.items():
@@ -296,6 +376,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # NOTE: every write of the step lands before any read, as in the executor's layers.
         for request_id in plan.num_scheduled_tokens:
             state = self.executor[request_id]
+            if request_id in failed:
+                continue
             for position in range(state.num_computed_tokens):
                 written = self.kv_slots.get(self.slot(state, position))
                 expected = (state.lora_id, state.token_ids[position])
@@ -358,6 +440,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert len(output.new_token_ids) == 1
                 tracked.outputs += output.new_token_ids
                 assert output.finish_reason == expected_finish(self.config, tracked)
+                # Handed over: where it would have gone on, but for that.
+                ends_here = expected_finish(self.config, replace(tracked, hands_over=False))
+                assert output.handed_over == (tracked.hands_over and ends_here is None)
+                if output.handed_over:
+                    event("handed over")
             if output.finished:
                 event(f"finished: {output.finish_reason.value}")
                 tracked.ends.append(output.finish_reason)

@@ -31,7 +31,14 @@ from services.executor.parallel.tensor_parallel import TensorParallel
 from services.executor.runner.host_kv import HostKVPool, copy_host_kv
 from shared.config import Config
 from shared.ipc import Decoder, bind_router, connect_dealer, encode
-from shared.protocol import KVExport, KVFetch, KVFetchReply, KVImport, SchedulerOutput
+from shared.protocol import (
+    KVExport,
+    KVFetch,
+    KVFetchReply,
+    KVImport,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
@@ -219,6 +226,7 @@ class Handover:
         self.imports = imports
         self.tp = tp
         self.failed: dict[int, list[str]] = {}  # plan step -> its requests' failed imports
+        self.seconds: dict[int, float] = {}  # plan step -> the time its imports took
 
     @classmethod
     def start(
@@ -246,11 +254,19 @@ class Handover:
         """The plan's exports and imports, as the executor takes it."""
         if self.exports is not None and plan.kv_exports:
             self.exports.add(plan.kv_exports)
-        if self.imports is None:
+        if self.imports is None or not plan.kv_imports:
             return
+        started = time.perf_counter()
         for entry in plan.kv_imports:
             error = self.imports.load(entry)
             ok = self.tp.smallest(int(error is None), self.imports.pool.device)
             if not ok:
                 logger.warning("request_id=%s: KV fetch failed: %s", entry.request_id, error)
                 self.failed.setdefault(plan.step, []).append(entry.request_id)
+        elapsed = time.perf_counter() - started
+        self.seconds[plan.step] = self.seconds.get(plan.step, 0.0) + elapsed
+
+    def report(self, output: ModelRunnerOutput) -> None:
+        """What the step's imports came to, into its output."""
+        output.kv_import_failed = self.failed.pop(output.step, [])
+        output.kv_import_seconds = self.seconds.pop(output.step, 0.0)

@@ -377,7 +377,7 @@ class ModelRunner:
         step = self._in_flight.popleft()
         output = step.finish()
         if self.handover is not None:
-            output.kv_import_failed = self.handover.failed.pop(step.step, [])
+            self.handover.report(output)
         if self.tp.rank == 0:  # the other ranks read rank 0's drafts in the plans it relays
             propose_after(self.proposer, step, self.requests)
         return output

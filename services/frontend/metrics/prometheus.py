@@ -245,6 +245,12 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
         lambda s: s.kv_transfer.blocks_imported * s.kv_transfer.block_bytes if s.kv_transfer else 0,
     ),
     (
+        "kv_transfer_import_seconds_total",
+        "counter",
+        "Time a decode replica's executor spent fetching handed-over KV and copying it in.",
+        lambda s: s.kv_transfer.import_seconds if s.kv_transfer else 0,
+    ),
+    (
         "kv_transfer_failed_imports_total",
         "counter",
         "Handed-over prompts whose KV a decode replica could not fetch (computed again there).",
