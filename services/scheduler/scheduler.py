@@ -192,6 +192,7 @@ class Scheduler(SchedulerView):
         self._plan_loras |= {self.requests[rid].lora_id for rid in scheduled} - {0}
         plan.new_requests.extend(new_data)
         plan.num_scheduled_tokens.update(scheduled)
+        plan.kv_imports.extend(imports := self.handover.take_imports())  # reported with it
         return SchedulerOutput(
             step=plan.step,
             new_requests=new_data,
@@ -201,7 +202,7 @@ class Scheduler(SchedulerView):
             addendum=True,
             host_copies=self.kv.take_copies(),  # run after the plan's own (HostTier)
             kv_exports=self.handover.take_exports(),
-            kv_imports=self.handover.take_imports(),
+            kv_imports=imports,
         )
 
     def _commit(self, scheduled: dict[str, int], slots: dict[str, int] | None = None) -> None:

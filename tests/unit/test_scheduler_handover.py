@@ -143,3 +143,23 @@ def test_a_decode_engine_imports_past_its_own_prefix_hits() -> None:
     plan, _ = step(scheduler)
     [entry] = plan.kv_imports
     assert (entry.source, entry.first, len(entry.block_ids)) == (1, 2, 1)
+
+
+def test_an_import_admitted_into_a_held_plan_is_reported_with_it() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(
+        EngineRequest(
+            request_id="other",
+            prompt_token_ids=[1, 2, 3],
+            sampling_params=SamplingParams(max_tokens=8),
+        )
+    )
+    plan = scheduler.schedule()
+    send(scheduler, KVTransfer(source=0), outputs=[100])
+    addendum = scheduler.schedule_addendum(plan)
+    assert addendum is not None and [e.request_id for e in addendum.kv_imports] == ["r"]
+    assert plan.kv_imports == addendum.kv_imports
+    sampled = {"other": [7], "r": [101]}
+    [*_] = scheduler.update(plan, ModelRunnerOutput(step=plan.step, sampled=sampled))
+    assert not scheduler.handover.waits(scheduler.requests["r"])
+    assert "r" in scheduler.schedule().num_scheduled_tokens

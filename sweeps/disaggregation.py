@@ -1,0 +1,164 @@
+"""Prefill/decode disaggregation on one GPU: the transfer path and its cost.
+
+Two servers of the same model, one after the other: one engine (`--data-parallel-size 1`), and
+two replicas sharing the GPU, one prefilling and one decoding (`--data-parallel-size 2
+--prefill-replicas 1`), each KV cache held to the same bytes. On each: a few greedy requests
+(their tokens must be the same on both), then random-token prompts at a request rate, measured
+by `kvflow bench serve`'s client. From the disaggregated server's metrics: the KV blocks and
+bytes handed over and the decode executor's time fetching and copying them in, against a
+pinned host-to-GPU copy measured beside it (the floor of the last leg of the path).
+
+    python -m sweeps.disaggregation /tmp/qwen3-8b --out $OUT/disaggregation.json
+
+MODEL is a folder with a tokenizer (the greedy tokens are compared as text pieces).
+
+Needs a CUDA GPU with room for the model twice; some five minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from benchmarks.serve.client import COMPLETIONS
+from benchmarks.serve.datasets import random_requests
+from benchmarks.serve.metrics import summarize
+from benchmarks.serve.runner import Target, run_requests
+from tests.e2e.server import Server, start_server
+
+TRANSFER_METRICS = (
+    "kv_transfer_blocks_exported_total",
+    "kv_transfer_blocks_imported_total",
+    "kv_transfer_bytes_imported_total",
+    "kv_transfer_import_seconds_total",
+    "kv_transfer_failed_imports_total",
+)
+
+
+def pinned_copy_gb_per_s(num_bytes: int = 1 << 30) -> float:
+    """Host (pinned) to GPU copy bandwidth, the median of five."""
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    del host, device
+    torch.cuda.empty_cache()
+    return num_bytes / sorted(times)[2] / 1e9
+
+
+def greedy_tokens(server: Server, prompts: list[list[int]], max_tokens: int) -> list[list[str]]:
+    outputs = []
+    for prompt in prompts:
+        body = {
+            "model": "m",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 1,
+        }
+        response = httpx.post(
+            f"{server.url}/v1/completions", json=body, headers=server.headers(), timeout=120
+        )
+        response.raise_for_status()
+        choice = response.json()["choices"][0]
+        outputs.append(choice["logprobs"]["tokens"])
+    return outputs
+
+
+def replica_metrics(server: Server) -> dict[str, dict[str, float]]:
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers()).text
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        for name in (*TRANSFER_METRICS, "prompt_tokens_total", "generation_tokens_total"):
+            if line.startswith(f"kvflow:{name}{{"):
+                replica = line.split('replica="')[1].split('"')[0]
+                found.setdefault(name, {})[replica] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def measure(flags: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    server = start_server(
+        *([args.model] if args.model else []),
+        "--load-format", args.load_format, "--served-model-name", "m",
+        "--max-model-len", str(args.max_model_len),
+        "--kv-cache-memory-bytes", str(args.kv_cache_gib << 30),
+        *flags, timeout=900,
+    )  # fmt: skip
+    try:
+        prompts = [r.prompt for r in random_requests(3, args.input_len, 1, 0.0, seed=7)]
+        tokens = greedy_tokens(server, prompts, 32)  # also warms both replicas up
+        requests = random_requests(args.num_prompts, args.input_len, args.output_len, 0.0, 1)
+        target = Target(
+            base_url=server.url,
+            endpoint=COMPLETIONS,
+            model="m",
+            headers=server.headers(),
+            ignore_eos=True,
+            extra_body={"temperature": 0.0},
+        )
+        run = asyncio.run(run_requests(target, requests, args.request_rate, 1.0, None, seed=0))
+        summary = summarize(run.results, run.duration, [50.0, 90.0, 99.0], [])
+        return {
+            "flags": flags,
+            "greedy": tokens,
+            "serve": summary,
+            "metrics": replica_metrics(server),
+        }
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", help="default: the embedded SmolLM2")
+    parser.add_argument("--input-len", type=int, default=3000)
+    parser.add_argument("--output-len", type=int, default=200)
+    parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--request-rate", type=float, default=2.0)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--kv-cache-gib", type=int, default=30)
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
+    report["args"] = vars(args)
+    report["pinned_h2d_gb_per_s"] = pinned_copy_gb_per_s() if cuda else None
+    report["one_engine"] = measure([], args)
+    report["disaggregated"] = measure(
+        ["--data-parallel-size", "2", "--prefill-replicas", "1"], args
+    )
+    report["greedy_equal"] = report["one_engine"]["greedy"] == report["disaggregated"]["greedy"]
+    metrics = report["disaggregated"]["metrics"]
+    seconds = sum(metrics.get("kv_transfer_import_seconds_total", {}).values())
+    moved = sum(metrics.get("kv_transfer_bytes_imported_total", {}).values())
+    report["import_gb_per_s"] = moved / seconds / 1e9 if seconds else None
+    args.out.write_text(json.dumps(report, indent=1, default=str))
+    for name in ("one_engine", "disaggregated"):
+        serve = report[name]["serve"]
+        print(
+            f"{name}: TTFT median {serve.get('median_ttft_ms')}, ITL median "
+            f"{serve.get('median_itl_ms')} p99 {serve.get('p99_itl_ms')}, output tok/s "
+            f"{serve.get('output_throughput')}"
+        )
+    print(
+        f"greedy equal: {report['greedy_equal']}; imported {moved / 1e9:.2f} GB in {seconds:.2f} s"
+        f" ({report['import_gb_per_s']} GB/s); pinned H2D {report['pinned_h2d_gb_per_s']} GB/s"
+    )
+
+
+if __name__ == "__main__":
+    main()
