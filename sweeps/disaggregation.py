@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,49 @@ def pinned_copy_gb_per_s(num_bytes: int = 1 << 30) -> float:
     del host, device
     torch.cuda.empty_cache()
     return num_bytes / sorted(times)[2] / 1e9
+
+
+def transfer_path(num_blocks: int = 200) -> dict[str, Any]:
+    """The executors' transfer alone, at Qwen3-8B's cache shape (36 layers, 8 KV heads of 128,
+    bf16, 16-token blocks): `num_blocks` blocks exported and imported into another cache in
+    this process, through the shared slots and as bytes over the socket; each way's seconds
+    (the median of five) and whether the blocks arrived byte for byte."""
+    import tempfile
+
+    from services.executor.runner.host_kv import HostKVPool
+    from services.executor.runner.kv_handover import KVExports, KVImports
+    from shared.protocol import KVExport, KVImport
+    from shared.wire_security import LOCAL
+
+    def caches() -> list[torch.Tensor]:
+        return [torch.randn(2, num_blocks, 16, 8, 128, device="cuda").bfloat16() for _ in range(36)]
+
+    source, target = caches(), caches()
+    folder = tempfile.mkdtemp()
+    shared = f"/dev/shm/kvflow-kv-{os.getpid()}-sweep"
+    exports = KVExports(HostKVPool(source, num_blocks, shared), f"ipc://{folder}/x", LOCAL, shared)
+    order = list(range(num_blocks))
+    result: dict[str, Any] = {
+        "blocks": num_blocks,
+        "bytes": HostKVPool(source, 0).block_bytes * num_blocks,
+    }
+    for way in ("shared", "bytes"):
+        imports = KVImports(HostKVPool(target, 0), [f"ipc://{folder}/x"], LOCAL, way)
+        if way == "bytes":
+            imports._unshared.add(0)
+        times = []
+        for n in range(5):
+            exports.add([KVExport(f"{way}{n}", order)])
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            error = imports.load(KVImport(f"{way}{n}", 0, 0, order[::-1]))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+            assert error is None, error
+        same = all(torch.equal(s.flip(1), t) for s, t in zip(source, target, strict=True))
+        result[way] = {"seconds": sorted(times)[2], "byte_for_byte": same}
+    os.unlink(shared)
+    return result
 
 
 def greedy_tokens(server: Server, prompts: list[list[int]], max_tokens: int) -> list[list[str]]:
@@ -137,6 +181,8 @@ def main() -> None:
     report: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu"}
     report["args"] = vars(args)
     report["pinned_h2d_gb_per_s"] = pinned_copy_gb_per_s() if cuda else None
+    report["transfer_path"] = transfer_path() if cuda else None
+    print(json.dumps(report["transfer_path"]), flush=True)
     report["one_engine"] = measure([], args)
     report["disaggregated"] = measure(
         ["--data-parallel-size", "2", "--prefill-replicas", "1"], args

@@ -82,7 +82,7 @@ from shared.protocol.status import (
     KvEventBatch,
     StatsSnapshot,
 )
-from shared.protocol.transfer import KVFetch, KVFetchReply, KVTransferStats
+from shared.protocol.transfer import KVFetch, KVFetchReply, KVRelease, KVTransferStats
 
 # ------------------------------------------------------------ what each socket receives
 # One typed decoder per receiving socket (shared.ipc.Decoder); anything else is dropped.
@@ -132,6 +132,7 @@ __all__ = [
     "KVFetch",
     "KVFetchReply",
     "KVImport",
+    "KVRelease",
     "KVTransfer",
     "KVTransferStats",
     "KvEventBatch",

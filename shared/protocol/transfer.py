@@ -8,6 +8,10 @@ blocks, and gets them as bytes.
 The bytes are the blocks one after another, each block every layer's K and V as the cache
 holds them ([layers, 2, block_size, kv_heads, head_dim] in the cache dtype): `block_bytes`
 each, which must equal the asking rank's own.
+
+On one host the prefill rank's slots are a shared-memory file: a fetch that asks `shared`
+gets the file and the slots the blocks are in, no bytes, and reads them there; the slots are
+lent to it until its KVRelease (or a while).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class KVFetch(Message, tag=True):
     request_id: str
     first: int
     count: int
+    shared: bool = False  # read them in the shared-memory file, if there is one
 
 
 class KVFetchReply(Message, tag=True, kw_only=True):
@@ -29,6 +34,15 @@ class KVFetchReply(Message, tag=True, kw_only=True):
     num_blocks: int = 0
     block_bytes: int = 0
     error: str = ""
+    # A shared fetch: the file the slots are in, and the blocks' slots there, in order.
+    shared_file: str = ""
+    slots: list[int] = []
+
+
+class KVRelease(Message, tag=True):
+    """A shared fetch of the export of `request_id` is done: its slots are free again."""
+
+    request_id: str
 
 
 class KVTransferStats(Message, kw_only=True):

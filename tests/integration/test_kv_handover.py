@@ -1,8 +1,9 @@
 """The executors' half of prefill/decode disaggregation (services/executor/runner/
 kv_handover.py) on CPU caches: a prefill rank's exports fetched by a decode rank over a real
-ZeroMQ socket land byte for byte in the blocks asked for, in pieces, in any cache dtype; an
-export is fetched once, the oldest goes when the slots are full, and a fetch that cannot be
-answered (dropped, never made, nobody there) is an error, never wrong bytes."""
+ZeroMQ socket, as bytes in pieces or from the shared-memory slots, land byte for byte in the
+blocks asked for, in any cache dtype; an export is fetched once, the oldest goes when the
+slots are full (never one lent to a shared fetch), and a fetch that cannot be answered
+(dropped, never made, nobody there) is an error, never wrong bytes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from services.executor.runner import kv_handover
 from services.executor.runner.host_kv import HostKVPool
 from services.executor.runner.kv_handover import KVExports, KVImports, rank_address
-from shared.protocol import KVExport, KVImport
+from shared.protocol import KVExport, KVFetch, KVImport
 from shared.wire_security import LOCAL
 
 NUM_BLOCKS = 12
@@ -46,7 +47,7 @@ def test_an_export_lands_byte_for_byte_in_the_blocks_asked_for(
 ) -> None:
     monkeypatch.setattr(kv_handover, "FETCH_BYTES", 1)  # a piece per block
     source, target = caches(seed=1), caches(seed=2)
-    exports = KVExports(HostKVPool(source, 8), address, LOCAL)
+    exports = KVExports(HostKVPool(source, 8), address, LOCAL, None)
     exports.add([KVExport("a", [5, 1, 3, 9])])
     imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
     # Blocks 1.. of the export (its first the decode engine held already).
@@ -60,7 +61,7 @@ def test_an_export_lands_byte_for_byte_in_the_blocks_asked_for(
 
 def test_an_fp8_cache_moves_as_bytes(address: str) -> None:
     source, target = caches(torch.float8_e4m3fn, 1), caches(torch.float8_e4m3fn, 2)
-    exports = KVExports(HostKVPool(source, 4), address, LOCAL)
+    exports = KVExports(HostKVPool(source, 4), address, LOCAL, None)
     exports.add([KVExport("a", [0, 11])])
     imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
     assert imports.load(KVImport("a", 0, 0, [3, 4])) is None
@@ -72,7 +73,7 @@ def test_the_oldest_export_goes_when_the_slots_are_full(
 ) -> None:
     monkeypatch.setattr(kv_handover, "EXPORT_WAIT_S", 30.0)  # a dropped one answers at once
     source, target = caches(seed=1), caches(seed=2)
-    exports = KVExports(HostKVPool(source, 4), address, LOCAL)
+    exports = KVExports(HostKVPool(source, 4), address, LOCAL, None)
     exports.add([KVExport("old", [0, 1, 2]), KVExport("new", [3, 4])])
     imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
     error = imports.load(KVImport("old", 0, 0, [5, 6, 7]))
@@ -91,13 +92,56 @@ def test_a_fetch_nobody_answers_fails_and_the_next_one_works(
     imports = KVImports(HostKVPool(target, 0), [nobody, address], LOCAL, "decode")
     error = imports.load(KVImport("a", 0, 0, [1]))
     assert error is not None and "did not answer" in error
-    exports = KVExports(HostKVPool(source, 4), address, LOCAL)
+    exports = KVExports(HostKVPool(source, 4), address, LOCAL, None)
     error = imports.load(KVImport("never", 1, 0, [1]))  # no such export: it waited, then said so
     assert error is not None and "no export" in error
     exports.add([KVExport("a", [2])])
     assert imports.load(KVImport("a", 1, 0, [1])) is None
     assert same_blocks(source, [2], target, [1])
     assert imports.load(KVImport("a", 2, 0, [1])) == "no prefill replica 2"
+
+
+def test_one_host_reads_the_blocks_in_the_shared_slots(address: str, tmp_path: Path) -> None:
+    source, target = caches(seed=1), caches(seed=2)
+    shared = str(tmp_path / "kvflow-kv-slots")
+    pool = HostKVPool(source, 6, shared)
+    exports = KVExports(pool, address, LOCAL, shared)
+    exports.add([KVExport("a", [4, 5, 6, 7]), KVExport("b", [1])])
+    imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
+    assert imports.load(KVImport("a", 0, 1, [0, 2, 9])) is None
+    assert same_blocks(source, [5, 6, 7], target, [0, 2, 9])
+    assert imports.load(KVImport("b", 0, 0, [3])) is None  # no bytes came over the socket
+    assert same_blocks(source, [1], target, [3])
+    error = imports.load(KVImport("a", 0, 1, [0, 2, 9]))  # released: gone
+    assert error is not None and "no export" in error
+
+
+def test_slots_lent_to_a_shared_fetch_are_not_dropped(
+    address: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = caches(seed=1)
+    shared = str(tmp_path / "kvflow-kv-slots")
+    exports = KVExports(HostKVPool(source, 4, shared), address, LOCAL, shared)
+    exports.add([KVExport("lent", [0, 1, 2])])
+    imports = KVImports(HostKVPool(caches(seed=2), 0), [address], LOCAL, "decode")
+    reply, _ = imports._ask(0, KVFetch("lent", 0, 3, shared=True))  # lent, not released yet
+    assert reply.slots and not reply.error
+    exports.add([KVExport("new", [3, 4])])  # no room: the lent one stays, this one is refused
+    error = imports.load(KVImport("new", 0, 0, [5, 6]))
+    assert error is not None and "no export" in error
+
+
+def test_a_decode_rank_that_cannot_map_the_slots_gets_the_bytes(
+    address: str, tmp_path: Path
+) -> None:
+    source, target = caches(seed=1), caches(seed=2)
+    shared = str(tmp_path / "kvflow-kv-slots")
+    exports = KVExports(HostKVPool(source, 4, shared), address, LOCAL, shared)
+    exports.add([KVExport("a", [8, 9])])
+    imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
+    imports._files[shared] = None  # as on another host
+    assert imports.load(KVImport("a", 0, 0, [1, 2])) is None
+    assert same_blocks(source, [8, 9], target, [1, 2])
 
 
 def test_rank_addresses() -> None:

@@ -29,15 +29,35 @@ def copy_host_kv(pool: HostKVPool | None, plan: SchedulerOutput) -> None:
         pool.copy(plan.host_copies.offloads, plan.host_copies.onloads)
 
 
+def pinned(host: torch.Tensor) -> torch.Tensor:
+    """`host`'s memory, page-locked where CUDA can (a DMA then moves it without a staging
+    copy); as it is where CUDA cannot."""
+    if torch.cuda.is_available():
+        result = int(torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0))
+        if result:
+            gib = host.numel() / 2**30
+            logger.warning("could not page-lock %.1f GiB (CUDA error %d)", gib, result)
+    return host
+
+
 class HostKVPool:
-    def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
+    def __init__(
+        self, kv_caches: list[torch.Tensor], num_slots: int, shared_file: str | None = None
+    ) -> None:
+        """`shared_file`: keep the slots in that file's memory (under /dev/shm: shared with
+        other processes, which map it by name), else in this process's own."""
         # As bytes: [2, num_blocks, block_size, kv_heads, head_dim * itemsize], which every
         # cache dtype can be viewed as, and every copy kernel takes (not all take FP8).
         self.kv_caches = [cache.view(torch.uint8) for cache in kv_caches]
         first = self.kv_caches[0]
         shape = (num_slots, len(kv_caches), first.shape[0], *first.shape[2:])
         self.device = first.device
-        self.slots = torch.empty(shape, dtype=torch.uint8, pin_memory=first.is_cuda)
+        if shared_file is None:
+            self.slots = torch.empty(shape, dtype=torch.uint8, pin_memory=first.is_cuda)
+        else:
+            size = math.prod(shape)
+            mapped = torch.from_file(shared_file, True, size, dtype=torch.uint8)
+            self.slots = pinned(mapped).view(shape)
 
     @classmethod
     def sized(
