@@ -16,6 +16,7 @@ drain ends when its requests do: a loaded 2-core machine decoded 0.3 tokens a se
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hashlib
 import json
@@ -31,7 +32,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import yaml
 
+from shared.config import ENV_PREFIX, config_from_args
 from tests.e2e.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,7 +199,8 @@ def completes(base: str) -> bool:
 def test_compose_files_match_the_compose_spec() -> None:
     """The schema docker compose itself follows (check-jsonschema's vendored copy); needs no
     Docker engine."""
-    files = [str(ROOT / name) for name in ("docker-compose.yml", "docker-compose.gpu.yml")]
+    names = ("docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.disaggregated.yml")
+    files = [str(ROOT / name) for name in names]
     check = subprocess.run(
         [
             sys.executable,
@@ -216,6 +220,36 @@ def test_compose_files_validate() -> None:
     require_docker()
     compose("config", "--quiet")
     compose("-f", "docker-compose.yml", "-f", "docker-compose.gpu.yml", "config", "--quiet")
+    disaggregated = ("-f", "docker-compose.yml", "-f", "docker-compose.disaggregated.yml")
+    compose(*disaggregated, "config", "--quiet")
+
+
+def test_the_disaggregated_engines_read_settings_kvflow_accepts(monkeypatch) -> None:
+    """Each engine container of docker-compose.disaggregated.yml, as kvflow reads its settings:
+    its replica, its own scheduler to bind or reach, the prefill executor's KV address."""
+    files = [ROOT / "docker-compose.yml", ROOT / "docker-compose.disaggregated.yml"]
+    base, override = (yaml.safe_load(path.read_text()) for path in files)
+    expected = {
+        "prefill-scheduler": (0, "tcp://0.0.0.0:5558"),
+        "prefill-executor": (0, "tcp://prefill-scheduler:5558"),
+        "decode-scheduler": (1, "tcp://0.0.0.0:5558"),
+        "decode-executor": (1, "tcp://decode-scheduler:5558"),
+    }
+    for service, (replica, scheduler) in expected.items():
+        for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
+            monkeypatch.delenv(name)
+        for name, value in override["services"][service]["environment"].items():
+            monkeypatch.setenv(name, value)
+        config = config_from_args(argparse.Namespace())
+        assert (config.replica, config.data_parallel_size, config.prefill_replicas) == (
+            replica,
+            2,
+            1,
+        )
+        assert config.replica_address("scheduler_address") == scheduler
+        assert config.addresses("kv_transfer_address")[0] == "tcp://prefill-executor:5560"
+    assert set(base["services"]) - set(override["services"]) == {"prometheus", "grafana"}
+    assert override["services"]["scheduler"]["profiles"] == ["single-engine"]
 
 
 def test_completions_and_chat_stream_through_the_split_stack(url: str) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from services.executor.runner import kv_handover
 from services.executor.runner.host_kv import HostKVPool
-from services.executor.runner.kv_handover import KVExports, KVImports, rank_address
+from services.executor.runner.kv_handover import KVExports, KVImports, bind_address, rank_address
 from shared.protocol import KVExport, KVFetch, KVImport
 from shared.wire_security import LOCAL
 
@@ -145,6 +145,10 @@ def test_a_decode_rank_that_cannot_map_the_slots_gets_the_bytes(
 
 
 def test_rank_addresses() -> None:
+    assert bind_address("tcp://kvflow-engine-0.kvflow-engine:5561") == "tcp://0.0.0.0:5561"
+    assert bind_address("tcp://10.0.0.5:5560") == "tcp://10.0.0.5:5560"
+    assert bind_address("tcp://localhost:5560") == "tcp://localhost:5560"
+    assert bind_address("ipc:///run/kv-0") == "ipc:///run/kv-0"
     assert rank_address("tcp://10.0.0.5:5560", 0) == "tcp://10.0.0.5:5560"
     assert rank_address("tcp://10.0.0.5:5560", 3) == "tcp://10.0.0.5:5563"
     assert rank_address("ipc:///run/kv-0", 1) == "ipc:///run/kv-0-1"

@@ -22,6 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.executor.runner.kv_handover import bind_address, rank_address
 from shared.config import ENV_PREFIX, config_from_args
 from tests.k8s import helm
 
@@ -201,6 +202,33 @@ def test_engine_replicas_are_pods_each_reached_by_name_with_its_own_rank(monkeyp
         # refused, not read as 1 (a 0 is no unset flag), octal 0 or nothing
         result = run_helm("template", "kvflow", str(CHART), how, f"flags.data-parallel-size={bad}")
         assert result.returncode != 0 and "whole number >= 1" in result.stderr, (how, bad)
+
+
+def test_prefill_pods_hand_kv_over_to_decode_pods_by_name(monkeypatch) -> None:
+    """flags.prefill-replicas 1 of 3 at tensor-parallel size 2: every executor knows each
+    pod's KV transfer address by the pod's name; pod 0 prefills and binds its ports (one a
+    rank) on every interface, which the policy opens to the release's pods alone."""
+    sets = ("flags.data-parallel-size=3", "flags.prefill-replicas=1")
+    objects = render(
+        "values-gpu.yaml", *sets, "flags.tensor-parallel-size=2", "engine.executor.gpus=2"
+    )
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    executor = containers(objects)["executor"]
+    assert [p["containerPort"] for p in executor["ports"]] == [5560, 5561]
+    for name in [n for n in os.environ if n.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+    for name, value in {**environment(objects, executor), "KVFLOW_DATA_PARALLEL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    config = config_from_args(argparse.Namespace())
+    assert (config.prefill_replicas, config.replica) == (1, 0)
+    addresses = config.addresses("kv_transfer_address")
+    assert addresses == [f"tcp://kvflow-engine-{r}.kvflow-engine:5560" for r in range(3)]
+    assert bind_address(rank_address(addresses[0], 1)) == "tcp://0.0.0.0:5561"
+    policy = by_kind(objects, "NetworkPolicy")["kvflow-engine"]["spec"]["ingress"][0]
+    assert {p["port"] for p in policy["ports"]} == {5558, 5559, 5560, 5561}
+    plain = containers(render("values-gpu.yaml", "flags.data-parallel-size=2"))["executor"]
+    assert "ports" not in plain and "KVFLOW_KV_TRANSFER_ADDRESS" not in str(plain)
 
 
 def test_the_api_port_is_the_compose_files() -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import logging
 import os
 import threading
@@ -80,10 +81,31 @@ def rank_address(address: str, rank: int) -> str:
     return f"{address}-{rank}"
 
 
-def shared_slots_file(rank: int) -> str | None:
-    """A new shared-memory file for this process's export slots (removed at exit; those of
-    processes gone are removed now), or None without /dev/shm."""
+def bind_address(address: str) -> str:
+    """Where a prefill rank serves its exports: its entry, or every interface on the entry's
+    port where the entry names a host (a pod's or container's name, which the decode replicas
+    connect to: one list serves every replica)."""
+    if not address.startswith("tcp://"):
+        return address
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return address if host == "localhost" else f"tcp://0.0.0.0:{port}"
+    return address
+
+
+def shared_slots_file(rank: int, size: int) -> str | None:
+    """A new shared-memory file for this process's export slots of `size` bytes (removed at
+    exit; those of processes gone are removed now), or None without a writable /dev/shm with
+    room for them (a container's is often 64 MiB: writing past its end would kill us)."""
     if not SHARED_DIR.is_dir() or not os.access(SHARED_DIR, os.W_OK):
+        return None
+    room = os.statvfs(SHARED_DIR)
+    if room.f_bavail * room.f_frsize < size:
+        logger.info(
+            "%s has no room for %.2f GiB: KV handed over as bytes", SHARED_DIR, size / 2**30
+        )
         return None
     for stale in SHARED_DIR.glob(f"{SHARED_PREFIX}*"):
         pid = stale.name[len(SHARED_PREFIX) :].split("-")[0]
@@ -113,7 +135,7 @@ class KVExports:
         self._held: OrderedDict[str, _Export] = OrderedDict()
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._cond = threading.Condition()
-        self._socket = bind_router(zmq.Context.instance(), address, security)
+        self._socket = bind_router(zmq.Context.instance(), bind_address(address), security)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-exports", daemon=True)
         self._thread.start()
@@ -366,7 +388,7 @@ class Handover:
             return cls(None, KVImports(HostKVPool(kv_caches, 0), addresses, security, name), tp)
         block_bytes = HostKVPool(kv_caches, 0).block_bytes
         num_slots = min(max(EXPORT_BUFFER_BYTES // block_bytes, 1), kv_caches[0].shape[1])
-        shared_file = shared_slots_file(tp.rank)
+        shared_file = shared_slots_file(tp.rank, num_slots * block_bytes)
         pool = HostKVPool(kv_caches, num_slots, shared_file)
         logger.info(
             "handing over KV from %s: up to %d blocks held (%.2f GiB%s)",
