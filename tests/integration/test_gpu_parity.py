@@ -32,7 +32,11 @@ SHAPE = dict(
 def build(family: str, folder: object) -> torch.nn.Module:
     config_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
-    config = config_cls(**{**TINY, **extra, **SHAPE})
+    shape = dict(SHAPE)
+    if "layer_types" in extra:  # the family's pattern of layers, over this shape's layers
+        pattern, count = extra["layer_types"], SHAPE["num_hidden_layers"]
+        shape["layer_types"] = (pattern * count)[:count]
+    config = config_cls(**{**TINY, **extra, **shape})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # random biases and norm weights, as in the CPU parity test
         for name, param in model.named_parameters():
