@@ -80,8 +80,7 @@ class EngineCore:
         self._in_flight = None
 
     def has_unfinished(self) -> bool:
-        """Requests to run, or a handed-over prompt's blocks for a plan to export."""
-        return self.scheduler.has_unfinished() or self.scheduler.kv.num_exporting > 0
+        return self.scheduler.has_unfinished()
 
     def stats(self) -> StatsSnapshot:
         return self.scheduler.stats()

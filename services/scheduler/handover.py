@@ -1,6 +1,11 @@
-"""Prefill/decode disaggregation in a decode engine's scheduler (--prefill-replicas): which
-prompt blocks a request fetches from the prefill engine that computed them, and what becomes
-of them once the executor reports the fetch.
+"""Prefill/decode disaggregation in the scheduler (--prefill-replicas).
+
+A prefill engine's request that hands over (KVTransfer.export) ends with its first token; the
+plan whose step completes its prompt exports the prompt's full blocks (KVExport), which the
+executor copies out after that step's forward pass, while the blocks are still the request's.
+
+A decode engine's request fetches the prompt blocks it lacks from the prefill engine that
+computed them; what becomes of them once the executor reports the fetch:
 
 A request handed over (KVTransfer.source) arrives with its prompt and the prefill engine's
 first token. At its first admission, the prompt's full blocks that neither this engine's
@@ -22,6 +27,7 @@ class Handovers:
     def __init__(self, kv: KVCacheManager, block_bytes: int) -> None:
         self.kv = kv
         self._imports: list[KVImport] = []
+        self._exports: list[KVExport] = []
         self.stats = KVTransferStats(block_bytes=block_bytes)
 
     def num_to_import(self, request: Request, num_hits: int) -> int:
@@ -42,9 +48,17 @@ class Handovers:
         imports, self._imports = self._imports, []
         return imports
 
+    def computed(self, request: Request) -> None:
+        """A row of the plan being made takes the request to its prompt's end: if it hands
+        over, its prompt's full blocks go out after the step."""
+        if request.hands_over and request.num_computed_tokens == request.num_prompt_tokens:
+            num_full = request.num_prompt_tokens // self.kv.block_size
+            blocks = self.kv.block_ids[request.request_id][:num_full]
+            if blocks:
+                self._exports.append(KVExport(request.request_id, blocks))
+
     def take_exports(self) -> list[KVExport]:
-        """A prefill engine's exports for the plan being made (KVCacheManager.hand_over)."""
-        exports = self.kv.take_exports()
+        exports, self._exports = self._exports, []
         self.stats.blocks_exported += sum(len(export.block_ids) for export in exports)
         return exports
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from services.scheduler.block_pool import BlockEvents, BlockPool
 from services.scheduler.host_tier import HostTier
 from services.scheduler.request import Request
-from shared.protocol import HostCopies, HostTierStats, KVExport
+from shared.protocol import HostCopies, HostTierStats
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -35,10 +35,8 @@ class KVCacheManager:
         self.prefix_hits = 0  # of which found in the cache
         self.host_queries = 0  # prompt tokens looked up in the host tier (past the GPU's hits)
         self.host_hits = 0  # of which restored from it
-        # Prefill/decode disaggregation: handed-over prompts' blocks, each held by one more
-        # reference until a plan carries its export (`take_exports`); and the requests whose
-        # imported blocks are not known good yet: none of their blocks is cached until then.
-        self._exports: list[KVExport] = []
+        # Prefill/decode disaggregation: the requests whose imported blocks are not known
+        # good yet: none of their blocks is cached until then.
         self.unconfirmed: set[str] = set()
 
     def add_host_tier(self, num_blocks: int) -> None:
@@ -158,25 +156,6 @@ class KVCacheManager:
         offloads, onloads = self.host.take_copies()
         return HostCopies(offloads=offloads, onloads=onloads) if offloads or onloads else None
 
-    def hand_over(self, request: Request) -> None:
-        """Keep the prompt's full blocks of a request that ends now for the plan that exports
-        them (the executor copies them out before that plan's forward pass)."""
-        blocks = self.block_ids[request.request_id][: request.num_prompt_tokens // self.block_size]
-        if blocks:
-            self.pool.touch(blocks)
-            self._exports.append(KVExport(request.request_id, blocks))
-
-    def take_exports(self) -> list[KVExport]:
-        """The exports for the plan being made; their blocks are free again after it."""
-        exports, self._exports = self._exports, []
-        for export in exports:
-            self.pool.release(export.block_ids[::-1])
-        return exports
-
-    @property
-    def num_exporting(self) -> int:
-        return len(self._exports)
-
     def _lost(self, block_hash: bytes) -> None:
         """The host tier dropped a hash: gone from this engine unless the GPU holds it."""
         if self.events is not None and self.pool.lookup(block_hash) is None:
@@ -217,8 +196,5 @@ class KVCacheManager:
         for blocks in self.block_ids.values():
             assert len(set(blocks)) == len(blocks), "a request holds a block twice"
             for block in blocks:
-                refs[block] += 1
-        for export in self._exports:
-            for block in export.block_ids:
                 refs[block] += 1
         assert refs == self.pool.ref_cnt, "reference counts disagree with request block lists"

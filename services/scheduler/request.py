@@ -52,7 +52,7 @@ class Request:
         # its first token and hands its prompt's KV over; a decode engine's fetches it from
         # prefill replica `kv_source` at its first admission (-1: from nowhere, or done).
         transfer = engine_request.kv_transfer
-        self.hands_over = transfer is not None and transfer.export
+        self.hands_over = transfer is not None and transfer.export and max_tokens > 1
         self.handed_over = False
         self.kv_source = -1 if transfer is None else transfer.source
         # Speculative decoding: whether it verifies drafts (set by the scheduler).

@@ -212,6 +212,7 @@ class Scheduler(SchedulerView):
             request = self.requests[request_id]
             request.last_scheduled_step = self._step
             request.num_computed_tokens += num_tokens
+            self.handover.computed(request)
             if request.num_computed_tokens >= request.num_scheduled_tokens_end:
                 request.num_pending_tokens += 1 + (slots.get(request_id, 0) if slots else 0)
 
@@ -465,8 +466,6 @@ class Scheduler(SchedulerView):
         elif request.status is RequestStatus.WAITING:
             # Aborted while queued, or preempted while its last token was in flight.
             self.waiting.remove(request)
-        if request.handed_over and request.status is RequestStatus.RUNNING:
-            self.kv.hand_over(request)
         self.kv.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason

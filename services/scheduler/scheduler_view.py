@@ -4,6 +4,7 @@ control, and the invariants the tests check after every call."""
 from __future__ import annotations
 
 from collections import Counter
+from copy import copy
 
 from services.scheduler.handover import Handovers
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -55,7 +56,8 @@ class SchedulerView:
             expert_tokens=self.expert_tokens,
             expert_ranks=self.expert_ranks,
             host_tier=self.kv.host_tier_stats(self.config.host_block_bytes),
-            kv_transfer=self.handover.stats if self.config.kv_transfer else None,
+            # A copy: a snapshot keeps its figures while the counts go on (StatsLog's rates).
+            kv_transfer=copy(self.handover.stats) if self.config.kv_transfer else None,
         )
 
     def check_invariants(self) -> None:

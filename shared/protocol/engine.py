@@ -75,8 +75,9 @@ class HostCopies(Message, kw_only=True):
 
 
 class KVExport(Message, array_like=True):
-    """A prefill engine's handed-over request: its prompt's full blocks, in order, to keep
-    (copied out before the plan's forward pass) until a decode engine fetches them."""
+    """A prefill engine's request that hands over, whose prompt the plan's step completes: its
+    prompt's full blocks, in order, to copy out after the forward pass and keep until a
+    decode engine fetches them."""
 
     request_id: str
     block_ids: list[int]

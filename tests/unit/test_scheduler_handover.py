@@ -51,40 +51,31 @@ def step(
     return plan, outputs
 
 
-def test_a_prefill_engine_ends_after_the_first_token_and_exports_the_full_blocks() -> None:
-    scheduler = make_scheduler(kv_transfer=True)
+def test_the_plan_completing_a_handed_over_prompt_exports_its_full_blocks() -> None:
+    scheduler = make_scheduler(kv_transfer=True, max_num_batched_tokens=8)
     send(scheduler, KVTransfer(export=True))
-    plan, outputs = step(scheduler)
-    assert plan.num_scheduled_tokens == {"r": 14} and not plan.kv_exports
-    [output] = outputs
-    assert output.new_token_ids == [100] and output.handed_over
-    assert output.finish_reason is FinishReason.LENGTH
-    blocks = scheduler.kv.block_ids.get("r")
-    assert blocks is None  # freed, but the export holds the prompt's full blocks
-    assert scheduler.kv.pool.num_referenced == 3 and scheduler.has_unfinished() is False
-    plan, _ = step(scheduler)  # the next plan carries them; then they are free
+    before = scheduler.stats()
+    plan, outputs = step(scheduler)  # a chunk of the prompt: nothing to export yet
+    assert plan.num_scheduled_tokens == {"r": 8} and not plan.kv_exports and outputs == []
+    scheduler_blocks = list(scheduler.kv.block_ids["r"])
+    plan, [output] = step(scheduler)  # the rest of it: its blocks go out after this step
     [export] = plan.kv_exports
     assert export.request_id == "r" and len(export.block_ids) == 3
-    assert plan.finished_request_ids == ["r"]
+    assert export.block_ids[:2] == scheduler_blocks  # the first chunk's two, then one more
+    assert output.new_token_ids == [100] and output.handed_over
+    assert output.finish_reason is FinishReason.LENGTH
+    assert "r" not in scheduler.kv.block_ids and not scheduler.has_unfinished()
     assert scheduler.kv.pool.num_referenced == 0
     assert scheduler.stats().kv_transfer.blocks_exported == 3  # type: ignore[union-attr]
+    assert before.kv_transfer.blocks_exported == 0  # type: ignore[union-attr]  # kept its figure
 
 
-def test_a_request_that_stops_at_its_first_token_is_not_handed_over() -> None:
+def test_a_request_that_ends_with_its_first_token_exports_nothing() -> None:
     scheduler = make_scheduler()
     send(scheduler, KVTransfer(export=True), max_tokens=1)
-    _, [output] = step(scheduler)
+    plan, [output] = step(scheduler)
+    assert not plan.kv_exports
     assert not output.handed_over and output.finish_reason is FinishReason.LENGTH
-    plan, _ = step(scheduler)
-    assert not plan.kv_exports and scheduler.kv.pool.num_referenced == 0
-
-
-def test_an_aborted_prefill_is_not_exported() -> None:
-    scheduler = make_scheduler()
-    send(scheduler, KVTransfer(export=True))
-    scheduler.schedule()
-    scheduler.abort(["r"])
-    assert not scheduler.schedule().kv_exports and scheduler.kv.pool.num_referenced == 0
 
 
 def test_a_decode_engine_imports_the_blocks_it_lacks_and_continues() -> None:

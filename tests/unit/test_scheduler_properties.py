@@ -171,6 +171,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # and which export each continuing request imports from.
         self.exports: dict[str, list[list[tuple[int, int]]]] = {}
         self.import_from: dict[str, str] = {}
+        self.handed_over: list[str] = []  # requests that ended handed over, in order
         self.next_id = 0
         self.end_by_abort = end_by_abort  # else teardown runs everything to completion
         for prompt, params in initial_requests:
@@ -221,10 +222,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def continue_handed_over(self, data: st.DataObject) -> None:
-        """A decode engine's request for an export (this engine's own: source 0)."""
-        if not self.exports:
+        """A decode engine's request for a handed-over one (this engine's own: source 0),
+        whose export may since have been fetched."""
+        if not self.handed_over:
             return
-        source_id = data.draw(st.sampled_from(sorted(self.exports)))
+        source_id = data.draw(st.sampled_from(self.handed_over))
         source = self.tracked[source_id]
         request_id = f"r{self.next_id}"
         self.next_id += 1
@@ -278,6 +280,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.run_step(
                 lambda: data.draw(sampled_tokens), before_update, lambda: data.draw(st.booleans())
             )
+            if self.handed_over and data.draw(st.booleans()):  # as the tokenizer worker would
+                self.continue_handed_over(data)
 
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
@@ -302,9 +306,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     ) -> None:
         plan = self.scheduler.schedule()
         self.check_plan(plan)
-        self.export_blocks(plan)
         failed = self.import_blocks(plan, fetch_fails)
         sampled = self.execute(plan, draw_token, failed)
+        self.export_blocks(plan)  # after the step's forward pass
         before_update(plan)
         result = ModelRunnerOutput(step=plan.step, sampled=sampled, kv_import_failed=failed)
         self.record(self.scheduler.update(plan, result))
@@ -327,10 +331,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event("resumed after preemption")
 
     def export_blocks(self, plan: SchedulerOutput) -> None:
-        """A handed-over prompt's full blocks hold its prompt as the plan exports them."""
+        """The full blocks of a prompt that hands over hold it once the step completing it has
+        run."""
         for export in plan.kv_exports:
             tracked = self.tracked[export.request_id]
-            assert tracked.hands_over and tracked.ends == [FinishReason.LENGTH]
+            assert tracked.hands_over and not tracked.outputs
             assert len(export.block_ids) == len(tracked.prompt) // BLOCK_SIZE
             blocks = []
             for index, block in enumerate(export.block_ids):
@@ -444,6 +449,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 ends_here = expected_finish(self.config, replace(tracked, hands_over=False))
                 assert output.handed_over == (tracked.hands_over and ends_here is None)
                 if output.handed_over:
+                    self.handed_over.append(output.request_id)
                     event("handed over")
             if output.finished:
                 event(f"finished: {output.finish_reason.value}")

@@ -2,8 +2,10 @@
 services/scheduler/handover.py).
 
 A prefill replica's executor copies each handed-over prompt's blocks (KVExport) to host slots,
-queued on the compute stream as it takes the plan, like the host tier's copies, and serves
-them from a thread to the decode executor that asks (shared/protocol/transfer.py). The slots
+queued on the compute stream right after the forward pass of the step that completes the
+prompt (the request's first token is not sampled yet, so the copy is on its way before any
+decode replica can ask), and serves them from a thread to the decode executor that asks
+(shared/protocol/transfer.py). The slots
 are a file under /dev/shm, page-locked: a decode executor on the same host maps it and copies
 the blocks it is told of straight to its GPU (a shared fetch), then releases them; one that
 cannot map it gets the bytes over the socket, in pieces of at most FETCH_BYTES. An export
@@ -63,12 +65,11 @@ SHARED_DIR = Path("/dev/shm")
 SHARED_PREFIX = "kvflow-kv-"  # then the process id and the rank
 
 
-def move_kv(host: HostKVPool | None, handover: Handover | None, plan: SchedulerOutput) -> None:
-    """The plan's copies to and from the host tier and its handovers, queued before its
-    forward pass."""
+def move_kv(host: HostKVPool | None, handover: Handover, plan: SchedulerOutput) -> None:
+    """The plan's copies to and from the host tier and its handovers' imports, queued before
+    its forward pass."""
     copy_host_kv(host, plan)
-    if handover is not None:
-        handover.run(plan)
+    handover.run(plan)
 
 
 def rank_address(address: str, rank: int) -> str:
@@ -147,8 +148,11 @@ class KVExports:
         self._thread.join(timeout=2)
 
     def add(self, exports: list[KVExport]) -> None:
-        """Queue the copies of a plan's exports (they run after the steps launched before)."""
+        """Queue the copies of a step's exports (after its forward pass)."""
         for export in exports:
+            with self._cond:  # computed again (preempted before its first token): the new one
+                if export.request_id in self._held:
+                    self._drop(export.request_id)
             slots = self._take_slots(export)
             if slots is None:
                 continue
@@ -363,7 +367,8 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
 
 
 class Handover:
-    """An executor rank's part in handovers: exports (a prefill replica) or imports."""
+    """An executor rank's part in handovers: exports (a prefill replica), imports (a decode
+    replica), or neither (the server is not disaggregated)."""
 
     def __init__(
         self, exports: KVExports | None, imports: KVImports | None, tp: TensorParallel
@@ -372,15 +377,14 @@ class Handover:
         self.imports = imports
         self.tp = tp
         self.failed: dict[int, list[str]] = {}  # plan step -> its requests' failed imports
+        self.to_export: dict[int, list[KVExport]] = {}  # plan step -> after its forward pass
         self.seconds: dict[int, float] = {}  # plan step -> the time its imports took
 
     @classmethod
-    def start(
-        cls, config: Config, kv_caches: list[torch.Tensor], tp: TensorParallel
-    ) -> Handover | None:
-        """This rank's part, or None where the server is not disaggregated."""
+    def start(cls, config: Config, kv_caches: list[torch.Tensor], tp: TensorParallel) -> Handover:
+        """This rank's part (none where the server is not disaggregated)."""
         if not config.prefill_replicas:
-            return None
+            return cls(None, None, tp)
         security = WireSecurity.of(config)
         addresses = [rank_address(a, tp.rank) for a in config.addresses("kv_transfer_address")]
         if config.replica >= config.prefill_replicas:
@@ -398,9 +402,9 @@ class Handover:
         return cls(KVExports(pool, addresses[config.replica], security, shared_file), None, tp)
 
     def run(self, plan: SchedulerOutput) -> None:
-        """The plan's exports and imports, as the executor takes it."""
+        """The plan's imports, as the executor takes it; its exports wait for its step."""
         if self.exports is not None and plan.kv_exports:
-            self.exports.add(plan.kv_exports)
+            self.to_export.setdefault(plan.step, []).extend(plan.kv_exports)
         if self.imports is None or not plan.kv_imports:
             return
         started = time.perf_counter()
@@ -412,6 +416,18 @@ class Handover:
                 self.failed.setdefault(plan.step, []).append(entry.request_id)
         elapsed = time.perf_counter() - started
         self.seconds[plan.step] = self.seconds.get(plan.step, 0.0) + elapsed
+
+    def after_forward(self, step: int) -> None:
+        """Step `step`'s forward pass is queued: copy out the prompts it completed."""
+        exports = self.to_export.pop(step, None)
+        if exports and self.exports is not None:
+            self.exports.add(exports)
+
+    def reset(self) -> None:
+        """The executor dropped every step (a new scheduler): their handovers go too."""
+        self.to_export.clear()
+        self.failed.clear()
+        self.seconds.clear()
 
     def report(self, output: ModelRunnerOutput) -> None:
         """What the step's imports came to, into its output."""

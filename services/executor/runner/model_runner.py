@@ -42,6 +42,7 @@ from services.executor.runner.step_state import (
     PreparedStep,
     RequestState,
     needs_collected_tokens,
+    recorded_event,
 )
 from services.executor.runner.warm_up import warm_up
 from shared.config import Config
@@ -246,6 +247,7 @@ class ModelRunner:
         self._prepared = None
         if self.lora is not None:
             self.lora.reset()
+        self.handover.reset()
         self.row_owner = [None] * len(self.row_owner)
 
     # ------------------------------------------------------------------ a step
@@ -329,10 +331,8 @@ class ModelRunner:
         else:
             hidden = self.graphs.replay(prepared.shape)
             view = self.buffers.view()  # after: the device computes while the host makes it
-        forward_done = None
-        if self.device.type == "cuda":
-            forward_done = torch.cuda.Event()
-            forward_done.record()
+        forward_done = recorded_event(self.device)
+        self.handover.after_forward(step)  # the prompts this step completes go out now
         logits = self.model.compute_logits(hidden[view.sample_rows])  # [S, vocab]
         states = [self.requests[rid] for rid in prepared.sample_ids]
         token_bitmask = self._token_bitmask(states, prepared)
@@ -376,8 +376,7 @@ class ModelRunner:
             raise RuntimeError("collect() without a step in flight")
         step = self._in_flight.popleft()
         output = step.finish()
-        if self.handover is not None:
-            self.handover.report(output)
+        self.handover.report(output)
         if self.tp.rank == 0:  # the other ranks read rank 0's drafts in the plans it relays
             propose_after(self.proposer, step, self.requests)
         return output

@@ -168,6 +168,15 @@ class DeviceSpan:
         return self.start.elapsed_time(self.end)
 
 
+def recorded_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event recorded on the current stream now (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 @dataclass
 class InFlightStep:
     """A launched step; `finish` waits for its tokens and hands them to their requests."""
