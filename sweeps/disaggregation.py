@@ -1,14 +1,19 @@
-"""Prefill/decode disaggregation on one GPU: the transfer path and its cost.
+"""Prefill/decode disaggregation: the transfer path and its cost, and what it buys.
 
-Two servers of the same model, one after the other: one engine (`--data-parallel-size 1`), and
-two replicas sharing the GPU, one prefilling and one decoding (`--data-parallel-size 2
---prefill-replicas 1`), each KV cache held to the same bytes. On each: a few greedy requests
-(their tokens must be the same on both), then random-token prompts at a request rate, measured
-by `kvflow bench serve`'s client. From the disaggregated server's metrics: the KV blocks and
-bytes handed over and the decode executor's time fetching and copying them in, against a
-pinned host-to-GPU copy measured beside it (the floor of the last leg of the path).
+Two servers of the same model, one after the other: a baseline, and two replicas, one
+prefilling and one decoding (`--data-parallel-size 2 --prefill-replicas 1`), each KV cache held
+to the same bytes. The baseline is one engine (`--baseline one`, for one GPU, which the two
+replicas then share) or two ordinary replicas (`--baseline dp`: on two GPUs, a GPU each, as
+the pair is). On each: a few greedy requests (their tokens must be the same on both), then
+random-token prompts at a request rate, measured by `kvflow bench serve`'s client: all of
+--input-len, or (`--long-fraction F`) a mix of long prompts (--long-len, spread by
+--long-range) and short chats (--input-len). From the disaggregated server's metrics: the KV
+blocks and bytes handed over and the decode executor's time fetching and copying them in,
+against a pinned host-to-GPU copy measured beside it (the floor of the last leg of the path).
 
     python -m sweeps.disaggregation /tmp/qwen3-8b --out $OUT/disaggregation.json
+    python -m sweeps.disaggregation /tmp/qwen3-8b --baseline dp --long-fraction 0.25 \
+        --long-len 10000 --long-range 0.6 --input-len 256 --max-model-len 20000 --out ...
 
 MODEL is a folder with a tokenizer (the greedy tokens are compared as text pieces).
 
@@ -21,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +35,7 @@ import httpx
 import torch
 
 from benchmarks.serve.client import COMPLETIONS
-from benchmarks.serve.datasets import random_requests
+from benchmarks.serve.datasets import SampleRequest, random_requests
 from benchmarks.serve.metrics import summarize
 from benchmarks.serve.runner import Target, run_requests
 from tests.e2e.server import Server, start_server
@@ -133,6 +139,20 @@ def replica_metrics(server: Server) -> dict[str, dict[str, float]]:
     return found
 
 
+def workload(args: argparse.Namespace) -> list[SampleRequest]:
+    """The prompts, in a seeded order: short ones, and a share of long ones."""
+    num_long = round(args.num_prompts * args.long_fraction)
+    requests = random_requests(
+        args.num_prompts - num_long, args.input_len, args.output_len, 0.0, seed=1
+    )
+    if num_long:
+        requests += random_requests(
+            num_long, args.long_len, args.output_len, args.long_range, seed=2
+        )
+        random.Random(3).shuffle(requests)
+    return requests
+
+
 def measure(flags: list[str], args: argparse.Namespace) -> dict[str, Any]:
     server = start_server(
         *([args.model] if args.model else []),
@@ -144,7 +164,7 @@ def measure(flags: list[str], args: argparse.Namespace) -> dict[str, Any]:
     try:
         prompts = [r.prompt for r in random_requests(3, args.input_len, 1, 0.0, seed=7)]
         tokens = greedy_tokens(server, prompts, 32)  # also warms both replicas up
-        requests = random_requests(args.num_prompts, args.input_len, args.output_len, 0.0, 1)
+        requests = workload(args)
         target = Target(
             base_url=server.url,
             endpoint=COMPLETIONS,
@@ -171,6 +191,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=3000)
     parser.add_argument("--output-len", type=int, default=200)
     parser.add_argument("--num-prompts", type=int, default=48)
+    parser.add_argument("--baseline", choices=("one", "dp"), default="one")
+    parser.add_argument("--long-fraction", type=float, default=0.0)
+    parser.add_argument("--long-len", type=int, default=10000)
+    parser.add_argument("--long-range", type=float, default=0.6)
     parser.add_argument("--request-rate", type=float, default=2.0)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kv-cache-gib", type=int, default=30)
@@ -183,22 +207,23 @@ def main() -> None:
     report["pinned_h2d_gb_per_s"] = pinned_copy_gb_per_s() if cuda else None
     report["transfer_path"] = transfer_path() if cuda else None
     print(json.dumps(report["transfer_path"]), flush=True)
-    report["one_engine"] = measure([], args)
+    baseline = [] if args.baseline == "one" else ["--data-parallel-size", "2"]
+    report["baseline"] = measure(baseline, args)
     report["disaggregated"] = measure(
         ["--data-parallel-size", "2", "--prefill-replicas", "1"], args
     )
-    report["greedy_equal"] = report["one_engine"]["greedy"] == report["disaggregated"]["greedy"]
+    report["greedy_equal"] = report["baseline"]["greedy"] == report["disaggregated"]["greedy"]
     metrics = report["disaggregated"]["metrics"]
     seconds = sum(metrics.get("kv_transfer_import_seconds_total", {}).values())
     moved = sum(metrics.get("kv_transfer_bytes_imported_total", {}).values())
     report["import_gb_per_s"] = moved / seconds / 1e9 if seconds else None
     args.out.write_text(json.dumps(report, indent=1, default=str))
-    for name in ("one_engine", "disaggregated"):
+    for name in ("baseline", "disaggregated"):
         serve = report[name]["serve"]
         print(
             f"{name}: TTFT median {serve.get('median_ttft_ms')}, ITL median "
-            f"{serve.get('median_itl_ms')} p99 {serve.get('p99_itl_ms')}, output tok/s "
-            f"{serve.get('output_throughput')}"
+            f"{serve.get('median_itl_ms')} p99 {serve.get('p99_itl_ms')}, TPOT p99 "
+            f"{serve.get('p99_tpot_ms')}, output tok/s {serve.get('output_throughput')}"
         )
     print(
         f"greedy equal: {report['greedy_equal']}; imported {moved / 1e9:.2f} GB in {seconds:.2f} s"

@@ -397,6 +397,7 @@ class Scheduler(SchedulerView):
         if request is None:
             return
         request.num_pending_tokens = 0
+        request.num_preemptions += 1  # readmitted as a preempted one is (never into an addendum)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
             self._requeue(request)

@@ -68,6 +68,17 @@ def test_greedy_outputs_equal_one_engines(server: Server, default_server: Server
     assert generated[0] == len(PROMPTS) and generated[1] == len(PROMPTS) * 23
 
 
+def test_each_of_n_choices_is_handed_over_on_its_own(
+    server: Server, default_server: Server
+) -> None:
+    want = complete(default_server, PROMPTS[0]).choices[0].text
+    before = metric(server, "kv_transfer_blocks_exported_total").get(0, 0)
+    got = complete(server, PROMPTS[0], n=2)
+    assert [choice.text for choice in got.choices] == [want, want]
+    exported = metric(server, "kv_transfer_blocks_exported_total").get(0, 0) - before
+    assert exported == 2 * (got.usage.prompt_tokens // 16)
+
+
 def test_a_streamed_chat_equals_one_engines(server: Server, default_server: Server) -> None:
     messages = [
         {"role": "user", "content": "Name three rivers of Europe, and say why each matters."}

@@ -7,16 +7,24 @@ slots are full (never one lent to a shared fetch), and a fetch that cannot be an
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from services.executor.parallel.tensor_parallel import TensorParallel
 from services.executor.runner import kv_handover
 from services.executor.runner.host_kv import HostKVPool
-from services.executor.runner.kv_handover import KVExports, KVImports, bind_address, rank_address
-from shared.protocol import KVExport, KVFetch, KVImport
+from services.executor.runner.kv_handover import (
+    Handover,
+    KVExports,
+    KVImports,
+    bind_address,
+    rank_address,
+)
+from shared.protocol import KVExport, KVFetch, KVImport, ModelRunnerOutput, SchedulerOutput
 from shared.wire_security import LOCAL
 
 NUM_BLOCKS = 12
@@ -131,6 +139,19 @@ def test_slots_lent_to_a_shared_fetch_are_not_dropped(
     assert error is not None and "no export" in error
 
 
+def test_a_restarted_prefill_rank_is_read_in_its_new_file(address: str, tmp_path: Path) -> None:
+    target = caches(seed=3)
+    imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
+    for seed, name in ((1, "before"), (2, "after")):  # the same address, a new file each time
+        source, shared = caches(seed=seed), str(tmp_path / f"kvflow-kv-{name}")
+        exports = KVExports(HostKVPool(source, 4, shared), address, LOCAL, shared)
+        exports.add([KVExport(name, [0, 1])])
+        assert imports.load(KVImport(name, 0, 0, [5, 6])) is None
+        assert same_blocks(source, [0, 1], target, [5, 6])
+        assert imports._files[0][0] == shared
+        exports.close()
+
+
 def test_a_decode_rank_that_cannot_map_the_slots_gets_the_bytes(
     address: str, tmp_path: Path
 ) -> None:
@@ -139,9 +160,54 @@ def test_a_decode_rank_that_cannot_map_the_slots_gets_the_bytes(
     exports = KVExports(HostKVPool(source, 4, shared), address, LOCAL, shared)
     exports.add([KVExport("a", [8, 9])])
     imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
-    imports._files[shared] = None  # as on another host
+    imports._files[0] = (shared, None)  # as on another host
     assert imports.load(KVImport("a", 0, 0, [1, 2])) is None
     assert same_blocks(source, [8, 9], target, [1, 2])
+
+
+def test_a_silent_prefill_replica_is_not_asked_again_for_a_while(
+    address: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(kv_handover, "FETCH_TIMEOUT_S", 0.2)
+    imports = KVImports(HostKVPool(caches(), 0), [f"ipc://{tmp_path}/nobody"], LOCAL, "decode")
+    error = imports.load(KVImport("a", 0, 0, [1]))
+    assert error is not None and "did not answer in" in error
+    error = imports.load(KVImport("b", 0, 0, [1]))  # at once, not after another timeout
+    assert error is not None and "did not answer lately" in error
+
+
+def test_a_fetch_that_breaks_or_has_no_fetcher_fails_its_request_alone(address: str) -> None:
+    tp = TensorParallel()
+    entry = KVImport("a", 0, 0, [1])
+    plan = SchedulerOutput(
+        step=3, new_requests=[], cached_requests=[], num_scheduled_tokens={},
+        finished_request_ids=[], kv_imports=[entry],
+    )  # fmt: skip
+    imports = KVImports(HostKVPool(caches(), 0), [address], LOCAL, "decode")
+    imports.load = lambda entry: 1 / 0  # type: ignore[method-assign,assignment,return-value]
+    for handover in (
+        Handover(None, imports, tp, torch.device("cpu")),
+        Handover(None, None, tp, torch.device("cpu")),  # a prefill replica asked to import
+    ):
+        handover.run(plan)
+        output = ModelRunnerOutput(step=3, sampled={})
+        handover.report(output)
+        assert output.kv_import_failed == ["a"]
+
+
+def test_shared_slot_files_are_named_once_and_those_of_gone_processes_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kv_handover, "SHARED_DIR", tmp_path)
+    host = socket.gethostname()
+    stale = tmp_path / f"kvflow-kv-{host}-999999999-0-abcd"  # no such process
+    other_host = tmp_path / "kvflow-kv-another-host-999999999-0-abcd"  # not ours to judge
+    stale.touch()
+    other_host.touch()
+    first, second = kv_handover.shared_slots_file(0, 4096), kv_handover.shared_slots_file(0, 4096)
+    assert first and second and first != second
+    assert Path(first).stat().st_size == 4096
+    assert not stale.exists() and other_host.exists()
 
 
 def test_rank_addresses() -> None:

@@ -43,7 +43,7 @@ def rank_main(rank: int, folder: str) -> None:
     address = rank_address(f"ipc://{folder}/kv", rank)
     exports = KVExports(HostKVPool(source, 4), address, LOCAL, None)
     imports = KVImports(HostKVPool(target, 0), [address], LOCAL, f"decode-{rank}")
-    handover = Handover(None, imports, tp)
+    handover = Handover(None, imports, tp, torch.device("cpu"))
     exports.add([KVExport("both", [4, 5])])
     if rank == 1:  # rank 0's copy of this one never comes
         exports.add([KVExport("one", [4, 5])])

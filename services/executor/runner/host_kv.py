@@ -21,6 +21,7 @@ from services.executor.runner.kv_cache import KVCacheLayout
 from shared.protocol import SchedulerOutput
 
 logger = logging.getLogger(__name__)
+TO_HOST_BLOCKS = 64  # blocks staged on the device at a time on their way to the host
 
 
 def copy_host_kv(pool: HostKVPool | None, plan: SchedulerOutput) -> None:
@@ -38,6 +39,12 @@ def pinned(host: torch.Tensor) -> torch.Tensor:
             gib = host.numel() / 2**30
             logger.warning("could not page-lock %.1f GiB (CUDA error %d)", gib, result)
     return host
+
+
+def unpinned(host: torch.Tensor) -> None:
+    """Undo `pinned` (before the memory goes)."""
+    if torch.cuda.is_available():
+        torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
 class HostKVPool:
@@ -104,6 +111,12 @@ class HostKVPool:
         return math.prod(self.slots.shape[1:])
 
     def to_host(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy blocks to slots, (GPU block, host slot) pairs, a piece at a time (the pieces
+        are staged on the device, outside the memory plan)."""
+        for first in range(0, len(pairs), TO_HOST_BLOCKS):
+            self._to_host(pairs[first : first + TO_HOST_BLOCKS])
+
+    def _to_host(self, pairs: list[tuple[int, int]]) -> None:
         blocks = self._indices([block for block, _ in pairs])
         # [n, layers, 2, block_size, kv_heads, head_dim]: each block's layers together
         staged = torch.stack([cache.index_select(1, blocks) for cache in self.kv_caches])

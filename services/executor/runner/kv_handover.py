@@ -29,6 +29,8 @@ import contextlib
 import ipaddress
 import logging
 import os
+import secrets
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -40,7 +42,7 @@ import torch
 import zmq
 
 from services.executor.parallel.tensor_parallel import TensorParallel
-from services.executor.runner.host_kv import HostKVPool, copy_host_kv, pinned
+from services.executor.runner.host_kv import HostKVPool, copy_host_kv, pinned, unpinned
 from shared.config import Config
 from shared.ipc import Decoder, bind_router, connect_dealer, encode
 from shared.protocol import (
@@ -58,6 +60,8 @@ logger = logging.getLogger(__name__)
 EXPORT_BUFFER_BYTES = 4 << 30  # host memory a prefill rank holds exports in, at most
 FETCH_BYTES = 32 << 20  # a fetch's piece over the socket: well under its message bound
 FETCH_TIMEOUT_S = 5.0  # a decode rank's wait for one answer
+SILENT_S = 10.0  # a prefill replica that did not answer is not asked again for this long
+READ_BYTES = 128 << 20  # a shared fetch's piece on the GPU (staging is not in the memory plan)
 EXPORT_WAIT_S = 3.0  # a prefill rank's wait for an export it has not taken yet
 LEND_S = 30.0  # how long slots lent to a shared fetch stay out of the oldest-first drop
 MAX_GONE = 4096  # exports remembered as fetched or dropped, to answer later asks at once
@@ -97,22 +101,29 @@ def bind_address(address: str) -> str:
 
 
 def shared_slots_file(rank: int, size: int) -> str | None:
-    """A new shared-memory file for this process's export slots of `size` bytes (removed at
-    exit; those of processes gone are removed now), or None without a writable /dev/shm with
-    room for them (a container's is often 64 MiB: writing past its end would kill us)."""
+    """A new shared-memory file of `size` bytes for this process's export slots, its space
+    reserved (a container's /dev/shm is often 64 MiB: writing past its end would kill us),
+    removed at exit; None without a writable /dev/shm with room for it. Its name holds this
+    host's name, the process id and a random part: files of this host's processes gone are
+    removed first, and a name is never used twice (a decode rank may still map an old one)."""
     if not SHARED_DIR.is_dir() or not os.access(SHARED_DIR, os.W_OK):
         return None
-    room = os.statvfs(SHARED_DIR)
-    if room.f_bavail * room.f_frsize < size:
-        logger.info(
-            "%s has no room for %.2f GiB: KV handed over as bytes", SHARED_DIR, size / 2**30
-        )
-        return None
-    for stale in SHARED_DIR.glob(f"{SHARED_PREFIX}*"):
-        pid = stale.name[len(SHARED_PREFIX) :].split("-")[0]
+    host = socket.gethostname()
+    for stale in SHARED_DIR.glob(f"{SHARED_PREFIX}{host}-*"):
+        pid = stale.name[len(f"{SHARED_PREFIX}{host}-") :].split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             stale.unlink(missing_ok=True)
-    path = SHARED_DIR / f"{SHARED_PREFIX}{os.getpid()}-{rank}"
+    path = SHARED_DIR / f"{SHARED_PREFIX}{host}-{os.getpid()}-{rank}-{secrets.token_hex(4)}"
+    descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(descriptor, 0, size)
+    except OSError:
+        path.unlink()
+        gib = size / 2**30
+        logger.info("%s has no room for %.2f GiB: KV handed over as bytes", SHARED_DIR, gib)
+        return None
+    finally:
+        os.close(descriptor)
     atexit.register(path.unlink, missing_ok=True)
     return str(path)
 
@@ -132,7 +143,7 @@ class KVExports:
     ) -> None:
         self.pool = pool
         self.shared_file = shared_file
-        self._free = list(range(pool.num_slots))
+        self._free = list(range(pool.num_slots - 1, -1, -1))  # pops the lowest: runs stay runs
         self._held: OrderedDict[str, _Export] = OrderedDict()
         self._gone: OrderedDict[str, None] = OrderedDict()
         self._cond = threading.Condition()
@@ -181,6 +192,7 @@ class KVExports:
 
     def _drop(self, request_id: str) -> None:
         self._free.extend(self._held.pop(request_id).slots)
+        self._free.sort(reverse=True)
         self._note_gone(request_id)
 
     def _note_gone(self, request_id: str) -> None:
@@ -253,7 +265,9 @@ class KVImports:
         self.security = security
         self.name = name
         self._sockets: dict[int, zmq.Socket[Any]] = {}
-        self._files: dict[str, torch.Tensor | None] = {}  # shared files mapped (None: cannot)
+        # Each source's shared file mapped here, by its name (None: cannot be).
+        self._files: dict[int, tuple[str, torch.Tensor | None]] = {}
+        self._silent_until: dict[int, float] = {}  # sources not to be asked until then
         self._unshared: set[int] = set()  # sources whose slots this rank cannot map
         self._stream = torch.cuda.Stream(pool.device) if pool.device.type == "cuda" else None
         self._decoder = Decoder(KVFetchReply, "KV fetch")
@@ -262,19 +276,25 @@ class KVImports:
         """Fetch the blocks and queue their copies into the cache; an error, or None."""
         if not 0 <= entry.source < len(self.addresses):
             return f"no prefill replica {entry.source}"
+        if time.monotonic() < self._silent_until.get(entry.source, 0.0):
+            return f"prefill replica {entry.source} did not answer lately"
         if entry.source in self._unshared:
             return self._load_bytes(entry)
         fetch = KVFetch(entry.request_id, entry.first, len(entry.block_ids), shared=True)
         reply, _ = self._ask(entry.source, fetch)
         if reply.error:
             return reply.error
-        slab = self._mapped(reply.shared_file) if reply.slots else None
+        slab = self._mapped(entry.source, reply.shared_file) if reply.slots else None
         if slab is None:  # not shared, or not mappable from here: the bytes, piece by piece
             self._unshared.add(entry.source)
             return self._load_bytes(entry)
-        staged = self._read(slab, reply.slots)
+        if len(reply.slots) != len(entry.block_ids) or max(reply.slots) >= slab.shape[0]:
+            return f"slots {reply.slots} do not hold {len(entry.block_ids)} blocks here"
+        per_piece = max(READ_BYTES // self.pool.block_bytes, 1)
+        for start in range(0, len(reply.slots), per_piece):
+            staged = self._read(slab, reply.slots[start : start + per_piece])
+            self.pool.write(entry.block_ids[start : start + per_piece], staged)
         self._send(entry.source, KVRelease(entry.request_id))
-        self.pool.write(entry.block_ids, staged)
         return None
 
     def _read(self, slab: torch.Tensor, slots: list[int]) -> torch.Tensor:
@@ -326,6 +346,7 @@ class KVImports:
                 return reply, data.buffer
         # An answer may still come: a new socket never mistakes it for a later one's.
         self._sockets.pop(source).close(linger=0)
+        self._silent_until[source] = time.monotonic() + SILENT_S
         error = f"prefill replica {source} did not answer in {FETCH_TIMEOUT_S:.0f} s"
         return KVFetchReply(error=error), b""
 
@@ -340,19 +361,24 @@ class KVImports:
             )
         return self._sockets[source]
 
-    def _mapped(self, path: str) -> torch.Tensor | None:
-        """The prefill rank's shared slots, mapped here once ([slots, ...] bytes); None where
-        this process cannot open the file (another host, another /dev/shm)."""
-        if path not in self._files:
-            slab = None
-            with contextlib.suppress(OSError, RuntimeError):
-                size = os.path.getsize(path)
-                block = self.pool.block_bytes
-                if size % block == 0:
-                    mapped = pinned(torch.from_file(path, True, size, dtype=torch.uint8))
-                    slab = mapped.view(size // block, *self.pool.slots.shape[1:])
-            self._files[path] = slab
-        return self._files[path]
+    def _mapped(self, source: int, path: str) -> torch.Tensor | None:
+        """The prefill rank's shared slots ([slots, ...] bytes), mapped here once a file (a
+        restarted rank's new file replaces its old one); None where this process cannot open
+        it (another host, another /dev/shm)."""
+        known = self._files.get(source)
+        if known is not None and known[0] == path:
+            return known[1]
+        if known is not None and known[1] is not None:
+            unpinned(known[1])
+        slab = None
+        with contextlib.suppress(OSError, RuntimeError):
+            size = os.path.getsize(path)
+            block = self.pool.block_bytes
+            if size % block == 0:
+                mapped = pinned(torch.from_file(path, True, size, dtype=torch.uint8))
+                slab = mapped.view(size // block, *self.pool.slots.shape[1:])
+        self._files[source] = (path, slab)
+        return slab
 
 
 def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
@@ -371,11 +397,16 @@ class Handover:
     replica), or neither (the server is not disaggregated)."""
 
     def __init__(
-        self, exports: KVExports | None, imports: KVImports | None, tp: TensorParallel
+        self,
+        exports: KVExports | None,
+        imports: KVImports | None,
+        tp: TensorParallel,
+        device: torch.device,
     ) -> None:
         self.exports = exports
         self.imports = imports
         self.tp = tp
+        self.device = device
         self.failed: dict[int, list[str]] = {}  # plan step -> its requests' failed imports
         self.to_export: dict[int, list[KVExport]] = {}  # plan step -> after its forward pass
         self.seconds: dict[int, float] = {}  # plan step -> the time its imports took
@@ -383,13 +414,17 @@ class Handover:
     @classmethod
     def start(cls, config: Config, kv_caches: list[torch.Tensor], tp: TensorParallel) -> Handover:
         """This rank's part (none where the server is not disaggregated)."""
+        device = kv_caches[0].device
         if not config.prefill_replicas:
-            return cls(None, None, tp)
+            return cls(None, None, tp, device)
         security = WireSecurity.of(config)
         addresses = [rank_address(a, tp.rank) for a in config.addresses("kv_transfer_address")]
+        if len(addresses) != config.data_parallel_size:
+            raise ValueError("--prefill-replicas needs --kv-transfer-address, one per replica")
         if config.replica >= config.prefill_replicas:
             name = f"r{config.replica}-executor-{tp.rank}"
-            return cls(None, KVImports(HostKVPool(kv_caches, 0), addresses, security, name), tp)
+            imports = KVImports(HostKVPool(kv_caches, 0), addresses, security, name)
+            return cls(None, imports, tp, device)
         block_bytes = HostKVPool(kv_caches, 0).block_bytes
         num_slots = min(max(EXPORT_BUFFER_BYTES // block_bytes, 1), kv_caches[0].shape[1])
         shared_file = shared_slots_file(tp.rank, num_slots * block_bytes)
@@ -399,23 +434,34 @@ class Handover:
             addresses[config.replica], num_slots, num_slots * block_bytes / 2**30,
             f", shared at {shared_file}" if shared_file else "",
         )  # fmt: skip
-        return cls(KVExports(pool, addresses[config.replica], security, shared_file), None, tp)
+        exports = KVExports(pool, addresses[config.replica], security, shared_file)
+        return cls(exports, None, tp, device)
 
     def run(self, plan: SchedulerOutput) -> None:
         """The plan's imports, as the executor takes it; its exports wait for its step."""
         if self.exports is not None and plan.kv_exports:
             self.to_export.setdefault(plan.step, []).extend(plan.kv_exports)
-        if self.imports is None or not plan.kv_imports:
+        if not plan.kv_imports:
             return
         started = time.perf_counter()
         for entry in plan.kv_imports:
-            error = self.imports.load(entry)
-            ok = self.tp.smallest(int(error is None), self.imports.pool.device)
+            error = self._load(entry)
+            ok = self.tp.smallest(int(error is None), self.device)
             if not ok:
                 logger.warning("request_id=%s: KV fetch failed: %s", entry.request_id, error)
                 self.failed.setdefault(plan.step, []).append(entry.request_id)
         elapsed = time.perf_counter() - started
         self.seconds[plan.step] = self.seconds.get(plan.step, 0.0) + elapsed
+
+    def _load(self, entry: KVImport) -> str | None:
+        """One import: an error, or None once its copies are queued."""
+        if self.imports is None:
+            return "this replica fetches no KV (not a decode replica)"
+        try:
+            return self.imports.load(entry)
+        except Exception as exc:  # a bad answer must fail this request, not the executor
+            logger.exception("request_id=%s: KV fetch broke", entry.request_id)
+            return f"{type(exc).__name__}: {exc}"
 
     def after_forward(self, step: int) -> None:
         """Step `step`'s forward pass is queued: copy out the prompts it completed."""

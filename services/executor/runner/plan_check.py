@@ -75,6 +75,8 @@ def check_plan(
         _in_range(delta.new_block_ids, limits.num_blocks, f"{delta.request_id}: block id")
         known[delta.request_id] = (state[0], state[1] + len(delta.new_block_ids))
     _check_host_copies(plan, limits)
+    for handover in (*plan.kv_exports, *plan.kv_imports):  # disaggregation's blocks
+        _in_range(handover.block_ids, limits.num_blocks, f"{handover.request_id}: handed over")
     _check_rows(plan, limits, known, num_rows, num_tokens)
 
 
