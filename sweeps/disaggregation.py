@@ -83,7 +83,9 @@ def transfer_path(num_blocks: int = 200) -> dict[str, Any]:
     source, target = caches(), caches()
     folder = tempfile.mkdtemp()
     shared = f"/dev/shm/kvflow-kv-{os.getpid()}-sweep"
-    exports = KVExports(HostKVPool(source, num_blocks, shared), f"ipc://{folder}/x", LOCAL, shared)
+    # Twice the blocks: a release may come after the next export (as in serving, slots wait).
+    pool = HostKVPool(source, 2 * num_blocks, shared)
+    exports = KVExports(pool, f"ipc://{folder}/x", LOCAL, shared)
     order = list(range(num_blocks))
     result: dict[str, Any] = {
         "blocks": num_blocks,
