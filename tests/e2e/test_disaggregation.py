@@ -33,7 +33,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24)
 def server() -> Iterator[Server]:
     server = start_server(
         *("--data-parallel-size", "2", "--prefill-replicas", "1"),
-        *("--tokenizer-pool-size", "1", "--drain-timeout", "1"),
+        *("--tokenizer-pool-size", "1", "--api-server-count", "1", "--drain-timeout", "1"),
     )
     try:
         yield server
