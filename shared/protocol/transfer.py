@@ -31,7 +31,6 @@ class KVFetch(Message, tag=True):
 class KVFetchReply(Message, tag=True, kw_only=True):
     """The answer to a KVFetch; with `error` empty, the bytes follow in the next frame."""
 
-    num_blocks: int = 0
     block_bytes: int = 0
     error: str = ""
     # A shared fetch: the file the slots are in, and the blocks' slots there, in order.

@@ -236,7 +236,7 @@ class KVExports:
         end = fetch.first + fetch.count
         if not 0 <= fetch.first < end <= len(entry.slots):
             return KVFetchReply(error=f"blocks {fetch.first}..{end - 1} of {len(entry.slots)}"), b""
-        reply = KVFetchReply(num_blocks=fetch.count, block_bytes=self.pool.block_bytes)
+        reply = KVFetchReply(block_bytes=self.pool.block_bytes)
         with self._cond:
             if self._held.get(rid) is not entry:  # dropped meanwhile: its slots may be reused
                 return KVFetchReply(error=f"the export of {rid!r} was dropped"), b""
