@@ -9,10 +9,11 @@ Reported (medians over the decode steps; device times from CUDA events):
 - plain_step_ms: a decode step of the target alone (forward and sampling, one token);
 - verify_step_ms: a step that verifies k drafts (k + 1 tokens); verify / plain is the target
   of issue 46 (<= 1.15);
-- propose_ms: the proposer's wall time after a step's tokens are known until its drafts are
-  on the host (its device passes and the one wait), plus `project` (EAGLE-3's fc on the
-  step's hidden states, inside the step); propose / verify step is the other target (<= 10 %);
-- propose_parts_host_ms: the host time of parts of the proposal, a proposal's mean;
+- propose_device_ms: the device span of the proposer's work after a step (EAGLE-3: its fc of
+  the step's hidden states, the catch-up and the draft passes, the drafts' copy), which the
+  next step's layout waits for; propose / verify step is the other target (<= 10 %);
+- propose_queue_host_ms: the host time of queueing that work (beside the step's device work);
+- propose_take_ms: the host's wall time taking the drafts once the step's tokens are in;
 - the wall time per step and per output token of each run.
 With dummy weights the head's drafts are random, so tokens per step say nothing of a real head.
 """
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from kvflow import LLM, SamplingParams
+from services.executor.runner.step_state import DeviceSpan
 
 
 def _record_steps(llm: LLM) -> list[dict[str, float]]:
@@ -50,71 +52,35 @@ def _record_steps(llm: LLM) -> list[dict[str, float]]:
     return steps
 
 
-def _record_proposals(llm: LLM) -> list[float]:
-    proposer, times = llm.runner.proposer, []
-    if proposer is None or not hasattr(proposer, "propose_step"):
+def _record_proposals(llm: LLM) -> dict[str, list[float]]:
+    """Per step of a proposer that drafts on the device after each step (EAGLE-3): the device
+    span of its work (`after_step`, from before its first kernel to after its drafts' copy:
+    CUDA events, off the CPU the wall time), the host time of queueing it, and the wall time
+    the host then spends taking the drafts once the step's tokens are in (`take_drafts`,
+    which waits for the copy)."""
+    proposer = llm.runner.proposer
+    times: dict[str, list[float]] = {"device": [], "queue_host": [], "take": []}
+    if proposer is None or not hasattr(proposer, "after_step"):
         return times
-    propose = proposer.propose_step
+    after_step, take_drafts, spans = proposer.after_step, proposer.take_drafts, []
 
-    def timed(*args):  # type: ignore[no-untyped-def]
+    def timed_after_step(*args):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
-        drafts = propose(*args)
-        times.append((time.perf_counter() - start) * 1e3)
+        began = DeviceSpan.mark(proposer.device)
+        proposal = after_step(*args)
+        spans.append(DeviceSpan(began, DeviceSpan.mark(proposer.device)))
+        times["queue_host"].append((time.perf_counter() - start) * 1e3)
+        return proposal
+
+    def timed_take_drafts(*args):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        drafts = take_drafts(*args)
+        times["take"].append((time.perf_counter() - start) * 1e3)
+        times["device"].append(spans.pop(0).milliseconds())  # the step's, long since done
         return drafts
 
-    proposer.propose_step = timed
+    proposer.after_step, proposer.take_drafts = timed_after_step, timed_take_drafts
     return times
-
-
-# Parts of EAGLE-3's proposal whose host time is recorded (object path, method): where the
-# proposal's wall time goes; what they leave is the one wait for the drafts and the rest.
-PROPOSAL_PARTS = (
-    ("", "_catch_up"),  # the layout, the copy and the replay (eager: the passes) below
-    ("catch_up_buffers", "write"),
-    ("catch_up_buffers", "copy_to_device"),
-    ("catch_up_buffers", "view"),  # eager only
-    ("catch_up_graphs", "replay"),
-)
-
-
-def _record_parts(llm: LLM) -> dict[str, float]:
-    """Host milliseconds spent in each of PROPOSAL_PARTS, summed over the run."""
-    totals: dict[str, float] = {}
-    proposer = llm.runner.proposer
-    for path, name in PROPOSAL_PARTS if hasattr(proposer, "_catch_up") else ():
-        owner = getattr(proposer, path) if path else proposer
-        if owner is None:
-            continue
-        key = f"{path}.{name}" if path else name
-        totals[key] = 0.0
-        setattr(owner, name, _timed(getattr(owner, name), totals, key))
-    return totals
-
-
-def _timed(method, totals: dict[str, float], key: str):  # type: ignore[no-untyped-def]
-    def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
-        start = time.perf_counter()
-        result = method(*args, **kwargs)
-        totals[key] += (time.perf_counter() - start) * 1e3
-        return result
-
-    return timed
-
-
-def _project_ms(llm: LLM, num_tokens: int) -> float:
-    """Device time of the proposer's `project` on a step of `num_tokens` tokens."""
-    proposer = llm.runner.proposer
-    if proposer is None or not hasattr(proposer, "project") or not torch.cuda.is_available():
-        return 0.0
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(5):
-        proposer.project(num_tokens)
-    start.record()
-    for _ in range(50):
-        proposer.project(num_tokens)
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 50
 
 
 def run(args: argparse.Namespace, speculative: str | None) -> dict[str, Any]:
@@ -130,7 +96,7 @@ def run(args: argparse.Namespace, speculative: str | None) -> dict[str, Any]:
     prompt = torch.randint(vocab // 10, vocab // 2, (args.input_len,), generator=generator)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompt.tolist()], params)  # the first request meets what the warm-up missed
-    steps, proposals, parts = _record_steps(llm), _record_proposals(llm), _record_parts(llm)
+    steps, proposals = _record_steps(llm), _record_proposals(llm)
     start = time.perf_counter()
     output = llm.generate([prompt.tolist()], params)[0]
     seconds = time.perf_counter() - start
@@ -143,9 +109,10 @@ def run(args: argparse.Namespace, speculative: str | None) -> dict[str, Any]:
         "ms_per_output_token": seconds * 1e3 / len(output.token_ids),
         "step_device_ms": statistics.median(s["device_ms"] for s in decode),
         "step_wall_ms": statistics.median(s["wall_ms"] for s in decode),
-        "propose_ms": statistics.median(proposals) if proposals else 0.0,
-        "propose_parts_host_ms": {k: v / max(len(proposals), 1) for k, v in parts.items()},
-        "project_ms": _project_ms(llm, k + 1) if k else 0.0,
+        **{
+            f"propose_{name}_ms": statistics.median(values) if values else 0.0
+            for name, values in proposals.items()
+        },
         "acceptance": llm.engine.scheduler.spec_decode.mean_acceptance_length if k else None,
     }
     del llm
@@ -167,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
     plain = run(args, None)
     spec = run(args, args.speculative_config)
-    propose = spec["propose_ms"] + spec["project_ms"]
+    propose = spec["propose_device_ms"]
     report = {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": args.model,

@@ -33,13 +33,13 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate([prompt], params)
     proposer = llm.runner.proposer
-    propose = proposer.propose_step
+    after_step = proposer.after_step
 
     def traced(*a):  # type: ignore[no-untyped-def]
-        with record_function("propose_step"):
-            return propose(*a)
+        with record_function("after_step"):
+            return after_step(*a)
 
-    proposer.propose_step = traced
+    proposer.after_step = traced
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate([prompt], params)
     table = prof.key_averages()

@@ -177,15 +177,15 @@ def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
 def recording(llm: LLM) -> list[tuple[list[int], list[int]]]:
     """Every proposal the engine's head makes from now on: (the request's tokens, drafts)."""
     proposer = llm.runner.proposer
-    original = proposer.propose_step
+    original = proposer.take_drafts
     records: list[tuple[list[int], list[int]]] = []
 
-    def propose_step(spans, hidden, wanted, requests):  # type: ignore[no-untyped-def]
-        drafts = original(spans, hidden, wanted, requests)
+    def take_drafts(proposal, wanted, requests):  # type: ignore[no-untyped-def]
+        drafts = original(proposal, wanted, requests)
         records.extend((list(requests[rid].token_ids), ids) for rid, ids in drafts.items())
         return drafts
 
-    proposer.propose_step = propose_step
+    proposer.take_drafts = take_drafts
     return records
 
 
@@ -268,7 +268,13 @@ def test_the_heads_drafts_under_cuda_graphs_are_eagle3s(target: Path, head: Path
     """On a GPU, the head's passes replay CUDA graphs (the catch-up's drafts its first drafts
     in its graph, for every row the graph holds), and the drafts are still the plain-torch
     EAGLE-3's: all but a few, which float32 on another device may round apart at a near-tie."""
-    llm = LLM(str(target), dtype="float32", device="cuda", speculative_config=eagle3(head))
+    llm = LLM(
+        str(target),
+        dtype="float32",
+        device="cuda",
+        speculative_config=eagle3(head),
+        kv_cache_memory_bytes=256 << 20,  # the other family's engine may not be collected yet
+    )
     assert llm.runner.proposer.catch_up_graphs is not None
     records = recording(llm)
     generate(llm, GREEDY)
@@ -282,7 +288,10 @@ class PaddedEagerly(StepGraphs):
     """A CUDA graph's padding without the graph: each step is padded to the shape a graph
     would replay (padding rows that draft nothing and read block 0) and run eagerly."""
 
+    replays = 0
+
     def replay(self, shape: PaddedShape) -> torch.Tensor:
+        self.replays += 1
         return self.forward(self.buffers.view(self.max_seq_len, shape.max_query_len))
 
 
@@ -299,20 +308,20 @@ PADDED_SETTINGS = {
 def test_drafts_padded_to_a_graphs_shape_are_still_eagle3s(
     target: Path, head: Path, setting: str
 ) -> None:
-    """What a GPU's graphs do to the head's passes, on the CPU: each catch-up padded to its
-    graph's rows, and the draft passes over every row it holds, the padding's included."""
+    """What a GPU's graphs do to the head's passes, on the CPU: each step (the target's and the
+    head's catch-up on its layout) padded to its graph's rows, and the draft passes over every
+    row it holds, the padding's included."""
     if target.name.startswith("qwen3") and setting != "default":
         pytest.skip("the engine settings are covered on Llama")
     settings = PADDED_SETTINGS[setting]
     llm = LLM(
         str(target), dtype="float32", device="cpu", speculative_config=eagle3(head), **settings
     )
-    proposer = llm.runner.proposer
+    runner = llm.runner
+    proposer, buffers = runner.proposer, runner.buffers
+    runner.graphs = PaddedEagerly(runner._forward, buffers, buffers.max_reqs, runner.max_model_len)
     proposer.catch_up_graphs = PaddedEagerly(
-        proposer._catch_up_forward,
-        proposer.catch_up_buffers,
-        proposer.catch_up_buffers.max_reqs,
-        proposer.max_model_len,
+        proposer._catch_up_forward, buffers, buffers.max_reqs, runner.max_model_len
     )
     records = recording(llm)
     to_the_end = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
@@ -320,6 +329,7 @@ def test_drafts_padded_to_a_graphs_shape_are_still_eagle3s(
     reference = Reference(target, head)
     for tokens, drafts in records:
         assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
+    assert proposer.catch_up_graphs.replays == runner.graphs.replays > 0
     if "max_model_len" in settings:  # some rows had room for fewer than k drafts
         assert any(len(drafts) < NUM_DRAFTS for _, drafts in records)
     assert llm.engine.scheduler.kv.pool.num_available == llm.engine.scheduler.config.num_blocks

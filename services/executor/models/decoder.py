@@ -336,7 +336,7 @@ class DecoderForCausalLM(nn.Module):
         (fixed: a CUDA graph writes it too)."""
         hidden = self.config.hidden_size
         self.aux_layers = layer_ids
-        self.aux_hidden = torch.empty(
+        self.aux_hidden = torch.zeros(  # a graph's padding rows are read too: no NaN there
             max_tokens,
             len(layer_ids) * hidden,
             dtype=self.embed_tokens.weight.dtype,

@@ -30,15 +30,15 @@ def next_drafts(
     """Drafts for the next step of each speculating request `step` sampled for that is still
     running (`requests`: not ended, preempted or aborted since) and has no later step in
     flight (whose token they would have to guess), cut where its grammar would refuse them.
-    A proposer of hidden states reads every row of the step (EagleProposer)."""
+    A proposer of hidden states proposed on the device after the step (EagleProposer)."""
     pairs = zip(step.sample_ids, step.states, strict=True)
     states = {
         rid: s for rid, s in pairs if s.speculates and not s.num_pending and requests.get(rid) is s
     }
     if reads_hidden_states(proposer):
-        if step.hidden is None:
+        if step.proposal is None:
             return {}
-        drafts = proposer.propose_step(step.spans, step.hidden, set(states), requests)
+        drafts = proposer.take_drafts(step.proposal, set(states), requests)
     else:
         drafts = proposer.propose_batch((rid, s.token_ids) for rid, s in states.items())
     kept = {rid: states[rid].allowed_drafts(ids) for rid, ids in drafts.items()}

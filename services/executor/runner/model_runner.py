@@ -353,7 +353,9 @@ class ModelRunner:
             is not None
         ]
         span = DeviceSpan(started, DeviceSpan.mark(self.device))
-        step_hidden = proposers.step_hidden(self.proposer, len(prepared.token_ids))
+        proposal = proposers.after_step(
+            self.proposer, prepared, view, pending.token_ids, self.requests
+        )
         self._in_flight.append(
             InFlightStep(
                 step,
@@ -365,8 +367,7 @@ class ModelRunner:
                 prompt_parts=prompt_parts,
                 pooled=pooled,
                 drafts=prepared.drafts,
-                spans=prepared.spans,
-                hidden=step_hidden,
+                proposal=proposal,
             )
         )
 

@@ -16,11 +16,14 @@ from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.runner.draft_proposer import DraftProposer, HasBlocks
 from services.executor.runner.eagle_proposer import EagleProposer
+from services.executor.runner.step_buffers import StepView
+from services.executor.runner.step_state import PreparedStep
 from services.executor.speculative import (
     HiddenStateProposer,
+    PendingDrafts,
     Proposer,
+    SpeculatingRequest,
     make_proposer,
-    reads_hidden_states,
 )
 from shared.config import Config
 from shared.model_config import ModelConfig, resolve_model_source
@@ -91,10 +94,17 @@ def allocate_kv_cache(proposer: object, num_blocks: int, requests: Mapping[str, 
         proposer.allocate(num_blocks, requests)
 
 
-def step_hidden(proposer: object, num_tokens: int) -> torch.Tensor | None:
-    """What the proposer keeps of a step's hidden states (an EAGLE-3 head's fc of them), queued
-    after the step's sampling and outside its device span: the proposer's work, which the
-    step's tokens need not wait for; before the next forward pass overwrites the states."""
-    if reads_hidden_states(proposer):
-        return proposer.project(num_tokens)
+def after_step(
+    proposer: object,
+    prepared: PreparedStep,
+    view: StepView,
+    sampled: torch.Tensor | None,
+    requests: Mapping[str, SpeculatingRequest],
+) -> PendingDrafts | None:
+    """An EAGLE-3 head's catch-up and drafts of a launched step, queued after its sampling and
+    outside its device span (the proposer's work, which the step's tokens need not wait for),
+    before the next forward pass overwrites the target's hidden states; None for the other
+    proposers."""
+    if isinstance(proposer, EagleProposer):
+        return proposer.after_step(prepared, view, sampled, requests)
     return None

@@ -14,7 +14,7 @@ from services.executor.runner.grammar import grammar_input
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.sampler import PendingSample, SamplingRow
 from services.executor.runner.step_buffers import PaddedShape
-from services.executor.speculative import RowSpan
+from services.executor.speculative import PendingDrafts, RowSpan
 from shared.protocol import (
     ModelRunnerOutput,
     NewRequestData,
@@ -195,10 +195,9 @@ class InFlightStep:
     # Embeddings made by this step: (request id, its vector [hidden]).
     pooled: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     # Speculative decoding: a row's drafts, by the index of its first sampled position;
-    # with EAGLE-3, the step's rows and what the proposer kept of their hidden states.
+    # with EAGLE-3, the drafts proposed on the device after the step.
     drafts: dict[int, list[int]] = field(default_factory=dict)
-    spans: list[RowSpan] = field(default_factory=list)
-    hidden: torch.Tensor | None = None
+    proposal: PendingDrafts | None = None
     proposed: bool = False  # its drafts proposed (drafting.propose_after)
 
     def finish(self) -> ModelRunnerOutput:

@@ -235,8 +235,10 @@ def _compile_linear_variants(runner: WarmUpTarget) -> None:
 def warm_up(runner: WarmUpTarget) -> None:
     _compile_attention_variants(runner)  # needs one cache block alone
     _compile_linear_variants(runner)
-    if isinstance(runner.proposer, DraftProposer | EagleProposer):  # before requests hold blocks
+    if isinstance(runner.proposer, DraftProposer):  # before requests hold blocks
         runner.proposer.warm_up()
+    if isinstance(runner.proposer, EagleProposer) and runner.graphs is not None:
+        runner.proposer.capture_graphs(runner.graphs)  # the warm-up steps meet its kernels
     reason = skip_reason(runner)
     if reason is not None:
         logger.info("warm-up skipped (%s): the first requests may pay for compiles", reason)

@@ -3,7 +3,7 @@ the next step verifies with the target model (shared/speculative.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple, Protocol, TypeGuard
 
 import torch
@@ -43,17 +43,36 @@ class SpeculatingRequest(Protocol):
     speculates: bool
 
 
-class HiddenStateProposer(Protocol):
-    """A proposer that reads the target's hidden states (EAGLE-3): fed every step's rows."""
+class PendingDrafts:
+    """A step's drafts on their way to the host (EAGLE-3's, proposed on the device right
+    after the step): by row of the step, its request, whether it drafted and its blocks at the
+    step's launch; the drafts [k, rows], copied to host memory, and the event after the copy."""
 
-    def project(self, num_tokens: int) -> torch.Tensor:
-        """Right after a step's forward pass: what the proposer keeps of its hidden states."""
-        ...
-
-    def propose_step(
+    def __init__(
         self,
-        spans: Sequence[RowSpan],
-        hidden: torch.Tensor,
+        request_ids: list[str],
+        drafting: list[bool],
+        num_blocks: list[int],
+        ids: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        self.request_ids, self.drafting, self.num_blocks = request_ids, drafting, num_blocks
+        self._ids, self._ready = ids, ready
+
+    def columns(self) -> list[list[int]]:
+        """Draft j of every row, by j: waits for the copy."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._ids.tolist()
+
+
+class HiddenStateProposer(Protocol):
+    """A proposer that reads the target's hidden states (EAGLE-3): it proposes on the device
+    after every step, and the host takes the drafts once the step is collected."""
+
+    def take_drafts(
+        self,
+        proposal: PendingDrafts,
         wanted: set[str],
         requests: Mapping[str, SpeculatingRequest],
     ) -> dict[str, list[int]]:
@@ -67,9 +86,9 @@ class HiddenStateProposer(Protocol):
 
 def reads_hidden_states(proposer: object) -> TypeGuard[HiddenStateProposer]:
     """Whether `proposer` is fed every step's rows and hidden states (EAGLE-3). Told by its
-    `propose_step`: an isinstance check against a runtime-checkable protocol took some 30 us,
+    `take_drafts`: an isinstance check against a runtime-checkable protocol took some 30 us,
     twice a step of a speculating engine."""
-    return hasattr(proposer, "propose_step")
+    return hasattr(proposer, "take_drafts")
 
 
 def make_proposer(config: SpeculativeConfig | None) -> Proposer | None:
