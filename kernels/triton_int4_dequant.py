@@ -4,8 +4,8 @@
   float32 x): x is tl.dot's first operand; nibble by nibble, the weight is made whole from its
   scales and zero points (per column with act-order, gathered by g_idx) and rounded to x's
   dtype as the reference does.
-- **the dequantize pass** past 64 rows: the whole weight written out in the activation's
-  dtype, for cuBLAS.
+- **the dequantize pass** past kernels.triton_int4.DEQUANTIZE_ABOVE_ROWS rows: the whole
+  weight written out in the activation's dtype, for cuBLAS.
 
 `operands` builds the leading arguments every int4 kernel takes.
 """
@@ -19,6 +19,9 @@ import triton.language as tl
 from kernels.int4 import CHUNK, PACK, Int4Tiles
 
 DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 16
+# The dequantize pass's weight rows and columns a program: one row a program, 1.1-1.4 TB/s at
+# Qwen3-8B's shapes on an H200, against 0.6-0.7 for 16 x 256 (out/deq_bench, 2026-12-04).
+DEQUANTIZE_TILE = (1, 4096)
 _CHUNK = tl.constexpr(CHUNK)
 
 
@@ -159,25 +162,25 @@ def _dequantize_kernel(
     stride_zeros_row,
     stride_out_row,
     BLOCK_N: tl.constexpr,
-    WORDS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
 ):
-    """out = the dequantized weight, rounded to out's dtype (the reference's rounding). The
-    tile is unpacked as [BN, W, 8], flattened to its packed positions [BN, 8 W], and stored at
-    their columns (the chunk interleave: a permutation inside the tile's columns)."""
+    """out = the dequantized weight, rounded to out's dtype (the reference's rounding). Made
+    in the output's column order, so that each thread stores runs of consecutive columns:
+    column 8p + 2c + h of a chunk is nibble 2p + h of its word c (the chunk interleave), which
+    each column loads for itself (a word serves eight columns from the cache). The tile's
+    scales come one a row where BLOCK_K stays inside one group."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
-    words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)  # [W]
-    positions = tl.arange(0, WORDS * 8)  # [8 W] packed positions 8 w + i in the tile
-    within = positions % _CHUNK  # 8 c + 2 p + h -> column 8 p + 2 c + h of the chunk
-    chunk_column = 8 * ((within % 8) // 2) + 2 * (within // 8) + within % 2
-    ks = tl.program_id(1) * WORDS * 8 + (positions // _CHUNK) * _CHUNK + chunk_column  # [8 W]
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] columns
+    within = ks % _CHUNK
+    words = (ks // _CHUNK) * (_CHUNK // 8) + (within % 8) // 2  # [BK]
+    shifts = 4 * (2 * (within // 8) + within % 2)  # [BK]
     row_valid = cols < n
-    offsets = cols[:, None].to(tl.int64) * stride_qweight_row + words[None, :]
-    packed = tl.load(qweight_ptr + offsets, mask=row_valid[:, None] & (words < k // 8)[None, :])
-    q = (packed[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # [BN, W, 8]
-    q = tl.reshape(q, [BLOCK_N, WORDS * 8])  # packed position 8 w + i
-    mask = row_valid[:, None] & (ks < k)[None, :]  # [BN, 8W]
+    mask = row_valid[:, None] & (ks < k)[None, :]  # [BN, BK]
+    rows = cols[:, None].to(tl.int64)
+    packed = tl.load(qweight_ptr + rows * stride_qweight_row + words[None, :], mask=mask, other=0)
+    q = (packed >> shifts[None, :]) & 0xF
     if HAS_G_IDX:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
         groups = tl.load(g_idx_ptr + ks, mask=ks < k, other=0)
     else:
@@ -189,7 +192,7 @@ def _dequantize_kernel(
         zero = tl.load(zero_ptrs, mask=mask, other=0).to(tl.float32)
     qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
     w = (qf - zero) * scale.to(tl.float32)
-    out_ptrs = out_ptr + cols[:, None].to(tl.int64) * stride_out_row + ks[None, :]
+    out_ptrs = out_ptr + rows * stride_out_row + ks[None, :]
     tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -204,8 +207,8 @@ def dequantize_int4(
     """`kernels.int4.dequantize_int4_reference`, rounded to `dtype`, in one launch."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
-    block_n, words = 16, 32
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k // PACK, words))
+    block_n, block_k = DEQUANTIZE_TILE[0], min(DEQUANTIZE_TILE[1], triton.next_power_of_2(k))
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
     _dequantize_kernel[grid](
         qweight,
         scales,
@@ -220,7 +223,7 @@ def dequantize_int4(
         zeros.stride(0) if zeros is not None else 0,
         out.stride(0),
         BLOCK_N=block_n,
-        WORDS=words,
+        BLOCK_K=block_k,
         HAS_ZEROS=zeros is not None,
         HAS_G_IDX=g_idx is not None,
         num_warps=4,

@@ -29,6 +29,7 @@ from kernels.int4 import (
     unpack_weight,
 )
 from kernels.triton_int4 import default_tiles, int4_linear
+from kernels.triton_int4_dequant import dequantize_int4
 from sweeps import quantized_sweep
 from sweeps.linear_sweep import DEVICE, Shape
 
@@ -50,6 +51,12 @@ CANDIDATES = [Int4Tiles(*c) for c in [
     ("dequant_dot", 16, 128, 128, 8, 3),
 ]]  # fmt: skip
 ROW_KERNEL_MAX_TIMED = 8
+# The dot kernel past 64 rows (prefill chunks, large decode batches), against dequantize +
+# cuBLAS: (block_m, block_n, block_k, num_warps, num_stages).
+LARGE_M_CANDIDATES = [Int4Tiles("dot", *c, split_k=split) for c in [
+    (64, 128, 128, 8, 3), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (64, 64, 256, 4, 4),
+    (128, 64, 128, 4, 3), (64, 128, 128, 4, 3),
+] for split in (1, 2, 4)]  # fmt: skip
 
 
 def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
@@ -88,8 +95,13 @@ def sweep_shape(
     for m in ms:
         x = torch.randn(m, shape.k, device=DEVICE).to(torch.bfloat16)
         rows.append(quantized_sweep.bf16_row(shape, m, x, copies))
-        if m > 64:  # the engine dequantizes, then cuBLAS: one row, from int4_linear itself
-            configs = [("dequantize + cuBLAS", functools.partial(_int4, tiles=None), None)]
+        if m > 64:  # the engine's pick (int4_linear itself), and the dot kernel's large tiles
+            configs = [("engine", functools.partial(_int4, tiles=None), None)]
+            if not default_only:
+                configs += [
+                    ("dequantize + cuBLAS", _dequantized, None),
+                    *[(label(t), functools.partial(_int4, tiles=t), t) for t in LARGE_M_CANDIDATES],
+                ]
         else:
             tiles = [default_tiles(m, shape.n, shape.k)]
             if not default_only:
@@ -117,6 +129,12 @@ def tinygemm_layer(
 
 def _tinygemm(x: torch.Tensor, layer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return torch._weight_int4pack_mm(x, layer[0], GROUP, layer[1])
+
+
+def _dequantized(x: torch.Tensor, layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    qweight, scales, zeros = layer
+    weight = dequantize_int4(qweight, scales, zeros, GROUP, None, x.dtype)
+    return torch.nn.functional.linear(x, weight)
 
 
 def _int4(

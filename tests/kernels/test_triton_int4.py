@@ -154,6 +154,23 @@ def test_the_dot_kernel_matches_the_reference(
         int4_linear(x.float(), qweight, scales, zeros, group_size, tiles=tiles)
 
 
+def test_past_64_rows_the_dot_kernel_takes_large_tiles_then_the_weight_is_dequantized() -> None:
+    """65-256 rows: the dot kernel's large tiles with K split (down-like: 128 x 128, else
+    64 x 128 or 64 x 256); past 256 rows the dequantize pass and a dense product. Both match
+    the reference, partial tiles included (72 weight rows, 100 rows of x)."""
+    qweight, scales, zeros, _ = random_layer(72, 512, 128, False, False, 3)
+    scales = scales.to(torch.bfloat16)
+    for m in (100, 300):
+        x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+        x = x.to(DEVICE, torch.bfloat16)
+        out = int4_linear(x, qweight, scales, zeros, 128)
+        expected = int4_linear_reference(x, qweight, scales, zeros, 128)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert default_tiles(100, 72, 512) == Int4Tiles("dot", 64, 128, 128, 8, 3, split_k=1)
+    assert default_tiles(200, 28672, 4096).block_n == 256
+    assert default_tiles(200, 4096, 14336).block_m == 128
+
+
 @pytest.mark.parametrize("split_k", [2, 3])  # 3: the last split's share of 4 steps is empty
 def test_the_dot_kernel_splits_k_and_leaves_its_tickets_at_zero(split_k: int) -> None:
     qweight, scales, zeros, _ = random_layer(72, 512, 128, False, False, split_k)
