@@ -213,7 +213,7 @@ def test_the_heads_drafts_are_eagle3s_and_change_no_output(
     records = recording(llm)
     assert generate(llm, GREEDY) == expected[0]
     assert generate(llm, MIXED) == expected[1]
-    if variant == "default":  # the drafts are the head's whatever the settings (suite time)
+    if variant in ("default", "chunked prefill 16"):  # the drafts are the head's (suite time)
         reference = Reference(target, head)
         for tokens, drafts in records:
             assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)

@@ -120,9 +120,7 @@ class StepGraphs:
         pool = None
         # Largest first: smaller graphs then reuse its memory from the shared pool.
         for shape in sorted(self._shapes(), key=lambda s: -s.num_tokens):
-            # One sample row a request, -1 (none), for a forward pass that reads them (EAGLE-3's
-            # catch-up drafts at each in its graph); a replay then reads shape.num_reqs of them.
-            self.buffers.write([], [], [], [-1] * shape.num_reqs, pad_to=shape)
+            self.buffers.write([], [], [], [], pad_to=shape)
             self.buffers.copy_to_device()
             # A decode or verifying graph runs the decode kernel; a mixed one the prefill
             # kernel too, with tiles for queries as long as the whole step.

@@ -4,7 +4,8 @@ the next row that has room for them.
 The scheduler plans a speculating request's decode row with room for its token and up to
 `draft_slots` drafts, before it knows the tokens of the step in flight (pipelined, like any
 row). Rank 0 proposes when it lays such a row out: it waits for the steps in flight, runs the
-proposer once on each (`propose_after`: a proposer of hidden states is fed every step), and
+proposer once on each (`propose_after`; a proposer of hidden states has proposed on the
+device right after the step, and its drafts are only taken here), and
 writes the drafts it found into the plan's `spec_token_ids`, which the other ranks read. The
 row then computes its token and those drafts (none where nothing was found).
 

@@ -19,8 +19,9 @@ block tables, the step buffers the target read):
 
 On a GPU that is one CUDA graph per step shape, replayed after a few small kernels that derive
 its inputs; the drafts then come to the host with one copy, which the next step's layout waits
-for (`take_drafts`), the step's own tokens having come first. The host adds nothing between two
-steps but that wait: the proposer's cost is the head's device time.
+for (`take_drafts`), the step's own tokens having come first. Between two steps the host's only
+wait is that one; queueing the head's work (a loop over the step's rows, one upload, a dozen
+small kernels and a replay) runs beside the target's step on the device.
 
 So the head's KV follows the target's: every position the target computed has the head's KV
 from the same step, prefix-cache hits and resumed requests included (their blocks hold both). A
@@ -88,9 +89,10 @@ class CatchUpInputs:
             else:  # a prompt chunk short of the prompt's end: the token after it is known
                 inputs.first_sample.append(0)
                 after = span.start + span.count
-                known = after < len(state.token_ids)
+                if after >= len(state.token_ids):  # only a row that samples reaches the end
+                    raise RuntimeError(f"{span.request_id}: token {after} after a row unknown")
                 inputs.chunk_ends.append(end - 1)
-                inputs.chunk_next.append(state.token_ids[after] if known else 0)
+                inputs.chunk_next.append(state.token_ids[after])
             inputs.request_ids.append(span.request_id)
             inputs.base.append(base)
             inputs.verified.append(drafts if base >= 0 else [])
@@ -196,13 +198,19 @@ class EagleProposer:
         requests: Mapping[str, SpeculatingRequest],
     ) -> dict[str, list[int]]:
         """The drafts of a collected step for the `wanted` requests (their tokens all known,
-        none in flight): as many as their blocks at the step's launch had room for."""
+        none in flight): as many as their blocks at the step's launch had room for. Waits for
+        the head's work only where a row is wanted."""
+        rows = [
+            (row, request_id)
+            for row, request_id in enumerate(proposal.request_ids)
+            if request_id in wanted and proposal.drafting[row]
+        ]
+        if not rows:
+            return {}
         columns = proposal.columns()  # the one wait
         drafts = {}
         size = self.layout.block_size
-        for row, request_id in enumerate(proposal.request_ids):
-            if request_id not in wanted or not proposal.drafting[row]:
-                continue
+        for row, request_id in rows:
             room = min(proposal.num_blocks[row] * size, self.max_model_len)
             count = max(0, min(self.num_drafts, room - len(requests[request_id].token_ids) + 2))
             if count:

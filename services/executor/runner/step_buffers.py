@@ -13,8 +13,7 @@ Fixed offsets also make the device views stable, which CUDA graphs need: a graph
 `source_rows` is where a token's input comes from. In the target's steps, it is how a step
 runs before the host knows all of its input tokens: a decode whose input is the token the step
 in flight is still sampling names that token's row in the device's last sampled ids (-1
-elsewhere), and the forward pass gathers it on the device. In EAGLE-3's catch-up it names the
-row of the target's step whose hidden state each position reads.
+elsewhere), and the forward pass gathers it on the device.
 `token_slots` is each token's LoRA slot (-1: the base model) and `token_order` the tokens
 sorted by it (the LoRA kernels read each adapter once per block of its tokens), written when
 LoRA is on.
@@ -72,9 +71,7 @@ class StepView:
     source_rows: torch.Tensor  # [T] int32: row of the last sampled ids to take, or -1
     lora: LoraTokens  # LoRA slot of each token (-1: none) and their order (with LoRA only)
     meta: AttentionMetadata
-    # [S] int32: flat index of each sampling request's last token (EAGLE-3's catch-up: of each
-    # drafting row's, -1 for a row that drafts nothing)
-    sample_rows: torch.Tensor
+    sample_rows: torch.Tensor  # [S] int32: flat index of each sampled position
 
 
 class StepBuffers:

@@ -237,8 +237,11 @@ def warm_up(runner: WarmUpTarget) -> None:
     _compile_linear_variants(runner)
     if isinstance(runner.proposer, DraftProposer):  # before requests hold blocks
         runner.proposer.warm_up()
+    # An EAGLE-3 head's graphs, one for each of the target's; the warm-up steps below run its
+    # work after each of theirs (eagerly without graphs; where they are skipped, the first
+    # requests meet its kernels).
     if isinstance(runner.proposer, EagleProposer) and runner.graphs is not None:
-        runner.proposer.capture_graphs(runner.graphs)  # the warm-up steps meet its kernels
+        runner.proposer.capture_graphs(runner.graphs)
     reason = skip_reason(runner)
     if reason is not None:
         logger.info("warm-up skipped (%s): the first requests may pay for compiles", reason)

@@ -85,7 +85,7 @@ class HiddenStateProposer(Protocol):
 
 
 def reads_hidden_states(proposer: object) -> TypeGuard[HiddenStateProposer]:
-    """Whether `proposer` is fed every step's rows and hidden states (EAGLE-3). Told by its
+    """Whether `proposer` proposes on the device after every step (EAGLE-3). Told by its
     `take_drafts`: an isinstance check against a runtime-checkable protocol took some 30 us,
     twice a step of a speculating engine."""
     return hasattr(proposer, "take_drafts")
