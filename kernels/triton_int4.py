@@ -4,7 +4,7 @@ Same layout as `kernels.int4` (read its docstring: words interleaved in chunks o
 Up to DEQUANTIZE_ABOVE_ROWS rows one launch, of one of three kernels (`Int4Tiles.kind`,
 picked by `default_tiles`):
 
-- **dot** (1-256 rows; 16-bit x, groups of a multiple of 128, no act-order): out^T = W x^T,
+- **dot** (1-64 rows; 16-bit x, groups of a multiple of 128, no act-order): out^T = W x^T,
   the weight tl.dot's first operand, made in registers from its words: nibbles 2p and 2p + 1
   joined as neighbours along K take the chunk's columns 8p .. 8p + 7 (the layout's point), so
   x comes in runs of 8 columns, by asynchronous copies. A step is 128 columns inside one
@@ -21,9 +21,8 @@ picked by `default_tiles`):
   operand, the weight made whole and rounded to x's dtype, nibble by nibble
   (kernels/triton_int4_dequant.py).
 
-Up to DEQUANTIZE_ABOVE_ROWS rows the dot kernel takes larger tiles past 64 rows; past that
-the weight is dequantized to the activation's dtype by a fourth kernel
-(kernels/triton_int4_dequant.py), then multiplied by cuBLAS.
+Past DEQUANTIZE_ABOVE_ROWS rows the weight is dequantized to the activation's dtype by a
+fourth kernel (kernels/triton_int4_dequant.py), then multiplied by cuBLAS.
 
 Scales and zero points: in the dot and rows kernels one per step or packed word (a word's 8
 columns share a group). The dot kernel takes the zero point off each weight, exactly, and the
@@ -53,8 +52,7 @@ from kernels.triton_split_k import sum_of_splits
 
 _CHUNK = tl.constexpr(CHUNK)
 _LINE_WORDS = tl.constexpr(L2_LINE_BYTES // 4)  # packed words in a 128-byte line
-DEQUANTIZE_ABOVE_ROWS = 256  # past this the weight is dequantized, then cuBLAS
-SMALL_ROWS = 64  # where the dot kernel does not apply, dequantized past this
+DEQUANTIZE_ABOVE_ROWS = 64  # past this the weight is dequantized, then cuBLAS
 DOT_STEP = 128  # the dot kernel's K step: one group of 128 (or a part of a larger one)
 DOT_WARPS = 2048  # the dot kernel splits K until about this many warps run,
 DOT_MIN_ITERATIONS = 8  # leaving each split at least this many loop iterations,
@@ -102,15 +100,7 @@ def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = Fa
 
 
 def _dot_tile(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """The dot kernel's (block_m, block_n, block_k, num_warps) for M rows (default_tiles).
-    Past 64 rows (sweeps/int4_sweep.py, H200, Qwen3-8B shapes, 2026-12-04): 128 x 128 tiles
-    for down-like layers, 64 x 128 up to 128 rows where N is narrow, else 64 x 256."""
-    if m > 64:
-        if k >= WIDE_K:
-            return 128, 128, DOT_STEP, 8
-        if m <= 128 and n < WIDE_N:
-            return 64, 128, DOT_STEP, 8
-        return 64, 256, DOT_STEP, 8
+    """The dot kernel's (block_m, block_n, block_k, num_warps) for M rows (default_tiles)."""
     if m > 16:
         return 32, 128, DOT_STEP, 8
     if m > 8:
@@ -440,19 +430,19 @@ def int4_linear(
     *,
     tiles: Int4Tiles | None = None,  # None: default_tiles
 ) -> torch.Tensor:  # [M, N], x.dtype
-    """`kernels.int4.int4_linear_reference`: up to DEQUANTIZE_ABOVE_ROWS rows (SMALL_ROWS where
-    the dot kernel does not apply) one launch that reads the packed weight; past that the
-    weight dequantized to x's dtype, then cuBLAS (a prefill's GEMM is compute-bound, and the
-    dequantization is a small pass beside it)."""
+    """`kernels.int4.int4_linear_reference`: up to DEQUANTIZE_ABOVE_ROWS rows one launch that
+    reads the packed weight; past that the weight dequantized to x's dtype, then cuBLAS (on an
+    H200 at Qwen3-8B's shapes the pass runs at 0.8-3.6 TB/s, and from 96 rows on the two beat
+    the dot kernel with tiles for those rows: sweeps/int4_sweep.py, 2026-12-04)."""
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx, bias)
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
-    dot = dot_applies(x.dtype, group_size, g_idx is not None) and k % DOT_STEP == 0
-    if tiles is None and m > (DEQUANTIZE_ABOVE_ROWS if dot else SMALL_ROWS):
+    if tiles is None and m > DEQUANTIZE_ABOVE_ROWS:
         weight = dequantize_int4(qweight, scales, zeros, group_size, g_idx, x.dtype)
         return torch.nn.functional.linear(x, weight, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    dot = dot_applies(x.dtype, group_size, g_idx is not None) and k % DOT_STEP == 0
     tiles = tiles or default_tiles(m, n, k, dot, act_order=g_idx is not None)
     if tiles.kind == "dot" and not dot:
         raise ValueError(f"{tiles}: the dot kernel needs {_DOT_NEEDS}")

@@ -19,9 +19,9 @@ import triton.language as tl
 from kernels.int4 import CHUNK, PACK, Int4Tiles
 
 DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 16
-# The dequantize pass's weight rows and columns a program: one row a program, 1.1-1.4 TB/s at
-# Qwen3-8B's shapes on an H200, against 0.6-0.7 for 16 x 256 (out/deq_bench, 2026-12-04).
-DEQUANTIZE_TILE = (1, 4096)
+# The dequantize pass's columns a program (one weight row): 0.8-3.6 TB/s of weights read and
+# written at Qwen3-8B's shapes on an H200, o and qkv the least (of 1024-8192, 2026-12-04).
+DEQUANTIZE_BLOCK_K = 4096
 _CHUNK = tl.constexpr(CHUNK)
 
 
@@ -161,39 +161,45 @@ def _dequantize_kernel(
     stride_scales_row,
     stride_zeros_row,
     stride_out_row,
-    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TILE_GROUP: tl.constexpr,  # the group size where it divides BLOCK_K (0: by column)
     HAS_ZEROS: tl.constexpr,
     HAS_G_IDX: tl.constexpr,
 ):
-    """out = the dequantized weight, rounded to out's dtype (the reference's rounding). Made
-    in the output's column order, so that each thread stores runs of consecutive columns:
-    column 8p + 2c + h of a chunk is nibble 2p + h of its word c (the chunk interleave), which
-    each column loads for itself (a word serves eight columns from the cache). The tile's
-    scales come one a row where BLOCK_K stays inside one group."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] weight rows
-    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] columns
-    within = ks % _CHUNK
-    words = (ks // _CHUNK) * (_CHUNK // 8) + (within % 8) // 2  # [BK]
-    shifts = 4 * (2 * (within // 8) + within % 2)  # [BK]
-    row_valid = cols < n
-    mask = row_valid[:, None] & (ks < k)[None, :]  # [BN, BK]
-    rows = cols[:, None].to(tl.int64)
-    packed = tl.load(qweight_ptr + rows * stride_qweight_row + words[None, :], mask=mask, other=0)
-    q = (packed >> shifts[None, :]) & 0xF
-    if HAS_G_IDX:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
-        groups = tl.load(g_idx_ptr + ks, mask=ks < k, other=0)
+    """out = the dequantized weight, rounded to out's dtype (the reference's rounding), one
+    weight row a program, BLOCK_K columns. The row's words come in one vector load; their
+    nibbles [words, 8] are put in column order in registers: column 8p + 2c + h of a chunk is
+    nibble 2p + h of its word c (the chunk interleave), so [chunk, c, p, h] permuted to
+    [chunk, p, c, h]. Scales and zero points come one a group where groups tile the block,
+    else (act-order, a group per row) one a column."""
+    row = tl.program_id(0).to(tl.int64)
+    words = tl.program_id(1) * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(qweight_ptr + row * stride_qweight_row + words, mask=words < k // 8, other=0)
+    nibbles = (packed[:, None] >> (tl.arange(0, 8) * 4)[None, :]) & 0xF  # [W, 8]: 2p + h
+    nibbles = tl.permute(tl.reshape(nibbles, [BLOCK_K // _CHUNK, 4, 4, 2]), (0, 2, 1, 3))
+    qf = (tl.reshape(nibbles, [BLOCK_K]) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    if TILE_GROUP > 0:
+        groups = tl.program_id(1) * (BLOCK_K // TILE_GROUP) + tl.arange(0, BLOCK_K // TILE_GROUP)
+        group_valid = groups * TILE_GROUP < k
     else:
-        groups = ks // group_size
-    scale = tl.load(scales_ptr + cols[:, None] * stride_scales_row + groups[None, :], mask=mask)
-    zero = 8.0
+        if HAS_G_IDX:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+            groups = tl.load(g_idx_ptr + ks, mask=ks < k, other=0)
+        else:
+            groups = ks // group_size
+        group_valid = ks < k
+    scale = tl.load(scales_ptr + row * stride_scales_row + groups, mask=group_valid).to(tl.float32)
+    zero = tl.full(groups.shape, 8.0, tl.float32)
     if HAS_ZEROS:
-        zero_ptrs = zeros_ptr + cols[:, None] * stride_zeros_row + groups[None, :]
-        zero = tl.load(zero_ptrs, mask=mask, other=0).to(tl.float32)
-    qf = (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    w = (qf - zero) * scale.to(tl.float32)
-    out_ptrs = out_ptr + rows * stride_out_row + ks[None, :]
-    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=mask)
+        zero_ptrs = zeros_ptr + row * stride_zeros_row + groups
+        zero = tl.load(zero_ptrs, mask=group_valid, other=0).to(tl.float32)
+    if TILE_GROUP > 0:
+        qf = tl.reshape(qf, [BLOCK_K // TILE_GROUP, TILE_GROUP])
+        w = tl.reshape((qf - zero[:, None]) * scale[:, None], [BLOCK_K])
+    else:
+        w = (qf - zero) * scale
+    out_ptrs = out_ptr + row * stride_out_row + ks
+    tl.store(out_ptrs, w.to(out_ptr.dtype.element_ty), mask=ks < k)
 
 
 def dequantize_int4(
@@ -207,9 +213,9 @@ def dequantize_int4(
     """`kernels.int4.dequantize_int4_reference`, rounded to `dtype`, in one launch."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK
     out = torch.empty((n, k), dtype=dtype, device=qweight.device)
-    block_n, block_k = DEQUANTIZE_TILE[0], min(DEQUANTIZE_TILE[1], triton.next_power_of_2(k))
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
-    _dequantize_kernel[grid](
+    block_k = min(DEQUANTIZE_BLOCK_K, triton.next_power_of_2(k))
+    tile_group = group_size if g_idx is None and block_k % group_size == 0 else 0
+    _dequantize_kernel[(n, triton.cdiv(k, block_k))](
         qweight,
         scales,
         zeros if zeros is not None else scales,
@@ -222,8 +228,8 @@ def dequantize_int4(
         scales.stride(0),
         zeros.stride(0) if zeros is not None else 0,
         out.stride(0),
-        BLOCK_N=block_n,
         BLOCK_K=block_k,
+        TILE_GROUP=tile_group,
         HAS_ZEROS=zeros is not None,
         HAS_G_IDX=g_idx is not None,
         num_warps=4,
