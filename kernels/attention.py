@@ -10,7 +10,8 @@ Query i of request r sees context positions <= seq_lens[r] - num_queries[r] + i 
 a sliding window of W tokens, only the last W of them (its own position and the W - 1 before).
 With attention sinks (gpt-oss), head h's softmax has one more logit, sinks[h], that takes
 its share of the weights and has no value: the output is scaled by
-sum exp(s) / (sum exp(s) + exp(sinks[h])) over the visible scores s.
+sum exp(s) / (sum exp(s) + exp(sinks[h])) over the visible scores s. With soft-capping
+(Gemma 2), each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def paged_attention_reference(
     scale: float,
     window: int | None = None,  # a sliding window: each query sees its last `window` positions
     sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_tokens = query.shape[0]
     device = query.device
@@ -59,9 +61,12 @@ def paged_attention_reference(
     # Padding rows see position 0 only, so softmax stays finite; they are dropped below.
     visible |= ~q_valid[:, :, None] & (positions == 0)[None, None, :]
 
-    out = _grouped_attention(q, k, v, visible, scale)  # [R, Q, H, D]
+    if softcap is not None:
+        out = _softcapped_attention(q, k, v, visible, scale, softcap)  # [R, Q, H, D]
+    else:
+        out = _grouped_attention(q, k, v, visible, scale)  # [R, Q, H, D]
     if sinks is not None:
-        out = out * _sink_factor(q, k, visible, scale, sinks).to(out.dtype)
+        out = out * _sink_factor(q, k, visible, scale, sinks, softcap).to(out.dtype)
     return _flat_rows(out, query_start_loc, num_queries, num_tokens)
 
 
@@ -71,13 +76,41 @@ def _sink_factor(
     visible: torch.Tensor,  # [R, Q, S] bool
     scale: float,
     sinks: torch.Tensor,  # [H]
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [R, Q, H, 1]: sum exp(s) / (sum exp(s) + exp(sink)) = sigmoid(lse - sink)
+    scores = _scores(q, k, visible, scale, softcap)  # [R, Q, H, S]
+    lse = torch.logsumexp(scores, dim=-1)  # [R, Q, H]
+    return torch.sigmoid(lse - sinks.float()[None, None, :])[..., None]
+
+
+def _scores(
+    q: torch.Tensor,  # [R, Q, H, D]
+    k: torch.Tensor,  # [R, S, KV, D]
+    visible: torch.Tensor,  # [R, Q, S] bool
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [R, Q, H, S] float32, -inf where not visible
     group = q.shape[2] // k.shape[2]
     keys = k.repeat_interleave(group, dim=2).float()  # [R, S, H, D]
     scores = torch.einsum("rqhd,rshd->rqhs", q.float(), keys) * scale
-    scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [R, Q, H]
-    return torch.sigmoid(lse - sinks.float()[None, None, :])[..., None]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    return scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+
+
+def _softcapped_attention(
+    q: torch.Tensor,  # [R, Q, H, D]
+    k: torch.Tensor,  # [R, S, KV, D]
+    v: torch.Tensor,  # [R, S, KV, D]
+    visible: torch.Tensor,  # [R, Q, S] bool
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:  # [R, Q, H, D]
+    """Attention with soft-capped scores, in float32 (no fused kernel takes the cap)."""
+    weights = _scores(q, k, visible, scale, softcap).softmax(dim=-1)  # [R, Q, H, S]
+    group = q.shape[2] // k.shape[2]
+    values = v.repeat_interleave(group, dim=2).float()  # [R, S, H, D]
+    return torch.einsum("rqhs,rshd->rqhd", weights, values).to(q.dtype)
 
 
 def _gather_context(
@@ -155,6 +188,7 @@ def contiguous_attention_reference(
     value: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_queries, num_heads, head_dim]
     """Naive causal attention of one request over a contiguous context (test oracle)."""
     num_queries, num_heads, _ = query.shape
@@ -163,6 +197,8 @@ def contiguous_attention_reference(
     k = key.repeat_interleave(group, dim=1).float()  # [S, H, D]
     v = value.repeat_interleave(group, dim=1).float()  # [S, H, D]
     scores = torch.einsum("qhd,shd->hqs", query.float(), k) * scale  # [H, Q, S]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     query_pos = torch.arange(seq_len - num_queries, seq_len)[:, None]  # [Q, 1]
     mask = torch.arange(seq_len)[None, :] > query_pos  # [Q, S]
     if window is not None:

@@ -76,12 +76,14 @@ def paged_attention(
     decode_queries: int = 1,  # the most query tokens of a request the decode kernel takes
     window: int | None = None,  # a sliding window: a query sees its last `window` positions
     sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit (gpt-oss)
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     args = (query, key_cache, value_cache, block_tables, seq_lens)
+    extras = dict(window=window, sinks=sinks, softcap=softcap)
     decode = _triton("decode_attention", query)
     if max_query_len == 1 and decode is not None:
         # One query per request: the split-KV kernel, which fills the GPU at batch 1 too.
-        return decode.paged_decode_attention(*args, scale, window=window, sinks=sinks)
+        return decode.paged_decode_attention(*args, scale, **extras)
     if decode is not None and (prefill := _triton("prefill_attention", query)) is not None:
         # A mixed batch: prompts through the prefill kernel, and the decodes riding along
         # (with their drafts, when speculating) through the split-KV kernel, which reads their
@@ -90,14 +92,14 @@ def paged_attention(
         if max_query_len > decode_queries:
             out = prefill.paged_prefill_attention(
                 *args, query_start_loc, max_query_len, max_seq_len, scale,
-                skip_queries_up_to=decode_queries, window=window, sinks=sinks,
+                skip_queries_up_to=decode_queries, **extras,
             )  # fmt: skip
         return decode.paged_decode_attention(
             *args, scale, query_start_loc=query_start_loc, out=out, max_queries=decode_queries,
-            window=window, sinks=sinks,
+            **extras,
         )  # fmt: skip
     return paged_attention_reference(
-        *args, query_start_loc, max_query_len, max_seq_len, scale, window, sinks
+        *args, query_start_loc, max_query_len, max_seq_len, scale, window, sinks, softcap
     )
 
 
@@ -107,13 +109,16 @@ def compile_attention_variants(
     value_cache: torch.Tensor,
     decode_queries: int,
     windows: tuple[int | None, ...] = (None,),  # the model's layers' windows
+    softcap: float | None = None,  # the model's attention logit soft-cap
 ) -> None:
     """Compile now the attention kernel variants a step may need later (CUDA; on the CPU
     nothing is compiled)."""
     decode = _triton("decode_attention", query)
     if decode is not None:
         for window in windows:
-            decode.compile_every_variant(query, key_cache, value_cache, decode_queries, window)
+            decode.compile_every_variant(
+                query, key_cache, value_cache, decode_queries, window, softcap
+            )
 
 
 def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, first_id: int) -> torch.Tensor:

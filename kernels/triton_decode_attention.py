@@ -50,6 +50,21 @@ from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 from kernels.triton_stages import launch_fitting
 
 LOG2E = 1.4426950408889634
+
+
+def scores_log2_scale(scale: float, softcap: float | None) -> float:
+    """What the attention kernels multiply a score by for exp2: the softmax scale in log2
+    units, or with soft-capping the cap (soft_cap has applied the scale)."""
+    return (softcap if softcap is not None else scale) * LOG2E
+
+
+@triton.jit
+def soft_cap(scores, cap_scale):
+    """tanh(scores * cap_scale), cap_scale being the softmax scale over the cap: Gemma 2's
+    logit soft-capping without the cap, which scores_log2_scale's factor brings."""
+    return 2.0 * tl.sigmoid(2.0 * scores * cap_scale) - 1.0
+
+
 # Splits down to one 64-token tile each: at batch 1 (8 KV heads, context bound 4096) 64 splits
 # took 6.9 us per layer against 10.0 us with 16 (H100, CUDA graph, 256 tokens of context);
 # larger batches get few splits anyway (4 * SMs programs are enough), where merging costs more.
@@ -136,6 +151,7 @@ def _decode_partition_kernel(
     stride_table_req,
     window,  # with WINDOWED: a query sees the last `window` positions up to its own
     sinks_ptr,  # [H] float32 with HAS_SINKS: each head's sink logit
+    cap_scale,  # with SOFTCAPPED: softmax scale / cap (qk_scale is then cap * log2(e))
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     QUERIES: tl.constexpr,  # Q: the most query tokens of a request attended (mixed batches)
@@ -151,6 +167,7 @@ def _decode_partition_kernel(
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
     WINDOWED: tl.constexpr,  # a sliding window: the splits share only the window's positions
     HAS_SINKS: tl.constexpr,  # a sink logit a head (gpt-oss), added where the output is written
+    SOFTCAPPED: tl.constexpr,  # Gemma 2's logit soft-capping: cap * tanh(score * scale / cap)
 ):
     wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
@@ -227,7 +244,10 @@ def _decode_partition_kernel(
             v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)
             k, v = k.to(q.dtype), v.to(q.dtype)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, T]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, T]
+        if SOFTCAPPED:
+            scores = soft_cap(scores, cap_scale)
+        scores *= qk_scale
         visible = pos_valid[None, :] & (pos[None, :] < visible_end[:, None])  # [G, T]
         if WINDOWED:
             visible &= pos[None, :] >= visible_end[:, None] - window
@@ -496,6 +516,7 @@ def paged_decode_attention(
     max_queries: int = 1,  # with query_start_loc: the most query tokens of a request attended
     window: int | None = None,  # a sliding window: a query sees its last `window` positions
     sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:  # out, or a new [num_tokens, num_heads, head_dim] of query.dtype
     """Decode attention over a paged KV cache; every seq_lens[r] must be >= 1. With a window
     the splits share the window's positions only: the context before it is not read.
@@ -531,7 +552,7 @@ def paged_decode_attention(
         return out
     _launch_partitions(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
-        splits, tiles, max_queries, window, sinks,
+        splits, tiles, max_queries, window, sinks, softcap,
     )  # fmt: skip
     return out
 
@@ -550,6 +571,7 @@ def _launch_partitions(
     max_queries: int,
     window: int | None,
     sinks: torch.Tensor | None,
+    softcap: float | None,
 ) -> None:
     """One launch of the partition kernel, a program per (request, KV head, split), on int32
     metadata, with the partials it merges through."""
@@ -564,12 +586,14 @@ def _launch_partitions(
     constants = _partition_constants(query, key_cache, tiles, has_query_loc, words, max_queries)
     # Invariant: one row shape whatever the queries, so each row's sums take one order.
     constants.update(_query_pads(constants["GROUP"], padded_queries))
-    constants.update(WINDOWED=window is not None, HAS_SINKS=sinks is not None)
+    constants.update(
+        WINDOWED=window is not None, HAS_SINKS=sinks is not None, SOFTCAPPED=softcap is not None
+    )
     if words:  # the caches as 32-bit words of four values, their strides in words
         key_cache, value_cache = key_cache.view(torch.int32), value_cache.view(torch.int32)
     args = _partition_args(
         query, key_cache, value_cache, block_tables, seq_lens, query_loc, out, partials, scale,
-        splits, window, sinks,
+        splits, window, sinks, softcap,
     )  # fmt: skip
     # Shared memory for the stages asked, or fewer where the GPU has less (kernels/triton_stages).
     variant = ("decode_partition", query.device, query.dtype, key_cache.dtype, *constants.values())
@@ -594,6 +618,7 @@ def _partition_args(
     splits: tuple[int, int, int, int],  # _splits
     window: int | None,
     sinks: torch.Tensor | None,
+    softcap: float | None,
 ) -> tuple:
     """The partition kernel's runtime arguments, in its order."""
     part_max, part_sum, part_acc, tickets = partials
@@ -610,7 +635,7 @@ def _partition_args(
         part_sum,
         part_acc,
         tickets,
-        scale * LOG2E,
+        scores_log2_scale(scale, softcap),
         num_splits,
         split_balance,
         min_split_tokens,
@@ -625,6 +650,7 @@ def _partition_args(
         block_tables.stride(0),
         window or 0,
         sinks if sinks is not None else seq_lens,
+        scale / softcap if softcap is not None else 0.0,
     )
 
 
@@ -753,6 +779,7 @@ def compile_every_variant(
     value_cache: torch.Tensor,
     max_queries: int = 1,  # the engine's mixed steps' (1 + speculative tokens)
     window: int | None = None,  # the model's sliding window, where it has one
+    softcap: float | None = None,  # the model's attention logit soft-cap, where it has one
 ) -> None:
     """Launch the kernel with one and two splits, with and without a mixed batch (of up to
     `max_queries` tokens a request), on one request of one cached token (block 0, read only),
@@ -769,6 +796,7 @@ def compile_every_variant(
             query[:1], key_cache, value_cache, tables, seq_lens, 1.0, splits,
             query_start_loc=query_start_loc,
             max_queries=max_queries if query_start_loc is not None else 1, window=window,
+            softcap=softcap,
         )  # fmt: skip
 
 

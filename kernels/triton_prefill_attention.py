@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention import PREFILL_REQS_MIN_POW2
-from kernels.triton_decode_attention import LOG2E, _check_shapes
+from kernels.triton_decode_attention import _check_shapes, scores_log2_scale, soft_cap
 from kernels.triton_stages import launch_fitting
 
 
@@ -69,12 +69,14 @@ def _attend_context(
     stride_cache_block,
     stride_cache_slot,
     window,  # with WINDOWED: a row sees the last `window` positions up to its own
+    cap_scale,  # with SOFTCAPPED: softmax scale / cap (qk_scale is then cap * log2(e))
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,  # False only where every row sees every position of the tile
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAPPED: tl.constexpr,
 ):
     dims = tl.arange(0, HEAD_DIM)
     for tile_start in range(start, end, BLOCK_N):
@@ -103,6 +105,8 @@ def _attend_context(
         )  # an FP8 cache in the query's dtype (scales: the caller's)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [M, N], unscaled
+        if SOFTCAPPED:  # cap * tanh(score * scale / cap), the cap taken by qk_scale
+            scores = soft_cap(scores, cap_scale)
         if MASKED:
             visible = (pos[None, :] <= query_pos[:, None]) & pos_valid[None, :]
             if WINDOWED:
@@ -147,6 +151,7 @@ def _prefill_kernel(
     num_reqs,
     window,  # with WINDOWED: a query sees the last `window` positions up to its own
     sinks_ptr,  # [H] float32 with HAS_SINKS: each head's sink logit
+    cap_scale,  # with SOFTCAPPED: softmax scale / cap (Gemma 2's logit soft-capping)
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two (padding rows masked)
     HEAD_DIM: tl.constexpr,
@@ -158,6 +163,7 @@ def _prefill_kernel(
     SKIP_UP_TO: tl.constexpr,  # leave requests of this many tokens or fewer to the decode kernel
     WINDOWED: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    SOFTCAPPED: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     # Work items are (request, query tile) pairs, numbered request by request; the kernel
@@ -201,6 +207,7 @@ def _prefill_kernel(
             kv_head,
             window,
             sinks_ptr,
+            cap_scale,
             GROUP,
             GROUP_PAD,
             HEAD_DIM,
@@ -210,6 +217,7 @@ def _prefill_kernel(
             DOT_PRECISION,
             WINDOWED,
             HAS_SINKS,
+            SOFTCAPPED,
         )
 
 
@@ -237,6 +245,7 @@ def _attend_tile(
     kv_head,
     window,
     sinks_ptr,
+    cap_scale,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -246,6 +255,7 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    SOFTCAPPED: tl.constexpr,
 ):
     """One (request, query tile, KV head): attend over the context, write the tile's rows.
     In a window the tiles before the first row's window are not read, and the tiles every
@@ -291,17 +301,17 @@ def _attend_tile(
         acc, l_i, m_i = _attend_context(
             acc, l_i, m_i, q, query_pos, key_cache_ptr, value_cache_ptr, table_row, head_offset,
             first, full_start, kv_end, qk_scale, stride_cache_block, stride_cache_slot, window,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOWED,
+            cap_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOWED, SOFTCAPPED,
         )
     acc, l_i, m_i = _attend_context(
         acc, l_i, m_i, q, query_pos, key_cache_ptr, value_cache_ptr, table_row, head_offset,
         full_start, full_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot, window,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, WINDOWED,
+        cap_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, WINDOWED, SOFTCAPPED,
     )
     acc, l_i, m_i = _attend_context(
         acc, l_i, m_i, q, query_pos, key_cache_ptr, value_cache_ptr, table_row, head_offset,
         full_end, kv_end, kv_end, qk_scale, stride_cache_block, stride_cache_slot, window,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOWED,
+        cap_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, WINDOWED, SOFTCAPPED,
     )
     # fmt: on
     if HAS_SINKS:  # the sink's share of the softmax (log2 units, as m_i)
@@ -382,6 +392,7 @@ def paged_prefill_attention(
     skip_queries_up_to: int = 0,  # leave the rows of requests of this many tokens or fewer
     window: int | None = None,  # a sliding window: a query sees its last `window` positions
     sinks: torch.Tensor | None = None,  # [num_heads] float32: each head's sink logit
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
     """Causal attention of each request's queries over its paged context, any mix of rows;
     with a window, the context tiles before a tile's windows are not read.
@@ -407,7 +418,7 @@ def paged_prefill_attention(
         return out
     _launch_prefill(
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, scale,
-        tiles, skip_queries_up_to, window, sinks,
+        tiles, skip_queries_up_to, window, sinks, softcap,
     )  # fmt: skip
     return out
 
@@ -425,6 +436,7 @@ def _launch_prefill(
     skip_queries_up_to: int,
     window: int | None,
     sinks: torch.Tensor | None,
+    softcap: float | None,
 ) -> None:
     """One launch of the prefill kernel on int32 metadata, its grid fixed by shapes alone."""
     num_reqs, num_kv_heads = seq_lens.shape[0], key_cache.shape[2]
@@ -432,7 +444,9 @@ def _launch_prefill(
     seq_lens = seq_lens.to(torch.int32).contiguous()  # [R]
     query_start_loc = query_start_loc.to(torch.int32).contiguous()  # [R + 1]
     constants = _prefill_constants(query, key_cache, tiles, num_reqs, skip_queries_up_to)
-    constants.update(WINDOWED=window is not None, HAS_SINKS=sinks is not None)
+    constants.update(
+        WINDOWED=window is not None, HAS_SINKS=sinks is not None, SOFTCAPPED=softcap is not None
+    )
     grid = _prefill_grid(query, num_reqs, num_kv_heads, constants["BLOCK_Q"])
     args = (
         out,
@@ -442,7 +456,7 @@ def _launch_prefill(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * LOG2E,
+        scores_log2_scale(scale, softcap),
         block_tables.shape[1],
         query.stride(0),
         query.stride(1),
@@ -455,6 +469,7 @@ def _launch_prefill(
         num_reqs,
         window or 0,
         sinks if sinks is not None else seq_lens,
+        scale / softcap if softcap is not None else 0.0,
     )
     variant = ("prefill_attention", query.device, query.dtype, key_cache.dtype, *constants.values())
     launch_fitting(

@@ -22,6 +22,7 @@ SUPPORTED_FAMILIES = (
     "granite",
     "olmo2",
     "phi3",
+    "gemma2",
     "gemma3_text",
     "qwen2_moe",
     "qwen3_moe",
@@ -103,6 +104,9 @@ class ModelConfig:
     norm_offset: bool = False
     hidden_act: str = "silu"  # or "gelu_tanh" (GeGLU)
     local_rope_theta: float | None = None  # the sliding layers' (None: rope_theta, as the rest)
+    # Gemma 2: attention scores (scaled) and the final logits soft-capped, cap * tanh(x / cap)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
 
 @dataclass(frozen=True)
@@ -176,9 +180,21 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Gemma 2 as transformers defaults it where a config leaves a key out: every other layer (the
+# first among them) in a window, soft-capped scores and logits.
+GEMMA2_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+}
+
+
 def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
     """Read a Hugging Face config.json dict (transformers 4.x and 5.x spellings)."""
-    cfg = _gemma3_text_config(cfg) if cfg.get("model_type") in ("gemma3", "gemma3_text") else cfg
+    cfg = _with_family_defaults(cfg)
     family = cfg.get("model_type", "")
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(
@@ -234,7 +250,7 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         attention_sinks=family == "gpt_oss",
         **_granite_multipliers(cfg),
         post_norms=family == "olmo2",
-        **_gemma3(cfg),
+        **_gemma(cfg),
     )
 
 
@@ -258,26 +274,52 @@ def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def _gemma3(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's text model (other families: nothing): its norms, GeGLU, the embedding scaled
-    by sqrt(hidden), the softmax scaled by query_pre_attn_scalar, and the sliding layers'
+def _with_family_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The keys transformers would fill in where a Gemma config leaves them out."""
+    if cfg.get("model_type") in ("gemma3", "gemma3_text"):
+        return _gemma3_text_config(cfg)
+    if cfg.get("model_type") == "gemma2":
+        return _gemma2_config(cfg)
+    return cfg
+
+
+def _gemma2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 2 config with transformers' defaults filled in: without layer_types, the even
+    layers attend in the window and the odd ones to the whole context."""
+    cfg = {**GEMMA2_DEFAULTS, **cfg}
+    if not cfg.get("layer_types"):
+        cfg["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+    return cfg
+
+
+def _gemma(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's and Gemma 3's text model (other families: nothing): their norms, GeGLU, the
+    embedding scaled by sqrt(hidden), the softmax scaled by query_pre_attn_scalar, soft-capped
+    scores and logits where the config caps them (Gemma 2), and Gemma 3's sliding layers'
     rotary base (transformers 5's rope_parameters by layer type, or rope_local_base_freq)."""
-    if cfg.get("model_type") != "gemma3_text":
+    family = cfg.get("model_type")
+    if family not in ("gemma2", "gemma3_text"):
         return {}
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise ValueError(f"{key} (Gemma 2's soft-capping) is not supported")
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an encoder's attention) is not supported")
     local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    local_theta = local.get("rope_theta", cfg.get("rope_local_base_freq"))
+    caps = {key: float(cfg[key]) if cfg.get(key) else None for key in _SOFTCAPS}
     return dict(
         sandwich_norms=True,
         norm_offset=True,
         hidden_act="gelu_tanh",
         embedding_multiplier=cfg["hidden_size"] ** 0.5,
         attention_multiplier=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
-        local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+        local_rope_theta=float(local_theta) if family == "gemma3_text" and local_theta else None,
+        **caps,
     )
+
+
+_SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 
 def _granite_multipliers(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -134,6 +134,37 @@ def test_embedded_smollm2_matches_transformers(smollm2_reference, settings: dict
         assert llm.stats().num_preemptions > 0
 
 
+def test_gemma2s_soft_capped_logprobs_are_transformers(tmp_path: Path) -> None:
+    """Gemma 2's caps change the distribution, not only the order: a prompt's logprobs (past
+    the window, with capped scores and capped logits) equal transformers'."""
+    config_cls, extra = FAMILIES["gemma2"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_cls(**{**TINY, **extra}), dtype=torch.float32
+    ).eval()
+    model.save_pretrained(tmp_path)
+    prompt = make_prompts(TINY["vocab_size"])[6]  # 57 tokens: several windows of 12
+    wanted = _prompt_logprobs(model, prompt)
+    # Each cap bites: without either one, transformers' own logprobs move.
+    for cap in (None, extra["attn_logit_softcapping"]):
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = cap
+        model.config.final_logit_softcapping = None if cap else extra["final_logit_softcapping"]
+        moved = zip(_prompt_logprobs(model, prompt), wanted, strict=True)
+        assert max(abs(a - b) for a, b in moved) > 1e-2
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    result = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert result.prompt_logprobs is not None
+    got = [entry.logprob for entry in result.prompt_logprobs[1:]]
+    assert got == pytest.approx(wanted, abs=1e-4)
+
+
+def _prompt_logprobs(model: transformers.PreTrainedModel, prompt: list[int]) -> list[float]:
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt])).logits[0].log_softmax(dim=-1)
+    return [logprobs[i, token].item() for i, token in enumerate(prompt[1:])]
+
+
 def test_gemma3s_text_model_loads_from_a_model_for_text_and_images(tmp_path: Path) -> None:
     """A Gemma 3 checkpoint for text and images (`Gemma3ForConditionalGeneration`, as the 4B,
     12B and 27B models are published): its text model's tensors and config are read, the image

@@ -67,6 +67,15 @@ FAMILIES = {
             },
         ),
     ),
+    # Gemma 2: Gemma 3's norms and GeGLU without q/k norms, every other layer in a window, and
+    # scores and logits soft-capped, the caps low enough that tanh bends what tiny models make
+    "gemma2": (
+        transformers.Gemma2Config,
+        dict(
+            head_dim=16, sliding_window=12, query_pre_attn_scalar=16,
+            attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+        ),
+    ),
     # Fused qkv_proj and gate_up_proj in the checkpoint (Phi-3, Phi-4), a window on every layer
     "phi3": (transformers.Phi3Config, dict(sliding_window=20, pad_token_id=None)),
     # YaRN's long-context rotary, past its original context of 32 within the prompts

@@ -414,3 +414,23 @@ def test_attention_sinks_match_the_reference(window: int | None) -> None:
             window=window, sinks=sinks,
         )  # fmt: skip
         torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_soft_capped_scores_match_the_reference(window: int | None) -> None:
+    """Gemma 2's soft-capping in the one-split path and in the merge of many (1,100 tokens)."""
+    seq_lens = [*SEQ_LENS, 1100]
+    query, key_cache, value_cache, block_tables, lens = make_case(
+        seq_lens, 8, 2, 64, torch.float32, seed=10
+    )
+    num_reqs = query.shape[0]
+    starts = torch.arange(num_reqs + 1, device=DEVICE, dtype=torch.int32)
+    args = (query, key_cache, value_cache, block_tables, lens, starts, 1, max(seq_lens), 0.125)
+    expected = paged_attention_reference(*args, window, softcap=0.5)
+    assert not torch.allclose(expected, paged_attention_reference(*args, window))
+    for num_splits in (1, 3, None):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, block_tables, lens, 0.125, num_splits,
+            window=window, softcap=0.5,
+        )  # fmt: skip
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=f"{num_splits=}")

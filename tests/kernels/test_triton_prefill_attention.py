@@ -259,3 +259,15 @@ def test_attention_sinks_match_the_reference(window: int | None) -> None:
     out = paged_prefill_attention(**case, tiles=PrefillTiles(16, 16, 4, 2), window=window,
                                   sinks=sinks)  # fmt: skip
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_soft_capped_scores_match_the_reference(window: int | None) -> None:
+    """Gemma 2's soft-capping, cap * tanh(score / cap), with a cap low enough to bend the
+    scores (the query's scale 0.125 on scores of a few units)."""
+    case = make_case(BATCHES["mixed"] + BATCHES["chunked"], 6, 2, 64, torch.float32, seed=6)
+    expected = paged_attention_reference(**case, window=window, softcap=0.5)
+    assert not torch.allclose(expected, paged_attention_reference(**case, window=window))
+    out = paged_prefill_attention(**case, tiles=PrefillTiles(16, 16, 4, 2), window=window,
+                                  softcap=0.5)  # fmt: skip
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)

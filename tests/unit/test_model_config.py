@@ -45,6 +45,7 @@ def num_parameters(cfg: ModelConfig) -> int:
         ("OLMoE-1B-7B-0924", 6.92),
         ("gpt-oss-20b", 20.91),
         ("gemma-3-12b", 11.77),  # the text model of Gemma 3 12B (its image model: 0.4B more)
+        ("gemma-2-9b", 9.24),
     ],
 )
 def test_presets_have_the_published_sizes(preset: str, billions: float) -> None:

@@ -98,6 +98,7 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps  # of q_norm / k_norm
         self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5
         self.window = window
+        self.softcap = cfg.attn_logit_softcapping  # Gemma 2's
         # gpt-oss: a sink logit for each of the rank's query heads (its share of the softmax)
         self.sinks: nn.Parameter | None = None
         if cfg.attention_sinks:
@@ -182,6 +183,7 @@ class Attention(nn.Module):
             meta.decode_queries,
             self.window,
             self.sinks,
+            self.softcap,
         )  # [T, H, D]
         if v_scale != 1.0:
             out = out * v_scale  # the cached values times v_scale
@@ -379,6 +381,8 @@ class DecoderForCausalLM(nn.Module):
         logits = self.layout.tp.all_gather(self.lm_head(hidden))  # [N, vocab], model dtype
         if self.config.logits_scaling != 1.0:  # Granite's
             logits = logits / self.config.logits_scaling
+        if (cap := self.config.final_logit_softcapping) is not None:  # Gemma 2's
+            logits = (torch.tanh(logits.float() / cap) * cap).to(logits.dtype)
         return logits
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, int | None] | None:

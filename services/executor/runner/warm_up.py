@@ -213,8 +213,9 @@ def _compile_attention_variants(runner: WarmUpTarget) -> None:
     windows = {None if cfg.sliding_window is None or i not in cfg.sliding_layers
                else cfg.sliding_window for i in range(cfg.num_layers)}  # fmt: skip
     ops.compile_attention_variants(
-        query, key_cache, value_cache, runner.buffers.decode_queries, tuple(windows)
-    )
+        query, key_cache, value_cache, runner.buffers.decode_queries, tuple(windows),
+        cfg.attn_logit_softcapping,
+    )  # fmt: skip
 
 
 def _compile_linear_variants(runner: WarmUpTarget) -> None:
