@@ -31,7 +31,6 @@ from typing import Any
 import torch
 
 from kvflow import LLM, SamplingParams
-from services.executor.runner.step_state import DeviceSpan
 
 
 def _record_steps(llm: LLM) -> list[dict[str, float]]:
@@ -66,9 +65,9 @@ def _record_proposals(llm: LLM) -> dict[str, list[float]]:
 
     def timed_after_step(*args):  # type: ignore[no-untyped-def]
         start = time.perf_counter()
-        began = DeviceSpan.mark(proposer.device)
+        began = _mark()
         proposal = after_step(*args)
-        spans.append(DeviceSpan(began, DeviceSpan.mark(proposer.device)))
+        spans.append((began, _mark()))
         times["queue_host"].append((time.perf_counter() - start) * 1e3)
         return proposal
 
@@ -76,11 +75,27 @@ def _record_proposals(llm: LLM) -> dict[str, list[float]]:
         start = time.perf_counter()
         drafts = take_drafts(*args)
         times["take"].append((time.perf_counter() - start) * 1e3)
-        times["device"].append(spans.pop(0).milliseconds())  # the step's, long since done
+        times["device"].append(_milliseconds(*spans.pop(0)))  # the step's, long since done
         return drafts
 
     proposer.after_step, proposer.take_drafts = timed_after_step, timed_take_drafts
     return times
+
+
+def _mark() -> Any:
+    """A point on the device's stream (a recorded timing event), or the clock off CUDA."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _milliseconds(start: Any, end: Any) -> float:
+    if isinstance(start, float):
+        return (end - start) * 1e3
+    end.synchronize()
+    return float(start.elapsed_time(end))
 
 
 def run(args: argparse.Namespace, speculative: str | None) -> dict[str, Any]:
