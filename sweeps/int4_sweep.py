@@ -4,7 +4,8 @@ For each projection of --model and each M in --m, times `kernels.triton_int4.int
 every config of CANDIDATES (groups of 128, asymmetric, as AWQ writes them), bf16 through
 `kernels.ops.linear` (what the engine runs), and reports microseconds per call and the GB/s of
 packed weights, scales and zero points read (timing and checks: sweeps/quantized_sweep.py).
-Past 64 rows it times what the engine runs there (dequantize, then cuBLAS).
+Past 64 rows it times what the engine runs there (dequantize, then cuBLAS) and, unless
+--default-only, the dot kernel with LARGE_M_CANDIDATES' tiles.
 `triton_int4.default_tiles` holds the picks. A peer on the same weights: PyTorch's own int4
 GEMM (`torch._weight_int4pack_mm`, gpt-fast's and torchao's "tinygemm"), as a measure of what
 a CUDA kernel reaches at these shapes. `--default-only` times the engine's tiles alone.
@@ -29,7 +30,6 @@ from kernels.int4 import (
     unpack_weight,
 )
 from kernels.triton_int4 import default_tiles, int4_linear
-from kernels.triton_int4_dequant import dequantize_int4
 from sweeps import quantized_sweep
 from sweeps.linear_sweep import DEVICE, Shape
 
@@ -95,11 +95,10 @@ def sweep_shape(
     for m in ms:
         x = torch.randn(m, shape.k, device=DEVICE).to(torch.bfloat16)
         rows.append(quantized_sweep.bf16_row(shape, m, x, copies))
-        if m > 64:  # the engine's pick (int4_linear itself), and the dot kernel's large tiles
+        if m > 64:  # the engine's (int4_linear's dequantize + cuBLAS), and the dot kernel's
             configs = [("engine", functools.partial(_int4, tiles=None), None)]
             if not default_only:
                 configs += [
-                    ("dequantize + cuBLAS", _dequantized, None),
                     *[(label(t), functools.partial(_int4, tiles=t), t) for t in LARGE_M_CANDIDATES],
                 ]
         else:
@@ -129,12 +128,6 @@ def tinygemm_layer(
 
 def _tinygemm(x: torch.Tensor, layer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return torch._weight_int4pack_mm(x, layer[0], GROUP, layer[1])
-
-
-def _dequantized(x: torch.Tensor, layer: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    qweight, scales, zeros = layer
-    weight = dequantize_int4(qweight, scales, zeros, GROUP, None, x.dtype)
-    return torch.nn.functional.linear(x, weight)
 
 
 def _int4(
