@@ -15,6 +15,16 @@ def replica_name(component: str, replica: int, num_replicas: int) -> str:
     return component if num_replicas == 1 else f"r{replica}-{component}"
 
 
+def replica_of(name: str, config: Config) -> int | None:
+    """The replica an engine process (a name of `engine_components`) belongs to; None for any
+    other name (a frontend, a tokenizer worker)."""
+    if name not in engine_components(config):
+        return None
+    if config.data_parallel_size == 1:
+        return 0
+    return int(name[1 : name.index("-")])
+
+
 def engine_component(component: str, config: Config) -> str:
     """This process's name: `component` of its replica (--data-parallel-rank)."""
     return replica_name(component, config.replica, config.data_parallel_size)

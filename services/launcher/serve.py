@@ -2,8 +2,10 @@
 
 Components talk over ipc:// sockets in a private runtime directory (or the tcp:// addresses
 given). If any process dies, the frontend is told at once (in-flight requests end with an
-error, /health turns 503), and serve exits non-zero so a supervisor restarts it. SIGTERM
-drains: the frontend stops admitting and finishes what is in flight, then all exit 0.
+error, /health turns 503), and serve exits non-zero so a supervisor restarts it. With several
+engine replicas, a replica's process that dies fails only that replica's requests: the others
+drain (as below), then serve exits non-zero. SIGTERM drains: the frontend stops admitting and
+finishes what is in flight, then all exit 0.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from shared.config import ENV_PREFIX, Config
 from shared.constants import DEATH_GRACE_S, UNHEALTHY_LIMIT_S
 from shared.ipc import connect_dealer, encode
 from shared.protocol import ComponentDown
-from shared.replicas import replica_devices, replica_gpus, replica_name
+from shared.replicas import replica_devices, replica_gpus, replica_name, replica_of
 from shared.wire_security import WireSecurity, private_runtime_dir
 
 logger = logging.getLogger(__name__)
@@ -230,11 +232,7 @@ class Launcher:
         while not self.stopping:
             dead = self._dead()
             if dead is not None:
-                name, code = dead
-                logger.error("%s exited with code %d; stopping kvflow", name, code)
-                self._tell_frontend(name, code)
-                time.sleep(DEATH_GRACE_S)
-                return 1
+                return self._after_death(*dead)
             silent = self._silent_frontend()
             if self._probe("/health") and silent is None:
                 healthy_at = time.monotonic()
@@ -246,6 +244,25 @@ class Launcher:
                 return 1
             time.sleep(0.5)
         return self._drain()
+
+    def _after_death(self, name: str, code: int) -> int:
+        """A process died: tell the frontends; then stop, or, where it was one engine replica's
+        of several, let the others finish their requests first. Non-zero either way."""
+        self._tell_frontend(name, code)
+        if replica_of(name, self.config) is None or self.config.data_parallel_size == 1:
+            logger.error("%s exited with code %d; stopping kvflow", name, code)
+            time.sleep(DEATH_GRACE_S)
+            return 1
+        logger.error(
+            "%s exited with code %d: its replica's requests fail; draining the others, then"
+            " stopping kvflow", name, code,
+        )  # fmt: skip
+        self.stopping = True
+        for frontend in self._frontends():
+            if frontend.poll() is None:
+                frontend.send_signal(signal.SIGTERM)
+        self._drain()
+        return 1
 
     def _silent_frontend(self) -> str | None:
         """A frontend that has not written its metrics file for SHARE_SILENCE_S: its loop is

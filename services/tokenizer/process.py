@@ -42,6 +42,7 @@ from shared.protocol import (
     LoraAdapterResult,
     OutputBatch,
     ParameterError,
+    ReplicasDown,
     RequestError,
     RequestOutput,
     SchedulerToTokenizer,
@@ -100,6 +101,7 @@ class TokenizerProcess:
             len(self.schedulers), config.data_parallel_routing == "prefix", self.name
         )
         self.placed: dict[str, int] = {}  # request_id -> its replica
+        self.down: dict[int, str] = {}  # replicas the frontend says are down, and why
         self.legs = HandoverLegs(config.prefill_replicas, len(self.schedulers))
         self.lora_fanout = LoraFanout(len(self.schedulers), self._to_replica, self._answer_lora)
         events = config.addresses("kv_events_address")
@@ -302,9 +304,17 @@ class TokenizerProcess:
             self._stop(message.request_ids)
         elif isinstance(message, LoraAdapterRequest):  # every replica's scheduler's to answer
             self.lora_fanout.start(message, time.monotonic())
+        elif isinstance(message, ReplicasDown):
+            self._replicas_down(message.replicas)
 
     def _send(self, request: EngineRequest, among: Sequence[int] | None) -> None:
-        """To the replica the router picks (of `among`)."""
+        """To the replica the router picks (of `among`), of those not down."""
+        if self.down:
+            among = [r for r in among or range(len(self.schedulers)) if r not in self.down]
+            if not among:
+                why = "; ".join(f"replica {r}: {why}" for r, why in sorted(self.down.items()))
+                self._fail([request.request_id], f"no engine replica can take it ({why})")
+                return
         token_ids = request.prompt_token_ids + request.output_token_ids
         replica = self.router.pick(token_ids, request.lora_id, among)
         self.placed[request.request_id] = replica
@@ -350,6 +360,25 @@ class TokenizerProcess:
         request = self.legs.second_leg(output, replica)
         if request is not None:
             self._send(request, self.legs.decode)
+
+    def _replicas_down(self, down: dict[int, str]) -> None:
+        """The frontend's word on which replicas are down: the requests placed on one newly
+        down end with an error (its scheduler cannot end them); none is placed there while
+        it is down."""
+        newly = {r: why for r, why in down.items() if r not in self.down}
+        self.down = dict(down)
+        for replica, why in sorted(newly.items()):
+            lost = sorted(rid for rid, placed in self.placed.items() if placed == replica)
+            logger.warning("%s: engine replica %d is down (%s)", self.name, replica, why)
+            self._fail(lost, f"engine replica {replica} is down: {why}")
+
+    def _fail(self, request_ids: list[str], why: str) -> None:
+        """End requests with an UNAVAILABLE error here, without a word to their replica."""
+        for request_id in request_ids:
+            self._reply(request_id, TextDelta.failure(request_id, RequestError.unavailable(why)))
+            self._unplace(request_id)
+            self.legs.forget(request_id)
+        self.worker.abort(request_ids)
 
     def _unplace(self, request_id: str) -> int | None:
         """Forget where a request that ended went (None: not placed by this worker)."""

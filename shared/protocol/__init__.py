@@ -80,6 +80,7 @@ from shared.protocol.status import (
     Heartbeat,
     HostTierStats,
     KvEventBatch,
+    ReplicasDown,
     StatsSnapshot,
 )
 from shared.protocol.transfer import KVFetch, KVFetchReply, KVRelease, KVTransferStats
@@ -98,7 +99,9 @@ ToScheduler = (
 )
 ToExecutor = SchedulerOutput | LaunchStep | SchedulerHello | AddLoraAdapter
 ToRanks = SchedulerOutput | LaunchStep | ResetRanks | AddLoraAdapter
-FrontendToTokenizer = GenerateRequest | TokenizeRequest | AbortRequests | LoraAdapterRequest
+FrontendToTokenizer = (
+    GenerateRequest | TokenizeRequest | AbortRequests | LoraAdapterRequest | ReplicasDown
+)
 SchedulerToTokenizer = OutputBatch | LoraAdapterResult
 ToFrontend = (
     TextDelta
@@ -151,6 +154,7 @@ __all__ = [
     "PromptLogprobs",
     "PromptTokenLogprob",
     "QueueFullError",
+    "ReplicasDown",
     "RequestError",
     "RequestOutput",
     "ResetRanks",

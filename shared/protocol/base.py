@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 18
+PROTOCOL_VERSION = 19
 
 
 class Message(msgspec.Struct, gc=False):

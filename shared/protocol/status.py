@@ -55,6 +55,15 @@ class ComponentDown(Message, tag=True):
     exit_code: int
 
 
+class ReplicasDown(Message, tag=True):
+    """A frontend to its tokenizer workers, whenever the set changes: the engine replicas
+    (--data-parallel-size above 1) with a component gone, exited or stuck, and why. A worker
+    ends the requests it placed on a replica that is newly in the set with an error, and
+    places nothing on any replica in it until a later message leaves it out."""
+
+    replicas: dict[int, str]
+
+
 class HostTierStats(Message, kw_only=True):
     """The prefix cache's host tier (--kv-offloading-size), totals since start: prompt tokens
     looked up there (past the GPU's hits) and restored from it, and blocks copied each way."""

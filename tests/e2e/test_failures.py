@@ -21,13 +21,15 @@ import httpx
 from tests.e2e.server import Paused, Server, free_port, start_server
 
 
-def stream_in_background(server: Server, max_tokens: int) -> tuple[threading.Thread, dict]:
+def stream_in_background(
+    server: Server, max_tokens: int, prompt: str = "Write a long story:"
+) -> tuple[threading.Thread, dict]:
     """A streaming completion read in a thread; the dict records chunks, errors and the end."""
     record: dict = {"chunks": 0, "error": None, "finish_reason": None, "started": threading.Event()}
 
     def run() -> None:
         body = {
-            "prompt": "Write a long story:",
+            "prompt": prompt,
             "max_tokens": max_tokens,
             "stream": True,
             "ignore_eos": True,

@@ -18,6 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 from services.frontend.engine.health import engine_failure, starting_reason, tokenizer_pool_reason
 from services.frontend.engine.liveness import Liveness
 from services.frontend.engine.lora_listings import LoraListings
+from services.frontend.engine.replica_faults import ReplicaFaults
 from services.frontend.engine.tokenizer_pool import TokenizerPool
 from shared.config import Config
 from shared.constants import LORA_ANSWER_MARGIN_S, LORA_LOAD_TIMEOUT_S, TOKENIZE_TIMEOUT_S
@@ -33,6 +34,7 @@ from shared.protocol import (
     LoraAdapterListing,
     LoraAdapterRequest,
     LoraAdapterResult,
+    ReplicasDown,
     RequestError,
     StatsSnapshot,
     TextDelta,
@@ -91,6 +93,7 @@ class EngineClient:
         self.expected = engine_components(config)  # each replica's scheduler and executors
         self.tokenizers = TokenizerPool()
         self.down: str | None = None  # why the engine is dead, once it is
+        self.faults = ReplicaFaults(config)  # with several replicas: which are down
         # Each engine replica's last StatsSnapshot, and when it came
         self.snapshots: dict[int, StatsSnapshot] = {}
         self.snapshot_at: dict[int, float] = {}
@@ -140,7 +143,7 @@ class EngineClient:
         return engine_failure(
             now=now,
             timeout=self.config.component_timeout,
-            gone=[why for why in gone if why is not None],
+            gone=[*self.faults.exited.values(), *(why for why in gone if why is not None)],
             stats_at=self.stats_at,
             down=self.down,
             stalled=self.stalled,
@@ -172,11 +175,45 @@ class EngineClient:
                     self._worker_left(name, why)
             if self.stats_at is None and time.monotonic() - started < self.config.startup_timeout:
                 continue  # still loading: the launcher watches startup
-            # The engine's failures end what runs; the pool fails what a worker held itself.
+            # The engine's failures end what runs on it; the pool, what a worker held itself.
             reason = self._engine_reason()
-            if reason is not None and not failing:
+            if self.config.data_parallel_size > 1:
+                await self._judge_replicas()
+            elif reason is not None and not failing:
                 self._lost(reason)
             failing = reason is not None  # silence can end: then serve again
+
+    def _failures(self) -> dict[str, str]:
+        """Each engine component gone, stuck or silent (a scheduler that stopped reporting),
+        and why."""
+        now = time.monotonic()
+        failures = {name: f"{name} is stalled: {why}" for name, why in self.stalled.items()}
+        for name in self.expected:
+            if (why := self.liveness.gone(name, now)) is not None:
+                failures[name] = why
+        for replica, at in self.snapshot_at.items():
+            if now - at > self.config.component_timeout:
+                name = replica_name("scheduler", replica, self.config.data_parallel_size)
+                failures.setdefault(name, f"{name} has stopped reporting")
+        return failures
+
+    async def _judge_replicas(self) -> None:
+        """With several replicas, each is a failure domain: the tokenizer workers end the
+        requests they placed on one that fails, and place none there while it is down."""
+        if self.faults.judge(self._failures()):
+            if self.faults.down:
+                logger.error(
+                    "engine replicas down: %s; their requests fail, the others run on",
+                    "; ".join(f"{r}: {why}" for r, why in sorted(self.faults.down.items())),
+                )
+            else:
+                logger.info("every engine replica is up again")
+        message = encode(ReplicasDown(self.faults.down))
+        for name in self.faults.to_tell(self.tokenizers.names):
+            try:
+                await self.socket.send_multipart([name.encode(), message])
+            except zmq.ZMQError as exc:
+                self._worker_left(name, f"{name} unreachable: {exc}")
 
     def _worker_left(self, name: str, why: str) -> None:
         """A tokenizer worker counts as gone (or cannot be reached): the requests it held end
@@ -297,7 +334,9 @@ class EngineClient:
             future = self.waiters.pop(message.request_id, None)
             if future is not None and not future.done():
                 future.set_result(message)
-        elif isinstance(message, ComponentDown):
+        elif isinstance(message, ComponentDown) and not self.faults.exit(
+            message.component, message.exit_code
+        ):  # not a replica's of several: the engine is lost
             self._mark_down(f"{message.component} exited with code {message.exit_code}")
 
     def _heard(self, beat: Heartbeat, connection: int | None) -> None:
