@@ -1,4 +1,5 @@
-"""Read a llama-architecture GGUF file's metadata as a Hugging Face config.json dict."""
+"""Read a GGUF file's metadata (the llama.cpp architectures kvflow runs) as a Hugging Face
+config.json dict."""
 
 from __future__ import annotations
 
@@ -21,8 +22,26 @@ _ARCH_KEYS = {
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
 }
+# Written by llama.cpp's converter for the families that have them
+_FAMILY_KEYS = {
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "attention.sliding_window_pattern": "sliding_window_pattern",  # Gemma 3: every Nth full
+    "rope.freq_base_swa": "rope_local_base_freq",  # Gemma 3's sliding layers
+}
 # GGUF architecture name -> transformers model_type
-_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_FAMILIES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+}
+# Gemma's 27B models scale scores by hidden / heads, not the head size: llama.cpp knows them
+# by their layer count (the GGUF file has no query_pre_attn_scalar)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def read_fields(path: Path) -> dict[str, Any]:
@@ -42,7 +61,7 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
     if arch not in _FAMILIES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(_FAMILIES)})")
     cfg: dict[str, Any] = {"model_type": _FAMILIES[arch]}
-    for key, hf_key in _ARCH_KEYS.items():
+    for key, hf_key in {**_ARCH_KEYS, **_FAMILY_KEYS}.items():
         if f"{arch}.{key}" in fields:
             cfg[hf_key] = fields[f"{arch}.{key}"]
     cfg.setdefault("vocab_size", fields["_token_embd_rows"])
@@ -53,4 +72,30 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
     cfg["attention_bias"] = "blk.0.attn_q.bias" in fields["_tensor_names"]
     cfg["eos_token_id"] = fields.get("tokenizer.ggml.eos_token_id")
     cfg["bos_token_id"] = fields.get("tokenizer.ggml.bos_token_id")
-    return cfg
+    return {**cfg, **_rope_scaling(fields, arch), **_gemma_scale(cfg, arch)}
+
+
+def _rope_scaling(fields: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Linear rotary scaling (Gemma 3's global layers) where the file says so; LongRoPE's
+    factor tensors (Phi-3's 128k models) are refused."""
+    if "rope_factors_long.weight" in fields["_tensor_names"]:
+        raise ValueError(
+            "LongRoPE (rope_factors_long, Phi-3's long-context models) is not supported"
+        )
+    kind = fields.get(f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return {}
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear)")
+    factor = float(fields[f"{arch}.rope.scaling.factor"])
+    return {"rope_scaling": {"rope_type": "linear", "factor": factor}}
+
+
+def _gemma_scale(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma's query_pre_attn_scalar as llama.cpp computes it: the head size, but hidden /
+    heads for the 27B models."""
+    if arch not in _GEMMA_27B_LAYERS:
+        return {}
+    if cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]:
+        return {"query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"]}
+    return {"query_pre_attn_scalar": cfg["head_dim"]}

@@ -14,6 +14,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -130,6 +131,88 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# transformers model_type -> GGUF architecture, for write_checkpoint
+_ARCHS = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
+}
+
+
+def write_checkpoint(path: Path, model: Any, projection_type: str = "F32") -> None:
+    """A transformers model (float32) as llama.cpp's converter writes it: llama.cpp's tensor
+    names (the `gguf` package's own map), Gemma's norms stored as 1 + w, Llama's q/k rows in
+    llama.cpp's rotary order, and the metadata each family's converter writes; the layers'
+    projections in `projection_type` (one the `gguf` package quantizes), the rest F32. What
+    kvflow reads of the families whose GGUF files llama.cpp publishes."""
+    cfg = model.config
+    family = cfg.model_type
+    arch = _ARCHS[family]
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    _write_metadata(writer, cfg)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = tensor.detach().float().numpy()
+        if family.startswith("gemma") and hf_name.endswith("norm.weight"):
+            data = data + 1.0  # llama.cpp's Gemma norms multiply by the weight alone
+        if family == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
+            data = _permute_rope(data, heads)
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        data = np.ascontiguousarray(data, dtype=np.float32)
+        if projection_type != "F32" and hf_name.endswith("_proj.weight"):
+            qtype = QT[projection_type]
+            writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    rope = cfg.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: by layer type
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if getattr(cfg, "sliding_window", None):
+        writer.add_sliding_window(cfg.sliding_window)
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(cfg, key, None):
+            getattr(writer, f"add_{key}")(getattr(cfg, key))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if isinstance(getattr(cfg, key, None), int):
+            getattr(writer, f"add_{key}")(getattr(cfg, key))
+
+
+def _permute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: each head's rotate-half rows (2, pairs) as (pairs, 2)."""
+    pairs = weight.shape[0] // num_heads // 2
+    w = weight.reshape(num_heads, 2, pairs, *weight.shape[1:])
+    return w.swapaxes(1, 2).reshape(weight.shape)
 
 
 def main() -> None:

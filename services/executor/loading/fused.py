@@ -1,7 +1,8 @@
-"""Checkpoints that store a layer's projections fused (Phi-3 and Phi-4: `qkv_proj`,
-`gate_up_proj`): each such tensor cut into the pieces the layers load one by one (q, k, v;
-gate, up), under the names other families store them by, so that tensor parallelism, FP8 at
-load and the fused parameters' checks work as for Llama."""
+"""Checkpoints that store a layer's projections fused (Phi-3 and Phi-4: `qkv_proj` and
+`gate_up_proj` in safetensors, `attn_qkv` and `ffn_up` in GGUF): each such tensor cut into the
+pieces the layers load one by one (q, k, v; gate, up), under the names other families store
+them by, so that tensor parallelism, FP8 at load and the fused parameters' checks work as for
+Llama."""
 
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ def unfused(
         if projection not in FUSED:
             yield name, tensor
             continue
-        if leaf not in ("weight", "bias") or isinstance(tensor, PackedWeight):
-            raise ValueError(f"{name}: fused projections load from float checkpoints only")
-        pieces = read(tensor).split(sizes[projection], dim=0)
+        if leaf not in ("weight", "bias"):
+            raise ValueError(f"{name}: a fused projection's {leaf} cannot be cut")
+        # A GGUF file's blocks are stored row by row: its rows cut as a float tensor's do.
+        stored = tensor.data if isinstance(tensor, PackedWeight) else tensor
+        rows = read(stored).split(sizes[projection], dim=0)
+        pieces: list[CheckpointTensor] = list(rows)
+        if isinstance(tensor, PackedWeight):
+            pieces = [PackedWeight(tensor.qtype, cut) for cut in rows]
         for piece, part in zip(FUSED[projection], pieces, strict=True):
             yield f"{parent}.{piece}.{leaf}", part

@@ -34,6 +34,17 @@ _GGUF_LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Where an architecture's names differ from Llama's
+_GEMMA_NAMES = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GGUF_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
+}
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -60,7 +71,7 @@ def iter_gguf(
     arch = file.fields["general.architecture"]
     dequantized: Counter[str] = Counter()
     for tensor in file.tensors:
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         qtype = tensor.qtype.name
         packed = keep_blocks and name.endswith("_proj.weight")
         blocks = packed and qtype in GGUF_TYPES
@@ -68,7 +79,10 @@ def iter_gguf(
             dequantized[qtype] += 1
         # llama.cpp's q/k row order; a row permutation moves whole rows of blocks as well.
         rope_rows = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
-        part = _GgufPart(tensor.data, tensor.qtype, blocks, cfg.head_dim if rope_rows else 0)
+        # llama.cpp stores Gemma's norms as 1 + w, the multiplier itself; kvflow's are w.
+        offset = 1.0 if arch.startswith("gemma") and name.endswith("norm.weight") else 0.0
+        rope_head_dim = cfg.head_dim if rope_rows else 0
+        part = _GgufPart(tensor.data, tensor.qtype, blocks, rope_head_dim, offset)
         weight = CheckpointSlice(part)
         yield name, (PackedWeight(_packed_type(qtype), weight) if packed else weight)
     if dequantized:
@@ -83,13 +97,18 @@ class _GgufPart:
     the part an index takes, read then (blocks as stored, or dequantized to float32). Columns
     are values of a dequantized tensor (the blocks holding them are read) or bytes of a blocks
     one. `rope_head_dim`: llama.cpp's q/k rows, put back in rotate-half order as read (a cut
-    takes whole heads, so each head is unpermuted alone)."""
+    takes whole heads, so each head is unpermuted alone). `offset`: taken off every value."""
 
     def __init__(
-        self, data: np.ndarray, qtype: gguf.GGMLQuantizationType, blocks: bool, rope_head_dim: int
+        self,
+        data: np.ndarray,
+        qtype: gguf.GGMLQuantizationType,
+        blocks: bool,
+        rope_head_dim: int,
+        offset: float = 0.0,
     ) -> None:
         self.data, self.qtype, self.blocks = data, qtype, blocks
-        self.rope_head_dim = rope_head_dim
+        self.rope_head_dim, self.offset = rope_head_dim, offset
         # Each stored row is blocks of `elems` values in `width` entries (bytes, or one typed
         # value for F32/F16/BF16).
         elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -117,17 +136,19 @@ class _GgufPart:
             weight = torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
         if self.rope_head_dim:
             weight = _unpermute_rope(weight, weight.shape[0] // self.rope_head_dim)
-        return weight
+        return weight - self.offset if self.offset else weight
 
 
 def _packed_type(qtype: str) -> str:
     return qtype if qtype in GGUF_TYPES else "float"
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]
-    _, layer, piece, suffix = gguf_name.split(".")
-    if piece not in _GGUF_LAYER_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[piece]}.{suffix}"
+    names = {**_GGUF_LAYER_NAMES, **_GGUF_ARCH_LAYER_NAMES.get(arch, {})}
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in names:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r} in a {arch} file")
+    _, layer, piece, suffix = parts
+    return f"model.layers.{layer}.{names[piece]}.{suffix}"

@@ -106,7 +106,7 @@ def load_model(
         init_dummy(model, seed)
     elif fmt == "gguf":
         keep_blocks = spec is not None and spec.method == "gguf"
-        load_weights(model, iter_gguf(source.path, cfg, keep_blocks))
+        load_weights(model, _unfused(iter_gguf(source.path, cfg, keep_blocks), cfg))
     elif fmt == "safetensors":
         load_weights(model, _safetensors(source, cfg, spec, tp.size > 1))
     else:
@@ -145,6 +145,13 @@ def _safetensors(
         tensors = iter_safetensor_slices(source.path)
     else:
         tensors = iter_safetensors(source.path)
+    return _unfused(tensors, cfg)
+
+
+def _unfused(
+    tensors: Iterable[tuple[str, CheckpointTensor]], cfg: ModelConfig
+) -> Iterable[tuple[str, CheckpointTensor]]:
+    """Fused projections (Phi-3's) cut into the pieces the layers load."""
     return unfused(tensors, cfg) if cfg.family == "phi3" else tensors
 
 
