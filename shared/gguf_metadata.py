@@ -29,6 +29,10 @@ _FAMILY_KEYS = {
     "final_logit_softcapping": "final_logit_softcapping",
     "attention.sliding_window_pattern": "sliding_window_pattern",  # Gemma 3: every Nth full
     "rope.freq_base_swa": "rope_local_base_freq",  # Gemma 3's sliding layers
+    "embedding_scale": "embedding_multiplier",  # Granite's multipliers
+    "residual_scale": "residual_multiplier",
+    "attention.scale": "attention_multiplier",
+    "logit_scale": "logits_scaling",
 }
 # GGUF architecture name -> transformers model_type
 _FAMILIES = {
@@ -38,6 +42,8 @@ _FAMILIES = {
     "gemma2": "gemma2",
     "gemma3": "gemma3_text",
     "phi3": "phi3",
+    "olmo2": "olmo2",
+    "granite": "granite",
 }
 # Gemma's 27B models scale scores by hidden / heads, not the head size: llama.cpp knows them
 # by their layer count (the GGUF file has no query_pre_attn_scalar)

@@ -141,6 +141,15 @@ _ARCHS = {
     "gemma2": gguf.MODEL_ARCH.GEMMA2,
     "gemma3_text": gguf.MODEL_ARCH.GEMMA3,
     "phi3": gguf.MODEL_ARCH.PHI3,
+    "olmo2": gguf.MODEL_ARCH.OLMO2,
+    "granite": gguf.MODEL_ARCH.GRANITE,
+}
+# Granite's multipliers, as llama.cpp's keys name them
+_GRANITE_KEYS = {
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "attention_multiplier": "attention_scale",
+    "logits_scaling": "logit_scale",
 }
 
 
@@ -162,7 +171,8 @@ def write_checkpoint(path: Path, model: Any, projection_type: str = "F32") -> No
         data = tensor.detach().float().numpy()
         if family.startswith("gemma") and hf_name.endswith("norm.weight"):
             data = data + 1.0  # llama.cpp's Gemma norms multiply by the weight alone
-        if family == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        rope_rows = hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+        if family in ("llama", "granite") and rope_rows:  # llama.cpp's LlamaModel permutes
             heads = cfg.num_attention_heads if "q_proj" in hf_name else cfg.num_key_value_heads
             data = _permute_rope(data, heads)
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -203,6 +213,9 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(cfg, key, None):
             getattr(writer, f"add_{key}")(getattr(cfg, key))
+    for key, name in _GRANITE_KEYS.items():
+        if cfg.model_type == "granite":
+            getattr(writer, f"add_{name}")(getattr(cfg, key))
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(getattr(cfg, key, None), int):
             getattr(writer, f"add_{key}")(getattr(cfg, key))

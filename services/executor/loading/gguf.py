@@ -44,7 +44,13 @@ _GGUF_ARCH_LAYER_NAMES = {
     "gemma2": _GEMMA_NAMES,
     "gemma3": _GEMMA_NAMES,
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused
+    "olmo2": {  # norms after each sublayer only
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
+# Architectures whose q/k rows llama.cpp's converter permutes (its LlamaModel's)
+_ROPE_PERMUTED = ("llama", "granite")
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -78,7 +84,7 @@ def iter_gguf(
         if packed and not blocks and qtype not in ("F32", "F16", "BF16"):
             dequantized[qtype] += 1
         # llama.cpp's q/k row order; a row permutation moves whole rows of blocks as well.
-        rope_rows = arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight"))
+        rope_rows = arch in _ROPE_PERMUTED and name.endswith(("q_proj.weight", "k_proj.weight"))
         # llama.cpp stores Gemma's norms as 1 + w, the multiplier itself; kvflow's are w.
         offset = 1.0 if arch.startswith("gemma") and name.endswith("norm.weight") else 0.0
         rope_head_dim = cfg.head_dim if rope_rows else 0
