@@ -2,7 +2,8 @@
 
 A block's key is sha256 over its parent's key and its token ids, so it names the whole prefix
 up to it; the first block's parent is its LoRA adapter's seed, so a prefix computed under one
-adapter (or the base model) is never found under another. The scheduler keys its cache with
+adapter (or the base model) is never found under another, and, with LongRoPE, whether it was
+computed with the long set of frequencies. The scheduler keys its cache with
 these (services/scheduler/request.py) and publishes them (KvEventBatch); a router computes
 the same keys for a prompt to see which engine holds how much of it.
 """
@@ -16,6 +17,12 @@ from array import array
 def lora_seed(lora_id: int) -> bytes:
     """The parent key of a request's first block: its LoRA adapter's (b"" for the base)."""
     return b"" if lora_id == 0 else b"lora:" + lora_id.to_bytes(8, "little")
+
+
+def block_seed(lora_id: int, long_rope: bool = False) -> bytes:
+    """The parent key of a request's first block: its LoRA adapter's seed, marked where the
+    request is computed with LongRoPE's long set (its KV then differs from the short set's)."""
+    return lora_seed(lora_id) + (b"rope:long" if long_rope else b"")
 
 
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:

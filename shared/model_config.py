@@ -74,7 +74,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None  # llama3 or yarn scaling parameters (rope_type), or None
+    rope_scaling: dict[str, Any] | None  # linear, llama3, yarn or longrope (rope_type), or None
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # qkv projections carry a bias (Qwen2)
@@ -107,6 +107,14 @@ class ModelConfig:
     # Gemma 2: attention scores (scaled) and the final logits soft-capped, cap * tanh(x / cap)
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's original context (past it, the long set of frequencies), or None."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        return int(scaling["original_max_position_embeddings"])
 
 
 @dataclass(frozen=True)
@@ -200,20 +208,7 @@ def from_hf_dict(cfg: dict[str, Any]) -> ModelConfig:
         raise ValueError(
             f"model_type {family!r} is not supported; kvflow runs {', '.join(SUPPORTED_FAMILIES)}"
         )
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope = rope.get("full_attention", rope)  # transformers 5: by layer type (Gemma 3)
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3", "yarn"):
-        raise ValueError(
-            f"rope type {rope_type!r} is not supported (default, linear, llama3, yarn)"
-        )
-    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
-        raise ValueError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
-    if rope_type == "yarn" and rope.get("factor") is None:  # the context's growth (DeepSeek-V3)
-        rope = {
-            **rope,
-            "factor": cfg["max_position_embeddings"] / rope["original_max_position_embeddings"],
-        }
+    rope, rope_type = _rope_parameters(cfg)
     num_heads = cfg["num_attention_heads"]
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -272,6 +267,30 @@ def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
             for i in range(text["num_hidden_layers"])
         ]
     return text
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The rotary scaling's parameters and type; for YaRN and LongRoPE with the original
+    context and the growth factor over it (max_position_embeddings over it where unsaid)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)  # transformers 5: by layer type (Gemma 3)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
+    if float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError("a partial rotary embedding (partial_rotary_factor < 1) is not supported")
+    if rope_type in ("yarn", "longrope"):
+        # Phi-3 keeps the original context beside the rope dict (transformers 4's spelling)
+        original = rope.get("original_max_position_embeddings") or cfg.get(
+            "original_max_position_embeddings"
+        )
+        rope = {**rope, "original_max_position_embeddings": original}
+        if rope.get("factor") is None:  # the context's growth (DeepSeek-V3, Phi-3)
+            rope["factor"] = cfg["max_position_embeddings"] / original
+    return rope, rope_type
 
 
 def _with_family_defaults(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -78,4 +78,5 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         num_host_blocks=ready.num_host_blocks,
         host_block_bytes=ready.host_block_bytes,
         kv_transfer=config.prefill_replicas > 0,
+        long_rope_after=ready.long_rope_after,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from shared.block_hashes import hash_block, lora_seed
+from shared.block_hashes import block_seed, hash_block
 from shared.protocol import (
     EngineRequest,
     FinishReason,
@@ -48,6 +48,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.block_hashes: list[bytes] = []
+        # LongRoPE: computed with the long set of frequencies (services/executor/layers/rotary.py)
+        self.long_rope = False
         # Prefill/decode disaggregation (KVTransfer): a prefill engine's request ends after
         # its first token and hands its prompt's KV over; a decode engine's fetches it from
         # prefill replica `kv_source` at its first admission (-1: from nowhere, or done).
@@ -67,6 +69,10 @@ class Request:
         self._prompt_logprobs_sent = False
         self._block_size = block_size
         self._update_block_hashes()
+
+    @property
+    def _seed(self) -> bytes:
+        return block_seed(self.lora_id, self.long_rope)
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +100,13 @@ class Request:
         self.all_token_ids.append(token_id)
         self._update_block_hashes()
 
+    def use_long_rope(self) -> None:
+        """From now on it is computed with LongRoPE's long set, from its start: its blocks'
+        keys say so."""
+        self.long_rope = True
+        self.block_hashes = []
+        self._update_block_hashes()
+
     def add_prompt_logprobs(self, part: PromptLogprobs) -> None:
         """Keep the entries past those already held. NOTE: a request preempted in the middle of
         its prompt computes the prompt again from its start, and sends its first chunks twice."""
@@ -112,5 +125,5 @@ class Request:
     def _update_block_hashes(self) -> None:
         size = self._block_size
         for start in range(len(self.block_hashes) * size, self.num_tokens - size + 1, size):
-            parent = self.block_hashes[-1] if self.block_hashes else lora_seed(self.lora_id)
+            parent = self.block_hashes[-1] if self.block_hashes else self._seed
             self.block_hashes.append(hash_block(parent, self.all_token_ids[start : start + size]))

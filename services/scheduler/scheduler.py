@@ -24,6 +24,7 @@ from services.scheduler.admission import admissible_max_tokens, check_queue_room
 from services.scheduler.block_pool import BlockEvents
 from services.scheduler.handover import Handovers
 from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.long_rope import crosses_original_context, settle_long_rope
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.scheduler_config import SchedulerConfig
 from services.scheduler.scheduler_view import SchedulerView
@@ -228,6 +229,11 @@ class Scheduler(SchedulerView):
             if num_new <= 0 or self._ends_with_pending(request) or self.handover.waits(request):
                 index += 1
                 continue
+            if crosses_original_context(request, self.config.long_rope_after):
+                self.running.pop(index)
+                self._requeue(request)  # then computed again from its start, with the long set
+                request.num_preemptions += 1  # readmitted in a whole plan (schedule_addendum)
+                continue
             num_held = len(self.kv.block_ids.get(request.request_id, []))
             while not self.kv.allocate(request, num_new):
                 preempted = True
@@ -272,6 +278,7 @@ class Scheduler(SchedulerView):
                 break  # preempted with a token in flight: readmit it once the token is in
             if first_admissions_only and request.num_preemptions:
                 break
+            settle_long_rope(request, self.config.long_rope_after)
             cached = self.kv.find_cached_prefix(request)
             restored = self.kv.find_host_prefix(request, len(cached))
             num_hits = len(cached) + len(restored)  # blocks
@@ -334,6 +341,7 @@ class Scheduler(SchedulerView):
             block_ids=list(self.kv.block_ids[request.request_id]),
             num_computed_tokens=request.num_computed_tokens,
             lora_id=request.lora_id,
+            long_rope=request.long_rope,
         )
 
     def _requeue(self, request: Request) -> None:

@@ -31,3 +31,6 @@ class SchedulerConfig:
     num_host_blocks: int = 0
     host_block_bytes: int = 0  # a block's KV there, every layer and rank (for the metrics)
     kv_transfer: bool = False  # a replica of a disaggregated server (--prefill-replicas)
+    # LongRoPE: the original context, past which a request takes the long set of frequencies
+    # from its start (services/executor/layers/rotary.py); None: not LongRoPE
+    long_rope_after: int | None = None

@@ -55,6 +55,9 @@ class NewRequestData(Message, kw_only=True):
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the cache (prefix hits)
     lora_id: int = 0  # its LoRA adapter (0: the base model)
+    # LongRoPE (Phi-3's long-context models): whether every token of it takes the long set of
+    # frequencies (services/executor/layers/rotary.py)
+    long_rope: bool = False
 
 
 class CachedRequestData(Message, kw_only=True):

@@ -151,6 +151,9 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     # the bytes a block takes there, every layer and rank.
     num_host_blocks: int = 0
     host_block_bytes: int = 0
+    # LongRoPE (Phi-3's long-context models): the original context, past which a request is
+    # computed with the long set of frequencies from its start (None: not LongRoPE)
+    long_rope_after: int | None = None
 
 
 class ExecutorVersion(Message, tag="ExecutorReady"):

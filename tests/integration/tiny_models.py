@@ -78,6 +78,19 @@ FAMILIES = {
     ),
     # Fused qkv_proj and gate_up_proj in the checkpoint (Phi-3, Phi-4), a window on every layer
     "phi3": (transformers.Phi3Config, dict(sliding_window=20, pad_token_id=None)),
+    # LongRoPE's two sets of frequencies: prompts longer than its original context of 32 take
+    # the long set throughout, shorter ones cross into it as they generate
+    "phi3 longrope": (
+        transformers.Phi3Config,
+        dict(
+            pad_token_id=None, original_max_position_embeddings=32,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0, 1.1, 1.2, 1.5, 1.9, 2.4, 3.0, 3.7],
+                "long_factor": [1.0, 1.3, 2.0, 3.1, 4.6, 6.5, 8.8, 11.5],
+            },
+        ),
+    ),
     # YaRN's long-context rotary, past its original context of 32 within the prompts
     "qwen3 yarn": (
         transformers.Qwen3Config,

@@ -1,13 +1,38 @@
-"""Rotary position embeddings: the cos/sin table, with Llama 3's long-context rescaling or
-YaRN's (gpt-oss, Qwen3's long context)."""
+"""Rotary position embeddings: the cos/sin table, with Llama 3's long-context rescaling,
+YaRN's (gpt-oss, Qwen3's long context) or LongRoPE's (Phi-3's 128k models).
+
+LongRoPE has two sets of frequencies: short ones for sequences within the original context,
+long ones past it. transformers computes a sequence longer than the original context with the
+long set throughout: a prompt in one pass, and a sequence that grows past it is computed
+again from its start with the long set (its cache dropped) on the step that crosses. kvflow
+does the same: its scheduler marks a request long (`NewRequestData.long_rope`) once it is
+longer than the original context, computing it again from its start when it crosses
+(services/scheduler/scheduler.py), and the table holds both sets, the long after the short
+(`long_offset` rows on), a long request's positions offset into the long half
+(services/executor/runner/step_buffers.py)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE's two sets in one table (the module docstring): `offset`, the long set's first
+    row."""
+
+    offset: int
+
+    def rotary_positions(self, positions: np.ndarray, long: np.ndarray) -> np.ndarray:
+        """Each token's row of the table ([T] each: its position, whether its request is
+        long)."""
+        return positions + self.offset * long
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -20,6 +45,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     if scaling.get("rope_type") == "linear":  # positions divided by `factor` (Gemma 3)
         return inv_freq / scaling["factor"]
+    if scaling.get("rope_type") == "longrope":  # the short set (RotaryEmbedding adds the long)
+        return longrope_inv_freq(head_dim, theta, scaling["short_factor"])
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -30,6 +57,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
     return torch.where(in_band, blended, scaled)
+
+
+def longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """One of LongRoPE's sets: each frequency divided by its own factor (as transformers
+    rounds it: one division of 1 by the product)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
 
 
 def _yarn_inv_freq(
@@ -56,11 +90,15 @@ def _yarn_inv_freq(
 
 def rope_magnitude(scaling: dict[str, Any] | None) -> float:
     """What cos and sin are multiplied by: YaRN's attention factor (0.1 ln(factor) + 1 unless
-    the config gives it, or its mscale ratio), else 1."""
-    if scaling is None or scaling.get("rope_type") != "yarn":
+    the config gives it, or its mscale ratio), LongRoPE's (sqrt(1 + ln(factor) / ln(original
+    context)) unless given), else 1."""
+    if scaling is None or scaling.get("rope_type") not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if scaling["rope_type"] == "longrope":
+        factor, old_len = scaling["factor"], scaling["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
 
     def mscale(scale: float, weight: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
@@ -80,9 +118,20 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)  # [head_dim // 2]
-        positions = torch.arange(max_position, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         magnitude = rope_magnitude(scaling)
-        cache = torch.stack((angles.cos(), angles.sin()), dim=1) * magnitude  # [max_position, 2, D]
+        cache = _cos_sin(inv_freq, max_position, magnitude)  # [max_position, 2, D]
+        # LongRoPE: the long set's rows after the short's (the module docstring)
+        self.long_offset: int | None = None
+        if scaling is not None and scaling.get("rope_type") == "longrope":
+            long_freq = longrope_inv_freq(head_dim, theta, scaling["long_factor"])
+            cache = torch.cat([cache, _cos_sin(long_freq, max_position, magnitude)])
+            self.long_offset = max_position
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+
+def _cos_sin(inv_freq: torch.Tensor, max_position: int, magnitude: float) -> torch.Tensor:
+    """[max_position, 2, head_dim]: cos and sin of each position's angles, times magnitude."""
+    positions = torch.arange(max_position, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
+    return torch.stack((angles.cos(), angles.sin()), dim=1) * magnitude

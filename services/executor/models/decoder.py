@@ -26,7 +26,7 @@ from services.executor.layers.lora import LoraTokens
 from services.executor.layers.mlp import GatedMLP
 from services.executor.layers.moe import ExpertsMethod, SparseMoE, expert_piece
 from services.executor.layers.norm import RMSNorm
-from services.executor.layers.rotary import RotaryEmbedding
+from services.executor.layers.rotary import LongRope, RotaryEmbedding
 from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.shards import CheckpointTensor, read
@@ -302,6 +302,8 @@ class DecoderForCausalLM(nn.Module):
         self.config = cfg
         self.layout = layout = ShardLayout.of(cfg, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope_theta, cfg.rope_scaling)
+        # LongRoPE: the step buffers offset a long request's positions into its long set
+        self.long_rope = None if rotary.long_offset is None else LongRope(rotary.long_offset)
         local_rotary = rotary  # the sliding layers' (Gemma 3's own base, unscaled)
         if cfg.local_rope_theta is not None:
             local_rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.local_rope_theta, None)

@@ -97,14 +97,12 @@ class ModelRunner:
         self.proposer = proposers.proposer_for(self.speculative, config, self)
         self.num_drafts = self.speculative.num_speculative_tokens if self.speculative else 0
         self.buffers = StepBuffers(
-            config.max_num_batched_tokens,
-            config.max_num_seqs,
+            config.max_num_batched_tokens, config.max_num_seqs,
             -(-self.max_model_len // self.block_size),  # table columns: the longest request
-            self.block_size,
-            self.device,
+            self.block_size, self.device,
             max_samples=config.max_num_seqs * (1 + self.num_drafts),  # a row samples after each
-            decode_queries=1 + self.num_drafts,
-        )
+            decode_queries=1 + self.num_drafts, long_rope=self.model.long_rope,
+        )  # fmt: skip
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
         self._allocate_kv_cache(config)
         self._plan_limits = PlanLimits(
@@ -228,6 +226,7 @@ class ModelRunner:
             num_speculative_tokens=self.num_drafts,
             num_host_blocks=self.host_kv.num_slots if self.host_kv is not None else 0,
             host_block_bytes=self.kv_layout.bytes_per_block * self.tp.size,
+            long_rope_after=self.model_config.long_rope_after,
         )
 
     def reset(self) -> None:
@@ -481,7 +480,7 @@ class ModelRunner:
                 raise PlanError(f"plan {prepared.step}: its LoRA adapters: {exc}") from exc
         self.buffers.write(
             prepared.token_ids, prepared.starts, prepared.counts, prepared.sample_rows,
-            prepared.shape, prepared.sources, row_slots,
+            prepared.shape, prepared.sources, row_slots, prepared.long_rows,
         )  # fmt: skip
         if prepared.shape is not None and prepared.shape.decode:
             for row in range(len(prepared.counts), prepared.shape.num_reqs):

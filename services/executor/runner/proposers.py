@@ -47,6 +47,10 @@ def proposer_for(
     """The runner's proposer: none without speculation; a draft model's or an EAGLE-3 head's
     on the first rank only (the others propose nothing: collect reads rank 0's drafts, which
     the plans relay to them)."""
+    if spec is not None and runner.model.long_rope is not None:
+        # A verifying row could cross LongRoPE's original context mid-step, which the
+        # scheduler's recompute at the crossing (services/scheduler/scheduler.py) cannot do.
+        raise ValueError("speculative decoding is not supported for LongRoPE models (Phi-3)")
     if spec is None or spec.method not in ("draft_model", "eagle3"):
         return make_proposer(spec)
     embedding = None

@@ -30,6 +30,7 @@ import torch
 
 from services.executor.layers.attention_metadata import AttentionMetadata
 from services.executor.layers.lora import LoraTokens
+from services.executor.layers.rotary import LongRope
 
 PADDING_SLOT = -1  # write_kv skips it: padded graph rows must not touch the cache
 # At most this many tokens and rows: StepBuffers lays a step out token by token (1 row of 9
@@ -84,6 +85,7 @@ class StepBuffers:
         device: torch.device,
         max_samples: int | None = None,
         decode_queries: int = 1,
+        long_rope: LongRope | None = None,
     ) -> None:
         """`max_samples`: positions sampled in one step, at most (default one a request; more
         where a row verifies drafts). `decode_queries`: the most tokens of a request that
@@ -91,6 +93,7 @@ class StepBuffers:
         verifying row."""
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
         self.decode_queries = decode_queries
+        self.long_rope = long_rope  # LongRoPE: positions offset into its long set (write)
         self.max_samples = min(max_samples or max_reqs, max(max_tokens, max_reqs))
         self.block_size = block_size
         sizes = {
@@ -148,13 +151,16 @@ class StepBuffers:
         pad_to: PaddedShape | None = None,
         sources: Sequence[tuple[int, int]] = (),
         row_slots: Sequence[int] | None = None,
+        long_rows: Sequence[bool] = (),
     ) -> None:
         """Fill the host mirror for one step; `pad_to` pads it to a CUDA graph's shape.
 
         Request r computes tokens starts[r] : starts[r] + counts[r], whose ids are the
         concatenated `token_ids`; its blocks are in table row r (`set_table_row`). Each
         (token index, row) of `sources` replaces that token id by the row of the last sampled
-        ids, on the device. `row_slots`: each request's LoRA slot, with LoRA.
+        ids, on the device. `row_slots`: each request's LoRA slot, with LoRA. `long_rows`:
+        whether each request takes LongRoPE's long set (the positions field is then each
+        token's row of the rotary table: `LongRope.rotary_positions`).
         """
         num_reqs, num_tokens = len(counts), len(token_ids)
         if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
@@ -165,7 +171,7 @@ class StepBuffers:
         else:
             layout = self._layout(starts, counts, num_tokens)
         self._host("input_ids", num_tokens)[:] = token_ids
-        self._host("positions", num_tokens)[:] = layout.positions
+        self._host("positions", num_tokens)[:] = self._rotary_positions(layout, long_rows)
         self._host("slot_mapping", num_tokens)[:] = layout.slots
         source_rows = self._host("source_rows", num_tokens)
         source_rows[:] = -1
@@ -189,6 +195,15 @@ class StepBuffers:
             slots = self._host("token_slots", num_tokens)
             self._host("token_order", num_tokens)[:] = np.argsort(slots, kind="stable")
         self.last_step = (num_tokens, num_reqs, len(sample_rows), max_seq_len)
+
+    def _rotary_positions(self, layout: _Layout, long_rows: Sequence[bool]) -> object:
+        """The positions the rotary kernel reads: with LongRoPE, a long request's offset into
+        its long set."""
+        if self.long_rope is None or not any(long_rows):
+            return layout.positions
+        positions = np.asarray(layout.positions, dtype=np.int64)
+        rows = np.asarray(layout.req_index, dtype=np.int64)
+        return self.long_rope.rotary_positions(positions, np.asarray(long_rows)[rows])
 
     def _layout(self, starts: Sequence[int], counts: Sequence[int], num_tokens: int) -> _Layout:
         """Each token's position and KV slot, and each request's bounds, by array operations."""

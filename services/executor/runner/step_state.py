@@ -54,6 +54,7 @@ class RequestState:
     # Prompt logprobs still to compute: not for a request resumed after its prompt was done.
     wants_prompt_logprobs: bool = field(default=False)
     lora_id: int = field(default=0)  # its LoRA adapter (0: the base model)
+    long_rope: bool = field(default=False)  # LongRoPE's long set for all its tokens
     # An embed request's pooled hidden states of the prompt chunks so far (runner/pooling.py).
     pooled: torch.Tensor | None = field(default=None)
     speculates: bool = field(default=False)  # its steps verify drafts (shared/speculative.py)
@@ -80,6 +81,7 @@ class RequestState:
             wants_prompt_logprobs=data.sampling_params.prompt_logprobs is not None
             and not data.output_token_ids,
             lora_id=data.lora_id,
+            long_rope=data.long_rope,
             speculates=speculates,
         )
 
@@ -287,6 +289,7 @@ class PreparedStep:
     sample_rows: list[int] = field(default_factory=list)
     sources: list[tuple[int, int]] = field(default_factory=list)  # (token index, sampled row)
     lora_ids: list[int] = field(default_factory=list)  # each row's LoRA adapter (0: none)
+    long_rows: list[bool] = field(default_factory=list)  # each row's request's (LongRoPE)
     shape: PaddedShape | None = None
     # Requests whose prompt logprobs this step computes: (request id, token index of the first
     # position, that position, number of positions).
@@ -355,6 +358,7 @@ class PreparedStep:
         self.starts.append(start)
         self.counts.append(num_new)
         self.lora_ids.append(state.lora_id)
+        self.long_rows.append(state.long_rope)
         state.num_computed_tokens = start + num_new
         if end == state.num_tokens:  # reached the end: sample the next (after each draft)
             if drafts:
