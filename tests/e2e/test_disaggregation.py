@@ -130,6 +130,7 @@ def test_killing_a_decode_replica_fails_only_its_request(server: Server) -> None
     load), held there (both decode executors paused). Replica 2's scheduler and executor are
     killed: its stream ends with an error naming it, /health fails naming it, and replica 1's
     stream runs to its end; serve then exits non-zero. Last in the module: it ends the server."""
+
     def running() -> list[float]:
         found = metric(server, "num_requests_running")
         return [found.get(1, 0), found.get(2, 0)]
