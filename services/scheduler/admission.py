@@ -3,7 +3,7 @@ waiting queue."""
 
 from __future__ import annotations
 
-from services.scheduler.kv_cache_manager import blocks_for
+from services.scheduler.kv_cache_manager import blocks_for, window_blocks
 from services.scheduler.scheduler_config import SchedulerConfig
 from services.scheduler.waiting_queue import WaitingQueue
 from shared.protocol import EngineRequest, ParameterError, QueueFullError
@@ -63,10 +63,25 @@ def admissible_max_tokens(cfg: SchedulerConfig, engine_request: EngineRequest) -
             f"the prompt has {num_prompt} tokens, more than "
             f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) without chunked prefill",
         )
-    if blocks_for(num_prompt + max_tokens, cfg.block_size) > cfg.num_blocks:
+    if _peak_blocks(cfg, num_prompt + max_tokens) > _usable_blocks(cfg):
         raise ParameterError(
             "max_tokens",
             f"prompt + max_tokens ({num_prompt + max_tokens} tokens) needs "
             f"more KV blocks than the whole cache holds ({cfg.num_blocks})",
         )
     return max_tokens
+
+
+def _peak_blocks(cfg: SchedulerConfig, num_tokens: int) -> int:
+    """The most blocks a request of `num_tokens` holds at once: all of them, or with a
+    window those a step's queries read (a step computes at most the budget's tokens)."""
+    blocks = blocks_for(num_tokens, cfg.block_size)
+    if cfg.kv_window is None:
+        return blocks
+    step = min(cfg.max_num_batched_tokens, num_tokens)
+    return min(blocks, window_blocks(cfg.kv_window, cfg.rollback, step, cfg.block_size))
+
+
+def _usable_blocks(cfg: SchedulerConfig) -> int:
+    """The cache's blocks less the null block a window's freed places hold."""
+    return cfg.num_blocks - (cfg.kv_window is not None)

@@ -1,5 +1,12 @@
 """Per-request KV block allocation on top of the block pool, with automatic prefix caching,
-and the prefix cache's host tier (`--kv-offloading-size`) behind it."""
+and the prefix cache's host tier (`--kv-offloading-size`) behind it.
+
+With a window (every layer of the model attends to its last `window` positions only), a
+request's leading blocks that no query of it will read again are given back to the pool as it
+advances: their place in its block list holds the null block, which is never allocated, read
+or written. A request then holds about window / block_size blocks, whatever its length, and a
+prefix hit needs only the blocks in the window before the first position to compute.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +15,20 @@ from collections.abc import Sequence
 from services.scheduler.block_pool import BlockEvents, BlockPool
 from services.scheduler.host_tier import HostTier
 from services.scheduler.request import Request
+from services.scheduler.scheduler_config import SchedulerConfig
 from shared.protocol import HostCopies, HostTierStats
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """The KV blocks `num_tokens` tokens take."""
     return -(-num_tokens // block_size)
+
+
+def window_blocks(window: int, rollback: int, step_tokens: int, block_size: int) -> int:
+    """The most blocks a request holds with a window: a step's queries (up to `step_tokens`)
+    read the window before the first of them, which may fall back by `rollback` positions
+    (rejected drafts)."""
+    return blocks_for(window - 1 + rollback + step_tokens, block_size) + 1
 
 
 class KVCacheManager:
@@ -23,13 +38,21 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         events: BlockEvents | None = None,
+        window: int | None = None,
+        rollback: int = 0,
     ) -> None:
+        """`window`: every layer's sliding window, whose passed blocks are freed (the module
+        docstring); `rollback`: positions a request's computed count may fall back by."""
         self.events = events
         self.host: HostTier | None = None
         self.pool = BlockPool(num_blocks, events)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_ids: dict[str, list[int]] = {}
+        self.window, self.rollback = window, rollback
+        # With a window: the block in place of those a request freed; its leading blocks freed
+        self.null_block = self.pool.allocate(1)[0] if window is not None else -1
+        self._num_skipped: dict[str, int] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
@@ -38,6 +61,13 @@ class KVCacheManager:
         # Prefill/decode disaggregation: the requests whose imported blocks are not known
         # good yet: none of their blocks is cached until then.
         self.unconfirmed: set[str] = set()
+
+    @classmethod
+    def of(cls, config: SchedulerConfig, events: BlockEvents | None = None) -> KVCacheManager:
+        return cls(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, events,
+            config.kv_window, config.rollback,
+        )  # fmt: skip
 
     def add_host_tier(self, num_blocks: int) -> None:
         """Keep what the GPU evicts in a host tier of `num_blocks` (none: 0, or without prefix
@@ -57,13 +87,32 @@ class KVCacheManager:
         that asks for prompt logprobs computes its whole prompt: they come from its logits; so
         does an embed request, whose pooling may read every position's hidden state.
         """
+        hashes = request.block_hashes[: self._max_prefix_blocks(request)]
+        if self.window is not None:
+            return self._window_prefix(hashes)
         blocks = []
-        for block_hash in request.block_hashes[: self._max_prefix_blocks(request)]:
+        for block_hash in hashes:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
             blocks.append(block)
         return blocks
+
+    def _window_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The longest prefix whose blocks in the window before its end are cached (those
+        before it: the null block), as `find_cached_prefix`."""
+        found = [self.pool.lookup(block_hash) for block_hash in hashes]
+        for end in range(len(found), 0, -1):
+            first = self._first_needed(end * self.block_size)
+            window = [block for block in found[first:end] if block is not None]
+            if len(window) == end - first:
+                return [self.null_block] * first + window
+        return []
+
+    def _first_needed(self, position: int) -> int:
+        """The first block a query at `position` (or after) may read, with a window."""
+        assert self.window is not None
+        return max(position - self.rollback - self.window + 1, 0) // self.block_size
 
     def find_host_prefix(self, request: Request, num_cached: int) -> list[bytes]:
         """The hashes of the blocks after the `num_cached` found on the GPU that the host tier
@@ -108,6 +157,7 @@ class KVCacheManager:
 
         Returns False, changing nothing, when the pool cannot supply them.
         """
+        self._free_passed(request)
         held = self.block_ids.get(request.request_id, [])
         hits = len(cached) + len(restored) + num_imported
         num_tokens = request.num_computed_tokens + hits * self.block_size + num_new_tokens
@@ -116,11 +166,14 @@ class KVCacheManager:
             self._cache_full_blocks(request, num_tokens)
             return True
         num_needed = self.num_blocks_for(num_tokens) - len(held) - len(cached)
+        real = [block for block in cached if block != self.null_block]
         # Touching an evictable hit takes it out of the available count too.
-        num_revived = sum(1 for block in cached if self.pool.ref_cnt[block] == 0)
+        num_revived = sum(1 for block in real if self.pool.ref_cnt[block] == 0)
         if num_needed + num_revived > self.pool.num_available:
             return False
-        self.pool.touch(list(cached))
+        self.pool.touch(real)
+        if cached and cached[0] == self.null_block:  # a window's hit: those before it passed
+            self._num_skipped[request.request_id] = cached.index(real[0]) if real else 0
         host = self.host
         if restored:
             assert host is not None, "restored blocks come from the host tier"
@@ -174,14 +227,31 @@ class KVCacheManager:
         # A block whose last token is still being sampled has no hash yet: cached next time.
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for index in range(start, end):
-            self.pool.cache(blocks[index], request.block_hashes[index])
+            if blocks[index] != self.null_block:  # one freed before it was hashed stays out
+                self.pool.cache(blocks[index], request.block_hashes[index])
         self._num_cached_blocks[request.request_id] = max(start, end)
+
+    def _free_passed(self, request: Request) -> None:
+        """With a window: give back the request's leading blocks that none of its queries
+        will read again (those before the window of its next position to compute)."""
+        blocks = self.block_ids.get(request.request_id)
+        if self.window is None or not blocks:
+            return
+        start = self._num_skipped.get(request.request_id, 0)
+        end = min(self._first_needed(request.num_computed_tokens), len(blocks))
+        if end <= start:
+            return
+        passed = [block for block in blocks[start:end] if block != self.null_block]
+        blocks[start:end] = [self.null_block] * (end - start)
+        self._num_skipped[request.request_id] = end
+        self.pool.release(passed[::-1])
 
     def free(self, request: Request) -> None:
         blocks = self.block_ids.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self._num_skipped.pop(request.request_id, None)
         self.unconfirmed.discard(request.request_id)
-        self.pool.release(blocks[::-1])
+        self.pool.release([block for block in blocks[::-1] if block != self.null_block])
 
     @property
     def usage(self) -> float:
@@ -193,8 +263,13 @@ class KVCacheManager:
         if self.host is not None:
             self.host.check_invariants()
         refs = [0] * self.pool.num_blocks
-        for blocks in self.block_ids.values():
-            assert len(set(blocks)) == len(blocks), "a request holds a block twice"
-            for block in blocks:
+        if self.window is not None:
+            refs[self.null_block] = 1  # held for good
+        for request_id, blocks in self.block_ids.items():
+            skipped = self._num_skipped.get(request_id, 0)
+            assert all(block == self.null_block for block in blocks[:skipped]), "a passed block"
+            real = [block for block in blocks if block != self.null_block]
+            assert len(set(real)) == len(real), "a request holds a block twice"
+            for block in real:
                 refs[block] += 1
         assert refs == self.pool.ref_cnt, "reference counts disagree with request block lists"

@@ -56,9 +56,7 @@ class Scheduler(SchedulerView):
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_events = BlockEvents() if config.kv_events else None
-        self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, self.block_events
-        )
+        self.kv = KVCacheManager.of(config, self.block_events)
         self.kv.add_host_tier(config.num_host_blocks)
         self.handover = Handovers(self.kv, config.host_block_bytes)
         self.requests: dict[str, Request] = {}

@@ -158,6 +158,12 @@ class ConfigFields:
         ("auto", "fp8", "fp8_e4m3"),
     )
     enable_prefix_caching: bool = option(True, "cache", "Reuse KV blocks of shared prefixes.")
+    disable_hybrid_kv_cache_manager: bool = option(
+        False,
+        "cache",
+        "Keep every KV block of a request to its end, also those that left the sliding window of"
+        " a model whose every layer slides (by default they return to the pool as it advances).",
+    )
     gpu_memory_utilization: float = option(
         0.9, "cache", "Fraction of GPU memory kvflow may use (weights, activations, KV cache)."
     )

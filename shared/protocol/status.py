@@ -154,6 +154,9 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     # LongRoPE (Phi-3's long-context models): the original context, past which a request is
     # computed with the long set of frequencies from its start (None: not LongRoPE)
     long_rope_after: int | None = None
+    # Every layer's sliding window, when a request's blocks that left it return to the pool
+    # (services/scheduler/kv_cache_manager.py); None: a request keeps every block
+    kv_window: int | None = None
 
 
 class ExecutorVersion(Message, tag="ExecutorReady"):

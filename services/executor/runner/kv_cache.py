@@ -19,6 +19,7 @@ from services.executor.runner.step_buffers import StepBuffers
 from shared.config import Config
 from shared.constants import CUDA_GRAPH_RESERVE_BYTES, DEFAULT_CPU_KV_BYTES
 from shared.model_config import ModelConfig
+from shared.speculative import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +132,24 @@ def profile_step_peak(
     return peak
 
 
-def log_kv_cache(layout: KVCacheLayout, num_blocks: int, max_model_len: int) -> None:
+def freed_window(config: Config, cfg: ModelConfig, spec: SpeculativeConfig | None) -> int | None:
+    """The sliding window past which a request's blocks return to the pool while it runs
+    (services/scheduler/kv_cache_manager.py), or None: where every layer attends in the window
+    and nothing else reads the blocks behind it (a draft model's or EAGLE-3 head's cache
+    follows the target's blocks and attends to all of them; a prefill replica hands a
+    prompt's blocks over whole), unless --disable-hybrid-kv-cache-manager."""
+    every_layer = cfg.sliding_window is not None and len(cfg.sliding_layers) == cfg.num_layers
+    own_cache = spec is not None and spec.method in ("draft_model", "eagle3")
+    keeps = config.disable_hybrid_kv_cache_manager or config.prefill_replicas > 0
+    return cfg.sliding_window if every_layer and not own_cache and not keeps else None
+
+
+def log_kv_cache(
+    layout: KVCacheLayout, num_blocks: int, max_model_len: int, window: int | None = None
+) -> None:
     num_tokens = num_blocks * layout.block_size
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s), %.1f sequences of %d",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s), %.1f sequences of %d%s",
         num_blocks,
         layout.block_size,
         num_tokens,
@@ -142,6 +157,7 @@ def log_kv_cache(layout: KVCacheLayout, num_blocks: int, max_model_len: int) -> 
         str(layout.dtype).removeprefix("torch."),
         num_tokens / max_model_len,
         max_model_len,
+        "" if window is None else f" (blocks behind the {window}-token window return to the pool)",
     )
 
 

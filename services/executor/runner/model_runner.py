@@ -24,6 +24,7 @@ from services.executor.runner.host_kv import HostKVPool
 from services.executor.runner.invariance import apply_batch_invariant
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
+    freed_window,
     log_kv_cache,
     log_kv_scales,
     num_kv_blocks,
@@ -146,16 +147,10 @@ class ModelRunner:
         self.tp = tp
         torch.manual_seed(config.seed)
         self.model = load_model(
-            self.source,
-            self.model_config,
-            config.load_format,
-            self.dtype,
-            self.device,
-            max_position=self.max_model_len,
-            seed=config.seed,
-            quantization=config.quantization,
+            self.source, self.model_config, config.load_format, self.dtype, self.device,
+            max_position=self.max_model_len, seed=config.seed, quantization=config.quantization,
             tp=tp,
-        )
+        )  # fmt: skip
         apply_batch_invariant(config, self.model, self.model_config, self.dtype, tp.size)
         # Before the KV cache is sized: the slots take device memory for good.
         self.lora: LoraManager | None = None
@@ -187,7 +182,8 @@ class ModelRunner:
         size_gib, tp_size = config.kv_offloading_size, self.tp.size
         self.host_kv = HostKVPool.sized(size_gib, self.kv_layout, self.kv_caches, tp_size)
         self.handover = Handover.start(config, self.kv_caches, self.tp)
-        log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len)
+        self.kv_window = freed_window(config, self.model_config, self.speculative)
+        log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len, self.kv_window)
         log_kv_scales(self.model, kv_dtype)
 
     def _make_samplers(self, config: Config) -> None:
@@ -227,6 +223,7 @@ class ModelRunner:
             num_host_blocks=self.host_kv.num_slots if self.host_kv is not None else 0,
             host_block_bytes=self.kv_layout.bytes_per_block * self.tp.size,
             long_rope_after=self.model_config.long_rope_after,
+            kv_window=self.kv_window,
         )
 
     def reset(self) -> None:

@@ -1,0 +1,35 @@
+"""A model whose every layer attends in a sliding window gives the blocks behind the window back
+to the pool as a request advances: a request many times longer than the KV cache runs, with
+transformers' greedy tokens, where keeping every block (--disable-hybrid-kv-cache-manager)
+refuses it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvflow.llm import LLM
+from tests.integration.test_parity import hf_greedy, kvflow_greedy
+from tests.integration.tiny_models import make_prompts, make_tiny_model
+
+NEW_TOKENS = 96
+
+
+@pytest.mark.parametrize("family", ["mistral sliding", "phi3"])
+def test_a_request_longer_than_the_cache_runs_in_its_window(family: str, tmp_path: Path) -> None:
+    model = make_tiny_model(family)
+    model.save_pretrained(tmp_path)
+    prompts = [make_prompts(model.config.vocab_size)[-1]]  # 70 tokens: 166 with its outputs
+    expected = hf_greedy(model, prompts, NEW_TOKENS, eos_token_id=None)
+    # 6 blocks of 16 tokens (96; one is the null block), steps of 16 tokens: a window of 12
+    # or 20 needs 3 or 4 blocks at a time.
+    small = dict(
+        device="cpu", dtype="float32", num_gpu_blocks_override=6, max_num_batched_tokens=16
+    )
+    llm = LLM(str(tmp_path), **small)
+    assert kvflow_greedy(llm, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS) == expected
+    assert llm.stats().num_preemptions == 0
+    keeping = LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **small)
+    with pytest.raises(ValueError, match="more KV blocks than the whole cache holds"):
+        kvflow_greedy(keeping, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS)
