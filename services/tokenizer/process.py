@@ -364,7 +364,10 @@ class TokenizerProcess:
     def _replicas_down(self, down: dict[int, str]) -> None:
         """The frontend's word on which replicas are down: the requests placed on one newly
         down end with an error (its scheduler cannot end them); none is placed there while
-        it is down."""
+        it is down. With one replica the frontend ends every request itself and never says."""
+        if len(self.schedulers) == 1:
+            return
+        down = {r: why for r, why in down.items() if 0 <= r < len(self.schedulers)}
         newly = {r: why for r, why in down.items() if r not in self.down}
         self.down = dict(down)
         for replica, why in sorted(newly.items()):
