@@ -269,7 +269,8 @@ def _gemma3_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# "factors": a divisor per frequency, as llama.cpp's GGUF files store Llama 3's (rope_freqs)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "factors")
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> tuple[dict[str, Any], str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,10 +185,27 @@ def write_checkpoint(path: Path, model: Any, projection_type: str = "F32") -> No
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, data)
+    if _rope_of(cfg).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, _rope_of(cfg)))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _llama3_rope_freqs(cfg: Any, rope: dict[str, Any]) -> np.ndarray:
+    """Llama 3's long-context rotary as llama.cpp's converter stores it: the divisor of each
+    frequency (1 for short wavelengths, `factor` for long ones, blended between)."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    freqs = 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    old, factor = rope["original_max_position_embeddings"], rope["factor"]
+    low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+    wavelen = 2 * math.pi / freqs
+    smooth = (old / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(
+        wavelen < old / high, 1.0, np.where(wavelen > old / low, factor, blended)
+    ).astype(np.float32)
 
 
 def _write_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
@@ -202,8 +220,7 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
-    rope = cfg.rope_parameters
-    rope = rope.get("full_attention", rope)  # Gemma 3: by layer type
+    rope = _rope_of(cfg)
     writer.add_rope_freq_base(rope["rope_theta"])
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -219,6 +236,12 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(getattr(cfg, key, None), int):
             getattr(writer, f"add_{key}")(getattr(cfg, key))
+
+
+def _rope_of(cfg: Any) -> dict[str, Any]:
+    """The config's rotary parameters (Gemma 3's: its full layers')."""
+    rope: dict[str, Any] = cfg.rope_parameters
+    return rope.get("full_attention", rope)
 
 
 def _permute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -25,6 +25,7 @@ from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
 # carry no layer types (llama.cpp makes every sixth layer full), nor per-type rotary settings
 # (the sliding layers' base is 10,000; a linear factor is the full layers').
 GGUF_CASES: dict[str, dict[str, Any]] = {
+    "llama": {},  # Llama 3's long-context rotary, stored as llama.cpp does: rope_freqs
     "gemma2": {},
     "gemma3_text": dict(
         num_hidden_layers=6,

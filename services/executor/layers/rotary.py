@@ -46,7 +46,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     if scaling.get("rope_type") == "linear":  # positions divided by `factor` (Gemma 3)
         return inv_freq / scaling["factor"]
     if scaling.get("rope_type") == "longrope":  # the short set (RotaryEmbedding adds the long)
-        return longrope_inv_freq(head_dim, theta, scaling["short_factor"])
+        return factored_inv_freq(head_dim, theta, scaling["short_factor"])
+    if scaling.get("rope_type") == "factors":  # a GGUF file's rope_freqs (Llama 3's, computed)
+        return factored_inv_freq(head_dim, theta, scaling["factors"])
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
@@ -59,9 +61,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return torch.where(in_band, blended, scaled)
 
 
-def longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
-    """One of LongRoPE's sets: each frequency divided by its own factor (as transformers
-    rounds it: one division of 1 by the product)."""
+def factored_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """Each frequency divided by its own factor (as transformers rounds it: one division of 1
+    by the product): one of LongRoPE's sets, or a GGUF file's rope_freqs."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
 
@@ -123,7 +125,7 @@ class RotaryEmbedding(nn.Module):
         # LongRoPE: the long set's rows after the short's (the module docstring)
         self.long_offset: int | None = None
         if scaling is not None and scaling.get("rope_type") == "longrope":
-            long_freq = longrope_inv_freq(head_dim, theta, scaling["long_factor"])
+            long_freq = factored_inv_freq(head_dim, theta, scaling["long_factor"])
             cache = torch.cat([cache, _cos_sin(long_freq, max_position, magnitude)])
             self.long_offset = max_position
         self.register_buffer("cos_sin_cache", cache, persistent=False)

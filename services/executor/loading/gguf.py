@@ -77,6 +77,8 @@ def iter_gguf(
     arch = file.fields["general.architecture"]
     dequantized: Counter[str] = Counter()
     for tensor in file.tensors:
+        if tensor.name == "rope_freqs.weight":  # the rotary's, read with the config
+            continue
         name = _hf_name(tensor.name, arch)
         qtype = tensor.qtype.name
         packed = keep_blocks and name.endswith("_proj.weight")
