@@ -58,9 +58,11 @@ def read_fields(path: Path) -> dict[str, Any]:
     out["_token_embd_rows"] = next(
         (int(t.shape[-1]) for t in file.tensors if t.name == "token_embd.weight"), None
     )
-    # Llama 3's long-context rotary as llama.cpp's converter stores it: a divisor per frequency
-    freqs = next((t.data for t in file.tensors if t.name == "rope_freqs.weight"), None)
-    out["_rope_freqs"] = None if freqs is None else [float(f) for f in np.ravel(freqs)]
+    # Rotary divisors per frequency as llama.cpp's converter stores them: Llama 3's long
+    # context (rope_freqs), LongRoPE's two sets (Phi-3's rope_factors_short / _long)
+    for name in ("rope_freqs", "rope_factors_short", "rope_factors_long"):
+        data = next((t.data for t in file.tensors if t.name == f"{name}.weight"), None)
+        out[f"_{name}"] = None if data is None else [float(f) for f in np.ravel(data)]
     return out
 
 
@@ -86,12 +88,18 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
 
 def _rope_scaling(fields: dict[str, Any], arch: str) -> dict[str, Any]:
     """Linear rotary scaling (Gemma 3's global layers) where the file says so, or each
-    frequency's divisor (`rope_freqs`: Llama 3.1's scaling, as llama.cpp stores it); LongRoPE's
-    factor tensors (Phi-3's 128k models) are refused."""
-    if "rope_factors_long.weight" in fields["_tensor_names"]:
-        raise ValueError(
-            "LongRoPE (rope_factors_long, Phi-3's long-context models) is not supported"
-        )
+    frequency's divisor (`rope_freqs`: Llama 3.1's scaling, as llama.cpp stores it), or
+    LongRoPE's two sets of them (Phi-3's long-context models)."""
+    if fields["_rope_factors_long"] is not None:
+        original = fields[f"{arch}.rope.scaling.original_context_length"]
+        longrope = {
+            "rope_type": "longrope",
+            "long_factor": fields["_rope_factors_long"],
+            "short_factor": fields["_rope_factors_short"],
+            "original_max_position_embeddings": original,
+            "attention_factor": fields.get(f"{arch}.rope.scaling.attn_factor"),
+        }
+        return {"rope_scaling": longrope, "original_max_position_embeddings": original}
     if fields["_rope_freqs"] is not None:
         return {"rope_scaling": {"rope_type": "factors", "factors": fields["_rope_freqs"]}}
     kind = fields.get(f"{arch}.rope.scaling.type", "none")

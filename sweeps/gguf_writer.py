@@ -185,8 +185,13 @@ def write_checkpoint(path: Path, model: Any, projection_type: str = "F32") -> No
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, data)
-    if _rope_of(cfg).get("rope_type") == "llama3":
-        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, _rope_of(cfg)))
+    rope = _rope_of(cfg)
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg, rope))
+    if rope.get("rope_type") == "longrope":  # Phi-3's long context: both sets of divisors
+        for name in ("long", "short"):
+            factors = np.asarray(rope[f"{name}_factor"], dtype=np.float32)
+            writer.add_tensor(f"rope_factors_{name}.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -225,6 +230,11 @@ def _write_metadata(writer: gguf.GGUFWriter, cfg: Any) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's Phi-3 converter computes it
+        original = cfg.original_max_position_embeddings
+        scale = cfg.max_position_embeddings / original
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
     if getattr(cfg, "sliding_window", None):
         writer.add_sliding_window(cfg.sliding_window)
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):

@@ -36,11 +36,12 @@ GGUF_CASES: dict[str, dict[str, Any]] = {
         },
     ),
     "phi3": dict(pad_token_id=0),  # transformers' GGUF reader needs one inside the vocabulary
+    "phi3 longrope": {},  # its two sets of frequencies as rope_factors_long / _short
     "olmo2": {},
     "granite": {},
 }
 # transformers reads no GGUF file of these: the file is checked by kvflow's tokens alone
-NO_TRANSFORMERS_READER = ("olmo2", "granite")
+NO_TRANSFORMERS_READER = ("olmo2", "granite", "phi3 longrope")
 
 
 def tiny_model(family: str) -> transformers.PreTrainedModel:

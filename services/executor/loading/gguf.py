@@ -77,7 +77,7 @@ def iter_gguf(
     arch = file.fields["general.architecture"]
     dequantized: Counter[str] = Counter()
     for tensor in file.tensors:
-        if tensor.name == "rope_freqs.weight":  # the rotary's, read with the config
+        if tensor.name.startswith(("rope_freqs.", "rope_factors_")):  # read with the config
             continue
         name = _hf_name(tensor.name, arch)
         qtype = tensor.qtype.name
