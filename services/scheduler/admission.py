@@ -79,7 +79,7 @@ def _peak_blocks(cfg: SchedulerConfig, num_tokens: int) -> int:
     if cfg.kv_window is None:
         return blocks
     step = min(cfg.max_num_batched_tokens, num_tokens)
-    return min(blocks, window_blocks(cfg.kv_window, cfg.rollback, step, cfg.block_size))
+    return min(blocks, window_blocks(cfg.kv_window, step, cfg.block_size))
 
 
 def _usable_blocks(cfg: SchedulerConfig) -> int:

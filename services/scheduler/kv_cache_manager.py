@@ -24,11 +24,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def window_blocks(window: int, rollback: int, step_tokens: int, block_size: int) -> int:
+def window_blocks(window: int, step_tokens: int, block_size: int) -> int:
     """The most blocks a request holds with a window: a step's queries (up to `step_tokens`)
-    read the window before the first of them, which may fall back by `rollback` positions
-    (rejected drafts)."""
-    return blocks_for(window - 1 + rollback + step_tokens, block_size) + 1
+    read the window before the first of them.
+
+    NOTE: a request's computed count never falls below what it was when its blocks were last
+    freed: a row verifying drafts is not planned again before its tokens are in, and then
+    counts only the accepted ones past where it was."""
+    return blocks_for(window - 1 + step_tokens, block_size) + 1
 
 
 class KVCacheManager:
@@ -39,17 +42,16 @@ class KVCacheManager:
         enable_prefix_caching: bool,
         events: BlockEvents | None = None,
         window: int | None = None,
-        rollback: int = 0,
     ) -> None:
         """`window`: every layer's sliding window, whose passed blocks are freed (the module
-        docstring); `rollback`: positions a request's computed count may fall back by."""
+        docstring)."""
         self.events = events
         self.host: HostTier | None = None
         self.pool = BlockPool(num_blocks, events)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_ids: dict[str, list[int]] = {}
-        self.window, self.rollback = window, rollback
+        self.window = window
         # With a window: the block in place of those a request freed; its leading blocks freed
         self.null_block = self.pool.allocate(1)[0] if window is not None else -1
         self._num_skipped: dict[str, int] = {}
@@ -66,7 +68,7 @@ class KVCacheManager:
     def of(cls, config: SchedulerConfig, events: BlockEvents | None = None) -> KVCacheManager:
         return cls(
             config.num_blocks, config.block_size, config.enable_prefix_caching, events,
-            config.kv_window, config.rollback,
+            config.kv_window,
         )  # fmt: skip
 
     def add_host_tier(self, num_blocks: int) -> None:
@@ -112,7 +114,7 @@ class KVCacheManager:
     def _first_needed(self, position: int) -> int:
         """The first block a query at `position` (or after) may read, with a window."""
         assert self.window is not None
-        return max(position - self.rollback - self.window + 1, 0) // self.block_size
+        return max(position - self.window + 1, 0) // self.block_size
 
     def find_host_prefix(self, request: Request, num_cached: int) -> list[bytes]:
         """The hashes of the blocks after the `num_cached` found on the GPU that the host tier

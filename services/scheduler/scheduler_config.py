@@ -37,9 +37,3 @@ class SchedulerConfig:
     # Every layer's sliding window, when a request's blocks behind it return to the pool
     # (services/scheduler/kv_cache_manager.py); None: a request keeps every block
     kv_window: int | None = None
-
-    @property
-    def rollback(self) -> int:
-        """Positions a request's computed count may fall back by: the rejected drafts of the
-        steps in flight (two at most)."""
-        return 2 * (self.num_speculative_tokens + 1) if self.num_speculative_tokens else 0

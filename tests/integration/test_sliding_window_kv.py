@@ -1,7 +1,7 @@
 """A model whose every layer attends in a sliding window gives the blocks behind the window back
 to the pool as a request advances: a request many times longer than the KV cache runs, with
 transformers' greedy tokens, where keeping every block (--disable-hybrid-kv-cache-manager)
-refuses it."""
+refuses it; speculative decoding's rejected drafts fall back within the blocks it keeps."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from kvflow.llm import LLM
 from tests.integration.test_parity import hf_greedy, kvflow_greedy
+from tests.integration.test_speculative import KnownDrafts
 from tests.integration.tiny_models import make_prompts, make_tiny_model
 
 NEW_TOKENS = 96
@@ -33,3 +34,21 @@ def test_a_request_longer_than_the_cache_runs_in_its_window(family: str, tmp_pat
     keeping = LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **small)
     with pytest.raises(ValueError, match="more KV blocks than the whole cache holds"):
         kvflow_greedy(keeping, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS)
+
+
+def test_rejected_drafts_fall_back_inside_what_the_window_kept(tmp_path: Path) -> None:
+    """Verifying rows whose drafts are rejected (the plain run's tokens as drafts, one in three
+    spoiled) compute again from an earlier position: its window's blocks are still held, so
+    the tokens are the plain run's, in a cache smaller than the requests."""
+    model = make_tiny_model("mistral sliding")
+    model.save_pretrained(tmp_path)
+    prompts = make_prompts(model.config.vocab_size)[-3:]
+    expected = hf_greedy(model, prompts, NEW_TOKENS, eos_token_id=None)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2}
+    small = dict(device="cpu", dtype="float32", num_gpu_blocks_override=12)
+    llm = LLM(str(tmp_path), speculative_config=spec, max_num_batched_tokens=32, **small)
+    llm.runner.proposer = KnownDrafts(expected, 4, prompts)  # type: ignore[assignment]
+    assert kvflow_greedy(llm, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS) == expected
+    stats = llm.engine.scheduler.spec_decode
+    assert 1.5 < stats.mean_acceptance_length < 4.5  # drafts both accepted and rejected
+    llm.engine.scheduler.check_invariants()

@@ -84,7 +84,7 @@ def expected_rejection(
     blocks, usable = -(-total // config.block_size), config.num_blocks
     if config.kv_window is not None:  # the blocks behind the window return to the pool
         step = min(config.max_num_batched_tokens, total)
-        blocks = min(blocks, window_blocks(config.kv_window, 0, step, config.block_size))
+        blocks = min(blocks, window_blocks(config.kv_window, step, config.block_size))
         usable -= 1  # the null block
     if blocks > usable:
         return "max_tokens"
@@ -499,7 +499,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             held = [block for block in blocks if block != scheduler.kv.null_block]
             if window is not None:  # those behind the window went back to the pool
                 step = self.config.max_num_batched_tokens
-                assert len(held) <= window_blocks(window, 0, step, BLOCK_SIZE)
+                assert len(held) <= window_blocks(window, step, BLOCK_SIZE)
                 event("a block passed the window" if len(held) < len(blocks) else "in the window")
             for index, block in enumerate(blocks):
                 if block == scheduler.kv.null_block:
