@@ -73,15 +73,17 @@ def admissible_max_tokens(cfg: SchedulerConfig, engine_request: EngineRequest) -
 
 
 def _peak_blocks(cfg: SchedulerConfig, num_tokens: int) -> int:
-    """The most blocks a request of `num_tokens` holds at once: all of them, or with a
-    window those a step's queries read (a step computes at most the budget's tokens)."""
+    """The most blocks a request of `num_tokens` holds at once, over every layer group: all
+    of a full group's, and those a step's queries read of a sliding one's (a step computes at
+    most the budget's tokens)."""
     blocks = blocks_for(num_tokens, cfg.block_size)
-    if cfg.kv_window is None:
-        return blocks
     step = min(cfg.max_num_batched_tokens, num_tokens)
-    return min(blocks, window_blocks(cfg.kv_window, step, cfg.block_size))
+    return sum(
+        blocks if window is None else min(blocks, window_blocks(window, step, cfg.block_size))
+        for window in cfg.kv_windows
+    )
 
 
 def _usable_blocks(cfg: SchedulerConfig) -> int:
     """The cache's blocks less the null block a window's freed places hold."""
-    return cfg.num_blocks - (cfg.kv_window is not None)
+    return cfg.num_blocks - any(window is not None for window in cfg.kv_windows)

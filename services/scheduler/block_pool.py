@@ -50,6 +50,7 @@ class BlockPool:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # a stack: pops 0 first
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached: dict[bytes, int] = {}  # hash -> block id
+        self._unannounced: set[bytes] = set()  # cached keys the events do not report
         self.num_evictions = 0
 
     @property
@@ -80,7 +81,9 @@ class BlockPool:
                 self.block_hash[block] = None
                 self.num_evictions += 1
                 kept = self.spill is not None and self.spill(block, evicted_hash)
-                if self.events is not None and not kept:
+                announced = evicted_hash not in self._unannounced
+                self._unannounced.discard(evicted_hash)
+                if self.events is not None and not kept and announced:
                     self.events.removed(evicted_hash)
             self.ref_cnt[block] = 1
             blocks.append(block)
@@ -109,12 +112,15 @@ class BlockPool:
                 else:
                     self._evictable[block] = None
 
-    def cache(self, block: int, block_hash: bytes) -> None:
-        """Register a full, referenced block under its prefix key (first writer wins)."""
+    def cache(self, block: int, block_hash: bytes, announce: bool = True) -> None:
+        """Register a full, referenced block under its prefix key (first writer wins); the
+        events report it unless not `announce` (a key no router computes)."""
         if self.block_hash[block] is None and block_hash not in self._cached:
             self._cached[block_hash] = block
             self.block_hash[block] = block_hash
-            if self.events is not None:
+            if not announce:
+                self._unannounced.add(block_hash)
+            elif self.events is not None:
                 self.events.stored(block_hash)
 
     def counts(self) -> tuple[int, int, int]:

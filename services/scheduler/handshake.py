@@ -79,5 +79,5 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         host_block_bytes=ready.host_block_bytes,
         kv_transfer=config.prefill_replicas > 0,
         long_rope_after=ready.long_rope_after,
-        kv_window=ready.kv_window,
+        kv_windows=tuple(ready.kv_windows),
     )

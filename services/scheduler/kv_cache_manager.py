@@ -1,11 +1,13 @@
 """Per-request KV block allocation on top of the block pool, with automatic prefix caching,
 and the prefix cache's host tier (`--kv-offloading-size`) behind it.
 
-With a window (every layer of the model attends to its last `window` positions only), a
-request's leading blocks that no query of it will read again are given back to the pool as it
-advances: their place in its block list holds the null block, which is never allocated, read
-or written. A request then holds about window / block_size blocks, whatever its length, and a
-prefix hit needs only the blocks in the window before the first position to compute.
+With layer groups (shared/kv_groups.py), a request holds a block per group for each of its
+logical blocks, in one list: logical block i of group g at i * groups + g. A group whose layers
+attend to their last `window` positions only gives its leading blocks that no query of the
+request will read again back to the pool as it advances: their places hold the null block,
+which is never allocated, read or written. Such a group holds about window / block_size blocks
+of a request, whatever its length; a prefix hit needs all of a full group's blocks and only
+the window's before its end of a sliding one. Each group keys its blocks apart (`group_key`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from shared.protocol import HostCopies, HostTierStats
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """The KV blocks `num_tokens` tokens take."""
     return -(-num_tokens // block_size)
+
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """A block's prefix-cache key in a group: the first group's is the prefix key itself (what
+    routers compute and the KV events publish), another group's that key and its number."""
+    return block_hash if group == 0 else block_hash + bytes([group])
 
 
 def window_blocks(window: int, step_tokens: int, block_size: int) -> int:
@@ -41,20 +49,22 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool,
         events: BlockEvents | None = None,
-        window: int | None = None,
+        windows: tuple[int | None, ...] = (None,),
     ) -> None:
-        """`window`: every layer's sliding window, whose passed blocks are freed (the module
-        docstring)."""
+        """`windows`: each layer group's sliding window (None: full attention), whose passed
+        blocks are freed (the module docstring)."""
         self.events = events
         self.host: HostTier | None = None
         self.pool = BlockPool(num_blocks, events)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_ids: dict[str, list[int]] = {}
-        self.window = window
-        # With a window: the block in place of those a request freed; its leading blocks freed
-        self.null_block = self.pool.allocate(1)[0] if window is not None else -1
-        self._num_skipped: dict[str, int] = {}
+        self.windows, self.num_groups = windows, len(windows)
+        # With a window: the block in place of those a request freed, and per request the
+        # leading logical blocks each group freed
+        sliding = any(window is not None for window in windows)
+        self.null_block = self.pool.allocate(1)[0] if sliding else -1
+        self._num_skipped: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many of a request's blocks are hashed
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found in the cache
@@ -68,13 +78,13 @@ class KVCacheManager:
     def of(cls, config: SchedulerConfig, events: BlockEvents | None = None) -> KVCacheManager:
         return cls(
             config.num_blocks, config.block_size, config.enable_prefix_caching, events,
-            config.kv_window,
+            config.kv_windows,
         )  # fmt: skip
 
     def add_host_tier(self, num_blocks: int) -> None:
         """Keep what the GPU evicts in a host tier of `num_blocks` (none: 0, or without prefix
         caching, whose blocks it holds)."""
-        if num_blocks and self.enable_prefix_caching:
+        if num_blocks and self.enable_prefix_caching and self.num_groups == 1:
             self.host = HostTier(num_blocks, self._lost)
             self.pool.spill = self.host.store
 
@@ -90,8 +100,8 @@ class KVCacheManager:
         does an embed request, whose pooling may read every position's hidden state.
         """
         hashes = request.block_hashes[: self._max_prefix_blocks(request)]
-        if self.window is not None:
-            return self._window_prefix(hashes)
+        if self.windows != (None,):
+            return self._group_prefix(hashes)
         blocks = []
         for block_hash in hashes:
             block = self.pool.lookup(block_hash)
@@ -100,21 +110,43 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def _window_prefix(self, hashes: list[bytes]) -> list[int]:
-        """The longest prefix whose blocks in the window before its end are cached (those
-        before it: the null block), as `find_cached_prefix`."""
-        found = [self.pool.lookup(block_hash) for block_hash in hashes]
-        for end in range(len(found), 0, -1):
-            first = self._first_needed(end * self.block_size)
-            window = [block for block in found[first:end] if block is not None]
-            if len(window) == end - first:
-                return [self.null_block] * first + window
-        return []
+    def _group_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The longest prefix that every group holds what its queries after it read of (all of
+        it, or a window's blocks before its end), as `find_cached_prefix` (the null block in
+        place of what a window leaves out)."""
+        found = [[self.pool.lookup(group_key(h, g)) for h in hashes] for g in self.windows_range]
+        end = len(hashes)
+        while end and (ends := [self._hit_end(found[g], end, g) for g in self.windows_range]):
+            if min(ends) == end:
+                break
+            end = min(ends)
+        blocks = []
+        for index in range(end):
+            for group, window in enumerate(self.windows):
+                first = self._first_needed(end * self.block_size, window or 0)
+                passed = window is not None and index < first
+                block = found[group][index]
+                blocks.append(self.null_block if passed or block is None else block)
+        return blocks
 
-    def _first_needed(self, position: int) -> int:
-        """The first block a query at `position` (or after) may read, with a window."""
-        assert self.window is not None
-        return max(position - self.window + 1, 0) // self.block_size
+    @property
+    def windows_range(self) -> range:
+        return range(self.num_groups)
+
+    def _hit_end(self, found: list[int | None], end: int, group: int) -> int:
+        """The longest prefix of at most `end` blocks that a group holds what it needs of."""
+        window = self.windows[group]
+        if window is None:
+            return next((i for i, block in enumerate(found[:end]) if block is None), end)
+        for last in range(end, 0, -1):
+            first = self._first_needed(last * self.block_size, window)
+            if all(block is not None for block in found[first:last]):
+                return last
+        return 0
+
+    def _first_needed(self, position: int, window: int) -> int:
+        """The first logical block a query at `position` (or after) may read in the window."""
+        return max(position - window + 1, 0) // self.block_size
 
     def find_host_prefix(self, request: Request, num_cached: int) -> list[bytes]:
         """The hashes of the blocks after the `num_cached` found on the GPU that the host tier
@@ -161,21 +193,24 @@ class KVCacheManager:
         """
         self._free_passed(request)
         held = self.block_ids.get(request.request_id, [])
-        hits = len(cached) + len(restored) + num_imported
+        groups = self.num_groups  # each logical block is one block of each group
+        hits = len(cached) // groups + len(restored) + num_imported
         num_tokens = request.num_computed_tokens + hits * self.block_size + num_new_tokens
-        if not hits and num_tokens <= len(held) * self.block_size:
+        if not hits and num_tokens <= len(held) // groups * self.block_size:
             # Most decode steps: the last block has room, so only a newly full block to hash.
             self._cache_full_blocks(request, num_tokens)
             return True
-        num_needed = self.num_blocks_for(num_tokens) - len(held) - len(cached)
+        num_needed = self.num_blocks_for(num_tokens) * groups - len(held) - len(cached)
         real = [block for block in cached if block != self.null_block]
         # Touching an evictable hit takes it out of the available count too.
         num_revived = sum(1 for block in real if self.pool.ref_cnt[block] == 0)
         if num_needed + num_revived > self.pool.num_available:
             return False
         self.pool.touch(real)
-        if cached and cached[0] == self.null_block:  # a window's hit: those before it passed
-            self._num_skipped[request.request_id] = cached.index(real[0]) if real else 0
+        if self.null_block in cached:  # a window's hit: its group's leading ones passed
+            self._num_skipped[request.request_id] = [
+                self._num_leading_null(cached[group::groups]) for group in range(groups)
+            ]
         host = self.host
         if restored:
             assert host is not None, "restored blocks come from the host tier"
@@ -229,24 +264,37 @@ class KVCacheManager:
         # A block whose last token is still being sampled has no hash yet: cached next time.
         end = min(num_tokens // self.block_size, len(request.block_hashes))
         for index in range(start, end):
-            if blocks[index] != self.null_block:  # one freed before it was hashed stays out
-                self.pool.cache(blocks[index], request.block_hashes[index])
+            for group in range(self.num_groups):
+                block = blocks[index * self.num_groups + group]
+                if block != self.null_block:  # one freed before it was hashed stays out
+                    key = group_key(request.block_hashes[index], group)
+                    self.pool.cache(block, key, announce=group == 0)
         self._num_cached_blocks[request.request_id] = max(start, end)
 
     def _free_passed(self, request: Request) -> None:
-        """With a window: give back the request's leading blocks that none of its queries
-        will read again (those before the window of its next position to compute)."""
+        """Give back the request's leading blocks of each sliding group that none of its
+        queries will read again (those before the window of its next position to compute)."""
         blocks = self.block_ids.get(request.request_id)
-        if self.window is None or not blocks:
+        if self.null_block < 0 or not blocks:
             return
-        start = self._num_skipped.get(request.request_id, 0)
-        end = min(self._first_needed(request.num_computed_tokens), len(blocks))
-        if end <= start:
-            return
-        passed = [block for block in blocks[start:end] if block != self.null_block]
-        blocks[start:end] = [self.null_block] * (end - start)
-        self._num_skipped[request.request_id] = end
+        groups = self.num_groups
+        skipped = self._num_skipped.setdefault(request.request_id, [0] * groups)
+        passed = []
+        for group, window in enumerate(self.windows):
+            if window is None:
+                continue
+            end = min(
+                self._first_needed(request.num_computed_tokens, window), len(blocks) // groups
+            )
+            for index in range(skipped[group] * groups + group, end * groups, groups):
+                if blocks[index] != self.null_block:
+                    passed.append(blocks[index])
+                    blocks[index] = self.null_block
+            skipped[group] = max(skipped[group], end)
         self.pool.release(passed[::-1])
+
+    def _num_leading_null(self, blocks: Sequence[int]) -> int:
+        return next((i for i, b in enumerate(blocks) if b != self.null_block), len(blocks))
 
     def free(self, request: Request) -> None:
         blocks = self.block_ids.pop(request.request_id, [])
@@ -265,11 +313,14 @@ class KVCacheManager:
         if self.host is not None:
             self.host.check_invariants()
         refs = [0] * self.pool.num_blocks
-        if self.window is not None:
+        if self.null_block >= 0:
             refs[self.null_block] = 1  # held for good
         for request_id, blocks in self.block_ids.items():
-            skipped = self._num_skipped.get(request_id, 0)
-            assert all(block == self.null_block for block in blocks[:skipped]), "a passed block"
+            assert len(blocks) % self.num_groups == 0, "a logical block without every group's"
+            skipped = self._num_skipped.get(request_id, [0] * self.num_groups)
+            for group, count in enumerate(skipped):
+                passed = blocks[group : count * self.num_groups : self.num_groups]
+                assert all(block == self.null_block for block in passed), "a passed block"
             real = [block for block in blocks if block != self.null_block]
             assert len(set(real)) == len(real), "a request holds a block twice"
             for block in real:

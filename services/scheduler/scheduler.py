@@ -278,8 +278,9 @@ class Scheduler(SchedulerView):
                 break
             settle_long_rope(request, self.config.long_rope_after)
             cached = self.kv.find_cached_prefix(request)
-            restored = self.kv.find_host_prefix(request, len(cached))
-            num_hits = len(cached) + len(restored)  # blocks
+            num_cached = len(cached) // self.kv.num_groups  # logical blocks: one of each group's
+            restored = self.kv.find_host_prefix(request, num_cached)
+            num_hits = num_cached + len(restored)  # blocks
             num_imported = self.handover.num_to_import(request, num_hits)
             num_computed = (num_hits + num_imported) * self.config.block_size
             num_new = request.num_tokens - num_computed
@@ -292,7 +293,7 @@ class Scheduler(SchedulerView):
             if not self.kv.allocate(request, num_new, cached, restored, num_imported):
                 break
             self.waiting.remove(request)
-            self.kv.record_prefix_lookup(request.num_tokens, len(cached), len(restored))
+            self.kv.record_prefix_lookup(request.num_tokens, num_cached, len(restored))
             if num_imported:  # computed elsewhere: not this engine's cache hits
                 request.num_cached_tokens = num_hits * self.config.block_size
                 self.handover.imported(request, num_hits, num_imported)

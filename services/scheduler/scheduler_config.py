@@ -34,6 +34,6 @@ class SchedulerConfig:
     # LongRoPE: the original context, past which a request takes the long set of frequencies
     # from its start (services/executor/layers/rotary.py); None: not LongRoPE
     long_rope_after: int | None = None
-    # Every layer's sliding window, when a request's blocks behind it return to the pool
-    # (services/scheduler/kv_cache_manager.py); None: a request keeps every block
-    kv_window: int | None = None
+    # Each layer group's sliding window (None: full attention), behind which a request's
+    # blocks return to the pool (shared/kv_groups.py, services/scheduler/kv_cache_manager.py)
+    kv_windows: tuple[int | None, ...] = (None,)

@@ -161,8 +161,9 @@ class ConfigFields:
     disable_hybrid_kv_cache_manager: bool = option(
         False,
         "cache",
-        "Keep every KV block of a request to its end, also those that left the sliding window of"
-        " a model whose every layer slides (by default they return to the pool as it advances).",
+        "One block table for every layer, each request keeping every KV block to its end (by"
+        " default a model's sliding-window layers form groups of their own, whose blocks behind"
+        " the window return to the pool as a request advances).",
     )
     gpu_memory_utilization: float = option(
         0.9, "cache", "Fraction of GPU memory kvflow may use (weights, activations, KV cache)."

@@ -3,6 +3,8 @@ events, and the executor's readiness."""
 
 from __future__ import annotations
 
+import msgspec
+
 from shared.protocol.base import PROTOCOL_VERSION, Message
 from shared.protocol.lora import LoraAdapterInfo
 from shared.protocol.transfer import KVTransferStats
@@ -154,9 +156,9 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     # LongRoPE (Phi-3's long-context models): the original context, past which a request is
     # computed with the long set of frequencies from its start (None: not LongRoPE)
     long_rope_after: int | None = None
-    # Every layer's sliding window, when a request's blocks that left it return to the pool
-    # (services/scheduler/kv_cache_manager.py); None: a request keeps every block
-    kv_window: int | None = None
+    # Each layer group's sliding window (None: full attention), behind which a request's
+    # blocks return to the pool (shared/kv_groups.py, services/scheduler/kv_cache_manager.py)
+    kv_windows: list[int | None] = msgspec.field(default_factory=lambda: [None])
 
 
 class ExecutorVersion(Message, tag="ExecutorReady"):

@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from kvflow import LLM, SamplingParams
-from shared.model_config import embedded_model_path
+from shared.kv_groups import kv_groups
+from shared.model_config import embedded_model_path, load_model_config, resolve_model_source
 from tests.integration.tiny_models import (
     FAMILIES,
     MOE_FAMILIES,
@@ -84,7 +85,11 @@ def test_tiny_model_matches_transformers(tiny_model) -> None:
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_tiny_model_output_survives_engine_settings(tiny_model, variant: str) -> None:
     family, folder, prompts, expected = tiny_model
-    llm = LLM(str(folder), dtype="float32", device="cpu", **VARIANTS[variant])
+    settings = dict(VARIANTS[variant])
+    if "num_gpu_blocks_override" in settings:  # the same memory: a block holds a group's layers
+        groups = kv_groups(load_model_config(resolve_model_source(str(folder))))
+        settings["num_gpu_blocks_override"] *= groups.num_groups
+    llm = LLM(str(folder), dtype="float32", device="cpu", **settings)
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, (family, variant)
     if variant == "small pool":
         assert llm.stats().num_preemptions > 0

@@ -1,7 +1,9 @@
-"""A model whose every layer attends in a sliding window gives the blocks behind the window back
-to the pool as a request advances: a request many times longer than the KV cache runs, with
-transformers' greedy tokens, where keeping every block (--disable-hybrid-kv-cache-manager)
-refuses it; speculative decoding's rejected drafts fall back within the blocks it keeps."""
+"""Sliding-window layers give the blocks behind the window back to the pool as a request
+advances (shared/kv_groups.py): where every layer slides, a request many times longer than the
+KV cache runs, with transformers' greedy tokens, where keeping every block
+(--disable-hybrid-kv-cache-manager) refuses it; speculative decoding's rejected drafts fall back
+within the blocks it keeps; a model mixing sliding and full layers holds a long request in
+less memory than one table for all layers."""
 
 from __future__ import annotations
 
@@ -52,3 +54,26 @@ def test_rejected_drafts_fall_back_inside_what_the_window_kept(tmp_path: Path) -
     stats = llm.engine.scheduler.spec_decode
     assert 1.5 < stats.mean_acceptance_length < 4.5  # drafts both accepted and rejected
     llm.engine.scheduler.check_invariants()
+
+
+def test_a_model_mixing_sliding_and_full_layers_holds_a_long_request_in_less(
+    tmp_path: Path,
+) -> None:
+    """Gemma 2's sliding and full layers in groups of their own, a block holding one layer of
+    each: the sliding group gives back what left its window, the full one keeps every block.
+    A 166-token request needs 11 blocks of the full group, 3 of the sliding one and the null
+    block: 15 blocks of one layer, within 64 KiB of cache (16), where one table for both
+    layers would need 11 blocks of two (88 KiB) and refuses it."""
+    model = make_tiny_model("gemma2")
+    model.save_pretrained(tmp_path)
+    prompts = [make_prompts(model.config.vocab_size)[-1]]
+    expected = hf_greedy(model, prompts, NEW_TOKENS, eos_token_id=None)
+    small = dict(
+        device="cpu", dtype="float32", kv_cache_memory_bytes=64 * 1024, max_num_batched_tokens=16
+    )
+    llm = LLM(str(tmp_path), **small)
+    assert kvflow_greedy(llm, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS) == expected
+    assert llm.engine.scheduler.kv.num_groups == 2
+    keeping = LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **small)
+    with pytest.raises(ValueError, match="more KV blocks than the whole cache holds"):
+        kvflow_greedy(keeping, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS)

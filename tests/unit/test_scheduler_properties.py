@@ -3,8 +3,8 @@
 A state machine plays the engine: it replays the executor's side of every plan (its
 per-request state built from the incremental deltas, and a fake KV cache that stores the
 token id written at each slot, and the LoRA adapter it was computed under, read back at every
-position a step's queries see (those in the sliding window, with one: the blocks behind it
-return to the pool), copied to and from
+position a step's queries see in each layer group (those in a sliding group's window: the blocks
+behind it return to the pool), copied to and from
 a fake host tier as each plan's host copies say, and handed over: a request that hands over
 exports its prompt's blocks, and a later request continues it, importing them back, or
 failing to), so a prefix hit on a block that was never written or was written under another
@@ -22,7 +22,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from services.scheduler.kv_cache_manager import window_blocks
+from services.scheduler.kv_cache_manager import group_key, window_blocks
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.scheduler_config import SchedulerConfig
 from shared.protocol import (
@@ -81,11 +81,12 @@ def expected_rejection(
         return "max_tokens"
     if not config.enable_chunked_prefill and prompt_len > config.max_num_batched_tokens:
         return "prompt"
-    blocks, usable = -(-total // config.block_size), config.num_blocks
-    if config.kv_window is not None:  # the blocks behind the window return to the pool
-        step = min(config.max_num_batched_tokens, total)
-        blocks = min(blocks, window_blocks(config.kv_window, step, config.block_size))
-        usable -= 1  # the null block
+    logical, step = -(-total // config.block_size), min(config.max_num_batched_tokens, total)
+    blocks = sum(  # a sliding group's behind the window return to the pool
+        logical if window is None else min(logical, window_blocks(window, step, BLOCK_SIZE))
+        for window in config.kv_windows
+    )
+    usable = config.num_blocks - any(config.kv_windows)  # the null block
     if blocks > usable:
         return "max_tokens"
     return None
@@ -138,7 +139,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         max_loras=st.integers(1, 2),
         host_blocks=st.sampled_from([0, 0, 1, 3, 12]),
-        window=st.sampled_from([None, None, 1, 3, 6, 9]),
+        # Layer groups: one full (most), one sliding, or full and sliding ones side by side
+        windows=st.sampled_from(
+            [(None,), (None,), (1,), (3,), (6,), (9,), (None, 3), (None, 6), (5, None, 2)]
+        ),
     )
     def configure(
         self,
@@ -153,7 +157,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy: str,
         max_loras: int,
         host_blocks: int,
-        window: int | None,
+        windows: tuple[int | None, ...],
     ) -> None:
         self.config = SchedulerConfig(
             num_blocks=num_blocks,
@@ -167,9 +171,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduling_policy=policy,
             max_loras=max_loras,
             num_host_blocks=host_blocks,
-            kv_window=window,
+            kv_windows=windows,
         )
         self.scheduler = Scheduler(self.config)
+        event(f"{len(windows)} layer groups, windows {windows}")
         for lora_id in LORA_IDS:
             self.scheduler.add_lora(lora_id)
         self.tracked: dict[str, Tracked] = {}
@@ -209,7 +214,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         if self.config.scheduling_policy != "priority":
             priority = 0
-        hands_over = hands_over and self.config.kv_window is None  # a prefill replica keeps all
+        hands_over = hands_over and self.config.kv_windows == (None,)  # a prefill replica: one
         max_tokens = params.max_tokens
         rejection = expected_rejection(self.config, len(prompt), max_tokens, params.min_tokens)
         request = EngineRequest(
@@ -339,7 +344,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             event("a request waits for an adapter slot")
         for new in plan.new_requests:
             event("prefix hit" if new.num_computed_tokens else "prefix miss")
-            if new.block_ids and new.block_ids[0] == self.scheduler.kv.null_block:
+            if self.scheduler.kv.null_block in new.block_ids:
                 event("a prefix hit of the window's blocks only")
             if new.output_token_ids:
                 event("resumed after preemption")
@@ -382,31 +387,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         fake KV, sample (a row whose import failed reads garbage: its token is void)."""
         self.copy_host_blocks(plan)
         self.apply_plan(plan)
-        seen_from: dict[str, int] = {}  # each request's first position its queries see
+        groups = range(len(self.config.kv_windows))
+        seen_from: dict[str, list[int]] = {}  # each group's first position the queries see
         for request_id, num_new in plan.num_scheduled_tokens.items():
             state = self.executor[request_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
-            seen_from[request_id] = self.first_seen(start)
-            first_block = seen_from[request_id] // BLOCK_SIZE  # those before it: passed
-            assert (
-                state.block_ids[first_block:]
-                == self.scheduler.kv.block_ids[request_id][first_block:]
-            )
+            seen_from[request_id] = [self.first_seen(start, g) for g in groups]
+            held = self.scheduler.kv.block_ids[request_id]
+            for group, first in enumerate(seen_from[request_id]):  # those before: passed
+                index = first // BLOCK_SIZE * len(groups) + group
+                assert state.block_ids[index :: len(groups)] == held[index :: len(groups)]
             assert end <= len(state.token_ids)
             assert self.scheduler.requests[request_id].num_computed_tokens == end
             for position in range(start, end):
                 written = (state.lora_id, state.token_ids[position])
-                self.kv_slots[self.slot(state, position)] = written
+                for group in groups:
+                    self.kv_slots[self.slot(state, position, group)] = written
             state.num_computed_tokens = end
         # NOTE: every write of the step lands before any read, as in the executor's layers.
         for request_id in plan.num_scheduled_tokens:
             state = self.executor[request_id]
             if request_id in failed:
                 continue
-            for position in range(seen_from[request_id], state.num_computed_tokens):
-                written = self.kv_slots.get(self.slot(state, position))
-                expected = (state.lora_id, state.token_ids[position])
-                assert written == expected, f"{request_id} reads stale KV or another adapter's"
+            for group, first in enumerate(seen_from[request_id]):
+                for position in range(first, state.num_computed_tokens):
+                    written = self.kv_slots.get(self.slot(state, position, group))
+                    expected = (state.lora_id, state.token_ids[position])
+                    assert written == expected, f"{request_id} reads stale KV or another's"
         sampled = {}
         for request_id in plan.num_scheduled_tokens:
             state = self.executor[request_id]
@@ -451,14 +458,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             state.block_ids.extend(delta.new_block_ids)
         assert set(self.executor) == {r.request_id for r in self.scheduler.running}
 
-    def first_seen(self, start: int) -> int:
-        """The first position queries from `start` on read: 0, or the window's start."""
-        window = self.config.kv_window
+    def first_seen(self, start: int, group: int) -> int:
+        """The first position a group's queries from `start` on read: 0, or the window's."""
+        window = self.config.kv_windows[group]
         return 0 if window is None else max(start - window + 1, 0)
 
-    @staticmethod
-    def slot(state: ExecutorState, position: int) -> tuple[int, int]:
-        return state.block_ids[position // BLOCK_SIZE], position % BLOCK_SIZE
+    def slot(self, state: ExecutorState, position: int, group: int = 0) -> tuple[int, int]:
+        """Where a group's KV of `position` is: a request's blocks are each group's in turn."""
+        index = position // BLOCK_SIZE * len(self.config.kv_windows) + group
+        return state.block_ids[index], position % BLOCK_SIZE
 
     def record(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -492,21 +500,28 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(scheduler.kv.pool.counts()) == self.config.num_blocks
         for request in scheduler.waiting:
             assert request.request_id not in scheduler.kv.block_ids, "a waiting request holds KV"
-        window = self.config.kv_window
+        windows = self.config.kv_windows
+        step = self.config.max_num_batched_tokens
         for request in scheduler.running:
             blocks = scheduler.kv.block_ids[request.request_id]
-            assert len(blocks) == scheduler.kv.num_blocks_for(request.num_computed_tokens)
-            held = [block for block in blocks if block != scheduler.kv.null_block]
-            if window is not None:  # those behind the window went back to the pool
-                step = self.config.max_num_batched_tokens
+            logical = scheduler.kv.num_blocks_for(request.num_computed_tokens)
+            assert len(blocks) == logical * len(windows)
+            for group, window in enumerate(windows):
+                own = blocks[group :: len(windows)]
+                held = [block for block in own if block != scheduler.kv.null_block]
+                if window is None:
+                    assert len(held) == logical, "a full group gave a block back"
+                    continue
                 assert len(held) <= window_blocks(window, step, BLOCK_SIZE)
-                event("a block passed the window" if len(held) < len(blocks) else "in the window")
+                event("a block passed the window" if len(held) < logical else "in the window")
             for index, block in enumerate(blocks):
                 if block == scheduler.kv.null_block:
                     continue
                 block_hash = scheduler.kv.pool.block_hash[block]
+                logical_index, group = divmod(index, len(windows))
                 if block_hash is not None:
-                    assert block_hash == request.block_hashes[index], "block under a wrong key"
+                    key = group_key(request.block_hashes[logical_index], group)
+                    assert block_hash == key, "block under a wrong key"
 
     def teardown(self) -> None:
         if not hasattr(self, "scheduler"):
@@ -521,7 +536,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not self.scheduler.has_unfinished(), "requests never finished"
         self.run_step(lambda: 0)  # the executor drops the last finished requests
         assert self.executor == {}
-        null = self.config.kv_window is not None  # the null block stays referenced
+        null = any(self.config.kv_windows)  # the null block stays referenced
         assert self.scheduler.kv.pool.counts()[2] == null
         for request_id, tracked in self.tracked.items():
             assert len(tracked.ends) == 1, f"{request_id} ended {len(tracked.ends)} times"

@@ -20,3 +20,9 @@ class AttentionMetadata:
     # Requests of up to this many tokens are attended as decodes (ops.paged_attention): 1, or
     # with speculative decoding 1 + the drafts a row verifies.
     decode_queries: int = 1
+    # With layer groups (shared/kv_groups.py): each group's tables and slots (this one the
+    # first's); a layer attends with its group's
+    groups: list[AttentionMetadata] | None = None
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        return self if self.groups is None else self.groups[group]

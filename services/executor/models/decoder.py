@@ -98,6 +98,7 @@ class Attention(nn.Module):
         self.eps = cfg.rms_norm_eps  # of q_norm / k_norm
         self.scale = cfg.attention_multiplier or cfg.head_dim**-0.5
         self.window = window
+        self.kv_group = 0  # its layer group's block table (shared/kv_groups.py; set_kv_groups)
         self.softcap = cfg.attn_logit_softcapping  # Gemma 2's
         # gpt-oss: a sink logit for each of the rank's query heads (its share of the softmax)
         self.sinks: nn.Parameter | None = None
@@ -143,6 +144,7 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         lora: LoraTokens | None = None,  # the tokens' LoRA slots, with LoRA
     ) -> torch.Tensor:  # [T, hidden]
+        meta = meta.of_group(self.kv_group)
         qkv = self.qkv_proj(x, lora)  # [T, q + 2 kv]
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -18,6 +18,7 @@ from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.runner.step_buffers import StepBuffers
 from shared.config import Config
 from shared.constants import CUDA_GRAPH_RESERVE_BYTES, DEFAULT_CPU_KV_BYTES
+from shared.kv_groups import KVGroups, kv_groups
 from shared.model_config import ModelConfig
 from shared.speculative import SpeculativeConfig
 
@@ -26,26 +27,37 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVCacheLayout:
-    """One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
+    """One tensor per slot: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]; a layer
+    reads and writes its slot's (shared/kv_groups.py: every layer its own slot, unless the
+    layers are grouped)."""
 
-    num_layers: int
+    layer_slots: tuple[int, ...]
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
-        return cls(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
+    def of(
+        cls, cfg: ModelConfig, block_size: int, dtype: torch.dtype, groups: KVGroups | None = None
+    ) -> KVCacheLayout:
+        slots = groups.layer_slots if groups is not None else tuple(range(cfg.num_layers))
+        return cls(slots, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return max(self.layer_slots) + 1
 
     @property
     def bytes_per_block(self) -> int:
-        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        per_token = 2 * self.num_slots * self.num_kv_heads * self.head_dim * self.dtype.itemsize
         return per_token * self.block_size
 
     def allocate(self, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+        """Each layer's tensor (the layers of one slot share it)."""
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_layers)]
+        slots = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in range(self.num_slots)]
+        return [slots[slot] for slot in self.layer_slots]
 
 
 def num_kv_blocks(
@@ -107,7 +119,9 @@ def profile_step_peak(
     tables, next_block = [], 0
     for count in counts:
         size = -(-count // layout.block_size)
-        tables.append(list(range(next_block, next_block + size)))
+        # Every layer group's table the same blocks: the groups' layers share slots' tensors
+        blocks = range(next_block, next_block + size)
+        tables.append([block for block in blocks for _ in range(buffers.num_groups)])
         next_block += size
     device = buffers.device_buffer.device
     kv_caches = layout.allocate(next_block, device)
@@ -132,20 +146,28 @@ def profile_step_peak(
     return peak
 
 
-def freed_window(config: Config, cfg: ModelConfig, spec: SpeculativeConfig | None) -> int | None:
-    """The sliding window past which a request's blocks return to the pool while it runs
-    (services/scheduler/kv_cache_manager.py), or None: where every layer attends in the window
-    and nothing else reads the blocks behind it (a draft model's or EAGLE-3 head's cache
-    follows the target's blocks and attends to all of them; a prefill replica hands a
-    prompt's blocks over whole), unless --disable-hybrid-kv-cache-manager."""
-    every_layer = cfg.sliding_window is not None and len(cfg.sliding_layers) == cfg.num_layers
+def kv_groups_for(config: Config, cfg: ModelConfig, spec: SpeculativeConfig | None) -> KVGroups:
+    """The model's layer groups (shared/kv_groups.py): sliding layers apart, their blocks
+    behind the window returned to the pool, unless something reads every block by the one
+    table of all layers (a draft model's or EAGLE-3 head's cache follows the target's blocks;
+    a prefill replica hands a prompt's blocks over whole; the host tier copies whole blocks
+    of every layer) or --disable-hybrid-kv-cache-manager."""
     own_cache = spec is not None and spec.method in ("draft_model", "eagle3")
-    keeps = config.disable_hybrid_kv_cache_manager or config.prefill_replicas > 0
-    return cfg.sliding_window if every_layer and not own_cache and not keeps else None
+    keeps = config.disable_hybrid_kv_cache_manager or config.prefill_replicas > 0 or own_cache
+    groups = kv_groups(cfg, split=not keeps)
+    if groups.num_groups > 1 and config.kv_offloading_size:
+        return kv_groups(cfg, split=False)
+    return groups
+
+
+def set_kv_groups(model: DecoderForCausalLM, groups: KVGroups) -> None:
+    """Each attention layer's group: the block table it attends with."""
+    for layer, group in zip(model.layers, groups.layer_groups, strict=True):
+        layer.self_attn.kv_group = group
 
 
 def log_kv_cache(
-    layout: KVCacheLayout, num_blocks: int, max_model_len: int, window: int | None = None
+    layout: KVCacheLayout, num_blocks: int, max_model_len: int, groups: KVGroups
 ) -> None:
     num_tokens = num_blocks * layout.block_size
     logger.info(
@@ -157,7 +179,17 @@ def log_kv_cache(
         str(layout.dtype).removeprefix("torch."),
         num_tokens / max_model_len,
         max_model_len,
-        "" if window is None else f" (blocks behind the {window}-token window return to the pool)",
+        _groups_note(groups),
+    )
+
+
+def _groups_note(groups: KVGroups) -> str:
+    windows = [window for window in groups.windows if window is not None]
+    if not windows:
+        return ""
+    return (
+        f"; {groups.num_groups} layer groups of {groups.num_slots} layers, {len(windows)} of"
+        f" them returning blocks behind their {windows[0]}-token window to the pool"
     )
 
 

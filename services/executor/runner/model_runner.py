@@ -24,11 +24,12 @@ from services.executor.runner.host_kv import HostKVPool
 from services.executor.runner.invariance import apply_batch_invariant
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
-    freed_window,
+    kv_groups_for,
     log_kv_cache,
     log_kv_scales,
     num_kv_blocks,
     profile_step_peak,
+    set_kv_groups,
 )
 from services.executor.runner.kv_handover import Handover, move_kv
 from services.executor.runner.plan_check import PlanError, PlanLimits, check_plan
@@ -97,12 +98,15 @@ class ModelRunner:
         self.speculative = parse_speculative_config(config.speculative_config)
         self.proposer = proposers.proposer_for(self.speculative, config, self)
         self.num_drafts = self.speculative.num_speculative_tokens if self.speculative else 0
+        self.kv_groups = kv_groups_for(config, self.model_config, self.speculative)
+        set_kv_groups(self.model, self.kv_groups)
         self.buffers = StepBuffers(
             config.max_num_batched_tokens, config.max_num_seqs,
             -(-self.max_model_len // self.block_size),  # table columns: the longest request
             self.block_size, self.device,
             max_samples=config.max_num_seqs * (1 + self.num_drafts),  # a row samples after each
             decode_queries=1 + self.num_drafts, long_rope=self.model.long_rope,
+            num_groups=self.kv_groups.num_groups,
         )  # fmt: skip
         self.row_owner: list[RequestState | None] = [None] * config.max_num_seqs
         self._allocate_kv_cache(config)
@@ -111,6 +115,7 @@ class ModelRunner:
             self.buffers.max_reqs, self.max_num_batched_tokens,
             self.lora.registered if self.lora is not None else (),  # live: adapters come, go
             self.num_drafts, self.host_kv.num_slots if self.host_kv is not None else 0,
+            self.kv_groups.num_groups,
         )  # fmt: skip
         self._make_samplers(config)
         self.requests: dict[str, RequestState] = {}
@@ -170,7 +175,7 @@ class ModelRunner:
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         # A rank's cache holds its own KV heads.
         local_config = self.model.layout.local_config
-        self.kv_layout = KVCacheLayout.of(local_config, self.block_size, kv_dtype)
+        self.kv_layout = KVCacheLayout.of(local_config, self.block_size, kv_dtype, self.kv_groups)
         self.num_blocks = num_kv_blocks(
             config, self.kv_layout, self.device,
             lambda: profile_step_peak(self.model, self.buffers, self.kv_layout, self.max_model_len),
@@ -182,8 +187,7 @@ class ModelRunner:
         size_gib, tp_size = config.kv_offloading_size, self.tp.size
         self.host_kv = HostKVPool.sized(size_gib, self.kv_layout, self.kv_caches, tp_size)
         self.handover = Handover.start(config, self.kv_caches, self.tp)
-        self.kv_window = freed_window(config, self.model_config, self.speculative)
-        log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len, self.kv_window)
+        log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len, self.kv_groups)
         log_kv_scales(self.model, kv_dtype)
 
     def _make_samplers(self, config: Config) -> None:
@@ -223,7 +227,7 @@ class ModelRunner:
             num_host_blocks=self.host_kv.num_slots if self.host_kv is not None else 0,
             host_block_bytes=self.kv_layout.bytes_per_block * self.tp.size,
             long_rope_after=self.model_config.long_rope_after,
-            kv_window=self.kv_window,
+            kv_windows=list(self.kv_groups.windows),
         )
 
     def reset(self) -> None:
@@ -287,7 +291,7 @@ class ModelRunner:
             choose_drafts(plan, self.requests, self._in_flight, self.proposer)
         if self.relay is not None:
             self.relay.send(plan)
-        self._prepared = PreparedStep(plan.step, self.block_size)
+        self._prepared = PreparedStep(plan.step, self.block_size, self.kv_groups.num_groups)
         move_kv(self.host_kv, self.handover, plan)  # queued now: after the last step, before this
         self._add_rows(plan)
 

@@ -33,6 +33,7 @@ class PlanLimits:
     lora_ids: Container[int] = field(default=())  # the LoRA adapters it has taken
     num_speculative_tokens: int = 0  # drafts a row may verify
     num_host_blocks: int = 0  # slots of the host KV tier
+    num_groups: int = 1  # layer groups: a request's blocks are one of each group's in turn
 
 
 # A request's tokens known or in flight (at most: a row verifying drafts may bring up to 1 +
@@ -128,7 +129,7 @@ def _check_rows(
         own_end = end - slots
         if num_new < 1 or own_end > length + 1 or end > limits.max_model_len:
             raise PlanError(f"{request_id}: {num_new} tokens from {computed[request_id]}")
-        if end > num_blocks * limits.block_size:
+        if end > num_blocks // limits.num_groups * limits.block_size:
             raise PlanError(f"{request_id}: {end} tokens in {num_blocks} blocks")
 
 

@@ -2,9 +2,13 @@
 
 Every field lives at a fixed offset of one int32 buffer, sized for the largest step:
 
-    input_ids [T] | positions [T] | slot_mapping [T] | source_rows [T] | token_slots [T]
+    input_ids [T] | positions [T] | slot_mapping [G, T] | source_rows [T] | token_slots [T]
     | token_order [T] | query_start_loc [R+1] | seq_lens [R] | sample_rows [S]
-    | block_tables [R, max_blocks]   (T, R, S: the configured maxima)
+    | block_tables [R, G, max_blocks]   (T, R, S: the configured maxima; G: layer groups)
+
+With layer groups (shared/kv_groups.py), each group has its own block table and KV slots: a
+request's blocks come as one of each group's in turn (logical block i of group g at
+i * G + g), and a layer attends with its group's (`AttentionMetadata.of_group`).
 
 The host fills a pinned mirror, and one asynchronous copy moves the used prefix to the GPU.
 Fixed offsets also make the device views stable, which CUDA graphs need: a graph captured on
@@ -43,7 +47,7 @@ class _Layout(NamedTuple):
     index of its first token (and one past the last) and its length once the step has run."""
 
     positions: Sequence[int] | np.ndarray
-    slots: Sequence[int] | np.ndarray
+    slots: Sequence[Sequence[int]] | np.ndarray  # [G, T]: each layer group's
     query_start: Sequence[int] | np.ndarray
     seq_lens: Sequence[int] | np.ndarray
     req_index: Sequence[int] | np.ndarray
@@ -86,12 +90,14 @@ class StepBuffers:
         max_samples: int | None = None,
         decode_queries: int = 1,
         long_rope: LongRope | None = None,
+        num_groups: int = 1,
     ) -> None:
         """`max_samples`: positions sampled in one step, at most (default one a request; more
         where a row verifies drafts). `decode_queries`: the most tokens of a request that
         attention reads its context for as a decode (AttentionMetadata), 1 + the drafts of a
         verifying row."""
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        self.num_groups = num_groups
         self.decode_queries = decode_queries
         self.long_rope = long_rope  # LongRoPE: positions offset into its long set (write)
         self.max_samples = min(max_samples or max_reqs, max(max_tokens, max_reqs))
@@ -99,14 +105,14 @@ class StepBuffers:
         sizes = {
             "input_ids": max_tokens,
             "positions": max_tokens,
-            "slot_mapping": max_tokens,
+            "slot_mapping": num_groups * max_tokens,
             "source_rows": max_tokens,
             "token_slots": max_tokens,
             "token_order": max_tokens,
             "query_start_loc": max_reqs + 1,
             "seq_lens": max_reqs,
             "sample_rows": self.max_samples,
-            "block_tables": max_reqs * max_blocks,
+            "block_tables": max_reqs * num_groups * max_blocks,
         }
         self.offsets: dict[str, int] = {}
         total = 0
@@ -117,8 +123,8 @@ class StepBuffers:
         self.host = torch.zeros(total, dtype=torch.int32, pin_memory=pin)
         self.device_buffer = self.host.to(device) if pin else self.host
         self.np = self.host.numpy()
-        self.tables = self._host("block_tables", max_reqs * max_blocks).reshape(
-            max_reqs, max_blocks
+        self.tables = self._host("block_tables", max_reqs * num_groups * max_blocks).reshape(
+            max_reqs, num_groups, max_blocks
         )
         # Set once the last copy has read the mirror: a pipelined caller fills the mirror for
         # step k+1 while step k may still be queued, copy included.
@@ -135,12 +141,16 @@ class StepBuffers:
         return self.device_buffer[start : start + size]
 
     def set_table_row(self, row: int, block_ids: Sequence[int], start: int = 0) -> None:
-        """Blocks start.. of the request in `row`; rows persist between steps.
+        """Blocks start.. of the request in `row` (every group's in turn); rows persist
+        between steps.
 
         NOTE: the caller calls `wait_for_copy` first once per step (not here: once per row).
         """
+        groups = self.num_groups
         if len(block_ids) > start:
-            self.tables[row, start : len(block_ids)] = block_ids[start:]
+            new = np.asarray(block_ids[start:]).reshape(-1, groups).T  # [G, new blocks]
+            first = start // groups
+            self.tables[row, :, first : first + new.shape[1]] = new
 
     def write(
         self,
@@ -172,7 +182,8 @@ class StepBuffers:
             layout = self._layout(starts, counts, num_tokens)
         self._host("input_ids", num_tokens)[:] = token_ids
         self._host("positions", num_tokens)[:] = self._rotary_positions(layout, long_rows)
-        self._host("slot_mapping", num_tokens)[:] = layout.slots
+        for group, slots in enumerate(layout.slots):
+            self._slots(group, num_tokens)[:] = slots
         source_rows = self._host("source_rows", num_tokens)
         source_rows[:] = -1
         if sources:
@@ -196,6 +207,11 @@ class StepBuffers:
             self._host("token_order", num_tokens)[:] = np.argsort(slots, kind="stable")
         self.last_step = (num_tokens, num_reqs, len(sample_rows), max_seq_len)
 
+    def _slots(self, group: int, size: int) -> np.ndarray:
+        """The first `size` KV slots of a group's tokens, in the host mirror."""
+        start = self.offsets["slot_mapping"] + group * self.max_tokens
+        return self.np[start : start + size]
+
     def _rotary_positions(self, layout: _Layout, long_rows: Sequence[bool]) -> object:
         """The positions the rotary kernel reads: with LongRoPE, a long request's offset into
         its long set."""
@@ -212,8 +228,8 @@ class StepBuffers:
         req_index = np.repeat(np.arange(len(counts)), count)  # [T]
         positions = np.asarray(starts, dtype=np.int64)[req_index] + np.arange(num_tokens)
         positions -= first[req_index]
-        block_of = self.tables[req_index, positions // self.block_size].astype(np.int64)
-        slots = block_of * self.block_size + positions % self.block_size  # [T]
+        block_of = self.tables[req_index, :, positions // self.block_size].astype(np.int64)
+        slots = block_of.T * self.block_size + positions % self.block_size  # [G, T]
         query_start = np.concatenate([[0], np.cumsum(count)])
         seq_lens = positions[first + count - 1] + 1 if len(counts) else []
         return _Layout(positions, slots, query_start, seq_lens, req_index)
@@ -222,15 +238,17 @@ class StepBuffers:
         """`_layout` token by token: for a few tokens (a decode at small batch, a verifying
         row), faster than the array operations' fixed cost of some microseconds each."""
         positions: list[int] = []
-        slots: list[int] = []
+        slots: list[list[int]] = [[] for _ in range(self.num_groups)]
         req_index: list[int] = []
         query_start, seq_lens = [0], []
         size = self.block_size
         for row, (start, count) in enumerate(zip(starts, counts, strict=True)):
-            blocks = self.tables[row]
+            tables = self.tables[row]
             for position in range(start, start + count):
                 positions.append(position)
-                slots.append(int(blocks[position // size]) * size + position % size)
+                for group, group_slots in enumerate(slots):
+                    block = int(tables[group, position // size])
+                    group_slots.append(block * size + position % size)
             req_index += [row] * count
             query_start.append(query_start[-1] + count)
             seq_lens.append(start + count)
@@ -241,7 +259,8 @@ class StepBuffers:
         pad = slice(num_tokens, size)
         self._host("input_ids", size)[pad] = 0
         self._host("positions", size)[pad] = 0
-        self._host("slot_mapping", size)[pad] = PADDING_SLOT
+        for group in range(self.num_groups):
+            self._slots(group, size)[pad] = PADDING_SLOT
         self._host("source_rows", size)[pad] = -1
         self._host("token_slots", size)[pad] = -1
 
@@ -250,7 +269,7 @@ class StepBuffers:
         self._pad_tokens(num_reqs, size)
         self._host("query_start_loc", size + 1)[num_reqs + 1 :] = np.arange(num_reqs + 1, size + 1)
         self._host("seq_lens", size)[num_reqs:] = 1
-        self.tables[num_reqs:size, 0] = 0
+        self.tables[num_reqs:size, :, 0] = 0
 
     def _pad_mixed(self, num_tokens: int, num_reqs: int, shape: PaddedShape) -> None:
         """Tokens past num_tokens belong to no request and write nowhere; requests past
@@ -266,7 +285,7 @@ class StepBuffers:
         if self.device_buffer is self.host:
             return
         num_reqs = self.last_step[1]
-        end = self.offsets["block_tables"] + num_reqs * self.max_blocks
+        end = self.offsets["block_tables"] + num_reqs * self.num_groups * self.max_blocks
         self.device_buffer[:end].copy_(self.host[:end], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
@@ -285,16 +304,24 @@ class StepBuffers:
             qsl_host = self._host("query_start_loc", num_reqs + 1)
             max_query_len = int(np.diff(qsl_host).max()) if num_reqs else 0
         start = self.offsets["block_tables"]
-        block_tables = self.device_buffer[start : start + num_reqs * self.max_blocks]
-        meta = AttentionMetadata(
-            slot_mapping=self.field("slot_mapping", num_tokens),
-            block_tables=block_tables.view(num_reqs, self.max_blocks),
-            seq_lens=self.field("seq_lens", num_reqs),
-            query_start_loc=self.field("query_start_loc", num_reqs + 1),
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len if max_seq_len is not None else step_max_seq_len,
-            decode_queries=self.decode_queries,
-        )
+        size = num_reqs * self.num_groups * self.max_blocks
+        tables = self.device_buffer[start : start + size].view(num_reqs, self.num_groups, -1)
+        slots = self.offsets["slot_mapping"]
+        metas = [
+            AttentionMetadata(
+                slot_mapping=self.device_buffer[slots + g * self.max_tokens :][:num_tokens],
+                block_tables=tables[:, g],  # rows G tables apart: the kernels take the stride
+                seq_lens=self.field("seq_lens", num_reqs),
+                query_start_loc=self.field("query_start_loc", num_reqs + 1),
+                max_query_len=max_query_len,
+                max_seq_len=max_seq_len if max_seq_len is not None else step_max_seq_len,
+                decode_queries=self.decode_queries,
+            )
+            for g in range(self.num_groups)
+        ]
+        meta = metas[0]
+        if self.num_groups > 1:
+            meta.groups = metas
         return StepView(
             input_ids=self.field("input_ids", num_tokens),
             positions=self.field("positions", num_tokens),

@@ -282,6 +282,7 @@ class PreparedStep:
 
     step: int
     block_size: int
+    num_groups: int = 1  # layer groups: a request's blocks are one of each group's in turn
     token_ids: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
@@ -330,7 +331,7 @@ class PreparedStep:
         row is the runner's to write): its own, then the drafts it verifies, if any."""
         start = state.num_computed_tokens
         end = start + num_new - len(drafts)  # past its own tokens
-        if start + num_new > len(state.block_ids) * self.block_size:
+        if start + num_new > len(state.block_ids) // self.num_groups * self.block_size:
             # The plan's checks read its counts, which are bounds for a speculating request.
             raise PlanError(f"request_id={request_id}: {start + num_new} tokens in its blocks")
         first = len(self.token_ids)
