@@ -32,6 +32,15 @@ class KVGroups:
     def num_slots(self) -> int:
         return max(self.layer_slots) + 1
 
+    def blocks_per_sequence(self, num_tokens: int, block_size: int) -> int:
+        """The blocks a request of `num_tokens` holds as it decodes: each full group's for
+        all of them, each sliding group's for its window (and the block it writes in)."""
+        blocks = -(-num_tokens // block_size)
+        return sum(
+            blocks if window is None else min(blocks, -(-(window - 1) // block_size) + 1)
+            for window in self.windows
+        )
+
 
 def kv_groups(cfg: ModelConfig, split: bool = True) -> KVGroups:
     """The model's groups: one per `num_slots` layers of one kind where `split` (sliding layers

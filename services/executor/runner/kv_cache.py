@@ -169,15 +169,14 @@ def set_kv_groups(model: DecoderForCausalLM, groups: KVGroups) -> None:
 def log_kv_cache(
     layout: KVCacheLayout, num_blocks: int, max_model_len: int, groups: KVGroups
 ) -> None:
-    num_tokens = num_blocks * layout.block_size
+    per_sequence = groups.blocks_per_sequence(max_model_len, layout.block_size)
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s), %.1f sequences of %d%s",
+        "KV cache: %d blocks x %d tokens (%.2f GiB, %s), %.1f sequences of %d%s",
         num_blocks,
         layout.block_size,
-        num_tokens,
         num_blocks * layout.bytes_per_block / 2**30,
         str(layout.dtype).removeprefix("torch."),
-        num_tokens / max_model_len,
+        num_blocks / per_sequence,
         max_model_len,
         _groups_note(groups),
     )
