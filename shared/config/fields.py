@@ -13,6 +13,12 @@ from typing import Any, Self
 
 from shared.config.options import option
 
+# services/tokenizer/tool_parsers: vLLM's names
+TOOL_CALL_PARSERS = (
+    "hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "granite", "phi4_mini_json",
+    "openai",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class ConfigFields:
@@ -310,9 +316,10 @@ class ConfigFields:
         "How tool calls are read from the model's output with `tool_choice: auto`: hermes "
         "(Qwen2.5, Qwen3, Hermes: <tool_call> JSON blocks), llama3_json (Llama 3.1/3.2 JSON), "
         "mistral (Mistral, Mixtral, Devstral: [TOOL_CALLS]), qwen3_coder (Qwen3-Coder: "
-        "<function=...> XML), pythonic (Llama 3.2/4 pythonic: [f(x=1)]) or openai (gpt-oss: "
-        "harmony's messages to functions; with --reasoning-parser openai_gptoss).",
-        ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder", "openai"),
+        "<function=...> XML), pythonic (Llama 3.2/4, Gemma 3 pythonic: [f(x=1)]), granite "
+        "(Granite 3: <|tool_call|>[...]), phi4_mini_json (Phi-4-mini: functools[...]) or openai "
+        "(gpt-oss: harmony's messages to functions; with --reasoning-parser openai_gptoss).",
+        TOOL_CALL_PARSERS,
     )
     reasoning_parser: str | None = option(
         None,

@@ -237,7 +237,8 @@ def test_llama3_call_cut_by_max_tokens_keeps_the_text_generated() -> None:
 
 def test_registry_names_match_vllm() -> None:
     assert sorted(TOOL_PARSERS) == [
-        "hermes", "llama3_json", "mistral", "openai", "pythonic", "qwen3_coder",
+        "granite", "hermes", "llama3_json", "mistral", "openai", "phi4_mini_json", "pythonic",
+        "qwen3_coder",
     ]  # fmt: skip
 
 
@@ -248,8 +249,8 @@ def test_tool_parser_returns_a_fresh_parser() -> None:
 
 
 def test_unknown_tool_parser_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"unknown tool call parser 'granite'; choose from hermes"):
-        tool_parser("granite")
+    with pytest.raises(ValueError, match=r"unknown tool call parser 'jamba'; choose from granite"):
+        tool_parser("jamba")
 
 
 # --- streaming, step by step --------------------------------------------------------------

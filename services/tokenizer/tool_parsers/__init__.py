@@ -20,6 +20,7 @@ from services.tokenizer.tool_parsers.base import (
     new_call_id,
 )
 from services.tokenizer.tool_parsers.hermes import HermesToolParser
+from services.tokenizer.tool_parsers.json_arrays import GraniteToolParser, Phi4MiniJsonToolParser
 from services.tokenizer.tool_parsers.llama3_json import Llama3JsonToolParser
 from services.tokenizer.tool_parsers.mistral import MistralToolParser
 from services.tokenizer.tool_parsers.openai import OpenAiToolParser
@@ -28,10 +29,12 @@ from services.tokenizer.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from shared.protocol import ToolCallDelta, ToolDefinition
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "granite": GraniteToolParser,
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
     "openai": OpenAiToolParser,
+    "phi4_mini_json": Phi4MiniJsonToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
 }

@@ -17,12 +17,12 @@ follows stay in the content, and so does a marker followed by neither form.
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import string
 
-from services.tokenizer.tool_parsers.base import Scan, ScannedCall, ToolParser, make_call
+from services.tokenizer.tool_parsers.base import Scan, ScannedCall, ToolParser
+from services.tokenizer.tool_parsers.json_arrays import array_calls
 from services.tokenizer.tool_parsers.scanning import (
     MAYBE,
     NO,
@@ -30,7 +30,6 @@ from services.tokenizer.tool_parsers.scanning import (
     HeaderMatch,
     Region,
     json_extent,
-    match_json_header,
     match_literals,
     scan_marked,
     skip_whitespace,
@@ -43,42 +42,6 @@ ARGUMENT_KEYS = ('"arguments"', '"parameters"')
 CALL_ID_CHARS = string.ascii_letters + string.digits
 _NAME = re.compile(r'[^\s\[\]{}"]*')
 _CALL_ID_VALUE = re.compile(r"[^\s\[\]{}]*")
-
-
-def _array_calls(text: str, start: int, final: bool) -> Region | None:
-    """`[{"name": ..., "arguments": {...}}, ...]` from `start` (its `[`), as far as it goes."""
-    calls: list[ScannedCall] = []
-    pos = start + 1
-    while True:
-        header = match_json_header(text, pos, ARGUMENT_KEYS)
-        if not isinstance(header, Header):
-            if calls:  # a cut or broken later element ends the calls
-                return Region(calls, None)
-            return _whole_array(text, start, final)
-        end, closed = json_extent(text, header.arguments_start, final)
-        calls.append(ScannedCall(header.name, text[header.arguments_start : end]))
-        if closed:
-            end, closed = json_extent(text, end, final, depth=1)  # the element's own "}"
-        if not closed:
-            return Region(calls, None)
-        after = match_literals(text, end, (",", "]"))
-        if after is None or after is False:
-            return Region(calls, None)
-        if text[int(after) - 1] == "]":
-            return Region(calls, int(after))
-        pos = int(after)
-
-
-def _whole_array(text: str, start: int, final: bool) -> Region | None:
-    """An array in another shape, read once it ends; None while it may still."""
-    try:
-        value, end = json.JSONDecoder().raw_decode(text, start)
-    except (ValueError, RecursionError):
-        return Region(None, start) if final else None
-    calls = [make_call(v.get("name"), v.get("arguments", {})) for v in value if isinstance(v, dict)]
-    if not calls or len(calls) != len(value) or None in calls:
-        return Region(None, start)
-    return Region([call for call in calls if call is not None], end)
 
 
 def _named_header(text: str, pos: int) -> HeaderMatch:
@@ -109,7 +72,7 @@ def read_calls(text: str, body: int, final: bool) -> Region | None:
     if pos == len(text):
         return Region(None, body) if final else None
     if text[pos] == "[":
-        return _array_calls(text, pos, final)
+        return array_calls(text, pos, final)
     header = _named_header(text, pos)
     if header is MAYBE:
         return Region(None, body) if final else None

@@ -129,18 +129,23 @@ def match_json_header(text: str, pos: int, argument_keys: tuple[str, ...]) -> He
     return Header(name, pos - 1)
 
 
-def scan_marked(text: str, marker: str, final: bool, read_region: RegionReader) -> Scan:
-    """Content and calls of a format whose calls follow a marker, anywhere in the output.
+def scan_marked(
+    text: str, markers: str | tuple[str, ...], final: bool, read_region: RegionReader
+) -> Scan:
+    """Content and calls of a format whose calls follow a marker (any of `markers`),
+    anywhere in the output.
 
     Content: with no calls, the output unchanged. With calls, the text outside them, where
     each stretch of text before a call loses its trailing whitespace and a whitespace-only
     tail after the last call is dropped. While not final, trailing whitespace and a possible
     start of the marker are held, since a call may follow.
     """
+    markers = (markers,) if isinstance(markers, str) else markers
     pieces: list[str] = []  # the text before each call, without trailing whitespace
     calls: list[ScannedCall] = []
     piece_start = pos = 0
-    while (start := text.find(marker, pos)) >= 0:
+    while (found := _first_marker(text, markers, pos)) is not None:
+        start, marker = found
         region = read_region(text, start + len(marker), final)
         if region is None:  # undecided: hold the region, and the whitespace before it
             return Scan("".join(pieces) + text[piece_start:start].rstrip(), calls)
@@ -157,8 +162,15 @@ def scan_marked(text: str, marker: str, final: bool, read_region: RegionReader) 
     tail = text[piece_start:]
     if final:
         return Scan("".join(pieces) + (tail if tail.strip() or not calls else ""), calls)
-    stem = tail[: len(tail) - partial_marker_len(tail, marker)]
+    held = max(partial_marker_len(tail, marker) for marker in markers)
+    stem = tail[: len(tail) - held]
     return Scan("".join(pieces) + stem.rstrip(), calls)
+
+
+def _first_marker(text: str, markers: tuple[str, ...], pos: int) -> tuple[int, str] | None:
+    """The first of `markers` in `text` from `pos`: where, and which."""
+    found = [(start, marker) for marker in markers if (start := text.find(marker, pos)) >= 0]
+    return min(found) if found else None
 
 
 def object_text(arguments: list[tuple[str, object]], closed: bool) -> str:
