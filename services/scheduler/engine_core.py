@@ -36,6 +36,12 @@ from shared.protocol import (
 )
 
 
+def runs(plan: SchedulerOutput) -> bool:
+    """Whether the plan has work for the executor: rows to compute, or copies between the
+    KV tiers (requests may wait for a disk read's report: services/scheduler/disk_tier.py)."""
+    return bool(plan.num_scheduled_tokens) or plan.host_copies is not None
+
+
 class Executor(Protocol):
     """Runs plans in order. `submit` queues one and returns; `collect` waits for the oldest
     plan submitted and not yet collected. At most two are in flight."""
@@ -89,16 +95,14 @@ class EngineCore:
         """Submit the next plan, then collect the one before it: what its requests got."""
         plan = self.scheduler.schedule()
         in_flight = self._in_flight
-        if not plan.num_scheduled_tokens and (
-            in_flight is None or not in_flight.num_scheduled_tokens
-        ):
+        if not runs(plan) and (in_flight is None or not runs(in_flight)):
             # NOTE: nothing runs and nothing is in flight, so no later step sees anything new:
             # unfinished requests would wait forever (a bug: admission guarantees each fits).
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler could not schedule any unfinished request")
             if in_flight is None and not plan.finished_request_ids:
                 return []  # nothing to run, to wait for, or for the executor to forget
-        if not plan.num_scheduled_tokens and not plan.finished_request_ids and in_flight:
+        if not runs(plan) and not plan.finished_request_ids and in_flight:
             # Nothing to run or forget (requests wait for the tokens in flight): wait for
             # that step rather than queue an empty one behind it, then launch the requests
             # that waited for its tokens before the caller reads them.
@@ -117,6 +121,6 @@ class EngineCore:
 
     def _submit_if_any(self, plan: SchedulerOutput) -> None:
         """Queue `plan` unless it has nothing to run or forget (then it is dropped)."""
-        if plan.num_scheduled_tokens or plan.finished_request_ids:
+        if runs(plan) or plan.finished_request_ids:
             self.executor.submit(plan)
             self._in_flight = plan

@@ -77,6 +77,8 @@ def scheduler_config(config: Config, ready: ExecutorReady) -> SchedulerConfig:
         num_lookahead_tokens=spec.lookahead if spec is not None else 0,
         num_host_blocks=ready.num_host_blocks,
         host_block_bytes=ready.host_block_bytes,
+        num_disk_blocks=ready.num_disk_blocks,
+        disk_blocks=tuple(ready.disk_blocks),
         kv_transfer=config.prefill_replicas > 0,
         long_rope_after=ready.long_rope_after,
         kv_windows=tuple(ready.kv_windows),

@@ -21,12 +21,23 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from services.scheduler.disk_tier import DiskTier
+
 
 class HostTier:
-    def __init__(self, num_slots: int, lost: Callable[[bytes], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        lost: Callable[[bytes], None] | None = None,
+        disk: DiskTier | None = None,
+    ) -> None:
+        """`disk`: the disk tier behind it, which every block taken from the GPU is written
+        through to, and which reads blocks back into slots this tier reserves."""
         self.num_slots = num_slots
         self.lost = lost  # told of each hash the tier drops (for the KV events)
+        self.disk = disk
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
+        self._arriving: dict[bytes, int] = {}  # hash -> slot being read from disk into
         self._free = list(range(num_slots - 1, -1, -1))
         self._pinned: set[int] = set()
         self._offloads: list[tuple[int, int]] = []  # (GPU block, host slot)
@@ -52,7 +63,26 @@ class HostTier:
         self._pinned.add(slot)
         self._offloads.append((block, slot))
         self.num_offloaded += 1
+        if self.disk is not None:
+            self.disk.keep(slot, block_hash)
         return True
+
+    def reserve(self, block_hash: bytes) -> int | None:
+        """A slot for `block_hash` to be read into from disk (None: every slot is pinned);
+        it joins the tier when the read is reported (`arrived`)."""
+        slot = self._take_slot()
+        if slot is not None:
+            self._arriving[block_hash] = slot
+        return slot
+
+    def arrived(self, block_hash: bytes, good: bool) -> None:
+        """The read into `block_hash`'s reserved slot is done; a `good` one is an entry now
+        (unless the GPU evicted the same block here meanwhile: then the slot goes back)."""
+        slot = self._arriving.pop(block_hash)
+        if good and block_hash not in self._slots:
+            self._slots[block_hash] = slot
+        else:
+            self._free.append(slot)
 
     def pin(self, hashes: list[bytes]) -> None:
         """Keep these entries through the plan being built (its prefix hits, before the GPU
@@ -86,7 +116,9 @@ class HostTier:
         return None
 
     def check_invariants(self) -> None:
-        slots = list(self._slots.values())
+        slots = list(self._slots.values()) + list(self._arriving.values())
         assert len(set(slots)) == len(slots), "two hashes share a host slot"
         assert not set(slots) & set(self._free), "a host slot is both free and held"
         assert len(slots) + len(self._free) == self.num_slots, "a host slot leaked"
+        if self.disk is not None:
+            self.disk.check_invariants()

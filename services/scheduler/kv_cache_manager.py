@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from services.scheduler.block_pool import BlockEvents, BlockPool
+from services.scheduler.disk_tier import DiskTier
 from services.scheduler.host_tier import HostTier
 from services.scheduler.request import Request
 from services.scheduler.scheduler_config import SchedulerConfig
@@ -76,17 +79,69 @@ class KVCacheManager:
 
     @classmethod
     def of(cls, config: SchedulerConfig, events: BlockEvents | None = None) -> KVCacheManager:
-        return cls(
+        """The manager of `config`'s pool, with its host and disk tiers."""
+        kv = cls(
             config.num_blocks, config.block_size, config.enable_prefix_caching, events,
             config.kv_windows,
         )  # fmt: skip
+        kv.add_host_tier(config.num_host_blocks, config.num_disk_blocks, config.disk_blocks)
+        return kv
 
-    def add_host_tier(self, num_blocks: int) -> None:
+    def add_host_tier(
+        self, num_blocks: int, num_disk_blocks: int = 0, on_disk: Sequence[bytes] = ()
+    ) -> None:
         """Keep what the GPU evicts in a host tier of `num_blocks` (none: 0, or without prefix
-        caching, whose blocks it holds)."""
-        if num_blocks and self.enable_prefix_caching and self.num_groups == 1:
-            self.host = HostTier(num_blocks, self._lost)
-            self.pool.spill = self.host.store
+        caching, whose blocks it holds), and behind it a disk tier of `num_disk_blocks` whose
+        directory holds `on_disk` from before (services/scheduler/disk_tier.py)."""
+        if not (num_blocks and self.enable_prefix_caching and self.num_groups == 1):
+            return
+        disk = DiskTier(num_disk_blocks, on_disk, self._lost) if num_disk_blocks else None
+        self.host = HostTier(num_blocks, self._lost, disk)
+        self.pool.spill = self.host.store
+        if disk is not None and self.events is not None:
+            for block_hash in on_disk:  # held by this engine from the start, for the routers
+                if block_hash in disk:
+                    self.events.stored(block_hash)
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self.host.disk if self.host is not None else None
+
+    def fetch_from_disk(self, request: Request, num_hits: int) -> bool:
+        """Start reading the request's prefix blocks after its `num_hits` GPU and host hits
+        that only the disk tier holds into the host tier; whether it waits for them (it is
+        not admitted until they are reported: DiskTier). Once per admission: the host tier
+        may drop some of them again before it is admitted, and then they are computed."""
+        disk, host = self.disk, self.host
+        if disk is None or host is None or request.fetched_from_disk:
+            return False
+        hashes, held = [], []  # to read; its hits in the host tier
+        for index, block_hash in enumerate(
+            request.block_hashes[: self._max_prefix_blocks(request)]
+        ):
+            if block_hash in host:
+                held.append(block_hash)
+            elif index >= num_hits:
+                if self.pool.lookup(block_hash) is not None or block_hash not in disk:
+                    break
+                hashes.append(block_hash)
+        host.pin(held)  # the slots read into are not those of its own hits
+        if hashes and disk.fetch(request.request_id, hashes, host.reserve):
+            request.fetched_from_disk = True
+        return request.fetched_from_disk
+
+    def waits_for_disk(self, request: Request) -> bool:
+        return self.disk is not None and self.disk.waits(request.request_id)
+
+    def disk_reported(self, loaded: list[bytes], failed: list[bytes]) -> None:
+        """A step's disk reads are done: good ones join the host tier."""
+        if self.host is None or self.host.disk is None:
+            return
+        self.host.disk.reported(loaded, failed)
+        for block_hash in loaded:
+            self.host.arrived(block_hash, good=True)
+        for block_hash in failed:
+            self.host.arrived(block_hash, good=False)
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
@@ -230,6 +285,7 @@ class KVCacheManager:
     def host_tier_stats(self, block_bytes: int) -> HostTierStats | None:
         if self.host is None:
             return None
+        disk = self.host.disk
         return HostTierStats(
             num_blocks=self.host.num_slots,
             block_bytes=block_bytes,
@@ -237,6 +293,10 @@ class KVCacheManager:
             hits=self.host_hits,
             blocks_to_host=self.host.num_offloaded,
             blocks_to_gpu=self.host.num_onloaded,
+            num_disk_blocks=disk.num_blocks if disk is not None else 0,
+            blocks_to_disk=disk.num_stored if disk is not None else 0,
+            blocks_from_disk=disk.num_loaded if disk is not None else 0,
+            disk_misses=disk.num_misses if disk is not None else 0,
         )
 
     def take_copies(self) -> HostCopies | None:
@@ -244,11 +304,18 @@ class KVCacheManager:
         if self.host is None:
             return None
         offloads, onloads = self.host.take_copies()
-        return HostCopies(offloads=offloads, onloads=onloads) if offloads or onloads else None
+        copies = HostCopies(offloads=offloads, onloads=onloads)
+        if self.host.disk is not None:
+            deletes, stores, loads = self.host.disk.take_copies()
+            copies.disk_deletes, copies.disk_stores, copies.disk_loads = deletes, stores, loads
+        return copies if any(msgspec.structs.astuple(copies)) else None
 
     def _lost(self, block_hash: bytes) -> None:
-        """The host tier dropped a hash: gone from this engine unless the GPU holds it."""
-        if self.events is not None and self.pool.lookup(block_hash) is None:
+        """A tier dropped a hash: gone from this engine unless the GPU or another tier holds
+        it."""
+        tiers = [tier for tier in (self.host, self.disk) if tier is not None]
+        held = self.pool.lookup(block_hash) is not None or any(block_hash in t for t in tiers)
+        if self.events is not None and not held:
             self.events.removed(block_hash)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
@@ -297,6 +364,7 @@ class KVCacheManager:
         return next((i for i, b in enumerate(blocks) if b != self.null_block), len(blocks))
 
     def free(self, request: Request) -> None:
+        request.fetched_from_disk = False  # requeued, it may read from disk again
         blocks = self.block_ids.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self._num_skipped.pop(request.request_id, None)

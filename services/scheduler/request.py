@@ -44,6 +44,9 @@ class Request:
         self.num_pending_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.num_preemptions = 0
+        # Read prefix blocks from the disk tier into the host tier for its next admission
+        # (once: then it is admitted with what the host tier holds, even if it lost some)
+        self.fetched_from_disk = False
         self.last_scheduled_step = 0  # the last plan that ran it
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

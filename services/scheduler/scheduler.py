@@ -57,7 +57,6 @@ class Scheduler(SchedulerView):
         self.config = config
         self.block_events = BlockEvents() if config.kv_events else None
         self.kv = KVCacheManager.of(config, self.block_events)
-        self.kv.add_host_tier(config.num_host_blocks)
         self.handover = Handovers(self.kv, config.host_block_bytes)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -111,11 +110,8 @@ class Scheduler(SchedulerView):
         check_queue_room(self.config, self.waiting, len(engine_request.prompt_token_ids))
         self._num_arrivals += 1
         request = Request(engine_request, max_tokens, self.config.block_size, self._num_arrivals)
-        request.speculates = (
-            bool(self.config.num_speculative_tokens)
-            and speculates(engine_request.sampling_params)
-            and not request.hands_over
-        )
+        may_speculate = bool(self.config.num_speculative_tokens) and not request.hands_over
+        request.speculates = may_speculate and speculates(engine_request.sampling_params)
         self.requests[request_id] = request
         self.waiting.add(request)
 
@@ -269,7 +265,7 @@ class Scheduler(SchedulerView):
             and len(self.running) < self.config.max_num_seqs
             and len(new_data) < room
         ):
-            request = self.waiting.first(lambda r: self._lora_fits(r, planned))
+            request = self.waiting.first(lambda r: self._admissible(r, planned))
             if request is None:
                 break
             if request.num_pending_tokens:
@@ -281,6 +277,8 @@ class Scheduler(SchedulerView):
             num_cached = len(cached) // self.kv.num_groups  # logical blocks: one of each group's
             restored = self.kv.find_host_prefix(request, num_cached)
             num_hits = num_cached + len(restored)  # blocks
+            if self.kv.fetch_from_disk(request, num_hits):
+                continue  # admitted once the disk tier's reads are in (DiskTier)
             num_imported = self.handover.num_to_import(request, num_hits)
             num_computed = (num_hits + num_imported) * self.config.block_size
             num_new = request.num_tokens - num_computed
@@ -303,10 +301,12 @@ class Scheduler(SchedulerView):
             budget -= num_new
         return new_data
 
-    def _lora_fits(self, request: Request, planned: set[int]) -> bool:
+    def _admissible(self, request: Request, planned: set[int]) -> bool:
         """Whether the request can run beside the running ones (and the adapters of the plan
         it would join, `planned`): the base model always; an adapter if it runs already or a
-        slot is left."""
+        slot is left; not while it waits for reads from the disk tier."""
+        if self.kv.waits_for_disk(request):
+            return False
         lora_id = request.lora_id
         if not lora_id or lora_id in self._running_loras or lora_id in planned:
             return True
@@ -359,10 +359,8 @@ class Scheduler(SchedulerView):
         self.num_preemptions += 1
         logger.info(
             "preempted request_id=%s (%d tokens) to free KV blocks; total preemptions=%d",
-            request.request_id,
-            request.num_tokens,
-            self.num_preemptions,
-        )
+            request.request_id, request.num_tokens, self.num_preemptions,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ results
 
@@ -378,6 +376,7 @@ class Scheduler(SchedulerView):
         for request_id, part in result.prompt_logprobs.items():
             if (request := self.requests.get(request_id)) is not None:
                 request.add_prompt_logprobs(part)
+        self.kv.disk_reported(result.disk_loaded, result.disk_load_failed)
         failed = set(result.kv_import_failed)
         self.handover.reported(plan, failed, result.kv_import_seconds)
         for request_id in failed:

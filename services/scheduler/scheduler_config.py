@@ -30,6 +30,10 @@ class SchedulerConfig:
     # The prefix cache's host tier (--kv-offloading-size): blocks it holds (0: none).
     num_host_blocks: int = 0
     host_block_bytes: int = 0  # a block's KV there, every layer and rank (for the metrics)
+    # The disk tier behind it (--kv-offloading-disk-path): blocks it holds (0: none), and the
+    # hashes its directory kept from before, least recently written first
+    num_disk_blocks: int = 0
+    disk_blocks: tuple[bytes, ...] = ()
     kv_transfer: bool = False  # a replica of a disaggregated server (--prefill-replicas)
     # LongRoPE: the original context, past which a request takes the long set of frequencies
     # from its start (services/executor/layers/rotary.py); None: not LongRoPE

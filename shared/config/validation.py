@@ -114,6 +114,28 @@ def _check_cache(config: ConfigFields) -> None:
         "kv_offloading_size",
         "the host tier holds the prefix cache's blocks: it needs prefix caching",
     )
+    _check_disk_tier(config)
+
+
+def _check_disk_tier(config: ConfigFields) -> None:
+    path, disk_size = config.kv_offloading_disk_path, config.kv_offloading_disk_size
+    require(disk_size is None or disk_size > 0, "kv_offloading_disk_size", "must be > 0 GiB")
+    require(
+        (path is None) == (disk_size is None),
+        "kv_offloading_disk_path",
+        "the disk tier needs both --kv-offloading-disk-path and --kv-offloading-disk-size",
+    )
+    require(
+        path is None or config.kv_offloading_size is not None,
+        "kv_offloading_disk_path",
+        "the disk tier is behind the host tier: it needs --kv-offloading-size",
+    )
+    require(
+        path is None or config.tensor_parallel_size == 1,
+        "kv_offloading_disk_path",
+        "not with tensor parallelism yet (each rank's reads would have to agree on every"
+        " miss); use data parallelism, whose replicas each keep a directory of their own",
+    )
 
 
 def _check_scheduler(config: ConfigFields) -> None:

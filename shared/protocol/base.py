@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 19
+PROTOCOL_VERSION = 20
 
 
 class Message(msgspec.Struct, gc=False):

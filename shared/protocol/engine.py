@@ -75,6 +75,12 @@ class HostCopies(Message, kw_only=True):
 
     offloads: list[tuple[int, int]] = []
     onloads: list[tuple[int, int]] = []
+    # The disk tier behind it (--kv-offloading-disk-path), run in this order: files to
+    # delete (hashes), offloads to write through to disk as well (host slot, hash), and files
+    # to read into host slots (hash, host slot), reported with the plan's step.
+    disk_deletes: list[bytes] = []
+    disk_stores: list[tuple[int, bytes]] = []
+    disk_loads: list[tuple[bytes, int]] = []
 
 
 class KVExport(Message, array_like=True):
@@ -213,6 +219,10 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     # their rows ran on blocks that hold nothing, and their tokens are void.
     kv_import_failed: list[str] = []
     kv_import_seconds: float = 0.0  # the host's time fetching and copying the step's imports
+    # The plan's disk loads (HostCopies.disk_loads) by hash: read into their host slots, or
+    # not (a missing or corrupted file: a miss)
+    disk_loaded: list[bytes] = []
+    disk_load_failed: list[bytes] = []
 
 
 # ------------------------------------------------------------- outputs out

@@ -76,6 +76,13 @@ class HostTierStats(Message, kw_only=True):
     hits: int = 0
     blocks_to_host: int = 0
     blocks_to_gpu: int = 0
+    # The disk tier behind it (--kv-offloading-disk-path; num_disk_blocks 0: none): blocks
+    # written through to disk, read back into the host tier, and reads that found no good
+    # file (missing or corrupted: misses)
+    num_disk_blocks: int = 0
+    blocks_to_disk: int = 0
+    blocks_from_disk: int = 0
+    disk_misses: int = 0
 
 
 class StatsSnapshot(Message, tag=True, kw_only=True):
@@ -153,6 +160,10 @@ class ExecutorReady(Message, tag=True, kw_only=True):
     # the bytes a block takes there, every layer and rank.
     num_host_blocks: int = 0
     host_block_bytes: int = 0
+    # The disk tier behind it (--kv-offloading-disk-path): the blocks it may hold, and the
+    # hashes its directory holds from before (a restart), least recently written first
+    num_disk_blocks: int = 0
+    disk_blocks: list[bytes] = []
     # LongRoPE (Phi-3's long-context models): the original context, past which a request is
     # computed with the long set of frequencies from its start (None: not LongRoPE)
     long_rope_after: int | None = None

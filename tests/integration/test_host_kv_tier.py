@@ -14,6 +14,7 @@ from kvflow import LLM, SamplingParams
 from services.executor.runner.host_kv import HostKVPool
 from services.launcher.cli import main
 from shared.config import ConfigError
+from shared.protocol import HostCopies
 from tests.integration.tp_generate import generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -83,10 +84,11 @@ def test_a_restored_block_holds_every_layers_kv_as_it_was(dtype: torch.dtype) ->
     caches = [torch.randn(2, 12, 16, 2, 8, generator=generator).to(device, dtype) for _ in range(3)]
     pool = HostKVPool(caches, num_slots=4)
     before = [cache[:, [3, 7]].clone() for cache in caches]
-    pool.copy([(3, 2), (7, 0)], [])
+    pool.copy(HostCopies(offloads=[(3, 2), (7, 0)]), step=1)
     for cache in caches:
         cache.copy_(torch.randn(cache.shape, generator=generator))  # the blocks reused
-    pool.copy([(5, 1)], [(2, 9), (0, 4)])  # an offload and two restores in one plan
+    # an offload and two restores in one plan
+    pool.copy(HostCopies(offloads=[(5, 1)], onloads=[(2, 9), (0, 4)]), step=2)
     for cache, held in zip(caches, before, strict=True):
         assert torch.equal(cache[:, [9, 4]], held)
 

@@ -139,6 +139,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         max_loras=st.integers(1, 2),
         host_blocks=st.sampled_from([0, 0, 1, 3, 12]),
+        disk_blocks=st.sampled_from([0, 0, 2, 8, 30]),
         # Layer groups: one full (most), one sliding, or full and sliding ones side by side
         windows=st.sampled_from(
             [(None,), (None,), (1,), (3,), (6,), (9,), (None, 3), (None, 6), (5, None, 2)]
@@ -157,6 +158,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy: str,
         max_loras: int,
         host_blocks: int,
+        disk_blocks: int,
         windows: tuple[int | None, ...],
     ) -> None:
         self.config = SchedulerConfig(
@@ -171,6 +173,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduling_policy=policy,
             max_loras=max_loras,
             num_host_blocks=host_blocks,
+            num_disk_blocks=disk_blocks if host_blocks else 0,
             kv_windows=windows,
         )
         self.scheduler = Scheduler(self.config)
@@ -183,6 +186,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.kv_slots: dict[tuple[int, int], tuple[int, int]] = {}
         # host slot -> its block's (adapter, token id) at each offset (None: never written)
         self.host_slots: dict[int, list[tuple[int, int] | None]] = {}
+        # the disk tier's files: block hash -> what the host slot written held
+        self.disk_files: dict[bytes, list[tuple[int, int] | None]] = {}
         # Handovers: an export's blocks as (adapter, token id) at each offset, by request id;
         # and which export each continuing request imports from.
         self.exports: dict[str, list[list[tuple[int, int]]]] = {}
@@ -324,10 +329,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.scheduler.schedule()
         self.check_plan(plan)
         failed = self.import_blocks(plan, fetch_fails)
+        loaded, missed = self.read_disk(plan, fetch_fails)
         sampled = self.execute(plan, draw_token, failed)
         self.export_blocks(plan)  # after the step's forward pass
         before_update(plan)
-        result = ModelRunnerOutput(step=plan.step, sampled=sampled, kv_import_failed=failed)
+        result = ModelRunnerOutput(
+            step=plan.step, sampled=sampled, kv_import_failed=failed, disk_loaded=loaded,
+            disk_load_failed=missed,
+        )  # fmt: skip
         self.record(self.scheduler.update(plan, result))
 
     def check_plan(self, plan: SchedulerOutput) -> None:
@@ -422,14 +431,37 @@ class SchedulerMachine(RuleBasedStateMachine):
                 state.token_ids.extend(sampled[request_id])
         return sampled
 
+    def read_disk(
+        self, plan: SchedulerOutput, fails: Callable[[], bool]
+    ) -> tuple[list[bytes], list[bytes]]:
+        """The disk tier's deletes, then its reads into host slots (a file gone, or one that
+        fails its checksum: a miss, the slot holding garbage)."""
+        copies = plan.host_copies
+        if copies is None:
+            return [], []
+        for block_hash in copies.disk_deletes:
+            assert self.disk_files.pop(block_hash, None) is not None, "deletes a file not written"
+        loaded, missed = [], []
+        for block_hash, slot in copies.disk_loads:
+            held = self.disk_files.get(block_hash)
+            corrupted = block_hash[0] % 4 == 0 or fails()  # a quarter of the files, or drawn
+            good = held is not None and not corrupted
+            self.host_slots[slot] = held if good else [(-1, -1)] * BLOCK_SIZE  # type: ignore[assignment]
+            (loaded if good else missed).append(block_hash)
+            event("read from the disk tier" if good else "a disk tier miss")
+        return loaded, missed
+
     def copy_host_blocks(self, plan: SchedulerOutput) -> None:
-        """Offloads, then onloads, before any write of the step (services/executor/runner/
-        host_kv.py)."""
+        """Offloads (written through to disk where the plan says), then onloads, before any
+        write of the step (services/executor/runner/host_kv.py)."""
         if plan.host_copies is None:
             return
         for block, slot in plan.host_copies.offloads:
             self.host_slots[slot] = [self.kv_slots.get((block, i)) for i in range(BLOCK_SIZE)]
             event("offloaded to the host tier")
+        for slot, block_hash in plan.host_copies.disk_stores:
+            self.disk_files[block_hash] = list(self.host_slots[slot])
+            event("written to the disk tier")
         for slot, block in plan.host_copies.onloads:
             for offset, value in enumerate(self.host_slots[slot]):
                 if value is None:
@@ -547,3 +579,40 @@ SchedulerMachine.TestCase.settings = settings(
     derandomize=True, database=None, max_examples=150, stateful_step_count=40, deadline=None
 )
 TestScheduler = SchedulerMachine.TestCase
+
+
+class TieredSchedulerMachine(SchedulerMachine):
+    """The same machine where the KV tiers always work: a tight pool with prefix caching, a
+    host tier, and a disk tier behind it (its reads missing at times)."""
+
+    @initialize(
+        num_blocks=st.integers(6, 14),
+        budget=st.integers(4, 24),
+        max_num_seqs=st.integers(1, 6),
+        max_model_len=st.integers(24, 64),
+        chunked=st.booleans(),
+        initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
+        host_blocks=st.sampled_from([1, 2, 4]),
+        disk_blocks=st.sampled_from([1, 3, 8, 30]),
+    )
+    def configure(  # type: ignore[override]
+        self,
+        num_blocks: int,
+        budget: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        chunked: bool,
+        initial_requests: list[tuple[list[int], SamplingParams]],
+        host_blocks: int,
+        disk_blocks: int,
+    ) -> None:
+        super().configure(
+            num_blocks, budget, max_num_seqs, max_model_len, True, chunked, initial_requests,
+            False, "fcfs", 2, host_blocks, disk_blocks, (None,),
+        )  # fmt: skip
+
+
+TieredSchedulerMachine.TestCase.settings = settings(
+    derandomize=True, database=None, max_examples=80, stateful_step_count=40, deadline=None
+)
+TestTieredScheduler = TieredSchedulerMachine.TestCase

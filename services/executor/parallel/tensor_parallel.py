@@ -76,6 +76,14 @@ class TensorParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
         return int(tensor.item())
 
+    def smallest_each(self, values: list[int], device: torch.device) -> list[int]:
+        """Each position's smallest value over the ranks (one all-reduce for the list)."""
+        if self.size == 1 or not values:
+            return values
+        tensor = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return tensor.tolist()
+
     def first_rank_value(self, value: int, device: torch.device) -> int:
         """The first rank's value, on every rank."""
         if self.size == 1:

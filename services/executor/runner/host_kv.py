@@ -14,20 +14,24 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Any
 
 import torch
 
+from services.executor.runner.disk_kv import DiskKV, disk_blocks, open_disk_tier
 from services.executor.runner.kv_cache import KVCacheLayout
-from shared.protocol import SchedulerOutput
+from services.executor.runner.step_state import recorded_event
+from shared.config import Config
+from shared.protocol import HostCopies, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 TO_HOST_BLOCKS = 64  # blocks staged on the device at a time on their way to the host
 
 
 def copy_host_kv(pool: HostKVPool | None, plan: SchedulerOutput) -> None:
-    """Queue the plan's host-tier copies, if it has any."""
+    """Queue the plan's host-tier copies (and its disk tier's jobs), if it has any."""
     if pool is not None and plan.host_copies is not None:
-        pool.copy(plan.host_copies.offloads, plan.host_copies.onloads)
+        pool.copy(plan.host_copies, plan.step)
 
 
 def pinned(host: torch.Tensor) -> torch.Tensor:
@@ -47,6 +51,19 @@ def unpinned(host: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
 
 
+def tier_facts(pool: HostKVPool | None, block_bytes: int) -> dict[str, Any]:
+    """ExecutorReady's fields of the host and disk tiers (`block_bytes`: over every rank)."""
+    if pool is None:
+        return {"num_host_blocks": 0, "host_block_bytes": block_bytes}
+    disk = pool.disk
+    return {
+        "num_host_blocks": pool.num_slots,
+        "host_block_bytes": block_bytes,
+        "num_disk_blocks": pool.num_disk_blocks,
+        "disk_blocks": disk.held() if disk is not None else [],
+    }
+
+
 class HostKVPool:
     def __init__(
         self, kv_caches: list[torch.Tensor], num_slots: int, shared_file: str | None = None
@@ -59,6 +76,8 @@ class HostKVPool:
         first = self.kv_caches[0]
         shape = (num_slots, len(kv_caches), first.shape[0], *first.shape[2:])
         self.device = first.device
+        self.disk: DiskKV | None = None  # the disk tier behind it (runner/disk_kv.py)
+        self.num_disk_blocks = 0
         if shared_file is None:
             self.slots = torch.empty(shape, dtype=torch.uint8, pin_memory=first.is_cuda)
         else:
@@ -68,13 +87,11 @@ class HostKVPool:
 
     @classmethod
     def sized(
-        cls,
-        size_gib: float | None,
-        layout: KVCacheLayout,
-        kv_caches: list[torch.Tensor],
-        tp_size: int,
+        cls, config: Config, layout: KVCacheLayout, kv_caches: list[torch.Tensor], tp_size: int
     ) -> HostKVPool | None:
-        """The pool of `size_gib` GiB over all ranks (vLLM's meaning), or None without one."""
+        """The pool of --kv-offloading-size GiB over all ranks (vLLM's meaning), with the
+        disk tier behind it, or None without one."""
+        size_gib = config.kv_offloading_size
         if size_gib is None:
             return None
         num_slots = int(size_gib * 2**30) // (layout.bytes_per_block * tp_size)
@@ -91,38 +108,68 @@ class HostKVPool:
             num_slots * layout.block_size,
             num_slots * layout.bytes_per_block / 2**30,
         )
+        pool.disk = open_disk_tier(config, pool.slots, layout.dtype)
+        pool.num_disk_blocks = disk_blocks(config, pool.disk)
+        if pool.disk is not None:
+            logger.info(
+                "disk KV tier: up to %d blocks (%.1f GiB) in %s, %d kept from before",
+                pool.num_disk_blocks, config.kv_offloading_disk_size or 0,
+                pool.disk.directory, len(pool.disk.held()),
+            )  # fmt: skip
         return pool
 
     @property
     def num_slots(self) -> int:
         return self.slots.shape[0]
 
-    def copy(self, offloads: list[tuple[int, int]], onloads: list[tuple[int, int]]) -> None:
-        """One plan's (or addendum's) copies: evicted blocks to their slots, then slots back
-        into blocks."""
-        if offloads:
-            self.to_host(offloads)
-        if onloads:
-            self._to_gpu(onloads)
+    def copy(self, copies: HostCopies, step: int) -> None:
+        """One plan's (or addendum's) copies: evicted blocks to their slots (and to disk),
+        then slots back into blocks; the disk tier's deletes and reads go to its thread."""
+        disk = self.disk
+        if disk is not None:
+            if copies.disk_deletes:
+                disk.delete(copies.disk_deletes)
+            if copies.disk_loads:  # into reserved slots, after what was queued before
+                disk.read(step, copies.disk_loads, recorded_event(self.device))
+        if copies.offloads:
+            self.to_host(copies.offloads, dict(copies.disk_stores))
+        if copies.onloads:
+            self._to_gpu(copies.onloads)
+
+    def report(self, output: ModelRunnerOutput) -> None:
+        """The step's disk reads, into its output (waiting for them)."""
+        if self.disk is not None:
+            output.disk_loaded, output.disk_load_failed = self.disk.report(output.step)
 
     @property
     def block_bytes(self) -> int:
         """One block's every layer, K and V: a slot's bytes."""
         return math.prod(self.slots.shape[1:])
 
-    def to_host(self, pairs: list[tuple[int, int]]) -> None:
+    def to_host(
+        self, pairs: list[tuple[int, int]], to_disk: dict[int, bytes] | None = None
+    ) -> None:
         """Copy blocks to slots, (GPU block, host slot) pairs, a piece at a time (the pieces
-        are staged on the device, outside the memory plan)."""
+        are staged on the device, outside the memory plan); and those whose slot `to_disk`
+        names to the disk tier, under that key."""
         for first in range(0, len(pairs), TO_HOST_BLOCKS):
-            self._to_host(pairs[first : first + TO_HOST_BLOCKS])
+            self._to_host(pairs[first : first + TO_HOST_BLOCKS], to_disk or {})
 
-    def _to_host(self, pairs: list[tuple[int, int]]) -> None:
+    def _to_host(self, pairs: list[tuple[int, int]], to_disk: dict[int, bytes]) -> None:
         blocks = self._indices([block for block, _ in pairs])
         # [n, layers, 2, block_size, kv_heads, head_dim]: each block's layers together
         staged = torch.stack([cache.index_select(1, blocks) for cache in self.kv_caches])
         staged = staged.permute(2, 0, 1, 3, 4, 5).contiguous()
         for row, (_, slot) in enumerate(pairs):
             self.slots[slot].copy_(staged[row], non_blocking=True)
+        rows = [row for row, (_, slot) in enumerate(pairs) if slot in to_disk]
+        if rows and self.disk is not None:  # a copy of its own: the slot may be reused first
+            written = torch.empty(
+                (len(rows), *staged.shape[1:]), dtype=torch.uint8, pin_memory=staged.is_cuda
+            )
+            written.copy_(staged[self._indices(rows)], non_blocking=True)
+            keys = [to_disk[pairs[row][1]] for row in rows]
+            self.disk.write(keys, written, recorded_event(self.device))
 
     def _to_gpu(self, pairs: list[tuple[int, int]]) -> None:
         shape = (len(pairs), *self.slots.shape[1:])

@@ -76,6 +76,21 @@ def move_kv(host: HostKVPool | None, handover: Handover, plan: SchedulerOutput) 
     handover.run(plan)
 
 
+def report_kv(host: HostKVPool | None, handover: Handover, output: ModelRunnerOutput) -> None:
+    """What the step's imports and disk reads came to, into its output."""
+    handover.report(output)
+    if host is not None:
+        host.report(output)
+
+
+def reset_kv(host: HostKVPool | None, handover: Handover) -> None:
+    """The executor dropped every step: so do the handovers, and the disk tier's jobs end
+    (a new scheduler's books start from what its directory holds)."""
+    handover.reset()
+    if host is not None and host.disk is not None:
+        host.disk.drain()
+
+
 def rank_address(address: str, rank: int) -> str:
     """Tensor-parallel rank `rank`'s address of a replica's --kv-transfer-address entry."""
     if rank == 0:

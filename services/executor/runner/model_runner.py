@@ -20,7 +20,7 @@ from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.devices import resolve_device, resolve_dtype, start_up_compiles
 from services.executor.runner.drafting import choose_drafts, propose_after
 from services.executor.runner.grammar import GrammarMatchers
-from services.executor.runner.host_kv import HostKVPool
+from services.executor.runner.host_kv import HostKVPool, tier_facts
 from services.executor.runner.invariance import apply_batch_invariant
 from services.executor.runner.kv_cache import (
     KVCacheLayout,
@@ -31,7 +31,7 @@ from services.executor.runner.kv_cache import (
     profile_step_peak,
     set_kv_groups,
 )
-from services.executor.runner.kv_handover import Handover, move_kv
+from services.executor.runner.kv_handover import Handover, move_kv, report_kv, reset_kv
 from services.executor.runner.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.runner.plan_relay import PlanRelay
 from services.executor.runner.pooling import pool_chunk
@@ -184,8 +184,7 @@ class ModelRunner:
         # Every rank must hold the blocks any plan names.
         self.num_blocks = self.tp.smallest(self.num_blocks, self.device)
         self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
-        size_gib, tp_size = config.kv_offloading_size, self.tp.size
-        self.host_kv = HostKVPool.sized(size_gib, self.kv_layout, self.kv_caches, tp_size)
+        self.host_kv = HostKVPool.sized(config, self.kv_layout, self.kv_caches, self.tp.size)
         self.handover = Handover.start(config, self.kv_caches, self.tp)
         log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len, self.kv_groups)
         log_kv_scales(self.model, kv_dtype)
@@ -224,8 +223,7 @@ class ModelRunner:
             max_loras=self.lora.max_loras if self.lora is not None else 0,
             lora_modules=self.lora.modules if self.lora is not None else [],
             num_speculative_tokens=self.num_drafts,
-            num_host_blocks=self.host_kv.num_slots if self.host_kv is not None else 0,
-            host_block_bytes=self.kv_layout.bytes_per_block * self.tp.size,
+            **tier_facts(self.host_kv, self.kv_layout.bytes_per_block * self.tp.size),
             long_rope_after=self.model_config.long_rope_after,
             kv_windows=list(self.kv_groups.windows),
         )
@@ -247,7 +245,7 @@ class ModelRunner:
         self._prepared = None
         if self.lora is not None:
             self.lora.reset()
-        self.handover.reset()
+        reset_kv(self.host_kv, self.handover)
         self.row_owner = [None] * len(self.row_owner)
 
     # ------------------------------------------------------------------ a step
@@ -377,7 +375,7 @@ class ModelRunner:
             raise RuntimeError("collect() without a step in flight")
         step = self._in_flight.popleft()
         output = step.finish()
-        self.handover.report(output)
+        report_kv(self.host_kv, self.handover, output)
         if self.tp.rank == 0:  # the other ranks read rank 0's drafts in the plans it relays
             propose_after(self.proposer, step, self.requests)
         return output

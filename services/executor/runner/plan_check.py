@@ -91,6 +91,14 @@ def _check_host_copies(plan: SchedulerOutput, limits: PlanLimits) -> None:
     for slot, block in plan.host_copies.onloads:
         _in_range([slot], limits.num_host_blocks, "onload: host slot")
         _in_range([block], limits.num_blocks, "onload: block id")
+    copies = plan.host_copies
+    offloaded = {slot for _, slot in copies.offloads}
+    if any(slot not in offloaded for slot, _ in copies.disk_stores):
+        raise PlanError("disk store: a host slot the plan does not offload to")
+    _in_range([slot for _, slot in copies.disk_loads], limits.num_host_blocks, "disk load: slot")
+    hashes = [*copies.disk_deletes, *(h for _, h in copies.disk_stores)]
+    if any(len(h) != 32 for h in hashes + [h for h, _ in copies.disk_loads]):
+        raise PlanError("disk tier: a block hash that is not 32 bytes (sha256)")
 
 
 def _check_rows(

@@ -227,6 +227,24 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
         lambda s: _host_bytes(s, to_host=False),
     ),
     (
+        "kv_offload_bytes_to_disk_total",
+        "counter",
+        "KV bytes written to the disk tier (--kv-offloading-disk-path).",
+        lambda s: s.host_tier.blocks_to_disk * s.host_tier.block_bytes if s.host_tier else 0,
+    ),
+    (
+        "kv_offload_bytes_from_disk_total",
+        "counter",
+        "KV bytes read back from the disk tier into the host tier (prefix hits there).",
+        lambda s: s.host_tier.blocks_from_disk * s.host_tier.block_bytes if s.host_tier else 0,
+    ),
+    (
+        "kv_offload_disk_misses_total",
+        "counter",
+        "Disk-tier reads that found no good file (missing or corrupted: computed instead).",
+        lambda s: s.host_tier.disk_misses if s.host_tier else 0,
+    ),
+    (
         "kv_transfer_blocks_exported_total",
         "counter",
         "KV blocks of prompts a prefill replica handed over to decode replicas.",

@@ -1,0 +1,255 @@
+"""The executor's half of the prefix cache's disk tier (--kv-offloading-disk-path; the scheduler
+keeps the books: services/scheduler/disk_tier.py): a directory of files, one a block, behind the
+host tier (runner/host_kv.py), written and read by one I/O thread in the order plans list them.
+
+    <path>/replica<R>/manifest.json    what the files hold: model and weights, dtypes, block
+                                       size, a slot's shape, the key scheme; files written
+                                       under another manifest are deleted at start, never read
+    <path>/replica<R>/<key hex>.kv     HEADER (magic, format, key, length, crc32), then a
+                                       host slot's bytes (every layer's K and V of a block)
+
+    delete  the books dropped the key
+    write   the offload's rows, staged on the device, are copied to pinned memory on the
+            compute stream; the thread waits for that copy, writes `<name>.tmp` and renames it
+            over `<name>`: a crash leaves a whole file or a tmp file, removed at start
+    read    into the host slot the scheduler reserved, once the device has done what was
+            queued before the plan (an earlier onload may still read that slot); a file that
+            is missing, short or fails its checksum is a miss (and deleted), never an error
+
+A plan's reads are reported with its step (`report`), which waits for them: they run while the
+device runs the step. Writes waiting for the disk are bounded (MAX_PENDING_BYTES): past that a
+write is dropped, and a later read of it is a miss.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import shutil
+import struct
+import threading
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.config import Config
+
+logger = logging.getLogger(__name__)
+
+MAGIC, FORMAT = b"KVFLOWKV", 1
+HEADER = struct.Struct("<8sI32sQI")  # magic, format, key, payload bytes, crc32 of the payload
+MAX_PENDING_BYTES = 1 << 30  # written to pinned memory, not yet to disk
+KEY_SCHEME = "sha256 chain over int64 token ids (shared/block_hashes.py)"
+
+
+class DiskKV:
+    def __init__(self, directory: Path, manifest: dict[str, Any], slots: torch.Tensor) -> None:
+        """`slots`: the host tier's slots, which reads fill ([num_slots, ...] uint8)."""
+        self.directory = directory
+        self.slots = slots
+        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._reads: dict[int, list[tuple[bytes, Future[bool]]]] = {}  # step -> its reads
+        self._pending = 0  # bytes of writes queued
+        self._lock = threading.Lock()
+        self.num_dropped = 0  # writes dropped, the queue being full
+        self.num_failed = 0  # writes the file system refused
+        self._open(manifest)
+        threading.Thread(target=self._work, name="kv-disk-tier", daemon=True).start()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.slots[0].numel()
+
+    # ------------------------------------------------------------------ the plan's side
+
+    def delete(self, keys: list[bytes]) -> None:
+        self._jobs.put(lambda: [self._path(key).unlink(missing_ok=True) for key in keys])
+
+    def read(self, step: int, loads: list[tuple[bytes, int]], queued: Any) -> None:
+        """Read (key, host slot) pairs once `queued` (a CUDA event, or None) has passed;
+        reported with step `step`."""
+        reads = self._reads.setdefault(step, [])
+        for key, slot in loads:
+            future: Future[bool] = Future()
+            reads.append((key, future))
+            self._jobs.put(lambda k=key, s=slot, f=future: f.set_result(self._read(k, s, queued)))
+
+    def write(self, keys: list[bytes], rows: torch.Tensor, copied: Any) -> None:
+        """Write `rows` (pinned, a slot's bytes each, filled once `copied` has passed) as the
+        files of `keys`, unless too many bytes wait for the disk already."""
+        size = rows.numel()
+        with self._lock:
+            if self._pending + size > MAX_PENDING_BYTES:
+                self.num_dropped += len(keys)
+                return
+            self._pending += size
+        self._jobs.put(lambda: self._write(keys, rows, copied))
+
+    def report(self, step: int) -> tuple[list[bytes], list[bytes]]:
+        """(read, missed) keys of step `step`'s reads, once they are done."""
+        loaded, failed = [], []
+        for key, future in self._reads.pop(step, []):
+            (loaded if future.result() else failed).append(key)
+        return loaded, failed
+
+    def held(self) -> list[bytes]:
+        """The keys the directory holds, least recently written first (once every job queued
+        before is done)."""
+        self.drain()
+        files = [(p.stat().st_mtime_ns, p.stem) for p in self.directory.glob("*.kv")]
+        return [bytes.fromhex(stem) for _, stem in sorted(files) if _is_key(stem)]
+
+    def drain(self) -> None:
+        """Wait for every job queued (a new scheduler's books start from the directory)."""
+        self._jobs.join()
+        self._reads.clear()
+
+    # ------------------------------------------------------------------ the I/O thread
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # a full disk must not take the executor down: a miss later
+                logger.exception("disk KV tier: a job failed")
+            finally:
+                self._jobs.task_done()
+
+    def _write(self, keys: list[bytes], rows: torch.Tensor, copied: Any) -> None:
+        try:
+            if copied is not None:
+                copied.synchronize()
+            for key, row in zip(keys, rows.numpy(), strict=True):
+                path = self._path(key)
+                temporary = path.with_suffix(".tmp")
+                try:
+                    with open(temporary, "wb") as file:
+                        file.write(HEADER.pack(MAGIC, FORMAT, key, row.nbytes, zlib.crc32(row)))
+                        file.write(row.data)
+                    os.replace(temporary, path)
+                except OSError as exc:  # a full disk: this block is a miss later
+                    temporary.unlink(missing_ok=True)
+                    self.num_failed += 1
+                    if self.num_failed == 1:  # once: a full disk fails every write
+                        logger.warning("disk KV tier: a write failed (%s): misses later", exc)
+        finally:
+            with self._lock:
+                self._pending -= rows.numel()
+
+    def _read(self, key: bytes, slot: int, queued: Any) -> bool:
+        if queued is not None:
+            queued.synchronize()
+        path = self._path(key)
+        target = self.slots[slot].numpy().reshape(-1)
+        try:
+            with open(path, "rb") as file:
+                magic, version, stored_key, length, crc = HEADER.unpack(file.read(HEADER.size))
+                whole = (magic, version, stored_key, length) == (MAGIC, FORMAT, key, target.nbytes)
+                whole = whole and file.readinto(target) == length and not file.read(1)
+        except FileNotFoundError:
+            return False
+        except (OSError, struct.error) as exc:
+            logger.warning("disk KV tier: %s unreadable (%s): a miss", path.name, exc)
+            whole = False
+        if whole and zlib.crc32(target) == crc:
+            return True
+        logger.warning("disk KV tier: %s is corrupted: a miss, deleted", path.name)
+        path.unlink(missing_ok=True)
+        return False
+
+    # ------------------------------------------------------------------ the directory
+
+    def _path(self, key: bytes) -> Path:
+        return self.directory / f"{key.hex()}.kv"
+
+    def _open(self, manifest: dict[str, Any]) -> None:
+        """Take the directory: keep its files if they were written under `manifest`, else
+        delete them; tmp files of an interrupted write go either way."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for leftover in self.directory.glob("*.tmp"):
+            leftover.unlink(missing_ok=True)
+        manifest_path = self.directory / "manifest.json"
+        try:
+            kept = json.loads(manifest_path.read_text()) == manifest
+        except (OSError, ValueError):
+            kept = False
+        if kept:
+            return
+        stale = [p for p in self.directory.glob("*.kv") if _is_key(p.stem)]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        if stale:
+            logger.info(
+                "disk KV tier: %d blocks in %s were written for another model or layout:"
+                " deleted", len(stale), self.directory,
+            )  # fmt: skip
+        temporary = manifest_path.with_suffix(".tmp")
+        temporary.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        os.replace(temporary, manifest_path)
+
+    def check_room(self, size_bytes: int) -> None:
+        """Warn where the file system cannot hold the tier's size."""
+        held = sum(p.stat().st_size for p in self.directory.glob("*.kv"))
+        free = shutil.disk_usage(self.directory).free + held
+        if free < size_bytes:
+            logger.warning(
+                "disk KV tier: %s has %.1f GiB free for a tier of %.1f GiB: writes will fail"
+                " (misses later) once it is full", self.directory, free / 2**30, size_bytes / 2**30,
+            )  # fmt: skip
+
+
+def open_disk_tier(config: Config, slots: torch.Tensor, kv_dtype: torch.dtype) -> DiskKV | None:
+    """The disk tier of --kv-offloading-disk-path behind the host tier's `slots` (None
+    without one); its manifest names what its files may be reused for."""
+    if config.kv_offloading_disk_path is None or config.kv_offloading_disk_size is None:
+        return None
+    directory = Path(config.kv_offloading_disk_path) / f"replica{config.replica}"
+    disk = DiskKV(directory, _manifest(config, slots, kv_dtype), slots)
+    size = int(config.kv_offloading_disk_size * 2**30)
+    if size < disk.block_bytes:
+        raise ValueError(
+            f"--kv-offloading-disk-size {config.kv_offloading_disk_size} GiB holds no block of"
+            f" {disk.block_bytes / 2**20:.1f} MiB"
+        )
+    disk.check_room(size)
+    return disk
+
+
+def disk_blocks(config: Config, disk: DiskKV | None) -> int:
+    """The blocks the disk tier may hold (0: none)."""
+    if disk is None or config.kv_offloading_disk_size is None:
+        return 0
+    return int(config.kv_offloading_disk_size * 2**30) // disk.block_bytes
+
+
+def _manifest(config: Config, slots: torch.Tensor, kv_dtype: torch.dtype) -> dict[str, Any]:
+    """What the KV in the files depends on. With LoRA, a random nonce: adapter ids (part of
+    the keys) are given in load order, which another start may not repeat."""
+    model = Path(config.model or "")
+    weights = sorted(model.iterdir()) if model.is_dir() else [model] if model.is_file() else []
+    return {
+        "format": FORMAT,
+        "keys": KEY_SCHEME,
+        "model": str(model.resolve()) if model.exists() else config.model,
+        "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights if p.is_file()],
+        "load_format": config.load_format,
+        "seed": config.seed if config.load_format == "dummy" else None,
+        "quantization": config.quantization,
+        "dtype": config.dtype,
+        "kv_dtype": str(kv_dtype),
+        "device": config.device,
+        "block_size": config.block_size,
+        "slot_shape": list(slots.shape[1:]),
+        "lora": os.urandom(8).hex() if config.enable_lora else None,
+    }
+
+
+def _is_key(stem: str) -> bool:
+    return len(stem) == 64 and all(c in "0123456789abcdef" for c in stem)

@@ -1,0 +1,141 @@
+"""The prefix cache's disk tier (`--kv-offloading-disk-path`) end to end on the CPU: behind a
+host tier too small for the conversations' histories, evicted prefixes come back from disk
+with the tokens an engine without any tier gives; the directory serves a restarted engine,
+and a corrupted or foreign file is a miss, never an error."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow import LLM
+from services.executor.runner.disk_kv import HEADER, DiskKV
+from shared.config import ConfigError
+from tests.integration.test_host_kv_tier import SETTINGS, chat
+
+BLOCK_BYTES = 8192  # the tiny Llama's block (test_host_kv_tier)
+HOST_GIB = 4 * BLOCK_BYTES / 2**30  # a host tier of 4 blocks: what it drops is on disk
+DISK_GIB = 256 * BLOCK_BYTES / 2**30
+VARIANTS = {
+    "one at a time": dict(num_gpu_blocks_override=12),
+    "chunked prefill 16": dict(num_gpu_blocks_override=12, max_num_batched_tokens=16),
+    "together, preempting": dict(num_gpu_blocks_override=12),
+}
+
+
+def tiered(model: Path, disk: Path, **settings: object) -> LLM:
+    return LLM(
+        str(model), kv_offloading_size=HOST_GIB, kv_offloading_disk_path=str(disk),
+        kv_offloading_disk_size=DISK_GIB, **{**SETTINGS, **settings},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir: Path) -> dict[str, list[list[int]]]:
+    """Each variant's tokens from an engine without a tier."""
+    return {
+        name: chat(LLM(str(tiny_llama_dir), **{**SETTINGS, **settings}), name.startswith("tog"))
+        for name, settings in VARIANTS.items()
+    }
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prefixes_read_from_disk_give_the_recomputed_tokens(
+    tiny_llama_dir: Path, tmp_path: Path, expected: dict[str, list[list[int]]], variant: str
+) -> None:
+    llm = tiered(tiny_llama_dir, tmp_path, **VARIANTS[variant])
+    assert chat(llm, variant.startswith("together")) == expected[variant]
+    tier = llm.stats().host_tier
+    assert tier is not None and tier.num_blocks == 4 and tier.num_disk_blocks == 256
+    assert tier.blocks_to_disk > 0 and tier.blocks_from_disk > 0 and tier.disk_misses == 0
+    llm.engine.scheduler.check_invariants()
+
+
+def test_a_restarted_engine_reads_the_directory(
+    tiny_llama_dir: Path, tmp_path: Path, expected: dict[str, list[list[int]]]
+) -> None:
+    """The second engine finds the first one's conversations on disk from its first turn."""
+    first = tiered(tiny_llama_dir, tmp_path, **VARIANTS["one at a time"])
+    chat(first, together=False)
+    written = first.stats().host_tier.blocks_to_disk  # type: ignore[union-attr]
+    del first
+    gc.collect()
+    assert len(list((tmp_path / "replica0").glob("*.kv"))) == written
+    second = tiered(tiny_llama_dir, tmp_path, **VARIANTS["one at a time"])
+    assert chat(second, together=False) == expected["one at a time"]
+    tier = second.stats().host_tier
+    assert tier is not None and tier.blocks_from_disk > 0
+    assert tier.blocks_to_disk < written  # what it found there is not written again
+
+
+def test_corrupted_files_are_misses(
+    tiny_llama_dir: Path, tmp_path: Path, expected: dict[str, list[list[int]]]
+) -> None:
+    first = tiered(tiny_llama_dir, tmp_path, **VARIANTS["one at a time"])
+    chat(first, together=False)
+    del first
+    gc.collect()
+    files = sorted((tmp_path / "replica0").glob("*.kv"))
+    for index, path in enumerate(files):
+        data = bytearray(path.read_bytes())
+        if index % 2:
+            data[HEADER.size + index] ^= 0xFF  # a flipped byte: the checksum fails
+        else:
+            data = data[: len(data) // 2]  # cut short
+        path.write_bytes(bytes(data))
+    second = tiered(tiny_llama_dir, tmp_path, **VARIANTS["one at a time"])
+    assert chat(second, together=False) == expected["one at a time"]
+    tier = second.stats().host_tier
+    # Every file was spoilt: each read of one is a miss (those read later were written again)
+    assert tier is not None and 0 < tier.disk_misses <= len(files)
+    second.engine.scheduler.check_invariants()
+
+
+def test_another_layout_does_not_read_the_files(
+    tiny_llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Files written under another manifest (here: an FP8 cache) are deleted at start."""
+    first = tiered(tiny_llama_dir, tmp_path, **VARIANTS["one at a time"])
+    chat(first, together=False)
+    del first
+    gc.collect()
+    with caplog.at_level("INFO"):
+        second = tiered(tiny_llama_dir, tmp_path, kv_cache_dtype="fp8", num_gpu_blocks_override=12)
+    assert "written for another model or layout: deleted" in caplog.text
+    assert second.engine.scheduler.kv.disk is not None
+    assert len(second.engine.scheduler.kv.disk) == 0
+
+
+def test_the_directory_keeps_whole_files_only(tmp_path: Path) -> None:
+    """The executor's side alone: a write is read back bit for bit; a tmp file left by a
+    crash is removed at start, and a missing file is a miss."""
+    slots = torch.zeros(3, 2, 8, dtype=torch.uint8)
+    manifest = {"model": "x"}
+    disk = DiskKV(tmp_path, manifest, slots)
+    rows = torch.randint(0, 255, (2, 2, 8), dtype=torch.uint8)
+    keys = [bytes([1]) * 32, bytes([2]) * 32]
+    disk.write(keys, rows, None)
+    (tmp_path / f"{bytes([3]).hex() * 32}.tmp").write_bytes(b"half a write")
+    disk.read(7, [(keys[1], 0), (keys[0], 2), (bytes([4]) * 32, 1)], None)
+    assert disk.report(7) == ([keys[1], keys[0]], [bytes([4]) * 32])
+    assert torch.equal(slots[0], rows[1]) and torch.equal(slots[2], rows[0])
+    assert disk.held() == keys
+    again = DiskKV(tmp_path, manifest, slots)
+    assert again.held() == keys and not list(tmp_path.glob("*.tmp"))
+    again.delete([keys[0]])
+    assert again.held() == [keys[1]]
+
+
+def test_flags_that_do_not_fit_are_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="needs both --kv-offloading-disk-path and"):
+        LLM(str(tiny_llama_dir), kv_offloading_size=1.0, kv_offloading_disk_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="behind the host tier: it needs --kv-offloading-size"):
+        LLM(str(tiny_llama_dir), kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=1)
+    with pytest.raises(ConfigError, match="not with tensor parallelism yet"):
+        LLM(
+            str(tiny_llama_dir), kv_offloading_size=1.0, kv_offloading_disk_path=str(tmp_path),
+            kv_offloading_disk_size=1.0, tensor_parallel_size=2,
+        )  # fmt: skip
