@@ -104,6 +104,13 @@ class DiskTier:
         for hashes in self._waiting.values():
             hashes -= done
 
+    def abandon(self) -> list[bytes]:
+        """The executor dropped every step, its reads' reports with them: the hashes being
+        read, which stay in the books (their files are as good as before)."""
+        loading, self._loading = list(self._loading), set()
+        self._waiting.clear()
+        return loading
+
     def take_copies(self) -> tuple[list[bytes], list[tuple[int, bytes]], list[tuple[bytes, int]]]:
         """(deletes, stores, loads) of the plan built since the last call."""
         copies = (self._deletes, self._stores, self._loads)

@@ -82,8 +82,10 @@ class EngineCore:
         return self.scheduler.abort(request_ids)
 
     def forget_in_flight(self) -> None:
-        """The executor dropped every step (it was reset): none is in flight any more."""
+        """The executor dropped every step (it was reset): none is in flight any more, nor
+        any disk read."""
         self._in_flight = None
+        self.scheduler.kv.abandon_disk_reads()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

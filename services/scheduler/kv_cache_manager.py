@@ -95,12 +95,13 @@ class KVCacheManager:
         directory holds `on_disk` from before (services/scheduler/disk_tier.py)."""
         if not (num_blocks and self.enable_prefix_caching and self.num_groups == 1):
             return
-        disk = DiskTier(num_disk_blocks, on_disk, self._lost) if num_disk_blocks else None
+        disk = DiskTier(num_disk_blocks, on_disk) if num_disk_blocks else None
         self.host = HostTier(num_blocks, self._lost, disk)
         self.pool.spill = self.host.store
-        if disk is not None and self.events is not None:
+        if disk is not None:
+            disk.lost = self._lost  # after its start: what it trimmed then was never announced
             for block_hash in on_disk:  # held by this engine from the start, for the routers
-                if block_hash in disk:
+                if block_hash in disk and self.events is not None:
                     self.events.stored(block_hash)
 
     @property
@@ -129,6 +130,13 @@ class KVCacheManager:
         if hashes and disk.fetch(request.request_id, hashes, host.reserve):
             request.fetched_from_disk = True
         return request.fetched_from_disk
+
+    def abandon_disk_reads(self) -> None:
+        """The executor dropped every step: the slots its reads were to fill are free again,
+        and no request waits for them."""
+        if self.host is not None and self.host.disk is not None:
+            for block_hash in self.host.disk.abandon():
+                self.host.arrived(block_hash, good=False)
 
     def waits_for_disk(self, request: Request) -> bool:
         return self.disk is not None and self.disk.waits(request.request_id)

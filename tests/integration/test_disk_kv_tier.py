@@ -123,10 +123,14 @@ def test_the_directory_keeps_whole_files_only(tmp_path: Path) -> None:
     assert disk.report(7) == ([keys[1], keys[0]], [bytes([4]) * 32])
     assert torch.equal(slots[0], rows[1]) and torch.equal(slots[2], rows[0])
     assert disk.held() == keys
+    with pytest.raises(RuntimeError, match="in use by another engine"):
+        DiskKV(tmp_path, manifest, slots)
+    disk.close()
     again = DiskKV(tmp_path, manifest, slots)
     assert again.held() == keys and not list(tmp_path.glob("*.tmp"))
     again.delete([keys[0]])
     assert again.held() == [keys[1]]
+    again.close()
 
 
 def test_flags_that_do_not_fit_are_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:

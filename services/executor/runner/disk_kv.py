@@ -1,6 +1,7 @@
 """The executor's half of the prefix cache's disk tier (--kv-offloading-disk-path; the scheduler
 keeps the books: services/scheduler/disk_tier.py): a directory of files, one a block, behind the
-host tier (runner/host_kv.py), written and read by one I/O thread in the order plans list them.
+host tier (runner/host_kv.py), written and deleted by one I/O thread in the order plans list
+them, and read by another.
 
     <path>/replica<R>/manifest.json    what the files hold: model and weights, dtypes, block
                                        size, a slot's shape, the key scheme; files written
@@ -13,16 +14,19 @@ host tier (runner/host_kv.py), written and read by one I/O thread in the order p
             compute stream; the thread waits for that copy, writes `<name>.tmp` and renames it
             over `<name>`: a crash leaves a whole file or a tmp file, removed at start
     read    into the host slot the scheduler reserved, once the device has done what was
-            queued before the plan (an earlier onload may still read that slot); a file that
-            is missing, short or fails its checksum is a miss (and deleted), never an error
+            queued before the plan (an earlier onload may still read that slot), from the
+            pinned copy of a write not on disk yet, else from the file; a file that is
+            missing, short or fails its checksum is a miss (and deleted), never an error
 
 A plan's reads are reported with its step (`report`), which waits for them: they run while the
 device runs the step. Writes waiting for the disk are bounded (MAX_PENDING_BYTES): past that a
-write is dropped, and a later read of it is a miss.
+write is dropped, and a later read of it is a miss. The directory is locked (flock on `lock`):
+two engines never share one.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -30,6 +34,7 @@ import queue
 import shutil
 import struct
 import threading
+import weakref
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -39,6 +44,7 @@ from typing import Any
 import torch
 
 from shared.config import Config
+from shared.model_config import resolve_model_source
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +59,22 @@ class DiskKV:
         """`slots`: the host tier's slots, which reads fill ([num_slots, ...] uint8)."""
         self.directory = directory
         self.slots = slots
-        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._writes: queue.Queue[Callable[[], None] | None] = queue.Queue()  # and deletes
+        self._reads_queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._reads: dict[int, list[tuple[bytes, Future[bool]]]] = {}  # step -> its reads
-        self._pending = 0  # bytes of writes queued
+        # Written to pinned memory, not to disk yet: key -> (rows, row, copied event)
+        self._unwritten: dict[bytes, tuple[torch.Tensor, int, Any]] = {}
+        self._pending = 0  # their bytes
         self._lock = threading.Lock()
-        self.num_dropped = 0  # writes dropped, the queue being full
+        self.num_dropped = 0  # writes dropped, too many bytes waiting
         self.num_failed = 0  # writes the file system refused
+        self._lock_directory()
         self._open(manifest)
-        threading.Thread(target=self._work, name="kv-disk-tier", daemon=True).start()
+        for jobs, name in ((self._writes, "writes"), (self._reads_queue, "reads")):
+            threading.Thread(
+                target=_work, args=(jobs,), name=f"kv-disk-{name}", daemon=True
+            ).start()
+        self._threads_end = weakref.finalize(self, _stop, self._writes, self._reads_queue)
 
     @property
     def block_bytes(self) -> int:
@@ -69,27 +83,35 @@ class DiskKV:
     # ------------------------------------------------------------------ the plan's side
 
     def delete(self, keys: list[bytes]) -> None:
-        self._jobs.put(lambda: [self._path(key).unlink(missing_ok=True) for key in keys])
+        self._writes.put(lambda: [_unlink(self._path(key)) for key in keys])
 
     def read(self, step: int, loads: list[tuple[bytes, int]], queued: Any) -> None:
         """Read (key, host slot) pairs once `queued` (a CUDA event, or None) has passed;
-        reported with step `step`."""
+        reported with step `step`. Reads have a thread of their own: they wait behind no
+        write (one not on disk yet is read from its pinned copy)."""
         reads = self._reads.setdefault(step, [])
         for key, slot in loads:
             future: Future[bool] = Future()
             reads.append((key, future))
-            self._jobs.put(lambda k=key, s=slot, f=future: f.set_result(self._read(k, s, queued)))
+            self._reads_queue.put(
+                lambda k=key, s=slot, f=future: f.set_result(self._read(k, s, queued))
+            )
+
+    def has_room(self, num_blocks: int) -> bool:
+        """Whether a write of `num_blocks` would be taken (else they are dropped: misses)."""
+        with self._lock:
+            room = self._pending + num_blocks * self.block_bytes <= MAX_PENDING_BYTES
+        self.num_dropped += 0 if room else num_blocks
+        return room
 
     def write(self, keys: list[bytes], rows: torch.Tensor, copied: Any) -> None:
         """Write `rows` (pinned, a slot's bytes each, filled once `copied` has passed) as the
-        files of `keys`, unless too many bytes wait for the disk already."""
-        size = rows.numel()
+        files of `keys`."""
         with self._lock:
-            if self._pending + size > MAX_PENDING_BYTES:
-                self.num_dropped += len(keys)
-                return
-            self._pending += size
-        self._jobs.put(lambda: self._write(keys, rows, copied))
+            self._pending += rows.numel()
+            for row, key in enumerate(keys):
+                self._unwritten[key] = (rows, row, copied)
+        self._writes.put(lambda: self._write(keys, rows, copied))
 
     def report(self, step: int) -> tuple[list[bytes], list[bytes]]:
         """(read, missed) keys of step `step`'s reads, once they are done."""
@@ -107,20 +129,11 @@ class DiskKV:
 
     def drain(self) -> None:
         """Wait for every job queued (a new scheduler's books start from the directory)."""
-        self._jobs.join()
+        self._reads_queue.join()
+        self._writes.join()
         self._reads.clear()
 
-    # ------------------------------------------------------------------ the I/O thread
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                job()
-            except Exception:  # a full disk must not take the executor down: a miss later
-                logger.exception("disk KV tier: a job failed")
-            finally:
-                self._jobs.task_done()
+    # ------------------------------------------------------------------ the I/O threads
 
     def _write(self, keys: list[bytes], rows: torch.Tensor, copied: Any) -> None:
         try:
@@ -135,19 +148,37 @@ class DiskKV:
                         file.write(row.data)
                     os.replace(temporary, path)
                 except OSError as exc:  # a full disk: this block is a miss later
-                    temporary.unlink(missing_ok=True)
+                    _unlink(temporary)
                     self.num_failed += 1
                     if self.num_failed == 1:  # once: a full disk fails every write
                         logger.warning("disk KV tier: a write failed (%s): misses later", exc)
         finally:
             with self._lock:
                 self._pending -= rows.numel()
+                for key in keys:
+                    if self._unwritten.get(key, (None,))[0] is rows:
+                        del self._unwritten[key]
 
     def _read(self, key: bytes, slot: int, queued: Any) -> bool:
-        if queued is not None:
-            queued.synchronize()
+        """One read into `slot`; False for a miss, whatever went wrong (never raises)."""
+        try:
+            if queued is not None:
+                queued.synchronize()
+            with self._lock:
+                unwritten = self._unwritten.get(key)
+            if unwritten is not None:  # still on its way to disk
+                rows, row, copied = unwritten
+                if copied is not None:
+                    copied.synchronize()
+                self.slots[slot].copy_(rows[row])
+                return True
+            return self._read_file(key, self.slots[slot].numpy().reshape(-1))
+        except Exception:
+            logger.exception("disk KV tier: reading %s failed: a miss", key.hex())
+            return False
+
+    def _read_file(self, key: bytes, target: Any) -> bool:
         path = self._path(key)
-        target = self.slots[slot].numpy().reshape(-1)
         try:
             with open(path, "rb") as file:
                 magic, version, stored_key, length, crc = HEADER.unpack(file.read(HEADER.size))
@@ -161,7 +192,7 @@ class DiskKV:
         if whole and zlib.crc32(target) == crc:
             return True
         logger.warning("disk KV tier: %s is corrupted: a miss, deleted", path.name)
-        path.unlink(missing_ok=True)
+        _unlink(path)
         return False
 
     # ------------------------------------------------------------------ the directory
@@ -169,10 +200,29 @@ class DiskKV:
     def _path(self, key: bytes) -> Path:
         return self.directory / f"{key.hex()}.kv"
 
+    def _lock_directory(self) -> None:
+        """Hold the directory's lock while this object lives (two engines writing and trimming
+        one directory would each delete the other's files)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_file = open(self.directory / "lock", "a+b")  # noqa: SIM115 (held open)
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise RuntimeError(
+                f"disk KV tier: {self.directory} is in use by another engine (each replica of"
+                " each server needs a --kv-offloading-disk-path of its own)"
+            ) from None
+
+    def close(self) -> None:
+        """Finish the queued jobs, end the threads and give the directory up."""
+        self.drain()
+        self._threads_end()
+        self._lock_file.close()
+
     def _open(self, manifest: dict[str, Any]) -> None:
         """Take the directory: keep its files if they were written under `manifest`, else
         delete them; tmp files of an interrupted write go either way."""
-        self.directory.mkdir(parents=True, exist_ok=True)
         for leftover in self.directory.glob("*.tmp"):
             leftover.unlink(missing_ok=True)
         manifest_path = self.directory / "manifest.json"
@@ -232,12 +282,12 @@ def disk_blocks(config: Config, disk: DiskKV | None) -> int:
 def _manifest(config: Config, slots: torch.Tensor, kv_dtype: torch.dtype) -> dict[str, Any]:
     """What the KV in the files depends on. With LoRA, a random nonce: adapter ids (part of
     the keys) are given in load order, which another start may not repeat."""
-    model = Path(config.model or "")
-    weights = sorted(model.iterdir()) if model.is_dir() else [model] if model.is_file() else []
+    model = resolve_model_source(config.model).path  # a folder, a .gguf file or a preset
+    weights = sorted(model.iterdir()) if model.is_dir() else [model]
     return {
         "format": FORMAT,
         "keys": KEY_SCHEME,
-        "model": str(model.resolve()) if model.exists() else config.model,
+        "model": str(model.resolve()),
         "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in weights if p.is_file()],
         "load_format": config.load_format,
         "seed": config.seed if config.load_format == "dummy" else None,
@@ -249,6 +299,32 @@ def _manifest(config: Config, slots: torch.Tensor, kv_dtype: torch.dtype) -> dic
         "slot_shape": list(slots.shape[1:]),
         "lora": os.urandom(8).hex() if config.enable_lora else None,
     }
+
+
+def _work(jobs: queue.Queue[Callable[[], None] | None]) -> None:
+    """An I/O thread: its jobs in order, until None; one that fails is logged (a miss later),
+    never the end of the thread. It holds no job once done (a job holds its DiskKV, which
+    must be collectable: its lock is the directory's)."""
+    while (job := jobs.get()) is not None:
+        try:
+            job()
+        except Exception:
+            logger.exception("disk KV tier: a job failed")
+        finally:
+            del job
+            jobs.task_done()
+
+
+def _stop(*queues: queue.Queue[Callable[[], None] | None]) -> None:
+    for jobs in queues:
+        jobs.put(None)
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:  # a read-only file system: the file stays, a miss if read
+        logger.warning("disk KV tier: could not delete %s (%s)", path.name, exc)
 
 
 def _is_key(stem: str) -> bool:

@@ -163,13 +163,15 @@ class HostKVPool:
         for row, (_, slot) in enumerate(pairs):
             self.slots[slot].copy_(staged[row], non_blocking=True)
         rows = [row for row, (_, slot) in enumerate(pairs) if slot in to_disk]
-        if rows and self.disk is not None:  # a copy of its own: the slot may be reused first
+        disk = self.disk
+        if rows and disk is not None and disk.has_room(len(rows)):
+            # A copy of its own: the slot may be reused before the thread writes it
             written = torch.empty(
                 (len(rows), *staged.shape[1:]), dtype=torch.uint8, pin_memory=staged.is_cuda
             )
             written.copy_(staged[self._indices(rows)], non_blocking=True)
             keys = [to_disk[pairs[row][1]] for row in rows]
-            self.disk.write(keys, written, recorded_event(self.device))
+            disk.write(keys, written, recorded_event(self.device))
 
     def _to_gpu(self, pairs: list[tuple[int, int]]) -> None:
         shape = (len(pairs), *self.slots.shape[1:])
