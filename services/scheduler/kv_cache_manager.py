@@ -23,6 +23,8 @@ from services.scheduler.request import Request
 from services.scheduler.scheduler_config import SchedulerConfig
 from shared.protocol import HostCopies, HostTierStats
 
+RESTORED = -2  # in a prefix hit of layer groups: a block the host tier copies into a new one
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """The KV blocks `num_tokens` tokens take."""
@@ -92,10 +94,13 @@ class KVCacheManager:
     ) -> None:
         """Keep what the GPU evicts in a host tier of `num_blocks` (none: 0, or without prefix
         caching, whose blocks it holds), and behind it a disk tier of `num_disk_blocks` whose
-        directory holds `on_disk` from before (services/scheduler/disk_tier.py)."""
-        if not (num_blocks and self.enable_prefix_caching and self.num_groups == 1):
+        directory holds `on_disk` from before (services/scheduler/disk_tier.py; not with
+        layer groups, whose keys it does not chain)."""
+        if not (num_blocks and self.enable_prefix_caching):
             return
-        disk = DiskTier(num_disk_blocks, on_disk) if num_disk_blocks else None
+        disk = (
+            DiskTier(num_disk_blocks, on_disk) if num_disk_blocks and self.num_groups == 1 else None
+        )
         self.host = HostTier(num_blocks, self._lost, disk)
         self.pool.spill = self.host.store
         if disk is not None:
@@ -175,9 +180,9 @@ class KVCacheManager:
 
     def _group_prefix(self, hashes: list[bytes]) -> list[int]:
         """The longest prefix that every group holds what its queries after it read of (all of
-        it, or a window's blocks before its end), as `find_cached_prefix` (the null block in
-        place of what a window leaves out)."""
-        found = [[self.pool.lookup(group_key(h, g)) for h in hashes] for g in self.windows_range]
+        it, or a window's blocks before its end), on the GPU or in the host tier (RESTORED), as
+        `find_cached_prefix` (the null block in place of what a window leaves out)."""
+        found = [[self._group_hit(group_key(h, g)) for h in hashes] for g in self.windows_range]
         end = len(hashes)
         while end and (ends := [self._hit_end(found[g], end, g) for g in self.windows_range]):
             if min(ends) == end:
@@ -191,6 +196,13 @@ class KVCacheManager:
                 block = found[group][index]
                 blocks.append(self.null_block if passed or block is None else block)
         return blocks
+
+    def _group_hit(self, key: bytes) -> int | None:
+        """A group's block holding `key`: on the GPU, RESTORED where the host tier holds it."""
+        block = self.pool.lookup(key)
+        if block is None and self.host is not None and key in self.host:
+            return RESTORED
+        return block
 
     @property
     def windows_range(self) -> range:
@@ -214,7 +226,7 @@ class KVCacheManager:
     def find_host_prefix(self, request: Request, num_cached: int) -> list[bytes]:
         """The hashes of the blocks after the `num_cached` found on the GPU that the host tier
         holds, in a row (stopping at one the GPU holds again: its own hit, later)."""
-        if self.host is None:
+        if self.host is None or self.windows != (None,):  # else in the hits (RESTORED)
             return []
         hashes = []
         for block_hash in request.block_hashes[num_cached : self._max_prefix_blocks(request)]:
@@ -229,9 +241,16 @@ class KVCacheManager:
             return 0
         return (request.num_tokens - 1) // self.block_size
 
-    def record_prefix_lookup(self, num_queried: int, num_cached: int, num_restored: int) -> None:
+    def record_prefix_lookup(
+        self, num_queried: int, cached: Sequence[int], restored: Sequence[bytes]
+    ) -> None:
         """Count one admission's lookup (a lookup that fails to get blocks is retried): tokens
-        asked, and blocks found on the GPU and restored from the host tier."""
+        asked, and blocks found on the GPU (`cached`; with layer groups, a logical block of
+        which any group's is RESTORED counts as restored) and restored from the host tier."""
+        groups = self.num_groups
+        logical = [cached[i : i + groups] for i in range(0, len(cached), groups)]
+        num_restored = len(restored) + sum(RESTORED in blocks for blocks in logical)
+        num_cached = len(logical) - (num_restored - len(restored))
         num_hit, num_restored = num_cached * self.block_size, num_restored * self.block_size
         if self.enable_prefix_caching:
             self.prefix_queries += num_queried
@@ -263,8 +282,10 @@ class KVCacheManager:
             # Most decode steps: the last block has room, so only a newly full block to hash.
             self._cache_full_blocks(request, num_tokens)
             return True
+        to_restore = [i for i, block in enumerate(cached) if block == RESTORED]  # with groups
         num_needed = self.num_blocks_for(num_tokens) * groups - len(held) - len(cached)
-        real = [block for block in cached if block != self.null_block]
+        num_needed += len(to_restore)
+        real = [block for block in cached if block not in (self.null_block, RESTORED)]
         # Touching an evictable hit takes it out of the available count too.
         num_revived = sum(1 for block in real if self.pool.ref_cnt[block] == 0)
         if num_needed + num_revived > self.pool.num_available:
@@ -275,12 +296,18 @@ class KVCacheManager:
                 self._num_leading_null(cached[group::groups]) for group in range(groups)
             ]
         host = self.host
-        if restored:
+        keys = [group_key(request.block_hashes[i // groups], i % groups) for i in to_restore]
+        if restored or keys:
             assert host is not None, "restored blocks come from the host tier"
-            host.pin(list(restored))  # before allocating: an eviction stores into the tier
+            host.pin([*restored, *keys])  # before allocating: an eviction stores into the tier
         blocks = self.block_ids.setdefault(request.request_id, [])
+        first = len(blocks)
         blocks.extend(cached)
         new_blocks = self.pool.allocate(max(num_needed, 0))
+        for index, key, block in zip(to_restore, keys, new_blocks, strict=False):
+            blocks[first + index] = block  # a group's hit in the host tier
+            host.restore(key, block)  # type: ignore[union-attr]
+        new_blocks = new_blocks[len(to_restore) :]
         blocks.extend(new_blocks)
         if host is not None:
             for block_hash, block in zip(restored, new_blocks, strict=False):

@@ -291,7 +291,7 @@ class Scheduler(SchedulerView):
             if not self.kv.allocate(request, num_new, cached, restored, num_imported):
                 break
             self.waiting.remove(request)
-            self.kv.record_prefix_lookup(request.num_tokens, num_cached, len(restored))
+            self.kv.record_prefix_lookup(request.num_tokens, cached, restored)
             if num_imported:  # computed elsewhere: not this engine's cache hits
                 request.num_cached_tokens = num_hits * self.config.block_size
                 self.handover.imported(request, num_hits, num_imported)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.llm import LLM
+from tests.integration.test_host_kv_tier import chat
 from tests.integration.test_parity import hf_greedy, kvflow_greedy
 from tests.integration.test_speculative import KnownDrafts
 from tests.integration.tiny_models import make_prompts, make_tiny_model
@@ -77,3 +78,25 @@ def test_a_model_mixing_sliding_and_full_layers_holds_a_long_request_in_less(
     keeping = LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **small)
     with pytest.raises(ValueError, match="more KV blocks than the whole cache holds"):
         kvflow_greedy(keeping, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS)
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_layer_groups_restore_their_blocks_from_the_host_tier(
+    tmp_path: Path, together: bool
+) -> None:
+    """Gemma 2's two groups with a host tier: a conversation's evicted prefix comes back, each
+    group's blocks under its own key (the sliding group's within its window only), with the
+    tokens of an engine without the tier."""
+    model = make_tiny_model("gemma2")
+    model.save_pretrained(tmp_path)
+    settings = dict(
+        device="cpu", dtype="float32", num_gpu_blocks_override=14, block_size=16,
+        max_model_len=256,
+    )  # fmt: skip
+    expected = chat(LLM(str(tmp_path), **settings), together)
+    llm = LLM(str(tmp_path), kv_offloading_size=2**20 / 2**30, **settings)
+    assert chat(llm, together) == expected
+    assert llm.engine.scheduler.kv.num_groups == 2
+    tier = llm.stats().host_tier
+    assert tier is not None and tier.blocks_to_gpu > 0 and tier.hits > 0
+    llm.engine.scheduler.check_invariants()

@@ -468,7 +468,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     self.kv_slots.pop((block, offset), None)
                 else:
                     self.kv_slots[(block, offset)] = value
-            event("restored from the host tier")
+            event(f"restored from the host tier, {len(self.config.kv_windows)} layer groups")
 
     def apply_plan(self, plan: SchedulerOutput) -> None:
         for request_id in plan.finished_request_ids:
@@ -586,7 +586,7 @@ class TieredSchedulerMachine(SchedulerMachine):
     host tier, and a disk tier behind it (its reads missing at times)."""
 
     @initialize(
-        num_blocks=st.integers(6, 14),
+        num_blocks=st.integers(6, 10),
         budget=st.integers(4, 24),
         max_num_seqs=st.integers(1, 6),
         max_model_len=st.integers(24, 64),
@@ -594,6 +594,7 @@ class TieredSchedulerMachine(SchedulerMachine):
         initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
         host_blocks=st.sampled_from([1, 2, 4]),
         disk_blocks=st.sampled_from([1, 3, 8, 30]),
+        windows=st.just((None,)),
     )
     def configure(  # type: ignore[override]
         self,
@@ -605,14 +606,52 @@ class TieredSchedulerMachine(SchedulerMachine):
         initial_requests: list[tuple[list[int], SamplingParams]],
         host_blocks: int,
         disk_blocks: int,
+        windows: tuple[int | None, ...],
     ) -> None:
         super().configure(
             num_blocks, budget, max_num_seqs, max_model_len, True, chunked, initial_requests,
-            False, "fcfs", 2, host_blocks, disk_blocks, (None,),
+            False, "fcfs", 2, host_blocks, disk_blocks, windows,
         )  # fmt: skip
 
 
 TieredSchedulerMachine.TestCase.settings = settings(
-    derandomize=True, database=None, max_examples=80, stateful_step_count=40, deadline=None
+    derandomize=True, database=None, max_examples=100, stateful_step_count=40, deadline=None
 )
 TestTieredScheduler = TieredSchedulerMachine.TestCase
+
+
+class GroupedHostTierMachine(TieredSchedulerMachine):
+    """Layer groups with a host tier large enough to restore from (without a disk tier, which
+    layer groups turn off)."""
+
+    @initialize(
+        num_blocks=st.integers(8, 16),
+        budget=st.integers(4, 24),
+        max_num_seqs=st.integers(1, 6),
+        max_model_len=st.integers(24, 64),
+        chunked=st.booleans(),
+        initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
+        host_blocks=st.sampled_from([4, 16, 30]),
+        windows=st.sampled_from([(None, 3), (None, 6), (5, None, 2), (2, 7)]),
+    )
+    def configure(  # type: ignore[override]
+        self,
+        num_blocks: int,
+        budget: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        chunked: bool,
+        initial_requests: list[tuple[list[int], SamplingParams]],
+        host_blocks: int,
+        windows: tuple[int | None, ...],
+    ) -> None:
+        super().configure(
+            num_blocks, budget, max_num_seqs, max_model_len, chunked, initial_requests,
+            host_blocks, 0, windows,
+        )  # fmt: skip
+
+
+GroupedHostTierMachine.TestCase.settings = settings(
+    derandomize=True, database=None, max_examples=60, stateful_step_count=40, deadline=None
+)
+TestGroupedHostTier = GroupedHostTierMachine.TestCase

@@ -71,8 +71,10 @@ class HostKVPool:
         """`shared_file`: keep the slots in that file's memory (under /dev/shm: shared with
         other processes, which map it by name), else in this process's own."""
         # As bytes: [2, num_blocks, block_size, kv_heads, head_dim * itemsize], which every
-        # cache dtype can be viewed as, and every copy kernel takes (not all take FP8).
-        self.kv_caches = [cache.view(torch.uint8) for cache in kv_caches]
+        # cache dtype can be viewed as, and every copy kernel takes (not all take FP8). Each
+        # slot once: grouped layers share one (a block holds one group's layers).
+        unique = list({id(cache): cache for cache in kv_caches}.values())
+        self.kv_caches = [cache.view(torch.uint8) for cache in unique]
         first = self.kv_caches[0]
         shape = (num_slots, len(kv_caches), first.shape[0], *first.shape[2:])
         self.device = first.device

@@ -150,12 +150,12 @@ def kv_groups_for(config: Config, cfg: ModelConfig, spec: SpeculativeConfig | No
     """The model's layer groups (shared/kv_groups.py): sliding layers apart, their blocks
     behind the window returned to the pool, unless something reads every block by the one
     table of all layers (a draft model's or EAGLE-3 head's cache follows the target's blocks;
-    a prefill replica hands a prompt's blocks over whole; the host tier copies whole blocks
-    of every layer) or --disable-hybrid-kv-cache-manager."""
+    a prefill replica hands a prompt's blocks over whole; the disk tier chains one key a
+    block) or --disable-hybrid-kv-cache-manager."""
     own_cache = spec is not None and spec.method in ("draft_model", "eagle3")
     keeps = config.disable_hybrid_kv_cache_manager or config.prefill_replicas > 0 or own_cache
     groups = kv_groups(cfg, split=not keeps)
-    if groups.num_groups > 1 and config.kv_offloading_size:
+    if groups.num_groups > 1 and config.kv_offloading_disk_path is not None:
         return kv_groups(cfg, split=False)
     return groups
 
