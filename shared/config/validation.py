@@ -130,12 +130,6 @@ def _check_disk_tier(config: ConfigFields) -> None:
         "kv_offloading_disk_path",
         "the disk tier is behind the host tier: it needs --kv-offloading-size",
     )
-    require(
-        path is None or config.tensor_parallel_size == 1,
-        "kv_offloading_disk_path",
-        "not with tensor parallelism yet (each rank's reads would have to agree on every"
-        " miss); use data parallelism, whose replicas each keep a directory of their own",
-    )
 
 
 def _check_scheduler(config: ConfigFields) -> None:

@@ -6,6 +6,7 @@ and a corrupted or foreign file is a miss, never an error."""
 from __future__ import annotations
 
 import gc
+import json
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 from kvflow import LLM
 from services.executor.runner.disk_kv import HEADER, DiskKV
 from shared.config import ConfigError
-from tests.integration.test_host_kv_tier import SETTINGS, chat
+from tests.integration.test_host_kv_tier import SETTINGS, chat, conversations
+from tests.integration.tp_generate import generate
 
 BLOCK_BYTES = 8192  # the tiny Llama's block (test_host_kv_tier)
 HOST_GIB = 4 * BLOCK_BYTES / 2**30  # a host tier of 4 blocks: what it drops is on disk
@@ -63,7 +65,7 @@ def test_a_restarted_engine_reads_the_directory(
     written = first.stats().host_tier.blocks_to_disk  # type: ignore[union-attr]
     del first
     gc.collect()
-    assert len(list((tmp_path / "replica0").glob("*.kv"))) == written
+    assert len(list((tmp_path / "replica0-rank0").glob("*.kv"))) == written
     second = tiered(tiny_llama_dir, tmp_path, **VARIANTS["one at a time"])
     assert chat(second, together=False) == expected["one at a time"]
     tier = second.stats().host_tier
@@ -78,7 +80,7 @@ def test_corrupted_files_are_misses(
     chat(first, together=False)
     del first
     gc.collect()
-    files = sorted((tmp_path / "replica0").glob("*.kv"))
+    files = sorted((tmp_path / "replica0-rank0").glob("*.kv"))
     for index, path in enumerate(files):
         data = bytearray(path.read_bytes())
         if index % 2:
@@ -138,8 +140,27 @@ def test_flags_that_do_not_fit_are_refused(tiny_llama_dir: Path, tmp_path: Path)
         LLM(str(tiny_llama_dir), kv_offloading_size=1.0, kv_offloading_disk_path=str(tmp_path))
     with pytest.raises(ConfigError, match="behind the host tier: it needs --kv-offloading-size"):
         LLM(str(tiny_llama_dir), kv_offloading_disk_path=str(tmp_path), kv_offloading_disk_size=1)
-    with pytest.raises(ConfigError, match="not with tensor parallelism yet"):
-        LLM(
-            str(tiny_llama_dir), kv_offloading_size=1.0, kv_offloading_disk_path=str(tmp_path),
-            kv_offloading_disk_size=1.0, tensor_parallel_size=2,
-        )  # fmt: skip
+
+
+def test_two_ranks_agree_on_every_read(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """--tensor-parallel-size 2 over gloo: each rank writes and reads its own heads' files.
+    A restarted engine finds them; where one rank's files are all corrupted, its misses are
+    both ranks' (else the other rank's heads would restore what this one's did not), and the
+    tokens are still one rank's without any tier."""
+    first = conversations(num=4)
+    prompts = [c[0] for c in first] + [first[0][0] + first[0][1], first[1][0] + first[1][1]]
+    settings = dict(num_gpu_blocks_override=8, max_num_seqs=1, block_size=16, max_model_len=256)
+    expected = generate(tmp_path / "one", 1, str(tiny_llama_dir), prompts, 6, **settings)
+    tiers = dict(
+        kv_offloading_size=HOST_GIB, kv_offloading_disk_path=str(tmp_path / "disk"),
+        kv_offloading_disk_size=DISK_GIB,
+    )  # fmt: skip
+    for run in ("written", "read again", "one rank corrupted"):
+        if run == "one rank corrupted":
+            for path in (tmp_path / "disk" / "replica0-rank1").glob("*.kv"):
+                path.write_bytes(path.read_bytes()[:-1] + b"?")
+        out = tmp_path / run.replace(" ", "-")
+        assert generate(out, 2, str(tiny_llama_dir), prompts, 6, **tiers, **settings) == expected
+        tier = json.loads((out / "host_tier.json").read_text())
+        wanted = {"written": "blocks_to_disk", "read again": "blocks_from_disk"}
+        assert tier[wanted.get(run, "disk_misses")] > 0

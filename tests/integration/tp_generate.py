@@ -8,7 +8,7 @@ JOB.json holds the model folder (or null: the embedded SmolLM2), other engine se
 logprobs asked for, 0 for none) and each prompt's LoRA adapter ([name, id, folder] or null).
 RESULT.json holds each prompt's tokens and, per token, the ids of its top logprobs (spec.json
 beside it, the drafts proposed, verified and accepted: `spec_counts`; host_tier.json, the
-prompt tokens restored from the host tier, or null without one). Rank 0
+host tier's HostTierStats, or null without one). Rank 0
 answers for the group: the other ranks run the plans it relays
 (services/executor/rank_group.py).
 """
@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from kvflow import LLM, LoRARequest, SamplingParams
 from shared.protocol import SchedulerOutput
@@ -91,8 +93,8 @@ def main() -> None:
     spec = llm.engine.scheduler.spec_decode  # what speculation did, where it ran
     counts = {"drafts": spec.num_draft_tokens, "accepted": spec.num_accepted_tokens}
     out.with_name("spec.json").write_text(json.dumps({**counts, "proposals": proposals}))
-    tier = llm.stats().host_tier  # the prefix cache's host tier, if it has one
-    out.with_name("host_tier.json").write_text(json.dumps(tier and tier.hits))
+    tier = llm.stats().host_tier  # the prefix cache's host tier (and disk tier), if any
+    out.with_name("host_tier.json").write_text(json.dumps(msgspec.to_builtins(tier)))
 
 
 def record_proposals(llm: LLM) -> list[list[int]]:

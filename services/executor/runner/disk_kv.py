@@ -3,11 +3,13 @@ keeps the books: services/scheduler/disk_tier.py): a directory of files, one a b
 host tier (runner/host_kv.py), written and deleted by one I/O thread in the order plans list
 them, and read by another.
 
-    <path>/replica<R>/manifest.json    what the files hold: model and weights, dtypes, block
-                                       size, a slot's shape, the key scheme; files written
-                                       under another manifest are deleted at start, never read
-    <path>/replica<R>/<key hex>.kv     HEADER (magic, format, key, length, crc32), then a
-                                       host slot's bytes (every layer's K and V of a block)
+    <path>/replica<R>-rank<T>/manifest.json   what the files hold: model and weights, dtypes,
+                                              block size, a slot's shape, the key scheme, the
+                                              rank; files written under another manifest are
+                                              deleted at start, never read
+    <path>/replica<R>-rank<T>/<key hex>.kv    HEADER (magic, format, key, length, crc32), then
+                                              a host slot's bytes (a block's K and V of every
+                                              layer: this rank's heads)
 
     delete  the books dropped the key
     write   the offload's rows, staged on the device, are copied to pinned memory on the
@@ -19,9 +21,11 @@ them, and read by another.
             missing, short or fails its checksum is a miss (and deleted), never an error
 
 A plan's reads are reported with its step (`report`), which waits for them: they run while the
-device runs the step. Writes waiting for the disk are bounded (MAX_PENDING_BYTES): past that a
-write is dropped, and a later read of it is a miss. The directory is locked (flock on `lock`):
-two engines never share one.
+device runs the step. With tensor parallelism each rank reads its own heads' files, and the
+ranks agree on each read as they take the plan (`agree`): good only where every rank's was.
+Writes waiting for the disk are bounded (MAX_PENDING_BYTES): past that a write is dropped, and
+a later read of it is a miss. The directory is locked (flock on `lock`): two engines never
+share one.
 """
 
 from __future__ import annotations
@@ -96,6 +100,16 @@ class DiskKV:
             self._reads_queue.put(
                 lambda k=key, s=slot, f=future: f.set_result(self._read(k, s, queued))
             )
+
+    def agree(self, step: int, smallest_each: Callable[[list[int]], list[int]]) -> None:
+        """With tensor parallelism: wait for step `step`'s reads now, as the plan is taken
+        (every rank at the same point, between the same collectives), and count a read good
+        only where every rank's was (`smallest_each` over the ranks)."""
+        reads = self._reads.get(step, [])
+        agreed = smallest_each([int(future.result()) for _, future in reads])
+        self._reads[step] = [
+            (key, _done(bool(good))) for (key, _), good in zip(reads, agreed, strict=True)
+        ]
 
     def has_room(self, num_blocks: int) -> bool:
         """Whether a write of `num_blocks` would be taken (else they are dropped: misses)."""
@@ -255,14 +269,17 @@ class DiskKV:
             )  # fmt: skip
 
 
-def open_disk_tier(config: Config, slots: torch.Tensor, kv_dtype: torch.dtype) -> DiskKV | None:
-    """The disk tier of --kv-offloading-disk-path behind the host tier's `slots` (None
-    without one); its manifest names what its files may be reused for."""
+def open_disk_tier(
+    config: Config, slots: torch.Tensor, kv_dtype: torch.dtype, rank: int = 0, tp_size: int = 1
+) -> DiskKV | None:
+    """Tensor-parallel rank `rank`'s disk tier of --kv-offloading-disk-path behind the host
+    tier's `slots` (None without one); its manifest names what its files may be reused for."""
     if config.kv_offloading_disk_path is None or config.kv_offloading_disk_size is None:
         return None
-    directory = Path(config.kv_offloading_disk_path) / f"replica{config.replica}"
-    disk = DiskKV(directory, _manifest(config, slots, kv_dtype), slots)
-    size = int(config.kv_offloading_disk_size * 2**30)
+    directory = Path(config.kv_offloading_disk_path) / f"replica{config.replica}-rank{rank}"
+    manifest = {**_manifest(config, slots, kv_dtype), "tensor_parallel": [rank, tp_size]}
+    disk = DiskKV(directory, manifest, slots)
+    size = int(config.kv_offloading_disk_size * 2**30) // tp_size
     if size < disk.block_bytes:
         raise ValueError(
             f"--kv-offloading-disk-size {config.kv_offloading_disk_size} GiB holds no block of"
@@ -272,11 +289,12 @@ def open_disk_tier(config: Config, slots: torch.Tensor, kv_dtype: torch.dtype) -
     return disk
 
 
-def disk_blocks(config: Config, disk: DiskKV | None) -> int:
-    """The blocks the disk tier may hold (0: none)."""
+def disk_blocks(config: Config, disk: DiskKV | None, tp_size: int = 1) -> int:
+    """The blocks the disk tier may hold (0: none): its size is over every rank, as the host
+    tier's."""
     if disk is None or config.kv_offloading_disk_size is None:
         return 0
-    return int(config.kv_offloading_disk_size * 2**30) // disk.block_bytes
+    return int(config.kv_offloading_disk_size * 2**30) // (disk.block_bytes * tp_size)
 
 
 def _manifest(config: Config, slots: torch.Tensor, kv_dtype: torch.dtype) -> dict[str, Any]:
@@ -318,6 +336,12 @@ def _work(jobs: queue.Queue[Callable[[], None] | None]) -> None:
 def _stop(*queues: queue.Queue[Callable[[], None] | None]) -> None:
     for jobs in queues:
         jobs.put(None)
+
+
+def _done(result: bool) -> Future[bool]:
+    future: Future[bool] = Future()
+    future.set_result(result)
+    return future
 
 
 def _unlink(path: Path) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from services.executor.parallel.tensor_parallel import TensorParallel
 from services.executor.runner.disk_kv import DiskKV, disk_blocks, open_disk_tier
 from services.executor.runner.kv_cache import KVCacheLayout
 from services.executor.runner.step_state import recorded_event
@@ -80,6 +81,7 @@ class HostKVPool:
         self.device = first.device
         self.disk: DiskKV | None = None  # the disk tier behind it (runner/disk_kv.py)
         self.num_disk_blocks = 0
+        self.tp: TensorParallel | None = None  # the ranks whose disk reads must agree
         if shared_file is None:
             self.slots = torch.empty(shape, dtype=torch.uint8, pin_memory=first.is_cuda)
         else:
@@ -89,13 +91,18 @@ class HostKVPool:
 
     @classmethod
     def sized(
-        cls, config: Config, layout: KVCacheLayout, kv_caches: list[torch.Tensor], tp_size: int
+        cls,
+        config: Config,
+        layout: KVCacheLayout,
+        kv_caches: list[torch.Tensor],
+        tp: TensorParallel,
     ) -> HostKVPool | None:
         """The pool of --kv-offloading-size GiB over all ranks (vLLM's meaning), with the
         disk tier behind it, or None without one."""
         size_gib = config.kv_offloading_size
         if size_gib is None:
             return None
+        tp_size = tp.size
         num_slots = int(size_gib * 2**30) // (layout.bytes_per_block * tp_size)
         if num_slots < 1:
             raise ValueError(
@@ -110,8 +117,9 @@ class HostKVPool:
             num_slots * layout.block_size,
             num_slots * layout.bytes_per_block / 2**30,
         )
-        pool.disk = open_disk_tier(config, pool.slots, layout.dtype)
-        pool.num_disk_blocks = disk_blocks(config, pool.disk)
+        pool.disk = open_disk_tier(config, pool.slots, layout.dtype, tp.rank, tp.size)
+        pool.num_disk_blocks = disk_blocks(config, pool.disk, tp.size)
+        pool.tp = tp
         if pool.disk is not None:
             logger.info(
                 "disk KV tier: up to %d blocks (%.1f GiB) in %s, %d kept from before",
@@ -133,6 +141,8 @@ class HostKVPool:
                 disk.delete(copies.disk_deletes)
             if copies.disk_loads:  # into reserved slots, after what was queued before
                 disk.read(step, copies.disk_loads, recorded_event(self.device))
+                if self.tp is not None and self.tp.size > 1:  # every rank's read, or a miss
+                    disk.agree(step, lambda good: self.tp.smallest_each(good, self.device))
         if copies.offloads:
             self.to_host(copies.offloads, dict(copies.disk_stores))
         if copies.onloads:

@@ -184,7 +184,7 @@ class ModelRunner:
         # Every rank must hold the blocks any plan names.
         self.num_blocks = self.tp.smallest(self.num_blocks, self.device)
         self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
-        self.host_kv = HostKVPool.sized(config, self.kv_layout, self.kv_caches, self.tp.size)
+        self.host_kv = HostKVPool.sized(config, self.kv_layout, self.kv_caches, self.tp)
         self.handover = Handover.start(config, self.kv_caches, self.tp)
         log_kv_cache(self.kv_layout, self.num_blocks, self.max_model_len, self.kv_groups)
         log_kv_scales(self.model, kv_dtype)
