@@ -20,7 +20,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "qkv_proj", "gate_up_proj",  # fused (Phi-3): quantized whole, as published
+)  # fmt: skip
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

@@ -1,8 +1,9 @@
 """Checkpoints that store a layer's projections fused (Phi-3 and Phi-4: `qkv_proj` and
 `gate_up_proj` in safetensors, `attn_qkv` and `ffn_up` in GGUF): each such tensor cut into the
 pieces the layers load one by one (q, k, v; gate, up), under the names other families store
-them by, so that tensor parallelism, FP8 at load and the fused parameters' checks work as for
-Llama."""
+them by, so that tensor parallelism, FP8 (at load or from the checkpoint), int4 checkpoints and
+the fused parameters' checks work as for Llama. A quantized checkpoint's fused module is cut
+once translated into the kernels' layout, where every part has a row per output."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from services.executor.parallel.shards import CheckpointTensor, PackedWeight, re
 from shared.model_config import ModelConfig
 
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# A projection's parts with a row per output (a float weight and bias, and a quantized one's
+# in the kernels' layout: services/executor/quantization/checkpoints.py), cut with the rows;
+# and those per input column, which every piece reads whole.
+ROW_PARTS = {"weight", "bias", "qweight", "scales", "zeros", "weight_scale", "input_scale"}
+INPUT_PARTS = {"g_idx"}
 
 
 def unfused(
@@ -25,7 +31,11 @@ def unfused(
         if projection not in FUSED:
             yield name, tensor
             continue
-        if leaf not in ("weight", "bias"):
+        if leaf in INPUT_PARTS:
+            for piece in FUSED[projection]:
+                yield f"{parent}.{piece}.{leaf}", tensor
+            continue
+        if leaf not in ROW_PARTS:
             raise ValueError(f"{name}: a fused projection's {leaf} cannot be cut")
         # A GGUF file's blocks are stored row by row: its rows cut as a float tensor's do.
         stored = tensor.data if isinstance(tensor, PackedWeight) else tensor

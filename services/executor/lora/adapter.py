@@ -8,7 +8,8 @@ tensors are named like
 
 and the adapted projection computes W x + scaling * B (A x), with scaling = lora_alpha / r, or
 lora_alpha / sqrt(r) for rsLoRA (`use_rslora`). kvflow takes adapters on any of the seven
-projections of a decoder layer (q/k/v/o, gate/up/down), of any rank up to --max-lora-rank. What
+projections of a decoder layer (q/k/v/o, gate/up/down, or Phi-3's fused qkv and gate_up), of
+any rank up to --max-lora-rank. What
 it cannot run as written is refused by name, never approximated: pickled weights
 (`adapter_model.bin`), DoRA, trained biases, extra trained modules (`modules_to_save`),
 per-module ranks or alphas, other targets (embeddings, lm_head), shapes that do not fit the
@@ -36,6 +37,12 @@ PICKLED_WEIGHTS_FILE = "adapter_model.bin"
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION + MLP
+# Projections a checkpoint may store fused (Phi-3, Phi-4), and so an adapter may target: its
+# A is each piece's, its B's rows are the pieces' in order (W x + B A x, cut by rows).
+FUSED_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 _NAME = re.compile(
     r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
@@ -74,7 +81,11 @@ class LoraAdapter:
 
 
 def projection_shape(cfg: ModelConfig, target: str) -> tuple[int, int]:
-    """(out_features, in_features) of a decoder layer's projection."""
+    """(out_features, in_features) of a decoder layer's projection (a fused one's: its
+    pieces' rows together)."""
+    if target in FUSED_TARGETS:
+        pieces = [projection_shape(cfg, piece) for piece in FUSED_TARGETS[target]]
+        return sum(out for out, _ in pieces), pieces[0][1]
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
     shapes = {
@@ -209,10 +220,12 @@ def _read_config(
         )
     ):
         return rank, float(scaling), None
-    unknown = sorted(set(names) - set(TARGETS))
+    unknown = sorted(set(names) - set(TARGETS) - set(FUSED_TARGETS))
     if unknown or not names:
-        raise refuse(f"target modules {unknown or names} are not among {list(TARGETS)}")
-    return rank, float(scaling), tuple(t for t in TARGETS if t in names)
+        known = list(TARGETS) + list(FUSED_TARGETS)
+        raise refuse(f"target modules {unknown or names} are not among {known}")
+    pieces = {piece for n in names for piece in FUSED_TARGETS.get(n, (n,))}
+    return rank, float(scaling), tuple(t for t in TARGETS if t in pieces)
 
 
 def _read_weights(
@@ -233,7 +246,8 @@ def _read_weights(
                 "(its experts, router or shared expert): LoRA on those is not supported yet, "
                 "on its attention and dense MLP layers it is"
             )
-        if match is None or match[2] not in TARGETS or int(match[1]) >= cfg.num_layers:
+        known = match is not None and (match[2] in TARGETS or match[2] in FUSED_TARGETS)
+        if match is None or not known or int(match[1]) >= cfg.num_layers:
             raise LoraAdapterError(
                 f"LoRA adapter {name!r}: tensor {tensor_name!r} is not a LoRA weight of one of "
                 f"the {cfg.num_layers} decoder layers' projections {list(TARGETS)}"
@@ -252,13 +266,21 @@ def _read_weights(
                 f"LoRA adapter {name!r}: layer {layer}'s {target} has two lora_{half} tensors"
             )
         pair[half] = tensor.float()
-    weights = {}
-    for key, pair in pairs.items():
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, target), pair in pairs.items():
         if set(pair) != {"A", "B"}:
             raise LoraAdapterError(
-                f"LoRA adapter {name!r}: layer {key[0]}'s {key[1]} lacks lora_A or lora_B"
+                f"LoRA adapter {name!r}: layer {layer}'s {target} lacks lora_A or lora_B"
             )
-        weights[key] = (pair["A"], pair["B"])
+        pieces = FUSED_TARGETS.get(target, (target,))
+        rows = [projection_shape(cfg, piece)[0] for piece in pieces]
+        for piece, b in zip(pieces, pair["B"].split(rows), strict=True):
+            if (layer, piece) in weights:
+                raise LoraAdapterError(
+                    f"LoRA adapter {name!r}: layer {layer}'s {piece} is adapted twice (alone"
+                    " and in a fused projection)"
+                )
+            weights[(layer, piece)] = (pair["A"], b.contiguous())
     return weights
 
 
