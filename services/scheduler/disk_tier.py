@@ -3,7 +3,8 @@ of which block hashes the executor's directory holds, least recently used first.
 
 Every block the host tier takes from the GPU is also written to disk (write-through, from the
 same staged copy; a hash the directory holds already is not written again), so the host tier
-drops its least recently used entries freely: whatever it drops is on disk. The directory
+drops its least recently used entries freely: whatever it drops is on disk. A block evicted
+when every host slot is pinned by the plan goes to disk straight from the GPU. The directory
 outlives the server, and the executor reports what it holds at start (`ExecutorReady`).
 
 A prefix found on disk comes back in two hops, never on the step that needs it:
@@ -40,6 +41,7 @@ class DiskTier:
         self._waiting: dict[str, set[bytes]] = {}  # request -> its hashes being read
         self._deletes: list[bytes] = []
         self._stores: list[tuple[int, bytes]] = []  # (host slot, hash)
+        self._direct: list[tuple[int, bytes]] = []  # (GPU block, hash): no host slot
         self._loads: list[tuple[bytes, int]] = []  # (hash, host slot)
         self.num_stored = 0  # blocks written since start
         self.num_loaded = 0  # blocks read back into the host tier
@@ -62,6 +64,18 @@ class DiskTier:
         self._stores.append((slot, block_hash))
         self.num_stored += 1
         self._trim()
+
+    def keep_direct(self, block: int, block_hash: bytes) -> bool:
+        """The GPU evicts `block` and the host tier has no slot for it: write it to disk
+        straight from the GPU (unless held already). Whether the disk holds it now."""
+        if block_hash in self._hashes:
+            self._hashes.move_to_end(block_hash)
+            return True
+        self._hashes[block_hash] = None
+        self._direct.append((block, block_hash))
+        self.num_stored += 1
+        self._trim()
+        return block_hash in self._hashes
 
     def fetch(
         self, request_id: str, hashes: list[bytes], reserve: Callable[[bytes], int | None]
@@ -112,10 +126,15 @@ class DiskTier:
         return loading
 
     def take_copies(self) -> tuple[list[bytes], list[tuple[int, bytes]], list[tuple[bytes, int]]]:
-        """(deletes, stores, loads) of the plan built since the last call."""
+        """(deletes, stores, loads) of the plan built since the last call (`take_direct`: its
+        writes straight from the GPU)."""
         copies = (self._deletes, self._stores, self._loads)
         self._deletes, self._stores, self._loads = [], [], []
         return copies
+
+    def take_direct(self) -> list[tuple[int, bytes]]:
+        direct, self._direct = self._direct, []
+        return direct
 
     def _trim(self) -> None:
         """Drop the least recently used hashes past the bound (not those being read)."""
@@ -125,8 +144,9 @@ class DiskTier:
                 return
             del self._hashes[victim]
             stores = [store for store in self._stores if store[1] != victim]
-            if len(stores) < len(self._stores):
-                self._stores = stores  # not written yet: nothing to delete
+            direct = [store for store in self._direct if store[1] != victim]
+            if len(stores) + len(direct) < len(self._stores) + len(self._direct):
+                self._stores, self._direct = stores, direct  # not written yet: no delete
                 self.num_stored -= 1
             else:
                 self._deletes.append(victim)

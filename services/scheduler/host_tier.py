@@ -51,15 +51,17 @@ class HostTier:
 
     def store(self, block: int, block_hash: bytes) -> bool:
         """The GPU pool evicts `block`: keep its KV under `block_hash`. False when every slot
-        is pinned by the plan being built and the disk tier does not hold it (the block is
-        then simply gone)."""
+        is pinned by the plan being built and there is no disk tier to write it to straight
+        from the GPU (the block is then simply gone)."""
         if block_hash in self._slots:  # already here (evicted before, restored since): same KV
             self._slots.move_to_end(block_hash)
             return True
         slot = self._take_slot()
         if slot is None:
+            if self.disk is not None:  # to disk without a slot
+                return self.disk.keep_direct(block, block_hash)
             self.num_dropped += 1
-            return self.disk is not None and block_hash in self.disk  # still held there
+            return False
         self._slots[block_hash] = slot
         self._pinned.add(slot)
         self._offloads.append((block, slot))

@@ -343,6 +343,7 @@ class KVCacheManager:
         if self.host.disk is not None:
             deletes, stores, loads = self.host.disk.take_copies()
             copies.disk_deletes, copies.disk_stores, copies.disk_loads = deletes, stores, loads
+            copies.disk_direct = self.host.disk.take_direct()
         return copies if any(msgspec.structs.astuple(copies)) else None
 
     def _lost(self, block_hash: bytes) -> None:

@@ -81,6 +81,9 @@ class HostCopies(Message, kw_only=True):
     disk_deletes: list[bytes] = []
     disk_stores: list[tuple[int, bytes]] = []
     disk_loads: list[tuple[bytes, int]] = []
+    # Evicted blocks the host tier had no slot for, written to disk straight from the GPU:
+    # (GPU block, hash), copied before the plan's forward pass, as offloads
+    disk_direct: list[tuple[int, bytes]] = []
 
 
 class KVExport(Message, array_like=True):

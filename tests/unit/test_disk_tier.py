@@ -41,6 +41,16 @@ def test_a_block_read_back_joins_the_host_tier_and_a_miss_frees_its_slot() -> No
     host.check_invariants()
 
 
+def test_a_block_the_host_tier_has_no_slot_for_goes_to_disk_from_the_gpu() -> None:
+    disk = DiskTier(8)
+    host = HostTier(1, disk=disk)
+    assert host.store(5, b"a") and host.store(6, b"b")  # "a" pins the only slot
+    assert b"b" not in host and b"b" in disk
+    assert disk.take_direct() == [(6, b"b")]
+    assert disk.take_copies() == ([], [(0, b"a")], [])
+    assert host.num_dropped == 0
+
+
 def test_reads_that_fill_no_slot_wait_for_nothing() -> None:
     disk = DiskTier(8, held=[b"a"])
     host = HostTier(1, disk=disk)

@@ -456,6 +456,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         write of the step (services/executor/runner/host_kv.py)."""
         if plan.host_copies is None:
             return
+        for block, block_hash in plan.host_copies.disk_direct:
+            self.disk_files[block_hash] = [self.kv_slots.get((block, i)) for i in range(BLOCK_SIZE)]
+            event("written to the disk tier from the GPU")
         for block, slot in plan.host_copies.offloads:
             self.host_slots[slot] = [self.kv_slots.get((block, i)) for i in range(BLOCK_SIZE)]
             event("offloaded to the host tier")

@@ -143,6 +143,8 @@ class HostKVPool:
                 disk.read(step, copies.disk_loads, recorded_event(self.device))
                 if self.tp is not None and self.tp.size > 1:  # every rank's read, or a miss
                     disk.agree(step, lambda good: self.tp.smallest_each(good, self.device))
+        if copies.disk_direct and disk is not None:
+            self.to_disk(copies.disk_direct)
         if copies.offloads:
             self.to_host(copies.offloads, dict(copies.disk_stores))
         if copies.onloads:
@@ -168,10 +170,7 @@ class HostKVPool:
             self._to_host(pairs[first : first + TO_HOST_BLOCKS], to_disk or {})
 
     def _to_host(self, pairs: list[tuple[int, int]], to_disk: dict[int, bytes]) -> None:
-        blocks = self._indices([block for block, _ in pairs])
-        # [n, layers, 2, block_size, kv_heads, head_dim]: each block's layers together
-        staged = torch.stack([cache.index_select(1, blocks) for cache in self.kv_caches])
-        staged = staged.permute(2, 0, 1, 3, 4, 5).contiguous()
+        staged = self._staged([block for block, _ in pairs])
         for row, (_, slot) in enumerate(pairs):
             self.slots[slot].copy_(staged[row], non_blocking=True)
         rows = [row for row, (_, slot) in enumerate(pairs) if slot in to_disk]
@@ -184,6 +183,26 @@ class HostKVPool:
             written.copy_(staged[self._indices(rows)], non_blocking=True)
             keys = [to_disk[pairs[row][1]] for row in rows]
             disk.write(keys, written, recorded_event(self.device))
+
+    def to_disk(self, pairs: list[tuple[int, bytes]]) -> None:
+        """Write (GPU block, key) pairs to the disk tier straight from the GPU, a piece at a
+        time, staged on the device (blocks the host tier had no slot for)."""
+        disk = self.disk
+        for first in range(0, len(pairs), TO_HOST_BLOCKS):
+            piece = pairs[first : first + TO_HOST_BLOCKS]
+            if disk is None or not disk.has_room(len(piece)):
+                continue
+            staged = self._staged([block for block, _ in piece])
+            written = torch.empty(staged.shape, dtype=torch.uint8, pin_memory=staged.is_cuda)
+            written.copy_(staged, non_blocking=True)
+            disk.write([key for _, key in piece], written, recorded_event(self.device))
+
+    def _staged(self, block_ids: list[int]) -> torch.Tensor:
+        """[n, layers, 2, block_size, kv_heads, head_dim] bytes of the blocks, on the device:
+        each block's layers together, as a slot holds them."""
+        blocks = self._indices(block_ids)
+        staged = torch.stack([cache.index_select(1, blocks) for cache in self.kv_caches])
+        return staged.permute(2, 0, 1, 3, 4, 5).contiguous()
 
     def _to_gpu(self, pairs: list[tuple[int, int]]) -> None:
         shape = (len(pairs), *self.slots.shape[1:])

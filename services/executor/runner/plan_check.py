@@ -96,7 +96,8 @@ def _check_host_copies(plan: SchedulerOutput, limits: PlanLimits) -> None:
     if any(slot not in offloaded for slot, _ in copies.disk_stores):
         raise PlanError("disk store: a host slot the plan does not offload to")
     _in_range([slot for _, slot in copies.disk_loads], limits.num_host_blocks, "disk load: slot")
-    hashes = [*copies.disk_deletes, *(h for _, h in copies.disk_stores)]
+    _in_range([block for block, _ in copies.disk_direct], limits.num_blocks, "disk: block id")
+    hashes = [*copies.disk_deletes, *(h for _, h in [*copies.disk_stores, *copies.disk_direct])]
     if any(len(h) != 32 for h in hashes + [h for h, _ in copies.disk_loads]):
         raise PlanError("disk tier: a block hash that is not 32 bytes (sha256)")
 
