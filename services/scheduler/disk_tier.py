@@ -46,6 +46,8 @@ class DiskTier:
         self.num_stored = 0  # blocks written since start
         self.num_loaded = 0  # blocks read back into the host tier
         self.num_misses = 0  # reads that found no good file
+        self.read_seconds = 0.0  # the executor's time on files (its newest report)
+        self.write_seconds = 0.0
         self._trim()
 
     def __contains__(self, block_hash: bytes) -> bool:

@@ -21,7 +21,7 @@ from services.scheduler.disk_tier import DiskTier
 from services.scheduler.host_tier import HostTier
 from services.scheduler.request import Request
 from services.scheduler.scheduler_config import SchedulerConfig
-from shared.protocol import HostCopies, HostTierStats
+from shared.protocol import HostCopies, HostTierStats, ModelRunnerOutput
 
 RESTORED = -2  # in a prefix hit of layer groups: a block the host tier copies into a new one
 
@@ -146,11 +146,14 @@ class KVCacheManager:
     def waits_for_disk(self, request: Request) -> bool:
         return self.disk is not None and self.disk.waits(request.request_id)
 
-    def disk_reported(self, loaded: list[bytes], failed: list[bytes]) -> None:
+    def disk_reported(self, result: ModelRunnerOutput) -> None:
         """A step's disk reads are done: good ones join the host tier."""
         if self.host is None or self.host.disk is None:
             return
+        loaded, failed = result.disk_loaded, result.disk_load_failed
         self.host.disk.reported(loaded, failed)
+        self.host.disk.read_seconds = result.disk_read_seconds
+        self.host.disk.write_seconds = result.disk_write_seconds
         for block_hash in loaded:
             self.host.arrived(block_hash, good=True)
         for block_hash in failed:
@@ -332,6 +335,8 @@ class KVCacheManager:
             blocks_to_disk=disk.num_stored if disk is not None else 0,
             blocks_from_disk=disk.num_loaded if disk is not None else 0,
             disk_misses=disk.num_misses if disk is not None else 0,
+            disk_read_seconds=disk.read_seconds if disk is not None else 0.0,
+            disk_write_seconds=disk.write_seconds if disk is not None else 0.0,
         )
 
     def take_copies(self) -> HostCopies | None:

@@ -376,7 +376,7 @@ class Scheduler(SchedulerView):
         for request_id, part in result.prompt_logprobs.items():
             if (request := self.requests.get(request_id)) is not None:
                 request.add_prompt_logprobs(part)
-        self.kv.disk_reported(result.disk_loaded, result.disk_load_failed)
+        self.kv.disk_reported(result)
         failed = set(result.kv_import_failed)
         self.handover.reported(plan, failed, result.kv_import_seconds)
         for request_id in failed:

@@ -226,6 +226,9 @@ class ModelRunnerOutput(Message, tag=True, kw_only=True):
     # not (a missing or corrupted file: a miss)
     disk_loaded: list[bytes] = []
     disk_load_failed: list[bytes] = []
+    # The disk tier's I/O threads' time on files since the executor started (seconds)
+    disk_read_seconds: float = 0.0
+    disk_write_seconds: float = 0.0
 
 
 # ------------------------------------------------------------- outputs out

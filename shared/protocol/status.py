@@ -83,6 +83,8 @@ class HostTierStats(Message, kw_only=True):
     blocks_to_disk: int = 0
     blocks_from_disk: int = 0
     disk_misses: int = 0
+    disk_read_seconds: float = 0.0  # the executor's time reading and writing files
+    disk_write_seconds: float = 0.0
 
 
 class StatsSnapshot(Message, tag=True, kw_only=True):

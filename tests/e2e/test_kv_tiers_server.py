@@ -44,6 +44,8 @@ def test_prompts_come_back_from_disk_and_across_a_restart(tmp_path: Path) -> Non
     assert metrics["kv_offload_bytes_to_disk_total"] > 0
     assert metrics["kv_offload_bytes_from_disk_total"] > 0
     assert metrics["kv_offload_disk_misses_total"] == 0
+    assert metrics["kv_offload_disk_write_seconds_total"] > 0
+    assert metrics["kv_offload_disk_read_seconds_total"] > 0
     restarted = tiered(tmp_path)
     try:
         assert complete(restarted, PROMPTS[1]) == first[1]

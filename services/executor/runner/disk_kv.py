@@ -38,6 +38,7 @@ import queue
 import shutil
 import struct
 import threading
+import time
 import weakref
 import zlib
 from collections.abc import Callable
@@ -72,6 +73,8 @@ class DiskKV:
         self._lock = threading.Lock()
         self.num_dropped = 0  # writes dropped, too many bytes waiting
         self.num_failed = 0  # writes the file system refused
+        self.read_seconds = 0.0  # the threads' time on files, since start
+        self.write_seconds = 0.0
         self._lock_directory()
         self._open(manifest)
         for jobs, name in ((self._writes, "writes"), (self._reads_queue, "reads")):
@@ -153,6 +156,7 @@ class DiskKV:
         try:
             if copied is not None:
                 copied.synchronize()
+            started = time.perf_counter()
             for key, row in zip(keys, rows.numpy(), strict=True):
                 path = self._path(key)
                 temporary = path.with_suffix(".tmp")
@@ -166,6 +170,7 @@ class DiskKV:
                     self.num_failed += 1
                     if self.num_failed == 1:  # once: a full disk fails every write
                         logger.warning("disk KV tier: a write failed (%s): misses later", exc)
+            self.write_seconds += time.perf_counter() - started
         finally:
             with self._lock:
                 self._pending -= rows.numel()
@@ -178,6 +183,7 @@ class DiskKV:
         try:
             if queued is not None:
                 queued.synchronize()
+            started = time.perf_counter()
             with self._lock:
                 unwritten = self._unwritten.get(key)
             if unwritten is not None:  # still on its way to disk
@@ -185,8 +191,11 @@ class DiskKV:
                 if copied is not None:
                     copied.synchronize()
                 self.slots[slot].copy_(rows[row])
-                return True
-            return self._read_file(key, self.slots[slot].numpy().reshape(-1))
+                good = True
+            else:
+                good = self._read_file(key, self.slots[slot].numpy().reshape(-1))
+            self.read_seconds += time.perf_counter() - started
+            return good
         except Exception:
             logger.exception("disk KV tier: reading %s failed: a miss", key.hex())
             return False

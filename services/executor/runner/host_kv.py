@@ -154,6 +154,8 @@ class HostKVPool:
         """The step's disk reads, into its output (waiting for them)."""
         if self.disk is not None:
             output.disk_loaded, output.disk_load_failed = self.disk.report(output.step)
+            output.disk_read_seconds = self.disk.read_seconds
+            output.disk_write_seconds = self.disk.write_seconds
 
     @property
     def block_bytes(self) -> int:

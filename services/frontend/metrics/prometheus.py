@@ -239,6 +239,18 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
         lambda s: s.host_tier.blocks_from_disk * s.host_tier.block_bytes if s.host_tier else 0,
     ),
     (
+        "kv_offload_disk_read_seconds_total",
+        "counter",
+        "Seconds the executor spent reading disk-tier files.",
+        lambda s: s.host_tier.disk_read_seconds if s.host_tier else 0.0,
+    ),
+    (
+        "kv_offload_disk_write_seconds_total",
+        "counter",
+        "Seconds the executor spent writing disk-tier files.",
+        lambda s: s.host_tier.disk_write_seconds if s.host_tier else 0.0,
+    ),
+    (
         "kv_offload_disk_misses_total",
         "counter",
         "Disk-tier reads that found no good file (missing or corrupted: computed instead).",
