@@ -131,9 +131,10 @@ class KVCacheManager:
                 if self.pool.lookup(block_hash) is not None or block_hash not in disk:
                     break
                 hashes.append(block_hash)
+        if not hashes:
+            return False
         host.pin(held)  # the slots read into are not those of its own hits
-        if hashes and disk.fetch(request.request_id, hashes, host.reserve):
-            request.fetched_from_disk = True
+        request.fetched_from_disk = disk.fetch(request.request_id, hashes, host.reserve)
         return request.fetched_from_disk
 
     def abandon_disk_reads(self) -> None:

@@ -153,6 +153,22 @@ def _sample(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) ->
 
 
 Figure = Callable[[StatsSnapshot], float]
+
+
+def _host_tier(field: str, in_bytes: bool = False) -> Figure:
+    """A HostTierStats field of a snapshot (0 without a host tier); `in_bytes`: a count of
+    blocks, as bytes."""
+
+    def read(stats: StatsSnapshot) -> float:
+        tier = stats.host_tier
+        if tier is None:
+            return 0
+        value: float = getattr(tier, field)
+        return value * tier.block_bytes if in_bytes else value
+
+    return read
+
+
 _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
     ("num_requests_running", "gauge", "Requests in the running batch.", lambda s: s.num_running),
     ("num_requests_waiting", "gauge", "Requests waiting to be scheduled.", lambda s: s.num_waiting),
@@ -206,55 +222,55 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
         "external_prefix_cache_queries_total",
         "counter",
         "Prompt tokens looked up in the host KV tier (past the GPU's hits).",
-        lambda s: s.host_tier.queries if s.host_tier else 0,
+        _host_tier("queries"),
     ),
     (
         "external_prefix_cache_hits_total",
         "counter",
         "Prompt tokens restored from the host KV tier.",
-        lambda s: s.host_tier.hits if s.host_tier else 0,
+        _host_tier("hits"),
     ),
     (
         "kv_offload_bytes_to_host_total",
         "counter",
         "KV bytes copied from the GPU to the host tier (evicted blocks).",
-        lambda s: _host_bytes(s, to_host=True),
+        _host_tier("blocks_to_host", in_bytes=True),
     ),
     (
         "kv_offload_bytes_to_gpu_total",
         "counter",
         "KV bytes copied from the host tier back to the GPU (prefix hits there).",
-        lambda s: _host_bytes(s, to_host=False),
+        _host_tier("blocks_to_gpu", in_bytes=True),
     ),
     (
         "kv_offload_bytes_to_disk_total",
         "counter",
         "KV bytes written to the disk tier (--kv-offloading-disk-path).",
-        lambda s: s.host_tier.blocks_to_disk * s.host_tier.block_bytes if s.host_tier else 0,
+        _host_tier("blocks_to_disk", in_bytes=True),
     ),
     (
         "kv_offload_bytes_from_disk_total",
         "counter",
         "KV bytes read back from the disk tier into the host tier (prefix hits there).",
-        lambda s: s.host_tier.blocks_from_disk * s.host_tier.block_bytes if s.host_tier else 0,
+        _host_tier("blocks_from_disk", in_bytes=True),
     ),
     (
         "kv_offload_disk_read_seconds_total",
         "counter",
         "Seconds the executor spent reading disk-tier files.",
-        lambda s: s.host_tier.disk_read_seconds if s.host_tier else 0.0,
+        _host_tier("disk_read_seconds"),
     ),
     (
         "kv_offload_disk_write_seconds_total",
         "counter",
         "Seconds the executor spent writing disk-tier files.",
-        lambda s: s.host_tier.disk_write_seconds if s.host_tier else 0.0,
+        _host_tier("disk_write_seconds"),
     ),
     (
         "kv_offload_disk_misses_total",
         "counter",
         "Disk-tier reads that found no good file (missing or corrupted: computed instead).",
-        lambda s: s.host_tier.disk_misses if s.host_tier else 0,
+        _host_tier("disk_misses"),
     ),
     (
         "kv_transfer_blocks_exported_total",
@@ -287,13 +303,6 @@ _ENGINE_FIGURES: list[tuple[str, str, str, Figure]] = [
         lambda s: s.kv_transfer.failed_imports if s.kv_transfer else 0,
     ),
 ]
-
-
-def _host_bytes(stats: StatsSnapshot, to_host: bool) -> int:
-    tier = stats.host_tier
-    if tier is None:
-        return 0
-    return (tier.blocks_to_host if to_host else tier.blocks_to_gpu) * tier.block_bytes
 
 
 def _accepted_per_position(labels: str, snapshots: Sequence[StatsSnapshot]) -> list[str]:
