@@ -127,6 +127,7 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "matmul_parameters": _matmul_parameters(llm.runner.model),
         "num_preemptions": sum(s.num_preemptions for s in llm.replica_stats()),
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,  # in each replica
+        "kv_context_tokens": _kv_context_tokens(llm),
         "lora_adapters": len(work.adapters),
         # Compiled inside the timing, had the warm-up missed them (replica 0's process).
         "triton_compiles_in_timed_run": _late_compiles(llm)[compiled_before:],
@@ -195,6 +196,7 @@ def latency(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "output_len": output_len,
         "weight_bytes": _matmul_weight_bytes(llm.runner.model),  # on each rank; a step's: rows
         "kv_cache_tokens": llm.runner.num_blocks * llm.runner.block_size,
+        "kv_context_tokens": _kv_context_tokens(llm),
         "lora_adapter": args.lora_paths[0] if args.lora_paths else None,
         "results": rows,
         "config": _engine_summary(config),
@@ -243,6 +245,15 @@ def _decode_step_times(
         engine.step()  # returns after sampling, which waits for the GPU
         times.append(time.perf_counter() - start)
     return times
+
+
+def _kv_context_tokens(llm: LLM) -> int:
+    """The context the KV cache holds, counted as vLLM's "GPU KV cache size" does: requests of
+    max_model_len that fit at once, times max_model_len (with layer groups, a sliding group
+    holds only its window of each)."""
+    runner = llm.runner
+    per_sequence = runner.kv_groups.blocks_per_sequence(runner.max_model_len, runner.block_size)
+    return int(runner.num_blocks / per_sequence * runner.max_model_len)
 
 
 def _matmul_weights(model: torch.nn.Module) -> dict[int, torch.Tensor]:

@@ -23,6 +23,7 @@ from typing import Any
 from benchmarks.engine_bench import _device_name, _engine_summary, _llm
 from kvflow import LLM, SamplingParams
 from shared.config import Config
+from shared.protocol import HostTierStats
 
 FIRST = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -71,14 +72,24 @@ def _turn(
         ttfts.append((time.perf_counter() - start) * 1e3)
         history += first + draw(output_len - 1)
     after = llm.stats()
-    tier, tier_before = after.host_tier, before.host_tier
     return {
         "ttft_ms_median": statistics.median(ttfts),
         "ttft_ms_mean": statistics.fmean(ttfts),
         "prompt_tokens": after.prefix_cache_queries - before.prefix_cache_queries,
         "gpu_prefix_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
-        "host_tier_hit_tokens": (tier.hits - (tier_before.hits if tier_before else 0))
-        if tier
-        else 0,
+        **_tier_counts(before.host_tier, after.host_tier),
         "ttfts_ms": ttfts,
     }
+
+
+def _tier_counts(before: HostTierStats | None, after: HostTierStats | None) -> dict[str, Any]:
+    """What the host tier (and the disk behind it) did in a turn: tokens restored, blocks
+    read back from disk and the executor's seconds reading them."""
+    if after is None or before is None:
+        return {"host_tier_hit_tokens": 0}
+    counts: dict[str, Any] = {"host_tier_hit_tokens": after.hits - before.hits}
+    if after.num_disk_blocks:
+        counts["blocks_from_disk"] = after.blocks_from_disk - before.blocks_from_disk
+        counts["blocks_to_disk"] = after.blocks_to_disk - before.blocks_to_disk
+        counts["disk_read_s"] = round(after.disk_read_seconds - before.disk_read_seconds, 3)
+    return counts

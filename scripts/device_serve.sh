@@ -8,6 +8,8 @@
 #   PARTS="embed-kvflow embed-vllm" bash scripts/device_serve.sh
 #                                     # structured output and embeddings, kvflow and vLLM
 #   PARTS="spec-kvflow spec-vllm" bash scripts/device_serve.sh   # speculative decoding
+#   FAMILY=gemma-3-12b PARTS="family-kvflow family-vllm" bash scripts/device_serve.sh
+#   PARTS=disk-tier bash scripts/device_serve.sh   # the disk tier behind the host tier
 #   PARTS=stash bash scripts/device_serve.sh   # only bring what this call carries
 #
 # Carried: .whl/ and .vwhl/ (wheels the GPU machine lacks: bash scripts/device_wheels.sh),
@@ -29,7 +31,7 @@ status=0
 
 mkdir -p /tmp/vllm-parts /tmp/vwhl /tmp/gguf-parts
 cp .peer*/vllm_bundle.tar.xz.part* .peer/SHA256SUMS .peer/install_vllm.sh /tmp/vllm-parts/ 2>/dev/null
-cp .vwhl/*.whl /tmp/vwhl/ 2>/dev/null
+cp .vwhl/*.whl .peerW*/*.whl /tmp/vwhl/ 2>/dev/null  # .peerW*/: .vwhl/ in parts
 cp .peer*/smollm2.gguf.* /tmp/gguf-parts/ 2>/dev/null  # speculative decoding's model, in parts
 if [ ! -f "$SITE/.kvflow-wheels" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
@@ -256,6 +258,51 @@ spec_vllm() {  # the same prompts (spec_kvflow's file), from outside the checkou
         --config "$ngram, \"num_speculative_tokens\": 8}")
 }
 
+# A model family against vLLM (issue 50): FAMILY's preset (shared/presets/), dummy weights,
+# batch-1 latency (128 in / 256 out) and `offline` (256 x 512 / 256), each engine at its
+# default --gpu-memory-utilization; vLLM reads the preset as a folder's config.json, with the
+# Qwen3-8B folder's tokenizer (random token ids, no detokenisation).
+FAMILY=${FAMILY:-gemma-3-12b}
+family_kvflow() {
+    local common=(--load-format dummy --max-model-len 4096 --seed 0)
+    run "$FAMILY latency" python3 -m services bench latency "$FAMILY" "${common[@]}" \
+        --input-len 128 --output-len 256 --profile-steps 20 \
+        --output-json "$RESULTS/${FAMILY}_latency_kvflow.json"
+    run "$FAMILY offline" python3 -m services bench throughput "$FAMILY" "${common[@]}" \
+        --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
+        --max-num-batched-tokens 16384 --output-json "$RESULTS/${FAMILY}_offline_kvflow.json"
+}
+
+family_vllm() {
+    install_vllm || return 1
+    local dir=/tmp/$FAMILY script=$PWD/sweeps/engine_vllm.py
+    mkdir -p "$dir" && cp "shared/presets/$FAMILY.json" "$dir/config.json"
+    cp "$MODEL_DIR"/tokenizer*.json "$dir/"
+    (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE python3 "$script" "$dir" \
+        --out "$RESULTS/${FAMILY}_vllm.json" >"$RESULTS/${FAMILY}_vllm.log" 2>&1)
+    local rc=$?
+    grep -E "KV cache size|Maximum concurrency|Error|error" "$RESULTS/${FAMILY}_vllm.log" | head -20
+    tail -3 "$RESULTS/${FAMILY}_vllm.log"
+    return $rc
+}
+
+# The disk tier behind the host tier (issue 48): `kvflow bench multi-turn` with a host tier too
+# small for the histories (4 GiB, some 28,000 Qwen3-8B tokens of the ~100,000 the last turn
+# resends), without and then with a disk tier behind it. The device's page cache holds the
+# files: reads measure the path through files, not the disk's own speed.
+disk_tier() {
+    local common=(--load-format dummy --max-model-len 8192 --num-gpu-blocks-override 2000
+        --conversations 32 --turns 5 --first-len 2000 --turn-len 200 --output-len 64
+        --kv-offloading-size 4)
+    run "multi-turn host 4 GiB" python3 -m services bench multi-turn Qwen3-8B "${common[@]}" \
+        --output-json "$RESULTS/multi_turn_host4.json"
+    rm -rf /tmp/kv-disk
+    run "multi-turn host 4 GiB + disk" python3 -m services bench multi-turn Qwen3-8B \
+        "${common[@]}" --kv-offloading-disk-path /tmp/kv-disk --kv-offloading-disk-size 32 \
+        --output-json "$RESULTS/multi_turn_host4_disk.json"
+    du -sh /tmp/kv-disk
+}
+
 bench_serve_and_prefix() {  # NAME PORT
     bench "$1" "$2" && bench_prefix "$1" "$2"
 }
@@ -331,6 +378,9 @@ for part in $PARTS; do
             >"$RESULTS/offline_long_vllm.log" 2>&1)
         tail -5 "$RESULTS/offline_long_vllm.log" ;;
     stash) ;;  # a call that only brings parts (kept in /tmp while the machine stays warm)
+    family-kvflow) family_kvflow ;;
+    family-vllm) run family-vllm family_vllm ;;
+    disk-tier) disk_tier ;;
     spec-kvflow) spec_kvflow || status=1 ;;
     spec-vllm) run spec-vllm spec_vllm ;;
     *) echo "unknown part $part"; status=1 ;;

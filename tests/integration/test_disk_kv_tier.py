@@ -14,6 +14,7 @@ import torch
 
 from kvflow import LLM
 from services.executor.runner.disk_kv import HEADER, DiskKV
+from services.launcher.cli import main
 from shared.config import ConfigError
 from tests.integration.test_host_kv_tier import SETTINGS, chat, conversations
 from tests.integration.tp_generate import generate
@@ -133,6 +134,22 @@ def test_the_directory_keeps_whole_files_only(tmp_path: Path) -> None:
     again.delete([keys[0]])
     assert again.held() == [keys[1]]
     again.close()
+
+
+def test_the_multi_turn_bench_counts_the_disk_reads(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """`kvflow bench multi-turn` with a disk tier behind the host tier: later turns read
+    blocks back from disk, and each turn says how many."""
+    out = tmp_path / "multi_turn.json"
+    argv = ["bench", "multi-turn", str(tiny_llama_dir), "--device", "cpu", "--dtype", "float32"]
+    argv += ["--conversations", "4", "--turns", "3", "--first-len", "60", "--turn-len", "10"]
+    argv += ["--output-len", "4", "--num-gpu-blocks-override", "12", "--max-model-len", "256"]
+    argv += ["--kv-offloading-size", str(HOST_GIB), "--output-json", str(out)]
+    argv += ["--kv-offloading-disk-path", str(tmp_path / "disk")]
+    argv += ["--kv-offloading-disk-size", str(DISK_GIB)]
+    assert main(argv) == 0
+    turns = json.loads(out.read_text())["turns"]
+    assert turns[0]["blocks_to_disk"] > 0 and turns[0]["blocks_from_disk"] == 0
+    assert sum(t["blocks_from_disk"] for t in turns[1:]) > 0
 
 
 def test_flags_that_do_not_fit_are_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:

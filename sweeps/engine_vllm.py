@@ -1,0 +1,90 @@
+"""`kvflow bench latency` and `kvflow bench throughput`'s workloads on vLLM, in one engine start:
+batch-1 decode (128 prompt tokens, 256 out: the request's time, and its time to the first
+token, so that the inter-token latency is (full - first) / 255), then `offline` (256 prompts of
+512 tokens, 256 out each, all at once, as `vllm bench throughput --dataset-name random` runs
+it). vLLM's log gives the KV cache's size ("GPU KV cache size: N tokens": the requests of
+`max_model_len` that fit, times `max_model_len`). For the model-family side-by-sides in
+docs/benchmarks.md.
+
+    python sweeps/engine_vllm.py /tmp/gemma-3-12b --out $OUT/gemma_vllm.json
+
+It imports vLLM and nothing of kvflow: run it with vLLM's environment, from a directory
+outside the checkout. Random token ids (the folder's tokenizer need not be the model's), no
+detokenisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        load_format="dummy",
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+    )
+    engine = llm.llm_engine
+    vocab = engine.model_config.get_vocab_size()
+    rng = random.Random(args.seed)
+
+    def prompts(num: int, length: int) -> list[dict[str, Any]]:
+        ids = [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
+        return [{"prompt_token_ids": prompt} for prompt in ids]
+
+    def timed(batch: list[dict[str, Any]], max_tokens: int) -> tuple[float, int]:
+        params = SamplingParams(
+            temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False
+        )
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    report: dict[str, Any] = {"engine": "vllm", "model": args.model}
+    timed(prompts(1, 128), 256)  # warm-up
+    full = [timed(prompts(1, 128), 256)[0] for _ in range(args.repeats)]
+    first = [timed(prompts(1, 128), 1)[0] for _ in range(args.repeats)]
+    full_s, first_s = statistics.median(full), statistics.median(first)
+    report["latency"] = {
+        "input_len": 128,
+        "output_len": 256,
+        "request_s_median": round(full_s, 4),
+        "ttft_ms_median": round(1e3 * first_s, 3),
+        "itl_ms": round(1e3 * (full_s - first_s) / 255, 3),
+    }
+    print(json.dumps(report["latency"]), flush=True)
+    timed(prompts(8, 512), 16)  # warm-up for batched prefill
+    seconds, out = timed(prompts(args.num_prompts, 512), 256)
+    report["offline"] = {
+        "num_prompts": args.num_prompts,
+        "input_len": 512,
+        "output_len": 256,
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(out / seconds, 1),
+    }
+    print(json.dumps(report["offline"]), flush=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
