@@ -313,7 +313,7 @@ for part in $PARTS; do
     tests)
         run tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels \
             tests/integration/test_gpu_parity.py tests/integration/test_gpu_graphs.py \
-            tests/integration/test_pipelined_engine.py ;;
+            tests/integration/test_pipelined_engine.py tests/integration/test_kv_handover_cuda.py ;;
     probe)
         run probe python3 -m sweeps.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;
@@ -381,6 +381,9 @@ for part in $PARTS; do
     family-kvflow) family_kvflow ;;
     family-vllm) run family-vllm family_vllm ;;
     disk-tier) disk_tier ;;
+    disaggregation-cuda)  # the handed-over KV in GPU memory, read by CUDA IPC, against one engine
+        run disaggregation-cuda python3 -m sweeps.disaggregation "$MODEL_DIR" --num-prompts 24 \
+            --kv-buffer-devices cuda --out "$RESULTS/disaggregation_cuda.json" ;;
     spec-kvflow) spec_kvflow || status=1 ;;
     spec-vllm) run spec-vllm spec_vllm ;;
     *) echo "unknown part $part"; status=1 ;;

@@ -10,6 +10,8 @@ random-token prompts at a request rate, measured by `kvflow bench serve`'s clien
 --long-range) and short chats (--input-len). From the disaggregated server's metrics: the KV
 blocks and bytes handed over and the decode executor's time fetching and copying them in,
 against a pinned host-to-GPU copy measured beside it (the floor of the last leg of the path).
+The disaggregated server runs once for each --kv-buffer-devices entry: the handed-over KV in
+shared host memory (cpu), or in GPU memory that the decode replica copies by CUDA IPC (cuda).
 
     python -m sweeps.disaggregation /tmp/qwen3-8b --out $OUT/disaggregation.json
     python -m sweeps.disaggregation /tmp/qwen3-8b --baseline dp --long-fraction 0.25 \
@@ -73,7 +75,8 @@ def transfer_path(num_blocks: int = 200) -> dict[str, Any]:
     import tempfile
 
     from services.executor.runner.host_kv import HostKVPool
-    from services.executor.runner.kv_handover import KVExports, KVImports
+    from services.executor.runner.kv_exports import KVExports
+    from services.executor.runner.kv_imports import KVImports
     from shared.protocol import KVExport, KVImport
     from shared.wire_security import LOCAL
 
@@ -201,6 +204,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--kv-cache-gib", type=int, default=30)
     parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--kv-buffer-devices", nargs="+", default=["cpu", "cuda"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -211,26 +215,27 @@ def main() -> None:
     print(json.dumps(report["transfer_path"]), flush=True)
     baseline = [] if args.baseline == "one" else ["--data-parallel-size", "2"]
     report["baseline"] = measure(baseline, args)
-    report["disaggregated"] = measure(
-        ["--data-parallel-size", "2", "--prefill-replicas", "1"], args
-    )
-    report["greedy_equal"] = report["baseline"]["greedy"] == report["disaggregated"]["greedy"]
-    metrics = report["disaggregated"]["metrics"]
-    seconds = sum(metrics.get("kv_transfer_import_seconds_total", {}).values())
-    moved = sum(metrics.get("kv_transfer_bytes_imported_total", {}).values())
-    report["import_gb_per_s"] = moved / seconds / 1e9 if seconds else None
-    args.out.write_text(json.dumps(report, indent=1, default=str))
-    for name in ("baseline", "disaggregated"):
-        serve = report[name]["serve"]
+    runs = ["baseline"]
+    for device in args.kv_buffer_devices:
+        name = "disaggregated" + ("" if device == "cpu" else f"_{device}")
+        flags = ["--data-parallel-size", "2", "--prefill-replicas", "1"]
+        report[name] = measure([*flags, "--kv-buffer-device", device], args)
+        report[name]["greedy_equal"] = report["baseline"]["greedy"] == report[name]["greedy"]
+        metrics = report[name]["metrics"]
+        seconds = sum(metrics.get("kv_transfer_import_seconds_total", {}).values())
+        moved = sum(metrics.get("kv_transfer_bytes_imported_total", {}).values())
+        report[name]["import_gb_per_s"] = moved / seconds / 1e9 if seconds else None
+        runs.append(name)
+        args.out.write_text(json.dumps(report, indent=1, default=str))
+    for name in runs:
+        serve, run = report[name]["serve"], report[name]
         print(
             f"{name}: TTFT median {serve.get('median_ttft_ms')}, ITL median "
             f"{serve.get('median_itl_ms')} p99 {serve.get('p99_itl_ms')}, TPOT p99 "
-            f"{serve.get('p99_tpot_ms')}, output tok/s {serve.get('output_throughput')}"
+            f"{serve.get('p99_tpot_ms')}, output tok/s {serve.get('output_throughput')}; "
+            f"greedy equal {run.get('greedy_equal')}, import {run.get('import_gb_per_s')} GB/s"
         )
-    print(
-        f"greedy equal: {report['greedy_equal']}; imported {moved / 1e9:.2f} GB in {seconds:.2f} s"
-        f" ({report['import_gb_per_s']} GB/s); pinned H2D {report['pinned_h2d_gb_per_s']} GB/s"
-    )
+    print(f"pinned H2D {report['pinned_h2d_gb_per_s']} GB/s")
 
 
 if __name__ == "__main__":

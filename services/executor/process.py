@@ -68,7 +68,7 @@ def run_executor(config: Config) -> None:
     heartbeat = HeartbeatThread(config.frontend_address, name, stall_watch=watch, security=security)
     if config.tensor_parallel_size > 1 or config.prefill_replicas:
         # The launcher stops components with SIGTERM: rank 0 ends its group on the way out,
-        # and a prefill replica's executor removes its shared KV slots (runner/kv_handover.py).
+        # and a prefill replica's executor removes its shared KV slots (runner/kv_exports.py).
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     runner = start_runner(config)
     if runner.device.type == "cpu":  # a step computes in this thread: that is progress

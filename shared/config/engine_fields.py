@@ -140,6 +140,22 @@ class EngineFields:
         " other replicas, which fetches it and generates the rest, so that long prompts do not"
         " stall the decode steps of others. 0: every replica does both.",
     )
+    kv_buffer_device: str = option(
+        "cpu",
+        "parallel",
+        "With --prefill-replicas: where a prefill replica holds the KV it hands over until a "
+        "decode replica fetches it. cpu: pinned shared memory (/dev/shm), which decode "
+        "replicas on the same host read; cuda: GPU memory (taken from the KV cache's share), "
+        "which decode replicas that see the same GPU copy device to device by CUDA IPC. "
+        "Others get the bytes over the socket.",
+        ("cpu", "cuda"),
+    )
+    kv_buffer_size: float = option(
+        4.0,
+        "parallel",
+        "With --prefill-replicas: GiB a prefill replica's rank holds handed-over KV in "
+        "(--kv-buffer-device); the oldest unfetched goes when it is full.",
+    )
     # -- cache
     block_size: int = option(16, "cache", "Tokens per KV cache block.")
     kv_cache_dtype: str = option(

@@ -99,6 +99,19 @@ def _check_parallel(config: ConfigFields) -> None:
         "prefill_replicas",
         "must leave at least one decode replica: 0..--data-parallel-size - 1",
     )
+    require(config.kv_buffer_size > 0, "kv_buffer_size", "must be more than 0 GiB")
+    require(
+        config.kv_buffer_device != "cuda" or config.device != "cpu",
+        "kv_buffer_device",
+        "cuda holds the handed-over KV in GPU memory: not with --device cpu",
+    )
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for name in ("kv_buffer_device", "kv_buffer_size"):
+        require(
+            config.prefill_replicas > 0 or getattr(config, name) == defaults[name],
+            name,
+            "holds the KV a prefill replica hands over: it needs --prefill-replicas",
+        )
 
 
 def _check_cache(config: ConfigFields) -> None:

@@ -83,7 +83,13 @@ from shared.protocol.status import (
     ReplicasDown,
     StatsSnapshot,
 )
-from shared.protocol.transfer import KVFetch, KVFetchReply, KVRelease, KVTransferStats
+from shared.protocol.transfer import (
+    CudaSlots,
+    KVFetch,
+    KVFetchReply,
+    KVRelease,
+    KVTransferStats,
+)
 
 # ------------------------------------------------------------ what each socket receives
 # One typed decoder per receiving socket (shared.ipc.Decoder); anything else is dropped.
@@ -120,6 +126,7 @@ __all__ = [
     "CachedRequestData",
     "ChatMessage",
     "ComponentDown",
+    "CudaSlots",
     "DeviceReady",
     "EngineRequest",
     "ErrorKind",

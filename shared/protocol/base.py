@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 20
+PROTOCOL_VERSION = 21
 
 
 class Message(msgspec.Struct, gc=False):

@@ -15,16 +15,19 @@ import pytest
 import torch
 
 from services.executor.parallel.tensor_parallel import TensorParallel
-from services.executor.runner import kv_handover
+from services.executor.runner import kv_exports, kv_imports
 from services.executor.runner.host_kv import HostKVPool
-from services.executor.runner.kv_handover import (
-    Handover,
-    KVExports,
-    KVImports,
-    bind_address,
-    rank_address,
+from services.executor.runner.kv_exports import KVExports, bind_address
+from services.executor.runner.kv_handover import Handover, rank_address
+from services.executor.runner.kv_imports import KVImports
+from shared.protocol import (
+    CudaSlots,
+    KVExport,
+    KVFetch,
+    KVImport,
+    ModelRunnerOutput,
+    SchedulerOutput,
 )
-from shared.protocol import KVExport, KVFetch, KVImport, ModelRunnerOutput, SchedulerOutput
 from shared.wire_security import LOCAL
 
 NUM_BLOCKS = 12
@@ -53,7 +56,7 @@ def address(tmp_path: Path) -> Iterator[str]:
 def test_an_export_lands_byte_for_byte_in_the_blocks_asked_for(
     address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kv_handover, "FETCH_BYTES", 1)  # a piece per block
+    monkeypatch.setattr(kv_imports, "FETCH_BYTES", 1)  # a piece per block
     source, target = caches(seed=1), caches(seed=2)
     exports = KVExports(HostKVPool(source, 8), address, LOCAL, None)
     exports.add([KVExport("a", [5, 1, 3, 9])])
@@ -79,7 +82,7 @@ def test_an_fp8_cache_moves_as_bytes(address: str) -> None:
 def test_the_oldest_export_goes_when_the_slots_are_full(
     address: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kv_handover, "EXPORT_WAIT_S", 30.0)  # a dropped one answers at once
+    monkeypatch.setattr(kv_exports, "EXPORT_WAIT_S", 30.0)  # a dropped one answers at once
     source, target = caches(seed=1), caches(seed=2)
     exports = KVExports(HostKVPool(source, 4), address, LOCAL, None)
     exports.add([KVExport("old", [0, 1, 2]), KVExport("new", [3, 4])])
@@ -93,8 +96,8 @@ def test_the_oldest_export_goes_when_the_slots_are_full(
 def test_a_fetch_nobody_answers_fails_and_the_next_one_works(
     address: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(kv_handover, "FETCH_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(kv_handover, "EXPORT_WAIT_S", 0.05)
+    monkeypatch.setattr(kv_imports, "FETCH_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(kv_exports, "EXPORT_WAIT_S", 0.05)
     source, target = caches(seed=1), caches(seed=2)
     nobody = f"ipc://{tmp_path}/nobody"
     imports = KVImports(HostKVPool(target, 0), [nobody, address], LOCAL, "decode")
@@ -148,7 +151,7 @@ def test_a_restarted_prefill_rank_is_read_in_its_new_file(address: str, tmp_path
         exports.add([KVExport(name, [0, 1])])
         assert imports.load(KVImport(name, 0, 0, [5, 6])) is None
         assert same_blocks(source, [0, 1], target, [5, 6])
-        assert imports._files[0][0] == shared
+        assert imports._slabs[0][0] == shared
         exports.close()
 
 
@@ -160,15 +163,32 @@ def test_a_decode_rank_that_cannot_map_the_slots_gets_the_bytes(
     exports = KVExports(HostKVPool(source, 4, shared), address, LOCAL, shared)
     exports.add([KVExport("a", [8, 9])])
     imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
-    imports._files[0] = (shared, None)  # as on another host
+    imports._slabs[0] = (shared, None)  # as on another host
     assert imports.load(KVImport("a", 0, 0, [1, 2])) is None
     assert same_blocks(source, [8, 9], target, [1, 2])
+
+
+def test_gpu_slots_a_decode_rank_cannot_open_come_as_bytes(address: str) -> None:
+    """Slots in a GPU's memory (--kv-buffer-device cuda) that this rank cannot open by CUDA
+    IPC (it does not see that GPU: here, no GPU at all) come as bytes."""
+    source, target = caches(seed=1), caches(seed=2)
+    exports = KVExports(HostKVPool(source, 4, on_device=True), address, LOCAL, None)
+    exports.cuda_slots = CudaSlots(
+        gpu_uuid="GPU-elsewhere", handle=b"handle", storage_bytes=1, storage_offset=0,
+        ref_counter=b"", ref_counter_offset=0, event=b"", event_sync=False,
+        shape=list(exports.pool.slots.shape),
+    )  # fmt: skip
+    exports.add([KVExport("a", [8, 9])])
+    imports = KVImports(HostKVPool(target, 0), [address], LOCAL, "decode")
+    assert imports.load(KVImport("a", 0, 0, [1, 2])) is None
+    assert same_blocks(source, [8, 9], target, [1, 2])
+    assert imports._slabs[0] == (b"handle", None)
 
 
 def test_a_silent_prefill_replica_is_not_asked_again_for_a_while(
     address: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(kv_handover, "FETCH_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(kv_imports, "FETCH_TIMEOUT_S", 0.2)
     imports = KVImports(HostKVPool(caches(), 0), [f"ipc://{tmp_path}/nobody"], LOCAL, "decode")
     error = imports.load(KVImport("a", 0, 0, [1]))
     assert error is not None and "did not answer in" in error
@@ -198,13 +218,13 @@ def test_a_fetch_that_breaks_or_has_no_fetcher_fails_its_request_alone(address: 
 def test_shared_slot_files_are_named_once_and_those_of_gone_processes_removed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kv_handover, "SHARED_DIR", tmp_path)
+    monkeypatch.setattr(kv_exports, "SHARED_DIR", tmp_path)
     host = socket.gethostname()
     stale = tmp_path / f"kvflow-kv-{host}-999999999-0-abcd"  # no such process
     other_host = tmp_path / "kvflow-kv-another-host-999999999-0-abcd"  # not ours to judge
     stale.touch()
     other_host.touch()
-    first, second = kv_handover.shared_slots_file(0, 4096), kv_handover.shared_slots_file(0, 4096)
+    first, second = kv_exports.shared_slots_file(0, 4096), kv_exports.shared_slots_file(0, 4096)
     assert first and second and first != second
     assert Path(first).stat().st_size == 4096
     assert not stale.exists() and other_host.exists()

@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 
 from services.executor.parallel.tensor_parallel import TensorParallel
-from services.executor.runner import kv_handover
+from services.executor.runner import kv_exports
 from services.executor.runner.host_kv import HostKVPool
-from services.executor.runner.kv_handover import Handover, KVExports, KVImports, rank_address
+from services.executor.runner.kv_exports import KVExports
+from services.executor.runner.kv_handover import Handover, rank_address
+from services.executor.runner.kv_imports import KVImports
 from shared.protocol import KVExport, KVImport, ModelRunnerOutput, SchedulerOutput
 from shared.wire_security import LOCAL
 
@@ -34,7 +36,7 @@ def plan(step: int, request_id: str) -> SchedulerOutput:
 
 
 def rank_main(rank: int, folder: str) -> None:
-    kv_handover.EXPORT_WAIT_S = 0.2  # an export that never comes is given up on soon
+    kv_exports.EXPORT_WAIT_S = 0.2  # an export that never comes is given up on soon
     dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
     tp = TensorParallel(rank=rank, size=2)
     generator = torch.Generator().manual_seed(rank)

@@ -22,7 +22,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.executor.runner.kv_handover import bind_address, rank_address
+from services.executor.runner.kv_exports import bind_address
+from services.executor.runner.kv_handover import rank_address
 from shared.config import ENV_PREFIX, config_from_args
 from tests.k8s import helm
 

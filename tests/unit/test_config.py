@@ -91,6 +91,19 @@ def test_serve_starts_two_frontends_per_replica_unless_told(
         (["--prefill-replicas", "1"], "--prefill-replicas"),  # no decode replica left
         (["--data-parallel-size", "2", "--prefill-replicas", "2"], "--prefill-replicas"),
         (["--data-parallel-size", "2", "--prefill-replicas", "-1"], "--prefill-replicas"),
+        (["--kv-buffer-device", "cuda"], "--kv-buffer-device"),  # no prefill replica
+        (["--kv-buffer-size", "2"], "--kv-buffer-size"),
+        (
+            [*("--data-parallel-size", "2", "--prefill-replicas", "1", "--kv-buffer-size", "0")],
+            "--kv-buffer-size",
+        ),
+        (
+            [
+                *("--data-parallel-size", "2", "--prefill-replicas", "1", "--device", "cpu"),
+                *("--kv-buffer-device", "cuda"),
+            ],
+            "--kv-buffer-device",
+        ),
         (
             [
                 *("--data-parallel-size", "2", "--prefill-replicas", "1"),

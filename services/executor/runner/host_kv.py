@@ -67,10 +67,15 @@ def tier_facts(pool: HostKVPool | None, block_bytes: int) -> dict[str, Any]:
 
 class HostKVPool:
     def __init__(
-        self, kv_caches: list[torch.Tensor], num_slots: int, shared_file: str | None = None
+        self,
+        kv_caches: list[torch.Tensor],
+        num_slots: int,
+        shared_file: str | None = None,
+        on_device: bool = False,
     ) -> None:
         """`shared_file`: keep the slots in that file's memory (under /dev/shm: shared with
-        other processes, which map it by name), else in this process's own."""
+        other processes, which map it by name), else in this process's own; `on_device`: in
+        the cache's device memory instead (a handover's, shared by CUDA IPC)."""
         # As bytes: [2, num_blocks, block_size, kv_heads, head_dim * itemsize], which every
         # cache dtype can be viewed as, and every copy kernel takes (not all take FP8). Each
         # slot once: grouped layers share one (a block holds one group's layers).
@@ -82,7 +87,9 @@ class HostKVPool:
         self.disk: DiskKV | None = None  # the disk tier behind it (runner/disk_kv.py)
         self.num_disk_blocks = 0
         self.tp: TensorParallel | None = None  # the ranks whose disk reads must agree
-        if shared_file is None:
+        if on_device:
+            self.slots = torch.empty(shape, dtype=torch.uint8, device=first.device)
+        elif shared_file is None:
             self.slots = torch.empty(shape, dtype=torch.uint8, pin_memory=first.is_cuda)
         else:
             size = math.prod(shape)
@@ -173,8 +180,11 @@ class HostKVPool:
 
     def _to_host(self, pairs: list[tuple[int, int]], to_disk: dict[int, bytes]) -> None:
         staged = self._staged([block for block, _ in pairs])
-        for row, (_, slot) in enumerate(pairs):
-            self.slots[slot].copy_(staged[row], non_blocking=True)
+        if self.slots.device == staged.device:  # slots on the device (or the CPU): one copy
+            self.slots.index_copy_(0, self._indices([slot for _, slot in pairs]), staged)
+        else:
+            for row, (_, slot) in enumerate(pairs):
+                self.slots[slot].copy_(staged[row], non_blocking=True)
         rows = [row for row, (_, slot) in enumerate(pairs) if slot in to_disk]
         disk = self.disk
         if rows and disk is not None and disk.has_room(len(rows)):

@@ -66,11 +66,13 @@ def num_kv_blocks(
     device: torch.device,
     step_peak: Callable[[], int],
     draft_bytes_per_block: int = 0,
+    reserved_bytes: int = 0,
 ) -> int:
     """How many blocks the cache gets: the override, the byte budget, or what memory allows.
 
     `step_peak` measures a largest step's activations; it runs only when memory decides. A
     draft model's cache has the same blocks: the budget pays for both (`draft_bytes_per_block`).
+    Where memory decides, `reserved_bytes` more stay free (a prefill replica's handover slots).
     """
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
@@ -78,7 +80,9 @@ def num_kv_blocks(
         budget = config.kv_cache_memory_bytes
     elif device.type == "cuda":
         reserve = 0 if config.enforce_eager else CUDA_GRAPH_RESERVE_BYTES
-        budget = _cuda_budget(device, config.gpu_memory_utilization, step_peak() + reserve)
+        budget = _cuda_budget(
+            device, config.gpu_memory_utilization, step_peak() + reserve + reserved_bytes
+        )
     else:
         budget = DEFAULT_CPU_KV_BYTES
     num_blocks = budget // (layout.bytes_per_block + draft_bytes_per_block)
@@ -93,8 +97,8 @@ def _cuda_budget(device: torch.device, utilization: float, step_bytes: int) -> i
     used = total - free  # weights, CUDA context, libraries
     budget = int(total * utilization) - used - step_bytes
     logger.info(
-        "memory: %.1f GiB total, %.1f GiB in use, %.2f GiB for a step's activations and "
-        "CUDA graphs, "
+        "memory: %.1f GiB total, %.1f GiB in use, %.2f GiB set aside (a step's activations, "
+        "CUDA graphs, handover slots), "
         "%.1f GiB left for the KV cache at --gpu-memory-utilization %.2f",
         total / 2**30,
         used / 2**30,

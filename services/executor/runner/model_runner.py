@@ -31,6 +31,7 @@ from services.executor.runner.kv_cache import (
     profile_step_peak,
     set_kv_groups,
 )
+from services.executor.runner.kv_exports import device_buffer_bytes
 from services.executor.runner.kv_handover import Handover, move_kv, report_kv, reset_kv
 from services.executor.runner.plan_check import PlanError, PlanLimits, check_plan
 from services.executor.runner.plan_relay import PlanRelay
@@ -180,6 +181,7 @@ class ModelRunner:
             config, self.kv_layout, self.device,
             lambda: profile_step_peak(self.model, self.buffers, self.kv_layout, self.max_model_len),
             proposers.bytes_per_block(self.proposer),
+            device_buffer_bytes(config, self.kv_layout, self.device),
         )  # fmt: skip
         # Every rank must hold the blocks any plan names.
         self.num_blocks = self.tp.smallest(self.num_blocks, self.device)
