@@ -36,6 +36,9 @@ class DiskTier:
         (beyond `num_blocks`, the oldest are deleted); `lost`: told of each hash it drops."""
         self.num_blocks = num_blocks
         self.lost = lost
+        # Whether the host tier holds a hash: kept here past others, since the host tier may
+        # drop it next and must find it on disk (HostTier sets it).
+        self.in_host: Callable[[bytes], bool] = lambda block_hash: False
         self._hashes: OrderedDict[bytes, None] = OrderedDict.fromkeys(held)
         self._loading: set[bytes] = set()
         self._waiting: dict[str, set[bytes]] = {}  # request -> its hashes being read
@@ -139,9 +142,11 @@ class DiskTier:
         return direct
 
     def _trim(self) -> None:
-        """Drop the least recently used hashes past the bound (not those being read)."""
+        """Drop the least recently used hashes past the bound: not those being read, and those
+        the host tier holds last (a block read back from disk long ago may be in a host slot
+        still, and nowhere else once the host tier drops it)."""
         while len(self._hashes) > self.num_blocks:
-            victim = next((h for h in self._hashes if h not in self._loading), None)
+            victim = self._victim()
             if victim is None:
                 return
             del self._hashes[victim]
@@ -154,6 +159,17 @@ class DiskTier:
                 self._deletes.append(victim)
             if self.lost is not None:
                 self.lost(victim)
+
+    def _victim(self) -> bytes | None:
+        """The least recently used hash not being read, one the host tier lacks if any."""
+        first = None
+        for block_hash in self._hashes:
+            if block_hash in self._loading:
+                continue
+            if not self.in_host(block_hash):
+                return block_hash
+            first = first or block_hash
+        return first
 
     def check_invariants(self) -> None:
         assert len(self._hashes) <= max(self.num_blocks, len(self._loading)), "over its bound"

@@ -36,6 +36,8 @@ class HostTier:
         self.num_slots = num_slots
         self.lost = lost  # told of each hash the tier drops (for the KV events)
         self.disk = disk
+        if disk is not None:
+            disk.in_host = self.__contains__
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, oldest first
         self._arriving: dict[bytes, int] = {}  # hash -> slot being read from disk into
         self._free = list(range(num_slots - 1, -1, -1))

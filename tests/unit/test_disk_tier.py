@@ -89,3 +89,21 @@ def test_a_hash_on_disk_is_still_the_engines() -> None:
     assert events.take() == ([], [b"z"])
     kv.pool.check_invariants()
     kv.host.check_invariants()
+
+
+def test_the_disk_keeps_what_the_host_tier_holds_past_older_hashes() -> None:
+    """A block read back from disk long ago and still in a host slot is not deleted while
+    others can be: the host tier may drop it next, and then it must be on disk."""
+    disk = DiskTier(2, held=[b"a"])
+    host = HostTier(2, disk=disk)
+    assert disk.fetch("r1", [b"a"], host.reserve)
+    disk.take_copies()
+    disk.reported([b"a"], [])
+    host.arrived(b"a", good=True)
+    assert host.store(5, b"x")
+    host.take_copies()
+    assert host.store(6, b"a")  # evicted from the GPU again: recent in the host tier only
+    host.take_copies()
+    assert host.store(7, b"y")  # the host tier drops "x"; the disk, past its bound, too
+    assert b"a" in host and b"a" in disk and b"x" not in disk and b"y" in disk
+    host.check_invariants()
