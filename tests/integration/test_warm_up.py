@@ -145,3 +145,22 @@ def test_a_step_of_many_requests_that_the_cache_cannot_hold_is_skipped_alone(
     hook.remove()
     assert 257 in rows and 513 not in rows
     assert llm.runner.requests == {}
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen2 sliding", "phi3 longrope"])
+def test_warm_up_of_layer_groups_and_longrope_leaves_nothing_behind(
+    tmp_path: Path, family: str
+) -> None:
+    """Layer groups (a block of each group for every token: step_state.py) and LongRoPE's
+    two rotary sets (its warm-up prompts cross the original context) warm up too."""
+    config_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra, "max_position_embeddings": 2048})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    cold = make_llm(tmp_path, num_gpu_blocks_override=512)
+    expected = [r.outputs[0].token_ids for r in cold.generate(PROMPTS, PARAMS)]
+    llm = make_llm(tmp_path, num_gpu_blocks_override=512)
+    assert blocks_needed(llm.runner) <= llm.runner.num_blocks
+    warm_up(llm.runner)
+    assert llm.runner.requests == {}
+    assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)] == expected

@@ -114,7 +114,7 @@ class _Plans:
         self.next_block = 0
 
     def new(self, request_id: str, prompt_len: int, params: SamplingParams) -> NewRequestData:
-        num_blocks = -(-(prompt_len + _NUM_DECODES + 1) // self.runner.block_size)
+        num_blocks = _blocks(self.runner, [prompt_len])  # each group's in turn (step_state.py)
         blocks = list(range(self.next_block, self.next_block + num_blocks))
         self.next_block += num_blocks
         return NewRequestData(
@@ -181,8 +181,11 @@ def first_step_lengths(runner: WarmUpTarget) -> list[int]:
 
 
 def _blocks(runner: WarmUpTarget, prompt_lengths: list[int]) -> int:
-    """The blocks that warm-up requests of these prompt lengths take (_Plans.new)."""
-    return sum(-(-(n + _NUM_DECODES + 1) // runner.block_size) for n in prompt_lengths)
+    """The blocks that warm-up requests of these prompt lengths take (_Plans.new): with layer
+    groups, each group's blocks for every token (the warm-up's steps are short, and a sliding
+    group's window no smaller than a step's tokens would free none of them)."""
+    per_group = sum(-(-(n + _NUM_DECODES + 1) // runner.block_size) for n in prompt_lengths)
+    return per_group * runner.buffers.num_groups
 
 
 def blocks_needed(runner: WarmUpTarget) -> int:
