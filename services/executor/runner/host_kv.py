@@ -82,7 +82,7 @@ class HostKVPool:
         unique = list({id(cache): cache for cache in kv_caches}.values())
         self.kv_caches = [cache.view(torch.uint8) for cache in unique]
         first = self.kv_caches[0]
-        shape = (num_slots, len(kv_caches), first.shape[0], *first.shape[2:])
+        shape = (num_slots, len(unique), first.shape[0], *first.shape[2:])
         self.device = first.device
         self.disk: DiskKV | None = None  # the disk tier behind it (runner/disk_kv.py)
         self.num_disk_blocks = 0
