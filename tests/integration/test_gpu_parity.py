@@ -36,6 +36,12 @@ def build(family: str, folder: object) -> torch.nn.Module:
     if "layer_types" in extra:  # the family's pattern of layers, over this shape's layers
         pattern, count = extra["layer_types"], SHAPE["num_hidden_layers"]
         shape["layer_types"] = (pattern * count)[:count]
+    if "rope_scaling" in extra and "short_factor" in extra["rope_scaling"]:  # LongRoPE's
+        shape["rope_scaling"] = _factors_for(extra["rope_scaling"], SHAPE["head_dim"] // 2)
+    if extra.get("final_logit_softcapping"):
+        # Gemma 2's published cap: at the tiny models' cap of 3, logits in bf16 round into
+        # ties near it in transformers (which caps in bf16), and its top 5 are any of them.
+        shape["final_logit_softcapping"] = 30.0
     config = config_cls(**{**TINY, **extra, **shape})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():  # random biases and norm weights, as in the CPU parity test
@@ -44,6 +50,15 @@ def build(family: str, folder: object) -> torch.nn.Module:
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.2)
     model.save_pretrained(folder)
     return model.cuda().eval()
+
+
+def _factors_for(scaling: dict, count: int) -> dict:
+    """LongRoPE's factors, one per rotary frequency of this shape's heads (each repeated)."""
+    stretched = dict(scaling)
+    for key in ("short_factor", "long_factor"):
+        factors = scaling[key]
+        stretched[key] = [factors[i * len(factors) // count] for i in range(count)]
+    return stretched
 
 
 def hf_greedy_top(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[set[int]]]:

@@ -164,6 +164,23 @@ def test_gemma2s_soft_capped_logprobs_are_transformers(tmp_path: Path) -> None:
     assert got == pytest.approx(wanted, abs=1e-4)
 
 
+def test_soft_capped_logits_of_a_bf16_model_keep_their_order(tmp_path: Path) -> None:
+    """Near the cap tanh flattens logits: rounded back to bf16 the top ones tie (a GPU run
+    sampled the lowest id of the ties, not transformers' argmax). They stay float32, in the
+    order of the uncapped bf16 logits."""
+    config_cls, extra = FAMILIES["gemma2"]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = LLM(str(tmp_path), dtype="bfloat16", device="cpu").runner.model
+    hidden = torch.randn(4, TINY["hidden_size"], dtype=torch.bfloat16) * 2  # logits near 3x cap
+    logits = model.compute_logits(hidden)
+    raw = model.lm_head(hidden).float()
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits.argmax(dim=-1), raw.argmax(dim=-1))
+    assert torch.equal(logits.topk(5).indices, raw.topk(5).indices)
+
+
 def _prompt_logprobs(model: transformers.PreTrainedModel, prompt: list[int]) -> list[float]:
     with torch.no_grad():
         logprobs = model(torch.tensor([prompt])).logits[0].log_softmax(dim=-1)

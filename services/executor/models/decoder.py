@@ -381,12 +381,13 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Why not float32 here: greedy argmax is the same on the model dtype, and the sampler
-        # copies to float32 where it computes probabilities.
+        # copies to float32 where it computes probabilities. Soft-capped logits stay float32:
+        # near the cap tanh flattens them, and bf16 would round the top ones into ties.
         logits = self.layout.tp.all_gather(self.lm_head(hidden))  # [N, vocab], model dtype
         if self.config.logits_scaling != 1.0:  # Granite's
             logits = logits / self.config.logits_scaling
         if (cap := self.config.final_logit_softcapping) is not None:  # Gemma 2's
-            logits = (torch.tanh(logits.float() / cap) * cap).to(logits.dtype)
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, int | None] | None:
