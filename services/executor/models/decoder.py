@@ -272,14 +272,24 @@ class DecoderLayer(nn.Module):
         and its output is normed before it joins it. Returns (the MLP's normed output, the
         stream before it), which the next layer (or the final norm) adds, as for the other
         families."""
-        # the embedding (a rank's part), or the last layer's normed MLP output (whole)
-        stream = self.tp.all_reduce(x) if residual is None else residual + x
+        # x: the embedding (a rank's part), or the last layer's normed MLP output (whole).
+        # Gemma 3's norm before a sublayer takes the add into the stream (one kernel for
+        # both, in place): its decode step is launch-bound.
+        if residual is None:
+            stream = self.tp.all_reduce(x)
+            attention_in = self.input_layernorm(stream) if self.sandwich else stream
+        elif self.sandwich:
+            attention_in, stream = self.input_layernorm(x, residual)
+        else:
+            stream = attention_in = residual + x
         if aux_out is not None:
             aux_out.copy_(stream)
-        attention_in = self.input_layernorm(stream) if self.sandwich else stream
         attended = self.self_attn(positions, attention_in, kv_cache, meta, lora)
-        stream = stream + self.post_attention_layernorm(attended, reduce=self.tp)
-        mlp_in = self.pre_feedforward_layernorm(stream) if self.sandwich else stream
+        normed = self.post_attention_layernorm(attended, reduce=self.tp)
+        if self.sandwich:
+            mlp_in, stream = self.pre_feedforward_layernorm(normed, stream)
+        else:
+            stream = mlp_in = stream + normed
         if isinstance(self.mlp, SparseMoE):
             out = self.mlp(mlp_in, meta.slot_mapping)
         else:
