@@ -68,9 +68,14 @@ def replica_gpus(config: Config) -> list[str] | None:
 
 def replica_devices(gpus: list[str] | None, replica: int, config: Config) -> dict[str, str]:
     """The environment that gives replica r GPUs r*N..(r+1)*N-1 of `gpus` (N: its ranks);
-    nothing where `replica_gpus` found none to share out."""
+    nothing where `replica_gpus` found none to share out. With prefill/decode disaggregation
+    over GPU memory (--kv-buffer-device cuda) the others follow, unused but visible: a decode
+    replica opens a prefill replica's handover slots by CUDA IPC, which needs their GPU."""
     if gpus is None:
         return {}
     ranks = config.tensor_parallel_size
     first = replica * ranks
-    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[(first + i) % len(gpus)] for i in range(ranks))}
+    own = [gpus[(first + i) % len(gpus)] for i in range(ranks)]
+    if config.prefill_replicas and config.kv_buffer_device == "cuda":
+        own += [gpu for gpu in gpus if gpu not in own]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(own)}

@@ -146,8 +146,8 @@ class EngineFields:
         "With --prefill-replicas: where a prefill replica holds the KV it hands over until a "
         "decode replica fetches it. cpu: pinned shared memory (/dev/shm), which decode "
         "replicas on the same host read; cuda: GPU memory (taken from the KV cache's share), "
-        "which decode replicas that see the same GPU copy device to device by CUDA IPC. "
-        "Others get the bytes over the socket.",
+        "which decode replicas copy device to device by CUDA IPC (the replicas `serve` starts "
+        "see every GPU, their own first). Others get the bytes over the socket.",
         ("cpu", "cuda"),
     )
     kv_buffer_size: float = option(

@@ -122,6 +122,13 @@ def test_replicas_share_gpus_where_each_ones_kv_cache_is_sized_in_bytes(monkeypa
         {"CUDA_VISIBLE_DEVICES": "4"},
         {"CUDA_VISIBLE_DEVICES": "4"},
     ]
+    # Handed over in GPU memory: each replica sees the others' GPUs too, its own first.
+    cuda = config.replace(data_parallel_size=3, kv_buffer_device="cuda")
+    assert [replica_devices(["4", "5", "6"], r, cuda) for r in range(3)] == [
+        {"CUDA_VISIBLE_DEVICES": "4,5,6"},
+        {"CUDA_VISIBLE_DEVICES": "5,4,6"},
+        {"CUDA_VISIBLE_DEVICES": "6,4,5"},
+    ]
     # The prefill replica's executor serves its KV where the decode replica's fetches it.
     addresses = launcher.config.addresses("kv_transfer_address")
     assert [a.rsplit("/", 1)[1] for a in addresses] == ["kv-transfer-0", "kv-transfer-1"]
