@@ -24,6 +24,58 @@ from pathlib import Path
 from typing import Any
 
 
+class Runs:
+    """Timed generate calls on one vLLM engine, random token ids of a seeded draw."""
+
+    def __init__(self, llm: Any, seed: int) -> None:
+        self.llm = llm
+        self.vocab = llm.llm_engine.model_config.get_vocab_size()
+        self.rng = random.Random(seed)
+
+    def prompts(self, num: int, length: int) -> list[dict[str, Any]]:
+        ids = [[self.rng.randrange(self.vocab) for _ in range(length)] for _ in range(num)]
+        return [{"prompt_token_ids": prompt} for prompt in ids]
+
+    def timed(self, num: int, length: int, max_tokens: int) -> tuple[float, int]:
+        """Seconds and output tokens of `num` prompts of `length` tokens, all at once."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False
+        )
+        batch = self.prompts(num, length)
+        start = time.perf_counter()
+        outputs = self.llm.generate(batch, params, use_tqdm=False)
+        return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def latency(runs: Runs, repeats: int) -> dict[str, Any]:
+    """Batch 1, 128 in / 256 out: the request's time and its first token's, medians."""
+    runs.timed(1, 128, 256)  # warm-up
+    full = statistics.median(runs.timed(1, 128, 256)[0] for _ in range(repeats))
+    first = statistics.median(runs.timed(1, 128, 1)[0] for _ in range(repeats))
+    return {
+        "input_len": 128,
+        "output_len": 256,
+        "request_s_median": round(full, 4),
+        "ttft_ms_median": round(1e3 * first, 3),
+        "itl_ms": round(1e3 * (full - first) / 255, 3),
+    }
+
+
+def offline(runs: Runs, num_prompts: int) -> dict[str, Any]:
+    """`num_prompts` of 512 tokens, 256 out each, all at once."""
+    runs.timed(8, 512, 16)  # warm-up for batched prefill
+    seconds, out = runs.timed(num_prompts, 512, 256)
+    return {
+        "num_prompts": num_prompts,
+        "input_len": 512,
+        "output_len": 256,
+        "seconds": round(seconds, 3),
+        "output_tok_per_s": round(out / seconds, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
@@ -35,7 +87,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     llm = LLM(
         model=args.model,
@@ -44,44 +96,11 @@ def main() -> None:
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
     )
-    engine = llm.llm_engine
-    vocab = engine.model_config.get_vocab_size()
-    rng = random.Random(args.seed)
-
-    def prompts(num: int, length: int) -> list[dict[str, Any]]:
-        ids = [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
-        return [{"prompt_token_ids": prompt} for prompt in ids]
-
-    def timed(batch: list[dict[str, Any]], max_tokens: int) -> tuple[float, int]:
-        params = SamplingParams(
-            temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=max_tokens, detokenize=False
-        )
-        start = time.perf_counter()
-        outputs = llm.generate(batch, params, use_tqdm=False)
-        return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
-
+    runs = Runs(llm, args.seed)
     report: dict[str, Any] = {"engine": "vllm", "model": args.model}
-    timed(prompts(1, 128), 256)  # warm-up
-    full = [timed(prompts(1, 128), 256)[0] for _ in range(args.repeats)]
-    first = [timed(prompts(1, 128), 1)[0] for _ in range(args.repeats)]
-    full_s, first_s = statistics.median(full), statistics.median(first)
-    report["latency"] = {
-        "input_len": 128,
-        "output_len": 256,
-        "request_s_median": round(full_s, 4),
-        "ttft_ms_median": round(1e3 * first_s, 3),
-        "itl_ms": round(1e3 * (full_s - first_s) / 255, 3),
-    }
+    report["latency"] = latency(runs, args.repeats)
     print(json.dumps(report["latency"]), flush=True)
-    timed(prompts(8, 512), 16)  # warm-up for batched prefill
-    seconds, out = timed(prompts(args.num_prompts, 512), 256)
-    report["offline"] = {
-        "num_prompts": args.num_prompts,
-        "input_len": 512,
-        "output_len": 256,
-        "seconds": round(seconds, 3),
-        "output_tok_per_s": round(out / seconds, 1),
-    }
+    report["offline"] = offline(runs, args.num_prompts)
     print(json.dumps(report["offline"]), flush=True)
     args.out.write_text(json.dumps(report, indent=1))
 

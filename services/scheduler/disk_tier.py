@@ -82,6 +82,11 @@ class DiskTier:
         self._trim()
         return block_hash in self._hashes
 
+    def touch(self, block_hash: bytes) -> None:
+        """The host tier used the hash again: the most recently used here too, if held."""
+        if block_hash in self._hashes:
+            self._hashes.move_to_end(block_hash)
+
     def fetch(
         self, request_id: str, hashes: list[bytes], reserve: Callable[[bytes], int | None]
     ) -> bool:

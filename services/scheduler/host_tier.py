@@ -57,6 +57,7 @@ class HostTier:
         from the GPU (the block is then simply gone)."""
         if block_hash in self._slots:  # already here (evicted before, restored since): same KV
             self._slots.move_to_end(block_hash)
+            self._touch_disk(block_hash)
             return True
         slot = self._take_slot()
         if slot is None:
@@ -95,6 +96,7 @@ class HostTier:
         for block_hash in hashes:
             self._slots.move_to_end(block_hash)
             self._pinned.add(self._slots[block_hash])
+            self._touch_disk(block_hash)
 
     def restore(self, block_hash: bytes, block: int) -> None:
         """Copy the entry back into GPU `block` (pinned first by `pin`)."""
@@ -108,6 +110,12 @@ class HostTier:
         copies = (self._offloads, self._onloads)
         self._offloads, self._onloads, self._pinned = [], [], set()
         return copies
+
+    def _touch_disk(self, block_hash: bytes) -> None:
+        """Used again here: recent on disk too, so that the disk's trim, which passes over
+        what this tier holds, does not scan past it."""
+        if self.disk is not None:
+            self.disk.touch(block_hash)
 
     def _take_slot(self) -> int | None:
         if self._free:

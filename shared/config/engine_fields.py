@@ -145,7 +145,8 @@ class EngineFields:
         "parallel",
         "With --prefill-replicas: where a prefill replica holds the KV it hands over until a "
         "decode replica fetches it. cpu: pinned shared memory (/dev/shm), which decode "
-        "replicas on the same host read; cuda: GPU memory (taken from the KV cache's share), "
+        "replicas on the same host read; cuda: GPU memory (out of the KV cache's share where "
+        "--gpu-memory-utilization sizes it, on top of --kv-cache-memory-bytes), "
         "which decode replicas copy device to device by CUDA IPC (the replicas `serve` starts "
         "see every GPU, their own first). Others get the bytes over the socket.",
         ("cpu", "cuda"),

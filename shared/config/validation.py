@@ -4,6 +4,7 @@ ConfigError that names the flag (`--max-num-seqs: must be >= 1`), never an asser
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -99,7 +100,8 @@ def _check_parallel(config: ConfigFields) -> None:
         "prefill_replicas",
         "must leave at least one decode replica: 0..--data-parallel-size - 1",
     )
-    require(config.kv_buffer_size > 0, "kv_buffer_size", "must be more than 0 GiB")
+    size = config.kv_buffer_size
+    require(0 < size < math.inf, "kv_buffer_size", "must be a number of GiB above 0")
     require(
         config.kv_buffer_device != "cuda" or config.device != "cpu",
         "kv_buffer_device",

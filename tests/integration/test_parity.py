@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from kernels import ops
 from kvflow import LLM, SamplingParams
 from shared.kv_groups import kv_groups
 from shared.model_config import embedded_model_path, load_model_config, resolve_model_source
@@ -80,6 +81,26 @@ def test_tiny_model_matches_transformers(tiny_model) -> None:
     # A second pass over the same prompts is served from the prefix cache.
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
     assert llm.stats().prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("tiny_model", ["gemma2", "gemma3_text", "olmo2"], indirect=True)
+def test_layers_read_nothing_the_fused_norm_overwrote(tiny_model, monkeypatch) -> None:
+    """On a GPU the fused add + norm writes both results in place of its inputs (the CPU's op
+    returns new tensors): the layers that norm after each sublayer read nothing it overwrote."""
+    reference = ops.fused_add_rms_norm
+
+    def in_place(
+        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = reference(x, residual, weight, eps)
+        x.copy_(normed)
+        residual.copy_(summed)
+        return x, residual
+
+    monkeypatch.setattr(ops, "fused_add_rms_norm", in_place)
+    family, folder, prompts, expected = tiny_model
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

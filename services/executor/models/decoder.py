@@ -273,8 +273,8 @@ class DecoderLayer(nn.Module):
         stream before it), which the next layer (or the final norm) adds, as for the other
         families."""
         # x: the embedding (a rank's part), or the last layer's normed MLP output (whole).
-        # Gemma 3's norm before a sublayer takes the add into the stream (one kernel for
-        # both, in place): its decode step is launch-bound.
+        # Gemma's norm before a sublayer takes the add into the stream (one kernel for both,
+        # in place on a GPU): its decode step is launch-bound.
         if residual is None:
             stream = self.tp.all_reduce(x)
             attention_in = self.input_layernorm(stream) if self.sandwich else stream

@@ -83,7 +83,7 @@ def _peer_buffers(
     rank, world = tp.rank, tp.size
     if world == 1 or device.type != "cuda" or world > MAX_WORLD:
         return None
-    others = [d for d in range(torch.cuda.device_count()) if d != device.index]
+    others = [d for d in range(world) if d != device.index]  # the group's: rank r on cuda:r
     try:  # any failure here is this rank's alone: agree before the collective rendezvous
         if not all(torch.cuda.can_device_access_peer(device, d) for d in others):
             raise RuntimeError("the GPUs cannot access each other's memory")

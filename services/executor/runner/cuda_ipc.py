@@ -51,10 +51,10 @@ def open_shared(shared: CudaSlots) -> torch.Tensor | None:
             shared.storage_offset,
             shared.ref_counter,
             shared.ref_counter_offset,
-            shared.event or None,
+            shared.event,
             shared.event_sync,
         )
-    except RuntimeError as exc:
+    except (RuntimeError, TypeError) as exc:
         logger.info("could not open the KV slots of GPU %s here: %s", shared.gpu_uuid, exc)
         return None
     flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)

@@ -1,7 +1,7 @@
 """The executor's half of the prefix cache's disk tier (--kv-offloading-disk-path; the scheduler
 keeps the books: services/scheduler/disk_tier.py): a directory of files, one a block, behind the
 host tier (runner/host_kv.py), written and deleted by one I/O thread in the order plans list
-them, and read by another.
+them, and read by READ_THREADS others side by side.
 
     <path>/replica<R>-rank<T>/manifest.json   what the files hold: model and weights, dtypes,
                                               block size, a slot's shape, the key scheme, the
@@ -100,7 +100,7 @@ class DiskKV:
 
     def read(self, step: int, loads: list[tuple[bytes, int]], queued: Any) -> None:
         """Read (key, host slot) pairs once `queued` (a CUDA event, or None) has passed;
-        reported with step `step`. Reads have a thread of their own: they wait behind no
+        reported with step `step`. Reads have threads of their own: they wait behind no
         write (one not on disk yet is read from its pinned copy)."""
         reads = self._reads.setdefault(step, [])
         for key, slot in loads:

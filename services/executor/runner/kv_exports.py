@@ -4,10 +4,10 @@ the forward pass of the step that completes the prompt, and serves them from a t
 decode executors that ask (shared/protocol/transfer.py; runner/kv_imports.py is the other side).
 
 The slots are a file under /dev/shm, page-locked, which decode executors on the same host map;
-or, with --kv-buffer-device cuda, GPU memory (out of the KV cache's share) that decode
-executors seeing that GPU open by CUDA IPC. Either is lent to a shared fetch until its
-release; others get the bytes over the socket. An export leaves once fetched to its end, or,
-the slots being full, oldest first (never one lent).
+or, with --kv-buffer-device cuda, GPU memory (out of the KV cache's share, where memory sizes
+it: runner/kv_cache.py) that decode executors seeing that GPU open by CUDA IPC. Either is lent
+to a shared fetch until its release; others get the bytes over the socket. An export leaves
+once fetched to its end, or, the slots being full, oldest first (never one lent).
 """
 
 from __future__ import annotations
@@ -124,6 +124,9 @@ class KVExports:
         self.pool = pool
         self.shared_file = shared_file
         self.cuda_slots = cuda_ipc.share(pool.slots) if pool.slots.is_cuda else None
+        # Slots on the GPU are copied out as bytes on a stream of their own: the compute
+        # stream's step in flight is not waited for.
+        self._stream = torch.cuda.Stream(pool.device) if pool.slots.is_cuda else None
         self._free = list(range(pool.num_slots - 1, -1, -1))  # pops the lowest: runs stay runs
         self._held: OrderedDict[str, _Export] = OrderedDict()
         self._gone: OrderedDict[str, None] = OrderedDict()
@@ -228,7 +231,14 @@ class KVExports:
                     reply.cuda_slots = self.cuda_slots
                     reply.slots = entry.slots[fetch.first : end]
                 return reply, b""
-            data = self.pool.slots[entry.slots[fetch.first : end]].cpu()  # a copy of its own
+            data = self._copied_out(entry.slots[fetch.first : end])
             if end == len(entry.slots):  # fetched to its end: done
                 self._drop(rid)
         return reply, data.numpy()
+
+    def _copied_out(self, slots: list[int]) -> torch.Tensor:
+        """The slots' bytes in this process's memory, a copy of their own."""
+        if self._stream is None:
+            return self.pool.slots[slots]
+        with torch.cuda.stream(self._stream):
+            return self.pool.slots[slots].cpu()

@@ -119,8 +119,10 @@ class KVImports:
                 if reply.block_bytes not in (0, self.pool.block_bytes):
                     reply.error = f"blocks of {reply.block_bytes} bytes; this rank's are otherwise"
                 return reply, data.buffer
-        # An answer may still come: a new socket never mistakes it for a later one's.
+        # An answer may still come: a new socket never mistakes it for a later one's. Its
+        # slots are let go (a CUDA IPC mapping would keep a gone exporter's memory).
         self._sockets.pop(source).close(linger=0)
+        self._drop_slab(source)
         self._silent_until[source] = time.monotonic() + SILENT_S
         error = f"prefill replica {source} did not answer in {FETCH_TIMEOUT_S:.0f} s"
         return KVFetchReply(error=error), b""
@@ -144,14 +146,20 @@ class KVImports:
         known = self._slabs.get(source)
         if known is not None and known[0] == key:
             return known[1]
-        if known is not None and known[1] is not None and not known[1].is_cuda:
-            unpinned(known[1])
+        self._drop_slab(source)
         if reply.cuda_slots is not None:
             slab = self._opened(reply.cuda_slots)
         else:
             slab = self._mapped(reply.shared_file)
         self._slabs[source] = (key, slab)
         return slab
+
+    def _drop_slab(self, source: int) -> None:
+        """Let go of a source's shared slots (unmapped, or their CUDA IPC mapping closed once
+        the last view goes)."""
+        known = self._slabs.pop(source, None)
+        if known is not None and known[1] is not None and not known[1].is_cuda:
+            unpinned(known[1])
 
     def _opened(self, shared: CudaSlots) -> torch.Tensor | None:
         slab = cuda_ipc.open_shared(shared) if self.pool.device.type == "cuda" else None
