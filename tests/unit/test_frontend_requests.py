@@ -155,6 +155,9 @@ def test_vllm_extras_reach_the_sampling_params() -> None:
         ({"prompt": "hi", "logit_bias": {" 1": 1}}, "logit_bias"),
         ({"prompt": "hi", "seed": 2**64 - 1, "n": 2}, "seed"),  # seed + 1 was a 500
         ({"prompt": "hi", "seed": 2**63}, "seed"),
+        ({"prompt": "hi", "stop_token_ids": [2**64]}, "stop_token_ids"),  # a 500 (fuzz)
+        ({"prompt": "hi", "priority": -(2**63) - 1}, "priority"),
+        ({"prompt": "hi", "top_k": 2**70}, "top_k"),
         ({"prompt": "hi", "stream": "yes"}, "stream"),
         ({"prompt": []}, "prompt"),
         ({"prompt": 5}, "prompt"),

@@ -19,7 +19,7 @@ import msgspec
 from services.frontend.api import responses as r
 from services.frontend.api.endpoints import CallPlan, Endpoint, Inputs, Prompt
 from services.frontend.api.errors import APIError, bad_request
-from services.frontend.api.openai_types import PromptValue, read_prompts
+from services.frontend.api.openai_types import Int64, PromptValue, read_prompts
 from services.frontend.api.sse import StreamWriter
 from services.frontend.api.validation import Served, plan_call
 from shared.pooling import PoolingConfig, check_dimensions, shorten
@@ -32,9 +32,9 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True):
     input: PromptValue = None  # a text, texts, token ids, or lists of token ids
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None  # shorter vectors, where the model allows them
+    dimensions: Int64 | None = None  # shorter vectors, where the model allows them
     user: str | None = None
-    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first
+    priority: Int64 = 0  # vLLM's: with --scheduling-policy priority, lower runs first
 
     # What the generate flow reads of every body: an embedding call never streams.
     stream = False

@@ -24,6 +24,7 @@ from services.frontend.api.openai_types import (
     ChatCompletionRequest,
     FunctionCallBody,
     FunctionDefinition,
+    Int64,
     JSONSchemaFormat,
     Message,
     NamedFunction,
@@ -44,14 +45,14 @@ class AnthropicTool(msgspec.Struct, kw_only=True):
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: int
+    max_tokens: Int64
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None

@@ -40,9 +40,11 @@ PromptValue = Annotated[
         }
     ),
 ]
-# OpenAI's seed is an int64. The n samples of a request use seed + k, which must still fit the
-# 64 bits the wire (msgpack) carries.
-Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+# Every integer a body holds goes to the other processes as msgpack, which carries 64 bits:
+# larger ones are refused here (400), not met when encoding (500). OpenAI's seed is an int64;
+# the n samples of a request use seed + k, which must still fit.
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Seed = Int64
 
 
 class StreamOptions(msgspec.Struct):
@@ -76,7 +78,7 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -86,14 +88,14 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     user: str | None = None
     seed: Seed | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int64 = 0
+    stop_token_ids: list[Int64] | None = None
     skip_special_tokens: bool = True
-    priority: int = 0  # with --scheduling-policy priority: lower runs first
+    priority: Int64 = 0  # with --scheduling-policy priority: lower runs first
     timeout: float | None = None  # seconds this request may run (at most --request-timeout)
     # Structured output (structured.py reads them): OpenAI's, then vLLM's names.
     response_format: ResponseFormat | None = None
@@ -102,7 +104,7 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs, this many top
+    prompt_logprobs: Int64 | None = None  # vLLM's: the prompt tokens' logprobs, this many top
 
     @property
     def include_usage(self) -> bool:
@@ -145,10 +147,10 @@ class GenerateBody(msgspec.Struct, kw_only=True):
 class CompletionRequest(GenerateBody, kw_only=True):
     prompt: PromptValue = None  # checked in prompts()
     suffix: str | None = None
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list of texts or token-id lists."""
@@ -206,10 +208,10 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(GenerateBody, kw_only=True):
     messages: list[Message]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     chat_template: str | None = None  # vLLM takes one; refused here (see chat_messages)
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # "none", "auto", "required" or named
@@ -272,7 +274,7 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
 
 
 class DetokenizeBody(msgspec.Struct, kw_only=True):
-    tokens: list[int]
+    tokens: list[Int64]
 
     def token_ids(self) -> list[int]:
         if not all(_is_token_id(t) for t in self.tokens):
@@ -291,7 +293,7 @@ class UnloadLoraAdapterBody(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     """POST /v1/unload_lora_adapter (vLLM's body; an id given must be the named adapter's)."""
 
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: Int64 | None = None
 
 
 def chat_message(message: Message) -> ChatMessage:

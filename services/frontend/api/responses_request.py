@@ -25,6 +25,7 @@ from services.frontend.api.openai_types import (
     ChatCompletionRequest,
     FunctionCallBody,
     FunctionDefinition,
+    Int64,
     JSONSchemaFormat,
     Message,
     NamedFunction,
@@ -68,10 +69,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     reasoning: dict[str, Any] | None = None
@@ -80,7 +81,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     conversation: Any = None
     prompt: Any = None
     include: list[str] | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: Int64 | None = None
     truncation: str | None = None
     service_tier: str | None = None
 
