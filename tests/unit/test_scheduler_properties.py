@@ -588,18 +588,7 @@ class TieredSchedulerMachine(SchedulerMachine):
     """The same machine where the KV tiers always work: a tight pool with prefix caching, a
     host tier, and a disk tier behind it (its reads missing at times)."""
 
-    @initialize(
-        num_blocks=st.integers(6, 10),
-        budget=st.integers(4, 24),
-        max_num_seqs=st.integers(1, 6),
-        max_model_len=st.integers(24, 64),
-        chunked=st.booleans(),
-        initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
-        host_blocks=st.sampled_from([1, 2, 4]),
-        disk_blocks=st.sampled_from([1, 3, 8, 30]),
-        windows=st.just((None,)),
-    )
-    def configure(  # type: ignore[override]
+    def _tiered(
         self,
         num_blocks: int,
         budget: int,
@@ -616,6 +605,18 @@ class TieredSchedulerMachine(SchedulerMachine):
             False, "fcfs", 2, host_blocks, disk_blocks, windows,
         )  # fmt: skip
 
+    configure = initialize(  # type: ignore[assignment]
+        num_blocks=st.integers(6, 10),
+        budget=st.integers(4, 24),
+        max_num_seqs=st.integers(1, 6),
+        max_model_len=st.integers(24, 64),
+        chunked=st.booleans(),
+        initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
+        host_blocks=st.sampled_from([1, 2, 4]),
+        disk_blocks=st.sampled_from([1, 3, 8, 30]),
+        windows=st.just((None,)),
+    )(_tiered)
+
 
 TieredSchedulerMachine.TestCase.settings = settings(
     derandomize=True, database=None, max_examples=100, stateful_step_count=40, deadline=None
@@ -627,7 +628,7 @@ class GroupedHostTierMachine(TieredSchedulerMachine):
     """Layer groups with a host tier large enough to restore from (without a disk tier, which
     layer groups turn off)."""
 
-    @initialize(
+    configure = initialize(
         num_blocks=st.integers(8, 16),
         budget=st.integers(4, 24),
         max_num_seqs=st.integers(1, 6),
@@ -635,23 +636,9 @@ class GroupedHostTierMachine(TieredSchedulerMachine):
         chunked=st.booleans(),
         initial_requests=st.lists(st.tuples(prompts(), request_params), min_size=1, max_size=8),
         host_blocks=st.sampled_from([4, 16, 30]),
+        disk_blocks=st.just(0),
         windows=st.sampled_from([(None, 3), (None, 6), (5, None, 2), (2, 7)]),
-    )
-    def configure(  # type: ignore[override]
-        self,
-        num_blocks: int,
-        budget: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        chunked: bool,
-        initial_requests: list[tuple[list[int], SamplingParams]],
-        host_blocks: int,
-        windows: tuple[int | None, ...],
-    ) -> None:
-        super().configure(
-            num_blocks, budget, max_num_seqs, max_model_len, chunked, initial_requests,
-            host_blocks, 0, windows,
-        )  # fmt: skip
+    )(TieredSchedulerMachine._tiered)
 
 
 GroupedHostTierMachine.TestCase.settings = settings(
