@@ -2,7 +2,7 @@
 expert, so that each expert's weights are read once per block of its tokens, and only the
 chosen experts' weights are read at all. Same math as `kernels.moe.moe_experts_reference`.
 
-1. `align` (kernels/triton_moe_route.py): the T * k pairs (token t's j-th choice is pair
+1. `align` (kernels/triton_moe_align.py): the T * k pairs (token t's j-th choice is pair
    t * k + j) sorted by expert, each expert's group padded to a multiple of BLOCK_M, and each
    block's expert. All on the device and sized for the worst case (every group padded), so
    nothing waits for the host and a CUDA graph holds it.
@@ -28,8 +28,8 @@ import triton.language as tl
 
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_fp8 import quantize_fp8_groupwise, quantize_fp8_rowwise
+from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import WeightScales, epilogue, expert_activation, moe_experts_gemv
-from kernels.triton_moe_route import align
 from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
 from kernels.triton_stages import launch_fitting
 

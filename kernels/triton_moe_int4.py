@@ -28,8 +28,8 @@ import triton.language as tl
 from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.triton_int4 import q_minus_z_pairs
 from kernels.triton_moe import block_pairs
+from kernels.triton_moe_align import align
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
-from kernels.triton_moe_route import align
 from kernels.triton_moe_tiles import GemmTiles, grouped_tiles
 from kernels.triton_stages import launch_fitting
 

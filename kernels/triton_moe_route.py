@@ -1,6 +1,6 @@
 """A mixture of experts' routing in one Triton launch: per token, the router's logits to the
-top k experts and their weights. Same math as `kernels.moe.moe_route_reference`. And `align`,
-which sorts the (token, expert) pairs by expert for kernels/triton_moe.py's grouped GEMMs.
+top k experts and their weights. Same math as `kernels.moe.moe_route_reference`. The pairs'
+sort by expert that follows is kernels/triton_moe_align.py's.
 
 The reference takes a softmax, a top-k and (renormalizing) a sum and a division: four or five
 kernels a layer, which at decode cost more than their work (48 layers of Qwen3-30B-A3B: some
@@ -16,11 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import align_reference, aligned_size
-
 MAX_EXPERTS = 1024  # a row of logits held in one program's registers
-ALIGN_KERNEL_MAX_PAIRS = 2048  # align's one-program kernel: a walk of 64 chunks (E = 128)
-ALIGN_CHUNK_VALUES = 4096  # chunk x experts comparisons a step holds (and chunk x chunk <= it)
 
 
 @triton.jit
@@ -91,66 +87,3 @@ def moe_route(
             SLOTS=slots is not None,
         )  # fmt: skip
     return weights, ids
-
-
-@triton.jit(do_not_specialize=["num_pairs", "size"])  # every count one variant
-def _align_kernel(
-    ids_ptr,  # [pairs]: each pair's expert
-    sorted_ptr,  # [size] int32
-    block_expert_ptr,  # [size / BLOCK_M] int32
-    num_pairs,
-    num_experts,
-    size,
-    BLOCK_M: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """One program walks the pairs twice, CHUNK at a time: to count each expert's, then to
-    place each after its expert's earlier ones (the order a stable sort gives)."""
-    experts = tl.arange(0, BLOCK_E)
-    lanes = tl.arange(0, CHUNK)
-    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        e = tl.load(ids_ptr + start + lanes, mask=start + lanes < num_pairs, other=-1)
-        counts += tl.sum((e.to(tl.int32)[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)  # past each expert's group; experts >= E have none
-    for start in range(0, size, CHUNK):
-        tl.store(sorted_ptr + start + lanes, num_pairs, mask=start + lanes < size)
-    for start in range(0, size // BLOCK_M, CHUNK):
-        blocks = start + lanes
-        owner = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
-        owner = tl.where(owner < num_experts, owner, -1)
-        tl.store(block_expert_ptr + blocks, owner, mask=blocks < size // BLOCK_M)
-    tl.debug_barrier()  # the empty slots are written before any pair's
-    free = ends - padded  # each expert's next slot
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + lanes
-        e = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
-        mine = e[:, None] == experts[None, :]  # [CHUNK, BLOCK_E]
-        base = tl.sum(tl.where(mine, free[None, :], 0), axis=1)
-        earlier = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(sorted_ptr + base + rank, pairs, mask=pairs < num_pairs)
-        free += tl.sum(mine.to(tl.int32), axis=0)
-
-
-def align(
-    ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:  # sorted pairs [P] int32, block experts [P / BLOCK_M]
-    """The pairs (token t's j-th choice is pair t * k + j) by expert, in pair order within
-    an expert, each expert's group padded to block_m with the pair count (no pair), and each
-    block's expert (-1 past the last group); P = aligned_size. Up to ALIGN_KERNEL_MAX_PAIRS
-    pairs (a decode step's) one launch, past them the torch reference's dozen."""
-    num_pairs = ids.numel()
-    if num_pairs > ALIGN_KERNEL_MAX_PAIRS or num_experts > MAX_EXPERTS:
-        return align_reference(ids, num_experts, block_m)
-    size = aligned_size(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(size, dtype=torch.int32, device=ids.device)
-    block_experts = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
-    block_e = triton.next_power_of_2(num_experts)
-    _align_kernel[(1,)](
-        ids.contiguous(), sorted_pairs, block_experts, num_pairs, num_experts, size,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=min(64, max(16, ALIGN_CHUNK_VALUES // block_e)),
-    )  # fmt: skip
-    return sorted_pairs, block_experts

@@ -1,6 +1,7 @@
 """Where a MoE layer's time goes (GPU): each kernel's device time at several token counts, at
 Qwen3-30B-A3B's layer shape, bf16 and FP8 experts; and `align` three ways at the pair counts
-where they meet (one program, many programs, the torch reference):
+where they meet (one program, three parallel launches, the torch reference: the bound between
+the first two, kernels/triton_moe_align.ONE_PROGRAM_MAX_PAIRS, is to be set from it):
 
     python3 -m sweeps.moe_profile --out moe_profile.json
 """
@@ -17,10 +18,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 
-from kernels import ops
+from kernels import ops, triton_moe_align
 from kernels.fp8 import quantize_fp8_rowwise_reference
 from kernels.moe import align_reference
-from kernels.triton_moe_route import align
+from kernels.triton_moe_align import ONE_PROGRAM_MAX_PAIRS, align
 
 NUM_E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 
@@ -69,15 +70,18 @@ def main() -> None:
 
         result["layers"][tokens] = {"bf16": kernel_us(bf16), "fp8": kernel_us(fp8_experts)}
         print(tokens, json.dumps(result["layers"][tokens]), flush=True)
-    for pairs in (512, 2048, 8192):
+    for pairs in (512, 2048, 8192, 32768):
         ids = torch.randint(0, NUM_E, (pairs // TOP_K, TOP_K), device="cuda", generator=gen)
         row: dict[str, Any] = {"pairs": pairs}
-        for name, fn in (("one_program", align), 
-                         ("torch", align_reference)):  # fmt: skip
-            if name == "one_program" and pairs > 2048:
-                continue
+        for name, bound in (("one_program", 1 << 30), ("parallel", 0), ("torch", None)):
+            if name == "one_program" and pairs > 8192:
+                continue  # one program's walk: far slower by then
+            if bound is not None:
+                triton_moe_align.ONE_PROGRAM_MAX_PAIRS = bound
+            fn = align if bound is not None else align_reference
             ms = do_bench(lambda fn=fn, ids=ids: fn(ids, NUM_E, 16), rep=50)
             row[name] = round(1000 * ms, 1)
+        triton_moe_align.ONE_PROGRAM_MAX_PAIRS = ONE_PROGRAM_MAX_PAIRS
         result["align"].append(row)
         print(row, flush=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernels import triton_moe_align
 from kernels.moe import (
     ClampedSwiglu,
     ExpertBiases,
@@ -17,7 +18,8 @@ from kernels.moe import (
     moe_route_reference,
 )
 from kernels.triton_moe import moe_experts, moe_experts_grouped, uses_gemv
-from kernels.triton_moe_route import align, moe_route
+from kernels.triton_moe_align import align
+from kernels.triton_moe_route import moe_route
 from kernels.triton_moe_tiles import GROUPED_TILES, GROUPED_TILES_FP8, grouped_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,13 +45,28 @@ def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize(
-    ("tokens", "experts", "top_k"), [(1, 4, 2), (9, 6, 3), (40, 8, 2), (64, 128, 8)]
+    ("tokens", "experts", "top_k", "one_program"),
+    [
+        (1, 4, 2, True),
+        (9, 6, 3, True),
+        (40, 8, 2, True),
+        (64, 128, 8, True),
+        (1, 4, 2, False),  # more blocks than pairs: the place kernel's programs past the pairs
+        (40, 8, 2, False),
+        (70, 60, 4, False),  # E not a power of two
+        (600, 128, 8, False),  # 4,800 pairs: 75 chunks, two steps of the scan
+    ],
 )
-def test_align_puts_each_pair_once_in_its_experts_block(tokens: int, experts: int, top_k: int):
+def test_align_puts_each_pair_once_in_its_experts_block(
+    tokens: int, experts: int, top_k: int, one_program: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _, ids = routed(tokens, experts, top_k, seed=tokens)
+    num_pairs = tokens * top_k
+    bound = triton_moe_align.ONE_PROGRAM_MAX_PAIRS if one_program else 0
+    assert (num_pairs <= bound) == one_program
+    monkeypatch.setattr(triton_moe_align, "ONE_PROGRAM_MAX_PAIRS", bound)
     block_m = 16
     sorted_pairs, block_experts = align(ids, experts, block_m)
-    num_pairs = tokens * top_k
     pairs = sorted_pairs.cpu().view(-1, block_m)
     owners = block_experts.cpu()
     seen = []
@@ -61,7 +78,7 @@ def test_align_puts_each_pair_once_in_its_experts_block(tokens: int, experts: in
         seen += real
     assert sorted(seen) == list(range(num_pairs))
     assert owners[owners >= 0].diff().ge(0).all()  # groups in expert order
-    # The one-launch kernel lays the pairs out as the reference does.
+    # Both kernels lay the pairs out as the reference does (no atomics: the same every run).
     in_torch = align_reference(ids, experts, block_m)
     assert torch.equal(sorted_pairs, in_torch[0]) and torch.equal(block_experts, in_torch[1])
 
