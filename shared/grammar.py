@@ -18,8 +18,6 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-import llguidance
-import llguidance.hf
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
@@ -141,6 +139,8 @@ def llg_tokenizer(
     `vocab_size`: the model's, when its lm_head has more rows than the tokenizer has tokens
     (masks are that wide; the extra ids are never allowed). Takes ~0.3-1 s: made once.
     """
+    import llguidance.hf  # here: it imports transformers (half a second of a process's start)
+
     start = time.perf_counter()
     n_vocab = max(vocab_size or 0, len(hf_tokenizer))
     tokenizer = llguidance.hf.from_tokenizer(

@@ -17,12 +17,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
-
-import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any, cast
 
 from shared.model_config import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -33,6 +33,10 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase | None:
     """The tokenizer for `source`, or None when it ships none (dummy presets). `override`: the
     --tokenizer; `cache_dir`: where a GGUF file's converted tokenizer is kept ("": nowhere)."""
+    # Imported here: transformers (and torch under it) is a second of a process's start, and
+    # the executor loads a tokenizer only for its first grammar.
+    from transformers import AutoTokenizer
+
     start = time.perf_counter()
     path = Path(override) if override else source.path
     if path.suffix == ".gguf":
@@ -48,6 +52,8 @@ def load_tokenizer(
 def _gguf_tokenizer(path: Path, cache_dir: str) -> tuple[PreTrainedTokenizerBase, Path]:
     """The GGUF file's tokenizer, and where it was read: the cached conversion if there is
     one, else the file (and the conversion is cached)."""
+    from transformers import AutoTokenizer
+
     folder = _cached_folder(path, cache_dir)
     if folder is not None and folder.is_dir():
         return AutoTokenizer.from_pretrained(str(folder)), folder
@@ -60,6 +66,8 @@ def _gguf_tokenizer(path: Path, cache_dir: str) -> tuple[PreTrainedTokenizerBase
 def _cached_folder(path: Path, cache_dir: str) -> Path | None:
     if not cache_dir:
         return None
+    import transformers
+
     stat = path.stat()
     identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
     digest = hashlib.sha256(identity.encode()).hexdigest()[:24]
