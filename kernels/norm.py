@@ -1,4 +1,4 @@
-"""RMSNorm, plain and fused with the residual add."""
+"""RMSNorm, plain and fused with the residual add (and with a norm of the added row before it)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def fused_add_rms_norm_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = x + residual)
     residual = x + residual
     return rms_norm_reference(residual, weight, eps), residual
+
+
+def fused_norm_add_rms_norm_reference(
+    x: torch.Tensor,  # [num_tokens, hidden]: a sublayer's output
+    residual: torch.Tensor,  # [num_tokens, hidden]
+    x_weight: torch.Tensor,  # [hidden]: x's own norm (Gemma's norm after a sublayer)
+    weight: torch.Tensor,  # [hidden]: the sum's norm (the next sublayer's, before it)
+    eps: float,  # both norms'
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normed, new residual = rms_norm(x) + residual)
+    """Gemma's two norms between sublayers: x normed, added to the residual stream, the sum
+    normed for the next sublayer."""
+    return fused_add_rms_norm_reference(rms_norm_reference(x, x_weight, eps), residual, weight, eps)
 
 
 def rms_norm_fp8_reference(

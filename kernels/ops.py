@@ -38,6 +38,7 @@ from kernels.moe import (
 from kernels.norm import (
     fused_add_rms_norm_fp8_reference,
     fused_add_rms_norm_reference,
+    fused_norm_add_rms_norm_reference,
     rms_norm_fp8_reference,
     rms_norm_reference,
 )
@@ -140,6 +141,22 @@ def fused_add_rms_norm(
     module = _triton("norm", x)
     kernel = module.fused_add_rms_norm if module is not None else fused_add_rms_norm_reference
     return kernel(x, residual, weight, eps)
+
+
+def fused_norm_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    x_weight: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed, rms_norm(x, x_weight) + residual): Gemma's two norms between sublayers in one
+    launch; the Triton version writes both in place of its inputs."""
+    module = _triton("norm", x)
+    kernel = (
+        module.fused_norm_add_rms_norm if module is not None else fused_norm_add_rms_norm_reference
+    )
+    return kernel(x, residual, x_weight, weight, eps)
 
 
 def all_reduce_add_rms_norm(

@@ -13,7 +13,8 @@ output ([T, H, D] with stride(0) = (H + 2 KV) * D) are normalised where they lie
 
 `fused_add_rms_norm` works in place (residual <- x + residual, x <- norm(residual)) because the
 decoder drops both inputs right after the call: no allocation, and the sum is normalised while
-still in registers instead of being written out and read back.
+still in registers instead of being written out and read back. `fused_norm_add_rms_norm` norms
+x first (Gemma's norm after a sublayer, then the next one's before it: one launch for two).
 
 The `_fp8` variants feed an FP8 layer (`kernels.fp8.Fp8Rows`): the normed row, rounded to its
 dtype as the plain kernel stores it, is quantized per token while still in registers, so the
@@ -42,6 +43,7 @@ def _rms_norm_kernel(
     residual_ptr,  # [outer, inner, hidden], read and written only when HAS_RESIDUAL
     out_ptr,  # [outer, inner, hidden], may be x_ptr itself; float8e4nv with FP8_OUT
     weight_ptr,  # [hidden]
+    x_weight_ptr,  # [hidden] with NORM_X: x's own norm, before the add
     scale_ptr,  # [outer * inner] float32 with FP8_OUT: each row's scale
     static_scale_ptr,  # [1] float32 with STATIC_SCALE: the layer's calibrated scale
     num_rows,  # outer * inner
@@ -55,6 +57,7 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    NORM_X: tl.constexpr,  # x normed (by x_weight) before the add
     FP8_OUT: tl.constexpr,  # quantize each row (e4m3) instead of storing it
     STATIC_SCALE: tl.constexpr,  # by the static scale, not per token
     BLOCK_ROWS: tl.constexpr,
@@ -70,6 +73,8 @@ def _rms_norm_kernel(
     inner = rows % inner_rows
     x_offs = (outer * stride_x_outer + inner * stride_x_inner)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)  # [R, N] in x's dtype
+    if NORM_X:
+        x = _normed(x, x_weight_ptr, cols, col_ok, hidden, eps).to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         res_offs = (outer * stride_res_outer + inner * stride_res_inner)[:, None] + cols[None, :]
         res = tl.load(residual_ptr + res_offs, mask=mask, other=0.0)
@@ -77,11 +82,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + res.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_ptr + res_offs, x, mask=mask)
 
-    x32 = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / hidden + eps)  # [R]; padding columns add 0
-    normed = (x32 * rstd[:, None]).to(x_ptr.dtype.element_ty)  # the reference's rounding point
-    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [N]
-    out = normed.to(tl.float32) * weight[None, :]
+    out = _normed(x, weight_ptr, cols, col_ok, hidden, eps)
     out_offs = (outer * stride_out_outer + inner * stride_out_inner)[:, None] + cols[None, :]
     if FP8_OUT:
         # As kernels.fp8.quantize_fp8_rowwise_reference on the row the plain kernel stores.
@@ -93,6 +94,17 @@ def _rms_norm_kernel(
         tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
         out = to_e4m3(out / scale[:, None])
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normed(x, weight_ptr, cols, col_ok, hidden, eps):
+    """Rows x [R, N] normed, rounded to x's dtype (the reference's rounding point), times the
+    weight: float32."""
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / hidden + eps)  # [R]; padding columns add 0
+    normed = (x32 * rstd[:, None]).to(x.dtype)
+    weight = tl.load(weight_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)  # [N]
+    return normed.to(tl.float32) * weight[None, :]
 
 
 def rms_norm(
@@ -117,6 +129,7 @@ def fused_add_rms_norm(
     residual: torch.Tensor,  # [..., hidden], overwritten with x + residual
     weight: torch.Tensor,  # [hidden]
     eps: float,
+    x_weight: torch.Tensor | None = None,  # [hidden]: x normed by it first (the one above)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual): the inputs themselves, updated
     """In place: residual <- x + residual, then x <- rms_norm(residual) in x's dtype."""
     if x.shape != residual.shape or x.dtype != residual.dtype:
@@ -130,10 +143,22 @@ def fused_add_rms_norm(
         # NOTE: odd layouts run on contiguous copies that are copied back, which keeps the
         # in-place contract; the decoder's activations are contiguous, so this path is cold.
         x_copy, res_copy = x.contiguous(), residual.contiguous()
-        fused_add_rms_norm(x_copy, res_copy, weight, eps)
+        fused_add_rms_norm(x_copy, res_copy, weight, eps, x_weight)
         return x.copy_(x_copy), residual.copy_(res_copy)
-    _launch(x_rows, res_rows, x_rows, weight, eps)
+    _launch(x_rows, res_rows, x_rows, weight, eps, x_weight=x_weight)
     return x, residual
+
+
+def fused_norm_add_rms_norm(
+    x: torch.Tensor,  # [..., hidden], overwritten with the normed sum
+    residual: torch.Tensor,  # [..., hidden], overwritten with rms_norm(x) + residual
+    x_weight: torch.Tensor,  # [hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x, residual): the inputs themselves, updated
+    """In place: residual <- rms_norm(x, x_weight) + residual, then x <- rms_norm(residual)."""
+    _check_weight(x, x_weight)
+    return fused_add_rms_norm(x, residual, weight, eps, x_weight)
 
 
 def rms_norm_fp8(
@@ -215,6 +240,7 @@ def _launch(
     eps: float,
     # quantize into `out` (FP8): the rows' scales [outer * inner] to write, and a static one
     fp8_scales: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    x_weight: torch.Tensor | None = None,  # [hidden]: x normed by it before the add
 ) -> None:
     outer, inner, hidden = x.shape
     num_rows = outer * inner
@@ -235,6 +261,7 @@ def _launch(
         res,
         out,
         weight.contiguous(),
+        x_weight.contiguous() if x_weight is not None else weight,  # read with NORM_X only
         scale if scale is not None else weight,  # never dereferenced without FP8_OUT
         static if static is not None else weight,  # nor without STATIC_SCALE
         num_rows,
@@ -248,6 +275,7 @@ def _launch(
         hidden,
         eps,
         HAS_RESIDUAL=residual is not None,
+        NORM_X=x_weight is not None,
         FP8_OUT=scale is not None,
         STATIC_SCALE=static is not None,
         BLOCK_ROWS=block_rows,

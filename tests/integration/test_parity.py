@@ -8,7 +8,9 @@ prefix caching, small prefill chunks, and a KV pool so small that requests get p
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import pytest
@@ -87,22 +89,27 @@ def test_tiny_model_matches_transformers(tiny_model) -> None:
 
 @pytest.mark.parametrize("tiny_model", ["gemma2", "gemma3_text", "olmo2"], indirect=True)
 def test_layers_read_nothing_the_fused_norm_overwrote(tiny_model, monkeypatch) -> None:
-    """On a GPU the fused add + norm writes both results in place of its inputs (the CPU's op
-    returns new tensors): the layers that norm after each sublayer read nothing it overwrote."""
-    reference = ops.fused_add_rms_norm
+    """On a GPU the fused norms write both results in place of their inputs (the CPU's ops
+    return new tensors): the layers that norm after each sublayer read nothing they overwrote."""
+    for name in ("fused_add_rms_norm", "fused_norm_add_rms_norm"):
+        monkeypatch.setattr(ops, name, _in_place(getattr(ops, name)))
+    family, folder, prompts, expected = tiny_model
+    llm = LLM(str(folder), dtype="float32", device="cpu")
+    assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
+
+
+def _in_place(reference: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:
+    """`reference` (x, residual, ...) -> (normed, sum), writing both into its first two inputs."""
 
     def in_place(
-        x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+        x: torch.Tensor, residual: torch.Tensor, *weights: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, summed = reference(x, residual, weight, eps)
+        normed, summed = reference(x, residual, *weights)
         x.copy_(normed)
         residual.copy_(summed)
         return x, residual
 
-    monkeypatch.setattr(ops, "fused_add_rms_norm", in_place)
-    family, folder, prompts, expected = tiny_model
-    llm = LLM(str(folder), dtype="float32", device="cpu")
-    assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
+    return in_place
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

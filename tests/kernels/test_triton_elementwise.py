@@ -19,9 +19,13 @@ from kernels.activation import (
     gelu_tanh_and_mul_reference,
     silu_and_mul_reference,
 )
-from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from kernels.norm import (
+    fused_add_rms_norm_reference,
+    fused_norm_add_rms_norm_reference,
+    rms_norm_reference,
+)
 from kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_and_mul_fp8, silu_and_mul
-from kernels.triton_norm import fused_add_rms_norm, rms_norm
+from kernels.triton_norm import fused_add_rms_norm, fused_norm_add_rms_norm, rms_norm
 from tests.kernels.test_triton_fp8 import assert_close_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -125,6 +129,21 @@ def test_fused_add_rms_norm_odd_layout_keeps_in_place_contract() -> None:
     torch.testing.assert_close(normed, expected[0], **TIGHT)
 
 
+def test_fused_norm_add_rms_norm_in_place() -> None:
+    """Gemma's norm after a sublayer and the next one's before it, in one launch (float32:
+    the interpreter rounds bf16 otherwise than torch; the GPU test below takes bf16)."""
+    gen = torch.Generator().manual_seed(5)
+    x, residual = randn(5, 96, gen=gen), randn(5, 96, gen=gen)
+    x_weight, weight = randn(96, gen=gen), randn(96, gen=gen)
+    expected = fused_norm_add_rms_norm_reference(x.clone(), residual.clone(), x_weight, weight, EPS)
+    unnormed = fused_add_rms_norm_reference(x.clone(), residual.clone(), weight, EPS)
+    assert not torch.allclose(expected[1], unnormed[1])  # x's own norm changes the sum
+    normed, new_residual = fused_norm_add_rms_norm(x, residual, x_weight, weight, EPS)
+    assert normed is x and new_residual is residual
+    torch.testing.assert_close(new_residual, expected[1], **TIGHT)
+    torch.testing.assert_close(normed, expected[0], **TIGHT)
+
+
 # --- SiLU-and-mul ------------------------------------------------------------------------------
 
 
@@ -178,6 +197,21 @@ def test_gpu_norms(dtype: torch.dtype) -> None:
     for view in (q, k):
         out = rms_norm(view, head_weight, EPS)
         assert rel_error(out, rms_norm_reference(view, head_weight, EPS)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 96])
+def test_gpu_fused_norm_add_rms_norm(num_tokens: int) -> None:
+    """At Gemma-3-12B's hidden size (3840), bf16."""
+    gen = torch.Generator().manual_seed(11)
+    bf16 = torch.bfloat16
+    x, residual = (randn(num_tokens, 3840, gen=gen, dtype=bf16) for _ in range(2))
+    x_weight, weight = (randn(3840, gen=gen, dtype=bf16) for _ in range(2))
+    expected = fused_norm_add_rms_norm_reference(x.clone(), residual.clone(), x_weight, weight, EPS)
+    normed, new_residual = fused_norm_add_rms_norm(x, residual, x_weight, weight, EPS)
+    assert rel_error(new_residual, expected[1]) < 1e-2
+    assert rel_error(normed, expected[0]) < 1e-2
 
 
 @pytest.mark.gpu

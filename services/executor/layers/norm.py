@@ -51,6 +51,16 @@ class RMSNorm(nn.Module):
         x = reduce.all_reduce(x)
         return self._norm(x, feeds), x
 
+    def after(
+        self, x_norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, reduce: TensorParallel
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of residual + x_norm(x), that sum): Gemma's norm after a sublayer and the
+        next one's before it, in one kernel (with `reduce`, x is a rank's part of its sum)."""
+        if x_norm.eps != self.eps:
+            raise ValueError(f"norms of eps {x_norm.eps} and {self.eps} cannot run as one")
+        x = reduce.all_reduce(x)
+        return ops.fused_norm_add_rms_norm(x, residual, x_norm.weight, self.weight, self.eps)
+
     def _norm(self, x: torch.Tensor, feeds: Linear | None) -> Activation:
         fp8_layer = _fp8_layer(feeds)
         if fp8_layer is None:

@@ -217,6 +217,9 @@ class DecoderLayer(nn.Module):
         if not cfg.post_norms:  # all but OLMo 2
             self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich = cfg.sandwich_norms
+        # Gemma's: the norm of the last layer's output, which this layer's first kernel applies
+        # (`follow`; held in a tuple: it is the last layer's module, not this one's).
+        self.entry_norm: tuple[RMSNorm, ...] = ()
         self.self_attn = Attention(layout, rotary, method, kv_scales, window=window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(layout, experts) if sparse else GatedMLP(layout, method)
@@ -272,29 +275,38 @@ class DecoderLayer(nn.Module):
         and its output is normed before it joins it. Returns (the MLP's normed output, the
         stream before it), which the next layer (or the final norm) adds, as for the other
         families."""
-        # x: the embedding (a rank's part), or the last layer's normed MLP output (whole).
-        # Gemma's norm before a sublayer takes the add into the stream (one kernel for both,
-        # in place on a GPU): its decode step is launch-bound.
+        # x: the embedding (a rank's part), or the last layer's MLP output: OLMo 2's normed
+        # (whole), Gemma's not yet (a rank's part). Gemma's norms between sublayers run as one
+        # kernel with the add into the stream (`RMSNorm.after`): its decode is launch-bound.
         if residual is None:
             stream = self.tp.all_reduce(x)
             attention_in = self.input_layernorm(stream) if self.sandwich else stream
         elif self.sandwich:
-            attention_in, stream = self.input_layernorm(x, residual)
+            last_output = self.entry_norm[0]
+            attention_in, stream = self.input_layernorm.after(last_output, x, residual, self.tp)
         else:
             stream = attention_in = residual + x
         if aux_out is not None:
             aux_out.copy_(stream)
         attended = self.self_attn(positions, attention_in, kv_cache, meta, lora)
-        normed = self.post_attention_layernorm(attended, reduce=self.tp)
         if self.sandwich:
-            mlp_in, stream = self.pre_feedforward_layernorm(normed, stream)
+            after_attention = self.post_attention_layernorm
+            mlp_in, stream = self.pre_feedforward_layernorm.after(
+                after_attention, attended, stream, self.tp
+            )
         else:
-            stream = mlp_in = stream + normed
+            stream = mlp_in = stream + self.post_attention_layernorm(attended, reduce=self.tp)
         if isinstance(self.mlp, SparseMoE):
             out = self.mlp(mlp_in, meta.slot_mapping)
         else:
             out = self.mlp(mlp_in, lora)
+        if self.sandwich:  # normed by the next layer's first kernel, or with the final norm
+            return out, stream
         return self.post_feedforward_layernorm(out, reduce=self.tp), stream
+
+    def follow(self, before: DecoderLayer) -> None:
+        """Take the layer before's output unnormed (Gemma's: see `entry_norm`)."""
+        self.entry_norm = (before.post_feedforward_layernorm,)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -329,6 +341,9 @@ class DecoderForCausalLM(nn.Module):
             for i in range(cfg.num_layers)
         )  # fmt: skip
         self.layers = nn.ModuleList(layers)
+        if cfg.sandwich_norms:
+            for before, layer in zip(self.layers, self.layers[1:], strict=False):
+                layer.follow(before)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         vocab = layout.vocab_parallel()
         self.lm_head = Linear(cfg.hidden_size, layout.vocab_rows, sharding=vocab)
@@ -375,10 +390,12 @@ class DecoderForCausalLM(nn.Module):
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             aux = self._aux_columns(index, len(input_ids))
             x, residual = layer(positions, x, residual, kv_cache, meta, lora, aux)
-        # OLMo 2's and Gemma 3's layers end with their output whole: no ranks' parts to add up
-        whole = self.config.post_norms or self.config.sandwich_norms
-        reduce = ONE_RANK if whole else self.layout.tp
-        x, _ = self.norm(x, residual, reduce=reduce)
+        if self.config.sandwich_norms:  # the last layer's output norm, then the final one
+            x, _ = self.norm.after(self.layers[-1].post_feedforward_layernorm, x, residual,
+                                   self.layout.tp)  # fmt: skip
+            return x
+        # OLMo 2's layers end with their output whole: no ranks' parts to add up
+        x, _ = self.norm(x, residual, reduce=ONE_RANK if self.config.post_norms else self.layout.tp)
         return x
 
     def _aux_columns(self, layer: int, num_tokens: int) -> torch.Tensor | None:
