@@ -11,9 +11,13 @@ A prefix found on disk comes back in two hops, never on the step that needs it:
 
     plan k     disk -> host slot    the waiting request is not admitted; its hashes' files
                                     are read into host slots it reserves, on the executor's
-                                    I/O thread while the GPU runs step k
-    report k   each read is good (checksum) or a miss: good ones join the host tier
-    plan k+n   host slot -> GPU     the request is admitted with host-tier hits, as any other
+                                    I/O threads while the GPU runs step k and those after
+    report j   each read is good (checksum) or a miss, reported with the first step collected
+               once it is done (j >= k): good ones join the host tier
+    plan j+n   host slot -> GPU     the request is admitted with host-tier hits, as any other
+
+While reads are out every plan runs (`reading`: its copies are sent even when empty), so that
+an engine with nothing else to do still collects steps, and their reports.
 
 A read that fails (the file is gone or corrupted) is a miss and nothing else: the request
 computes those blocks. A hash being read is not evicted from the books.
@@ -106,6 +110,10 @@ class DiskTier:
         if waiting:
             self._waiting[request_id] = waiting
         return bool(waiting)
+
+    def reading(self) -> bool:
+        """Whether reads are out, not reported yet."""
+        return bool(self._loading)
 
     def waits(self, request_id: str) -> bool:
         """Whether the request waits for reads it started (it is not admitted until then)."""

@@ -346,11 +346,13 @@ class KVCacheManager:
             return None
         offloads, onloads = self.host.take_copies()
         copies = HostCopies(offloads=offloads, onloads=onloads)
-        if self.host.disk is not None:
-            deletes, stores, loads = self.host.disk.take_copies()
-            copies.disk_deletes, copies.disk_stores, copies.disk_loads = deletes, stores, loads
-            copies.disk_direct = self.host.disk.take_direct()
-        return copies if any(msgspec.structs.astuple(copies)) else None
+        disk = self.host.disk
+        if disk is not None:
+            copies.disk_deletes, copies.disk_stores, copies.disk_loads = disk.take_copies()
+            copies.disk_direct = disk.take_direct()
+        # Empty copies too while reads are out: the plan runs, and its step reports them.
+        reading = disk is not None and disk.reading()
+        return copies if reading or any(msgspec.structs.astuple(copies)) else None
 
     def _lost(self, block_hash: bytes) -> None:
         """A tier dropped a hash: gone from this engine unless the GPU or another tier holds

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,8 @@ def test_the_directory_keeps_whole_files_only(tmp_path: Path) -> None:
     keys = [bytes([1]) * 32, bytes([2]) * 32]
     disk.write(keys, rows, None)
     (tmp_path / f"{bytes([3]).hex() * 32}.tmp").write_bytes(b"half a write")
-    disk.read(7, [(keys[1], 0), (keys[0], 2), (bytes([4]) * 32, 1)], None)
-    assert disk.report(7) == ([keys[1], keys[0]], [bytes([4]) * 32])
+    disk.read([(keys[1], 0), (keys[0], 2), (bytes([4]) * 32, 1)], None)
+    assert reported(disk, 3) == ({keys[1], keys[0]}, {bytes([4]) * 32})
     assert torch.equal(slots[0], rows[1]) and torch.equal(slots[2], rows[0])
     assert disk.held() == keys
     with pytest.raises(RuntimeError, match="in use by another engine"):
@@ -134,6 +135,49 @@ def test_the_directory_keeps_whole_files_only(tmp_path: Path) -> None:
     again.delete([keys[0]])
     assert again.held() == [keys[1]]
     again.close()
+
+
+def reported(disk: DiskKV, count: int) -> tuple[set[bytes], set[bytes]]:
+    """The (read, missed) keys of the next `count` reads, reported by steps that ran nothing
+    else (each waits for one)."""
+    loaded: set[bytes] = set()
+    failed: set[bytes] = set()
+    while len(loaded) + len(failed) < count:
+        done, missed = disk.report(idle=True)
+        loaded.update(done)
+        failed.update(missed)
+    return loaded, failed
+
+
+class Gate:
+    """Stands for the CUDA event a read waits for (the device's earlier work on its slot):
+    the read starts once the test opens it."""
+
+    def __init__(self) -> None:
+        self.open = threading.Event()
+
+    def synchronize(self) -> None:
+        self.open.wait()
+
+
+def test_a_read_is_reported_with_the_first_step_after_it_is_done(tmp_path: Path) -> None:
+    """A step that computed rows does not wait for a read still out (nothing of the read holds
+    up other requests' tokens); it comes with a later step's report, once done; a step that
+    ran nothing else waits for it."""
+    slots = torch.zeros(2, 8, dtype=torch.uint8)
+    disk = DiskKV(tmp_path, {"model": "x"}, slots)
+    rows, key = torch.arange(8, dtype=torch.uint8)[None], bytes([9]) * 32
+    disk.write([key], rows, None)
+    disk.drain()
+    gate = Gate()
+    disk.read([(key, 1)], gate)
+    assert disk.report() == ([], [])  # a step with rows: not done, not waited for
+    assert disk.report() == ([], [])
+    gate.open.set()
+    assert reported(disk, 1) == ({key}, set())
+    assert torch.equal(slots[1], rows[0])
+    assert disk.report(idle=True) == ([], [])  # nothing out: an idle step does not wait
+    disk.close()
 
 
 def test_the_multi_turn_bench_counts_the_disk_reads(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ the scheduler, a plan with more adapters than slots, or a leaked block all fail 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -188,6 +189,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.host_slots: dict[int, list[tuple[int, int] | None]] = {}
         # the disk tier's files: block hash -> what the host slot written held
         self.disk_files: dict[bytes, list[tuple[int, int] | None]] = {}
+        # reads not reported yet, oldest first: (hash, host slot, what the file held or None)
+        self.disk_out: list[tuple[bytes, int, list[tuple[int, int] | None] | None]] = []
         # Handovers: an export's blocks as (adapter, token id) at each offset, by request id;
         # and which export each continuing request imports from.
         self.exports: dict[str, list[list[tuple[int, int]]]] = {}
@@ -299,9 +302,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for index in range(num_steps):
             last = index == num_steps - 1
             before_update = abort_one if abort_in_flight and last else lambda plan: None
-            self.run_step(
-                lambda: data.draw(sampled_tokens), before_update, lambda: data.draw(st.booleans())
-            )
+            drawn = lambda: data.draw(st.booleans())  # noqa: E731
+            self.run_step(lambda: data.draw(sampled_tokens), before_update, drawn, drawn)
             if self.handed_over and data.draw(st.booleans()):  # as the tokenizer worker would
                 self.continue_handed_over(data)
 
@@ -325,11 +327,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         draw_token: Callable[[], int],
         before_update: Callable[[SchedulerOutput], None] = lambda plan: None,
         fetch_fails: Callable[[], bool] = lambda: False,
+        read_late: Callable[[], bool] = lambda: False,  # a disk read still out at the report
     ) -> None:
         plan = self.scheduler.schedule()
         self.check_plan(plan)
         failed = self.import_blocks(plan, fetch_fails)
-        loaded, missed = self.read_disk(plan, fetch_fails)
+        loaded, missed = self.read_disk(plan, fetch_fails, read_late)
         sampled = self.execute(plan, draw_token, failed)
         self.export_blocks(plan)  # after the step's forward pass
         before_update(plan)
@@ -432,23 +435,32 @@ class SchedulerMachine(RuleBasedStateMachine):
         return sampled
 
     def read_disk(
-        self, plan: SchedulerOutput, fails: Callable[[], bool]
+        self, plan: SchedulerOutput, fails: Callable[[], bool], late: Callable[[], bool]
     ) -> tuple[list[bytes], list[bytes]]:
         """The disk tier's deletes, then its reads into host slots (a file gone, or one that
-        fails its checksum: a miss, the slot holding garbage)."""
+        fails its checksum: a miss, the slot holding garbage); and the reads done by the
+        report: a read may still be out (`late`), but a step that ran no rows reports one."""
         copies = plan.host_copies
-        if copies is None:
-            return [], []
-        for block_hash in copies.disk_deletes:
-            assert self.disk_files.pop(block_hash, None) is not None, "deletes a file not written"
+        if copies is not None:
+            for block_hash in copies.disk_deletes:
+                assert self.disk_files.pop(block_hash, None) is not None, "an unwritten file"
+            for block_hash, slot in copies.disk_loads:
+                held = self.disk_files.get(block_hash)
+                corrupted = block_hash[0] % 4 == 0 or fails()  # a quarter of the files, or drawn
+                self.disk_out.append((block_hash, slot, None if corrupted else held))
+        done = [read for read in self.disk_out if not late()]
+        if not done and self.disk_out and not plan.num_scheduled_tokens:
+            done = self.disk_out[:1]
+            event("an idle step waits for a disk read")
         loaded, missed = [], []
-        for block_hash, slot in copies.disk_loads:
-            held = self.disk_files.get(block_hash)
-            corrupted = block_hash[0] % 4 == 0 or fails()  # a quarter of the files, or drawn
-            good = held is not None and not corrupted
-            self.host_slots[slot] = held if good else [(-1, -1)] * BLOCK_SIZE  # type: ignore[assignment]
-            (loaded if good else missed).append(block_hash)
-            event("read from the disk tier" if good else "a disk tier miss")
+        for read in done:
+            self.disk_out.remove(read)
+            block_hash, slot, held = read
+            self.host_slots[slot] = held or [(-1, -1)] * BLOCK_SIZE  # type: ignore[list-item]
+            (loaded if held is not None else missed).append(block_hash)
+            event("read from the disk tier" if held is not None else "a disk tier miss")
+        if len(done) < len(self.disk_out) + len(done):
+            event("a disk read reported with a later step")
         return loaded, missed
 
     def copy_host_blocks(self, plan: SchedulerOutput) -> None:
@@ -563,10 +575,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         if self.end_by_abort:
             self.record(self.scheduler.abort(self.live_ids()))
+        every_other = itertools.cycle([True, False])  # disk reads out a step longer, or not
         for _ in range(MAX_DRAIN_STEPS):
             if not self.scheduler.has_unfinished():
                 break
-            self.run_step(lambda: 0)
+            self.run_step(lambda: 0, read_late=lambda: next(every_other))
             self.blocks_are_accounted_for()
         assert not self.scheduler.has_unfinished(), "requests never finished"
         self.run_step(lambda: 0)  # the executor drops the last finished requests

@@ -20,9 +20,12 @@ them, and read by READ_THREADS others side by side.
             pinned copy of a write not on disk yet, else from the file; a file that is
             missing, short or fails its checksum is a miss (and deleted), never an error
 
-A plan's reads are reported with its step (`report`), which waits for them: they run while the
-device runs the step. With tensor parallelism each rank reads its own heads' files, and the
-ranks agree on each read as they take the plan (`agree`): good only where every rank's was.
+Reads are reported with the first step collected once they are done (`report`), which waits
+for none of them but in a step that ran nothing else (an engine whose only work is a request
+waiting for its reads: the scheduler keeps such steps coming while reads are out), so a slow
+read holds up no other request's tokens. With tensor parallelism each rank reads its own heads'
+files, and the ranks agree on each read as they take the plan (`agree`, which waits for the
+plan's reads there): good only where every rank's was.
 Writes waiting for the disk are bounded (MAX_PENDING_BYTES): past that a write is dropped, and
 a later read of it is a miss. The directory is locked (flock on `lock`): two engines never
 share one.
@@ -42,7 +45,7 @@ import time
 import weakref
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +72,7 @@ class DiskKV:
         self.slots = slots
         self._writes: queue.Queue[Callable[[], None] | None] = queue.Queue()  # and deletes
         self._reads_queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._reads: dict[int, list[tuple[bytes, Future[bool]]]] = {}  # step -> its reads
+        self._reads: list[tuple[bytes, Future[bool]]] = []  # not reported yet, oldest first
         # Written to pinned memory, not to disk yet: key -> (rows, row, copied event)
         self._unwritten: dict[bytes, tuple[torch.Tensor, int, Any]] = {}
         self._pending = 0  # their bytes
@@ -98,25 +101,25 @@ class DiskKV:
     def delete(self, keys: list[bytes]) -> None:
         self._writes.put(lambda: [_unlink(self._path(key)) for key in keys])
 
-    def read(self, step: int, loads: list[tuple[bytes, int]], queued: Any) -> None:
-        """Read (key, host slot) pairs once `queued` (a CUDA event, or None) has passed;
-        reported with step `step`. Reads have threads of their own: they wait behind no
-        write (one not on disk yet is read from its pinned copy)."""
-        reads = self._reads.setdefault(step, [])
+    def read(self, loads: list[tuple[bytes, int]], queued: Any) -> None:
+        """Read (key, host slot) pairs once `queued` (a CUDA event, or None) has passed. Reads
+        have threads of their own: they wait behind no write (one not on disk yet is read
+        from its pinned copy)."""
         for key, slot in loads:
             future: Future[bool] = Future()
-            reads.append((key, future))
+            self._reads.append((key, future))
             self._reads_queue.put(
                 lambda k=key, s=slot, f=future: f.set_result(self._read(k, s, queued))
             )
 
-    def agree(self, step: int, smallest_each: Callable[[list[int]], list[int]]) -> None:
-        """With tensor parallelism: wait for step `step`'s reads now, as the plan is taken
-        (every rank at the same point, between the same collectives), and count a read good
-        only where every rank's was (`smallest_each` over the ranks)."""
-        reads = self._reads.get(step, [])
+    def agree(self, num_reads: int, smallest_each: Callable[[list[int]], list[int]]) -> None:
+        """With tensor parallelism: wait for the last `num_reads` reads (the plan's) now, as
+        the plan is taken (every rank at the same point, between the same collectives), and
+        count a read good only where every rank's was (`smallest_each` over the ranks)."""
+        first = len(self._reads) - num_reads
+        reads = self._reads[first:]
         agreed = smallest_each([int(future.result()) for _, future in reads])
-        self._reads[step] = [
+        self._reads[first:] = [
             (key, _done(bool(good))) for (key, _), good in zip(reads, agreed, strict=True)
         ]
 
@@ -137,11 +140,18 @@ class DiskKV:
                 self._unwritten[key] = (rows, row, copied)
         self._writes.put(lambda: self._write(keys, rows, copied))
 
-    def report(self, step: int) -> tuple[list[bytes], list[bytes]]:
-        """(read, missed) keys of step `step`'s reads, once they are done."""
-        loaded, failed = [], []
-        for key, future in self._reads.pop(step, []):
-            (loaded if future.result() else failed).append(key)
+    def report(self, idle: bool = False) -> tuple[list[bytes], list[bytes]]:
+        """(read, missed) keys of the reads done since the last report; `idle` (the step ran
+        nothing else): once at least one is, if any is out."""
+        if idle and self._reads:
+            wait([future for _, future in self._reads], return_when=FIRST_COMPLETED)
+        loaded, failed, left = [], [], []
+        for key, future in self._reads:
+            if not future.done():
+                left.append((key, future))
+            else:
+                (loaded if future.result() else failed).append(key)
+        self._reads = left
         return loaded, failed
 
     def held(self) -> list[bytes]:
@@ -155,7 +165,7 @@ class DiskKV:
         """Wait for every job queued (a new scheduler's books start from the directory)."""
         self._reads_queue.join()
         self._writes.join()
-        self._reads.clear()
+        self._reads = []
 
     # ------------------------------------------------------------------ the I/O threads
 

@@ -147,9 +147,10 @@ class HostKVPool:
             if copies.disk_deletes:
                 disk.delete(copies.disk_deletes)
             if copies.disk_loads:  # into reserved slots, after what was queued before
-                disk.read(step, copies.disk_loads, recorded_event(self.device))
+                disk.read(copies.disk_loads, recorded_event(self.device))
                 if self.tp is not None and self.tp.size > 1:  # every rank's read, or a miss
-                    disk.agree(step, lambda good: self.tp.smallest_each(good, self.device))
+                    agreed = len(copies.disk_loads)
+                    disk.agree(agreed, lambda good: self.tp.smallest_each(good, self.device))
         if copies.disk_direct and disk is not None:
             self.to_disk(copies.disk_direct)
         if copies.offloads:
@@ -157,10 +158,11 @@ class HostKVPool:
         if copies.onloads:
             self._to_gpu(copies.onloads)
 
-    def report(self, output: ModelRunnerOutput) -> None:
-        """The step's disk reads, into its output (waiting for them)."""
+    def report(self, output: ModelRunnerOutput, idle: bool) -> None:
+        """The disk reads done by now, into the step's output (`idle`: the step ran no rows,
+        and waits for one read if any is out: DiskKV.report)."""
         if self.disk is not None:
-            output.disk_loaded, output.disk_load_failed = self.disk.report(output.step)
+            output.disk_loaded, output.disk_load_failed = self.disk.report(idle)
             output.disk_read_seconds = self.disk.read_seconds
             output.disk_write_seconds = self.disk.write_seconds
 

@@ -45,11 +45,14 @@ def move_kv(host: HostKVPool | None, handover: Handover, plan: SchedulerOutput) 
     handover.run(plan)
 
 
-def report_kv(host: HostKVPool | None, handover: Handover, output: ModelRunnerOutput) -> None:
-    """What the step's imports and disk reads came to, into its output."""
+def report_kv(
+    host: HostKVPool | None, handover: Handover, output: ModelRunnerOutput, idle: bool
+) -> None:
+    """What the step's imports and the disk reads came to, into its output (`idle`: the step
+    ran no rows)."""
     handover.report(output)
     if host is not None:
-        host.report(output)
+        host.report(output, idle)
 
 
 def reset_kv(host: HostKVPool | None, handover: Handover) -> None:

@@ -377,7 +377,7 @@ class ModelRunner:
             raise RuntimeError("collect() without a step in flight")
         step = self._in_flight.popleft()
         output = step.finish()
-        report_kv(self.host_kv, self.handover, output)
+        report_kv(self.host_kv, self.handover, output, idle=step.pending is None)
         if self.tp.rank == 0:  # the other ranks read rank 0's drafts in the plans it relays
             propose_after(self.proposer, step, self.requests)
         return output

@@ -186,7 +186,7 @@ class InFlightStep:
     step: int
     sample_ids: list[str]
     states: list[RequestState]
-    pending: PendingSample | None
+    pending: PendingSample | None  # None: the step computed no rows (its plan had none)
     # Recorded after the forward pass: what is left of the step (lm_head, sampling) covers
     # the launch of the next one, which waits for this (see ModelRunner.launch_point_passed).
     forward_done: torch.cuda.Event | None = None
