@@ -42,6 +42,7 @@ import triton.language as tl
 from kernels import triton_split_k as split_k
 from kernels.int4 import CHUNK, PACK, Int4Tiles
 from kernels.triton_int4_dequant import dequantize_int4, launch_dequant_dot, operands
+from kernels.triton_int4_gemm import launch_gemm
 from kernels.triton_pdl import (
     L2_LINE_BYTES,
     launches_early,
@@ -446,7 +447,10 @@ def int4_linear(
     tiles = tiles or default_tiles(m, n, k, dot, act_order=g_idx is not None)
     if tiles.kind == "dot" and not dot:
         raise ValueError(f"{tiles}: the dot kernel needs {_DOT_NEEDS}")
-    launch = {"rows": _launch_rows, "dot": _launch_dot, "dequant_dot": launch_dequant_dot}
+    launch = {
+        "rows": _launch_rows, "dot": _launch_dot, "dequant_dot": launch_dequant_dot,
+        "gemm": launch_gemm,
+    }  # fmt: skip
     launch[tiles.kind](x, qweight, scales, zeros, group_size, g_idx, bias, out, tiles)
     return out
 

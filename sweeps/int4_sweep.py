@@ -51,12 +51,15 @@ CANDIDATES = [Int4Tiles(*c) for c in [
     ("dequant_dot", 16, 128, 128, 8, 3),
 ]]  # fmt: skip
 ROW_KERNEL_MAX_TIMED = 8
-# The dot kernel past 64 rows (prefill chunks, large decode batches), against dequantize +
-# cuBLAS: (block_m, block_n, block_k, num_warps, num_stages).
+# The dot kernel and the int4 GEMM past 64 rows (prefill chunks, large decode batches), against
+# dequantize + cuBLAS: (block_m, block_n, block_k, num_warps, num_stages).
 LARGE_M_CANDIDATES = [Int4Tiles("dot", *c, split_k=split) for c in [
     (64, 128, 128, 8, 3), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (64, 64, 256, 4, 4),
     (128, 64, 128, 4, 3), (64, 128, 128, 4, 3),
-] for split in (1, 2, 4)]  # fmt: skip
+] for split in (1, 2, 4)] + [Int4Tiles("gemm", bm, bn, 128, w, s) for bm, bn, w, s in [
+    (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 8, 3),
+    (128, 256, 8, 3), (64, 64, 4, 4), (32, 128, 4, 4), (128, 128, 8, 4), (64, 128, 4, 4),
+]]  # fmt: skip  # the int4 GEMM (kernels/triton_int4_gemm.py): steps of 128
 
 
 def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
