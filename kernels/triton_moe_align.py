@@ -4,8 +4,8 @@ their expert, each expert's group padded to the block), in Triton.
 
 - Up to ONE_PROGRAM_MAX_PAIRS pairs (a decode step's) one launch of one program, which walks
   the pairs twice: to count each expert's, then to place each after its expert's earlier ones.
-- Past that, three launches over chunks of CHUNK pairs, with no atomics (so the layout is the
-  same on every run and every device):
+- Past that, three launches over chunks of pairs (64 with 128 experts), with no atomics (so
+  the layout is the same on every run and every device):
     1. count   each chunk's pairs by expert ([chunks, E]); the slots set empty (the pair count)
     2. scan    over the chunks, per expert: where each chunk's pairs of that expert start
                within the expert's group, and the expert's total
@@ -25,7 +25,7 @@ from kernels.triton_moe_route import MAX_EXPERTS
 
 ONE_PROGRAM_MAX_PAIRS = 2048  # the one-program kernel: a walk of 64 chunks (E = 128)
 ONE_PROGRAM_VALUES = 4096  # chunk x experts comparisons a step holds (and chunk x chunk <= it)
-CHUNK = 64  # pairs a program of the parallel kernels takes (and blocks, in `place`)
+PARALLEL_VALUES = 8192  # chunk x experts comparisons a program of the parallel kernels holds
 SCAN_EXPERTS = 16  # experts a program of the scan takes
 SCAN_ROWS = 64  # chunks a step of the scan takes
 
@@ -107,7 +107,7 @@ def _count_kernel(
         tl.store(sorted_ptr + slots, num_pairs, mask=slots < size)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _scan_kernel(
     counts_ptr,  # [chunks, BLOCK_E] int32
     starts_ptr,  # [chunks, BLOCK_E] int32: where each chunk's pairs start in their expert's
@@ -200,17 +200,18 @@ def _align_in_parallel(
     """`align`'s three launches (module docstring), into `sorted_pairs` and `block_experts`."""
     num_pairs, size, num_blocks = ids.numel(), sorted_pairs.numel(), block_experts.numel()
     block_e = max(triton.next_power_of_2(num_experts), SCAN_EXPERTS)
-    num_chunks = triton.cdiv(num_pairs, CHUNK)
+    chunk = max(16, min(64, PARALLEL_VALUES // block_e))  # pairs (and blocks) a program
+    num_chunks = triton.cdiv(num_pairs, chunk)
     # Every row of counts is written whole: 0 past the experts (their totals too: no group).
     counts = torch.empty(num_chunks, block_e, dtype=torch.int32, device=ids.device)
     starts = torch.empty_like(counts)
     totals = torch.empty(block_e, dtype=torch.int32, device=ids.device)
-    grid = (max(num_chunks, triton.cdiv(num_blocks, CHUNK)),)
-    _count_kernel[grid](ids, counts, sorted_pairs, num_pairs, size, BLOCK_E=block_e, CHUNK=CHUNK)
+    grid = (max(num_chunks, triton.cdiv(num_blocks, chunk)),)
+    _count_kernel[grid](ids, counts, sorted_pairs, num_pairs, size, BLOCK_E=block_e, CHUNK=chunk)
     _scan_kernel[(block_e // SCAN_EXPERTS,)](
         counts, starts, totals, num_chunks, BLOCK_E=block_e, EXPERTS=SCAN_EXPERTS, ROWS=SCAN_ROWS
     )
     _place_kernel[grid](
         ids, starts, totals, sorted_pairs, block_experts, num_pairs, num_experts, num_blocks,
-        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=CHUNK,
+        BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk,
     )  # fmt: skip

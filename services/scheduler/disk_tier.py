@@ -16,8 +16,8 @@ A prefix found on disk comes back in two hops, never on the step that needs it:
                once it is done (j >= k): good ones join the host tier
     plan j+n   host slot -> GPU     the request is admitted with host-tier hits, as any other
 
-While reads are out every plan runs (`reading`: its copies are sent even when empty), so that
-an engine with nothing else to do still collects steps, and their reports.
+While reads are out and nothing else runs, the engine still sends plans (with no rows: their
+steps wait a little for the reads, `reading`), so that it collects their reports.
 
 A read that fails (the file is gone or corrupted) is a miss and nothing else: the request
 computes those blocks. A hash being read is not evicted from the books.

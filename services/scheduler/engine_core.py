@@ -38,7 +38,7 @@ from shared.protocol import (
 
 def runs(plan: SchedulerOutput) -> bool:
     """Whether the plan has work for the executor: rows to compute, or copies between the
-    KV tiers (requests may wait for a disk read's report: services/scheduler/disk_tier.py)."""
+    KV tiers."""
     return bool(plan.num_scheduled_tokens) or plan.host_copies is not None
 
 
@@ -98,9 +98,15 @@ class EngineCore:
         plan = self.scheduler.schedule()
         in_flight = self._in_flight
         if not runs(plan) and (in_flight is None or not runs(in_flight)):
+            if in_flight is None and self.scheduler.kv.reads_out():
+                # Requests wait for disk reads and nothing else runs: a step with no rows,
+                # whose report waits (a little) for them (services/executor/runner/disk_kv.py)
+                self.executor.submit(plan)
+                self._in_flight = plan
+                return []
             # NOTE: nothing runs and nothing is in flight, so no later step sees anything new:
             # unfinished requests would wait forever (a bug: admission guarantees each fits).
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and not self.scheduler.kv.reads_out():
                 raise RuntimeError("the scheduler could not schedule any unfinished request")
             if in_flight is None and not plan.finished_request_ids:
                 return []  # nothing to run, to wait for, or for the executor to forget

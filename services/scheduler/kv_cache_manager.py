@@ -144,6 +144,10 @@ class KVCacheManager:
             for block_hash in self.host.disk.abandon():
                 self.host.arrived(block_hash, good=False)
 
+    def reads_out(self) -> bool:
+        """Whether disk reads are out, not reported yet (a later step reports them)."""
+        return self.disk is not None and self.disk.reading()
+
     def waits_for_disk(self, request: Request) -> bool:
         return self.disk is not None and self.disk.waits(request.request_id)
 
@@ -350,9 +354,7 @@ class KVCacheManager:
         if disk is not None:
             copies.disk_deletes, copies.disk_stores, copies.disk_loads = disk.take_copies()
             copies.disk_direct = disk.take_direct()
-        # Empty copies too while reads are out: the plan runs, and its step reports them.
-        reading = disk is not None and disk.reading()
-        return copies if reading or any(msgspec.structs.astuple(copies)) else None
+        return copies if any(msgspec.structs.astuple(copies)) else None
 
     def _lost(self, block_hash: bytes) -> None:
         """A tier dropped a hash: gone from this engine unless the GPU or another tier holds

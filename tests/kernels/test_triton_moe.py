@@ -51,7 +51,8 @@ def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tens
         (9, 6, 3, True),
         (40, 8, 2, True),
         (64, 128, 8, True),
-        (1, 4, 2, False),  # more blocks than pairs: the place kernel's programs past the pairs
+        (1, 4, 2, False),  # more slots than pairs
+        (1, 128, 8, False),  # 121 blocks, 8 pairs: place kernel programs past the pairs
         (40, 8, 2, False),
         (70, 60, 4, False),  # E not a power of two
         (600, 128, 8, False),  # 4,800 pairs: 75 chunks, two steps of the scan

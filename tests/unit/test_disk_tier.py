@@ -9,7 +9,6 @@ from services.scheduler.block_pool import BlockEvents
 from services.scheduler.disk_tier import DiskTier
 from services.scheduler.host_tier import HostTier
 from services.scheduler.kv_cache_manager import KVCacheManager
-from shared.protocol import HostCopies
 
 
 def test_blocks_are_written_through_once_and_the_oldest_deleted_past_the_bound() -> None:
@@ -71,24 +70,24 @@ def test_reads_dropped_with_the_executors_steps_free_their_slots() -> None:
     assert kv.disk.fetch("r1", [b"a", b"b"], kv.host.reserve)  # both slots free again
 
 
-def test_plans_run_while_reads_are_out() -> None:
-    """Reads are reported with whichever step is collected once they are done: until then
-    every plan carries the tiers' copies, empty or not, so that it runs (engine_core.runs)
-    and an engine with nothing else to do still collects the reports."""
+def test_reads_are_out_until_each_is_reported() -> None:
+    """Reads are reported with whichever step is collected once they are done: until then the
+    engine knows they are out (`reads_out`: engine_core sends empty plans while nothing else
+    runs, so that it collects the reports)."""
     kv = KVCacheManager(4, 4, True)
     kv.add_host_tier(2, num_disk_blocks=8, on_disk=[b"a", b"b"])
     assert kv.host is not None and kv.disk is not None
-    assert kv.take_copies() is None  # nothing to copy, nothing out
+    assert not kv.reads_out()
     kv.disk.fetch("r1", [b"a", b"b"], kv.host.reserve)
     first = kv.take_copies()
     assert first is not None and first.disk_loads == [(b"a", 0), (b"b", 1)]
-    assert kv.take_copies() == HostCopies()  # both out: an empty plan still runs
+    assert kv.take_copies() is None and kv.reads_out()  # nothing more to copy, both out
     kv.disk.reported([b"b"], [])
     kv.host.arrived(b"b", good=True)
-    assert kv.take_copies() == HostCopies() and kv.disk.waits("r1")  # "a" still out
+    assert kv.reads_out() and kv.disk.waits("r1")  # "a" still out
     kv.disk.reported([b"a"], [])
     kv.host.arrived(b"a", good=True)
-    assert kv.take_copies() is None and not kv.disk.waits("r1")
+    assert not kv.reads_out() and not kv.disk.waits("r1")
     kv.host.check_invariants()
 
 

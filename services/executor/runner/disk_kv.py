@@ -21,11 +21,11 @@ them, and read by READ_THREADS others side by side.
             missing, short or fails its checksum is a miss (and deleted), never an error
 
 Reads are reported with the first step collected once they are done (`report`), which waits
-for none of them but in a step that ran nothing else (an engine whose only work is a request
-waiting for its reads: the scheduler keeps such steps coming while reads are out), so a slow
-read holds up no other request's tokens. With tensor parallelism each rank reads its own heads'
-files, and the ranks agree on each read as they take the plan (`agree`, which waits for the
-plan's reads there): good only where every rank's was.
+for none of them but in a step that ran no rows (the engine's only work is requests waiting for
+reads: it sends empty plans while they are out), and there for one read at most IDLE_WAIT_S,
+so that a plan queued behind is not held up long. With tensor parallelism each rank reads its
+own heads' files, and the ranks agree on each read as they take the plan (`agree`, which waits
+for the plan's reads there, holding up that step): good only where every rank's was.
 Writes waiting for the disk are bounded (MAX_PENDING_BYTES): past that a write is dropped, and
 a later read of it is a miss. The directory is locked (flock on `lock`): two engines never
 share one.
@@ -62,6 +62,7 @@ MAX_PENDING_BYTES = 1 << 30  # written to pinned memory, not yet to disk
 # Files read side by side: one reader took 1.4 ms a 2.4 MB block from the page cache (H200
 # host, 2026-12-05), most of it the checksum, and a prefix is tens of blocks.
 READ_THREADS = 8
+IDLE_WAIT_S = 0.01  # the most a step with no rows waits for a read (then the engine asks again)
 KEY_SCHEME = "sha256 chain over int64 token ids (shared/block_hashes.py)"
 
 
@@ -142,9 +143,10 @@ class DiskKV:
 
     def report(self, idle: bool = False) -> tuple[list[bytes], list[bytes]]:
         """(read, missed) keys of the reads done since the last report; `idle` (the step ran
-        nothing else): once at least one is, if any is out."""
+        no rows): once one is, if any is out, or IDLE_WAIT_S has passed."""
         if idle and self._reads:
-            wait([future for _, future in self._reads], return_when=FIRST_COMPLETED)
+            futures = [future for _, future in self._reads]
+            wait(futures, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         loaded, failed, left = [], [], []
         for key, future in self._reads:
             if not future.done():
