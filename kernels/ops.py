@@ -153,10 +153,9 @@ def fused_norm_add_rms_norm(
     """(normed, rms_norm(x, x_weight) + residual): Gemma's two norms between sublayers in one
     launch; the Triton version writes both in place of its inputs."""
     module = _triton("norm", x)
-    kernel = (
-        module.fused_norm_add_rms_norm if module is not None else fused_norm_add_rms_norm_reference
-    )
-    return kernel(x, residual, x_weight, weight, eps)
+    if module is None:
+        return fused_norm_add_rms_norm_reference(x, residual, x_weight, weight, eps)
+    return module.fused_norm_add_rms_norm(x, residual, x_weight, weight, eps)
 
 
 def all_reduce_add_rms_norm(
@@ -342,6 +341,18 @@ def linear(
         return module.skinny_linear(x, weight, bias, lora=lora)
     out = linear_reference(x, weight, bias)
     return out if lora is None else lora_expand(out, *lora)
+
+
+def gated_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool
+) -> torch.Tensor:
+    """linear(act(gate) * up, weight, bias) for a gated MLP's gate_up [M, 2K] (act: gelu_tanh
+    with `gelu`, else silu): for decode-sized inputs on CUDA one launch of the skinny GEMV,
+    which makes its input from gate_up as it streams the weight; else the two ops."""
+    module = _triton("linear", gate_up)
+    if module is not None and 1 <= gate_up.shape[0] <= module.skinny_max_rows(gate_up):
+        return module.skinny_linear(gate_up, weight, bias, gated="gelu_tanh" if gelu else "silu")
+    return linear((gelu_tanh_and_mul if gelu else silu_and_mul)(gate_up), weight, bias)
 
 
 def fp8_linear(

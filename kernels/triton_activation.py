@@ -28,9 +28,9 @@ FP8_BLOCK = 16384  # columns of a row in registers in the FP8 variant: 16 floats
 
 
 @triton.jit
-def _silu_mul(gate_ptrs, mask, inter, OUT_DTYPE: tl.constexpr, GELU: tl.constexpr):
+def silu_mul(gate_ptrs, mask, inter, OUT_DTYPE: tl.constexpr, GELU: tl.constexpr):
     """silu(gate) * up at gate_ptrs (up lies `inter` further), in float32 rounded to OUT_DTYPE;
-    with GELU, gelu_tanh(gate) * up."""
+    with GELU, gelu_tanh(gate) * up. (Also the skinny GEMV's input: kernels/triton_linear.py.)"""
     gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
     if GELU:  # 0.5 g (1 + tanh(y)), tanh(y) = 1 - 2 / (exp(2y) + 1): +-1 where exp saturates
@@ -60,7 +60,7 @@ def _silu_and_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = cols < inter
     in_ptrs = gate_up_ptr + row * stride_in_row + cols
-    out = _silu_mul(in_ptrs, mask, inter, gate_up_ptr.dtype.element_ty, GELU)
+    out = silu_mul(in_ptrs, mask, inter, gate_up_ptr.dtype.element_ty, GELU)
     if STATIC_FP8:
         scale = tl.load(static_scale_ptr)
         out = to_e4m3(out.to(tl.float32) / scale)
@@ -89,18 +89,18 @@ def _silu_and_mul_fp8_kernel(
     q_ptrs = q_ptr + row * stride_q_row + cols
     dtype = gate_up_ptr.dtype.element_ty
     if ONE_BLOCK:  # the row in registers: read once
-        out = _silu_mul(gate_ptrs, cols < inter, inter, dtype, GELU).to(tl.float32)
+        out = silu_mul(gate_ptrs, cols < inter, inter, dtype, GELU).to(tl.float32)
         scale = scale_for(tl.max(tl.abs(out), axis=0))
         tl.store(q_ptrs, to_e4m3(out / scale).to(q_ptr.dtype.element_ty), mask=cols < inter)
     else:  # pass 1: the row's absolute maximum; pass 2: the product again, quantized
         amax = tl.zeros([BLOCK], tl.float32)
         for start in range(0, inter, BLOCK):
-            out = _silu_mul(gate_ptrs + start, start + cols < inter, inter, dtype, GELU)
+            out = silu_mul(gate_ptrs + start, start + cols < inter, inter, dtype, GELU)
             amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
         scale = scale_for(tl.max(amax, axis=0))
         for start in range(0, inter, BLOCK):
             mask = start + cols < inter
-            out = _silu_mul(gate_ptrs + start, mask, inter, dtype, GELU).to(tl.float32)
+            out = silu_mul(gate_ptrs + start, mask, inter, dtype, GELU).to(tl.float32)
             tl.store(q_ptrs + start, to_e4m3(out / scale).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 

@@ -26,6 +26,11 @@ captured in a CUDA graph. There is no split-K: it would need a zeroed output or 
 workspace and a second pass, and with the default tiles N = 4096 already makes 128 programs
 (BLOCK_N = 32) or 512 (BLOCK_N = 8, M = 1) for an H100's 132 SMs, measured faster than cuBLAS.
 
+Given `gated` ("silu" or "gelu_tanh"), x is a gated MLP's gate_up [M, 2K] and the kernel's
+input is act(gate) * up, made as each K step loads it (kernels.triton_activation.silu_mul,
+rounded as silu_and_mul rounds it): the down projection with its activation in one launch, the
+product never written out. Every program makes its x tiles so (x is tiny at decode).
+
 Given a LoRA delta (`kernels.lora.LoraDelta`), the epilogue adds each row's adapter to the
 program's columns (`kernels.triton_lora.lora_delta`): the expand costs no launch of its own,
 which at batch 1 is most of its cost. Its operands are loaded before the weights stream (with
@@ -44,6 +49,7 @@ import triton.language as tl
 
 from kernels.invariance import batch_invariant
 from kernels.lora import LoraDelta
+from kernels.triton_activation import silu_mul
 from kernels.triton_lora import check_delta, lora_b, lora_delta, lora_expand, lora_rows
 from kernels.triton_pdl import (
     L2_LINE_BYTES,
@@ -59,6 +65,7 @@ DOT_MIN = 16  # tl.dot needs every dimension >= 16
 FMA_MAX_ACC_PER_THREAD = 128  # float32 accumulator registers per thread, past which it spills
 EPILOGUE_MAX_VALUES = 8192  # a LoRA B tile fused in the epilogue: 64 floats a thread at 4 warps
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GATED = ("silu", "gelu_tanh")  # the activations skinny_linear's gated input takes
 # The layer shapes default_tiles tells apart at 2-64 rows (8B models, hidden size 4096):
 NARROW_N = 4096  # o, down: N <= this
 WIDE_N = 16384  # gate_up: N >= this; qkv lies between
@@ -303,6 +310,8 @@ def _skinny_linear_kernel(
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
     PREFETCH_LINES: tl.constexpr,  # with PDL: the 128-byte lines of its first weight tile a row
     LINE_ELEMENTS: tl.constexpr,  # weight elements in a line
+    GATED: tl.constexpr,  # x_ptr is a gate_up's gate half: the input is act(gate) * up
+    GELU: tl.constexpr,  # with GATED: gelu_tanh(gate) rather than silu(gate)
 ):
     rows = tl.arange(0, BLOCK_M)  # [BM]
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
@@ -335,7 +344,11 @@ def _skinny_linear_kernel(
     for k_start in range(0, k, BLOCK_K):
         # When K % BLOCK_K == 0 the mask is a constant: no per-element predicate on the loads.
         k_valid = tl.full([BLOCK_K], True, tl.int1) if EVEN_K else k_start + ks < k  # [BK]
-        x = tl.load(x_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)  # [BM, BK]
+        x_mask = row_valid[:, None] & k_valid[None, :]
+        if GATED:  # up lies K columns past gate in gate_up's rows
+            x = silu_mul(x_ptrs, x_mask, k, x_ptr.dtype.element_ty, GELU)  # [BM, BK]
+        else:
+            x = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BM, BK]
         w = tl.load(w_ptrs, mask=col_valid[:, None] & k_valid[None, :], other=0.0)  # [BN, BK]
         if USE_DOT and INTERPRETED:  # the interpreter's tl.dot is wrong for bf16 (see UPCAST)
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -391,8 +404,16 @@ def skinny_linear(
     *,
     tiles: LinearTiles | None = None,  # None: default_tiles(M, N, K, dtype)
     lora: LoraDelta | None = None,  # each row's LoRA adapter, added in the epilogue
+    gated: str | None = None,  # GATED: x is gate_up [M, 2K], the input act(gate) * up
 ) -> torch.Tensor:  # [M, N], x.dtype, new and contiguous
     """x @ weight.T + bias (+ the LoRA delta) for decode-sized M."""
+    if gated is not None:
+        if gated not in GATED or lora is not None or x.dim() != 2 or x.shape[1] % 2:
+            raise ValueError(
+                f"gated: one of {GATED} on a [M, 2K] gate_up, without LoRA (got {gated},"
+                f" x {tuple(x.shape)})"
+            )
+        x = x[:, : x.shape[1] // 2]  # the gate half; up follows it in each row
     _check_inputs(x, weight, bias)
     m, (n, k) = x.shape[0], weight.shape
     tiles = tiles or default_tiles(m, n, k, x.dtype)
@@ -405,7 +426,7 @@ def skinny_linear(
     if n == 0:
         return out
     fused = lora is not None and _fuses(lora, tiles, m)
-    _launch_skinny_linear(x, weight, bias, out, tiles, lora=lora if fused else None)
+    _launch_skinny_linear(x, weight, bias, out, tiles, lora if fused else None, gated)
     if lora is not None and not fused:
         lora_expand(out, *lora)
     return out
@@ -426,6 +447,7 @@ def _launch_skinny_linear(
     out: torch.Tensor,  # [M, N], written
     tiles: LinearTiles,
     lora: LoraDelta | None = None,  # whose pieces' rows tiles.block_n divides
+    gated: str | None = None,  # x is a gate_up's gate half (skinny_linear)
 ) -> None:
     """One launch of the kernel over checked inputs."""
     m, (n, k) = x.shape[0], weight.shape
@@ -467,6 +489,8 @@ def _launch_skinny_linear(
         if early
         else 0,
         LINE_ELEMENTS=L2_LINE_BYTES // weight.element_size(),
+        GATED=gated is not None,
+        GELU=gated == "gelu_tanh",
         num_warps=tiles.num_warps,
         launch_pdl=early,
     )

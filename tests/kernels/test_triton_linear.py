@@ -18,8 +18,10 @@ import torch
 pytest.importorskip("triton")
 
 import kernels.triton_linear as triton_linear
+from kernels.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference
 from kernels.linear import linear_reference
 from kernels.pdl import set_pdl
+from kernels.triton_activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.triton_linear import (
     FMA_MAX_ACC_PER_THREAD,
     MAX_ROWS,
@@ -280,6 +282,24 @@ def test_skinny_max_rows_follows_pdl() -> None:
         set_pdl(True)
 
 
+@pytest.mark.parametrize("tiles", [DOT, FMA], ids=["dot", "fma"])
+@pytest.mark.parametrize("gated", ["silu", "gelu_tanh"])
+def test_gated_input_is_made_from_gate_up(tiles: LinearTiles, gated: str) -> None:
+    """`gated`: x is a gated MLP's gate_up [M, 2K] and the input is act(gate) * up, made as each
+    K step loads it (the down projection and its activation in one launch)."""
+    gen = torch.Generator().manual_seed(7)
+    m = 3
+    gate_up = randn(m, 2 * K, gen=gen, dtype=torch.float32)
+    weight, bias = randn(N, K, gen=gen, dtype=torch.float32), randn(N, gen=gen, dtype=torch.float32)
+    act = gelu_tanh_and_mul_reference if gated == "gelu_tanh" else silu_and_mul_reference
+    expected = linear_reference(act(gate_up), weight, bias)
+    check(skinny_linear(gate_up, weight, bias, tiles=tiles, gated=gated), expected, 1e-5)
+    other = silu_and_mul_reference if gated == "gelu_tanh" else gelu_tanh_and_mul_reference
+    assert rel_error(linear_reference(other(gate_up), weight, bias), expected) > 1e-3
+    with pytest.raises(ValueError, match="gated: one of"):
+        skinny_linear(gate_up, weight, gated="relu")
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 8, 16, 32, 64])
@@ -295,6 +315,21 @@ def test_gpu_llama_shapes(dtype: torch.dtype, shape: str, m: int) -> None:
         dot = LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
         check(skinny_linear(x, weight, tiles=dot), expected, 1e-2)
     check(skinny_linear(x, weight, bias), linear_reference(x, weight, bias), 1e-2)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("gated", ["silu", "gelu_tanh"])
+def test_gpu_gated_input_is_the_activations_product(gated: str, m: int) -> None:
+    """Llama's down projection with its activation made in the GEMV: bit for bit what the
+    activation kernel then the GEMV give (the same float32 math, rounded at the same point)."""
+    n, k = LLAMA_8B["down"]
+    _, weight, bias = gpu_case(m, n, k, torch.bfloat16, seed=m)
+    gate_up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
+    product = (gelu_tanh_and_mul if gated == "gelu_tanh" else silu_and_mul)(gate_up)
+    fused = skinny_linear(gate_up, weight, bias, gated=gated)
+    assert torch.equal(fused, skinny_linear(product, weight, bias))
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from services.executor.layers.linear import Activation, Linear, LinearMethod
+from services.executor.layers.linear import Activation, Linear, LinearMethod, Unquantized
 from services.executor.layers.lora import LoraTokens
 from services.executor.layers.norm import feeds_fp8_rows
 from services.executor.parallel.layout import ShardLayout
@@ -20,7 +20,7 @@ class GatedMLP(nn.Module):
         """`layout`: what this rank holds (its MLP columns; all of them on one rank);
         `columns`: this rank's width, if not the model's intermediate size (a shared expert)."""
         super().__init__()
-        gelu = layout.local_config.hidden_act == "gelu_tanh"
+        self.gelu = gelu = layout.local_config.hidden_act == "gelu_tanh"
         self.act = ops.gelu_tanh_and_mul if gelu else ops.silu_and_mul
         self.act_fp8 = ops.gelu_tanh_and_mul_fp8 if gelu else ops.silu_and_mul_fp8
         hidden = layout.local_config.hidden_size
@@ -31,12 +31,18 @@ class GatedMLP(nn.Module):
         down = layout.row_parallel(hidden)
         self.down_proj = Linear(columns, hidden, method=method, sharding=down)
 
+    def in_features(self) -> int:
+        return self.gate_up_proj.in_features
+
     def forward(self, x: Activation, lora: LoraTokens | None = None) -> torch.Tensor:
         """`lora`: the tokens' LoRA slots (see Linear.forward), or None."""
         gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
-        if feeds_fp8_rows(self.down_proj):  # quantized as down_proj would (its static scale)
-            scale = self.down_proj.fp8_input_scale()
-            out = self.down_proj(self.act_fp8(gate_up, scale), lora)
+        down = self.down_proj
+        if feeds_fp8_rows(down):  # quantized as down_proj would (its static scale)
+            out = down(self.act_fp8(gate_up, down.fp8_input_scale()), lora)
+        elif isinstance(down.method, Unquantized) and (lora is None or down.lora is None):
+            # The float weight's GEMV makes its input from gate_up (one launch less a layer)
+            out = ops.gated_linear(gate_up, down.weight, down.bias, self.gelu)
         else:
-            out = self.down_proj(self.act(gate_up), lora)  # [T, hidden]
+            out = down(self.act(gate_up), lora)  # [T, hidden]
         return out  # this rank's part: the next RMSNorm sums the ranks' (its `reduce`)

@@ -30,6 +30,7 @@ import torch
 from kernels import ops
 from kernels.attention import PREFILL_REQS_MIN_POW2
 from services.executor.layers.linear import Linear
+from services.executor.layers.mlp import GatedMLP
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.runner.cuda_graphs import MIXED_GRAPH_MAX_TOKENS, StepGraphs
 from services.executor.runner.draft_proposer import DraftProposer
@@ -222,18 +223,21 @@ def _compile_attention_variants(runner: WarmUpTarget) -> None:
 
 
 def _compile_linear_variants(runner: WarmUpTarget) -> None:
-    """The lm_head at _LINEAR_ROWS, and without CUDA graphs the first layer's projections too:
-    every layer has their shapes, so the eager decode steps of those batches compile nothing.
-    (Graph capture runs every decode batch size through the layers, not the lm_head, which
-    runs eagerly on the rows a step samples: its batch, or with speculative decoding each
-    row's drafts and the token after them.)"""
+    """The lm_head at _LINEAR_ROWS, and without CUDA graphs the first layer's projections and
+    gated MLPs too (whose down projection's GEMV makes its input from gate_up): every layer
+    has their shapes, so the eager decode steps of those batches compile nothing. (Graph
+    capture runs every decode batch size through the layers, not the lm_head, which runs
+    eagerly on the rows a step samples: its batch, or with speculative decoding each row's
+    drafts and the token after them.)"""
     model = runner.model
-    linears = [model.lm_head]
+    linears: list[Linear | GatedMLP] = [model.lm_head]
     if runner.graphs is None:
-        linears += [m for m in model.layers[0].modules() if isinstance(m, Linear)]
+        modules = list(model.layers[0].modules())
+        linears += [m for m in modules if isinstance(m, Linear | GatedMLP)]
     with torch.inference_mode():
-        for rows, linear in itertools.product(_LINEAR_ROWS, linears):
-            linear(torch.zeros(rows, linear.in_features, dtype=runner.dtype, device=runner.device))
+        for rows, module in itertools.product(_LINEAR_ROWS, linears):
+            width = module.in_features if isinstance(module, Linear) else module.in_features()
+            module(torch.zeros(rows, width, dtype=runner.dtype, device=runner.device))
 
 
 def warm_up(runner: WarmUpTarget) -> None:
