@@ -347,10 +347,10 @@ def gated_linear(
     gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gelu: bool
 ) -> torch.Tensor:
     """linear(act(gate) * up, weight, bias) for a gated MLP's gate_up [M, 2K] (act: gelu_tanh
-    with `gelu`, else silu): for decode-sized inputs on CUDA one launch of the skinny GEMV,
+    with `gelu`, else silu): up to GATED_MAX_ROWS rows on CUDA one launch of the skinny GEMV,
     which makes its input from gate_up as it streams the weight; else the two ops."""
     module = _triton("linear", gate_up)
-    if module is not None and 1 <= gate_up.shape[0] <= module.skinny_max_rows(gate_up):
+    if module is not None and 1 <= gate_up.shape[0] <= module.GATED_MAX_ROWS:
         return module.skinny_linear(gate_up, weight, bias, gated="gelu_tanh" if gelu else "silu")
     return linear((gelu_tanh_and_mul if gelu else silu_and_mul)(gate_up), weight, bias)
 

@@ -66,6 +66,11 @@ FMA_MAX_ACC_PER_THREAD = 128  # float32 accumulator registers per thread, past w
 EPILOGUE_MAX_VALUES = 8192  # a LoRA B tile fused in the epilogue: 64 floats a thread at 4 warps
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GATED = ("silu", "gelu_tanh")  # the activations skinny_linear's gated input takes
+# ops.gated_linear fuses the activation up to this many rows. Each program makes the whole x
+# (M x K activations) again: at M = 1 some 7M exp for Llama's down projection over 512
+# programs, about 2 us of an H100's special-function units beside its 30 us of weight reads;
+# at 64 rows 16x more than that, as long as the reads themselves.
+GATED_MAX_ROWS = 8
 # The layer shapes default_tiles tells apart at 2-64 rows (8B models, hidden size 4096):
 NARROW_N = 4096  # o, down: N <= this
 WIDE_N = 16384  # gate_up: N >= this; qkv lies between
