@@ -40,8 +40,9 @@ class GatedMLP(nn.Module):
         down = self.down_proj
         if feeds_fp8_rows(down):  # quantized as down_proj would (its static scale)
             out = down(self.act_fp8(gate_up, down.fp8_input_scale()), lora)
-        elif isinstance(down.method, Unquantized) and (lora is None or down.lora is None):
-            # The float weight's GEMV makes its input from gate_up (one launch less a layer)
+        elif type(down.method) is Unquantized and (lora is None or down.lora is None):
+            # The float weight's GEMV makes its input from gate_up (one launch less a layer);
+            # not its subclasses (FP8 methods keep no float weight)
             out = ops.gated_linear(gate_up, down.weight, down.bias, self.gelu)
         else:
             out = down(self.act(gate_up), lora)  # [T, hidden]
