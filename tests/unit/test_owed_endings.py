@@ -1,5 +1,6 @@
 """A frontend whose link filled up still gets one ending for each request the worker stopped:
-an error delta, sent once the link takes it again (real ZeroMQ sockets)."""
+an error delta, sent once the link takes it again (real ZeroMQ sockets, over inproc: no I/O
+thread moves messages on behind the test's back, so a full link stays full until it reads)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ from services.tokenizer.owed_endings import OwedEndings
 from shared.protocol import ErrorKind, FinishReason, TextDeltas
 
 
-def test_stopped_requests_get_their_error_ending_once_the_link_drains(tmp_path) -> None:
+def test_stopped_requests_get_their_error_ending_once_the_link_drains() -> None:
     context: zmq.Context[Any] = zmq.Context.instance()
     frontend, link = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
     for socket in (frontend, link):
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 1)
         socket.setsockopt(zmq.RCVHWM, 1)
-    frontend.bind(f"ipc://{tmp_path}/link")
-    link.connect(f"ipc://{tmp_path}/link")
+    frontend.bind("inproc://owed-endings-link")
+    link.connect("inproc://owed-endings-link")
     try:
         filler = b"a reply the frontend has not read"
         sent = 0
