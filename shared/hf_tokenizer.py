@@ -10,6 +10,7 @@ tenth of a second.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -33,16 +34,12 @@ def load_tokenizer(
 ) -> PreTrainedTokenizerBase | None:
     """The tokenizer for `source`, or None when it ships none (dummy presets). `override`: the
     --tokenizer; `cache_dir`: where a GGUF file's converted tokenizer is kept ("": nowhere)."""
-    # Imported here: transformers (and torch under it) is a second of a process's start, and
-    # the executor loads a tokenizer only for its first grammar.
-    from transformers import AutoTokenizer
-
     start = time.perf_counter()
     path = Path(override) if override else source.path
     if path.suffix == ".gguf":
         tokenizer, path = _gguf_tokenizer(path, cache_dir)
     elif path.is_dir() and any((path / f).is_file() for f in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = _folder_tokenizer(path)
     else:
         return None
     logger.info("loaded tokenizer from %s in %.1f s", path, time.perf_counter() - start)
@@ -52,15 +49,36 @@ def load_tokenizer(
 def _gguf_tokenizer(path: Path, cache_dir: str) -> tuple[PreTrainedTokenizerBase, Path]:
     """The GGUF file's tokenizer, and where it was read: the cached conversion if there is
     one, else the file (and the conversion is cached)."""
-    from transformers import AutoTokenizer
-
     folder = _cached_folder(path, cache_dir)
     if folder is not None and folder.is_dir():
-        return AutoTokenizer.from_pretrained(str(folder)), folder
+        return _folder_tokenizer(folder), folder
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     if folder is not None:
         _save(tokenizer, folder)
     return tokenizer, path
+
+
+# The classes a folder may name that are the tokenizers library's backend itself, with nothing
+# of a model's own: loaded as that class directly (AutoTokenizer would pick the same one).
+_BACKEND_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """A tokenizer folder's tokenizer. Imported here: transformers is a second of a process's
+    start (the executor loads a tokenizer only for its first grammar), and AutoTokenizer
+    imports torch under it, seconds more of every tokenizer worker's start; a folder whose
+    class is the plain backend (every converted GGUF tokenizer) needs neither."""
+    config = folder / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in _BACKEND_CLASSES and (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 def _cached_folder(path: Path, cache_dir: str) -> Path | None:

@@ -7,6 +7,7 @@ such fields, and the flags, the environment and the validation are all read off 
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 from dataclasses import field
@@ -32,6 +33,13 @@ def option(
     return field(default=default, metadata=metadata)
 
 
+@functools.cache
+def _type_hints(options: type) -> dict[str, Any]:
+    """The class's resolved annotations, once: every process's parser asks for each field's,
+    and resolving them all again for each took a second of its start."""
+    return typing.get_type_hints(options)
+
+
 def flag(name: str) -> str:
     """A field's command-line name without the dashes: max_num_seqs -> max-num-seqs."""
     return name.replace("_", "-")
@@ -39,7 +47,7 @@ def flag(name: str) -> str:
 
 def base_type(options: type, name: str) -> type:
     """The type a field's text parses as: `int | None` is int, `tuple[str, ...]` is tuple."""
-    hint = typing.get_type_hints(options)[name]
+    hint = _type_hints(options)[name]
     if isinstance(hint, types.UnionType):
         hint = next(a for a in typing.get_args(hint) if a is not type(None))
     if typing.get_origin(hint) is tuple:  # several values
