@@ -75,7 +75,7 @@ def _folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     if named in _BACKEND_CLASSES and (folder / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 
-        return PreTrainedTokenizerFast.from_pretrained(str(folder))
+        return cast("PreTrainedTokenizerBase", PreTrainedTokenizerFast.from_pretrained(str(folder)))
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder))
