@@ -150,10 +150,11 @@ def _dequantized(stored: np.ndarray, qtype: gguf.GGMLQuantizationType) -> torch.
     where it knows the type (the same values, in half of gguf's time: a server's start reads
     every weight so), else by gguf's."""
     known = GGUF_TYPES.get(qtype.name)
-    if known is not None and stored.ndim == 2:
-        raw = torch.from_numpy(np.array(stored.view(np.uint8)))  # the file's bytes are read-only
-        k = raw.shape[1] // known.block_bytes * known.block_elems
-        return dequantize_gguf_reference(raw, qtype.name, k)
+    if known is not None:  # rows of any leading shape (an expert stack's too), as one matrix
+        rows = np.array(stored.view(np.uint8)).reshape(-1, stored.shape[-1])  # a writable copy
+        k = rows.shape[1] // known.block_bytes * known.block_elems
+        values = dequantize_gguf_reference(torch.from_numpy(rows), qtype.name, k)
+        return values.reshape(*stored.shape[:-1], k)
     return torch.from_numpy(np.array(gguf.quants.dequantize(stored, qtype), dtype=np.float32))
 
 
