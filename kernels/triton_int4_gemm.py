@@ -28,6 +28,8 @@ from kernels.int4 import CHUNK, PACK, Int4Tiles
 from kernels.triton_int4_dequant import operands
 
 STEP = 128  # columns a step: one group of 128, or a part of a larger one
+# A compiled kernel reads only constexpr globals (the interpreter reads any).
+_CHUNK = tl.constexpr(CHUNK)
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -75,7 +77,7 @@ def _int4_gemm_kernel(
         x = tl.load(x_ptrs + k_start, mask=row_valid[:, None], other=0.0)  # [BM, BK]
         packed = tl.load(w_ptrs + k_start // 8, mask=col_valid[:, None], other=0)  # [BN, W]
         q = (packed[:, :, None] >> shifts[None, None, :]) & 0xF  # [BN, W, 8]: (chunk, c, i)
-        q = tl.reshape(q, [BLOCK_N, BLOCK_K // CHUNK, 4, 4, 2])  # (chunk, c, p, h)
+        q = tl.reshape(q, [BLOCK_N, BLOCK_K // _CHUNK, 4, 4, 2])  # (chunk, c, p, h)
         q = tl.reshape(tl.permute(q, (0, 1, 3, 2, 4)), [BLOCK_N, BLOCK_K])  # column order
         group = k_start // GROUP_SIZE
         scale = tl.load(scales_ptr + cols * stride_scales_row + group, mask=col_valid, other=0.0)

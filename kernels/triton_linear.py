@@ -68,9 +68,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GATED = ("silu", "gelu_tanh")  # the activations skinny_linear's gated input takes
 # ops.gated_linear fuses the activation up to this many rows. Each program makes the whole x
 # (M x K activations) again: at M = 1 some 7M exp for Llama's down projection over 512
-# programs, about 2 us of an H100's special-function units beside its 30 us of weight reads;
-# at 64 rows 16x more than that, as long as the reads themselves.
-GATED_MAX_ROWS = 8
+# programs, about 2 us of an H100's special-function units beside its 30 us of weight reads.
+# Past one row the tl.dot variant makes a [16, BLOCK_K] float32 tile of gate, up and their
+# product in registers each step: at 8 rows Gemma-3-12B's decode step took 38.6 ms against
+# 8.6 ms with the activation as its own kernel (H200, 2026-12-05), so only one row fuses.
+GATED_MAX_ROWS = 1
 # The layer shapes default_tiles tells apart at 2-64 rows (8B models, hidden size 4096):
 NARROW_N = 4096  # o, down: N <= this
 WIDE_N = 16384  # gate_up: N >= this; qkv lies between

@@ -64,7 +64,9 @@ class Shape:
     k: int  # input features
 
 
-MODEL_LAYERS = {"llama": 32, "llama-tp2": 32, "qwen3": 36, "smollm2": 30, "qwen3-0.6b": 28}
+MODEL_LAYERS = {
+    "llama": 32, "llama-tp2": 32, "qwen3": 36, "smollm2": 30, "qwen3-0.6b": 28, "gemma3-12b": 48,
+}  # fmt: skip
 MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
     "llama": [  # Llama-3.1-8B, 32 layers
         Shape("qkv", 6144, 4096),
@@ -100,6 +102,13 @@ MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
         Shape("gate_up", 6144, 1024),
         Shape("down", 1024, 3072),
         Shape("lm_head", 151936, 1024),
+    ],
+    "gemma3-12b": [  # Gemma-3-12B, 48 layers: K 3840 is no power of two; a vocabulary of 262k
+        Shape("qkv", 8192, 3840),
+        Shape("o", 3840, 4096),
+        Shape("gate_up", 30720, 3840),
+        Shape("down", 3840, 15360),
+        Shape("lm_head", 262208, 3840),
     ],
 }
 # (block_n, block_k, num_warps, num_stages): BLOCK_N 16/32/64 x BLOCK_K 128..512, tl.dot; and
