@@ -21,7 +21,6 @@ import triton.language as tl
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_e4m3 import scale_for, to_e4m3
 from kernels.triton_moe_tiles import DEFAULT_GEMV_TILES, GemvTiles
-from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 
 
 @triton.jit
@@ -100,9 +99,7 @@ def _pair_gate_up_kernel(
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
-    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
-    wait_for_previous_kernel(PDL)
     pair, tile = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
@@ -156,13 +153,11 @@ def _token_down_kernel(
     BLOCK_TOP_K: tl.constexpr,  # top_k's next power of two
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     """One GEMV over the token's k experts' down rows side by side (K' = k * K), each pair's
     row scaled by its routing weight (and in MODE 1 by its rows' and input's scales): one
     loop, so loads stay in flight across experts. In MODE 1 the k rows' input scales are
     worked out first, each row read once for them."""
-    wait_for_previous_kernel(PDL)
     token, tile = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
@@ -217,7 +212,6 @@ def moe_experts_gemv(
     num_tokens, top_k = ids.shape
     hidden, inter = down.shape[1:]
     ids = ids.contiguous()
-    early = launches_early(x)
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     up = WeightScales(gate_up_scale, gate_up, tiles.gate_up_k)
     grid = (num_tokens * top_k, triton.cdiv(inter, tiles.gate_up_n))
@@ -226,7 +220,7 @@ def moe_experts_gemv(
         x.stride(0), gate_up.stride(0), gate_up.stride(1), *up.strides, h.stride(0),
         *epilogue(biases, swiglu, x, "gate_up"),
         BLOCK_N=tiles.gate_up_n, BLOCK_K=up.block_k, MODE=up.mode, num_warps=tiles.num_warps,
-        HAS_BIAS=biases is not None, SWIGLU=swiglu is not None, PDL=early, launch_pdl=early,
+        HAS_BIAS=biases is not None, SWIGLU=swiglu is not None,
     )  # fmt: skip
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     dn = WeightScales(down_scale, down, tiles.down_k)
@@ -236,8 +230,7 @@ def moe_experts_gemv(
         dn.group, h.stride(0), down.stride(0), down.stride(1), *dn.strides, out.stride(0),
         epilogue(biases, swiglu, x, "down")[0],
         BLOCK_N=tiles.down_n, BLOCK_K=dn.block_k, BLOCK_TOP_K=triton.next_power_of_2(top_k),
-        MODE=dn.mode, num_warps=tiles.num_warps, HAS_BIAS=biases is not None, PDL=early,
-        launch_pdl=early,
+        MODE=dn.mode, num_warps=tiles.num_warps, HAS_BIAS=biases is not None,
     )  # fmt: skip
     return out
 

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from kernels.int4 import Int4Stack
 from kernels.triton_int4 import one_plus_q16, x_pair
-from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,9 +98,7 @@ def _int4_pair_gate_up_kernel(
     WORDS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     X_PAIRS: tl.constexpr,
-    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
-    wait_for_previous_kernel(PDL)
     pair, tile = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
@@ -147,11 +144,9 @@ def _int4_token_down_kernel(
     WORDS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     X_PAIRS: tl.constexpr,
-    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     """The token's k experts' down rows side by side (K' = k * K): one loop, so loads stay
     in flight across experts."""
-    wait_for_previous_kernel(PDL)
     token, tile = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
@@ -184,7 +179,6 @@ def moe_experts_int4_gemv(
     num_tokens, top_k = ids.shape
     hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     ids = ids.contiguous()
-    early = launches_early(x)
     h = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     x_pairs = {torch.bfloat16: 1, torch.float16: 2}.get(x.dtype, 0)  # 16-bit rows: int32 pairs
     grid = (num_tokens * top_k, triton.cdiv(inter, tiles.gate_up_n))
@@ -193,7 +187,6 @@ def moe_experts_int4_gemv(
         *weight_args(gate_up)[3:], h.stride(0), GROUP_SIZE=gate_up.group_size,
         BLOCK_N=tiles.gate_up_n, WORDS=tiles.gate_up_words,
         HAS_ZEROS=gate_up.zeros is not None, X_PAIRS=x_pairs, num_warps=tiles.num_warps,
-        PDL=early, launch_pdl=early,
     )  # fmt: skip
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     grid = (num_tokens, triton.cdiv(hidden, tiles.down_n))
@@ -202,7 +195,6 @@ def moe_experts_int4_gemv(
         hidden, h.stride(0), *weight_args(down)[3:], out.stride(0),
         GROUP_SIZE=down.group_size, BLOCK_N=tiles.down_n, WORDS=tiles.down_words,
         HAS_ZEROS=down.zeros is not None, X_PAIRS=x_pairs, num_warps=tiles.num_warps,
-        PDL=early, launch_pdl=early,
     )  # fmt: skip
     return out
 

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_pdl import launches_early, wait_for_previous_kernel
-
 MAX_EXPERTS = 1024  # a row of logits held in one program's registers
 
 
@@ -36,9 +34,7 @@ def _route_kernel(
     BLOCK_K: tl.constexpr,
     COUNT: tl.constexpr,
     SLOTS: tl.constexpr,
-    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
-    wait_for_previous_kernel(PDL)
     token = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     row = logits_ptr + token.to(tl.int64) * stride_logits
@@ -83,12 +79,11 @@ def moe_route(
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits.device)
     if num_tokens:
-        early = launches_early(logits)
         _route_kernel[(num_tokens,)](
             logits, weights, ids, counts if counts is not None else ids,
             slots if slots is not None else ids, num_experts, top_k, logits.stride(0),
             RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(num_experts),
             BLOCK_K=triton.next_power_of_2(top_k), COUNT=counts is not None,
-            SLOTS=slots is not None, PDL=early, launch_pdl=early,
+            SLOTS=slots is not None,
         )  # fmt: skip
     return weights, ids

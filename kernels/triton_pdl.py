@@ -20,9 +20,6 @@ Measured on an H100 (docs/benchmarks-history.md, "programmatic dependent launch"
 decode at batch 1 went from 5.83 to 5.67 ms in bf16 and from 3.96 to 3.76 ms in FP8. int4's tl.dot
 kernel launches with it too (2.96 against 3.06 ms at batch 1, 2026-11-28); its fallbacks
 (the CUDA-core rows kernel, whose step was 3 % slower with it, and dequant_dot) do not.
-A mixture of experts' routing and its decode GEMVs (kernels/triton_moe_gemv.py, bf16, FP8 and
-int4) launch with it as well, so an MoE layer no longer breaks the chain at batch 1; the
-grouped GEMMs and their sort, whose launches are long against a boundary, do not.
 
 `--disable-pdl` (kernels/pdl.py) launches everything the ordinary way.
 """

@@ -1,8 +1,8 @@
 """Programmatic dependent launch (kernels.triton_pdl) changes when kernels start, never a value.
 
-- Each PDL kernel (the int4 dot kernel and a decode's MoE kernels among them) waits for the
-  kernel before it: a producer that lets its dependents launch at once, then writes their
-  input only after 200 us, must still be seen whole.
+- Each PDL kernel (the int4 dot kernel among them) waits for the kernel before it: a producer
+  that lets its dependents launch at once, then writes their input only after 200 us, must
+  still be seen whole.
 - A chain of dependent decode kernels (RMSNorm, the bf16 skinny linear and the FP8 GEMV, the FP8
   quantization, SiLU-and-mul, argmax) captured in a CUDA graph gives the same bits with PDL
   and without (`set_pdl(False)`, what --disable-pdl does).
@@ -26,7 +26,6 @@ from kernels.argmax import argmax_reference
 from kernels.embedding import embedding_rows_reference
 from kernels.fp8 import fp8_linear_reference, quantize_fp8_rowwise_reference
 from kernels.int4 import int4_linear_reference, quantize_int4_reference
-from kernels.moe import moe_experts_reference, moe_route_reference
 from kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from kernels.pdl import set_pdl
 from kernels.triton_pdl import launches_early
@@ -103,7 +102,6 @@ def test_each_pdl_kernel_waits_for_the_input_written_late() -> None:
         _close(got, int4_linear_reference(h, qweight, scales, zeros, 128))
     logits = _bf16(2, VOCAB, seed=6).float()
     assert torch.equal(ops.argmax(_late(logits)), argmax_reference(logits))
-    _check_moe_decode_waits()
     input_ids = torch.zeros(4, dtype=torch.int32, device="cuda")
     source_rows = torch.tensor([1, -1, 0, 2], dtype=torch.int32, device="cuda")
     sampled = torch.tensor([7, 8, 9], dtype=torch.int64, device="cuda")
@@ -113,23 +111,6 @@ def test_each_pdl_kernel_waits_for_the_input_written_late() -> None:
     ids = torch.tensor([3, VOCAB // 2 + 5, VOCAB - 1], device="cuda")
     got = ops.embedding_rows(_late(ids), table, VOCAB // 2)
     assert torch.equal(got, embedding_rows_reference(ids, table, VOCAB // 2))
-
-
-def _check_moe_decode_waits() -> None:
-    """A decode's MoE kernels: the routing, and the GEMVs over a token's chosen experts, each
-    fed by a late producer (the router's logits, the token's row, the chosen experts)."""
-    experts, top_k, hidden, inter = 32, 4, 1024, 512  # 8 pairs: the GEMVs (uses_gemv)
-    router = _bf16(2, experts, seed=9).float()  # float32: no ties for the two to break apart
-    weights, ids = ops.moe_route(_late(router), top_k, True)
-    want_weights, want_ids = moe_route_reference(router, top_k, True)
-    assert torch.equal(ids, want_ids)
-    _close(weights, want_weights)
-    x = _bf16(2, hidden, seed=10)
-    gate_up = _bf16(experts, 2 * inter, hidden, seed=11) * hidden**-0.5
-    down = _bf16(experts, hidden, inter, seed=12) * inter**-0.5
-    want = moe_experts_reference(x, gate_up, down, want_weights, want_ids)
-    _close(ops.moe_experts(_late(x), gate_up, down, want_weights, want_ids), want)
-    _close(ops.moe_experts(x, gate_up, down, _late(want_weights), _late(want_ids)), want)
 
 
 def _chain_output(rows: int) -> torch.Tensor:
