@@ -189,8 +189,16 @@ def _tiles_one_row(n: int, k: int) -> LinearTiles:
     us per call, whole model / one rank of two: down 28.5 / 34.7, 15.6 / 18.8; lm_head 241.4 /
     248.3, 123.9 / 127.5. (o, K <= 4096, would gain 0.5-1.0 us with it; qkv loses 1.6-1.8;
     gate_up, N 28672 and 14336, is within 1 %.)
+
+    M = 1, o-like (N <= 4096, K >= 4096) or K no multiple of the K step (Gemma-3-12B's 3840,
+    whose last step is three quarters masked): n8 k1024 w4 s2 as well since 2026-12-05 (H200,
+    `--model gemma3-12b --m 1`), against n4, us per call: qkv 16.9 / 18.5, o (N 3840, K 4096)
+    9.9 / 10.9, gate_up 57.6 / 58.7; Llama's o gained 0.5-1.0 us with it (above).
     """
-    if k > 4096 or n >= 32768:
+    long_or_wide = k > 4096 or n >= 32768  # down, lm_head
+    o_like = n <= NARROW_N and k >= 4096
+    ragged = k > SMALL_K and k % 1024 != 0  # the last K step partly masked
+    if long_or_wide or o_like or ragged:
         return LinearTiles(block_n=8, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
     return LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
 
