@@ -1,4 +1,5 @@
-"""On a GPU in bfloat16, kvflow's greedy tokens agree with transformers' own generation.
+"""On a GPU in bfloat16 and in float32, kvflow's greedy tokens agree with transformers' own
+generation.
 
 Exact equality is not expected in bf16: the two engines round differently, so where the top
 logits are within rounding of each other either may win (logits near 10 have a bf16 step of
@@ -92,15 +93,23 @@ def agreed_tokens(
     return same
 
 
+# The share of the greedy tokens the two engines must have in common before they part. bf16's
+# ties part them early in these tiny random models (often within a few tokens), so there it
+# only guards against a vacuous pass; float32 has next to no ties, so there the sequences
+# must agree almost whole, and a slip in the math shows as an early parting.
+MIN_AGREED = {"bfloat16": 0.1, "float32": 0.9}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", sorted(MIN_AGREED))
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_bf16_greedy_agrees_with_transformers(family: str, tmp_path: object) -> None:
-    model = build(family, tmp_path)
+def test_greedy_agrees_with_transformers(family: str, dtype: str, tmp_path: object) -> None:
+    model = build(family, tmp_path).to(getattr(torch, dtype))
     llm = LLM(
         str(tmp_path),
         device="cuda",
-        dtype="bfloat16",
+        dtype=dtype,
         max_model_len=512,
         kv_cache_memory_bytes=256 << 20,
     )
@@ -108,9 +117,11 @@ def test_bf16_greedy_agrees_with_transformers(family: str, tmp_path: object) -> 
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
     )
-    agreed = 0
+    agreed = []
     for prompt, result in zip(prompts, llm.generate(prompts, params), strict=True):
         what = f"{family}: prompt of {len(prompt)}"
-        agreed += agreed_tokens(what, result, *hf_greedy_top(model, prompt))
-    # A guard against a vacuous pass: the sequences do share real prefixes.
-    assert agreed >= len(prompts) * NUM_NEW_TOKENS // 10, f"only {agreed} tokens agreed"
+        agreed.append(agreed_tokens(what, result, *hf_greedy_top(model, prompt)))
+    wanted = MIN_AGREED[dtype] * len(prompts) * NUM_NEW_TOKENS
+    assert sum(agreed) >= wanted, f"{dtype}: tokens agreed by prompt length " + str(
+        [(len(prompt), n) for prompt, n in zip(prompts, agreed, strict=True)]
+    )
