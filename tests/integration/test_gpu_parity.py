@@ -100,28 +100,50 @@ def agreed_tokens(
 MIN_AGREED = {"bfloat16": 0.1, "float32": 0.9}
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", sorted(MIN_AGREED))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_agrees_with_transformers(family: str, dtype: str, tmp_path: object) -> None:
-    model = build(family, tmp_path).to(getattr(torch, dtype))
+def _agreed_by_prompt(family: str, dtype: str, folder: object, **engine: object) -> list[int]:
+    """Each prompt's greedy tokens shared with transformers before the two part."""
+    model = build(family, folder).to(getattr(torch, dtype))
     llm = LLM(
-        str(tmp_path),
+        str(folder),
         device="cuda",
         dtype=dtype,
         max_model_len=512,
         kv_cache_memory_bytes=256 << 20,
+        **engine,
     )
     prompts = make_prompts(SHAPE["vocab_size"])
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
     )
-    agreed = []
-    for prompt, result in zip(prompts, llm.generate(prompts, params), strict=True):
-        what = f"{family}: prompt of {len(prompt)}"
-        agreed.append(agreed_tokens(what, result, *hf_greedy_top(model, prompt)))
-    wanted = MIN_AGREED[dtype] * len(prompts) * NUM_NEW_TOKENS
-    assert sum(agreed) >= wanted, f"{dtype}: tokens agreed by prompt length " + str(
-        [(len(prompt), n) for prompt, n in zip(prompts, agreed, strict=True)]
+    results = llm.generate(prompts, params)
+    return [
+        agreed_tokens(f"{family}: prompt of {len(prompt)}", result, *hf_greedy_top(model, prompt))
+        for prompt, result in zip(prompts, results, strict=True)
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", sorted(MIN_AGREED))
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_greedy_agrees_with_transformers(family: str, dtype: str, tmp_path: object) -> None:
+    agreed = _agreed_by_prompt(family, dtype, tmp_path)
+    lengths = [len(prompt) for prompt in make_prompts(SHAPE["vocab_size"])]
+    wanted = MIN_AGREED[dtype] * len(agreed) * NUM_NEW_TOKENS
+    assert sum(agreed) >= wanted, (
+        f"{dtype}: tokens agreed by prompt length {list(zip(lengths, agreed, strict=True))}"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_longrope_requests_that_cross_into_the_long_set_agree_in_float32(
+    enforce_eager: bool, tmp_path: object
+) -> None:
+    """A prompt within LongRoPE's original context (32 here) is computed again from its start
+    with the long set when it grows past it. In float32 every token must agree: on 2026-12-05
+    the GPU parted from transformers at exactly that token (the prompts past 32 agreed whole),
+    which neither the CPU's torch path nor its interpreted kernels do."""
+    agreed = _agreed_by_prompt("phi3 longrope", "float32", tmp_path, enforce_eager=enforce_eager)
+    assert agreed == [NUM_NEW_TOKENS] * len(agreed)
