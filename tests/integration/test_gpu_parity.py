@@ -62,8 +62,15 @@ def _factors_for(scaling: dict, count: int) -> dict:
     return stretched
 
 
-def hf_greedy_top(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int], list[set[int]]]:
-    """transformers' greedy tokens and the top-5 ids at each step."""
+def hf_greedy_top(
+    model: torch.nn.Module, prompt: list[int], use_cache: bool = True
+) -> tuple[list[int], list[set[int]]]:
+    """transformers' greedy tokens and the top-5 ids at each step. Without `use_cache`, each
+    step is a forward over the whole sequence: LongRoPE's reference, where a sequence past the
+    original context is computed with the long set from its start, whatever a transformers
+    version does with its cache at the crossing."""
+    if not use_cache:
+        return _greedy_without_cache(model, prompt)
     out = model.generate(
         torch.tensor([prompt], device=model.device),
         max_new_tokens=NUM_NEW_TOKENS,
@@ -74,6 +81,18 @@ def hf_greedy_top(model: torch.nn.Module, prompt: list[int]) -> tuple[list[int],
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, [set(scores[0].topk(TOP).indices.tolist()) for scores in out.scores]
+
+
+@torch.no_grad()
+def _greedy_without_cache(
+    model: torch.nn.Module, prompt: list[int]
+) -> tuple[list[int], list[set[int]]]:
+    sequence, tops = list(prompt), []
+    for _ in range(NUM_NEW_TOKENS):
+        logits = model(torch.tensor([sequence], device=model.device), use_cache=False).logits
+        tops.append(set(logits[0, -1].topk(TOP).indices.tolist()))
+        sequence.append(int(logits[0, -1].argmax()))
+    return sequence[len(prompt) :], tops
 
 
 def agreed_tokens(
@@ -116,8 +135,13 @@ def _agreed_by_prompt(family: str, dtype: str, folder: object, **engine: object)
         temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
     )
     results = llm.generate(prompts, params)
+    use_cache = "longrope" not in family  # hf_greedy_top
+
+    def what(prompt: list[int]) -> str:
+        return f"{family}: prompt of {len(prompt)}"
+
     return [
-        agreed_tokens(f"{family}: prompt of {len(prompt)}", result, *hf_greedy_top(model, prompt))
+        agreed_tokens(what(prompt), result, *hf_greedy_top(model, prompt, use_cache))
         for prompt, result in zip(prompts, results, strict=True)
     ]
 
@@ -142,8 +166,10 @@ def test_longrope_requests_that_cross_into_the_long_set_agree_in_float32(
     enforce_eager: bool, tmp_path: object
 ) -> None:
     """A prompt within LongRoPE's original context (32 here) is computed again from its start
-    with the long set when it grows past it. In float32 every token must agree: on 2026-12-05
-    the GPU parted from transformers at exactly that token (the prompts past 32 agreed whole),
-    which neither the CPU's torch path nor its interpreted kernels do."""
+    with the long set when it grows past it. In float32 every token must agree. On 2026-12-05
+    the GPU parted from transformers' `generate` at exactly that token (the prompts past 32
+    agreed whole), which neither the CPU's torch path nor its interpreted kernels do against
+    the CPU's transformers; the reference is now a forward over the whole sequence each step,
+    so a transformers version's own handling of the crossing cannot decide it."""
     agreed = _agreed_by_prompt("phi3 longrope", "float32", tmp_path, enforce_eager=enforce_eager)
     assert agreed == [NUM_NEW_TOKENS] * len(agreed)
