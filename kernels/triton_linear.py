@@ -172,7 +172,8 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
 
 def _tiles_one_row(n: int, k: int) -> LinearTiles:
     """One row (see default_tiles): fma, 8 weight rows a program for a long K or a wide N
-    (down, lm_head), 4 for the rest, in K steps of 1024.
+    (down, lm_head), an o-like layer or a K no multiple of 1024, 4 for the rest (qkv,
+    gate_up), in K steps of 1024.
 
     M = 1, K <= 4096: fma n4 k1024 w4 s2 since 2026-11-27 (`--model llama llama-tp2 --m 1`,
     the latter one rank's shapes at --tensor-parallel-size 2), against n8 k512 w4 s3, us per
