@@ -172,8 +172,7 @@ def default_tiles(m: int, n: int, k: int, dtype: torch.dtype) -> LinearTiles:
 
 def _tiles_one_row(n: int, k: int) -> LinearTiles:
     """One row (see default_tiles): fma, 8 weight rows a program for a long K or a wide N
-    (down, lm_head), an o-like layer or a K no multiple of 1024, 4 for the rest (qkv,
-    gate_up), in K steps of 1024.
+    (down, lm_head), 4 for the rest, in K steps of 1024.
 
     M = 1, K <= 4096: fma n4 k1024 w4 s2 since 2026-11-27 (`--model llama llama-tp2 --m 1`,
     the latter one rank's shapes at --tensor-parallel-size 2), against n8 k512 w4 s3, us per
@@ -191,15 +190,11 @@ def _tiles_one_row(n: int, k: int) -> LinearTiles:
     248.3, 123.9 / 127.5. (o, K <= 4096, would gain 0.5-1.0 us with it; qkv loses 1.6-1.8;
     gate_up, N 28672 and 14336, is within 1 %.)
 
-    M = 1, o-like (N <= 4096, K >= 4096) or K no multiple of the K step (Gemma-3-12B's 3840,
-    whose last step is three quarters masked): n8 k1024 w4 s2 as well since 2026-12-05 (H200,
-    `--model gemma3-12b --m 1`), against n4, us per call: qkv 16.9 / 18.5, o (N 3840, K 4096)
-    9.9 / 10.9, gate_up 57.6 / 58.7; Llama's o gained 0.5-1.0 us with it (above).
+    Gemma-3-12B (K 3840, o N 3840 K 4096) was tried with n8 for o and the ragged K as well: a
+    microsecond a call faster alone, but the whole batch-1 step was 3 % slower (H100,
+    2026-12-05, `kvflow bench latency gemma-3-12b`: 9.56 against 9.26 ms), so n4 stays.
     """
-    long_or_wide = k > 4096 or n >= 32768  # down, lm_head
-    o_like = n <= NARROW_N and k >= 4096
-    ragged = k > SMALL_K and k % 1024 != 0  # the last K step partly masked
-    if long_or_wide or o_like or ragged:
+    if k > 4096 or n >= 32768:
         return LinearTiles(block_n=8, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
     return LinearTiles(block_n=4, block_k=1024, num_warps=4, num_stages=2, use_dot=False)
 
