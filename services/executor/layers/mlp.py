@@ -31,9 +31,6 @@ class GatedMLP(nn.Module):
         down = layout.row_parallel(hidden)
         self.down_proj = Linear(columns, hidden, method=method, sharding=down)
 
-    def in_features(self) -> int:
-        return self.gate_up_proj.in_features
-
     def forward(self, x: Activation, lora: LoraTokens | None = None) -> torch.Tensor:
         """`lora`: the tokens' LoRA slots (see Linear.forward), or None."""
         gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]

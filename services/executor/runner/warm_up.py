@@ -236,7 +236,8 @@ def _compile_linear_variants(runner: WarmUpTarget) -> None:
         linears += [m for m in modules if isinstance(m, Linear | GatedMLP)]
     with torch.inference_mode():
         for rows, module in itertools.product(_LINEAR_ROWS, linears):
-            width = module.in_features if isinstance(module, Linear) else module.in_features()
+            layer = module if isinstance(module, Linear) else module.gate_up_proj
+            width = layer.in_features
             module(torch.zeros(rows, width, dtype=runner.dtype, device=runner.device))
 
 
