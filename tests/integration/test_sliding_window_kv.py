@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvflow.llm import LLM
 from tests.integration.test_host_kv_tier import chat
@@ -80,17 +81,28 @@ def test_a_model_mixing_sliding_and_full_layers_holds_a_long_request_in_less(
         kvflow_greedy(keeping, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS)
 
 
+ON_GPU = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    ],
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_GPU])
 @pytest.mark.parametrize("together", [False, True])
 def test_layer_groups_restore_their_blocks_from_the_host_tier(
-    tmp_path: Path, together: bool
+    tmp_path: Path, together: bool, device: str
 ) -> None:
     """Gemma 2's two groups with a host tier: a conversation's evicted prefix comes back, each
     group's blocks under its own key (the sliding group's within its window only), with the
-    tokens of an engine without the tier."""
+    tokens of an engine without the tier. On a GPU, under CUDA graphs: the restored blocks
+    reach the tables the captured steps read."""
     model = make_tiny_model("gemma2")
     model.save_pretrained(tmp_path)
     settings = dict(
-        device="cpu", dtype="float32", num_gpu_blocks_override=14, block_size=16,
+        device=device, dtype="float32", num_gpu_blocks_override=14, block_size=16,
         max_model_len=256,
     )  # fmt: skip
     expected = chat(LLM(str(tmp_path), **settings), together)
