@@ -28,7 +28,7 @@ from kernels.fp8 import (
 from kvflow import LLM, SamplingParams
 from services.executor import layers
 from tests import quantized_writers
-from tests.integration.test_gpu_parity import TOP, hf_greedy_top
+from tests.integration.test_gpu_parity import TOP, Top, hf_greedy_top
 from tests.integration.test_parity import hf_greedy
 from tests.integration.tiny_models import NUM_NEW_TOKENS, make_prompts, make_tiny_model
 
@@ -78,7 +78,7 @@ FLIP_AFTER = 16  # tokens that must agree before a mixture's routing may flip (c
 
 
 def check_close(
-    expected: list[tuple[list[int], list[set[int]]]],
+    expected: list[tuple[list[int], list[Top]]],
     llm: LLM,
     prompts: list[list[int]],
     routing_flips: int = 0,
