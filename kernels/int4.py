@@ -37,7 +37,7 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)  # [8]
 
 
 # How a Triton int4 launch tiles its work (kernels/triton_int4.py picks one per shape).
-KINDS = ("rows", "dot", "dequant_dot", "gemm")  # gemm: kernels/triton_int4_gemm.py
+KINDS = ("rows", "dot", "dequant_dot")
 
 
 class Int4Stack(NamedTuple):
@@ -55,7 +55,7 @@ class Int4Tiles:
     kind: str  # one of KINDS (kernels/triton_int4.py's docstring)
     block_m: int  # rows of x per program: 1 for "rows"
     block_n: int  # weight rows per program
-    block_k: int  # K a step: whole chunks; DOT_STEP steps (dot); >= 128 (dequant_dot); 128 (gemm)
+    block_k: int  # K a step: whole chunks; DOT_STEP steps (dot); >= 128 (dequant_dot)
     num_warps: int
     num_stages: int
     split_k: int = 1  # "dot": programs along K per output tile

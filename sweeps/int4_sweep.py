@@ -4,8 +4,9 @@ For each projection of --model and each M in --m, times `kernels.triton_int4.int
 every config of CANDIDATES (groups of 128, asymmetric, as AWQ writes them), bf16 through
 `kernels.ops.linear` (what the engine runs), and reports microseconds per call and the GB/s of
 packed weights, scales and zero points read (timing and checks: sweeps/quantized_sweep.py).
-Past 64 rows it times what the engine runs there (dequantize, then cuBLAS) and, unless
---default-only, the dot kernel with LARGE_M_CANDIDATES' tiles.
+Past 64 rows it times what the engine runs there (the dot kernel's 128 x 128 tiles up to 96
+rows, then dequantize + cuBLAS) and, unless --default-only, the dot kernel with
+LARGE_M_CANDIDATES' tiles.
 `triton_int4.default_tiles` holds the picks. A peer on the same weights: PyTorch's own int4
 GEMM (`torch._weight_int4pack_mm`, gpt-fast's and torchao's "tinygemm"), as a measure of what
 a CUDA kernel reaches at these shapes. `--default-only` times the engine's tiles alone.
@@ -51,15 +52,12 @@ CANDIDATES = [Int4Tiles(*c) for c in [
     ("dequant_dot", 16, 128, 128, 8, 3),
 ]]  # fmt: skip
 ROW_KERNEL_MAX_TIMED = 8
-# The dot kernel and the int4 GEMM past 64 rows (prefill chunks, large decode batches), against
-# dequantize + cuBLAS: (block_m, block_n, block_k, num_warps, num_stages).
+# The dot kernel past 64 rows (prefill chunks, large decode batches), against what the engine
+# runs there: (block_m, block_n, block_k, num_warps, num_stages).
 LARGE_M_CANDIDATES = [Int4Tiles("dot", *c, split_k=split) for c in [
     (64, 128, 128, 8, 3), (64, 256, 128, 8, 3), (128, 128, 128, 8, 3), (64, 64, 256, 4, 4),
     (128, 64, 128, 4, 3), (64, 128, 128, 4, 3),
-] for split in (1, 2, 4)] + [Int4Tiles("gemm", bm, bn, 128, w, s) for bm, bn, w, s in [
-    (64, 128, 4, 3), (64, 128, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 256, 8, 3),
-    (128, 256, 8, 3), (64, 64, 4, 4), (32, 128, 4, 4), (128, 128, 8, 4), (64, 128, 4, 4),
-]]  # fmt: skip  # the int4 GEMM (kernels/triton_int4_gemm.py): steps of 128
+] for split in (1, 2, 4)]  # fmt: skip
 
 
 def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
@@ -98,7 +96,7 @@ def sweep_shape(
     for m in ms:
         x = torch.randn(m, shape.k, device=DEVICE).to(torch.bfloat16)
         rows.append(quantized_sweep.bf16_row(shape, m, x, copies))
-        if m > 64:  # the engine's (int4_linear's dequantize + cuBLAS), and the dot kernel's
+        if m > 64:  # the engine's (int4_linear's own choice), and the dot kernel's
             configs = [("engine", functools.partial(_int4, tiles=None), None)]
             if not default_only:
                 configs += [
