@@ -14,7 +14,8 @@
 #
 # Carried: .whl/ and .vwhl/ (wheels the GPU machine lacks: bash scripts/device_wheels.sh),
 # .peer/qwen3-8b.tar.xz and, for vLLM, the three vllm_bundle parts with SHA256SUMS and
-# install_vllm.sh (copied from the steering repo's peer/ folder). A call carries 64 MiB at most,
+# install_vllm.sh (copied from the steering repo's peer/ folder), and for MoE models vLLM's MoE
+# library (.peerM/vllm_moe_C.tar.xz, about 40 MB: a call of its own). A call carries 64 MiB at most,
 # the tree (15 MB) included: .whl/, .vwhl/ and .peer/ in the first call, then one part a call
 # (.peerA/, .peerB/, .peerC/), in consecutive calls while the machine is warm; each call leaves
 # what it brought in /tmp (/tmp/vwhl, /tmp/vllm-parts), and the first vLLM part installs vLLM
@@ -30,7 +31,8 @@ export PYTHONUNBUFFERED=1
 status=0
 
 mkdir -p /tmp/vllm-parts /tmp/vwhl /tmp/gguf-parts
-cp .peer*/vllm_bundle.tar.xz.part* .peer/SHA256SUMS .peer/install_vllm.sh /tmp/vllm-parts/ 2>/dev/null
+cp .peer*/vllm_bundle.tar.xz.part* .peer*/vllm_moe_C.tar.xz .peer/SHA256SUMS .peer/install_vllm.sh \
+    /tmp/vllm-parts/ 2>/dev/null
 cp .vwhl/*.whl .peerW*/*.whl /tmp/vwhl/ 2>/dev/null  # .peerW*/: .vwhl/ in parts
 cp .peer*/smollm2.gguf.* /tmp/gguf-parts/ 2>/dev/null  # speculative decoding's model, in parts
 if [ ! -f "$SITE/.kvflow-wheels" ]; then
@@ -209,6 +211,11 @@ install_vllm() {
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
             /tmp/vwhl/*.whl || return 1
         (cd /tmp/vllm-parts && VLLM_SKIP_SMOKE=1 bash install_vllm.sh "$SITE") || return 1
+    fi
+    # vLLM's MoE library, which the three parts leave out (the steering repo's
+    # peer/make_moe_part.sh writes it; carried alone as .peerM/, kept in /tmp/vllm-parts)
+    if [ -f /tmp/vllm-parts/vllm_moe_C.tar.xz ] && [ ! -f "$SITE/vllm/_moe_C_stable_libtorch.abi3.so" ]; then
+        tar -xJf /tmp/vllm-parts/vllm_moe_C.tar.xz -C "$SITE" || return 1
     fi
     (cd /tmp && PYTHONPATH=$SITE python3 -c "import vllm.entrypoints.openai.api_server")
 }
