@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvflow import LLM, EngineCore, EngineRequest, LoRARequest, SamplingParams
+from services.executor.runner.expert_load import expert_ranks
 from shared.config import Config
 
 
@@ -105,6 +106,9 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
     work = _workload(llm, config, args)
     _warm_up(llm, config, work.adapters)
     compiled_before = len(_late_compiles(llm))
+    counts = llm.runner.model.expert_tokens  # a mixture of experts': its choices from here
+    if counts is not None:
+        counts.zero_()
     start = time.perf_counter()
     loras = work.per_prompt()
     results = llm.generate(work.prompts, work.params, lora_request=loras, show_progress=True)
@@ -133,7 +137,27 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "triton_compiles_in_timed_run": _late_compiles(llm)[compiled_before:],
         "config": _engine_summary(config),
     }
+    if counts is not None:
+        report["expert_load"] = expert_load(llm.runner.model)
     report.update(_throughput_profiles(llm, config, args, work))
+    return report
+
+
+def expert_load(model: torch.nn.Module) -> dict[str, Any]:
+    """A mixture of experts' choices by real tokens since its counts were zeroed, every
+    layer's added up (replica 0's: all its ranks route alike): by expert, and with expert
+    parallelism by the rank holding the expert, with the busiest rank's share over an even
+    one's (1.0: balanced)."""
+    per_expert = model.expert_tokens.tolist()
+    report: dict[str, Any] = {"per_expert": per_expert}
+    ranks = expert_ranks(model)
+    if ranks and ranks[0] >= 0:
+        per_rank = [0] * (max(ranks) + 1)
+        for rank, count in zip(ranks, per_expert, strict=True):
+            per_rank[rank] += count
+        report["per_rank"] = per_rank
+        even = sum(per_rank) / len(per_rank)
+        report["busiest_rank_over_even"] = round(max(per_rank) / even, 3) if even else None
     return report
 
 

@@ -7,6 +7,8 @@ it). vLLM's log gives the KV cache's size ("GPU KV cache size: N tokens": the re
 docs/benchmarks.md.
 
     python sweeps/engine_vllm.py /tmp/gemma-3-12b --out $OUT/gemma_vllm.json
+    python sweeps/engine_vllm.py /tmp/Qwen3-30B-A3B --tensor-parallel-size 2 \
+        --enable-expert-parallel --out $OUT/moe_ep2_vllm.json
 
 It imports vLLM and nothing of kvflow: run it with vLLM's environment, from a directory
 outside the checkout. Random token ids (the folder's tokenizer need not be the model's), no
@@ -84,6 +86,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--enable-expert-parallel", action="store_true")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -95,9 +99,16 @@ def main() -> None:
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     runs = Runs(llm, args.seed)
-    report: dict[str, Any] = {"engine": "vllm", "model": args.model}
+    report: dict[str, Any] = {
+        "engine": "vllm",
+        "model": args.model,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
+    }
     report["latency"] = latency(runs, args.repeats)
     print(json.dumps(report["latency"]), flush=True)
     report["offline"] = offline(runs, args.num_prompts)

@@ -7,6 +7,7 @@ on two ranks test_tensor_parallel's."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,40 @@ def test_gpt_oss_mxfp4_checkpoints_load_dequantized(tmp_path: Path) -> None:
     llm = LLM(str(tmp_path), dtype="float32", device="cpu")
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected
     assert llm.runner.model.layers[0].mlp.experts_gate_up.dtype == torch.float32
+
+
+def test_bench_throughput_counts_every_choice_of_the_timed_run(tiny_moe, tmp_path: Path) -> None:
+    """`kvflow bench throughput`'s expert load: each token the timed run computes makes top-k
+    choices in every layer with experts (the warm-up's are not counted)."""
+    from services.launcher.cli import main
+
+    _, folder = tiny_moe
+    out = tmp_path / "throughput.json"
+    args = ["bench", "throughput", str(folder), "--device", "cpu", "--dtype", "float32"]
+    args += ["--num-prompts", "3", "--input-len", "7", "--output-len", "5", "--ignore-eos"]
+    assert main([*args, "--output-json", str(out)]) == 0
+    load = json.loads(out.read_text())["expert_load"]
+    config = load_model_config(resolve_model_source(str(folder)))
+    assert config.moe is not None
+    tokens_run = 3 * (7 + 5 - 1)  # the last token sampled is not run
+    assert sum(load["per_expert"]) == tokens_run * len(config.moe.sparse_layers) * config.moe.top_k
+    assert "per_rank" not in load  # one rank holds a part of every expert
+
+
+def test_expert_load_adds_up_each_ranks_experts(tiny_moe) -> None:
+    from benchmarks.engine_bench import expert_load
+
+    _, folder = tiny_moe
+    config = load_model_config(resolve_model_source(str(folder)))
+    assert config.moe is not None
+    if config.qk_norm_whole:
+        return  # OLMoE runs on one rank
+    model = DecoderForCausalLM(config, 64, tp=TensorParallel(0, 2, expert_parallel=True))
+    assert model.expert_tokens is not None
+    total = config.moe.num_experts
+    model.expert_tokens.copy_(torch.arange(total))
+    load = expert_load(model)
+    half = total // 2
+    assert load["per_rank"] == [sum(range(half)), sum(range(half, total))]
+    even = sum(range(total)) / 2
+    assert load["busiest_rank_over_even"] == round(sum(range(half, total)) / even, 3)
