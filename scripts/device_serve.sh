@@ -172,8 +172,11 @@ serve_dp() {  # NAME REPLICAS ROUTING WORKLOADS
         # Twice: the first load meets a fresh server (first-use compiles), the second not;
         # other prompts (seed), or the second would find them all in the prefix cache.
         # The Triton kernels each load compiled (first use), listed after it.
-        for seed in 300 301; do
-            local load=$([[ $seed == 300 ]] && echo load || echo load_again)
+        # DP_LOADS: the loads' seeds (issue 51 asks for the mean of three: "300 301 302")
+        for seed in ${DP_LOADS:-300 301}; do
+            local load=load_$seed
+            [[ $seed == 300 ]] && load=load
+            [[ $seed == 301 ]] && load=load_again
             triton_kernels >"$RESULTS/$1_triton_before_$load.txt"
             # Each process's CPU share while the load runs: which one keeps the GPUs waiting.
             # Every request's timings too (--save-detailed): which requests start late.
@@ -270,6 +273,8 @@ spec_vllm() {  # the same prompts (spec_kvflow's file), from outside the checkou
 # default --gpu-memory-utilization; vLLM reads the preset as a folder's config.json, with the
 # Qwen3-8B folder's tokenizer (random token ids, no detokenisation).
 FAMILY=${FAMILY:-gemma-3-12b}
+VLLM_ARGS=${VLLM_ARGS:-}  # more sweeps/engine_vllm.py flags, e.g. --tensor-parallel-size 2
+VLLM_TAG=${VLLM_TAG:-}  # a suffix of its result's name, for several runs of one family
 family_kvflow() {
     local common=(--load-format dummy --max-model-len 4096 --seed 0)
     run "$FAMILY latency" python3 -m services bench latency "$FAMILY" "${common[@]}" \
@@ -285,11 +290,13 @@ family_vllm() {
     local dir=/tmp/$FAMILY script=$PWD/sweeps/engine_vllm.py
     mkdir -p "$dir" && cp "shared/presets/$FAMILY.json" "$dir/config.json"
     cp "$MODEL_DIR"/tokenizer*.json "$dir/"
+    local name=${FAMILY}_vllm$VLLM_TAG
+    # shellcheck disable=SC2086
     (cd /tmp && source "$SITE/vllm_env.sh" && PYTHONPATH=$SITE python3 "$script" "$dir" \
-        --out "$RESULTS/${FAMILY}_vllm.json" >"$RESULTS/${FAMILY}_vllm.log" 2>&1)
+        $VLLM_ARGS --out "$RESULTS/$name.json" >"$RESULTS/$name.log" 2>&1)
     local rc=$?
-    grep -E "KV cache size|Maximum concurrency|Error|error" "$RESULTS/${FAMILY}_vllm.log" | head -20
-    tail -3 "$RESULTS/${FAMILY}_vllm.log"
+    grep -E "KV cache size|Maximum concurrency|Error|error" "$RESULTS/$name.log" | head -20
+    tail -3 "$RESULTS/$name.log"
     return $rc
 }
 
