@@ -24,7 +24,7 @@ from services.executor.quantization.gguf import GgufBlocks
 from services.executor.quantization.methods import experts_method
 from services.executor.runner.expert_load import ExpertLoad, expert_ranks
 from services.frontend.metrics.prometheus import Metrics
-from shared.model_config import load_model_config, resolve_model_source
+from shared.model_config import ModelConfig, load_model_config, resolve_model_source
 from tests.integration.tiny_models import MOE_FAMILIES, TINY
 from tests.unit.snapshots import stats
 
@@ -132,12 +132,17 @@ def test_each_experts_load_is_counted_and_shown_in_the_metrics(tiny_moe) -> None
     assert f"{line} {counts[1]}" in text
 
 
-def test_expert_parallel_ranks_hold_runs_of_whole_experts(tiny_moe) -> None:
-    _, folder = tiny_moe
+def two_rank_config(folder: Path) -> ModelConfig | None:
+    """A tiny mixture of experts' config, or None for OLMoE, which runs on one rank."""
     config = load_model_config(resolve_model_source(str(folder)))
     assert config.moe is not None
-    if config.qk_norm_whole:
-        return  # OLMoE runs on one rank
+    return None if config.qk_norm_whole else config
+
+
+def test_expert_parallel_ranks_hold_runs_of_whole_experts(tiny_moe) -> None:
+    config = two_rank_config(tiny_moe[1])
+    if config is None or config.moe is None:
+        return
     total = config.moe.num_experts
     models = [
         DecoderForCausalLM(config, 64, tp=TensorParallel(rank, 2, expert_parallel=True))
@@ -194,11 +199,9 @@ def test_bench_throughput_counts_every_choice_of_the_timed_run(tiny_moe, tmp_pat
 def test_expert_load_adds_up_each_ranks_experts(tiny_moe) -> None:
     from benchmarks.engine_bench import expert_load
 
-    _, folder = tiny_moe
-    config = load_model_config(resolve_model_source(str(folder)))
-    assert config.moe is not None
-    if config.qk_norm_whole:
-        return  # OLMoE runs on one rank
+    config = two_rank_config(tiny_moe[1])
+    if config is None or config.moe is None:
+        return
     model = DecoderForCausalLM(config, 64, tp=TensorParallel(0, 2, expert_parallel=True))
     assert model.expert_tokens is not None
     total = config.moe.num_experts

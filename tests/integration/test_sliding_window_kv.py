@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from kvflow.llm import LLM
 from tests.integration.test_host_kv_tier import chat
 from tests.integration.test_parity import hf_greedy, kvflow_greedy
+from tests.integration.test_pipelined_engine import ON_CUDA
 from tests.integration.test_speculative import KnownDrafts
 from tests.integration.tiny_models import make_prompts, make_tiny_model
 
@@ -81,16 +81,7 @@ def test_a_model_mixing_sliding_and_full_layers_holds_a_long_request_in_less(
         kvflow_greedy(keeping, prompts, ignore_eos=True, num_new_tokens=NEW_TOKENS)
 
 
-ON_GPU = pytest.param(
-    "cuda",
-    marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    ],
-)
-
-
-@pytest.mark.parametrize("device", ["cpu", ON_GPU])
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("together", [False, True])
 def test_layer_groups_restore_their_blocks_from_the_host_tier(
     tmp_path: Path, together: bool, device: str
