@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from kvflow import LLM, EngineCore, EngineRequest, LoRARequest, SamplingParams
-from services.executor.runner.expert_load import expert_ranks
 from shared.config import Config
 
 
@@ -150,7 +149,7 @@ def expert_load(model: torch.nn.Module) -> dict[str, Any]:
     one's (1.0: balanced)."""
     per_expert = model.expert_tokens.tolist()
     report: dict[str, Any] = {"per_expert": per_expert}
-    ranks = expert_ranks(model)
+    ranks = model.expert_ranks()
     if ranks and ranks[0] >= 0:
         per_rank = [0] * (max(ranks) + 1)
         for rank, count in zip(ranks, per_expert, strict=True):

@@ -22,7 +22,7 @@ from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.parallel.tensor_parallel import TensorParallel
 from services.executor.quantization.gguf import GgufBlocks
 from services.executor.quantization.methods import experts_method
-from services.executor.runner.expert_load import ExpertLoad, expert_ranks
+from services.executor.runner.expert_load import ExpertLoad
 from services.frontend.metrics.prometheus import Metrics
 from shared.model_config import ModelConfig, load_model_config, resolve_model_source
 from tests.integration.tiny_models import MOE_FAMILIES, TINY
@@ -151,7 +151,7 @@ def test_expert_parallel_ranks_hold_runs_of_whole_experts(tiny_moe) -> None:
     held = [m.layers[-1].mlp.experts_down.shape[0] for m in models]
     assert held == [total // 2, total - total // 2]
     assert models[0].layers[-1].mlp.experts_down.shape[2] == config.moe.intermediate_size  # whole
-    assert expert_ranks(models[1]) == [0] * (total // 2) + [1] * (total - total // 2)
+    assert models[1].expert_ranks() == [0] * (total // 2) + [1] * (total - total // 2)
     few = dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=1))
     with pytest.raises(ValueError, match="1 experts are fewer than the ranks"):
         DecoderForCausalLM(few, 64, tp=TensorParallel(0, 2, expert_parallel=True))

@@ -361,6 +361,18 @@ class DecoderForCausalLM(nn.Module):
         self.aux_layers: tuple[int, ...] = ()
         self.aux_hidden: torch.Tensor | None = None
 
+    def expert_ranks(self) -> list[int]:
+        """The rank that holds each expert whole (--enable-expert-parallel), else -1 for each
+        (a part of it on every rank); [] without experts."""
+        moe, tp = self.config.moe, self.layout.tp
+        if moe is None:
+            return []
+        if not tp.expert_parallel:
+            return [-1] * moe.num_experts
+        total = moe.num_experts
+        return [next(r for r in range(tp.size) if e < (r + 1) * total // tp.size)
+                for e in range(total)]  # fmt: skip
+
     def capture_aux_hidden(self, layer_ids: tuple[int, ...], max_tokens: int) -> torch.Tensor:
         """From now on each forward pass writes the residual stream entering each of these
         layers into the columns of one buffer, [tokens, len(layer_ids) * hidden], returned

@@ -23,7 +23,7 @@ class ExpertLoad:
         self.counts = model.expert_tokens
         self.interval_s = interval_s
         self.last_read = -float("inf")
-        self.ranks = expert_ranks(model)
+        self.ranks = model.expert_ranks()
         self.host: torch.Tensor | None = None  # the copy in flight (on a GPU)
         self.copied: torch.cuda.Event | None = None
         if self.counts is not None:
@@ -48,14 +48,3 @@ class ExpertLoad:
         self.copied = torch.cuda.Event()
         self.copied.record()
         return (counts, self.ranks) if counts else ([], [])
-
-
-def expert_ranks(model: DecoderForCausalLM) -> list[int]:
-    """The rank that holds each expert whole (--enable-expert-parallel), else -1 for each."""
-    layout, moe = model.layout, model.config.moe
-    if moe is None:
-        return []
-    if not layout.tp.expert_parallel:
-        return [-1] * moe.num_experts
-    n, total = layout.tp.size, moe.num_experts
-    return [next(r for r in range(n) if e < (r + 1) * total // n) for e in range(total)]
