@@ -6,13 +6,16 @@
 #
 # OLD: a folder holding the other tree (e.g. `git archive <commit> | tar -x -C .peer-old`);
 # the tree this runs in is the new one. Needs .whl/ (scripts/device_wheels.sh).
+# FLAGS: more bench flags for both trees (e.g. "--quantization awq"); BATCH_SIZES: latency's.
 set -uo pipefail
 OUT=${OUT:-$PWD/ab-out}
 OLD=${OLD:-.peer-old}
 MODEL=${MODEL:-Qwen3-8B}
 PARTS=${PARTS:-"tests latency throughput"}
 ROUNDS=${ROUNDS:-2}
-COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
+read -ra FLAGS <<<"${FLAGS:-}"
+read -ra BATCH_SIZES <<<"${BATCH_SIZES:-1 8 32}"
+COMMON=(--load-format dummy --max-model-len 4096 --seed 0 "${FLAGS[@]}")
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -39,7 +42,7 @@ for part in $PARTS; do
             for tree in old new; do
                 dir=$([ $tree = old ] && echo "$OLD" || echo "$NEW")
                 bench "$dir" "latency_${tree}_$round" latency "$MODEL" "${COMMON[@]}" \
-                    --input-len 128 --output-len 256 --batch-sizes 1 8 32
+                    --input-len 128 --output-len 256 --batch-sizes "${BATCH_SIZES[@]}"
             done
         done ;;
     throughput)
