@@ -14,3 +14,29 @@ def gather_sampled_inputs_reference(
     take = source_rows >= 0  # [T]
     gathered = sampled_ids[source_rows.clamp(min=0).long()].to(input_ids.dtype)  # [T]
     input_ids.copy_(torch.where(take, gathered, input_ids))
+
+
+def draft_pass_inputs_reference(
+    last: torch.Tensor,  # [R] int: each row's drafting position
+    step: int,  # this pass drafts at last + step
+    drafting: torch.Tensor,  # [R] bool: whether the row drafts at all
+    row_blocks: torch.Tensor,  # [R] int: the blocks the row holds
+    block_tables: torch.Tensor,  # [>= R, max_blocks] int32
+    block_size: int,
+    max_model_len: int,
+    slot_mapping: torch.Tensor,  # [R] int32, out: the KV slot at the position, or -1
+    seq_lens: torch.Tensor,  # [R] int32, out: the context it attends to
+    rotary_positions: torch.Tensor,  # [R] int32, out: the position, kept under max_model_len
+) -> None:
+    """An EAGLE-3 draft pass's inputs, on the device: a row writes its KV at last + step where
+    it drafts, holds a block there and the position is under max_model_len, and attends to
+    the context up to it; else it writes nothing (slot -1) and attends to one token."""
+    positions = last.long() + step
+    columns = positions // block_size
+    room = drafting & (columns < row_blocks) & (positions < max_model_len)
+    column = columns.clamp(max=block_tables.shape[1] - 1)[:, None]
+    blocks = block_tables[: last.shape[0]].long().gather(1, column).squeeze(1)
+    slots = torch.where(room, blocks * block_size + positions % block_size, -1)
+    slot_mapping.copy_(slots)
+    seq_lens.copy_(torch.where(room, positions + 1, 1))
+    rotary_positions.copy_(positions.clamp(max=max_model_len - 1))

@@ -24,7 +24,7 @@ from kernels.attention import paged_attention_reference
 from kernels.embedding import embedding_rows_reference
 from kernels.fp8 import Fp8Rows, fp8_group_linear_reference, fp8_linear_reference
 from kernels.gguf import gguf_linear_reference
-from kernels.inputs import gather_sampled_inputs_reference
+from kernels.inputs import draft_pass_inputs_reference, gather_sampled_inputs_reference
 from kernels.int4 import Int4Stack, int4_linear_reference
 from kernels.linear import linear_reference
 from kernels.lora import LoraDelta, lora_expand_reference, lora_shrink_reference
@@ -286,6 +286,24 @@ def gather_sampled_inputs(
     module = _triton("inputs", input_ids)
     kernel = module.gather_sampled_inputs if module is not None else gather_sampled_inputs_reference
     kernel(input_ids, source_rows, sampled_ids)
+
+
+def draft_pass_inputs(
+    last: torch.Tensor,  # [R] int: each row's drafting position
+    step: int,  # this pass drafts at last + step
+    drafting: torch.Tensor,  # [R] bool
+    row_blocks: torch.Tensor,  # [R] int: the blocks the row holds
+    block_tables: torch.Tensor,  # [>= R, max_blocks] int32
+    block_size: int,
+    max_model_len: int,
+    slot_mapping: torch.Tensor,  # [R] int32, out
+    seq_lens: torch.Tensor,  # [R] int32, out
+    rotary_positions: torch.Tensor,  # [R] int32, out
+) -> None:
+    module = _triton("inputs", last)
+    kernel = module.draft_pass_inputs if module is not None else draft_pass_inputs_reference
+    kernel(last, step, drafting, row_blocks, block_tables, block_size, max_model_len,
+           slot_mapping, seq_lens, rotary_positions)  # fmt: skip
 
 
 def rotary_write_kv(

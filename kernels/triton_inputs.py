@@ -54,3 +54,64 @@ def gather_sampled_inputs(
     _gather_kernel[grid](
         input_ids, source_rows, sampled_ids, num_tokens, BLOCK=_BLOCK, PDL=early, launch_pdl=early
     )
+
+
+@triton.jit
+def _draft_pass_kernel(
+    last_ptr,
+    drafting_ptr,
+    row_blocks_ptr,
+    tables_ptr,
+    slots_ptr,
+    seq_lens_ptr,
+    rotary_ptr,
+    num_rows,
+    step,
+    table_stride,
+    max_blocks,
+    block_size,
+    max_model_len,
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    valid = rows < num_rows
+    positions = tl.load(last_ptr + rows, mask=valid, other=0).to(tl.int64) + step
+    drafting = tl.load(drafting_ptr + rows, mask=valid, other=0) != 0
+    held = tl.load(row_blocks_ptr + rows, mask=valid, other=0)
+    columns = positions // block_size
+    room = drafting & (columns < held) & (positions < max_model_len)
+    column = tl.minimum(columns, max_blocks - 1)
+    block = tl.load(tables_ptr + rows.to(tl.int64) * table_stride + column, mask=valid, other=0)
+    slots = tl.where(room, block.to(tl.int64) * block_size + positions % block_size, -1)
+    tl.store(slots_ptr + rows, slots.to(tl.int32), mask=valid)
+    tl.store(seq_lens_ptr + rows, tl.where(room, positions + 1, 1).to(tl.int32), mask=valid)
+    rotary = tl.minimum(positions, max_model_len - 1)
+    tl.store(rotary_ptr + rows, rotary.to(tl.int32), mask=valid)
+
+
+def draft_pass_inputs(
+    last: torch.Tensor,  # [R] int: each row's drafting position
+    step: int,
+    drafting: torch.Tensor,  # [R] bool
+    row_blocks: torch.Tensor,  # [R] int
+    block_tables: torch.Tensor,  # [>= R, max_blocks] int32
+    block_size: int,
+    max_model_len: int,
+    slot_mapping: torch.Tensor,  # [R] int32, out
+    seq_lens: torch.Tensor,  # [R] int32, out
+    rotary_positions: torch.Tensor,  # [R] int32, out
+) -> None:
+    """`kernels.inputs.draft_pass_inputs_reference` in one launch instead of some twenty small
+    torch ops: each EAGLE-3 draft pass after the first runs it, inside the head's CUDA graph."""
+    num_rows = last.shape[0]
+    outs = (slot_mapping, seq_lens, rotary_positions)
+    if any(out.shape != (num_rows,) or out.dtype != torch.int32 for out in outs):
+        raise ValueError("slot_mapping, seq_lens and rotary_positions must be [R] int32")
+    if block_tables.stride(1) != 1 or not all(t.is_contiguous() for t in (last, row_blocks)):
+        raise ValueError("block_tables' rows, last and row_blocks must be contiguous")
+    if num_rows == 0:
+        return
+    _draft_pass_kernel[(triton.cdiv(num_rows, _BLOCK),)](
+        last, drafting.view(torch.uint8), row_blocks, block_tables, *outs, num_rows, step,
+        block_tables.stride(0), block_tables.shape[1], block_size, max_model_len, BLOCK=_BLOCK,
+    )  # fmt: skip

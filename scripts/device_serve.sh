@@ -327,7 +327,9 @@ for part in $PARTS; do
     tests)
         run tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels \
             tests/integration/test_gpu_parity.py tests/integration/test_gpu_graphs.py \
-            tests/integration/test_pipelined_engine.py tests/integration/test_kv_handover_cuda.py ;;
+            tests/integration/test_pipelined_engine.py tests/integration/test_kv_handover_cuda.py \
+            tests/integration/test_eagle3.py tests/integration/test_gpu_speculative.py \
+            tests/integration/test_sliding_window_kv.py ;;
     probe)
         run probe python3 -m sweeps.step_mix Qwen3-8B --batch 32 --prompt-len 200 \
             --output-json "$RESULTS/step_mix.json" ;;

@@ -35,3 +35,34 @@ def test_gather_rejects_mismatched_shapes() -> None:
     ids = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="source_rows"):
         gather_sampled_inputs(ids, torch.zeros(3, dtype=torch.int32, device=DEVICE), ids.long())
+
+
+def test_draft_pass_inputs_match_the_reference_and_the_rules() -> None:
+    """An EAGLE-3 draft pass's slots, context lengths and rotary positions: a row that does
+    not draft, a row whose position falls in a block it does not hold yet, and a row at
+    max_model_len write no KV and attend to one token; the others write at their slot."""
+    from kernels.inputs import draft_pass_inputs_reference
+    from kernels.triton_inputs import draft_pass_inputs
+
+    size, max_len, step = 16, 100, 2
+    last = torch.tensor([0, 13, 14, 30, 98, 40, 5], dtype=torch.int32)
+    drafting = torch.tensor([True, True, True, True, True, False, True])
+    row_blocks = torch.tensor([1, 1, 2, 2, 7, 3, 1])
+    tables = torch.arange(9 * 8, dtype=torch.int32).view(9, 8)  # more rows than the pass's
+    outs = [torch.full((7,), 7, dtype=torch.int32) for _ in range(3)]
+    draft_pass_inputs_reference(last, step, drafting, row_blocks, tables, size, max_len, *outs)
+    # positions 2, 15, 16, 32, 100, 42, 7; row r's block at column c is 8 r + c
+    assert outs[0].tolist() == [2, 8 * 16 + 15, 17 * 16, -1, -1, -1, 48 * 16 + 7]
+    assert outs[1].tolist() == [3, 16, 17, 1, 1, 1, 8]
+    assert outs[2].tolist() == [2, 15, 16, 32, 99, 42, 7]
+
+    device_outs = [torch.zeros(7, dtype=torch.int32, device=DEVICE) for _ in range(3)]
+    device_last, device_drafting, device_blocks = (
+        t.to(DEVICE) for t in (last, drafting, row_blocks)
+    )
+    draft_pass_inputs(
+        device_last, step, device_drafting, device_blocks, tables.to(DEVICE), size, max_len,
+        *device_outs,
+    )  # fmt: skip
+    for got, want in zip(device_outs, outs, strict=True):
+        assert torch.equal(got.cpu(), want)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels import ops
 from services.executor.layers.attention_metadata import AttentionMetadata
 from services.executor.layers.embedding import VocabParallelEmbedding
 from services.executor.layers.linear import Linear
@@ -149,7 +150,7 @@ class Eagle3Head(nn.Module):
 
     def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N] int64: each row's greedy guess, as a target token id."""
-        draft = self.lm_head(normed).argmax(dim=-1)
+        draft = ops.argmax(self.lm_head(normed))
         return draft + self.d2t[draft]
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, int | None] | None:

@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import ops
 from services.executor.layers.attention_metadata import AttentionMetadata
 from services.executor.loading.loader import load_eagle3_head
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.kv_cache import KVCacheLayout
-from services.executor.runner.step_buffers import PADDING_SLOT, StepView
+from services.executor.runner.step_buffers import StepView
 from services.executor.runner.step_state import PreparedStep
 from services.executor.speculative import PendingDrafts, SpeculatingRequest
 from shared.config import Config
@@ -124,7 +125,6 @@ class EagleProposer:
         self.num_drafts = spec.num_speculative_tokens
         self.max_model_len = max_model_len
         self.layout = KVCacheLayout.of(self.head.config.layer, config.block_size, dtype)
-        self.max_blocks = -(-max_model_len // config.block_size)
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
         # Fixed inputs and outputs of the passes (CUDA graphs read and write them): the token
@@ -138,8 +138,10 @@ class EagleProposer:
         self.ids = torch.zeros(self.num_drafts, rows, dtype=torch.int64, device=device)
         self.streams = torch.zeros(self.num_drafts, rows, hidden, dtype=dtype, device=device)
         self.columns = torch.arange(self.num_drafts, device=device)
-        # query_start_loc of a draft pass: one token a row
+        # query_start_loc of a draft pass: one token a row; its slots, context lengths and
+        # rotary positions (ops.draft_pass_inputs)
         self.row_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.pass_inputs = torch.zeros(3, rows, dtype=torch.int32, device=device).unbind(0)
         # The catch-up's host inputs go up in one copy from pinned memory (_upload), from
         # two mirrors in turn: a copy is queued after its step's forward pass, and the next
         # step's is written while that may still run.
@@ -291,34 +293,33 @@ class EagleProposer:
         torch.index_select(stream, 0, at, out=self.streams[0, :num_rows])
         last = torch.index_select(view.positions, 0, at)
         for j in range(1, self.num_drafts):
-            self._draft_pass(view.meta, last + j, drafting, j)
+            self._draft_pass(view.meta, last, drafting, j)
         return stream
 
     def _draft_pass(
-        self, meta: AttentionMetadata, positions: torch.Tensor, drafting: torch.Tensor, j: int
+        self, meta: AttentionMetadata, last: torch.Tensor, drafting: torch.Tensor, j: int
     ) -> None:
-        """Draft j + 1 of each drafting row, at `positions` (its drafting position + j): the
-        head reads draft j and its own stream before it (ids[j - 1], streams[j - 1]) and writes
+        """Draft j + 1 of each drafting row, at its drafting position `last` + j: the head
+        reads draft j and its own stream before it (ids[j - 1], streams[j - 1]) and writes
         ids[j], streams[j]. A row's slot there comes from its block table where it has a block
         (row_blocks) and the position is under max_model_len; else it writes no KV and attends
         to a context of one token (a draft the host drops: take_drafts)."""
-        num = positions.shape[0]
-        size = self.layout.block_size
-        columns = (positions // size).long()
+        num = last.shape[0]
         tables = meta.block_tables[:num]
-        room = drafting & (columns < self.row_blocks[:num]) & (positions < self.max_model_len)
-        blocks = tables.gather(1, columns.clamp(max=self.max_blocks - 1)[:, None]).squeeze(1)
-        slots = torch.where(room, blocks * size + positions % size, PADDING_SLOT)
+        slots, seq_lens, at = (buffer[:num] for buffer in self.pass_inputs)
+        ops.draft_pass_inputs(
+            last, j, drafting, self.row_blocks[:num], tables, self.layout.block_size,
+            self.max_model_len, slots, seq_lens, at,
+        )  # fmt: skip
         pass_meta = AttentionMetadata(
-            slot_mapping=slots.to(meta.slot_mapping.dtype),
+            slot_mapping=slots,
             block_tables=tables,
-            seq_lens=torch.where(room, positions + 1, 1).to(meta.seq_lens.dtype),
+            seq_lens=seq_lens,
             query_start_loc=self.row_starts[: num + 1],
             max_query_len=1,
             max_seq_len=min(meta.max_seq_len + j, self.max_model_len),
         )
         before = self.ids[j - 1, :num], self.streams[j - 1, :num]
-        at = positions.clamp(max=self.max_model_len - 1)  # rotary tables end there
         normed, stream = self.head(before[0], at, before[1], self.kv_caches[0], pass_meta)
         self.ids[j, :num] = self.head.draft_ids(normed)
         self.streams[j, :num] = stream
