@@ -289,21 +289,14 @@ def gather_sampled_inputs(
 
 
 def draft_pass_inputs(
-    last: torch.Tensor,  # [R] int: each row's drafting position
-    step: int,  # this pass drafts at last + step
-    drafting: torch.Tensor,  # [R] bool
-    row_blocks: torch.Tensor,  # [R] int: the blocks the row holds
-    block_tables: torch.Tensor,  # [>= R, max_blocks] int32
-    block_size: int,
-    max_model_len: int,
-    slot_mapping: torch.Tensor,  # [R] int32, out
-    seq_lens: torch.Tensor,  # [R] int32, out
-    rotary_positions: torch.Tensor,  # [R] int32, out
-) -> None:
+    last: torch.Tensor, step: int, drafting: torch.Tensor, row_blocks: torch.Tensor,
+    block_tables: torch.Tensor, block_size: int, max_model_len: int,
+    *outs: torch.Tensor,  # slot_mapping, seq_lens, rotary_positions: [R] int32
+) -> None:  # fmt: skip
+    """An EAGLE-3 draft pass's inputs (`kernels.inputs.draft_pass_inputs_reference`)."""
     module = _triton("inputs", last)
     kernel = module.draft_pass_inputs if module is not None else draft_pass_inputs_reference
-    kernel(last, step, drafting, row_blocks, block_tables, block_size, max_model_len,
-           slot_mapping, seq_lens, rotary_positions)  # fmt: skip
+    kernel(last, step, drafting, row_blocks, block_tables, block_size, max_model_len, *outs)
 
 
 def rotary_write_kv(
@@ -329,20 +322,9 @@ def rotary_write_kv(
     module = _triton("rotary_cache", query)
     kernel = module.rotary_write_kv if module is not None else rotary_write_kv_reference
     return kernel(
-        positions,
-        query,
-        key,
-        value,
-        cos_sin_cache,
-        key_cache,
-        value_cache,
-        slot_mapping,
-        q_norm_weight,
-        k_norm_weight,
-        eps,
-        k_scale,
-        v_scale,
-    )
+        positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
+        q_norm_weight, k_norm_weight, eps, k_scale, v_scale,
+    )  # fmt: skip
 
 
 def linear(
