@@ -28,7 +28,7 @@ from services.executor.layers.moe import ExpertsMethod, SparseMoE, expert_piece
 from services.executor.layers.norm import RMSNorm
 from services.executor.layers.rotary import LongRope, RotaryEmbedding
 from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
-from services.executor.parallel.layout import ShardLayout
+from services.executor.parallel.layout import ShardLayout, experts_of_rank
 from services.executor.parallel.shards import CheckpointTensor, read
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
 from services.executor.quantization.methods import experts_method
@@ -369,9 +369,9 @@ class DecoderForCausalLM(nn.Module):
             return []
         if not tp.expert_parallel:
             return [-1] * moe.num_experts
-        total = moe.num_experts
-        return [next(r for r in range(tp.size) if e < (r + 1) * total // tp.size)
-                for e in range(total)]  # fmt: skip
+        return [
+            rank for rank in range(tp.size) for _ in experts_of_rank(rank, tp.size, moe.num_experts)
+        ]
 
     def capture_aux_hidden(self, layer_ids: tuple[int, ...], max_tokens: int) -> torch.Tensor:
         """From now on each forward pass writes the residual stream entering each of these

@@ -71,7 +71,7 @@ class ShardLayout:
             total = cfg.moe.num_experts
             experts = range(total)
             if tp.expert_parallel:
-                experts = range(tp.rank * total // n, (tp.rank + 1) * total // n)
+                experts = experts_of_rank(tp.rank, n, total)
         local = dataclasses.replace(
             cfg,
             num_heads=cfg.num_heads // n,
@@ -106,3 +106,9 @@ class ShardLayout:
     def vocab_parallel(self) -> Sharding:
         """The embedding's and the lm_head's vocabulary rows."""
         return self.column_parallel(self.vocab_rows)
+
+
+def experts_of_rank(rank: int, ranks: int, num_experts: int) -> range:
+    """The experts a rank holds whole under expert parallelism: ranks take consecutive runs,
+    the first ones the shorter."""
+    return range(rank * num_experts // ranks, (rank + 1) * num_experts // ranks)
