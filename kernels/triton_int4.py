@@ -4,7 +4,7 @@ Same layout as `kernels.int4` (read its docstring: words interleaved in chunks o
 Up to DEQUANTIZE_ABOVE_ROWS rows one launch, of one of three kernels (`Int4Tiles.kind`,
 picked by `default_tiles`):
 
-- **dot** (1-96 rows; 16-bit x, groups of a multiple of 128, no act-order): out^T = W x^T,
+- **dot** (1-64 rows; 16-bit x, groups of a multiple of 128, no act-order): out^T = W x^T,
   the weight tl.dot's first operand, made in registers from its words: nibbles 2p and 2p + 1
   joined as neighbours along K take the chunk's columns 8p .. 8p + 7 (the layout's point), so
   x comes in runs of 8 columns, by asynchronous copies. A step is 128 columns inside one
@@ -52,14 +52,13 @@ from kernels.triton_split_k import sum_of_splits
 
 _CHUNK = tl.constexpr(CHUNK)
 _LINE_WORDS = tl.constexpr(L2_LINE_BYTES // 4)  # packed words in a 128-byte line
-DEQUANTIZE_ABOVE_ROWS = 96  # past this the weight is dequantized, then cuBLAS
+DEQUANTIZE_ABOVE_ROWS = 64  # past this the weight is dequantized, then cuBLAS
 DOT_STEP = 128  # the dot kernel's K step: one group of 128 (or a part of a larger one)
 DOT_WARPS = 2048  # the dot kernel splits K until about this many warps run,
 DOT_MIN_ITERATIONS = 8  # leaving each split at least this many loop iterations,
 DOT_MAX_SPLIT = 8  # in at most this many parts
 WIDE_N = 16384  # gate_up-like layers: N >= this
 WIDE_K = 8192  # down-like layers: K >= this
-NARROW_N = 4096  # o- and down-like layers: N <= this
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -80,19 +79,11 @@ def default_tiles(m: int, n: int, k: int, dot: bool = True, act_order: bool = Fa
       40.2 us). K is split until about DOT_WARPS warps run, leaving each split at least
       DOT_MIN_ITERATIONS iterations. At one row, us per layer: qkv 9.6, o 8.0, gate_up 30.9, down
       21.0 (the rows kernel: 12.4, 9.4, 43.2, 25.6; PyTorch's int4 GEMM 10.2, 7.1, 33.0, 18.8).
-    - 65-96 rows (since 2026-12-05): 128 x 128 over 8 warps, K in 4 for N <= NARROW_N (o, down)
-      and in 2 otherwise, against the dequantize pass + cuBLAS. Qwen3-8B at 96 rows, us: H200
-      (2026-12-04) qkv 40.4 / 47.2, o 25.4 / 30.7, gate_up 122.4 / 132.1, down 66.7 / 74.3;
-      H100 (2026-12-05) 40.3 / 42.3, 25.9 / 25.7, 115.8 / 168.1, 71.0 / 94.2. At 128 rows the
-      two devices disagree (the H100's qkv and o, the H200's gate_up lose with these tiles).
     - Without "dot": "rows" with 8 weight rows and 2048 columns a step over 2 warps at one row,
       4 rows and 1024 columns over one warp up to 4 rows (but for the widest layer, gate_up),
       then dequant_dot tiles of 16 rows with steps of 128, which act-order takes at any row
       count."""
     wide = n >= WIDE_N
-    if not act_order and dot and m > 64:
-        split = min(4 if n <= NARROW_N else 2, triton.cdiv(k, DOT_STEP))
-        return Int4Tiles("dot", 128, 128, DOT_STEP, 8, 3, split)
     if not act_order and dot:
         block_m, block_n, block_k, warps = _dot_tile(m, n, k)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -441,8 +432,10 @@ def int4_linear(
 ) -> torch.Tensor:  # [M, N], x.dtype
     """`kernels.int4.int4_linear_reference`: up to DEQUANTIZE_ABOVE_ROWS rows one launch that
     reads the packed weight; past that the weight dequantized to x's dtype, then cuBLAS (on an
-    H200 at Qwen3-8B's shapes the pass runs at 0.8-3.6 TB/s; past 96 rows the two beat the
-    dot kernel on at least one of the H100 and the H200: sweeps/int4_sweep.py)."""
+    H200 at Qwen3-8B's shapes the pass runs at 0.8-3.6 TB/s). The dot kernel with 128 x 128
+    tiles beat the pass per call at 96 rows (sweeps/int4_sweep.py), yet a whole decode step of
+    96 rows was 3 % slower with it (H200, 2026-12-05: 11.55 against 11.22 ms), so the bound
+    stays at 64."""
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx, bias)
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     if tiles is None and m > DEQUANTIZE_ABOVE_ROWS:

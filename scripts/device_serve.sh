@@ -250,10 +250,15 @@ spec_model() {
     python3 -m sweeps.smollm2_folder $SPEC_MODEL --gguf /tmp/smollm2.gguf
 }
 
-spec_kvflow() {
+spec_kvflow() {  # n-gram with 4 and 8 drafts, suffix, and the GGUF drafting its bf16 folder
     spec_model || return 1
+    local ngram='{"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2'
     run spec-kvflow python3 -m sweeps.spec_acceptance $SPEC_MODEL --batch 1 --batch 16 \
         --num-prompts "${SPEC_PROMPTS:-24}" --prompts-out "$RESULTS/spec_prompts.json" \
+        --config "$ngram, \"num_speculative_tokens\": 4}" \
+        --config "$ngram, \"num_speculative_tokens\": 8}" \
+        --config '{"method": "suffix", "num_speculative_tokens": 8}' \
+        --config '{"method": "draft_model", "model": "/tmp/smollm2.gguf", "num_speculative_tokens": 4}' \
         --out "$RESULTS/spec_kvflow.json"
 }
 
@@ -394,6 +399,7 @@ for part in $PARTS; do
             >"$RESULTS/offline_long_vllm.log" 2>&1)
         tail -5 "$RESULTS/offline_long_vllm.log" ;;
     stash) ;;  # a call that only brings parts (kept in /tmp while the machine stays warm)
+    install-vllm) run install-vllm install_vllm ;;  # once all three parts are in /tmp
     family-kvflow) family_kvflow ;;
     family-vllm) run family-vllm family_vllm ;;
     disk-tier) disk_tier ;;

@@ -4,9 +4,8 @@ For each projection of --model and each M in --m, times `kernels.triton_int4.int
 every config of CANDIDATES (groups of 128, asymmetric, as AWQ writes them), bf16 through
 `kernels.ops.linear` (what the engine runs), and reports microseconds per call and the GB/s of
 packed weights, scales and zero points read (timing and checks: sweeps/quantized_sweep.py).
-Past 64 rows it times what the engine runs there (the dot kernel's 128 x 128 tiles up to 96
-rows, then dequantize + cuBLAS) and, unless --default-only, the dot kernel with
-LARGE_M_CANDIDATES' tiles.
+Past 64 rows it times what the engine runs there (dequantize, then cuBLAS) and, unless
+--default-only, the dot kernel with LARGE_M_CANDIDATES' tiles.
 `triton_int4.default_tiles` holds the picks. A peer on the same weights: PyTorch's own int4
 GEMM (`torch._weight_int4pack_mm`, gpt-fast's and torchao's "tinygemm"), as a measure of what
 a CUDA kernel reaches at these shapes. `--default-only` times the engine's tiles alone.

@@ -129,12 +129,15 @@ def measure(args: argparse.Namespace, config: dict | None) -> dict[int, dict[str
 
 
 def measure_apart(args: argparse.Namespace, config: dict | None) -> dict[int, dict[str, Any]]:
-    """measure() in a process of its own, so that each engine has the device to itself."""
+    """measure() in a process of its own, so that each engine has the device to itself; a
+    config whose engine fails gives no runs (the others' are still reported)."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "runs.json"
         command = [sys.executable, "-m", "sweeps.spec_acceptance", args.model, "--one"]
         command += [json.dumps(config), "--out", str(out), *forwarded(args)]
-        subprocess.run(command, check=True, cwd=ROOT)
+        if subprocess.run(command, cwd=ROOT).returncode != 0:
+            print(f"{json.dumps(config)}: the engine failed, left out", file=sys.stderr)
+            return {}
         return {int(b): r for b, r in json.loads(out.read_text()).items()}
 
 
@@ -152,6 +155,8 @@ def report(runs: dict[str, dict[int, dict[str, Any]]], num_prompts: int, max_tok
     for batch in runs["null"]:
         plain = runs["null"][batch]
         for name, by_batch in runs.items():
+            if batch not in by_batch:
+                continue
             result = by_batch[batch]
             result["same_output"] = result["tokens"] == plain["tokens"]
             result["same_outputs"] = sum(map(operator.eq, result["tokens"], plain["tokens"]))
