@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 for part in $PARTS; do
     case $part in
     tests)  # the new tree's GPU kernel and parity tests
-        PYTHONPATH=/tmp/site:$NEW python3 -m pytest -q -m gpu -p no:cacheprovider \
+        PYTHONPATH=/tmp/site:$NEW python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider \
             tests/kernels tests/integration/test_gpu_parity.py 2>&1 | tail -5 ;;
     latency)
         for round in $(seq "$ROUNDS"); do

@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 for part in $PARTS; do
     case $part in
     tests)
-        run tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels \
+        run tests python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider tests/kernels \
             tests/integration/test_gpu_parity.py ;;
     floors)
         run floors python3 -m services bench floors --output-json "$OUT/floors.json" ;;
@@ -69,7 +69,7 @@ for part in $PARTS; do
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput.json" ;;
     tp-tests)  # two ranks against one on GPUs: the fused all-reduce and NCCL, inside CUDA graphs
-        run tp-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+        run tp-tests python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider \
             tests/integration/test_gpu_fused_all_reduce.py \
             tests/integration/test_gpu_tensor_parallel.py ;;
     allreduce)  # one all-reduce between $TP GPUs: NCCL eager and in graphs, symmetric memory
@@ -119,7 +119,7 @@ for part in $PARTS; do
             --quantization awq --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput_int4.json" ;;
     lora-tests)  # LoRA kernels at real shapes, and adapters in CUDA graphs against peft
-        run lora-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+        run lora-tests python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider \
             tests/kernels/test_triton_lora.py tests/integration/test_lora.py \
             tests/kernels/test_triton_linear.py -k "lora or llama_shapes" ;;
     lora-adapters)  # 8 random rank-16 adapters on all seven projections (peft), outside the tree
@@ -143,7 +143,7 @@ for part in $PARTS; do
         run fp8-sweep python3 -m sweeps.fp8_sweep --out "$OUT/fp8_sweep.json" \
             --m ${FP8_M:-1 4 16} ;;
     fp8-block-tests)
-        run fp8-block-tests python3 -m pytest -q -m gpu -p no:cacheprovider \
+        run fp8-block-tests python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider \
             tests/kernels/test_fp8_block.py tests/kernels/test_fp8_linear.py ;;
     fp8-block-model)  # the Llama-3.1-8B preset as a block-scaled FP8 checkpoint's config.json
         mkdir -p "$FP8_BLOCK_MODEL"
@@ -178,7 +178,7 @@ json.dump(c, open(sys.argv[2], 'w'))" shared/presets/Llama-3.1-8B.json \
             "${COMMON[@]}" --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput_fp8_block.json" ;;
     gguf-tests)  # GGUF kernels at Llama shapes (issue 13)
-        run gguf-tests python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gguf.py ;;
+        run gguf-tests python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider tests/kernels/test_gguf.py ;;
     gguf-sweep)  # GGUF tiles at the Llama-3.1-8B shapes against bf16
         run gguf-sweep python3 -m sweeps.gguf_sweep --out "$OUT/gguf_sweep.json" \
             --types ${GGUF_TYPES:-Q4_K Q6_K Q8_0} --m ${GGUF_M:-1 4 16 64 256} ;;

@@ -245,6 +245,8 @@ def warm_up(runner: WarmUpTarget) -> None:
     _compile_attention_variants(runner)  # needs one cache block alone
     _compile_linear_variants(runner)
     if isinstance(runner.proposer, DraftProposer):  # before requests hold blocks
+        if runner.graphs is not None:
+            runner.proposer.capture_graphs(runner.graphs.max_reqs, runner.graphs.max_seq_len)
         runner.proposer.warm_up()
     # An EAGLE-3 head's graphs, one for each of the target's; the warm-up steps below run its
     # work after each of theirs (eagerly without graphs; where they are skipped, the first
