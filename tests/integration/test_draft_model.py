@@ -65,9 +65,6 @@ def test_the_target_as_its_own_draft_has_its_drafts_accepted(
     target: Path, expected: list[list[list[int]]]
 ) -> None:
     llm = LLM(str(target), dtype="float32", device="cpu", speculative_config=draft_config(target))
-    proposer = llm.runner.proposer
-    proposer.warm_up()  # a GPU's warm-up (here by hand): it leaves nothing behind
-    assert proposer.fed == {}
     assert generate(llm, GREEDY) == expected[0]
     stats = llm.engine.scheduler.spec_decode
     # Greedy drafts from the same weights are the target's tokens (of 5 a step at most).
@@ -107,9 +104,9 @@ def test_a_draft_model_of_another_vocabulary_is_refused(target: Path, tmp_path: 
 def test_a_request_aborted_with_a_step_in_flight_leaves_nothing_behind(
     target: Path, draft: Path, method: str
 ) -> None:
-    """The step in flight is collected after the abort dropped the request: it is not
-    proposed for (a draft model would write into freed blocks), and no proposer state is
-    left of it."""
+    """The step in flight is collected after the abort dropped the request: no drafts are
+    taken for it, and no proposer state is left of it (a draft model keeps none per
+    request: its KV follows the target's steps)."""
     spec = draft_config(draft) if method == "draft_model" else NGRAM
     llm = LLM(str(target), dtype="float32", device="cpu", speculative_config=spec)
     engine = llm.engine
@@ -124,7 +121,7 @@ def test_a_request_aborted_with_a_step_in_flight_leaves_nothing_behind(
     while engine.has_unfinished():
         engine.step()
     engine.step()
-    proposer = llm.runner.proposer
-    assert not (proposer.fed if method == "draft_model" else proposer.indexes)
+    if method == "ngram":
+        assert not llm.runner.proposer.indexes
     assert not llm.runner.requests
     engine.scheduler.check_invariants()

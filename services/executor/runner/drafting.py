@@ -4,8 +4,8 @@ the next row that has room for them.
 The scheduler plans a speculating request's decode row with room for its token and up to
 `draft_slots` drafts, before it knows the tokens of the step in flight (pipelined, like any
 row). Rank 0 proposes when it lays such a row out: it waits for the steps in flight, runs the
-proposer once on each (`propose_after`; a proposer of hidden states has proposed on the
-device right after the step, and its drafts are only taken here), and
+proposer once on each (`propose_after`; a proposer with a model of its own has proposed on
+the device right after the step, and its drafts are only taken here), and
 writes the drafts it found into the plan's `spec_token_ids`, which the other ranks read. The
 row then computes its token and those drafts (none where nothing was found).
 
@@ -19,24 +19,24 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from services.executor.runner.step_state import InFlightStep, RequestState
-from services.executor.speculative import HiddenStateProposer, Proposer, reads_hidden_states
+from services.executor.speculative import DeviceProposer, Proposer, proposes_on_device
 from shared.protocol import SchedulerOutput
 
 
 def next_drafts(
-    proposer: Proposer | HiddenStateProposer,
+    proposer: Proposer | DeviceProposer,
     step: InFlightStep,
     requests: dict[str, RequestState],
 ) -> dict[str, list[int]]:
     """Drafts for the next step of each speculating request `step` sampled for that is still
     running (`requests`: not ended, preempted or aborted since) and has no later step in
     flight (whose token they would have to guess), cut where its grammar would refuse them.
-    A proposer of hidden states proposed on the device after the step (EagleProposer)."""
+    A proposer with a model of its own proposed on the device after the step (StepProposer)."""
     pairs = zip(step.sample_ids, step.states, strict=True)
     states = {
         rid: s for rid, s in pairs if s.speculates and not s.num_pending and requests.get(rid) is s
     }
-    if reads_hidden_states(proposer):
+    if proposes_on_device(proposer):
         if step.proposal is None:
             return {}
         drafts = proposer.take_drafts(step.proposal, set(states), requests)
@@ -47,7 +47,7 @@ def next_drafts(
 
 
 def propose_after(
-    proposer: Proposer | HiddenStateProposer | None,
+    proposer: Proposer | DeviceProposer | None,
     step: InFlightStep,
     requests: dict[str, RequestState],
 ) -> None:
@@ -69,7 +69,7 @@ def choose_drafts(
     plan: SchedulerOutput,
     requests: dict[str, RequestState],
     in_flight: Iterable[InFlightStep],
-    proposer: Proposer | HiddenStateProposer | None,
+    proposer: Proposer | DeviceProposer | None,
 ) -> None:
     """On rank 0: the drafts of each row of `plan` with draft slots, at most that many, into
     `plan.spec_token_ids`. Waits for the steps in flight first where such a row's request

@@ -120,7 +120,7 @@ class ModelRunner:
         )  # fmt: skip
         self._make_samplers(config)
         self.requests: dict[str, RequestState] = {}
-        proposers.allocate_kv_cache(self.proposer, self.num_blocks, self.requests)
+        proposers.allocate_kv_cache(self.proposer, self.num_blocks)
         self._in_flight: deque[InFlightStep] = deque()  # oldest first, at most two
         self._prepared: PreparedStep | None = None
         # The last step's sampled ids, where the next step's decodes read their input token.

@@ -14,12 +14,13 @@ from services.executor.loading.loader import eagle3_head_has_embedding
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import ONE_RANK, TensorParallel
-from services.executor.runner.draft_proposer import DraftProposer, HasBlocks
+from services.executor.runner.draft_proposer import DraftProposer
 from services.executor.runner.eagle_proposer import EagleProposer
 from services.executor.runner.step_buffers import StepView
+from services.executor.runner.step_proposer import StepProposer
 from services.executor.runner.step_state import PreparedStep
 from services.executor.speculative import (
-    HiddenStateProposer,
+    DeviceProposer,
     PendingDrafts,
     Proposer,
     SpeculatingRequest,
@@ -43,7 +44,7 @@ class Runner(Protocol):
 
 def proposer_for(
     spec: SpeculativeConfig | None, config: Config, runner: Runner
-) -> Proposer | HiddenStateProposer | None:
+) -> Proposer | DeviceProposer | None:
     """The runner's proposer: none without speculation; a draft model's or an EAGLE-3 head's
     on the first rank only (the others propose nothing: collect reads rank 0's drafts, which
     the plans relay to them)."""
@@ -87,15 +88,15 @@ def _whole_target_embedding(
 
 def bytes_per_block(proposer: object) -> int:
     """What a KV block costs the proposer besides the target (none without a model)."""
-    if isinstance(proposer, DraftProposer | EagleProposer):
+    if isinstance(proposer, StepProposer):
         return proposer.layout.bytes_per_block
     return 0
 
 
-def allocate_kv_cache(proposer: object, num_blocks: int, requests: Mapping[str, HasBlocks]) -> None:
+def allocate_kv_cache(proposer: object, num_blocks: int) -> None:
     """A draft model's or head's KV cache (nothing for the other proposers)."""
-    if isinstance(proposer, DraftProposer | EagleProposer):
-        proposer.allocate(num_blocks, requests)
+    if isinstance(proposer, StepProposer):
+        proposer.allocate(num_blocks)
 
 
 def after_step(
@@ -105,10 +106,10 @@ def after_step(
     sampled: torch.Tensor | None,
     requests: Mapping[str, SpeculatingRequest],
 ) -> PendingDrafts | None:
-    """An EAGLE-3 head's catch-up and drafts of a launched step, queued after its sampling and
-    outside its device span (the proposer's work, which the step's tokens need not wait for),
-    before the next forward pass overwrites the target's hidden states; None for the other
-    proposers."""
-    if isinstance(proposer, EagleProposer):
+    """A draft model's or EAGLE-3 head's catch-up and drafts of a launched step, queued after
+    its sampling and outside its device span (the proposer's work, which the step's tokens
+    need not wait for), before the next forward pass overwrites the target's hidden states;
+    None for the other proposers."""
+    if isinstance(proposer, StepProposer):
         return proposer.after_step(prepared, view, sampled, requests)
     return None

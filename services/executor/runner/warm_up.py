@@ -33,10 +33,9 @@ from services.executor.layers.linear import Linear
 from services.executor.layers.mlp import GatedMLP
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.runner.cuda_graphs import MIXED_GRAPH_MAX_TOKENS, StepGraphs
-from services.executor.runner.draft_proposer import DraftProposer
-from services.executor.runner.eagle_proposer import EagleProposer
 from services.executor.runner.grammar import GrammarMatchers
 from services.executor.runner.step_buffers import StepBuffers
+from services.executor.runner.step_proposer import StepProposer
 from shared.model_config import ModelConfig
 from shared.protocol import (
     CachedRequestData,
@@ -244,14 +243,10 @@ def _compile_linear_variants(runner: WarmUpTarget) -> None:
 def warm_up(runner: WarmUpTarget) -> None:
     _compile_attention_variants(runner)  # needs one cache block alone
     _compile_linear_variants(runner)
-    if isinstance(runner.proposer, DraftProposer):  # before requests hold blocks
-        if runner.graphs is not None:
-            runner.proposer.capture_graphs(runner.graphs.max_reqs, runner.graphs.max_seq_len)
-        runner.proposer.warm_up()
-    # An EAGLE-3 head's graphs, one for each of the target's; the warm-up steps below run its
-    # work after each of theirs (eagerly without graphs; where they are skipped, the first
-    # requests meet its kernels).
-    if isinstance(runner.proposer, EagleProposer) and runner.graphs is not None:
+    # A draft model's or EAGLE-3 head's graphs, one for each of the target's; the warm-up
+    # steps below run its work after each of theirs (eagerly without graphs; where they are
+    # skipped, the first requests meet its kernels).
+    if isinstance(runner.proposer, StepProposer) and runner.graphs is not None:
         runner.proposer.capture_graphs(runner.graphs)
     reason = skip_reason(runner)
     if reason is not None:

@@ -44,9 +44,10 @@ class SpeculatingRequest(Protocol):
 
 
 class PendingDrafts:
-    """A step's drafts on their way to the host (EAGLE-3's, proposed on the device right
-    after the step): by row of the step, its request, whether it drafted and its blocks at the
-    step's launch; the drafts [k, rows], copied to host memory, and the event after the copy."""
+    """A step's drafts on their way to the host (a draft model's or EAGLE-3 head's, proposed
+    on the device right after the step): by row of the step, its request, whether it drafted
+    and its blocks at the step's launch; the drafts [k, rows], copied to host memory, and the
+    event after the copy."""
 
     def __init__(
         self,
@@ -66,9 +67,10 @@ class PendingDrafts:
         return self._ids.tolist()
 
 
-class HiddenStateProposer(Protocol):
-    """A proposer that reads the target's hidden states (EAGLE-3): it proposes on the device
-    after every step, and the host takes the drafts once the step is collected."""
+class DeviceProposer(Protocol):
+    """A proposer that runs a model of its own (a draft model, an EAGLE-3 head): it proposes
+    on the device after every step, and the host takes the drafts once the step is
+    collected."""
 
     def take_drafts(
         self,
@@ -84,10 +86,10 @@ class HiddenStateProposer(Protocol):
     def reset(self) -> None: ...
 
 
-def reads_hidden_states(proposer: object) -> TypeGuard[HiddenStateProposer]:
-    """Whether `proposer` proposes on the device after every step (EAGLE-3). Told by its
-    `take_drafts`: an isinstance check against a runtime-checkable protocol took some 30 us,
-    twice a step of a speculating engine."""
+def proposes_on_device(proposer: object) -> TypeGuard[DeviceProposer]:
+    """Whether `proposer` proposes on the device after every step (a draft model, EAGLE-3).
+    Told by its `take_drafts`: an isinstance check against a runtime-checkable protocol took
+    some 30 us, twice a step of a speculating engine."""
     return hasattr(proposer, "take_drafts")
 
 
