@@ -14,6 +14,7 @@ import transformers
 
 from kvflow import LLM, SamplingParams
 from shared.protocol import EngineRequest
+from tests.integration.test_eagle3 import PADDED_SETTINGS, PaddedEagerly, recording
 from tests.integration.test_speculative import (
     GREEDY,
     MIXED,
@@ -125,3 +126,41 @@ def test_a_request_aborted_with_a_step_in_flight_leaves_nothing_behind(
         assert not llm.runner.proposer.indexes
     assert not llm.runner.requests
     engine.scheduler.check_invariants()
+
+
+@pytest.mark.parametrize("setting", sorted(PADDED_SETTINGS))
+def test_drafts_padded_to_a_graphs_shape_are_the_targets_tokens(target: Path, setting: str) -> None:
+    """What a GPU's graphs do to the draft's work, on the CPU: each step (the target's, and
+    the draft's catch-up and passes on its layout) padded to its graph's rows. The target
+    drafting for itself: every draft is the token the target goes on to give, and rows whose
+    room ends early (the short context, run to its end) draft fewer."""
+    settings = PADDED_SETTINGS[setting]
+    params = GREEDY
+    if "max_model_len" in settings:
+        params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
+    plain = generate(LLM(str(target), dtype="float32", device="cpu", **settings), params)
+    llm = LLM(
+        str(target), dtype="float32", device="cpu", speculative_config=draft_config(target),
+        **settings,
+    )  # fmt: skip
+    runner = llm.runner
+    proposer, buffers = runner.proposer, runner.buffers
+    runner.graphs = PaddedEagerly(runner._forward, buffers, buffers.max_reqs, runner.max_model_len)
+    proposer.catch_up_graphs = PaddedEagerly(
+        proposer._catch_up_forward, buffers, buffers.max_reqs, runner.max_model_len
+    )
+    records = recording(llm)
+    assert generate(llm, params) == plain
+    whole = [p + out for p, out in zip(prompts(), plain, strict=True)]
+    wrong = 0
+    for tokens, drafts in records:
+        sequence = next(w for w in whole if w[: len(tokens)] == tokens)
+        known = sequence[len(tokens) : len(tokens) + len(drafts)]  # the run's end: fewer
+        wrong += drafts[: len(known)] != known
+    assert len(records) > 20 and wrong <= len(records) // 20, (wrong, len(records))
+    assert proposer.catch_up_graphs.replays == runner.graphs.replays > 0
+    if "max_model_len" in settings:
+        assert any(len(drafts) < 4 for _, drafts in records)
+    scheduler = llm.engine.scheduler
+    scheduler.check_invariants()
+    assert scheduler.kv.pool.num_available == scheduler.config.num_blocks
