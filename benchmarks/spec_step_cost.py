@@ -10,12 +10,14 @@ Reported (medians over the decode steps; device times from CUDA events):
 - verify_step_ms: a step that verifies k drafts (k + 1 tokens); verify / plain is the target
   of issue 46 (<= 1.15);
 - propose_device_ms: the device span of the proposer's work after a step (EAGLE-3: its fc of
-  the step's hidden states, the catch-up and the draft passes, the drafts' copy), which the
+  the step's hidden states, the catch-up and the draft passes, the drafts' copy; a draft
+  model: its forward pass over the step, its k passes, the copy), which the
   next step's layout waits for; propose / verify step is the other target (<= 10 %);
 - propose_queue_host_ms: the host time of queueing that work (beside the step's device work);
 - propose_take_ms: the host's wall time taking the drafts once the step's tokens are in;
 - the wall time per step and per output token of each run.
-With dummy weights the head's drafts are random, so tokens per step say nothing of a real head.
+With dummy weights the drafts are random, so tokens per step say nothing of a real proposer
+(a draft model: `"model": "Qwen3-0.6B"`, a preset, drafts for Qwen3-8B's shape).
 """
 
 from __future__ import annotations
@@ -52,11 +54,11 @@ def _record_steps(llm: LLM) -> list[dict[str, float]]:
 
 
 def _record_proposals(llm: LLM) -> dict[str, list[float]]:
-    """Per step of a proposer that drafts on the device after each step (EAGLE-3): the device
-    span of its work (`after_step`, from before its first kernel to after its drafts' copy:
-    CUDA events, off the CPU the wall time), the host time of queueing it, and the wall time
-    the host then spends taking the drafts once the step's tokens are in (`take_drafts`,
-    which waits for the copy)."""
+    """Per step of a proposer that drafts on the device after each step (a draft model,
+    EAGLE-3): the device span of its work (`after_step`, from before its first kernel to after
+    its drafts' copy: CUDA events, off the CPU the wall time), the host time of queueing it,
+    and the wall time the host then spends taking the drafts once the step's tokens are in
+    (`take_drafts`, which waits for the copy)."""
     proposer = llm.runner.proposer
     times: dict[str, list[float]] = {"device": [], "queue_host": [], "take": []}
     if proposer is None or not hasattr(proposer, "after_step"):
