@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kernels import triton_split_k as split_k
 from kernels.int4 import CHUNK, PACK, Int4Tiles
-from kernels.triton_int4_dequant import dequantize_int4, launch_dequant_dot, operands
+from kernels.triton_int4_dequant import dequantized_linear, launch_dequant_dot, operands
 from kernels.triton_pdl import (
     L2_LINE_BYTES,
     launches_early,
@@ -431,16 +431,16 @@ def int4_linear(
     tiles: Int4Tiles | None = None,  # None: default_tiles
 ) -> torch.Tensor:  # [M, N], x.dtype
     """`kernels.int4.int4_linear_reference`: up to DEQUANTIZE_ABOVE_ROWS rows one launch that
-    reads the packed weight; past that the weight dequantized to x's dtype, then cuBLAS (on an
-    H200 at Qwen3-8B's shapes the pass runs at 0.8-3.6 TB/s). The dot kernel with 128 x 128
+    reads the packed weight; past that the weight dequantized to x's dtype, then cuBLAS
+    (`dequantized_linear`; on an H200 at Qwen3-8B's shapes the whole pass ran at 0.8-3.6
+    TB/s). The dot kernel with 128 x 128
     tiles beat the pass per call at 96 rows (sweeps/int4_sweep.py), yet a whole decode step of
     96 rows was 3 % slower with it (H200, 2026-12-05: 11.55 against 11.22 ms), so the bound
     stays at 64."""
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx, bias)
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     if tiles is None and m > DEQUANTIZE_ABOVE_ROWS:
-        weight = dequantize_int4(qweight, scales, zeros, group_size, g_idx, x.dtype)
-        return torch.nn.functional.linear(x, weight, bias)
+        return dequantized_linear(x, qweight, scales, zeros, group_size, g_idx, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

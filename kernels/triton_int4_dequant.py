@@ -4,8 +4,13 @@
   float32 x): x is tl.dot's first operand; nibble by nibble, the weight is made whole from its
   scales and zero points (per column with act-order, gathered by g_idx) and rounded to x's
   dtype as the reference does.
-- **the dequantize pass** past kernels.triton_int4.DEQUANTIZE_ABOVE_ROWS rows: the whole
-  weight written out in the activation's dtype, for cuBLAS.
+- **the dequantize pass** past kernels.triton_int4.DEQUANTIZE_ABOVE_ROWS rows: the weight
+  written out in the activation's dtype, for cuBLAS (`dequantized_linear`). Up to
+  SLICED_MAX_ROWS rows (the steps CUDA graphs hold) a slice of rows at a time, into one scratch
+  buffer of about DEQUANTIZE_SLICE_BYTES, each slice's product going into its columns of the
+  output: a slice the pass wrote can still be in L2 when cuBLAS reads it, where the whole
+  weight (Qwen3-8B's gate_up: 201 MB in bf16) goes out to memory and back. Past that a step is
+  compute-bound, and mostly eager (a launch pair a slice would cost the host).
 
 `operands` builds the leading arguments every int4 kernel takes.
 """
@@ -22,6 +27,9 @@ DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 1
 # The dequantize pass's columns a program (one weight row): 0.8-3.6 TB/s of weights read and
 # written at Qwen3-8B's shapes on an H200, o and qkv the least (of 1024-8192, 2026-12-04).
 DEQUANTIZE_BLOCK_K = 4096
+DEQUANTIZE_SLICE_BYTES = 16 << 20  # 0: the whole weight at once
+SLICE_ROWS_MULTIPLE = 64
+SLICED_MAX_ROWS = 512
 _CHUNK = tl.constexpr(CHUNK)
 
 
@@ -209,10 +217,11 @@ def dequantize_int4(
     group_size: int,
     g_idx: torch.Tensor | None,  # [K] int32
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,  # [N, K] of dtype, rows contiguous
 ) -> torch.Tensor:  # [N, K]
     """`kernels.int4.dequantize_int4_reference`, rounded to `dtype`, in one launch."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK
-    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device) if out is None else out
     block_k = min(DEQUANTIZE_BLOCK_K, triton.next_power_of_2(k))
     tile_group = group_size if g_idx is None and block_k % group_size == 0 else 0
     _dequantize_kernel[(n, triton.cdiv(k, block_k))](
@@ -270,3 +279,35 @@ def launch_dequant_dot(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+
+
+def dequantized_linear(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+    g_idx: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [M, N]
+    """x times the weight dequantized to x's dtype, by cuBLAS: whole past SLICED_MAX_ROWS
+    rows, else a slice of the weight's rows at a time (the module's docstring)."""
+    m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
+    rows = DEQUANTIZE_SLICE_BYTES // (k * x.element_size())
+    rows -= rows % SLICE_ROWS_MULTIPLE
+    if m > SLICED_MAX_ROWS or rows == 0 or rows >= n:
+        weight = dequantize_int4(qweight, scales, zeros, group_size, g_idx, x.dtype)
+        return torch.nn.functional.linear(x, weight, bias)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    scratch = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    for start in range(0, n, rows):
+        part = slice(start, min(n, start + rows))
+        weight = dequantize_int4(
+            qweight[part], scales[part], None if zeros is None else zeros[part], group_size,
+            g_idx, x.dtype, out=scratch[: part.stop - start],
+        )  # fmt: skip
+        if bias is None:
+            torch.mm(x, weight.t(), out=out[:, part])
+        else:
+            torch.addmm(bias[part], x, weight.t(), out=out[:, part])
+    return out

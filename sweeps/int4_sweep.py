@@ -4,8 +4,9 @@ For each projection of --model and each M in --m, times `kernels.triton_int4.int
 every config of CANDIDATES (groups of 128, asymmetric, as AWQ writes them), bf16 through
 `kernels.ops.linear` (what the engine runs), and reports microseconds per call and the GB/s of
 packed weights, scales and zero points read (timing and checks: sweeps/quantized_sweep.py).
-Past 64 rows it times what the engine runs there (dequantize, then cuBLAS) and, unless
---default-only, the dot kernel with LARGE_M_CANDIDATES' tiles.
+Past 64 rows it times what the engine runs there (dequantize, then cuBLAS, by slices of the
+weight's rows) and, unless --default-only, the same by slices of SLICE_MB (0: the whole weight)
+and the dot kernel with LARGE_M_CANDIDATES' tiles.
 `triton_int4.default_tiles` holds the picks. A peer on the same weights: PyTorch's own int4
 GEMM (`torch._weight_int4pack_mm`, gpt-fast's and torchao's "tinygemm"), as a measure of what
 a CUDA kernel reaches at these shapes. `--default-only` times the engine's tiles alone.
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import triton
 
+from kernels import triton_int4_dequant
 from kernels.int4 import (
     Int4Tiles,
     int4_linear_reference,
@@ -51,6 +53,9 @@ CANDIDATES = [Int4Tiles(*c) for c in [
     ("dequant_dot", 16, 128, 128, 8, 3),
 ]]  # fmt: skip
 ROW_KERNEL_MAX_TIMED = 8
+# The dequantize pass past 64 rows by slices of this many MB of bf16 weight (0: whole), beside
+# the engine's own (DEQUANTIZE_SLICE_BYTES).
+SLICE_MB = [0, 4, 8, 16, 32]
 # The dot kernel past 64 rows (prefill chunks, large decode batches), against what the engine
 # runs there: (block_m, block_n, block_k, num_warps, num_stages).
 LARGE_M_CANDIDATES = [Int4Tiles("dot", *c, split_k=split) for c in [
@@ -99,6 +104,10 @@ def sweep_shape(
             configs = [("engine", functools.partial(_int4, tiles=None), None)]
             if not default_only:
                 configs += [
+                    (f"dequantize by {mb} MB slices", functools.partial(_sliced, mb=mb), None)
+                    for mb in SLICE_MB
+                ]
+                configs += [
                     *[(label(t), functools.partial(_int4, tiles=t), t) for t in LARGE_M_CANDIDATES],
                 ]
         else:
@@ -128,6 +137,16 @@ def tinygemm_layer(
 
 def _tinygemm(x: torch.Tensor, layer: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return torch._weight_int4pack_mm(x, layer[0], GROUP, layer[1])
+
+
+def _sliced(x: torch.Tensor, layer: tuple[torch.Tensor, ...], mb: int) -> torch.Tensor:
+    """The dequantize pass and cuBLAS by slices of `mb` MB of the weight (0: whole)."""
+    engine_bytes = triton_int4_dequant.DEQUANTIZE_SLICE_BYTES
+    triton_int4_dequant.DEQUANTIZE_SLICE_BYTES = mb << 20
+    try:
+        return _int4(x, layer, tiles=None)
+    finally:
+        triton_int4_dequant.DEQUANTIZE_SLICE_BYTES = engine_bytes
 
 
 def _int4(

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_int4, triton_split_k
+from kernels import triton_int4, triton_int4_dequant, triton_split_k
 from kernels.int4 import (
     Int4Tiles,
     int4_linear_reference,
@@ -168,6 +168,37 @@ def test_the_dot_kernel_with_large_tiles_matches_the_reference() -> None:
         torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
     dense = int4_linear(x, qweight, scales, zeros, 128)  # past 64 rows: dequantized
     torch.testing.assert_close(dense.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("symmetric", "act_order", "bias"), [(False, False, True), (True, True, False)]
+)
+def test_the_dequantize_pass_by_slices_matches_the_reference(
+    monkeypatch: pytest.MonkeyPatch, symmetric: bool, act_order: bool, bias: bool
+) -> None:
+    """Past 64 rows the weight is dequantized a slice of its rows at a time: 72 weight rows
+    in slices of 64 (the last one partial), each product written into its columns; whole
+    past SLICED_MAX_ROWS rows."""
+    monkeypatch.setattr(triton_int4_dequant, "DEQUANTIZE_SLICE_BYTES", 64 * 512 * DTYPE.itemsize)
+    passes = []
+    dequantize = triton_int4_dequant.dequantize_int4
+    monkeypatch.setattr(
+        triton_int4_dequant,
+        "dequantize_int4",
+        lambda *a, **kw: passes.append(1) or dequantize(*a, **kw),
+    )
+    qweight, scales, zeros, g_idx = random_layer(72, 512, 128, symmetric, act_order, 7)
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(100, 512, generator=generator).to(DEVICE, DTYPE)
+    b = torch.randn(72, generator=generator).to(DEVICE, DTYPE) if bias else None
+    out = int4_linear(x, qweight, scales, zeros, 128, g_idx, b)
+    assert len(passes) == 2
+    expected = int4_linear_reference(x, qweight, scales, zeros, 128, g_idx, b)
+    tolerance = 2e-2 if torch.bfloat16 == DTYPE else 1e-4
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    monkeypatch.setattr(triton_int4_dequant, "SLICED_MAX_ROWS", 64)
+    int4_linear(x, qweight, scales, zeros, 128, g_idx, b)
+    assert len(passes) == 3  # whole
 
 
 @pytest.mark.parametrize("split_k", [2, 3])  # 3: the last split's share of 4 steps is empty
