@@ -6,8 +6,8 @@
   dtype as the reference does.
 - **the dequantize pass** past kernels.triton_int4.DEQUANTIZE_ABOVE_ROWS rows: the weight
   written out in the activation's dtype, for cuBLAS (`dequantized_linear`). Up to
-  SLICED_MAX_ROWS rows (the steps CUDA graphs hold) a slice of rows at a time, into one scratch
-  buffer of about DEQUANTIZE_SLICE_BYTES, each slice's product going into its columns of the
+  SLICED_MAX_ROWS rows (the steps CUDA graphs hold) it can go a slice of rows at a time, into
+  one scratch buffer of DEQUANTIZE_SLICE_BYTES, each slice's product going into its columns of the
   output: a slice the pass wrote can still be in L2 when cuBLAS reads it, where the whole
   weight (Qwen3-8B's gate_up: 201 MB in bf16) goes out to memory and back. Past that a step is
   compute-bound, and mostly eager (a launch pair a slice would cost the host).
@@ -27,7 +27,9 @@ DOT_MIN = 16  # the dequant_dot kernel's tiles: tl.dot with every dimension >= 1
 # The dequantize pass's columns a program (one weight row): 0.8-3.6 TB/s of weights read and
 # written at Qwen3-8B's shapes on an H200, o and qkv the least (of 1024-8192, 2026-12-04).
 DEQUANTIZE_BLOCK_K = 4096
-DEQUANTIZE_SLICE_BYTES = 16 << 20  # 0: the whole weight at once
+# 0 (the whole weight at once) until a GPU says which slice, if any, is faster: the sweep
+# (sweeps/int4_sweep.py, SLICE_MB) and whole steps (scripts/device_ab.sh).
+DEQUANTIZE_SLICE_BYTES = 0
 SLICE_ROWS_MULTIPLE = 64
 SLICED_MAX_ROWS = 512
 _CHUNK = tl.constexpr(CHUNK)
@@ -293,7 +295,7 @@ def dequantized_linear(
     """x times the weight dequantized to x's dtype, by cuBLAS: whole past SLICED_MAX_ROWS
     rows, else a slice of the weight's rows at a time (the module's docstring)."""
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
-    rows = DEQUANTIZE_SLICE_BYTES // (k * x.element_size())
+    rows = DEQUANTIZE_SLICE_BYTES // (k * x.element_size())  # 0: whole
     rows -= rows % SLICE_ROWS_MULTIPLE
     if m > SLICED_MAX_ROWS or rows == 0 or rows >= n:
         weight = dequantize_int4(qweight, scales, zeros, group_size, g_idx, x.dtype)
