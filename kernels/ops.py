@@ -1,4 +1,5 @@
-"""The kernel entry points the executor calls: Triton on CUDA tensors, torch references elsewhere.
+"""The kernel entry points the executor calls: Triton on CUDA tensors, torch references elsewhere
+(the quantized linear layers': kernels/quantized_ops.py).
 
 Each Triton kernel has the signature of its reference. The Triton modules are imported on
 first use on a GPU, so CPU-only processes never import triton.
@@ -22,10 +23,9 @@ from kernels.all_reduce_norm import all_reduce_add_rms_norm_reference
 from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
 from kernels.embedding import embedding_rows_reference
-from kernels.fp8 import Fp8Rows, fp8_group_linear_reference, fp8_linear_reference
-from kernels.gguf import gguf_linear_reference
+from kernels.fp8 import Fp8Rows
 from kernels.inputs import draft_pass_inputs_reference, gather_sampled_inputs_reference
-from kernels.int4 import Int4Stack, int4_linear_reference
+from kernels.int4 import Int4Stack
 from kernels.linear import linear_reference
 from kernels.lora import LoraDelta, lora_expand_reference, lora_shrink_reference
 from kernels.moe import (
@@ -45,16 +45,10 @@ from kernels.norm import (
 from kernels.peers import PeerBuffers
 from kernels.rotary_cache import rotary_write_kv_reference
 
-# Block-scaled FP8 goes to cuBLASLt's blockwise GEMM past this many rows, where it has one.
-FP8_BLOCK_TRITON_MAX_ROWS = 16
-# FP8 weights stream faster through the FP8 GEMV than through cuBLASLt's scaled GEMM up to its
-# 64 rows (sweeps/fp8_sweep.py --quantized-rows, H100, Llama-3.1-8B layers, 2026-11-28:
-# 91.4 against 123.6 us a layer's four projections at M = 32, 97.7 against 117.0 at M = 64).
-FP8_SKINNY_MAX_ROWS = 64
 _modules: dict[str, ModuleType] = {}
 
 
-def _triton(name: str, tensor: torch.Tensor) -> ModuleType | None:
+def triton_module(name: str, tensor: torch.Tensor) -> ModuleType | None:
     """The Triton module `kernels.triton_<name>` when `tensor` is on CUDA, else None."""
     if not tensor.is_cuda:
         return None
@@ -81,11 +75,11 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     args = (query, key_cache, value_cache, block_tables, seq_lens)
     extras = dict(window=window, sinks=sinks, softcap=softcap)
-    decode = _triton("decode_attention", query)
+    decode = triton_module("decode_attention", query)
     if max_query_len == 1 and decode is not None:
         # One query per request: the split-KV kernel, which fills the GPU at batch 1 too.
         return decode.paged_decode_attention(*args, scale, **extras)
-    if decode is not None and (prefill := _triton("prefill_attention", query)) is not None:
+    if decode is not None and (prefill := triton_module("prefill_attention", query)) is not None:
         # A mixed batch: prompts through the prefill kernel, and the decodes riding along
         # (with their drafts, when speculating) through the split-KV kernel, which reads their
         # contexts with many programs each, once for all of a request's query tokens.
@@ -114,7 +108,7 @@ def compile_attention_variants(
 ) -> None:
     """Compile now the attention kernel variants a step may need later (CUDA; on the CPU
     nothing is compiled)."""
-    decode = _triton("decode_attention", query)
+    decode = triton_module("decode_attention", query)
     if decode is not None:
         for window in windows:
             decode.compile_every_variant(
@@ -124,13 +118,13 @@ def compile_attention_variants(
 
 def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, first_id: int) -> torch.Tensor:
     """[T, hidden]: each id's row of `weight` (rows first_id ..), zeros for ids it lacks."""
-    module = _triton("embedding", weight)
+    module = triton_module("embedding", weight)
     kernel = module.embedding_rows if module is not None else embedding_rows_reference
     return kernel(ids, weight, first_id)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    module = _triton("norm", x)
+    module = triton_module("norm", x)
     return (module.rms_norm if module is not None else rms_norm_reference)(x, weight, eps)
 
 
@@ -138,7 +132,7 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, x + residual); the Triton version writes both in place of its inputs."""
-    module = _triton("norm", x)
+    module = triton_module("norm", x)
     kernel = module.fused_add_rms_norm if module is not None else fused_add_rms_norm_reference
     return kernel(x, residual, weight, eps)
 
@@ -152,7 +146,7 @@ def fused_norm_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, rms_norm(x, x_weight) + residual): Gemma's two norms between sublayers in one
     launch; the Triton version writes both in place of its inputs."""
-    module = _triton("norm", x)
+    module = triton_module("norm", x)
     if module is None:
         return fused_norm_add_rms_norm_reference(x, residual, x_weight, weight, eps)
     return module.fused_norm_add_rms_norm(x, residual, x_weight, weight, eps)
@@ -168,7 +162,7 @@ def all_reduce_add_rms_norm(
     """(normed, the ranks' partials summed + residual), with the sum over `peers`' group (no
     residual: the sum alone); the Triton version reduces in place of its inputs, on every rank
     at once."""
-    module = _triton("all_reduce_norm", partial)
+    module = triton_module("all_reduce_norm", partial)
     kernel = (
         module.all_reduce_add_rms_norm if module is not None else all_reduce_add_rms_norm_reference
     )
@@ -178,7 +172,7 @@ def all_reduce_add_rms_norm(
 def all_gather(part: torch.Tensor, peers: PeerBuffers) -> torch.Tensor:
     """[M, world * P]: the ranks' parts [M, P] side by side in rank order, over `peers`'
     buffers; the Triton version on every rank at once."""
-    module = _triton("all_gather", part)
+    module = triton_module("all_gather", part)
     return (module.all_gather if module is not None else all_gather_reference)(part, peers)
 
 
@@ -187,7 +181,7 @@ def rms_norm_fp8(
 ) -> Fp8Rows:
     """RMSNorm feeding an FP8 layer: the normed rows quantized per token (or by the layer's
     static scale), in one pass."""
-    module = _triton("norm", x)
+    module = triton_module("norm", x)
     kernel = module.rms_norm_fp8 if module is not None else rms_norm_fp8_reference
     return kernel(x, weight, eps, static_scale)
 
@@ -201,7 +195,7 @@ def fused_add_rms_norm_fp8(
 ) -> tuple[Fp8Rows, torch.Tensor]:
     """(normed x + residual quantized per token or by the static scale, x + residual) for an
     FP8 layer; the Triton version writes the sum in place of the residual."""
-    module = _triton("norm", x)
+    module = triton_module("norm", x)
     kernel = (
         module.fused_add_rms_norm_fp8 if module is not None else fused_add_rms_norm_fp8_reference
     )
@@ -209,13 +203,13 @@ def fused_add_rms_norm_fp8(
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    module = _triton("activation", gate_up)
+    module = triton_module("activation", gate_up)
     return (module.silu_and_mul if module is not None else silu_and_mul_reference)(gate_up)
 
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """GeGLU (Gemma's MLP): gelu_tanh(gate) * up."""
-    module = _triton("activation", gate_up)
+    module = triton_module("activation", gate_up)
     kernel = module.gelu_tanh_and_mul if module is not None else gelu_tanh_and_mul_reference
     return kernel(gate_up)
 
@@ -224,7 +218,7 @@ def gelu_tanh_and_mul_fp8(
     gate_up: torch.Tensor, static_scale: torch.Tensor | None = None
 ) -> Fp8Rows:
     """GeGLU feeding an FP8 layer, as silu_and_mul_fp8."""
-    module = _triton("activation", gate_up)
+    module = triton_module("activation", gate_up)
     kernel = module.gelu_tanh_and_mul_fp8 if module is not None else gelu_tanh_and_mul_fp8_reference
     return kernel(gate_up, static_scale)
 
@@ -236,7 +230,7 @@ def moe_route(
     counts: torch.Tensor | None = None,  # [E] int64: each real token's choices added to it
     slots: torch.Tensor | None = None,  # [T]: the tokens' KV slots; < 0: padding, not counted
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k]
-    module = _triton("moe_route", logits)
+    module = triton_module("moe_route", logits)
     run = module.moe_route if module is not None else moe_route_reference
     return run(logits, top_k, renormalize, counts, slots)
 
@@ -252,7 +246,7 @@ def moe_experts(
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
 ) -> torch.Tensor:
-    module = _triton("moe", x)
+    module = triton_module("moe", x)
     run = module.moe_experts if module is not None else moe_experts_reference
     return run(x, gate_up, down, weights, ids, gate_up_scale, down_scale, biases, swiglu)
 
@@ -265,7 +259,7 @@ def moe_experts_int4(
     ids: torch.Tensor,
 ) -> torch.Tensor:
     """int4 experts (W4A16, kernels/moe.py)."""
-    module = _triton("moe_int4", x)
+    module = triton_module("moe_int4", x)
     run = module.moe_experts_int4 if module is not None else moe_experts_int4_reference
     return run(x, gate_up, down, weights, ids)
 
@@ -273,7 +267,7 @@ def moe_experts_int4(
 def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:
     """SiLU-and-mul feeding an FP8 layer: the product quantized per token (or by the layer's
     static scale), in one pass."""
-    module = _triton("activation", gate_up)
+    module = triton_module("activation", gate_up)
     kernel = module.silu_and_mul_fp8 if module is not None else silu_and_mul_fp8_reference
     return kernel(gate_up, static_scale)
 
@@ -283,7 +277,7 @@ def gather_sampled_inputs(
     source_rows: torch.Tensor,  # [num_tokens] int32: row of sampled_ids to take, or -1
     sampled_ids: torch.Tensor,  # [max_reqs] int64
 ) -> None:
-    module = _triton("inputs", input_ids)
+    module = triton_module("inputs", input_ids)
     kernel = module.gather_sampled_inputs if module is not None else gather_sampled_inputs_reference
     kernel(input_ids, source_rows, sampled_ids)
 
@@ -294,7 +288,7 @@ def draft_pass_inputs(
     *outs: torch.Tensor,  # slot_mapping, seq_lens, rotary_positions: [R] int32
 ) -> None:  # fmt: skip
     """An EAGLE-3 draft pass's inputs (`kernels.inputs.draft_pass_inputs_reference`)."""
-    module = _triton("inputs", last)
+    module = triton_module("inputs", last)
     kernel = module.draft_pass_inputs if module is not None else draft_pass_inputs_reference
     kernel(last, step, drafting, row_blocks, block_tables, block_size, max_model_len, *outs)
 
@@ -319,7 +313,7 @@ def rotary_write_kv(
     One kernel on CUDA instead of two to four: at small batches launches are the cost. The
     Triton version rotates the query in place.
     """
-    module = _triton("rotary_cache", query)
+    module = triton_module("rotary_cache", query)
     kernel = module.rotary_write_kv if module is not None else rotary_write_kv_reference
     return kernel(
         positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping,
@@ -336,7 +330,7 @@ def linear(
     """A linear layer; for decode-sized inputs on CUDA (`skinny_max_rows`: 64 rows on Hopper,
     16 elsewhere) the weight-streaming Triton GEMV, which adds the LoRA delta in its epilogue
     where it can; past that cuBLAS, then the LoRA expand."""
-    module = _triton("linear", x)
+    module = triton_module("linear", x)
     if module is not None and 1 <= x.shape[0] <= module.skinny_max_rows(x):
         return module.skinny_linear(x, weight, bias, lora=lora)
     out = linear_reference(x, weight, bias)
@@ -349,123 +343,10 @@ def gated_linear(
     """linear(act(gate) * up, weight, bias) for a gated MLP's gate_up [M, 2K] (act: gelu_tanh
     with `gelu`, else silu): up to GATED_MAX_ROWS rows on CUDA one launch of the skinny GEMV,
     which makes its input from gate_up as it streams the weight; else the two ops."""
-    module = _triton("linear", gate_up)
+    module = triton_module("linear", gate_up)
     if module is not None and 1 <= gate_up.shape[0] <= module.GATED_MAX_ROWS:
         return module.skinny_linear(gate_up, weight, bias, gated="gelu_tanh" if gelu else "silu")
     return linear((gelu_tanh_and_mul if gelu else silu_and_mul)(gate_up), weight, bias)
-
-
-def fp8_linear(
-    x: torch.Tensor | Fp8Rows,  # [M, K], or quantized per token by the op that produced it
-    qweight: torch.Tensor,  # [N, K] float8_e4m3fn
-    weight_scale: torch.Tensor,  # [N] float32
-    bias: torch.Tensor | None = None,  # [N]
-    input_scale: torch.Tensor | None = None,  # [1]: x's static scale (else one per token)
-) -> torch.Tensor:  # [M, N], x's float dtype
-    """An FP8 W8A8 linear layer: on CUDA the activation quantized per token (or by its static
-    scale) in Triton, unless its producer did; then up to FP8_SKINNY_MAX_ROWS rows the Triton
-    FP8 GEMV, past that cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`); elsewhere
-    the reference."""
-    if isinstance(x, Fp8Rows) and input_scale is not None:
-        raise ValueError("x is quantized already: its producer chose the scales")
-    module = _triton("fp8", x.q if isinstance(x, Fp8Rows) else x)
-    if module is None:
-        return fp8_linear_reference(x, qweight, weight_scale, bias, input_scale)
-    if isinstance(x, Fp8Rows):
-        rows = x
-    else:
-        rows = Fp8Rows(*module.quantize_fp8_rowwise(x, input_scale), x.dtype)
-    m = rows.q.shape[0]
-    if m == 0:
-        return torch.empty((0, qweight.shape[0]), dtype=rows.dtype, device=rows.q.device)
-    if m <= FP8_SKINNY_MAX_ROWS:  # decode: the weight streamed by the FP8 GEMV
-        return module.fp8_skinny_linear(rows, qweight, weight_scale, bias)
-    if rows.dtype != torch.bfloat16:
-        raise ValueError(
-            f"cuBLASLt's row-wise scaled FP8 GEMM returns bfloat16 only, not {rows.dtype}: "
-            "FP8 layers run in bfloat16 on CUDA"
-        )
-    # Why .t() of the [N, K] weight: cuBLASLt takes the second operand column-major.
-    return torch._scaled_mm(
-        rows.q,
-        qweight.t(),
-        scale_a=rows.scale,
-        scale_b=weight_scale[None, :],
-        bias=bias,
-        out_dtype=rows.dtype,
-    )
-
-
-def blockwise_scaled_mm_supported(device: torch.device, k: int) -> bool:
-    """Whether cuBLASLt's blockwise-scaled FP8 GEMM takes a 128 x 128-block layer of K inputs
-    here: Hopper (torch implements the recipe for SM90 only), CUDA 12.9 or newer, and K / 128 a
-    multiple of 4 (its scales' leading dimension must be 16-byte aligned)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return False
-    cuda = tuple(int(part) for part in (torch.version.cuda or "0.0").split(".")[:2])
-    return cuda >= (12, 9) and k % 128 == 0 and (k // 128) % 4 == 0
-
-
-def fp8_group_linear(
-    x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # [N, K] float8_e4m3fn
-    weight_scale: torch.Tensor,  # [N, K / group] float32
-    group: int,
-    bias: torch.Tensor | None = None,  # [N]
-    block_scale: torch.Tensor | None = None,  # [ceil(N / 128), K / 128]: 128 x 128 blocks
-) -> torch.Tensor:  # [M, N], x.dtype
-    """A block-scaled FP8 W8A8 layer (`kernels/fp8.py`): on CUDA the activation quantized per
-    token and group, then one Triton kernel; past FP8_BLOCK_TRITON_MAX_ROWS rows of bf16,
-    cuBLASLt's blockwise-scaled FP8 GEMM instead where the layer has `block_scale`
-    (Fp8Block.prepare makes one only where cuBLASLt takes the layer); elsewhere the reference."""
-    module = _triton("fp8", x)
-    if module is None:
-        return fp8_group_linear_reference(x, qweight, weight_scale, group, bias)
-    small = x.shape[0] <= FP8_BLOCK_TRITON_MAX_ROWS
-    if small or block_scale is None or x.dtype != torch.bfloat16:
-        return module.fp8_group_linear(x, qweight, weight_scale, group, bias)
-    m = x.shape[0]
-    # cuBLASLt's layouts: the activation scales column-major, with a leading dimension (M) a
-    # multiple of 4 (so rows are padded to one); the weight's [K / 128, N / 128].
-    padded = x if m % 4 == 0 else torch.nn.functional.pad(x, (0, 0, 0, -m % 4))
-    qx, x_scale = module.quantize_fp8_groupwise(padded, group)
-    out = torch._scaled_mm(
-        qx,
-        qweight.t(),
-        scale_a=x_scale.t().contiguous().t(),
-        scale_b=block_scale.t(),
-        out_dtype=x.dtype,
-    )[:m]
-    return out if bias is None else out + bias
-
-
-def int4_linear(
-    x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # [N, K/8] int32
-    scales: torch.Tensor,  # [N, G]
-    zeros: torch.Tensor | None,  # [N, G] uint8; None: 8
-    group_size: int,
-    g_idx: torch.Tensor | None = None,  # [K] int32
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N], x.dtype
-    """An int4 weight-only linear layer (`kernels/int4.py`): on CUDA one Triton kernel that
-    dequantizes in registers, for decode and prefill alike; elsewhere the reference."""
-    module = _triton("int4", x)
-    kernel = module.int4_linear if module is not None else int4_linear_reference
-    return kernel(x, qweight, scales, zeros, group_size, g_idx, bias)
-
-
-def gguf_linear(
-    x: torch.Tensor,  # [M, K]
-    raw: torch.Tensor,  # [N, row_bytes] uint8: the GGUF file's blocks
-    qtype: str,
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N], x.dtype
-    """A GGUF-quantized linear layer (`kernels/gguf.py`): on CUDA Triton kernels that
-    dequantize the blocks where they read them; elsewhere the reference."""
-    module = _triton("gguf", x)
-    kernel = module.gguf_linear if module is not None else gguf_linear_reference
-    return kernel(x, raw, qtype, bias)
 
 
 def lora_shrink(
@@ -475,7 +356,7 @@ def lora_shrink(
     token_order: torch.Tensor | None = None,  # [T] int32, the tokens grouped by slot
 ) -> torch.Tensor:  # [KS, T, P, R] float32, partial sums over KS parts of K
     """Each token's x times the A of the LoRA adapter in its slot (`kernels/lora.py`)."""
-    module = _triton("lora", x)
+    module = triton_module("lora", x)
     kernel = module.lora_shrink if module is not None else lora_shrink_reference
     return kernel(x, lora_a, token_slots, token_order)
 
@@ -489,12 +370,15 @@ def lora_expand(
     token_order: torch.Tensor | None = None,  # [T] int32, the tokens grouped by slot
 ) -> torch.Tensor:  # out
     """out += each token's shrunk times the B of the adapter in its slot (`kernels/lora.py`)."""
-    module = _triton("lora", out)
+    module = triton_module("lora", out)
     kernel = module.lora_expand if module is not None else lora_expand_reference
     return kernel(out, shrunk, lora_b, token_slots, piece_rows, token_order)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64
-    """The first index of each row's maximum of logits [R, V]."""
-    module = _triton("argmax", logits)
-    return (module.argmax if module is not None else argmax_reference)(logits)
+def argmax(
+    logits: torch.Tensor, offsets: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:  # [R] int64
+    """The first index of each row's maximum of logits [R, V], plus offsets[index] where given
+    (a draft vocabulary's map into the target's), into `out` where given ([R] int64)."""
+    module = triton_module("argmax", logits)
+    return (module.argmax if module is not None else argmax_reference)(logits, offsets, out)

@@ -45,7 +45,15 @@ def _chunk_argmax_kernel(
 
 @triton.jit
 def _row_argmax_kernel(
-    best_value_ptr, best_index_ptr, out_ptr, num_chunks, CHUNKS: tl.constexpr, PDL: tl.constexpr
+    best_value_ptr,
+    best_index_ptr,
+    offsets_ptr,  # [V] int64, read where HAS_OFFSETS
+    out_ptr,
+    num_chunks,
+    stride_out,
+    CHUNKS: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -53,19 +61,28 @@ def _row_argmax_kernel(
     valid = chunks < num_chunks
     values = tl.load(best_value_ptr + row * num_chunks + chunks, mask=valid, other=float("-inf"))
     _, winner = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    index = tl.load(best_index_ptr + row * num_chunks + winner)
-    tl.store(out_ptr + row, index.to(tl.int64))
+    index = tl.load(best_index_ptr + row * num_chunks + winner).to(tl.int64)
+    if HAS_OFFSETS:
+        index += tl.load(offsets_ptr + index)
+    tl.store(out_ptr + row * stride_out, index)
 
 
-def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64
-    """logits [R, V] (last dim contiguous) -> the first index of each row's maximum."""
+def argmax(
+    logits: torch.Tensor,  # [R, V], V contiguous
+    offsets: torch.Tensor | None = None,  # [V] int64: added to the index found
+    out: torch.Tensor | None = None,  # [R] int64, any stride
+) -> torch.Tensor:  # [R] int64
+    """`kernels.argmax.argmax_reference`: the first index of each row's maximum (+ offsets)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [R, V] with V contiguous, got {tuple(logits.shape)}")
     num_rows, vocab = logits.shape
     num_chunks = triton.cdiv(vocab, _CHUNK)
     if vocab == 0 or num_chunks > _MAX_CHUNKS:
         raise ValueError(f"argmax takes 1 to {_CHUNK * _MAX_CHUNKS} columns, got {vocab}")
-    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)  # [R]
+    if out is None:
+        out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)  # [R]
+    elif out.shape != (num_rows,) or out.dtype != torch.int64:
+        raise ValueError(f"out must be [{num_rows}] int64, got {tuple(out.shape)} {out.dtype}")
     if num_rows == 0:
         return out
     f32 = dict(device=logits.device, dtype=torch.float32)
@@ -78,6 +95,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R] int64
     )  # fmt: skip
     chunks = max(2, triton.next_power_of_2(num_chunks))
     _row_argmax_kernel[(num_rows,)](
-        best_value, best_index, out, num_chunks, CHUNKS=chunks, PDL=early, launch_pdl=early
-    )
+        best_value, best_index, offsets if offsets is not None else out, out, num_chunks,
+        out.stride(0), CHUNKS=chunks, HAS_OFFSETS=offsets is not None, PDL=early,
+        launch_pdl=early,
+    )  # fmt: skip
     return out

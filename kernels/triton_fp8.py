@@ -320,8 +320,8 @@ def fp8_group_default_tiles(m: int) -> Fp8GroupTiles:
     """sweeps/fp8_block_sweep.py's picks (H100, Llama-3.1-8B shapes, 128 x 128 blocks,
     2026-11-26): within 5 % of per-channel FP8's skinny-kernel path of that day (since
     replaced by the faster FP8 GEMV) at 1-16 rows on qkv, o and gate_up. Past 16 rows
-    `ops.fp8_group_linear` uses cuBLASLt where it can (faster from 256 rows on); these tiles
-    serve the layers it cannot take."""
+    `quantized_ops.fp8_group_linear` uses cuBLASLt where it can (faster from 256 rows on);
+    these tiles serve the layers it cannot take."""
     if m <= 16:
         return Fp8GroupTiles(16, 32, num_warps=4, num_stages=4)
     return Fp8GroupTiles(64, 64, 4, 4) if m <= 512 else Fp8GroupTiles(64, 128, 4, 3)

@@ -3,9 +3,9 @@ per-channel FP8 (what `--quantization fp8` runs) and the floor.
 
 For each projection of --model and each M in --m, times `kernels.triton_fp8.fp8_group_linear`
 (the activation quantized per token and group, then the kernel) with every config of
-CANDIDATES, bf16 through `kernels.ops.linear` and per-channel FP8 through `kernels.ops.fp8_linear`;
-reports microseconds per call and the GB/s of FP8 weights and scales (timing and checks:
-sweeps/quantized_sweep.py).
+CANDIDATES, bf16 through `kernels.ops.linear` and per-channel FP8 through
+`kernels.quantized_ops.fp8_linear`; reports microseconds per call and the GB/s of FP8 weights
+and scales (timing and checks: sweeps/quantized_sweep.py).
 
     python -m sweeps.fp8_block_sweep --out $OUT/fp8_block_sweep.json --m 1 16 256 2048
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from kernels import ops
+from kernels import quantized_ops
 from kernels.fp8 import (
     fp8_group_linear_reference,
     quantize_fp8_blockwise_reference,
@@ -60,7 +60,7 @@ def sweep_shape(shape: Shape, ms: list[int], copies: int) -> list[dict[str, Any]
         expected = fp8_group_linear_reference(x, *blocks[0], GROUP)
         per_channel = [("fp8 per channel", _per_channel, None)]
         rows += quantized_sweep.time_configs(
-            shape, x, channels, ops.fp8_linear(x, *channels[0]), per_channel, fp8_bytes
+            shape, x, channels, quantized_ops.fp8_linear(x, *channels[0]), per_channel, fp8_bytes
         )
         if m > 16:  # what the engine runs there: cuBLASLt's blockwise-scaled GEMM
             cublas = [("cuBLASLt blockwise", _cublas, None)]
@@ -80,11 +80,11 @@ def _block(x: torch.Tensor, layer: Any, tiles: Fp8GroupTiles) -> torch.Tensor:
 
 def _cublas(x: torch.Tensor, layer: Any) -> torch.Tensor:
     qweight, weight_scale, block_scale = layer
-    return ops.fp8_group_linear(x, qweight, weight_scale, GROUP, None, block_scale)
+    return quantized_ops.fp8_group_linear(x, qweight, weight_scale, GROUP, None, block_scale)
 
 
 def _per_channel(x: torch.Tensor, layer: Any) -> torch.Tensor:
-    return ops.fp8_linear(x, *layer)
+    return quantized_ops.fp8_linear(x, *layer)
 
 
 if __name__ == "__main__":

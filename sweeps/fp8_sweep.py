@@ -1,7 +1,7 @@
 """FP8 (W8A8) decode-sized linear layers at 8B shapes: GEMV tiles against the defaults and bf16.
 
 For each projection of --model and each M in --m, times `fp8_skinny_linear` (the activation
-quantization and the FP8 GEMV, as `kernels.ops.fp8_linear` runs them up to 64 rows) with
+quantization and the FP8 GEMV, as `kernels.quantized_ops.fp8_linear` runs them up to 64 rows) with
 `fp8_default_tiles` and with every config of CANDIDATES, cuBLASLt's scaled
 GEMM (what the engine runs past 64 rows) and bf16 through `kernels.ops.linear`; reports
 microseconds per call and GB/s of FP8 weights (timing and checks:
@@ -80,7 +80,7 @@ def sweep_shape(
         rows_q = Fp8Rows(*quantize_fp8_rowwise(x), x.dtype) if quantized_rows else None
         configs = [(name, functools.partial(_fp8, tiles=t, rows_q=rows_q), t) for name, t in named]
         cublaslt = functools.partial(_cublaslt, rows_q=rows_q)
-        configs.append(("cublaslt", cublaslt, None))  # what ops.fp8_linear runs past 64 rows
+        configs.append(("cublaslt", cublaslt, None))  # quantized_ops.fp8_linear past 64 rows
         expected = fp8_linear_reference(x, *layers[0])
         rows += quantized_sweep.time_configs(shape, x, layers, expected, configs, fp8_bytes)
         quantized_sweep.print_best(shape, m, rows)

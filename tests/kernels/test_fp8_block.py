@@ -93,10 +93,10 @@ def test_triton_at_llama_shapes(m: int) -> None:
 def test_cublas_blockwise_path_matches_the_reference(
     m: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kernels import ops
+    from kernels import quantized_ops
     from kernels.fp8 import quantize_fp8_blockwise_reference
 
-    if not ops.blockwise_scaled_mm_supported(torch.device("cuda"), 1024):
+    if not quantized_ops.blockwise_scaled_mm_supported(torch.device("cuda"), 1024):
         pytest.skip("cuBLASLt's blockwise-scaled FP8 GEMM needs Hopper and CUDA 12.9")
 
     def no_triton(*args: object, **kwargs: object) -> torch.Tensor:
@@ -112,7 +112,7 @@ def test_cublas_blockwise_path_matches_the_reference(
     assert block_scale is not None
     x = torch.randn(m, k, generator=generator).cuda().to(torch.bfloat16)
     bias = torch.randn(n, generator=generator).cuda().to(torch.bfloat16)
-    out = ops.fp8_group_linear(x, qweight, weight_scale, 128, bias, block_scale)
+    out = quantized_ops.fp8_group_linear(x, qweight, weight_scale, 128, bias, block_scale)
     expected = fp8_group_linear_reference(x, qweight, weight_scale, 128, bias)
     assert out.shape == (m, n)
     scale = expected.float().abs().max().item()

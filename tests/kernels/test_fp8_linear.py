@@ -1,4 +1,4 @@
-"""FP8 W8A8 linear layers: the reference against exact arithmetic, and `ops.fp8_linear` on
+"""FP8 W8A8 linear layers: the reference against exact arithmetic, and `quantized_ops.fp8_linear` on
 CUDA (the FP8 GEMV up to 64 rows, cuBLASLt's scaled GEMM past that) against the
 reference at the Llama-3.1-8B shapes."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import ops
+from kernels import quantized_ops
 from kernels.fp8 import (
     FP8,
     FP8_MAX,
@@ -70,7 +70,7 @@ def test_gpu_fp8_linear_matches_the_reference(shape: str, m: int) -> None:
     weight = torch.randn(n, k, device="cuda", generator=generator) * 0.02
     qweight, scale = quantize_fp8_rowwise_reference(weight)
     bias = torch.randn(n, device="cuda", generator=generator).to(torch.bfloat16)
-    out = ops.fp8_linear(x, qweight, scale[:, 0], bias)
+    out = quantized_ops.fp8_linear(x, qweight, scale[:, 0], bias)
     expected = fp8_linear_reference(x, qweight, scale[:, 0], bias)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     # Both sum the same fp8 products in float32; the outputs differ by bf16 rounding.
@@ -81,4 +81,6 @@ def test_quantized_rows_take_no_second_scale() -> None:
     x = torch.randn(2, 32)
     qweight, scale = quantize_fp8_rowwise_reference(torch.randn(8, 32))
     with pytest.raises(ValueError, match="quantized already"):
-        ops.fp8_linear(Fp8Rows.quantize(x), qweight, scale[:, 0], input_scale=torch.ones(1))
+        quantized_ops.fp8_linear(
+            Fp8Rows.quantize(x), qweight, scale[:, 0], input_scale=torch.ones(1)
+        )

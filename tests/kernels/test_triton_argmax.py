@@ -32,6 +32,22 @@ def test_argmax_reads_a_column_slice_of_wider_logits() -> None:
     assert torch.equal(argmax(logits.to(DEVICE)[:, :250]).cpu(), logits[:, :250].argmax(-1))
 
 
+def test_argmax_adds_offsets_and_writes_a_strided_out() -> None:
+    """An EAGLE-3 head's draft: the index plus its offset (the draft vocabulary's map into the
+    target's), written into one row of the drafts table [k, R] (a column stride of 1 there, a
+    row of another table here)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5000, generator=gen)
+    offsets = torch.randint(0, 1000, (5000,), generator=gen)
+    table = torch.full((3, 2), -1, dtype=torch.int64)
+    expected = argmax_reference(logits, offsets, table[:, 1].clone())
+    assert torch.equal(expected, logits.argmax(-1) + offsets[logits.argmax(-1)])
+    table = table.to(DEVICE)
+    got = argmax(logits.to(DEVICE), offsets.to(DEVICE), table[:, 1])
+    assert got.data_ptr() == table[:, 1].data_ptr()
+    assert torch.equal(table[:, 1].cpu(), expected) and (table[:, 0] == -1).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows", [1, 8, 256])

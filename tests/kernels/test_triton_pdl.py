@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, globaltimer
 
-from kernels import ops
+from kernels import ops, quantized_ops
 from kernels.argmax import argmax_reference
 from kernels.embedding import embedding_rows_reference
 from kernels.fp8 import fp8_linear_reference, quantize_fp8_rowwise_reference
@@ -92,13 +92,13 @@ def test_each_pdl_kernel_waits_for_the_input_written_late() -> None:
     w_up = _bf16(INTER, HIDDEN, seed=5) * HIDDEN**-0.5
     _close(ops.linear(_late(x[:1]), w_up), x[:1].float() @ w_up.float().t())
     qweight, scale = quantize_fp8_rowwise_reference(w_up)
-    got = ops.fp8_linear(_late(x[:2]), qweight, scale[:, 0].contiguous())
+    got = quantized_ops.fp8_linear(_late(x[:2]), qweight, scale[:, 0].contiguous())
     _close(got, fp8_linear_reference(x[:2], qweight, scale[:, 0].contiguous()))
     qweight, scales, zeros = quantize_int4_reference(w_up.float(), 128, symmetric=False)
     scales = scales.to(torch.bfloat16)
     for rows in (1, 32):  # the int4 dot kernel's tiles of 8 rows (split along K) and of 32
         h = _bf16(rows, HIDDEN, seed=8)
-        got = ops.int4_linear(_late(h), qweight, scales, zeros, 128)
+        got = quantized_ops.int4_linear(_late(h), qweight, scales, zeros, 128)
         _close(got, int4_linear_reference(h, qweight, scales, zeros, 128))
     logits = _bf16(2, VOCAB, seed=6).float()
     assert torch.equal(ops.argmax(_late(logits)), argmax_reference(logits))
@@ -132,7 +132,7 @@ def _chain_output(rows: int) -> torch.Tensor:
 
     def project(h: torch.Tensor, w: torch.Tensor | tuple[torch.Tensor, torch.Tensor]):
         if isinstance(w, tuple):
-            return ops.fp8_linear(h, w[0], w[1][:, 0].contiguous())
+            return quantized_ops.fp8_linear(h, w[0], w[1][:, 0].contiguous())
         return ops.linear(h, w)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:

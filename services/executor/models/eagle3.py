@@ -148,10 +148,10 @@ class Eagle3Head(nn.Module):
         x, residual = self.midlayer(positions, embedding(input_ids), hidden, kv_cache, meta)
         return self.norm(x, residual)
 
-    def draft_ids(self, normed: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N] int64: each row's greedy guess, as a target token id."""
-        draft = ops.argmax(self.lm_head(normed))
-        return draft + self.d2t[draft]
+    def draft_ids(self, normed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N] int64 (into `out` where given): each row's greedy guess, as a
+        target token id (the argmax's kernel adds d2t)."""
+        return ops.argmax(self.lm_head(normed), self.d2t, out)
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, int | None] | None:
         """Where a checkpoint tensor loads (see DecoderForCausalLM.checkpoint_param); t2d,

@@ -4,7 +4,7 @@ Each format stores a quantized projection as a few tensors under its module name
 gathered per module as the checkpoint streams (a module's parts may sit in different files)
 and translated: int4 formats into `qweight`, `scales`, `zeros` and `g_idx` (`kernels/int4.py`
 has the layout), FP8 into `qweight` and a float32 `weight_scale` per output channel (what
-`ops.fp8_linear` reads). Everything else passes through unchanged. A translated tensor is
+`quantized_ops.fp8_linear` reads). Everything else passes through unchanged. A translated tensor is
 not read when translated: it is a `CheckpointSlice` whose cut reads only the checkpoint
 entries behind that cut (whole packed words, groups, blocks) and translates them, so that a
 tensor-parallel rank reads only its share of the file. The formats, as their writers define

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
+from kernels import ops, quantized_ops
 from kernels.fp8 import (
     FP8,
     FP8_MAX,
@@ -45,7 +45,7 @@ class Fp8Dynamic(Unquantized):
         layer.register_parameter("weight", None)
 
     def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
-        out = ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias)
+        out = quantized_ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias)
         return with_lora(out, lora)
 
 
@@ -109,7 +109,7 @@ class Fp8Static(Fp8Checkpoint):
     def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
         # Rows from a producer are quantized by this scale already; o_proj's input is not.
         scale = None if isinstance(x, Fp8Rows) else layer.input_scale
-        out = ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias, scale)
+        out = quantized_ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias, scale)
         return with_lora(out, lora)
 
 
@@ -138,7 +138,7 @@ class Fp8Block(Fp8Checkpoint):
         # (fused pieces of whole blocks); elsewhere the Triton kernel runs every row count.
         layer.block_scale = None  # [ceil(N / 128), K / 128]
         k = layer.in_features
-        if (self.rows, self.group) == (128, 128) and ops.blockwise_scaled_mm_supported(
+        if (self.rows, self.group) == (128, 128) and quantized_ops.blockwise_scaled_mm_supported(
             layer.qweight.device, k
         ):
             layer.block_scale = aligned_block_scales(layer.weight_scale.data, 128)
@@ -148,7 +148,7 @@ class Fp8Block(Fp8Checkpoint):
         return {"qweight": TensorDims(0, 1), "weight_scale": groups, **BIAS_DIMS}
 
     def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
-        out = ops.fp8_group_linear(
+        out = quantized_ops.fp8_group_linear(
             float_input(x, self),
             layer.qweight,
             layer.weight_scale,

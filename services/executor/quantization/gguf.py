@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
+from kernels import ops, quantized_ops
 from kernels.gguf import row_bytes
 from kernels.lora import LoraDelta
 from services.executor.layers.linear import BIAS_DIMS, Activation, Linear, float_input, with_lora
@@ -116,4 +116,4 @@ def _gguf_run(
 ) -> torch.Tensor:
     if qtype == "float":
         return ops.linear(x, weight, bias)
-    return ops.gguf_linear(x, weight, qtype, bias)
+    return quantized_ops.gguf_linear(x, weight, qtype, bias)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
+from kernels import ops, quantized_ops
 from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.lora import LoraDelta
 from services.executor.layers.linear import (
@@ -98,7 +98,7 @@ class Int4WeightOnly:
         return None
 
     def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
-        out = ops.int4_linear(
+        out = quantized_ops.int4_linear(
             float_input(x, self),
             layer.qweight,
             layer.scales,

@@ -114,4 +114,4 @@ class DraftProposer(StepProposer):
         pass_meta, at = self._pass_meta(meta, last, drafting, j)
         before = self.first_ids[:num] if j == 1 else self.ids[j - 2, :num]
         hidden = self.model(before, at, self.kv_caches, pass_meta)
-        self.ids[j - 1, :num] = ops.argmax(self.model.compute_logits(hidden))
+        ops.argmax(self.model.compute_logits(hidden), out=self.ids[j - 1, :num])

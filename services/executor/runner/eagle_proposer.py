@@ -97,7 +97,7 @@ class EagleProposer(StepProposer):
         )
         drafting, at, last = self._drafting_rows(view)
         num_rows = at.shape[0]
-        self.ids[0, :num_rows] = self.head.draft_ids(torch.index_select(normed, 0, at))
+        self.head.draft_ids(torch.index_select(normed, 0, at), out=self.ids[0, :num_rows])
         torch.index_select(stream, 0, at, out=self.streams[0, :num_rows])
         for j in range(1, self.num_drafts):
             self._draft_pass(view.meta, last, drafting, j)
@@ -113,5 +113,5 @@ class EagleProposer(StepProposer):
         pass_meta, at = self._pass_meta(meta, last, drafting, j)
         before = self.ids[j - 1, :num], self.streams[j - 1, :num]
         normed, stream = self.head(before[0], at, before[1], self.kv_caches[0], pass_meta)
-        self.ids[j, :num] = self.head.draft_ids(normed)
+        self.head.draft_ids(normed, out=self.ids[j, :num])
         self.streams[j, :num] = stream
