@@ -14,7 +14,7 @@ import transformers
 
 from kvflow import LLM, SamplingParams
 from shared.protocol import EngineRequest
-from tests.integration.test_eagle3 import PADDED_SETTINGS, PaddedEagerly, recording
+from tests.integration.test_eagle3 import PADDED_SETTINGS, pad_like_graphs, recording
 from tests.integration.test_speculative import (
     GREEDY,
     MIXED,
@@ -143,12 +143,7 @@ def test_drafts_padded_to_a_graphs_shape_are_the_targets_tokens(target: Path, se
         str(target), dtype="float32", device="cpu", speculative_config=draft_config(target),
         **settings,
     )  # fmt: skip
-    runner = llm.runner
-    proposer, buffers = runner.proposer, runner.buffers
-    runner.graphs = PaddedEagerly(runner._forward, buffers, buffers.max_reqs, runner.max_model_len)
-    proposer.catch_up_graphs = PaddedEagerly(
-        proposer._catch_up_forward, buffers, buffers.max_reqs, runner.max_model_len
-    )
+    target_graphs, proposer_graphs = pad_like_graphs(llm)
     records = recording(llm)
     assert generate(llm, params) == plain
     whole = [p + out for p, out in zip(prompts(), plain, strict=True)]
@@ -158,7 +153,7 @@ def test_drafts_padded_to_a_graphs_shape_are_the_targets_tokens(target: Path, se
         known = sequence[len(tokens) : len(tokens) + len(drafts)]  # the run's end: fewer
         wrong += drafts[: len(known)] != known
     assert len(records) > 20 and wrong <= len(records) // 20, (wrong, len(records))
-    assert proposer.catch_up_graphs.replays == runner.graphs.replays > 0
+    assert proposer_graphs.replays == target_graphs.replays > 0
     if "max_model_len" in settings:
         assert any(len(drafts) < 4 for _, drafts in records)
     scheduler = llm.engine.scheduler

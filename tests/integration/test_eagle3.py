@@ -295,6 +295,17 @@ class PaddedEagerly(StepGraphs):
         return self.forward(self.buffers.view(self.max_seq_len, shape.max_query_len))
 
 
+def pad_like_graphs(llm: LLM) -> tuple[PaddedEagerly, PaddedEagerly]:
+    """The target's steps and its proposer's work after each, padded as graphs would pad them
+    (PaddedEagerly); returns the two, whose replays count."""
+    runner = llm.runner
+    buffers, size, length = runner.buffers, runner.buffers.max_reqs, runner.max_model_len
+    runner.graphs = PaddedEagerly(runner._forward, buffers, size, length)
+    proposer = runner.proposer
+    proposer.catch_up_graphs = PaddedEagerly(proposer._catch_up_forward, buffers, size, length)
+    return runner.graphs, proposer.catch_up_graphs
+
+
 # Engine settings for the padded test: a small pool, and a context that runs out (rows whose
 # room ends before their k-th draft: the passes find where on the device).
 PADDED_SETTINGS = {
@@ -317,19 +328,14 @@ def test_drafts_padded_to_a_graphs_shape_are_still_eagle3s(
     llm = LLM(
         str(target), dtype="float32", device="cpu", speculative_config=eagle3(head), **settings
     )
-    runner = llm.runner
-    proposer, buffers = runner.proposer, runner.buffers
-    runner.graphs = PaddedEagerly(runner._forward, buffers, buffers.max_reqs, runner.max_model_len)
-    proposer.catch_up_graphs = PaddedEagerly(
-        proposer._catch_up_forward, buffers, buffers.max_reqs, runner.max_model_len
-    )
+    target_graphs, proposer_graphs = pad_like_graphs(llm)
     records = recording(llm)
     to_the_end = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
     generate(llm, to_the_end if "max_model_len" in settings else GREEDY)
     reference = Reference(target, head)
     for tokens, drafts in records:
         assert drafts == reference.drafts(tokens, len(drafts)), len(tokens)
-    assert proposer.catch_up_graphs.replays == runner.graphs.replays > 0
+    assert proposer_graphs.replays == target_graphs.replays > 0
     if "max_model_len" in settings:  # some rows had room for fewer than k drafts
         assert any(len(drafts) < NUM_DRAFTS for _, drafts in records)
     assert llm.engine.scheduler.kv.pool.num_available == llm.engine.scheduler.config.num_blocks

@@ -28,7 +28,7 @@ from services.executor.layers.attention_metadata import AttentionMetadata
 from services.executor.loading.loader import load_model
 from services.executor.runner.kv_cache import KVCacheLayout
 from services.executor.runner.step_buffers import StepView
-from services.executor.runner.step_proposer import StepProposer
+from services.executor.runner.step_proposer import StagedRows, StepProposer
 from shared.config import Config
 from shared.model_config import ModelConfig, load_model_config, resolve_model_source
 from shared.speculative import SpeculativeConfig
@@ -78,21 +78,16 @@ class DraftProposer(StepProposer):
         )
 
     def _stage_tokens(
-        self,
-        view: StepView,
-        sampled: torch.Tensor | None,
-        num_tokens: int,
-        first_sample: torch.Tensor,
-        accepted: torch.Tensor | None,
-        chunk_ends: torch.Tensor,
-        chunk_next: torch.Tensor,
+        self, view: StepView, sampled: torch.Tensor | None, num_tokens: int, staged: StagedRows
     ) -> None:
         """Each row's sample at its drafting position (none without samples on the device:
         then no row drafts)."""
         if sampled is None or not sampled.shape[0]:
             self.draft_at.fill_(-1)
             return
-        at = first_sample if accepted is None else first_sample + accepted
+        at = staged.first_sample
+        if staged.accepted is not None:
+            at = at + staged.accepted
         rows = at.shape[0]
         self.first_ids[:rows] = sampled[at.clamp(max=sampled.shape[0] - 1)]
 

@@ -28,7 +28,7 @@ from services.executor.loading.loader import load_eagle3_head
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.runner.kv_cache import KVCacheLayout
 from services.executor.runner.step_buffers import StepView
-from services.executor.runner.step_proposer import StepProposer
+from services.executor.runner.step_proposer import StagedRows, StepProposer
 from shared.config import Config
 from shared.model_config import resolve_model_source
 from shared.speculative import SpeculativeConfig
@@ -68,14 +68,7 @@ class EagleProposer(StepProposer):
         self.streams = torch.zeros(self.num_drafts, rows, hidden, dtype=dtype, device=device)
 
     def _stage_tokens(
-        self,
-        view: StepView,
-        sampled: torch.Tensor | None,
-        num_tokens: int,
-        first_sample: torch.Tensor,
-        accepted: torch.Tensor | None,
-        chunk_ends: torch.Tensor,
-        chunk_next: torch.Tensor,
+        self, view: StepView, sampled: torch.Tensor | None, num_tokens: int, staged: StagedRows
     ) -> None:
         """The token after each position of the step: the row's next input token, the sample
         where the position sampled, or the known token after a prompt chunk."""
@@ -83,8 +76,8 @@ class EagleProposer(StepProposer):
         next_ids[: num_tokens - 1].copy_(view.input_ids[1:num_tokens])
         if sampled is not None:
             next_ids[view.sample_rows.long()] = sampled.to(next_ids.dtype)
-        if chunk_ends.numel():
-            next_ids[chunk_ends] = chunk_next.to(next_ids.dtype)
+        if staged.chunk_ends.numel():
+            next_ids[staged.chunk_ends] = staged.chunk_next.to(next_ids.dtype)
 
     def _catch_up_forward(self, view: StepView) -> torch.Tensor:
         """The head at each position of the step, then its drafts: at each row's drafting

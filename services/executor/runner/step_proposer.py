@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -85,6 +86,15 @@ class CatchUpInputs:
             inputs.verified.append(drafts if base >= 0 else [])
             inputs.num_blocks.append(len(state.block_ids))
         return inputs
+
+
+class StagedRows(NamedTuple):
+    """What `_stage` puts on the device for a subclass's inputs, by row of the step."""
+
+    first_sample: torch.Tensor  # [rows]: the row's first sample index
+    accepted: torch.Tensor | None  # [rows]: the drafts it accepted (None: no row verified)
+    chunk_ends: torch.Tensor  # the last position of each prompt chunk short of its end
+    chunk_next: torch.Tensor  # the token after it
 
 
 class StepProposer:
@@ -235,19 +245,11 @@ class StepProposer:
             accepted = equal.cumprod(dim=1).sum(dim=1)
             self.draft_at[:rows] = torch.where(base[:rows] >= 0, base[:rows] + accepted, -1)
             self.draft_at[rows:num_rows] = -1
-        self._stage_tokens(
-            view, sampled, num_tokens, first_sample, accepted, chunk_ends, chunk_next
-        )
+        staged = StagedRows(first_sample, accepted, chunk_ends, chunk_next)
+        self._stage_tokens(view, sampled, num_tokens, staged)
 
     def _stage_tokens(
-        self,
-        view: StepView,
-        sampled: torch.Tensor | None,
-        num_tokens: int,
-        first_sample: torch.Tensor,  # [rows]: each row's first sample index
-        accepted: torch.Tensor | None,  # [rows]: each row's drafts accepted (None: none)
-        chunk_ends: torch.Tensor,
-        chunk_next: torch.Tensor,
+        self, view: StepView, sampled: torch.Tensor | None, num_tokens: int, staged: StagedRows
     ) -> None:
         """The tokens the subclass's passes read, into its fixed buffers."""
         raise NotImplementedError
