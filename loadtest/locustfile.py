@@ -58,6 +58,7 @@ COMMON_WORDS = (
     "why things help put years different away again off went old number great tell men say"
 )
 WORDS = COMMON_WORDS.split()
+STREAMS_ENDED = itertools.count()  # --num-requests: the streams this process has ended
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,14 @@ def add_options(parser: Any) -> None:
         type=positive_int,
         default=4,
         help="cancel: content chunks read before such a stream is closed.",
+    )
+    parser.add_argument(
+        "--num-requests",
+        type=int,
+        default=0,
+        help="Stop once this many streams have ended, as a benchmark of a number of prompts "
+        "does (in this locust process; 0: none, -t/--run-time decides). Streams in flight then "
+        "are cut off unreported.",
     )
 
 
@@ -460,6 +469,9 @@ class OpenAIUser(HttpUser):
             else:
                 response.failure(stream.problem)
         report_metrics(self.environment.events.request, stream)
+        limit = self.options.num_requests
+        if limit and next(STREAMS_ENDED) + 1 == limit:  # quit stops every user: not this one's
+            gevent.spawn(self.environment.runner.quit)  # greenlet, or it would stop mid-way
         return stream
 
 

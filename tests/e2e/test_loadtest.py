@@ -197,11 +197,14 @@ def fake_server() -> Iterator[FakeServer]:
 
 @pytest.mark.slow
 def test_each_fault_of_a_stream_is_a_failure(tmp_path: Path, fake_server: FakeServer) -> None:
+    """Two rounds of the fake server's answers (--num-requests, not a run time: on a loaded
+    machine a 3-second run once ended before the seventh answer)."""
     result = run_locust(
         fake_server.url,
         tmp_path / "out",
-        *("-u", "2", "-r", "2", "-t", "3s", "--tags", "random", "--ignore-eos"),
+        *("-u", "2", "-r", "2", "-t", "100s", "--tags", "random", "--ignore-eos"),
         *("--random-output-min", "4", "--random-output-max", "4"),
+        *("--num-requests", str(2 * len(ANSWERS))),
         api_key="sk-fake",
     )
     assert result.returncode == 1  # locust's exit code when a request failed
