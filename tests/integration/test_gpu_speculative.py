@@ -39,18 +39,27 @@ def test_bf16_speculative_greedy_agrees_with_plain(family: str, tmp_path: Path) 
     assert llm.engine.scheduler.spec_decode.mean_acceptance_length > 1.5
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_batch_invariant_greedy_speculation_is_token_exact(family: str, tmp_path: Path) -> None:
-    """--batch-invariant, one request at a time: a verifying row's tokens are computed as one-
-    token decodes would be, so greedy output with drafts is the plain run's, token for token."""
+def invariant_plain_run(
+    family: str, tmp_path: Path
+) -> tuple[dict, list[list[int]], SamplingParams, list[list[int]]]:
+    """A tiny model of `family` in tmp_path; the --batch-invariant settings of one request at a
+    time, the prompts, greedy params, and the greedy tokens without speculation."""
     build(family, tmp_path)
     settings = dict(device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=1)
     settings.update(kv_cache_memory_bytes=256 << 20, batch_invariant=True)
     prompts = make_prompts(SHAPE["vocab_size"])
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     plain = [r.token_ids for r in LLM(str(tmp_path), **settings).generate(prompts, params)]
+    return settings, prompts, params, plain
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_batch_invariant_greedy_speculation_is_token_exact(family: str, tmp_path: Path) -> None:
+    """--batch-invariant, one request at a time: a verifying row's tokens are computed as one-
+    token decodes would be, so greedy output with drafts is the plain run's, token for token."""
+    settings, prompts, params, plain = invariant_plain_run(family, tmp_path)
     llm = LLM(str(tmp_path), speculative_config=NGRAM, **settings)
     llm.runner.proposer = KnownDrafts(  # type: ignore[assignment]
         plain, NGRAM["num_speculative_tokens"], prompts
@@ -63,18 +72,13 @@ def test_batch_invariant_greedy_speculation_is_token_exact(family: str, tmp_path
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_a_draft_model_under_graphs_drafts_the_targets_tokens(family: str, tmp_path: Path) -> None:
-    """The model drafting for itself, its passes replaying CUDA graphs of their own: greedy
-    output is the plain run's, token for token (--batch-invariant, one request at a time), and
-    the drafts are the target's own tokens, so nearly all are accepted (inputs a graph failed
-    to read would make them random)."""
-    build(family, tmp_path)
-    settings = dict(device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=1)
-    settings.update(kv_cache_memory_bytes=256 << 20, batch_invariant=True)
-    prompts = make_prompts(SHAPE["vocab_size"])
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    plain = [r.token_ids for r in LLM(str(tmp_path), **settings).generate(prompts, params)]
+    """The model drafting for itself, its catch-up and passes replaying a CUDA graph for each
+    of the target's step shapes: greedy output is the plain run's, token for token
+    (--batch-invariant, one request at a time), and the drafts are the target's own tokens, so
+    nearly all are accepted (inputs a graph failed to read would make them random)."""
+    settings, prompts, params, plain = invariant_plain_run(family, tmp_path)
     spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 4}
     llm = LLM(str(tmp_path), speculative_config=spec, **settings)
-    assert llm.runner.proposer.graphs is not None  # type: ignore[union-attr]
+    assert llm.runner.proposer.catch_up_graphs is not None  # type: ignore[union-attr]
     assert [r.token_ids for r in llm.generate(prompts, params)] == plain
     assert llm.engine.scheduler.spec_decode.mean_acceptance_length > 2.5

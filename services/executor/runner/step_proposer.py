@@ -28,6 +28,7 @@ of the target's KV alone, is refused with these proposers.)
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -97,7 +98,7 @@ class StagedRows(NamedTuple):
     chunk_next: torch.Tensor  # the token after it
 
 
-class StepProposer:
+class StepProposer(abc.ABC):
     """A proposer's buffers, staging, draft passes' inputs, graphs and hand-over of drafts;
     a subclass gives the work itself (`_catch_up_forward`)."""
 
@@ -147,10 +148,10 @@ class StepProposer:
         """The proposer's KV cache, on the target's block ids."""
         self.kv_caches = self.layout.allocate(num_blocks, self.device)
 
-    def finished(self, request_id: str, output_token_ids: list[int]) -> None:
+    def finished(self, request_id: str, output_token_ids: list[int]) -> None:  # noqa: B027
         """Nothing is kept per request: the proposer's KV follows the target's steps."""
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027 (as finished: nothing to forget)
         """As `finished`."""
 
     @torch.inference_mode()
@@ -248,15 +249,15 @@ class StepProposer:
         staged = StagedRows(first_sample, accepted, chunk_ends, chunk_next)
         self._stage_tokens(view, sampled, num_tokens, staged)
 
+    @abc.abstractmethod
     def _stage_tokens(
         self, view: StepView, sampled: torch.Tensor | None, num_tokens: int, staged: StagedRows
     ) -> None:
         """The tokens the subclass's passes read, into its fixed buffers."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _catch_up_forward(self, view: StepView) -> torch.Tensor:
         """The proposer at each position of the step, then its drafts into `ids`."""
-        raise NotImplementedError
 
     def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
         """The lists on the device, in one copy from pinned memory."""
