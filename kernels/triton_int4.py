@@ -22,7 +22,8 @@ picked by `default_tiles`):
   (kernels/triton_int4_dequant.py).
 
 Past DEQUANTIZE_ABOVE_ROWS rows the weight is dequantized to the activation's dtype by a
-fourth kernel (kernels/triton_int4_dequant.py), then multiplied by cuBLAS.
+fourth kernel (kernels/triton_int4_dequant.py), then multiplied by cuBLAS; on Hopper, with
+kernels.gluon_int4.ENABLED, up to its MAX_ROWS a Gluon kernel on the warpgroup MMA instead.
 
 Scales and zero points: in the dot and rows kernels one per step or packed word (a word's 8
 columns share a group). The dot kernel takes the zero point off each weight, exactly, and the
@@ -39,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import gluon_int4
 from kernels import triton_split_k as split_k
 from kernels.int4 import CHUNK, PACK, Int4Tiles
 from kernels.triton_int4_dequant import dequantized_linear, launch_dequant_dot, operands
@@ -440,6 +442,8 @@ def int4_linear(
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx, bias)
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     if tiles is None and m > DEQUANTIZE_ABOVE_ROWS:
+        if wgmma_takes(x, qweight, group_size, g_idx):
+            return gluon_int4.gluon_int4_linear(x, qweight, scales, zeros, group_size, None, bias)
         return dequantized_linear(x, qweight, scales, zeros, group_size, g_idx, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -451,6 +455,17 @@ def int4_linear(
     launch = {"rows": _launch_rows, "dot": _launch_dot, "dequant_dot": launch_dequant_dot}
     launch[tiles.kind](x, qweight, scales, zeros, group_size, g_idx, bias, out, tiles)
     return out
+
+
+def wgmma_takes(
+    x: torch.Tensor, qweight: torch.Tensor, group_size: int, g_idx: torch.Tensor | None
+) -> bool:
+    """Whether rows past DEQUANTIZE_ABOVE_ROWS go to the Gluon kernel (kernels/gluon_int4.py)."""
+    return (
+        gluon_int4.ENABLED
+        and x.shape[0] <= gluon_int4.MAX_ROWS
+        and gluon_int4.applies(x, qweight, group_size, g_idx)
+    )
 
 
 def _launch_rows(

@@ -5,8 +5,10 @@ every config of CANDIDATES (groups of 128, asymmetric, as AWQ writes them), bf16
 `kernels.ops.linear` (what the engine runs), and reports microseconds per call and the GB/s of
 packed weights, scales and zero points read (timing and checks: sweeps/quantized_sweep.py).
 Past 64 rows it times what the engine runs there (dequantize, then cuBLAS, by slices of the
-weight's rows) and, unless --default-only, the same by slices of SLICE_MB (0: the whole weight)
-and the dot kernel with LARGE_M_CANDIDATES' tiles.
+weight's rows), the Gluon kernel on Hopper's warpgroup MMA with its default tiles
+(kernels/gluon_int4.py) and, unless --default-only, the dequantize pass by slices of SLICE_MB
+(0: the whole weight), the dot kernel with LARGE_M_CANDIDATES' tiles and the Gluon kernel with
+GLUON_CANDIDATES'.
 `triton_int4.default_tiles` holds the picks. A peer on the same weights: PyTorch's own int4
 GEMM (`torch._weight_int4pack_mm`, gpt-fast's and torchao's "tinygemm"), as a measure of what
 a CUDA kernel reaches at these shapes. `--default-only` times the engine's tiles alone.
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 import triton
 
-from kernels import triton_int4_dequant
+from kernels import gluon_int4, triton_int4_dequant
 from kernels.int4 import (
     Int4Tiles,
     int4_linear_reference,
@@ -63,6 +65,40 @@ LARGE_M_CANDIDATES = [Int4Tiles("dot", *c, split_k=split) for c in [
     (128, 64, 128, 4, 3), (64, 128, 128, 4, 3),
 ] for split in (1, 2, 4)]  # fmt: skip
 
+# The Gluon kernel past 64 rows: (block_m, num_warps, stages, split_k), block_n 16 a warp; an
+# x tile at most M rounded up to a power of two, and at least a quarter of it (to 256).
+GLUON_CANDIDATES = [
+    (bm, warps, stages, split)
+    for bm in (64, 128, 256) for warps in (4, 8) for stages in (3, 4) for split in (1, 2, 4, 8)
+]  # fmt: skip
+
+
+def gluon_configs(m: int, n: int, k: int, default_only: bool) -> list[tuple[str, Any, Any]]:
+    """The Gluon kernel's configs at M rows of an [N, K] layer: its defaults, and unless
+    default_only GLUON_CANDIDATES' that fit M and K's steps; none off Hopper."""
+    x = torch.empty(0, k, device=DEVICE, dtype=torch.bfloat16)
+    qweight = torch.empty(n, k // 8, device=DEVICE, dtype=torch.int32)
+    if not gluon_int4.applies(x, qweight, GROUP, None):
+        print(f"  M={m}: no Gluon kernel here (kernels/gluon_int4.py: Hopper, Gluon)")
+        return []
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    tiles = [gluon_int4.default_tiles(m, n, k, sms)]
+    if not default_only:
+        top = max(64, triton.next_power_of_2(min(m, 256)))
+        tiles += [
+            gluon_int4.WgmmaTiles(bm, 16 * warps, warps, stages, split)
+            for bm, warps, stages, split in GLUON_CANDIDATES
+            if top // 4 <= bm <= top and (k // gluon_int4.BLOCK_K) % split == 0
+        ]
+    names = ["gluon default"] + [gluon_label(t) for t in tiles[1:]]
+    return [
+        (name, functools.partial(_gluon, tiles=t), t) for name, t in zip(names, tiles, strict=True)
+    ]
+
+
+def gluon_label(t: gluon_int4.WgmmaTiles) -> str:
+    return f"gluon m{t.block_m} n{t.block_n} w{t.num_warps} s{t.stages} split{t.split_k}"
+
 
 def tiles_for(tiles: Int4Tiles, m: int) -> Int4Tiles | None:
     """The candidate at M rows, or None where it does not apply."""
@@ -100,8 +136,9 @@ def sweep_shape(
     for m in ms:
         x = torch.randn(m, shape.k, device=DEVICE).to(torch.bfloat16)
         rows.append(quantized_sweep.bf16_row(shape, m, x, copies))
-        if m > 64:  # the engine's (int4_linear's own choice), and the dot kernel's
+        if m > 64:  # the engine's (int4_linear's own choice), the dot and Gluon kernels'
             configs = [("engine", functools.partial(_int4, tiles=None), None)]
+            configs += gluon_configs(m, shape.n, shape.k, default_only)
             if not default_only:
                 configs += [
                     (f"dequantize by {mb} MB slices", functools.partial(_sliced, mb=mb), None)
@@ -147,6 +184,13 @@ def _sliced(x: torch.Tensor, layer: tuple[torch.Tensor, ...], mb: int) -> torch.
         return _int4(x, layer, tiles=None)
     finally:
         triton_int4_dequant.DEQUANTIZE_SLICE_BYTES = engine_bytes
+
+
+def _gluon(
+    x: torch.Tensor, layer: tuple[torch.Tensor, ...], tiles: gluon_int4.WgmmaTiles
+) -> torch.Tensor:
+    qweight, scales, zeros = layer
+    return gluon_int4.gluon_int4_linear(x, qweight, scales, zeros, GROUP, tiles=tiles)
 
 
 def _int4(

@@ -31,9 +31,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile, make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
+from kernels import gluon_int4
 from kernels.fp8 import FP8
 from kernels.int4 import Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
@@ -70,6 +72,10 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
     # An FP8 cache is read as words, converted by inline PTX, from Hopper on, as on such a GPU.
     reads_words = triton_decode_attention.reads_e4m3_words_on
     triton_decode_attention.reads_e4m3_words_on = lambda tensor: capability >= 90
+    # The Gluon int4 kernel runs on Hopper alone (kernels/gluon_int4.py): an H100's 132 SMs.
+    gluon_runs_on, gluon_sm_count = gluon_int4.runs_on, gluon_int4._sm_count
+    gluon_int4.runs_on = lambda tensor: capability == 90 and gluon_int4.available()
+    gluon_int4._sm_count = lambda index: 132
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
         if "INTERPRETED" in kw:  # the launchers' CPU-tensor path: compile the GPU one
@@ -88,6 +94,7 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
         for name, module in pdl.items():
             module.launches_early = saved[name]
         triton_decode_attention.reads_e4m3_words_on = reads_words
+        gluon_int4.runs_on, gluon_int4._sm_count = gluon_runs_on, gluon_sm_count
 
 
 @functools.cache
@@ -101,7 +108,8 @@ def _compiled_shared(kernel: JITFunction, label: str, capability: int, call: _Ca
     options, signature, constexprs, attrs = kernel._pack_args(
         backend, kwargs, bound, specialization, options
     )
-    source = ASTSource(kernel, signature, constexprs, attrs)
+    gluon = getattr(kernel, "is_gluon", lambda: False)()
+    source = (GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs, attrs)
     return int(compile(source, target=target, options=options.__dict__).metadata.shared)
 
 
@@ -163,6 +171,24 @@ def _int4_launches() -> None:
                     scales = torch.empty(n, k // 128, dtype=dtype)
                     zeros = torch.empty(n, k // 128, dtype=torch.uint8)
                     int4_linear(torch.empty(m, k, dtype=dtype), qweight, scales, zeros, 128)
+
+
+def _gluon_int4_launches() -> None:
+    """The Gluon int4 kernel (warpgroup MMA) at the rows it takes, 8B shapes, with its default
+    tiles and the sweep's extremes: the largest x tile and stages, and one warpgroup."""
+    for m, (name, (n, k)) in itertools.product((96, 256, 512), LLAMA_SHAPES.items()):
+        if name == "lm_head":
+            continue
+        x = torch.empty(m, k, dtype=torch.bfloat16)
+        qweight = torch.empty(n, k // 8, dtype=torch.int32)
+        scales = torch.empty(n, k // 128, dtype=torch.bfloat16)
+        zeros = torch.empty(n, k // 128, dtype=torch.uint8)
+        gluon_int4.gluon_int4_linear(x, qweight, scales, zeros, 128)
+    x = torch.empty(256, 4096, dtype=torch.float16)
+    qweight, scales = torch.empty(4096, 512, dtype=torch.int32), torch.empty(4096, 32)
+    for tiles in (gluon_int4.WgmmaTiles(256, 128, 8, 4, 2), gluon_int4.WgmmaTiles(64, 64, 4, 4, 1)):
+        bias = torch.empty(4096, dtype=torch.float16)
+        gluon_int4.gluon_int4_linear(x, qweight, scales.half(), None, 128, None, bias, tiles=tiles)
 
 
 def _attention_launches(kv_dtype: torch.dtype) -> None:
@@ -229,6 +255,7 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "skinny bf16, 17-64 rows (Hopper)": (lambda: _skinny_launches([32, 64], fp8=False), (90,)),
     "fp8 gemv": (lambda: _skinny_launches([1, 16, 32, 64], fp8=True), (89, 90)),
     "int4 dot": (_int4_launches, (80, 86, 89, 90)),
+    "int4 wgmma (Gluon)": (_gluon_int4_launches, (90,)),
     "attention bf16 cache": (lambda: _attention_launches(torch.bfloat16), (80, 86, 89, 90)),
     "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),
     "moe bf16": (lambda: _moe_launches(fp8=False), (86, 90)),  # the least shared memory, H100

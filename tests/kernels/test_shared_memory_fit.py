@@ -102,8 +102,10 @@ EXPECTED = {
     86: (BEFORE_HOPPER[0] | {"moe bf16"} | INT4_MOE[0], BEFORE_HOPPER[1] | MOE | INT4_MOE[1]),
     89: (FP8[0] | {"skinny bf16, 1-16 rows", "moe fp8"}, FP8[1] | MOE),  # L40S
     90: (
-        FP8[0] | {"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8"} | INT4_MOE[0],
-        FP8[1] | MOE | INT4_MOE[1],
+        FP8[0]
+        | {"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8", "int4 wgmma (Gluon)"}
+        | INT4_MOE[0],
+        FP8[1] | MOE | INT4_MOE[1] | {"_int4_wgmma_kernel"},
     ),
 }
 

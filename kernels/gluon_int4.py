@@ -1,0 +1,373 @@
+"""int4 weight-only linear layers of 65-512 rows on Hopper's warpgroup MMA, in Gluon.
+
+Past kernels.triton_int4.DEQUANTIZE_ABOVE_ROWS rows the Triton path writes the whole weight out
+in bf16 and cuBLAS reads it back: at 256 rows Qwen3-8B's layer takes 1.8x its bf16 time, where
+the int4 weight is a quarter of the bytes. Triton's tl.dot could not take a weight made in
+registers at that speed (a try was 1.3-3x slower than the pass, docs/benchmarks.md). This kernel
+reads the packed weight once and feeds the tensor cores from it, as Marlin and Machete do:
+
+    out^T [N, M] = W [N, K] x^T [K, M]     (the weight is the MMA's first operand, 64 rows a
+                                            warpgroup; the rows of x its second, up to 256)
+
+A program owns BLOCK_N weight rows and BLOCK_M rows of x and walks its share of K in steps of
+BLOCK_K columns. TMA copies each step's x tile and packed words into a ring of STAGES shared
+buffers, STAGES - 1 steps ahead. Each step the warps dequantize the words in registers (a
+thread holds whole chunks of 4 words: the chunk interleave of kernels/int4.py is undone by
+renaming registers, joins and permutes, not by moving data), store the tile into one of two
+shared A buffers, and issue an asynchronous warpgroup MMA; it runs while the next step's words
+are dequantized. The weight is rounded to x's dtype as the reference rounds it ((q - z) * s in
+float32), the MMA sums in float32.
+
+Narrow layers (qkv, o, down) have too few output tiles to fill the GPU: SPLIT_K programs share
+a tile's K steps, and the last to finish adds their partial sums (kernels/triton_split_k.py's
+protocol, in split order).
+
+Selected only where it runs: CUDA compute capability 9.x, a Triton with Gluon's Hopper
+modules, a bf16 or fp16 x, K and the group size multiples of BLOCK_K, no act-order. Elsewhere
+the Triton path is the fallback (`kernels.triton_int4.int4_linear`), and that is what the CPU
+tests cover; this kernel is tested against `kernels.int4.int4_linear_reference` on the GPU
+(tests/kernels/test_gluon_int4.py) and compiled for sm_90 without one
+(tests/kernels/target_compile.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from kernels import triton_split_k as split_k
+from kernels.int4 import PACK
+
+try:  # Gluon's Hopper modules: Triton 3.5 on
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import constexpr_function
+
+    # TMA's copy into shared memory: async_copy_global_to_shared up to Triton 3.6 (the GPU
+    # machine's), async_load from 3.7 on.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # A barrier of the program's threads: thread_barrier up to 3.6, barrier from 3.7 on.
+    _threads_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+except ImportError:  # pragma: no cover - an older Triton: the Triton path runs instead
+    gluon = None
+
+# Whether the engine's int4 layers use this kernel between the Triton paths' bounds. Off
+# until the GPU tests and a whole-step A/B (scripts/device_ab.sh) have run it.
+ENABLED = False
+# Rows it takes with ENABLED: from kernels.triton_int4.DEQUANTIZE_ABOVE_ROWS + 1 (below, the
+# Triton dot kernel reads the weight once) to this; past it, prefill chunks: the dequantize pass
+# is a small share of a compute-bound product, and the launches are eager (a TMA descriptor
+# each costs the host).
+MAX_ROWS = 512
+BLOCK_K = 64  # a step: 128 bytes of bf16 a row, the widest swizzle; 8 words of a weight row
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaTiles:
+    block_m: int  # rows of x a program: 64, 128 or 256 (the MMA's N)
+    block_n: int  # weight rows a program: 16 a warp
+    num_warps: int  # 4 or 8: one or two warpgroups along the weight's rows
+    stages: int  # the shared ring's steps
+    split_k: int  # programs along K per output tile
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (64, 128, 256) or self.block_n != 16 * self.num_warps:
+            raise ValueError(f"{self}: block_m 64/128/256 and block_n 16 a warp")
+        if self.num_warps not in (4, 8) or self.stages < 2 or self.split_k < 1:
+            raise ValueError(f"{self}: 4 or 8 warps, at least 2 stages and 1 split")
+
+
+def available() -> bool:
+    return gluon is not None
+
+
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether x's device runs this kernel: CUDA, compute capability 9.x, Gluon here."""
+    return available() and x.is_cuda and _hopper(x.device.index or 0)
+
+
+def applies(
+    x: torch.Tensor, qweight: torch.Tensor, group_size: int, g_idx: torch.Tensor | None
+) -> bool:
+    """Whether this kernel takes the call (the module's docstring: where it runs); TMA reads
+    the packed weight, so its rows start on 16 bytes."""
+    k = x.shape[-1]
+    return (
+        runs_on(x)
+        and x.dtype in DTYPES
+        and g_idx is None
+        and k % BLOCK_K == 0
+        and group_size % BLOCK_K == 0
+        and qweight.data_ptr() % 16 == 0
+        and qweight.stride(1) == 1
+        and (qweight.stride(0) * qweight.element_size()) % 16 == 0
+    )
+
+
+def default_tiles(m: int, n: int, k: int, sm_count: int) -> WgmmaTiles:
+    """Two warpgroups over 128 weight rows, x's rows in one MMA up to 256; K split in two
+    while the programs stay within two an SM (at most 8 ways, each split a whole number of
+    steps). Not yet swept on a GPU."""
+    block_m = 64 if m <= 64 else 128 if m <= 128 else 256
+    block_n, num_warps = 128, 8
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    steps = k // BLOCK_K
+    split = 1
+    while split < 8 and tiles * split * 2 <= 2 * sm_count and steps % (split * 2) == 0:
+        split *= 2
+    return WgmmaTiles(block_m, block_n, num_warps, stages=4 if block_m < 256 else 3,
+                      split_k=split)  # fmt: skip
+
+
+def gluon_int4_linear(
+    x: torch.Tensor,  # [M, K] bf16 or fp16
+    qweight: torch.Tensor,  # [N, K/8] int32, kernels/int4.py's layout
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor | None,  # [N, G] uint8; None: 8
+    group_size: int,
+    g_idx: torch.Tensor | None = None,  # must be None (act-order: the Triton path)
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    tiles: WgmmaTiles | None = None,  # None: default_tiles
+) -> torch.Tensor:  # [M, N], x.dtype
+    """`kernels.int4.int4_linear_reference` on Hopper's warpgroup MMA (the module's
+    docstring). The caller checks `applies`; the inputs as kernels.triton_int4 checks them."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    if not applies(x, qweight, group_size, g_idx):
+        raise ValueError("gluon_int4_linear: not on this device or these inputs (`applies`)")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+        x = x.contiguous()  # TMA: 16-byte aligned rows
+    tiles = tiles or default_tiles(m, n, k, _sm_count(x.device.index or 0))
+    if (k // BLOCK_K) % tiles.split_k:
+        raise ValueError(f"{tiles}: split_k must divide K's {k // BLOCK_K} steps")
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    x_block, w_block = [tiles.block_m, BLOCK_K], [tiles.block_n, BLOCK_K // PACK]
+    x_desc = TensorDescriptor.from_tensor(
+        x, x_block, gl.NVMMASharedLayout.get_default_for(x_block, dtype)
+    )
+    w_desc = TensorDescriptor.from_tensor(
+        qweight, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.int32)
+    )
+    a_layout = gl.NVMMASharedLayout.get_default_for([tiles.block_n, BLOCK_K], dtype)
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
+    partials, tickets = split_k.workspace(grid, m, n, out, tiles)
+    _int4_wgmma_kernel[grid](
+        x_desc, w_desc, scales,
+        zeros if zeros is not None else scales,
+        bias if bias is not None else scales,
+        out, partials, tickets, m, n, k,
+        scales.stride(0), zeros.stride(0) if zeros is not None else 0, out.stride(0),
+        GROUP_SIZE=group_size,
+        HAS_ZEROS=zeros is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=tiles.split_k,
+        STAGES=tiles.stages,
+        A_LAYOUT=a_layout,
+        num_warps=tiles.num_warps,
+    )  # fmt: skip
+    return out
+
+
+if gluon is not None:
+
+    @constexpr_function
+    def _word_layout(words: int, num_warps: int) -> gl.BlockedLayout:
+        """[BLOCK_N, WORDS] packed words: a thread holds whole chunks (4 words) of one row."""
+        across = words // 4
+        return gl.BlockedLayout([1, 4], [32 // across, across], [num_warps, 1], [1, 0])
+
+    @constexpr_function
+    def _out_layout(block_n: int, num_warps: int) -> gl.BlockedLayout:
+        """[BLOCK_N, BLOCK_M] output tile, the weight rows (out's contiguous dimension) 8 a
+        thread: 16-byte stores along each row of out."""
+        along = min(32, block_n // 8)
+        return gl.BlockedLayout([8, 1], [along, 32 // along], [1, num_warps], [0, 1])
+
+    @constexpr_function
+    def _mma_layout(block_m: int, num_warps: int) -> gl.NVMMADistributedLayout:
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16]
+        )
+
+    @gluon.jit
+    def _nibble(words, i: gl.constexpr, scale, zero, dtype: gl.constexpr):
+        """Nibble i of every word, dequantized and rounded to dtype: (q - z) * s."""
+        q = ((words >> (4 * i)) & 0xF).to(gl.float32)
+        return ((q - zero) * scale).to(dtype)
+
+    @gluon.jit
+    def _dequantize(words, scale, zero, dtype: gl.constexpr):
+        """[BN, W] words -> [BN, 8 W] weights in column order. In a chunk of 4 words, nibble
+        2p + h of word c holds column 8p + 2c + h (kernels/int4.py); each thread holds whole
+        chunks, so the joins and the permute only rename its registers."""
+        BN: gl.constexpr = words.shape[0]
+        W: gl.constexpr = words.shape[1]
+        pairs_lo = gl.join(
+            gl.join(_nibble(words, 0, scale, zero, dtype), _nibble(words, 1, scale, zero, dtype)),
+            gl.join(_nibble(words, 2, scale, zero, dtype), _nibble(words, 3, scale, zero, dtype)),
+        )  # [BN, W, h, p_lo] for p 0, 1
+        pairs_hi = gl.join(
+            gl.join(_nibble(words, 4, scale, zero, dtype), _nibble(words, 5, scale, zero, dtype)),
+            gl.join(_nibble(words, 6, scale, zero, dtype), _nibble(words, 7, scale, zero, dtype)),
+        )  # p 2, 3
+        w = gl.join(pairs_lo, pairs_hi)  # [BN, W, h, p_lo, p_hi]
+        w = gl.reshape(w, [BN, W // 4, 4, 2, 2, 2])  # [BN, chunk, c, h, p_lo, p_hi]
+        w = gl.permute(w, [0, 1, 5, 4, 2, 3])  # [BN, chunk, p_hi, p_lo, c, h]
+        return gl.reshape(w, [BN, W * 8])
+
+    @gluon.jit
+    def _load_step(x_desc, w_desc, bar, x_buf, w_buf, off_m, off_n, k0, pred):
+        """TMA: one step's x tile and packed words into a stage of the ring."""
+        nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+        mbarrier.expect(bar, nbytes, pred=pred)
+        _tma_load(x_desc, [off_m, k0], bar, x_buf, pred=pred)
+        _tma_load(w_desc, [off_n, k0 // 8], bar, w_buf, pred=pred)
+
+    @gluon.jit
+    def _group_params(scales_ptr, zeros_ptr, cols, col_ok, group, stride_scales_row,
+                      stride_zeros_row, HAS_ZEROS: gl.constexpr):  # fmt: skip
+        """The step's group's scale and zero point of each weight row, [BN, 1] float32."""
+        scale = gl.load(scales_ptr + cols * stride_scales_row + group, mask=col_ok, other=0.0)
+        if HAS_ZEROS:
+            zero = gl.load(zeros_ptr + cols * stride_zeros_row + group, mask=col_ok, other=0)
+            zero = zero.to(gl.float32)
+        else:
+            zero = gl.full(cols.shape, 8.0, gl.float32, cols.type.layout)
+        return scale.to(gl.float32)[:, None], zero[:, None]
+
+    @gluon.jit
+    def _int4_wgmma_kernel(
+        x_desc,  # TMA over x [M, K], blocks [BLOCK_M, BLOCK_K]
+        w_desc,  # TMA over qweight [N, K/8] int32, blocks [BLOCK_N, BLOCK_K / 8]
+        scales_ptr,  # [N, G]
+        zeros_ptr,  # [N, G] uint8 with HAS_ZEROS
+        bias_ptr,  # [N] with HAS_BIAS
+        out_ptr,  # [M, N]
+        partials_ptr,  # [SPLIT_K, M, N] float32 with SPLIT_K > 1
+        tickets_ptr,  # [tiles] int32, zero between calls, with SPLIT_K > 1
+        m,
+        n,
+        k,
+        stride_scales_row,
+        stride_zeros_row,
+        stride_out_row,
+        GROUP_SIZE: gl.constexpr,
+        HAS_ZEROS: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        SPLIT_K: gl.constexpr,
+        STAGES: gl.constexpr,
+        A_LAYOUT: gl.constexpr,  # the dequantized tile's shared layout
+        num_warps: gl.constexpr,
+    ):
+        """out[rows, cols]^T = sum over this split's steps of W_step x_step^T (the module's
+        docstring)."""
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K_: gl.constexpr = x_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        WORDS: gl.constexpr = w_desc.block_type.shape[1]
+        dtype: gl.constexpr = x_desc.dtype
+        word_layout: gl.constexpr = _word_layout(WORDS, num_warps)
+        mma_layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+
+        off_m = gl.program_id(0) * BLOCK_M
+        off_n = gl.program_id(1) * BLOCK_N
+        steps = k // BLOCK_K_ // SPLIT_K  # the launcher checks SPLIT_K divides K's steps
+        k_first = gl.program_id(2) * steps * BLOCK_K_
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, word_layout))
+        col_ok = cols < n
+
+        x_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K_], x_desc.layout)
+        w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], w_desc.layout)
+        a_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K_], A_LAYOUT)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        for s in gl.static_range(STAGES - 1):
+            _load_step(x_desc, w_desc, ready.index(s), x_ring.index(s), w_ring.index(s),
+                       off_m, off_n, k_first + s * BLOCK_K_, s < steps)  # fmt: skip
+
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+        for i in range(steps):
+            stage = i % STAGES
+            k0 = k_first + i * BLOCK_K_
+            scale, zero = _group_params(scales_ptr, zeros_ptr, cols, col_ok, k0 // GROUP_SIZE,
+                                        stride_scales_row, stride_zeros_row, HAS_ZEROS)  # fmt: skip
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            words = w_ring.index(stage).load(word_layout)
+            a_buf = a_bufs.index(i % 2)
+            a_buf.store(_dequantize(words, scale, zero, dtype))
+            fence_async_shared()
+            x_t = x_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
+            acc = warpgroup_mma(a_buf, x_t, acc, is_async=True)
+            # Step i - 1's MMA is done: its A buffer and its stage are free.
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            ahead = i + STAGES - 1
+            free = ahead % STAGES
+            _load_step(x_desc, w_desc, ready.index(free), x_ring.index(free), w_ring.index(free),
+                       off_m, off_n, k_first + ahead * BLOCK_K_, ahead < steps)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(s))
+        _write_tile(acc, bias_ptr, out_ptr, partials_ptr, tickets_ptr, off_m, off_n, m, n,
+                    stride_out_row, HAS_BIAS, SPLIT_K, num_warps)  # fmt: skip
+
+    @gluon.jit
+    def _write_tile(acc, bias_ptr, out_ptr, partials_ptr, tickets_ptr, off_m, off_n, m, n,
+                    stride_out_row, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+                    num_warps: gl.constexpr):  # fmt: skip
+        """The tile into out (with SPLIT_K > 1: this split's partial sum, and the whole sum by
+        the last split of the tile to finish)."""
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        BLOCK_M: gl.constexpr = acc.shape[1]
+        layout: gl.constexpr = _out_layout(BLOCK_N, num_warps)
+        acc = gl.convert_layout(acc, layout)
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+        mask = (cols < n)[:, None] & (rows < m)[None, :]
+        write = True
+        if SPLIT_K > 1:
+            split = gl.program_id(2)
+            gl.store(partials_ptr + (split * m + rows[None, :]) * n + cols[:, None], acc,
+                     mask=mask)  # fmt: skip
+            ticket_ptr = tickets_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+            _threads_barrier()  # every thread's partial stored before the ticket is taken
+            write = gl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            _threads_barrier()
+            if write:
+                acc = gl.zeros_like(acc)
+                for other in gl.static_range(SPLIT_K):  # in split order: the same sum each time
+                    part_ptrs = partials_ptr + (other * m + rows[None, :]) * n + cols[:, None]
+                    acc += gl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(ticket_ptr, 0)
+        if write:
+            if HAS_BIAS:
+                bias = gl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(gl.float32)
+                acc += bias[:, None]
+            out_ptrs = out_ptr + rows[None, :] * stride_out_row + cols[:, None]
+            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
