@@ -40,6 +40,7 @@ import triton
 
 from kernels import triton_split_k as split_k
 from kernels.int4 import PACK
+from kernels.int4_pairs import BF16_PAIRS_ASM, FP16_PAIRS_ASM
 
 try:  # Gluon's Hopper modules: Triton 3.5 on
     from triton.experimental import gluon
@@ -109,14 +110,20 @@ def runs_on(x: torch.Tensor) -> bool:
 
 
 def applies(
-    x: torch.Tensor, qweight: torch.Tensor, group_size: int, g_idx: torch.Tensor | None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None,
 ) -> bool:
-    """Whether this kernel takes the call (the module's docstring: where it runs); TMA reads
-    the packed weight, so its rows start on 16 bytes."""
+    """Whether this kernel takes the call (the module's docstring: where it runs). The scales
+    in x's dtype (the weights rounded as the reference rounds them); TMA reads the packed
+    weight, so its rows start on 16 bytes."""
     k = x.shape[-1]
     return (
         runs_on(x)
         and x.dtype in DTYPES
+        and scales.dtype == x.dtype
         and g_idx is None
         and k % BLOCK_K == 0
         and group_size % BLOCK_K == 0
@@ -156,7 +163,7 @@ def gluon_int4_linear(
     docstring). The caller checks `applies`; the inputs as kernels.triton_int4 checks them."""
     m, k = x.shape
     n = qweight.shape[0]
-    if not applies(x, qweight, group_size, g_idx):
+    if not applies(x, qweight, scales, group_size, g_idx):
         raise ValueError("gluon_int4_linear: not on this device or these inputs (`applies`)")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -203,40 +210,35 @@ if gluon is not None:
         return gl.BlockedLayout([1, 4], [32 // across, across], [num_warps, 1], [1, 0])
 
     @constexpr_function
-    def _out_layout(block_n: int, num_warps: int) -> gl.BlockedLayout:
-        """[BLOCK_N, BLOCK_M] output tile, the weight rows (out's contiguous dimension) 8 a
-        thread: 16-byte stores along each row of out."""
-        along = min(32, block_n // 8)
-        return gl.BlockedLayout([8, 1], [along, 32 // along], [1, num_warps], [0, 1])
-
-    @constexpr_function
     def _mma_layout(block_m: int, num_warps: int) -> gl.NVMMADistributedLayout:
         return gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16]
         )
 
     @gluon.jit
-    def _nibble(words, i: gl.constexpr, scale, zero, dtype: gl.constexpr):
-        """Nibble i of every word, dequantized and rounded to dtype: (q - z) * s."""
-        q = ((words >> (4 * i)) & 0xF).to(gl.float32)
-        return ((q - zero) * scale).to(dtype)
-
-    @gluon.jit
-    def _dequantize(words, scale, zero, dtype: gl.constexpr):
-        """[BN, W] words -> [BN, 8 W] weights in column order. In a chunk of 4 words, nibble
-        2p + h of word c holds column 8p + 2c + h (kernels/int4.py); each thread holds whole
-        chunks, so the joins and the permute only rename its registers."""
+    def _dequantize(words, scale, minus_offset, dtype: gl.constexpr):
+        """[BN, W] words -> [BN, 8 W] weights (q - z) * s in column order, rounded to dtype as
+        the reference rounds them. q - z of two nibbles cost a PRMT, a LOP3 and a packed FMA
+        (kernels/int4_pairs.py: exact), the scale a packed multiply (one rounding
+        of the exact product). scale, minus_offset (-(BASE + z)): [BN, W] in dtype. Pair p
+        holds nibbles 2p, 2p + 1 of each word; in a chunk of 4 words nibble 2p + h of word c
+        holds column 8p + 2c + h (kernels/int4.py), and each thread holds whole chunks, so the
+        joins and the permute only rename its registers."""
         BN: gl.constexpr = words.shape[0]
         W: gl.constexpr = words.shape[1]
-        pairs_lo = gl.join(
-            gl.join(_nibble(words, 0, scale, zero, dtype), _nibble(words, 1, scale, zero, dtype)),
-            gl.join(_nibble(words, 2, scale, zero, dtype), _nibble(words, 3, scale, zero, dtype)),
-        )  # [BN, W, h, p_lo] for p 0, 1
-        pairs_hi = gl.join(
-            gl.join(_nibble(words, 4, scale, zero, dtype), _nibble(words, 5, scale, zero, dtype)),
-            gl.join(_nibble(words, 6, scale, zero, dtype), _nibble(words, 7, scale, zero, dtype)),
-        )  # p 2, 3
-        w = gl.join(pairs_lo, pairs_hi)  # [BN, W, h, p_lo, p_hi]
+        asm: gl.constexpr = FP16_PAIRS_ASM if dtype == gl.float16 else BF16_PAIRS_ASM
+        p0, p1, p2, p3 = gl.inline_asm_elementwise(
+            asm,
+            "=r,=r,=r,=r,r,r,r",
+            [gl.join(words, words >> 4), gl.join(minus_offset, minus_offset)],
+            dtype=(dtype.value, dtype.value, dtype.value, dtype.value),  # constexpr: unwrapped
+            is_pure=True,
+            pack=2,
+        )  # each [BN, W, h]
+        scale = gl.join(scale, scale)
+        low = gl.join(p0 * scale, p1 * scale)  # [BN, W, h, p_lo] for p 0, 1
+        high = gl.join(p2 * scale, p3 * scale)  # p 2, 3
+        w = gl.join(low, high)  # [BN, W, h, p_lo, p_hi]
         w = gl.reshape(w, [BN, W // 4, 4, 2, 2, 2])  # [BN, chunk, c, h, p_lo, p_hi]
         w = gl.permute(w, [0, 1, 5, 4, 2, 3])  # [BN, chunk, p_hi, p_lo, c, h]
         return gl.reshape(w, [BN, W * 8])
@@ -251,15 +253,20 @@ if gluon is not None:
 
     @gluon.jit
     def _group_params(scales_ptr, zeros_ptr, cols, col_ok, group, stride_scales_row,
-                      stride_zeros_row, HAS_ZEROS: gl.constexpr):  # fmt: skip
-        """The step's group's scale and zero point of each weight row, [BN, 1] float32."""
+                      stride_zeros_row, words, HAS_ZEROS: gl.constexpr,
+                      dtype: gl.constexpr):  # fmt: skip
+        """The step's group's scale and -(BASE + z) of each weight row, broadcast like the
+        words [BN, W], in dtype (BASE: 1024 in fp16, 128 in bf16; z + BASE is exact)."""
         scale = gl.load(scales_ptr + cols * stride_scales_row + group, mask=col_ok, other=0.0)
         if HAS_ZEROS:
             zero = gl.load(zeros_ptr + cols * stride_zeros_row + group, mask=col_ok, other=0)
             zero = zero.to(gl.float32)
         else:
             zero = gl.full(cols.shape, 8.0, gl.float32, cols.type.layout)
-        return scale.to(gl.float32)[:, None], zero[:, None]
+        base: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
+        scale = gl.broadcast(scale.to(dtype)[:, None], words)[0]
+        minus_offset = gl.broadcast((-(zero + base)).to(dtype)[:, None], words)[0]
+        return scale, minus_offset
 
     @gluon.jit
     def _int4_wgmma_kernel(
@@ -316,12 +323,14 @@ if gluon is not None:
         for i in range(steps):
             stage = i % STAGES
             k0 = k_first + i * BLOCK_K_
-            scale, zero = _group_params(scales_ptr, zeros_ptr, cols, col_ok, k0 // GROUP_SIZE,
-                                        stride_scales_row, stride_zeros_row, HAS_ZEROS)  # fmt: skip
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             words = w_ring.index(stage).load(word_layout)
+            scale, minus_offset = _group_params(
+                scales_ptr, zeros_ptr, cols, col_ok, k0 // GROUP_SIZE, stride_scales_row,
+                stride_zeros_row, words, HAS_ZEROS, dtype,
+            )  # fmt: skip
             a_buf = a_bufs.index(i % 2)
-            a_buf.store(_dequantize(words, scale, zero, dtype))
+            a_buf.store(_dequantize(words, scale, minus_offset, dtype))
             fence_async_shared()
             x_t = x_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
             acc = warpgroup_mma(a_buf, x_t, acc, is_async=True)
@@ -341,33 +350,40 @@ if gluon is not None:
     def _write_tile(acc, bias_ptr, out_ptr, partials_ptr, tickets_ptr, off_m, off_n, m, n,
                     stride_out_row, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
                     num_warps: gl.constexpr):  # fmt: skip
-        """The tile into out (with SPLIT_K > 1: this split's partial sum, and the whole sum by
-        the last split of the tile to finish)."""
+        """The tile into out; with SPLIT_K > 1 this split's partial sum, and the whole sum by
+        the last split of the tile to finish. Stored from the MMA's own layout: a
+        convert_layout through shared memory here made ptxas serialize the loop's MMAs
+        (warning C7515, Triton 3.6, sm_90a)."""
         BLOCK_N: gl.constexpr = acc.shape[0]
         BLOCK_M: gl.constexpr = acc.shape[1]
-        layout: gl.constexpr = _out_layout(BLOCK_N, num_warps)
-        acc = gl.convert_layout(acc, layout)
+        layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+        tile = acc
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
         mask = (cols < n)[:, None] & (rows < m)[None, :]
-        write = True
-        if SPLIT_K > 1:
+        if SPLIT_K == 1:
+            _store_out(tile, bias_ptr, out_ptr, cols, rows, mask, n, stride_out_row, HAS_BIAS)
+        else:
             split = gl.program_id(2)
-            gl.store(partials_ptr + (split * m + rows[None, :]) * n + cols[:, None], acc,
+            gl.store(partials_ptr + (split * m + rows[None, :]) * n + cols[:, None], tile,
                      mask=mask)  # fmt: skip
             ticket_ptr = tickets_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
             _threads_barrier()  # every thread's partial stored before the ticket is taken
-            write = gl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            last = gl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
             _threads_barrier()
-            if write:
-                acc = gl.zeros_like(acc)
+            if last:
+                total = gl.zeros_like(tile)
                 for other in gl.static_range(SPLIT_K):  # in split order: the same sum each time
                     part_ptrs = partials_ptr + (other * m + rows[None, :]) * n + cols[:, None]
-                    acc += gl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += gl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                 gl.store(ticket_ptr, 0)
-        if write:
-            if HAS_BIAS:
-                bias = gl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(gl.float32)
-                acc += bias[:, None]
-            out_ptrs = out_ptr + rows[None, :] * stride_out_row + cols[:, None]
-            gl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+                _store_out(total, bias_ptr, out_ptr, cols, rows, mask, n, stride_out_row,
+                           HAS_BIAS)  # fmt: skip
+
+    @gluon.jit
+    def _store_out(tile, bias_ptr, out_ptr, cols, rows, mask, n, stride_out_row,
+                   HAS_BIAS: gl.constexpr):  # fmt: skip
+        if HAS_BIAS:
+            tile += gl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(gl.float32)[:, None]
+        out_ptrs = out_ptr + rows[None, :] * stride_out_row + cols[:, None]
+        gl.store(out_ptrs, tile.to(out_ptr.dtype.element_ty), mask=mask)

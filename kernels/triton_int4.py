@@ -9,7 +9,7 @@ picked by `default_tiles`):
   joined as neighbours along K take the chunk's columns 8p .. 8p + 7 (the layout's point), so
   x comes in runs of 8 columns, by asynchronous copies. A step is 128 columns inside one
   group; on the GPU each pair of nibbles becomes q - z in x's dtype by three instructions of
-  inline PTX (_NIBBLE_PAIRS_ASM), so the tensor cores take the exact integer and the scale
+  inline PTX (kernels/int4_pairs.py), so the tensor cores take the exact integer and the scale
   multiplies the step's float32 sum. The kernel launches with PDL (kernels.triton_pdl).
 - **rows** (up to 4 rows where "dot" does not apply: float32 x, groups of 32 or 64, K not
   a multiple of 128; no act-order): a program per row of x owns BLOCK_N weight rows and walks
@@ -43,6 +43,7 @@ import triton.language as tl
 from kernels import gluon_int4
 from kernels import triton_split_k as split_k
 from kernels.int4 import CHUNK, PACK, Int4Tiles
+from kernels.int4_pairs import BF16_PAIRS_ASM, FP16_PAIRS_ASM
 from kernels.triton_int4_dequant import dequantized_linear, launch_dequant_dot, operands
 from kernels.triton_pdl import (
     L2_LINE_BYTES,
@@ -215,42 +216,6 @@ def _int4_row_kernel(
     )
 
 
-# The dot kernel's weight operand, on the GPU, two elements an instance (pack=2): the inputs
-# $4, $5 are the elements' words, the first as is and the second shifted right by 4 (what
-# tl.join(packed, packed >> 4) puts side by side), $6 their -(BASE + z) as a 16-bit pair. For
-# p = 0..3 a PRMT puts byte p of $4 in the low half and byte p of $5 in the high half (nibbles
-# 2p and 2p + 1 of the word when the pair is one word's: each half depends on its own element
-# only, so any pairing gives each element nibble 2p of its input), a LOP3 keeps the low nibble
-# of each half and ORs in the bits of BASE (1024.0 in fp16, 128.0 in bf16: BASE + q is exact),
-# and a packed FMA by 1.0 adds $6: q - z, exact for z in 0..15. $0-$3: the four pairs.
-_NIBBLE_PAIRS_ASM = """
-{
-.reg .b32 one;
-mov.b32 one, ONE;
-prmt.b32 $0, $4, $5, 0x4400;
-prmt.b32 $1, $4, $5, 0x5511;
-prmt.b32 $2, $4, $5, 0x6622;
-prmt.b32 $3, $4, $5, 0x7733;
-lop3.b32 $0, $0, 0x000F000F, BASE, 0xEA;
-lop3.b32 $1, $1, 0x000F000F, BASE, 0xEA;
-lop3.b32 $2, $2, 0x000F000F, BASE, 0xEA;
-lop3.b32 $3, $3, 0x000F000F, BASE, 0xEA;
-fma.rn.TYPE $0, $0, one, $6;
-fma.rn.TYPE $1, $1, one, $6;
-fma.rn.TYPE $2, $2, one, $6;
-fma.rn.TYPE $3, $3, one, $6;
-}
-"""
-_BF16_PAIRS_ASM = tl.constexpr(
-    _NIBBLE_PAIRS_ASM.replace("ONE", "0x3F803F80").replace("BASE", "0x43004300")
-    .replace("TYPE", "bf16x2")
-)  # fmt: skip
-_FP16_PAIRS_ASM = tl.constexpr(
-    _NIBBLE_PAIRS_ASM.replace("ONE", "0x3C003C00").replace("BASE", "0x64006400")
-    .replace("TYPE", "f16x2")
-)  # fmt: skip
-
-
 @triton.jit
 def _q_minus_z(packed, i: tl.constexpr, zero):
     """q - z of nibble i of each word [BN, W], in float32 (the interpreter's path)."""
@@ -262,7 +227,7 @@ def q_minus_z_pairs(packed, zero, dtype: tl.constexpr, INTERPRETED: tl.constexpr
     """q - z of every nibble, in `dtype` (bf16 or fp16; exact for the zero points 0..15
     that the loaders keep), as four [BN, W, 2] tiles: tile p holds nibbles 2p and 2p + 1 of
     each word side by side. zero: [BN] float32. On the GPU two values cost a PRMT, a LOP3
-    and a packed FMA (_NIBBLE_PAIRS_ASM); the interpreter, which runs no assembly, gets there
+    and a packed FMA (kernels/int4_pairs.py); the interpreter, which runs no assembly, gets there
     nibble by nibble."""
     if INTERPRETED:
         return (
@@ -273,7 +238,7 @@ def q_minus_z_pairs(packed, zero, dtype: tl.constexpr, INTERPRETED: tl.constexpr
         )
     base = 1024.0 if dtype == tl.float16 else 128.0
     minus_offset = (-(zero + base)).to(dtype)[:, None]  # [BN, 1], 16-bit: packed in pairs
-    asm: tl.constexpr = _FP16_PAIRS_ASM if dtype == tl.float16 else _BF16_PAIRS_ASM
+    asm: tl.constexpr = FP16_PAIRS_ASM if dtype == tl.float16 else BF16_PAIRS_ASM
     return tl.inline_asm_elementwise(
         asm,
         "=r,=r,=r,=r,r,r,r",
@@ -442,7 +407,7 @@ def int4_linear(
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx, bias)
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     if tiles is None and m > DEQUANTIZE_ABOVE_ROWS:
-        if wgmma_takes(x, qweight, group_size, g_idx):
+        if wgmma_takes(x, qweight, scales, group_size, g_idx):
             return gluon_int4.gluon_int4_linear(x, qweight, scales, zeros, group_size, None, bias)
         return dequantized_linear(x, qweight, scales, zeros, group_size, g_idx, bias)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -458,13 +423,17 @@ def int4_linear(
 
 
 def wgmma_takes(
-    x: torch.Tensor, qweight: torch.Tensor, group_size: int, g_idx: torch.Tensor | None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    g_idx: torch.Tensor | None,
 ) -> bool:
     """Whether rows past DEQUANTIZE_ABOVE_ROWS go to the Gluon kernel (kernels/gluon_int4.py)."""
     return (
         gluon_int4.ENABLED
         and x.shape[0] <= gluon_int4.MAX_ROWS
-        and gluon_int4.applies(x, qweight, group_size, g_idx)
+        and gluon_int4.applies(x, qweight, scales, group_size, g_idx)
     )
 
 

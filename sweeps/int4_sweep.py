@@ -78,7 +78,7 @@ def gluon_configs(m: int, n: int, k: int, default_only: bool) -> list[tuple[str,
     default_only GLUON_CANDIDATES' that fit M and K's steps; none off Hopper."""
     x = torch.empty(0, k, device=DEVICE, dtype=torch.bfloat16)
     qweight = torch.empty(n, k // 8, device=DEVICE, dtype=torch.int32)
-    if not gluon_int4.applies(x, qweight, GROUP, None):
+    if not gluon_int4.applies(x, qweight, x, GROUP, None):  # bf16 scales
         print(f"  M={m}: no Gluon kernel here (kernels/gluon_int4.py: Hopper, Gluon)")
         return []
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count

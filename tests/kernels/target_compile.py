@@ -185,10 +185,10 @@ def _gluon_int4_launches() -> None:
         zeros = torch.empty(n, k // 128, dtype=torch.uint8)
         gluon_int4.gluon_int4_linear(x, qweight, scales, zeros, 128)
     x = torch.empty(256, 4096, dtype=torch.float16)
-    qweight, scales = torch.empty(4096, 512, dtype=torch.int32), torch.empty(4096, 32)
+    qweight = torch.empty(4096, 512, dtype=torch.int32)
+    scales, bias = torch.empty(4096, 32, dtype=torch.float16), torch.empty(4096).half()
     for tiles in (gluon_int4.WgmmaTiles(256, 128, 8, 4, 2), gluon_int4.WgmmaTiles(64, 64, 4, 4, 1)):
-        bias = torch.empty(4096, dtype=torch.float16)
-        gluon_int4.gluon_int4_linear(x, qweight, scales.half(), None, 128, None, bias, tiles=tiles)
+        gluon_int4.gluon_int4_linear(x, qweight, scales, None, 128, None, bias, tiles=tiles)
 
 
 def _attention_launches(kv_dtype: torch.dtype) -> None:

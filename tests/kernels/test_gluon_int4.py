@@ -84,13 +84,14 @@ def test_gpu_the_engine_takes_it_past_the_dot_kernel_when_enabled(
     qweight, scales, zeros = layer(4096, 4096, False, torch.bfloat16, 5)
     x = torch.randn(600, 4096, generator=torch.Generator().manual_seed(5)).to("cuda").bfloat16()
     for m in (64, 65, 512, 513):  # the dot kernel, this kernel twice, the dequantize pass
-        takes = triton_int4.wgmma_takes(x[:m], qweight, 128, None)
+        takes = triton_int4.wgmma_takes(x[:m], qweight, scales, 128, None)
         assert takes == (65 <= m <= 512)
         out = triton_int4.int4_linear(x[:m], qweight, scales, zeros, 128)
         check(out, int4_linear_reference(x[:m], qweight, scales, zeros, 128))
     g_idx = (torch.arange(4096, device="cuda") // 128).to(torch.int32)  # act-order: not taken
-    assert not triton_int4.wgmma_takes(x[:200], qweight, 128, g_idx)
-    assert not triton_int4.wgmma_takes(x[:200], qweight[:, 1:], 128, None)  # rows off 16 B
+    assert not triton_int4.wgmma_takes(x[:200], qweight, scales, 128, g_idx)
+    assert not triton_int4.wgmma_takes(x[:200], qweight[:, 1:], scales, 128, None)  # off 16 B
+    assert not triton_int4.wgmma_takes(x[:200], qweight, scales.half(), 128, None)
 
 
 @pytest.mark.gpu
@@ -114,10 +115,11 @@ def test_off_hopper_the_engine_never_takes_it(monkeypatch: pytest.MonkeyPatch) -
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.zeros(100, 256, dtype=torch.bfloat16, device=device)
     qweight = torch.zeros(8, 32, dtype=torch.int32, device=device)
-    assert not gluon_int4.applies(x, qweight, 128, None)
-    assert not triton_int4.wgmma_takes(x, qweight, 128, None)
+    scales = torch.ones(8, 2, dtype=torch.bfloat16, device=device)
+    assert not gluon_int4.applies(x, qweight, scales, 128, None)
+    assert not triton_int4.wgmma_takes(x, qweight, scales, 128, None)
     with pytest.raises(ValueError, match="not on this device"):
-        gluon_int4_linear(x, qweight, torch.ones(8, 2, device=device), None, 128)
+        gluon_int4_linear(x, qweight, scales, None, 128)
 
 
 def test_tiles_are_checked_and_the_defaults_split_narrow_layers() -> None:

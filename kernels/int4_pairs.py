@@ -1,0 +1,43 @@
+"""int4 nibbles to 16-bit q - z, two at a time, in inline PTX: what the int4 kernels that feed
+the tensor cores run on the GPU (kernels/triton_int4.py's dot kernel, the MoE int4 kernels
+through it, and kernels/gluon_int4.py). The interpreter runs no assembly: those kernels' CPU
+paths get there nibble by nibble."""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+# A 16-bit weight operand from packed nibbles, two elements an instance (pack=2): the inputs
+# $4, $5 are the elements' words, the first as is and the second shifted right by 4 (what
+# tl.join(packed, packed >> 4) puts side by side), $6 their -(BASE + z) as a 16-bit pair. For
+# p = 0..3 a PRMT puts byte p of $4 in the low half and byte p of $5 in the high half (nibbles
+# 2p and 2p + 1 of the word when the pair is one word's: each half depends on its own element
+# only, so any pairing gives each element nibble 2p of its input), a LOP3 keeps the low nibble
+# of each half and ORs in the bits of BASE (1024.0 in fp16, 128.0 in bf16: BASE + q is exact),
+# and a packed FMA by 1.0 adds $6: q - z, exact for z in 0..15. $0-$3: the four pairs.
+_NIBBLE_PAIRS_ASM = """
+{
+.reg .b32 one;
+mov.b32 one, ONE;
+prmt.b32 $0, $4, $5, 0x4400;
+prmt.b32 $1, $4, $5, 0x5511;
+prmt.b32 $2, $4, $5, 0x6622;
+prmt.b32 $3, $4, $5, 0x7733;
+lop3.b32 $0, $0, 0x000F000F, BASE, 0xEA;
+lop3.b32 $1, $1, 0x000F000F, BASE, 0xEA;
+lop3.b32 $2, $2, 0x000F000F, BASE, 0xEA;
+lop3.b32 $3, $3, 0x000F000F, BASE, 0xEA;
+fma.rn.TYPE $0, $0, one, $6;
+fma.rn.TYPE $1, $1, one, $6;
+fma.rn.TYPE $2, $2, one, $6;
+fma.rn.TYPE $3, $3, one, $6;
+}
+"""
+BF16_PAIRS_ASM = tl.constexpr(
+    _NIBBLE_PAIRS_ASM.replace("ONE", "0x3F803F80").replace("BASE", "0x43004300")
+    .replace("TYPE", "bf16x2")
+)  # fmt: skip
+FP16_PAIRS_ASM = tl.constexpr(
+    _NIBBLE_PAIRS_ASM.replace("ONE", "0x3C003C00").replace("BASE", "0x64006400")
+    .replace("TYPE", "f16x2")
+)  # fmt: skip
