@@ -40,7 +40,7 @@ import triton
 
 from kernels import triton_split_k as split_k
 from kernels.int4 import PACK
-from kernels.int4_pairs import BF16_PAIRS_ASM, FP16_PAIRS_ASM
+from kernels.int4_pairs import BF16_SCALED_PAIRS_ASM, FP16_SCALED_PAIRS_ASM
 
 try:  # Gluon's Hopper modules: Triton 3.5 on
     from triton.experimental import gluon
@@ -218,27 +218,27 @@ if gluon is not None:
     @gluon.jit
     def _dequantize(words, scale, minus_offset, dtype: gl.constexpr):
         """[BN, W] words -> [BN, 8 W] weights (q - z) * s in column order, rounded to dtype as
-        the reference rounds them. q - z of two nibbles cost a PRMT, a LOP3 and a packed FMA
-        (kernels/int4_pairs.py: exact), the scale a packed multiply (one rounding
-        of the exact product). scale, minus_offset (-(BASE + z)): [BN, W] in dtype. Pair p
-        holds nibbles 2p, 2p + 1 of each word; in a chunk of 4 words nibble 2p + h of word c
-        holds column 8p + 2c + h (kernels/int4.py), and each thread holds whole chunks, so the
-        joins and the permute only rename its registers."""
+        the reference rounds them: two nibbles cost a PRMT, a LOP3, a packed FMA and a packed
+        multiply (kernels/int4_pairs.py). scale, minus_offset (-(BASE + z)): [BN, W] in dtype.
+        Pair p holds nibbles 2p, 2p + 1 of each word; in a chunk of 4 words nibble 2p + h of
+        word c holds column 8p + 2c + h (kernels/int4.py), and each thread holds whole
+        chunks, so the joins and the permute only rename its registers."""
         BN: gl.constexpr = words.shape[0]
         W: gl.constexpr = words.shape[1]
-        asm: gl.constexpr = FP16_PAIRS_ASM if dtype == gl.float16 else BF16_PAIRS_ASM
+        asm: gl.constexpr = FP16_SCALED_PAIRS_ASM if dtype == gl.float16 else BF16_SCALED_PAIRS_ASM
         p0, p1, p2, p3 = gl.inline_asm_elementwise(
             asm,
-            "=r,=r,=r,=r,r,r,r",
-            [gl.join(words, words >> 4), gl.join(minus_offset, minus_offset)],
+            "=r,=r,=r,=r,r,r,r,r",
+            [
+                gl.join(words, words >> 4),
+                gl.join(minus_offset, minus_offset),
+                gl.join(scale, scale),
+            ],
             dtype=(dtype.value, dtype.value, dtype.value, dtype.value),  # constexpr: unwrapped
             is_pure=True,
             pack=2,
         )  # each [BN, W, h]
-        scale = gl.join(scale, scale)
-        low = gl.join(p0 * scale, p1 * scale)  # [BN, W, h, p_lo] for p 0, 1
-        high = gl.join(p2 * scale, p3 * scale)  # p 2, 3
-        w = gl.join(low, high)  # [BN, W, h, p_lo, p_hi]
+        w = gl.join(gl.join(p0, p1), gl.join(p2, p3))  # [BN, W, h, p_lo, p_hi]
         w = gl.reshape(w, [BN, W // 4, 4, 2, 2, 2])  # [BN, chunk, c, h, p_lo, p_hi]
         w = gl.permute(w, [0, 1, 5, 4, 2, 3])  # [BN, chunk, p_hi, p_lo, c, h]
         return gl.reshape(w, [BN, W * 8])
@@ -253,10 +253,9 @@ if gluon is not None:
 
     @gluon.jit
     def _group_params(scales_ptr, zeros_ptr, cols, col_ok, group, stride_scales_row,
-                      stride_zeros_row, words, HAS_ZEROS: gl.constexpr,
-                      dtype: gl.constexpr):  # fmt: skip
-        """The step's group's scale and -(BASE + z) of each weight row, broadcast like the
-        words [BN, W], in dtype (BASE: 1024 in fp16, 128 in bf16; z + BASE is exact)."""
+                      stride_zeros_row, HAS_ZEROS: gl.constexpr, dtype: gl.constexpr):  # fmt: skip
+        """A group's scale and -(BASE + z) of each weight row [BN], in dtype (BASE: 1024 in
+        fp16, 128 in bf16, so that z + BASE is exact)."""
         scale = gl.load(scales_ptr + cols * stride_scales_row + group, mask=col_ok, other=0.0)
         if HAS_ZEROS:
             zero = gl.load(zeros_ptr + cols * stride_zeros_row + group, mask=col_ok, other=0)
@@ -264,9 +263,7 @@ if gluon is not None:
         else:
             zero = gl.full(cols.shape, 8.0, gl.float32, cols.type.layout)
         base: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
-        scale = gl.broadcast(scale.to(dtype)[:, None], words)[0]
-        minus_offset = gl.broadcast((-(zero + base)).to(dtype)[:, None], words)[0]
-        return scale, minus_offset
+        return scale.to(dtype), (-(zero + base)).to(dtype)
 
     @gluon.jit
     def _int4_wgmma_kernel(
@@ -320,17 +317,22 @@ if gluon is not None:
                        off_m, off_n, k_first + s * BLOCK_K_, s < steps)  # fmt: skip
 
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+        # Each step's scales and zero points are loaded a step ahead, while an MMA runs.
+        scale, minus_offset = _group_params(
+            scales_ptr, zeros_ptr, cols, col_ok, k_first // GROUP_SIZE, stride_scales_row,
+            stride_zeros_row, HAS_ZEROS, dtype,
+        )  # fmt: skip
         for i in range(steps):
             stage = i % STAGES
-            k0 = k_first + i * BLOCK_K_
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
             words = w_ring.index(stage).load(word_layout)
-            scale, minus_offset = _group_params(
-                scales_ptr, zeros_ptr, cols, col_ok, k0 // GROUP_SIZE, stride_scales_row,
-                stride_zeros_row, words, HAS_ZEROS, dtype,
-            )  # fmt: skip
             a_buf = a_bufs.index(i % 2)
-            a_buf.store(_dequantize(words, scale, minus_offset, dtype))
+            a_buf.store(
+                _dequantize(
+                    words, gl.broadcast(scale[:, None], words)[0],
+                    gl.broadcast(minus_offset[:, None], words)[0], dtype,
+                )
+            )  # fmt: skip
             fence_async_shared()
             x_t = x_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
             acc = warpgroup_mma(a_buf, x_t, acc, is_async=True)
@@ -340,6 +342,11 @@ if gluon is not None:
             free = ahead % STAGES
             _load_step(x_desc, w_desc, ready.index(free), x_ring.index(free), w_ring.index(free),
                        off_m, off_n, k_first + ahead * BLOCK_K_, ahead < steps)  # fmt: skip
+            next_group = (k_first + gl.minimum(i + 1, steps - 1) * BLOCK_K_) // GROUP_SIZE
+            scale, minus_offset = _group_params(
+                scales_ptr, zeros_ptr, cols, col_ok, next_group, stride_scales_row,
+                stride_zeros_row, HAS_ZEROS, dtype,
+            )  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))

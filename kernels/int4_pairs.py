@@ -41,3 +41,21 @@ FP16_PAIRS_ASM = tl.constexpr(
     _NIBBLE_PAIRS_ASM.replace("ONE", "0x3C003C00").replace("BASE", "0x64006400")
     .replace("TYPE", "f16x2")
 )  # fmt: skip
+
+# The same, then each pair times $7 (the elements' scales as a 16-bit pair) by one packed
+# multiply: the exact q - z times the scale, rounded once, as the references round
+# (q - z) * scale computed in float32 (a product of 5 and 8 or 11 significant bits is exact
+# there). `mul.rn` on bf16x2 needs sm_90 (kernels/gluon_int4.py's Hopper kernel).
+_SCALED_PAIRS_ASM = _NIBBLE_PAIRS_ASM.replace(
+    "}",
+    "mul.rn.TYPE $0, $0, $7;\nmul.rn.TYPE $1, $1, $7;\nmul.rn.TYPE $2, $2, $7;\n"
+    "mul.rn.TYPE $3, $3, $7;\n}",
+)
+BF16_SCALED_PAIRS_ASM = tl.constexpr(
+    _SCALED_PAIRS_ASM.replace("ONE", "0x3F803F80").replace("BASE", "0x43004300")
+    .replace("TYPE", "bf16x2")
+)  # fmt: skip
+FP16_SCALED_PAIRS_ASM = tl.constexpr(
+    _SCALED_PAIRS_ASM.replace("ONE", "0x3C003C00").replace("BASE", "0x64006400")
+    .replace("TYPE", "f16x2")
+)  # fmt: skip
