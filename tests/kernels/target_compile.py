@@ -6,6 +6,11 @@ break every decode step on an L40S or an A10 (99 KB).
 Run as a script (the test suite interprets kernels instead: TRITON_INTERPRET must be unset):
 
     python3 -m tests.kernels.target_compile 86 89   # one JSON line per launch attempt
+    python3 -m tests.kernels.target_compile --registers 90   # and each one's ptxas report
+
+`--registers` adds what ptxas says of each launch's code: registers a thread, bytes spilled,
+and whether it serialized the warpgroup MMAs (warning C7515, which costs a Hopper kernel its
+MMA pipelining), so a kernel can be read without the GPU it is for.
 
 The launchers run on CPU tensors with `JITFunction.run` replaced: each launch is specialised
 and compiled as Triton's own launch path does (`create_function_from_signature`,
@@ -20,7 +25,10 @@ import functools
 import itertools
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +38,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import torch
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, compile, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.errors import OutOfResources
@@ -80,9 +89,11 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
         if "INTERPRETED" in kw:  # the launchers' CPU-tensor path: compile the GPU one
             kw["INTERPRETED"] = False
-        shared = shared_bytes((self, args, kw), capability)
+        shared, report = _compiled((self, args, kw), capability)
         fits = shared <= SHARED_LIMITS[capability]
-        attempts.append({"launch": describe((self, args, kw)), "shared": shared, "fits": fits})
+        attempts.append(
+            {"launch": describe((self, args, kw)), "shared": shared, "fits": fits, **report}
+        )
         if not fits:
             raise OutOfResources(shared, SHARED_LIMITS[capability], "shared memory")
 
@@ -97,8 +108,13 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
         gluon_int4.runs_on, gluon_int4._sm_count = gluon_runs_on, gluon_sm_count
 
 
+REPORT_REGISTERS = False  # main's --registers: run ptxas -v on each launch's code
+
+
 @functools.cache
-def _compiled_shared(kernel: JITFunction, label: str, capability: int, call: _Call) -> int:
+def _compiled_shared(
+    kernel: JITFunction, label: str, capability: int, call: _Call
+) -> tuple[int, tuple[tuple[str, object], ...]]:
     del label  # part of the cache key only
     args, kwargs = call.args, call.kwargs
     target = GPUTarget("cuda", capability, 32)
@@ -110,7 +126,37 @@ def _compiled_shared(kernel: JITFunction, label: str, capability: int, call: _Ca
     )
     gluon = getattr(kernel, "is_gluon", lambda: False)()
     source = (GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs, attrs)
-    return int(compile(source, target=target, options=options.__dict__).metadata.shared)
+    compiled = compile(source, target=target, options=options.__dict__)
+    report = ptxas_report(compiled.asm["ptx"], capability) if REPORT_REGISTERS else {}
+    return int(compiled.metadata.shared), tuple(report.items())
+
+
+def ptxas_report(ptx: str, capability: int) -> dict[str, object]:
+    """Triton's bundled ptxas -v on the code: registers a thread, bytes spilled, and whether
+    the warpgroup MMAs were serialized (C7515)."""
+    ptxas = get_ptxas(capability).path  # the one Triton compiled the launch with
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as file:
+            file.write(ptx)
+        done = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", path + ".cubin"],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    said = done.stdout + done.stderr
+    registers = re.search(r"Used (\d+) registers", said)
+    spilled = re.search(r"(\d+) bytes spill stores", said)
+    return {
+        "registers": int(registers.group(1)) if registers else None,
+        "spill_bytes": int(spilled.group(1)) if spilled else 0,
+        "mma_serialized": "C7515" in said,
+    }
+
+
+def _compiled(launch: Launch, capability: int) -> tuple[int, dict[str, object]]:
+    kernel, args, kwargs = launch
+    label = describe(launch)
+    shared, report = _compiled_shared(kernel, label, capability, _Call(label, args, kwargs))
+    return shared, dict(report)
 
 
 class _Call:
@@ -130,9 +176,7 @@ class _Call:
 def shared_bytes(launch: Launch, capability: int) -> int:
     """The shared memory a block of this launch takes on a GPU of `capability` (e.g. 86),
     compiled as Triton's launch path compiles it."""
-    kernel, args, kwargs = launch
-    label = describe(launch)
-    return _compiled_shared(kernel, label, capability, _Call(label, args, kwargs))
+    return _compiled(launch, capability)[0]
 
 
 def describe(launch: Launch) -> str:
@@ -269,7 +313,9 @@ def main() -> None:
     """One JSON line per launch attempt of each check on each of its GPUs: the kernel, its
     shared memory, whether it fits. Exits non-zero if a launcher fails on a GPU it must run on
     (OutOfResources escaped its retries)."""
-    only = {int(c) for c in sys.argv[1:]}
+    global REPORT_REGISTERS
+    REPORT_REGISTERS = "--registers" in sys.argv
+    only = {int(c) for c in sys.argv[1:] if c != "--registers"}
     for name, (launch_all, capabilities) in CHECKS.items():
         for capability in capabilities:
             if only and capability not in only:
