@@ -133,16 +133,32 @@ def applies(
     )
 
 
+def _check_layout(
+    k: int,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    group_size: int,
+) -> None:
+    """What the kernel indexes as kernels.triton_int4 checks it (a direct caller skips that)."""
+    if k == 0 or qweight.shape[1] * PACK != k or scales.shape[1] * group_size < k:
+        raise ValueError(f"qweight {tuple(qweight.shape)} and scales {tuple(scales.shape)} "
+                         f"in groups of {group_size} do not cover K={k}")  # fmt: skip
+    if scales.stride(1) != 1 or (zeros is not None and zeros.stride(1) != 1):
+        raise ValueError("scales and zeros must be contiguous along their groups")
+
+
 def default_tiles(m: int, n: int, k: int, sm_count: int) -> WgmmaTiles:
     """Two warpgroups over 128 weight rows, x's rows in one MMA up to 256; K split in two
-    while the programs stay within two an SM (at most 8 ways, each split a whole number of
-    steps). Not yet swept on a GPU."""
+    while the programs still fit one wave (a program an SM: its registers and shared memory
+    leave room for no second; at most 8 ways, each split a whole number of steps). Not yet
+    swept on a GPU."""
     block_m = 64 if m <= 64 else 128 if m <= 128 else 256
     block_n, num_warps = 128, 8
     tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
     steps = k // BLOCK_K
     split = 1
-    while split < 8 and tiles * split * 2 <= 2 * sm_count and steps % (split * 2) == 0:
+    while split < 8 and tiles * split * 2 <= sm_count and steps % (split * 2) == 0:
         split *= 2
     return WgmmaTiles(block_m, block_n, num_warps, stages=4 if block_m < 256 else 3,
                       split_k=split)  # fmt: skip
@@ -165,11 +181,12 @@ def gluon_int4_linear(
     n = qweight.shape[0]
     if not applies(x, qweight, scales, group_size, g_idx):
         raise ValueError("gluon_int4_linear: not on this device or these inputs (`applies`)")
+    _check_layout(k, qweight, scales, zeros, group_size)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     if x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
-        x = x.contiguous()  # TMA: 16-byte aligned rows
+        x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)  # TMA: 16 B
     tiles = tiles or default_tiles(m, n, k, _sm_count(x.device.index or 0))
     if (k // BLOCK_K) % tiles.split_k:
         raise ValueError(f"{tiles}: split_k must divide K's {k // BLOCK_K} steps")
@@ -273,7 +290,7 @@ if gluon is not None:
         zeros_ptr,  # [N, G] uint8 with HAS_ZEROS
         bias_ptr,  # [N] with HAS_BIAS
         out_ptr,  # [M, N]
-        partials_ptr,  # [SPLIT_K, M, N] float32 with SPLIT_K > 1
+        partials_ptr,  # [SPLIT_K, N, M] float32 with SPLIT_K > 1 (a thread's pairs along M)
         tickets_ptr,  # [tiles] int32, zero between calls, with SPLIT_K > 1
         m,
         n,
@@ -336,7 +353,9 @@ if gluon is not None:
             fence_async_shared()
             x_t = x_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
             acc = warpgroup_mma(a_buf, x_t, acc, is_async=True)
-            # Step i - 1's MMA is done: its A buffer and its stage are free.
+            # Step i - 1's MMA is done: its A buffer and its stage are free. (Of both
+            # warpgroups, and the words loaded by every thread: the thread barrier Triton puts
+            # before the TMA issue below, as it does between the A stores and the MMA.)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             ahead = i + STAGES - 1
             free = ahead % STAGES
@@ -372,7 +391,7 @@ if gluon is not None:
             _store_out(tile, bias_ptr, out_ptr, cols, rows, mask, n, stride_out_row, HAS_BIAS)
         else:
             split = gl.program_id(2)
-            gl.store(partials_ptr + (split * m + rows[None, :]) * n + cols[:, None], tile,
+            gl.store(partials_ptr + (split * n + cols[:, None]) * m + rows[None, :], tile,
                      mask=mask)  # fmt: skip
             ticket_ptr = tickets_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
             _threads_barrier()  # every thread's partial stored before the ticket is taken
@@ -383,7 +402,7 @@ if gluon is not None:
                 # In split order (the same sum each time); a loop, not unrolled: the unrolled
                 # loads of 4-8 partial tiles spilled 0.7-1.9 KB a thread.
                 for other in range(SPLIT_K):
-                    part_ptrs = partials_ptr + (other * m + rows[None, :]) * n + cols[:, None]
+                    part_ptrs = partials_ptr + (other * n + cols[:, None]) * m + rows[None, :]
                     total += gl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                 gl.store(ticket_ptr, 0)
                 _store_out(total, bias_ptr, out_ptr, cols, rows, mask, n, stride_out_row,

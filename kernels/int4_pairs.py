@@ -33,14 +33,18 @@ fma.rn.TYPE $2, $2, one, $6;
 fma.rn.TYPE $3, $3, one, $6;
 }
 """
-BF16_PAIRS_ASM = tl.constexpr(
-    _NIBBLE_PAIRS_ASM.replace("ONE", "0x3F803F80").replace("BASE", "0x43004300")
-    .replace("TYPE", "bf16x2")
-)  # fmt: skip
-FP16_PAIRS_ASM = tl.constexpr(
-    _NIBBLE_PAIRS_ASM.replace("ONE", "0x3C003C00").replace("BASE", "0x64006400")
-    .replace("TYPE", "f16x2")
-)  # fmt: skip
+# (1.0 as a pair, BASE as a pair) of each packed type.
+_CONSTANTS = {"bf16x2": ("0x3F803F80", "0x43004300"), "f16x2": ("0x3C003C00", "0x64006400")}
+
+
+def _typed(template: str, packed_type: str) -> tl.constexpr:
+    one, base = _CONSTANTS[packed_type]
+    asm = template.replace("ONE", one).replace("BASE", base).replace("TYPE", packed_type)
+    return tl.constexpr(asm)
+
+
+BF16_PAIRS_ASM = _typed(_NIBBLE_PAIRS_ASM, "bf16x2")
+FP16_PAIRS_ASM = _typed(_NIBBLE_PAIRS_ASM, "f16x2")
 
 # The same, then each pair times $7 (the elements' scales as a 16-bit pair) by one packed
 # multiply: the exact q - z times the scale, rounded once, as the references round
@@ -51,11 +55,5 @@ _SCALED_PAIRS_ASM = _NIBBLE_PAIRS_ASM.replace(
     "mul.rn.TYPE $0, $0, $7;\nmul.rn.TYPE $1, $1, $7;\nmul.rn.TYPE $2, $2, $7;\n"
     "mul.rn.TYPE $3, $3, $7;\n}",
 )
-BF16_SCALED_PAIRS_ASM = tl.constexpr(
-    _SCALED_PAIRS_ASM.replace("ONE", "0x3F803F80").replace("BASE", "0x43004300")
-    .replace("TYPE", "bf16x2")
-)  # fmt: skip
-FP16_SCALED_PAIRS_ASM = tl.constexpr(
-    _SCALED_PAIRS_ASM.replace("ONE", "0x3C003C00").replace("BASE", "0x64006400")
-    .replace("TYPE", "f16x2")
-)  # fmt: skip
+BF16_SCALED_PAIRS_ASM = _typed(_SCALED_PAIRS_ASM, "bf16x2")
+FP16_SCALED_PAIRS_ASM = _typed(_SCALED_PAIRS_ASM, "f16x2")

@@ -34,14 +34,15 @@ def tickets(device: torch.device, count: int = MAX_TICKETS, what: object = "") -
 
 
 def workspace(
-    grid: tuple[int, int, int],  # (output tiles along N, along M, splits of K)
+    grid: tuple[int, int, int],  # (output tiles along N, along M, splits of K), or M then N
     m: int,
     n: int,
     unused: torch.Tensor,  # passed for both where K is not split (the kernel reads neither)
     what: object,  # the launch's tiles, for the error
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([SPLIT_K, M, N] float32 partials, tickets)
-    """What a launch over `grid` needs to split K: a float32 partial sum per split and the
-    device's ticket counters, one per output tile."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # (SPLIT_K * M * N float32 partials, tickets)
+    """What a launch over `grid` needs to split K: a float32 partial sum per split ([SPLIT_K,
+    M, N]; a kernel may index it as [SPLIT_K, N, M]) and the device's ticket counters, one per
+    output tile."""
     if grid[2] == 1:
         return unused, unused
     counters = tickets(unused.device, grid[0] * grid[1], what)  # one per output tile

@@ -134,10 +134,24 @@ def test_tiles_are_checked_and_the_defaults_split_narrow_layers() -> None:
             tiles = default_tiles(m, n, k, sm_count=132)
             assert tiles.block_m >= min(m, 256) and (k // gluon_int4.BLOCK_K) % tiles.split_k == 0
             programs = -(-n // tiles.block_n) * -(-m // tiles.block_m) * tiles.split_k
-            assert tiles.split_k == 1 or programs <= 2 * 132
-    assert default_tiles(256, 4096, 4096, sm_count=132).split_k == 8  # o: 32 tiles
-    assert default_tiles(256, 6144, 4096, sm_count=132).split_k == 4  # qkv: 48
+            assert tiles.split_k == 1 or programs <= 132
+    assert default_tiles(256, 4096, 4096, sm_count=132).split_k == 4  # o: 32 tiles
+    assert default_tiles(256, 6144, 4096, sm_count=132).split_k == 2  # qkv: 48
     assert default_tiles(256, 28672, 4096, sm_count=132).split_k == 1  # gate_up: 224
+
+
+def test_a_direct_call_with_weights_that_do_not_cover_k_is_refused() -> None:
+    qweight, scales = torch.zeros(8, 32, dtype=torch.int32), torch.ones(8, 2)
+    gluon_int4._check_layout(256, qweight, scales, None, 128)  # fits
+    for k, q, s in (
+        (0, qweight[:, :0], scales[:, :0]),
+        (512, qweight, scales),
+        (256, qweight, scales[:, :1]),
+    ):
+        with pytest.raises(ValueError, match="do not cover"):
+            gluon_int4._check_layout(k, q, s, None, 128)
+    with pytest.raises(ValueError, match="contiguous"):
+        gluon_int4._check_layout(256, qweight, torch.ones(2, 8).t(), None, 128)
 
 
 def test_the_kernels_joins_and_permute_put_a_chunks_nibbles_in_column_order() -> None:
