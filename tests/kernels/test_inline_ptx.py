@@ -1,8 +1,8 @@
 """The kernels' inline PTX, executed here instruction by instruction as the PTX ISA defines
-them: the int4 dot kernel's nibble pairs (`_BF16_PAIRS_ASM`, `_FP16_PAIRS_ASM`) and the decode
-attention's e4m3 words (`_E4M3_WORD_ASM`). CI has no GPU, and the interpreter runs the
-kernels' plain-Triton paths instead, so without this only a GPU run would notice a wrong
-selector, mask, constant or output order."""
+them: the int4 kernels' nibble pairs (kernels/int4_pairs.py: q - z, and q - z times the scale
+for the Gluon kernel) and the decode attention's e4m3 words (`_E4M3_WORD_ASM`). CI has no GPU,
+and the interpreter runs the kernels' plain-Triton paths instead, so without this only a GPU
+run would notice a wrong selector, mask, constant or output order."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_decode_attention, triton_int4
+from kernels import int4_pairs, triton_decode_attention
 
 MASK32 = 0xFFFFFFFF
-ASM = {torch.bfloat16: triton_int4._BF16_PAIRS_ASM, torch.float16: triton_int4._FP16_PAIRS_ASM}
+ASM = {torch.bfloat16: int4_pairs.BF16_PAIRS_ASM, torch.float16: int4_pairs.FP16_PAIRS_ASM}
+SCALED_ASM = {
+    torch.bfloat16: int4_pairs.BF16_SCALED_PAIRS_ASM,
+    torch.float16: int4_pairs.FP16_SCALED_PAIRS_ASM,
+}
 BASE = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 
 
@@ -56,6 +60,12 @@ def fma_x2(a: int, b: int, c: int, dtype: torch.dtype) -> int:
     return packed(exact, dtype)
 
 
+def mul_x2(a: int, b: int, dtype: torch.dtype) -> int:
+    """mul.rn on two 16-bit halves: a * b exactly, rounded once."""
+    exact = [x * y for x, y in zip(halves(a, dtype), halves(b, dtype), strict=True)]
+    return packed(exact, dtype)
+
+
 def e4m3x2_to_f16x2(pair: int) -> int:
     """cvt.rn.f16x2.e4m3x2: the low byte's value in the low half, the high byte's above."""
     values = torch.tensor([pair & 0xFF, pair >> 8 & 0xFF], dtype=torch.uint8)
@@ -88,6 +98,8 @@ def run_asm(text: str, registers: dict[str, int], dtype: torch.dtype) -> dict[st
             result = lop3(*args)
         elif op in ("fma.rn.bf16x2", "fma.rn.f16x2"):
             result = fma_x2(*args, dtype)
+        elif op in ("mul.rn.bf16x2", "mul.rn.f16x2"):
+            result = mul_x2(*args, dtype)
         elif op == "cvt.rn.f16x2.e4m3x2":
             result = e4m3x2_to_f16x2(args[0])
         else:
@@ -113,6 +125,30 @@ def test_the_nibble_pairs_asm_makes_q_minus_z_exactly(dtype: torch.dtype) -> Non
         nibbles = [(word >> 4 * i) & 0xF for i in range(8)]
         for p in range(4):
             assert halves(out[f"${p}"], dtype) == [nibbles[2 * p] - zero, nibbles[2 * p + 1] - zero]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_scaled_pairs_asm_rounds_as_the_reference(dtype: torch.dtype) -> None:
+    # (q - z) * s once rounded, as kernels.int4's reference: (q - z) * s in float32, then x's
+    # dtype (the product of a 5-bit integer and a 16-bit float is exact in float32).
+    generator = random.Random(2)
+    for _ in range(200):
+        word = generator.getrandbits(32)
+        zero = generator.randrange(16)
+        scale = torch.tensor(generator.uniform(-0.05, 0.05)).to(dtype)
+        signed = word - (1 << 32) if word >> 31 else word
+        offset = -(BASE[dtype] + zero)
+        registers = {
+            "$4": word,
+            "$5": (signed >> 4) & MASK32,
+            "$6": packed([offset, offset], dtype),
+            "$7": packed([scale.item(), scale.item()], dtype),
+        }
+        out = run_asm(SCALED_ASM[dtype].value, registers, dtype)
+        q = torch.tensor([(word >> 4 * i) & 0xF for i in range(8)], dtype=torch.float32)
+        expected = ((q - zero) * scale.float()).to(dtype).tolist()
+        for p in range(4):
+            assert halves(out[f"${p}"], dtype) == expected[2 * p : 2 * p + 2]
 
 
 def test_each_half_depends_on_its_own_element_only() -> None:
