@@ -91,6 +91,11 @@ FP8 = (
     {"_skinny_linear_kernel", "_fp8_gemv_kernel", "_int4_dot_kernel", *ATTENTION},
 )
 MOE = {"_gate_up_kernel", "_down_kernel", "_pair_gate_up_kernel", "_token_down_kernel"}
+HOPPER = ({"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8"},)
+GLUON = (
+    {"int4 wgmma (Gluon)", "moe wgmma (Gluon)"},
+    {"_int4_wgmma_kernel", "_wgmma_gate_up_kernel", "_wgmma_down_kernel"},
+)  # Hopper's alone
 INT4_MOE = (
     {"moe int4"},
     {"_int4_gate_up_kernel", "_int4_down_kernel", "_int4_pair_gate_up_kernel",
@@ -101,12 +106,7 @@ EXPECTED = {
     80: (BEFORE_HOPPER[0] | INT4_MOE[0], BEFORE_HOPPER[1] | INT4_MOE[1]),
     86: (BEFORE_HOPPER[0] | {"moe bf16"} | INT4_MOE[0], BEFORE_HOPPER[1] | MOE | INT4_MOE[1]),
     89: (FP8[0] | {"skinny bf16, 1-16 rows", "moe fp8"}, FP8[1] | MOE),  # L40S
-    90: (
-        FP8[0]
-        | {"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8", "int4 wgmma (Gluon)"}
-        | INT4_MOE[0],
-        FP8[1] | MOE | INT4_MOE[1] | {"_int4_wgmma_kernel"},
-    ),
+    90: (FP8[0] | HOPPER[0] | INT4_MOE[0] | GLUON[0], FP8[1] | MOE | INT4_MOE[1] | GLUON[1]),
 }
 
 

@@ -1,0 +1,380 @@
+"""A mixture of experts' grouped GEMMs on Hopper's warpgroup MMA, in Gluon: bf16 or fp16
+experts with silu(gate) * up (Qwen3-MoE, Qwen2-MoE's routed experts, Mixtral, OLMoE).
+
+kernels/triton_moe.py's grouped GEMMs stream the chosen experts' weights at 69 % of the copy
+bandwidth at 256 tokens of Qwen3-30B-A3B (H200, 2026-12-03: 411.8 us a layer, vLLM's 334.7,
+the floor 283.1), and those steps are most of `offline`. Here each program's weight tiles come
+by TMA into a ring of STAGES shared buffers, and the MMA takes the weight as its first operand
+and the block's pairs as its second (out^T = W x^T: 64 weight rows a warpgroup, 16 to 128
+pairs), so a block of few pairs wastes no MMA rows:
+
+1. `align` (kernels/triton_moe_align.py): the pairs sorted by expert, each expert's group
+   padded to BLOCK_M, each block's expert (-1 past the last group), as the Triton path.
+2. `_wgmma_gate_up_kernel`: per block of BLOCK_M pairs and BLOCK_N of the expert's I columns, the
+   gate and up rows' tiles (TMA) against the pairs' tokens' rows of x (gathered by
+   asynchronous copies into the same ring), two accumulators; silu(gate) * up into h.
+3. `_wgmma_down_kernel`: per block and BLOCK_N of the H columns, the down rows' tiles against the
+   pairs' rows of h; times each pair's routing weight, into [pairs, H]; then each token's k
+   rows are summed in float32 (as the Triton path).
+
+Selected only where it runs (CUDA compute capability 9.x, Gluon) and with ENABLED, for what
+it covers (16-bit experts in x's dtype, no biases, plain SiLU); elsewhere the Triton path is
+the fallback and what the CPU tests cover. Tested against `kernels.moe.moe_experts_reference`
+on the GPU (tests/kernels/test_gluon_moe.py) and compiled for sm_90 without one
+(tests/kernels/target_compile.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+
+from kernels.moe import ClampedSwiglu, ExpertBiases
+from kernels.triton_moe_align import align
+
+try:  # Gluon's Hopper modules: Triton 3.5 on
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import constexpr_function
+
+    # Up to Triton 3.6 (the GPU machine's): async_copy_global_to_shared (TMA and cp.async) and
+    # thread_barrier; from 3.7 on: async_load and barrier.
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _copy_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _threads_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+except ImportError:  # pragma: no cover - an older Triton: the Triton path runs instead
+    gluon = None
+
+# Whether moe_experts takes this path. Off until the GPU tests and a whole-step A/B have run it.
+ENABLED = False
+BLOCK_K = 64  # a K step: 128 bytes of a 16-bit row, the widest swizzle
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaMoeTiles:
+    block_m: int  # pairs a block (the MMA's N; align's block): 16, 32, 64 or 128
+    block_n: int  # output columns a program: 16 a warp
+    num_warps: int  # 4 or 8: one or two warpgroups along the weight's rows
+    stages: int  # the shared ring's steps
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (16, 32, 64, 128) or self.block_n != 16 * self.num_warps:
+            raise ValueError(f"{self}: block_m 16/32/64/128 and block_n 16 a warp")
+        if self.num_warps not in (4, 8) or self.stages < 2:
+            raise ValueError(f"{self}: 4 or 8 warps and at least 2 stages")
+
+
+# (at most this many pairs, tiles): blocks of about the pairs an expert gets (Qwen3-30B-A3B:
+# 128 experts, top 8). Not yet swept on a GPU.
+TILES: tuple[tuple[int, WgmmaMoeTiles], ...] = (
+    (1024, WgmmaMoeTiles(16, 128, 8, 4)),
+    (4096, WgmmaMoeTiles(32, 128, 8, 4)),
+    (16384, WgmmaMoeTiles(64, 128, 8, 4)),
+    (1 << 62, WgmmaMoeTiles(128, 128, 8, 3)),
+)
+
+
+def tiles_for(num_pairs: int) -> WgmmaMoeTiles:
+    return next(tiles for most, tiles in TILES if num_pairs <= most)
+
+
+def available() -> bool:
+    return gluon is not None
+
+
+@functools.cache
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether x's device runs these kernels: CUDA, compute capability 9.x, Gluon here."""
+    return available() and x.is_cuda and _hopper(x.device.index or 0)
+
+
+def applies(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,  # [E, 2 I, H]
+    down: torch.Tensor,  # [E, H, I]
+    quantized: bool,  # FP8 experts (their scales)
+    biases: ExpertBiases | None,
+    swiglu: ClampedSwiglu | None,
+) -> bool:
+    """Whether these kernels take the layer (the module's docstring): 16-bit experts in x's
+    dtype, no biases, SiLU; TMA reads the experts as 2-D row-major tensors (rows of 16-byte
+    multiples)."""
+    hidden, inter = down.shape[1], down.shape[2]
+    return (
+        runs_on(x)
+        and x.dtype in DTYPES
+        and gate_up.dtype == down.dtype == x.dtype
+        and not quantized
+        and biases is None
+        and swiglu is None
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+        and hidden % 8 == 0
+        and inter % 8 == 0
+        and x.stride(0) % 8 == 0
+    )
+
+
+def moe_experts_wgmma(
+    x: torch.Tensor,  # [T, H]
+    gate_up: torch.Tensor,  # [E, 2 I, H]
+    down: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, k] float32
+    ids: torch.Tensor,  # [T, k]
+    tiles: WgmmaMoeTiles | None = None,  # None: by the pair count (TILES)
+) -> torch.Tensor:  # [T, H], x's dtype
+    """`kernels.moe.moe_experts_reference` for what `applies` takes (the module's docstring)."""
+    num_tokens, top_k = ids.shape
+    num_experts, hidden, inter = down.shape
+    num_pairs = num_tokens * top_k
+    tiles = tiles or tiles_for(num_pairs)
+    x = x.contiguous()
+    sorted_pairs, block_experts = align(ids, num_experts, tiles.block_m)
+    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    block = [tiles.block_n, BLOCK_K]
+    w_layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    rows_layout = gl.NVMMASharedLayout.get_default_for([tiles.block_m, BLOCK_K], dtype)
+    constants = dict(BLOCK_M=tiles.block_m, STAGES=tiles.stages, ROWS_LAYOUT=rows_layout,
+                     num_warps=tiles.num_warps)  # fmt: skip
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    w_desc = TensorDescriptor.from_tensor(gate_up.view(-1, hidden), block, w_layout)
+    grid = (block_experts.numel(), triton.cdiv(inter, tiles.block_n))
+    _wgmma_gate_up_kernel[grid](
+        w_desc, x, h, sorted_pairs, block_experts, num_pairs, top_k, hidden, inter,
+        x.stride(0), h.stride(0), **constants,
+    )  # fmt: skip
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    w_desc = TensorDescriptor.from_tensor(down.view(-1, inter), block, w_layout)
+    grid = (block_experts.numel(), triton.cdiv(hidden, tiles.block_n))
+    _wgmma_down_kernel[grid](
+        w_desc, h, out, weights.float().contiguous(), sorted_pairs, block_experts, num_pairs,
+        inter, hidden, h.stride(0), out.stride(0), **constants,
+    )  # fmt: skip
+    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+if gluon is not None:
+
+    @constexpr_function
+    def _rows_layout(block_m: int, block_k: int, num_warps: int) -> gl.BlockedLayout:
+        """[BLOCK_M, BLOCK_K] gathered rows: runs of up to 8 elements (16-byte copies) along
+        K, no thread copying what another does."""
+        each = max(1, min(8, block_m * block_k // (32 * num_warps)))
+        along_k = min(32, block_k // each)
+        return gl.BlockedLayout([1, each], [32 // along_k, along_k], [num_warps, 1], [1, 0])
+
+    @constexpr_function
+    def _mma_layout(block_m: int, num_warps: int) -> gl.NVMMADistributedLayout:
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16]
+        )
+
+    @gluon.jit
+    def _load_step(w_desc, w_row, bar, w_buf, w_row_2, w_buf_2, row_ptrs, rows_ok, ks, k0,
+                   K, rows_buf, pred, TWO: gl.constexpr):  # fmt: skip
+        """One step into a stage of the ring: the weight tile(s) by TMA (told to `bar`), the
+        pairs' rows by asynchronous copies (one commit group a step, also when `pred` is
+        false, so that the group count is the step count)."""
+        nbytes: gl.constexpr = w_desc.block_type.nbytes * (2 if TWO else 1)
+        mbarrier.expect(bar, nbytes, pred=pred)
+        _tma_load(w_desc, [w_row, k0], bar, w_buf, pred=pred)
+        if TWO:
+            _tma_load(w_desc, [w_row_2, k0], bar, w_buf_2, pred=pred)
+        # K a multiple of 8 (`applies`), written so the compiler sees it: the mask holds for
+        # runs of 8, and the copies take 16 bytes.
+        mask = rows_ok[:, None] & ((k0 + ks) < (K // 8) * 8)[None, :] & pred
+        _copy_load(rows_buf, row_ptrs + (k0 + ks)[None, :], mask=mask)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _step_ready(ready, stage, i, STAGES: gl.constexpr):
+        """Step i's stage is in: its TMA (the barrier), this thread's copies (all but the
+        STAGES - 2 later groups), every thread's (the barrier of threads), visible to the
+        MMA's asynchronous reads (the fence)."""
+        mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+        async_copy.wait_group(STAGES - 2)
+        fence_async_shared()
+        _threads_barrier()
+
+    @gluon.jit
+    def _block_rows(sorted_ptr, block, num_pairs, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """The block's pairs [BLOCK_M] (in `layout`'s rows) and which are real."""
+        slots = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+        pairs = gl.load(sorted_ptr + slots)
+        return pairs, pairs < num_pairs
+
+    @gluon.jit
+    def _wgmma_gate_up_kernel(
+        w_desc,  # TMA over gate_up [E * 2I, H], blocks [BLOCK_N, BLOCK_K]
+        x_ptr,  # [T, H]
+        h_ptr,  # [pairs, I]
+        sorted_ptr,  # [P] int32
+        block_expert_ptr,  # [P / BLOCK_M] int32
+        num_pairs,
+        top_k,
+        K,  # H
+        N,  # I
+        stride_x,
+        stride_h,
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        ROWS_LAYOUT: gl.constexpr,  # the gathered rows' shared layout
+        num_warps: gl.constexpr,
+    ):
+        """h[pairs, cols] = silu(x W_gate^T) * (x W_up^T) for this block's pairs, its expert's
+        gate and up rows cols (the module's docstring, 2)."""
+        expert = gl.load(block_expert_ptr + gl.program_id(0))
+        if expert >= 0:  # blocks past the last group have no pairs
+            BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+            BLOCK_K_: gl.constexpr = w_desc.block_type.shape[1]
+            dtype: gl.constexpr = w_desc.dtype
+            rows_layout: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K_, num_warps)
+            mma_layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+            pairs, rows_ok = _block_rows(sorted_ptr, gl.program_id(0), num_pairs, BLOCK_M,
+                                         rows_layout)  # fmt: skip
+            tokens = gl.where(rows_ok, pairs // top_k, 0).to(gl.int64)
+            # Rows of 16-byte multiples (`applies`), written so: 16-byte copies.
+            row_ptrs = x_ptr + tokens[:, None] * ((stride_x // 8) * 8)
+            ks = gl.arange(0, BLOCK_K_, layout=gl.SliceLayout(0, rows_layout))
+            off_n = gl.program_id(1) * BLOCK_N
+            gate_row = expert * 2 * N + off_n
+            up_row = gate_row + N
+
+            gate_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K_], w_desc.layout)
+            up_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K_], w_desc.layout)
+            rows_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K_], ROWS_LAYOUT)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(ready.index(s), count=1)
+            steps = gl.cdiv(K, BLOCK_K_)
+            for s in gl.static_range(STAGES - 1):
+                _load_step(w_desc, gate_row, ready.index(s), gate_ring.index(s), up_row,
+                           up_ring.index(s), row_ptrs, rows_ok, ks, s * BLOCK_K_, K,
+                           rows_ring.index(s), s < steps, True)  # fmt: skip
+
+            gate = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+            up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+            for i in range(steps):
+                stage = i % STAGES
+                _step_ready(ready, stage, i, STAGES)
+                rows_t = rows_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
+                gate = warpgroup_mma(gate_ring.index(stage), rows_t, gate, is_async=True)
+                up = warpgroup_mma(up_ring.index(stage), rows_t, up, is_async=True)
+                gate, up = warpgroup_mma_wait(num_outstanding=2, deps=(gate, up))
+                # Step i - 1's MMAs are done in this warpgroup; the barrier: in both, before
+                # any thread copies into their stage.
+                _threads_barrier()
+                ahead = i + STAGES - 1
+                free = ahead % STAGES
+                _load_step(w_desc, gate_row, ready.index(free), gate_ring.index(free), up_row,
+                           up_ring.index(free), row_ptrs, rows_ok, ks, ahead * BLOCK_K_, K,
+                           rows_ring.index(free), ahead < steps, True)  # fmt: skip
+            gate, up = warpgroup_mma_wait(num_outstanding=0, deps=(gate, up))
+            async_copy.wait_group(0)
+            for s in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(s))
+            hidden = gate / (1.0 + gl.exp(-gate)) * up
+            _store_rows(hidden, h_ptr, off_n, N, stride_h, sorted_ptr, num_pairs, BLOCK_M,
+                        mma_layout)  # fmt: skip
+
+    @gluon.jit
+    def _store_rows(tile, out_ptr, off_n, N, stride_out, sorted_ptr, num_pairs,
+                    BLOCK_M: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+        """tile [BLOCK_N, BLOCK_M] (output columns by pairs) into the pairs' rows of out,
+        from the MMA's own layout (a layout conversion through shared memory here made ptxas
+        serialize the loop's MMAs in kernels/gluon_int4.py)."""
+        BLOCK_N: gl.constexpr = tile.shape[0]
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        slots = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+        pairs = gl.load(sorted_ptr + slots)
+        mask = (cols < N)[:, None] & (pairs < num_pairs)[None, :]
+        ptrs = out_ptr + pairs.to(gl.int64)[None, :] * stride_out + cols[:, None]
+        gl.store(ptrs, tile.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @gluon.jit
+    def _wgmma_down_kernel(
+        w_desc,  # TMA over down [E * H, I], blocks [BLOCK_N, BLOCK_K]
+        h_ptr,  # [pairs, I]
+        out_ptr,  # [pairs, H]
+        weights_ptr,  # [pairs] float32: each pair's routing weight
+        sorted_ptr,
+        block_expert_ptr,
+        num_pairs,
+        K,  # I
+        N,  # H
+        stride_h,
+        stride_out,
+        BLOCK_M: gl.constexpr,
+        STAGES: gl.constexpr,
+        ROWS_LAYOUT: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """out[pairs, cols] = weight * (h W_down^T) for this block's pairs, its expert's down
+        rows cols (the module's docstring, 3)."""
+        expert = gl.load(block_expert_ptr + gl.program_id(0))
+        if expert >= 0:
+            BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+            BLOCK_K_: gl.constexpr = w_desc.block_type.shape[1]
+            dtype: gl.constexpr = w_desc.dtype
+            rows_layout: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K_, num_warps)
+            mma_layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+            pairs, rows_ok = _block_rows(sorted_ptr, gl.program_id(0), num_pairs, BLOCK_M,
+                                         rows_layout)  # fmt: skip
+            rows = gl.where(rows_ok, pairs, 0).to(gl.int64)
+            row_ptrs = h_ptr + rows[:, None] * ((stride_h // 8) * 8)  # 16-byte copies
+            ks = gl.arange(0, BLOCK_K_, layout=gl.SliceLayout(0, rows_layout))
+            off_n = gl.program_id(1) * BLOCK_N
+            w_row = expert * N + off_n
+
+            w_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K_], w_desc.layout)
+            rows_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K_], ROWS_LAYOUT)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(ready.index(s), count=1)
+            steps = gl.cdiv(K, BLOCK_K_)
+            for s in gl.static_range(STAGES - 1):
+                _load_step(w_desc, w_row, ready.index(s), w_ring.index(s), w_row,
+                           w_ring.index(s), row_ptrs, rows_ok, ks, s * BLOCK_K_, K,
+                           rows_ring.index(s), s < steps, False)  # fmt: skip
+
+            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma_layout)
+            for i in range(steps):
+                stage = i % STAGES
+                _step_ready(ready, stage, i, STAGES)
+                rows_t = rows_ring.index(stage).permute((1, 0))
+                acc = warpgroup_mma(w_ring.index(stage), rows_t, acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                _threads_barrier()  # step i - 1's MMA done in both warpgroups
+                ahead = i + STAGES - 1
+                free = ahead % STAGES
+                _load_step(w_desc, w_row, ready.index(free), w_ring.index(free), w_row,
+                           w_ring.index(free), row_ptrs, rows_ok, ks, ahead * BLOCK_K_, K,
+                           rows_ring.index(free), ahead < steps, False)  # fmt: skip
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            async_copy.wait_group(0)
+            for s in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(s))
+            slots = gl.program_id(0) * BLOCK_M + gl.arange(
+                0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout)
+            )
+            pairs_out = gl.load(sorted_ptr + slots)
+            weight = gl.load(weights_ptr + pairs_out, mask=pairs_out < num_pairs, other=0.0)
+            _store_rows(acc * weight[None, :], out_ptr, off_n, N, stride_out, sorted_ptr,
+                        num_pairs, BLOCK_M, mma_layout)  # fmt: skip
