@@ -1,5 +1,6 @@
-"""A mixture of experts' grouped GEMMs on Hopper's warpgroup MMA, in Gluon: bf16 or fp16
-experts with silu(gate) * up (Qwen3-MoE, Qwen2-MoE's routed experts, Mixtral, OLMoE).
+"""A mixture of experts' grouped GEMMs on Hopper's warpgroup MMA, in Gluon: bf16, fp16 or FP8
+(W8A8, a scale a row) experts with silu(gate) * up (Qwen3-MoE, Qwen2-MoE's routed experts,
+Mixtral, OLMoE).
 
 kernels/triton_moe.py's grouped GEMMs stream the chosen experts' weights at 69 % of the copy
 bandwidth at 256 tokens of Qwen3-30B-A3B (H200, 2026-12-03: 411.8 us a layer, vLLM's 334.7,
@@ -18,7 +19,7 @@ pairs), so a block of few pairs wastes no MMA rows:
    rows are summed in float32 (as the Triton path).
 
 Selected only where it runs (CUDA compute capability 9.x, Gluon) and with ENABLED, for what
-it covers (16-bit experts in x's dtype, no biases, plain SiLU); elsewhere the Triton path is
+it covers (`applies`: no biases, plain SiLU, FP8 scales a row); elsewhere the Triton path is
 the fallback and what the CPU tests cover. Tested against `kernels.moe.moe_experts_reference`
 on the GPU (tests/kernels/test_gluon_moe.py) and compiled for sm_90 without one
 (tests/kernels/target_compile.py).
@@ -32,7 +33,9 @@ import functools
 import torch
 import triton
 
+from kernels.fp8 import FP8
 from kernels.moe import ClampedSwiglu, ExpertBiases
+from kernels.triton_fp8 import quantize_fp8_rowwise
 from kernels.triton_moe_align import align
 
 try:  # Gluon's Hopper modules: Triton 3.5 on
@@ -59,7 +62,6 @@ except ImportError:  # pragma: no cover - an older Triton: the Triton path runs 
 
 # Whether moe_experts takes this path. Off until the GPU tests and a whole-step A/B have run it.
 ENABLED = False
-BLOCK_K = 64  # a K step: 128 bytes of a 16-bit row, the widest swizzle
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -109,26 +111,36 @@ def applies(
     x: torch.Tensor,
     gate_up: torch.Tensor,  # [E, 2 I, H]
     down: torch.Tensor,  # [E, H, I]
-    quantized: bool,  # FP8 experts (their scales)
+    gate_up_scale: torch.Tensor | None,  # [E, 2 I, G] float32: FP8 experts
+    down_scale: torch.Tensor | None,
     biases: ExpertBiases | None,
     swiglu: ClampedSwiglu | None,
 ) -> bool:
-    """Whether these kernels take the layer (the module's docstring): 16-bit experts in x's
-    dtype, no biases, SiLU; TMA reads the experts as 2-D row-major tensors (rows of 16-byte
-    multiples)."""
+    """Whether these kernels take the layer (the module's docstring): experts in x's 16-bit
+    dtype, or FP8 with a scale a row (W8A8, as the Triton path); no biases, SiLU. TMA reads
+    the experts as 2-D row-major tensors, and the rows gathered are copied 16 bytes at a time
+    (H and I multiples of 16 bytes' elements)."""
     hidden, inter = down.shape[1], down.shape[2]
+    if gate_up_scale is None or down_scale is None:
+        experts_ok = gate_up.dtype == down.dtype == x.dtype and gate_up_scale is down_scale
+    else:
+        experts_ok = (
+            gate_up.dtype == down.dtype == FP8
+            and gate_up_scale.shape[2] == down_scale.shape[2] == 1
+            and gate_up_scale.is_contiguous()
+            and down_scale.is_contiguous()
+        )
+    vec = 16 // gate_up.element_size()
     return (
         runs_on(x)
         and x.dtype in DTYPES
-        and gate_up.dtype == down.dtype == x.dtype
-        and not quantized
+        and experts_ok
         and biases is None
         and swiglu is None
         and gate_up.is_contiguous()
         and down.is_contiguous()
-        and hidden % 8 == 0
-        and inter % 8 == 0
-        and x.stride(0) % 8 == 0
+        and hidden % vec == 0
+        and inter % vec == 0
     )
 
 
@@ -138,52 +150,79 @@ def moe_experts_wgmma(
     down: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] float32
     ids: torch.Tensor,  # [T, k]
+    gate_up_scale: torch.Tensor | None = None,  # [E, 2 I, 1] float32: FP8 experts
+    down_scale: torch.Tensor | None = None,  # [E, H, 1]
     tiles: WgmmaMoeTiles | None = None,  # None: by the pair count (TILES)
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """`kernels.moe.moe_experts_reference` for what `applies` takes (the module's docstring)."""
+    """`kernels.moe.moe_experts_reference` for what `applies` takes (the module's docstring).
+    FP8 experts are W8A8: x and then h are rounded to e4m3 a row at a time, and each product
+    is scaled by its weight row's and input row's scales after the loop."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = down.shape
     num_pairs = num_tokens * top_k
     tiles = tiles or tiles_for(num_pairs)
-    x = x.contiguous()
+    fp8 = gate_up_scale is not None
     sorted_pairs, block_experts = align(ids, num_experts, tiles.block_m)
-    dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    block = [tiles.block_n, BLOCK_K]
-    w_layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    rows_layout = gl.NVMMASharedLayout.get_default_for([tiles.block_m, BLOCK_K], dtype)
-    constants = dict(BLOCK_M=tiles.block_m, STAGES=tiles.stages, ROWS_LAYOUT=rows_layout,
-                     num_warps=tiles.num_warps)  # fmt: skip
+    rows, rows_scale = _kernel_input(x.contiguous(), fp8)
+    gate_scale = gate_up_scale if gate_up_scale is not None else rows_scale
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    w_desc = TensorDescriptor.from_tensor(gate_up.view(-1, hidden), block, w_layout)
     grid = (block_experts.numel(), triton.cdiv(inter, tiles.block_n))
+    w_desc, constants = _launch_setup(gate_up, hidden, tiles, fp8)
     _wgmma_gate_up_kernel[grid](
-        w_desc, x, h, sorted_pairs, block_experts, num_pairs, top_k, hidden, inter,
-        x.stride(0), h.stride(0), **constants,
+        w_desc, rows, h, gate_scale, rows_scale, sorted_pairs, block_experts, num_pairs, top_k,
+        hidden, inter, rows.stride(0), h.stride(0), **constants,
     )  # fmt: skip
+    rows, rows_scale = _kernel_input(h, fp8)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    w_desc = TensorDescriptor.from_tensor(down.view(-1, inter), block, w_layout)
     grid = (block_experts.numel(), triton.cdiv(hidden, tiles.block_n))
+    w_desc, constants = _launch_setup(down, inter, tiles, fp8)
     _wgmma_down_kernel[grid](
-        w_desc, h, out, weights.float().contiguous(), sorted_pairs, block_experts, num_pairs,
-        inter, hidden, h.stride(0), out.stride(0), **constants,
+        w_desc, rows, out, down_scale if down_scale is not None else rows_scale, rows_scale,
+        weights.float().contiguous(), sorted_pairs, block_experts, num_pairs, inter, hidden,
+        rows.stride(0), out.stride(0), **constants,
     )  # fmt: skip
     return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def _kernel_input(rows: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GEMM's input rows as the kernel reads them, and their scales: e4m3 a row at a time
+    for FP8 experts; else as they are (the scales a stand-in the kernel does not read)."""
+    if fp8:
+        return quantize_fp8_rowwise(rows)
+    return rows, rows.new_empty(1, dtype=torch.float32)
+
+
+def _launch_setup(
+    experts: torch.Tensor, k: int, tiles: WgmmaMoeTiles, fp8: bool
+) -> tuple[object, dict[str, object]]:
+    """The TMA descriptor over the experts' rows ([E * rows, K]) and the kernels' constants:
+    a K step of 128 bytes (64 16-bit values, 128 e4m3)."""
+    dtype = gl.float8e4nv if fp8 else gl.bfloat16 if experts.dtype == torch.bfloat16 else gl.float16
+    block_k = 128 // experts.element_size()
+    block = [tiles.block_n, block_k]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    w_desc = TensorDescriptor.from_tensor(experts.view(-1, k), block, layout)
+    rows_layout = gl.NVMMASharedLayout.get_default_for([tiles.block_m, block_k], dtype)
+    constants = dict(BLOCK_M=tiles.block_m, STAGES=tiles.stages, ROWS_LAYOUT=rows_layout,
+                     FP8=fp8, num_warps=tiles.num_warps)  # fmt: skip
+    return w_desc, constants
 
 
 if gluon is not None:
 
     @constexpr_function
-    def _rows_layout(block_m: int, block_k: int, num_warps: int) -> gl.BlockedLayout:
-        """[BLOCK_M, BLOCK_K] gathered rows: runs of up to 8 elements (16-byte copies) along
-        K, no thread copying what another does."""
-        each = max(1, min(8, block_m * block_k // (32 * num_warps)))
+    def _rows_layout(block_m: int, block_k: int, vec: int, num_warps: int) -> gl.BlockedLayout:
+        """[BLOCK_M, BLOCK_K] gathered rows: runs of up to `vec` elements (16-byte copies)
+        along K, no thread copying what another does."""
+        each = max(1, min(vec, block_m * block_k // (32 * num_warps)))
         along_k = min(32, block_k // each)
         return gl.BlockedLayout([1, each], [32 // along_k, along_k], [num_warps, 1], [1, 0])
 
     @constexpr_function
-    def _mma_layout(block_m: int, num_warps: int) -> gl.NVMMADistributedLayout:
+    def _mma_layout(block_m: int, bits: int, num_warps: int) -> gl.NVMMADistributedLayout:
+        """The accumulator [BLOCK_N, BLOCK_M]: an instruction takes 32 bytes of K."""
         return gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16]
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 256 // bits]
         )
 
     @gluon.jit
@@ -197,9 +236,10 @@ if gluon is not None:
         _tma_load(w_desc, [w_row, k0], bar, w_buf, pred=pred)
         if TWO:
             _tma_load(w_desc, [w_row_2, k0], bar, w_buf_2, pred=pred)
-        # K a multiple of 8 (`applies`), written so the compiler sees it: the mask holds for
-        # runs of 8, and the copies take 16 bytes.
-        mask = rows_ok[:, None] & ((k0 + ks) < (K // 8) * 8)[None, :] & pred
+        # K a multiple of VEC (16 bytes, `applies`), written so the compiler sees it: the
+        # mask holds for runs of VEC, and the copies take 16 bytes.
+        VEC: gl.constexpr = 128 // rows_buf.dtype.primitive_bitwidth
+        mask = rows_ok[:, None] & ((k0 + ks) < (K // VEC) * VEC)[None, :] & pred
         _copy_load(rows_buf, row_ptrs + (k0 + ks)[None, :], mask=mask)
         async_copy.commit_group()
 
@@ -214,17 +254,12 @@ if gluon is not None:
         _threads_barrier()
 
     @gluon.jit
-    def _block_rows(sorted_ptr, block, num_pairs, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-        """The block's pairs [BLOCK_M] (in `layout`'s rows) and which are real."""
-        slots = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        pairs = gl.load(sorted_ptr + slots)
-        return pairs, pairs < num_pairs
-
-    @gluon.jit
     def _wgmma_gate_up_kernel(
         w_desc,  # TMA over gate_up [E * 2I, H], blocks [BLOCK_N, BLOCK_K]
-        x_ptr,  # [T, H]
+        x_ptr,  # [T, H]: e4m3 with FP8
         h_ptr,  # [pairs, I]
+        w_scale_ptr,  # [E * 2I] float32 with FP8: each weight row's
+        x_scale_ptr,  # [T] float32 with FP8: each row of x's
         sorted_ptr,  # [P] int32
         block_expert_ptr,  # [P / BLOCK_M] int32
         num_pairs,
@@ -236,6 +271,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr,
         STAGES: gl.constexpr,
         ROWS_LAYOUT: gl.constexpr,  # the gathered rows' shared layout
+        FP8: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """h[pairs, cols] = silu(x W_gate^T) * (x W_up^T) for this block's pairs, its expert's
@@ -245,13 +281,14 @@ if gluon is not None:
             BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
             BLOCK_K_: gl.constexpr = w_desc.block_type.shape[1]
             dtype: gl.constexpr = w_desc.dtype
-            rows_layout: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K_, num_warps)
-            mma_layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+            VEC: gl.constexpr = 128 // dtype.primitive_bitwidth  # elements in 16 bytes
+            rows_layout: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K_, VEC, num_warps)
+            mma_layout: gl.constexpr = _mma_layout(BLOCK_M, dtype.primitive_bitwidth, num_warps)
             pairs, rows_ok = _block_rows(sorted_ptr, gl.program_id(0), num_pairs, BLOCK_M,
-                                         rows_layout)  # fmt: skip
+                                         gl.SliceLayout(1, rows_layout))  # fmt: skip
             tokens = gl.where(rows_ok, pairs // top_k, 0).to(gl.int64)
             # Rows of 16-byte multiples (`applies`), written so: 16-byte copies.
-            row_ptrs = x_ptr + tokens[:, None] * ((stride_x // 8) * 8)
+            row_ptrs = x_ptr + tokens[:, None] * ((stride_x // VEC) * VEC)
             ks = gl.arange(0, BLOCK_K_, layout=gl.SliceLayout(0, rows_layout))
             off_n = gl.program_id(1) * BLOCK_N
             gate_row = expert * 2 * N + off_n
@@ -290,29 +327,42 @@ if gluon is not None:
             async_copy.wait_group(0)
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(s))
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+            pairs_out, pairs_ok = _block_rows(sorted_ptr, gl.program_id(0), num_pairs, BLOCK_M,
+                                              gl.SliceLayout(0, mma_layout))  # fmt: skip
+            if FP8:  # each product times its weight row's and its x row's scales
+                x_scale = gl.load(x_scale_ptr + pairs_out // top_k, mask=pairs_ok, other=0.0)
+                gate_scale = gl.load(w_scale_ptr + (cols - off_n) + gate_row, mask=cols < N)
+                up_scale = gl.load(w_scale_ptr + (cols - off_n) + up_row, mask=cols < N)
+                gate = gate * gate_scale[:, None] * x_scale[None, :]
+                up = up * up_scale[:, None] * x_scale[None, :]
             hidden = gate / (1.0 + gl.exp(-gate)) * up
-            _store_rows(hidden, h_ptr, off_n, N, stride_h, sorted_ptr, num_pairs, BLOCK_M,
-                        mma_layout)  # fmt: skip
+            _store_rows(hidden, h_ptr, cols, N, stride_h, pairs_out, pairs_ok)
 
     @gluon.jit
-    def _store_rows(tile, out_ptr, off_n, N, stride_out, sorted_ptr, num_pairs,
-                    BLOCK_M: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    def _block_rows(sorted_ptr, block, num_pairs, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+        """The block's pairs [BLOCK_M] in `layout` (a slice of a 2-D layout), and which are
+        real (padding slots hold the pair count)."""
+        slots = block * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+        pairs = gl.load(sorted_ptr + slots)
+        return pairs, pairs < num_pairs
+
+    @gluon.jit
+    def _store_rows(tile, out_ptr, cols, N, stride_out, pairs, pairs_ok):
         """tile [BLOCK_N, BLOCK_M] (output columns by pairs) into the pairs' rows of out,
         from the MMA's own layout (a layout conversion through shared memory here made ptxas
         serialize the loop's MMAs in kernels/gluon_int4.py)."""
-        BLOCK_N: gl.constexpr = tile.shape[0]
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-        slots = gl.program_id(0) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-        pairs = gl.load(sorted_ptr + slots)
-        mask = (cols < N)[:, None] & (pairs < num_pairs)[None, :]
+        mask = (cols < N)[:, None] & pairs_ok[None, :]
         ptrs = out_ptr + pairs.to(gl.int64)[None, :] * stride_out + cols[:, None]
         gl.store(ptrs, tile.to(out_ptr.dtype.element_ty), mask=mask)
 
     @gluon.jit
     def _wgmma_down_kernel(
         w_desc,  # TMA over down [E * H, I], blocks [BLOCK_N, BLOCK_K]
-        h_ptr,  # [pairs, I]
+        h_ptr,  # [pairs, I]: e4m3 with FP8
         out_ptr,  # [pairs, H]
+        w_scale_ptr,  # [E * H] float32 with FP8
+        h_scale_ptr,  # [pairs] float32 with FP8
         weights_ptr,  # [pairs] float32: each pair's routing weight
         sorted_ptr,
         block_expert_ptr,
@@ -324,6 +374,7 @@ if gluon is not None:
         BLOCK_M: gl.constexpr,
         STAGES: gl.constexpr,
         ROWS_LAYOUT: gl.constexpr,
+        FP8: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         """out[pairs, cols] = weight * (h W_down^T) for this block's pairs, its expert's down
@@ -333,12 +384,13 @@ if gluon is not None:
             BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
             BLOCK_K_: gl.constexpr = w_desc.block_type.shape[1]
             dtype: gl.constexpr = w_desc.dtype
-            rows_layout: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K_, num_warps)
-            mma_layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+            VEC: gl.constexpr = 128 // dtype.primitive_bitwidth
+            rows_layout: gl.constexpr = _rows_layout(BLOCK_M, BLOCK_K_, VEC, num_warps)
+            mma_layout: gl.constexpr = _mma_layout(BLOCK_M, dtype.primitive_bitwidth, num_warps)
             pairs, rows_ok = _block_rows(sorted_ptr, gl.program_id(0), num_pairs, BLOCK_M,
-                                         rows_layout)  # fmt: skip
+                                         gl.SliceLayout(1, rows_layout))  # fmt: skip
             rows = gl.where(rows_ok, pairs, 0).to(gl.int64)
-            row_ptrs = h_ptr + rows[:, None] * ((stride_h // 8) * 8)  # 16-byte copies
+            row_ptrs = h_ptr + rows[:, None] * ((stride_h // VEC) * VEC)  # 16-byte copies
             ks = gl.arange(0, BLOCK_K_, layout=gl.SliceLayout(0, rows_layout))
             off_n = gl.program_id(1) * BLOCK_N
             w_row = expert * N + off_n
@@ -371,10 +423,11 @@ if gluon is not None:
             async_copy.wait_group(0)
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(s))
-            slots = gl.program_id(0) * BLOCK_M + gl.arange(
-                0, BLOCK_M, layout=gl.SliceLayout(0, mma_layout)
-            )
-            pairs_out = gl.load(sorted_ptr + slots)
-            weight = gl.load(weights_ptr + pairs_out, mask=pairs_out < num_pairs, other=0.0)
-            _store_rows(acc * weight[None, :], out_ptr, off_n, N, stride_out, sorted_ptr,
-                        num_pairs, BLOCK_M, mma_layout)  # fmt: skip
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+            pairs_out, pairs_ok = _block_rows(sorted_ptr, gl.program_id(0), num_pairs, BLOCK_M,
+                                              gl.SliceLayout(0, mma_layout))  # fmt: skip
+            weight = gl.load(weights_ptr + pairs_out, mask=pairs_ok, other=0.0)
+            if FP8:
+                weight *= gl.load(h_scale_ptr + pairs_out, mask=pairs_ok, other=0.0)
+                acc = acc * gl.load(w_scale_ptr + (cols - off_n) + w_row, mask=cols < N)[:, None]
+            _store_rows(acc * weight[None, :], out_ptr, cols, N, stride_out, pairs_out, pairs_ok)

@@ -13,7 +13,7 @@ chosen experts' weights are read at all. Same math as `kernels.moe.moe_experts_r
    atomics: the sum's order is fixed).
 Blocks past the last group have expert -1: their programs return at once. A decode's few pairs
 take the GEMV kernels of kernels/triton_moe_gemv.py instead (`uses_gemv`); on Hopper, with
-kernels.gluon_moe.ENABLED, 16-bit experts take its warpgroup-MMA grouped GEMMs.
+kernels.gluon_moe.ENABLED, what it covers takes its warpgroup-MMA grouped GEMMs.
 
 FP8 experts are W8A8, as vLLM's: each GEMM's input is quantized to e4m3 first (x per token, the
 SiLU-and-mul rows per pair; per group of columns where the weights' scales are per group), and
@@ -222,9 +222,10 @@ def moe_experts(
     if uses_gemv(ids.numel(), down.shape[0]):
         return moe_experts_gemv(x, gate_up, down, weights, ids, **extra)
     if gluon_moe.ENABLED and gluon_moe.applies(
-        x, gate_up, down, gate_up_scale is not None, biases, swiglu
+        x, gate_up, down, gate_up_scale, down_scale, biases, swiglu
     ):
-        return gluon_moe.moe_experts_wgmma(x, gate_up, down, weights, ids)
+        return gluon_moe.moe_experts_wgmma(x, gate_up, down, weights, ids, gate_up_scale,
+                                           down_scale)  # fmt: skip
     return moe_experts_grouped(x, gate_up, down, weights, ids, **extra)
 
 

@@ -240,7 +240,8 @@ def _gluon_int4_launches() -> None:
 
 def _gluon_moe_launches() -> None:
     """Qwen3-30B-A3B's bf16 experts on the Gluon grouped GEMMs at each tile set's most pairs
-    (to 4,096 tokens), and an fp16 layer with tails along K and N."""
+    (to 4,096 tokens), its FP8 experts at 256 tokens, and an fp16 layer with tails along K
+    and N."""
     experts, hidden, inter, top_k = 128, 2048, 768, 8
     gate_up = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
     down = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
@@ -249,11 +250,16 @@ def _gluon_moe_launches() -> None:
         ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
         x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
         gluon_moe.moe_experts_wgmma(x, gate_up, down, torch.ones(tokens, top_k), ids)
+    scales = torch.ones(experts, 2 * inter, 1), torch.ones(experts, hidden, 1)
+    ids = torch.arange(2048).remainder(experts).view(256, top_k)
+    x = torch.zeros(256, hidden, dtype=torch.bfloat16)
+    gluon_moe.moe_experts_wgmma(x, gate_up.to(FP8), down.to(FP8), torch.ones(256, top_k), ids,
+                                *scales)  # fmt: skip
     ids = torch.arange(600).remainder(6).view(300, 2)
     gate_up, down = torch.empty(6, 144, 200).half(), torch.empty(6, 200, 72).half()
     tiles = gluon_moe.WgmmaMoeTiles(16, 64, 4, 2)
     x = torch.zeros(300, 200).half()
-    gluon_moe.moe_experts_wgmma(x, gate_up, down, torch.ones(300, 2), ids, tiles)
+    gluon_moe.moe_experts_wgmma(x, gate_up, down, torch.ones(300, 2), ids, tiles=tiles)
 
 
 def _attention_launches(kv_dtype: torch.dtype) -> None:

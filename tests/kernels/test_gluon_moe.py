@@ -1,9 +1,9 @@
 """The Gluon grouped GEMMs of a mixture of experts (Hopper's warpgroup MMA,
 kernels/gluon_moe.py) against `kernels.moe`'s reference on the GPU: Qwen3-30B-A3B's shape at
 decode and prefill sizes, every tile set, tails along K and N with an expert never chosen,
-fp16, a CUDA graph, the engine taking them when enabled. On every machine: where the engine
-never takes them, and their tiles' checks. Compiled for sm_90 without a GPU by
-tests/kernels/target_compile.py (test_shared_memory_fit.py)."""
+fp16, FP8 experts (W8A8), a CUDA graph, the engine taking them when enabled. On every
+machine: where the engine never takes them, and their tiles' checks. Compiled for sm_90
+without a GPU by tests/kernels/target_compile.py (test_shared_memory_fit.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def check(tokens: int, hidden: int, inter: int, num: int, top_k: int, dtype: tor
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
     x = x.to("cuda", dtype)
     weights, ids = routed(tokens, num, top_k, seed=tokens)  # expert 0 never chosen
-    out = moe_experts_wgmma(x, gate_up, down, weights, ids, tiles)
+    out = moe_experts_wgmma(x, gate_up, down, weights, ids, tiles=tiles)
     assert out.dtype == dtype and out.shape == (tokens, hidden)
     assert_kernel_close(out, moe_experts_reference(x, gate_up, down, weights, ids))
 
@@ -57,6 +57,32 @@ def test_gpu_every_tile_set_with_tails_along_k_and_n_in_fp16(tiles: WgmmaMoeTile
     # H = 200: three steps of 64 and a tail of 8; I = 72: less than a program's columns, so
     # the gate tile reads up rows and the up tile the next expert's (masked, never stored).
     check(300, 200, 72, 6, 2, torch.float16, tiles)
+
+
+def fp8_experts(num: int, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q = (torch.randn(num, rows, cols, generator=generator) * 64).to(torch.float8_e4m3fn)
+    scale = torch.rand(num, rows, 1, generator=generator) / (64 * cols**0.5) + 1e-5
+    return q.cuda(), scale.cuda()
+
+
+@pytest.mark.gpu
+@on_hopper
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "num"), [(256, 2048, 768, 128), (300, 208, 80, 6)]
+)
+def test_gpu_fp8_experts_match_the_reference(
+    tokens: int, hidden: int, inter: int, num: int
+) -> None:
+    # W8A8 with a scale a row, as the Triton path: x, then h, rounded to e4m3 a row at a time.
+    # The second shape: K steps of 128 with tails (208 = 128 + 80, 80), I under a program's.
+    gate_up, gate_up_scale = fp8_experts(num, 2 * inter, hidden, tokens)
+    down, down_scale = fp8_experts(num, hidden, inter, tokens + 1)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(3)).cuda().bfloat16()
+    weights, ids = routed(tokens, num, 8 if num > 8 else 2, seed=tokens)
+    out = moe_experts_wgmma(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+    expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+    assert_kernel_close(out, expected)
 
 
 @pytest.mark.gpu
@@ -90,8 +116,12 @@ def test_gpu_the_engine_takes_them_when_enabled(monkeypatch: pytest.MonkeyPatch)
     assert taken and out.shape == (64, 256)
     assert_kernel_close(out, moe_experts_reference(x, gate_up, down, weights, ids))
     biases = ExpertBiases(torch.zeros(16, 256, device="cuda"), torch.zeros(16, 256, device="cuda"))
-    assert not gluon_moe.applies(x, gate_up, down, False, biases, None)  # gpt-oss: Triton's
-    assert not gluon_moe.applies(x, gate_up, down, True, None, None)  # FP8 experts: Triton's
+    assert not gluon_moe.applies(x, gate_up, down, None, None, biases, None)  # gpt-oss: Triton's
+    fp8_gate_up, scale = fp8_experts(16, 256, 256, 0)
+    fp8_down, down_scale = fp8_experts(16, 256, 128, 1)
+    assert gluon_moe.applies(x, fp8_gate_up, fp8_down, scale, down_scale, None, None)
+    by_groups = scale.repeat(1, 1, 2)  # a scale a row and group: the Triton path's
+    assert not gluon_moe.applies(x, fp8_gate_up, fp8_down, by_groups, down_scale, None, None)
 
 
 def test_off_hopper_the_engine_never_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,8 +131,8 @@ def test_off_hopper_the_engine_never_takes_them(monkeypatch: pytest.MonkeyPatch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.zeros(40, 96, device=device)
     gate_up, down = torch.zeros(6, 160, 96, device=device), torch.zeros(6, 96, 80, device=device)
-    assert not gluon_moe.applies(x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), False, None,
-                                 None)  # fmt: skip
+    args = (x.bfloat16(), gate_up.bfloat16(), down.bfloat16(), None, None, None, None)
+    assert not gluon_moe.applies(*args)
     weights, ids = routed(40, 6, 2, seed=0)
     out = triton_moe.moe_experts(x, gate_up, down, weights, ids)  # the Triton path
     assert out.shape == (40, 96)
