@@ -123,10 +123,12 @@ def applies(
     hidden, inter = down.shape[1], down.shape[2]
     if gate_up_scale is None or down_scale is None:
         experts_ok = gate_up.dtype == down.dtype == x.dtype and gate_up_scale is down_scale
-    else:
+    else:  # float32 [E, rows, 1], read as [E * rows]
         experts_ok = (
             gate_up.dtype == down.dtype == FP8
-            and gate_up_scale.shape[2] == down_scale.shape[2] == 1
+            and gate_up_scale.shape == (*gate_up.shape[:2], 1)
+            and down_scale.shape == (*down.shape[:2], 1)
+            and gate_up_scale.dtype == down_scale.dtype == torch.float32
             and gate_up_scale.is_contiguous()
             and down_scale.is_contiguous()
         )
@@ -139,6 +141,7 @@ def applies(
         and swiglu is None
         and gate_up.is_contiguous()
         and down.is_contiguous()
+        and gate_up.data_ptr() % 16 == down.data_ptr() % 16 == 0
         and hidden % vec == 0
         and inter % vec == 0
     )
@@ -163,7 +166,9 @@ def moe_experts_wgmma(
     tiles = tiles or tiles_for(num_pairs)
     fp8 = gate_up_scale is not None
     sorted_pairs, block_experts = align(ids, num_experts, tiles.block_m)
-    rows, rows_scale = _kernel_input(x.contiguous(), fp8)
+    if x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+        x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)  # 16-byte rows
+    rows, rows_scale = _kernel_input(x, fp8)
     gate_scale = gate_up_scale if gate_up_scale is not None else rows_scale
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     grid = (block_experts.numel(), triton.cdiv(inter, tiles.block_n))
@@ -253,7 +258,9 @@ if gluon is not None:
         fence_async_shared()
         _threads_barrier()
 
-    @gluon.jit
+    # The pair count is not specialized, as in kernels/triton_moe.py: the warm-up's steps then
+    # meet every variant a tile set has.
+    @gluon.jit(do_not_specialize=["num_pairs"])
     def _wgmma_gate_up_kernel(
         w_desc,  # TMA over gate_up [E * 2I, H], blocks [BLOCK_N, BLOCK_K]
         x_ptr,  # [T, H]: e4m3 with FP8
@@ -356,7 +363,7 @@ if gluon is not None:
         ptrs = out_ptr + pairs.to(gl.int64)[None, :] * stride_out + cols[:, None]
         gl.store(ptrs, tile.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_pairs"])
     def _wgmma_down_kernel(
         w_desc,  # TMA over down [E * H, I], blocks [BLOCK_N, BLOCK_K]
         h_ptr,  # [pairs, I]: e4m3 with FP8

@@ -122,6 +122,8 @@ def test_gpu_the_engine_takes_them_when_enabled(monkeypatch: pytest.MonkeyPatch)
     assert gluon_moe.applies(x, fp8_gate_up, fp8_down, scale, down_scale, None, None)
     by_groups = scale.repeat(1, 1, 2)  # a scale a row and group: the Triton path's
     assert not gluon_moe.applies(x, fp8_gate_up, fp8_down, by_groups, down_scale, None, None)
+    per_expert = scale[:, :1]  # one scale an expert: not what the kernels index
+    assert not gluon_moe.applies(x, fp8_gate_up, fp8_down, per_expert, down_scale, None, None)
 
 
 def test_off_hopper_the_engine_never_takes_them(monkeypatch: pytest.MonkeyPatch) -> None:
