@@ -39,29 +39,21 @@ import torch
 import triton
 
 from kernels import triton_split_k as split_k
+from kernels.gluon_hopper import (
+    TensorDescriptor,
+    constexpr_function,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    runs_on,
+    threads_barrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from kernels.int4 import PACK
 from kernels.int4_pairs import BF16_SCALED_PAIRS_ASM, FP16_SCALED_PAIRS_ASM
-
-try:  # Gluon's Hopper modules: Triton 3.5 on
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import constexpr_function
-
-    # TMA's copy into shared memory: async_copy_global_to_shared up to Triton 3.6 (the GPU
-    # machine's), async_load from 3.7 on.
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    # A barrier of the program's threads: thread_barrier up to 3.6, barrier from 3.7 on.
-    _threads_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-except ImportError:  # pragma: no cover - an older Triton: the Triton path runs instead
-    gluon = None
 
 # Whether the engine's int4 layers use this kernel between the Triton paths' bounds. Off
 # until the GPU tests and a whole-step A/B (scripts/device_ab.sh) have run it.
@@ -90,23 +82,9 @@ class WgmmaTiles:
             raise ValueError(f"{self}: 4 or 8 warps, at least 2 stages and 1 split")
 
 
-def available() -> bool:
-    return gluon is not None
-
-
-@functools.cache
-def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def runs_on(x: torch.Tensor) -> bool:
-    """Whether x's device runs this kernel: CUDA, compute capability 9.x, Gluon here."""
-    return available() and x.is_cuda and _hopper(x.device.index or 0)
 
 
 def applies(
@@ -265,8 +243,8 @@ if gluon is not None:
         """TMA: one step's x tile and packed words into a stage of the ring."""
         nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
         mbarrier.expect(bar, nbytes, pred=pred)
-        _tma_load(x_desc, [off_m, k0], bar, x_buf, pred=pred)
-        _tma_load(w_desc, [off_n, k0 // 8], bar, w_buf, pred=pred)
+        tma_load(x_desc, [off_m, k0], bar, x_buf, pred=pred)
+        tma_load(w_desc, [off_n, k0 // 8], bar, w_buf, pred=pred)
 
     @gluon.jit
     def _group_params(scales_ptr, zeros_ptr, cols, col_ok, group, stride_scales_row,
@@ -394,9 +372,9 @@ if gluon is not None:
             gl.store(partials_ptr + (split * n + cols[:, None]) * m + rows[None, :], tile,
                      mask=mask)  # fmt: skip
             ticket_ptr = tickets_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-            _threads_barrier()  # every thread's partial stored before the ticket is taken
+            threads_barrier()  # every thread's partial stored before the ticket is taken
             last = gl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-            _threads_barrier()
+            threads_barrier()
             if last:
                 total = gl.zeros_like(tile)
                 # In split order (the same sum each time); a loop, not unrolled: the unrolled

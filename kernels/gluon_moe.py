@@ -28,37 +28,29 @@ on the GPU (tests/kernels/test_gluon_moe.py) and compiled for sm_90 without one
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 
 from kernels.fp8 import FP8
+from kernels.gluon_hopper import (
+    TensorDescriptor,
+    async_copy,
+    constexpr_function,
+    copy_load,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    runs_on,
+    threads_barrier,
+    tma_load,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_fp8 import quantize_fp8_rowwise
 from kernels.triton_moe_align import align
-
-try:  # Gluon's Hopper modules: Triton 3.5 on
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import constexpr_function
-
-    # Up to Triton 3.6 (the GPU machine's): async_copy_global_to_shared (TMA and cp.async) and
-    # thread_barrier; from 3.7 on: async_load and barrier.
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _copy_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
-    _threads_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-except ImportError:  # pragma: no cover - an older Triton: the Triton path runs instead
-    gluon = None
 
 # Whether moe_experts takes this path. Off until the GPU tests and a whole-step A/B have run it.
 ENABLED = False
@@ -91,20 +83,6 @@ TILES: tuple[tuple[int, WgmmaMoeTiles], ...] = (
 
 def tiles_for(num_pairs: int) -> WgmmaMoeTiles:
     return next(tiles for most, tiles in TILES if num_pairs <= most)
-
-
-def available() -> bool:
-    return gluon is not None
-
-
-@functools.cache
-def _hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
-def runs_on(x: torch.Tensor) -> bool:
-    """Whether x's device runs these kernels: CUDA, compute capability 9.x, Gluon here."""
-    return available() and x.is_cuda and _hopper(x.device.index or 0)
 
 
 def applies(
@@ -238,14 +216,14 @@ if gluon is not None:
         false, so that the group count is the step count)."""
         nbytes: gl.constexpr = w_desc.block_type.nbytes * (2 if TWO else 1)
         mbarrier.expect(bar, nbytes, pred=pred)
-        _tma_load(w_desc, [w_row, k0], bar, w_buf, pred=pred)
+        tma_load(w_desc, [w_row, k0], bar, w_buf, pred=pred)
         if TWO:
-            _tma_load(w_desc, [w_row_2, k0], bar, w_buf_2, pred=pred)
+            tma_load(w_desc, [w_row_2, k0], bar, w_buf_2, pred=pred)
         # K a multiple of VEC (16 bytes, `applies`), written so the compiler sees it: the
         # mask holds for runs of VEC, and the copies take 16 bytes.
         VEC: gl.constexpr = 128 // rows_buf.dtype.primitive_bitwidth
         mask = rows_ok[:, None] & ((k0 + ks) < (K // VEC) * VEC)[None, :] & pred
-        _copy_load(rows_buf, row_ptrs + (k0 + ks)[None, :], mask=mask)
+        copy_load(rows_buf, row_ptrs + (k0 + ks)[None, :], mask=mask)
         async_copy.commit_group()
 
     @gluon.jit
@@ -256,7 +234,7 @@ if gluon is not None:
         mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
         async_copy.wait_group(STAGES - 2)
         fence_async_shared()
-        _threads_barrier()
+        threads_barrier()
 
     # The pair count is not specialized, as in kernels/triton_moe.py: the warm-up's steps then
     # meet every variant a tile set has.
@@ -324,7 +302,7 @@ if gluon is not None:
                 gate, up = warpgroup_mma_wait(num_outstanding=2, deps=(gate, up))
                 # Step i - 1's MMAs are done in this warpgroup; the barrier: in both, before
                 # any thread copies into their stage.
-                _threads_barrier()
+                threads_barrier()
                 ahead = i + STAGES - 1
                 free = ahead % STAGES
                 _load_step(w_desc, gate_row, ready.index(free), gate_ring.index(free), up_row,
@@ -420,7 +398,7 @@ if gluon is not None:
                 rows_t = rows_ring.index(stage).permute((1, 0))
                 acc = warpgroup_mma(w_ring.index(stage), rows_t, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                _threads_barrier()  # step i - 1's MMA done in both warpgroups
+                threads_barrier()  # step i - 1's MMA done in both warpgroups
                 ahead = i + STAGES - 1
                 free = ahead % STAGES
                 _load_step(w_desc, w_row, ready.index(free), w_ring.index(free), w_row,

@@ -44,7 +44,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-from kernels import gluon_int4, gluon_moe
+from kernels import gluon_hopper, gluon_int4, gluon_moe
 from kernels.fp8 import FP8
 from kernels.int4 import Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
@@ -83,10 +83,10 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
     triton_decode_attention.reads_e4m3_words_on = lambda tensor: capability >= 90
     # The Gluon int4 kernel runs on Hopper alone (kernels/gluon_int4.py): an H100's 132 SMs.
     gluon_runs_on, gluon_sm_count = gluon_int4.runs_on, gluon_int4._sm_count
-    gluon_int4.runs_on = lambda tensor: capability == 90 and gluon_int4.available()
+    gluon_int4.runs_on = lambda tensor: capability == 90 and gluon_hopper.available()
     gluon_int4._sm_count = lambda index: 132
     moe_runs_on = gluon_moe.runs_on
-    gluon_moe.runs_on = lambda tensor: capability == 90 and gluon_moe.available()
+    gluon_moe.runs_on = lambda tensor: capability == 90 and gluon_hopper.available()
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
         if "INTERPRETED" in kw:  # the launchers' CPU-tensor path: compile the GPU one

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import gluon_int4, triton_int4, triton_split_k
+from kernels import gluon_hopper, gluon_int4, triton_int4, triton_split_k
 from kernels.gluon_int4 import WgmmaTiles, default_tiles, gluon_int4_linear
 from kernels.int4 import int4_linear_reference, pack_weight, quantize_int4_reference
 from tests.kernels.test_fp8_linear import LLAMA_SHAPES
@@ -21,7 +21,7 @@ SHAPES = {**LLAMA_SHAPES, "qwen3 gate_up": (24576, 4096), "qwen3 down": (4096, 1
 HOPPER = (
     torch.cuda.is_available()
     and torch.cuda.get_device_capability()[0] == 9
-    and gluon_int4.available()
+    and gluon_hopper.available()
 )
 on_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU and Gluon")
 

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import gluon_moe, triton_moe
+from kernels import gluon_hopper, gluon_moe, triton_moe
 from kernels.gluon_moe import TILES, WgmmaMoeTiles, moe_experts_wgmma
 from kernels.moe import ExpertBiases, moe_experts_reference
 from tests.kernels.test_triton_moe import assert_kernel_close, routed
@@ -20,7 +20,7 @@ from tests.kernels.test_triton_moe import assert_kernel_close, routed
 HOPPER = (
     torch.cuda.is_available()
     and torch.cuda.get_device_capability()[0] == 9
-    and gluon_moe.available()
+    and gluon_hopper.available()
 )
 on_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU and Gluon")
 
