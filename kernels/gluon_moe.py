@@ -227,6 +227,25 @@ if gluon is not None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _ring(w_desc, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, ROWS_LAYOUT: gl.constexpr,
+              TWO: gl.constexpr):  # fmt: skip
+        """The ring's shared buffers: a stage's weight tile (and a second one with TWO), the
+        pairs' rows, and its barrier (initialized)."""
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+        shape: gl.constexpr = [STAGES, BLOCK_N, BLOCK_K]
+        w_ring = gl.allocate_shared_memory(w_desc.dtype, shape, w_desc.layout)
+        w_ring_2 = w_ring
+        if TWO:
+            w_ring_2 = gl.allocate_shared_memory(w_desc.dtype, shape, w_desc.layout)
+        rows_shape: gl.constexpr = [STAGES, BLOCK_M, BLOCK_K]
+        rows_ring = gl.allocate_shared_memory(w_desc.dtype, rows_shape, ROWS_LAYOUT)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        return w_ring, w_ring_2, rows_ring, ready
+
+    @gluon.jit
     def _step_ready(ready, stage, i, STAGES: gl.constexpr):
         """Step i's stage is in: its TMA (the barrier), this thread's copies (all but the
         STAGES - 2 later groups), every thread's (the barrier of threads), visible to the
@@ -279,12 +298,7 @@ if gluon is not None:
             gate_row = expert * 2 * N + off_n
             up_row = gate_row + N
 
-            gate_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K_], w_desc.layout)
-            up_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K_], w_desc.layout)
-            rows_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K_], ROWS_LAYOUT)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(ready.index(s), count=1)
+            gate_ring, up_ring, rows_ring, ready = _ring(w_desc, BLOCK_M, STAGES, ROWS_LAYOUT, True)
             steps = gl.cdiv(K, BLOCK_K_)
             for s in gl.static_range(STAGES - 1):
                 _load_step(w_desc, gate_row, ready.index(s), gate_ring.index(s), up_row,
@@ -380,11 +394,7 @@ if gluon is not None:
             off_n = gl.program_id(1) * BLOCK_N
             w_row = expert * N + off_n
 
-            w_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K_], w_desc.layout)
-            rows_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K_], ROWS_LAYOUT)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(ready.index(s), count=1)
+            w_ring, _, rows_ring, ready = _ring(w_desc, BLOCK_M, STAGES, ROWS_LAYOUT, False)
             steps = gl.cdiv(K, BLOCK_K_)
             for s in gl.static_range(STAGES - 1):
                 _load_step(w_desc, w_row, ready.index(s), w_ring.index(s), w_row,
