@@ -15,8 +15,8 @@ buffers, STAGES - 1 steps ahead. Each step the warps dequantize the words in reg
 thread holds whole chunks of 4 words: the chunk interleave of kernels/int4.py is undone by
 renaming registers, joins and permutes, not by moving data), store the tile into one of two
 shared A buffers, and issue an asynchronous warpgroup MMA; it runs while the next step's words
-are dequantized. The weight is rounded to x's dtype as the reference rounds it ((q - z) * s in
-float32), the MMA sums in float32.
+are dequantized. The weight is rounded to x's dtype as the reference rounds it (the exact
+(q - z) * s, rounded once: kernels/int4_pairs.py), the MMA sums in float32.
 
 Narrow layers (qkv, o, down) have too few output tiles to fill the GPU: SPLIT_K programs share
 a tile's K steps, and the last to finish adds their partial sums (kernels/triton_split_k.py's
