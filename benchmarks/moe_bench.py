@@ -10,7 +10,8 @@ as in a model) from one CUDA graph, so the time is the device's with no launch g
 Python, as in a decode step. The routing logits are random: tokens spread over the experts as
 evenly as a trained router's do at best. The floor counts each layer's distinct chosen experts'
 weights, read once, at the measured copy bandwidth. On Hopper a `kvflow_gluon` row times the
-warpgroup-MMA grouped GEMMs (kernels/gluon_moe.py) whether or not the engine takes them.
+warpgroup-MMA grouped GEMMs (kernels/gluon_moe.py) at every size, whether or not the engine
+takes them.
 """
 
 from __future__ import annotations
@@ -36,13 +37,12 @@ def kvflow_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: tor
 
 def kvflow_gluon_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      top_k: int) -> torch.Tensor:  # fmt: skip
-    """The Hopper grouped GEMMs of kernels/gluon_moe.py, whether or not the engine takes them."""
+    """The Hopper grouped GEMMs of kernels/gluon_moe.py, whether or not the engine takes them,
+    at every size: a decode's few pairs too, where the engine runs the GEMV kernels (the TMA
+    ring may stream the chosen experts faster than they do)."""
     from kernels import gluon_moe, ops
-    from kernels.triton_moe import uses_gemv
 
     weights, ids = ops.moe_route(logits, top_k, renormalize=True)
-    if uses_gemv(ids.numel(), w2.shape[0]):  # a decode's few pairs: the GEMVs, as the engine
-        return ops.moe_experts(x, w13, w2, weights, ids)
     return gluon_moe.moe_experts_wgmma(x, w13, w2, weights, ids)
 
 
