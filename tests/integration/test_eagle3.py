@@ -227,6 +227,16 @@ def test_the_heads_drafts_are_eagle3s_and_change_no_output(
         assert llm.stats().num_preemptions > 0
 
 
+def test_one_draft_a_step_changes_no_output(
+    target: Path, head: Path, expected: list[list[list[int]]]
+) -> None:
+    # k = 1: the catch-up's draft alone, no further pass (and no stream kept for one).
+    spec = {**eagle3(head), "num_speculative_tokens": 1}
+    llm = LLM(str(target), dtype="float32", device="cpu", speculative_config=spec)
+    assert generate(llm, GREEDY) == expected[0]
+    assert llm.engine.scheduler.spec_decode.num_accepted_tokens > 0
+
+
 def test_a_head_that_does_not_fit_the_target_is_refused(target: Path, tmp_path: Path) -> None:
     config = transformers.AutoConfig.from_pretrained(target)
     head = write_head(tmp_path / "head", config, [3, 4, 5])

@@ -61,11 +61,12 @@ class EagleProposer(StepProposer):
         )
         layout = KVCacheLayout.of(self.head.config.layer, config.block_size, dtype)
         super().__init__(config, spec.num_speculative_tokens, max_model_len, layout, device)
-        # The token after each position, and each pass's streams, by row.
+        # The token after each position, and by row the streams a further pass reads (the
+        # last pass's are read by none).
         hidden = self.head.config.layer.hidden_size
         rows, tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.next_ids = torch.zeros(tokens, dtype=torch.int32, device=device)
-        self.streams = torch.zeros(self.num_drafts, rows, hidden, dtype=dtype, device=device)
+        self.streams = torch.zeros(self.num_drafts - 1, rows, hidden, dtype=dtype, device=device)
 
     def _stage_tokens(
         self, view: StepView, sampled: torch.Tensor | None, num_tokens: int, staged: StagedRows
@@ -91,7 +92,8 @@ class EagleProposer(StepProposer):
         drafting, at, last = self._drafting_rows(view)
         num_rows = at.shape[0]
         self.head.draft_ids(torch.index_select(normed, 0, at), out=self.ids[0, :num_rows])
-        torch.index_select(stream, 0, at, out=self.streams[0, :num_rows])
+        if self.num_drafts > 1:
+            torch.index_select(stream, 0, at, out=self.streams[0, :num_rows])
         for j in range(1, self.num_drafts):
             self._draft_pass(view.meta, last, drafting, j)
         return stream
@@ -101,10 +103,11 @@ class EagleProposer(StepProposer):
     ) -> None:
         """Draft j + 1 of each drafting row, at its drafting position `last` + j: the head
         reads draft j and its own stream before it (ids[j - 1], streams[j - 1]) and writes
-        ids[j], streams[j]."""
+        ids[j], and streams[j] where a pass follows."""
         num = last.shape[0]
         pass_meta, at = self._pass_meta(meta, last, drafting, j)
         before = self.ids[j - 1, :num], self.streams[j - 1, :num]
         normed, stream = self.head(before[0], at, before[1], self.kv_caches[0], pass_meta)
         self.head.draft_ids(normed, out=self.ids[j, :num])
-        self.streams[j, :num] = stream
+        if j + 1 < self.num_drafts:
+            self.streams[j, :num] = stream
