@@ -55,6 +55,10 @@ from kernels.triton_moe_align import align
 # Whether moe_experts takes this path. Off until the GPU tests and a whole-step A/B have run it.
 ENABLED = False
 DTYPES = (torch.bfloat16, torch.float16)
+# FP8 experts: the kernels' output missed the reference at Qwen3-30B-A3B's shape on an H100
+# (relative error over 1 % as a whole; at a small shape within it): the engine does not take
+# them until that is understood. `moe_experts_wgmma` runs them for the tests and sweeps.
+FP8_TAKEN = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +107,8 @@ def applies(
         experts_ok = gate_up.dtype == down.dtype == x.dtype and gate_up_scale is down_scale
     else:  # float32 [E, rows, 1], read as [E * rows]
         experts_ok = (
-            gate_up.dtype == down.dtype == FP8
+            FP8_TAKEN
+            and gate_up.dtype == down.dtype == FP8
             and gate_up_scale.shape == (*gate_up.shape[:2], 1)
             and down_scale.shape == (*down.shape[:2], 1)
             and gate_up_scale.dtype == down_scale.dtype == torch.float32

@@ -124,7 +124,8 @@ def test_gpu_the_engine_takes_them_when_enabled(monkeypatch: pytest.MonkeyPatch)
     assert not gluon_moe.applies(x, gate_up, down, None, None, biases, None)  # gpt-oss: Triton's
     fp8_gate_up, scale = fp8_experts(16, 256, 256, 0)
     fp8_down, down_scale = fp8_experts(16, 256, 128, 1)
-    assert gluon_moe.applies(x, fp8_gate_up, fp8_down, scale, down_scale, None, None)
+    fp8_taken = gluon_moe.applies(x, fp8_gate_up, fp8_down, scale, down_scale, None, None)
+    assert fp8_taken == gluon_moe.FP8_TAKEN
     by_groups = scale.repeat(1, 1, 2)  # a scale a row and group: the Triton path's
     assert not gluon_moe.applies(x, fp8_gate_up, fp8_down, by_groups, down_scale, None, None)
     per_expert = scale[:, :1]  # one scale an expert: not what the kernels index
