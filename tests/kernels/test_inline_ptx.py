@@ -108,20 +108,21 @@ def run_asm(text: str, registers: dict[str, int], dtype: torch.dtype) -> dict[st
     return registers
 
 
+def pair_registers(word: int, zero: int, dtype: torch.dtype) -> dict[str, int]:
+    """The pairs' inputs as the kernels pass them: the word, the word >> 4 (an arithmetic
+    shift on int32), -(BASE + z) as a 16-bit pair."""
+    signed = word - (1 << 32) if word >> 31 else word
+    offset = -(BASE[dtype] + zero)
+    return {"$4": word, "$5": (signed >> 4) & MASK32, "$6": packed([offset, offset], dtype)}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_nibble_pairs_asm_makes_q_minus_z_exactly(dtype: torch.dtype) -> None:
     generator = random.Random(0)
     for _ in range(200):
         word = generator.getrandbits(32)
         zero = generator.randrange(16)
-        signed = word - (1 << 32) if word >> 31 else word
-        offset = -(BASE[dtype] + zero)
-        registers = {
-            "$4": word,
-            "$5": (signed >> 4) & MASK32,  # packed >> 4 on int32: an arithmetic shift
-            "$6": packed([offset, offset], dtype),
-        }
-        out = run_asm(ASM[dtype].value, registers, dtype)
+        out = run_asm(ASM[dtype].value, pair_registers(word, zero, dtype), dtype)
         nibbles = [(word >> 4 * i) & 0xF for i in range(8)]
         for p in range(4):
             assert halves(out[f"${p}"], dtype) == [nibbles[2 * p] - zero, nibbles[2 * p + 1] - zero]
@@ -136,14 +137,8 @@ def test_the_scaled_pairs_asm_rounds_as_the_reference(dtype: torch.dtype) -> Non
         word = generator.getrandbits(32)
         zero = generator.randrange(16)
         scale = torch.tensor(generator.uniform(-0.05, 0.05)).to(dtype)
-        signed = word - (1 << 32) if word >> 31 else word
-        offset = -(BASE[dtype] + zero)
-        registers = {
-            "$4": word,
-            "$5": (signed >> 4) & MASK32,
-            "$6": packed([offset, offset], dtype),
-            "$7": packed([scale.item(), scale.item()], dtype),
-        }
+        registers = pair_registers(word, zero, dtype)
+        registers["$7"] = packed([scale.item(), scale.item()], dtype)
         out = run_asm(SCALED_ASM[dtype].value, registers, dtype)
         q = torch.tensor([(word >> 4 * i) & 0xF for i in range(8)], dtype=torch.float32)
         expected = ((q - zero) * scale.float()).to(dtype).tolist()
