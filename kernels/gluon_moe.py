@@ -18,6 +18,12 @@ pairs), so a block of few pairs wastes no MMA rows:
    pairs' rows of h; times each pair's routing weight, into [pairs, H]; then each token's k
    rows are summed in float32 (as the Triton path).
 
+FP8 MMAs add into their float32 accumulator at a reduced precision (Hopper keeps about 14 bits
+of the sum's mantissa); over all of Qwen3-30B-A3B's K that missed the reference by over 1 %.
+So each step's MMAs (BLOCK_K of K) start from zero and are added to the running sums in float32
+registers (`max_num_imprecise_acc`), as the Triton path's `tl.dot` a step is; bf16 and fp16
+MMAs accumulate in full float32 and are not split.
+
 Selected only where it runs (CUDA compute capability 9.x, Gluon) and with ENABLED, for what
 it covers (`applies`: no biases, plain SiLU, FP8 scales a row); elsewhere the Triton path is
 the fallback and what the CPU tests cover. Tested against `kernels.moe.moe_experts_reference`
@@ -316,8 +322,10 @@ if gluon is not None:
                 stage = i % STAGES
                 _step_ready(ready, stage, i, STAGES)
                 rows_t = rows_ring.index(stage).permute((1, 0))  # [BLOCK_K, BLOCK_M]
-                gate = warpgroup_mma(gate_ring.index(stage), rows_t, gate, is_async=True)
-                up = warpgroup_mma(up_ring.index(stage), rows_t, up, is_async=True)
+                gate = warpgroup_mma(gate_ring.index(stage), rows_t, gate, is_async=True,
+                                     max_num_imprecise_acc=BLOCK_K_)  # fmt: skip
+                up = warpgroup_mma(up_ring.index(stage), rows_t, up, is_async=True,
+                                   max_num_imprecise_acc=BLOCK_K_)  # fmt: skip
                 gate, up = warpgroup_mma_wait(num_outstanding=2, deps=(gate, up))
                 # Step i - 1's MMAs are done in this warpgroup; the barrier: in both, before
                 # any thread copies into their stage.
@@ -411,7 +419,8 @@ if gluon is not None:
                 stage = i % STAGES
                 _step_ready(ready, stage, i, STAGES)
                 rows_t = rows_ring.index(stage).permute((1, 0))
-                acc = warpgroup_mma(w_ring.index(stage), rows_t, acc, is_async=True)
+                acc = warpgroup_mma(w_ring.index(stage), rows_t, acc, is_async=True,
+                                    max_num_imprecise_acc=BLOCK_K_)  # fmt: skip
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
                 threads_barrier()  # step i - 1's MMA done in both warpgroups
                 ahead = i + STAGES - 1

@@ -20,6 +20,7 @@ Needs a CUDA GPU and ~12 GB of its memory.
 
 from __future__ import annotations
 
+import argparse
 import functools
 from typing import Any
 
@@ -127,7 +128,7 @@ def make_layers(shape: Shape, copies: int) -> list[tuple[torch.Tensor, ...]]:
 
 
 def sweep_shape(
-    shape: Shape, ms: list[int], copies: int, default_only: bool = False
+    shape: Shape, ms: list[int], copies: int, default_only: bool = False, gluon_only: bool = False
 ) -> list[dict[str, Any]]:
     layers = make_layers(shape, copies)
     peer_layers = [tinygemm_layer(*layer) for layer in layers]
@@ -139,7 +140,7 @@ def sweep_shape(
         if m > 64:  # the engine's (int4_linear's own choice), the dot and Gluon kernels'
             configs = [("engine", functools.partial(_int4, tiles=None), None)]
             configs += gluon_configs(m, shape.n, shape.k, default_only)
-            if not default_only:
+            if not (default_only or gluon_only):
                 configs += [
                     (f"dequantize by {mb} MB slices", functools.partial(_sliced, mb=mb), None)
                     for mb in SLICE_MB
@@ -200,11 +201,17 @@ def _int4(
     return int4_linear(x, qweight, scales, zeros, GROUP, tiles=tiles)
 
 
+def sweep_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--default-only", action="store_true")
+    parser.add_argument(
+        "--gluon-only", action="store_true",
+        help="past 64 rows, the engine's choice and the Gluon tiles alone",
+    )  # fmt: skip
+
+
 if __name__ == "__main__":
-    args = quantized_sweep.parse_args(
-        __doc__.split("\n\n")[0],
-        [1, 16, 32, 64, 256],
-        lambda p: p.add_argument("--default-only", action="store_true"),
+    args = quantized_sweep.parse_args(__doc__.split("\n\n")[0], [1, 16, 32, 64, 256], sweep_flags)
+    sweep = functools.partial(
+        sweep_shape, default_only=args.default_only, gluon_only=args.gluon_only
     )
-    sweep = functools.partial(sweep_shape, default_only=args.default_only)
     quantized_sweep.run(args, sweep, with_lm_head=False)
