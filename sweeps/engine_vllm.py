@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--enable-expert-parallel", action="store_true")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (dynamic W8A8)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
@@ -101,6 +103,8 @@ def main() -> None:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     runs = Runs(llm, args.seed)
     report: dict[str, Any] = {
@@ -108,6 +112,10 @@ def main() -> None:
         "model": args.model,
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        # what vLLM chose (an AWQ folder runs as awq_marlin where Marlin takes it)
+        "quantization_used": llm.llm_engine.model_config.quantization,
     }
     report["latency"] = latency(runs, args.repeats)
     print(json.dumps(report["latency"]), flush=True)
