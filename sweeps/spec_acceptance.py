@@ -111,6 +111,12 @@ def prompts_of(args: argparse.Namespace) -> list[str]:
     return code_prompts(args.num_prompts) + doc_prompts(args.num_prompts)
 
 
+# First-use compiles and graphs at the widest batch, verifying steps included: text that
+# repeats itself, so that n-gram drafts are taken, and none of the timed prompts (no prefix hit).
+WARM_UP = [[{"role": "user", "content": "Say this three times: the quick brown fox jumps over "
+             "the lazy dog."}]]  # fmt: skip
+
+
 def measure(args: argparse.Namespace, config: dict | None) -> dict[int, dict[str, Any]]:
     """One engine (speculating by `config`, or not) over the prompts at every batch size."""
     prompts = prompts_of(args)
@@ -124,7 +130,8 @@ def measure(args: argparse.Namespace, config: dict | None) -> dict[int, dict[str
         gpu_memory_utilization=args.gpu_memory_utilization,
         batch_invariant=args.batch_invariant,
     )
-    llm.chat([[{"role": "user", "content": "Hello"}]], params)  # first-use compiles
+    widest = max(b or len(prompts) for b in args.batch)
+    llm.chat(WARM_UP * widest, SamplingParams(temperature=0.0, max_tokens=32))
     return {b or len(prompts): run(llm, prompts, params, b or len(prompts)) for b in args.batch}
 
 
