@@ -176,7 +176,6 @@ def gluon_int4_linear(
     w_desc = TensorDescriptor.from_tensor(
         qweight, w_block, gl.NVMMASharedLayout.get_default_for(w_block, gl.int32)
     )
-    a_layout = gl.NVMMASharedLayout.get_default_for([tiles.block_n, BLOCK_K], dtype)
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), tiles.split_k)
     partials, tickets = split_k.workspace(grid, m, n, out, tiles)
     _int4_wgmma_kernel[grid](
@@ -190,7 +189,6 @@ def gluon_int4_linear(
         HAS_BIAS=bias is not None,
         SPLIT_K=tiles.split_k,
         STAGES=tiles.stages,
-        A_LAYOUT=a_layout,
         num_warps=tiles.num_warps,
     )  # fmt: skip
     return out
@@ -281,7 +279,6 @@ if gluon is not None:
         HAS_BIAS: gl.constexpr,
         SPLIT_K: gl.constexpr,
         STAGES: gl.constexpr,
-        A_LAYOUT: gl.constexpr,  # the dequantized tile's shared layout
         num_warps: gl.constexpr,
     ):
         """out[rows, cols]^T = sum over this split's steps of W_step x_step^T (the module's
@@ -303,7 +300,10 @@ if gluon is not None:
 
         x_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, BLOCK_K_], x_desc.layout)
         w_ring = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], w_desc.layout)
-        a_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K_], A_LAYOUT)
+        # The dequantized tiles: rows of BLOCK_K_ values as x's (128 bytes), so x's swizzled
+        # layout. Layouts are not passed as arguments: a jit cache hook (the engine's watch of
+        # late compiles) makes Triton write the arguments as JSON, which a layout fails.
+        a_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_K_], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)

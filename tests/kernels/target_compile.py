@@ -22,6 +22,7 @@ launchers' own retries with fewer stages (kernels/triton_stages.py) run as they 
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import json
 import os
@@ -42,7 +43,11 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, compile, make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.errors import OutOfResources
-from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.runtime.jit import (
+    JITFunction,
+    create_function_from_signature,
+    serialize_specialization_data,
+)
 
 from kernels import gluon_hopper, gluon_int4, gluon_moe
 from kernels.fp8 import FP8
@@ -127,11 +132,27 @@ def _compiled_shared(
     options, signature, constexprs, attrs = kernel._pack_args(
         backend, kwargs, bound, specialization, options
     )
+    _hook_serializes(kernel, signature, constexprs, attrs, options, target)
     gluon = getattr(kernel, "is_gluon", lambda: False)()
     source = (GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs, attrs)
     compiled = compile(source, target=target, options=options.__dict__)
     report = ptxas_report(compiled.asm["ptx"], capability) if REPORT_REGISTERS else {}
     return int(compiled.metadata.shared), tuple(report.items())
+
+
+def _hook_serializes(
+    kernel: JITFunction, signature: Any, constexprs: Any, attrs: Any, options: Any, target: Any
+) -> None:
+    """Where a jit cache hook is set (the engine's watch of late compiles), Triton writes each
+    new variant's arguments as JSON before compiling it: a constant JSON cannot write (a Gluon
+    layout passed as an argument, on 2026-12-06) fails that launch in the engine, not in the
+    kernel's own tests. Raises as that launch would."""
+    extra = (
+        [target] if "target" in inspect.signature(serialize_specialization_data).parameters else []
+    )
+    serialize_specialization_data(
+        kernel.fn.__qualname__, signature, constexprs, attrs, options, ("key",), *extra
+    )
 
 
 def ptxas_report(ptx: str, capability: int) -> dict[str, object]:
