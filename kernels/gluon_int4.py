@@ -127,19 +127,25 @@ def _check_layout(
 
 
 def default_tiles(m: int, n: int, k: int, sm_count: int) -> WgmmaTiles:
-    """Two warpgroups over 128 weight rows, x's rows in one MMA up to 256; K split in two
-    while the programs still fit one wave (a program an SM: its registers and shared memory
-    leave room for no second; at most 8 ways, each split a whole number of steps). Not yet
-    swept on a GPU."""
-    block_m = 64 if m <= 64 else 128 if m <= 128 else 256
-    block_n, num_warps = 128, 8
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    """The sweep's picks (`python -m sweeps.int4_sweep --model qwen3 --m 128 256 512
+    --gluon-only`, H100, 2026-12-06: each within 4 % of the best of 48 tiles at Qwen3-8B's four
+    layers): one warpgroup over 64 weight rows (twice the programs of two over 128), x's rows in
+    one MMA up to 256; two warpgroups over 128 rows only where x spans several row tiles and
+    64-row programs would pass a wave (x's tiles then read half as often). Three stages where
+    128-row programs pass a wave (less shared memory a program). K split in two while the programs
+    still fit one wave (at most 8 ways, each split a whole number of steps)."""
+    block_m = 128 if m <= 128 else 256
+    row_tiles = triton.cdiv(m, block_m)
+    block_n, num_warps = 64, 4
+    if row_tiles > 1 and triton.cdiv(n, block_n) * row_tiles > sm_count:
+        block_n, num_warps = 128, 8
+    tiles = triton.cdiv(n, block_n) * row_tiles
     steps = k // BLOCK_K
     split = 1
     while split < 8 and tiles * split * 2 <= sm_count and steps % (split * 2) == 0:
         split *= 2
-    return WgmmaTiles(block_m, block_n, num_warps, stages=4 if block_m < 256 else 3,
-                      split_k=split)  # fmt: skip
+    stages = 3 if block_m == 128 and tiles > sm_count else 4
+    return WgmmaTiles(block_m, block_n, num_warps, stages, split_k=split)
 
 
 def gluon_int4_linear(

@@ -7,6 +7,8 @@ tests/kernels/target_compile.py (test_shared_memory_fit.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -140,9 +142,16 @@ def test_tiles_are_checked_and_the_defaults_split_narrow_layers() -> None:
             assert tiles.block_m >= min(m, 256) and (k // gluon_int4.BLOCK_K) % tiles.split_k == 0
             programs = -(-n // tiles.block_n) * -(-m // tiles.block_m) * tiles.split_k
             assert tiles.split_k == 1 or programs <= 132
-    assert default_tiles(256, 4096, 4096, sm_count=132).split_k == 4  # o: 32 tiles
-    assert default_tiles(256, 6144, 4096, sm_count=132).split_k == 2  # qkv: 48
-    assert default_tiles(256, 28672, 4096, sm_count=132).split_k == 1  # gate_up: 224
+    # The sweep's picks at Qwen3-8B's layers (H100, 2026-12-06): qkv, o, gate_up, down
+    picks = {
+        128: [(128, 64, 4, 4, 1), (128, 64, 4, 4, 2), (128, 64, 4, 3, 1), (128, 64, 4, 4, 2)],
+        256: [(256, 64, 4, 4, 1), (256, 64, 4, 4, 2), (256, 64, 4, 4, 1), (256, 64, 4, 4, 2)],
+        512: [(256, 128, 8, 4, 1), (256, 64, 4, 4, 1), (256, 128, 8, 4, 1), (256, 64, 4, 4, 1)],
+    }
+    qwen3 = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+    for m, want in picks.items():
+        got = [dataclasses.astuple(default_tiles(m, n, k, sm_count=132)) for n, k in qwen3]
+        assert got == want, m
 
 
 def test_a_direct_call_with_weights_that_do_not_cover_k_is_refused() -> None:
