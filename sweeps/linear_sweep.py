@@ -1,6 +1,7 @@
 """Skinny (decode) linear layers at 8B shapes: Triton tile configs against cuBLAS.
 
-For each shape (qkv, o, gate_up, down, lm_head) of --model (Llama-3.1-8B or Qwen3-8B) and each M
+For each shape (qkv, o, gate_up, down, lm_head) of --model (Llama-3.1-8B, Qwen3-8B, ...; for
+Qwen3-30B-A3B, `qwen3-moe`, its dense layers and router) and each M
 in --m, times torch's F.linear (cuBLAS) and every config in CANDIDATES of `kernels.triton_linear`,
 and reports microseconds per call and GB/s of weights read. Then times one decode step's worth of
 linear layers, layers x (qkv, o, gate_up, down) + lm_head, with torch, with `default_tiles` (the
@@ -66,6 +67,7 @@ class Shape:
 
 MODEL_LAYERS = {
     "llama": 32, "llama-tp2": 32, "qwen3": 36, "smollm2": 30, "qwen3-0.6b": 28, "gemma3-12b": 48,
+    "qwen3-moe": 48,
 }  # fmt: skip
 MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
     "llama": [  # Llama-3.1-8B, 32 layers
@@ -102,6 +104,13 @@ MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
         Shape("gate_up", 6144, 1024),
         Shape("down", 1024, 3072),
         Shape("lm_head", 151936, 1024),
+    ],
+    "qwen3-moe": [  # Qwen3-30B-A3B's dense layers, 48 (the experts: kvflow bench moe): hidden
+        # 2048, so every layer is a few microseconds; the router's 128 rows
+        Shape("qkv", 5120, 2048),
+        Shape("o", 2048, 4096),
+        Shape("router", 128, 2048),
+        Shape("lm_head", 151936, 2048),
     ],
     "gemma3-12b": [  # Gemma-3-12B, 48 layers: K 3840 is no power of two; a vocabulary of 262k
         Shape("qkv", 8192, 3840),
