@@ -15,9 +15,9 @@ OUT=${OUT:-$PWD/ab-out}
 OLD=${OLD:-.peer-old}
 if [ -n "${GLUON_ON:-}" ]; then
     on=/tmp/gluon-on module=kernels/gluon_$GLUON_ON.py
+    grep -q '^ENABLED = False$' $module || { echo "$module: no ENABLED = False to turn on"; exit 1; }
     rm -rf $on && mkdir $on && cp -a $(ls -A | grep -v -E '^\.(peer|git$|vwhl)') $on/ || exit 1
     sed -i 's/^ENABLED = False$/ENABLED = True/' $on/$module
-    grep -q '^ENABLED = True$' $on/$module || { echo "$module: no ENABLED = False to turn on"; exit 1; }
     OLD=$PWD
     cd $on || exit 1
 fi

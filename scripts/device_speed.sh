@@ -8,8 +8,9 @@
 # Per format: batch-1 decode (128 in / 256 out: the inter-token latency) and `offline` (256
 # prompts of 512 in / 256 out, all at once): kvflow's `bench latency` and `bench throughput`,
 # vLLM's through sweeps/engine_vllm.py (both workloads in one engine start). The `serve` row
-# comes from scripts/device_serve.sh (PARTS="kvflow vllm"). Formats: bf16; fp8 (W8A8, dynamic
-# per-token activation scales, both engines' `--quantization fp8`); fp8kv (bf16 weights,
+# comes from scripts/device_serve.sh (PARTS="kvflow vllm"). Formats: bf16; fp8 (W8A8 with
+# dynamic activation scales: each engine's `--quantization fp8`, each with its own scale
+# granularity); fp8kv (bf16 weights,
 # `--kv-cache-dtype fp8`); int4 (W4A16 in AWQ's layout, groups of 128: kvflow's
 # `--quantization awq` on the bf16 folder, vLLM's on a folder whose config says AWQ).
 # Carried as for scripts/device_serve.sh (.whl/, .vwhl/ or .peerW*/, .peer/ and the vLLM parts,
@@ -26,7 +27,14 @@ export PYTHONUNBUFFERED=1
 status=0
 stage=install-vllm
 [[ $PARTS == *vllm* ]] || stage=stash
-OUT=/tmp/speed-stage PARTS=$stage bash scripts/device_serve.sh | tail -3 || exit 1
+# The wheels and parts staged (and vLLM installed): a failed install drops vLLM's part only.
+if ! OUT=/tmp/speed-stage PARTS=$stage bash scripts/device_serve.sh >"$RESULTS/stage.log" 2>&1; then
+    tail -20 "$RESULTS/stage.log"
+    [ -f "$SITE/.kvflow-wheels" ] || exit 1
+    echo "=== vLLM's install failed: kvflow alone"
+    PARTS=${PARTS//vllm/}
+    status=1
+fi
 export PYTHONPATH=$SITE:$PWD
 
 kvflow_flags() {  # FORMAT: kvflow's flags for it
@@ -41,10 +49,11 @@ kvflow_flags() {  # FORMAT: kvflow's flags for it
 vllm_model() {  # FORMAT: the folder vLLM loads (int4: the config names AWQ's layout)
     [ "$1" = int4 ] || { echo "$MODEL_DIR"; return; }
     local dir=/tmp/qwen3-8b-awq
-    mkdir -p $dir && cp "$MODEL_DIR"/* $dir/
+    mkdir -p $dir && cp "$MODEL_DIR"/* $dir/ || return 1
     python3 -c "import json, sys; c = json.load(open(sys.argv[1])); \
 c['quantization_config'] = {'quant_method': 'awq', 'bits': 4, 'group_size': 128, \
-'zero_point': True, 'version': 'gemm'}; json.dump(c, open(sys.argv[1], 'w'))" $dir/config.json
+'zero_point': True, 'version': 'gemm'}; json.dump(c, open(sys.argv[1], 'w'))" $dir/config.json \
+        || return 1
     echo $dir
 }
 
@@ -52,6 +61,7 @@ kvflow_format() {  # FORMAT
     local flags common=(--load-format dummy --max-model-len 4096 --seed 0)
     read -ra flags <<<"$(kvflow_flags "$1")"
     echo "=== kvflow $1"
+    rm -f "$RESULTS/speed_$1_latency_kvflow.json" "$RESULTS/speed_$1_offline_kvflow.json"
     python3 -m services bench latency "$MODEL_DIR" "${common[@]}" "${flags[@]}" \
         --input-len 128 --output-len 256 --batch-sizes 1 \
         --output-json "$RESULTS/speed_$1_latency_kvflow.json" >"$RESULTS/speed_$1_kvflow.log" 2>&1 \
@@ -64,7 +74,8 @@ kvflow_format() {  # FORMAT
 
 vllm_format() {  # FORMAT
     local model args=() script=$PWD/sweeps/engine_vllm.py
-    model=$(vllm_model "$1")
+    rm -f "$RESULTS/speed_$1_vllm.json"  # a warm machine's earlier run is not this one's
+    model=$(vllm_model "$1") || { echo "=== vllm $1: no model folder"; status=1; return; }
     [ "$1" = fp8 ] && args=(--quantization fp8)
     [ "$1" = fp8kv ] && args=(--kv-cache-dtype fp8)
     echo "=== vllm $1"

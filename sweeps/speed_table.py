@@ -23,6 +23,14 @@ LABELS = {
     "fp8kv": "bf16, FP8 KV cache",
     "int4": "int4 AWQ",
 }
+# What vLLM must report it ran (`quantization_used`) for its row to count: its AWQ kernels
+# (Marlin where it takes the layer), its FP8; bf16 weights otherwise.
+VLLM_QUANTIZATION = {
+    "bf16": (None,),
+    "fp8": ("fp8",),
+    "fp8kv": (None,),
+    "int4": ("awq", "awq_marlin"),
+}
 # The targets, kvflow / vLLM: batch-1 ITL at most (every format), offline at least.
 ITL_TARGET = 0.9
 OFFLINE_TARGETS = {"bf16": 1.1, "fp8": 1.15, "fp8kv": 1.1, "int4": 1.0}
@@ -46,6 +54,9 @@ def rows(results: Path) -> list[dict[str, Any]]:
         latency = load(results / f"speed_{fmt}_latency_kvflow.json")
         offline = load(results / f"speed_{fmt}_offline_kvflow.json")
         vllm = load(results / f"speed_{fmt}_vllm.json")
+        if vllm is not None and vllm.get("quantization_used") not in VLLM_QUANTIZATION[fmt]:
+            print(f"{fmt}: vLLM ran {vllm.get('quantization_used')!r}, left out")
+            vllm = None  # another format's figures: no ratio
         row: dict[str, Any] = {
             "format": fmt,
             "kvflow_itl_ms": kvflow_itl(latency),
