@@ -18,6 +18,19 @@ def rms_norm_reference(
     return weight * x32.to(x.dtype)
 
 
+def rms_norm_pair_reference(
+    a: torch.Tensor,  # [num_tokens, hidden]
+    a_weight: torch.Tensor,  # [hidden]
+    b: torch.Tensor,  # [num_tokens, hidden]
+    b_weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, 2 * hidden]
+    """a's norm and b's side by side (an EAGLE-3 layer's input: its token and hidden state)."""
+    return torch.cat(
+        [rms_norm_reference(a, a_weight, eps), rms_norm_reference(b, b_weight, eps)], -1
+    )
+
+
 def fused_add_rms_norm_reference(
     x: torch.Tensor,  # [num_tokens, hidden]
     residual: torch.Tensor,  # [num_tokens, hidden]

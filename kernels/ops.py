@@ -40,6 +40,7 @@ from kernels.norm import (
     fused_add_rms_norm_reference,
     fused_norm_add_rms_norm_reference,
     rms_norm_fp8_reference,
+    rms_norm_pair_reference,
     rms_norm_reference,
 )
 from kernels.peers import PeerBuffers
@@ -126,6 +127,15 @@ def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, first_id: int) -> to
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     module = triton_module("norm", x)
     return (module.rms_norm if module is not None else rms_norm_reference)(x, weight, eps)
+
+
+def rms_norm_pair(
+    a: torch.Tensor, a_weight: torch.Tensor, b: torch.Tensor, b_weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """[T, 2 * hidden]: the norms of a and of b side by side, in one kernel."""
+    module = triton_module("norm", a)
+    kernel = module.rms_norm_pair if module is not None else rms_norm_pair_reference
+    return kernel(a, a_weight, b, b_weight, eps)
 
 
 def fused_add_rms_norm(

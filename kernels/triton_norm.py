@@ -15,6 +15,8 @@ output ([T, H, D] with stride(0) = (H + 2 KV) * D) are normalised where they lie
 decoder drops both inputs right after the call: no allocation, and the sum is normalised while
 still in registers instead of being written out and read back. `fused_norm_add_rms_norm` norms
 x first (Gemma's norm after a sublayer, then the next one's before it: one launch for two).
+`rms_norm_pair` norms two inputs side by side into one row (EAGLE-3's layer input), one launch
+where two norms and a concatenation took three.
 
 The `_fp8` variants feed an FP8 layer (`kernels.fp8.Fp8Rows`): the normed row, rounded to its
 dtype as the plain kernel stores it, is quantized per token while still in registers, so the
@@ -121,6 +123,87 @@ def rms_norm(
         assert rows is not None  # a contiguous tensor always has the view
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     _launch(rows, None, out.view(rows.shape), weight, eps)
+    return out
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _rms_norm_pair_kernel(
+    a_ptr,  # [num_rows, hidden]
+    a_weight_ptr,  # [hidden]
+    b_ptr,  # [num_rows, hidden]
+    b_weight_ptr,  # [hidden]
+    out_ptr,  # [num_rows, 2 * hidden]: a's norm, then b's
+    num_rows,
+    stride_a,
+    stride_b,
+    stride_out,
+    hidden,
+    eps,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
+):
+    wait_for_previous_kernel(PDL)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
+    cols = tl.arange(0, BLOCK_N)  # [N]
+    col_ok = cols < hidden
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]  # [R, N]
+    out_offs = rows[:, None] * stride_out + cols[None, :]
+    if tl.program_id(1) == 0:  # the left half
+        a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0)
+        out = _normed(a, a_weight_ptr, cols, col_ok, hidden, eps)
+    else:
+        b = tl.load(b_ptr + rows[:, None] * stride_b + cols[None, :], mask=mask, other=0.0)
+        out = _normed(b, b_weight_ptr, cols, col_ok, hidden, eps)
+        out_offs += hidden
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_pair(
+    a: torch.Tensor,  # [num_tokens, hidden], rows contiguous
+    a_weight: torch.Tensor,  # [hidden]
+    b: torch.Tensor,  # [num_tokens, hidden], a's dtype
+    b_weight: torch.Tensor,  # [hidden], a_weight's dtype
+    eps: float,
+) -> torch.Tensor:  # [num_tokens, 2 * hidden]: rms_norm(a) and rms_norm(b) side by side
+    """`kernels.norm.rms_norm_pair_reference` in one launch: a program norms its rows of a or of
+    b into their half of the output."""
+    if a.dim() != 2 or a.shape != b.shape or a.dtype != b.dtype or a_weight.dtype != b_weight.dtype:
+        raise ValueError(
+            f"a {tuple(a.shape)} {a.dtype} and b {tuple(b.shape)} {b.dtype}: two 2-D inputs of "
+            "one shape and dtype, their weights of one dtype"
+        )
+    _check_weight(a, a_weight)
+    _check_weight(b, b_weight)
+    a, b = (t if t.stride(1) == 1 else t.contiguous() for t in (a, b))
+    num_rows, hidden = a.shape
+    dtype = torch.promote_types(a.dtype, a_weight.dtype)
+    out = torch.empty((num_rows, 2 * hidden), dtype=dtype, device=a.device)
+    if num_rows == 0:
+        return out
+    block_n = triton.next_power_of_2(hidden)
+    block_rows = max(1, _TILE_ELEMENTS // block_n)
+    if not batch_invariant_on():  # as _launch: one tile shape under --batch-invariant
+        block_rows = min(triton.next_power_of_2(num_rows), block_rows)
+    early = launches_early(a)
+    _rms_norm_pair_kernel[(triton.cdiv(num_rows, block_rows), 2)](
+        a,
+        a_weight.contiguous(),
+        b,
+        b_weight.contiguous(),
+        out,
+        num_rows,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        hidden,
+        eps,
+        BLOCK_ROWS=block_rows,
+        BLOCK_N=block_n,
+        PDL=early,
+        num_warps=min(max(block_rows * block_n // 512, 1), 16),
+        launch_pdl=early,
+    )
     return out
 
 

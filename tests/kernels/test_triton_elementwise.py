@@ -22,10 +22,16 @@ from kernels.activation import (
 from kernels.norm import (
     fused_add_rms_norm_reference,
     fused_norm_add_rms_norm_reference,
+    rms_norm_pair_reference,
     rms_norm_reference,
 )
 from kernels.triton_activation import gelu_tanh_and_mul, gelu_tanh_and_mul_fp8, silu_and_mul
-from kernels.triton_norm import fused_add_rms_norm, fused_norm_add_rms_norm, rms_norm
+from kernels.triton_norm import (
+    fused_add_rms_norm,
+    fused_norm_add_rms_norm,
+    rms_norm,
+    rms_norm_pair,
+)
 from tests.kernels.test_triton_fp8 import assert_close_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,6 +100,28 @@ def test_rms_norm_rows_with_padding_stride() -> None:
     torch.testing.assert_close(
         rms_norm(x, weight, EPS), rms_norm_reference(x, weight, EPS), **TIGHT
     )
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(3, 96), (1, 1000), (5, 40)])
+def test_rms_norm_pair_is_both_norms_side_by_side(rows: int, hidden: int) -> None:
+    """Each input normed by its own weight into its half of one row; b strided (a view into a
+    wider buffer, as a draft's stream is); the inputs only read."""
+    gen = torch.Generator().manual_seed(rows * hidden)
+    a = randn(rows, hidden, gen=gen)
+    b = randn(rows, hidden + 8, gen=gen)[:, :hidden]
+    a_weight, b_weight = randn(hidden, gen=gen), randn(hidden, gen=gen)
+    before = a.clone(), b.clone()
+    out = rms_norm_pair(a, a_weight, b, b_weight, EPS)
+    assert out.shape == (rows, 2 * hidden) and out.is_contiguous()
+    torch.testing.assert_close(out, rms_norm_pair_reference(a, a_weight, b, b_weight, EPS), **TIGHT)
+    torch.testing.assert_close(out[:, hidden:], rms_norm_reference(b, b_weight, EPS), **TIGHT)
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+
+
+def test_rms_norm_pair_refuses_inputs_of_two_shapes() -> None:
+    a, b, weight = torch.ones(2, 8), torch.ones(3, 8), torch.ones(8)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        rms_norm_pair(a, weight, b, weight, EPS)
 
 
 @pytest.mark.parametrize("strided", [False, True])
@@ -197,6 +225,22 @@ def test_gpu_norms(dtype: torch.dtype) -> None:
     for view in (q, k):
         out = rms_norm(view, head_weight, EPS)
         assert rel_error(out, rms_norm_reference(view, head_weight, EPS)) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_tokens", [1, 3, 96])
+def test_gpu_rms_norm_pair(num_tokens: int) -> None:
+    """An EAGLE-3 head's input at Qwen3-8B's hidden size, bf16: the same rounding as the two
+    norms apart."""
+    gen = torch.Generator().manual_seed(12)
+    bf16 = torch.bfloat16
+    a, b = (randn(num_tokens, HIDDEN, gen=gen, dtype=bf16) for _ in range(2))
+    a_weight, b_weight = (randn(HIDDEN, gen=gen, dtype=bf16) for _ in range(2))
+    out = rms_norm_pair(a, a_weight, b, b_weight, EPS)
+    expected = torch.cat([rms_norm(a, a_weight, EPS), rms_norm(b, b_weight, EPS)], dim=-1)
+    assert torch.equal(out, expected)
+    assert rel_error(out, rms_norm_pair_reference(a, a_weight, b, b_weight, EPS)) < 1e-2
 
 
 @pytest.mark.gpu

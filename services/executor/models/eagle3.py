@@ -98,14 +98,19 @@ class Eagle3Layer(nn.Module):
         self,
         positions: torch.Tensor,  # [T]
         embeds: torch.Tensor,  # [T, hidden]: of the token after each position
-        hidden: torch.Tensor,  # [T, hidden]: of each position (fc'd target's, or the head's)
+        hidden: torch.Tensor,  # [T, hidden]: of each position (fc'd target's, or the head's);
+        # overwritten with the residual stream
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, the residual stream)
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        eps = self.input_layernorm.eps  # the hidden norm's too: one config's
+        x = ops.rms_norm_pair(
+            embeds, self.input_layernorm.weight, hidden, self.hidden_norm.weight, eps
+        )
         x = self.self_attn(positions, x, kv_cache, meta)
-        # The fused norm writes in place of its inputs: the caller's `hidden` stays whole.
-        x, residual = self.post_attention_layernorm(x, hidden.clone())
+        # The fused norm writes the sum in place of `hidden`, which no caller reads again (the
+        # fc's output, or the stream of the draft before): no copy of it.
+        x, residual = self.post_attention_layernorm(x, hidden)
         return self.mlp(x), residual
 
 
