@@ -24,12 +24,12 @@ LABELS = {
     "int4": "int4 AWQ",
 }
 # What vLLM must report it ran (`quantization_used`) for its row to count: its AWQ kernels
-# (Marlin where it takes the layer), its FP8; bf16 weights otherwise.
+# (0.26 names them auto_awq: Machete on Hopper, Marlin elsewhere), its FP8; bf16 otherwise.
 VLLM_QUANTIZATION = {
     "bf16": (None,),
     "fp8": ("fp8",),
     "fp8kv": (None,),
-    "int4": ("awq", "awq_marlin"),
+    "int4": ("awq", "awq_marlin", "auto_awq"),
 }
 # The targets, kvflow / vLLM: batch-1 ITL at most (every format), offline at least.
 ITL_TARGET = 0.9
