@@ -58,12 +58,15 @@ from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_fp8 import quantize_fp8_rowwise
 from kernels.triton_moe_align import align
 
-# Whether moe_experts takes this path. Off until the GPU tests and a whole-step A/B have run it.
+# Whether moe_experts takes this path. Off: a layer at Qwen3-30B-A3B's shape is slower than
+# the Triton path's on an H100 (bf16, swept: 546.5 / 559.3 / 1,171.8 us at 256 / 1,024 / 4,096
+# tokens against 526.5 / 527.9 / 1,124.2; docs/benchmarks.md, mixture of experts).
 ENABLED = False
 DTYPES = (torch.bfloat16, torch.float16)
-# FP8 experts: the kernels' output missed the reference at Qwen3-30B-A3B's shape on an H100
-# (relative error over 1 % as a whole; at a small shape within it): the engine does not take
-# them until that is understood. `moe_experts_wgmma` runs them for the tests and sweeps.
+# FP8 experts (accumulated per K step in float32 since 2026-12-06, within the reference): not
+# taken either: in one lease on an H100 the Triton path's FP8 layer took 347.6 / 323.9 / 811.2
+# us, this one's best tiles 347.4 / 330.6 / 853.7. `moe_experts_wgmma` runs them for the tests
+# and sweeps.
 FP8_TAKEN = False
 
 
