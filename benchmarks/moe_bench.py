@@ -9,9 +9,7 @@ Each engine's call runs over `--layers` layers of random bf16 weights (4 x 1.2 G
 as in a model) from one CUDA graph, so the time is the device's with no launch gaps from
 Python, as in a decode step. The routing logits are random: tokens spread over the experts as
 evenly as a trained router's do at best. The floor counts each layer's distinct chosen experts'
-weights, read once, at the measured copy bandwidth. On Hopper a `kvflow_gluon` row times the
-warpgroup-MMA grouped GEMMs (kernels/gluon_moe.py) at every size, whether or not the engine
-takes them.
+weights, read once, at the measured copy bandwidth.
 """
 
 from __future__ import annotations
@@ -33,17 +31,6 @@ def kvflow_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: tor
 
     weights, ids = ops.moe_route(logits, top_k, renormalize=True)
     return ops.moe_experts(x, w13, w2, weights, ids)
-
-
-def kvflow_gluon_moe(x: torch.Tensor, logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     top_k: int) -> torch.Tensor:  # fmt: skip
-    """The Hopper grouped GEMMs of kernels/gluon_moe.py, whether or not the engine takes them,
-    at every size: a decode's few pairs too, where the engine runs the GEMV kernels (the TMA
-    ring may stream the chosen experts faster than they do)."""
-    from kernels import gluon_moe, ops
-
-    weights, ids = ops.moe_route(logits, top_k, renormalize=True)
-    return gluon_moe.moe_experts_wgmma(x, w13, w2, weights, ids)
 
 
 def kvflow_int4_moe(x: torch.Tensor, logits: torch.Tensor, w13: Any, w2: Any,
@@ -124,10 +111,6 @@ def moe_bench(args: argparse.Namespace) -> dict[str, Any]:
     w2 = [randn(num_e, hidden, inter, scale=inter**-0.5) for _ in range(args.layers)]
     weights = list(zip(w13, w2, strict=True))
     engines: dict[str, tuple[MoeCall, list[tuple[Any, Any]]]] = {"kvflow": (kvflow_moe, weights)}
-    from kernels import gluon_moe
-
-    if gluon_moe.runs_on(w13[0]):  # Hopper: its grouped GEMMs beside the Triton ones
-        engines["kvflow_gluon"] = (kvflow_gluon_moe, weights)
     if args.peer == "vllm":
         engines["vllm"] = (vllm_moe, weights)
     if args.int4:

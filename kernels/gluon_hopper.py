@@ -1,7 +1,7 @@
-"""What kvflow's Gluon kernels for Hopper share (kernels/gluon_int4.py, kernels/gluon_moe.py):
-Gluon's modules where this Triton has them (3.5 on; None otherwise, and the kernels' Triton
-paths run instead), the names that moved between Triton 3.6 (the GPU machine's) and 3.7, and
-whether a tensor's device runs them (CUDA, compute capability 9.x)."""
+"""What kvflow's Gluon kernels for Hopper need (kernels/gluon_int4.py): Gluon's modules where
+this Triton has them (3.5 on; None otherwise, and the kernels' Triton paths run instead), the
+names that moved between Triton 3.6 (the GPU machine's) and 3.7, and whether a tensor's device
+runs them (CUDA, compute capability 9.x)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ from typing import Any
 import torch
 
 __all__ = [
-    "TensorDescriptor", "async_copy", "available", "constexpr_function", "copy_load",
-    "fence_async_shared", "gl", "gluon", "mbarrier", "runs_on", "threads_barrier", "tma",
-    "tma_load", "warpgroup_mma", "warpgroup_mma_wait",
+    "TensorDescriptor", "available", "constexpr_function", "fence_async_shared", "gl", "gluon",
+    "mbarrier", "runs_on", "threads_barrier", "tma", "tma_load", "warpgroup_mma",
+    "warpgroup_mma_wait",
 ]  # fmt: skip
 
 gluon: Any = None
 gl: Any = None
-async_copy: Any = None
 fence_async_shared: Any = None
 mbarrier: Any = None
 tma: Any = None
@@ -27,13 +26,11 @@ warpgroup_mma_wait: Any = None
 TensorDescriptor: Any = None
 constexpr_function: Any = None
 tma_load: Any = None  # TMA into shared memory
-copy_load: Any = None  # cp.async into shared memory
 threads_barrier: Any = None  # a barrier of the program's threads
 
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared,
         mbarrier,
@@ -44,10 +41,9 @@ try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import constexpr_function
 
-    # Up to 3.6: async_copy_global_to_shared (TMA's and cp.async's) and thread_barrier; from
-    # 3.7 on: async_load and barrier.
+    # Up to 3.6: async_copy_global_to_shared and thread_barrier; from 3.7 on: async_load and
+    # barrier.
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    copy_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     threads_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 except ImportError:  # pragma: no cover - an older Triton
     gluon = None

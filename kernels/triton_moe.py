@@ -12,8 +12,9 @@ chosen experts' weights are read at all. Same math as `kernels.moe.moe_experts_r
    weight: [pairs, H] in x's dtype; then each token's k rows are summed in float32 (no
    atomics: the sum's order is fixed).
 Blocks past the last group have expert -1: their programs return at once. A decode's few pairs
-take the GEMV kernels of kernels/triton_moe_gemv.py instead (`uses_gemv`); on Hopper, with
-kernels.gluon_moe.ENABLED, what it covers takes its warpgroup-MMA grouped GEMMs.
+take the GEMV kernels of kernels/triton_moe_gemv.py instead (`uses_gemv`). (A Gluon version of
+the grouped GEMMs on Hopper's warpgroup MMA was built, swept and removed: at Qwen3-30B-A3B's
+shape on an H100 it stayed behind these, bf16 and FP8; docs/benchmarks.md, mixture of experts.)
 
 FP8 experts are W8A8, as vLLM's: each GEMM's input is quantized to e4m3 first (x per token, the
 SiLU-and-mul rows per pair; per group of columns where the weights' scales are per group), and
@@ -27,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import gluon_moe
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_fp8 import quantize_fp8_groupwise, quantize_fp8_rowwise
 from kernels.triton_moe_align import align
@@ -221,11 +221,6 @@ def moe_experts(
                  swiglu=swiglu)  # fmt: skip
     if uses_gemv(ids.numel(), down.shape[0]):
         return moe_experts_gemv(x, gate_up, down, weights, ids, **extra)
-    if gluon_moe.ENABLED and gluon_moe.applies(
-        x, gate_up, down, gate_up_scale, down_scale, biases, swiglu
-    ):
-        return gluon_moe.moe_experts_wgmma(x, gate_up, down, weights, ids, gate_up_scale,
-                                           down_scale)  # fmt: skip
     return moe_experts_grouped(x, gate_up, down, weights, ids, **extra)
 
 

@@ -7,20 +7,9 @@
 # OLD: a folder holding the other tree (e.g. `git archive <commit> | tar -x -C .peer-old`);
 # the tree this runs in is the new one. Needs .whl/ (scripts/device_wheels.sh).
 # FLAGS: more bench flags for both trees (e.g. "--quantization awq"); BATCH_SIZES: latency's.
-# GLUON_ON: a Hopper kernel module kept off by its ENABLED (int4: kernels/gluon_int4.py, moe):
-# the old tree is then this one, the new a copy of it with that module's ENABLED = True, e.g.
-#   GLUON_ON=int4 MODEL=Qwen3-8B FLAGS="--quantization awq" PARTS=throughput bash scripts/device_ab.sh
 set -uo pipefail
 OUT=${OUT:-$PWD/ab-out}
 OLD=${OLD:-.peer-old}
-if [ -n "${GLUON_ON:-}" ]; then
-    on=/tmp/gluon-on module=kernels/gluon_$GLUON_ON.py
-    grep -q '^ENABLED = False$' $module || { echo "$module: no ENABLED = False to turn on"; exit 1; }
-    rm -rf $on && mkdir $on && cp -a $(ls -A | grep -v -E '^\.(peer|git$|vwhl)') $on/ || exit 1
-    sed -i 's/^ENABLED = False$/ENABLED = True/' $on/$module
-    OLD=$PWD
-    cd $on || exit 1
-fi
 MODEL=${MODEL:-Qwen3-8B}
 PARTS=${PARTS:-"tests latency throughput"}
 ROUNDS=${ROUNDS:-2}

@@ -67,7 +67,7 @@ class Shape:
 
 MODEL_LAYERS = {
     "llama": 32, "llama-tp2": 32, "qwen3": 36, "smollm2": 30, "qwen3-0.6b": 28, "gemma3-12b": 48,
-    "qwen3-moe": 48,
+    "qwen3-moe": 48, "qwen3-eagle3": 2,
 }  # fmt: skip
 MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
     "llama": [  # Llama-3.1-8B, 32 layers
@@ -111,6 +111,17 @@ MODEL_SHAPES = {  # one decode step: MODEL_LAYERS of each but lm_head
         Shape("o", 2048, 4096),
         Shape("router", 128, 2048),
         Shape("lm_head", 151936, 2048),
+    ],
+    "qwen3-eagle3": [  # the Qwen3-8B EAGLE-3 head (shared/presets/Qwen3-8B-EAGLE3.json): at
+        # batch 1 and k = 2 a step runs fc once and its layer at 3 rows (the verified ones),
+        # then the layer again, the lm_head twice, at 1 row (`--m 1 3`; the sweep's step, every
+        # shape but lm_head twice, only approximates that); qkv reads twice the hidden size
+        Shape("fc", 4096, 12288),
+        Shape("qkv", 6144, 8192),
+        Shape("o", 4096, 4096),
+        Shape("gate_up", 24576, 4096),
+        Shape("down", 4096, 12288),
+        Shape("lm_head", 32000, 4096),
     ],
     "gemma3-12b": [  # Gemma-3-12B, 48 layers: K 3840 is no power of two; a vocabulary of 262k
         Shape("qkv", 8192, 3840),

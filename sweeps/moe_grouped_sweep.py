@@ -1,12 +1,10 @@
 """The MoE grouped GEMMs' tiles (kernels/triton_moe_tiles.py, `GROUPED_TILES` and, with --fp8,
 `GROUPED_TILES_FP8`) by token count, at Qwen3-30B-A3B's layer shape (GPU):
 
-    python3 -m sweeps.moe_grouped_sweep --out moe_grouped_sweep.json [--fp8] [--gluon]
+    python3 -m sweeps.moe_grouped_sweep --out moe_grouped_sweep.json [--fp8]
 
 For each token count and each block_m that suits it, a coordinate descent: the gate/up GEMM's
-tiles with the down GEMM's as they stand, then the down GEMM's with the best gate/up. With
---gluon, the Hopper GEMMs of kernels/gluon_moe.py instead (`TILES`): every WgmmaMoeTiles of
-those block sizes, warps and stages. Each
+tiles with the down GEMM's as they stand, then the down GEMM's with the best gate/up. Each
 figure is a layer's routing and experts, microseconds, from one CUDA graph over 4 layers of
 weights (as `kvflow bench moe`, with fewer repeats). A time budget stops the sweep early; what
 was measured is written either way.
@@ -26,8 +24,7 @@ from typing import Any
 import torch
 from triton.testing import do_bench
 
-from kernels import gluon_moe, ops
-from kernels.gluon_moe import WgmmaMoeTiles
+from kernels import ops
 from kernels.triton_fp8 import quantize_fp8_rowwise
 from kernels.triton_moe import moe_experts_grouped
 from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
@@ -46,10 +43,6 @@ CANDIDATES_FP8 = [
     GemmTiles(n, k, warps, stages)
     for n, k, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
 ]
-GLUON_CANDIDATES = [
-    WgmmaMoeTiles(block_m, 16 * warps, warps, stages)
-    for block_m, warps, stages in itertools.product((16, 32, 64, 128), (4, 8), (2, 3, 4))
-]
 Weights = list[tuple[torch.Tensor, ...]]
 
 
@@ -62,15 +55,11 @@ class Layers:
         self.logits = [randn(tokens, NUM_E) for _ in weights]
         self.rows: list[dict[str, Any]] = []
 
-    def us(self, tiles: GroupedTiles | WgmmaMoeTiles) -> float:
+    def us(self, tiles: GroupedTiles) -> float:
         def run() -> None:
             for logits, (w13, w2, *scales) in zip(self.logits, self.weights, strict=True):
                 routing, ids = ops.moe_route(logits, TOP_K, renormalize=True)
-                if isinstance(tiles, WgmmaMoeTiles):
-                    gluon_moe.moe_experts_wgmma(self.x, w13, w2, routing, ids, *scales,
-                                                tiles=tiles)  # fmt: skip
-                else:
-                    moe_experts_grouped(self.x, w13, w2, routing, ids, tiles, *scales)
+                moe_experts_grouped(self.x, w13, w2, routing, ids, tiles, *scales)
 
         us = graph_us(run, len(self.weights), f"{self.tokens} {tiles}")
         if us < float("inf"):
@@ -113,22 +102,6 @@ def descend(layers: Layers, deadline: float, fp8: bool) -> dict[str, Any]:
             "default_us": round(default_us, 1)}  # fmt: skip
 
 
-def gluon_search(layers: Layers, deadline: float) -> dict[str, Any]:
-    """Every Gluon tile set of the block sizes that suit the token count, and its default."""
-    default = gluon_moe.tiles_for(layers.tokens * TOP_K)
-    best, best_us = default, layers.us(default)
-    default_us = best_us
-    sizes = BLOCK_M.get(layers.tokens, (default.block_m,))
-    for tiles in (t for t in GLUON_CANDIDATES if t.block_m in sizes):
-        if time.monotonic() > deadline:
-            break
-        us = layers.us(tiles)
-        if us < best_us:
-            best, best_us = tiles, us
-    return {"tiles": dataclasses.asdict(best), "us": round(best_us, 1),
-            "default_us": round(default_us, 1)}  # fmt: skip
-
-
 def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Experts [E, N, K] as e4m3 with a float32 scale a row, [E, N, 1]."""
     q, scale = quantize_fp8_rowwise(weight.flatten(0, 1))
@@ -141,7 +114,6 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420.0)
     parser.add_argument("--out", type=Path, default=Path("moe_grouped_sweep.json"))
     parser.add_argument("--fp8", action="store_true", help="FP8 experts, a scale a row (W8A8)")
-    parser.add_argument("--gluon", action="store_true", help="kernels/gluon_moe.py's (Hopper)")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -160,14 +132,11 @@ def main() -> None:
     for tokens in args.tokens:
         layers = Layers(tokens, weights, randn)
         deadline = start + args.budget_s
-        if args.gluon:
-            best[tokens] = gluon_search(layers, deadline)
-        else:
-            best[tokens] = descend(layers, deadline, args.fp8)
+        best[tokens] = descend(layers, deadline, args.fp8)
         rows += layers.rows
         print(tokens, best[tokens], f"{time.monotonic() - start:.0f} s", flush=True)
-        result = {"device": torch.cuda.get_device_name(), "fp8": args.fp8,
-                  "gluon": args.gluon, "best": best, "rows": rows}  # fmt: skip
+        result = {"device": torch.cuda.get_device_name(), "fp8": args.fp8, "best": best,
+                  "rows": rows}  # fmt: skip
         args.out.write_text(json.dumps(result, indent=1))
 
 

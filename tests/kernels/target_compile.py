@@ -49,7 +49,7 @@ from triton.runtime.jit import (
     serialize_specialization_data,
 )
 
-from kernels import gluon_hopper, gluon_int4, gluon_moe
+from kernels import gluon_hopper, gluon_int4
 from kernels.fp8 import FP8
 from kernels.int4 import Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
@@ -90,8 +90,6 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
     gluon_runs_on, gluon_sm_count = gluon_int4.runs_on, gluon_int4._sm_count
     gluon_int4.runs_on = lambda tensor: capability == 90 and gluon_hopper.available()
     gluon_int4._sm_count = lambda index: 132
-    moe_runs_on = gluon_moe.runs_on
-    gluon_moe.runs_on = lambda tensor: capability == 90 and gluon_hopper.available()
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
         if "INTERPRETED" in kw:  # the launchers' CPU-tensor path: compile the GPU one
@@ -113,7 +111,6 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
             module.launches_early = saved[name]
         triton_decode_attention.reads_e4m3_words_on = reads_words
         gluon_int4.runs_on, gluon_int4._sm_count = gluon_runs_on, gluon_sm_count
-        gluon_moe.runs_on = moe_runs_on
 
 
 REPORT_REGISTERS = False  # main's --registers: run ptxas -v on each launch's code
@@ -259,30 +256,6 @@ def _gluon_int4_launches() -> None:
         gluon_int4.gluon_int4_linear(x, qweight, scales, None, 128, None, bias, tiles=tiles)
 
 
-def _gluon_moe_launches() -> None:
-    """Qwen3-30B-A3B's bf16 experts on the Gluon grouped GEMMs at each tile set's most pairs
-    (to 4,096 tokens), its FP8 experts at 256 tokens, and an fp16 layer with tails along K
-    and N."""
-    experts, hidden, inter, top_k = 128, 2048, 768, 8
-    gate_up = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16)
-    down = torch.empty(experts, hidden, inter, dtype=torch.bfloat16)
-    for most, _ in gluon_moe.TILES:
-        tokens = min(most, 4096 * top_k) // top_k
-        ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
-        x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
-        gluon_moe.moe_experts_wgmma(x, gate_up, down, torch.ones(tokens, top_k), ids)
-    scales = torch.ones(experts, 2 * inter, 1), torch.ones(experts, hidden, 1)
-    ids = torch.arange(2048).remainder(experts).view(256, top_k)
-    x = torch.zeros(256, hidden, dtype=torch.bfloat16)
-    gluon_moe.moe_experts_wgmma(x, gate_up.to(FP8), down.to(FP8), torch.ones(256, top_k), ids,
-                                *scales)  # fmt: skip
-    ids = torch.arange(600).remainder(6).view(300, 2)
-    gate_up, down = torch.empty(6, 144, 200).half(), torch.empty(6, 200, 72).half()
-    tiles = gluon_moe.WgmmaMoeTiles(16, 64, 4, 2)
-    x = torch.zeros(300, 200).half()
-    gluon_moe.moe_experts_wgmma(x, gate_up, down, torch.ones(300, 2), ids, tiles=tiles)
-
-
 def _attention_launches(kv_dtype: torch.dtype) -> None:
     """Decodes and prompts at each head size, over the whole context and in a sliding window
     (a variant of its own: the window's bounds and masks)."""
@@ -348,7 +321,6 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "fp8 gemv": (lambda: _skinny_launches([1, 16, 32, 64], fp8=True), (89, 90)),
     "int4 dot": (_int4_launches, (80, 86, 89, 90)),
     "int4 wgmma (Gluon)": (_gluon_int4_launches, (90,)),
-    "moe wgmma (Gluon)": (_gluon_moe_launches, (90,)),
     "attention bf16 cache": (lambda: _attention_launches(torch.bfloat16), (80, 86, 89, 90)),
     "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),
     "moe bf16": (lambda: _moe_launches(fp8=False), (86, 90)),  # the least shared memory, H100
