@@ -67,10 +67,7 @@ def _rms_norm_kernel(
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     wait_for_previous_kernel(PDL)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
-    cols = tl.arange(0, BLOCK_N)  # [N]
-    col_ok = cols < hidden
-    mask = (rows < num_rows)[:, None] & col_ok[None, :]  # [R, N]
+    rows, cols, col_ok, mask = _row_tile(num_rows, hidden, BLOCK_ROWS, BLOCK_N)
     outer = rows // inner_rows
     inner = rows % inner_rows
     x_offs = (outer * stride_x_outer + inner * stride_x_inner)[:, None] + cols[None, :]
@@ -96,6 +93,16 @@ def _rms_norm_kernel(
         tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
         out = to_e4m3(out / scale[:, None])
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_tile(num_rows, hidden, BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows [R] (int64) and columns [N], the columns within hidden, and the
+    [R, N] mask of elements in bounds."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    return rows, cols, col_ok, (rows < num_rows)[:, None] & col_ok[None, :]
 
 
 @triton.jit
@@ -144,10 +151,7 @@ def _rms_norm_pair_kernel(
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
 ):
     wait_for_previous_kernel(PDL)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [R]
-    cols = tl.arange(0, BLOCK_N)  # [N]
-    col_ok = cols < hidden
-    mask = (rows < num_rows)[:, None] & col_ok[None, :]  # [R, N]
+    rows, cols, col_ok, mask = _row_tile(num_rows, hidden, BLOCK_ROWS, BLOCK_N)
     out_offs = rows[:, None] * stride_out + cols[None, :]
     if tl.program_id(1) == 0:  # the left half
         a = tl.load(a_ptr + rows[:, None] * stride_a + cols[None, :], mask=mask, other=0.0)
@@ -181,10 +185,7 @@ def rms_norm_pair(
     out = torch.empty((num_rows, 2 * hidden), dtype=dtype, device=a.device)
     if num_rows == 0:
         return out
-    block_n = triton.next_power_of_2(hidden)
-    block_rows = max(1, _TILE_ELEMENTS // block_n)
-    if not batch_invariant_on():  # as _launch: one tile shape under --batch-invariant
-        block_rows = min(triton.next_power_of_2(num_rows), block_rows)
+    block_rows, block_n, num_warps = _tile_shape(num_rows, hidden)
     early = launches_early(a)
     _rms_norm_pair_kernel[(triton.cdiv(num_rows, block_rows), 2)](
         a,
@@ -201,7 +202,7 @@ def rms_norm_pair(
         BLOCK_ROWS=block_rows,
         BLOCK_N=block_n,
         PDL=early,
-        num_warps=min(max(block_rows * block_n // 512, 1), 16),
+        num_warps=num_warps,
         launch_pdl=early,
     )
     return out
@@ -315,6 +316,16 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _tile_shape(num_rows: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_N, num_warps): whole rows packed to about _TILE_ELEMENTS a program."""
+    block_n = triton.next_power_of_2(hidden)
+    block_rows = max(1, _TILE_ELEMENTS // block_n)
+    if not batch_invariant_on():  # else one tile shape, so one reduction order, at any count
+        block_rows = min(triton.next_power_of_2(num_rows), block_rows)
+    # About 16 elements per thread: two 128-bit loads of bf16, enough to hide the latency.
+    return block_rows, block_n, min(max(block_rows * block_n // 512, 1), 16)
+
+
 def _launch(
     x: torch.Tensor,  # [outer, inner, hidden]
     residual: torch.Tensor | None,  # [outer, inner, hidden]
@@ -329,12 +340,7 @@ def _launch(
     num_rows = outer * inner
     if num_rows == 0:
         return
-    block_n = triton.next_power_of_2(hidden)
-    block_rows = max(1, _TILE_ELEMENTS // block_n)
-    if not batch_invariant_on():  # else one tile shape, so one reduction order, at any count
-        block_rows = min(triton.next_power_of_2(num_rows), block_rows)
-    # About 16 elements per thread: two 128-bit loads of bf16, enough to hide the latency.
-    num_warps = min(max(block_rows * block_n // 512, 1), 16)
+    block_rows, block_n, num_warps = _tile_shape(num_rows, hidden)
     res = x if residual is None else residual  # never dereferenced without HAS_RESIDUAL
     scale, static = fp8_scales if fp8_scales is not None else (None, None)
     grid = (triton.cdiv(num_rows, block_rows),)
