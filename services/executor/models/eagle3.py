@@ -99,7 +99,7 @@ class Eagle3Layer(nn.Module):
         positions: torch.Tensor,  # [T]
         embeds: torch.Tensor,  # [T, hidden]: of the token after each position
         hidden: torch.Tensor,  # [T, hidden]: of each position (fc'd target's, or the head's);
-        # overwritten with the residual stream
+        # overwritten on the GPU with the residual stream (the fused norms work in place)
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (the MLP's output, the residual stream)
@@ -143,7 +143,7 @@ class Eagle3Head(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]: the token after each position
         positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, hidden]
+        hidden: torch.Tensor,  # [T, hidden]: overwritten (on the GPU, with the stream)
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (final-normed [T, hidden], the stream [T, hidden])
