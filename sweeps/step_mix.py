@@ -8,6 +8,9 @@ request's prompt. This measures, in-process through `EngineCore`:
   512 tokens, eager above): the first few timed apart, then profiled the same way.
 
     python -m sweeps.step_mix Qwen3-8B --load-format dummy --batch 32 --prompt-len 200
+
+`--quantization` and `--kv-cache-dtype` as the engine's (e.g. `--quantization fp8 --batch 256`:
+where an FP8 step of `offline`'s batch spends its time, beside the same run in bf16).
 """
 
 from __future__ import annotations
@@ -51,14 +54,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quantization", help="as the engine's (fp8, awq, ...)")
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
 
-    llm = LLM(args.model, load_format=args.load_format, max_model_len=args.max_model_len, seed=0)
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        max_model_len=args.max_model_len,
+        seed=0,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     engine = llm.engine
     vocab = llm.runner.model_config.vocab_size
     prompts = iter(random_prompts(1000, [args.prompt_len] * 1000, vocab, seed=1))
-    report: dict[str, Any] = {"model": args.model, "device": torch.cuda.get_device_name()}
+    report: dict[str, Any] = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(),
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+    }
     report["first_request_ttft_ms"] = first_token_ms(engine, next(prompts), "cold")
     warm = [first_token_ms(engine, next(prompts), f"warm-{i}") for i in range(10)]
     report["warm_ttft_ms_median"] = statistics.median(warm)
