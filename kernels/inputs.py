@@ -40,3 +40,36 @@ def draft_pass_inputs_reference(
     slot_mapping.copy_(slots)
     seq_lens.copy_(torch.where(room, positions + 1, 1))
     rotary_positions.copy_(positions.clamp(max=max_model_len - 1))
+
+
+def catch_up_rows_reference(
+    base: torch.Tensor,  # [R] int64: each row's first sampled position's index, -1: no drafts
+    blocks: torch.Tensor,  # [R] int64: the blocks each row holds
+    first_sample: torch.Tensor,  # [V] int64, V <= R: each verified row's first sample's index
+    drafts: torch.Tensor,  # [V, k] int64: the drafts each verified, -1 past its own
+    sampled: torch.Tensor | None,  # [S]: the step's samples (None: nothing verified)
+    positions: torch.Tensor,  # [T] int: the step's positions
+    row_blocks: torch.Tensor,  # [R] int64, out: blocks
+    draft_at: torch.Tensor,  # [R] int64, out: the drafting position's index, base + accepted
+    accepted: torch.Tensor,  # [V] int64, out: the leading drafts equal to the samples
+    drafting: torch.Tensor,  # [R] bool, out: draft_at >= 0
+    at: torch.Tensor,  # [R] int64, out: draft_at, 0 where it is -1
+    last: torch.Tensor,  # [R] int64, out: the position at `at`
+) -> None:
+    """A speculative step's catch-up rows, on the device: each row's drafts accepted (those
+    equal to the samples before them, in order: sample i + 1 was drawn after draft i), so its
+    drafting position; a sample's index is clamped into [0, S)."""
+    row_blocks.copy_(blocks)
+    accepted.zero_()
+    if sampled is not None and first_sample.numel():
+        k = drafts.shape[1]
+        columns = torch.arange(k, device=base.device)
+        index = (first_sample[:, None] + columns).clamp(0, sampled.shape[0] - 1)
+        equal = sampled[index] == drafts  # a -1 (no draft) equals no sample
+        accepted.copy_(equal.long().cumprod(dim=1).sum(dim=1))
+    gained = torch.zeros_like(base)
+    gained[: accepted.shape[0]] = accepted
+    draft_at.copy_(torch.where(base >= 0, base + gained, -1))
+    drafting.copy_(draft_at >= 0)
+    at.copy_(draft_at.clamp(min=0))
+    last.copy_(positions[at])

@@ -24,7 +24,11 @@ from kernels.argmax import argmax_reference
 from kernels.attention import paged_attention_reference
 from kernels.embedding import embedding_rows_reference
 from kernels.fp8 import Fp8Rows
-from kernels.inputs import draft_pass_inputs_reference, gather_sampled_inputs_reference
+from kernels.inputs import (
+    catch_up_rows_reference,
+    draft_pass_inputs_reference,
+    gather_sampled_inputs_reference,
+)
 from kernels.int4 import Int4Stack
 from kernels.linear import linear_reference
 from kernels.lora import LoraDelta, lora_expand_reference, lora_shrink_reference
@@ -290,6 +294,17 @@ def gather_sampled_inputs(
     module = triton_module("inputs", input_ids)
     kernel = module.gather_sampled_inputs if module is not None else gather_sampled_inputs_reference
     kernel(input_ids, source_rows, sampled_ids)
+
+
+def catch_up_rows(
+    base: torch.Tensor, blocks: torch.Tensor, first_sample: torch.Tensor, drafts: torch.Tensor,
+    sampled: torch.Tensor | None, positions: torch.Tensor,
+    *outs: torch.Tensor,  # row_blocks, draft_at, accepted, drafting, at, last
+) -> None:  # fmt: skip
+    """A speculative step's catch-up rows (`kernels.inputs.catch_up_rows_reference`)."""
+    module = triton_module("inputs", base)
+    kernel = module.catch_up_rows if module is not None else catch_up_rows_reference
+    kernel(base, blocks, first_sample, drafts, sampled, positions, *outs)
 
 
 def draft_pass_inputs(

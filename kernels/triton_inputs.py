@@ -2,6 +2,7 @@
 
 Same as `kernels.inputs.gather_sampled_inputs_reference`, in one launch instead of four small
 torch ops: it runs in every decode step (inside the CUDA graph), where launches are the cost.
+A speculative proposer's per-step rows (`catch_up_rows`, `draft_pass_inputs`) likewise.
 """
 
 from __future__ import annotations
@@ -114,4 +115,81 @@ def draft_pass_inputs(
     _draft_pass_kernel[(triton.cdiv(num_rows, _BLOCK),)](
         last, drafting.view(torch.uint8), row_blocks, block_tables, *outs, num_rows, step,
         block_tables.stride(0), block_tables.shape[1], block_size, max_model_len, BLOCK=_BLOCK,
+    )  # fmt: skip
+
+
+# NOTE: the counts follow each step's rows and samples; not specialised (1, a multiple of 16),
+# a new count never compiles a variant inside a running server.
+@triton.jit(do_not_specialize=["num_rows", "num_verified", "num_checked", "num_sampled"])
+def _catch_up_rows_kernel(
+    base_ptr,
+    blocks_ptr,
+    first_ptr,
+    drafts_ptr,
+    sampled_ptr,
+    positions_ptr,
+    row_blocks_ptr,
+    draft_at_ptr,
+    accepted_ptr,
+    drafting_ptr,
+    at_ptr,
+    last_ptr,
+    num_rows,
+    num_verified,  # rows with an accepted count (first_sample's, drafts')
+    num_checked,  # rows held to the samples: num_verified, or 0 without samples
+    num_sampled,
+    K: tl.constexpr,  # drafts a row
+    BLOCK: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
+    valid = rows < num_rows
+    checked = rows < num_checked
+    base = tl.load(base_ptr + rows, mask=valid, other=-1)
+    tl.store(row_blocks_ptr + rows, tl.load(blocks_ptr + rows, mask=valid, other=0), mask=valid)
+    accepted = tl.zeros([BLOCK], tl.int64)
+    first = tl.load(first_ptr + rows, mask=checked, other=0)
+    going = checked
+    for j in tl.static_range(K):  # the leading drafts equal to their samples
+        index = tl.minimum(tl.maximum(first + j, 0), num_sampled - 1)
+        sample = tl.load(sampled_ptr + index, mask=checked, other=0).to(tl.int64)
+        draft = tl.load(drafts_ptr + rows * K + j, mask=checked, other=0)
+        going = going & (sample == draft)
+        accepted += going.to(tl.int64)
+    tl.store(accepted_ptr + rows, accepted, mask=rows < num_verified)
+    draft_at = tl.where(base >= 0, base + accepted, -1)
+    at = tl.maximum(draft_at, 0)
+    tl.store(draft_at_ptr + rows, draft_at, mask=valid)
+    tl.store(drafting_ptr + rows, (draft_at >= 0).to(tl.uint8), mask=valid)
+    tl.store(at_ptr + rows, at, mask=valid)
+    last = tl.load(positions_ptr + at, mask=valid, other=0)
+    tl.store(last_ptr + rows, last.to(tl.int64), mask=valid)
+
+
+def catch_up_rows(
+    base: torch.Tensor,  # [R] int64
+    blocks: torch.Tensor,  # [R] int64
+    first_sample: torch.Tensor,  # [V] int64
+    drafts: torch.Tensor,  # [V, k] int64
+    sampled: torch.Tensor | None,  # [S]
+    positions: torch.Tensor,  # [T] int
+    *outs: torch.Tensor,  # row_blocks, draft_at, accepted, drafting, at, last
+) -> None:
+    """`kernels.inputs.catch_up_rows_reference` in one launch instead of some fifteen small
+    torch ops: it runs after every speculative step, before the proposer's graphs."""
+    row_blocks, draft_at, accepted, drafting, at, last = outs
+    num_rows, num_verified = base.shape[0], first_sample.shape[0]
+    if drafting.dtype != torch.bool or any(
+        t.dtype != torch.int64 or not t.is_contiguous()
+        for t in (base, blocks, first_sample, drafts, row_blocks, draft_at, accepted, at, last)
+    ):
+        raise ValueError("the rows must be contiguous int64 (drafting: bool)")
+    if num_rows == 0:
+        return
+    # Without samples, no row is held to them: one variant either way (no constant differs).
+    verify = sampled is not None and sampled.shape[0] > 0
+    _catch_up_rows_kernel[(triton.cdiv(num_rows, _BLOCK),)](
+        base, blocks, first_sample, drafts, sampled if verify else base, positions, row_blocks,
+        draft_at, accepted, drafting.view(torch.uint8), at, last, num_rows, num_verified,
+        num_verified if verify else 0, sampled.shape[0] if verify else 1,
+        K=max(drafts.shape[1], 1), BLOCK=_BLOCK,
     )  # fmt: skip

@@ -66,3 +66,42 @@ def test_draft_pass_inputs_match_the_reference_and_the_rules() -> None:
     )  # fmt: skip
     for got, want in zip(device_outs, outs, strict=True):
         assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_catch_up_rows_match_the_reference_and_the_rules(verify: bool) -> None:
+    """A step's catch-up rows: each verified row accepts its leading drafts equal to the
+    samples after its first (-1: no draft, equal to no sample), and drafts at base + accepted;
+    a row with base -1 (no drafts) and the padding rows past the verified ones draft nowhere;
+    without samples nothing is accepted."""
+    from kernels.inputs import catch_up_rows_reference
+    from kernels.triton_inputs import catch_up_rows
+
+    base = torch.tensor([3, 7, -1, 10, 0, -1])  # two padding rows past the four verified
+    blocks = torch.tensor([1, 2, 3, 4, 5, 6])
+    first_sample = torch.tensor([0, 3, 5, 6])
+    drafts = torch.tensor([[11, 12, 13], [21, 99, 23], [31, 32, 33], [-1, -1, -1]])
+    # samples: row 0 at 0-3 (all three drafts match), row 1 at 3-6 (one), row 3 at 6 (clamped)
+    sampled = torch.tensor([11, 12, 13, 21, 22, 23, 40]) if verify else None
+    positions = torch.arange(100, 120)
+
+    def run(fn, device: str) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+        outs = [torch.full((6,), 5, dtype=torch.int64, device=device) for _ in range(2)]
+        outs += [torch.full((4,), 5, dtype=torch.int64, device=device)]
+        outs += [torch.ones(6, dtype=torch.bool, device=device)]
+        outs += [torch.full((6,), 5, dtype=torch.int64, device=device) for _ in range(2)]
+        args = [t.to(device) for t in (base, blocks, first_sample, drafts)]
+        samples = None if sampled is None else sampled.to(device)
+        fn(*args, samples, positions.to(device), *outs)
+        return [out.cpu() for out in outs]
+
+    want = run(catch_up_rows_reference, "cpu")
+    row_blocks, draft_at, accepted, drafting, at, last = want
+    assert row_blocks.tolist() == blocks.tolist()
+    assert accepted.tolist() == ([3, 1, 0, 0] if verify else [0, 0, 0, 0])
+    assert draft_at.tolist() == ([6, 8, -1, 10, 0, -1] if verify else [3, 7, -1, 10, 0, -1])
+    assert drafting.tolist() == [d >= 0 for d in draft_at.tolist()]
+    assert at.tolist() == [max(d, 0) for d in draft_at.tolist()]
+    assert last.tolist() == [100 + a for a in at.tolist()]
+    for got, expected in zip(run(catch_up_rows, DEVICE), want, strict=True):
+        assert torch.equal(got, expected)

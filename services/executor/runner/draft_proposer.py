@@ -83,11 +83,9 @@ class DraftProposer(StepProposer):
         """Each row's sample at its drafting position (none without samples on the device:
         then no row drafts)."""
         if sampled is None or not sampled.shape[0]:
-            self.draft_at.fill_(-1)
+            self._draft_none()
             return
-        at = staged.first_sample
-        if staged.accepted is not None:
-            at = at + staged.accepted
+        at = staged.first_sample + staged.accepted
         rows = at.shape[0]
         self.first_ids[:rows] = sampled[at.clamp(max=sampled.shape[0] - 1)]
 

@@ -93,7 +93,7 @@ class StagedRows(NamedTuple):
     """What `_stage` puts on the device for a subclass's inputs, by row of the step."""
 
     first_sample: torch.Tensor  # [rows]: the row's first sample index
-    accepted: torch.Tensor | None  # [rows]: the drafts it accepted (None: no row verified)
+    accepted: torch.Tensor  # [rows]: the drafts it accepted (0 where it verified none)
     chunk_ends: torch.Tensor  # the last position of each prompt chunk short of its end
     chunk_next: torch.Tensor  # the token after it
 
@@ -127,8 +127,13 @@ class StepProposer(abc.ABC):
         rows, tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.draft_at = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.row_blocks = torch.zeros(rows, dtype=torch.int64, device=device)
+        # and, from draft_at (ops.catch_up_rows): the drafts each row accepted, whether it
+        # drafts, its drafting position's token index (0 where none) and that position
+        self.accepted = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.drafting = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.at = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.last = torch.zeros(rows, dtype=torch.int64, device=device)
         self.ids = torch.zeros(num_drafts, rows, dtype=torch.int64, device=device)
-        self.columns = torch.arange(num_drafts, device=device)
         # query_start_loc of a draft pass: one token a row; its slots, context lengths and
         # rotary positions (ops.draft_pass_inputs)
         self.row_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
@@ -235,19 +240,23 @@ class StepProposer(abc.ABC):
             inputs.chunk_next,
         )
         base, blocks, first_sample, drafts, chunk_ends, chunk_next = parts
-        self.row_blocks[:num_rows].copy_(blocks)
-        accepted = None
-        if sampled is None or not any(inputs.verified):
-            self.draft_at[:num_rows].copy_(base)
-        else:  # each verifying row's accepted drafts: those equal to the samples before them
-            rows = len(inputs.base)
-            at = (first_sample[:, None] + self.columns).clamp(max=sampled.shape[0] - 1)
-            equal = sampled[at] == drafts.view(rows, k)  # a -1 (no draft) equals no sample
-            accepted = equal.cumprod(dim=1).sum(dim=1)
-            self.draft_at[:rows] = torch.where(base[:rows] >= 0, base[:rows] + accepted, -1)
-            self.draft_at[rows:num_rows] = -1
+        rows = len(inputs.base)
+        verified = sampled if any(inputs.verified) else None
+        accepted = self.accepted[:rows]
+        ops.catch_up_rows(
+            base, blocks, first_sample, drafts.view(rows, k), verified, view.positions,
+            self.row_blocks[:num_rows], self.draft_at[:num_rows], accepted,
+            self.drafting[:num_rows], self.at[:num_rows], self.last[:num_rows],
+        )  # fmt: skip
         staged = StagedRows(first_sample, accepted, chunk_ends, chunk_next)
         self._stage_tokens(view, sampled, num_tokens, staged)
+
+    def _draft_none(self) -> None:
+        """No row drafts this step (as the capture of the graphs has it)."""
+        self.draft_at.fill_(-1)
+        self.drafting.zero_()
+        self.at.zero_()
+        self.last.zero_()
 
     @abc.abstractmethod
     def _stage_tokens(
@@ -304,16 +313,16 @@ class StepProposer(abc.ABC):
 
     def _drafting_rows(self, view: StepView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Of each row of the step (padding included): whether it drafts, the token index of
-        its drafting position and that position (0 where it does not draft)."""
+        its drafting position and that position (0 where it does not draft), as `_stage`
+        made them."""
         num_rows = view.meta.seq_lens.shape[0]
-        at = self.draft_at[:num_rows].clamp(min=0)
-        return self.draft_at[:num_rows] >= 0, at, torch.index_select(view.positions, 0, at)
+        return self.drafting[:num_rows], self.at[:num_rows], self.last[:num_rows]
 
     def capture_graphs(self, target_graphs: StepGraphs) -> None:
         """CUDA graphs of the catch-up and the draft passes after it, one for each of the
         target's (the same step buffers, the same shapes): a pass of small kernels, whose
         launches from Python would cost more than the GPU's work."""
-        self.draft_at.fill_(-1)  # the captures draft nothing and write no draft KV
+        self._draft_none()  # the captures draft nothing and write no draft KV
         self.row_blocks.zero_()
         graphs = StepGraphs(
             self._catch_up_forward,
