@@ -73,3 +73,18 @@ def catch_up_rows_reference(
     drafting.copy_(draft_at >= 0)
     at.copy_(draft_at.clamp(min=0))
     last.copy_(positions[at])
+
+
+def next_token_ids_reference(
+    input_ids: torch.Tensor,  # [>= T] int: the step's input ids
+    sample_rows: torch.Tensor,  # [S] int: the token index of each sample
+    sampled: torch.Tensor | None,  # [S] int: the samples (None: the step sampled nothing)
+    out: torch.Tensor,  # [>= T] int32: the token after each position, written [0, T - 1)
+    num_tokens: int,  # T
+) -> None:
+    """The token after each position of a step: the next input token, or the sample where the
+    position sampled (an EAGLE-3 head's catch-up reads the token after its position). The
+    last position's is written only where it sampled."""
+    out[: num_tokens - 1].copy_(input_ids[1:num_tokens])
+    if sampled is not None:
+        out[sample_rows.long()] = sampled.to(out.dtype)

@@ -28,6 +28,7 @@ from kernels.inputs import (
     catch_up_rows_reference,
     draft_pass_inputs_reference,
     gather_sampled_inputs_reference,
+    next_token_ids_reference,
 )
 from kernels.int4 import Int4Stack
 from kernels.linear import linear_reference
@@ -305,6 +306,16 @@ def catch_up_rows(
     module = triton_module("inputs", base)
     kernel = module.catch_up_rows if module is not None else catch_up_rows_reference
     kernel(base, blocks, first_sample, drafts, sampled, positions, *outs)
+
+
+def next_token_ids(
+    input_ids: torch.Tensor, sample_rows: torch.Tensor, sampled: torch.Tensor | None,
+    out: torch.Tensor, num_tokens: int,
+) -> None:  # fmt: skip
+    """The token after each position of a step (`kernels.inputs.next_token_ids_reference`)."""
+    module = triton_module("inputs", out)
+    kernel = module.next_token_ids if module is not None else next_token_ids_reference
+    kernel(input_ids, sample_rows, sampled, out, num_tokens)
 
 
 def draft_pass_inputs(

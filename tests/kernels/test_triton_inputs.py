@@ -105,3 +105,27 @@ def test_catch_up_rows_match_the_reference_and_the_rules(verify: bool) -> None:
     assert last.tolist() == [100 + a for a in at.tolist()]
     for got, expected in zip(run(catch_up_rows, DEVICE), want, strict=True):
         assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 4, 2500])  # 2500: the copy in three blocks
+@pytest.mark.parametrize("with_samples", [True, False])
+def test_next_token_ids_match_the_reference(num_tokens: int, with_samples: bool) -> None:
+    """The token after each position: the next input id, or the sample where the position
+    sampled (the last position's only where it sampled); past T - 1 nothing is written."""
+    from kernels.inputs import next_token_ids_reference
+    from kernels.triton_inputs import next_token_ids
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    input_ids = torch.randint(0, 1000, (num_tokens + 3,), generator=gen, dtype=torch.int32)
+    rows = sorted({num_tokens - 1, *torch.randint(0, num_tokens, (5,), generator=gen).tolist()})
+    sample_rows = torch.tensor(rows, dtype=torch.int32)
+    sampled = 5000 + torch.arange(len(rows)) if with_samples else None
+    want = torch.full((num_tokens + 3,), -7, dtype=torch.int32)
+    next_token_ids_reference(input_ids, sample_rows, sampled, want, num_tokens)
+    assert want[num_tokens:].eq(-7).all()
+    if with_samples:
+        assert want[num_tokens - 1] == 5000 + len(rows) - 1
+    got = torch.full((num_tokens + 3,), -7, dtype=torch.int32, device=DEVICE)
+    samples = None if sampled is None else sampled.to(DEVICE)
+    next_token_ids(input_ids.to(DEVICE), sample_rows.to(DEVICE), samples, got, num_tokens)
+    assert torch.equal(got.cpu(), want)

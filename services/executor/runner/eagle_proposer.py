@@ -23,6 +23,7 @@ import logging
 
 import torch
 
+from kernels import ops
 from services.executor.layers.attention_metadata import AttentionMetadata
 from services.executor.loading.loader import load_eagle3_head
 from services.executor.models.decoder import DecoderForCausalLM
@@ -74,9 +75,7 @@ class EagleProposer(StepProposer):
         """The token after each position of the step: the row's next input token, the sample
         where the position sampled, or the known token after a prompt chunk."""
         next_ids = self.next_ids
-        next_ids[: num_tokens - 1].copy_(view.input_ids[1:num_tokens])
-        if sampled is not None:
-            next_ids[view.sample_rows.long()] = sampled.to(next_ids.dtype)
+        ops.next_token_ids(view.input_ids, view.sample_rows, sampled, next_ids, num_tokens)
         if staged.chunk_ends.numel():
             next_ids[staged.chunk_ends] = staged.chunk_next.to(next_ids.dtype)
 
