@@ -185,6 +185,8 @@ def catch_up_rows(
         for t in (base, blocks, first_sample, drafts, row_blocks, draft_at, accepted, at, last)
     ):
         raise ValueError("the rows must be contiguous int64 (drafting: bool)")
+    if not positions.is_contiguous() or (sampled is not None and not sampled.is_contiguous()):
+        raise ValueError("positions and sampled must be contiguous")
     if num_rows == 0:
         return
     # Without samples, no row is held to them: one variant either way (no constant differs).
