@@ -185,8 +185,8 @@ def catch_up_rows(
         for t in (base, blocks, first_sample, drafts, row_blocks, draft_at, accepted, at, last)
     ):
         raise ValueError("the rows must be contiguous int64 (drafting: bool)")
-    if not positions.is_contiguous() or (sampled is not None and not sampled.is_contiguous()):
-        raise ValueError("positions and sampled must be contiguous")
+    positions = positions.contiguous()  # read by index (no copy where it is already)
+    sampled = None if sampled is None else sampled.contiguous()
     if num_rows == 0:
         return
     # Without samples, no row is held to them: one variant either way (no constant differs).
@@ -234,9 +234,11 @@ def next_token_ids(
 ) -> None:
     """`kernels.inputs.next_token_ids_reference` in one launch instead of four small torch
     ops: an EAGLE-3 head's catch-up runs it after every step."""
-    tensors = (input_ids, sample_rows, out) + (() if sampled is None else (sampled,))
-    if not all(t.is_contiguous() for t in tensors):
-        raise ValueError("input_ids, sample_rows, sampled and out must be contiguous")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    # Read by index (no copy where they are already contiguous).
+    input_ids, sample_rows = input_ids.contiguous(), sample_rows.contiguous()
+    sampled = None if sampled is None else sampled.contiguous()
     if num_tokens == 0:
         return
     num_sampled = 0 if sampled is None else sampled.shape[0]
