@@ -56,9 +56,9 @@ from kernels.int4 import PACK
 from kernels.int4_pairs import BF16_SCALED_PAIRS_ASM, FP16_SCALED_PAIRS_ASM
 
 # Whether the engine's int4 layers use this kernel between the Triton paths' bounds. On since
-# the whole-step A/B (H100, 2026-12-06, scripts/device_ab.sh GLUON_ON=int4, Qwen3-8B AWQ):
-# `offline` 8,711 / 8,696 against 7,423 / 7,428 tok/s off; decode ITL at 96 and 256 rows 8.42
-# and 12.94 ms against 14.47 and 18.32; batch 1 the same (3.34 ms).
+# the whole-step A/B (H100, 2026-12-06, scripts/device_ab.sh against a copy with it on,
+# Qwen3-8B AWQ): `offline` 8,711 / 8,696 against 7,423 / 7,428 tok/s off; decode ITL at 96
+# and 256 rows 8.42 and 12.94 ms against 14.47 and 18.32; batch 1 the same (3.34 ms).
 ENABLED = True
 # Rows it takes with ENABLED: from kernels.triton_int4.DEQUANTIZE_ABOVE_ROWS + 1 (below, the
 # Triton dot kernel reads the weight once) to this; past it, prefill chunks: the dequantize pass
