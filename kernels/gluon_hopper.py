@@ -12,7 +12,7 @@ import torch
 
 __all__ = [
     "TensorDescriptor", "available", "constexpr_function", "fence_async_shared", "gl", "gluon",
-    "mbarrier", "runs_on", "threads_barrier", "tma", "tma_load", "warpgroup_mma",
+    "mbarrier", "runs_on", "threads_barrier", "tma_load", "warpgroup_mma",
     "warpgroup_mma_wait",
 ]  # fmt: skip
 

@@ -50,10 +50,9 @@ def catch_up_rows_reference(
     sampled: torch.Tensor | None,  # [S]: the step's samples (None: nothing verified)
     positions: torch.Tensor,  # [T] int: the step's positions
     row_blocks: torch.Tensor,  # [R] int64, out: blocks
-    draft_at: torch.Tensor,  # [R] int64, out: the drafting position's index, base + accepted
     accepted: torch.Tensor,  # [V] int64, out: the leading drafts equal to the samples
-    drafting: torch.Tensor,  # [R] bool, out: draft_at >= 0
-    at: torch.Tensor,  # [R] int64, out: draft_at, 0 where it is -1
+    drafting: torch.Tensor,  # [R] bool, out: whether the row drafts (base >= 0)
+    at: torch.Tensor,  # [R] int64, out: its drafting position's index, base + accepted (or 0)
     last: torch.Tensor,  # [R] int64, out: the position at `at`
 ) -> None:
     """A speculative step's catch-up rows, on the device: each row's drafts accepted (those
@@ -69,9 +68,8 @@ def catch_up_rows_reference(
         accepted.copy_(equal.long().cumprod(dim=1).sum(dim=1))
     gained = torch.zeros_like(base)
     gained[: accepted.shape[0]] = accepted
-    draft_at.copy_(torch.where(base >= 0, base + gained, -1))
-    drafting.copy_(draft_at >= 0)
-    at.copy_(draft_at.clamp(min=0))
+    drafting.copy_(base >= 0)
+    at.copy_(torch.where(drafting, base + gained, 0))
     last.copy_(positions[at])
 
 

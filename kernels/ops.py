@@ -300,7 +300,7 @@ def gather_sampled_inputs(
 def catch_up_rows(
     base: torch.Tensor, blocks: torch.Tensor, first_sample: torch.Tensor, drafts: torch.Tensor,
     sampled: torch.Tensor | None, positions: torch.Tensor,
-    *outs: torch.Tensor,  # row_blocks, draft_at, accepted, drafting, at, last
+    *outs: torch.Tensor,  # row_blocks, accepted, drafting, at, last
 ) -> None:  # fmt: skip
     """A speculative step's catch-up rows (`kernels.inputs.catch_up_rows_reference`)."""
     module = triton_module("inputs", base)

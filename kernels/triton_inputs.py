@@ -131,7 +131,6 @@ def _catch_up_rows_kernel(
     sampled_ptr,
     positions_ptr,
     row_blocks_ptr,
-    draft_at_ptr,
     accepted_ptr,
     drafting_ptr,
     at_ptr,
@@ -158,10 +157,8 @@ def _catch_up_rows_kernel(
         going = going & (sample == draft)
         accepted += going.to(tl.int64)
     tl.store(accepted_ptr + rows, accepted, mask=rows < num_verified)
-    draft_at = tl.where(base >= 0, base + accepted, -1)
-    at = tl.maximum(draft_at, 0)
-    tl.store(draft_at_ptr + rows, draft_at, mask=valid)
-    tl.store(drafting_ptr + rows, (draft_at >= 0).to(tl.uint8), mask=valid)
+    at = tl.where(base >= 0, base + accepted, 0)
+    tl.store(drafting_ptr + rows, (base >= 0).to(tl.uint8), mask=valid)
     tl.store(at_ptr + rows, at, mask=valid)
     last = tl.load(positions_ptr + at, mask=valid, other=0)
     tl.store(last_ptr + rows, last.to(tl.int64), mask=valid)
@@ -174,15 +171,15 @@ def catch_up_rows(
     drafts: torch.Tensor,  # [V, k] int64
     sampled: torch.Tensor | None,  # [S]
     positions: torch.Tensor,  # [T] int
-    *outs: torch.Tensor,  # row_blocks, draft_at, accepted, drafting, at, last
+    *outs: torch.Tensor,  # row_blocks, accepted, drafting, at, last
 ) -> None:
     """`kernels.inputs.catch_up_rows_reference` in one launch instead of some fifteen small
     torch ops: it runs after every speculative step, before the proposer's graphs."""
-    row_blocks, draft_at, accepted, drafting, at, last = outs
+    row_blocks, accepted, drafting, at, last = outs
     num_rows, num_verified = base.shape[0], first_sample.shape[0]
     if drafting.dtype != torch.bool or any(
         t.dtype != torch.int64 or not t.is_contiguous()
-        for t in (base, blocks, first_sample, drafts, row_blocks, draft_at, accepted, at, last)
+        for t in (base, blocks, first_sample, drafts, row_blocks, accepted, at, last)
     ):
         raise ValueError("the rows must be contiguous int64 (drafting: bool)")
     positions = positions.contiguous()  # read by index (no copy where it is already)
@@ -193,7 +190,7 @@ def catch_up_rows(
     verify = sampled is not None and sampled.shape[0] > 0
     _catch_up_rows_kernel[(triton.cdiv(num_rows, _BLOCK),)](
         base, blocks, first_sample, drafts, sampled if verify else base, positions, row_blocks,
-        draft_at, accepted, drafting.view(torch.uint8), at, last, num_rows, num_verified,
+        accepted, drafting.view(torch.uint8), at, last, num_rows, num_verified,
         num_verified if verify else 0, sampled.shape[0] if verify else 1,
         K=max(drafts.shape[1], 1), BLOCK=_BLOCK,
     )  # fmt: skip

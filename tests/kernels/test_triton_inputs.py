@@ -86,7 +86,7 @@ def test_catch_up_rows_match_the_reference_and_the_rules(verify: bool) -> None:
     positions = torch.arange(100, 120)
 
     def run(fn, device: str) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
-        outs = [torch.full((6,), 5, dtype=torch.int64, device=device) for _ in range(2)]
+        outs = [torch.full((6,), 5, dtype=torch.int64, device=device)]
         outs += [torch.full((4,), 5, dtype=torch.int64, device=device)]
         outs += [torch.ones(6, dtype=torch.bool, device=device)]
         outs += [torch.full((6,), 5, dtype=torch.int64, device=device) for _ in range(2)]
@@ -96,7 +96,8 @@ def test_catch_up_rows_match_the_reference_and_the_rules(verify: bool) -> None:
         return [out.cpu() for out in outs]
 
     want = run(catch_up_rows_reference, "cpu")
-    row_blocks, draft_at, accepted, drafting, at, last = want
+    row_blocks, accepted, drafting, at, last = want
+    draft_at = torch.where(drafting, at, -1)  # the drafting position's index, -1: none
     assert row_blocks.tolist() == blocks.tolist()
     assert accepted.tolist() == ([3, 1, 0, 0] if verify else [0, 0, 0, 0])
     assert draft_at.tolist() == ([6, 8, -1, 10, 0, -1] if verify else [3, 7, -1, 10, 0, -1])

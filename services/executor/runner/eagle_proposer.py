@@ -81,7 +81,7 @@ class EagleProposer(StepProposer):
 
     def _catch_up_forward(self, view: StepView) -> torch.Tensor:
         """The head at each position of the step, then its drafts: at each row's drafting
-        position (draft_at; -1: none) the first, and each further one from a pass of its own,
+        position (`_drafting_rows`) the first, and each further one from a pass of its own,
         into ids and streams. Returns the streams of the positions [T, hidden]."""
         num_tokens = view.input_ids.shape[0]
         hidden = self.head.project(self.aux_hidden[:num_tokens])

@@ -125,10 +125,9 @@ class StepProposer(abc.ABC):
         # Fixed inputs and outputs of the passes (CUDA graphs read and write them): each
         # row's drafting position (-1: none) and blocks; each pass's drafts, by row.
         rows, tokens = config.max_num_seqs, config.max_num_batched_tokens
-        self.draft_at = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.row_blocks = torch.zeros(rows, dtype=torch.int64, device=device)
-        # and, from draft_at (ops.catch_up_rows): the drafts each row accepted, whether it
-        # drafts, its drafting position's token index (0 where none) and that position
+        # and (ops.catch_up_rows) the drafts each row accepted, whether it drafts, its drafting
+        # position's token index (0 where none) and that position
         self.accepted = torch.zeros(rows, dtype=torch.int64, device=device)
         self.drafting = torch.zeros(rows, dtype=torch.bool, device=device)
         self.at = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -245,7 +244,7 @@ class StepProposer(abc.ABC):
         accepted = self.accepted[:rows]
         ops.catch_up_rows(
             base, blocks, first_sample, drafts.view(rows, k), verified, view.positions,
-            self.row_blocks[:num_rows], self.draft_at[:num_rows], accepted,
+            self.row_blocks[:num_rows], accepted,
             self.drafting[:num_rows], self.at[:num_rows], self.last[:num_rows],
         )  # fmt: skip
         staged = StagedRows(first_sample, accepted, chunk_ends, chunk_next)
@@ -253,7 +252,6 @@ class StepProposer(abc.ABC):
 
     def _draft_none(self) -> None:
         """No row drafts this step (as the capture of the graphs has it)."""
-        self.draft_at.fill_(-1)
         self.drafting.zero_()
         self.at.zero_()
         self.last.zero_()
