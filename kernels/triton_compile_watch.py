@@ -43,7 +43,9 @@ class LateCompiles:
 
     def _on_compile(self, *, repr: str, **kwargs: Any) -> bool | None:  # Triton names `repr`
         if not self._warming_up:
-            variant = f"{repr.split('(')[0]} {_constants(kwargs)} {_types(kwargs)}"
+            variant = (
+                f"{repr.split('(')[0]} {_constants(kwargs)} {_types(kwargs)} {_aligned(kwargs)}"
+            )
             self.variants.append(variant)
             logger.warning("Triton kernel variant first met after the warm-up: %s", variant)
         return self._previous(repr=repr, **kwargs) if self._previous is not None else None
@@ -53,6 +55,18 @@ def _types(hook_kwargs: dict[str, Any]) -> str:
     """The variant's argument types (pointer dtypes, integer widths), in order."""
     signature = (hook_kwargs.get("compile") or {}).get("signature", {})
     return f"types=({', '.join(map(str, signature.values()))})"
+
+
+def _aligned(hook_kwargs: dict[str, Any]) -> str:
+    """The arguments the variant takes as divisible by 16 (a pointer: 16-byte aligned), by
+    index: two variants of the same types and constants differ here."""
+    configs = (hook_kwargs.get("compile") or {}).get("configs") or [{}]
+    aligned = (
+        str(key[0])
+        for key, attrs in configs[0].items()
+        if isinstance(key, tuple) and len(key) == 1 and ["tt.divisibility", 16] in attrs
+    )
+    return f"aligned=({', '.join(aligned)})"
 
 
 def _constants(hook_kwargs: dict[str, Any]) -> str:

@@ -39,6 +39,7 @@ from kernels import ops
 from services.executor.layers.attention_metadata import AttentionMetadata
 from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.kv_cache import KVCacheLayout
+from services.executor.runner.list_upload import ListUpload
 from services.executor.runner.step_buffers import StepView
 from services.executor.runner.step_state import PreparedStep
 from services.executor.speculative import PendingDrafts, SpeculatingRequest
@@ -137,15 +138,10 @@ class StepProposer(abc.ABC):
         # rotary positions (ops.draft_pass_inputs)
         self.row_starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.pass_inputs = torch.zeros(3, rows, dtype=torch.int32, device=device).unbind(0)
-        # The catch-up's host inputs go up in one copy from pinned memory (_upload), from
-        # two mirrors in turn: a copy is queued after its step's forward pass, and the next
-        # step's is written while that may still run.
-        pin = device.type == "cuda"
-        size = rows * (3 + num_drafts) + 2 * tokens
-        self.upload_host = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
-        self.upload_device = self.upload_host[0].to(device) if pin else self.upload_host[0]
-        self._uploaded: list[torch.cuda.Event | None] = [None, None]
-        self._uploads = 0
+        # The catch-up's host inputs: a step's rows, block counts, first samples, drafts and
+        # prompt chunks' ends and next tokens.
+        sizes = (rows, rows, rows, rows * num_drafts, tokens, tokens)
+        self.upload = ListUpload(ListUpload.room(*sizes), device)
         self.catch_up_graphs: StepGraphs | None = None
 
     def allocate(self, num_blocks: int) -> None:
@@ -230,7 +226,7 @@ class StepProposer(abc.ABC):
         pad = [-1] * (num_rows - len(inputs.base))
         k = self.num_drafts
         verified = [drafts + [-1] * (k - len(drafts)) for drafts in inputs.verified]
-        parts = self._upload(
+        parts = self.upload.send(
             inputs.base + pad,
             inputs.num_blocks + [0] * len(pad),
             inputs.first_sample,
@@ -265,25 +261,6 @@ class StepProposer(abc.ABC):
     @abc.abstractmethod
     def _catch_up_forward(self, view: StepView) -> torch.Tensor:
         """The proposer at each position of the step, then its drafts into `ids`."""
-
-    def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
-        """The lists on the device, in one copy from pinned memory."""
-        mirror = self._uploads % 2
-        self._uploads += 1
-        copied = self._uploaded[mirror]
-        if copied is not None:  # two steps ago: collected, so long done
-            copied.synchronize()
-        sizes = [len(values) for values in lists]
-        total = sum(sizes)
-        host = self.upload_host[mirror][:total]
-        host.copy_(torch.tensor([v for values in lists for v in values], dtype=torch.int64))
-        device = self.upload_device[:total]
-        if device.device.type == "cuda":
-            device.copy_(host, non_blocking=True)
-            self._uploaded[mirror] = torch.cuda.Event()
-            self._uploaded[mirror].record()
-            return list(device.split(sizes))
-        return list(host.split(sizes))
 
     def _pass_meta(
         self, meta: AttentionMetadata, last: torch.Tensor, drafting: torch.Tensor, step: int
