@@ -328,9 +328,11 @@ def decode_step(
     inputs: dict[str, torch.Tensor],  # shape name -> x [M, K]
     layers: int,
 ) -> Callable[[], None]:
+    per_layer = [name for name in weights if name != "lm_head"]  # the model's shapes
+
     def run() -> None:
         for layer in range(layers):
-            for name in ("qkv", "o", "gate_up", "down"):
+            for name in per_layer:
                 fns[name](inputs[name], weights[name][layer])
         fns["lm_head"](inputs["lm_head"], weights["lm_head"][0])
 
