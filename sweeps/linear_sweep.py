@@ -150,6 +150,8 @@ CANDIDATES = [LinearTiles(*c) for c in [
     # M = 1 with PDL: longer K steps, fewer rows, more stages in flight
     (2, 1024, 4, 2), (2, 2048, 4, 2), (4, 1024, 4, 3), (4, 2048, 8, 2), (8, 1024, 4, 2),
     (4, 512, 2, 4),
+    # an MoE router's few rows (N 128) at 2-16 rows
+    (2, 512, 4, 2),
 ]]  # fmt: skip
 
 
