@@ -75,7 +75,6 @@ GATED = ("silu", "gelu_tanh")  # the activations skinny_linear's gated input tak
 GATED_MAX_ROWS = 1
 # The layer shapes default_tiles tells apart at 2-64 rows (8B models, hidden size 4096):
 ROUTER_N = 256  # an MoE router: N <= this (too few weight rows for tl.dot's tiles)
-HALF_N = 2048  # 32 weight rows a program would leave half of an H100's SMs idle: N <= this
 NARROW_N = 4096  # o, down: N <= this
 WIDE_N = 16384  # gate_up: N >= this; qkv lies between
 VOCAB_N = 65536  # lm_head: N >= this
@@ -224,17 +223,17 @@ def _tiles_16_rows(n: int, k: int) -> LinearTiles:
     gate_up keeps n32 k128 w4 s5, 70.0 / 72.5 and 81.5 / 82.0 (the models' bests differ: n64
     k128 w4 s4, 68.2, for Qwen3-8B's N 24576; n64 k256 w8 s3, 81.0, for Llama's N 28672).
 
-    Qwen3-30B-A3B's dense layers since 2026-12-06 (H100, `--model qwen3-moe --m 1 8 --step-m
-    1 8`), us per call at 8 rows, the best / the tiles before: the router (N 128) fma n2 k1024
-    w4 s2 2.6 / 6.1 (dot n32 made 4 programs), fma n4 k512 w4 s3 3.4; o (N 2048, K 4096) dot
-    n16 k256 w4 s4, 9.0 / 10.9. A step's linear layers at 8 rows: 1.23 against 1.50 ms. The
-    router takes K steps of 512: at 16 rows 1024 would need 256 accumulator registers a
-    thread, and one K step for 1-16 rows keeps --batch-invariant's sums alike.
+    An MoE router (N <= ROUTER_N) since 2026-12-06: fma n2 k512 w4 s2. Qwen3-30B-A3B's router
+    (N 128, K 2048) at 8 rows took 6.1 us with dot n32 k512 (4 programs), 2.8 with this, 2.7
+    with k1024 (H100, `--model qwen3-moe --m 8 16 --step-m 8 16`); K steps of 512 because at
+    16 rows 1024 would need 256 accumulator registers a thread, and one K step for 1-16 rows
+    keeps --batch-invariant's sums alike. The engine's batch-8 step: 10.997 ms against 11.12
+    (`kvflow bench latency Qwen3-30B-A3B`, two rounds alternated). Its o projection (N 2048)
+    was also faster alone with dot n16 k256 w4 s4 (9.0 against 10.9 us), but with it the
+    engine's step was 0.25 ms slower (11.37 against 11.13), so o keeps n32 k512.
     """
     if n <= ROUTER_N:
         return LinearTiles(block_n=2, block_k=512, num_warps=4, num_stages=2, use_dot=False)
-    if n <= HALF_N and k < WIDE_K:
-        return LinearTiles(block_n=16, block_k=256, num_warps=4, num_stages=4)
     if k >= WIDE_K or n >= VOCAB_N or n <= NARROW_N:
         return LinearTiles(block_n=32, block_k=512, num_warps=4, num_stages=4)
     if n < WIDE_N:
