@@ -60,6 +60,12 @@ class LinearMethod(Protocol):
         """x [M, K] -> [M, N] in x's (float) dtype, plus what each row's LoRA adapter adds
         (`lora`: fused into the GEMM's epilogue where the kernel can, else added after)."""
 
+    def apply_gated(self, layer: Linear, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+        """The layer on act(gate) * up of a gated MLP's gate_up [M, 2K] (act: gelu_tanh with
+        `gelu`, else silu), no LoRA: where its kernel makes that input as it loads it (a
+        launch less a layer at decode). None: it has no such kernel, and the caller runs
+        the activation apart."""
+
 
 class Unquantized:
     """The weight as loaded (bf16 on CUDA): the skinny Triton GEMV for decode, else cuBLAS."""
@@ -86,6 +92,9 @@ class Unquantized:
 
     def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
         return ops.linear(float_input(x, self), layer.weight, layer.bias, lora)
+
+    def apply_gated(self, layer: Linear, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+        return ops.gated_linear(gate_up, layer.weight, layer.bias, gelu)
 
 
 BIAS_DIMS = {"bias": TensorDims(rows=0, added=True)}

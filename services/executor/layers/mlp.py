@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kernels import ops
-from services.executor.layers.linear import Activation, Linear, LinearMethod, Unquantized
+from services.executor.layers.linear import Activation, Linear, LinearMethod
 from services.executor.layers.lora import LoraTokens
 from services.executor.layers.norm import feeds_fp8_rows
 from services.executor.parallel.layout import ShardLayout
@@ -36,11 +36,10 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x, lora)  # [T, 2 * intermediate]
         down = self.down_proj
         if feeds_fp8_rows(down):  # quantized as down_proj would (its static scale)
-            out = down(self.act_fp8(gate_up, down.fp8_input_scale()), lora)
-        elif type(down.method) is Unquantized and (lora is None or down.lora is None):
-            # The float weight's GEMV makes its input from gate_up (one launch less a layer);
-            # not its subclasses (FP8 methods keep no float weight)
-            out = ops.gated_linear(gate_up, down.weight, down.bias, self.gelu)
-        else:
+            return down(self.act_fp8(gate_up, down.fp8_input_scale()), lora)
+        out = None
+        if lora is None or down.lora is None:  # the weight's kernel may make its own input
+            out = down.method.apply_gated(down, gate_up, self.gelu)
+        if out is None:
             out = down(self.act(gate_up), lora)  # [T, hidden]
         return out  # this rank's part: the next RMSNorm sums the ranks' (its `reduce`)

@@ -48,6 +48,9 @@ class Fp8Dynamic(Unquantized):
         out = quantized_ops.fp8_linear(x, layer.qweight, layer.weight_scale, layer.bias)
         return with_lora(out, lora)
 
+    def apply_gated(self, layer: Linear, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+        return None  # no float weight: its input comes quantized (silu_and_mul_fp8) or apart
+
 
 class Fp8Checkpoint(Fp8Dynamic):
     """FP8 W8A8 weights as an FP8 checkpoint holds them (services/executor/

@@ -110,6 +110,9 @@ class GgufBlocks:
         out = torch.cat([_gguf_run(x, qtype, w, None) for qtype, w in runs], dim=1)
         return with_lora(out if layer.bias is None else out + layer.bias, lora)
 
+    def apply_gated(self, layer: Linear, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+        return None  # its kernels take no gated input: the activation runs apart
+
 
 def _gguf_run(
     x: torch.Tensor, qtype: str, weight: torch.Tensor, bias: torch.Tensor | None

@@ -109,6 +109,18 @@ class Int4WeightOnly:
         )
         return with_lora(out, lora)
 
+    def apply_gated(self, layer: Linear, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
+        return quantized_ops.int4_gated_linear(
+            gate_up,
+            layer.qweight,
+            layer.scales,
+            layer.zeros,
+            self.group_size(layer),
+            layer.g_idx,
+            layer.bias,
+            gelu,
+        )
+
 
 class Int4Experts:
     """int4 experts (W4A16) as AWQ, GPTQ and compressed-tensors checkpoints of mixtures of
