@@ -59,8 +59,6 @@ def add_generate_parser(commands: Any, engine_groups: tuple[str, ...]) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from kvflow import LLM  # imports torch: only when needed
-
     config = config_from_args(args, defaults=OFFLINE_DEFAULTS)
     logger.info("non-default args: %s", config.non_default_summary())
     options = options_from_args(GenerateOptions, args)
@@ -75,6 +73,9 @@ def run_generate(args: argparse.Namespace) -> int:
         stop=args.stop,
     )
     params.validate()
+    # torch comes with it: imported once the flags are known to be good (a bad one fails fast)
+    from kvflow import LLM
+
     llm = LLM(**{k: getattr(config, k) for k in Config.__dataclass_fields__})
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompt]
