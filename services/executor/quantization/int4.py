@@ -3,6 +3,8 @@ in the one layout of `kernels/int4.py`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -98,28 +100,17 @@ class Int4WeightOnly:
         return None
 
     def apply(self, layer: Linear, x: Activation, lora: LoraDelta | None = None) -> torch.Tensor:
-        out = quantized_ops.int4_linear(
-            float_input(x, self),
-            layer.qweight,
-            layer.scales,
-            layer.zeros,
-            self.group_size(layer),
-            layer.g_idx,
-            layer.bias,
-        )
+        out = quantized_ops.int4_linear(float_input(x, self), *self._weights(layer))
         return with_lora(out, lora)
 
     def apply_gated(self, layer: Linear, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
-        return quantized_ops.int4_gated_linear(
-            gate_up,
-            layer.qweight,
-            layer.scales,
-            layer.zeros,
-            self.group_size(layer),
-            layer.g_idx,
-            layer.bias,
-            gelu,
-        )
+        return quantized_ops.int4_gated_linear(gate_up, *self._weights(layer), gelu)
+
+    def _weights(self, layer: Linear) -> tuple[Any, ...]:
+        """The layer's int4 operands as the kernels take them, after x: qweight, scales, zero
+        points, group size, act-order's g_idx, bias."""
+        group = self.group_size(layer)
+        return layer.qweight, layer.scales, layer.zeros, group, layer.g_idx, layer.bias
 
 
 class Int4Experts:
