@@ -46,6 +46,7 @@ from kernels.int4 import CHUNK, PACK, Int4Tiles
 from kernels.int4_pairs import BF16_PAIRS_ASM, FP16_PAIRS_ASM
 from kernels.triton_activation import silu_mul
 from kernels.triton_int4_dequant import dequantized_linear, launch_dequant_dot, operands
+from kernels.triton_linear import GATED  # the activations a gated input takes
 from kernels.triton_pdl import (
     L2_LINE_BYTES,
     launches_early,
@@ -57,7 +58,6 @@ from kernels.triton_split_k import sum_of_splits
 _CHUNK = tl.constexpr(CHUNK)
 _LINE_WORDS = tl.constexpr(L2_LINE_BYTES // 4)  # packed words in a 128-byte line
 DEQUANTIZE_ABOVE_ROWS = 64  # past this the weight is dequantized, then cuBLAS
-GATED = ("silu", "gelu_tanh")  # the activations int4_linear's gated input takes
 GATED_MAX_ROWS = 1  # as kernels.triton_linear's: past one row the activation runs apart
 # Whether the engine gives the dot kernel its gated input (`gated_applies`). Off: built and
 # tested under the interpreter and compiled for sm_90, not yet run on a GPU; on once its GPU

@@ -123,12 +123,12 @@ class StepProposer(abc.ABC):
         self.layout = layout
         self.device = device
         self.kv_caches: list[torch.Tensor] = []
-        # Fixed inputs and outputs of the passes (CUDA graphs read and write them): each
-        # row's drafting position (-1: none) and blocks; each pass's drafts, by row.
+        # Fixed inputs and outputs of the passes (CUDA graphs read and write them), by row, as
+        # ops.catch_up_rows writes them: its blocks, the drafts it accepted, whether it drafts,
+        # its drafting position's token index (0 where none) and that position; then each
+        # pass's drafts.
         rows, tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.row_blocks = torch.zeros(rows, dtype=torch.int64, device=device)
-        # and (ops.catch_up_rows) the drafts each row accepted, whether it drafts, its drafting
-        # position's token index (0 where none) and that position
         self.accepted = torch.zeros(rows, dtype=torch.int64, device=device)
         self.drafting = torch.zeros(rows, dtype=torch.bool, device=device)
         self.at = torch.zeros(rows, dtype=torch.int64, device=device)
@@ -225,21 +225,21 @@ class StepProposer(abc.ABC):
         one + the drafts accepted) and blocks, and what the subclass reads (`_stage_tokens`)."""
         pad = [-1] * (num_rows - len(inputs.base))
         k = self.num_drafts
-        verified = [drafts + [-1] * (k - len(drafts)) for drafts in inputs.verified]
+        padded = [drafts + [-1] * (k - len(drafts)) for drafts in inputs.verified]
         parts = self.upload.send(
             inputs.base + pad,
             inputs.num_blocks + [0] * len(pad),
             inputs.first_sample,
-            [token for row in verified for token in row],
+            [token for row in padded for token in row],
             inputs.chunk_ends,
             inputs.chunk_next,
         )
         base, blocks, first_sample, drafts, chunk_ends, chunk_next = parts
         rows = len(inputs.base)
-        verified = sampled if any(inputs.verified) else None
+        checked = sampled if any(inputs.verified) else None  # no drafts: no sample to check
         accepted = self.accepted[:rows]
         ops.catch_up_rows(
-            base, blocks, first_sample, drafts.view(rows, k), verified, view.positions,
+            base, blocks, first_sample, drafts.view(rows, k), checked, view.positions,
             self.row_blocks[:num_rows], accepted,
             self.drafting[:num_rows], self.at[:num_rows], self.last[:num_rows],
         )  # fmt: skip
