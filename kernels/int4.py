@@ -42,12 +42,14 @@ KINDS = ("rows", "dot", "dequant_dot")
 
 class Int4Stack(NamedTuple):
     """A mixture of experts' int4 projection (W4A16), stacked by expert: each expert's
-    weight in the layout above."""
+    weight in the layout above. With `e2m1`, MXFP4 experts (kernels/mxfp4.py) in the same
+    layout: each code stands for its e2m1 value, times its group's power-of-two scale."""
 
     qweight: torch.Tensor  # [E, N, K/8] int32
     scales: torch.Tensor  # [E, N, G]
     zeros: torch.Tensor | None  # [E, N, G] uint8; None: 8 (symmetric)
     group_size: int  # input columns a scale spans (K: one a row)
+    e2m1: bool = False  # MXFP4's codes: no zero points, groups of 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +129,10 @@ def dequantize_int4_reference(
 
 
 def dequantize_int4_stack(stack: Int4Stack, dtype: torch.dtype) -> torch.Tensor:  # [E, N, K]
-    """Every expert's weight, dequantized and rounded to `dtype` (as int4_linear_reference)."""
+    """Every expert's weight, dequantized and rounded to `dtype` (as int4_linear_reference);
+    MXFP4 stacks: kernels.mxfp4.dequantize_4bit_stack."""
+    if stack.e2m1:
+        raise ValueError("an MXFP4 stack: kernels.mxfp4.dequantize_4bit_stack reads it")
     return torch.stack([
         dequantize_int4_reference(
             stack.qweight[e], stack.scales[e],

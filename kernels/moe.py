@@ -18,7 +18,8 @@ from kernels.fp8 import (
     quantize_fp8_groupwise_reference,
     quantize_fp8_rowwise_reference,
 )
-from kernels.int4 import Int4Stack, dequantize_int4_stack
+from kernels.int4 import Int4Stack
+from kernels.mxfp4 import dequantize_4bit_stack
 
 
 class ExpertBiases(NamedTuple):
@@ -169,10 +170,13 @@ def moe_experts_int4_reference(
     down: Int4Stack,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] float32
     ids: torch.Tensor,  # [T, k] int
+    biases: ExpertBiases | None = None,  # gpt-oss's
+    swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """int4 experts, W4A16: each expert's weights dequantized and rounded to x's dtype (as
-    kernels/int4.py's reference), then moe_experts_reference."""
-    gate_up_weight = dequantize_int4_stack(gate_up, x.dtype)
+    """int4 (or MXFP4) experts, W4A16: each expert's weights dequantized and rounded to x's
+    dtype (as kernels/int4.py's reference), then moe_experts_reference."""
+    gate_up_weight = dequantize_4bit_stack(gate_up, x.dtype)
+    down_weight = dequantize_4bit_stack(down, x.dtype)
     return moe_experts_reference(
-        x, gate_up_weight, dequantize_int4_stack(down, x.dtype), weights, ids
+        x, gate_up_weight, down_weight, weights, ids, biases=biases, swiglu=swiglu
     )

@@ -272,11 +272,13 @@ def moe_experts_int4(
     down: Int4Stack,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    biases: ExpertBiases | None = None,  # gpt-oss's
+    swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
-    """int4 experts (W4A16, kernels/moe.py)."""
+    """int4 or MXFP4 experts (W4A16, kernels/moe.py)."""
     module = triton_module("moe_int4", x)
     run = module.moe_experts_int4 if module is not None else moe_experts_int4_reference
-    return run(x, gate_up, down, weights, ids)
+    return run(x, gate_up, down, weights, ids, biases, swiglu)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:

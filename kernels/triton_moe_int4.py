@@ -14,9 +14,13 @@ Two ways to make the tiles (`FAST`):
 - otherwise (groups of 32 or 64, float32 x): each weight dequantized by its own group's scale
   and zero point and rounded to x's dtype, as the reference does.
 
+MXFP4 experts (gpt-oss's; `Int4Stack.e2m1`) take the second way: each code is read as its
+e2m1 value (`e2m1_value`) times its group's power-of-two scale, exact in x's dtype. gpt-oss's
+expert biases and clamped SwiGLU are fused into the epilogues, as in kernels/triton_moe.py.
+
 Every block of pairs reads its expert's words once, so a decode step reads only the chosen
-experts' weights, a quarter of bf16's bytes. One token's pairs take the GEMVs of
-kernels/triton_moe_int4_gemv.py instead.
+experts' weights, a quarter of bf16's bytes. One token's pairs of int4 experts take the GEMVs
+of kernels/triton_moe_int4_gemv.py instead (MXFP4 experts and experts with biases do not).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import triton
 import triton.language as tl
 
 from kernels.int4 import CHUNK, PACK, Int4Stack
+from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_int4 import q_minus_z_pairs
 from kernels.triton_moe import block_pairs
 from kernels.triton_moe_align import align
+from kernels.triton_moe_gemv import epilogue, expert_activation
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
 from kernels.triton_moe_tiles import GemmTiles, grouped_tiles
 from kernels.triton_stages import launch_fitting
@@ -47,12 +53,22 @@ def _dot(weight, xt, acc, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def e2m1_value(q):
+    """MXFP4's 4-bit codes (int32, 0..15) as the float32 values they stand for: twice the
+    magnitude is m for exponent bits e = 0, else (2 + m) << (e - 1), with m the mantissa bit."""
+    e = (q >> 1) & 3
+    m = q & 1
+    twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
+    return tl.where(q >= 8, -twice, twice).to(tl.float32) * 0.5
+
+
+@triton.jit
 def _step(acc, x_rows, rows_ok, k_step, w_rows, s_rows, z_rows, cols_ok, group_size,
           WORDS: tl.constexpr, HAS_ZEROS: tl.constexpr, FAST: tl.constexpr,
-          INTERPRETED: tl.constexpr):  # fmt: skip
+          E2M1: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
     """acc [BN, BM] plus W x^T over the K step of 8 * WORDS columns from k_step. x_rows
     [1, BM] and w_rows [BN, 1] point at the rows, s_rows and z_rows [BN] at the rows'
-    scales and zero points."""
+    scales and zero points. E2M1 (MXFP4 codes) takes the second way (FAST off)."""
     words = tl.arange(0, WORDS)
     pair_k = tl.arange(0, 2 * WORDS)
     x_cols = (pair_k // 8) * _CHUNK + pair_k % 8  # tile p's columns, from k_step + 8p
@@ -75,15 +91,18 @@ def _step(acc, x_rows, rows_ok, k_step, w_rows, s_rows, z_rows, cols_ok, group_s
         for p in tl.static_range(4):
             ks = k_step + 8 * p + x_cols  # [2W]
             groups = (ks // group_size)[None, :]
-            lo = ((packed >> (8 * p)) & 0xF).to(tl.float32)
-            hi = ((packed >> (8 * p + 4)) & 0xF).to(tl.float32)
+            lo = (packed >> (8 * p)) & 0xF
+            hi = (packed >> (8 * p + 4)) & 0xF
             q = tl.reshape(tl.join(lo, hi), [acc.shape[0], 2 * WORDS])
             mask = cols_ok[:, None]
             scale = tl.load(s_rows[:, None] + groups, mask=mask, other=0.0).to(tl.float32)
-            zero = tl.full(q.shape, 8.0, tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(z_rows[:, None] + groups, mask=mask, other=0).to(tl.float32)
-            weight = ((q - zero) * scale).to(dtype)
+            if E2M1:
+                weight = (e2m1_value(q) * scale).to(dtype)
+            else:
+                zero = tl.full(q.shape, 8.0, tl.float32)
+                if HAS_ZEROS:
+                    zero = tl.load(z_rows[:, None] + groups, mask=mask, other=0).to(tl.float32)
+                weight = ((q.to(tl.float32) - zero) * scale).to(dtype)
             xt = tl.load(x_rows + ks[:, None], mask=rows_ok[None, :], other=0.0)
             acc = _dot(weight, xt, acc, INTERPRETED)
     return acc
@@ -113,11 +132,17 @@ def _int4_gate_up_kernel(
     stride_ze,
     stride_zn,
     stride_out,
+    bias_ptr,  # [E, 2N] with HAS_BIAS
+    limit,  # with SWIGLU
+    alpha,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     FAST: tl.constexpr,
+    E2M1: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
@@ -133,11 +158,13 @@ def _int4_gate_up_kernel(
     up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k_step in range(0, K, 8 * WORDS):
         gate = _step(gate, x_rows, rows_ok, k_step, w, s, z, cols_ok, group_size, WORDS,
-                     HAS_ZEROS, FAST, INTERPRETED)  # fmt: skip
+                     HAS_ZEROS, FAST, E2M1, INTERPRETED)  # fmt: skip
         up = _step(up, x_rows, rows_ok, k_step, w + N * stride_wn, s + N * stride_sn,
-                   z + N * stride_zn, cols_ok, group_size, WORDS, HAS_ZEROS, FAST,
+                   z + N * stride_zn, cols_ok, group_size, WORDS, HAS_ZEROS, FAST, E2M1,
                    INTERPRETED)  # fmt: skip
-    out = gate / (1.0 + tl.exp(-gate)) * up
+    # The columns run down the tiles here: the biases load as [BLOCK_N, 1]
+    out = expert_activation(gate, up, bias_ptr + expert * 2 * N, cols[:, None],
+                            cols_ok[:, None], N, limit, alpha, HAS_BIAS, SWIGLU)  # fmt: skip
     out_ptrs = out_ptr + pairs[None, :].to(tl.int64) * stride_out + cols[:, None]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows_ok[None, :] & cols_ok[:, None])
 
@@ -164,11 +191,14 @@ def _int4_down_kernel(
     stride_ze,
     stride_zn,
     stride_out,
+    bias_ptr,  # [E, N] with HAS_BIAS
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WORDS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     FAST: tl.constexpr,
+    E2M1: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
@@ -184,7 +214,9 @@ def _int4_down_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k_step in range(0, K, 8 * WORDS):
         acc = _step(acc, h_rows, rows_ok, k_step, w, s, z, cols_ok, group_size, WORDS,
-                    HAS_ZEROS, FAST, INTERPRETED)  # fmt: skip
+                    HAS_ZEROS, FAST, E2M1, INTERPRETED)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * N + cols, mask=cols_ok, other=0.0)[:, None]
     acc *= tl.load(weights_ptr + rows, mask=rows_ok, other=0.0)[None, :]
     out_ptrs = out_ptr + rows[None, :].to(tl.int64) * stride_out + cols[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows_ok[None, :] & cols_ok[:, None])
@@ -196,16 +228,19 @@ def moe_experts_int4(
     down: Int4Stack,  # [E, H, I / 8]
     weights: torch.Tensor,  # [T, k] float32
     ids: torch.Tensor,  # [T, k]
+    biases: ExpertBiases | None = None,  # gpt-oss's
+    swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """moe_experts_int4_reference: one token's pairs by GEMVs (kernels/triton_moe_int4_gemv.py),
-    more by the grouped GEMMs."""
+    """moe_experts_int4_reference: one token's pairs of plain int4 experts by GEMVs
+    (kernels/triton_moe_int4_gemv.py), the rest by the grouped GEMMs."""
     x = x.contiguous()
     hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     _check(x, gate_up, hidden)
     _check(x.new_empty(0, inter), down, inter)
-    if uses_int4_gemv(ids.numel(), down.qweight.shape[0]):
+    plain = not gate_up.e2m1 and biases is None and swiglu is None
+    if plain and uses_int4_gemv(ids.numel(), down.qweight.shape[0]):
         return moe_experts_int4_gemv(x, gate_up, down, weights, ids)
-    return moe_experts_int4_grouped(x, gate_up, down, weights, ids)
+    return moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
 
 
 def moe_experts_int4_grouped(
@@ -215,6 +250,8 @@ def moe_experts_int4_grouped(
     weights: torch.Tensor,
     ids: torch.Tensor,
     tiles: GemmTiles = INT4_TILES,
+    biases: ExpertBiases | None = None,
+    swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """moe_experts_int4 over the pairs sorted by expert (the module's docstring): [pairs, I]
     SiLU-and-mul rows in x's dtype, then each pair's down row times its routing weight, and
@@ -228,14 +265,17 @@ def moe_experts_int4_grouped(
     grid = (block_experts.numel(), triton.cdiv(inter, tiles.n))
     args = (x, *weight_args(gate_up)[:3], h, sorted_pairs, block_experts, num_pairs, top_k,
             hidden, inter, gate_up.group_size, x.stride(0), *weight_args(gate_up)[3:],
-            h.stride(0))  # fmt: skip
-    _launch(_int4_gate_up_kernel, grid, args, block_m, tiles, gate_up, x)
+            h.stride(0), *epilogue(biases, swiglu, x, "gate_up"))  # fmt: skip
+    flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
+    _launch(_int4_gate_up_kernel, grid, args, block_m, tiles, gate_up, x, flags)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     grid = (block_experts.numel(), triton.cdiv(hidden, tiles.n))
     args = (h, *weight_args(down)[:3], out, weights.float().contiguous(), sorted_pairs,
             block_experts, num_pairs, inter, hidden, down.group_size, h.stride(0),
-            *weight_args(down)[3:], out.stride(0))  # fmt: skip
-    _launch(_int4_down_kernel, grid, args, block_m, tiles, down, h)
+            *weight_args(down)[3:], out.stride(0),
+            epilogue(biases, swiglu, x, "down")[0])  # fmt: skip
+    _launch(_int4_down_kernel, grid, args, block_m, tiles, down, h,
+            dict(HAS_BIAS=biases is not None))  # fmt: skip
     return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
@@ -253,6 +293,8 @@ def _check(x: torch.Tensor, stack: Int4Stack, k: int) -> None:
     if stack.zeros is not None and (stack.zeros.shape != stack.scales.shape
                                     or stack.zeros.dtype != torch.uint8):  # fmt: skip
         raise ValueError(f"int4 experts' zeros must be uint8 {groups}")
+    if stack.e2m1 and (stack.zeros is not None or stack.group_size != CHUNK):
+        raise ValueError(f"MXFP4 experts have no zero points and groups of {CHUNK}")
 
 
 def _step_columns(k: int, group_size: int, tiles: GemmTiles, on_gpu: bool) -> int:
@@ -272,15 +314,17 @@ def _launch(
     tiles: GemmTiles,
     stack: Int4Stack,
     x: torch.Tensor,
+    flags: dict[str, bool],  # HAS_BIAS (and SWIGLU)
 ) -> None:
     """A grouped GEMM's launch, with fewer pipeline stages where the GPU lacks the shared
     memory for the tiles' (kernels/triton_stages.py)."""
     step = _step_columns(x.shape[1], stack.group_size, tiles, x.is_cuda)
     sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
+    fast = stack.group_size % step == 0 and (sixteen_bit or not x.is_cuda) and not stack.e2m1
     constants = dict(
         BLOCK_M=block_m, BLOCK_N=tiles.n, WORDS=step // PACK, HAS_ZEROS=stack.zeros is not None,
-        FAST=stack.group_size % step == 0 and (sixteen_bit or not x.is_cuda),
-        INTERPRETED=not x.is_cuda, num_warps=tiles.num_warps,
+        FAST=fast, E2M1=stack.e2m1, **flags, INTERPRETED=not x.is_cuda,
+        num_warps=tiles.num_warps,
     )  # fmt: skip
     variant = (kernel.__name__, x.device, x.dtype, *constants.values())  # type: ignore[attr-defined]
     launch_fitting(

@@ -19,7 +19,8 @@ from typing import Any
 from shared.model_config import ModelSource
 
 INT4_METHODS = ("awq", "gptq", "compressed-tensors")
-METHODS = ("fp8", *INT4_METHODS, "gguf")
+MXFP4 = "mxfp4"  # quant_method of gpt-oss's checkpoints: MXFP4 experts, the rest float
+METHODS = ("fp8", *INT4_METHODS, "gguf", MXFP4)
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,6 @@ class QuantSpec:
         return False
 
 
-MXFP4 = "mxfp4"  # quant_method of gpt-oss's checkpoints
-
-
 def read_quant_spec(
     flag: str | None, source: ModelSource, load_format: str, *, device_type: str
 ) -> QuantSpec | None:
@@ -82,11 +80,14 @@ def read_quant_spec(
         )
     checkpoint = _checkpoint_config(source)
     if checkpoint is not None and checkpoint.get("quant_method") == MXFP4:
-        # gpt-oss's experts alone, dequantized at load (services/executor/quantization/
-        # mxfp4.py): float layers, or FP8 ones by the flag, as a float checkpoint's
-        if flag not in (None, "fp8"):
+        # gpt-oss's experts kept MXFP4, the other layers float (services/executor/
+        # quantization/mxfp4.py); or, by the flag, the experts dequantized at load and every
+        # layer FP8, as a float checkpoint's
+        if flag not in (None, MXFP4, "fp8"):
             raise ValueError(f"--quantization {flag} does not apply to an MXFP4 checkpoint")
-        return None if flag is None else QuantSpec("fp8", from_checkpoint=False)
+        if flag == "fp8":
+            return QuantSpec("fp8", from_checkpoint=False)
+        return QuantSpec(MXFP4, from_checkpoint=True)
     if checkpoint is not None:
         spec = _from_checkpoint(checkpoint)
         if flag is not None and flag != spec.method:
@@ -100,6 +101,8 @@ def read_quant_spec(
     dummy = load_format == "dummy" or source.format == "preset"
     if flag in INT4_METHODS and dummy:
         return QuantSpec(flag, from_checkpoint=False, symmetric=flag != "awq")
+    if flag == MXFP4 and dummy:
+        return QuantSpec(MXFP4, from_checkpoint=False)
     raise ValueError(
         f"--quantization {flag} needs a checkpoint quantized with {flag} (config.json has no "
         "quantization_config) or --load-format dummy; float weights are quantized at load "

@@ -8,6 +8,11 @@ from dataclasses import dataclass
 
 from shared.config.options import option
 
+# --quantization: the methods (shared/quant_config.py), then vLLM's names for its kernels
+QUANTIZATION_CHOICES = (
+    "fp8", "awq", "gptq", "compressed-tensors", "gguf", "mxfp4", "awq_marlin", "gptq_marlin",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class EngineFields:
@@ -47,9 +52,11 @@ class EngineFields:
         "fp8 on a float checkpoint: e4m3 weights made at load, a scale per output channel, "
         "activations quantized per token. The int4 methods also run on --load-format dummy. "
         "gguf: a .gguf file's blocks kept as they are (the default on CUDA; on CPU its weights "
-        "are dequantized to float unless this is set). awq_marlin and gptq_marlin (vLLM's "
-        "names for its kernels) mean awq and gptq.",
-        ("fp8", "awq", "gptq", "compressed-tensors", "gguf", "awq_marlin", "gptq_marlin"),
+        "are dequantized to float unless this is set). mxfp4: gpt-oss's MXFP4 experts kept "
+        "as they are (the default for its checkpoints; also on --load-format dummy), the other "
+        "layers float; fp8 on such a checkpoint dequantizes its experts and makes every layer "
+        "FP8. awq_marlin and gptq_marlin (vLLM's names for its kernels) mean awq and gptq.",
+        QUANTIZATION_CHOICES,
     )
     max_model_len: int | None = option(
         None, "model", "Longest prompt + output, in tokens; default: the model's context length."

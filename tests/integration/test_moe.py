@@ -158,9 +158,11 @@ def test_expert_parallel_ranks_hold_runs_of_whole_experts(tiny_moe) -> None:
 
 
 @pytest.mark.slow
-def test_gpt_oss_mxfp4_checkpoints_load_dequantized(tmp_path: Path) -> None:
+def test_gpt_oss_mxfp4_checkpoints_keep_their_experts_mxfp4(tmp_path: Path) -> None:
     """gpt-oss as published (its experts MXFP4): greedy tokens of transformers on the weights
-    the checkpoint stands for; the experts are kept dequantized (float)."""
+    the checkpoint stands for, with the experts kept MXFP4 (packed codes and power-of-two
+    scales; kernels/moe.py's reference on the CPU) and, by --quantization fp8, dequantized at
+    load into FP8 experts."""
     from tests.integration.test_parity import hf_greedy, kvflow_greedy
     from tests.integration.tiny_models import make_prompts
     from tests.quantized_writers import write_mxfp4_gpt_oss
@@ -175,7 +177,31 @@ def test_gpt_oss_mxfp4_checkpoints_load_dequantized(tmp_path: Path) -> None:
     assert expected != plain  # the rounding to MXFP4 changes the output
     llm = LLM(str(tmp_path), dtype="float32", device="cpu")
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected
-    assert llm.runner.model.layers[0].mlp.experts_gate_up.dtype == torch.float32
+    mlp = llm.runner.model.layers[0].mlp
+    assert mlp.method.name == "mxfp4" and mlp.experts_gate_up.dtype == torch.int32
+    assert mlp.experts_gate_up_scale.dtype == torch.bfloat16
+    fp8 = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="fp8")
+    assert fp8.runner.model.layers[0].mlp.method.name == "fp8"
+
+
+def test_mxfp4_dummy_experts_run_for_gpt_oss_and_are_refused_elsewhere(
+    tiny_moe, tiny_llama_dir: Path
+) -> None:
+    """--quantization mxfp4 with --load-format dummy (speed runs, as vLLM's on gpt-oss's
+    folders): random MXFP4 experts that generate; on other experts, or none, it is refused
+    rather than quantizing nothing."""
+    family, folder = tiny_moe
+    settings = dict(dtype="float32", device="cpu", load_format="dummy", quantization="mxfp4")
+    if family != "gpt_oss":
+        with pytest.raises(ValueError, match="MXFP4 experts are gpt-oss's"):
+            LLM(str(folder), **settings)
+        return
+    llm = LLM(str(folder), **settings)
+    assert llm.runner.model.layers[0].mlp.experts_down.dtype == torch.int32
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
+    with pytest.raises(ValueError, match="applies to gpt-oss's experts; llama has none"):
+        LLM(str(tiny_llama_dir), **settings)
 
 
 def test_bench_throughput_counts_every_choice_of_the_timed_run(tiny_moe, tmp_path: Path) -> None:

@@ -91,6 +91,18 @@ def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: 
     assert greedy(tmp_path, 2, str(folder), prompts) == expected
 
 
+def test_two_ranks_split_gpt_oss_mxfp4_experts_by_whole_groups(tmp_path: Path) -> None:
+    """gpt-oss as published, its experts MXFP4 and kept so: each rank holds half of every
+    expert's gate and up rows (de-interleaved) and of down's groups of 32 input columns."""
+    from tests.quantized_writers import write_mxfp4_gpt_oss
+
+    _, model = tiny_folder(tmp_path, "gpt_oss", intermediate_size=64)  # two groups
+    write_mxfp4_gpt_oss(model, tmp_path / "mxfp4")
+    prompts = make_prompts(TINY["vocab_size"])[:4]
+    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
+    assert greedy(tmp_path, 2, str(tmp_path / "mxfp4"), prompts) == expected
+
+
 THREE_WAYS = {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}
 
 

@@ -313,6 +313,25 @@ def _moe_int4_launches() -> None:
         moe_experts_int4(x, gate_up, down, torch.ones(tokens, top_k), ids)
 
 
+def _moe_mxfp4_launches() -> None:
+    """gpt-oss-20b's MXFP4 experts (32 of 2880 columns over 2880, top 4, biases, clamped
+    SwiGLU) at one token and at 4,096: the grouped GEMMs' smallest and largest blocks."""
+    experts, hidden, inter, top_k = 32, 2880, 2880, 4
+
+    def stack(rows: int, cols: int) -> Int4Stack:
+        return Int4Stack(torch.empty(experts, rows, cols // 8, dtype=torch.int32),
+                         torch.empty(experts, rows, cols // 32, dtype=torch.bfloat16), None, 32,
+                         e2m1=True)  # fmt: skip
+
+    gate_up, down = stack(2 * inter, hidden), stack(hidden, inter)
+    biases = ExpertBiases(torch.zeros(experts, 2 * inter), torch.zeros(experts, hidden))
+    for tokens in (1, 4096):
+        ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+        x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+        weights = torch.ones(tokens, top_k)
+        moe_experts_int4(x, gate_up, down, weights, ids, biases, ClampedSwiglu(7.0))
+
+
 # name -> (what launches, the compute capabilities it must fit)
 CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     # No PDL before Hopper: ops.linear gives the skinny GEMV at most 16 rows there.
@@ -327,6 +346,7 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "moe fp8": (lambda: _moe_launches(fp8=True), (89, 90)),
     "moe int4": (_moe_int4_launches, (80, 86, 90)),
     "moe gpt-oss": (lambda: _moe_launches(fp8=False, gpt_oss=True), (86, 90)),
+    "moe mxfp4 gpt-oss": (_moe_mxfp4_launches, (90,)),
 }
 
 

@@ -203,6 +203,25 @@ def test_int4_flags_without_a_checkpoint_need_dummy_weights(tmp_path: Path) -> N
         read_quant_spec("gptq", source, "auto", device_type="cpu")
 
 
+def test_mxfp4_checkpoints_keep_their_experts_or_take_fp8_and_refuse_the_rest(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "mxfp4").mkdir(), (tmp_path / "plain").mkdir()
+    mxfp4 = source_with(tmp_path / "mxfp4", {"quant_method": "mxfp4"})
+    kept = QuantSpec("mxfp4", from_checkpoint=True)
+    assert read_quant_spec(None, mxfp4, "auto", device_type="cpu") == kept
+    assert read_quant_spec("mxfp4", mxfp4, "auto", device_type="cpu") == kept
+    fp8 = read_quant_spec("fp8", mxfp4, "auto", device_type="cpu")
+    assert fp8 == QuantSpec("fp8", from_checkpoint=False)
+    with pytest.raises(ValueError, match="--quantization awq does not apply to an MXFP4"):
+        read_quant_spec("awq", mxfp4, "auto", device_type="cpu")
+    plain = source_with(tmp_path / "plain", None)
+    dummy = read_quant_spec("mxfp4", plain, "dummy", device_type="cpu")
+    assert dummy == QuantSpec("mxfp4", from_checkpoint=False)
+    with pytest.raises(ValueError, match="needs a checkpoint quantized with mxfp4"):
+        read_quant_spec("mxfp4", plain, "auto", device_type="cpu")
+
+
 def test_gguf_files_keep_their_blocks_on_cuda_and_on_request(tmp_path: Path) -> None:
     gguf_file = ModelSource(tmp_path / "model.gguf", "gguf", "model")
     gguf_spec = QuantSpec("gguf", from_checkpoint=True)

@@ -21,7 +21,12 @@ from kernels import ops
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from services.executor.layers.linear import Linear
 from services.executor.layers.mlp import GatedMLP
-from services.executor.layers.weight_loader import copy_weight, set_weight_loader, unpacked
+from services.executor.layers.weight_loader import (
+    WeightLoader,
+    copy_weight,
+    set_weight_loader,
+    unpacked,
+)
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.shards import (
     CheckpointTensor,
@@ -131,11 +136,13 @@ class SparseMoE(nn.Module):
         cols: int | None = None,
         dtype: torch.dtype | None = None,
         dims: TensorDims = WHOLE_ROWS,
+        fused_loader: WeightLoader | None = None,
     ) -> nn.Parameter:
         """Register a parameter [local experts, rows(, cols)] that an expert projection's
         checkpoint tensors fill (`name` starts with experts_gate_up, two pieces an expert, or
         experts_down), cut for this rank as `dims` says where its columns lie; from gpt-oss's
-        fused tensors where the model has them (`_load_fused`)."""
+        fused tensors where the model has them (`_load_fused`, or `fused_loader` for another
+        format, given the same keywords)."""
         shape = (
             (self.num_local_experts, rows) if cols is None else (self.num_local_experts, rows, cols)
         )
@@ -144,7 +151,8 @@ class SparseMoE(nn.Module):
         part, parts = self.part
         where = dict(first=self.first_expert, part=part, parts=parts)
         if self.moe.fused_checkpoint:  # one tensor a layer fills every expert
-            set_weight_loader(param, functools.partial(_load_fused, kind=name, **where))
+            load = functools.partial(fused_loader or _load_fused, kind=name, **where)
+            set_weight_loader(param, load)
         else:  # each expert's tensors count as loaded (another rank's are skipped): the model's
             load = functools.partial(_load_expert_piece, pieces=pieces, dims=dims, **where)
             set_weight_loader(param, load, pieces * self.moe.num_experts)
@@ -201,12 +209,17 @@ _EXPERT_PARTS = {
 }
 
 
-# gpt-oss's fused expert tensors -> our stacked parameters (`_load_fused`)
+# gpt-oss's fused expert tensors -> our stacked parameters (`_load_fused`; MXFP4's blocks and
+# scales, kept as such: services/executor/quantization/mxfp4.py)
 _FUSED = {
     "gate_up_proj": "experts_gate_up",
     "gate_up_proj_bias": "experts_gate_up_bias",
     "down_proj": "experts_down",
     "down_proj_bias": "experts_down_bias",
+    "gate_up_proj_blocks": "experts_gate_up",
+    "gate_up_proj_scales": "experts_gate_up_scale",
+    "down_proj_blocks": "experts_down",
+    "down_proj_scales": "experts_down_scale",
 }
 
 
@@ -216,7 +229,7 @@ def expert_piece(name: str) -> tuple[str, int | None] | None:
     expert * pieces + its piece), or None if it is not one."""
     parts = name.split(".")
     if len(parts) == 5 and parts[3] == "experts":  # layers.N.mlp.experts.gate_up_proj (gpt-oss)
-        if parts[4] not in _FUSED:  # MXFP4's blocks and scales come dequantized
+        if parts[4] not in _FUSED:
             raise ValueError(f"{name}: not an expert tensor kvflow reads")
         return f"layers.{parts[1]}.mlp.{_FUSED[parts[4]]}", None
     if len(parts) != 7 or parts[3] != "experts" or parts[6] not in _EXPERT_PARTS:

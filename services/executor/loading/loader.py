@@ -30,16 +30,21 @@ from services.executor.quantization.checkpoints import translate_quantized
 from services.executor.quantization.methods import linear_method, prepare_linear_layers
 from services.executor.quantization.mxfp4 import dequantized_mxfp4
 from shared.model_config import ModelConfig, ModelSource
-from shared.quant_config import QuantSpec, is_mxfp4_checkpoint, read_quant_spec
+from shared.quant_config import MXFP4, QuantSpec, is_mxfp4_checkpoint, read_quant_spec
 
 logger = logging.getLogger(__name__)
 
 
 def refuse_ignored_projections(model: DecoderForCausalLM, spec: QuantSpec | None) -> None:
     """A checkpoint whose ignore list leaves some of kvflow's quantized projections in float
-    is refused before loading: every projection but the lm_head runs one method."""
+    is refused before loading: every projection but the lm_head runs one method. So is MXFP4
+    for a model without experts, where it would quantize nothing."""
     if spec is None:
         return
+    if spec.method == MXFP4 and not any(isinstance(m, SparseMoE) for m in model.modules()):
+        raise ValueError(
+            f"--quantization {MXFP4} applies to gpt-oss's experts; {model.config.family} has none"
+        )
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name == "lm_head":
             continue
@@ -136,10 +141,12 @@ def _safetensors(
 ) -> Iterable[tuple[str, CheckpointTensor]]:
     """A safetensors folder's tensors as its layers load them: quantized ones translated,
     MXFP4 experts dequantized, fused projections cut (`sliced`: read as a rank's parts)."""
-    if spec is not None and spec.from_checkpoint:
+    if spec is not None and spec.method == MXFP4:  # gpt-oss's experts kept MXFP4
+        tensors = iter_safetensor_slices(source.path)
+    elif spec is not None and spec.from_checkpoint:
         names = safetensors_names(source.path)
         tensors = translate_quantized(iter_safetensor_slices(source.path), names, spec)
-    elif is_mxfp4_checkpoint(source):  # gpt-oss's experts
+    elif is_mxfp4_checkpoint(source):  # gpt-oss's experts, for float or FP8 ones
         tensors = dequantized_mxfp4(iter_safetensor_slices(source.path))
     elif sliced:
         tensors = iter_safetensor_slices(source.path)

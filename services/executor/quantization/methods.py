@@ -18,7 +18,8 @@ from services.executor.quantization.fp8 import (
 )
 from services.executor.quantization.gguf import GgufBlocks
 from services.executor.quantization.int4 import Int4Experts, Int4WeightOnly
-from shared.quant_config import QuantSpec
+from services.executor.quantization.mxfp4 import Mxfp4Checkpoint, Mxfp4Experts
+from shared.quant_config import MXFP4, QuantSpec
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +38,19 @@ def linear_method(spec: QuantSpec | None) -> LinearMethod:
         return Fp8Checkpoint() if spec.from_checkpoint else Fp8Dynamic()
     if spec.method == "gguf":
         return GgufBlocks()
+    if spec.method == MXFP4:
+        return Mxfp4Checkpoint()
     return Int4WeightOnly(spec)
 
 
 def experts_method(method: LinearMethod | None) -> ExpertsMethod:
     """How a mixture of experts' experts are stored under the model's linear method: float,
-    FP8 (as the checkpoint holds them, or quantized at load) or int4; what they cannot run
-    is refused by name."""
+    FP8 (as the checkpoint holds them, or quantized at load), int4 or MXFP4; what they cannot
+    run is refused by name."""
     if method is None or type(method) is Unquantized:
         return FloatExperts()
+    if isinstance(method, Mxfp4Checkpoint):
+        return Mxfp4Experts()
     if isinstance(method, Fp8Block):
         return Fp8Experts(from_checkpoint=True, group=method.group)
     if isinstance(method, Fp8Static):
@@ -56,7 +61,9 @@ def experts_method(method: LinearMethod | None) -> ExpertsMethod:
         return Fp8Experts(from_checkpoint=False)
     if isinstance(method, Int4WeightOnly):
         return Int4Experts(method.spec)
-    raise ValueError(f"{method.name} experts are not supported yet (float, FP8 and int4 are)")
+    raise ValueError(
+        f"{method.name} experts are not supported yet (float, FP8, int4 and MXFP4 are)"
+    )
 
 
 def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:
@@ -67,6 +74,9 @@ def prepare_linear_layers(model: nn.Module, spec: QuantSpec | None) -> None:
     for module in model.modules():
         if isinstance(module, SparseMoE):
             module.prepare()
-    if spec is not None:
+    if spec is not None and spec.method == MXFP4:
+        moes = sum(isinstance(module, SparseMoE) for module in model.modules())
+        logger.info("quantization: mxfp4 experts in %d layers, linear layers float", moes)
+    elif spec is not None:
         quantized = sum(1 for name, _ in layers if name != "lm_head")
         logger.info("quantization: %s on %d linear layers (lm_head kept)", spec.label, quantized)
