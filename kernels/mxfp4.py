@@ -49,9 +49,11 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:  # 0..15 -> float32
 
 
 def scale_values(scales: torch.Tensor) -> torch.Tensor:  # e8m0 uint8 -> bfloat16
-    """2 ** (scale - 127): exact in bfloat16, which has float32's exponents."""
+    """2 ** (scale - 127): exact in bfloat16, which has float32's exponents; 255 is e8m0's
+    NaN."""
     one = torch.ones(scales.shape, dtype=torch.float32, device=scales.device)
-    return torch.ldexp(one, scales.to(torch.int32) - 127).to(torch.bfloat16)
+    values = torch.ldexp(one, scales.to(torch.int32) - 127)
+    return torch.where(scales == 255, torch.nan, values).to(torch.bfloat16)
 
 
 def as_int4_layout(
@@ -76,6 +78,7 @@ def dequantize_4bit_stack(stack: Int4Stack, dtype: torch.dtype) -> torch.Tensor:
     `dtype`: an MXFP4 code's e2m1 value times its group's scale."""
     if not stack.e2m1:
         return dequantize_int4_stack(stack, dtype)
-    values = e2m1_values(unpack_weight(stack.qweight.flatten(0, 1)))
-    scales = stack.scales.float().repeat_interleave(stack.group_size, dim=-1)
-    return (values.view(scales.shape) * scales).to(dtype)
+    return torch.stack([  # expert by expert: a stack's float32 at once would be gigabytes
+        (e2m1_values(unpack_weight(codes)) * scales.float().repeat_interleave(GROUP, -1)).to(dtype)
+        for codes, scales in zip(stack.qweight, stack.scales, strict=True)
+    ])  # fmt: skip

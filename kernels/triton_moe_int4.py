@@ -15,7 +15,8 @@ Two ways to make the tiles (`FAST`):
   and zero point and rounded to x's dtype, as the reference does.
 
 MXFP4 experts (gpt-oss's; `Int4Stack.e2m1`) take the second way: each code is read as its
-e2m1 value (`e2m1_value`) times its group's power-of-two scale, exact in x's dtype. gpt-oss's
+e2m1 value (`e2m1_value`) times its group's power-of-two scale, exact in bf16 and float32
+(float16 rounds scales below 2 ** -14 into its subnormals, as the reference does). gpt-oss's
 expert biases and clamped SwiGLU are fused into the epilogues, as in kernels/triton_moe.py.
 
 Every block of pairs reads its expert's words once, so a decode step reads only the chosen
@@ -63,16 +64,19 @@ def e2m1_value(q):
 
 
 @triton.jit
-def _step(acc, x_rows, rows_ok, k_step, w_rows, s_rows, z_rows, cols_ok, group_size,
+def _step(acc, x_rows, rows_ok, k_step, K, w_rows, s_rows, z_rows, cols_ok, group_size,
           WORDS: tl.constexpr, HAS_ZEROS: tl.constexpr, FAST: tl.constexpr,
           E2M1: tl.constexpr, INTERPRETED: tl.constexpr):  # fmt: skip
-    """acc [BN, BM] plus W x^T over the K step of 8 * WORDS columns from k_step. x_rows
-    [1, BM] and w_rows [BN, 1] point at the rows, s_rows and z_rows [BN] at the rows'
-    scales and zero points. E2M1 (MXFP4 codes) takes the second way (FAST off)."""
+    """acc [BN, BM] plus W x^T over the K step of 8 * WORDS columns from k_step, those before
+    K (the last step may run past it by whole chunks; never FAST's, which lies in one
+    group). x_rows [1, BM] and w_rows [BN, 1] point at the rows, s_rows and z_rows [BN] at the
+    rows' scales and zero points. E2M1 (MXFP4 codes) takes the second way (FAST off)."""
     words = tl.arange(0, WORDS)
     pair_k = tl.arange(0, 2 * WORDS)
     x_cols = (pair_k // 8) * _CHUNK + pair_k % 8  # tile p's columns, from k_step + 8p
-    packed = tl.load(w_rows + (k_step // 8 + words)[None, :], mask=cols_ok[:, None], other=0)
+    words_ok = (k_step // 8 + words < K // 8)[None, :]  # a word's 8 columns: one chunk's
+    packed = tl.load(w_rows + (k_step // 8 + words)[None, :], mask=cols_ok[:, None] & words_ok,
+                     other=0)  # fmt: skip
     dtype = x_rows.dtype.element_ty
     if FAST:
         group = k_step // group_size
@@ -90,11 +94,12 @@ def _step(acc, x_rows, rows_ok, k_step, w_rows, s_rows, z_rows, cols_ok, group_s
     else:
         for p in tl.static_range(4):
             ks = k_step + 8 * p + x_cols  # [2W]
+            ks_ok = ks < K
             groups = (ks // group_size)[None, :]
             lo = (packed >> (8 * p)) & 0xF
             hi = (packed >> (8 * p + 4)) & 0xF
             q = tl.reshape(tl.join(lo, hi), [acc.shape[0], 2 * WORDS])
-            mask = cols_ok[:, None]
+            mask = cols_ok[:, None] & ks_ok[None, :]
             scale = tl.load(s_rows[:, None] + groups, mask=mask, other=0.0).to(tl.float32)
             if E2M1:
                 weight = (e2m1_value(q) * scale).to(dtype)
@@ -103,7 +108,7 @@ def _step(acc, x_rows, rows_ok, k_step, w_rows, s_rows, z_rows, cols_ok, group_s
                 if HAS_ZEROS:
                     zero = tl.load(z_rows[:, None] + groups, mask=mask, other=0).to(tl.float32)
                 weight = ((q.to(tl.float32) - zero) * scale).to(dtype)
-            xt = tl.load(x_rows + ks[:, None], mask=rows_ok[None, :], other=0.0)
+            xt = tl.load(x_rows + ks[:, None], mask=rows_ok[None, :] & ks_ok[:, None], other=0.0)
             acc = _dot(weight, xt, acc, INTERPRETED)
     return acc
 
@@ -157,9 +162,9 @@ def _int4_gate_up_kernel(
     gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k_step in range(0, K, 8 * WORDS):
-        gate = _step(gate, x_rows, rows_ok, k_step, w, s, z, cols_ok, group_size, WORDS,
+        gate = _step(gate, x_rows, rows_ok, k_step, K, w, s, z, cols_ok, group_size, WORDS,
                      HAS_ZEROS, FAST, E2M1, INTERPRETED)  # fmt: skip
-        up = _step(up, x_rows, rows_ok, k_step, w + N * stride_wn, s + N * stride_sn,
+        up = _step(up, x_rows, rows_ok, k_step, K, w + N * stride_wn, s + N * stride_sn,
                    z + N * stride_zn, cols_ok, group_size, WORDS, HAS_ZEROS, FAST, E2M1,
                    INTERPRETED)  # fmt: skip
     # The columns run down the tiles here: the biases load as [BLOCK_N, 1]
@@ -213,7 +218,7 @@ def _int4_down_kernel(
     z = z_ptr + expert * stride_ze + cols * stride_zn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k_step in range(0, K, 8 * WORDS):
-        acc = _step(acc, h_rows, rows_ok, k_step, w, s, z, cols_ok, group_size, WORDS,
+        acc = _step(acc, h_rows, rows_ok, k_step, K, w, s, z, cols_ok, group_size, WORDS,
                     HAS_ZEROS, FAST, E2M1, INTERPRETED)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * N + cols, mask=cols_ok, other=0.0)[:, None]
@@ -237,7 +242,7 @@ def moe_experts_int4(
     hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     _check(x, gate_up, hidden)
     _check(x.new_empty(0, inter), down, inter)
-    plain = not gate_up.e2m1 and biases is None and swiglu is None
+    plain = not (gate_up.e2m1 or down.e2m1) and biases is None and swiglu is None
     if plain and uses_int4_gemv(ids.numel(), down.qweight.shape[0]):
         return moe_experts_int4_gemv(x, gate_up, down, weights, ids)
     return moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
@@ -297,13 +302,14 @@ def _check(x: torch.Tensor, stack: Int4Stack, k: int) -> None:
         raise ValueError(f"MXFP4 experts have no zero points and groups of {CHUNK}")
 
 
-def _step_columns(k: int, group_size: int, tiles: GemmTiles, on_gpu: bool) -> int:
+def _step_columns(k: int, tiles: GemmTiles, on_gpu: bool) -> int:
     """K a step: the tiles' if it divides K, else the largest of 64 (32 interpreted) that
-    does; the GPU's tl.dot takes no step below GPU_MIN_STEP."""
+    does; the GPU's tl.dot takes no step below GPU_MIN_STEP, so where none divides K (a
+    rank's 1,440 columns of gpt-oss's experts) the last step of GPU_MIN_STEP is masked."""
     for step in (tiles.k, 64, 32):
         if k % step == 0 and (step >= GPU_MIN_STEP or not on_gpu):
             return step
-    raise ValueError(f"int4 experts on the GPU need K a multiple of {GPU_MIN_STEP}, got {k}")
+    return GPU_MIN_STEP
 
 
 def _launch(
@@ -318,7 +324,7 @@ def _launch(
 ) -> None:
     """A grouped GEMM's launch, with fewer pipeline stages where the GPU lacks the shared
     memory for the tiles' (kernels/triton_stages.py)."""
-    step = _step_columns(x.shape[1], stack.group_size, tiles, x.is_cuda)
+    step = _step_columns(x.shape[1], tiles, x.is_cuda)
     sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
     fast = stack.group_size % step == 0 and (sixteen_bit or not x.is_cuda) and not stack.e2m1
     constants = dict(

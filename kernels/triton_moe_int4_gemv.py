@@ -175,7 +175,10 @@ def moe_experts_int4_gemv(
     ids: torch.Tensor,  # [T, k]
     tiles: Int4GemvTiles = INT4_GEMV_TILES,
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """moe_experts_int4 for few pairs: two launches, no sorting (the module's docstring)."""
+    """moe_experts_int4 for few pairs: two launches, no sorting (the module's docstring).
+    int4 codes alone: MXFP4 stacks take the grouped GEMMs."""
+    if gate_up.e2m1 or down.e2m1:
+        raise ValueError("the int4 GEMVs read int4 codes, not MXFP4's (Int4Stack.e2m1)")
     num_tokens, top_k = ids.shape
     hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     ids = ids.contiguous()

@@ -80,14 +80,7 @@ def read_quant_spec(
         )
     checkpoint = _checkpoint_config(source)
     if checkpoint is not None and checkpoint.get("quant_method") == MXFP4:
-        # gpt-oss's experts kept MXFP4, the other layers float (services/executor/
-        # quantization/mxfp4.py); or, by the flag, the experts dequantized at load and every
-        # layer FP8, as a float checkpoint's
-        if flag not in (None, MXFP4, "fp8"):
-            raise ValueError(f"--quantization {flag} does not apply to an MXFP4 checkpoint")
-        if flag == "fp8":
-            return QuantSpec("fp8", from_checkpoint=False)
-        return QuantSpec(MXFP4, from_checkpoint=True)
+        return _mxfp4(flag, device_type)
     if checkpoint is not None:
         spec = _from_checkpoint(checkpoint)
         if flag is not None and flag != spec.method:
@@ -108,6 +101,18 @@ def read_quant_spec(
         "quantization_config) or --load-format dummy; float weights are quantized at load "
         "only by --quantization fp8"
     )
+
+
+def _mxfp4(flag: str | None, device_type: str) -> QuantSpec | None:
+    """gpt-oss's checkpoints: on CUDA (or by the flag) the experts stay MXFP4, the other
+    layers float (services/executor/quantization/mxfp4.py); on the CPU they are dequantized
+    at load unless the flag asks otherwise, as a GGUF file's (the CPU would dequantize them
+    every step); --quantization fp8 dequantizes them and makes every layer FP8."""
+    if flag not in (None, MXFP4, "fp8"):
+        raise ValueError(f"--quantization {flag} does not apply to an MXFP4 checkpoint")
+    if flag == MXFP4 or (flag is None and device_type == "cuda"):
+        return QuantSpec(MXFP4, from_checkpoint=True)
+    return None if flag is None else QuantSpec("fp8", from_checkpoint=False)
 
 
 def _gguf(flag: str | None, device_type: str) -> QuantSpec | None:

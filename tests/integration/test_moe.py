@@ -161,8 +161,8 @@ def test_expert_parallel_ranks_hold_runs_of_whole_experts(tiny_moe) -> None:
 def test_gpt_oss_mxfp4_checkpoints_keep_their_experts_mxfp4(tmp_path: Path) -> None:
     """gpt-oss as published (its experts MXFP4): greedy tokens of transformers on the weights
     the checkpoint stands for, with the experts kept MXFP4 (packed codes and power-of-two
-    scales; kernels/moe.py's reference on the CPU) and, by --quantization fp8, dequantized at
-    load into FP8 experts."""
+    scales; kernels/moe.py's reference on the CPU, where --quantization mxfp4 asks for them)
+    and, without it on the CPU, dequantized at load; by --quantization fp8, FP8 experts."""
     from tests.integration.test_parity import hf_greedy, kvflow_greedy
     from tests.integration.tiny_models import make_prompts
     from tests.quantized_writers import write_mxfp4_gpt_oss
@@ -175,11 +175,14 @@ def test_gpt_oss_mxfp4_checkpoints_keep_their_experts_mxfp4(tmp_path: Path) -> N
     write_mxfp4_gpt_oss(model, tmp_path)
     expected = hf_greedy(model, prompts, eos_token_id=None)
     assert expected != plain  # the rounding to MXFP4 changes the output
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="mxfp4")
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected
     mlp = llm.runner.model.layers[0].mlp
     assert mlp.method.name == "mxfp4" and mlp.experts_gate_up.dtype == torch.int32
     assert mlp.experts_gate_up_scale.dtype == torch.bfloat16
+    dequantized = LLM(str(tmp_path), dtype="float32", device="cpu")
+    assert kvflow_greedy(dequantized, prompts, ignore_eos=True) == expected
+    assert dequantized.runner.model.layers[0].mlp.experts_gate_up.dtype == torch.float32
     fp8 = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="fp8")
     assert fp8.runner.model.layers[0].mlp.method.name == "fp8"
 
@@ -200,7 +203,7 @@ def test_mxfp4_dummy_experts_run_for_gpt_oss_and_are_refused_elsewhere(
     assert llm.runner.model.layers[0].mlp.experts_down.dtype == torch.int32
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3]], params)[0].token_ids) == 4
-    with pytest.raises(ValueError, match="applies to gpt-oss's experts; llama has none"):
+    with pytest.raises(ValueError, match="is for gpt-oss's experts; llama has none"):
         LLM(str(tiny_llama_dir), **settings)
 
 

@@ -4,12 +4,14 @@ the kernels run under the Triton interpreter (tests/conftest.py), so shapes are 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_moe_align
+from kernels import triton_moe, triton_moe_align
 from kernels.moe import (
     ClampedSwiglu,
     ExpertBiases,
@@ -19,10 +21,20 @@ from kernels.moe import (
 )
 from kernels.triton_moe import moe_experts, moe_experts_grouped, uses_gemv
 from kernels.triton_moe_align import align
+from kernels.triton_moe_gemv import moe_experts_gemv
 from kernels.triton_moe_route import moe_route
-from kernels.triton_moe_tiles import GROUPED_TILES, GROUPED_TILES_FP8, grouped_tiles
+from kernels.triton_moe_tiles import GROUPED_TILES, GROUPED_TILES_FP8, GemvTiles, grouped_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def interpreted_gemv_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the interpreter the down GEMV takes 16 times the default tile's columns (the same
+    K a step): its cost is by program."""
+    if DEVICE == "cpu":
+        gemv = functools.partial(moe_experts_gemv, tiles=GemvTiles(down_n=64))
+        monkeypatch.setattr(triton_moe, "moe_experts_gemv", gemv)
 
 
 def assert_kernel_close(out: torch.Tensor, expected: torch.Tensor) -> None:

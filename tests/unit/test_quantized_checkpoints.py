@@ -209,8 +209,9 @@ def test_mxfp4_checkpoints_keep_their_experts_or_take_fp8_and_refuse_the_rest(
     (tmp_path / "mxfp4").mkdir(), (tmp_path / "plain").mkdir()
     mxfp4 = source_with(tmp_path / "mxfp4", {"quant_method": "mxfp4"})
     kept = QuantSpec("mxfp4", from_checkpoint=True)
-    assert read_quant_spec(None, mxfp4, "auto", device_type="cpu") == kept
+    assert read_quant_spec(None, mxfp4, "auto", device_type="cuda") == kept
     assert read_quant_spec("mxfp4", mxfp4, "auto", device_type="cpu") == kept
+    assert read_quant_spec(None, mxfp4, "auto", device_type="cpu") is None  # dequantized
     fp8 = read_quant_spec("fp8", mxfp4, "auto", device_type="cpu")
     assert fp8 == QuantSpec("fp8", from_checkpoint=False)
     with pytest.raises(ValueError, match="--quantization awq does not apply to an MXFP4"):

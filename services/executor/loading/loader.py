@@ -43,7 +43,8 @@ def refuse_ignored_projections(model: DecoderForCausalLM, spec: QuantSpec | None
         return
     if spec.method == MXFP4 and not any(isinstance(m, SparseMoE) for m in model.modules()):
         raise ValueError(
-            f"--quantization {MXFP4} applies to gpt-oss's experts; {model.config.family} has none"
+            f"MXFP4 (--quantization {MXFP4}, or a checkpoint's quant_method) is for gpt-oss's "
+            f"experts; {model.config.family} has none"
         )
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name == "lm_head":
@@ -54,6 +55,13 @@ def refuse_ignored_projections(model: DecoderForCausalLM, spec: QuantSpec | None
                     f"the checkpoint leaves model.{hf_name} unquantized (its ignore list); "
                     "kvflow quantizes every projection but the lm_head"
                 )
+
+
+def _quantized_label(spec: QuantSpec | None) -> str:
+    """What the load log says of the quantization: MXFP4 is the experts', the rest float."""
+    if spec is None:
+        return ""
+    return ", mxfp4 experts" if spec.method == MXFP4 else f", {spec.label} linear layers"
 
 
 def init_dummy(model: torch.nn.Module, seed: int) -> None:
@@ -128,7 +136,7 @@ def load_model(
         source.name,
         fmt,
         str(dtype).removeprefix("torch."),
-        f", {spec.label} linear layers" if spec else "",
+        _quantized_label(spec),
         weight_bytes(model) / 2**30,
         device,
         time.perf_counter() - start,
