@@ -1,0 +1,60 @@
+"""On a GPU, gpt-oss from an MXFP4 checkpoint as published, its experts kept MXFP4 (the default
+on CUDA): the whole engine's greedy tokens against transformers' on the weights the checkpoint
+stands for, by test_gpu_parity's closeness rule, eager and under CUDA graphs. What the CPU's
+tests cannot show: the Triton kernels inside the engine (the CPU runs their references), at
+a hidden size and expert width whose K steps are the GPU's (64 and more)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from kvflow import LLM, SamplingParams
+from tests.integration.test_gpu_parity import MIN_AGREED, SHAPE, TOP, agreed_tokens, hf_greedy_top
+from tests.integration.tiny_models import MOE_FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
+from tests.quantized_writers import write_mxfp4_gpt_oss
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("dtype", sorted(MIN_AGREED))
+def test_mxfp4_experts_agree_with_transformers(
+    dtype: str, enforce_eager: bool, tmp_path: Path
+) -> None:
+    config_cls, extra = MOE_FAMILIES["gpt_oss"]
+    torch.manual_seed(0)
+    shape = {**SHAPE, "intermediate_size": 128}  # the experts' width: two GPU K steps
+    config = config_cls(**{**TINY, **extra, **shape})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random biases and norm weights, as in the parity tests
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.2)
+    write_mxfp4_gpt_oss(model, tmp_path)  # the model now holds what the codes stand for
+    model = model.to("cuda", getattr(torch, dtype)).eval()
+    llm = LLM(
+        str(tmp_path),
+        device="cuda",
+        dtype=dtype,
+        max_model_len=512,
+        kv_cache_memory_bytes=256 << 20,
+        enforce_eager=enforce_eager,
+    )
+    mlp = llm.runner.model.layers[0].mlp
+    assert mlp.method.name == "mxfp4" and mlp.experts_gate_up.dtype == torch.int32
+    prompts = make_prompts(SHAPE["vocab_size"])
+    params = SamplingParams(
+        temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
+    )
+    agreed = []
+    for prompt, result in zip(prompts, llm.generate(prompts, params), strict=True):
+        theirs = hf_greedy_top(model, prompt)
+        agreed.append(agreed_tokens(f"gpt-oss mxfp4: prompt of {len(prompt)}", result, *theirs))
+    assert sum(agreed) >= MIN_AGREED[dtype] * NUM_NEW_TOKENS * len(prompts), agreed
