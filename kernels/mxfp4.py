@@ -63,14 +63,21 @@ def as_int4_layout(
     """The codes in kernels/int4.py's kernel layout and the scales as bfloat16. Byte j of a
     group holds its values 2j (low nibble) and 2j + 1, so four bytes read as a little-endian
     word hold 8 consecutive values at bits 4 * (c % 8): `pack_int4`'s plain packing."""
-    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
+    if blocks.shape[:-1] != scales.shape:
         raise ValueError(
             f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}: blocks must be "
             f"[..., G, {GROUP // 2}] with scales [..., G]"
         )
-    lead, words = blocks.shape[:-2], scales.shape[-1] * GROUP // 8
+    return packed_codes(blocks), scale_values(scales)
+
+
+def packed_codes(blocks: torch.Tensor) -> torch.Tensor:  # [..., G, 16] uint8 -> [..., G * 4]
+    """The blocks' codes in kernels/int4.py's kernel layout (`as_int4_layout`)."""
+    if blocks.shape[-1] != GROUP // 2:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} must be [..., G, {GROUP // 2}]")
+    lead, words = blocks.shape[:-2], blocks.shape[-2] * GROUP // 8
     plain = blocks.contiguous().view(torch.int32).reshape(-1, words)
-    return transpose_chunks(plain).reshape(*lead, words), scale_values(scales)
+    return transpose_chunks(plain).reshape(*lead, words)
 
 
 def dequantize_4bit_stack(stack: Int4Stack, dtype: torch.dtype) -> torch.Tensor:  # [E, N, K]

@@ -7,11 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.config.options import option
+from shared.quant_config import METHODS
 
-# --quantization: the methods (shared/quant_config.py), then vLLM's names for its kernels
-QUANTIZATION_CHOICES = (
-    "fp8", "awq", "gptq", "compressed-tensors", "gguf", "mxfp4", "awq_marlin", "gptq_marlin",
-)  # fmt: skip
+# --quantization: the methods, then vLLM's names for its kernels (shared/config/validation.py)
+QUANTIZATION_CHOICES = (*METHODS, "awq_marlin", "gptq_marlin")
 
 
 @dataclass(frozen=True)

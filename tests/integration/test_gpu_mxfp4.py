@@ -12,9 +12,8 @@ import pytest
 import torch
 import transformers
 
-from kvflow import LLM, SamplingParams
-from tests.integration.test_gpu_parity import MIN_AGREED, SHAPE, TOP, agreed_tokens, hf_greedy_top
-from tests.integration.tiny_models import MOE_FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
+from tests.integration.test_gpu_parity import MIN_AGREED, SHAPE, agreement, gpu_llm
+from tests.integration.tiny_models import MOE_FAMILIES, NUM_NEW_TOKENS, TINY
 from tests.quantized_writers import write_mxfp4_gpt_oss
 
 pytestmark = [
@@ -39,22 +38,8 @@ def test_mxfp4_experts_agree_with_transformers(
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=0.2)
     write_mxfp4_gpt_oss(model, tmp_path)  # the model now holds what the codes stand for
     model = model.to("cuda", getattr(torch, dtype)).eval()
-    llm = LLM(
-        str(tmp_path),
-        device="cuda",
-        dtype=dtype,
-        max_model_len=512,
-        kv_cache_memory_bytes=256 << 20,
-        enforce_eager=enforce_eager,
-    )
+    llm = gpu_llm(tmp_path, dtype, enforce_eager=enforce_eager)
     mlp = llm.runner.model.layers[0].mlp
     assert mlp.method.name == "mxfp4" and mlp.experts_gate_up.dtype == torch.int32
-    prompts = make_prompts(SHAPE["vocab_size"])
-    params = SamplingParams(
-        temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
-    )
-    agreed = []
-    for prompt, result in zip(prompts, llm.generate(prompts, params), strict=True):
-        theirs = hf_greedy_top(model, prompt)
-        agreed.append(agreed_tokens(f"gpt-oss mxfp4: prompt of {len(prompt)}", result, *theirs))
-    assert sum(agreed) >= MIN_AGREED[dtype] * NUM_NEW_TOKENS * len(prompts), agreed
+    agreed = [n for _, n in agreement("gpt-oss mxfp4", model, llm)]
+    assert sum(agreed) >= MIN_AGREED[dtype] * NUM_NEW_TOKENS * len(agreed), agreed

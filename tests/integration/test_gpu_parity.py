@@ -132,7 +132,13 @@ def _agreed_by_prompt(
     """(prompt length, greedy tokens shared with transformers before the two part), a prompt
     each."""
     model = build(family, folder).to(getattr(torch, dtype))
-    llm = LLM(
+    llm = gpu_llm(folder, dtype, **engine)
+    return agreement(family, model, llm, use_cache="longrope" not in family)
+
+
+def gpu_llm(folder: object, dtype: str, **engine: object) -> LLM:
+    """kvflow on the model in `folder`, on CUDA, with a small KV cache."""
+    return LLM(
         str(folder),
         device="cuda",
         dtype=dtype,
@@ -140,16 +146,22 @@ def _agreed_by_prompt(
         kv_cache_memory_bytes=256 << 20,
         **engine,
     )
+
+
+def agreement(
+    what: str, model: torch.nn.Module, llm: LLM, use_cache: bool = True
+) -> list[tuple[int, int]]:
+    """(prompt length, greedy tokens kvflow and transformers share before they part), a
+    prompt each (use_cache: hf_greedy_top's)."""
     prompts = make_prompts(SHAPE["vocab_size"])
     params = SamplingParams(
         temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=TOP
     )
-    use_cache = "longrope" not in family  # hf_greedy_top
     agreed = []
     for prompt, result in zip(prompts, llm.generate(prompts, params), strict=True):
         theirs = hf_greedy_top(model, prompt, use_cache)
-        what = f"{family}: prompt of {len(prompt)}"
-        agreed.append((len(prompt), agreed_tokens(what, result, *theirs)))
+        where = f"{what}: prompt of {len(prompt)}"
+        agreed.append((len(prompt), agreed_tokens(where, result, *theirs)))
     return agreed
 
 

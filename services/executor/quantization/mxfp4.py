@@ -18,7 +18,7 @@ from torch import nn
 
 from kernels import ops
 from kernels.int4 import PACK, Int4Stack
-from kernels.mxfp4 import GROUP, as_int4_layout, dequantize_mxfp4, scale_values
+from kernels.mxfp4 import GROUP, dequantize_mxfp4, packed_codes, scale_values
 from services.executor.layers.linear import Unquantized
 from services.executor.layers.weight_loader import copy_weight, unpacked
 from services.executor.parallel.shards import CheckpointTensor, Loaded, read
@@ -132,8 +132,5 @@ def _load_fused_mxfp4(
     else:  # experts_down: its K (= I) groups
         groups = whole.shape[2] // parts
         whole = whole[:, :, part * groups : (part + 1) * groups]
-    if kind.endswith("_scale"):
-        value = scale_values(whole)
-    else:
-        value, _ = as_int4_layout(whole, whole.new_zeros(whole.shape[:-1]))
+    value = scale_values(whole) if kind.endswith("_scale") else packed_codes(whole)
     copy_weight(param.data, value, name)
