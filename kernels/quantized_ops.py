@@ -9,7 +9,7 @@ import torch
 from kernels.fp8 import Fp8Rows, fp8_group_linear_reference, fp8_linear_reference
 from kernels.gguf import gguf_linear_reference
 from kernels.int4 import int4_linear_reference
-from kernels.ops import gelu_tanh_and_mul, silu_and_mul, triton_module
+from kernels.ops import triton_module
 
 # Block-scaled FP8 goes to cuBLASLt's blockwise GEMM past this many rows, where it has one.
 FP8_BLOCK_TRITON_MAX_ROWS = 16
@@ -118,29 +118,6 @@ def int4_linear(
     module = triton_module("int4", x)
     kernel = module.int4_linear if module is not None else int4_linear_reference
     return kernel(x, qweight, scales, zeros, group_size, g_idx, bias)
-
-
-def int4_gated_linear(
-    gate_up: torch.Tensor,  # [M, 2K]: a gated MLP's gate and up
-    qweight: torch.Tensor,  # [N, K/8] int32
-    scales: torch.Tensor,  # [N, G]
-    zeros: torch.Tensor | None,  # [N, G] uint8; None: 8
-    group_size: int,
-    g_idx: torch.Tensor | None,  # [K] int32
-    bias: torch.Tensor | None,  # [N]
-    gelu: bool,  # gelu_tanh(gate) * up, else silu(gate) * up
-) -> torch.Tensor:  # [M, N], gate_up's dtype
-    """`int4_linear(act(gate) * up, ...)`: on CUDA, where the dot kernel takes it (one row), one
-    launch that makes its input from gate_up as it loads it (`kernels/triton_int4.py`); else
-    the activation, then the layer."""
-    module = triton_module("int4", gate_up)
-    if module is not None and module.gated_applies(gate_up, group_size, g_idx):
-        gated = "gelu_tanh" if gelu else "silu"
-        return module.int4_linear(
-            gate_up, qweight, scales, zeros, group_size, g_idx, bias, gated=gated
-        )
-    x = (gelu_tanh_and_mul if gelu else silu_and_mul)(gate_up)
-    return int4_linear(x, qweight, scales, zeros, group_size, g_idx, bias)
 
 
 def gguf_linear(

@@ -44,9 +44,7 @@ from kernels import gluon_int4
 from kernels import triton_split_k as split_k
 from kernels.int4 import CHUNK, PACK, Int4Tiles
 from kernels.int4_pairs import BF16_PAIRS_ASM, FP16_PAIRS_ASM
-from kernels.triton_activation import silu_mul
 from kernels.triton_int4_dequant import dequantized_linear, launch_dequant_dot, operands
-from kernels.triton_linear import GATED  # the activations a gated input takes
 from kernels.triton_pdl import (
     L2_LINE_BYTES,
     launches_early,
@@ -58,11 +56,6 @@ from kernels.triton_split_k import sum_of_splits
 _CHUNK = tl.constexpr(CHUNK)
 _LINE_WORDS = tl.constexpr(L2_LINE_BYTES // 4)  # packed words in a 128-byte line
 DEQUANTIZE_ABOVE_ROWS = 64  # past this the weight is dequantized, then cuBLAS
-GATED_MAX_ROWS = 1  # as kernels.triton_linear's: past one row the activation runs apart
-# Whether the engine gives the dot kernel its gated input (`gated_applies`). Off: built and
-# tested under the interpreter and compiled for sm_90, not yet run on a GPU; on once its GPU
-# test passes and a batch-1 int4 step with it is timed against one without.
-GATED_ON = False
 DOT_STEP = 128  # the dot kernel's K step: one group of 128 (or a part of a larger one)
 DOT_WARPS = 2048  # the dot kernel splits K until about this many warps run,
 DOT_MIN_ITERATIONS = 8  # leaving each split at least this many loop iterations,
@@ -285,8 +278,6 @@ def _int4_dot_kernel(
     INTERPRETED: tl.constexpr,  # TRITON_INTERPRET: float32 dots (see triton_linear)
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
     PREFETCH_LINES: tl.constexpr,  # with PDL: the 128-byte lines of its first steps a row
-    GATED: tl.constexpr,  # x_ptr is a gate_up's gate half: the input is act(gate) * up
-    GELU: tl.constexpr,  # with GATED: gelu_tanh(gate) rather than silu(gate)
 ):
     """out[rows, cols]^T = sum over steps of W_step x_step^T. In a step, for each nibble pair
     p the weight tile [BN, 2W] is q - z of nibbles 2p and 2p + 1 of each word side by side
@@ -337,11 +328,7 @@ def _int4_dot_kernel(
             step = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for p in tl.static_range(4):
                 x_ptrs = x_rows + (k_step + 8 * p + x_cols)[:, None]
-                x_mask = row_valid[None, :] & valid[:, None]
-                if GATED:  # up lies K columns past gate in gate_up's rows
-                    xt = silu_mul(x_ptrs, x_mask, k, x_ptr.dtype.element_ty, GELU)
-                else:
-                    xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+                xt = tl.load(x_ptrs, mask=row_valid[None, :] & valid[:, None], other=0.0)
                 weight = tl.reshape(pairs[p], [BLOCK_N, 2 * WORDS])
                 if INTERPRETED:
                     step = tl.dot(
@@ -409,7 +396,6 @@ def int4_linear(
     bias: torch.Tensor | None = None,  # [N]
     *,
     tiles: Int4Tiles | None = None,  # None: default_tiles
-    gated: str | None = None,  # GATED: x is gate_up [M, 2K], the input act(gate) * up
 ) -> torch.Tensor:  # [M, N], x.dtype
     """`kernels.int4.int4_linear_reference`: up to DEQUANTIZE_ABOVE_ROWS rows one launch that
     reads the packed weight; past that the weight dequantized to x's dtype, then cuBLAS
@@ -417,17 +403,7 @@ def int4_linear(
     TB/s). The dot kernel with 128 x 128
     tiles beat the pass per call at 96 rows (sweeps/int4_sweep.py), yet a whole decode step of
     96 rows was 3 % slower with it (H200, 2026-12-05: 11.55 against 11.22 ms), so the bound
-    stays at 64.
-
-    Given `gated` ("silu" or "gelu_tanh"), up to GATED_MAX_ROWS rows on the dot kernel, x is a
-    gated MLP's gate_up [M, 2K] and the kernel makes its input act(gate) * up as it loads it
-    (rounded as silu_and_mul rounds it, `kernels.triton_activation.silu_mul`): the down
-    projection and its activation in one launch, as the bf16 GEMV runs them
-    (`kernels.ops.gated_linear`)."""
-    if gated is not None:
-        x = _gate_half(x, gated, qweight.shape[1] * PACK)
-        if x.shape[0] > GATED_MAX_ROWS:
-            raise ValueError(f"gated: up to {GATED_MAX_ROWS} rows, got {x.shape[0]}")
+    stays at 64."""
     _check_inputs(x, qweight, scales, zeros, group_size, g_idx, bias)
     m, n, k = x.shape[0], qweight.shape[0], x.shape[1]
     if tiles is None and m > DEQUANTIZE_ABOVE_ROWS:
@@ -441,38 +417,9 @@ def int4_linear(
     tiles = tiles or default_tiles(m, n, k, dot, act_order=g_idx is not None)
     if tiles.kind == "dot" and not dot:
         raise ValueError(f"{tiles}: the dot kernel needs {_DOT_NEEDS}")
-    if gated is not None:
-        if tiles.kind != "dot":
-            raise ValueError(f"gated: the dot kernel only, not {tiles}")
-        _launch_dot(x, qweight, scales, zeros, group_size, g_idx, bias, out, tiles, gated)
-        return out
     launch = {"rows": _launch_rows, "dot": _launch_dot, "dequant_dot": launch_dequant_dot}
     launch[tiles.kind](x, qweight, scales, zeros, group_size, g_idx, bias, out, tiles)
     return out
-
-
-def gated_applies(gate_up: torch.Tensor, group_size: int, g_idx: torch.Tensor | None) -> bool:
-    """Whether the engine gives this gate_up [M, 2K] to `int4_linear(..., gated=...)`: with
-    GATED_ON, the dot kernel's x (a 16-bit dtype, K and the groups multiples of its step, no
-    act-order), up to GATED_MAX_ROWS rows."""
-    k = gate_up.shape[1] // 2
-    return (
-        GATED_ON
-        and 1 <= gate_up.shape[0] <= GATED_MAX_ROWS
-        and dot_applies(gate_up.dtype, group_size, g_idx is not None)
-        and k % DOT_STEP == 0
-    )
-
-
-def _gate_half(gate_up: torch.Tensor, gated: str, k: int) -> torch.Tensor:
-    """gate_up's gate columns [M, K] (a view: up lies K columns past each), or a clear error."""
-    if gated not in GATED or gate_up.dim() != 2 or gate_up.shape[1] != 2 * k:
-        raise ValueError(
-            f"gated: one of {GATED} on a [M, {2 * k}] gate_up, got {gated} {tuple(gate_up.shape)}"
-        )
-    if gate_up.stride(1) != 1:
-        raise ValueError("gate_up must be contiguous along its columns")
-    return gate_up[:, :k]
 
 
 def wgmma_takes(
@@ -533,7 +480,6 @@ def _launch_dot(
     bias: torch.Tensor | None,
     out: torch.Tensor,
     tiles: Int4Tiles,
-    gated: str | None = None,
 ) -> None:
     if tiles.block_k % DOT_STEP:
         raise ValueError(f"{tiles}: the dot kernel takes K steps of {DOT_STEP} columns")
@@ -559,8 +505,6 @@ def _launch_dot(
         INTERPRETED=not x.is_cuda,
         PDL=early,
         PREFETCH_LINES=_prefetch_lines(tiles) if early else 0,
-        GATED=gated is not None,
-        GELU=gated == "gelu_tanh",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         launch_pdl=early,

@@ -239,45 +239,6 @@ def test_the_dot_kernel_takes_several_steps_an_iteration(block_k: int, split_k: 
         int4_linear(x, qweight, scales, zeros, 128, tiles=dataclasses.replace(tiles, block_k=192))
 
 
-@pytest.mark.parametrize("gelu", [False, True])
-@pytest.mark.parametrize("split_k", [1, 2])
-def test_the_dot_kernel_makes_a_gated_input_as_the_activation_would(
-    gelu: bool, split_k: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A down projection's int4 GEMV on gate_up [1, 2K]: act(gate) * up made in the kernel
-    equals the activation's kernel, then the layer (K = 512 of 4 steps; 72 weight rows against
-    tiles of 32)."""
-    from kernels.activation import gelu_tanh_and_mul_reference, silu_and_mul_reference
-    from kernels.triton_activation import silu_and_mul
-
-    qweight, scales, zeros, _ = random_layer(72, 512, 128, False, False, 7)
-    scales = scales.to(torch.bfloat16)
-    gate_up = torch.randn(1, 1024, generator=torch.Generator().manual_seed(1))
-    gate_up = gate_up.to(DEVICE, torch.bfloat16)
-    x = (gelu_tanh_and_mul_reference if gelu else silu_and_mul_reference)(gate_up)
-    expected = int4_linear_reference(x, qweight, scales, zeros, 128)
-    gated = "gelu_tanh" if gelu else "silu"
-    tiles = Int4Tiles("dot", 8, 32, 128, num_warps=2, num_stages=2, split_k=split_k)
-    out = int4_linear(gate_up, qweight, scales, zeros, 128, tiles=tiles, gated=gated)
-    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
-    # The same kernel on the activation kernel's output: the same input, so the same sums.
-    apart = int4_linear(silu_and_mul(gate_up, gelu), qweight, scales, zeros, 128, tiles=tiles)
-    torch.testing.assert_close(out, apart, rtol=0, atol=0)
-    default = int4_linear(gate_up, qweight, scales, zeros, 128, gated=gated)
-    torch.testing.assert_close(default.float(), expected.float(), rtol=2e-2, atol=2e-2)
-    assert not triton_int4.gated_applies(gate_up, 128, None)  # off until timed on a GPU
-    monkeypatch.setattr(triton_int4, "GATED_ON", True)
-    assert triton_int4.gated_applies(gate_up, 128, None)
-    assert not triton_int4.gated_applies(gate_up.repeat(2, 1), 128, None)  # one row only
-    assert not triton_int4.gated_applies(gate_up.float(), 128, None)
-    with pytest.raises(ValueError, match="gated"):
-        int4_linear(gate_up[:, :512], qweight, scales, zeros, 128, gated=gated)
-    with pytest.raises(ValueError, match="gated"):
-        int4_linear(gate_up, qweight, scales, zeros, 128, gated="relu")
-    with pytest.raises(ValueError, match="up to 1 rows"):
-        int4_linear(gate_up.repeat(2, 1), qweight, scales, zeros, 128, gated=gated)
-
-
 def test_bad_inputs_are_refused() -> None:
     qweight, scales, zeros, _ = random_layer(16, 64, 32, False, False, 0)
     x = torch.randn(2, 64).to(DEVICE, DTYPE)
@@ -328,22 +289,3 @@ def test_gpu_fp16_at_real_shapes_matches_the_reference(shape: str, m: int) -> No
     expected = int4_linear_reference(x, qweight, scales, zeros, 128)
     error = (out.float() - expected.float()).norm() / expected.float().norm()
     assert out.dtype == torch.float16 and error.item() < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("gelu", [False, True])
-def test_gpu_gated_down_projection_at_real_shapes(gelu: bool) -> None:
-    """Llama-3.1-8B's down projection (K = 14336) at one row, its input made from gate_up in
-    the kernel, against the activation's kernel then the layer; judged as a whole, as above."""
-    from kernels import ops
-
-    n, k = LLAMA_SHAPES["down"]
-    qweight, scales, zeros, _ = random_layer(n, k, 128, False, False, 11)
-    gate_up = torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(3)).to(DEVICE, DTYPE)
-    x = ops.gelu_tanh_and_mul(gate_up) if gelu else ops.silu_and_mul(gate_up)
-    expected = int4_linear_reference(x, qweight, scales, zeros, 128)
-    gated = "gelu_tanh" if gelu else "silu"
-    out = int4_linear(gate_up, qweight, scales, zeros, 128, gated=gated)
-    error = (out.float() - expected.float()).norm() / expected.float().norm()
-    assert error.item() < 1e-2

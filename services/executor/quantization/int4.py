@@ -104,7 +104,7 @@ class Int4WeightOnly:
         return with_lora(out, lora)
 
     def apply_gated(self, layer: Linear, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor | None:
-        return quantized_ops.int4_gated_linear(gate_up, *self._weights(layer), gelu)
+        return None  # its kernels take no gated input: the activation runs apart
 
     def _weights(self, layer: Linear) -> tuple[Any, ...]:
         """The layer's int4 operands as the kernels take them, after x: qweight, scales, zero
