@@ -53,6 +53,15 @@ def block_pairs(sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M: tl.constexp
 
 
 @triton.jit
+def exact_dot(a, b):
+    """a @ b into float32; float32 operands in full precision: tl.dot's default for them is
+    TF32, whose 10-bit mantissas part a float32 model's greedy tokens from the reference's."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _step_scaled(product, a_s, s, rows, rows_ok, cols, cols_ok, start, group, stride_as,
                  stride_sn, MODE: tl.constexpr):  # fmt: skip
     """A K step's [BLOCK_M, BLOCK_N] product, in MODE 2 times its group's input and weight
@@ -130,9 +139,9 @@ def _gate_up_kernel(
         w_gate = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w + (cols + N)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         scales = (x_scale_ptr, s, tokens, rows_ok)
-        gate += _step_scaled(tl.dot(a, w_gate), *scales, cols, cols_ok, start, group, stride_xs,
+        gate += _step_scaled(exact_dot(a, w_gate), *scales, cols, cols_ok, start, group, stride_xs,
                              stride_sn, MODE)  # fmt: skip
-        up += _step_scaled(tl.dot(a, w_up), *scales, cols + N, cols_ok, start, group, stride_xs,
+        up += _step_scaled(exact_dot(a, w_up), *scales, cols + N, cols_ok, start, group, stride_xs,
                            stride_sn, MODE)  # fmt: skip
     gate = _end_scaled(gate, x_scale_ptr, s, tokens, rows_ok, cols, cols_ok, stride_xs,
                        stride_sn, MODE)  # fmt: skip
@@ -193,7 +202,7 @@ def _down_kernel(
             mask=ks_ok[:, None] & cols_ok[None, :],
             other=0.0,
         )
-        acc += _step_scaled(tl.dot(a, w_tile), h_scale_ptr, s, rows, rows_ok, cols, cols_ok,
+        acc += _step_scaled(exact_dot(a, w_tile), h_scale_ptr, s, rows, rows_ok, cols, cols_ok,
                             start, group, stride_hs, stride_sn, MODE)  # fmt: skip
     acc = _end_scaled(acc, h_scale_ptr, s, rows, rows_ok, cols, cols_ok, stride_hs, stride_sn,
                       MODE)  # fmt: skip

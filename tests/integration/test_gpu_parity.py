@@ -15,7 +15,10 @@ import torch
 import transformers
 
 from kvflow import LLM, GenerationResult, SamplingParams
-from tests.integration.tiny_models import FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
+from tests.integration.tiny_models import FAMILIES, MOE_FAMILIES, NUM_NEW_TOKENS, TINY, make_prompts
+
+# The dense families and the mixtures of experts (their routing and expert kernels on the GPU)
+GPU_FAMILIES = {**FAMILIES, **MOE_FAMILIES}
 
 TOP = 5
 Top = dict[int, float]  # a step's top 5: token id -> logit (transformers) or logprob (kvflow)
@@ -32,7 +35,7 @@ SHAPE = dict(
 
 
 def build(family: str, folder: object) -> torch.nn.Module:
-    config_cls, extra = FAMILIES[family]
+    config_cls, extra = GPU_FAMILIES[family]
     torch.manual_seed(0)
     shape = dict(SHAPE)
     if "layer_types" in extra:  # the family's pattern of layers, over this shape's layers
@@ -165,10 +168,17 @@ def agreement(
     return agreed
 
 
+# A mixture of experts in float32 only: in bf16 the two engines' router logits round apart, and
+# where the tiny random models' experts lie near a tie, each engine picks others, which moves
+# the next token's logits by more than the closeness rule allows (all five families parted so
+# on an H100 on 2026-12-06, while in float32 all agreed).
+CASES = [(family, dtype) for family in sorted(GPU_FAMILIES) for dtype in sorted(MIN_AGREED)
+         if dtype == "float32" or family not in MOE_FAMILIES]  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", sorted(MIN_AGREED))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(("family", "dtype"), CASES)
 def test_greedy_agrees_with_transformers(family: str, dtype: str, tmp_path: object) -> None:
     agreed = _agreed_by_prompt(family, dtype, tmp_path)
     wanted = MIN_AGREED[dtype] * len(agreed) * NUM_NEW_TOKENS

@@ -39,8 +39,8 @@ def interpreted_gemv_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def assert_kernel_close(out: torch.Tensor, expected: torch.Tensor) -> None:
     """Interpreted, the kernels sum in float32 as the reference does: close to 2e-3. On a GPU
-    tl.dot takes float32 operands as TF32, and a sum in another order can move a value that
-    is rounded to e4m3 next by one step: close to 1 % of the output's range."""
+    the tensor cores sum in another order, which can move a value that is rounded to e4m3
+    next (FP8 experts' inputs) by one step: close to 1 % of the output's range."""
     if out.is_cuda:
         scale = float(expected.abs().max())
         torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2 * scale)
