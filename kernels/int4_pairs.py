@@ -57,3 +57,28 @@ _SCALED_PAIRS_ASM = _NIBBLE_PAIRS_ASM.replace(
 )
 BF16_SCALED_PAIRS_ASM = _typed(_SCALED_PAIRS_ASM, "bf16x2")
 FP16_SCALED_PAIRS_ASM = _typed(_SCALED_PAIRS_ASM, "f16x2")
+
+# MXFP4's e2m1 codes (kernels/mxfp4.py) to bf16 pairs times their group's scale, the inputs as
+# above but $6 the elements' scales as a bf16 pair. Each half's nibble s e1 e0 m goes to bits
+# 15 (sign), 8-7 (the exponent's low bits) and 6 (the mantissa's top bit): the bf16 of the
+# code's value times 2 ** -126 (e = 0: a subnormal, m / 2 of it), so a packed FMA by 2 ** 126
+# makes the value and another by the scale the weight, both exact (the scales are powers of
+# two; bf16 FMAs keep subnormals). Seven instructions a pair where the nibble-at-a-time path
+# runs some fifteen a value.
+_E2M1_PAIR = """
+prmt.b32 t, $4, $5, SELECT;
+and.b32 t, t, 0x000F000F;
+shl.b32 s, t, 12;
+shl.b32 t, t, 6;
+lop3.b32 t, t, s, 0x81C081C0, 0xA8;
+fma.rn.bf16x2 t, t, big, nz;
+fma.rn.bf16x2 $OUT, t, $6, nz;
+"""
+BF16_E2M1_PAIRS_ASM = tl.constexpr(
+    "{\n.reg .b32 t, s, big, nz;\nmov.b32 big, 0x7E807E80;\nmov.b32 nz, 0x80008000;\n"
+    + "".join(
+        _E2M1_PAIR.replace("SELECT", select).replace("OUT", str(pair))
+        for pair, select in enumerate(("0x4400", "0x5511", "0x6622", "0x7733"))
+    )
+    + "}\n"
+)

@@ -14,14 +14,16 @@ Two ways to make the tiles (`FAST`):
 - otherwise (groups of 32 or 64, float32 x): each weight dequantized by its own group's scale
   and zero point and rounded to x's dtype, as the reference does.
 
-MXFP4 experts (gpt-oss's; `Int4Stack.e2m1`) take the second way: each code is read as its
-e2m1 value (`e2m1_value`) times its group's power-of-two scale, exact in bf16 and float32
-(float16 rounds scales below 2 ** -14 into its subnormals, as the reference does). gpt-oss's
+MXFP4 experts (gpt-oss's; `Int4Stack.e2m1`) in bf16 on the GPU: each pair of codes becomes
+its two bf16 values times their group's power-of-two scale in seven instructions of PTX
+(`e2m1_pairs`, kernels/int4_pairs.py), exact. Elsewhere they take the second way: each code
+read as its e2m1 value (`e2m1_value`) times the scale, exact in bf16 and float32 (float16
+rounds scales below 2 ** -14 into its subnormals, as the reference does). gpt-oss's
 expert biases and clamped SwiGLU are fused into the epilogues, as in kernels/triton_moe.py.
 
 Every block of pairs reads its expert's words once, so a decode step reads only the chosen
-experts' weights, a quarter of bf16's bytes. One token's pairs of int4 experts take the GEMVs
-of kernels/triton_moe_int4_gemv.py instead (MXFP4 experts and experts with biases do not).
+experts' weights, a quarter of bf16's bytes. Few pairs (`uses_int4_gemv`) take the GEMVs of
+kernels/triton_moe_int4_gemv.py instead, MXFP4 and gpt-oss's epilogues included.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import triton.language as tl
 
 from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
+from kernels.triton_e2m1 import e2m1_pairs, e2m1_value
 from kernels.triton_int4 import q_minus_z_pairs
 from kernels.triton_moe import block_pairs
 from kernels.triton_moe_align import align
@@ -48,19 +51,11 @@ GPU_MIN_STEP = 64  # tl.dot on the GPU: tiles of 2 * WORDS = 16 columns at least
 
 @triton.jit
 def _dot(weight, xt, acc, INTERPRETED: tl.constexpr):
-    if INTERPRETED:  # float32 dots: the interpreter's 16-bit ones round differently
+    # float32 dots in full precision (not TF32); the interpreter's 16-bit ones round
+    # differently, so there every dot is float32
+    if INTERPRETED or weight.dtype == tl.float32:
         return tl.dot(weight.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(weight, xt, acc)
-
-
-@triton.jit
-def e2m1_value(q):
-    """MXFP4's 4-bit codes (int32, 0..15) as the float32 values they stand for: twice the
-    magnitude is m for exponent bits e = 0, else (2 + m) << (e - 1), with m the mantissa bit."""
-    e = (q >> 1) & 3
-    m = q & 1
-    twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))
-    return tl.where(q >= 8, -twice, twice).to(tl.float32) * 0.5
 
 
 @triton.jit
@@ -70,7 +65,8 @@ def _step(acc, x_rows, rows_ok, k_step, K, w_rows, s_rows, z_rows, cols_ok, grou
     """acc [BN, BM] plus W x^T over the K step of 8 * WORDS columns from k_step, those before
     K (the last step may run past it by whole chunks; never FAST's, which lies in one
     group). x_rows [1, BM] and w_rows [BN, 1] point at the rows, s_rows and z_rows [BN] at the
-    rows' scales and zero points. E2M1 (MXFP4 codes) takes the second way (FAST off)."""
+    rows' scales and zero points. E2M1 (MXFP4 codes): on the GPU in bf16 each code pair times
+    its scale by e2m1_pairs, elsewhere the second way (FAST off)."""
     words = tl.arange(0, WORDS)
     pair_k = tl.arange(0, 2 * WORDS)
     x_cols = (pair_k // 8) * _CHUNK + pair_k % 8  # tile p's columns, from k_step + 8p
@@ -78,7 +74,17 @@ def _step(acc, x_rows, rows_ok, k_step, K, w_rows, s_rows, z_rows, cols_ok, grou
     packed = tl.load(w_rows + (k_step // 8 + words)[None, :], mask=cols_ok[:, None] & words_ok,
                      other=0)  # fmt: skip
     dtype = x_rows.dtype.element_ty
-    if FAST:
+    if E2M1 and not INTERPRETED and dtype == tl.bfloat16:  # e2m1_pairs' PTX
+        # A word's 8 columns lie in one chunk of 32 columns: MXFP4's group, one scale.
+        groups = ((k_step // 8 + words) // (_CHUNK // 8))[None, :]
+        scale = tl.load(s_rows[:, None] + groups, mask=cols_ok[:, None] & words_ok, other=0.0)
+        pairs = e2m1_pairs(packed, scale)
+        for p in tl.static_range(4):
+            ks = k_step + 8 * p + x_cols
+            xt = tl.load(x_rows + ks[:, None], mask=rows_ok[None, :] & (ks < K)[:, None],
+                         other=0.0)  # fmt: skip
+            acc = _dot(tl.reshape(pairs[p], [acc.shape[0], 2 * WORDS]), xt, acc, INTERPRETED)
+    elif FAST:
         group = k_step // group_size
         scale = tl.load(s_rows + group, mask=cols_ok, other=0.0).to(tl.float32)
         zero = tl.full(scale.shape, 8.0, tl.float32)
@@ -236,15 +242,14 @@ def moe_experts_int4(
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """moe_experts_int4_reference: one token's pairs of plain int4 experts by GEMVs
-    (kernels/triton_moe_int4_gemv.py), the rest by the grouped GEMMs."""
+    """moe_experts_int4_reference: few pairs by GEMVs (kernels/triton_moe_int4_gemv.py), the
+    rest by the grouped GEMMs."""
     x = x.contiguous()
     hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     _check(x, gate_up, hidden)
     _check(x.new_empty(0, inter), down, inter)
-    plain = not (gate_up.e2m1 or down.e2m1) and biases is None and swiglu is None
-    if plain and uses_int4_gemv(ids.numel(), down.qweight.shape[0]):
-        return moe_experts_int4_gemv(x, gate_up, down, weights, ids)
+    if uses_int4_gemv(ids.numel(), down.qweight.shape[0], e2m1=down.e2m1):
+        return moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
     return moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
 
 

@@ -416,10 +416,12 @@ def mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     amax = groups.abs().amax(dim=-1).clamp(min=2.0**-126)
     exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     scaled = groups / torch.exp2(exponent)[..., None]
-    index = (scaled.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(dim=-1)  # 0..7
+    magnitudes = E2M1_MAGNITUDES.to(weight.device)
+    # The nearest magnitude, a tie to the lower: past midpoint i, index i + 1 (0..7)
+    index = torch.bucketize(scaled.abs(), (magnitudes[1:] + magnitudes[:-1]) / 2)
     codes = index + 8 * (scaled < 0).long()
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
-    values = E2M1_MAGNITUDES[index] * torch.where(scaled < 0, -1.0, 1.0)
+    values = magnitudes[index] * torch.where(scaled < 0, -1.0, 1.0)
     stood_for = (values * torch.exp2(exponent)[..., None]).reshape(weight.shape)
     return blocks, (exponent + 127).to(torch.uint8), stood_for
 

@@ -59,6 +59,7 @@ from kernels.triton_int4 import int4_linear
 from kernels.triton_linear import skinny_linear
 from kernels.triton_moe import moe_experts
 from kernels.triton_moe_int4 import moe_experts_int4
+from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv
 from kernels.triton_moe_tiles import GROUPED_TILES
 from kernels.triton_prefill_attention import paged_prefill_attention
 
@@ -315,7 +316,8 @@ def _moe_int4_launches() -> None:
 
 def _moe_mxfp4_launches() -> None:
     """gpt-oss-20b's MXFP4 experts (32 of 2880 columns over 2880, top 4, biases, clamped
-    SwiGLU) at one token and at 4,096: the grouped GEMMs' smallest and largest blocks."""
+    SwiGLU) at one token and at 4,096: the grouped GEMMs' smallest and largest blocks, and
+    the GEMVs."""
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
 
     def stack(rows: int, cols: int) -> Int4Stack:
@@ -330,6 +332,8 @@ def _moe_mxfp4_launches() -> None:
         x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
         weights = torch.ones(tokens, top_k)
         moe_experts_int4(x, gate_up, down, weights, ids, biases, ClampedSwiglu(7.0))
+        moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases,
+                              swiglu=ClampedSwiglu(7.0))  # fmt: skip
 
 
 # name -> (what launches, the compute capabilities it must fit)

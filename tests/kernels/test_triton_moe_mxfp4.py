@@ -20,6 +20,7 @@ from kernels.moe import (
 )
 from kernels.mxfp4 import E2M1_VALUES, as_int4_layout, dequantize_4bit_stack, dequantize_mxfp4
 from kernels.triton_moe_int4 import moe_experts_int4
+from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv
 from tests.quantized_writers import mxfp4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,8 +30,8 @@ SWIGLU = ClampedSwiglu(limit=7.0)  # gpt-oss's
 def mxfp4_stack(experts: int, rows: int, cols: int, generator: torch.Generator) -> Int4Stack:
     """Random float experts rounded to MXFP4 as gpt-oss's checkpoints are, in the kernels'
     layout; every code occurs (the groups' spread reaches each e2m1 value)."""
-    weight = torch.randn(experts, rows, cols, generator=generator) * 0.05
-    blocks, scales, _ = mxfp4(weight)
+    weight = torch.randn(experts, rows, cols, generator=generator, device=generator.device)
+    blocks, scales, _ = mxfp4(weight * 0.05)
     qweight, values = as_int4_layout(blocks, scales)
     return Int4Stack(qweight.to(DEVICE), values.to(DEVICE), None, 32, e2m1=True)
 
@@ -42,8 +43,10 @@ def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tens
 
 
 def biases_of(experts: int, hidden: int, inter: int, generator: torch.Generator) -> ExpertBiases:
-    gate_up = torch.randn(experts, 2 * inter, generator=generator) * 0.5
-    return ExpertBiases(gate_up.to(DEVICE), (torch.randn(experts, hidden) * 0.1).to(DEVICE))
+    device = generator.device
+    gate_up = torch.randn(experts, 2 * inter, generator=generator, device=device) * 0.5
+    down = torch.randn(experts, hidden, generator=generator, device=device) * 0.1
+    return ExpertBiases(gate_up.to(DEVICE), down.to(DEVICE))
 
 
 def test_the_layout_keeps_every_code_and_scale() -> None:
@@ -62,15 +65,20 @@ def test_the_layout_keeps_every_code_and_scale() -> None:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "with_biases"),
+    ("tokens", "experts", "with_biases", "gemv"),
     [
-        (1, True),  # one token: the grouped GEMMs still (MXFP4 takes no GEMV)
-        (9, True),  # several blocks' pairs, gpt-oss's epilogues
-        (6, False),  # MXFP4 alone, silu(gate) * up
+        (1, 32, True, True),  # one token, few of many experts: the GEMVs, gpt-oss's epilogues
+        (2, 8, False, True),  # half the experts chosen: the GEMVs still, MXFP4 alone
+        (3, 4, True, False),  # more pairs than experts: the grouped GEMMs
+        (9, 4, True, False),  # several blocks' pairs, gpt-oss's epilogues
+        (6, 4, False, False),  # MXFP4 alone, silu(gate) * up
     ],
 )
-def test_mxfp4_experts_match_the_reference(tokens: int, with_biases: bool) -> None:
-    hidden, inter, experts, top_k = 128, 64, 4, 2
+def test_mxfp4_experts_match_the_reference(
+    tokens: int, experts: int, with_biases: bool, gemv: bool
+) -> None:
+    hidden, inter, top_k = 128, 64, 2
+    assert uses_int4_gemv(tokens * top_k, experts, e2m1=True) == gemv
     generator = torch.Generator().manual_seed(tokens)
     gate_up = mxfp4_stack(experts, 2 * inter, hidden, generator)
     down = mxfp4_stack(experts, hidden, inter, generator)
@@ -83,9 +91,8 @@ def test_mxfp4_experts_match_the_reference(tokens: int, with_biases: bool) -> No
     float_weights = (dequantize_4bit_stack(gate_up, x.dtype), dequantize_4bit_stack(down, x.dtype))
     on_floats = moe_experts_reference(x, *float_weights, weights, ids, biases=biases, swiglu=swiglu)
     assert torch.equal(expected, on_floats)
-    scale = float(expected.abs().max())
-    tolerance = 1e-2 * scale if out.is_cuda else 1e-4 * scale  # GPU: TF32 dots
-    torch.testing.assert_close(out, expected, rtol=1e-3, atol=tolerance)
+    scale = float(expected.abs().max())  # float32 dots in full precision on the GPU too
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
 
 
 def test_mxfp4_experts_refuse_zero_points_and_other_groups() -> None:
@@ -104,14 +111,56 @@ def test_mxfp4_experts_refuse_zero_points_and_other_groups() -> None:
 def test_mxfp4_experts_in_bf16_at_gpt_oss_20bs_shape(tokens: int) -> None:
     """gpt-oss-20b's experts: 32 of 2880 columns over 2880, top 4, biases, clamped SwiGLU."""
     hidden, inter, experts, top_k = 2880, 2880, 32, 4
-    generator = torch.Generator().manual_seed(tokens)
+    generator = torch.Generator(DEVICE).manual_seed(tokens)  # 0.8 G weights: made on the GPU
     gate_up = mxfp4_stack(experts, 2 * inter, hidden, generator)
     down = mxfp4_stack(experts, hidden, inter, generator)
     biases = biases_of(experts, hidden, inter, generator)
     biases = ExpertBiases(*(b.to(torch.bfloat16) for b in biases))
-    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE, torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=generator, device=DEVICE).to(torch.bfloat16)
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
     out = moe_experts_int4(x, gate_up, down, weights, ids, biases, SWIGLU)
     expected = moe_experts_int4_reference(x, gate_up, down, weights, ids, biases, SWIGLU)
     scale = float(expected.float().abs().max())
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
+    if tokens == 1:  # the GEMVs too, whichever the launcher picks at this shape
+        gemv = moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases, swiglu=SWIGLU)
+        torch.testing.assert_close(gemv.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="inline PTX: on the GPU")
+def test_e2m1_pairs_make_every_code_times_every_kind_of_scale_exactly() -> None:
+    """The PTX that the GPU's bf16 path decodes with (kernels/int4_pairs.py): each nibble of
+    a word times its scale, bit for bit the bf16 of e2m1 value times scale, for all 16 codes
+    and scales from 2 ** -127 (a subnormal) through 2 ** 8, and e8m0's NaN."""
+    import triton
+    import triton.language as tl
+
+    from kernels.triton_e2m1 import e2m1_pairs
+
+    @triton.jit
+    def decode(packed_ptr, scale_ptr, out_ptr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+        at = tl.arange(0, ROWS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+        pairs = e2m1_pairs(tl.load(packed_ptr + at), tl.load(scale_ptr + at))
+        for p in tl.static_range(4):  # nibbles 2p and 2p + 1 of each word
+            low, high = tl.split(pairs[p])
+            tl.store(out_ptr + at * 8 + 2 * p, low)
+            tl.store(out_ptr + at * 8 + 2 * p + 1, high)
+
+    rows, words = 64, 16
+    generator = torch.Generator().manual_seed(0)
+    nibbles = torch.randint(0, 16, (rows, words, 8), generator=generator)
+    nibbles[0, 0] = torch.arange(8)
+    nibbles[0, 1] = torch.arange(8, 16)
+    packed = (nibbles << (4 * torch.arange(8))).sum(-1).to(torch.int64)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    exponents = torch.randint(-127, 9, (rows, words), generator=generator).float()
+    exponents[0, :2] = -127.0
+    scale = torch.exp2(exponents).to(torch.bfloat16)
+    scale[1, 0] = torch.nan
+    out = torch.empty(rows, words, 8, dtype=torch.bfloat16, device=DEVICE)
+    decode[(1,)](packed.to(DEVICE), scale.to(DEVICE), out, ROWS=rows, WORDS=words)
+    values = torch.tensor(E2M1_VALUES)[nibbles] * scale.float()[..., None]
+    expected = values.to(torch.bfloat16)
+    assert torch.equal(out.cpu().isnan(), expected.isnan())
+    same = out.cpu().view(torch.int16) == expected.view(torch.int16)
+    assert (same | expected.isnan()).all()
