@@ -58,8 +58,7 @@ from kernels.triton_fp8 import fp8_skinny_linear
 from kernels.triton_int4 import int4_linear
 from kernels.triton_linear import skinny_linear
 from kernels.triton_moe import moe_experts
-from kernels.triton_moe_int4 import moe_experts_int4
-from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv
+from kernels.triton_moe_int4 import moe_experts_int4, moe_experts_int4_grouped
 from kernels.triton_moe_tiles import GROUPED_TILES
 from kernels.triton_prefill_attention import paged_prefill_attention
 
@@ -317,7 +316,7 @@ def _moe_int4_launches() -> None:
 def _moe_mxfp4_launches() -> None:
     """gpt-oss-20b's MXFP4 experts (32 of 2880 columns over 2880, top 4, biases, clamped
     SwiGLU) at one token and at 4,096: the grouped GEMMs' smallest and largest blocks, and
-    the GEMVs."""
+    the GEMVs (what the launcher takes at one token)."""
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
 
     def stack(rows: int, cols: int) -> Int4Stack:
@@ -331,9 +330,9 @@ def _moe_mxfp4_launches() -> None:
         ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
         x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
         weights = torch.ones(tokens, top_k)
-        moe_experts_int4(x, gate_up, down, weights, ids, biases, ClampedSwiglu(7.0))
-        moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases,
-                              swiglu=ClampedSwiglu(7.0))  # fmt: skip
+        moe_experts_int4(x, gate_up, down, weights, ids, biases, ClampedSwiglu(7.0))  # GEMVs at 1
+        moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases,
+                                 swiglu=ClampedSwiglu(7.0))  # fmt: skip
 
 
 # name -> (what launches, the compute capabilities it must fit)

@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kernels import triton_moe_int4_gemv
 from kernels.int4 import Int4Stack
 from kernels.moe import (
     ClampedSwiglu,
@@ -19,12 +20,21 @@ from kernels.moe import (
     moe_route_reference,
 )
 from kernels.mxfp4 import E2M1_VALUES, as_int4_layout, dequantize_4bit_stack, dequantize_mxfp4
-from kernels.triton_moe_int4 import moe_experts_int4
-from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv
+from kernels.triton_moe_int4 import moe_experts_int4, moe_experts_int4_grouped
+from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv, uses_int4_gemv
 from tests.quantized_writers import mxfp4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SWIGLU = ClampedSwiglu(limit=7.0)  # gpt-oss's
+# Wide rows and narrow K steps (64 and 32 columns: two a pair here): the interpreter's cost is by
+# program and by element, masked ones included (0.4 s a call against 3 s with MXFP4's tiles).
+STEPPED = Int4GemvTiles(gate_up_n=64, gate_up_words=8, down_n=128, down_words=4, num_warps=1)
+
+
+@pytest.fixture(autouse=True)
+def interpreted_gemv_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    if DEVICE == "cpu":
+        monkeypatch.setattr(triton_moe_int4_gemv, "MXFP4_GEMV_TILES", STEPPED)
 
 
 def mxfp4_stack(experts: int, rows: int, cols: int, generator: torch.Generator) -> Int4Stack:
@@ -93,6 +103,9 @@ def test_mxfp4_experts_match_the_reference(
     assert torch.equal(expected, on_floats)
     scale = float(expected.abs().max())  # float32 dots in full precision on the GPU too
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
+    if gemv:  # two K steps a pair (on the GPU too): each pair's down bias added once
+        stepped = moe_experts_int4_gemv(x, gate_up, down, weights, ids, STEPPED, biases, swiglu)
+        torch.testing.assert_close(stepped, expected, rtol=1e-3, atol=1e-4 * scale)
 
 
 def test_mxfp4_experts_refuse_zero_points_and_other_groups() -> None:
@@ -107,10 +120,14 @@ def test_mxfp4_experts_refuse_zero_points_and_other_groups() -> None:
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="16-bit tensor-core dots: on the GPU")
-@pytest.mark.parametrize("tokens", [1, 64, 1024])
-def test_mxfp4_experts_in_bf16_at_gpt_oss_20bs_shape(tokens: int) -> None:
-    """gpt-oss-20b's experts: 32 of 2880 columns over 2880, top 4, biases, clamped SwiGLU."""
-    hidden, inter, experts, top_k = 2880, 2880, 32, 4
+@pytest.mark.parametrize(
+    ("tokens", "inter"),
+    [(1, 2880), (4, 2880), (64, 2880), (1024, 2880), (1, 1440), (64, 1440)],
+)
+def test_mxfp4_experts_in_bf16_at_gpt_oss_20bs_shape(tokens: int, inter: int) -> None:
+    """gpt-oss-20b's experts: 32 of 2880 columns over 2880, top 4, biases, clamped SwiGLU;
+    or a rank's of two (1,440 columns: the down projection's last K step of 64 masked)."""
+    hidden, experts, top_k = 2880, 32, 4
     generator = torch.Generator(DEVICE).manual_seed(tokens)  # 0.8 G weights: made on the GPU
     gate_up = mxfp4_stack(experts, 2 * inter, hidden, generator)
     down = mxfp4_stack(experts, hidden, inter, generator)
@@ -122,9 +139,10 @@ def test_mxfp4_experts_in_bf16_at_gpt_oss_20bs_shape(tokens: int) -> None:
     expected = moe_experts_int4_reference(x, gate_up, down, weights, ids, biases, SWIGLU)
     scale = float(expected.float().abs().max())
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
-    if tokens == 1:  # the GEMVs too, whichever the launcher picks at this shape
-        gemv = moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases, swiglu=SWIGLU)
-        torch.testing.assert_close(gemv.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
+    if uses_int4_gemv(tokens * top_k, experts, e2m1=True):  # the grouped GEMMs take them too
+        grouped = moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases,
+                                           swiglu=SWIGLU)  # fmt: skip
+        torch.testing.assert_close(grouped.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="inline PTX: on the GPU")
