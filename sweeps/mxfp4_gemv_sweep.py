@@ -1,5 +1,5 @@
-"""MXFP4 experts at gpt-oss-20b's layer shape (GPU): the GEMVs' tiles, and the GEMVs against
-the grouped GEMMs and bf16 experts, by token count:
+"""MXFP4 experts at gpt-oss-20b's layer shape (GPU): the GEMVs' and the grouped GEMMs' tiles,
+and each against bf16 experts, by token count:
 
     python3 -m sweeps.mxfp4_gemv_sweep --out mxfp4_gemv_sweep.jsonl
 
@@ -25,7 +25,12 @@ from kernels.int4 import Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases, moe_route_reference
 from kernels.triton_moe import moe_experts
 from kernels.triton_moe_int4 import moe_experts_int4_grouped
-from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv
+from kernels.triton_moe_int4_gemv import (
+    MXFP4_GEMV_MAX_PAIRS,
+    Int4GemvTiles,
+    moe_experts_int4_gemv,
+)
+from kernels.triton_moe_tiles import GemmTiles
 
 EXPERTS, HIDDEN, INTER, TOP_K, COPIES = 32, 2880, 2880, 4, 4
 CANDIDATES = [
@@ -33,6 +38,12 @@ CANDIDATES = [
     for n, w, dw, warps in itertools.product((4, 8, 16), (32, 64, 128, 256), (32, 64, 128), (2, 4))
     if dw <= w
 ]  # fmt: skip
+# The grouped GEMMs' (kernels/triton_moe_int4.py's INT4_TILES first; K a step: 128 where it
+# divides K, else 64): weight rows a program, warps, stages.
+GROUPED = [GemmTiles(n=64, k=128, num_warps=4, num_stages=3)] + [
+    GemmTiles(n=n, k=128, num_warps=warps, num_stages=stages)
+    for n, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4))
+]
 
 
 def mxfp4_stack(rows: int, cols: int) -> Int4Stack:
@@ -53,36 +64,43 @@ Layers = list[tuple[Int4Stack, Int4Stack]]
 
 def measure(tokens: int, layers: Layers, floats: list[tuple[torch.Tensor, torch.Tensor]],
             biases: ExpertBiases, swiglu: ClampedSwiglu) -> dict[str, object]:  # fmt: skip
-    """One token count: the floor, the grouped GEMMs, bf16 experts and every GEMV tile set."""
+    """One token count: the floor, every grouped GEMM tile set, bf16 experts, and the GEMV
+    tile sets (past four times the GEMVs' pair bound, only the first)."""
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, device="cuda")
     weights, ids = moe_route_reference(logits, TOP_K, renormalize=True)
     chosen = ids.unique().numel()
     row: dict[str, object] = dict(tokens=tokens, experts_chosen=chosen)
     row["floor_bytes"] = chosen * 3 * HIDDEN * INTER * 18 // 32  # codes, bf16 scales
-    row["grouped_us"] = time_us(
-        lambda i: moe_experts_int4_grouped(
-            x, *layers[i % COPIES], weights, ids, biases=biases, swiglu=swiglu
+    grouped = {}
+    for tiles in GROUPED:
+        grouped[json.dumps(dataclasses.asdict(tiles))] = time_us(
+            lambda i, tiles=tiles: moe_experts_int4_grouped(
+                x, *layers[i % COPIES], weights, ids, tiles, biases=biases, swiglu=swiglu
+            )
         )
-    )
+    best_grouped = min(grouped, key=grouped.__getitem__)
+    row["grouped_us"] = next(iter(grouped.values()))  # the default tiles'
+    row.update(grouped_best=json.loads(best_grouped), grouped_best_us=grouped[best_grouped])
     row["bf16_us"] = time_us(
         lambda i: moe_experts(x, *floats[i % 2], weights, ids, biases=biases, swiglu=swiglu)
     )
     gemv = {}
-    for tiles in CANDIDATES:
+    for tiles in CANDIDATES if tokens * TOP_K <= 4 * MXFP4_GEMV_MAX_PAIRS else CANDIDATES[:1]:
         gemv[json.dumps(dataclasses.asdict(tiles))] = time_us(
             lambda i, tiles=tiles: moe_experts_int4_gemv(
                 x, *layers[i % COPIES], weights, ids, tiles=tiles, biases=biases, swiglu=swiglu
             )
         )
     best = min(gemv, key=gemv.__getitem__)
-    row.update(gemv_best=json.loads(best), gemv_best_us=gemv[best], gemv_us=gemv)
+    row.update(gemv_best=json.loads(best), gemv_best_us=gemv[best], gemv_us=gemv,
+               grouped_tiles_us=grouped)  # fmt: skip
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8, 32, 128])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     layers = [(mxfp4_stack(2 * INTER, HIDDEN), mxfp4_stack(HIDDEN, INTER)) for _ in range(COPIES)]
@@ -94,7 +112,8 @@ def main() -> None:
     with args.out.open("w") as out:
         for tokens in args.tokens:
             row = measure(tokens, layers, floats, biases, ClampedSwiglu(7.0))
-            print(json.dumps({k: v for k, v in row.items() if k != "gemv_us"}), flush=True)
+            brief = {k: v for k, v in row.items() if k not in ("gemv_us", "grouped_tiles_us")}
+            print(json.dumps(brief), flush=True)
             out.write(json.dumps(row) + "\n")
 
 
