@@ -53,12 +53,13 @@ def block_pairs(sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def exact_dot(a, b):
-    """a @ b into float32; float32 operands in full precision: tl.dot's default for them is
-    TF32, whose 10-bit mantissas part a float32 model's greedy tokens from the reference's."""
+def exact_dot(a, b, acc=None):
+    """(acc +) a @ b into float32; float32 operands in full precision: tl.dot's default for
+    them is TF32, whose 10-bit mantissas part a float32 model's greedy tokens from the
+    reference's."""
     if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    return tl.dot(a, b)
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit

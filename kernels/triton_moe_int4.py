@@ -36,7 +36,7 @@ from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_e2m1 import e2m1_pairs, e2m1_value
 from kernels.triton_int4 import q_minus_z_pairs
-from kernels.triton_moe import block_pairs
+from kernels.triton_moe import block_pairs, exact_dot
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import epilogue, expert_activation
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
@@ -51,11 +51,9 @@ GPU_MIN_STEP = 64  # tl.dot on the GPU: tiles of 2 * WORDS = 16 columns at least
 
 @triton.jit
 def _dot(weight, xt, acc, INTERPRETED: tl.constexpr):
-    # float32 dots in full precision (not TF32); the interpreter's 16-bit ones round
-    # differently, so there every dot is float32
-    if INTERPRETED or weight.dtype == tl.float32:
-        return tl.dot(weight.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(weight, xt, acc)
+    if INTERPRETED:  # float32 dots: the interpreter's 16-bit ones round differently
+        return exact_dot(weight.to(tl.float32), xt.to(tl.float32), acc)
+    return exact_dot(weight, xt, acc)
 
 
 @triton.jit
