@@ -23,7 +23,10 @@ import triton.language as tl
 from kernels.moe import align_reference, aligned_size
 from kernels.triton_moe_route import MAX_EXPERTS
 
-ONE_PROGRAM_MAX_PAIRS = 2048  # the one-program kernel: a walk of 64 chunks (E = 128)
+# The one-program kernel's bound: its walk grows with the pairs, the three launches' time
+# hardly does. H100, 2026-12-06 (sweeps/moe_profile.py, E = 128, device time): one program
+# 7.8 us at 64 pairs, 28.4 at 512, 98.0 at 2,048; the three launches 11-12 us at 512 to 8,192.
+ONE_PROGRAM_MAX_PAIRS = 128
 ONE_PROGRAM_VALUES = 4096  # chunk x experts comparisons a step holds (and chunk x chunk <= it)
 PARALLEL_VALUES = 8192  # chunk x experts comparisons a program of the parallel kernels holds
 SCAN_EXPERTS = 16  # experts a program of the scan takes

@@ -46,24 +46,25 @@ class Int4GemvTiles:
 # sweeps/moe_int4_sweep.py's pick at one token (H200, 2026-12-04): 40.6 us a layer against
 # 53.2 for 8 x 128 words over 4 warps (gate/up) and 8 x 32 (down).
 INT4_GEMV_TILES = Int4GemvTiles()
-# MXFP4's (the first version of sweeps/mxfp4_gemv_sweep.py, nine candidates, one gpt-oss-20b
-# layer, H100, 2026-12-06): 82.5 us at one token and 238.6 at four, against 103.3 and 345.4
-# with int4's.
-MXFP4_GEMV_MAX_PAIRS = 16  # uses_int4_gemv
-MXFP4_GEMV_TILES = Int4GemvTiles(gate_up_n=8, gate_up_words=128, down_n=8, down_words=64,
+# MXFP4's (sweeps/mxfp4_gemv_sweep.py, 54 candidates, one gpt-oss-20b layer, H100,
+# 2026-12-06): 78.4 / 221.3 / 411.6 us at 1 / 4 / 8 tokens, the best at each 77.5 / 221.3 /
+# 403.1; the first pick (8 x 128 words gate/up, 8 x 64 down) 82.1 / 239.1 / 450.7.
+MXFP4_GEMV_MAX_PAIRS = 32  # uses_int4_gemv
+MXFP4_GEMV_TILES = Int4GemvTiles(gate_up_n=8, gate_up_words=64, down_n=8, down_words=64,
                                  num_warps=4)  # fmt: skip
 
 
 def uses_int4_gemv(num_pairs: int, num_experts: int, e2m1: bool = False) -> bool:
     """int4: one token's pairs of top 8 among 128 experts, at most a sixteenth of the experts
-    chosen. MXFP4 (whose grouped GEMMs make each weight tile code by code): up to 16 pairs
-    and half the experts. One layer of gpt-oss-20b's (32 experts, top 4, H100, 2026-12-06)
-    took 107, 185 and 344 us here at 4, 8 and 16 pairs (int4's tiles) against 271, 322 and
-    390 in the grouped GEMMs, and 648 against 391 at 32. The GEMVs' time grows with the
-    pairs, the grouped GEMMs' with the experts chosen: a cap on pairs, not a share of the
-    experts, keeps gpt-oss-120b's 128 experts from taking them at 32 tokens."""
+    chosen. MXFP4 (whose grouped GEMMs make each weight tile code by code): up to 32 pairs,
+    and no more than the experts. One layer of gpt-oss-20b's (32 experts, top 4, H100,
+    2026-12-06, MXFP4_GEMV_TILES) took 78, 221 and 412 us here at 4, 16 and 32 pairs against
+    268, 388 and 457 in the grouped GEMMs (their best tiles: 207, 321, 446); at 128 pairs the
+    GEMVs took 1,495 against 573. The GEMVs' time grows with the pairs, the grouped GEMMs'
+    with the experts chosen: a cap on pairs, not a share of the experts, keeps gpt-oss-120b's
+    128 experts from taking them past 8 tokens."""
     if e2m1:
-        return num_pairs <= min(MXFP4_GEMV_MAX_PAIRS, num_experts // 2)
+        return num_pairs <= min(MXFP4_GEMV_MAX_PAIRS, num_experts)
     return num_pairs * 16 <= num_experts
 
 

@@ -75,8 +75,7 @@ def test_align_puts_each_pair_once_in_its_experts_block(
 ) -> None:
     _, ids = routed(tokens, experts, top_k, seed=tokens)
     num_pairs = tokens * top_k
-    bound = triton_moe_align.ONE_PROGRAM_MAX_PAIRS if one_program else 0
-    assert (num_pairs <= bound) == one_program
+    bound = num_pairs if one_program else 0  # either kernel takes any count
     monkeypatch.setattr(triton_moe_align, "ONE_PROGRAM_MAX_PAIRS", bound)
     block_m = 16
     sorted_pairs, block_experts = align(ids, experts, block_m)

@@ -79,6 +79,7 @@ def test_the_layout_keeps_every_code_and_scale() -> None:
     [
         (1, 32, True, True),  # one token, few of many experts: the GEMVs, gpt-oss's epilogues
         (2, 8, False, True),  # half the experts chosen: the GEMVs still, MXFP4 alone
+        (4, 8, True, True),  # as many pairs as experts: the GEMVs' last count
         (3, 4, True, False),  # more pairs than experts: the grouped GEMMs
         (9, 4, True, False),  # several blocks' pairs, gpt-oss's epilogues
         (6, 4, False, False),  # MXFP4 alone, silu(gate) * up
