@@ -273,7 +273,7 @@ def moe_experts_grouped(
     )  # fmt: skip
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
     _launch(_gate_up_kernel, grid, args, tiles.block_m, tiles.gate_up, up, flags)
-    # Each pair's row in x's dtype (half the bytes of float32, as vLLM's), summed in float32.
+    # Each pair's row in x's dtype (half the bytes of float32, as vLLM's), summed by sum_top_k.
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     dn = WeightScales(down_scale, down, tiles.down.k, exact=False)
     a, a_scale = _fp8_input(h, dn)
@@ -286,7 +286,7 @@ def moe_experts_grouped(
     )  # fmt: skip
     _launch(_down_kernel, grid, args, tiles.block_m, tiles.down, dn,
             dict(HAS_BIAS=biases is not None))  # fmt: skip
-    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return sum_top_k(out, top_k)
 
 
 def _launch(
@@ -310,3 +310,11 @@ def _launch(
         tiles.num_stages,
         lambda stages: kernel[grid](*args, **constants, num_stages=stages),
     )
+
+
+def sum_top_k(rows: torch.Tensor, top_k: int) -> torch.Tensor:  # [T, H], rows' dtype
+    """Each token's k pair rows ([T k, H], a token's rows together) summed in float32 and
+    rounded once. torch's sum of bf16 or fp16 accumulates in float32 and rounds once, so it
+    takes one launch where a float32 sum and a cast took two (15 us of a 4,096-token layer's
+    1,100 on an H100)."""
+    return rows.view(-1, top_k, rows.shape[1]).sum(dim=1)

@@ -36,7 +36,7 @@ from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_e2m1 import e2m1_pairs, e2m1_value
 from kernels.triton_int4 import q_minus_z_pairs
-from kernels.triton_moe import block_pairs, exact_dot
+from kernels.triton_moe import block_pairs, exact_dot, sum_top_k
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import epilogue, expert_activation
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
@@ -284,7 +284,7 @@ def moe_experts_int4_grouped(
             epilogue(biases, swiglu, x, "down")[0])  # fmt: skip
     _launch(_int4_down_kernel, grid, args, block_m, tiles, down, h,
             dict(HAS_BIAS=biases is not None))  # fmt: skip
-    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return sum_top_k(out, top_k)
 
 
 def _check(x: torch.Tensor, stack: Int4Stack, k: int) -> None:
