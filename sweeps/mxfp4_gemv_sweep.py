@@ -38,12 +38,15 @@ CANDIDATES = [
     for n, w, dw, warps in itertools.product((4, 8, 16), (32, 64, 128, 256), (32, 64, 128), (2, 4))
     if dw <= w
 ]  # fmt: skip
-# The grouped GEMMs' (kernels/triton_moe_int4.py's INT4_TILES first; K a step: 128 where it
-# divides K, else 64): weight rows a program, warps, stages.
-GROUPED = [GemmTiles(n=64, k=128, num_warps=4, num_stages=3)] + [
-    GemmTiles(n=n, k=128, num_warps=warps, num_stages=stages)
-    for n, warps, stages in itertools.product((16, 32, 64, 128), (2, 4, 8), (2, 3, 4))
-]
+# The grouped GEMMs' (kernels/triton_moe_int4.py's INT4_TILES first): weight rows a program, K a
+# step (the largest of it and 64 that divides K: 64 at gpt-oss's 2,880 columns; MXFP4 steps of
+# 128 or 256 with a masked tail were 1.4-1.5x slower at 32 and 128 tokens, H100, 2026-12-06),
+# warps, stages.
+GROUPED = [GemmTiles(n=64, k=128, num_warps=4, num_stages=3),
+           GemmTiles(n=64, k=64, num_warps=4, num_stages=3)] + [
+    GemmTiles(n=n, k=k, num_warps=warps, num_stages=stages)
+    for n, k, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
+]  # fmt: skip
 
 
 def mxfp4_stack(rows: int, cols: int) -> Int4Stack:
@@ -65,7 +68,7 @@ Layers = list[tuple[Int4Stack, Int4Stack]]
 def measure(tokens: int, layers: Layers, floats: list[tuple[torch.Tensor, torch.Tensor]],
             biases: ExpertBiases, swiglu: ClampedSwiglu) -> dict[str, object]:  # fmt: skip
     """One token count: the floor, every grouped GEMM tile set, bf16 experts, and the GEMV
-    tile sets (past four times the GEMVs' pair bound, only the first)."""
+    tile sets (past twice the GEMVs' pair bound, only the first)."""
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, device="cuda")
     weights, ids = moe_route_reference(logits, TOP_K, renormalize=True)
@@ -86,7 +89,7 @@ def measure(tokens: int, layers: Layers, floats: list[tuple[torch.Tensor, torch.
         lambda i: moe_experts(x, *floats[i % 2], weights, ids, biases=biases, swiglu=swiglu)
     )
     gemv = {}
-    for tiles in CANDIDATES if tokens * TOP_K <= 4 * MXFP4_GEMV_MAX_PAIRS else CANDIDATES[:1]:
+    for tiles in CANDIDATES if tokens * TOP_K <= 2 * MXFP4_GEMV_MAX_PAIRS else CANDIDATES[:1]:
         gemv[json.dumps(dataclasses.asdict(tiles))] = time_us(
             lambda i, tiles=tiles: moe_experts_int4_gemv(
                 x, *layers[i % COPIES], weights, ids, tiles=tiles, biases=biases, swiglu=swiglu
