@@ -40,13 +40,19 @@ from kernels.triton_moe import block_pairs, exact_dot, sum_top_k
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import epilogue, expert_activation
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
-from kernels.triton_moe_tiles import GemmTiles, grouped_tiles
+from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
 from kernels.triton_stages import launch_fitting
 
 _CHUNK = tl.constexpr(CHUNK)
 # K steps of up to 128 columns (one group of a checkpoint's usual 128), 64 weight rows.
 INT4_TILES = GemmTiles(n=64, k=128, num_warps=4, num_stages=3)
 GPU_MIN_STEP = 64  # tl.dot on the GPU: tiles of 2 * WORDS = 16 columns at least
+
+
+def int4_grouped_tiles(num_pairs: int) -> GroupedTiles:
+    """The bf16 experts' block of pairs for the count (kernels/triton_moe_tiles.py), and
+    INT4_TILES for both GEMMs."""
+    return GroupedTiles(grouped_tiles(num_pairs).block_m, INT4_TILES, INT4_TILES)
 
 
 @triton.jit
@@ -257,32 +263,34 @@ def moe_experts_int4_grouped(
     down: Int4Stack,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    tiles: GemmTiles = INT4_TILES,
+    tiles: GroupedTiles | None = None,
     biases: ExpertBiases | None = None,
     swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """moe_experts_int4 over the pairs sorted by expert (the module's docstring): [pairs, I]
     SiLU-and-mul rows in x's dtype, then each pair's down row times its routing weight, and
-    each token's k rows summed in float32. x: contiguous, checked by moe_experts_int4."""
+    each token's k rows summed in float32. x: contiguous, checked by moe_experts_int4.
+    `tiles`: int4_grouped_tiles by the pair count unless given."""
     num_tokens, top_k = ids.shape
     hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     num_pairs = num_tokens * top_k
-    block_m = grouped_tiles(num_pairs).block_m
+    tiles = tiles or int4_grouped_tiles(num_pairs)
+    block_m = tiles.block_m
     sorted_pairs, block_experts = align(ids, down.qweight.shape[0], block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    grid = (block_experts.numel(), triton.cdiv(inter, tiles.n))
+    grid = (block_experts.numel(), triton.cdiv(inter, tiles.gate_up.n))
     args = (x, *weight_args(gate_up)[:3], h, sorted_pairs, block_experts, num_pairs, top_k,
             hidden, inter, gate_up.group_size, x.stride(0), *weight_args(gate_up)[3:],
             h.stride(0), *epilogue(biases, swiglu, x, "gate_up"))  # fmt: skip
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
-    _launch(_int4_gate_up_kernel, grid, args, block_m, tiles, gate_up, x, flags)
+    _launch(_int4_gate_up_kernel, grid, args, block_m, tiles.gate_up, gate_up, x, flags)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    grid = (block_experts.numel(), triton.cdiv(hidden, tiles.n))
+    grid = (block_experts.numel(), triton.cdiv(hidden, tiles.down.n))
     args = (h, *weight_args(down)[:3], out, weights.float().contiguous(), sorted_pairs,
             block_experts, num_pairs, inter, hidden, down.group_size, h.stride(0),
             *weight_args(down)[3:], out.stride(0),
             epilogue(biases, swiglu, x, "down")[0])  # fmt: skip
-    _launch(_int4_down_kernel, grid, args, block_m, tiles, down, h,
+    _launch(_int4_down_kernel, grid, args, block_m, tiles.down, down, h,
             dict(HAS_BIAS=biases is not None))  # fmt: skip
     return sum_top_k(out, top_k)
 

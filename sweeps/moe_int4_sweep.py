@@ -4,9 +4,10 @@
 
 At a decode's token counts, the GEMVs' tiles (kernels/triton_moe_int4_gemv.py, coordinate
 descent: gate/up, then down) against the grouped GEMMs; past them, the grouped GEMMs' tiles
-(kernels/triton_moe_int4.py `INT4_TILES`) for each block_m. Each figure is a layer's routing
-and experts, microseconds, from one CUDA graph over 4 layers of weights, as `kvflow bench moe
---int4` times them. A time budget stops the sweep early; what was measured is written.
+(kernels/triton_moe_int4.py `INT4_TILES`, both GEMMs alike) at the engine's block_m. Each
+figure is a layer's routing and experts, microseconds, from one CUDA graph over 4 layers of
+weights, as `kvflow bench moe --int4` times them. A time budget stops the sweep early; what
+was measured is written.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import torch
 
 from benchmarks.moe_bench import int4_stack
 from kernels import ops
-from kernels.triton_moe_int4 import moe_experts_int4_grouped
+from kernels.triton_moe_int4 import int4_grouped_tiles, moe_experts_int4_grouped
 from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv
-from kernels.triton_moe_tiles import GemmTiles
+from kernels.triton_moe_tiles import GemmTiles, GroupedTiles
 from sweeps.moe_grouped_sweep import graph_us
 
 NUM_E, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 4
@@ -77,8 +78,10 @@ def sweep_grouped(tokens: int, weights: list[Any], deadline: float) -> dict[str,
     for tiles in GROUPED:
         if time.monotonic() > deadline:
             break
+        block_m = int4_grouped_tiles(tokens * TOP_K).block_m
+        both = GroupedTiles(block_m, tiles, tiles)
         us = time_us(tokens, weights,
-                     lambda *a, t=tiles: moe_experts_int4_grouped(*a, tiles=t))  # fmt: skip
+                     lambda *a, t=both: moe_experts_int4_grouped(*a, tiles=t))  # fmt: skip
         rows.append((us, tiles))
     default = time_us(tokens, weights, moe_experts_int4_grouped)
     us, tiles = min(rows, key=lambda row: row[0])

@@ -24,13 +24,13 @@ import triton
 from kernels.int4 import Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases, moe_route_reference
 from kernels.triton_moe import moe_experts
-from kernels.triton_moe_int4 import moe_experts_int4_grouped
+from kernels.triton_moe_int4 import INT4_TILES, int4_grouped_tiles, moe_experts_int4_grouped
 from kernels.triton_moe_int4_gemv import (
     MXFP4_GEMV_MAX_PAIRS,
     Int4GemvTiles,
     moe_experts_int4_gemv,
 )
-from kernels.triton_moe_tiles import GemmTiles
+from kernels.triton_moe_tiles import GemmTiles, GroupedTiles
 
 EXPERTS, HIDDEN, INTER, TOP_K, COPIES = 32, 2880, 2880, 4, 4
 CANDIDATES = [
@@ -41,12 +41,15 @@ CANDIDATES = [
 # The grouped GEMMs' (kernels/triton_moe_int4.py's INT4_TILES first): weight rows a program, K a
 # step (the largest of it and 64 that divides K: 64 at gpt-oss's 2,880 columns; MXFP4 steps of
 # 128 or 256 with a masked tail were 1.4-1.5x slower at 32 and 128 tokens, H100, 2026-12-06),
-# warps, stages.
-GROUPED = [GemmTiles(n=64, k=128, num_warps=4, num_stages=3),
-           GemmTiles(n=64, k=64, num_warps=4, num_stages=3)] + [
-    GemmTiles(n=n, k=k, num_warps=warps, num_stages=stages)
-    for n, k, warps, stages in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
+# warps, stages; both GEMMs alike.
+GROUPED = [INT4_TILES] + [
+    GemmTiles(n=n, k=128, num_warps=warps, num_stages=stages)
+    for n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
 ]  # fmt: skip
+# Pairs a block (each expert's group padded to it): the engine's by the pair count, then these.
+# MXFP4's grouped GEMMs decode each weight tile once a block, so fewer, fuller blocks may pay
+# where the bf16 experts' bandwidth-bound choice does not.
+BLOCK_M = (16, 32, 64)
 
 
 def mxfp4_stack(rows: int, cols: int) -> Int4Stack:
@@ -76,7 +79,11 @@ def measure(tokens: int, layers: Layers, floats: list[tuple[torch.Tensor, torch.
     row: dict[str, object] = dict(tokens=tokens, experts_chosen=chosen)
     row["floor_bytes"] = chosen * 3 * HIDDEN * INTER * 18 // 32  # codes, bf16 scales
     grouped = {}
-    for tiles in GROUPED:
+    block = int4_grouped_tiles(tokens * TOP_K).block_m
+    candidates = [(block, gemm) for gemm in GROUPED]
+    candidates += [(other, INT4_TILES) for other in BLOCK_M if other != block]
+    for block_m, gemm in candidates:
+        tiles = GroupedTiles(block_m, gemm, gemm)
         grouped[json.dumps(dataclasses.asdict(tiles))] = time_us(
             lambda i, tiles=tiles: moe_experts_int4_grouped(
                 x, *layers[i % COPIES], weights, ids, tiles, biases=biases, swiglu=swiglu

@@ -17,7 +17,7 @@ from kernels.int4 import Int4Stack, dequantize_int4_stack, quantize_int4_referen
 from kernels.moe import moe_experts_int4_reference, moe_experts_reference, moe_route_reference
 from kernels.triton_moe_int4 import moe_experts_int4, moe_experts_int4_grouped
 from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv, uses_int4_gemv
-from kernels.triton_moe_tiles import GemmTiles
+from kernels.triton_moe_tiles import GemmTiles, GroupedTiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -144,7 +144,8 @@ def test_a_k_past_the_last_whole_step_is_masked(
     down = int4_stack(3, hidden, 32, 32, False, generator)
     x = torch.randn(5, hidden, generator=generator).to(DEVICE)
     weights, ids = routed(5, 3, 2, seed=hidden)
-    out = moe_experts_int4_grouped(x, gate_up, down, weights, ids, GemmTiles(64, 128, 4, 3))
+    tiles = GroupedTiles(16, GemmTiles(64, 128, 4, 3), GemmTiles(64, 128, 4, 3))
+    out = moe_experts_int4_grouped(x, gate_up, down, weights, ids, tiles)
     expected = moe_experts_int4_reference(x, gate_up, down, weights, ids)
     scale = float(expected.abs().max())
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
