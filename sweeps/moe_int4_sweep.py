@@ -75,10 +75,10 @@ def sweep_gemv(tokens: int, weights: list[Any], deadline: float) -> dict[str, An
 
 def sweep_grouped(tokens: int, weights: list[Any], deadline: float) -> dict[str, Any]:
     rows = []
+    block_m = int4_grouped_tiles(tokens * TOP_K).block_m  # the engine's
     for tiles in GROUPED:
         if time.monotonic() > deadline:
             break
-        block_m = int4_grouped_tiles(tokens * TOP_K).block_m
         both = GroupedTiles(block_m, tiles, tiles)
         us = time_us(tokens, weights,
                      lambda *a, t=both: moe_experts_int4_grouped(*a, tiles=t))  # fmt: skip

@@ -43,8 +43,9 @@ CANDIDATES = [
 # 128 or 256 with a masked tail were 1.4-1.5x slower at 32 and 128 tokens, H100, 2026-12-06),
 # warps, stages; both GEMMs alike.
 GROUPED = [INT4_TILES] + [
-    GemmTiles(n=n, k=128, num_warps=warps, num_stages=stages)
+    tiles
     for n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))
+    if (tiles := GemmTiles(n=n, k=128, num_warps=warps, num_stages=stages)) != INT4_TILES
 ]  # fmt: skip
 # Pairs a block (each expert's group padded to it): the engine's by the pair count, then these.
 # MXFP4's grouped GEMMs decode each weight tile once a block, so fewer, fuller blocks may pay
