@@ -7,6 +7,9 @@
 ARG BASE_IMAGE=kvflow-base:bookworm
 
 FROM ${BASE_IMAGE} AS build
+# On both stages: the classic builder keeps the build stage as an untagged image, and a rebuild
+# untags the one before; build.sh prunes the untagged images that carry this label.
+LABEL org.kvflow.image=kvflow
 ARG VARIANT=cpu
 COPY docker/wheels-${VARIANT}/ /wheels/
 # Only the wheels in /wheels, at the versions requirements/constraints.txt pins (build.sh copies
@@ -19,6 +22,7 @@ RUN python3 -m venv /opt/kvflow \
  && /opt/kvflow/bin/pip uninstall -y -q pip
 
 FROM ${BASE_IMAGE}
+LABEL org.kvflow.image=kvflow
 COPY --from=build /opt/kvflow /opt/kvflow
 RUN groupadd --system --gid 10001 kvflow \
  && useradd --system --uid 10001 --gid 10001 --home-dir /home/kvflow --create-home kvflow \

@@ -12,7 +12,9 @@ CONSTRAINTS=requirements/constraints.txt
 # configuration (`pip config list`: find-links) points at a local wheel folder that holds it;
 # anywhere else it comes from PyTorch's own CPU index. GPU machines bring their own torch.
 TORCH_CPU="torch==2.13.0+cpu"
-if python3 -m pip download -q --no-deps --no-index -d "$(mktemp -d)" "$TORCH_CPU" >/dev/null 2>&1
+probe=$(mktemp -d)  # the probe's download (190 MB) goes nowhere else
+trap 'rm -rf "$probe"' EXIT
+if python3 -m pip download -q --no-deps --no-index -d "$probe" "$TORCH_CPU" >/dev/null 2>&1
 then
     echo "install.sh: $TORCH_CPU from this machine's local wheel folder"
     python3 -m pip install -q -c "$CONSTRAINTS" "$TORCH_CPU"
