@@ -4,6 +4,9 @@ summed by the routing weights (Qwen3-MoE, Mixtral; shared/model_config.MoeConfig
 These are the plain-torch references. Neither syncs with the host (ids stay on the device),
 so a CUDA graph can hold them; the experts' reference runs every expert over every token, E
 times the work of the chosen ones, until the grouped-GEMM kernel replaces it on the GPU.
+
+An expert id of -1 is a choice another rank runs (expert parallelism, services/executor/
+layers/moe.py): the pair adds nothing here, and no kernel reads weights for it.
 """
 
 from __future__ import annotations
@@ -58,22 +61,26 @@ def align_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # sorted pairs [P] int32, block experts [P / block_m]
     """The pairs (token t's j-th choice is pair t * k + j) sorted by expert, in pair order
     within an expert, each expert's group padded to block_m with the pair count (no pair),
-    and each block's expert (-1 past the last group); P = aligned_size. What the grouped
-    GEMMs read (kernels/triton_moe.py)."""
+    and each block's expert (-1 past the last group); P = aligned_size. Pairs of expert -1
+    (another rank's) are left out. What the grouped GEMMs read (kernels/triton_moe.py)."""
     flat = ids.flatten()
     num_pairs = flat.numel()
+    here = flat >= 0
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts.scatter_add_(0, flat.clamp(min=0), here.to(torch.int64))
     padded = (counts + block_m - 1) // block_m * block_m
     group_end = torch.cumsum(padded, 0)  # [E]
     group_start = group_end - padded
-    order = torch.argsort(flat, stable=True)  # pairs by expert
-    expert = flat[order]
-    first_of_expert = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)  # pairs by expert, another rank's (-1) first
+    expert = flat[order].clamp(min=0)
+    first_of_expert = torch.cumsum(counts, 0) - counts + (num_pairs - counts.sum())
     rank = torch.arange(num_pairs, device=ids.device) - first_of_expert[expert]
     size = aligned_size(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.full((size,), num_pairs, dtype=torch.int32, device=ids.device)
-    sorted_pairs[group_start[expert] + rank] = order.to(torch.int32)
+    # One slot past the end takes another rank's pairs, and is dropped.
+    sorted_pairs = torch.full((size + 1,), num_pairs, dtype=torch.int32, device=ids.device)
+    slots = torch.where(here[order], group_start[expert] + rank, size)
+    sorted_pairs[slots] = order.to(torch.int32)
+    sorted_pairs = sorted_pairs[:size]
     block_start = torch.arange(0, size, block_m, device=ids.device)
     block_experts = torch.searchsorted(group_end, block_start, right=True)
     block_experts = torch.where(block_experts < num_experts, block_experts, -1)
@@ -133,13 +140,14 @@ def moe_experts_reference(
     down_scale: torch.Tensor | None = None,  # [E, H, G'] float32
     biases: ExpertBiases | None = None,
     swiglu: ClampedSwiglu | None = None,  # None: silu(gate) * up
+    partial: bool = False,  # ids may hold -1 (the kernels' notice; the sum here skips them)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """sum over a token's k experts e of weight * down_e(silu(gate_e x) * up_e x), summed in
-    float32 in ascending expert order. FP8 experts are W8A8: each projection's input is
-    rounded to e4m3 per row (or per row and group, as its weight's scales go), and both
-    operands are dequantized, in float32; silu(..) * up is rounded to x's dtype first, as
-    the kernels store it. gpt-oss's: each projection plus its bias, its activation
-    `swiglu`."""
+    float32 in ascending expert order; a choice of expert -1 adds nothing. FP8 experts are
+    W8A8: each projection's input is rounded to e4m3 per row (or per row and group, as its
+    weight's scales go), and both operands are dequantized, in float32; silu(..) * up is
+    rounded to x's dtype first, as the kernels store it. gpt-oss's: each projection plus its
+    bias, its activation `swiglu`."""
     x_in, down_groups = x, 0  # down_groups: the SiLU rows' rounding (0: none)
     if gate_up_scale is not None and down_scale is not None:
         x_in, down_groups = _fp8_rounded(x, gate_up_scale.shape[2]), down_scale.shape[2]
@@ -172,11 +180,13 @@ def moe_experts_int4_reference(
     ids: torch.Tensor,  # [T, k] int
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,
+    partial: bool = False,  # ids may hold -1 (as moe_experts_reference)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """int4 (or MXFP4) experts, W4A16: each expert's weights dequantized and rounded to x's
     dtype (as kernels/int4.py's reference), then moe_experts_reference."""
     gate_up_weight = dequantize_4bit_stack(gate_up, x.dtype)
     down_weight = dequantize_4bit_stack(down, x.dtype)
     return moe_experts_reference(
-        x, gate_up_weight, down_weight, weights, ids, biases=biases, swiglu=swiglu
-    )
+        x, gate_up_weight, down_weight, weights, ids, biases=biases, swiglu=swiglu,
+        partial=partial,
+    )  # fmt: skip

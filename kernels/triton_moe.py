@@ -225,13 +225,17 @@ def moe_experts(
     down_scale: torch.Tensor | None = None,  # [E, H, G'] float32
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
+    partial: bool = False,  # ids hold -1 for pairs another rank runs (expert parallelism)
 ) -> torch.Tensor:  # [T, H], x's dtype
+    """The GEMVs for few pairs, else the grouped GEMMs. With `partial`, the grouped GEMMs'
+    rows start at zero (another rank's pairs are in no block); the GEMVs skip such pairs
+    whether told or not."""
     x = x.contiguous()
     extra = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, biases=biases,
                  swiglu=swiglu)  # fmt: skip
     if uses_gemv(ids.numel(), down.shape[0]):
         return moe_experts_gemv(x, gate_up, down, weights, ids, **extra)
-    return moe_experts_grouped(x, gate_up, down, weights, ids, **extra)
+    return moe_experts_grouped(x, gate_up, down, weights, ids, **extra, partial=partial)
 
 
 def _fp8_input(x: torch.Tensor, scales: WeightScales) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,6 +258,7 @@ def moe_experts_grouped(
     down_scale: torch.Tensor | None = None,
     biases: ExpertBiases | None = None,
     swiglu: ClampedSwiglu | None = None,
+    partial: bool = False,
 ) -> torch.Tensor:
     """moe_experts over the pairs sorted by expert (see the module's docstring); `tiles`:
     by the pair count (kernels/triton_moe_tiles.py) unless given."""
@@ -273,8 +278,10 @@ def moe_experts_grouped(
     )  # fmt: skip
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
     _launch(_gate_up_kernel, grid, args, tiles.block_m, tiles.gate_up, up, flags)
-    # Each pair's row in x's dtype (half the bytes of float32, as vLLM's), summed by sum_top_k.
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    # Each pair's row in x's dtype (half the bytes of float32, as vLLM's), summed by sum_top_k;
+    # zeros for another rank's pairs, which no block holds.
+    out = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=x.dtype,
+                                                     device=x.device)  # fmt: skip
     dn = WeightScales(down_scale, down, tiles.down.k, exact=False)
     a, a_scale = _fp8_input(h, dn)
     grid = (block_experts.numel(), triton.cdiv(hidden, tiles.down.n))

@@ -67,7 +67,8 @@ def _align_kernel(
         e = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
         mine = e[:, None] == experts[None, :]  # [CHUNK, BLOCK_E]
         base = tl.sum(tl.where(mine, free[None, :], 0), axis=1)
-        tl.store(sorted_ptr + base + _rank_in_chunk(e, lanes), pairs, mask=pairs < num_pairs)
+        placed = (pairs < num_pairs) & (e >= 0)  # -1: another rank's expert, left out
+        tl.store(sorted_ptr + base + _rank_in_chunk(e, lanes), pairs, mask=placed)
         free += tl.sum(mine.to(tl.int32), axis=0)
 
 
@@ -160,11 +161,12 @@ def _place_kernel(
     pairs = chunk * CHUNK + lanes
     if chunk * CHUNK < num_pairs:
         e = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1).to(tl.int32)
-        e_safe = tl.where(pairs < num_pairs, e, 0)
+        placed = (pairs < num_pairs) & (e >= 0)  # -1: another rank's expert, left out
+        e_safe = tl.where(placed, e, 0)
         group_start = tl.sum(tl.where(e_safe[:, None] == experts[None, :], ends - padded, 0), 1)
         chunk_start = tl.load(starts_ptr + chunk * BLOCK_E + e_safe)
         slots = group_start + chunk_start + _rank_in_chunk(e, lanes)
-        tl.store(sorted_ptr + slots, pairs, mask=pairs < num_pairs)
+        tl.store(sorted_ptr + slots, pairs, mask=placed)
 
 
 def align(
@@ -172,7 +174,8 @@ def align(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # sorted pairs [P] int32, block experts [P / BLOCK_M]
     """The pairs (token t's j-th choice is pair t * k + j) by expert, in pair order within
     an expert, each expert's group padded to block_m with the pair count (no pair), and each
-    block's expert (-1 past the last group); P = aligned_size. Up to ONE_PROGRAM_MAX_PAIRS
+    block's expert (-1 past the last group); P = aligned_size. Pairs of expert -1 (another
+    rank's) are left out. Up to ONE_PROGRAM_MAX_PAIRS
     pairs one launch, past them three (module docstring)."""
     num_pairs = ids.numel()
     if num_experts > MAX_EXPERTS:

@@ -102,10 +102,14 @@ def _pair_gate_up_kernel(
 ):
     pair, tile = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-    x = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
+    if expert < 0:  # another rank's expert: a row of zeros, which the down GEMV skips
+        zeros = tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + pair * stride_out + cols, zeros, mask=cols_ok)
+        return
+    w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    x = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     x_scale = 1.0
     if MODE == 1:
         x_scale = _row_scale(x, K, BLOCK_K)
@@ -157,7 +161,8 @@ def _token_down_kernel(
     """One GEMV over the token's k experts' down rows side by side (K' = k * K), each pair's
     row scaled by its routing weight (and in MODE 1 by its rows' and input's scales): one
     loop, so loads stay in flight across experts. In MODE 1 the k rows' input scales are
-    worked out first, each row read once for them."""
+    worked out first, each row read once for them. A pair of another rank's expert (-1) has
+    a row of zeros and reads no weights."""
     token, tile = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
@@ -177,20 +182,22 @@ def _token_down_kernel(
         ks = start + tl.arange(0, BLOCK_K)
         ks_ok = ks < K
         expert = tl.load(ids_ptr + pair).to(tl.int64)
+        here = cols < tl.where(expert >= 0, N, 0)  # the columns to read of its expert
+        expert = tl.maximum(expert, 0)
         w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
         h = h_ptr + pair.to(tl.int64) * stride_h
         scale = tl.load(weights_ptr + pair)
         h_scale = tl.sum(tl.where(choices == choice, h_scales, 0.0), axis=0)
         a = _input_step(tl.load(h + ks, mask=ks_ok, other=0.0).to(tl.float32), h_scale, MODE)
-        mask = cols_ok[:, None] & ks_ok[None, :]
+        mask = here[:, None] & ks_ok[None, :]
         w_tile = tl.load(w + cols[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
-        w_tile = _weight_step(w_tile, s, cols, cols_ok, start, group, stride_sn, MODE)
+        w_tile = _weight_step(w_tile, s, cols, here, start, group, stride_sn, MODE)
         if MODE == 1:
-            w_rows = tl.load(s + cols * stride_sn, mask=cols_ok, other=0.0)
+            w_rows = tl.load(s + cols * stride_sn, mask=here, other=0.0)
             w_tile = w_tile * (w_rows * h_scale)[:, None]
         acc += w_tile * (a * scale)[None, :]
         if HAS_BIAS:  # once a pair, at its first step
-            bias = tl.load(bias_ptr + expert * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
+            bias = tl.load(bias_ptr + expert * N + cols, mask=here, other=0.0).to(tl.float32)
             biased += tl.where(step % chunks == 0, bias * scale, 0.0)
     out = tl.sum(acc, axis=1) + biased
     tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)

@@ -245,6 +245,7 @@ def moe_experts_int4(
     ids: torch.Tensor,  # [T, k]
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
+    partial: bool = False,  # ids hold -1 for pairs another rank runs (as triton_moe's)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """moe_experts_int4_reference: few pairs by GEMVs (kernels/triton_moe_int4_gemv.py), the
     rest by the grouped GEMMs."""
@@ -254,7 +255,9 @@ def moe_experts_int4(
     _check(x.new_empty(0, inter), down, inter)
     if uses_int4_gemv(ids.numel(), down.qweight.shape[0], e2m1=down.e2m1):
         return moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
-    return moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
+    return moe_experts_int4_grouped(
+        x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu, partial=partial
+    )
 
 
 def moe_experts_int4_grouped(
@@ -266,6 +269,7 @@ def moe_experts_int4_grouped(
     tiles: GroupedTiles | None = None,
     biases: ExpertBiases | None = None,
     swiglu: ClampedSwiglu | None = None,
+    partial: bool = False,
 ) -> torch.Tensor:
     """moe_experts_int4 over the pairs sorted by expert (the module's docstring): [pairs, I]
     SiLU-and-mul rows in x's dtype, then each pair's down row times its routing weight, and
@@ -284,7 +288,8 @@ def moe_experts_int4_grouped(
             h.stride(0), *epilogue(biases, swiglu, x, "gate_up"))  # fmt: skip
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
     _launch(_int4_gate_up_kernel, grid, args, block_m, tiles.gate_up, gate_up, x, flags)
-    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    out = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=x.dtype,
+                                                     device=x.device)  # fmt: skip
     grid = (block_experts.numel(), triton.cdiv(hidden, tiles.down.n))
     args = (h, *weight_args(down)[:3], out, weights.float().contiguous(), sorted_pairs,
             block_experts, num_pairs, inter, hidden, down.group_size, h.stride(0),

@@ -153,9 +153,13 @@ def _int4_pair_gate_up_kernel(
 ):
     pair, tile = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
+    if expert < 0:  # another rank's expert: a row of zeros, which the down GEMV skips
+        zeros = tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + pair * stride_out + cols, zeros, mask=cols_ok)
+        return
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     w = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
     s = s_ptr + expert * stride_se + cols * stride_sn
     z = z_ptr + expert * stride_ze + cols * stride_zn
@@ -204,7 +208,8 @@ def _int4_token_down_kernel(
     HAS_BIAS: tl.constexpr,
 ):
     """The token's k experts' down rows side by side (K' = k * K): one loop, so loads stay
-    in flight across experts."""
+    in flight across experts. A pair of another rank's expert (-1) has a row of zeros and
+    reads no weights."""
     token, tile = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
@@ -214,17 +219,19 @@ def _int4_token_down_kernel(
     for step in range(top_k * steps):
         pair = token * top_k + step // steps
         expert = tl.load(ids_ptr + pair).to(tl.int64)
+        here = cols < tl.where(expert >= 0, N, 0)  # the columns to read of its expert
+        expert = tl.maximum(expert, 0)
         w = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
         s = s_ptr + expert * stride_se + cols * stride_sn
         z = z_ptr + expert * stride_ze + cols * stride_zn
         h_row = h_ptr + pair.to(tl.int64) * stride_h
         k_start = (step % steps) * 8 * WORDS
-        part = _rows_step(w, s, z, cols_ok, h_row, k_start, K, GROUP_SIZE, WORDS, HAS_ZEROS,
+        part = _rows_step(w, s, z, here, h_row, k_start, K, GROUP_SIZE, WORDS, HAS_ZEROS,
                           X_PAIRS, E2M1, INTERPRETED)  # fmt: skip
         weight = tl.load(weights_ptr + pair)
         acc += part * weight
         if HAS_BIAS:  # once a pair, at its first step
-            bias = tl.load(bias_ptr + expert * N + cols, mask=cols_ok, other=0.0).to(tl.float32)
+            bias = tl.load(bias_ptr + expert * N + cols, mask=here, other=0.0).to(tl.float32)
             biased += tl.where(step % steps == 0, bias * weight, 0.0)
     out = tl.sum(acc, axis=1) + biased
     tl.store(out_ptr + token * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=cols_ok)

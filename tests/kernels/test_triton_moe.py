@@ -95,6 +95,72 @@ def test_align_puts_each_pair_once_in_its_experts_block(
     assert torch.equal(sorted_pairs, in_torch[0]) and torch.equal(block_experts, in_torch[1])
 
 
+def another_ranks(ids: torch.Tensor) -> torch.Tensor:
+    """ids as a rank sees them with expert parallelism (services/executor/layers/moe.py) if
+    each token's every second choice is another rank's expert: -1."""
+    ids = ids.clone()
+    ids[:, 1::2] = -1
+    return ids
+
+
+@pytest.mark.parametrize("one_program", [True, False])
+def test_align_leaves_out_another_ranks_pairs(
+    one_program: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokens, experts, top_k, block_m = 40, 8, 2, 16
+    _, ids = routed(tokens, experts, top_k, seed=5)
+    ids = another_ranks(ids)
+    monkeypatch.setattr(triton_moe_align, "ONE_PROGRAM_MAX_PAIRS", 80 if one_program else 0)
+    sorted_pairs, block_experts = align(ids, experts, block_m)
+    placed = sorted(p for p in sorted_pairs.tolist() if p < tokens * top_k)
+    assert placed == [p for p, e in enumerate(ids.flatten().tolist()) if e >= 0]
+    assert 0 < len(placed) < tokens * top_k
+    in_torch = align_reference(ids, experts, block_m)
+    assert torch.equal(sorted_pairs, in_torch[0]) and torch.equal(block_experts, in_torch[1])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "fp8", "gpt_oss"),
+    [
+        (1, 16, False, False),  # the GEMVs
+        (1, 16, True, True),  # FP8 GEMVs, gpt-oss's biases (each pair's once, its own only)
+        (9, 6, False, True),  # the grouped GEMMs
+        (9, 6, True, False),
+    ],
+)
+def test_another_ranks_pairs_add_nothing(
+    tokens: int, experts: int, fp8: bool, gpt_oss: bool
+) -> None:
+    """Expert parallelism: a choice of expert -1 (another rank's) adds nothing, in the GEMVs
+    and the grouped GEMMs (told `partial`); the reference skips it as a choice of weight 0."""
+    hidden, inter, top_k = 256, 128, 4
+    generator = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=generator) / 8
+    down = torch.randn(experts, hidden, inter, generator=generator) / 8
+    scales: tuple[torch.Tensor | None, ...] = (None, None)
+    if fp8:
+        scales = (torch.full((experts, 2 * inter, 1), 1 / 64, device=DEVICE),
+                  torch.full((experts, hidden, 1), 1 / 64, device=DEVICE))  # fmt: skip
+        gate_up, down = (gate_up * 64).to(torch.float8_e4m3fn), (down * 64).to(torch.float8_e4m3fn)
+    gate_up, down = gate_up.to(DEVICE), down.to(DEVICE)
+    extra: dict = {}
+    if gpt_oss:
+        extra = dict(swiglu=ClampedSwiglu(limit=2.0), biases=ExpertBiases(
+            torch.randn(experts, 2 * inter, generator=generator).to(DEVICE),
+            torch.randn(experts, hidden, generator=generator).to(DEVICE),
+        ))  # fmt: skip
+    weights, ids = routed(tokens, experts, top_k, seed=tokens)
+    ids = another_ranks(ids)
+    out = moe_experts(x, gate_up, down, weights, ids, *scales, **extra, partial=True)
+    expected = moe_experts_reference(x, gate_up, down, weights, ids, *scales, **extra)
+    as_weight_0 = moe_experts_reference(
+        x, gate_up, down, torch.where(ids < 0, 0.0, weights), ids.clamp(min=0), *scales, **extra
+    )
+    torch.testing.assert_close(expected, as_weight_0)
+    assert_kernel_close(out, expected)
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "renormalize"),
     [(1, 128, 8, True), (5, 60, 4, False), (3, 8, 2, True), (2, 6, 6, False)],

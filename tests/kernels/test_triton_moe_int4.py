@@ -83,6 +83,23 @@ def test_int4_experts_match_the_reference(
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
 
 
+@pytest.mark.parametrize(("tokens", "experts"), [(1, 32), (7, 6)], ids=["gemv", "grouped"])
+def test_another_ranks_int4_pairs_add_nothing(tokens: int, experts: int) -> None:
+    """Expert parallelism: a choice of expert -1 (another rank's) adds nothing, in the GEMVs
+    and the grouped GEMMs (told `partial`)."""
+    hidden, inter, top_k = 256, 128, 2
+    generator = torch.Generator().manual_seed(tokens)
+    gate_up = int4_stack(experts, 2 * inter, hidden, 128, False, generator)
+    down = int4_stack(experts, hidden, inter, 128, False, generator)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    weights, ids = routed(tokens, experts, top_k, seed=tokens)
+    ids[:, 1] = -1  # each token's second choice: another rank's expert
+    out = moe_experts_int4(x, gate_up, down, weights, ids, partial=True)
+    expected = moe_experts_int4_reference(x, gate_up, down, weights, ids)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="16-bit tensor-core dots: on the GPU")
 @pytest.mark.parametrize("tokens", [1, 64, 1024])
 def test_int4_experts_in_bf16_at_a_qwen3_moe_layers_shape(tokens: int) -> None:

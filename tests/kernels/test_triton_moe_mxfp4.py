@@ -109,6 +109,24 @@ def test_mxfp4_experts_match_the_reference(
         torch.testing.assert_close(stepped, expected, rtol=1e-3, atol=1e-4 * scale)
 
 
+@pytest.mark.parametrize(("tokens", "experts"), [(1, 32), (9, 4)], ids=["gemv", "grouped"])
+def test_another_ranks_mxfp4_pairs_add_nothing(tokens: int, experts: int) -> None:
+    """Expert parallelism on gpt-oss: a choice of expert -1 (another rank's) adds nothing,
+    its down bias included, in the GEMVs and the grouped GEMMs (told `partial`)."""
+    hidden, inter, top_k = 128, 64, 2
+    generator = torch.Generator().manual_seed(tokens)
+    gate_up = mxfp4_stack(experts, 2 * inter, hidden, generator)
+    down = mxfp4_stack(experts, hidden, inter, generator)
+    biases = biases_of(experts, hidden, inter, generator)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    weights, ids = routed(tokens, experts, top_k, seed=tokens)
+    ids[:, 1] = -1  # each token's second choice: another rank's expert
+    out = moe_experts_int4(x, gate_up, down, weights, ids, biases, SWIGLU, partial=True)
+    expected = moe_experts_int4_reference(x, gate_up, down, weights, ids, biases, SWIGLU)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
+
+
 def test_mxfp4_experts_refuse_zero_points_and_other_groups() -> None:
     generator = torch.Generator().manual_seed(0)
     gate_up = mxfp4_stack(2, 64, 64, generator)

@@ -89,7 +89,7 @@ class FloatExperts:
     ) -> torch.Tensor:
         return ops.moe_experts(
             x, moe.experts_gate_up, moe.experts_down, weights, ids, None, None, moe.biases,
-            moe.swiglu,
+            moe.swiglu, partial=not moe.all_experts,
         )  # fmt: skip
 
 
@@ -191,11 +191,11 @@ class SparseMoE(nn.Module):
         self, weights: torch.Tensor, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """With expert parallelism: the choices as this rank's experts, those of other ranks'
-        weighted 0 (on expert 0 here: the kernels run every pair, and each rank's part of the
-        sum holds its own experts' alone)."""
+        as expert -1, which the kernels skip (reading none of its weights): each rank's part
+        of the sum holds its own experts' alone."""
         local = ids - self.first_expert
         mine = (local >= 0) & (local < self.num_local_experts)
-        return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
+        return torch.where(mine, weights, 0.0), torch.where(mine, local, -1)
 
 
 # A checkpoint expert tensor's last name (as translated, services/executor/quantization/
