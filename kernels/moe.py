@@ -48,6 +48,17 @@ def clamped_swiglu_reference(gate_up: torch.Tensor, swiglu: ClampedSwiglu) -> to
     return (up + 1) * gate * torch.sigmoid(swiglu.alpha * gate)
 
 
+def sum_chosen_reference(
+    rows: torch.Tensor,  # [T k, H]: each (token, choice) pair's row, a token's k together
+    ids: torch.Tensor,  # [T, k]: each pair's expert; -1: another rank's, its row never written
+) -> torch.Tensor:  # [T, H], rows' dtype
+    """Each token's rows of the choices made here (expert >= 0) summed in float32 and rounded
+    once; the other rows are not read (whatever they hold, NaN included)."""
+    chosen = (ids >= 0)[..., None]
+    by_token = rows.view(*ids.shape, rows.shape[1]).float()
+    return torch.where(chosen, by_token, 0.0).sum(dim=1).to(rows.dtype)
+
+
 def aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Slots for the pairs sorted by expert, each expert's group padded to block_m: the most
     any routing needs (every group one pair past a multiple), rounded up to block_m."""

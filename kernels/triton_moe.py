@@ -10,7 +10,8 @@ chosen experts' weights are read at all. Same math as `kernels.moe.moe_experts_r
    expert's gate and up rows, SiLU-and-mul fused: [pairs, I].
 3. `_down_kernel`: those rows times the expert's down projection, scaled by each pair's routing
    weight: [pairs, H] in x's dtype; then each token's k rows are summed in float32 (no
-   atomics: the sum's order is fixed).
+   atomics: the sum's order is fixed). With expert parallelism, pairs of another rank's
+   expert (-1) are in no block, and the sum leaves their rows out (`sum_chosen`).
 Blocks past the last group have expert -1: their programs return at once. A decode's few pairs
 take the GEMV kernels of kernels/triton_moe_gemv.py instead (`uses_gemv`). (A Gluon version of
 the grouped GEMMs on Hopper's warpgroup MMA was built, swept and removed: at Qwen3-30B-A3B's
@@ -227,9 +228,9 @@ def moe_experts(
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
     partial: bool = False,  # ids hold -1 for pairs another rank runs (expert parallelism)
 ) -> torch.Tensor:  # [T, H], x's dtype
-    """The GEMVs for few pairs, else the grouped GEMMs. With `partial`, the grouped GEMMs'
-    rows start at zero (another rank's pairs are in no block); the GEMVs skip such pairs
-    whether told or not."""
+    """The GEMVs for few pairs, else the grouped GEMMs. ids of -1 need `partial`: the grouped
+    GEMMs' pair rows are then summed by sum_chosen, which leaves out those of another rank's
+    pairs (in no block, never written); the GEMVs skip such pairs whether told or not."""
     x = x.contiguous()
     extra = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, biases=biases,
                  swiglu=swiglu)  # fmt: skip
@@ -279,9 +280,8 @@ def moe_experts_grouped(
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
     _launch(_gate_up_kernel, grid, args, tiles.block_m, tiles.gate_up, up, flags)
     # Each pair's row in x's dtype (half the bytes of float32, as vLLM's), summed by sum_top_k;
-    # zeros for another rank's pairs, which no block holds.
-    out = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=x.dtype,
-                                                     device=x.device)  # fmt: skip
+    # with `partial`, by sum_chosen: another rank's pairs are in no block, their rows unwritten.
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     dn = WeightScales(down_scale, down, tiles.down.k, exact=False)
     a, a_scale = _fp8_input(h, dn)
     grid = (block_experts.numel(), triton.cdiv(hidden, tiles.down.n))
@@ -293,7 +293,7 @@ def moe_experts_grouped(
     )  # fmt: skip
     _launch(_down_kernel, grid, args, tiles.block_m, tiles.down, dn,
             dict(HAS_BIAS=biases is not None))  # fmt: skip
-    return sum_top_k(out, top_k)
+    return sum_chosen(out, ids) if partial else sum_top_k(out, top_k)
 
 
 def _launch(
@@ -325,3 +325,33 @@ def sum_top_k(rows: torch.Tensor, top_k: int) -> torch.Tensor:  # [T, H], rows' 
     takes one launch where a float32 sum and a cast took two (15 us of a 4,096-token layer's
     1,100 on an H100)."""
     return rows.view(-1, top_k, rows.shape[1]).sum(dim=1)
+
+
+@triton.jit
+def _sum_chosen_kernel(rows_ptr, ids_ptr, out_ptr, top_k, H, stride_row, stride_out,
+                       BLOCK_H: tl.constexpr):  # fmt: skip
+    """Token program_id(0)'s rows of choices made here, over BLOCK_H columns: masked loads,
+    so another rank's rows (never written) are not read."""
+    token, tile = tl.program_id(0), tl.program_id(1)
+    cols = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for choice in range(top_k):
+        pair = token * top_k + choice
+        chosen = cols < tl.where(tl.load(ids_ptr + pair) >= 0, H, 0)
+        row = rows_ptr + pair.to(tl.int64) * stride_row
+        acc += tl.load(row + cols, mask=chosen, other=0.0).to(tl.float32)
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, out, mask=cols < H)
+
+
+def sum_chosen(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [T, H], rows' dtype
+    """kernels.moe.sum_chosen_reference in one launch: sum_top_k for expert parallelism, where
+    the rows of other ranks' choices (expert -1) hold nothing (no block wrote them)."""
+    num_tokens, top_k = ids.shape
+    hidden = rows.shape[1]
+    out = torch.empty(num_tokens, hidden, dtype=rows.dtype, device=rows.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _sum_chosen_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        rows, ids.contiguous(), out, top_k, hidden, rows.stride(0), out.stride(0), BLOCK_H=block_h
+    )
+    return out

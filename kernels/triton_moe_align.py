@@ -175,8 +175,8 @@ def align(
     """The pairs (token t's j-th choice is pair t * k + j) by expert, in pair order within
     an expert, each expert's group padded to block_m with the pair count (no pair), and each
     block's expert (-1 past the last group); P = aligned_size. Pairs of expert -1 (another
-    rank's) are left out. Up to ONE_PROGRAM_MAX_PAIRS
-    pairs one launch, past them three (module docstring)."""
+    rank's) are left out. Up to ONE_PROGRAM_MAX_PAIRS pairs one launch, past them three
+    (module docstring)."""
     num_pairs = ids.numel()
     if num_experts > MAX_EXPERTS:
         return align_reference(ids, num_experts, block_m)

@@ -36,7 +36,7 @@ from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_e2m1 import e2m1_pairs, e2m1_value
 from kernels.triton_int4 import q_minus_z_pairs
-from kernels.triton_moe import block_pairs, exact_dot, sum_top_k
+from kernels.triton_moe import block_pairs, exact_dot, sum_chosen, sum_top_k
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import epilogue, expert_activation
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
@@ -288,8 +288,7 @@ def moe_experts_int4_grouped(
             h.stride(0), *epilogue(biases, swiglu, x, "gate_up"))  # fmt: skip
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
     _launch(_int4_gate_up_kernel, grid, args, block_m, tiles.gate_up, gate_up, x, flags)
-    out = (torch.zeros if partial else torch.empty)(num_pairs, hidden, dtype=x.dtype,
-                                                     device=x.device)  # fmt: skip
+    out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     grid = (block_experts.numel(), triton.cdiv(hidden, tiles.down.n))
     args = (h, *weight_args(down)[:3], out, weights.float().contiguous(), sorted_pairs,
             block_experts, num_pairs, inter, hidden, down.group_size, h.stride(0),
@@ -297,7 +296,7 @@ def moe_experts_int4_grouped(
             epilogue(biases, swiglu, x, "down")[0])  # fmt: skip
     _launch(_int4_down_kernel, grid, args, block_m, tiles.down, down, h,
             dict(HAS_BIAS=biases is not None))  # fmt: skip
-    return sum_top_k(out, top_k)
+    return sum_chosen(out, ids) if partial else sum_top_k(out, top_k)
 
 
 def _check(x: torch.Tensor, stack: Int4Stack, k: int) -> None:

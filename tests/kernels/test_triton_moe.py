@@ -18,12 +18,20 @@ from kernels.moe import (
     align_reference,
     moe_experts_reference,
     moe_route_reference,
+    sum_chosen_reference,
 )
-from kernels.triton_moe import moe_experts, moe_experts_grouped, uses_gemv
+from kernels.triton_moe import (
+    moe_experts,
+    moe_experts_grouped,
+    sum_chosen,
+    sum_top_k,
+    uses_gemv,
+)
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import moe_experts_gemv
 from kernels.triton_moe_route import moe_route
 from kernels.triton_moe_tiles import GROUPED_TILES, GROUPED_TILES_FP8, GemvTiles, grouped_tiles
+from tests.kernels.expert_parallel import another_ranks, nan_empty, nan_expert_0
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -95,14 +103,6 @@ def test_align_puts_each_pair_once_in_its_experts_block(
     assert torch.equal(sorted_pairs, in_torch[0]) and torch.equal(block_experts, in_torch[1])
 
 
-def another_ranks(ids: torch.Tensor) -> torch.Tensor:
-    """ids as a rank sees them with expert parallelism (services/executor/layers/moe.py) if
-    each token's every second choice is another rank's expert: -1."""
-    ids = ids.clone()
-    ids[:, 1::2] = -1
-    return ids
-
-
 @pytest.mark.parametrize("one_program", [True, False])
 def test_align_leaves_out_another_ranks_pairs(
     one_program: bool, monkeypatch: pytest.MonkeyPatch
@@ -114,34 +114,52 @@ def test_align_leaves_out_another_ranks_pairs(
     sorted_pairs, block_experts = align(ids, experts, block_m)
     placed = sorted(p for p in sorted_pairs.tolist() if p < tokens * top_k)
     assert placed == [p for p, e in enumerate(ids.flatten().tolist()) if e >= 0]
-    assert 0 < len(placed) < tokens * top_k
     in_torch = align_reference(ids, experts, block_m)
     assert torch.equal(sorted_pairs, in_torch[0]) and torch.equal(block_experts, in_torch[1])
 
 
+def test_the_chosen_rows_sum_leaves_the_others_unread() -> None:
+    generator = torch.Generator().manual_seed(2)
+    rows = torch.randn(5 * 3, 40, generator=generator).to(DEVICE, torch.bfloat16)
+    ids = torch.tensor([[0, -1, 2], [-1, -1, -1], [1, 1, 0], [-1, 4, -1], [3, 2, 1]], device=DEVICE)
+    rows[(ids < 0).flatten()] = float("nan")
+    out = sum_chosen(rows, ids)
+    expected = sum_chosen_reference(rows, ids)
+    assert expected[1].eq(0).all() and not expected.isnan().any()
+    torch.testing.assert_close(out, expected)
+    everything = torch.zeros_like(ids)
+    torch.testing.assert_close(sum_chosen(rows.nan_to_num(0.0), everything),
+                               sum_top_k(rows.nan_to_num(0.0), 3))  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    ("tokens", "experts", "fp8", "gpt_oss"),
+    ("tokens", "experts", "groups", "gpt_oss"),
     [
-        (1, 16, False, False),  # the GEMVs
-        (1, 16, True, True),  # FP8 GEMVs, gpt-oss's biases (each pair's once, its own only)
-        (9, 6, False, True),  # the grouped GEMMs
-        (9, 6, True, False),
+        (2, 64, 0, False),  # the GEMVs; token 0's choices all another rank's
+        (1, 16, 1, True),  # FP8 GEMVs, a scale a row, gpt-oss's biases (each pair's once)
+        (2, 64, 2, False),  # FP8 GEMVs, a scale a row and group
+        (9, 6, 0, True),  # the grouped GEMMs
+        (9, 6, 1, False),
+        (9, 6, 2, False),
     ],
 )
 def test_another_ranks_pairs_add_nothing(
-    tokens: int, experts: int, fp8: bool, gpt_oss: bool
+    tokens: int, experts: int, groups: int, gpt_oss: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Expert parallelism: a choice of expert -1 (another rank's) adds nothing, in the GEMVs
-    and the grouped GEMMs (told `partial`); the reference skips it as a choice of weight 0."""
+    and the grouped GEMMs (told `partial`), and reads nothing: expert 0, which no token
+    chooses, holds NaN, and every buffer starts as NaN. The reference skips such a choice as
+    one of weight 0."""
+    nan_empty(monkeypatch)
     hidden, inter, top_k = 256, 128, 4
-    generator = torch.Generator().manual_seed(tokens + experts)
+    generator = torch.Generator().manual_seed(tokens + experts + groups)
     x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=generator) / 8
     down = torch.randn(experts, hidden, inter, generator=generator) / 8
     scales: tuple[torch.Tensor | None, ...] = (None, None)
-    if fp8:
-        scales = (torch.full((experts, 2 * inter, 1), 1 / 64, device=DEVICE),
-                  torch.full((experts, hidden, 1), 1 / 64, device=DEVICE))  # fmt: skip
+    if groups:
+        scales = (torch.full((experts, 2 * inter, groups), 1 / 64, device=DEVICE),
+                  torch.full((experts, hidden, groups), 1 / 64, device=DEVICE))  # fmt: skip
         gate_up, down = (gate_up * 64).to(torch.float8_e4m3fn), (down * 64).to(torch.float8_e4m3fn)
     gate_up, down = gate_up.to(DEVICE), down.to(DEVICE)
     extra: dict = {}
@@ -152,13 +170,19 @@ def test_another_ranks_pairs_add_nothing(
         ))  # fmt: skip
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
     ids = another_ranks(ids)
-    out = moe_experts(x, gate_up, down, weights, ids, *scales, **extra, partial=True)
     expected = moe_experts_reference(x, gate_up, down, weights, ids, *scales, **extra)
     as_weight_0 = moe_experts_reference(
         x, gate_up, down, torch.where(ids < 0, 0.0, weights), ids.clamp(min=0), *scales, **extra
     )
     torch.testing.assert_close(expected, as_weight_0)
+    # Expert 0, where a kernel would read for expert -1, holds NaN for the kernels.
+    gate_up, down = nan_expert_0(gate_up), nan_expert_0(down)
+    scales = tuple(None if s is None else nan_expert_0(s) for s in scales)
+    if gpt_oss:
+        extra["biases"] = ExpertBiases(*(nan_expert_0(b) for b in extra["biases"]))
+    out = moe_experts(x, gate_up, down, weights, ids, *scales, **extra, partial=True)
     assert_kernel_close(out, expected)
+    assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from kernels.moe import moe_experts_int4_reference, moe_experts_reference, moe_r
 from kernels.triton_moe_int4 import moe_experts_int4, moe_experts_int4_grouped
 from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv, uses_int4_gemv
 from kernels.triton_moe_tiles import GemmTiles, GroupedTiles
+from tests.kernels.expert_parallel import another_ranks, nan_empty, nan_expert_0
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -83,19 +84,25 @@ def test_int4_experts_match_the_reference(
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
 
 
-@pytest.mark.parametrize(("tokens", "experts"), [(1, 32), (7, 6)], ids=["gemv", "grouped"])
-def test_another_ranks_int4_pairs_add_nothing(tokens: int, experts: int) -> None:
-    """Expert parallelism: a choice of expert -1 (another rank's) adds nothing, in the GEMVs
-    and the grouped GEMMs (told `partial`)."""
+@pytest.mark.parametrize(("tokens", "experts"), [(2, 64), (7, 6)], ids=["gemv", "grouped"])
+def test_another_ranks_int4_pairs_add_nothing(
+    tokens: int, experts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expert parallelism: a choice of expert -1 (another rank's) adds nothing and reads
+    nothing, in the GEMVs and the grouped GEMMs (told `partial`): expert 0, which no token
+    chooses, has NaN scales, and every buffer starts as NaN (tests/kernels/expert_parallel.py)."""
+    nan_empty(monkeypatch)
     hidden, inter, top_k = 256, 128, 2
     generator = torch.Generator().manual_seed(tokens)
     gate_up = int4_stack(experts, 2 * inter, hidden, 128, False, generator)
     down = int4_stack(experts, hidden, inter, 128, False, generator)
     x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
-    ids[:, 1] = -1  # each token's second choice: another rank's expert
-    out = moe_experts_int4(x, gate_up, down, weights, ids, partial=True)
+    ids = another_ranks(ids)
     expected = moe_experts_int4_reference(x, gate_up, down, weights, ids)
+    gate_up, down = (s._replace(scales=nan_expert_0(s.scales)) for s in (gate_up, down))
+    out = moe_experts_int4(x, gate_up, down, weights, ids, partial=True)
+    assert uses_int4_gemv(tokens * top_k, experts) == (experts >= 32)
     scale = float(expected.abs().max())
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
 

@@ -22,6 +22,7 @@ from kernels.moe import (
 from kernels.mxfp4 import E2M1_VALUES, as_int4_layout, dequantize_4bit_stack, dequantize_mxfp4
 from kernels.triton_moe_int4 import moe_experts_int4, moe_experts_int4_grouped
 from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv, uses_int4_gemv
+from tests.kernels.expert_parallel import another_ranks, nan_empty, nan_expert_0
 from tests.quantized_writers import mxfp4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -109,10 +110,16 @@ def test_mxfp4_experts_match_the_reference(
         torch.testing.assert_close(stepped, expected, rtol=1e-3, atol=1e-4 * scale)
 
 
-@pytest.mark.parametrize(("tokens", "experts"), [(1, 32), (9, 4)], ids=["gemv", "grouped"])
-def test_another_ranks_mxfp4_pairs_add_nothing(tokens: int, experts: int) -> None:
-    """Expert parallelism on gpt-oss: a choice of expert -1 (another rank's) adds nothing,
-    its down bias included, in the GEMVs and the grouped GEMMs (told `partial`)."""
+@pytest.mark.parametrize(("tokens", "experts"), [(2, 32), (9, 4)], ids=["gemv", "grouped"])
+def test_another_ranks_mxfp4_pairs_add_nothing(
+    tokens: int, experts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Expert parallelism on gpt-oss: a choice of expert -1 (another rank's) adds nothing, its
+    down bias included, and reads nothing, in the GEMVs and the grouped GEMMs (told
+    `partial`): expert 0 has NaN scales and biases, and every buffer starts as NaN
+    (tests/kernels/expert_parallel.py). Routing here may choose expert 0: its choices are
+    made another rank's."""
+    nan_empty(monkeypatch)
     hidden, inter, top_k = 128, 64, 2
     generator = torch.Generator().manual_seed(tokens)
     gate_up = mxfp4_stack(experts, 2 * inter, hidden, generator)
@@ -120,9 +127,12 @@ def test_another_ranks_mxfp4_pairs_add_nothing(tokens: int, experts: int) -> Non
     biases = biases_of(experts, hidden, inter, generator)
     x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
-    ids[:, 1] = -1  # each token's second choice: another rank's expert
-    out = moe_experts_int4(x, gate_up, down, weights, ids, biases, SWIGLU, partial=True)
+    ids = torch.where(ids == 0, -1, another_ranks(ids))
     expected = moe_experts_int4_reference(x, gate_up, down, weights, ids, biases, SWIGLU)
+    gate_up, down = (s._replace(scales=nan_expert_0(s.scales)) for s in (gate_up, down))
+    biases = ExpertBiases(*(nan_expert_0(b) for b in biases))
+    out = moe_experts_int4(x, gate_up, down, weights, ids, biases, SWIGLU, partial=True)
+    assert uses_int4_gemv(tokens * top_k, experts, e2m1=True) == (experts >= 32)
     scale = float(expected.abs().max())
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
 
