@@ -19,10 +19,20 @@ import openai
 API_KEY = "sk-kvflow-test"
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and not one this process was given before: the kernel
+    may hand the same free port out twice in a row, and a test that asks for two (the HTTP
+    port and a scheduler's address) then gets one process failing to bind."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 @dataclass
