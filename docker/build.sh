@@ -64,6 +64,10 @@ cpu-*+cpu-* | cuda-torch-2.13.0-*) ;;
 *) echo "docker/build.sh: the $VARIANT image got $(basename "$WHEELS"/torch-*.whl)" >&2; exit 1 ;;
 esac
 
+# One build at a time on this host: the prune would take another build's untagged step images.
+exec 9>"${TMPDIR:-/tmp}/kvflow-docker-build.lock"
+command -v flock >/dev/null && flock 9  # (util-linux; without it, no lock)
 DOCKER_BUILDKIT=0 docker build --network none --build-arg VARIANT="$VARIANT" \
     --build-arg BASE_IMAGE="$BASE_IMAGE" -t "${KVFLOW_IMAGE:-kvflow:$VARIANT}" .
-docker image prune -f --filter label=org.kvflow.image=kvflow >/dev/null
+docker image prune -f --filter label=org.kvflow.image=kvflow >/dev/null \
+    || echo "docker/build.sh: the untagged images were not pruned" >&2  # the image is built

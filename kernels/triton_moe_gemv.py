@@ -104,7 +104,7 @@ def _pair_gate_up_kernel(
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
-    if expert < 0:  # another rank's expert: a row of zeros, which the down GEMV skips
+    if expert < 0:  # another rank's expert: a row of zeros (the down GEMV reads no weights for it)
         zeros = tl.zeros((BLOCK_N,), dtype=out_ptr.dtype.element_ty)
         tl.store(out_ptr + pair * stride_out + cols, zeros, mask=cols_ok)
         return

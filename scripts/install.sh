@@ -12,10 +12,11 @@ CONSTRAINTS=requirements/constraints.txt
 # configuration (`pip config list`: find-links) points at a local wheel folder that holds it;
 # anywhere else it comes from PyTorch's own CPU index. GPU machines bring their own torch.
 TORCH_CPU="torch==2.13.0+cpu"
-probe=$(mktemp -d)  # the probe's download (190 MB) goes nowhere else
+probe=$(mktemp -d)  # where the probe downloads the wheel (190 MB), removed right after
 trap 'rm -rf "$probe"' EXIT
 if python3 -m pip download -q --no-deps --no-index -d "$probe" "$TORCH_CPU" >/dev/null 2>&1
 then
+    rm -rf "$probe"
     echo "install.sh: $TORCH_CPU from this machine's local wheel folder"
     python3 -m pip install -q -c "$CONSTRAINTS" "$TORCH_CPU"
 else

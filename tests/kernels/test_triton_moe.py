@@ -148,8 +148,8 @@ def test_another_ranks_pairs_add_nothing(
 ) -> None:
     """Expert parallelism: a choice of expert -1 (another rank's) adds nothing, in the GEMVs
     and the grouped GEMMs (told `partial`), and reads nothing: expert 0, which no token
-    chooses, holds NaN, and every buffer starts as NaN. The reference skips such a choice as
-    one of weight 0."""
+    chooses, holds NaN, and every torch.empty buffer starts as NaN. The reference skips such
+    a choice as one of weight 0."""
     nan_empty(monkeypatch)
     hidden, inter, top_k = 256, 128, 4
     generator = torch.Generator().manual_seed(tokens + experts + groups)

@@ -90,7 +90,8 @@ def test_another_ranks_int4_pairs_add_nothing(
 ) -> None:
     """Expert parallelism: a choice of expert -1 (another rank's) adds nothing and reads
     nothing, in the GEMVs and the grouped GEMMs (told `partial`): expert 0, which no token
-    chooses, has NaN scales, and every buffer starts as NaN (tests/kernels/expert_parallel.py)."""
+    chooses, has NaN scales, and every torch.empty buffer starts as NaN
+    (tests/kernels/expert_parallel.py)."""
     nan_empty(monkeypatch)
     hidden, inter, top_k = 256, 128, 2
     generator = torch.Generator().manual_seed(tokens)

@@ -116,7 +116,7 @@ def test_another_ranks_mxfp4_pairs_add_nothing(
 ) -> None:
     """Expert parallelism on gpt-oss: a choice of expert -1 (another rank's) adds nothing, its
     down bias included, and reads nothing, in the GEMVs and the grouped GEMMs (told
-    `partial`): expert 0 has NaN scales and biases, and every buffer starts as NaN
+    `partial`): expert 0 has NaN scales and biases, and every torch.empty buffer starts as NaN
     (tests/kernels/expert_parallel.py). Routing here may choose expert 0: its choices are
     made another rank's."""
     nan_empty(monkeypatch)

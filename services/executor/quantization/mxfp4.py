@@ -104,7 +104,7 @@ class Mxfp4Experts:
         self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
         return ops.moe_experts_int4(
-            x, *self.stacks(moe), weights, ids, moe.biases, moe.swiglu, not moe.all_experts
+            x, *self.stacks(moe), weights, ids, moe.biases, moe.swiglu, partial=not moe.all_experts
         )
 
 
