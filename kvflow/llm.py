@@ -11,6 +11,8 @@ import atexit
 import dataclasses
 import json
 import logging
+import shutil
+import tempfile
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -22,6 +24,7 @@ from kvflow.outputs import Completion, EmbeddingResult, GenerationResult
 from kvflow.progress import Progress, ProgressSink
 from services.executor.rank_group import start_runner
 from services.executor.runner.plan_check import PlanError
+from services.executor.runner.replica_rounds import idle_round
 from services.frontend.api.openai_types import Message, Tool, chat_message
 from services.frontend.api.structured import tool_definition
 from services.scheduler.engine_core import EngineCore
@@ -55,6 +58,10 @@ class LLM:
         # of their own meanwhile; one of those is an LLM given its data_parallel_rank.
         self.replicas: OtherReplicas | None = None
         if self.config.data_parallel_size > 1 and self.config.data_parallel_rank is None:
+            if self.config.data_parallel_group is None:  # where replicas' executors may meet
+                group = tempfile.mkdtemp(prefix="kvflow-replica-group-")  # 0700
+                atexit.register(shutil.rmtree, group, ignore_errors=True)
+                self.config = self.config.replace(data_parallel_group=group)
             self.replicas = OtherReplicas(self.config)
             share_cpu_threads(self.config.device, self.config.data_parallel_size)
         try:
@@ -238,7 +245,16 @@ class LLM:
             if owners:  # an error or an interrupt: withdraw what is left
                 self.engine.abort(list(owners))
                 self.worker.abort(list(owners))
+            self._end_wave()
         return results
+
+    def _end_wave(self) -> None:
+        """With expert parallelism across replicas: serve the other replicas' steps (each
+        replica's experts take part in every one) until none has work left."""
+        replicas = self.runner.tp.replicas
+        if replicas is not None and replicas.lockstep is not None:
+            while idle_round(self.runner).busy:
+                pass
 
     def add_lora(self, lora: LoRARequest) -> int:
         """Register a LoRA adapter (read and checked the first time its id is given) and return

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from shared.config import Config, ConfigError
+from shared.model_config import load_model_config, resolve_model_source
 
 
 def replica_name(component: str, replica: int, num_replicas: int) -> str:
@@ -79,3 +80,12 @@ def replica_devices(gpus: list[str] | None, replica: int, config: Config) -> dic
     if config.prefill_replicas and config.kv_buffer_device == "cuda":
         own += [gpu for gpu in gpus if gpu not in own]
     return {"CUDA_VISIBLE_DEVICES": ",".join(own)}
+
+
+def experts_across_replicas(config: Config) -> bool:
+    """Whether a mixture of experts' experts spread over every replica's ranks (data parallel,
+    expert parallel, and a model with experts): the replicas then run their steps together
+    (services/executor/parallel/lockstep.py)."""
+    if config.data_parallel_size == 1 or not config.enable_expert_parallel:
+        return False
+    return load_model_config(resolve_model_source(config.model)).moe is not None

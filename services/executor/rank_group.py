@@ -40,17 +40,26 @@ import zmq
 
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import TensorParallel
+from services.executor.parallel.world import join_world
 from services.executor.runner.devices import resolve_device
 from services.executor.runner.model_runner import ModelRunner
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.plan_relay import WATCH_INTERVAL_S, PlanRelay
+from services.executor.runner.replica_rounds import run_padding
 from services.executor.runner.step_watch import StepWatch
 from shared.config import Config, config_from_file
 from shared.frontend_links import HeartbeatThread
 from shared.ipc import Decoder
 from shared.model_config import load_model_config, resolve_model_source
-from shared.protocol import AddLoraAdapter, LaunchStep, ResetRanks, SchedulerOutput, ToRanks
-from shared.replicas import engine_component
+from shared.protocol import (
+    AddLoraAdapter,
+    LaunchStep,
+    PaddingStep,
+    ResetRanks,
+    SchedulerOutput,
+    ToRanks,
+)
+from shared.replicas import engine_component, experts_across_replicas
 from shared.stall_watch import StallWatch
 from shared.wire_security import WireSecurity
 
@@ -62,6 +71,8 @@ def start_runner(config: Config) -> ModelRunner:
     """Rank 0's model runner; with --tensor-parallel-size N > 1, the other N-1 ranks are
     started first, and the runner relays its plans to them."""
     size = config.tensor_parallel_size
+    if size == 1 and experts_across_replicas(config):  # a group of replicas' single ranks
+        return ModelRunner(config, join_world(config, 0, None, resolve_device(config.device)))
     if size == 1:  # expert parallelism over one rank: every expert whole, as without it
         return ModelRunner(config, TensorParallel(expert_parallel=config.enable_expert_parallel))
     check_group(config)
@@ -75,7 +86,9 @@ def start_runner(config: Config) -> ModelRunner:
     relay.wait_for(size - 1, config.startup_timeout)
     config_path.unlink()  # every rank read it before subscribing; it may hold the API key
     logger.info("started executor ranks 1..%d; joining the tensor-parallel group", size - 1)
-    runner = ModelRunner(config, join_group(config, directory, 0), relay)
+    runner = ModelRunner(
+        config, join_world(config, 0, directory, resolve_device(config.device)), relay
+    )
     atexit.register(_leave_group, weakref.ref(runner), ranks)  # runs before ranks.stop
     return runner
 
@@ -91,27 +104,6 @@ def check_group(config: Config) -> None:
             f"--tensor-parallel-size {size} needs {size} GPUs; "
             f"{torch.cuda.device_count()} are visible"
         )
-
-
-def join_group(config: Config, directory: Path, rank: int) -> TensorParallel:
-    """Join the ranks' torch.distributed group (NCCL on CUDA, gloo on CPU), met through a file
-    in the group's private folder."""
-    size = config.tensor_parallel_size
-    device = resolve_device(config.device, rank)
-    options: dict[str, Any] = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        options["device_id"] = device  # connect now, not at the first collective
-    else:  # the ranks share the host's cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
-        init_method=f"file://{directory}/store",
-        rank=rank,
-        world_size=size,
-        **options,
-    )
-    return TensorParallel(rank, size, expert_parallel=config.enable_expert_parallel)
 
 
 def _spawn_rank(config_path: Path, rank: int, directory: Path) -> subprocess.Popen[bytes]:
@@ -218,7 +210,9 @@ def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> No
                 while runner.num_in_flight > 1:
                     steps.answered(runner.collect().step)
                 steps.launching(message.step)
-                runner.launch(message.step)
+                runner.launch(message.step, message.padded_rows)
+            elif isinstance(message, PaddingStep):
+                run_padding(runner, message.padded_rows)
             elif isinstance(message, SchedulerOutput):
                 (runner.amend if message.addendum else runner.prepare)(message)
             elif isinstance(message, AddLoraAdapter):
@@ -260,7 +254,9 @@ def main() -> None:
         HeartbeatThread(
             config.frontend_address, name, stall_watch=watch, security=WireSecurity.of(config)
         )
-    runner = ModelRunner(config, join_group(config, args.group, args.rank))
+    runner = ModelRunner(
+        config, join_world(config, args.rank, args.group, resolve_device(config.device, args.rank))
+    )
     logger.info("%s ready on %s", name, runner.device)
     follow(runner, socket, StepWatch(watch))
 

@@ -31,7 +31,13 @@ from shared.config import ENV_PREFIX, Config
 from shared.constants import DEATH_GRACE_S, UNHEALTHY_LIMIT_S
 from shared.ipc import connect_dealer, encode
 from shared.protocol import ComponentDown
-from shared.replicas import replica_devices, replica_gpus, replica_name, replica_of
+from shared.replicas import (
+    experts_across_replicas,
+    replica_devices,
+    replica_gpus,
+    replica_name,
+    replica_of,
+)
 from shared.wire_security import WireSecurity, private_runtime_dir
 
 logger = logging.getLogger(__name__)
@@ -73,6 +79,11 @@ def _bound(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 class Launcher:
     def __init__(self, config: Config) -> None:
+        if experts_across_replicas(config):
+            raise ValueError(
+                "--data-parallel-size with --enable-expert-parallel spreads the experts over "
+                "every replica: built offline (kvflow.LLM, kvflow bench) but not yet for serve"
+            )
         self.security = WireSecurity.of(config)  # a key it cannot read stops serve right here
         self.gpus = replica_gpus(config)  # too few: serve stops right here too
         count = config.frontends

@@ -202,6 +202,13 @@ class ConfigFields(EngineFields):
         "The engine replica this scheduler or executor is (default 0): it binds or connects to "
         "that entry of --scheduler-address and --kv-events-address.",
     )
+    data_parallel_group: str | None = option(
+        None,
+        "components",
+        "A folder on this host that every engine replica's executors reach: with "
+        "--data-parallel-size and --enable-expert-parallel they meet there to spread a "
+        "mixture of experts' experts over all their ranks (serve and LLM make a private one).",
+    )
     kv_events_address: str | None = option(
         None,
         "components",

@@ -39,6 +39,7 @@ from shared.protocol.engine import (
     ModelRunnerOutput,
     NewRequestData,
     OutputBatch,
+    PaddingStep,
     PromptLogprobs,
     RequestOutput,
     ResetRanks,
@@ -104,7 +105,7 @@ ToScheduler = (
     | LoraAdapterAdded
 )
 ToExecutor = SchedulerOutput | LaunchStep | SchedulerHello | AddLoraAdapter
-ToRanks = SchedulerOutput | LaunchStep | ResetRanks | AddLoraAdapter
+ToRanks = SchedulerOutput | LaunchStep | ResetRanks | PaddingStep | AddLoraAdapter
 FrontendToTokenizer = (
     GenerateRequest | TokenizeRequest | AbortRequests | LoraAdapterRequest | ReplicasDown
 )
@@ -157,6 +158,7 @@ __all__ = [
     "NewRequestData",
     "NotFoundError",
     "OutputBatch",
+    "PaddingStep",
     "ParameterError",
     "PromptLogprobs",
     "PromptTokenLogprob",

@@ -145,6 +145,9 @@ class LaunchStep(Message, tag=True):
     """Launch plan `step` (with its addenda): the scheduler will not amend it any more."""
 
     step: int
+    # Set by rank 0 in the launches it relays, with expert parallelism across replicas: the
+    # rows each replica sends in the step's exchanges, as the replicas agreed (0: the step's own)
+    padded_rows: int = 0
 
 
 class SchedulerHello(Message, tag=True):
@@ -167,6 +170,14 @@ class ResetRanks(Message, tag=True):
     or a plan it could not run): every other rank does the same. Plans and launches reach the
     other ranks as the scheduler sent them (SchedulerOutput, LaunchStep), and the LoRA adapters
     rank 0 took (AddLoraAdapter)."""
+
+
+class PaddingStep(Message, tag=True):
+    """With expert parallelism across replicas, rank 0 runs a step of padding rows alone (its
+    replica has nothing to launch while others do: services/executor/parallel/lockstep.py):
+    every other rank does the same, sending `padded_rows` rows in its exchanges."""
+
+    padded_rows: int
 
 
 # ---------------------------------------------------------- executor -> scheduler

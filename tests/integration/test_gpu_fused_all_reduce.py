@@ -31,10 +31,15 @@ def check_rank(rank: int, directory: str) -> None:
 
     from kernels import ops
     from services.executor.parallel.symmetric_memory import MAX_FUSED_ROWS
-    from services.executor.rank_group import join_group
+    from services.executor.parallel.world import join_world
     from shared.config import Config
 
-    tp = join_group(Config(device="cuda", tensor_parallel_size=2), Path(directory), rank)
+    tp = join_world(
+        Config(device="cuda", tensor_parallel_size=2),
+        rank,
+        Path(directory),
+        torch.device("cuda", rank),
+    )
     tp = with_peer_buffers(tp, HIDDEN, VOCAB_PART, torch.bfloat16, torch.device("cuda", rank))
     assert tp.reduce_peers is not None, "no symmetric memory between the two GPUs"
     gen = torch.Generator(device="cuda").manual_seed(7)  # the same draws on both ranks

@@ -1,5 +1,5 @@
 """The NCCL code path on one GPU: a tensor-parallel group of one joins as the ranks of a larger
-group join (`join_group`), and a collective on it, eagerly and captured in a CUDA graph as the
+group join (`join_world`), and a collective on it, eagerly and captured in a CUDA graph as the
 decode graphs capture theirs, leaves the tensor as it was. Run in a process of its own, so
 that the default process group it makes does not outlive the test."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.executor.rank_group import join_group
+from services.executor.parallel.world import join_world
 from shared.config import Config
 
 pytestmark = [
@@ -27,7 +27,8 @@ def join_and_reduce() -> None:
     import torch.distributed as dist
 
     config = Config(device="cuda", tensor_parallel_size=1)
-    tp = join_group(config, Path(tempfile.mkdtemp(dir=os.environ["GROUP_DIR"])), rank=0)
+    directory = Path(tempfile.mkdtemp(dir=os.environ["GROUP_DIR"]))
+    tp = join_world(config, 0, directory, torch.device("cuda", 0))
     assert dist.get_backend() == "nccl" and (tp.rank, tp.size) == (0, 1)
     x = torch.arange(8.0, device="cuda")
     dist.all_reduce(x)  # TensorParallel skips collectives at size 1: call NCCL itself

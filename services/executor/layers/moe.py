@@ -108,6 +108,9 @@ class SparseMoE(nn.Module):
         self.first_expert = layout.experts.start
         self.num_local_experts = len(layout.experts)
         self.all_experts = self.num_local_experts == moe.num_experts  # else another rank's
+        # Expert parallelism across data-parallel replicas: every replica's tokens come here
+        # (services/executor/parallel/replica_experts.py)
+        self.replicas = layout.tp.replicas if layout.tp.expert_parallel else None
         # The router, whole, in the model dtype
         self.gate = Linear(hidden_size, moe.num_experts, bias=moe.biases)
         # What the rank holds of each expert's columns; with EP its experts whole.
@@ -177,12 +180,20 @@ class SparseMoE(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         slots: torch.Tensor | None = None,  # [T]: the tokens' KV slots (< 0: padding rows)
     ) -> torch.Tensor:  # [T, hidden]
+        replicas = self.replicas
+        tokens = x if replicas is None else replicas.gather(x)  # every replica's, padded
+        if replicas is not None and slots is not None:  # other replicas' tokens count there
+            own = slots
+            slots = torch.full((len(tokens),), -1, dtype=own.dtype, device=own.device)
+            replicas.own_rows(slots, len(own)).copy_(own)
         weights, ids = ops.moe_route(
-            self.gate(x), self.moe.top_k, self.moe.renormalize, self.counts, slots
+            self.gate(tokens), self.moe.top_k, self.moe.renormalize, self.counts, slots
         )
         if not self.all_experts:
             weights, ids = self._local_choices(weights, ids)
-        out = self.method.apply(self, x, weights, ids)  # with self.biases, self.swiglu
+        out = self.method.apply(self, tokens, weights, ids)  # with self.biases, self.swiglu
+        if replicas is not None:
+            out = replicas.scatter_sum(out, len(x))
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out  # this rank's part

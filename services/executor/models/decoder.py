@@ -362,15 +362,17 @@ class DecoderForCausalLM(nn.Module):
         self.aux_hidden: torch.Tensor | None = None
 
     def expert_ranks(self) -> list[int]:
-        """The rank that holds each expert whole (--enable-expert-parallel), else -1 for each
-        (a part of it on every rank); [] without experts."""
+        """The rank that holds each expert whole (--enable-expert-parallel; across replicas,
+        numbered as `TensorParallel.expert_rank`), else -1 for each (a part of it on every
+        rank); [] without experts."""
         moe, tp = self.config.moe, self.layout.tp
         if moe is None:
             return []
         if not tp.expert_parallel:
             return [-1] * moe.num_experts
+        ranks = tp.num_expert_ranks
         return [
-            rank for rank in range(tp.size) for _ in experts_of_rank(rank, tp.size, moe.num_experts)
+            rank for rank in range(ranks) for _ in experts_of_rank(rank, ranks, moe.num_experts)
         ]
 
     def capture_aux_hidden(self, layer_ids: tuple[int, ...], max_tokens: int) -> torch.Tensor:

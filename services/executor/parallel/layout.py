@@ -50,7 +50,7 @@ class ShardLayout:
                 )
                 if count % n
             ]  # fmt: skip
-            if tp.expert_parallel and cfg.moe.num_experts < n:
+            if tp.expert_parallel and cfg.moe.num_experts < tp.num_expert_ranks:
                 problems.append(f"{cfg.moe.num_experts} experts are fewer than the ranks")
         if cfg.qk_norm_whole and n > 1:
             problems.append("q and k norms over all heads at once (OLMoE's, OLMo 2's) do not split")
@@ -71,7 +71,7 @@ class ShardLayout:
             total = cfg.moe.num_experts
             experts = range(total)
             if tp.expert_parallel:
-                experts = experts_of_rank(tp.rank, n, total)
+                experts = experts_of_rank(tp.expert_rank, tp.num_expert_ranks, total)
         local = dataclasses.replace(
             cfg,
             num_heads=cfg.num_heads // n,

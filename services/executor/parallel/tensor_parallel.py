@@ -31,6 +31,7 @@ from kernels import ops
 from kernels.all_gather import gather_takes
 from kernels.all_reduce_norm import reduce_takes
 from kernels.peers import PeerBuffers
+from services.executor.parallel.replica_experts import ReplicaExperts
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,24 @@ class TensorParallel:
     # A mixture of experts' experts whole, an Nth of them a rank (--enable-expert-parallel),
     # instead of every expert's Nth part of the columns
     expert_parallel: bool = False
+    # With expert parallelism across data-parallel replicas, the experts spread over every
+    # replica's ranks, and the mixture-of-experts layers exchange tokens between replicas
+    replicas: ReplicaExperts | None = None
     # The one-shot collectives' buffers (parallel/symmetric_memory.py's with_peer_buffers): the
     # fused all-reduce's, the logits all-gather's
     reduce_peers: PeerBuffers | None = None
     gather_peers: PeerBuffers | None = None
+
+    @property
+    def expert_rank(self) -> int:
+        """This rank's place among the ranks the experts spread over (expert parallelism):
+        replica by replica, each replica's tensor-parallel ranks in order."""
+        return self.rank + (self.replicas.replica * self.size if self.replicas else 0)
+
+    @property
+    def num_expert_ranks(self) -> int:
+        """How many ranks the experts spread over (expert parallelism)."""
+        return self.size * (self.replicas.replicas if self.replicas else 1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of x, in place."""

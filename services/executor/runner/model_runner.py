@@ -37,6 +37,7 @@ from services.executor.runner.plan_check import PlanError, PlanLimits, check_pla
 from services.executor.runner.plan_relay import PlanRelay
 from services.executor.runner.pooling import pool_chunk
 from services.executor.runner.prompt_logprobs import prompt_logprobs
+from services.executor.runner.replica_rounds import graphs_allowed, launch_round
 from services.executor.runner.sampler import Sampler, TokenBitmask, step_seed
 from services.executor.runner.step_buffers import StepBuffers, StepView
 from services.executor.runner.step_state import (
@@ -63,7 +64,6 @@ from shared.protocol import (
     PROTOCOL_VERSION,
     AddLoraAdapter,
     ExecutorReady,
-    LaunchStep,
     ModelRunnerOutput,
     ResetRanks,
     SchedulerOutput,
@@ -126,9 +126,10 @@ class ModelRunner:
         # The last step's sampled ids, where the next step's decodes read their input token.
         self.sampled_ids = torch.zeros(self.buffers.max_samples, dtype=torch.int64).to(self.device)
         self.graphs: StepGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        eager = config.enforce_eager or not graphs_allowed(self.tp, self.proposer is not None)
+        if self.device.type == "cuda" and not eager:
             self.graphs = StepGraphs(
-                self._forward, self.buffers, config.max_num_seqs, self.max_model_len
+                self.forward, self.buffers, config.max_num_seqs, self.max_model_len
             )
             with torch.inference_mode():
                 self.graphs.capture()
@@ -193,8 +194,7 @@ class ModelRunner:
 
     def _make_samplers(self, config: Config) -> None:
         """The token sampler and the grammar matchers of structured output."""
-        # Each engine replica draws its own unseeded samples (the weights' seed is shared:
-        # dummy weights must be the same on every replica).
+        # Each replica samples with its own seed (the weights' is shared: dummy weights alike)
         seed = config.seed if config.replica == 0 else step_seed(config.seed, config.replica)
         self.sampler = Sampler(
             self.model_config.vocab_size, self.model_config.eos_token_ids, self.device, seed
@@ -311,15 +311,14 @@ class ModelRunner:
         return self._prepared is not None and self._prepared.step == step
 
     @torch.inference_mode()
-    def launch(self, step: int) -> None:
+    def launch(self, step: int, padded_rows: int = 0) -> None:
         """Send the prepared plan's inputs and queue its forward pass and sampling."""
-        if self.relay is not None:
-            self.relay.send(LaunchStep(step))
         prepared = self._prepared
         if prepared is None or prepared.step != step:
             raise PlanError(f"launch of plan {step}, which is not prepared")
         if len(self._in_flight) > 1:
             raise RuntimeError("launch() with two steps in flight: collect() one first")
+        launch_round(self, step, len(prepared.token_ids), padded_rows)  # relays the launch
         self._prepared = None
         if not prepared.counts:
             self._in_flight.append(InFlightStep(step, [], [], None))
@@ -327,7 +326,7 @@ class ModelRunner:
         started = DeviceSpan.mark(self.device)
         self.buffers.copy_to_device()
         if prepared.shape is None or self.graphs is None:
-            hidden = self._forward(view := self.buffers.view())
+            hidden = self.forward(view := self.buffers.view())
         else:
             hidden = self.graphs.replay(prepared.shape)
             view = self.buffers.view()  # after: the device computes while the host makes it
@@ -417,7 +416,8 @@ class ModelRunner:
         for step in self._in_flight:
             step.finish()
 
-    def _forward(self, view: StepView) -> torch.Tensor:
+    def forward(self, view: StepView) -> torch.Tensor:
+        """The model over the step in the buffers (`view`): its hidden states."""
         ops.gather_sampled_inputs(view.input_ids, view.source_rows, self.sampled_ids)
         lora = view.lora if self.lora is not None else None
         return self.model(view.input_ids, view.positions, self.kv_caches, view.meta, lora)
