@@ -111,7 +111,9 @@ class EngineFields:
         "parallel",
         "A mixture of experts' experts whole, spread over the --tensor-parallel-size ranks (an "
         "Nth of them each, in order), instead of every expert's Nth part of the columns on "
-        "each; attention and dense layers stay split by tensor parallelism.",
+        "each; attention and dense layers stay split by tensor parallelism. With "
+        "--data-parallel-size, over every replica's ranks, the replicas' tokens exchanged in "
+        "each expert layer (offline only so far).",
     )
     disable_custom_all_reduce: bool = option(
         False,
