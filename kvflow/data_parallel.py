@@ -95,6 +95,15 @@ class ShareFailed(Exception):
     """Another replica's share failed while replica 0 ran its own: stop it."""
 
 
+# With expert parallelism across replicas, a share that fails or is cancelled stops the others'
+# (their steps take rounds together: services/executor/parallel/lockstep.py).
+WAVE_STOPPED = "stopped: another replica's share failed or was cancelled"
+
+
+class WaveStopped(Exception):
+    """A replica's share ended as another replica's failed or was cancelled."""
+
+
 class OtherReplicas:
     """The LLM's hold on replicas 1..N-1. They start at once, so that they load while replica
     0 does. One that dies fails the call in hand and every later one, as a dead engine does
@@ -182,10 +191,12 @@ class OtherReplicas:
                 own = run_share(
                     prompts[::size], params[::size], loras[::size], _WithReplicas(progress, self)
                 )
-            except ShareFailed:
+            except (ShareFailed, WaveStopped):
                 own = []  # the failed share's error is raised below
             while self._pending():
                 self._answer(progress)
+            for index in sorted(range(len(self.procs)), key=self._stopped):
+                self._results(index)  # raises a failure: one that stopped others' shares first
             results = [own, *(self._results(index) for index in range(len(self.procs)))]
         except BaseException:
             self._cancel()
@@ -281,6 +292,11 @@ class OtherReplicas:
         except RuntimeError:
             return  # a replica exited: broken, which says so
         self.broken = None
+
+    def _stopped(self, index: int) -> bool:
+        """Whether replica index + 1's share was stopped by another's failure."""
+        answer = self.answers[index]
+        return isinstance(answer, ReplicaFailed) and answer.message == WAVE_STOPPED
 
     def _results(self, index: int) -> list[GenerationResult]:
         answer = self.answers[index]

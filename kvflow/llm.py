@@ -18,10 +18,12 @@ from typing import Any, cast
 
 import msgspec
 
-from kvflow.data_parallel import OtherReplicas, share_cpu_threads
+from kvflow.data_parallel import WAVE_STOPPED, OtherReplicas, WaveStopped, share_cpu_threads
 from kvflow.lora_request import LoRARequest
 from kvflow.outputs import Completion, EmbeddingResult, GenerationResult
 from kvflow.progress import Progress, ProgressSink
+from services.executor.parallel.lockstep import Lockstep
+from services.executor.parallel.world import leave_world
 from services.executor.rank_group import start_runner
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.replica_rounds import idle_round
@@ -42,6 +44,7 @@ from shared.protocol import (
     StatsSnapshot,
     ToolDefinition,
 )
+from shared.replicas import experts_across_replicas
 
 logger = logging.getLogger(__name__)
 Prompt = str | list[int]
@@ -58,7 +61,8 @@ class LLM:
         # of their own meanwhile; one of those is an LLM given its data_parallel_rank.
         self.replicas: OtherReplicas | None = None
         if self.config.data_parallel_size > 1 and self.config.data_parallel_rank is None:
-            if self.config.data_parallel_group is None:  # where replicas' executors may meet
+            if experts_across_replicas(self.config) and self.config.data_parallel_group is None:
+                # Where the replicas' executors meet (services/executor/parallel/world.py)
                 group = tempfile.mkdtemp(prefix="kvflow-replica-group-")  # 0700
                 atexit.register(shutil.rmtree, group, ignore_errors=True)
                 self.config = self.config.replace(data_parallel_group=group)
@@ -187,6 +191,9 @@ class LLM:
         if self.replicas is not None:
             self.replicas.stop()
             atexit.unregister(self.close)
+            runner = getattr(self, "runner", None)  # None: closed as its start failed
+            if runner is not None and runner.tp.replicas is not None and runner.tp.size == 1:
+                leave_world()  # the replicas' group (with more ranks: at exit)
 
     def stats(self) -> StatsSnapshot:
         """The engine's gauges and counters (with data_parallel_size > 1: replica 0's)."""
@@ -227,14 +234,16 @@ class LLM:
     ) -> list[GenerationResult]:
         """Generate for `prompts` in this process's engine, one continuous batch (with
         data_parallel_size > 1, each replica's share of a batch)."""
-        lora_ids = [0 if lora is None else self.add_lora(lora) for lora in loras]
         results: list[GenerationResult] = []
         owners: dict[str, tuple[GenerationResult, Completion]] = {}
+        done = False
         try:
+            lora_ids = [0 if lora is None else self.add_lora(lora) for lora in loras]
             for prompt, prompt_params, lora_id in zip(prompts, params, lora_ids, strict=True):
                 prompt = msgspec.structs.replace(prompt, lora_id=lora_id)
                 results.append(self._add(prompt, prompt_params, owners))
             self._step_until_done(owners, progress)
+            done = True
         except PlanError:
             # The runner held a plan it could not run (an adapter whose files are gone): it
             # starts over, with every tensor-parallel rank, before the requests are withdrawn.
@@ -245,15 +254,20 @@ class LLM:
             if owners:  # an error or an interrupt: withdraw what is left
                 self.engine.abort(list(owners))
                 self.worker.abort(list(owners))
-            self._end_wave()
+            self._end_wave(stop=not done)
         return results
 
-    def _end_wave(self) -> None:
-        """With expert parallelism across replicas: serve the other replicas' steps (each
-        replica's experts take part in every one) until none has work left."""
+    def _lockstep(self) -> Lockstep | None:
+        """With expert parallelism across replicas, this replica's part in the rounds."""
         replicas = self.runner.tp.replicas
-        if replicas is not None and replicas.lockstep is not None:
-            while idle_round(self.runner).busy:
+        return replicas.lockstep if replicas is not None else None
+
+    def _end_wave(self, stop: bool) -> None:
+        """With expert parallelism across replicas: serve the other replicas' steps (each
+        replica's experts take part in every one) until none has work left; `stop`: this
+        share failed or was cancelled, and so every replica's share stops (WaveStopped)."""
+        if self._lockstep() is not None:
+            while idle_round(self.runner, stop).busy:
                 pass
 
     def add_lora(self, lora: LoRARequest) -> int:
@@ -291,7 +305,10 @@ class LLM:
     def _step_until_done(
         self, owners: dict[str, tuple[GenerationResult, Completion]], progress: ProgressSink
     ) -> None:
+        lockstep = self._lockstep()
         while owners and self.engine.has_unfinished():
+            if lockstep is not None and lockstep.stop_asked:
+                raise WaveStopped(WAVE_STOPPED)
             deltas, ended = self.worker.on_outputs(self.engine.step())
             if ended:  # ended by the worker (a stop string): the engine stops them too
                 self.engine.abort(ended)

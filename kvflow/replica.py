@@ -21,11 +21,13 @@ from kvflow.data_parallel import (
     ENCODER,
     FROM_PARENT,
     PROGRESS_INTERVAL_S,
+    WAVE_STOPPED,
     ReplicaDone,
     ReplicaFailed,
     ReplicaJob,
     ReplicaProgress,
     ReplicaReady,
+    WaveStopped,
     share_cpu_threads,
 )
 from kvflow.llm import LLM
@@ -86,6 +88,8 @@ def _run(llm: LLM, job: ReplicaJob, progress: _ToParent) -> ReplicaDone | Replic
         return ReplicaFailed(job.job, exc.param, exc.message)
     except ReplicaCancelled:
         return ReplicaFailed(job.job, None, "cancelled")
+    except WaveStopped:
+        return ReplicaFailed(job.job, None, WAVE_STOPPED)
     except Exception as exc:  # the parent raises it; this replica takes the next share
         logger.exception("the share of batch %d failed", job.job)
         return ReplicaFailed(job.job, None, f"{type(exc).__name__}: {exc}")

@@ -29,15 +29,18 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import zmq
 
+from services.executor.parallel.lockstep import Lockstep
 from services.executor.rank_group import start_runner
 from services.executor.runner.drafting import waits_for_drafts
 from services.executor.runner.expert_load import ExpertLoad
 from services.executor.runner.model_runner import ModelRunner
 from services.executor.runner.plan_check import PlanError
+from services.executor.runner.replica_rounds import idle_round
 from services.executor.runner.step_watch import StepWatch
 from shared.config import Config
 from shared.frontend_links import HeartbeatThread
@@ -71,6 +74,10 @@ def run_executor(config: Config) -> None:
         # and a prefill replica's executor removes its shared KV slots (runner/kv_exports.py).
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     runner = start_runner(config)
+    lockstep = runner.tp.replicas.lockstep if runner.tp.replicas is not None else None
+    if lockstep is not None:  # expert parallelism across replicas: take the others' rounds
+        assert config.data_parallel_group is not None, "a group across replicas has its folder"
+        lockstep.open_wakes(Path(config.data_parallel_group), config.startup_timeout)
     if runner.device.type == "cpu":  # a step computes in this thread: that is progress
         watch.cpu_clock = thread_cpu_clock()
     # The DEALER identity is the scheduler's name for its executor, whatever the replica.
@@ -83,7 +90,8 @@ def run_executor(config: Config) -> None:
     try:
         steps = StepWatch(watch, config.fault_hang_step)
         load = ExpertLoad(runner.model)  # a mixture of experts' load, from the first plan on
-        serve_plans(runner, socket, Decoder(ToExecutor, name), model_name, steps, load)
+        decoder = Decoder(ToExecutor, name)
+        serve_plans(runner, socket, decoder, model_name, steps, load, lockstep)
     finally:
         heartbeat.stop()
 
@@ -95,15 +103,15 @@ def serve_plans(
     model_name: str,
     steps: StepWatch,
     load: ExpertLoad | None = None,
+    lockstep: Lockstep | None = None,
 ) -> None:
     """Answer finished steps, ask for the next launch, and take plans, addenda, launches,
-    hellos and LoRA adapters to load.
+    hellos and LoRA adapters to load (`lockstep`: expert parallelism across replicas').
 
     While steps are in flight it polls without blocking: their ends are seen within
     microseconds, which a blocking wait on the socket would not allow. A message it cannot
     read is dropped (the decoder logs it): were it a plan, the scheduler gives the step up
-    after its stall timeout rather than wait forever.
-    """
+    after its stall timeout rather than wait forever."""
     asked = False  # DeviceReady sent, LaunchStep not received yet
     session: int | None = None  # the scheduler session whose plans run here
 
@@ -125,7 +133,7 @@ def serve_plans(
                 answer.expert_tokens, answer.expert_ranks = load.read()
             socket.send(encode(answer))
             steps.answered(answer.step)
-        if not socket.poll(0 if runner.num_in_flight else None):
+        if not _message_waits(socket, runner, lockstep):
             continue
         message = decoder.decode(socket.recv())
         if _rows_wait(message, runner):  # asked now, the launch is here when they are laid out
@@ -148,6 +156,25 @@ def serve_plans(
                 steps.reset()
                 session, asked = message.session, False
             socket.send(encode(runner.ready_message(model_name, session)))
+
+
+def _message_waits(socket: zmq.Socket[Any], runner: ModelRunner, lockstep: Lockstep | None) -> bool:
+    """Whether a message waits on the socket: looked at without waiting while steps are in
+    flight, else waited for. With expert parallelism across replicas (`lockstep`), an executor
+    with nothing to run or launch meanwhile takes the rounds of the other replicas' steps
+    (services/executor/parallel/lockstep.py) while the wave goes on or a round is announced."""
+    if lockstep is None or lockstep.wakes is None:
+        return bool(socket.poll(0 if runner.num_in_flight else None))
+    while not socket.poll(0):
+        if runner.num_in_flight:
+            return False
+        if runner.holds_plan():  # its launch is on the way from the scheduler
+            return bool(socket.poll(None))
+        if lockstep.due():
+            idle_round(runner)
+        else:
+            lockstep.wakes.wait(socket)
+    return True
 
 
 def _rows_wait(message: ToExecutor | None, runner: ModelRunner) -> bool:

@@ -40,7 +40,7 @@ import zmq
 
 from services.executor.parallel.layout import ShardLayout
 from services.executor.parallel.tensor_parallel import TensorParallel
-from services.executor.parallel.world import join_world
+from services.executor.parallel.world import join_world, leave_world
 from services.executor.runner.devices import resolve_device
 from services.executor.runner.model_runner import ModelRunner
 from services.executor.runner.plan_check import PlanError
@@ -72,7 +72,9 @@ def start_runner(config: Config) -> ModelRunner:
     started first, and the runner relays its plans to them."""
     size = config.tensor_parallel_size
     if size == 1 and experts_across_replicas(config):  # a group of replicas' single ranks
-        return ModelRunner(config, join_world(config, 0, None, resolve_device(config.device)))
+        runner = ModelRunner(config, join_world(config, 0, None, resolve_device(config.device)))
+        atexit.register(leave_world)
+        return runner
     if size == 1:  # expert parallelism over one rank: every expert whole, as without it
         return ModelRunner(config, TensorParallel(expert_parallel=config.enable_expert_parallel))
     check_group(config)

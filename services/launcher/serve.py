@@ -79,11 +79,6 @@ def _bound(host: str, port: int, reuse_port: bool) -> socket.socket:
 
 class Launcher:
     def __init__(self, config: Config) -> None:
-        if experts_across_replicas(config):
-            raise ValueError(
-                "--data-parallel-size with --enable-expert-parallel spreads the experts over "
-                "every replica: built offline (kvflow.LLM, kvflow bench) but not yet for serve"
-            )
         self.security = WireSecurity.of(config)  # a key it cannot read stops serve right here
         self.gpus = replica_gpus(config)  # too few: serve stops right here too
         count = config.frontends
@@ -104,6 +99,12 @@ class Launcher:
         if count > 1:
             (self.runtime / "metrics").mkdir()
             self.config = self.config.replace(metrics_share_dir=str(self.runtime / "metrics"))
+        if experts_across_replicas(config) and config.data_parallel_group is None:
+            # The replicas' executors meet there (services/executor/parallel/world.py).
+            (self.runtime / "replica-group").mkdir()
+            self.config = self.config.replace(
+                data_parallel_group=str(self.runtime / "replica-group")
+            )
         if config.data_parallel_size > 1 and config.kv_events_address is None:
             # The tokenizer workers route by the replicas' KV events.
             self.config = self.config.replace(kv_events_address=self._private("kv-events", config))

@@ -113,7 +113,7 @@ class EngineFields:
         "Nth of them each, in order), instead of every expert's Nth part of the columns on "
         "each; attention and dense layers stay split by tensor parallelism. With "
         "--data-parallel-size, over every replica's ranks, the replicas' tokens exchanged in "
-        "each expert layer (offline only so far).",
+        "each expert layer.",
     )
     disable_custom_all_reduce: bool = option(
         False,

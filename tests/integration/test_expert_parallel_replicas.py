@@ -14,11 +14,11 @@ import pytest
 
 from kvflow import LLM, SamplingParams
 from services.executor.layers.moe import SparseMoE
-from services.launcher.serve import Launcher
-from shared.config import Config
+from shared.protocol import ParameterError
 from tests.integration.test_parity import hf_greedy
 from tests.integration.test_tensor_parallel import tiny_folder
 from tests.integration.tiny_models import TINY, make_prompts
+from tests.integration.tp_generate import generate
 
 NUM_TOKENS = 16
 SETTINGS = {"dtype": "float32", "device": "cpu", "max_model_len": 128}
@@ -76,33 +76,32 @@ def test_a_replica_with_no_share_serves_the_other(
     )
 
 
-def test_serve_refuses_experts_across_replicas_by_name(
-    folder_and_model: tuple[Path, object],
+def test_a_failed_share_stops_the_others_and_the_replicas_go_on(
+    replicas: LLM, folder_and_model: tuple[Path, object]
 ) -> None:
-    folder, _ = folder_and_model
-    config = Config(model=str(folder), data_parallel_size=2, enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="not yet for serve"):
-        Launcher(config)
-
-
-def test_two_replicas_of_two_ranks_give_transformers_tokens(
-    folder_and_model: tuple[Path, object],
-) -> None:
-    """Two replicas of two tensor-parallel ranks each: the experts over four ranks (1, 2, 1
-    and 2 of six), each replica's second rank running the launches and padding steps its
-    first rank relays; replica 1's share ends first."""
-    folder, model = folder_and_model
-    prompts = make_prompts(TINY["vocab_size"])[:3]
+    """Replica 1's prompt is too long (ParameterError as it is added): replica 0 stops its
+    long share at its next step rather than finish it, the call raises the cause, and the
+    next call runs on both replicas."""
+    _, model = folder_and_model
+    prompts = make_prompts(TINY["vocab_size"])[:2]
+    before = replicas.stats().num_generation_tokens
+    with pytest.raises(ParameterError):
+        greedy(replicas, [prompts[0], [5] * 200], 100)
+    assert replicas.stats().num_generation_tokens - before < 50  # stopped, not finished
     expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
-    lengths = [NUM_TOKENS, 4, NUM_TOKENS]
-    llm = LLM(
-        str(folder), data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True,
-        **SETTINGS,
-    )  # fmt: skip
-    try:
-        assert greedy(llm, prompts, lengths) == [
-            tokens[:n] for tokens, n in zip(expected, lengths, strict=True)
-        ]
-        assert llm.runner.model.expert_ranks() == [0, 1, 1, 2, 3, 3]
-    finally:
-        llm.close()
+    assert greedy(replicas, prompts, NUM_TOKENS) == expected
+
+
+@pytest.mark.parametrize("num_prompts", [1, 3], ids=["replica-1-pads", "both-run"])
+def test_two_replicas_of_two_ranks_give_transformers_tokens(
+    tmp_path: Path, folder_and_model: tuple[Path, object], num_prompts: int
+) -> None:
+    """Two replicas of two tensor-parallel ranks each, in a process of their own (the group
+    must not outlive the test): the experts over four ranks (1, 2, 1 and 2 of six), each
+    replica's second rank running the launches and padding steps its first rank relays."""
+    folder, model = folder_and_model
+    prompts = make_prompts(TINY["vocab_size"])[:num_prompts]
+    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
+    config = {"data_parallel_size": 2, "enable_expert_parallel": True, "max_model_len": 128}
+    results = generate(tmp_path, 2, str(folder), prompts, NUM_TOKENS, **config)
+    assert [tokens for tokens, _ in results] == expected

@@ -153,7 +153,7 @@ def test_expert_parallel_ranks_hold_runs_of_whole_experts(tiny_moe) -> None:
     assert models[0].layers[-1].mlp.experts_down.shape[2] == config.moe.intermediate_size  # whole
     assert models[1].expert_ranks() == [0] * (total // 2) + [1] * (total - total // 2)
     few = dataclasses.replace(config, moe=dataclasses.replace(config.moe, num_experts=1))
-    with pytest.raises(ValueError, match="1 experts are fewer than the ranks"):
+    with pytest.raises(ValueError, match="1 experts are fewer than the 2 ranks"):
         DecoderForCausalLM(few, 64, tp=TensorParallel(0, 2, expert_parallel=True))
 
 

@@ -51,7 +51,8 @@ class ShardLayout:
                 if count % n
             ]  # fmt: skip
             if tp.expert_parallel and cfg.moe.num_experts < tp.num_expert_ranks:
-                problems.append(f"{cfg.moe.num_experts} experts are fewer than the ranks")
+                ranks = tp.num_expert_ranks
+                problems.append(f"{cfg.moe.num_experts} experts are fewer than the {ranks} ranks")
         if cfg.qk_norm_whole and n > 1:
             problems.append("q and k norms over all heads at once (OLMoE's, OLMo 2's) do not split")
         kv = cfg.num_kv_heads

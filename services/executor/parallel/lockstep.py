@@ -11,21 +11,29 @@ until one of them launches again.
 
 The rounds are an all-reduce over a gloo group of the replicas' first ranks, on the host, before
 each step is queued on the device; the step's own collectives then run on the device (NCCL).
+
+Serving, an executor with nothing to run waits for its scheduler's messages, and would miss
+the rounds another replica starts: each replica's first rank announces every round it takes
+to the others' (`Wakes`), and one whose wave has ended takes a round when told of it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import zmq
 
 
 @dataclass(frozen=True)
 class Round:
     padded: int  # the most rows any replica runs in this round (0: none runs any)
     busy: bool  # whether any replica has work still (else the wave ends here)
+    stop: bool = False  # whether a replica's work failed or was cancelled: all stop theirs
 
 
 class Lockstep:
@@ -37,11 +45,71 @@ class Lockstep:
         self.replicas = replicas
         self.group = group
         self.rounds = 0  # taken so far: the same count on every replica
+        self.busy = False  # whether the last round had work (the wave goes on)
+        self.stop_asked = False  # whether a round of this wave asked every replica to stop
+        self.wakes: Wakes | None = None  # serving: `open_wakes`
 
-    def join(self, rows: int, busy: bool) -> Round:
+    def open_wakes(self, directory: Path, timeout_s: float) -> None:
+        """Serving: announce each round to the other replicas, and hear theirs."""
+        self.wakes = Wakes(directory, self.replica, self.replicas, timeout_s)
+
+    def join(self, rows: int, busy: bool, stop: bool = False) -> Round:
         """Take the next round with a step of `rows` rows (0: none, or padding only); `busy`:
-        whether this replica has work still. Waits for every replica to join it."""
-        values = torch.tensor([rows, int(busy)], dtype=torch.int64)
+        whether this replica has work still; `stop`: whether its work failed or was cancelled
+        (offline, every replica's share then ends: kvflow/llm.py). Waits for every replica."""
+        if self.wakes is not None:
+            self.wakes.announce(self.rounds)
+        values = torch.tensor([rows, int(busy), int(stop)], dtype=torch.int64)
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
         self.rounds += 1
-        return Round(int(values[0]), bool(values[1]))
+        taken = Round(int(values[0]), bool(values[1]), bool(values[2]))
+        self.busy = taken.busy
+        self.stop_asked = (self.stop_asked or taken.stop) and taken.busy  # until the wave ends
+        return taken
+
+    def due(self) -> bool:
+        """Whether this replica should take the next round with nothing of its own: the wave
+        goes on, or another replica has announced the round."""
+        return self.busy or (self.wakes is not None and self.wakes.announced(self.rounds))
+
+
+class Wakes:
+    """A replica's first rank's announcements of the rounds it takes (an XPUB socket in the
+    replicas' group folder), and its subscription to the other replicas'."""
+
+    def __init__(self, directory: Path, replica: int, replicas: int, timeout_s: float) -> None:
+        """Returns once every other replica has subscribed, so that no announcement is lost
+        (a subscriber that joins late misses what was sent before)."""
+        context = zmq.Context.instance()
+        self.pub = context.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # each subscriber's subscription, not one
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(f"ipc://{directory}/wakes-{replica}")
+        self.sub = context.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.LINGER, 0)
+        for other in range(replicas):
+            if other != replica:
+                self.sub.connect(f"ipc://{directory}/wakes-{other}")
+        subscribed, deadline = 0, time.monotonic() + timeout_s
+        while subscribed < replicas - 1:
+            if not self.pub.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                raise RuntimeError(f"replicas' executors not all there after {timeout_s} s")
+            subscribed += self.pub.recv()[:1] == b"\x01"
+
+    def announce(self, round_number: int) -> None:
+        self.pub.send(round_number.to_bytes(8, "little"))
+
+    def announced(self, round_number: int) -> bool:
+        """Whether round `round_number` was announced (earlier ones' are dropped)."""
+        heard = False
+        while self.sub.poll(0):
+            heard |= int.from_bytes(self.sub.recv(), "little") == round_number
+        return heard
+
+    def wait(self, socket: zmq.Socket[Any]) -> None:
+        """Until `socket` (the scheduler's) has a message or a round is announced."""
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self.sub, zmq.POLLIN)
+        poller.poll()

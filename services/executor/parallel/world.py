@@ -13,7 +13,9 @@ the one all replicas share (`--data-parallel-group`, which `serve` and `LLM` mak
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,9 @@ from services.executor.parallel.replica_experts import ReplicaExperts
 from services.executor.parallel.tensor_parallel import TensorParallel
 from shared.config import Config
 from shared.replicas import experts_across_replicas
+
+logger = logging.getLogger(__name__)
+TEARDOWN_S = 10  # how long ending the group may take before it is left behind
 
 
 def join_world(
@@ -75,3 +80,20 @@ def _init(device: torch.device, store: Path, rank: int, world: int) -> str:
         backend, init_method=f"file://{store}/store", rank=rank, world_size=world, **options
     )
     return backend
+
+
+def leave_world() -> None:
+    """End this process's part of the group, unless it has none (any more): at exit, or when
+    an `LLM` whose replicas share experts closes. A teardown that hangs (NCCL's can, with peers
+    gone) is left behind after TEARDOWN_S."""
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
+        dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="world-teardown", daemon=True).start()
+    if not done.wait(TEARDOWN_S):
+        logger.error("the ranks' group did not end in %d s; left behind", TEARDOWN_S)

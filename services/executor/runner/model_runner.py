@@ -82,8 +82,7 @@ class ModelRunner:
         """`tp`: this process's place in a tensor-parallel group, whose ranks all run the same
         steps (services/executor/parallel/tensor_parallel.py); `relay`: on rank 0, where the
         plans go on to the other ranks (services/executor/rank_group.py)."""
-        # Set last: the warm-up steps run on every rank alone.
-        self.relay: PlanRelay | None = None
+        self.relay: PlanRelay | None = None  # set last: the warm-up steps run on each rank alone
         self.device = resolve_device(config.device, tp.rank)
         # Triton's compiles until the warm-up ends are meant; any later one is logged.
         with start_up_compiles(self.device):
@@ -231,11 +230,9 @@ class ModelRunner:
         )
 
     def reset(self) -> None:
-        """Forget every request and step, for a new scheduler that starts from nothing.
-
-        Steps still on the device finish first (their tokens are dropped): the pinned buffers
-        their results go to must not be reused while copies into them are queued.
-        """
+        """Forget every request and step, for a new scheduler that starts from nothing. Steps
+        still on the device finish first (their tokens are dropped): the pinned buffers their
+        results go to must not be reused while copies into them are queued."""
         if self.relay is not None:
             self.relay.send(ResetRanks())
         if self.device.type == "cuda":
@@ -309,6 +306,9 @@ class ModelRunner:
 
     def accepts_addendum(self, step: int) -> bool:
         return self._prepared is not None and self._prepared.step == step
+
+    def holds_plan(self) -> bool:
+        return self._prepared is not None
 
     @torch.inference_mode()
     def launch(self, step: int, padded_rows: int = 0) -> None:

@@ -13,18 +13,19 @@ from services.executor.parallel.lockstep import Round
 from services.executor.parallel.tensor_parallel import TensorParallel
 from services.executor.runner.plan_relay import PlanRelay
 from services.executor.runner.step_buffers import PaddedShape, StepBuffers, StepView
+from services.executor.runner.step_state import RequestState
 from shared.protocol import LaunchStep, PaddingStep
 
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(Protocol):
+class RoundsTarget(Protocol):
     """What of services/executor/runner/model_runner.py's runner the rounds use."""
 
     tp: TensorParallel
     relay: PlanRelay | None
     buffers: StepBuffers
-    row_owner: list
+    row_owner: list[RequestState | None]
 
     def forward(self, view: StepView) -> torch.Tensor: ...
 
@@ -41,7 +42,7 @@ def graphs_allowed(tp: TensorParallel, speculates: bool) -> bool:
     return False
 
 
-def launch_round(runner: ModelRunner, step: int, rows: int, padded_rows: int) -> None:
+def launch_round(runner: RoundsTarget, step: int, rows: int, padded_rows: int) -> None:
     """Before plan `step` (of `rows` rows) is launched: rank 0 across replicas takes a round
     for it (the other ranks are given its outcome, `padded_rows`), relays the launch to the
     other ranks, and each rank's exchanges send the agreed rows; a plan of no rows then runs
@@ -58,12 +59,12 @@ def launch_round(runner: ModelRunner, step: int, rows: int, padded_rows: int) ->
 
 
 @torch.inference_mode()
-def idle_round(runner: ModelRunner) -> Round:
-    """Rank 0 across replicas with nothing to launch: take the next round, running a step of
-    padding rows if another replica runs rows in it."""
+def idle_round(runner: RoundsTarget, stop: bool = False) -> Round:
+    """Rank 0 across replicas with nothing to launch: take the next round (`stop`: its work
+    failed or was cancelled), running a step of padding rows if another replica runs rows."""
     replicas = runner.tp.replicas
     assert replicas is not None and replicas.lockstep is not None, "rank 0 across replicas"
-    taken = replicas.lockstep.join(0, busy=False)
+    taken = replicas.lockstep.join(0, busy=False, stop=stop)
     if taken.padded:
         if runner.relay is not None:
             runner.relay.send(PaddingStep(taken.padded))
@@ -72,7 +73,7 @@ def idle_round(runner: ModelRunner) -> Round:
 
 
 @torch.inference_mode()
-def run_padding(runner: ModelRunner, padded_rows: int) -> None:
+def run_padding(runner: RoundsTarget, padded_rows: int) -> None:
     """A step of padding rows alone whose exchanges send `padded_rows` rows (a rank other than
     0 told so by PaddingStep, or rank 0 in `idle_round`)."""
     assert runner.tp.replicas is not None, "padding steps are expert parallelism's"
@@ -80,7 +81,7 @@ def run_padding(runner: ModelRunner, padded_rows: int) -> None:
     _run_padding(runner)
 
 
-def _run_padding(runner: ModelRunner) -> None:
+def _run_padding(runner: RoundsTarget) -> None:
     """One padding row (it reads block 0 and writes no KV), whose output is dropped: this
     replica's experts serve the other replicas' rows in the step's exchanges."""
     runner.buffers.write([], [], [], [], PaddedShape(num_tokens=1, num_reqs=1, max_query_len=1))

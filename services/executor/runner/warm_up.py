@@ -196,6 +196,8 @@ def blocks_needed(runner: WarmUpTarget) -> int:
 
 def skip_reason(runner: WarmUpTarget) -> str | None:
     """Why the warm-up steps do not fit this runner's limits, if they do not."""
+    if runner.model.layout.tp.replicas is not None:  # the replicas' would have to be alike
+        return "expert parallelism across replicas: each step takes a round with the others"
     if runner.buffers.max_reqs < len(_FIRST_STEP):
         return f"--max-num-seqs below {len(_FIRST_STEP)}"
     if runner.max_model_len < _NUM_DECODES + 2:
