@@ -145,9 +145,9 @@ class LaunchStep(Message, tag=True):
     """Launch plan `step` (with its addenda): the scheduler will not amend it any more."""
 
     step: int
-    # Set by rank 0 in the launches it relays, with expert parallelism across replicas: the
-    # rows each replica sends in the step's exchanges, as the replicas agreed (0: the step's own)
-    padded_rows: int = 0
+    # Set by rank 0 in the launches it relays, with expert parallelism across replicas: each
+    # replica's rows in this step, as the replicas told each other
+    replica_rows: list[int] = []
 
 
 class SchedulerHello(Message, tag=True):
@@ -175,9 +175,9 @@ class ResetRanks(Message, tag=True):
 class PaddingStep(Message, tag=True):
     """With expert parallelism across replicas, rank 0 runs a step of padding rows alone (its
     replica has nothing to launch while others do: services/executor/parallel/lockstep.py):
-    every other rank does the same, sending `padded_rows` rows in its exchanges."""
+    every other rank does the same, the replicas' rows in this step being `replica_rows`."""
 
-    padded_rows: int
+    replica_rows: list[int]
 
 
 # ---------------------------------------------------------- executor -> scheduler

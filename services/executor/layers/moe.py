@@ -191,6 +191,8 @@ class SparseMoE(nn.Module):
         )
         if not self.all_experts:
             weights, ids = self._local_choices(weights, ids)
+        if replicas is not None and (padding := replicas.padding(tokens)) is not None:
+            ids = ids.masked_fill(padding.reshape(-1, 1), -1)  # no expert computes them
         out = self.method.apply(self, tokens, weights, ids)  # with self.biases, self.swiglu
         if replicas is not None:
             out = replicas.scatter_sum(out, len(x))

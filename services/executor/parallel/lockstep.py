@@ -1,15 +1,15 @@
 """Data-parallel replicas that exchange tokens in their mixture-of-experts layers
 (services/executor/parallel/replica_experts.py) run their steps together: step k of one replica
 meets step k of every other in each such layer's collectives. So every launch is a *round*:
-each replica's first rank says how many rows its step has, and all learn the most (how many
-rows each sends in the step's exchanges) and whether any replica still has work.
+each replica's first rank says how many rows its step has, and all learn every replica's (the
+most is how many rows each sends in the step's exchanges) and whether any still has work.
 
 A replica with nothing to launch while others have work takes part anyway: it runs a step of
 padding rows (`ModelRunner.idle_round`), which computes nothing of its own and only serves its
 experts. A round in which no replica has work ends a *wave*: the replicas stop taking rounds
 until one of them launches again.
 
-The rounds are an all-reduce over a gloo group of the replicas' first ranks, on the host, before
+The rounds are an all-gather over a gloo group of the replicas' first ranks, on the host, before
 each step is queued on the device; the step's own collectives then run on the device (NCCL).
 
 Serving, an executor with nothing to run waits for its scheduler's messages, and would miss
@@ -31,9 +31,15 @@ import zmq
 
 @dataclass(frozen=True)
 class Round:
-    padded: int  # the most rows any replica runs in this round (0: none runs any)
+    rows: tuple[int, ...]  # each replica's rows in this round's step (0: none, or padding)
     busy: bool  # whether any replica has work still (else the wave ends here)
     stop: bool = False  # whether a replica's work failed or was cancelled: all stop theirs
+
+    @property
+    def padded(self) -> int:
+        """The rows each replica sends in the step's exchanges: the most any has (0: none
+        runs a step)."""
+        return max(self.rows)
 
 
 class Lockstep:
@@ -59,10 +65,12 @@ class Lockstep:
         (offline, every replica's share then ends: kvflow/llm.py). Waits for every replica."""
         if self.wakes is not None:
             self.wakes.announce(self.rounds)
-        values = torch.tensor([rows, int(busy), int(stop)], dtype=torch.int64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        mine = torch.tensor([rows, int(busy), int(stop)], dtype=torch.int64)
+        values = [torch.empty_like(mine) for _ in range(self.replicas)]
+        dist.all_gather(values, mine, group=self.group)
         self.rounds += 1
-        taken = Round(int(values[0]), bool(values[1]), bool(values[2]))
+        rows_, busy_, stop_ = torch.stack(values).T.tolist()
+        taken = Round(tuple(rows_), any(busy_), any(stop_))
         self.busy = taken.busy
         self.stop_asked = (self.stop_asked or taken.stop) and taken.busy  # until the wave ends
         return taken

@@ -13,9 +13,10 @@ within a replica, as it adds a dense MLP's parts.
     replica 1 (tokens b)  ─┘                                                      ─> b's sums
 
 The gather takes the same count of rows from each replica: a step's rows padded to the most any
-replica has in that step (`padded_rows`, which the replicas agree on before they launch it:
+replica has in that step (the replicas tell each other their rows before they launch it:
 services/executor/parallel/lockstep.py). Every replica must so run each step's layers together:
-one with nothing to run takes part with a step of padding rows.
+one with nothing to run takes part with a step of padding rows. Padding rows choose no expert
+(else they would all go to the same few, whose ranks would compute them).
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepRows:
-    """The rows each replica sends in the step being run: the most any replica has, set by the
-    runner before it runs a step. None: the step's own rows (warm-up, graph capture and
-    profiling steps, whose shapes are the same on every replica)."""
+    """Each replica's rows in the step being run, set by the runner before it runs a step.
+    None: the step's own, alike on every replica (the profiling step at start)."""
 
-    padded: int | None = None
+    rows: tuple[int, ...] | None = None
+
+    @property
+    def padded(self) -> int | None:
+        """The rows each replica sends: the most any has."""
+        return max(self.rows) if self.rows is not None else None
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,14 @@ class ReplicaExperts:
         out = rows.new_empty(self.replicas * padded, x.shape[1])
         dist.all_gather_into_tensor(out, rows, group=self.group)
         return out
+
+    def padding(self, gathered: torch.Tensor) -> torch.Tensor | None:  # [replicas × P] bool
+        """Which of the gathered rows are padding (None: all are the replicas' own)."""
+        if self.step.rows is None:
+            return None
+        padded = gathered.shape[0] // self.replicas
+        rows = torch.tensor(self.step.rows, device=gathered.device)
+        return torch.arange(padded, device=gathered.device) >= rows[:, None]
 
     def own_rows(self, gathered: torch.Tensor, rows: int) -> torch.Tensor:
         """This replica's `rows` of the gathered rows' layout (which rows are its own)."""

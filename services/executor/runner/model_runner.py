@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -174,8 +175,7 @@ class ModelRunner:
     def _allocate_kv_cache(self, config: Config) -> None:
         """As many KV blocks as the memory left holds, on every rank alike."""
         kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
-        # A rank's cache holds its own KV heads.
-        local_config = self.model.layout.local_config
+        local_config = self.model.layout.local_config  # a rank's cache: its own KV heads
         self.kv_layout = KVCacheLayout.of(local_config, self.block_size, kv_dtype, self.kv_groups)
         self.num_blocks = num_kv_blocks(
             config, self.kv_layout, self.device,
@@ -311,14 +311,14 @@ class ModelRunner:
         return self._prepared is not None
 
     @torch.inference_mode()
-    def launch(self, step: int, padded_rows: int = 0) -> None:
+    def launch(self, step: int, replica_rows: Sequence[int] = ()) -> None:
         """Send the prepared plan's inputs and queue its forward pass and sampling."""
         prepared = self._prepared
         if prepared is None or prepared.step != step:
             raise PlanError(f"launch of plan {step}, which is not prepared")
         if len(self._in_flight) > 1:
             raise RuntimeError("launch() with two steps in flight: collect() one first")
-        launch_round(self, step, len(prepared.token_ids), padded_rows)  # relays the launch
+        launch_round(self, step, len(prepared.token_ids), replica_rows)  # relays the launch
         self._prepared = None
         if not prepared.counts:
             self._in_flight.append(InFlightStep(step, [], [], None))

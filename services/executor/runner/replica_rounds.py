@@ -5,6 +5,7 @@ to launch while others run rows serves them with a step of padding rows."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -42,19 +43,21 @@ def graphs_allowed(tp: TensorParallel, speculates: bool) -> bool:
     return False
 
 
-def launch_round(runner: RoundsTarget, step: int, rows: int, padded_rows: int) -> None:
+def launch_round(
+    runner: RoundsTarget, step: int, rows: int, replica_rows: Sequence[int] = ()
+) -> None:
     """Before plan `step` (of `rows` rows) is launched: rank 0 across replicas takes a round
-    for it (the other ranks are given its outcome, `padded_rows`), relays the launch to the
-    other ranks, and each rank's exchanges send the agreed rows; a plan of no rows then runs
-    a step of padding rows if another replica runs rows."""
+    for it (the other ranks are given its outcome, `replica_rows`: each replica's rows), relays
+    the launch to the other ranks, and each rank's exchanges take the replicas' rows; a plan of
+    no rows then runs a step of padding rows if another replica runs rows."""
     replicas = runner.tp.replicas
     if replicas is not None and replicas.lockstep is not None:
-        padded_rows = replicas.lockstep.join(rows, busy=True).padded
+        replica_rows = replicas.lockstep.join(rows, busy=True).rows
     if runner.relay is not None:
-        runner.relay.send(LaunchStep(step, padded_rows))
+        runner.relay.send(LaunchStep(step, list(replica_rows)))
     if replicas is not None:
-        replicas.step.padded = padded_rows
-        if not rows and padded_rows:
+        replicas.step.rows = tuple(replica_rows)
+        if not rows and max(replica_rows):
             _run_padding(runner)
 
 
@@ -67,17 +70,17 @@ def idle_round(runner: RoundsTarget, stop: bool = False) -> Round:
     taken = replicas.lockstep.join(0, busy=False, stop=stop)
     if taken.padded:
         if runner.relay is not None:
-            runner.relay.send(PaddingStep(taken.padded))
-        run_padding(runner, taken.padded)
+            runner.relay.send(PaddingStep(list(taken.rows)))
+        run_padding(runner, taken.rows)
     return taken
 
 
 @torch.inference_mode()
-def run_padding(runner: RoundsTarget, padded_rows: int) -> None:
-    """A step of padding rows alone whose exchanges send `padded_rows` rows (a rank other than
-    0 told so by PaddingStep, or rank 0 in `idle_round`)."""
+def run_padding(runner: RoundsTarget, replica_rows: Sequence[int]) -> None:
+    """A step of padding rows alone, the replicas' rows in it being `replica_rows` (a rank
+    other than 0 told so by PaddingStep, or rank 0 in `idle_round`)."""
     assert runner.tp.replicas is not None, "padding steps are expert parallelism's"
-    runner.tp.replicas.step.padded = padded_rows
+    runner.tp.replicas.step.rows = tuple(replica_rows)
     _run_padding(runner)
 
 
