@@ -151,7 +151,6 @@ def moe_experts_reference(
     down_scale: torch.Tensor | None = None,  # [E, H, G'] float32
     biases: ExpertBiases | None = None,
     swiglu: ClampedSwiglu | None = None,  # None: silu(gate) * up
-    partial: bool = False,  # ids may hold -1 (the kernels' notice; the sum here skips them)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """sum over a token's k experts e of weight * down_e(silu(gate_e x) * up_e x), summed in
     float32 in ascending expert order; a choice of expert -1 adds nothing. FP8 experts are
@@ -191,13 +190,11 @@ def moe_experts_int4_reference(
     ids: torch.Tensor,  # [T, k] int
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,
-    partial: bool = False,  # ids may hold -1 (as moe_experts_reference)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """int4 (or MXFP4) experts, W4A16: each expert's weights dequantized and rounded to x's
     dtype (as kernels/int4.py's reference), then moe_experts_reference."""
     gate_up_weight = dequantize_4bit_stack(gate_up, x.dtype)
     down_weight = dequantize_4bit_stack(down, x.dtype)
     return moe_experts_reference(
-        x, gate_up_weight, down_weight, weights, ids, biases=biases, swiglu=swiglu,
-        partial=partial,
-    )  # fmt: skip
+        x, gate_up_weight, down_weight, weights, ids, biases=biases, swiglu=swiglu
+    )

@@ -260,13 +260,11 @@ def moe_experts(
     down_scale: torch.Tensor | None = None,
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
-    partial: bool = False,  # ids hold -1 for pairs another rank runs (expert parallelism)
 ) -> torch.Tensor:
+    """A token's choices of expert -1 (another rank's, with expert parallelism) add nothing."""
     module = triton_module("moe", x)
     run = module.moe_experts if module is not None else moe_experts_reference
-    return run(
-        x, gate_up, down, weights, ids, gate_up_scale, down_scale, biases, swiglu, partial=partial
-    )
+    return run(x, gate_up, down, weights, ids, gate_up_scale, down_scale, biases, swiglu)
 
 
 def moe_experts_int4(
@@ -277,12 +275,11 @@ def moe_experts_int4(
     ids: torch.Tensor,
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,
-    partial: bool = False,  # ids hold -1 for pairs another rank runs (expert parallelism)
 ) -> torch.Tensor:
-    """int4 or MXFP4 experts (W4A16, kernels/moe.py)."""
+    """int4 or MXFP4 experts (W4A16, kernels/moe.py); as moe_experts, choices of -1 add nothing."""
     module = triton_module("moe_int4", x)
     run = module.moe_experts_int4 if module is not None else moe_experts_int4_reference
-    return run(x, gate_up, down, weights, ids, biases, swiglu, partial=partial)
+    return run(x, gate_up, down, weights, ids, biases, swiglu)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:

@@ -36,7 +36,7 @@ from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_e2m1 import e2m1_pairs, e2m1_value
 from kernels.triton_int4 import q_minus_z_pairs
-from kernels.triton_moe import block_pairs, exact_dot, sum_chosen, sum_top_k
+from kernels.triton_moe import block_pairs, exact_dot, sum_chosen
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import epilogue, expert_activation
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
@@ -245,7 +245,6 @@ def moe_experts_int4(
     ids: torch.Tensor,  # [T, k]
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
-    partial: bool = False,  # ids hold -1 for pairs another rank runs (as triton_moe's)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """moe_experts_int4_reference: few pairs by GEMVs (kernels/triton_moe_int4_gemv.py), the
     rest by the grouped GEMMs."""
@@ -255,9 +254,7 @@ def moe_experts_int4(
     _check(x.new_empty(0, inter), down, inter)
     if uses_int4_gemv(ids.numel(), down.qweight.shape[0], e2m1=down.e2m1):
         return moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
-    return moe_experts_int4_grouped(
-        x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu, partial=partial
-    )
+    return moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
 
 
 def moe_experts_int4_grouped(
@@ -269,7 +266,6 @@ def moe_experts_int4_grouped(
     tiles: GroupedTiles | None = None,
     biases: ExpertBiases | None = None,
     swiglu: ClampedSwiglu | None = None,
-    partial: bool = False,
 ) -> torch.Tensor:
     """moe_experts_int4 over the pairs sorted by expert (the module's docstring): [pairs, I]
     SiLU-and-mul rows in x's dtype, then each pair's down row times its routing weight, and
@@ -296,7 +292,7 @@ def moe_experts_int4_grouped(
             epilogue(biases, swiglu, x, "down")[0])  # fmt: skip
     _launch(_int4_down_kernel, grid, args, block_m, tiles.down, down, h,
             dict(HAS_BIAS=biases is not None))  # fmt: skip
-    return sum_chosen(out, ids) if partial else sum_top_k(out, top_k)
+    return sum_chosen(out, ids)
 
 
 def _check(x: torch.Tensor, stack: Int4Stack, k: int) -> None:

@@ -295,7 +295,7 @@ def _moe_launches(fp8: bool, gpt_oss: bool = False) -> None:
     # Expert parallelism: another rank's pairs (-1) are left out, and the rows' sum skips them.
     ids = torch.arange(1024).remainder(experts + 1).sub(1).view(-1, top_k)
     x = torch.zeros(len(ids), hidden, dtype=torch.bfloat16)
-    moe_experts(x, gate_up, down, torch.ones(ids.shape), ids, *scales, **extra, partial=True)
+    moe_experts(x, gate_up, down, torch.ones(ids.shape), ids, *scales, **extra)
 
 
 def _moe_int4_launches() -> None:

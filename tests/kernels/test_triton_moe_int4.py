@@ -102,7 +102,7 @@ def test_another_ranks_int4_pairs_add_nothing(
     ids = another_ranks(ids)
     expected = moe_experts_int4_reference(x, gate_up, down, weights, ids)
     gate_up, down = (s._replace(scales=nan_expert_0(s.scales)) for s in (gate_up, down))
-    out = moe_experts_int4(x, gate_up, down, weights, ids, partial=True)
+    out = moe_experts_int4(x, gate_up, down, weights, ids)
     assert uses_int4_gemv(tokens * top_k, experts) == (experts >= 32)
     scale = float(expected.abs().max())
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)

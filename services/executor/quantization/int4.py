@@ -180,4 +180,4 @@ class Int4Experts:
     def apply(
         self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        return ops.moe_experts_int4(x, *self.stacks(moe), weights, ids, partial=not moe.all_experts)
+        return ops.moe_experts_int4(x, *self.stacks(moe), weights, ids)

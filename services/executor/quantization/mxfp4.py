@@ -103,9 +103,7 @@ class Mxfp4Experts:
     def apply(
         self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        return ops.moe_experts_int4(
-            x, *self.stacks(moe), weights, ids, moe.biases, moe.swiglu, partial=not moe.all_experts
-        )
+        return ops.moe_experts_int4(x, *self.stacks(moe), weights, ids, moe.biases, moe.swiglu)
 
 
 def _load_fused_mxfp4(
