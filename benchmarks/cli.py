@@ -142,6 +142,11 @@ def _moe_flags(moe: argparse.ArgumentParser) -> None:
     moe.add_argument(
         "--int4", action="store_true", help="also time int4 experts (groups of 128, zero points)"
     )
+    moe.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also time FP8 experts (W8A8: kvflow's a scale a row, vLLM's a scale an expert)",
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:

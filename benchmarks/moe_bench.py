@@ -3,6 +3,7 @@ against the bytes it must read, and against vLLM's fused MoE on the same inputs 
 importable.
 
     kvflow bench moe --batch-sizes 1 4 16 64 256 --peer vllm --output-json moe.json
+    kvflow bench moe --batch-sizes 256 1024 16384 --peer vllm --fp8   # FP8 experts, both engines
 
 The default shape is Qwen3-30B-A3B's (128 experts, top 8, hidden 2048, experts' width 768).
 Each engine's call runs over `--layers` layers of random bf16 weights (4 x 1.2 GB: beyond L2,
@@ -39,6 +40,41 @@ def kvflow_int4_moe(x: torch.Tensor, logits: torch.Tensor, w13: Any, w2: Any,
 
     weights, ids = ops.moe_route(logits, top_k, renormalize=True)
     return ops.moe_experts_int4(x, w13, w2, weights, ids)
+
+
+def kvflow_fp8_moe(x: torch.Tensor, logits: torch.Tensor, w13: Any, w2: Any,
+                   top_k: int) -> torch.Tensor:  # fmt: skip
+    from kernels import ops
+
+    weights, ids = ops.moe_route(logits, top_k, renormalize=True)
+    return ops.moe_experts(x, w13[0], w2[0], weights, ids, w13[1], w2[1])
+
+
+def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kvflow's FP8 experts, as `--quantization fp8` makes them: e4m3 with a scale a row
+    ([E, rows, 1] float32)."""
+    scale = weight.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (weight.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def fp8_per_expert(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's online FP8 experts (`--quantization fp8` on bf16 weights): e4m3 with one scale
+    an expert ([E] float32)."""
+    scale = weight.float().abs().amax(dim=(1, 2)).clamp(min=1e-12) / 448.0
+    return (weight.float() / scale[:, None, None]).to(torch.float8_e4m3fn), scale
+
+
+def vllm_fp8_moe(x: torch.Tensor, logits: torch.Tensor, w13: Any, w2: Any,
+                 top_k: int) -> torch.Tensor:  # fmt: skip
+    """vLLM's Triton fused MoE, W8A8 as its engine runs `--quantization fp8`: per-expert
+    weight scales, the activations' scales dynamic (one a tensor)."""
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import fused_experts
+    from vllm.model_executor.layers.fused_moe.router.fused_topk_router import fused_topk
+
+    weights, ids, _ = fused_topk(x, logits, top_k, renormalize=True)
+    config = fp8_w8a8_moe_quant_config(w1_scale=w13[1], w2_scale=w2[1])
+    return fused_experts(x, w13[0], w2[0], weights, ids, quant_config=config)
 
 
 def int4_stack(experts: int, rows: int, cols: int, generator: torch.Generator) -> Any:
@@ -113,6 +149,11 @@ def moe_bench(args: argparse.Namespace) -> dict[str, Any]:
     engines: dict[str, tuple[MoeCall, list[tuple[Any, Any]]]] = {"kvflow": (kvflow_moe, weights)}
     if args.peer == "vllm":
         engines["vllm"] = (vllm_moe, weights)
+    if args.fp8:  # FP8 experts each engine's way, from the same bf16 weights
+        engines["kvflow_fp8"] = (kvflow_fp8_moe, [(fp8_rows(a), fp8_rows(b)) for a, b in weights])
+        if args.peer == "vllm":
+            per_expert = [(fp8_per_expert(a), fp8_per_expert(b)) for a, b in weights]
+            engines["vllm_fp8"] = (vllm_fp8_moe, per_expert)
     if args.int4:
         int4 = [
             (int4_stack(num_e, 2 * inter, hidden, generator),
@@ -140,6 +181,7 @@ def moe_bench(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             row[f"{name}_us"] = round(1000 * ms, 1)
             floor = int4_ms if name == "kvflow_int4" else floor_ms
+            floor = floor / 2 if name.endswith("_fp8") else floor  # a byte a weight
             row[f"{name}_fraction_of_floor"] = round(floor / args.layers / ms, 3)
         rows.append(row)
         print(row, flush=True)
