@@ -4,7 +4,7 @@
 # vLLM where its bundle was carried), then the ratios against the targets
 # (sweeps/multi_gpu_summary.py).
 #
-#   PARTS="tp dp ep pd" bash scripts/device_multi_gpu.sh   # kvflow's runs, then the summary
+#   PARTS="tp dp ep ep-dp pd" bash scripts/device_multi_gpu.sh   # kvflow's runs, then the summary
 #   PARTS="tp-vllm ep-vllm summary" bash ...                # vLLM's, after its parts came
 #   DRY_RUN=1 N=2 bash scripts/device_multi_gpu.sh          # print the commands only
 #
@@ -18,7 +18,7 @@ OUT=${OUT:-$PWD/bench-out}
 RES=$OUT/multi-gpu
 [ "${DRY_RUN:-0}" = 1 ] || mkdir -p "$RES"
 N=${N:-$(nvidia-smi -L 2>/dev/null | wc -l)}
-PARTS=${PARTS:-"tp dp ep pd summary"}
+PARTS=${PARTS:-"tp dp ep ep-dp pd summary"}
 MOE=Qwen3-30B-A3B
 COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
 OFFLINE=(--num-prompts 256 --input-len 512 --output-len 256 --ignore-eos)
@@ -65,6 +65,10 @@ for part in $PARTS; do
         kvflow_moe moe_tp1
         kvflow_moe "moe_ep$N" --tensor-parallel-size "$N" --enable-expert-parallel \
             --profile-steps 10 ;;
+    ep-dp)  # N replicas, the experts over all of them (attention data parallel): offline only
+        step python3 -m services bench throughput $MOE "${COMMON[@]}" "${OFFLINE[@]}" \
+            --max-num-batched-tokens 16384 --data-parallel-size "$N" --enable-expert-parallel \
+            --output-json "$RES/moe_dpep$N.json" ;;
     pd)  # one prefill and one decode replica against two ordinary ones: long prompts and chats
         step python3 -m sweeps.disaggregation /tmp/qwen3-8b --baseline dp --long-fraction 0.25 \
             --long-len 10000 --long-range 0.6 --input-len 256 --max-model-len 20000 \

@@ -14,7 +14,7 @@ from services.launcher.cli import build_parser
 from shared.config import OFFLINE_DEFAULTS, config_from_args
 
 ROOT = Path(__file__).parents[2]
-PARTS = "tp dp ep pd tp-vllm ep-vllm summary"
+PARTS = "tp dp ep ep-dp pd tp-vllm ep-vllm summary"
 
 
 def dry_run(gpus: int) -> list[list[str]]:
@@ -28,12 +28,15 @@ def dry_run(gpus: int) -> list[list[str]]:
 
 def test_every_kvflow_command_makes_a_valid_config() -> None:
     commands = [c for c in dry_run(2) if c[:3] == ["python3", "-m", "services"]]
-    assert len(commands) == 4  # throughput and latency, on one GPU and with EP on two
+    # throughput and latency on one GPU and with EP over two ranks; throughput with EP over
+    # two replicas
+    assert len(commands) == 5
     for command in commands:
         args = build_parser().parse_args(command[3:])
         config = config_from_args(args, defaults=OFFLINE_DEFAULTS)
         if "--enable-expert-parallel" in command:
-            assert config.tensor_parallel_size == 2 and config.enable_expert_parallel
+            assert config.enable_expert_parallel
+            assert 2 in (config.tensor_parallel_size, config.data_parallel_size)
 
 
 def test_every_part_asked_of_the_other_scripts_is_theirs() -> None:
