@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import zmq
 
 from services.executor.parallel.layout import ShardLayout
@@ -156,15 +155,7 @@ def _leave_group(runner: weakref.ref[ModelRunner], ranks: OtherRanks) -> None:
         held.graphs = None  # the captured collectives go before their communicator
     del held
     gc.collect()
-    done = threading.Event()
-
-    def destroy() -> None:
-        dist.destroy_process_group()
-        done.set()
-
-    threading.Thread(target=destroy, name="group-teardown", daemon=True).start()
-    if not done.wait(TEARDOWN_S):
-        logger.error("the tensor-parallel group did not end in %d s; exiting", TEARDOWN_S)
+    if not leave_world():  # it logged why
         logging.shutdown()
         os._exit(1)
     logger.debug("left the tensor-parallel group in %.1f s", time.monotonic() - started)

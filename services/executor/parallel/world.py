@@ -82,12 +82,13 @@ def _init(device: torch.device, store: Path, rank: int, world: int) -> str:
     return backend
 
 
-def leave_world() -> None:
+def leave_world() -> bool:
     """End this process's part of the group, unless it has none (any more): at exit, or when
     an `LLM` whose replicas share experts closes. A teardown that hangs (NCCL's can, with peers
-    gone) is left behind after TEARDOWN_S."""
+    gone, or once CUDA graphs hold collectives: pytorch#115388) is left behind after TEARDOWN_S:
+    whether it ended."""
     if not dist.is_initialized():
-        return
+        return True
     done = threading.Event()
 
     def destroy() -> None:
@@ -97,3 +98,5 @@ def leave_world() -> None:
     threading.Thread(target=destroy, name="world-teardown", daemon=True).start()
     if not done.wait(TEARDOWN_S):
         logger.error("the ranks' group did not end in %d s; left behind", TEARDOWN_S)
+        return False
+    return True
