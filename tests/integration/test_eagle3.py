@@ -310,7 +310,7 @@ def pad_like_graphs(llm: LLM) -> tuple[PaddedEagerly, PaddedEagerly]:
     (PaddedEagerly); returns the two, whose replays count."""
     runner = llm.runner
     buffers, size, length = runner.buffers, runner.buffers.max_reqs, runner.max_model_len
-    runner.graphs = PaddedEagerly(runner._forward, buffers, size, length)
+    runner.graphs = PaddedEagerly(runner.forward, buffers, size, length)
     proposer = runner.proposer
     proposer.catch_up_graphs = PaddedEagerly(proposer._catch_up_forward, buffers, size, length)
     return runner.graphs, proposer.catch_up_graphs
