@@ -77,6 +77,17 @@ def vllm_fp8_moe(x: torch.Tensor, logits: torch.Tensor, w13: Any, w2: Any,
     return fused_experts(x, w13[0], w2[0], weights, ids, quant_config=config)
 
 
+def fp8_engines(
+    weights: list[tuple[Any, Any]], peer: str
+) -> dict[str, tuple[MoeCall, list[tuple[Any, Any]]]]:
+    """FP8 experts each engine's way, from the same bf16 weights."""
+    engines = {"kvflow_fp8": (kvflow_fp8_moe, [(fp8_rows(a), fp8_rows(b)) for a, b in weights])}
+    if peer == "vllm":
+        engines["vllm_fp8"] = (vllm_fp8_moe, [(fp8_per_expert(a), fp8_per_expert(b))
+                                              for a, b in weights])  # fmt: skip
+    return engines
+
+
 def int4_stack(experts: int, rows: int, cols: int, generator: torch.Generator) -> Any:
     """Random int4 experts as a checkpoint's: groups of 128 with zero points, the weights'
     spread about cols ** -0.5."""
@@ -149,11 +160,8 @@ def moe_bench(args: argparse.Namespace) -> dict[str, Any]:
     engines: dict[str, tuple[MoeCall, list[tuple[Any, Any]]]] = {"kvflow": (kvflow_moe, weights)}
     if args.peer == "vllm":
         engines["vllm"] = (vllm_moe, weights)
-    if args.fp8:  # FP8 experts each engine's way, from the same bf16 weights
-        engines["kvflow_fp8"] = (kvflow_fp8_moe, [(fp8_rows(a), fp8_rows(b)) for a, b in weights])
-        if args.peer == "vllm":
-            per_expert = [(fp8_per_expert(a), fp8_per_expert(b)) for a, b in weights]
-            engines["vllm_fp8"] = (vllm_fp8_moe, per_expert)
+    if args.fp8:
+        engines.update(fp8_engines(weights, args.peer))
     if args.int4:
         int4 = [
             (int4_stack(num_e, 2 * inter, hidden, generator),
