@@ -5,9 +5,9 @@ each replica's first rank says how many rows its step has, and all learn every r
 most is how many rows each sends in the step's exchanges) and whether any still has work.
 
 A replica with nothing to launch while others have work takes part anyway: it runs a step of
-padding rows (`ModelRunner.idle_round`), which computes nothing of its own and only serves its
-experts. A round in which no replica has work ends a *wave*: the replicas stop taking rounds
-until one of them launches again.
+padding rows (services/executor/runner/replica_rounds.py), which computes nothing of its own
+and only serves its experts. A round in which no replica has work ends a *wave*: the replicas
+stop taking rounds until one of them launches again.
 
 The rounds are an all-gather over a gloo group of the replicas' first ranks, on the host, before
 each step is queued on the device; the step's own collectives then run on the device (NCCL).
@@ -69,8 +69,8 @@ class Lockstep:
         values = [torch.empty_like(mine) for _ in range(self.replicas)]
         dist.all_gather(values, mine, group=self.group)
         self.rounds += 1
-        rows_, busy_, stop_ = torch.stack(values).T.tolist()
-        taken = Round(tuple(rows_), any(busy_), any(stop_))
+        each_rows, each_busy, each_stop = torch.stack(values).T.tolist()
+        taken = Round(tuple(each_rows), any(each_busy), any(each_stop))
         self.busy = taken.busy
         self.stop_asked = (self.stop_asked or taken.stop) and taken.busy  # until the wave ends
         return taken

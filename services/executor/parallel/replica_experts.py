@@ -21,6 +21,7 @@ one with nothing to run takes part with a step of padding rows. Padding rows cho
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,15 +34,29 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepRows:
-    """Each replica's rows in the step being run, set by the runner before it runs a step.
-    None: the step's own, alike on every replica (the profiling step at start)."""
+    """Each replica's rows in the step being run, set by the runner before it runs a step
+    (`set`). None: the step's own, alike on every replica (the profiling step at start)."""
 
     rows: tuple[int, ...] | None = None
+    _padding: torch.Tensor | None = None  # `padding`'s mask, made once a step
+
+    def set(self, rows: Sequence[int]) -> None:
+        self.rows, self._padding = tuple(rows), None
 
     @property
     def padded(self) -> int | None:
         """The rows each replica sends: the most any has."""
         return max(self.rows) if self.rows is not None else None
+
+    def padding(self, device: torch.device) -> torch.Tensor | None:  # [replicas, P] bool
+        """Which of the gathered rows are padding (None: all are the replicas' own), made on
+        the device once a step rather than in each layer."""
+        if self.rows is None:
+            return None
+        if self._padding is None or self._padding.device != device:
+            rows = torch.tensor(self.rows, device=device)
+            self._padding = torch.arange(max(self.rows), device=device) >= rows[:, None]
+        return self._padding
 
 
 @dataclass(frozen=True)
@@ -72,11 +87,7 @@ class ReplicaExperts:
 
     def padding(self, gathered: torch.Tensor) -> torch.Tensor | None:  # [replicas × P] bool
         """Which of the gathered rows are padding (None: all are the replicas' own)."""
-        if self.step.rows is None:
-            return None
-        padded = gathered.shape[0] // self.replicas
-        rows = torch.tensor(self.step.rows, device=gathered.device)
-        return torch.arange(padded, device=gathered.device) >= rows[:, None]
+        return self.step.padding(gathered.device)
 
     def own_rows(self, gathered: torch.Tensor, rows: int) -> torch.Tensor:
         """This replica's `rows` of the gathered rows' layout (which rows are its own)."""

@@ -56,7 +56,7 @@ def launch_round(
     if runner.relay is not None:
         runner.relay.send(LaunchStep(step, list(replica_rows)))
     if replicas is not None:
-        replicas.step.rows = tuple(replica_rows)
+        replicas.step.set(replica_rows)
         if not rows and max(replica_rows):
             _run_padding(runner)
 
@@ -80,7 +80,7 @@ def run_padding(runner: RoundsTarget, replica_rows: Sequence[int]) -> None:
     """A step of padding rows alone, the replicas' rows in it being `replica_rows` (a rank
     other than 0 told so by PaddingStep, or rank 0 in `idle_round`)."""
     assert runner.tp.replicas is not None, "padding steps are expert parallelism's"
-    runner.tp.replicas.step.rows = tuple(replica_rows)
+    runner.tp.replicas.step.set(replica_rows)
     _run_padding(runner)
 
 
