@@ -72,7 +72,7 @@ def start_runner(config: Config) -> ModelRunner:
     size = config.tensor_parallel_size
     if size == 1 and experts_across_replicas(config):  # a group of replicas' single ranks
         runner = ModelRunner(config, join_world(config, 0, None, resolve_device(config.device)))
-        atexit.register(leave_world)
+        atexit.register(_leave_world)
         return runner
     if size == 1:  # expert parallelism over one rank: every expert whole, as without it
         return ModelRunner(config, TensorParallel(expert_parallel=config.enable_expert_parallel))
@@ -155,10 +155,16 @@ def _leave_group(runner: weakref.ref[ModelRunner], ranks: OtherRanks) -> None:
         held.graphs = None  # the captured collectives go before their communicator
     del held
     gc.collect()
+    _leave_world()
+    logger.debug("left the tensor-parallel group in %.1f s", time.monotonic() - started)
+
+
+def _leave_world() -> None:
+    """End this process's part of the group at exit; if that hangs, exit without it (a thread
+    left inside NCCL would hang the interpreter's own teardown)."""
     if not leave_world():  # it logged why
         logging.shutdown()
         os._exit(1)
-    logger.debug("left the tensor-parallel group in %.1f s", time.monotonic() - started)
 
 
 def watch_parent(parent: int) -> None:

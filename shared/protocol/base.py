@@ -7,7 +7,7 @@ import enum
 
 import msgspec
 
-PROTOCOL_VERSION = 21
+PROTOCOL_VERSION = 22
 
 
 class Message(msgspec.Struct, gc=False):

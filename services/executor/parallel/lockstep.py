@@ -69,6 +69,8 @@ class Lockstep:
         values = [torch.empty_like(mine) for _ in range(self.replicas)]
         dist.all_gather(values, mine, group=self.group)
         self.rounds += 1
+        if self.wakes is not None:
+            self.wakes.hear()
         each_rows, each_busy, each_stop = torch.stack(values).T.tolist()
         taken = Round(tuple(each_rows), any(each_busy), any(each_stop))
         self.busy = taken.busy
@@ -99,6 +101,7 @@ class Wakes:
         for other in range(replicas):
             if other != replica:
                 self.sub.connect(f"ipc://{directory}/wakes-{other}")
+        self.heard = -1  # the last round announced by another replica
         subscribed, deadline = 0, time.monotonic() + timeout_s
         while subscribed < replicas - 1:
             if not self.pub.poll(max(1, int((deadline - time.monotonic()) * 1000))):
@@ -108,12 +111,18 @@ class Wakes:
     def announce(self, round_number: int) -> None:
         self.pub.send(round_number.to_bytes(8, "little"))
 
-    def announced(self, round_number: int) -> bool:
-        """Whether round `round_number` was announced (earlier ones' are dropped)."""
-        heard = False
+    def hear(self) -> None:
+        """Take the announcements that came. Done after every round as well: unread, they
+        would fill the socket's queue over a long wave, and the publisher would then drop the
+        one that must wake this replica."""
         while self.sub.poll(0):
-            heard |= int.from_bytes(self.sub.recv(), "little") == round_number
-        return heard
+            self.heard = max(self.heard, int.from_bytes(self.sub.recv(), "little"))
+
+    def announced(self, round_number: int) -> bool:
+        """Whether round `round_number` was announced (none past the next can be: each
+        replica announces a round only as it takes it)."""
+        self.hear()
+        return self.heard >= round_number
 
     def wait(self, socket: zmq.Socket[Any]) -> None:
         """Until `socket` (the scheduler's) has a message or a round is announced."""

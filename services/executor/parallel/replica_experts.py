@@ -54,7 +54,10 @@ class StepRows:
         if self.rows is None:
             return None
         if self._padding is None or self._padding.device != device:
-            rows = torch.tensor(self.rows, device=device)
+            # From pinned memory without waiting: a pageable copy would wait for the device
+            # to finish the work queued before it, each step.
+            host = torch.tensor(self.rows, pin_memory=device.type == "cuda")
+            rows = host.to(device, non_blocking=True)
             self._padding = torch.arange(max(self.rows), device=device) >= rows[:, None]
         return self._padding
 
