@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import transformers
 
 from kvflow import LLM, SamplingParams
-from tests.e2e.server import Server, start_server
+from tests.e2e.server import start_server
 
 PROMPTS = ["The capital of France is", "List three colours:", "def add(a, b):", "Once upon"]
 MAX_TOKENS = 12
@@ -43,22 +42,6 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path
     return folder
 
 
-def replica_executor(server: Server, replica: int) -> int:
-    out = subprocess.run(
-        [
-            "pgrep",
-            "-P",
-            str(server.proc.pid),
-            "-f",
-            f"services executor .*--data-parallel-rank {replica}",
-        ],
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    assert out, f"no executor of replica {replica}"
-    return int(out[0])
-
-
 def test_two_replicas_share_the_experts_and_give_one_engines_text(moe_dir: Path) -> None:
     one = LLM(str(moe_dir), dtype="float32", device="cpu", max_model_len=1024)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -81,7 +64,7 @@ def test_two_replicas_share_the_experts_and_give_one_engines_text(moe_dir: Path)
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # together, on both replicas
             assert list(pool.map(complete, PROMPTS * 2)) == expected * 2
         # The replicas live and die together: one executor killed, serve exits non-zero.
-        os.kill(replica_executor(server, 1), signal.SIGKILL)
+        os.kill(server.child_pid("executor .*--data-parallel-rank 1"), signal.SIGKILL)
         assert server.proc.wait(timeout=180) != 0
     finally:
         server.stop()

@@ -182,8 +182,8 @@ class SparseMoE(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         replicas = self.replicas
         tokens = x if replicas is None else replicas.gather(x)  # every replica's, padded
-        if replicas is not None and slots is not None:  # other replicas' tokens count there
-            own = slots
+        if replicas is not None and self.counts is not None and slots is not None:
+            own = slots  # other replicas' tokens are counted there
             slots = torch.full((len(tokens),), -1, dtype=own.dtype, device=own.device)
             replicas.own_rows(slots, len(own)).copy_(own)
         weights, ids = ops.moe_route(
