@@ -43,10 +43,24 @@ def uses_gemv(num_pairs: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def block_pairs(sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M: tl.constexpr,
-           BLOCK_N: tl.constexpr):  # fmt: skip
-    """This program's pairs (and which are real), its expert, and its output columns."""
-    block, tile = tl.program_id(0), tl.program_id(1)
+def block_tile(num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's block of pairs and tile of output columns. The programs take GROUP_M
+    blocks at a time, each of their column tiles, the blocks fastest: while a group runs, its
+    input rows and its experts' weight tiles stay in L2 (with every block of a tile first, as
+    one expert's blocks stream by, each block's input rows were read again from memory for
+    each tile)."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first = pid // per_group * GROUP_M
+    size = tl.minimum(num_blocks - first, GROUP_M)
+    within = pid % per_group
+    return first + within % size, within // size
+
+
+@triton.jit
+def block_pairs(sorted_ptr, block_expert_ptr, block, tile, num_pairs, N, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):  # fmt: skip
+    """Block `block`'s pairs (and which are real), its expert, and tile `tile`'s columns."""
     expert = tl.load(block_expert_ptr + block).to(tl.int64)
     pairs = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,7 +103,7 @@ def _end_scaled(acc, a_s, s, rows, rows_ok, cols, cols_ok, stride_as, stride_sn,
 
 # The pair count is not specialized (a multiple of 16 or not): the warm-up's steps then meet
 # every variant that a tile set has (services/executor/runner/warm_up.py).
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _gate_up_kernel(
     x_ptr,  # [T, K]: e4m3 with MODE > 0
     x_scale_ptr,  # [T, G] float32 with MODE > 0
@@ -99,6 +113,7 @@ def _gate_up_kernel(
     sorted_ptr,  # [P] int32
     block_expert_ptr,  # [P / BLOCK_M] int32
     num_pairs,
+    num_blocks,  # P / BLOCK_M
     top_k,
     K,
     N,
@@ -116,14 +131,16 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
 ):
-    if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
+    block, tile = block_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    if tl.load(block_expert_ptr + block) < 0:
         return  # a block past the last group: no pairs
     pairs, rows_ok, expert, cols, cols_ok = block_pairs(
-        sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+        sorted_ptr, block_expert_ptr, block, tile, num_pairs, N, BLOCK_M, BLOCK_N
     )
     w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     tokens = tl.where(rows_ok, pairs // top_k, 0)
@@ -155,7 +172,7 @@ def _gate_up_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_kernel(
     h_ptr,  # [pairs, K]: e4m3 with MODE > 0
     h_scale_ptr,  # [pairs, G] float32 with MODE > 0
@@ -166,6 +183,7 @@ def _down_kernel(
     sorted_ptr,
     block_expert_ptr,
     num_pairs,
+    num_blocks,
     K,
     N,
     group,
@@ -180,13 +198,15 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
-    if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
+    block, tile = block_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    if tl.load(block_expert_ptr + block) < 0:
         return
     pairs, rows_ok, expert, cols, cols_ok = block_pairs(
-        sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+        sorted_ptr, block_expert_ptr, block, tile, num_pairs, N, BLOCK_M, BLOCK_N
     )
     w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     rows = tl.where(rows_ok, pairs, 0)
@@ -269,10 +289,11 @@ def moe_experts_grouped(
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     up = WeightScales(gate_up_scale, gate_up, tiles.gate_up.k, exact=False)
     a, a_scale = _fp8_input(x, up)
-    grid = (block_experts.numel(), triton.cdiv(inter, tiles.gate_up.n))
+    num_blocks = block_experts.numel()
+    grid = (num_blocks * triton.cdiv(inter, tiles.gate_up.n),)
     args = (
-        a, a_scale, gate_up, up.tensor, h, sorted_pairs, block_experts, num_pairs, top_k,
-        hidden, inter, up.group, a.stride(0), a_scale.stride(0), gate_up.stride(0),
+        a, a_scale, gate_up, up.tensor, h, sorted_pairs, block_experts, num_pairs, num_blocks,
+        top_k, hidden, inter, up.group, a.stride(0), a_scale.stride(0), gate_up.stride(0),
         gate_up.stride(1), *up.strides, h.stride(0), *epilogue(biases, swiglu, x, "gate_up"),
     )  # fmt: skip
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
@@ -282,11 +303,11 @@ def moe_experts_grouped(
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     dn = WeightScales(down_scale, down, tiles.down.k, exact=False)
     a, a_scale = _fp8_input(h, dn)
-    grid = (block_experts.numel(), triton.cdiv(hidden, tiles.down.n))
+    grid = (num_blocks * triton.cdiv(hidden, tiles.down.n),)
     args = (
         a, a_scale, down, dn.tensor, out, weights.float().contiguous(), sorted_pairs,
-        block_experts, num_pairs, inter, hidden, dn.group, a.stride(0), a_scale.stride(0),
-        down.stride(0), down.stride(1), *dn.strides, out.stride(0),
+        block_experts, num_pairs, num_blocks, inter, hidden, dn.group, a.stride(0),
+        a_scale.stride(0), down.stride(0), down.stride(1), *dn.strides, out.stride(0),
         epilogue(biases, swiglu, x, "down")[0],
     )  # fmt: skip
     _launch(_down_kernel, grid, args, tiles.block_m, tiles.down, dn,
@@ -296,7 +317,7 @@ def moe_experts_grouped(
 
 def _launch(
     kernel: triton.JITFunction,
-    grid: tuple[int, int],
+    grid: tuple[int],
     args: tuple[object, ...],
     block_m: int,
     tiles: GemmTiles,
@@ -306,7 +327,8 @@ def _launch(
     """A grouped GEMM's launch, with fewer pipeline stages where the GPU lacks the shared
     memory for the tiles' (kernels/triton_stages.py)."""
     constants = dict(BLOCK_M=block_m, BLOCK_N=tiles.n, BLOCK_K=scales.block_k,
-                     MODE=scales.mode, num_warps=tiles.num_warps, **flags)  # fmt: skip
+                     GROUP_M=tiles.group_m, MODE=scales.mode, num_warps=tiles.num_warps,
+                     **flags)  # fmt: skip
     x = args[0]
     assert isinstance(x, torch.Tensor)
     variant = (kernel.__name__, x.device, x.dtype, *constants.values())  # type: ignore[attr-defined]

@@ -36,7 +36,7 @@ from kernels.int4 import CHUNK, PACK, Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_e2m1 import e2m1_pairs, e2m1_value
 from kernels.triton_int4 import q_minus_z_pairs
-from kernels.triton_moe import block_pairs, exact_dot, sum_chosen
+from kernels.triton_moe import block_pairs, block_tile, exact_dot, sum_chosen
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import epilogue, expert_activation
 from kernels.triton_moe_int4_gemv import moe_experts_int4_gemv, uses_int4_gemv, weight_args
@@ -125,7 +125,7 @@ def _step(acc, x_rows, rows_ok, k_step, K, w_rows, s_rows, z_rows, cols_ok, grou
 
 # The pair count is not specialized, as in kernels/triton_moe.py (the warm-up meets every
 # variant).
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _int4_gate_up_kernel(
     x_ptr,  # [T, K]
     w_ptr,  # [E, 2N, K/8] int32: gate rows, then up rows
@@ -135,6 +135,7 @@ def _int4_gate_up_kernel(
     sorted_ptr,  # [P] int32
     block_expert_ptr,  # [P / BLOCK_M] int32
     num_pairs,
+    num_blocks,
     top_k,
     K,
     N,
@@ -152,6 +153,7 @@ def _int4_gate_up_kernel(
     alpha,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
     WORDS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     FAST: tl.constexpr,
@@ -160,10 +162,11 @@ def _int4_gate_up_kernel(
     SWIGLU: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
+    block, tile = block_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    if tl.load(block_expert_ptr + block) < 0:
         return  # a block past the last group: no pairs
     pairs, rows_ok, expert, cols, cols_ok = block_pairs(
-        sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+        sorted_ptr, block_expert_ptr, block, tile, num_pairs, N, BLOCK_M, BLOCK_N
     )
     x_rows = x_ptr + tl.where(rows_ok, pairs // top_k, 0)[None, :].to(tl.int64) * stride_x
     w = w_ptr + expert * stride_we + cols[:, None] * stride_wn
@@ -184,7 +187,7 @@ def _int4_gate_up_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows_ok[None, :] & cols_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _int4_down_kernel(
     h_ptr,  # [pairs, K]
     w_ptr,  # [E, N, K/8] int32
@@ -195,6 +198,7 @@ def _int4_down_kernel(
     sorted_ptr,
     block_expert_ptr,
     num_pairs,
+    num_blocks,
     K,
     N,
     group_size,
@@ -209,6 +213,7 @@ def _int4_down_kernel(
     bias_ptr,  # [E, N] with HAS_BIAS
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
     WORDS: tl.constexpr,
     HAS_ZEROS: tl.constexpr,
     FAST: tl.constexpr,
@@ -216,10 +221,11 @@ def _int4_down_kernel(
     HAS_BIAS: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
+    block, tile = block_tile(num_blocks, N, BLOCK_N, GROUP_M)
+    if tl.load(block_expert_ptr + block) < 0:
         return
     pairs, rows_ok, expert, cols, cols_ok = block_pairs(
-        sorted_ptr, block_expert_ptr, num_pairs, N, BLOCK_M, BLOCK_N
+        sorted_ptr, block_expert_ptr, block, tile, num_pairs, N, BLOCK_M, BLOCK_N
     )
     rows = tl.where(rows_ok, pairs, 0)
     h_rows = h_ptr + rows[None, :].to(tl.int64) * stride_h
@@ -278,16 +284,18 @@ def moe_experts_int4_grouped(
     block_m = tiles.block_m
     sorted_pairs, block_experts = align(ids, down.qweight.shape[0], block_m)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    grid = (block_experts.numel(), triton.cdiv(inter, tiles.gate_up.n))
-    args = (x, *weight_args(gate_up)[:3], h, sorted_pairs, block_experts, num_pairs, top_k,
+    num_blocks = block_experts.numel()
+    grid = (num_blocks * triton.cdiv(inter, tiles.gate_up.n),)
+    args = (x, *weight_args(gate_up)[:3], h, sorted_pairs, block_experts, num_pairs, num_blocks,
+            top_k,
             hidden, inter, gate_up.group_size, x.stride(0), *weight_args(gate_up)[3:],
             h.stride(0), *epilogue(biases, swiglu, x, "gate_up"))  # fmt: skip
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
     _launch(_int4_gate_up_kernel, grid, args, block_m, tiles.gate_up, gate_up, x, flags)
     out = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    grid = (block_experts.numel(), triton.cdiv(hidden, tiles.down.n))
+    grid = (num_blocks * triton.cdiv(hidden, tiles.down.n),)
     args = (h, *weight_args(down)[:3], out, weights.float().contiguous(), sorted_pairs,
-            block_experts, num_pairs, inter, hidden, down.group_size, h.stride(0),
+            block_experts, num_pairs, num_blocks, inter, hidden, down.group_size, h.stride(0),
             *weight_args(down)[3:], out.stride(0),
             epilogue(biases, swiglu, x, "down")[0])  # fmt: skip
     _launch(_int4_down_kernel, grid, args, block_m, tiles.down, down, h,
@@ -325,7 +333,7 @@ def _step_columns(k: int, tiles: GemmTiles, on_gpu: bool) -> int:
 
 def _launch(
     kernel: triton.JITFunction,
-    grid: tuple[int, int],
+    grid: tuple[int],
     args: tuple[object, ...],
     block_m: int,
     tiles: GemmTiles,
@@ -339,9 +347,9 @@ def _launch(
     sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
     fast = stack.group_size % step == 0 and (sixteen_bit or not x.is_cuda) and not stack.e2m1
     constants = dict(
-        BLOCK_M=block_m, BLOCK_N=tiles.n, WORDS=step // PACK, HAS_ZEROS=stack.zeros is not None,
-        FAST=fast, E2M1=stack.e2m1, **flags, INTERPRETED=not x.is_cuda,
-        num_warps=tiles.num_warps,
+        BLOCK_M=block_m, BLOCK_N=tiles.n, GROUP_M=tiles.group_m, WORDS=step // PACK,
+        HAS_ZEROS=stack.zeros is not None, FAST=fast, E2M1=stack.e2m1, **flags,
+        INTERPRETED=not x.is_cuda, num_warps=tiles.num_warps,
     )  # fmt: skip
     variant = (kernel.__name__, x.device, x.dtype, *constants.values())  # type: ignore[attr-defined]
     launch_fitting(

@@ -24,12 +24,14 @@ DEFAULT_GEMV_TILES = GemvTiles()
 
 @dataclasses.dataclass(frozen=True)
 class GemmTiles:
-    """One grouped GEMM's tiles: output columns and K a program step, warps, pipeline stages."""
+    """One grouped GEMM's tiles: output columns and K a program step, warps, pipeline stages,
+    and how many blocks of pairs the programs take at a time (kernels/triton_moe.block_tile)."""
 
     n: int = 64
     k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    group_m: int = 8
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,10 @@
 
     python3 -m sweeps.moe_grouped_sweep --out moe_grouped_sweep.json [--fp8]
 
-For each token count and each block_m that suits it, a coordinate descent: the gate/up GEMM's
-tiles with the down GEMM's as they stand, then the down GEMM's with the best gate/up. Each
+For each token count: each GEMM's group_m (how many blocks of pairs the programs take at a
+time), then for each block_m that suits the count a coordinate descent: the gate/up GEMM's
+tiles with the down GEMM's as they stand, then the down GEMM's with the best gate/up; then
+group_m again. --groups-only: group_m alone. Each
 figure is a layer's routing and experts, microseconds, from one CUDA graph over 4 layers of
 weights (as `kvflow bench moe`, with fewer repeats). A time budget stops the sweep early; what
 was measured is written either way.
@@ -43,6 +45,8 @@ CANDIDATES_FP8 = [
     GemmTiles(n, k, warps, stages)
     for n, k, warps, stages in itertools.product((64, 128), (64, 128, 256), (4, 8), (2, 3, 4))
 ]
+# blocks of pairs a group of programs takes (1 << 16: every block, a column tile at a time)
+GROUP_M = (1, 2, 4, 8, 16, 32, 1 << 16)
 Weights = list[tuple[torch.Tensor, ...]]
 
 
@@ -84,22 +88,45 @@ def graph_us(run: Callable[[], None], layers: int, label: str) -> float:
     return 1000 * ms / layers
 
 
-def descend(layers: Layers, deadline: float, fp8: bool) -> dict[str, Any]:
+def descend(layers: Layers, deadline: float, fp8: bool, groups_only: bool) -> dict[str, Any]:
     default = grouped_tiles(layers.tokens * TOP_K, fp8)
-    best = default
-    best_us = default_us = layers.us(default)
-    for block_m in BLOCK_M.get(layers.tokens, (default.block_m,)):
+    best = Best(default, layers.us(default))
+    best.groups(layers, deadline)
+    block_ms = () if groups_only else BLOCK_M.get(layers.tokens, (default.block_m,))
+    for block_m in block_ms:
         for field in ("gate_up", "down"):
-            base = dataclasses.replace(best, block_m=block_m)
+            base = dataclasses.replace(best.tiles, block_m=block_m)
+            group_m = getattr(base, field).group_m
             for candidate in CANDIDATES_FP8 if fp8 else CANDIDATES:
                 if time.monotonic() > deadline:
                     break
-                tiles = dataclasses.replace(base, **{field: candidate})
-                us = layers.us(tiles)
-                if us < best_us:
-                    best, best_us = tiles, us
-    return {"tiles": dataclasses.asdict(best), "us": round(best_us, 1),
-            "default_us": round(default_us, 1)}  # fmt: skip
+                candidate = dataclasses.replace(candidate, group_m=group_m)
+                best.keep(layers, dataclasses.replace(base, **{field: candidate}))
+    if block_ms:
+        best.groups(layers, deadline)
+    return {"tiles": dataclasses.asdict(best.tiles), "us": round(best.us, 1),
+            "default_us": round(best.default_us, 1)}  # fmt: skip
+
+
+class Best:
+    """The fastest tile set so far, and the time of the one it started from."""
+
+    def __init__(self, tiles: GroupedTiles, us: float) -> None:
+        self.tiles, self.us, self.default_us = tiles, us, us
+
+    def keep(self, layers: Layers, tiles: GroupedTiles) -> None:
+        us = layers.us(tiles)
+        if us < self.us:
+            self.tiles, self.us = tiles, us
+
+    def groups(self, layers: Layers, deadline: float) -> None:
+        """Each GEMM's blocks a group of programs (kernels/triton_moe.block_tile)."""
+        for field in ("gate_up", "down"):
+            for group_m in GROUP_M:
+                if time.monotonic() > deadline:
+                    return
+                gemm = dataclasses.replace(getattr(self.tiles, field), group_m=group_m)
+                self.keep(layers, dataclasses.replace(self.tiles, **{field: gemm}))
 
 
 def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +141,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420.0)
     parser.add_argument("--out", type=Path, default=Path("moe_grouped_sweep.json"))
     parser.add_argument("--fp8", action="store_true", help="FP8 experts, a scale a row (W8A8)")
+    parser.add_argument("--groups-only", action="store_true",
+                        help="only each GEMM's group_m, the tiles as they stand")  # fmt: skip
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -132,7 +161,7 @@ def main() -> None:
     for tokens in args.tokens:
         layers = Layers(tokens, weights, randn)
         deadline = start + args.budget_s
-        best[tokens] = descend(layers, deadline, args.fp8)
+        best[tokens] = descend(layers, deadline, args.fp8, args.groups_only)
         rows += layers.rows
         print(tokens, best[tokens], f"{time.monotonic() - start:.0f} s", flush=True)
         result = {"device": torch.cuda.get_device_name(), "fp8": args.fp8, "best": best,

@@ -29,7 +29,14 @@ from kernels.triton_moe import (
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import moe_experts_gemv
 from kernels.triton_moe_route import moe_route
-from kernels.triton_moe_tiles import GROUPED_TILES, GROUPED_TILES_FP8, GemvTiles, grouped_tiles
+from kernels.triton_moe_tiles import (
+    GROUPED_TILES,
+    GROUPED_TILES_FP8,
+    GemmTiles,
+    GemvTiles,
+    GroupedTiles,
+    grouped_tiles,
+)
 from tests.kernels.expert_parallel import another_ranks, nan_empty, nan_expert_0
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -250,6 +257,23 @@ def test_grouped_gemms_match_the_reference_at_every_tile_set(most_pairs: int) ->
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / 8).to(DEVICE)
     down = (torch.randn(experts, hidden, inter, generator=generator) / 8).to(DEVICE)
     weights, ids = routed(tokens, experts, top_k, seed=tiles.block_m)
+    out = moe_experts_grouped(x, gate_up, down, weights, ids, tiles)
+    assert_kernel_close(out, moe_experts_reference(x, gate_up, down, weights, ids))
+
+
+@pytest.mark.parametrize("group_m", [1, 3, 1 << 16])
+def test_grouped_gemms_cover_every_block_and_tile_in_any_program_order(group_m: int) -> None:
+    """Programs take group_m blocks at a time (kernels/triton_moe.block_tile): one at a time,
+    groups of 3 with a short last group, or every block at once; three column tiles a GEMM,
+    the last partial."""
+    gemm = GemmTiles(32, 32, 4, 2, group_m)
+    tiles = GroupedTiles(16, gemm, gemm)
+    generator = torch.Generator().manual_seed(group_m)
+    tokens, hidden, inter, experts, top_k = 40, 96, 80, 6, 2
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / 8).to(DEVICE)
+    down = (torch.randn(experts, hidden, inter, generator=generator) / 8).to(DEVICE)
+    weights, ids = routed(tokens, experts, top_k, seed=group_m)
     out = moe_experts_grouped(x, gate_up, down, weights, ids, tiles)
     assert_kernel_close(out, moe_experts_reference(x, gate_up, down, weights, ids))
 
