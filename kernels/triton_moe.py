@@ -78,15 +78,48 @@ def exact_dot(a, b, acc=None):
 
 
 @triton.jit
+def zeros_tile(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """A float32 accumulator: [BLOCK_M, BLOCK_N], or with SWAP its transpose."""
+    if SWAP:  # one return: Triton wants the same type from each
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def tile_product(a, w, SWAP: tl.constexpr):
+    """A K step's a @ w ([BLOCK_M, BLOCK_N], float32), or with SWAP its transpose w^T @ a^T:
+    Hopper's warpgroup MMA takes 64 rows or more, which a tile of weights has and a block of
+    16 or 32 pairs lacks (both operands stay K-major, as FP8's MMA needs)."""
+    if SWAP:
+        product = exact_dot(tl.trans(w), tl.trans(a))
+    else:
+        product = exact_dot(a, w)
+    return product
+
+
+@triton.jit
+def unswap(acc, SWAP: tl.constexpr):
+    """An accumulator as [BLOCK_M, BLOCK_N], once its loop is done."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
+
+
+@triton.jit
 def _step_scaled(product, a_s, s, rows, rows_ok, cols, cols_ok, start, group, stride_as,
-                 stride_sn, MODE: tl.constexpr):  # fmt: skip
-    """A K step's [BLOCK_M, BLOCK_N] product, in MODE 2 times its group's input and weight
+                 stride_sn, MODE: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
+    """A K step's product (tile_product's), in MODE 2 times its group's input and weight
     scales."""
     if MODE == 2:
         grp = start // group
         in_scale = tl.load(a_s + rows * stride_as + grp, mask=rows_ok, other=0.0)
         w_scale = tl.load(s + cols * stride_sn + grp, mask=cols_ok, other=0.0)
-        product = product * in_scale[:, None] * w_scale[None, :]
+        if SWAP:
+            product = product * w_scale[:, None] * in_scale[None, :]
+        else:
+            product = product * in_scale[:, None] * w_scale[None, :]
     return product
 
 
@@ -132,6 +165,7 @@ def _gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr,
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -144,8 +178,8 @@ def _gate_up_kernel(
     )
     w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     tokens = tl.where(rows_ok, pairs // top_k, 0)
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    gate = zeros_tile(BLOCK_M, BLOCK_N, SWAP)
+    up = zeros_tile(BLOCK_M, BLOCK_N, SWAP)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         ks_ok = ks < K
@@ -158,10 +192,11 @@ def _gate_up_kernel(
         w_gate = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         w_up = tl.load(w + (cols + N)[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         scales = (x_scale_ptr, s, tokens, rows_ok)
-        gate += _step_scaled(exact_dot(a, w_gate), *scales, cols, cols_ok, start, group, stride_xs,
-                             stride_sn, MODE)  # fmt: skip
-        up += _step_scaled(exact_dot(a, w_up), *scales, cols + N, cols_ok, start, group, stride_xs,
-                           stride_sn, MODE)  # fmt: skip
+        gate += _step_scaled(tile_product(a, w_gate, SWAP), *scales, cols, cols_ok, start,
+                             group, stride_xs, stride_sn, MODE, SWAP)  # fmt: skip
+        up += _step_scaled(tile_product(a, w_up, SWAP), *scales, cols + N, cols_ok, start,
+                           group, stride_xs, stride_sn, MODE, SWAP)  # fmt: skip
+    gate, up = unswap(gate, SWAP), unswap(up, SWAP)
     gate = _end_scaled(gate, x_scale_ptr, s, tokens, rows_ok, cols, cols_ok, stride_xs,
                        stride_sn, MODE)  # fmt: skip
     up = _end_scaled(up, x_scale_ptr, s, tokens, rows_ok, cols + N, cols_ok, stride_xs,
@@ -199,6 +234,7 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr,
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
@@ -210,7 +246,7 @@ def _down_kernel(
     )
     w, s = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     rows = tl.where(rows_ok, pairs, 0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = zeros_tile(BLOCK_M, BLOCK_N, SWAP)
     for start in range(0, K, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)
         ks_ok = ks < K
@@ -224,10 +260,10 @@ def _down_kernel(
             mask=ks_ok[:, None] & cols_ok[None, :],
             other=0.0,
         )
-        acc += _step_scaled(exact_dot(a, w_tile), h_scale_ptr, s, rows, rows_ok, cols, cols_ok,
-                            start, group, stride_hs, stride_sn, MODE)  # fmt: skip
-    acc = _end_scaled(acc, h_scale_ptr, s, rows, rows_ok, cols, cols_ok, stride_hs, stride_sn,
-                      MODE)  # fmt: skip
+        acc += _step_scaled(tile_product(a, w_tile, SWAP), h_scale_ptr, s, rows, rows_ok, cols,
+                            cols_ok, start, group, stride_hs, stride_sn, MODE, SWAP)  # fmt: skip
+    acc = _end_scaled(unswap(acc, SWAP), h_scale_ptr, s, rows, rows_ok, cols, cols_ok,
+                      stride_hs, stride_sn, MODE)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * N + cols, mask=cols_ok, other=0.0)[None, :]
     acc *= tl.load(weights_ptr + rows, mask=rows_ok, other=0.0)[:, None]
@@ -327,8 +363,8 @@ def _launch(
     """A grouped GEMM's launch, with fewer pipeline stages where the GPU lacks the shared
     memory for the tiles' (kernels/triton_stages.py)."""
     constants = dict(BLOCK_M=block_m, BLOCK_N=tiles.n, BLOCK_K=scales.block_k,
-                     GROUP_M=tiles.group_m, MODE=scales.mode, num_warps=tiles.num_warps,
-                     **flags)  # fmt: skip
+                     GROUP_M=tiles.group_m, SWAP=tiles.swap_ab, MODE=scales.mode,
+                     num_warps=tiles.num_warps, **flags)  # fmt: skip
     x = args[0]
     assert isinstance(x, torch.Tensor)
     variant = (kernel.__name__, x.device, x.dtype, *constants.values())  # type: ignore[attr-defined]

@@ -25,13 +25,16 @@ DEFAULT_GEMV_TILES = GemvTiles()
 @dataclasses.dataclass(frozen=True)
 class GemmTiles:
     """One grouped GEMM's tiles: output columns and K a program step, warps, pipeline stages,
-    and how many blocks of pairs the programs take at a time (kernels/triton_moe.block_tile)."""
+    how many blocks of pairs the programs take at a time (kernels/triton_moe.block_tile), and
+    whether each step multiplies the transposes, weights first (kernels/triton_moe.tile_product).
+    """
 
     n: int = 64
     k: int = 64
     num_warps: int = 4
     num_stages: int = 3
     group_m: int = 8
+    swap_ab: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

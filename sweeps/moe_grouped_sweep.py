@@ -4,12 +4,12 @@
     python3 -m sweeps.moe_grouped_sweep --out moe_grouped_sweep.json [--fp8]
 
 For each token count: each GEMM's group_m (how many blocks of pairs the programs take at a
-time), then for each block_m that suits the count a coordinate descent: the gate/up GEMM's
-tiles with the down GEMM's as they stand, then the down GEMM's with the best gate/up; then
-group_m again. --groups-only: group_m alone. Each
-figure is a layer's routing and experts, microseconds, from one CUDA graph over 4 layers of
-weights (as `kvflow bench moe`, with fewer repeats). A time budget stops the sweep early; what
-was measured is written either way.
+time) and swap_ab (its products transposed, weights first); then, for each block_m that suits
+the count, a coordinate descent: the gate/up GEMM's tiles with the down GEMM's as they stand,
+then the down GEMM's with the best gate/up; then group_m and swap_ab again (--groups-only:
+those alone). Each figure is a layer's routing and experts, microseconds, from one CUDA graph
+over 4 layers of weights (as `kvflow bench moe`, with fewer repeats). A time budget stops the
+sweep early; what was measured is written either way.
 """
 
 from __future__ import annotations
@@ -96,11 +96,13 @@ def descend(layers: Layers, deadline: float, fp8: bool, groups_only: bool) -> di
     for block_m in block_ms:
         for field in ("gate_up", "down"):
             base = dataclasses.replace(best.tiles, block_m=block_m)
-            group_m = getattr(base, field).group_m
+            order = getattr(base, field)
             for candidate in CANDIDATES_FP8 if fp8 else CANDIDATES:
                 if time.monotonic() > deadline:
                     break
-                candidate = dataclasses.replace(candidate, group_m=group_m)
+                candidate = dataclasses.replace(
+                    candidate, group_m=order.group_m, swap_ab=order.swap_ab
+                )
                 best.keep(layers, dataclasses.replace(base, **{field: candidate}))
     if block_ms:
         best.groups(layers, deadline)
@@ -120,12 +122,14 @@ class Best:
             self.tiles, self.us = tiles, us
 
     def groups(self, layers: Layers, deadline: float) -> None:
-        """Each GEMM's blocks a group of programs (kernels/triton_moe.block_tile)."""
+        """Each GEMM's blocks a group of programs (kernels/triton_moe.block_tile), and its
+        products as they are or transposed (tile_product)."""
         for field in ("gate_up", "down"):
-            for group_m in GROUP_M:
+            for swap_ab, group_m in itertools.product((False, True), GROUP_M):
                 if time.monotonic() > deadline:
                     return
-                gemm = dataclasses.replace(getattr(self.tiles, field), group_m=group_m)
+                gemm = getattr(self.tiles, field)
+                gemm = dataclasses.replace(gemm, group_m=group_m, swap_ab=swap_ab)
                 self.keep(layers, dataclasses.replace(self.tiles, **{field: gemm}))
 
 
@@ -142,7 +146,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("moe_grouped_sweep.json"))
     parser.add_argument("--fp8", action="store_true", help="FP8 experts, a scale a row (W8A8)")
     parser.add_argument("--groups-only", action="store_true",
-                        help="only each GEMM's group_m, the tiles as they stand")  # fmt: skip
+                        help="each GEMM's group_m and swap_ab only")  # fmt: skip
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
 

@@ -261,12 +261,15 @@ def test_grouped_gemms_match_the_reference_at_every_tile_set(most_pairs: int) ->
     assert_kernel_close(out, moe_experts_reference(x, gate_up, down, weights, ids))
 
 
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["x-first", "weights-first"])
 @pytest.mark.parametrize("group_m", [1, 3, 1 << 16])
-def test_grouped_gemms_cover_every_block_and_tile_in_any_program_order(group_m: int) -> None:
+def test_grouped_gemms_cover_every_block_and_tile_in_any_program_order(
+    group_m: int, swap_ab: bool
+) -> None:
     """Programs take group_m blocks at a time (kernels/triton_moe.block_tile): one at a time,
     groups of 3 with a short last group, or every block at once; three column tiles a GEMM,
-    the last partial."""
-    gemm = GemmTiles(32, 32, 4, 2, group_m)
+    the last partial; each step's product as it is or transposed (tile_product)."""
+    gemm = GemmTiles(32, 32, 4, 2, group_m, swap_ab)
     tiles = GroupedTiles(16, gemm, gemm)
     generator = torch.Generator().manual_seed(group_m)
     tokens, hidden, inter, experts, top_k = 40, 96, 80, 6, 2
@@ -294,6 +297,29 @@ def test_fp8_grouped_gemms_match_the_reference_at_every_tile_set(most_pairs: int
     (gate_up, gate_up_scale), (down, down_scale) = fp8(2 * inter, hidden), fp8(hidden, inter)
     weights, ids = routed(tokens, experts, top_k, seed=tiles.block_m)
     out = moe_experts_grouped(x, gate_up, down, weights, ids, tiles, gate_up_scale, down_scale)
+    expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+    assert_kernel_close(out, expected)
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["rows", "groups"])
+def test_fp8_grouped_gemms_weights_first_match_the_reference(groups: int) -> None:
+    """The transposed products (swap_ab) of FP8 experts: the scales of a row (applied after the
+    loop) and of a group (at each step) land on the right rows and columns."""
+    tokens, hidden, inter, experts, top_k = 24, 256, 128, 5, 2
+    generator = torch.Generator().manual_seed(groups)
+    x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
+
+    def fp8(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = (torch.randn(experts, rows, cols, generator=generator) * 64).to(torch.float8_e4m3fn)
+        scale = torch.rand(experts, rows, groups, generator=generator) / 256 + 1e-3
+        return q.to(DEVICE), scale.to(DEVICE)
+
+    (gate_up, gate_up_scale), (down, down_scale) = fp8(2 * inter, hidden), fp8(hidden, inter)
+    gemm = GemmTiles(64, 64, 4, 2, 2, swap_ab=True)
+    weights, ids = routed(tokens, experts, top_k, seed=groups)
+    out = moe_experts_grouped(
+        x, gate_up, down, weights, ids, GroupedTiles(16, gemm, gemm), gate_up_scale, down_scale
+    )
     expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
     assert_kernel_close(out, expected)
 
