@@ -92,7 +92,7 @@ def tile_product(a, w, SWAP: tl.constexpr):
     """A K step's a @ w ([BLOCK_M, BLOCK_N], float32), or with SWAP its transpose w^T @ a^T:
     Hopper's warpgroup MMA takes 64 rows or more, which a tile of weights has and a block of
     16 or 32 pairs lacks (both operands stay K-major, as FP8's MMA needs)."""
-    if SWAP:
+    if SWAP:  # noqa: SIM108 (one branch compiled; Triton wants one return's type)
         product = exact_dot(tl.trans(w), tl.trans(a))
     else:
         product = exact_dot(a, w)
