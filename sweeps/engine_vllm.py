@@ -91,6 +91,13 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, help="e.g. fp8 (dynamic W8A8)")
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        help="after the timed runs, one more `offline` run under vLLM's torch profiler: its "
+        "kernels' CUDA time in profiler_out_0.txt here (the trace left out)",
+    )
+    parser.add_argument("--skip-latency", action="store_true", help="`offline` only")
     args = parser.parse_args()
 
     from vllm import LLM
@@ -105,6 +112,7 @@ def main() -> None:
         enable_expert_parallel=args.enable_expert_parallel,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        profiler_config=profiler_config(args.profile_dir),
     )
     runs = Runs(llm, args.seed)
     report: dict[str, Any] = {
@@ -117,11 +125,29 @@ def main() -> None:
         # what vLLM chose (an AWQ folder runs as awq_marlin where Marlin takes it)
         "quantization_used": llm.llm_engine.model_config.quantization,
     }
-    report["latency"] = latency(runs, args.repeats)
-    print(json.dumps(report["latency"]), flush=True)
+    if not args.skip_latency:
+        report["latency"] = latency(runs, args.repeats)
+        print(json.dumps(report["latency"]), flush=True)
     report["offline"] = offline(runs, args.num_prompts)
     print(json.dumps(report["offline"]), flush=True)
     args.out.write_text(json.dumps(report, indent=1))
+    if args.profile_dir is not None:
+        llm.start_profile()
+        seconds, _ = runs.timed(args.num_prompts, 512, 256)
+        llm.stop_profile()
+        print(json.dumps({"profiled_offline_seconds": round(seconds, 3)}), flush=True)
+
+
+def profiler_config(directory: Path | None) -> dict[str, Any] | None:
+    """vLLM's torch profiler writing its kernel table (self CUDA time) to `directory`; no stacks,
+    shapes or memory, which would slow the profiled run."""
+    if directory is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    return {"profiler": "torch", "torch_profiler_dir": str(directory),
+            "torch_profiler_with_stack": False, "torch_profiler_record_shapes": False,
+            "torch_profiler_use_gzip": False,
+            "torch_profiler_dump_cuda_time_total": True}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ from kernels.triton_int4 import int4_linear
 from kernels.triton_linear import skinny_linear
 from kernels.triton_moe import moe_experts
 from kernels.triton_moe_int4 import moe_experts_int4, moe_experts_int4_grouped
-from kernels.triton_moe_tiles import GROUPED_TILES
+from kernels.triton_moe_tiles import GROUPED_TILES, GROUPED_TILES_FP8
 from kernels.triton_prefill_attention import paged_prefill_attention
 
 Launch = tuple[JITFunction, tuple[Any, ...], dict[str, Any]]
@@ -276,7 +276,7 @@ def _attention_launches(kv_dtype: torch.dtype) -> None:
 
 def _moe_launches(fp8: bool, gpt_oss: bool = False) -> None:
     """Qwen3-30B-A3B's experts at one token (the GEMVs) and at each grouped tile set's most
-    pairs (the last at 4,096 tokens), bf16 or FP8 (a scale per row); with gpt-oss's biases
+    pairs (the last at 16,384 tokens), bf16 or FP8 (a scale per row); with gpt-oss's biases
     and clamped SwiGLU."""
     experts, hidden, inter, top_k = 128, 2048, 768, 8
     dtype = FP8 if fp8 else torch.bfloat16
@@ -287,7 +287,8 @@ def _moe_launches(fp8: bool, gpt_oss: bool = False) -> None:
     if gpt_oss:
         biases = ExpertBiases(torch.zeros(experts, 2 * inter), torch.zeros(experts, hidden))
         extra = dict(biases=biases, swiglu=ClampedSwiglu(7.0))
-    for pairs in [top_k] + [min(most, 4096 * top_k) for most, _ in GROUPED_TILES]:
+    table = GROUPED_TILES_FP8 if fp8 else GROUPED_TILES
+    for pairs in [top_k] + [min(most, 16384 * top_k) for most, _ in table]:
         tokens = pairs // top_k
         ids = torch.arange(pairs).remainder(experts).view(tokens, top_k)
         x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
