@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Issue 47's table on one GPU machine: Qwen3-30B-A3B (dummy weights) in kvflow and vLLM 0.26,
 # bf16 and FP8, batch-1 and batch-8 latency and `offline`; one layer of each engine's experts
-# side by side; gpt-oss-20b `offline` with MXFP4 and bf16 experts; the MoE kernel tests.
+# side by side; gpt-oss-20b `offline` with MXFP4 and bf16 experts; the MoE kernel tests; each
+# engine's kernel times over FP8 `offline` (kvflow-profile, vllm-profile).
 #
 #   PARTS=stash bash scripts/device_moe.sh             # a call that only brings vLLM's parts
 #   PARTS="tests kvflow" FORMATS="bf16 fp8" bash scripts/device_moe.sh
 #   PARTS="install-vllm vllm layer" bash scripts/device_moe.sh   # once all of vLLM is there
+#   PARTS="kvflow-profile vllm-profile" bash scripts/device_moe.sh   # each engine's FP8 kernels
 #   PARTS=gpt-oss bash scripts/device_moe.sh
 #   DRY_RUN=1 bash scripts/device_moe.sh               # print the commands only
 #
@@ -68,6 +70,17 @@ for part in $PARTS; do
                 VLLM_ARGS="$(format_flags "$format")" PARTS=family-vllm bash scripts/device_serve.sh
             [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/serve-results/${MOE}_vllm_"$format".* "$RES/"
         done ;;
+    vllm-profile)  # vLLM's FP8 `offline` timed, then once more under its torch profiler
+        rm -rf /tmp/vllm-profile
+        step vllm_profile.log env OUT="$RES" FAMILY=$MOE VLLM_TAG=_fp8_profiled \
+            VLLM_ARGS="--quantization fp8 --skip-latency --profile-dir /tmp/vllm-profile" \
+            PARTS=family-vllm bash scripts/device_serve.sh
+        [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/serve-results/${MOE}_vllm_fp8_profiled.* \
+            /tmp/vllm-profile/profiler_out_*.txt "$RES/" ;;
+    kvflow-profile)  # kvflow's FP8 `offline`, profiled without PDL (each kernel's own time)
+        step offline_fp8_profile.log python3 -m services bench throughput $MOE "${COMMON[@]}" \
+            "${OFFLINE[@]}" --quantization fp8 --disable-pdl --profile-steps 10 --profile-run \
+            --output-json "$RES/offline_fp8_profile.json" ;;
     layer)  # one layer's routing and experts, both engines, bf16 and FP8 (vLLM importable)
         step layer.log python3 -m services bench moe --peer vllm \
             --fp8 --batch-sizes 1 8 64 256 1024 4096 16384 --output-json "$RES/layer.json" ;;

@@ -14,7 +14,7 @@ from services.launcher.cli import build_parser
 from shared.config import OFFLINE_DEFAULTS, config_from_args
 
 ROOT = Path(__file__).parents[2]
-PARTS = "tests kvflow install-vllm vllm layer gpt-oss"
+PARTS = "tests kvflow install-vllm vllm layer gpt-oss kvflow-profile vllm-profile"
 
 
 def dry_run() -> list[list[str]]:
@@ -29,12 +29,14 @@ def dry_run() -> list[list[str]]:
 def test_every_engine_command_makes_a_valid_config() -> None:
     commands = [c for c in dry_run() if c[:3] == ["python3", "-m", "services"]]
     engines = [c for c in commands if c[4] in ("latency", "throughput")]
-    assert len(engines) == 6  # Qwen3-30B-A3B's latency and offline, twice; gpt-oss's two
+    # Qwen3-30B-A3B's latency and offline, twice; gpt-oss's two; FP8 offline profiled
+    assert len(engines) == 7
     for command in engines:
         config = config_from_args(build_parser().parse_args(command[3:]), OFFLINE_DEFAULTS)
-        output = command[command.index("--output-json") + 1]
-        fp8, mxfp4 = output.endswith("_fp8.json"), output.endswith("_mxfp4.json")
+        output = Path(command[command.index("--output-json") + 1]).stem
+        fp8, mxfp4 = "_fp8" in output, output.endswith("_mxfp4")
         assert config.quantization == ("fp8" if fp8 else "mxfp4" if mxfp4 else None)
+        assert config.disable_pdl == output.endswith("_profile")
     [layer] = [c for c in commands if c[4] == "moe"]
     args = build_parser().parse_args(layer[3:])
     assert args.fp8 and args.peer == "vllm"
@@ -45,5 +47,7 @@ def test_every_part_asked_of_device_serve_is_one_it_has() -> None:
     asked = {"stash"}  # each real call's staging
     asked |= {s.removeprefix("PARTS=") for c in dry_run() for s in c if s.startswith("PARTS=")}
     assert asked == {"stash", "install-vllm", "family-vllm"}
+    [profiled] = [c for c in dry_run() if "VLLM_TAG=_fp8_profiled" in c]
+    assert "--profile-dir" in profiled and "--skip-latency" in profiled
     for part in asked:
         assert re.search(rf"^\s+{re.escape(part)}\)", cases, re.MULTILINE), part
