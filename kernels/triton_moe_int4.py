@@ -343,6 +343,8 @@ def _launch(
 ) -> None:
     """A grouped GEMM's launch, with fewer pipeline stages where the GPU lacks the shared
     memory for the tiles' (kernels/triton_stages.py)."""
+    if tiles.swap_ab:
+        raise ValueError("int4 experts' products are weights-first already: swap_ab is theirs")
     step = _step_columns(x.shape[1], tiles, x.is_cuda)
     sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
     fast = stack.group_size % step == 0 and (sixteen_bit or not x.is_cuda) and not stack.e2m1

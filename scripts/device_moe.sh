@@ -71,12 +71,12 @@ for part in $PARTS; do
             [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/serve-results/${MOE}_vllm_"$format".* "$RES/"
         done ;;
     vllm-profile)  # vLLM's FP8 `offline` timed, then once more under its torch profiler
-        rm -rf /tmp/vllm-profile
+        [ "${DRY_RUN:-0}" = 1 ] || rm -rf /tmp/vllm-profile
         step vllm_profile.log env OUT="$RES" FAMILY=$MOE VLLM_TAG=_fp8_profiled \
             VLLM_ARGS="--quantization fp8 --skip-latency --profile-dir /tmp/vllm-profile" \
             PARTS=family-vllm bash scripts/device_serve.sh
         [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/serve-results/${MOE}_vllm_fp8_profiled.* \
-            /tmp/vllm-profile/profiler_out_*.txt "$RES/" ;;
+            /tmp/vllm-profile/profiler_out_*.txt "$RES/" || status=1 ;;
     kvflow-profile)  # kvflow's FP8 `offline`, profiled without PDL (each kernel's own time)
         step offline_fp8_profile.log python3 -m services bench throughput $MOE "${COMMON[@]}" \
             "${OFFLINE[@]}" --quantization fp8 --disable-pdl --profile-steps 10 --profile-run \

@@ -272,7 +272,7 @@ def test_grouped_gemms_cover_every_block_and_tile_in_any_program_order(
     gemm = GemmTiles(32, 32, 4, 2, group_m, swap_ab)
     tiles = GroupedTiles(16, gemm, gemm)
     generator = torch.Generator().manual_seed(group_m)
-    tokens, hidden, inter, experts, top_k = 40, 96, 80, 6, 2
+    tokens, hidden, inter, experts, top_k = 40, 88, 80, 6, 2
     x = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / 8).to(DEVICE)
     down = (torch.randn(experts, hidden, inter, generator=generator) / 8).to(DEVICE)

@@ -174,3 +174,16 @@ def test_a_k_past_the_last_whole_step_is_masked(
     expected = moe_experts_int4_reference(x, gate_up, down, weights, ids)
     scale = float(expected.abs().max())
     torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-4 * scale)
+
+
+def test_transposed_products_are_refused_by_name() -> None:
+    """The int4 GEMMs multiply weights first already: a tile set asking for swap_ab is an error,
+    not a flag passed over."""
+    generator = torch.Generator().manual_seed(0)
+    gate_up = int4_stack(3, 64, 64, 32, False, generator)
+    down = int4_stack(3, 64, 32, 32, False, generator)
+    weights, ids = routed(5, 3, 2, seed=0)
+    swapped = GemmTiles(64, 128, 4, 3, swap_ab=True)
+    tiles = GroupedTiles(16, swapped, swapped)
+    with pytest.raises(ValueError, match="swap_ab"):
+        moe_experts_int4_grouped(torch.randn(5, 64).to(DEVICE), gate_up, down, weights, ids, tiles)
