@@ -30,6 +30,7 @@ from kernels import ops
 from kernels.triton_fp8 import quantize_fp8_rowwise
 from kernels.triton_moe import moe_experts_grouped
 from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
+from kernels.triton_stages import exact_stages
 
 NUM_E, TOP_K, HIDDEN, INTER, LAYERS = 128, 8, 2048, 768, 4
 # block_m worth trying by tokens (top 8 of 128 experts: an expert holds 1/16 of the tokens)
@@ -162,6 +163,13 @@ def main() -> None:
         weights = [(*fp8_rows(w13), *fp8_rows(w2)) for w13, w2 in weights]
         weights = [(w13, w2, s13, s2) for w13, s13, w2, s2 in weights]
     start, best, rows = time.monotonic(), {}, []
+    with exact_stages():  # a candidate runs as labelled, or is skipped as not fitting
+        sweep(args, weights, randn, start, best, rows)
+
+
+def sweep(args: argparse.Namespace, weights: Weights, randn: Any, start: float,
+          best: dict[int, Any], rows: list[dict[str, Any]]) -> None:  # fmt: skip
+    """Each token count's descent in turn, the results written after each."""
     for tokens in args.tokens:
         layers = Layers(tokens, weights, randn)
         deadline = start + args.budget_s
