@@ -184,7 +184,8 @@ def _throughput_profiles(
         profiles["gpu_busy_fraction"] = profiles["decode_profile"]["gpu_busy_fraction"]
     if args.profile_run:
         fresh = random_prompts(args.num_prompts, work.input_lens, vocab, config.seed + 8)
-        profiles["run_profile"] = profile_run(llm.engine, fresh, work.params, prompt_loras)
+        # the run's 30 costliest kernels: enough to set beside vLLM's kernel table
+        profiles["run_profile"] = profile_run(llm.engine, fresh, work.params, prompt_loras, top=30)
     return profiles
 
 
