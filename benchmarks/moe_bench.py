@@ -51,10 +51,12 @@ def kvflow_fp8_moe(x: torch.Tensor, logits: torch.Tensor, w13: Any, w2: Any,
 
 
 def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kvflow's FP8 experts, as `--quantization fp8` makes them: e4m3 with a scale a row
-    ([E, rows, 1] float32)."""
-    scale = weight.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
-    return (weight.float() / scale).to(torch.float8_e4m3fn), scale
+    """kvflow's FP8 experts [E, rows, cols], as `--quantization fp8` makes them: e4m3 with a
+    scale a row ([E, rows, 1] float32)."""
+    from kernels.fp8 import quantize_fp8_rowwise_reference
+
+    q, scale = quantize_fp8_rowwise_reference(weight.flatten(0, 1))
+    return q.view(weight.shape), scale.view(*weight.shape[:2], 1)
 
 
 def fp8_per_expert(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -287,8 +287,7 @@ def moe_experts_int4_grouped(
     num_blocks = block_experts.numel()
     grid = (num_blocks * triton.cdiv(inter, tiles.gate_up.n),)
     args = (x, *weight_args(gate_up)[:3], h, sorted_pairs, block_experts, num_pairs, num_blocks,
-            top_k,
-            hidden, inter, gate_up.group_size, x.stride(0), *weight_args(gate_up)[3:],
+            top_k, hidden, inter, gate_up.group_size, x.stride(0), *weight_args(gate_up)[3:],
             h.stride(0), *epilogue(biases, swiglu, x, "gate_up"))  # fmt: skip
     flags = dict(HAS_BIAS=biases is not None, SWIGLU=swiglu is not None)
     _launch(_int4_gate_up_kernel, grid, args, block_m, tiles.gate_up, gate_up, x, flags)

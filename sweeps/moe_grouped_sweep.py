@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from triton.testing import do_bench
 
+from benchmarks.moe_bench import fp8_rows
 from kernels import ops
-from kernels.triton_fp8 import quantize_fp8_rowwise
 from kernels.triton_moe import moe_experts_grouped
 from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
 from kernels.triton_stages import exact_stages
@@ -132,12 +132,6 @@ class Best:
                 gemm = getattr(self.tiles, field)
                 gemm = dataclasses.replace(gemm, group_m=group_m, swap_ab=swap_ab)
                 self.keep(layers, dataclasses.replace(self.tiles, **{field: gemm}))
-
-
-def fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts [E, N, K] as e4m3 with a float32 scale a row, [E, N, 1]."""
-    q, scale = quantize_fp8_rowwise(weight.flatten(0, 1))
-    return q.view(weight.shape), scale.view(*weight.shape[:2], 1)
 
 
 def main() -> None:

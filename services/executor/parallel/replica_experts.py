@@ -49,9 +49,9 @@ class StepRows:
         return max(self.rows) if self.rows is not None else None
 
     def padding(self, device: torch.device) -> torch.Tensor | None:  # [replicas, P] bool
-        """Which of the gathered rows are padding (None: all are the replicas' own), made on
-        the device once a step rather than in each layer."""
-        if self.rows is None:
+        """Which of the gathered rows are padding (None: none is, every replica running as
+        many rows), made on the device once a step rather than in each layer."""
+        if self.rows is None or min(self.rows) == max(self.rows):
             return None
         if self._padding is None or self._padding.device != device:
             # From pinned memory without waiting: a pageable copy would wait for the device
