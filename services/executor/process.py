@@ -44,6 +44,7 @@ from services.executor.runner.replica_rounds import idle_round
 from services.executor.runner.step_watch import StepWatch
 from shared.config import Config
 from shared.frontend_links import HeartbeatThread
+from shared.gc_heap import freeze_startup_heap
 from shared.ipc import Decoder, connect_dealer, encode
 from shared.protocol import (
     AddLoraAdapter,
@@ -87,6 +88,7 @@ def run_executor(config: Config) -> None:
         raise ValueError(f"--lora-modules: {model_name!r} is the served model's own name")
     socket.send(encode(runner.ready_message(model_name)))
     logger.info("%s ready on %s, connected to %s", name, runner.device, address)
+    freeze_startup_heap()
     try:
         steps = StepWatch(watch, config.fault_hang_step)
         load = ExpertLoad(runner.model)  # a mixture of experts' load, from the first plan on

@@ -48,6 +48,7 @@ from services.executor.runner.replica_rounds import run_padding
 from services.executor.runner.step_watch import StepWatch
 from shared.config import Config, config_from_file
 from shared.frontend_links import HeartbeatThread
+from shared.gc_heap import freeze_startup_heap
 from shared.ipc import Decoder
 from shared.model_config import load_model_config, resolve_model_source
 from shared.protocol import (
@@ -257,6 +258,7 @@ def main() -> None:
         config, join_world(config, args.rank, args.group, resolve_device(config.device, args.rank))
     )
     logger.info("%s ready on %s", name, runner.device)
+    freeze_startup_heap()
     follow(runner, socket, StepWatch(watch))
 
 

@@ -20,6 +20,7 @@ from services.frontend.metrics.request_log import PROBE_PATHS
 from services.frontend.routes.state import FrontendState
 from shared.config import Config
 from shared.constants import DRAIN_ERROR_GRACE_S
+from shared.gc_heap import freeze_startup_heap
 from shared.model_config import resolve_model_source
 from shared.pooling import served_pooling
 
@@ -123,6 +124,7 @@ def run_frontend(config: Config) -> None:
     async def serve() -> None:
         server.loop = asyncio.get_running_loop()
         await engine.start()
+        freeze_startup_heap()
         tasks = []
         if state.metrics_share is not None:
             figures = lambda: state.metrics.figures(len(engine.queues))  # noqa: E731

@@ -38,6 +38,7 @@ from services.scheduler.stats_log import StatsLog
 from shared.config import Config
 from shared.constants import STATS_INTERVAL_S, STATS_LOG_INTERVAL_S
 from shared.frontend_links import FrontendLinks, HeartbeatThread
+from shared.gc_heap import freeze_startup_heap
 from shared.ipc import Decoder, bind_router, encode, routed
 from shared.lora_modules import parse_lora_modules
 from shared.protocol import (
@@ -311,6 +312,7 @@ class SchedulerProcess:
             ready.max_model_len,
             self.address,
         )
+        freeze_startup_heap()  # an executor that came back: the old engine collected first
         return core
 
     def _serve(self, core: EngineCore) -> None:

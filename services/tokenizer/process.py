@@ -29,6 +29,7 @@ from services.tokenizer.worker import TokenizerWorker
 from shared.config import Config
 from shared.constants import HEARTBEAT_INTERVAL_S
 from shared.frontend_links import FrontendLinks, HeartbeatThread
+from shared.gc_heap import freeze_startup_heap
 from shared.hf_tokenizer import load_tokenizer
 from shared.ipc import Decoder, connect_dealer, encode, subscribe
 from shared.model_config import resolve_model_source
@@ -130,6 +131,7 @@ class TokenizerProcess:
         self.draining.set()  # the loop logs it: no logging inside a signal handler
 
     def run(self) -> None:
+        freeze_startup_heap()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         from_frontend = Decoder(FrontendToTokenizer, f"{self.name} (frontend)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,25 @@ def test_n_completions_share_the_prompt_and_differ(tiny: LLM) -> None:
     assert [c.index for c in result.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in result.outputs}) == 3
     assert_idle(tiny)
+
+
+def test_a_run_holds_the_heap_frozen_and_thaws_it(
+    tiny: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No full collection walks the engine's startup objects mid-run (shared/gc_heap.py);
+    after the run the collector sees them again, so a dropped engine can be collected."""
+    frozen_while_stepping: list[int] = []
+    step_until_done = tiny._step_until_done
+
+    def stepping(*args: object) -> None:
+        frozen_while_stepping.append(gc.get_freeze_count())
+        step_until_done(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tiny, "_step_until_done", stepping)
+    before = gc.get_freeze_count()
+    assert len(sample(tiny, PROMPTS[:1])) == 1
+    assert frozen_while_stepping[0] > before
+    assert gc.get_freeze_count() == before
 
 
 def test_a_batch_larger_than_the_serving_queue_limit_runs(tiny_llama_dir: Path) -> None:
