@@ -78,6 +78,41 @@ def offline(runs: Runs, num_prompts: int) -> dict[str, Any]:
     }
 
 
+def routing(runs: Runs, num_prompts: int, prompt_len: int = 512, steps: int = 32) -> dict:
+    """The experts a step chose across the batch: for each decode step (the batch's tokens
+    at one position past the prompt) and layer, the number of distinct experts of all the
+    sequences' choices, averaged; the same at prompt positions (the prompts' tokens at one
+    position, a prefill's mix); and the distinct tokens sampled at a step."""
+    import numpy as np
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=steps, detokenize=False
+    )
+    outputs = runs.llm.generate(runs.prompts(num_prompts, prompt_len), params, use_tqdm=False)
+    experts = [o.outputs[0].routed_experts for o in outputs]
+    if any(e is None for e in experts):
+        return {"error": "no routed_experts in the outputs"}
+    chosen = np.stack([e[: prompt_len + steps - 1] for e in experts])  # [seqs, pos, layers, k]
+    layers = range(chosen.shape[2])
+
+    def distinct(positions: range) -> float:
+        counts = [len(np.unique(chosen[:, p, layer])) for p in positions for layer in layers]
+        return round(float(np.mean(counts)), 2)
+
+    tokens = np.array([o.outputs[0].token_ids for o in outputs])  # [seqs, steps]
+    tokens_a_step = [len(np.unique(tokens[:, i])) for i in range(tokens.shape[1])]
+    return {
+        "num_prompts": num_prompts,
+        "chosen_shape": list(chosen.shape),
+        "distinct_experts_a_layer_at_decode_steps": distinct(range(prompt_len, chosen.shape[1])),
+        "distinct_experts_a_layer_at_prompt_positions": distinct(range(0, prompt_len, 16)),
+        "distinct_tokens_a_step": round(float(np.mean(tokens_a_step)), 2),
+        "distinct_tokens_in_all": len(np.unique(tokens)),
+        "first_tokens_of_4": tokens[:4, :8].tolist(),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
@@ -98,6 +133,14 @@ def main() -> None:
         "kernels' CUDA time in profiler_out_0.txt here (the trace left out)",
     )
     parser.add_argument("--skip-latency", action="store_true", help="`offline` only")
+    parser.add_argument(
+        "--routing-report",
+        action="store_true",
+        help="a mixture of experts: the engine keeps each token's chosen experts "
+        "(enable_return_routed_experts), and after the timed runs one more batch of "
+        "`offline`'s prompts, 32 tokens out, says how many distinct experts a layer's step "
+        "chose and how many distinct tokens the batch sampled",
+    )
     args = parser.parse_args()
 
     from vllm import LLM
@@ -113,6 +156,7 @@ def main() -> None:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         profiler_config=profiler_config(args.profile_dir),
+        enable_return_routed_experts=args.routing_report,
     )
     runs = Runs(llm, args.seed)
     report: dict[str, Any] = {
@@ -130,6 +174,9 @@ def main() -> None:
         print(json.dumps(report["latency"]), flush=True)
     report["offline"] = offline(runs, args.num_prompts)
     print(json.dumps(report["offline"]), flush=True)
+    if args.routing_report:
+        report["routing"] = routing(runs, args.num_prompts)
+        print(json.dumps(report["routing"]), flush=True)
     args.out.write_text(json.dumps(report, indent=1))
     if args.profile_dir is not None:
         llm.start_profile()

@@ -54,12 +54,17 @@ def interpreted_gemv_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
 def assert_kernel_close(out: torch.Tensor, expected: torch.Tensor) -> None:
     """Interpreted, the kernels sum in float32 as the reference does: close to 2e-3. On a GPU
     the tensor cores sum in another order, which can move a value that is rounded to e4m3
-    next (FP8 experts' inputs) by one step: close to 1 % of the output's range."""
-    if out.is_cuda:
-        scale = float(expected.abs().max())
-        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2 * scale)
-    else:
+    next (FP8 experts' inputs) by one step: close to 1 % of the output's range, but for one
+    element in a thousand at most, which one step of e4m3 (an eighth of that input) moves by
+    up to 10 % of the range (seen at 0.06: one of 10,240)."""
+    if not out.is_cuda:
         torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
+        return
+    scale = float(expected.abs().max())
+    error = (out.float() - expected.float()).abs()
+    outside = error > 1e-2 * scale + 1e-2 * expected.float().abs()
+    assert int(outside.sum()) <= max(1, out.numel() // 1000), f"{int(outside.sum())} far off"
+    assert float(error.max()) <= 0.1 * scale, f"max error {float(error.max())} of {scale}"
 
 
 def routed(tokens: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, ...]:
