@@ -18,7 +18,9 @@ detokenisation.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import random
 import statistics
 import time
@@ -141,7 +143,16 @@ def main() -> None:
         "`offline`'s prompts, 32 tokens out, says how many distinct experts a layer's step "
         "chose and how many distinct tokens the batch sampled",
     )
+    parser.add_argument(
+        "--dummy-weights",
+        choices=("vllm", "normal"),
+        default="vllm",
+        help="vllm: vLLM's own (uniform in ±1e-3, every parameter from one seed); normal: "
+        "drawn as kvflow's, norms at 1 and the rest normal(0, 0.02) (sweeps/vllm_dummy/)",
+    )
     args = parser.parse_args()
+    if args.dummy_weights == "normal":
+        normal_dummy_weights()
 
     from vllm import LLM
 
@@ -166,6 +177,7 @@ def main() -> None:
         "enable_expert_parallel": args.enable_expert_parallel,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "dummy_weights": args.dummy_weights,
         # what vLLM chose (an AWQ folder runs as awq_marlin where Marlin takes it)
         "quantization_used": llm.llm_engine.model_config.quantization,
     }
@@ -183,6 +195,17 @@ def main() -> None:
         seconds, _ = runs.timed(args.num_prompts, 512, 256)
         llm.stop_profile()
         print(json.dumps({"profiled_offline_seconds": round(seconds, 3)}), flush=True)
+
+
+def normal_dummy_weights() -> None:
+    """sweeps/vllm_dummy/sitecustomize.py in this process and, through PYTHONPATH, in every
+    process vLLM starts (its engine core, its workers)."""
+    folder = Path(__file__).resolve().parent / "vllm_dummy"
+    paths = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = f"{folder}{os.pathsep}{paths}" if paths else str(folder)
+    spec = importlib.util.spec_from_file_location("kvflow_vllm_dummy", folder / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
 def profiler_config(directory: Path | None) -> dict[str, Any] | None:

@@ -1,0 +1,75 @@
+"""vLLM's dummy weights drawn as kvflow draws its own (services/executor/loading/loader.py
+`init_dummy`): norms at 1, every other float tensor normal with a deviation of 0.02.
+
+vLLM fills every parameter uniformly in ±1e-3, each from the same seed, and a mixture of
+experts built so routes the tokens of a decode step to few experts (measured with
+`sweeps/engine_vllm.py --routing-report`), so that its steps read a fraction of the expert
+weights a real model's do. `sweeps/engine_vllm.py --dummy-weights normal` puts this folder
+first on PYTHONPATH, so that every process vLLM starts imports this file at startup; it changes
+only the values the dummy loader writes, not how vLLM computes with them.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+DUMMY_LOADER = "vllm.model_executor.model_loader.dummy_loader"
+STD = 0.02
+
+
+def _fill(name: str, tensor: Any, norm: bool) -> None:
+    import torch
+
+    if tensor.device.type == "meta" or not torch.is_floating_point(tensor):
+        return  # as vLLM's: deferred (online quantization), or an integer table
+    with torch.no_grad():
+        if norm or "norm" in name or name.endswith(("k_scale", "v_scale")):
+            tensor.fill_(1.0)
+        else:
+            values = torch.randn(tensor.shape, device=tensor.device, dtype=torch.float32)
+            tensor.copy_(values.mul_(STD).to(tensor.dtype))
+
+
+def initialize_dummy_weights(model: Any, model_config: Any = None, **_: Any) -> None:
+    norm = "norm" in type(model).__name__.lower()  # a norm module's own "weight"
+    for name, tensor in model.state_dict().items():
+        _fill(name, tensor, norm)
+
+
+def initialize_single_dummy_weight(tensor: Any, *_: Any, **__: Any) -> None:
+    _fill("", tensor, norm=False)  # an online-quantized layer's weights
+
+
+class _PatchDummyLoader(importlib.abc.MetaPathFinder):
+    """Once vLLM's dummy loader is imported, its two fill functions are these."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != DUMMY_LOADER:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and isinstance(spec.loader, importlib.abc.Loader)
+        run = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            module.initialize_dummy_weights = initialize_dummy_weights  # type: ignore[attr-defined]
+            module.initialize_single_dummy_weight = initialize_single_dummy_weight  # type: ignore[attr-defined]
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    if DUMMY_LOADER in sys.modules:
+        raise RuntimeError(f"{DUMMY_LOADER} was imported before the patch")
+    if not any(isinstance(f, _PatchDummyLoader) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchDummyLoader())
+
+
+install()
