@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-STAND_IN = '''
+STAND_IN = """
 def initialize_dummy_weights(model, model_config, low=-1e-3, high=1e-3, seed=1234):
     for tensor in model.state_dict().values():
         tensor.uniform_(low, high)
@@ -20,7 +20,7 @@ def initialize_dummy_weights(model, model_config, low=-1e-3, high=1e-3, seed=123
 
 def initialize_single_dummy_weight(tensor, low=-1e-3, high=1e-3, seed=1234):
     tensor.uniform_(low, high)
-'''
+"""
 
 CHECK = """
 import torch
