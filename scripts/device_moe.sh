@@ -8,6 +8,7 @@
 #   PARTS="tests kvflow" FORMATS="bf16 fp8" bash scripts/device_moe.sh
 #   PARTS="install-vllm vllm layer" bash scripts/device_moe.sh   # once all of vLLM is there
 #   PARTS="kvflow-profile vllm-profile" bash scripts/device_moe.sh   # each engine's FP8 kernels
+#   PARTS=vllm-routing bash scripts/device_moe.sh      # the experts vLLM's decode steps chose
 #   PARTS=gpt-oss bash scripts/device_moe.sh
 #   DRY_RUN=1 bash scripts/device_moe.sh               # print the commands only
 #
@@ -27,6 +28,10 @@ MOE=Qwen3-30B-A3B
 COMMON=(--load-format dummy --max-model-len 4096 --seed 0)
 OFFLINE=(--num-prompts 256 --input-len 512 --output-len 256 --ignore-eos
     --max-num-batched-tokens 16384)
+# vLLM's own dummy weights route a decode step's tokens to a few experts (docs/benchmarks.md,
+# mixture of experts): its timed MoE runs draw them as kvflow does, unless VLLM_DUMMY says
+# otherwise; vllm-routing reports the experts a step chose with either kind of dummy weights.
+VLLM_DUMMY=${VLLM_DUMMY:-"--dummy-weights normal"}
 status=0
 
 step() {  # LOG COMMAND...: run it, its output to $RES/LOG
@@ -67,16 +72,24 @@ for part in $PARTS; do
     vllm)  # sweeps/engine_vllm.py: batch 1, then `offline`, in one engine start
         for format in $FORMATS; do
             step "vllm_$format.log" env OUT="$RES" FAMILY=$MOE VLLM_TAG="_$format" \
-                VLLM_ARGS="$(format_flags "$format")" PARTS=family-vllm bash scripts/device_serve.sh
+                VLLM_ARGS="$(format_flags "$format") $VLLM_DUMMY" PARTS=family-vllm \
+                bash scripts/device_serve.sh
             [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/serve-results/${MOE}_vllm_"$format".* "$RES/"
         done ;;
     vllm-profile)  # vLLM's FP8 `offline` timed, then once more under its torch profiler
         [ "${DRY_RUN:-0}" = 1 ] || rm -rf /tmp/vllm-profile
         step vllm_profile.log env OUT="$RES" FAMILY=$MOE VLLM_TAG=_fp8_profiled \
-            VLLM_ARGS="--quantization fp8 --skip-latency --profile-dir /tmp/vllm-profile" \
+            VLLM_ARGS="--quantization fp8 --skip-latency --profile-dir /tmp/vllm-profile $VLLM_DUMMY" \
             PARTS=family-vllm bash scripts/device_serve.sh
         [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/serve-results/${MOE}_vllm_fp8_profiled.* \
             /tmp/vllm-profile/profiler_out_*.txt "$RES/" || status=1 ;;
+    vllm-routing)  # the experts a decode step chose, FP8, vLLM's dummy weights and kvflow's
+        for weights in vllm normal; do
+            step "vllm_routing_$weights.log" env OUT="$RES" FAMILY=$MOE \
+                VLLM_TAG="_fp8_routing_$weights" PARTS=family-vllm VLLM_ARGS="--quantization fp8 \
+                --skip-latency --routing-report --dummy-weights $weights" bash scripts/device_serve.sh
+            [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/serve-results/${MOE}_vllm_fp8_routing_"$weights".* "$RES/"
+        done ;;
     kvflow-profile)  # kvflow's FP8 `offline`, profiled without PDL (each kernel's own time)
         step offline_fp8_profile.log python3 -m services bench throughput $MOE "${COMMON[@]}" \
             "${OFFLINE[@]}" --quantization fp8 --disable-pdl --profile-steps 10 --profile-run \
