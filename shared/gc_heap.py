@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 
 def freeze_startup_heap() -> None:
-    """A serving process, started: collect once, then freeze what is alive. Its objects
-    that become garbage in cycles later are not collected; a process that serves one
-    engine for its life has none of note."""
+    """A serving process, started (or started again: a scheduler whose executor came back):
+    thaw what an earlier start froze, collect, then freeze what is alive. Objects that become
+    cyclic garbage while frozen wait for the next start to be collected."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 

@@ -312,7 +312,7 @@ class SchedulerProcess:
             ready.max_model_len,
             self.address,
         )
-        freeze_startup_heap()  # an executor that came back: the old engine collected first
+        freeze_startup_heap()  # after an executor came back: the old engine collected here
         return core
 
     def _serve(self, core: EngineCore) -> None:

@@ -33,3 +33,23 @@ def test_a_started_process_collects_its_garbage_before_freezing() -> None:
         assert garbage() is None
     finally:
         gc.unfreeze()
+
+
+def test_a_second_start_collects_what_the_first_froze() -> None:
+    """A scheduler's engine replaced after its executor came back: the old one's cycles,
+    frozen at the first start, are collected at the second."""
+
+    class Engine:
+        def __init__(self) -> None:
+            self.me = self
+
+    engine = Engine()
+    old = weakref.ref(engine)
+    try:
+        freeze_startup_heap()
+        del engine
+        assert old() is not None  # frozen: no collection sees it
+        freeze_startup_heap()
+        assert old() is None
+    finally:
+        gc.unfreeze()
