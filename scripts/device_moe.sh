@@ -31,7 +31,7 @@ OFFLINE=(--num-prompts 256 --input-len 512 --output-len 256 --ignore-eos
 # vLLM's own dummy weights route a decode step's tokens to a few experts (docs/benchmarks.md,
 # mixture of experts): its timed MoE runs draw them as kvflow does, unless VLLM_DUMMY says
 # otherwise; vllm-routing reports the experts a step chose with either kind of dummy weights.
-VLLM_DUMMY=${VLLM_DUMMY:-"--dummy-weights normal"}
+VLLM_DUMMY=${VLLM_DUMMY-"--dummy-weights normal"}
 status=0
 
 step() {  # LOG COMMAND...: run it, its output to $RES/LOG
@@ -88,7 +88,8 @@ for part in $PARTS; do
             step "vllm_routing_$weights.log" env OUT="$RES" FAMILY=$MOE \
                 VLLM_TAG="_fp8_routing_$weights" PARTS=family-vllm VLLM_ARGS="--quantization fp8 \
                 --skip-latency --routing-report --dummy-weights $weights" bash scripts/device_serve.sh
-            [ "${DRY_RUN:-0}" = 1 ] || cp /tmp/serve-results/${MOE}_vllm_fp8_routing_"$weights".* "$RES/"
+            [ "${DRY_RUN:-0}" = 1 ] ||
+                cp /tmp/serve-results/${MOE}_vllm_fp8_routing_"$weights".* "$RES/" || status=1
         done ;;
     kvflow-profile)  # kvflow's FP8 `offline`, profiled without PDL (each kernel's own time)
         step offline_fp8_profile.log python3 -m services bench throughput $MOE "${COMMON[@]}" \

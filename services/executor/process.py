@@ -86,9 +86,9 @@ def run_executor(config: Config) -> None:
     model_name = config.served_model_name or runner.source.name
     if runner.lora is not None and model_name in runner.lora.modules:
         raise ValueError(f"--lora-modules: {model_name!r} is the served model's own name")
+    freeze_startup_heap()  # before ready: the collection must not delay a first plan
     socket.send(encode(runner.ready_message(model_name)))
     logger.info("%s ready on %s, connected to %s", name, runner.device, address)
-    freeze_startup_heap()
     try:
         steps = StepWatch(watch, config.fault_hang_step)
         load = ExpertLoad(runner.model)  # a mixture of experts' load, from the first plan on

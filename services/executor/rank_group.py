@@ -257,8 +257,8 @@ def main() -> None:
     runner = ModelRunner(
         config, join_world(config, args.rank, args.group, resolve_device(config.device, args.rank))
     )
-    logger.info("%s ready on %s", name, runner.device)
     freeze_startup_heap()
+    logger.info("%s ready on %s", name, runner.device)
     follow(runner, socket, StepWatch(watch))
 
 

@@ -283,6 +283,7 @@ class SchedulerProcess:
     def run(self) -> None:
         while True:
             core = self._start_engine()
+            freeze_startup_heap()  # the engine before, if any, is garbage now: collected
             try:
                 self._serve(core)
             except ExecutorLost as lost:
@@ -312,7 +313,6 @@ class SchedulerProcess:
             ready.max_model_len,
             self.address,
         )
-        freeze_startup_heap()  # after an executor came back: the old engine collected here
         return core
 
     def _serve(self, core: EngineCore) -> None:

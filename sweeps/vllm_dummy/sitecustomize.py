@@ -5,8 +5,10 @@ vLLM fills every parameter uniformly in ±1e-3, each from the same seed, and a m
 experts built so routes the tokens of a decode step to few experts (measured with
 `sweeps/engine_vllm.py --routing-report`), so that its steps read a fraction of the expert
 weights a real model's do. `sweeps/engine_vllm.py --dummy-weights normal` puts this folder
-first on PYTHONPATH, so that every process vLLM starts imports this file at startup; it changes
-only the values the dummy loader writes, not how vLLM computes with them.
+first on PYTHONPATH, so that every process vLLM starts imports this file at startup (and then
+the sitecustomize it hides, if any); it changes only the values the dummy loader writes, not
+how vLLM computes with them. Meant for float checkpoints and online quantization: every scale
+a layer holds (a KV cache's, a quantized checkpoint's) is set to 1.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -27,12 +30,10 @@ def _fill(name: str, tensor: Any, norm: bool) -> None:
 
     if tensor.device.type == "meta" or not torch.is_floating_point(tensor):
         return  # as vLLM's: deferred (online quantization), or an integer table
-    with torch.no_grad():
-        if norm or "norm" in name or name.endswith(("k_scale", "v_scale")):
-            tensor.fill_(1.0)
-        else:
-            values = torch.randn(tensor.shape, device=tensor.device, dtype=torch.float32)
-            tensor.copy_(values.mul_(STD).to(tensor.dtype))
+    ones = norm or "norm" in name or "scale" in name
+    with torch.no_grad():  # drawn in float32: FP8 tensors take neither randn nor fill
+        values = torch.randn(tensor.shape, device=tensor.device, dtype=torch.float32)
+        tensor.copy_((values.fill_(1.0) if ones else values.mul_(STD)).to(tensor.dtype))
 
 
 def initialize_dummy_weights(model: Any, model_config: Any = None, **_: Any) -> None:
@@ -72,4 +73,18 @@ def install() -> None:
         sys.meta_path.insert(0, _PatchDummyLoader())
 
 
+def _chain() -> None:
+    """Run the sitecustomize this one hides on the path (a distribution's, a bundle's)."""
+    here = Path(__file__).resolve().parent
+    for entry in sys.path:
+        other = Path(entry or ".").resolve() / "sitecustomize.py"
+        if other.parent != here and other.is_file():
+            spec = importlib.util.spec_from_file_location("_hidden_sitecustomize", other)
+            if spec is not None and spec.loader is not None:
+                spec.loader.exec_module(importlib.util.module_from_spec(spec))
+            return
+
+
 install()
+if __name__ == "sitecustomize":  # imported at startup, not loaded by engine_vllm.py
+    _chain()

@@ -51,16 +51,20 @@ def interpreted_gemv_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(triton_moe, "moe_experts_gemv", gemv)
 
 
-def assert_kernel_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_kernel_close(out: torch.Tensor, expected: torch.Tensor, fp8: bool = False) -> None:
     """Interpreted, the kernels sum in float32 as the reference does: close to 2e-3. On a GPU
-    the tensor cores sum in another order, which can move a value that is rounded to e4m3
-    next (FP8 experts' inputs) by one step: close to 1 % of the output's range, but for one
-    element in a thousand at most, which one step of e4m3 (an eighth of that input) moves by
-    up to 10 % of the range (seen at 0.06: one of 10,240)."""
+    the tensor cores sum in another order: close to 1 % of the output's range. With `fp8`
+    experts that order can also move an input that is rounded to e4m3 next by one step (an
+    eighth of it): one element in a thousand may then be off by up to 10 % of the range
+    (seen at 0.06: one of 10,240, at the FP8 table's last tiles)."""
+    assert (out.shape, out.dtype) == (expected.shape, expected.dtype)
     if not out.is_cuda:
         torch.testing.assert_close(out, expected, rtol=2e-3, atol=2e-3)
         return
     scale = float(expected.abs().max())
+    if not fp8:
+        torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2 * scale)
+        return
     error = (out.float() - expected.float()).abs()
     outside = error > 1e-2 * scale + 1e-2 * expected.float().abs()
     assert int(outside.sum()) <= max(1, out.numel() // 1000), f"{int(outside.sum())} far off"
@@ -192,7 +196,7 @@ def test_another_ranks_pairs_add_nothing(
     if gpt_oss:
         extra["biases"] = ExpertBiases(*(nan_expert_0(b) for b in extra["biases"]))
     out = moe_experts(x, gate_up, down, weights, ids, *scales, **extra)
-    assert_kernel_close(out, expected)
+    assert_kernel_close(out, expected, fp8=scales[0] is not None)
     assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
 
 
@@ -303,7 +307,7 @@ def test_fp8_grouped_gemms_match_the_reference_at_every_tile_set(most_pairs: int
     weights, ids = routed(tokens, experts, top_k, seed=tiles.block_m)
     out = moe_experts_grouped(x, gate_up, down, weights, ids, tiles, gate_up_scale, down_scale)
     expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
-    assert_kernel_close(out, expected)
+    assert_kernel_close(out, expected, fp8=True)
 
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["rows", "groups"])
@@ -326,7 +330,7 @@ def test_fp8_grouped_gemms_weights_first_match_the_reference(groups: int) -> Non
         x, gate_up, down, weights, ids, GroupedTiles(16, gemm, gemm), gate_up_scale, down_scale
     )
     expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
-    assert_kernel_close(out, expected)
+    assert_kernel_close(out, expected, fp8=True)
 
 
 @pytest.mark.parametrize(
@@ -355,7 +359,7 @@ def test_fp8_experts_match_the_reference(tokens: int, experts: int, groups: int)
     weights, ids = routed(tokens, experts, top_k, seed=tokens)
     out = moe_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
     expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
-    assert_kernel_close(out, expected)
+    assert_kernel_close(out, expected, fp8=True)
     assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
 
 
@@ -427,4 +431,4 @@ def test_gpt_oss_experts_match_the_reference(tokens: int, experts: int, fp8: boo
     assert not torch.allclose(
         expected, moe_experts_reference(x, gate_up, down, weights, ids, *scales)
     )
-    assert_kernel_close(out, expected)
+    assert_kernel_close(out, expected, fp8=scales[0] is not None)

@@ -1,55 +1,73 @@
-"""shared/gc_heap.py: the heap frozen for a run and thawed after it, whatever ends the run."""
+"""shared/gc_heap.py: the heap frozen for a run and thawed after it, whatever ends the run;
+a started process's garbage collected before the freeze, and an earlier start's at the next."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
+from collections.abc import Iterator
 
 import pytest
 
 from shared.gc_heap import freeze_startup_heap, heap_frozen
 
 
+@pytest.fixture(autouse=True)
+def thawed_and_no_automatic_collection() -> Iterator[None]:
+    """Each test starts from a thawed heap, and no automatic collection (which Python 3.12
+    runs at any eval-breaker check) frees a test's garbage before the test looks."""
+    gc.unfreeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
+
+
+class Cycle:
+    """Garbage that only a collection finds."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
 def test_a_run_freezes_the_heap_and_thaws_it_even_on_error() -> None:
-    before = gc.get_freeze_count()
     with heap_frozen():
-        assert gc.get_freeze_count() > before
-    assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
     with pytest.raises(RuntimeError), heap_frozen():
         raise RuntimeError("a step failed")
-    assert gc.get_freeze_count() == before
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_frozen_already_stays_frozen_after_a_run() -> None:
+    """A run within a run, or an application that froze its own heap: its owner thaws it."""
+    with contextlib.ExitStack() as outer:
+        outer.enter_context(heap_frozen())
+        frozen = gc.get_freeze_count()
+        with heap_frozen():
+            pass
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
 
 
 def test_a_started_process_collects_its_garbage_before_freezing() -> None:
-    class Cycle:
-        def __init__(self) -> None:
-            self.me = self
-
     garbage = weakref.ref(Cycle())  # alive until a collection finds it, or forever if frozen
     assert garbage() is not None
-    try:
-        freeze_startup_heap()
-        assert gc.get_freeze_count() > 0
-        assert garbage() is None
-    finally:
-        gc.unfreeze()
+    freeze_startup_heap()
+    assert gc.get_freeze_count() > 0
+    assert garbage() is None
 
 
 def test_a_second_start_collects_what_the_first_froze() -> None:
     """A scheduler's engine replaced after its executor came back: the old one's cycles,
     frozen at the first start, are collected at the second."""
-
-    class Engine:
-        def __init__(self) -> None:
-            self.me = self
-
-    engine = Engine()
+    engine = Cycle()
     old = weakref.ref(engine)
-    try:
-        freeze_startup_heap()
-        del engine
-        assert old() is not None  # frozen: no collection sees it
-        freeze_startup_heap()
-        assert old() is None
-    finally:
-        gc.unfreeze()
+    freeze_startup_heap()
+    del engine
+    assert old() is not None  # frozen: no collection sees it
+    freeze_startup_heap()
+    assert old() is None
