@@ -95,12 +95,14 @@ def routing(runs: Runs, num_prompts: int, prompt_len: int = 512, steps: int = 32
     experts = [o.outputs[0].routed_experts for o in outputs]
     if any(e is None for e in experts):
         return {"error": "no routed_experts in the outputs"}
-    chosen = np.stack([e[: prompt_len + steps - 1] for e in experts])  # [seqs, pos, layers, k]
+    # Each token's experts by position (vLLM keeps them by KV slot: the prompt's, then each
+    # token fed back), as far as every sequence has them: [seqs, positions, layers, k]
+    chosen = np.stack([e[: min(len(e) for e in experts)] for e in experts])
     layers = range(chosen.shape[2])
 
-    def distinct(positions: range) -> float:
+    def distinct(positions: range) -> float | None:
         counts = [len(np.unique(chosen[:, p, layer])) for p in positions for layer in layers]
-        return round(float(np.mean(counts)), 2)
+        return round(float(np.mean(counts)), 2) if counts else None
 
     tokens = np.array([o.outputs[0].token_ids for o in outputs])  # [seqs, steps]
     tokens_a_step = [len(np.unique(tokens[:, i])) for i in range(tokens.shape[1])]
