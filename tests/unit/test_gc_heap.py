@@ -46,10 +46,10 @@ def test_a_heap_frozen_already_stays_frozen_after_a_run() -> None:
     """A run within a run, or an application that froze its own heap: its owner thaws it."""
     with contextlib.ExitStack() as outer:
         outer.enter_context(heap_frozen())
-        frozen = gc.get_freeze_count()
         with heap_frozen():
             pass
-        assert gc.get_freeze_count() == frozen
+        # still frozen (the count itself moves: a frozen object freed leaves the generation)
+        assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
 
 
