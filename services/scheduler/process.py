@@ -281,9 +281,13 @@ class SchedulerProcess:
         )
 
     def run(self) -> None:
+        self.heap_frozen = False
         while True:
             core = self._start_engine()
-            freeze_startup_heap()  # the engine before, if any, is garbage now: collected
+            if not self.heap_frozen:  # once: a collection after an executor came back would
+                # finalize the old engine's sockets mid-loop (seen to hang the scheduler)
+                freeze_startup_heap()
+                self.heap_frozen = True
             try:
                 self._serve(core)
             except ExecutorLost as lost:
