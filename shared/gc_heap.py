@@ -16,8 +16,9 @@ from collections.abc import Iterator
 
 
 def freeze_startup_heap() -> None:
-    """A serving process, started (or started again: a scheduler whose executor came back):
-    thaw what an earlier start froze, collect, then freeze what is alive. Objects that become
+    """A serving process, started: thaw what an earlier call froze, collect, then freeze
+    what is alive. Once a process (the scheduler too: a collection after its executor came
+    back would finalize the old engine's sockets in its loop). Objects that become
     cyclic garbage while frozen (an adapter loaded at start-up and unloaded later) are
     collected at the next start, or never in a process that starts once."""
     gc.unfreeze()
