@@ -226,6 +226,7 @@ class LLM:
             return self.run_share(prompts, per_prompt, loras, progress)
         return self.replicas.generate(self.run_share, prompts, per_prompt, loras, progress)
 
+    @heap_frozen()  # no full collection walks the engine mid-run
     def run_share(
         self,
         prompts: list[GenerateRequest],
@@ -238,25 +239,24 @@ class LLM:
         results: list[GenerationResult] = []
         owners: dict[str, tuple[GenerationResult, Completion]] = {}
         done = False
-        with heap_frozen():  # no full collection walks the engine mid-run
-            try:
-                lora_ids = [0 if lora is None else self.add_lora(lora) for lora in loras]
-                for prompt, prompt_params, lora_id in zip(prompts, params, lora_ids, strict=True):
-                    prompt = msgspec.structs.replace(prompt, lora_id=lora_id)
-                    results.append(self._add(prompt, prompt_params, owners))
-                self._step_until_done(owners, progress)
-                done = True
-            except PlanError:
-                # The runner held a plan it could not run (an adapter whose files are gone): it
-                # starts over, with every tensor-parallel rank, before the requests are withdrawn.
-                self.runner.reset()
-                self.engine.forget_in_flight()
-                raise
-            finally:
-                if owners:  # an error or an interrupt: withdraw what is left
-                    self.engine.abort(list(owners))
-                    self.worker.abort(list(owners))
-                self._end_wave(stop=not done)
+        try:
+            lora_ids = [0 if lora is None else self.add_lora(lora) for lora in loras]
+            for prompt, prompt_params, lora_id in zip(prompts, params, lora_ids, strict=True):
+                prompt = msgspec.structs.replace(prompt, lora_id=lora_id)
+                results.append(self._add(prompt, prompt_params, owners))
+            self._step_until_done(owners, progress)
+            done = True
+        except PlanError:
+            # The runner held a plan it could not run (an adapter whose files are gone): it
+            # starts over, with every tensor-parallel rank, before the requests are withdrawn.
+            self.runner.reset()
+            self.engine.forget_in_flight()
+            raise
+        finally:
+            if owners:  # an error or an interrupt: withdraw what is left
+                self.engine.abort(list(owners))
+                self.worker.abort(list(owners))
+            self._end_wave(stop=not done)
         return results
 
     def _lockstep(self) -> Lockstep | None:

@@ -281,13 +281,12 @@ class SchedulerProcess:
         )
 
     def run(self) -> None:
-        self.heap_frozen = False
+        first = True
         while True:
             core = self._start_engine()
-            if not self.heap_frozen:  # once: a collection after an executor came back would
-                # finalize the old engine's sockets mid-loop (seen to hang the scheduler)
-                freeze_startup_heap()
-                self.heap_frozen = True
+            if first:  # once: a collection after an executor came back would finalize the
+                freeze_startup_heap()  # old engine's sockets mid-loop (seen to hang it)
+                first = False
             try:
                 self._serve(core)
             except ExecutorLost as lost:
