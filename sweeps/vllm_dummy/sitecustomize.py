@@ -1,20 +1,19 @@
 """vLLM's dummy weights drawn as kvflow draws its own (services/executor/loading/loader.py
 `init_dummy`): norms at 1, every other float tensor normal with a deviation of 0.02.
 
-vLLM fills every parameter uniformly in ±1e-3, each from the same seed, and a mixture of
-experts built so routes the tokens of a decode step to few experts (measured with
-`sweeps/engine_vllm.py --routing-report`), so that its steps read a fraction of the expert
-weights a real model's do. `sweeps/engine_vllm.py --dummy-weights normal` puts this folder
-first on PYTHONPATH, so that every process vLLM starts imports this file at startup (and then
-the sitecustomize it hides, if any); it changes only the values the dummy loader writes, not
-how vLLM computes with them. Meant for float checkpoints and online quantization: every scale
-a layer holds (a KV cache's, a quantized checkpoint's) is set to 1.
+vLLM fills every parameter uniformly in ±1e-3, each from the same seed. On Qwen3-30B-A3B in
+FP8, its decode steps so built read a fraction of the expert weights that tokens spread over
+the experts need (docs/benchmarks.md, mixture of experts); `sweeps/engine_vllm.py
+--routing-report` says which experts they chose. `--dummy-weights normal` there puts this
+folder first on PYTHONPATH, so that every process vLLM starts imports this file at startup
+(and then the sitecustomize it hides, if any); it changes only the values the dummy loader
+writes, not how vLLM computes with them. Meant for float checkpoints and online
+quantization: every scale a layer holds (a KV cache's, a quantized checkpoint's) is set to 1.
 """
 
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -31,9 +30,10 @@ def _fill(name: str, tensor: Any, norm: bool) -> None:
     if tensor.device.type == "meta" or not torch.is_floating_point(tensor):
         return  # as vLLM's: deferred (online quantization), or an integer table
     ones = norm or "norm" in name or "scale" in name
-    with torch.no_grad():  # drawn in float32: FP8 tensors take neither randn nor fill
-        values = torch.randn(tensor.shape, device=tensor.device, dtype=torch.float32)
-        tensor.copy_((values.fill_(1.0) if ones else values.mul_(STD)).to(tensor.dtype))
+    with torch.no_grad():  # made in float32: FP8 tensors take neither randn nor fill
+        make = torch.ones if ones else torch.randn
+        values = make(tensor.shape, device=tensor.device, dtype=torch.float32)
+        tensor.copy_((values if ones else values.mul_(STD)).to(tensor.dtype))
 
 
 def initialize_dummy_weights(model: Any, model_config: Any = None, **_: Any) -> None:
