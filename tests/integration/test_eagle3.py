@@ -17,8 +17,7 @@ import torch.nn.functional as F
 import transformers
 
 from kvflow import LLM, SamplingParams
-from services.executor.runner.cuda_graphs import StepGraphs
-from services.executor.runner.step_buffers import PaddedShape
+from tests.integration.padded_graphs import PaddedEagerly
 from tests.integration.test_speculative import GREEDY, MIXED, VARIANTS, generate
 from tests.integration.tiny_models import FAMILIES, TINY
 
@@ -292,17 +291,6 @@ def test_the_heads_drafts_under_cuda_graphs_are_eagle3s(target: Path, head: Path
     agreed = sum(drafts == reference.drafts(tokens, len(drafts)) for tokens, drafts in records)
     assert len(records) > 20 and agreed >= 0.9 * len(records), (agreed, len(records))
     assert llm.engine.scheduler.spec_decode.num_accepted_tokens > 0
-
-
-class PaddedEagerly(StepGraphs):
-    """A CUDA graph's padding without the graph: each step is padded to the shape a graph
-    would replay (padding rows that draft nothing and read block 0) and run eagerly."""
-
-    replays = 0
-
-    def replay(self, shape: PaddedShape) -> torch.Tensor:
-        self.replays += 1
-        return self.forward(self.buffers.view(self.max_seq_len, shape.max_query_len))
 
 
 def pad_like_graphs(llm: LLM) -> tuple[PaddedEagerly, PaddedEagerly]:

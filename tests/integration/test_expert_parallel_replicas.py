@@ -7,6 +7,7 @@ padding rows (services/executor/parallel/lockstep.py). Greedy tokens must be tra
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from kvflow import LLM, SamplingParams
 from services.executor.layers.moe import SparseMoE
 from shared.protocol import ParameterError
+from tests.integration import padded_graphs
 from tests.integration.test_parity import hf_greedy
 from tests.integration.test_tensor_parallel import tiny_folder
 from tests.integration.tiny_models import TINY, make_prompts
@@ -105,3 +107,52 @@ def test_two_replicas_of_two_ranks_give_transformers_tokens(
     config = {"data_parallel_size": 2, "enable_expert_parallel": True, "max_model_len": 128}
     results = generate(tmp_path, 2, str(folder), prompts, NUM_TOKENS, **config)
     assert [tokens for tokens, _ in results] == expected
+
+
+# (ranks a replica, prompts, --max-num-batched-tokens) -> the graphs' replays by token count
+# (None: some, their count the scheduler's choice of chunks)
+PADDED_JOBS: dict[str, tuple[int, int, int | None, dict[int, int | None]]] = {
+    # Decode steps of 1 row: replica 0's, and replica 1's padding step, each replaying the
+    # graph of 1; at the prefill of 3 tokens (no mixed graph of 4), replica 1 replays the
+    # decode graph of 4 with padding alone, replica 0 runs eagerly padded to 4.
+    "replica-1-pads": (1, 1, None, {1: 2 * (NUM_TOKENS - 1), 4: 1}),
+    # Chunks of 16 tokens (the mixed graph of 16, replica 1's last ones shorter: padded to
+    # it), then decode steps of 3 and 2 rows (both replaying the graph of 4).
+    "both-run-chunked": (1, 5, 16, {16: None, 4: None}),
+    # Two ranks a replica, each replaying what its first rank's round chose: rows 2 and 1.
+    "two-ranks-each": (2, 3, None, {2: 4 * (NUM_TOKENS - 1)}),
+}
+
+
+@pytest.mark.parametrize("job", sorted(PADDED_JOBS))
+def test_steps_padded_as_graphs_give_transformers_tokens(
+    tmp_path: Path,
+    folder_and_model: tuple[Path, object],
+    monkeypatch: pytest.MonkeyPatch,
+    job: str,
+) -> None:
+    """Every replica's steps padded as CUDA graphs pad them (tests/integration/padded_graphs.py,
+    in every process the job starts): a round's rows are the smallest graph's that holds the
+    most any replica runs, a replica with fewer pads its own to them (its padding rows choose
+    no expert: the replicas' rows on the device say which), and one with none replays that
+    graph's padding alone. Prompts of 3, 9, 16, 17 and 30 tokens, in turn to each replica."""
+    ranks, num_prompts, chunk, expected_replays = PADDED_JOBS[job]
+    folder, model = folder_and_model
+    log = tmp_path / "replays"
+    log.mkdir()
+    for name, value in padded_graphs.environment(log).items():
+        monkeypatch.setenv(name, value)
+    prompts = make_prompts(TINY["vocab_size"])[:num_prompts]
+    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
+    config = {"data_parallel_size": 2, "enable_expert_parallel": True, "max_model_len": 128}
+    if chunk is not None:
+        config["max_num_batched_tokens"] = chunk
+    results = generate(tmp_path, ranks, str(folder), prompts, NUM_TOKENS, **config)
+    assert [tokens for tokens, _ in results] == expected
+    logged = padded_graphs.replayed(log)
+    assert all(tokens == rows for tokens, rows in logged), "replays sent other rows than captured"
+    replays = Counter(tokens for tokens, _ in logged)
+    if None in expected_replays.values():
+        assert all(replays[size] for size in expected_replays), replays
+    else:
+        assert replays == expected_replays

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.executor.parallel.replica_experts import StepRows
 from services.executor.runner import step_buffers
 from services.executor.runner.cuda_graphs import (
     DECODE_GRAPH_MAX_BATCH,
@@ -116,6 +117,48 @@ def test_decode_steps_past_the_graph_limit_run_eagerly_rather_than_padded() -> N
     assert graphs.shape_for(1000, 1000, 1) is None
     small = StepGraphs(lambda view: view.input_ids, buffers, max_batch=300, max_seq_len=32)
     assert small.shape_for(290, 290, 1) == PaddedShape(300, 300, 1)  # max_batch's own
+
+
+@given(most=st.integers(1, 600), longest=st.integers(0, 600))
+def test_replicas_agree_on_a_graph_every_one_of_them_can_replay(most: int, longest: int) -> None:
+    """Across replicas (services/executor/runner/replica_rounds.py): the round's rows are the
+    smallest graph's, decode or mixed, that holds the most any replica runs; a replica's step
+    (its most tokens a request: `longest`, 0 with none) replays a graph of exactly those rows
+    where one of its kind was captured: a decode step a decode graph, else a mixed one."""
+    buffers = StepBuffers(2048, 256, 8, BLOCK, torch.device("cpu"))
+    graphs = StepGraphs(lambda view: view.input_ids, buffers, max_batch=256, max_seq_len=32)
+    sizes = sorted({*graphs.decode_sizes, *graphs.mixed_sizes})
+    rows = graphs.rows_for(most)
+    assert rows == min((s for s in sizes if s >= most), default=most)
+    shape = graphs.shape_at(rows, longest)
+    if shape is None:
+        assert rows not in graphs.mixed_sizes
+        assert longest > 1 or rows not in graphs.decode_sizes
+    else:
+        assert shape.num_tokens == rows
+        assert shape.decode == (longest <= 1 and rows in graphs.decode_sizes)
+    assert graphs.rows_for(3) == 4 and graphs.rows_for(250) == 256 and graphs.rows_for(257) == 320
+    assert graphs.shape_at(320, 1) == PaddedShape(320, 256, 320)  # a decode in a mixed graph
+    assert graphs.shape_at(24, 5) is None  # a mixed step where only a decode graph has 24
+
+
+def test_the_replicas_rows_mask_padding_from_the_device_when_graphs_replay() -> None:
+    """A step's padding mask across replicas: the host's rows without graphs (none when every
+    replica runs as many as they send); with graphs, made from the rows on the device that
+    each step's `set` refreshes, padded beyond the most any replica runs when a graph's are."""
+    step = StepRows()
+    step.set([3, 3])
+    assert step.padded == 3 and step.padding(torch.device("cpu")) is None
+    step.set([3, 1])
+    assert step.padding(torch.device("cpu")).tolist() == [[False] * 3, [False, True, True]]
+    graphs = StepRows()
+    graphs.keep_on_device(2, torch.device("cpu"))
+    graphs.set([3, 3], padded_to=4)
+    assert graphs.padded == 4
+    assert graphs.padding(torch.device("cpu")).tolist() == [[False] * 3 + [True]] * 2
+    graphs.set([1, 4], padded_to=4)
+    assert graphs.on_device is not None and graphs.on_device.tolist() == [1, 4]
+    assert graphs.padding(torch.device("cpu")).tolist() == [[False] + [True] * 3, [False] * 4]
 
 
 @settings(max_examples=120, deadline=None)

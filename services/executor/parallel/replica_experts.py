@@ -14,9 +14,10 @@ within a replica, as it adds a dense MLP's parts.
 
 The gather takes the same count of rows from each replica: a step's rows padded to the most any
 replica has in that step (the replicas tell each other their rows before they launch it:
-services/executor/parallel/lockstep.py). Every replica must so run each step's layers together:
-one with nothing to run takes part with a step of padding rows. Padding rows choose no expert
-(else they would all go to the same few, whose ranks would compute them).
+services/executor/parallel/lockstep.py), or further, to the CUDA graph every replica replays for
+that count (services/executor/runner/replica_rounds.py). Every replica must so run each step's
+layers together: one with nothing to run takes part with a step of padding rows. Padding rows
+choose no expert (else they would all go to the same few, whose ranks would compute them).
 """
 
 from __future__ import annotations
@@ -38,28 +39,44 @@ class StepRows:
     (`set`). None: the step's own, alike on every replica (the profiling step at start)."""
 
     rows: tuple[int, ...] | None = None
+    padded_to: int = 0  # the rows each replica sends, where more than the most any has
+    # With CUDA graphs, the rows on the device, which a graph's padding mask is made from when
+    # it replays (`keep_on_device`); without, the mask is made from the host's rows.
+    on_device: torch.Tensor | None = None  # [replicas] int64
     _padding: torch.Tensor | None = None  # `padding`'s mask, made once a step
 
-    def set(self, rows: Sequence[int]) -> None:
-        self.rows, self._padding = tuple(rows), None
+    def keep_on_device(self, replicas: int, device: torch.device) -> None:
+        if self.on_device is None:
+            self.on_device = torch.zeros(replicas, dtype=torch.int64, device=device)
+
+    def set(self, rows: Sequence[int], padded_to: int = 0) -> None:
+        self.rows, self.padded_to, self._padding = tuple(rows), padded_to, None
+        if self.on_device is not None:  # queued before the step: a graph reads it at replay
+            host = torch.tensor(self.rows, pin_memory=self.on_device.device.type == "cuda")
+            self.on_device.copy_(host, non_blocking=True)
 
     @property
     def padded(self) -> int | None:
-        """The rows each replica sends: the most any has."""
-        return max(self.rows) if self.rows is not None else None
+        """The rows each replica sends: the most any has, or `padded_to`."""
+        return max(*self.rows, self.padded_to) if self.rows is not None else None
 
     def padding(self, device: torch.device) -> torch.Tensor | None:  # [replicas, P] bool
         """Which of the gathered rows are padding (None: none is, every replica running as
-        many rows), made on the device once a step rather than in each layer."""
-        if self.rows is None or min(self.rows) == max(self.rows):
+        many rows, without graphs), made on the device once a step rather than in each layer."""
+        padded = self.padded
+        if padded is None or (self.on_device is None and min(self.rows or ()) == padded):
             return None
         if self._padding is None or self._padding.device != device:
-            # From pinned memory without waiting: a pageable copy would wait for the device
-            # to finish the work queued before it, each step.
-            host = torch.tensor(self.rows, pin_memory=device.type == "cuda")
-            rows = host.to(device, non_blocking=True)
-            self._padding = torch.arange(max(self.rows), device=device) >= rows[:, None]
+            self._padding = torch.arange(padded, device=device) >= self._rows(device)[:, None]
         return self._padding
+
+    def _rows(self, device: torch.device) -> torch.Tensor:  # [replicas]
+        if self.on_device is not None:
+            return self.on_device
+        # From pinned memory without waiting: a pageable copy would wait for the device to
+        # finish the work queued before it, each step.
+        host = torch.tensor(self.rows, pin_memory=device.type == "cuda")
+        return host.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

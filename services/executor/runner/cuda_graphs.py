@@ -64,10 +64,12 @@ class StepGraphs:
         max_seq_len: int,
         mixed: bool = True,
         name: str = "",
+        before_capture: Callable[[PaddedShape], None] | None = None,
     ) -> None:
         """`mixed`: capture mixed steps too (else decode batches only); `name`: for the log
-        (the target's: none)."""
+        (the target's: none); `before_capture`: called with each shape before it is run."""
         self.name = name
+        self.before_capture = before_capture
         self.forward = forward
         self.buffers = buffers
         self.max_seq_len = max_seq_len  # attention's context bound, fixed at capture
@@ -83,6 +85,10 @@ class StepGraphs:
         self.verify_sizes = [s for s in self.decode_sizes if verifies and s <= verify_limit]
         self.graphs: dict[PaddedShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
+    @classmethod
+    def supports(cls, device: torch.device) -> bool:
+        return device.type == "cuda"
+
     def shape_for(self, num_reqs: int, num_tokens: int, max_query_len: int) -> PaddedShape | None:
         """The captured shape a step (its most tokens a request: `max_query_len`) runs at, or
         None if it runs eagerly."""
@@ -94,6 +100,22 @@ class StepGraphs:
         if self.mixed_sizes and num_tokens <= self.mixed_sizes[-1]:
             return self._mixed(self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)])
         return None
+
+    def rows_for(self, num_tokens: int) -> int:
+        """The rows a step of `num_tokens` is padded to across replicas: those of the smallest
+        graph (decode or mixed) that holds it, or its own past them. Every replica's graphs
+        alike, each finds the same for the most rows any replica runs."""
+        sizes = sorted({*self.decode_sizes, *self.mixed_sizes})
+        return (
+            sizes[bisect.bisect_left(sizes, num_tokens)] if num_tokens <= sizes[-1] else num_tokens
+        )
+
+    def shape_at(self, num_tokens: int, max_query_len: int) -> PaddedShape | None:
+        """The captured shape of exactly `num_tokens` tokens that a step (its most tokens a
+        request: `max_query_len`, 0 with none) runs at across replicas, if there is one."""
+        if max_query_len <= 1 and num_tokens in self.decode_sizes:
+            return self._decode(num_tokens)
+        return self._mixed(num_tokens) if num_tokens in self.mixed_sizes else None
 
     def _decode(self, size: int) -> PaddedShape:
         return PaddedShape(size, size, max_query_len=1)
@@ -120,6 +142,8 @@ class StepGraphs:
         pool = None
         # Largest first: smaller graphs then reuse its memory from the shared pool.
         for shape in sorted(self._shapes(), key=lambda s: -s.num_tokens):
+            if self.before_capture is not None:
+                self.before_capture(shape)
             self.buffers.write([], [], [], [], pad_to=shape)
             self.buffers.copy_to_device()
             # A decode or verifying graph runs the decode kernel; a mixed one the prefill

@@ -38,7 +38,11 @@ from services.executor.runner.plan_check import PlanError, PlanLimits, check_pla
 from services.executor.runner.plan_relay import PlanRelay
 from services.executor.runner.pooling import pool_chunk
 from services.executor.runner.prompt_logprobs import prompt_logprobs
-from services.executor.runner.replica_rounds import graphs_allowed, launch_round
+from services.executor.runner.replica_rounds import (
+    before_capture,
+    launch_round,
+    refuse_drafts_across_replicas,
+)
 from services.executor.runner.sampler import Sampler, TokenBitmask, step_seed
 from services.executor.runner.step_buffers import StepBuffers, StepView
 from services.executor.runner.step_state import (
@@ -125,12 +129,13 @@ class ModelRunner:
         self._prepared: PreparedStep | None = None
         # The last step's sampled ids, where the next step's decodes read their input token.
         self.sampled_ids = torch.zeros(self.buffers.max_samples, dtype=torch.int64).to(self.device)
+        refuse_drafts_across_replicas(self.tp, self.proposer is not None)
         self.graphs: StepGraphs | None = None
-        eager = config.enforce_eager or not graphs_allowed(self.tp, self.proposer is not None)
-        if self.device.type == "cuda" and not eager:
+        if StepGraphs.supports(self.device) and not config.enforce_eager:
             self.graphs = StepGraphs(
-                self.forward, self.buffers, config.max_num_seqs, self.max_model_len
-            )
+                self.forward, self.buffers, config.max_num_seqs, self.max_model_len,
+                before_capture=before_capture(self.tp, self.device),
+            )  # fmt: skip
             with torch.inference_mode():
                 self.graphs.capture()
         if self.device.type == "cuda":
@@ -163,14 +168,9 @@ class ModelRunner:
         self.lora: LoraManager | None = None
         if config.enable_lora:
             self.lora = LoraManager(
-                self.model,
-                config.max_loras,
-                config.max_lora_rank,
-                config.max_cpu_loras,
-                self.dtype,
-                self.device,
-                parse_lora_modules(config.lora_modules),
-            )
+                self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+                self.dtype, self.device, parse_lora_modules(config.lora_modules),
+            )  # fmt: skip
 
     def _allocate_kv_cache(self, config: Config) -> None:
         """As many KV blocks as the memory left holds, on every rank alike."""
@@ -318,7 +318,7 @@ class ModelRunner:
             raise PlanError(f"launch of plan {step}, which is not prepared")
         if len(self._in_flight) > 1:
             raise RuntimeError("launch() with two steps in flight: collect() one first")
-        launch_round(self, step, len(prepared.token_ids), replica_rows)  # relays the launch
+        launch_round(self, prepared, replica_rows)  # relays the launch
         self._prepared = None
         if not prepared.counts:
             self._in_flight.append(InFlightStep(step, [], [], None))
@@ -357,18 +357,10 @@ class ModelRunner:
         )
         self._in_flight.append(
             InFlightStep(
-                step,
-                prepared.sample_ids,
-                states,
-                pending,
-                forward_done,
-                span,
-                prompt_parts=prompt_parts,
-                pooled=pooled,
-                drafts=prepared.drafts,
-                proposal=proposal,
+                step, prepared.sample_ids, states, pending, forward_done, span,
+                prompt_parts=prompt_parts, pooled=pooled, drafts=prepared.drafts, proposal=proposal,
             )
-        )
+        )  # fmt: skip
 
     def collect(self) -> ModelRunnerOutput:
         """Wait for the oldest step in flight; its tokens join their requests."""
@@ -473,15 +465,18 @@ class ModelRunner:
             prepared.shape = self.graphs.shape_for(
                 len(prepared.counts), len(prepared.token_ids), max(prepared.counts, default=0)
             )
-        row_slots = None
         if self.lora is not None:  # a step's adapters in slots before its inputs name them
             try:
-                row_slots = self.lora.row_slots(prepared.lora_ids)
+                prepared.row_slots = self.lora.row_slots(prepared.lora_ids)
             except (ValueError, OSError) as exc:  # more adapters than slots; files gone
                 raise PlanError(f"plan {prepared.step}: its LoRA adapters: {exc}") from exc
+        self.write_inputs(prepared)
+
+    def write_inputs(self, prepared: PreparedStep) -> None:
+        """The prepared step's inputs into the host mirror, padded to its graph's shape."""
         self.buffers.write(
             prepared.token_ids, prepared.starts, prepared.counts, prepared.sample_rows,
-            prepared.shape, prepared.sources, row_slots, prepared.long_rows,
+            prepared.shape, prepared.sources, prepared.row_slots, prepared.long_rows,
         )  # fmt: skip
         if prepared.shape is not None and prepared.shape.decode:
             for row in range(len(prepared.counts), prepared.shape.num_reqs):

@@ -1,23 +1,28 @@
 """A runner's part in the rounds of expert parallelism across replicas
 (services/executor/parallel/lockstep.py): each launch takes a round, and a replica with nothing
-to launch while others run rows serves them with a step of padding rows."""
+to launch while others run rows serves them with a step of padding rows.
+
+With CUDA graphs, a graph's exchanges send the rows it was captured with, so every replica runs
+a round's step at the same count: that of the smallest graph holding the most rows any replica
+runs (`StepGraphs.rows_for`). A replica replays its graph of that count (a decode step's, or a
+mixed step's), or runs eagerly and pads its rows to it in the exchange where it has none (a
+mixed step between mixed graphs' sizes, a step past the graphs); its padding rows choose no
+expert, as the replicas' rows on the device tell the graph when it replays."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from services.executor.parallel.lockstep import Round
 from services.executor.parallel.tensor_parallel import TensorParallel
+from services.executor.runner.cuda_graphs import StepGraphs
 from services.executor.runner.plan_relay import PlanRelay
 from services.executor.runner.step_buffers import PaddedShape, StepBuffers, StepView
-from services.executor.runner.step_state import RequestState
+from services.executor.runner.step_state import PreparedStep, RequestState
 from shared.protocol import LaunchStep, PaddingStep
-
-logger = logging.getLogger(__name__)
 
 
 class RoundsTarget(Protocol):
@@ -26,39 +31,58 @@ class RoundsTarget(Protocol):
     tp: TensorParallel
     relay: PlanRelay | None
     buffers: StepBuffers
+    graphs: StepGraphs | None
     row_owner: list[RequestState | None]
 
     def forward(self, view: StepView) -> torch.Tensor: ...
 
+    def write_inputs(self, prepared: PreparedStep) -> None: ...
 
-def graphs_allowed(tp: TensorParallel, speculates: bool) -> bool:
-    """Whether the runner may capture CUDA graphs: not across replicas, whose graphs' exchanges
-    would have to send rows padded alike on every replica (not built yet: eager steps). There,
-    speculative decoding is refused (its draft steps take no rounds)."""
-    if tp.replicas is None:
-        return True
-    if speculates:
+
+def refuse_drafts_across_replicas(tp: TensorParallel, speculates: bool) -> None:
+    """Speculative decoding is not built for expert parallelism across replicas: its draft
+    steps take no rounds."""
+    if tp.replicas is not None and speculates:
         raise ValueError("--speculative-config: not built for expert parallelism across replicas")
-    logger.info("expert parallelism across replicas: steps run eagerly (no CUDA graphs)")
-    return False
+
+
+def before_capture(
+    tp: TensorParallel, device: torch.device
+) -> Callable[[PaddedShape], None] | None:
+    """Across replicas: each graph is captured with every replica's rows at its count (every
+    replica captures the same graphs in the same order, their exchanges paired), and replays
+    reading the replicas' rows from the device. None without replicas."""
+    replicas = tp.replicas
+    if replicas is None:
+        return None
+    replicas.step.keep_on_device(replicas.replicas, device)
+    return lambda shape: replicas.step.set([shape.num_tokens] * replicas.replicas)
 
 
 def launch_round(
-    runner: RoundsTarget, step: int, rows: int, replica_rows: Sequence[int] = ()
+    runner: RoundsTarget, prepared: PreparedStep, replica_rows: Sequence[int] = ()
 ) -> None:
-    """Before plan `step` (of `rows` rows) is launched: rank 0 across replicas takes a round
-    for it (the other ranks are given its outcome, `replica_rows`: each replica's rows), relays
-    the launch to the other ranks, and each rank's exchanges take the replicas' rows; a plan of
-    no rows then runs a step of padding rows if another replica runs rows."""
-    replicas = runner.tp.replicas
+    """Before `prepared` is launched: rank 0 across replicas takes a round for it (the other
+    ranks are given its outcome, `replica_rows`: each replica's rows), relays the launch to the
+    other ranks, and each rank's exchanges take the replicas' rows, the step padded to the
+    round's graph where it has one; a plan of no rows then runs a step of padding rows if
+    another replica runs rows."""
+    replicas, rows = runner.tp.replicas, len(prepared.token_ids)
     if replicas is not None and replicas.lockstep is not None:
         replica_rows = replicas.lockstep.join(rows, busy=True).rows
     if runner.relay is not None:
-        runner.relay.send(LaunchStep(step, list(replica_rows)))
-    if replicas is not None:
-        replicas.step.set(replica_rows)
-        if not rows and max(replica_rows):
-            _run_padding(runner)
+        runner.relay.send(LaunchStep(prepared.step, list(replica_rows)))
+    if replicas is None:
+        return
+    padded = _round_rows(runner, replica_rows)
+    replicas.step.set(replica_rows, padded)
+    if rows and runner.graphs is not None:
+        shape = runner.graphs.shape_at(padded, max(prepared.counts))
+        if shape != prepared.shape:  # padded for its own rows when prepared
+            prepared.shape = shape
+            runner.write_inputs(prepared)
+    if not rows and max(replica_rows):
+        _run_padding(runner, padded)
 
 
 @torch.inference_mode()
@@ -80,14 +104,28 @@ def run_padding(runner: RoundsTarget, replica_rows: Sequence[int]) -> None:
     """A step of padding rows alone, the replicas' rows in it being `replica_rows` (a rank
     other than 0 told so by PaddingStep, or rank 0 in `idle_round`)."""
     assert runner.tp.replicas is not None, "padding steps are expert parallelism's"
-    runner.tp.replicas.step.set(replica_rows)
-    _run_padding(runner)
+    padded = _round_rows(runner, replica_rows)
+    runner.tp.replicas.step.set(replica_rows, padded)
+    _run_padding(runner, padded)
 
 
-def _run_padding(runner: RoundsTarget) -> None:
-    """One padding row (it reads block 0 and writes no KV), whose output is dropped: this
-    replica's experts serve the other replicas' rows in the step's exchanges."""
-    runner.buffers.write([], [], [], [], PaddedShape(num_tokens=1, num_reqs=1, max_query_len=1))
-    runner.row_owner[0] = None  # the padding row overwrote its block-table row
+def _round_rows(runner: RoundsTarget, replica_rows: Sequence[int]) -> int:
+    """The rows every replica runs in the round's step (the exchanges' count)."""
+    most = max(replica_rows)
+    return runner.graphs.rows_for(most) if runner.graphs is not None else most
+
+
+def _run_padding(runner: RoundsTarget, padded: int) -> None:
+    """Padding rows alone (they read block 0 and write no KV), whose output is dropped: this
+    replica's experts serve the other replicas' rows in the step's exchanges. The round's
+    graph if there is one, else one row, eagerly."""
+    shape = runner.graphs.shape_at(padded, 0) if runner.graphs is not None else None
+    pad = shape or PaddedShape(num_tokens=1, num_reqs=1, max_query_len=1)
+    runner.buffers.write([], [], [], [], pad)
+    for row in range(pad.num_reqs):
+        runner.row_owner[row] = None  # the padding rows overwrote their block-table rows
     runner.buffers.copy_to_device()
-    runner.forward(runner.buffers.view(max_seq_len=1, max_query_len=1))
+    if runner.graphs is not None and shape is not None:
+        runner.graphs.replay(shape)
+    else:
+        runner.forward(runner.buffers.view(max_seq_len=1, max_query_len=1))

@@ -292,6 +292,7 @@ class PreparedStep:
     lora_ids: list[int] = field(default_factory=list)  # each row's LoRA adapter (0: none)
     long_rows: list[bool] = field(default_factory=list)  # each row's request's (LongRoPE)
     shape: PaddedShape | None = None
+    row_slots: list[int] | None = None  # each row's LoRA slot, with LoRA
     # Requests whose prompt logprobs this step computes: (request id, token index of the first
     # position, that position, number of positions).
     prompt_rows: list[tuple[str, int, int, int]] = field(default_factory=list)
