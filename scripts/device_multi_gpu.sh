@@ -65,10 +65,13 @@ for part in $PARTS; do
         kvflow_moe moe_tp1
         kvflow_moe "moe_ep$N" --tensor-parallel-size "$N" --enable-expert-parallel \
             --profile-steps 10 ;;
-    ep-dp)  # N replicas, the experts over all of them (attention data parallel): offline only
-        step python3 -m services bench throughput $MOE "${COMMON[@]}" "${OFFLINE[@]}" \
-            --max-num-batched-tokens 16384 --data-parallel-size "$N" --enable-expert-parallel \
-            --output-json "$RES/moe_dpep$N.json" ;;
+    ep-dp)  # N replicas, the experts over all of them (attention data parallel): offline only,
+        # with CUDA graphs across the replicas and without (what the graphs give)
+        for eager in "" --enforce-eager; do
+            step python3 -m services bench throughput $MOE "${COMMON[@]}" "${OFFLINE[@]}" \
+                --max-num-batched-tokens 16384 --data-parallel-size "$N" \
+                --enable-expert-parallel $eager --output-json "$RES/moe_dpep$N${eager:+_eager}.json"
+        done ;;
     pd)  # one prefill and one decode replica against two ordinary ones: long prompts and chats
         step python3 -m sweeps.disaggregation /tmp/qwen3-8b --baseline dp --long-fraction 0.25 \
             --long-len 10000 --long-range 0.6 --input-len 256 --max-model-len 20000 \

@@ -124,6 +124,8 @@ def rows(folder: Path, n: int) -> list[Row]:
             tok_s(f"Qwen3-30B-A3B_vllm_ep{n}.json", "offline"), None),
         Row(f"EP over DP={n} / one GPU offline tok/s, Qwen3-30B-A3B", tok_s(f"moe_dpep{n}.json"),
             tok_s("moe_tp1.json"), None),
+        Row(f"EP over DP={n}: CUDA graphs / eager offline tok/s", tok_s(f"moe_dpep{n}.json"),
+            tok_s(f"moe_dpep{n}_eager.json"), None),
         Row("P/D pair / DP pair decode TPOT p99", dig(split, "serve", "p99_tpot_ms"),
             dig(pair, "serve", "p99_tpot_ms"), "<= 0.5"),
         Row("P/D pair / DP pair TTFT median", dig(split, "serve", "median_ttft_ms"),

@@ -29,14 +29,16 @@ def dry_run(gpus: int) -> list[list[str]]:
 def test_every_kvflow_command_makes_a_valid_config() -> None:
     commands = [c for c in dry_run(2) if c[:3] == ["python3", "-m", "services"]]
     # throughput and latency on one GPU and with EP over two ranks; throughput with EP over
-    # two replicas
-    assert len(commands) == 5
+    # two replicas, with CUDA graphs and eagerly
+    assert len(commands) == 6
     for command in commands:
         args = build_parser().parse_args(command[3:])
         config = config_from_args(args, defaults=OFFLINE_DEFAULTS)
         if "--enable-expert-parallel" in command:
             assert config.enable_expert_parallel
             assert 2 in (config.tensor_parallel_size, config.data_parallel_size)
+    across_replicas = [c for c in commands if "--data-parallel-size" in c]
+    assert sorted("--enforce-eager" in c for c in across_replicas) == [False, True]
 
 
 def test_every_part_asked_of_the_other_scripts_is_theirs() -> None:
