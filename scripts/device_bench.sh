@@ -68,10 +68,12 @@ for part in $PARTS; do
         run throughput python3 -m services bench throughput "$MODEL" "${COMMON[@]}" \
             --num-prompts 256 --input-len 512 --output-len 256 --ignore-eos \
             --max-num-batched-tokens 8192 --output-json "$OUT/throughput.json" ;;
-    tp-tests)  # two ranks against one on GPUs: the fused all-reduce and NCCL, inside CUDA graphs
+    tp-tests)  # two ranks against one on GPUs: the fused all-reduce and NCCL, inside CUDA graphs;
+        # two replicas sharing the experts, in graphs and eagerly
         run tp-tests python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider \
             tests/integration/test_gpu_fused_all_reduce.py \
-            tests/integration/test_gpu_tensor_parallel.py ;;
+            tests/integration/test_gpu_tensor_parallel.py \
+            tests/integration/test_gpu_expert_parallel_replicas.py ;;
     allreduce)  # one all-reduce between $TP GPUs: NCCL eager and in graphs, symmetric memory
         run allreduce python3 -m torch.distributed.run --nproc-per-node "$TP" \
             -m sweeps.allreduce_probe "$OUT/allreduce.json" ;;
