@@ -12,9 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvflow import LLM, SamplingParams
 from services.executor.layers.moe import SparseMoE
+from services.executor.parallel.replica_experts import ReplicaExperts
 from shared.protocol import ParameterError
 from tests.integration import padded_graphs
 from tests.integration.test_parity import hf_greedy
@@ -76,6 +78,44 @@ def test_a_replica_with_no_share_serves_the_other(
     assert greedy(replicas, prompt, NUM_TOKENS) == hf_greedy(
         model, prompt, NUM_TOKENS, eos_token_id=None
     )
+
+
+def test_padding_rows_choose_no_expert(replicas: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replica 0's first mixture-of-experts layer, in steps where the replicas run different
+    rows: the gathered rows past a replica's own (padding to the most any replica has) choose
+    expert -1 (none computes them), while the replicas' own rows choose this rank's experts
+    (or -1 for the other rank's). The padding rows hold noise here, as a graph's padded rows
+    hold hidden states (zeros would route to the other rank's experts anyway: ties)."""
+    layer = next(m for m in replicas.runner.model.modules() if isinstance(m, SparseMoE))
+    assert layer.replicas is not None
+    step, apply, gather = layer.replicas.step, layer.method.apply, ReplicaExperts.gather
+    seen: list[tuple[tuple[int, ...], int, torch.Tensor]] = []
+
+    def noisy_gather(self: ReplicaExperts, x: torch.Tensor) -> torch.Tensor:
+        rows = gather(self, x)
+        padded = rows.shape[0] // self.replicas
+        for replica, own in enumerate(self.step.rows or ()):
+            padding = rows[replica * padded + own : (replica + 1) * padded]
+            padding.copy_(torch.randn_like(padding))
+        return rows
+
+    def recording_apply(module, tokens, weights, ids):  # type: ignore[no-untyped-def]
+        if module is layer and step.rows is not None:
+            seen.append((step.rows, step.padded or 0, ids.clone()))
+        return apply(module, tokens, weights, ids)
+
+    monkeypatch.setattr(ReplicaExperts, "gather", noisy_gather)
+    monkeypatch.setattr(layer.method, "apply", recording_apply)
+    greedy(replicas, make_prompts(TINY["vocab_size"])[:3], 4)  # rows 2 and 1 at decode
+    uneven = [(rows, padded, ids) for rows, padded, ids in seen if min(rows) < padded]
+    assert uneven
+    chosen = 0
+    for rows, padded, ids in uneven:
+        by_replica = ids.reshape(len(rows), padded, -1)
+        for replica, own in enumerate(rows):
+            assert (by_replica[replica, own:] == -1).all()
+            chosen += int((by_replica[replica, :own] >= 0).sum())
+    assert chosen
 
 
 def test_a_failed_share_stops_the_others_and_the_replicas_go_on(

@@ -12,7 +12,9 @@ import torch
 import transformers
 
 from kvflow import LLM, SamplingParams
-from services.executor.runner.step_buffers import PaddedShape
+from services.executor.parallel.replica_experts import StepRows
+from services.executor.runner.cuda_graphs import StepGraphs
+from services.executor.runner.step_buffers import PaddedShape, StepBuffers, StepView
 from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
 
 
@@ -55,3 +57,33 @@ def test_graphs_match_eager(tmp_path: object) -> None:
         assert graph_out.token_ids == eager_out.token_ids
         for a, b in zip(eager_out.logprobs, graph_out.logprobs, strict=True):
             assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_graph_masks_the_padding_its_replay_has_not_its_captures() -> None:
+    """Across replicas (services/executor/runner/replica_rounds.py), each replay masks the rows
+    the replicas' rows of its step leave over: the mask is made in the graph, from the rows on
+    the device, though the warm-up before the capture made one with every row a replica's
+    (a graph that kept that one would replay a freed tensor's bytes)."""
+    device = torch.device("cuda")
+    step = StepRows()
+    step.keep_on_device(2, device)
+
+    def forward(view: StepView) -> torch.Tensor:  # two replicas' gathered rows: -1, padding
+        rows = torch.arange(2 * view.input_ids.shape[0], device=device)
+        padding = step.padding(device)
+        return rows if padding is None else rows.masked_fill(padding.reshape(-1), -1)
+
+    buffers = StepBuffers(64, 8, 4, 16, device)
+    graphs = StepGraphs(
+        forward, buffers, max_batch=8, max_seq_len=16, mixed=False,
+        before_capture=lambda shape: step.set([shape.num_tokens] * 2),
+    )  # fmt: skip
+    graphs.capture()
+    shape = graphs.shape_at(4, 1)
+    assert shape is not None
+    for rows, expected in (([1, 3], [0, -1, -1, -1, 4, 5, 6, -1]), ([4, 2], [*range(6), -1, -1])):
+        step.set(rows, padded_to=4)
+        torch.empty(4096, device=device).fill_(1.0)  # what a freed mask's memory may hold
+        assert graphs.replay(shape).tolist() == expected

@@ -62,7 +62,9 @@ class StepRows:
 
     def padding(self, device: torch.device) -> torch.Tensor | None:  # [replicas, P] bool
         """Which of the gathered rows are padding (None: none is, every replica running as
-        many rows, without graphs), made on the device once a step rather than in each layer."""
+        many rows, without graphs), made on the device once a step rather than in each layer.
+        A graph must make it in its capture (`set` before it), else it would replay a mask
+        made before and freed since."""
         padded = self.padded
         if padded is None or (self.on_device is None and min(self.rows or ()) == padded):
             return None

@@ -67,7 +67,8 @@ class StepGraphs:
         before_capture: Callable[[PaddedShape], None] | None = None,
     ) -> None:
         """`mixed`: capture mixed steps too (else decode batches only); `name`: for the log
-        (the target's: none); `before_capture`: called with each shape before it is run."""
+        (the target's: none); `before_capture`: called with each shape before each of its
+        runs at capture (the warm-up, the capture)."""
         self.name = name
         self.before_capture = before_capture
         self.forward = forward
@@ -84,6 +85,7 @@ class StepGraphs:
         verifies = self.queries > 1
         self.verify_sizes = [s for s in self.decode_sizes if verifies and s <= verify_limit]
         self.graphs: dict[PaddedShape, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.round_sizes = sorted({*self.decode_sizes, *self.mixed_sizes})  # `rows_for`'s
 
     @classmethod
     def supports(cls, device: torch.device) -> bool:
@@ -105,7 +107,7 @@ class StepGraphs:
         """The rows a step of `num_tokens` is padded to across replicas: those of the smallest
         graph (decode or mixed) that holds it, or its own past them. Every replica's graphs
         alike, each finds the same for the most rows any replica runs."""
-        sizes = sorted({*self.decode_sizes, *self.mixed_sizes})
+        sizes = self.round_sizes
         return (
             sizes[bisect.bisect_left(sizes, num_tokens)] if num_tokens <= sizes[-1] else num_tokens
         )
@@ -142,8 +144,7 @@ class StepGraphs:
         pool = None
         # Largest first: smaller graphs then reuse its memory from the shared pool.
         for shape in sorted(self._shapes(), key=lambda s: -s.num_tokens):
-            if self.before_capture is not None:
-                self.before_capture(shape)
+            self._before(shape)
             self.buffers.write([], [], [], [], pad_to=shape)
             self.buffers.copy_to_device()
             # A decode or verifying graph runs the decode kernel; a mixed one the prefill
@@ -152,10 +153,15 @@ class StepGraphs:
             self.forward(view)  # warm-up outside the graph: Triton compiles, cuBLAS picks
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
+            self._before(shape)  # again: the graph must make what the warm-up made and kept
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.forward(view)
             pool = graph.pool()
             self.graphs[shape] = (graph, hidden)
+
+    def _before(self, shape: PaddedShape) -> None:
+        if self.before_capture is not None:
+            self.before_capture(shape)
 
     def _log_captured(self, seconds: float) -> None:
         kinds = [f"decode batches of {self.decode_sizes[0]}..{self.decode_sizes[-1]}"]
