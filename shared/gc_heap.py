@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 
 def freeze_startup_heap() -> None:
-    """A serving process, started: thaw what an earlier call froze, collect, then freeze
-    what is alive. Once a process (the scheduler too: a collection after its executor came
-    back would finalize the old engine's sockets in its loop). Objects that become
-    cyclic garbage while frozen (an adapter loaded at start-up and unloaded later) are
-    collected at the next start, or never in a process that starts once."""
+    """A serving process, started: collect, then freeze what is alive (a call after the
+    first thaws and collects what it froze). Once a process, the scheduler too: a collection
+    after its executor came back would finalize the old engine's sockets in its loop. Objects
+    that become cyclic garbage while frozen (an adapter loaded at start-up and unloaded later)
+    are never collected."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()

@@ -444,7 +444,8 @@ class ModelRunner:
                 state.num_computed_tokens = delta.num_computed_tokens
 
     def _add_rows(self, plan: SchedulerOutput) -> None:
-        """Append the plan's requests to the prepared step and rewrite the host mirror."""
+        """Append the plan's requests to the prepared step and rewrite the host mirror (across
+        replicas at launch: services/executor/runner/replica_rounds.py)."""
         prepared = self._prepared
         assert prepared is not None
         if not plan.num_scheduled_tokens:
@@ -461,15 +462,17 @@ class ModelRunner:
             num_new += len(drafts) - plan.draft_slots.get(request_id, 0)  # the slots unused
             prepared.add_row(request_id, state, num_new, drafts)
             self._write_table_row(len(prepared.counts) - 1, state)
-        if self.graphs is not None:
-            prepared.shape = self.graphs.shape_for(
-                len(prepared.counts), len(prepared.token_ids), max(prepared.counts, default=0)
-            )
         if self.lora is not None:  # a step's adapters in slots before its inputs name them
             try:
                 prepared.row_slots = self.lora.row_slots(prepared.lora_ids)
             except (ValueError, OSError) as exc:  # more adapters than slots; files gone
                 raise PlanError(f"plan {prepared.step}: its LoRA adapters: {exc}") from exc
+        if self.tp.replicas is not None:  # written at launch, padded to the round's rows
+            return
+        if self.graphs is not None:
+            prepared.shape = self.graphs.shape_for(
+                len(prepared.counts), len(prepared.token_ids), max(prepared.counts, default=0)
+            )
         self.write_inputs(prepared)
 
     def write_inputs(self, prepared: PreparedStep) -> None:

@@ -74,14 +74,12 @@ def launch_round(
         runner.relay.send(LaunchStep(prepared.step, list(replica_rows)))
     if replicas is None:
         return
-    padded = _round_rows(runner, replica_rows)
-    replicas.step.set(replica_rows, padded)
-    if rows and runner.graphs is not None:
-        shape = runner.graphs.shape_at(padded, max(prepared.counts))
-        if shape != prepared.shape:  # padded for its own rows when prepared
-            prepared.shape = shape
-            runner.write_inputs(prepared)
-    if not rows and max(replica_rows):
+    padded = _take_rows(runner, replica_rows)
+    if rows:  # its inputs, left unwritten when prepared (ModelRunner._add_rows)
+        graphs = runner.graphs
+        prepared.shape = graphs.shape_at(padded, max(prepared.counts)) if graphs else None
+        runner.write_inputs(prepared)
+    elif max(replica_rows):
         _run_padding(runner, padded)
 
 
@@ -103,16 +101,18 @@ def idle_round(runner: RoundsTarget, stop: bool = False) -> Round:
 def run_padding(runner: RoundsTarget, replica_rows: Sequence[int]) -> None:
     """A step of padding rows alone, the replicas' rows in it being `replica_rows` (a rank
     other than 0 told so by PaddingStep, or rank 0 in `idle_round`)."""
-    assert runner.tp.replicas is not None, "padding steps are expert parallelism's"
-    padded = _round_rows(runner, replica_rows)
-    runner.tp.replicas.step.set(replica_rows, padded)
-    _run_padding(runner, padded)
+    _run_padding(runner, _take_rows(runner, replica_rows))
 
 
-def _round_rows(runner: RoundsTarget, replica_rows: Sequence[int]) -> int:
-    """The rows every replica runs in the round's step (the exchanges' count)."""
+def _take_rows(runner: RoundsTarget, replica_rows: Sequence[int]) -> int:
+    """The round's rows into the exchanges; returns the rows every replica runs in its step
+    (the exchanges' count)."""
+    replicas = runner.tp.replicas
+    assert replicas is not None, "rounds are expert parallelism's across replicas"
     most = max(replica_rows)
-    return runner.graphs.rows_for(most) if runner.graphs is not None else most
+    padded = runner.graphs.rows_for(most) if runner.graphs is not None else most
+    replicas.step.set(replica_rows, padded)
+    return padded
 
 
 def _run_padding(runner: RoundsTarget, padded: int) -> None:
