@@ -24,7 +24,7 @@ from kvflow.outputs import Completion, EmbeddingResult, GenerationResult
 from kvflow.progress import Progress, ProgressSink
 from services.executor.parallel.lockstep import Lockstep
 from services.executor.parallel.world import leave_world
-from services.executor.rank_group import start_runner
+from services.executor.rank_group import end_group, start_runner
 from services.executor.runner.plan_check import PlanError
 from services.executor.runner.replica_rounds import idle_round
 from services.frontend.api.openai_types import Message, Tool, chat_message
@@ -187,14 +187,17 @@ class LLM:
         return self._run(requests, sampling_params, lora_request, show_progress)
 
     def close(self) -> None:
-        """Stop the other data-parallel replicas now rather than at exit (their GPUs are
-        freed); this LLM takes no more calls then. Without them, nothing to do."""
+        """Stop the other data-parallel replicas and tensor-parallel ranks now rather than at
+        exit (their GPUs are freed), and leave their group (another `LLM` may then start its
+        own in this process); this LLM takes no more calls then. Without them, nothing to do."""
+        runner = getattr(self, "runner", None)  # None: closed as its start failed
         if self.replicas is not None:
             self.replicas.stop()
             atexit.unregister(self.close)
-            runner = getattr(self, "runner", None)  # None: closed as its start failed
             if runner is not None and runner.tp.replicas is not None and runner.tp.size == 1:
-                leave_world()  # the replicas' group (with more ranks: at exit)
+                leave_world()  # the replicas' group (with more ranks: end_group's)
+        if runner is not None:
+            end_group(runner)  # the other tensor-parallel ranks, then the group
 
     def stats(self) -> StatsSnapshot:
         """The engine's gauges and counters (with data_parallel_size > 1: replica 0's)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import dataclasses
+import functools
 import gc
 import json
 import logging
@@ -31,6 +32,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,11 @@ from shared.wire_security import WireSecurity
 
 logger = logging.getLogger(__name__)
 TEARDOWN_S = 10  # how long rank 0 waits at exit for the other ranks and the group to end
+# Rank 0's runners that have other ranks, each with its way out of their group: run at exit,
+# or earlier by `end_group`.
+_group_exits: weakref.WeakKeyDictionary[ModelRunner, Callable[[], None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def start_runner(config: Config) -> ModelRunner:
@@ -91,8 +98,20 @@ def start_runner(config: Config) -> ModelRunner:
     runner = ModelRunner(
         config, join_world(config, 0, directory, resolve_device(config.device)), relay
     )
-    atexit.register(_leave_group, weakref.ref(runner), ranks)  # runs before ranks.stop
+    leave = functools.partial(_leave_group, weakref.ref(runner), ranks)
+    atexit.register(leave)  # runs before ranks.stop
+    _group_exits[runner] = leave
     return runner
+
+
+def end_group(runner: ModelRunner) -> None:
+    """End rank 0's other ranks, then its own part of their group, now rather than at exit
+    (an `LLM` closed: another may then start a group of its own in this process). Nothing to
+    do for a runner without other ranks, or once done."""
+    leave = _group_exits.pop(runner, None)
+    if leave is not None:
+        atexit.unregister(leave)
+        leave()
 
 
 def check_group(config: Config) -> None:
