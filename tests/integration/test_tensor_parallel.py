@@ -25,7 +25,7 @@ from shared.model_config import load_model_config, resolve_model_source
 from tests.integration.test_eagle3 import NUM_LAYERS, write_head
 from tests.integration.test_parity import hf_greedy
 from tests.integration.tiny_models import FAMILIES, MOE_FAMILIES, TINY, make_prompts
-from tests.integration.tp_generate import generate, spec_counts
+from tests.integration.tp_generate import generate, job_results, make_job, run_jobs, spec_counts
 
 NUM_TOKENS = 24
 
@@ -35,6 +35,41 @@ def greedy(
 ) -> list[list[int]]:
     """Greedy tokens from `kvflow.LLM` on `world` ranks (one process each, in one gloo group)."""
     return [tokens for tokens, _ in generate(tmp_path, world, model, prompts, NUM_TOKENS, **config)]
+
+
+Cases = dict[str, tuple[list[list[int]], Path]]  # case: expected tokens, its job's folder
+
+
+def run_cases(
+    base: Path, models: dict[str, tuple[Path, torch.nn.Module, int]], **config: object
+) -> Cases:
+    """For each case (a model's folder, the model, its ranks): transformers' greedy tokens,
+    and the folder of its job's results. The jobs run in turn in one process: one start-up
+    (imports, some 2 s) for them all, each `LLM` closed before the next starts its group (one
+    that `close` left behind would refuse the next)."""
+    prompts = make_prompts(TINY["vocab_size"])[:4]
+    expected, jobs = {}, {}
+    for name, (folder, model, world) in models.items():
+        expected[name] = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
+        jobs[base / name / "job"] = make_job(world, str(folder), prompts, NUM_TOKENS, **config)
+    run_jobs(jobs)
+    return {name: (expected[name], base / name / "job") for name in models}
+
+
+def tiny_cases(
+    base: Path, cases: dict[str, tuple[str, int, dict]]
+) -> dict[str, tuple[Path, torch.nn.Module, int]]:
+    """For each case (a family, its ranks, changes to its tiny model): its tiny model's
+    folder, the model, and its ranks."""
+    models = {}
+    for name, (family, world, changes) in cases.items():
+        models[name] = (*tiny_folder(base / name, family, **changes), world)
+    return models
+
+
+def tokens_of(folder: Path) -> list[list[int]]:
+    """The tokens of the job run in `folder`."""
+    return [tokens for tokens, _ in job_results(folder)]
 
 
 def tiny_folder(
@@ -53,42 +88,32 @@ def tiny_folder(
     return tmp_path / "model", model
 
 
-@pytest.mark.parametrize(
-    ("family", "changes"),
-    [
-        ("llama", {}),
-        ("qwen2", {}),
-        ("qwen3", {}),
-        ("granite", {}),
-        ("phi3", {}),
-        ("gemma3_text", {}),
-        ("gemma2", {}),
-        ("llama", {"num_key_value_heads": 1}),
-        ("qwen3_moe dense first", {}),
-        ("qwen2_moe", {}),
-        ("mixtral", {}),
-        ("gpt_oss", {}),
-    ],
-    ids=[
-        "llama",
-        "qwen2-biases-tied",
-        "qwen3",
-        "granite-multipliers",
-        "phi3-fused-checkpoint-window",
-        "gemma3-sandwich-norms-two-rotaries",
-        "gemma2-soft-caps",
-        "llama-one-kv-head",
-        "qwen3-moe-dense-first",
-        "qwen2-moe-shared-expert",
-        "mixtral",
-        "gpt-oss-sinks-biases-fused-experts",
-    ],
-)
-def test_two_ranks_give_the_tokens_of_one(tmp_path: Path, family: str, changes: dict) -> None:
-    folder, model = tiny_folder(tmp_path, family, **changes)
-    prompts = make_prompts(TINY["vocab_size"])[:4]
-    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
-    assert greedy(tmp_path, 2, str(folder), prompts) == expected
+TWO_RANKS = {  # case: family, ranks, changes to its tiny model
+    "llama": ("llama", 2, {}),
+    "qwen2-biases-tied": ("qwen2", 2, {}),
+    "qwen3": ("qwen3", 2, {}),
+    "granite-multipliers": ("granite", 2, {}),
+    "phi3-fused-checkpoint-window": ("phi3", 2, {}),
+    "gemma3-sandwich-norms-two-rotaries": ("gemma3_text", 2, {}),
+    "gemma2-soft-caps": ("gemma2", 2, {}),
+    "llama-one-kv-head": ("llama", 2, {"num_key_value_heads": 1}),
+    "qwen3-moe-dense-first": ("qwen3_moe dense first", 2, {}),
+    "qwen2-moe-shared-expert": ("qwen2_moe", 2, {}),
+    "mixtral": ("mixtral", 2, {}),
+    "gpt-oss-sinks-biases-fused-experts": ("gpt_oss", 2, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Cases:
+    base = tmp_path_factory.mktemp("two-ranks")
+    return run_cases(base, tiny_cases(base, TWO_RANKS))
+
+
+@pytest.mark.parametrize("case", TWO_RANKS)
+def test_two_ranks_give_the_tokens_of_one(two_ranks: Cases, case: str) -> None:
+    expected, folder = two_ranks[case]
+    assert tokens_of(folder) == expected, case
 
 
 def test_two_ranks_split_gpt_oss_mxfp4_experts_by_whole_groups(tmp_path: Path) -> None:
@@ -107,27 +132,27 @@ def test_two_ranks_split_gpt_oss_mxfp4_experts_by_whole_groups(tmp_path: Path) -
 THREE_WAYS = {"num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 96}
 
 
-@pytest.mark.parametrize(
-    ("family", "world", "changes"),
-    [
-        ("qwen3_moe", 1, {}),
-        ("qwen3_moe", 3, THREE_WAYS),
-        ("qwen2_moe", 2, {}),
-        ("mixtral", 2, {}),
-        ("gpt_oss", 2, {}),
-    ],
-    ids=["one-rank", "qwen3-moe-three-ranks", "qwen2-moe-shared-expert", "mixtral", "gpt-oss"],
-)
-def test_expert_parallel_ranks_give_the_tokens_of_one(
-    tmp_path: Path, family: str, world: int, changes: dict
-) -> None:
+EXPERT_PARALLEL = {  # case: family, ranks, changes to its tiny model
+    "one-rank": ("qwen3_moe", 1, {}),
+    "qwen3-moe-three-ranks": ("qwen3_moe", 3, THREE_WAYS),
+    "qwen2-moe-shared-expert": ("qwen2_moe", 2, {}),
+    "mixtral": ("mixtral", 2, {}),
+    "gpt-oss": ("gpt_oss", 2, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(tmp_path_factory: pytest.TempPathFactory) -> Cases:
+    base = tmp_path_factory.mktemp("expert-parallel")
+    return run_cases(base, tiny_cases(base, EXPERT_PARALLEL), enable_expert_parallel=True)
+
+
+@pytest.mark.parametrize("case", EXPERT_PARALLEL)
+def test_expert_parallel_ranks_give_the_tokens_of_one(expert_parallel: Cases, case: str) -> None:
     """--enable-expert-parallel: each rank holds its run of the experts whole (three ranks:
     2, 3 and 3 of Qwen3-MoE's 8), attention and the shared expert split as without it."""
-    folder, model = tiny_folder(tmp_path, family, **changes)
-    prompts = make_prompts(TINY["vocab_size"])[:4]
-    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
-    tokens = greedy(tmp_path, world, str(folder), prompts, enable_expert_parallel=True)
-    assert tokens == expected
+    expected, folder = expert_parallel[case]
+    assert tokens_of(folder) == expected, case
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
@@ -151,31 +176,49 @@ def test_two_ranks_verify_drafts_and_give_the_tokens_of_one(tmp_path: Path, meth
         draft_ids = sorted(token for token, _ in counts.most_common(24))
         config = transformers.AutoConfig.from_pretrained(folder)
         spec["model"] = str(write_head(tmp_path / "head", config, draft_ids))
-    assert greedy(tmp_path / "two", 2, str(folder), prompts, speculative_config=spec) == expected
+    worlds = {"two": 2, "one": 1} if method == "eagle3" else {"two": 2}
+    jobs = {
+        tmp_path / name: make_job(world, str(folder), prompts, NUM_TOKENS, speculative_config=spec)
+        for name, world in worlds.items()
+    }
+    run_jobs(jobs)  # in one process
+    for out in jobs:
+        assert tokens_of(out) == expected, out.name
     if method == "eagle3":
-        assert greedy(tmp_path / "one", 1, str(folder), prompts, speculative_config=spec) == (
-            expected
-        )
         one, two = spec_counts(tmp_path / "one"), spec_counts(tmp_path / "two")
         assert 0 < two["accepted"] < two["drafts"]
         assert two["proposals"] == one["proposals"]  # draft for draft
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf"], ids=["dequantized", "gguf-blocks"])
+SMOLLM2_PROMPTS = [[1, 504, 3458, 282, 4649, 314], [28, 1171, 2424, 30, 216, 9123]]
+SMOLLM2_TOKENS = 12  # SmolLM2 on three CPU processes (suite time)
+SMOLLM2_QUANTIZATIONS = {"dequantized": None, "gguf-blocks": "gguf"}
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The folder of SmolLM2's job on three ranks by quantization, the jobs in one process."""
+    base = tmp_path_factory.mktemp("three-ranks")
+    jobs = {
+        base / name: make_job(3, None, SMOLLM2_PROMPTS, SMOLLM2_TOKENS, quantization=quantization)
+        for name, quantization in SMOLLM2_QUANTIZATIONS.items()
+    }
+    run_jobs(jobs)
+    return {out.name: out for out in jobs}
+
+
+@pytest.mark.parametrize("quantization", SMOLLM2_QUANTIZATIONS)
 def test_the_embedded_model_on_three_ranks(
-    tmp_path: Path, quantization: str | None, request: pytest.FixtureRequest
+    three_ranks: dict[str, Path], quantization: str, request: pytest.FixtureRequest
 ) -> None:
     """SmolLM2's Q4_1 GGUF, dequantized at load or kept in its blocks (each rank cutting whole
     blocks of o_proj's and down_proj's input columns)."""
-    prompts = [[1, 504, 3458, 282, 4649, 314], [28, 1171, 2424, 30, 216, 9123]]
-    num_tokens = 12  # SmolLM2 on three CPU processes (suite time)
     # One process: the session's SmolLM2 (CPU, float32, dequantized at load): a rank keeping the
     # blocks dequantizes them to the same float32 weights each step, so its tokens are these.
     smollm2: LLM = request.getfixturevalue("smollm2")
-    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-    one = [result.token_ids for result in smollm2.generate(prompts, params)]
-    three = generate(tmp_path / "three", 3, None, prompts, num_tokens, quantization=quantization)
-    assert [tokens for tokens, _ in three] == one
+    params = SamplingParams(temperature=0.0, max_tokens=SMOLLM2_TOKENS, ignore_eos=True)
+    one = [result.token_ids for result in smollm2.generate(SMOLLM2_PROMPTS, params)]
+    assert tokens_of(three_ranks[quantization]) == one, quantization
 
 
 @pytest.mark.parametrize("changes", [{}, {"num_key_value_heads": 1}], ids=["llama", "one-kv-head"])
@@ -256,20 +299,31 @@ def test_a_split_the_model_does_not_allow_is_refused() -> None:
     assert (layout.kv_head, layout.vocab_start) == (2, 2 * cfg.vocab_size // 3)
 
 
-@pytest.mark.parametrize("fmt", ["awq-g32", "gptq-g32-act-order", "ct-g32-asym"])
-def test_int4_checkpoints_split_across_ranks(tmp_path: Path, fmt: str) -> None:
-    """Each rank cuts its part of the packed weights, scales and zero points (act-order keeps
-    every group's scales), and two ranks still give transformers' tokens on the weights the
-    checkpoint stands for."""
+INT4_FORMATS = ["awq-g32", "gptq-g32-act-order", "ct-g32-asym"]
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Cases:
     pytest.importorskip("compressed_tensors")
     from tests.integration.test_int4_parity import WRITERS
     from tests.integration.tiny_models import make_tiny_model
 
-    model = make_tiny_model("llama")
-    WRITERS[fmt](model, tmp_path / "model")  # the model now holds the dequantized weights
-    prompts = make_prompts(TINY["vocab_size"])[:4]
-    expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
-    assert greedy(tmp_path, 2, str(tmp_path / "model"), prompts) == expected
+    base = tmp_path_factory.mktemp("int4")
+    models = {}
+    for fmt in INT4_FORMATS:
+        model = make_tiny_model("llama")
+        WRITERS[fmt](model, base / fmt / "model")  # the model now holds the dequantized weights
+        models[fmt] = (base / fmt / "model", model, 2)
+    return run_cases(base, models)
+
+
+@pytest.mark.parametrize("fmt", INT4_FORMATS)
+def test_int4_checkpoints_split_across_ranks(int4_checkpoints: Cases, fmt: str) -> None:
+    """Each rank cuts its part of the packed weights, scales and zero points (act-order keeps
+    every group's scales), and two ranks still give transformers' tokens on the weights the
+    checkpoint stands for."""
+    expected, folder = int4_checkpoints[fmt]
+    assert tokens_of(folder) == expected, fmt
 
 
 def test_fp8_on_two_ranks_stays_close_to_one(tmp_path: Path) -> None:
@@ -280,8 +334,12 @@ def test_fp8_on_two_ranks_stays_close_to_one(tmp_path: Path) -> None:
     run's token must be among the other's top logprobs (vLLM's rule)."""
     folder, _ = tiny_folder(tmp_path, "llama")
     prompts = make_prompts(TINY["vocab_size"])[:6]
-    one = generate(tmp_path / "one", 1, str(folder), prompts, NUM_TOKENS, 5, quantization="fp8")
-    two = generate(tmp_path / "two", 2, str(folder), prompts, NUM_TOKENS, 5, quantization="fp8")
+    jobs = {
+        tmp_path / name: make_job(world, str(folder), prompts, NUM_TOKENS, 5, quantization="fp8")
+        for name, world in (("one", 1), ("two", 2))
+    }
+    run_jobs(jobs)  # in one process
+    one, two = (job_results(out) for out in jobs)
     for (want, want_tops), (got, got_tops) in zip(one, two, strict=True):
         diverged = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
         if diverged is not None:
