@@ -37,6 +37,9 @@ VARIANTS = {
     "chunked prefill 32": dict(max_num_batched_tokens=32),
     "small pool": dict(num_gpu_blocks_override=14, block_size=16),
 }
+# A tiny model's engine: its KV cache 64 MiB (8,000 blocks), not the CPU default of 1 GiB, which
+# each of the file's sixty engines zeroed (0.4 s apiece) to hold a few hundred KiB of tokens.
+TINY_ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20)
 
 
 def hf_greedy(
@@ -80,7 +83,7 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 
 def test_tiny_model_matches_transformers(tiny_model) -> None:
     family, folder, prompts, expected = tiny_model
-    llm = LLM(str(folder), dtype="float32", device="cpu")
+    llm = LLM(str(folder), **TINY_ENGINE)
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
     # A second pass over the same prompts is served from the prefix cache.
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
@@ -94,7 +97,7 @@ def test_layers_read_nothing_the_fused_norm_overwrote(tiny_model, monkeypatch) -
     for name in ("fused_add_rms_norm", "fused_norm_add_rms_norm"):
         monkeypatch.setattr(ops, name, _in_place(getattr(ops, name)))
     family, folder, prompts, expected = tiny_model
-    llm = LLM(str(folder), dtype="float32", device="cpu")
+    llm = LLM(str(folder), **TINY_ENGINE)
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, family
 
 
@@ -119,7 +122,7 @@ def test_tiny_model_output_survives_engine_settings(tiny_model, variant: str) ->
     if "num_gpu_blocks_override" in settings:  # the same memory: a block holds a group's layers
         groups = kv_groups(load_model_config(resolve_model_source(str(folder))))
         settings["num_gpu_blocks_override"] *= groups.num_groups
-    llm = LLM(str(folder), dtype="float32", device="cpu", **settings)
+    llm = LLM(str(folder), **TINY_ENGINE, **settings)
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected, (family, variant)
     if variant == "small pool":
         assert llm.stats().num_preemptions > 0
@@ -192,7 +195,7 @@ def test_gemma2s_soft_capped_logprobs_are_transformers(tmp_path: Path) -> None:
         model.config.final_logit_softcapping = None if cap else extra["final_logit_softcapping"]
         moved = zip(_prompt_logprobs(model, prompt), wanted, strict=True)
         assert max(abs(a - b) for a, b in moved) > 1e-2
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu")
+    llm = LLM(str(tmp_path), **TINY_ENGINE)
     result = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     assert result.prompt_logprobs is not None
     got = [entry.logprob for entry in result.prompt_logprobs[1:]]
@@ -207,7 +210,7 @@ def test_soft_capped_logits_of_a_bf16_model_keep_their_order(tmp_path: Path) -> 
     torch.manual_seed(0)
     config = config_cls(**{**TINY, **extra})
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    model = LLM(str(tmp_path), dtype="bfloat16", device="cpu").runner.model
+    model = LLM(str(tmp_path), **{**TINY_ENGINE, "dtype": "bfloat16"}).runner.model
     hidden = torch.randn(4, TINY["hidden_size"], dtype=torch.bfloat16) * 2  # logits near 3x cap
     logits = model.compute_logits(hidden)
     raw = model.lm_head(hidden).float()
@@ -242,5 +245,5 @@ def test_gemma3s_text_model_loads_from_a_model_for_text_and_images(tmp_path: Pat
     model.save_pretrained(tmp_path)
     prompts = make_prompts(TINY["vocab_size"])[:3]
     expected = hf_greedy(model, prompts, NUM_NEW_TOKENS, eos_token_id=None)
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=256)
+    llm = LLM(str(tmp_path), **TINY_ENGINE, max_model_len=256)
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected
