@@ -23,7 +23,7 @@ from tests.integration.test_speculative import (
     generate,
     prompts,
 )
-from tests.integration.tiny_models import TINY, make_tiny_model
+from tests.integration.tiny_models import TINY, TINY_ENGINE, make_tiny_model
 
 
 def tiny_draft(folder: Path, vocab_size: int = TINY["vocab_size"]) -> Path:
@@ -58,14 +58,14 @@ def draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def expected(target: Path) -> list[list[list[int]]]:
     """The target's own tokens without speculation: greedy, then the mixed sampling."""
-    llm = LLM(str(target), dtype="float32", device="cpu")
+    llm = LLM(str(target), **TINY_ENGINE)
     return [generate(llm, GREEDY), generate(llm, MIXED)]
 
 
 def test_the_target_as_its_own_draft_has_its_drafts_accepted(
     target: Path, expected: list[list[list[int]]]
 ) -> None:
-    llm = LLM(str(target), dtype="float32", device="cpu", speculative_config=draft_config(target))
+    llm = LLM(str(target), **TINY_ENGINE, speculative_config=draft_config(target))
     assert generate(llm, GREEDY) == expected[0]
     stats = llm.engine.scheduler.spec_decode
     # Greedy drafts from the same weights are the target's tokens (of 5 a step at most).
@@ -80,8 +80,7 @@ def test_a_draft_model_changes_no_output(
     settings = VARIANTS[variant]
     llm = LLM(
         str(target),
-        dtype="float32",
-        device="cpu",
+        **TINY_ENGINE,
         speculative_config=draft_config(draft),
         **settings,
     )
@@ -98,7 +97,7 @@ def test_a_draft_model_changes_no_output(
 def test_a_draft_model_of_another_vocabulary_is_refused(target: Path, tmp_path: Path) -> None:
     other = tiny_draft(tmp_path, vocab_size=TINY["vocab_size"] * 2)
     with pytest.raises(ValueError, match="vocabulary"):
-        LLM(str(target), dtype="float32", device="cpu", speculative_config=draft_config(other))
+        LLM(str(target), **TINY_ENGINE, speculative_config=draft_config(other))
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -109,7 +108,7 @@ def test_a_request_aborted_with_a_step_in_flight_leaves_nothing_behind(
     taken for it, and no proposer state is left of it (a draft model keeps none per
     request: its KV follows the target's steps)."""
     spec = draft_config(draft) if method == "draft_model" else NGRAM
-    llm = LLM(str(target), dtype="float32", device="cpu", speculative_config=spec)
+    llm = LLM(str(target), **TINY_ENGINE, speculative_config=spec)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i, prompt in enumerate(prompts()[:2]):
@@ -138,9 +137,9 @@ def test_drafts_padded_to_a_graphs_shape_are_the_targets_tokens(target: Path, se
     params = GREEDY
     if "max_model_len" in settings:
         params = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)
-    plain = generate(LLM(str(target), dtype="float32", device="cpu", **settings), params)
+    plain = generate(LLM(str(target), **TINY_ENGINE, **settings), params)
     llm = LLM(
-        str(target), dtype="float32", device="cpu", speculative_config=draft_config(target),
+        str(target), **TINY_ENGINE, speculative_config=draft_config(target),
         **settings,
     )  # fmt: skip
     target_graphs, proposer_graphs = pad_like_graphs(llm)

@@ -19,7 +19,7 @@ import transformers
 from kvflow import LLM, SamplingParams
 from tests.integration.padded_graphs import PaddedEagerly
 from tests.integration.test_speculative import GREEDY, MIXED, VARIANTS, generate
-from tests.integration.tiny_models import FAMILIES, TINY
+from tests.integration.tiny_models import FAMILIES, TINY, TINY_ENGINE
 
 NUM_LAYERS = 8  # EAGLE-3's default layers to read, (2, 4, 5), are distinct
 AUX_IDS = (2, NUM_LAYERS // 2, NUM_LAYERS - 3)
@@ -96,7 +96,7 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def expected(target: Path) -> list[list[list[int]]]:
     """The target's own tokens without speculation: greedy, then the mixed sampling."""
-    llm = LLM(str(target), dtype="float32", device="cpu")
+    llm = LLM(str(target), **TINY_ENGINE)
     return [generate(llm, GREEDY), generate(llm, MIXED)]
 
 
@@ -204,8 +204,7 @@ def test_the_heads_drafts_are_eagle3s_and_change_no_output(
         pytest.skip("the engine settings are covered on Llama; Qwen3 checks its q/k norms")
     llm = LLM(
         str(target),
-        dtype="float32",
-        device="cpu",
+        **TINY_ENGINE,
         speculative_config=eagle3(head),
         **VARIANTS[variant],
     )
@@ -231,7 +230,7 @@ def test_one_draft_a_step_changes_no_output(
 ) -> None:
     # k = 1: the catch-up's draft alone, no further pass (and no stream kept for one).
     spec = {**eagle3(head), "num_speculative_tokens": 1}
-    llm = LLM(str(target), dtype="float32", device="cpu", speculative_config=spec)
+    llm = LLM(str(target), **TINY_ENGINE, speculative_config=spec)
     assert generate(llm, GREEDY) == expected[0]
     assert llm.engine.scheduler.spec_decode.num_accepted_tokens > 0
 
@@ -251,7 +250,7 @@ def test_a_head_that_does_not_fit_the_target_is_refused(target: Path, tmp_path: 
     for config_dict, says in cases.values():
         (head / "config.json").write_text(json.dumps(config_dict))
         with pytest.raises(ValueError, match=says):
-            LLM(str(target), dtype="float32", device="cpu", speculative_config=eagle3(head))
+            LLM(str(target), **TINY_ENGINE, speculative_config=eagle3(head))
 
 
 def test_a_dummy_head_needs_only_a_config(target: Path, tmp_path: Path) -> None:
@@ -261,8 +260,7 @@ def test_a_dummy_head_needs_only_a_config(target: Path, tmp_path: Path) -> None:
     (head / "model.safetensors").unlink()
     llm = LLM(
         str(target),
-        dtype="float32",
-        device="cpu",
+        **TINY_ENGINE,
         load_format="dummy",
         speculative_config=eagle3(head),
     )
@@ -323,9 +321,7 @@ def test_drafts_padded_to_a_graphs_shape_are_still_eagle3s(
     if target.name.startswith("qwen3") and setting != "default":
         pytest.skip("the engine settings are covered on Llama")
     settings = PADDED_SETTINGS[setting]
-    llm = LLM(
-        str(target), dtype="float32", device="cpu", speculative_config=eagle3(head), **settings
-    )
+    llm = LLM(str(target), **TINY_ENGINE, speculative_config=eagle3(head), **settings)
     target_graphs, proposer_graphs = pad_like_graphs(llm)
     records = recording(llm)
     to_the_end = SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True)

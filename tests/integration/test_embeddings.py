@@ -15,7 +15,7 @@ from tests.integration.tiny_embedding import (
     reference_embeddings,
     save_tiny_embedding_model,
 )
-from tests.integration.tiny_models import make_prompts
+from tests.integration.tiny_models import TINY_ENGINE, make_prompts
 
 # Chunks of 16 split every prompt past 16 tokens across steps: pooling must span them.
 # A pool of 6 blocks of 16 holds one or two prompts at once: the others wait, or are preempted
@@ -46,7 +46,7 @@ def cosines(got: list[list[float]], expected: list[torch.Tensor]) -> list[float]
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_embeddings_match_transformers(pooled_model, setting: str) -> None:
     pooling, folder, prompts, expected = pooled_model
-    llm = LLM(str(folder), dtype="float32", device="cpu", **SETTINGS[setting])
+    llm = LLM(str(folder), **TINY_ENGINE, **SETTINGS[setting])
     assert llm.task == "embed"  # found from the sentence-transformers files
     results = llm.embed(prompts)
     assert [r.prompt_token_ids for r in results] == prompts
@@ -66,22 +66,22 @@ def test_embeddings_match_transformers(pooled_model, setting: str) -> None:
 
 def test_embed_and_generate_refuse_the_other_task(pooled_model, tiny_llama_dir: Path) -> None:
     _, folder, prompts, _ = pooled_model
-    embedder = LLM(str(folder), dtype="float32", device="cpu")
+    embedder = LLM(str(folder), **TINY_ENGINE)
     with pytest.raises(ParameterError, match="loaded for embed"):
         embedder.generate(prompts[:1])
-    generator = LLM(str(tiny_llama_dir), dtype="float32", device="cpu")
+    generator = LLM(str(tiny_llama_dir), **TINY_ENGINE)
     assert generator.task == "generate"
     with pytest.raises(ParameterError, match="loaded for generate"):
         generator.embed([[1, 2, 3]])
 
 
 def test_dimensions_need_a_matryoshka_model(tmp_path: Path) -> None:
-    plain = LLM(str(save_tiny_embedding_model(tmp_path / "plain")), dtype="float32", device="cpu")
+    plain = LLM(str(save_tiny_embedding_model(tmp_path / "plain")), **TINY_ENGINE)
     with pytest.raises(ParameterError, match="shorter embeddings") as caught:
         plain.embed([[5, 6, 7]], dimensions=16)
     assert caught.value.param == "dimensions"
     folder = save_tiny_embedding_model(tmp_path / "matryoshka", matryoshka=True)
-    llm = LLM(str(folder), dtype="float32", device="cpu")
+    llm = LLM(str(folder), **TINY_ENGINE)
     [full] = llm.embed([[5, 6, 7]])
     [short] = llm.embed([[5, 6, 7]], dimensions=16)
     head = torch.nn.functional.normalize(torch.tensor(full.embedding[:16]), dim=0)
@@ -91,7 +91,7 @@ def test_dimensions_need_a_matryoshka_model(tmp_path: Path) -> None:
 def test_a_prompt_may_fill_the_context(tmp_path: Path) -> None:
     """No token follows an embedding's prompt, so it may take all of max_model_len."""
     folder = save_tiny_embedding_model(tmp_path / "m")
-    llm = LLM(str(folder), dtype="float32", device="cpu", max_model_len=64)
+    llm = LLM(str(folder), **TINY_ENGINE, max_model_len=64)
     prompt = list(range(10, 74))
     [result] = llm.embed(prompt)
     [expected] = reference_embeddings(make_tiny_embedding_model(), [prompt], "last", True)
@@ -102,7 +102,7 @@ def test_a_prompt_may_fill_the_context(tmp_path: Path) -> None:
 
 def test_task_embed_forces_a_causal_lm_to_embed(tiny_llama_dir: Path) -> None:
     """--task embed on a ...ForCausalLM folder: vLLM's defaults, last token and normalized."""
-    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", task="embed")
+    llm = LLM(str(tiny_llama_dir), **TINY_ENGINE, task="embed")
     [result] = llm.embed([[5, 6, 7, 8]])
     assert len(result.embedding) == 64
     assert abs(sum(x * x for x in result.embedding) - 1.0) < 1e-4

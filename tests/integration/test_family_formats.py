@@ -23,12 +23,11 @@ from tests.integration.test_quantized_parity import (
     fake_quantize_inputs_fp8,
     hf_greedy_top,
 )
-from tests.integration.tiny_models import make_prompts, make_tiny_model
+from tests.integration.tiny_models import TINY_ENGINE, make_prompts, make_tiny_model
 
 peft = pytest.importorskip("peft")
 
 FAMILIES = ["gemma2", "gemma3_text", "phi3", "olmo2", "granite"]
-CPU = dict(dtype="float32", device="cpu")
 
 
 def prompts_of(model: torch.nn.Module) -> list[list[int]]:
@@ -43,7 +42,7 @@ def test_fp8_made_at_load(family: str, tmp_path: Path) -> None:
     prompts = prompts_of(model)
     fake_quantize_fp8(model)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
-    check_close(expected, LLM(str(tmp_path), quantization="fp8", **CPU), prompts)
+    check_close(expected, LLM(str(tmp_path), quantization="fp8", **TINY_ENGINE), prompts)
 
 
 CHECKPOINTS = [(family, "gptq-g32-act-order") for family in FAMILIES] + [
@@ -58,7 +57,7 @@ def test_int4_checkpoints(family: str, fmt: str, tmp_path: Path) -> None:
     prompts = prompts_of(model)
     WRITERS[fmt](model, tmp_path)  # the model now holds the dequantized weights
     expected = hf_greedy(model, prompts, eos_token_id=None)
-    assert kvflow_greedy(LLM(str(tmp_path), **CPU), prompts, ignore_eos=True) == expected
+    assert kvflow_greedy(LLM(str(tmp_path), **TINY_ENGINE), prompts, ignore_eos=True) == expected
 
 
 @pytest.mark.slow
@@ -71,7 +70,7 @@ def test_fp8_checkpoints_of_fused_projections(per_tensor: bool, tmp_path: Path) 
     quantized_writers.write_fp8(model, tmp_path, per_tensor)
     fake_quantize_inputs_fp8(model)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
-    check_close(expected, LLM(str(tmp_path), **CPU), prompts)
+    check_close(expected, LLM(str(tmp_path), **TINY_ENGINE), prompts)
 
 
 TARGETS = {
@@ -104,7 +103,7 @@ def test_lora_adapters(family: str, tmp_path: Path) -> None:
     )
     adapted = peft.get_peft_model(model, config).eval()
     adapted.save_pretrained(str(tmp_path / "adapter"))
-    llm = LLM(str(tmp_path / "base"), enable_lora=True, max_lora_rank=8, **CPU)
+    llm = LLM(str(tmp_path / "base"), enable_lora=True, max_lora_rank=8, **TINY_ENGINE)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5)
     adapter = LoRARequest("adapter", 1, str(tmp_path / "adapter"))
     moved = 0.0

@@ -19,7 +19,7 @@ from kvflow.llm import LLM
 from sweeps.gguf_writer import write_checkpoint
 from tests.integration.test_gguf_quantized import gguf_layers
 from tests.integration.test_parity import hf_greedy, kvflow_greedy
-from tests.integration.tiny_models import FAMILIES, TINY, make_prompts
+from tests.integration.tiny_models import FAMILIES, TINY, TINY_ENGINE, make_prompts
 
 # Per family, what its tiny model changes so that a GGUF file can hold it: Gemma 3's files
 # carry no layer types (llama.cpp makes every sixth layer full), nor per-type rotary settings
@@ -71,7 +71,7 @@ def test_llama_cpp_style_file_gives_transformers_tokens(family: str, tmp_path: P
             assert torch.equal(read[name], weight), name
     prompts = make_prompts(model.config.vocab_size)
     expected = hf_greedy(model, prompts, eos_token_id=None)
-    options = dict(tokenizer=str(tmp_path), device="cpu", dtype="float32")
+    options = dict(tokenizer=str(tmp_path), **TINY_ENGINE)
     llm = LLM(str(path), **options)
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected  # from the prefix cache
@@ -87,7 +87,7 @@ def test_phi3s_fused_quantized_projections_run_from_their_blocks(tmp_path: Path)
     path = tmp_path / "model.gguf"
     write_checkpoint(path, tiny_model("phi3"), projection_type="Q8_0")
     prompts = make_prompts(TINY["vocab_size"])[:4]
-    options = dict(tokenizer=str(tmp_path), device="cpu", dtype="float32")
+    options = dict(tokenizer=str(tmp_path), **TINY_ENGINE)
     expected = kvflow_greedy(LLM(str(path), **options), prompts, ignore_eos=True)
     quantized = LLM(str(path), quantization="gguf", **options)
     assert {runs[0] for runs in gguf_layers(quantized).values()} == {"Q8_0"}

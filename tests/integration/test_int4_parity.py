@@ -19,7 +19,7 @@ import torch
 from kvflow import LLM
 from tests import quantized_writers
 from tests.integration.test_parity import hf_greedy, kvflow_greedy
-from tests.integration.tiny_models import make_prompts, make_tiny_model
+from tests.integration.tiny_models import TINY_ENGINE, make_prompts, make_tiny_model
 
 pytest.importorskip("compressed_tensors")
 
@@ -52,7 +52,7 @@ def test_int4_checkpoint_matches_transformers_on_its_dequantized_weights(
     WRITERS[fmt](model, tmp_path)  # the model now holds the dequantized weights
     expected = hf_greedy(model, prompts, eos_token_id=None)
     assert expected != plain  # the quantization changes the output
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # the method: from config.json
+    llm = LLM(str(tmp_path), **TINY_ENGINE)  # the method: from config.json
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected
 
 
@@ -61,9 +61,7 @@ def test_int4_methods_run_on_dummy_weights(tmp_path: Path) -> None:
     model.config.save_pretrained(tmp_path)
     prompts = make_prompts(model.config.vocab_size)[:2]
     for method in ("awq", "gptq", "compressed-tensors"):
-        llm = LLM(
-            str(tmp_path), dtype="float32", device="cpu", load_format="dummy", quantization=method
-        )
+        llm = LLM(str(tmp_path), **TINY_ENGINE, load_format="dummy", quantization=method)
         assert all(len(tokens) == 64 for tokens in kvflow_greedy(llm, prompts, ignore_eos=True))
 
 
@@ -74,4 +72,4 @@ def test_a_checkpoint_that_leaves_a_projection_unquantized_is_refused(tmp_path: 
     config["quantization_config"]["ignore"] = ["lm_head", "re:.*layers\\.1\\.mlp\\.down_proj"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"leaves model\.layers\.1\.mlp\.down_proj unquantized"):
-        LLM(str(tmp_path), dtype="float32", device="cpu")
+        LLM(str(tmp_path), **TINY_ENGINE)

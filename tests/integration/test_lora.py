@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kvflow import LLM, LoRARequest, SamplingParams
 from shared.protocol import ParameterError
-from tests.integration.tiny_models import NUM_NEW_TOKENS, make_prompts, make_tiny_model
+from tests.integration.tiny_models import NUM_NEW_TOKENS, TINY_ENGINE, make_prompts, make_tiny_model
 
 peft = pytest.importorskip("peft")
 
@@ -99,7 +99,7 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_a_batch_mixing_adapters_matches_each_alone(served, setting: str) -> None:
     family, base, prompts, loras, expected = served
-    options = dict(dtype="float32", device="cpu", enable_lora=True, max_lora_rank=MAX_RANK)
+    options = dict(**TINY_ENGINE, enable_lora=True, max_lora_rank=MAX_RANK)
     llm = LLM(str(base), **options, **SETTINGS[setting])
     got = _generate_mixed(llm, prompts, loras, ORDER)
     for name in ORDER:
@@ -114,7 +114,7 @@ def test_adapters_keep_their_tokens_under_speculative_decoding(served) -> None:
     drafts are accepted."""
     family, base, prompts, loras, expected = served
     setting = "one slot, chunks, preemption"
-    options = dict(dtype="float32", device="cpu", enable_lora=True, max_lora_rank=MAX_RANK)
+    options = dict(**TINY_ENGINE, enable_lora=True, max_lora_rank=MAX_RANK)
     spec = {"method": "suffix", "num_speculative_tokens": 4}
     llm = LLM(str(base), **options, **SETTINGS[setting], speculative_config=spec)
     for _ in range(2):
@@ -126,7 +126,7 @@ def test_adapters_keep_their_tokens_under_speculative_decoding(served) -> None:
 
 def test_the_prefix_cache_keeps_adapters_apart(served) -> None:
     family, base, prompts, loras, expected = served
-    llm = LLM(str(base), dtype="float32", device="cpu", enable_lora=True, max_loras=3)
+    llm = LLM(str(base), **TINY_ENGINE, enable_lora=True, max_loras=3)
     name = "every-projection"
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
 
@@ -150,10 +150,10 @@ def test_the_prefix_cache_keeps_adapters_apart(served) -> None:
 def test_bad_lora_requests_are_refused_and_nothing_else_breaks(served, tmp_path: Path) -> None:
     _, base, prompts, loras, expected = served
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    without = LLM(str(base), dtype="float32", device="cpu")
+    without = LLM(str(base), **TINY_ENGINE)
     with pytest.raises(ParameterError, match="enable_lora"):
         without.generate(prompts[:1], params, lora_request=loras["q-v-rslora"])
-    llm = LLM(str(base), dtype="float32", device="cpu", enable_lora=True, max_lora_rank=8)
+    llm = LLM(str(base), **TINY_ENGINE, enable_lora=True, max_lora_rank=8)
     with pytest.raises(ParameterError, match="rank 16"):
         llm.generate(prompts[:1], params, lora_request=loras["mlp-layer-1"])
     with pytest.raises(ParameterError, match=r"adapter_config\.json"):
@@ -249,7 +249,7 @@ def test_a_mixture_of_experts_takes_adapters_on_attention_and_dense_layers(
     (folder / "adapter_config.json").write_text(json.dumps({**listed, "target_modules": ALL}))
     expected = _greedy_alone(adapted, prompts)
     assert expected != plain  # it adapts something
-    llm = LLM(str(tmp_path / "base"), dtype="float32", device="cpu", enable_lora=True,
+    llm = LLM(str(tmp_path / "base"), **TINY_ENGINE, enable_lora=True,
               max_lora_rank=8)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
     lora = LoRARequest("attention-and-dense", 1, str(folder))

@@ -25,7 +25,7 @@ from services.executor.quantization.methods import experts_method
 from services.executor.runner.expert_load import ExpertLoad
 from services.frontend.metrics.prometheus import Metrics
 from shared.model_config import ModelConfig, load_model_config, resolve_model_source
-from tests.integration.tiny_models import MOE_FAMILIES, TINY
+from tests.integration.tiny_models import MOE_FAMILIES, TINY, TINY_ENGINE
 from tests.unit.snapshots import stats
 
 
@@ -45,7 +45,7 @@ def test_the_layers_with_experts_follow_the_config(tiny_moe) -> None:
     family, folder = tiny_moe
     moe = load_model_config(resolve_model_source(str(folder))).moe
     assert moe is not None and moe.sparse_layers == ((1,) if "dense" in family else (0, 1))
-    llm = LLM(str(folder), dtype="float32", device="cpu")
+    llm = LLM(str(folder), **TINY_ENGINE)
     layers = llm.runner.model.layers
     assert [isinstance(layer.mlp, SparseMoE) for layer in layers] == [
         i in moe.sparse_layers for i in range(len(layers))
@@ -97,7 +97,7 @@ def test_a_steps_weight_bytes_count_the_experts_its_tokens_choose(tiny_moe) -> N
     from benchmarks.engine_bench import _matmul_weight_bytes, _step_weight_bytes
 
     _, folder = tiny_moe
-    model = LLM(str(folder), dtype="float32", device="cpu").runner.model
+    model = LLM(str(folder), **TINY_ENGINE).runner.model
     moe = model.config.moe
     expert_bytes = sum(
         p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts_" in n
@@ -115,7 +115,7 @@ def test_each_experts_load_is_counted_and_shown_in_the_metrics(tiny_moe) -> None
     """Every layer's k choices of every token the model runs (a prompt's, then each decoded
     one's) count once; the scheduler keeps the newest read and /metrics shows it by expert."""
     _, folder = tiny_moe
-    llm = LLM(str(folder), dtype="float32", device="cpu")
+    llm = LLM(str(folder), **TINY_ENGINE)
     model = llm.runner.model
     moe = model.config.moe
     load = ExpertLoad(model, interval_s=0.0)  # zeroes the counts
@@ -175,15 +175,15 @@ def test_gpt_oss_mxfp4_checkpoints_keep_their_experts_mxfp4(tmp_path: Path) -> N
     write_mxfp4_gpt_oss(model, tmp_path)
     expected = hf_greedy(model, prompts, eos_token_id=None)
     assert expected != plain  # the rounding to MXFP4 changes the output
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="mxfp4")
+    llm = LLM(str(tmp_path), **TINY_ENGINE, quantization="mxfp4")
     assert kvflow_greedy(llm, prompts, ignore_eos=True) == expected
     mlp = llm.runner.model.layers[0].mlp
     assert mlp.method.name == "mxfp4" and mlp.experts_gate_up.dtype == torch.int32
     assert mlp.experts_gate_up_scale.dtype == torch.bfloat16
-    dequantized = LLM(str(tmp_path), dtype="float32", device="cpu")
+    dequantized = LLM(str(tmp_path), **TINY_ENGINE)
     assert kvflow_greedy(dequantized, prompts, ignore_eos=True) == expected
     assert dequantized.runner.model.layers[0].mlp.experts_gate_up.dtype == torch.float32
-    fp8 = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="fp8")
+    fp8 = LLM(str(tmp_path), **TINY_ENGINE, quantization="fp8")
     assert fp8.runner.model.layers[0].mlp.method.name == "fp8"
 
 
@@ -194,7 +194,7 @@ def test_mxfp4_dummy_experts_run_for_gpt_oss_and_are_refused_elsewhere(
     folders): random MXFP4 experts that generate; on other experts, or none, it is refused
     rather than quantizing nothing."""
     family, folder = tiny_moe
-    settings = dict(dtype="float32", device="cpu", load_format="dummy", quantization="mxfp4")
+    settings = dict(**TINY_ENGINE, load_format="dummy", quantization="mxfp4")
     if family != "gpt_oss":
         with pytest.raises(ValueError, match="MXFP4 experts are gpt-oss's"):
             LLM(str(folder), **settings)

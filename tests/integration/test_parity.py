@@ -26,6 +26,7 @@ from tests.integration.tiny_models import (
     MOE_FAMILIES,
     NUM_NEW_TOKENS,
     TINY,
+    TINY_ENGINE,
     make_prompts,
 )
 
@@ -37,9 +38,6 @@ VARIANTS = {
     "chunked prefill 32": dict(max_num_batched_tokens=32),
     "small pool": dict(num_gpu_blocks_override=14, block_size=16),
 }
-# A tiny model's engine: its KV cache 64 MiB (8,000 blocks), not the CPU default of 1 GiB, which
-# each of the file's sixty engines zeroed (0.4 s apiece) to hold a few hundred KiB of tokens.
-TINY_ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20)
 
 
 def hf_greedy(

@@ -30,7 +30,12 @@ from services.executor import layers
 from tests import quantized_writers
 from tests.integration.test_gpu_parity import TOP, Top, hf_greedy_top
 from tests.integration.test_parity import hf_greedy
-from tests.integration.tiny_models import NUM_NEW_TOKENS, make_prompts, make_tiny_model
+from tests.integration.tiny_models import (
+    NUM_NEW_TOKENS,
+    TINY_ENGINE,
+    make_prompts,
+    make_tiny_model,
+)
 
 
 def fake_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -119,13 +124,12 @@ def test_fp8_matches_transformers_with_the_reference_quantization(
     fake_quantize_fp8(model)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
     assert [tokens for tokens, _ in expected] != plain  # the quantization changes the output
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu", quantization="fp8")
+    llm = LLM(str(tmp_path), **TINY_ENGINE, quantization="fp8")
     check_close(expected, llm, prompts)
     # Chunks and a KV pool small enough to preempt change nothing either.
     small = LLM(
         str(tmp_path),
-        dtype="float32",
-        device="cpu",
+        **TINY_ENGINE,
         quantization="fp8",
         max_num_batched_tokens=32,
         num_gpu_blocks_override=14,
@@ -148,7 +152,7 @@ def test_fp8_checkpoints_match_transformers_on_their_weights(
     quantized_writers.write_fp8(model, tmp_path, per_tensor)  # the model holds them now
     fake_quantize_inputs_fp8(model)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # fp8 from config.json
+    llm = LLM(str(tmp_path), **TINY_ENGINE)  # fp8 from config.json
     check_close(expected, llm, prompts)
 
 
@@ -168,7 +172,7 @@ def test_static_fp8_checkpoints_match_transformers_on_their_weights(
     for name, scale in input_scales.items():
         modules[name].register_forward_pre_hook(static_fp8_input(scale))
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # static FP8 from config.json
+    llm = LLM(str(tmp_path), **TINY_ENGINE)  # static FP8 from config.json
     check_close(expected, llm, prompts)
 
 
@@ -186,7 +190,7 @@ def test_block_scaled_fp8_checkpoints_match_transformers_on_their_weights(
     quantized_writers.write_fp8_block(model, tmp_path, (32, 32), compressed)
     fake_quantize_inputs_fp8(model, group=32)
     expected = [hf_greedy_top(model, prompt) for prompt in prompts]
-    llm = LLM(str(tmp_path), dtype="float32", device="cpu")  # the method from config.json
+    llm = LLM(str(tmp_path), **TINY_ENGINE)  # the method from config.json
     check_close(expected, llm, prompts)
 
 

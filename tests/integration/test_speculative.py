@@ -21,7 +21,7 @@ import torch
 from kvflow import LLM, GenerationResult, SamplingParams
 from shared.protocol import EngineRequest
 from tests import quantized_writers
-from tests.integration.tiny_models import make_tiny_model
+from tests.integration.tiny_models import TINY_ENGINE, make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 NGRAM_ONE = {**NGRAM, "prompt_lookup_min": 1}
@@ -96,14 +96,14 @@ class KnownDrafts:
 
 
 def speculating(folder: Path, spec: dict, **settings: object) -> LLM:
-    return LLM(str(folder), dtype="float32", device="cpu", speculative_config=spec, **settings)
+    return LLM(str(folder), **TINY_ENGINE, speculative_config=spec, **settings)
 
 
 @pytest.fixture(scope="module")
 def greedy_expected(folder: Path) -> list[list[int]]:
     """Greedy tokens without speculation (the same under every engine setting: the parity
     tests hold them to transformers')."""
-    return generate(LLM(str(folder), dtype="float32", device="cpu"), GREEDY)
+    return generate(LLM(str(folder), **TINY_ENGINE), GREEDY)
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
@@ -126,7 +126,7 @@ def test_greedy_output_is_unchanged_by_drafts(
 @pytest.mark.parametrize("variant", ["default", "small pool", "chunked prefill 16"])
 def test_accepted_drafts_give_the_same_tokens_and_logprobs(folder: Path, variant: str) -> None:
     settings = VARIANTS[variant]
-    plain = LLM(str(folder), dtype="float32", device="cpu", **settings)
+    plain = LLM(str(folder), **TINY_ENGINE, **settings)
     expected = plain.generate(prompts(), MIXED)
     llm = speculating(folder, NGRAM, **settings)
     llm.runner.proposer = KnownDrafts([r.token_ids for r in expected], 4)  # type: ignore[assignment]
@@ -222,7 +222,7 @@ def test_drafts_under_a_grammar_keep_the_same_valid_outputs(tool_chat_model_dir:
 
     spec = StructuredOutput(json=json.dumps(SMALL_SCHEMA))
     params = [constrained(spec, seed, max_tokens=120) for seed in (None, 1, 2, None)]
-    settings = dict(dtype="float32", device="cpu", max_model_len=1024)
+    settings = dict(**TINY_ENGINE, max_model_len=1024)
     expected = LLM(str(tool_chat_model_dir), **settings).generate(PROMPTS, params)
     llm = LLM(str(tool_chat_model_dir), speculative_config=NGRAM, **settings)
     llm.runner.proposer = KnownDrafts(  # type: ignore[assignment]
@@ -241,7 +241,7 @@ def test_a_rank_behind_on_collecting_takes_the_next_plan(folder: Path) -> None:
     like: the plan that follows a verifying step may reach one before it has collected that
     step (rank 0's scheduler made the plan after its own collect). A second runner here takes
     each plan before collecting the step before, and samples what the first one does."""
-    expected = LLM(str(folder), dtype="float32", device="cpu").generate(prompts(), GREEDY)
+    expected = LLM(str(folder), **TINY_ENGINE).generate(prompts(), GREEDY)
     leader = speculating(folder, NGRAM)
     leader.runner.proposer = KnownDrafts([r.token_ids for r in expected], 4)  # type: ignore[assignment]
     follower = speculating(folder, NGRAM).runner
@@ -344,7 +344,7 @@ def test_quantized_checkpoints_speculate_without_changing_their_output(
     there each token is among the other's top 5."""
     QUANTIZED[fmt](make_tiny_model("llama"), tmp_path)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5)
-    plain = LLM(str(tmp_path), dtype="float32", device="cpu").generate(prompts(), params)
+    plain = LLM(str(tmp_path), **TINY_ENGINE).generate(prompts(), params)
     llm = speculating(tmp_path, NGRAM)
     llm.runner.proposer = KnownDrafts([r.token_ids for r in plain], 4)  # type: ignore[assignment]
     got = llm.generate(prompts(), params)
@@ -358,7 +358,7 @@ def test_parallel_samples_draw_for_draw_as_without_speculation(folder: Path) -> 
     """n > 1: each of a request's samples speculates on its own tokens, and its seeded draws
     are those it makes without speculation."""
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=40, ignore_eos=True)
-    plain = LLM(str(folder), dtype="float32", device="cpu").generate(prompts(), params)
+    plain = LLM(str(folder), **TINY_ENGINE).generate(prompts(), params)
     got = speculating(folder, NGRAM_ONE).generate(prompts(), params)
     for mine, theirs in zip(got, plain, strict=True):
         assert [o.token_ids for o in mine.outputs] == [o.token_ids for o in theirs.outputs]
