@@ -98,9 +98,9 @@ def start_runner(config: Config) -> ModelRunner:
     runner = ModelRunner(
         config, join_world(config, 0, directory, resolve_device(config.device)), relay
     )
-    leave = functools.partial(_leave_group, weakref.ref(runner), ranks)
-    atexit.register(leave)  # runs before ranks.stop
-    _group_exits[runner] = leave
+    held = weakref.ref(runner)
+    atexit.register(_leave_group, held, ranks, _leave_world)  # runs before ranks.stop
+    _group_exits[runner] = functools.partial(_leave_group, held, ranks, _leave_world_now)
     return runner
 
 
@@ -110,7 +110,7 @@ def end_group(runner: ModelRunner) -> None:
     do for a runner without other ranks, or once done."""
     leave = _group_exits.pop(runner, None)
     if leave is not None:
-        atexit.unregister(leave)
+        atexit.unregister(_leave_group)  # registered once a process: one group at a time
         leave()
 
 
@@ -164,10 +164,12 @@ class OtherRanks:
                 proc.kill()
 
 
-def _leave_group(runner: weakref.ref[ModelRunner], ranks: OtherRanks) -> None:
-    """Rank 0 at exit: end the other ranks, then its own part of the group, before Python's
-    teardown would (in no set order, and NCCL's can hang once CUDA graphs hold collectives:
-    pytorch#115388); if it still hangs, exit without it."""
+def _leave_group(
+    runner: weakref.ref[ModelRunner], ranks: OtherRanks, leave: Callable[[], None]
+) -> None:
+    """Rank 0 at exit or at `end_group`: end the other ranks, then its own part of the group
+    (`leave`), before Python's teardown would (in no set order, and NCCL's can hang once CUDA
+    graphs hold collectives: pytorch#115388)."""
     started = time.monotonic()
     ranks.stop()
     held = runner()
@@ -175,7 +177,7 @@ def _leave_group(runner: weakref.ref[ModelRunner], ranks: OtherRanks) -> None:
         held.graphs = None  # the captured collectives go before their communicator
     del held
     gc.collect()
-    _leave_world()
+    leave()
     logger.debug("left the tensor-parallel group in %.1f s", time.monotonic() - started)
 
 
@@ -185,6 +187,13 @@ def _leave_world() -> None:
     if not leave_world():  # it logged why
         logging.shutdown()
         os._exit(1)
+
+
+def _leave_world_now() -> None:
+    """End this process's part of the group before exit (`end_group`); if that hangs, say so
+    to the caller, whose process goes on (the group's teardown is left behind)."""
+    if not leave_world():
+        raise RuntimeError(f"the tensor-parallel group did not end in {TEARDOWN_S} s")
 
 
 def watch_parent(parent: int) -> None:
