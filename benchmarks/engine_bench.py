@@ -15,6 +15,7 @@ import torch
 
 from kvflow import LLM, EngineCore, EngineRequest, LoRARequest, SamplingParams
 from shared.config import Config
+from shared.gc_heap import collections_watched
 
 
 def random_prompts(num: int, lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
@@ -110,7 +111,8 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         counts.zero_()
     start = time.perf_counter()
     loras = work.per_prompt()
-    results = llm.generate(work.prompts, work.params, lora_request=loras, show_progress=True)
+    with collections_watched() as collections:
+        results = llm.generate(work.prompts, work.params, lora_request=loras, show_progress=True)
     elapsed = time.perf_counter() - start
     num_out = sum(len(r.token_ids) for r in results)
     total = num_out + sum(work.input_lens)
@@ -134,6 +136,8 @@ def throughput(config: Config, args: argparse.Namespace) -> dict[str, Any]:
         "lora_adapters": len(work.adapters),
         # Compiled inside the timing, had the warm-up missed them (replica 0's process).
         "triton_compiles_in_timed_run": _late_compiles(llm)[compiled_before:],
+        # Python's collections in the timed run (in the caller's process), by generation.
+        "gc_in_timed_run": collections.report(),
         "config": _engine_summary(config),
     }
     if counts is not None:

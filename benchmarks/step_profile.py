@@ -14,6 +14,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from shared.gc_heap import collections_watched, heap_frozen
+
 
 def idle_gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """(start, length) of each stretch inside the span of [start, end) intervals that none
@@ -158,7 +160,12 @@ def profile_run(
     Copies and memsets count as GPU activity; a gap's "kernels" are the last to start before
     it and the first after it."""
     _require_cuda()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # The heap frozen as `LLM.generate` holds it in the timed run, and each collection timed.
+    with (
+        heap_frozen(),
+        collections_watched() as collections,
+        profile(activities=[ProfilerActivity.CUDA]) as prof,
+    ):
         start = time.perf_counter()
         _admit(engine, prompts, params, "profile-run", lora_ids)
         steps = 0
@@ -173,7 +180,7 @@ def profile_run(
     )
     if not kernels:
         raise SystemExit("the profiler recorded no GPU activity in the run")
-    return {"steps": steps, **_run_timeline(kernels, host_us, top)}
+    return {"steps": steps, **_run_timeline(kernels, host_us, top), "gc": collections.report()}
 
 
 def _run_timeline(kernels: list[Any], host_us: float, top: int) -> dict[str, Any]:

@@ -11,8 +11,11 @@ the permanent generation (`gc.freeze`) leaves the collector only what the proces
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
+import time
 from collections.abc import Iterator
+from typing import Any
 
 
 def freeze_startup_heap() -> None:
@@ -40,3 +43,44 @@ def heap_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@dataclasses.dataclass
+class Collections:
+    """The collections the collector ran while watched (`collections_watched`), by
+    generation: how many, and their time."""
+
+    count: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])
+    seconds: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])
+    longest_s: float = 0.0
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "count_by_generation": list(self.count),
+            "ms_by_generation": [round(s * 1e3, 2) for s in self.seconds],
+            "longest_ms": round(self.longest_s * 1e3, 2),
+        }
+
+
+@contextlib.contextmanager
+def collections_watched() -> Iterator[Collections]:
+    """Every collection run inside the block, timed (a benchmark's report: whether a gap with
+    no kernel was the collector's)."""
+    log = Collections()
+    started = time.perf_counter()
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        nonlocal started
+        if phase == "start":
+            started = time.perf_counter()
+            return
+        took = time.perf_counter() - started
+        log.count[info["generation"]] += 1
+        log.seconds[info["generation"]] += took
+        log.longest_s = max(log.longest_s, took)
+
+    gc.callbacks.append(timed)
+    try:
+        yield log
+    finally:
+        gc.callbacks.remove(timed)

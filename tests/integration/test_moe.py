@@ -217,7 +217,9 @@ def test_bench_throughput_counts_every_choice_of_the_timed_run(tiny_moe, tmp_pat
     args = ["bench", "throughput", str(folder), "--device", "cpu", "--dtype", "float32"]
     args += ["--num-prompts", "3", "--input-len", "7", "--output-len", "5", "--ignore-eos"]
     assert main([*args, "--output-json", str(out)]) == 0
-    load = json.loads(out.read_text())["expert_load"]
+    report = json.loads(out.read_text())
+    load = report["expert_load"]
+    assert len(report["gc_in_timed_run"]["count_by_generation"]) == 3  # the collector's, too
     config = load_model_config(resolve_model_source(str(folder)))
     assert config.moe is not None
     tokens_run = 3 * (7 + 5 - 1)  # the last token sampled is not run

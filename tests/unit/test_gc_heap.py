@@ -1,5 +1,6 @@
 """shared/gc_heap.py: the heap frozen for a run and thawed after it, whatever ends the run;
-a started process's garbage collected before the freeze, and an earlier start's at the next."""
+a started process's garbage collected before the freeze, and an earlier start's at the next;
+collections counted and timed while watched, and only then."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared.gc_heap import freeze_startup_heap, heap_frozen
+from shared.gc_heap import collections_watched, freeze_startup_heap, heap_frozen
 
 
 @pytest.fixture(autouse=True)
@@ -71,3 +72,16 @@ def test_a_second_start_collects_what_the_first_froze() -> None:
     assert old() is not None  # frozen: no collection sees it
     freeze_startup_heap()
     assert old() is None
+
+
+def test_collections_are_counted_by_generation_while_watched_and_only_then() -> None:
+    gc.collect()  # before the watch: not counted
+    with collections_watched() as watched:
+        gc.collect(0)
+        gc.collect(2)
+        gc.collect(2)
+    gc.collect()  # after it: not counted either
+    assert watched.count == [1, 0, 2]
+    report = watched.report()
+    assert report["count_by_generation"] == [1, 0, 2]
+    assert report["longest_ms"] >= max(report["ms_by_generation"]) / 2 > 0
