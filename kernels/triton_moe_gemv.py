@@ -20,19 +20,27 @@ import triton.language as tl
 
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_e4m3 import scale_for, to_e4m3
-from kernels.triton_moe_tiles import DEFAULT_GEMV_TILES, GemvTiles
+from kernels.triton_moe_tiles import DEFAULT_GEMV_TILES, FP8_GEMV_TILES, GemvTiles
+
+# The most values a program loads at once to find its input rows' e4m3 scales: a few loads
+# in flight, not one a K step a row, before the weights' loop can start (an FP8 down GEMV
+# took 22.8 us at one token on an H100, its bf16 twin 14.7, reading twice the bytes).
+SCALE_LOAD = 8192
 
 
 @triton.jit
-def _row_scale(row_ptr, K, BLOCK_K: tl.constexpr):
-    """The e4m3 scale of a row of K values: its amax / 448."""
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
-        ks = start + tl.arange(0, BLOCK_K)
-        amax = tl.maximum(
-            amax, tl.abs(tl.load(row_ptr + ks, mask=ks < K, other=0.0).to(tl.float32))
-        )
-    return scale_for(tl.max(amax, axis=0))
+def _rows_scales(rows_ptr, num_rows, K, stride, ROWS: tl.constexpr, SCALE_K: tl.constexpr):
+    """The e4m3 scales (amax / 448) of `num_rows` rows of K values, `stride` apart, as
+    [ROWS] (ROWS >= num_rows; 1.0 past them), SCALE_K columns of every row a load."""
+    rows = tl.arange(0, ROWS)
+    starts = rows_ptr + rows.to(tl.int64)[:, None] * stride
+    amax = tl.zeros((ROWS, SCALE_K), dtype=tl.float32)
+    for start in range(0, K, SCALE_K):
+        ks = start + tl.arange(0, SCALE_K)
+        mask = (rows < num_rows)[:, None] & (ks < K)[None, :]
+        values = tl.load(starts + ks[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(values.to(tl.float32)))
+    return tl.where(rows < num_rows, scale_for(tl.max(amax, axis=1)), 1.0)
 
 
 @triton.jit
@@ -96,6 +104,7 @@ def _pair_gate_up_kernel(
     alpha,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALE_K: tl.constexpr,  # with MODE 1: the columns a load of the input row's scale takes
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -112,7 +121,7 @@ def _pair_gate_up_kernel(
     x = x_ptr + (pair // top_k).to(tl.int64) * stride_x
     x_scale = 1.0
     if MODE == 1:
-        x_scale = _row_scale(x, K, BLOCK_K)
+        x_scale = tl.sum(_rows_scales(x, 1, K, stride_x, 1, SCALE_K), axis=0)
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
@@ -155,6 +164,7 @@ def _token_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_TOP_K: tl.constexpr,  # top_k's next power of two
+    SCALE_K: tl.constexpr,  # with MODE 1: the columns of each of the k rows a load takes
     MODE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
@@ -162,7 +172,8 @@ def _token_down_kernel(
     row scaled by its routing weight (and in MODE 1 by its rows' and input's scales): one
     loop, so loads stay in flight across experts. In MODE 1 the k rows' input scales are
     worked out first, each row read once for them. A pair of another rank's expert (-1) has
-    a row of zeros and reads no weights."""
+    a row of zeros and reads no weights. In MODE 1 the k rows' scales come first, from loads
+    of SCALE_K columns of every row at once."""
     token, tile = tl.program_id(0), tl.program_id(1)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_ok = cols < N
@@ -170,9 +181,8 @@ def _token_down_kernel(
     choices = tl.arange(0, BLOCK_TOP_K)
     h_scales = tl.full((BLOCK_TOP_K,), 1.0, tl.float32)
     if MODE == 1:
-        for choice in range(top_k):
-            row = h_ptr + (token * top_k + choice).to(tl.int64) * stride_h
-            h_scales = tl.where(choices == choice, _row_scale(row, K, BLOCK_K), h_scales)
+        rows = h_ptr + (token * top_k).to(tl.int64) * stride_h
+        h_scales = _rows_scales(rows, top_k, K, stride_h, BLOCK_TOP_K, SCALE_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     biased = tl.zeros((BLOCK_N,), dtype=tl.float32)  # each pair's bias times its weight
     for step in range(top_k * chunks):
@@ -209,13 +219,15 @@ def moe_experts_gemv(
     down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    tiles: GemvTiles = DEFAULT_GEMV_TILES,
+    tiles: GemvTiles | None = None,  # by the experts' format unless given
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
     biases: ExpertBiases | None = None,
     swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """moe_experts for few pairs: two launches, no sorting (see the module's docstring)."""
+    if tiles is None:
+        tiles = DEFAULT_GEMV_TILES if gate_up_scale is None else FP8_GEMV_TILES
     num_tokens, top_k = ids.shape
     hidden, inter = down.shape[1:]
     ids = ids.contiguous()
@@ -226,8 +238,9 @@ def moe_experts_gemv(
         x, gate_up, up.tensor, h, ids, top_k, hidden, inter, up.group,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), *up.strides, h.stride(0),
         *epilogue(biases, swiglu, x, "gate_up"),
-        BLOCK_N=tiles.gate_up_n, BLOCK_K=up.block_k, MODE=up.mode, num_warps=tiles.num_warps,
-        HAS_BIAS=biases is not None, SWIGLU=swiglu is not None,
+        BLOCK_N=tiles.gate_up_n, BLOCK_K=up.block_k, SCALE_K=scale_columns(hidden, 1),
+        MODE=up.mode, num_warps=tiles.num_warps, HAS_BIAS=biases is not None,
+        SWIGLU=swiglu is not None,
     )  # fmt: skip
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     dn = WeightScales(down_scale, down, tiles.down_k)
@@ -237,9 +250,16 @@ def moe_experts_gemv(
         dn.group, h.stride(0), down.stride(0), down.stride(1), *dn.strides, out.stride(0),
         epilogue(biases, swiglu, x, "down")[0],
         BLOCK_N=tiles.down_n, BLOCK_K=dn.block_k, BLOCK_TOP_K=triton.next_power_of_2(top_k),
-        MODE=dn.mode, num_warps=tiles.num_warps, HAS_BIAS=biases is not None,
+        SCALE_K=scale_columns(inter, top_k), MODE=dn.mode, num_warps=tiles.num_warps,
+        HAS_BIAS=biases is not None,
     )  # fmt: skip
     return out
+
+
+def scale_columns(k: int, rows: int) -> int:
+    """The columns of each of `rows` input rows of k values that one load of their e4m3
+    scales takes: all of them, up to SCALE_LOAD values in all."""
+    return max(16, min(triton.next_power_of_2(k), SCALE_LOAD // triton.next_power_of_2(rows)))
 
 
 def epilogue(

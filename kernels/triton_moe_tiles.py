@@ -26,6 +26,9 @@ class GemvTiles:
 
 
 DEFAULT_GEMV_TILES = GemvTiles()
+# FP8 experts (a scale a row or a row and group): bf16's tiles until swept with FP8 weights
+# (`python3 -m sweeps.moe_gemv_sweep --fp8`), whose tiles move half the bytes a load.
+FP8_GEMV_TILES = GemvTiles()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@
 #   PARTS="kvflow-profile vllm-profile" bash scripts/device_moe.sh   # each engine's FP8 kernels
 #   PARTS=vllm-routing bash scripts/device_moe.sh      # the experts vLLM's decode steps chose
 #   PARTS=gpt-oss bash scripts/device_moe.sh
+#   PARTS="b1-profile gemv-sweep" bash scripts/device_moe.sh   # batch 1's kernels; GEMV tiles
 #   DRY_RUN=1 bash scripts/device_moe.sh               # print the commands only
 #
 # Carried as for scripts/device_serve.sh (its header): .whl/ and .peer/ first, then one of
@@ -95,6 +96,18 @@ for part in $PARTS; do
         step offline_fp8_profile.log python3 -m services bench throughput $MOE "${COMMON[@]}" \
             "${OFFLINE[@]}" --quantization fp8 --disable-pdl --profile-steps 10 --profile-run \
             --output-json "$RES/offline_fp8_profile.json" ;;
+    b1-profile)  # batch 1's decode steps, each kernel's own time (no PDL), both formats
+        for format in $FORMATS; do
+            read -ra flags <<<"$(format_flags "$format")"
+            step "latency_b1_${format}_profile.log" python3 -m services bench latency $MOE \
+                "${COMMON[@]}" "${flags[@]}" --input-len 128 --output-len 256 --batch-sizes 1 \
+                --disable-pdl --profile-steps 20 --output-json "$RES/latency_b1_${format}_profile.json"
+        done ;;
+    gemv-sweep)  # the MoE GEMV kernels' tiles at 1-4 tokens, FP8 and bf16 experts
+        step gemv_sweep_fp8.log python3 -m sweeps.moe_gemv_sweep --fp8 --batch-sizes 1 2 4 \
+            --out "$RES/gemv_sweep_fp8.json"
+        step gemv_sweep_bf16.log python3 -m sweeps.moe_gemv_sweep --batch-sizes 1 2 4 \
+            --out "$RES/gemv_sweep_bf16.json" ;;
     layer)  # one layer's routing and experts, both engines, bf16 and FP8 (vLLM importable)
         step layer.log python3 -m services bench moe --peer vllm \
             --fp8 --batch-sizes 1 8 64 256 1024 4096 16384 --output-json "$RES/layer.json" ;;

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import triton_moe, triton_moe_align
+from kernels import triton_moe, triton_moe_align, triton_moe_gemv
 from kernels.moe import (
     ClampedSwiglu,
     ExpertBiases,
@@ -361,6 +361,30 @@ def test_fp8_experts_match_the_reference(tokens: int, experts: int, groups: int)
     expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
     assert_kernel_close(out, expected, fp8=True)
     assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
+
+
+@pytest.mark.parametrize("scale_load", [64, 8192], ids=["a-few-columns-a-load", "whole-rows"])
+def test_fp8_gemvs_scale_their_input_rows_however_many_columns_a_load_takes(
+    monkeypatch: pytest.MonkeyPatch, scale_load: int
+) -> None:
+    """The FP8 GEMVs find their input rows' e4m3 scales (the token's for gate/up, its k hidden
+    rows' for down) from loads of many columns of every row at once; with k = 3 (a masked
+    fourth row) and loads of a few columns (several a row) too."""
+    monkeypatch.setattr(triton_moe_gemv, "SCALE_LOAD", scale_load)
+    experts, hidden, inter, top_k = 32, 256, 128, 3
+    generator = torch.Generator().manual_seed(scale_load)
+    x = torch.randn(2, hidden, generator=generator).to(DEVICE)
+
+    def fp8(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        q = (torch.randn(experts, rows, cols, generator=generator) * 64).to(torch.float8_e4m3fn)
+        scale = torch.rand(experts, rows, 1, generator=generator) / 256 + 1e-3
+        return q.to(DEVICE), scale.to(DEVICE)
+
+    (gate_up, gate_up_scale), (down, down_scale) = fp8(2 * inter, hidden), fp8(hidden, inter)
+    weights, ids = routed(2, experts, top_k, seed=5)
+    out = moe_experts_gemv(x, gate_up, down, weights, ids, None, gate_up_scale, down_scale)
+    expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
+    assert_kernel_close(out, expected, fp8=True)
 
 
 def test_the_fp8_reference_rounds_inputs_and_dequantizes_weights() -> None:

@@ -14,7 +14,7 @@ from services.launcher.cli import build_parser
 from shared.config import OFFLINE_DEFAULTS, config_from_args
 
 ROOT = Path(__file__).parents[2]
-PARTS = "tests kvflow install-vllm vllm layer gpt-oss kvflow-profile vllm-profile"
+PARTS = "tests kvflow install-vllm vllm layer gpt-oss kvflow-profile vllm-profile b1-profile"
 
 
 def dry_run() -> list[list[str]]:
@@ -29,8 +29,9 @@ def dry_run() -> list[list[str]]:
 def test_every_engine_command_makes_a_valid_config() -> None:
     commands = [c for c in dry_run() if c[:3] == ["python3", "-m", "services"]]
     engines = [c for c in commands if c[4] in ("latency", "throughput")]
-    # Qwen3-30B-A3B's latency and offline, twice; gpt-oss's two; FP8 offline profiled
-    assert len(engines) == 7
+    # Qwen3-30B-A3B's latency and offline, twice; gpt-oss's two; FP8 offline profiled; batch 1
+    # profiled in both formats
+    assert len(engines) == 9
     for command in engines:
         config = config_from_args(build_parser().parse_args(command[3:]), OFFLINE_DEFAULTS)
         output = Path(command[command.index("--output-json") + 1]).stem
