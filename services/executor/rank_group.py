@@ -238,9 +238,9 @@ def follow(runner: ModelRunner, socket: zmq.Socket[Any], steps: StepWatch) -> No
                 while runner.num_in_flight > 1:
                     steps.answered(runner.collect().step)
                 steps.launching(message.step)
-                runner.launch(message.step, message.replica_rows)
+                runner.launch(message.step, message.replica_rows, message.mixed)
             elif isinstance(message, PaddingStep):
-                run_padding(runner, message.replica_rows)
+                run_padding(runner, message.replica_rows, message.mixed)
             elif isinstance(message, SchedulerOutput):
                 (runner.amend if message.addendum else runner.prepare)(message)
             elif isinstance(message, AddLoraAdapter):

@@ -146,8 +146,10 @@ class LaunchStep(Message, tag=True):
 
     step: int
     # Set by rank 0 in the launches it relays, with expert parallelism across replicas: each
-    # replica's rows in this step, as the replicas told each other
+    # replica's rows in this step, as the replicas told each other, and whether any replica's
+    # step is mixed (services/executor/parallel/lockstep.py's Round)
     replica_rows: list[int] = []
+    mixed: bool = False
 
 
 class SchedulerHello(Message, tag=True):
@@ -175,9 +177,11 @@ class ResetRanks(Message, tag=True):
 class PaddingStep(Message, tag=True):
     """With expert parallelism across replicas, rank 0 runs a step of padding rows alone (its
     replica has nothing to launch while others do: services/executor/parallel/lockstep.py):
-    every other rank does the same, the replicas' rows in this step being `replica_rows`."""
+    every other rank does the same, the replicas' rows in this step being `replica_rows`
+    (`mixed`: another replica's step is mixed)."""
 
     replica_rows: list[int]
+    mixed: bool = False
 
 
 # ---------------------------------------------------------- executor -> scheduler

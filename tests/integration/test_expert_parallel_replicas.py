@@ -140,8 +140,8 @@ def test_two_replicas_of_two_ranks_give_transformers_tokens(
     """Two replicas of two tensor-parallel ranks each, in a process of their own (the group
     must not outlive the test): the experts over four ranks (1, 2, 1 and 2 of six), each
     replica's second rank running the launches and padding steps its first rank relays (one
-    prompt: replica 1 pads every step). Both replicas running rows on two ranks each: the
-    padded test's "two-ranks-each", whose prefill steps run eagerly."""
+    prompt: replica 1 pads every step), every step eagerly. Both replicas running rows on two
+    ranks each, padded as graphs: the padded test's "two-ranks-each"."""
     folder, model = folder_and_model
     prompts = make_prompts(TINY["vocab_size"])[:1]
     expected = hf_greedy(model, prompts, NUM_TOKENS, eos_token_id=None)
@@ -154,14 +154,16 @@ def test_two_replicas_of_two_ranks_give_transformers_tokens(
 # (None: some, their count the scheduler's choice of chunks)
 PADDED_JOBS: dict[str, tuple[int, int, int | None, dict[int, int | None]]] = {
     # Decode steps of 1 row: replica 0's, and replica 1's padding step, each replaying the
-    # graph of 1; at the prefill of 3 tokens (no mixed graph of 4), replica 1 replays the
-    # decode graph of 4 with padding alone, replica 0 runs eagerly padded to 4.
-    "replica-1-pads": (1, 1, None, {1: 2 * (NUM_TOKENS - 1), 4: 1}),
+    # graph of 1; the prefill of 3 tokens makes its round a mixed one, of the smallest mixed
+    # graph's 16 rows: replica 0 replays that graph, replica 1 the decode graph of 16 with
+    # padding alone (a round of the smallest graph's 4 rows would find no mixed graph of 4).
+    "replica-1-pads": (1, 1, None, {1: 2 * (NUM_TOKENS - 1), 16: 2}),
     # Chunks of 16 tokens (the mixed graph of 16, replica 1's last ones shorter: padded to
     # it), then decode steps of 3 and 2 rows (both replaying the graph of 4).
     "both-run-chunked": (1, 5, 16, {16: None, 4: None}),
-    # Two ranks a replica, each replaying what its first rank's round chose: rows 2 and 1.
-    "two-ranks-each": (2, 3, None, {2: 4 * (NUM_TOKENS - 1)}),
+    # Two ranks a replica, each replaying what its first rank's round chose: the prefill's
+    # mixed round of 32 rows (19 tokens and 9), then decode rounds of rows 2 and 1.
+    "two-ranks-each": (2, 3, None, {32: 4, 2: 4 * (NUM_TOKENS - 1)}),
 }
 
 

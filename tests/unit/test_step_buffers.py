@@ -119,16 +119,21 @@ def test_decode_steps_past_the_graph_limit_run_eagerly_rather_than_padded() -> N
     assert small.shape_for(290, 290, 1) == PaddedShape(300, 300, 1)  # max_batch's own
 
 
-@given(most=st.integers(1, 600), longest=st.integers(0, 600))
-def test_replicas_agree_on_a_graph_every_one_of_them_can_replay(most: int, longest: int) -> None:
+@given(most=st.integers(1, 600), longest=st.integers(0, 600), mixed=st.booleans())
+def test_replicas_agree_on_a_graph_every_one_of_them_can_replay(
+    most: int, longest: int, mixed: bool
+) -> None:
     """Across replicas (services/executor/runner/replica_rounds.py): the round's rows are the
-    smallest graph's, decode or mixed, that holds the most any replica runs; a replica's step
-    (its most tokens a request: `longest`, 0 with none) replays a graph of exactly those rows
-    where one of its kind was captured: a decode step a decode graph, else a mixed one."""
+    smallest graph's that holds the most any replica runs, a mixed one's if some replica's step
+    is mixed, else decode or mixed; a replica's step (its most tokens a request: `longest`, 0
+    with none; more than 1 only in a mixed round) replays a graph of exactly those rows where
+    one of its kind was captured: a decode step a decode graph, else a mixed one. So in a
+    mixed round every replica replays a graph wherever the most rows fit a mixed one."""
+    longest = longest if mixed else min(longest, 1)
     buffers = StepBuffers(2048, 256, 8, BLOCK, torch.device("cpu"))
     graphs = StepGraphs(lambda view: view.input_ids, buffers, max_batch=256, max_seq_len=32)
-    sizes = sorted({*graphs.decode_sizes, *graphs.mixed_sizes})
-    rows = graphs.rows_for(most)
+    sizes = graphs.mixed_sizes if mixed else sorted({*graphs.decode_sizes, *graphs.mixed_sizes})
+    rows = graphs.rows_for(most, mixed)
     assert rows == min((s for s in sizes if s >= most), default=most)
     shape = graphs.shape_at(rows, longest)
     if shape is None:
@@ -137,9 +142,11 @@ def test_replicas_agree_on_a_graph_every_one_of_them_can_replay(most: int, longe
     else:
         assert shape.num_tokens == rows
         assert shape.decode == (longest <= 1 and rows in graphs.decode_sizes)
+    assert (shape is not None) == (rows in sizes), "a graph for every replica, or for none"
     assert graphs.rows_for(3) == 4 and graphs.rows_for(250) == 256 and graphs.rows_for(257) == 320
     assert graphs.shape_at(320, 1) == PaddedShape(320, 256, 320)  # a decode in a mixed graph
     assert graphs.shape_at(24, 5) is None  # a mixed step where only a decode graph has 24
+    assert graphs.rows_for(20, mixed=True) == 32  # so a mixed round takes a mixed graph's rows
 
 
 def test_the_replicas_rows_mask_padding_from_the_device_when_graphs_replay() -> None:

@@ -34,6 +34,9 @@ class Round:
     rows: tuple[int, ...]  # each replica's rows in this round's step (0: none, or padding)
     busy: bool  # whether any replica has work still (else the wave ends here)
     stop: bool = False  # whether a replica's work failed or was cancelled: all stop theirs
+    # Whether a replica's step is mixed (a request of more than one token): the round's rows
+    # are then a mixed step's graph's (services/executor/runner/cuda_graphs.py `rows_for`).
+    mixed: bool = False
 
     @property
     def padded(self) -> int:
@@ -59,20 +62,21 @@ class Lockstep:
         """Serving: announce each round to the other replicas, and hear theirs."""
         self.wakes = Wakes(directory, self.replica, self.replicas, timeout_s)
 
-    def join(self, rows: int, busy: bool, stop: bool = False) -> Round:
+    def join(self, rows: int, busy: bool, stop: bool = False, mixed: bool = False) -> Round:
         """Take the next round with a step of `rows` rows (0: none, or padding only); `busy`:
         whether this replica has work still; `stop`: whether its work failed or was cancelled
-        (offline, every replica's share then ends: kvflow/llm.py). Waits for every replica."""
+        (offline, every replica's share then ends: kvflow/llm.py); `mixed`: whether its step
+        is mixed. Waits for every replica."""
         if self.wakes is not None:
             self.wakes.announce(self.rounds)
-        mine = torch.tensor([rows, int(busy), int(stop)], dtype=torch.int64)
+        mine = torch.tensor([rows, int(busy), int(stop), int(mixed)], dtype=torch.int64)
         values = [torch.empty_like(mine) for _ in range(self.replicas)]
         dist.all_gather(values, mine, group=self.group)
         self.rounds += 1
         if self.wakes is not None:
             self.wakes.hear()
-        each_rows, each_busy, each_stop = torch.stack(values).T.tolist()
-        taken = Round(tuple(each_rows), any(each_busy), any(each_stop))
+        each_rows, each_busy, each_stop, each_mixed = torch.stack(values).T.tolist()
+        taken = Round(tuple(each_rows), any(each_busy), any(each_stop), any(each_mixed))
         self.busy = taken.busy
         self.stop_asked = (self.stop_asked or taken.stop) and taken.busy  # until the wave ends
         return taken

@@ -103,11 +103,12 @@ class StepGraphs:
             return self._mixed(self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, num_tokens)])
         return None
 
-    def rows_for(self, num_tokens: int) -> int:
+    def rows_for(self, num_tokens: int, mixed: bool = False) -> int:
         """The rows a step of `num_tokens` is padded to across replicas: those of the smallest
-        graph (decode or mixed) that holds it, or its own past them. Every replica's graphs
-        alike, each finds the same for the most rows any replica runs."""
-        sizes = self.round_sizes
+        graph that holds it (a mixed step's with `mixed`: some replica's step is mixed; else
+        decode or mixed), or its own past them. Every replica's graphs alike, each finds the
+        same for the most rows any replica runs."""
+        sizes = self.mixed_sizes if mixed and self.mixed_sizes else self.round_sizes
         return (
             sizes[bisect.bisect_left(sizes, num_tokens)] if num_tokens <= sizes[-1] else num_tokens
         )

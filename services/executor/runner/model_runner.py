@@ -311,14 +311,14 @@ class ModelRunner:
         return self._prepared is not None
 
     @torch.inference_mode()
-    def launch(self, step: int, replica_rows: Sequence[int] = ()) -> None:
+    def launch(self, step: int, replica_rows: Sequence[int] = (), mixed: bool = False) -> None:
         """Send the prepared plan's inputs and queue its forward pass and sampling."""
         prepared = self._prepared
         if prepared is None or prepared.step != step:
             raise PlanError(f"launch of plan {step}, which is not prepared")
         if len(self._in_flight) > 1:
             raise RuntimeError("launch() with two steps in flight: collect() one first")
-        launch_round(self, prepared, replica_rows)  # relays the launch
+        launch_round(self, prepared, replica_rows, mixed)  # relays the launch
         self._prepared = None
         if not prepared.counts:
             self._in_flight.append(InFlightStep(step, [], [], None))

@@ -4,10 +4,10 @@ to launch while others run rows serves them with a step of padding rows.
 
 With CUDA graphs, a graph's exchanges send the rows it was captured with, so every replica runs
 a round's step at the same count: that of the smallest graph holding the most rows any replica
-runs (`StepGraphs.rows_for`). A replica replays its graph of that count (a decode step's, or a
-mixed step's), or runs eagerly and pads its rows to it in the exchange where it has none (a
-mixed step between mixed graphs' sizes, a step past the graphs); its padding rows choose no
-expert, as the replicas' rows on the device tell the graph when it replays."""
+runs, a mixed step's graph if any replica's step is mixed (`StepGraphs.rows_for`). A replica
+replays its graph of that count (a decode step's, or a mixed step's), or runs eagerly and pads
+its rows to it in the exchange where it has none (a step past the graphs); its padding rows
+choose no expert, as the replicas' rows on the device tell the graph when it replays."""
 
 from __future__ import annotations
 
@@ -60,21 +60,26 @@ def before_capture(
 
 
 def launch_round(
-    runner: RoundsTarget, prepared: PreparedStep, replica_rows: Sequence[int] = ()
+    runner: RoundsTarget,
+    prepared: PreparedStep,
+    replica_rows: Sequence[int] = (),
+    mixed: bool = False,
 ) -> None:
     """Before `prepared` is launched: rank 0 across replicas takes a round for it (the other
-    ranks are given its outcome, `replica_rows`: each replica's rows), relays the launch to the
-    other ranks, and each rank's exchanges take the replicas' rows, the step padded to the
-    round's graph where it has one; a plan of no rows then runs a step of padding rows if
-    another replica runs rows."""
+    ranks are given its outcome: `replica_rows`, each replica's rows, and whether a replica's
+    step is `mixed`), relays the launch to the other ranks, and each rank's exchanges take the
+    replicas' rows, the step padded to the round's graph where it has one; a plan of no rows
+    then runs a step of padding rows if another replica runs rows."""
     replicas, rows = runner.tp.replicas, len(prepared.token_ids)
     if replicas is not None and replicas.lockstep is not None:
-        replica_rows = replicas.lockstep.join(rows, busy=True).rows
+        own_mixed = max(prepared.counts, default=0) > 1
+        taken = replicas.lockstep.join(rows, busy=True, mixed=own_mixed)
+        replica_rows, mixed = taken.rows, taken.mixed
     if runner.relay is not None:
-        runner.relay.send(LaunchStep(prepared.step, list(replica_rows)))
+        runner.relay.send(LaunchStep(prepared.step, list(replica_rows), mixed))
     if replicas is None:
         return
-    padded = _take_rows(runner, replica_rows)
+    padded = _take_rows(runner, replica_rows, mixed)
     if rows:  # its inputs, left unwritten when prepared (ModelRunner._add_rows)
         graphs = runner.graphs
         prepared.shape = graphs.shape_at(padded, max(prepared.counts)) if graphs else None
@@ -92,25 +97,26 @@ def idle_round(runner: RoundsTarget, stop: bool = False) -> Round:
     taken = replicas.lockstep.join(0, busy=False, stop=stop)
     if taken.padded:
         if runner.relay is not None:
-            runner.relay.send(PaddingStep(list(taken.rows)))
-        run_padding(runner, taken.rows)
+            runner.relay.send(PaddingStep(list(taken.rows), taken.mixed))
+        run_padding(runner, taken.rows, taken.mixed)
     return taken
 
 
 @torch.inference_mode()
-def run_padding(runner: RoundsTarget, replica_rows: Sequence[int]) -> None:
-    """A step of padding rows alone, the replicas' rows in it being `replica_rows` (a rank
-    other than 0 told so by PaddingStep, or rank 0 in `idle_round`)."""
-    _run_padding(runner, _take_rows(runner, replica_rows))
+def run_padding(runner: RoundsTarget, replica_rows: Sequence[int], mixed: bool = False) -> None:
+    """A step of padding rows alone, the replicas' rows in it being `replica_rows` (`mixed`:
+    another replica's step is; a rank other than 0 told so by PaddingStep, or rank 0 in
+    `idle_round`)."""
+    _run_padding(runner, _take_rows(runner, replica_rows, mixed))
 
 
-def _take_rows(runner: RoundsTarget, replica_rows: Sequence[int]) -> int:
+def _take_rows(runner: RoundsTarget, replica_rows: Sequence[int], mixed: bool) -> int:
     """The round's rows into the exchanges; returns the rows every replica runs in its step
     (the exchanges' count)."""
     replicas = runner.tp.replicas
     assert replicas is not None, "rounds are expert parallelism's across replicas"
     most = max(replica_rows)
-    padded = runner.graphs.rows_for(most) if runner.graphs is not None else most
+    padded = runner.graphs.rows_for(most, mixed) if runner.graphs is not None else most
     replicas.step.set(replica_rows, padded)
     return padded
 
