@@ -97,7 +97,7 @@ class LLM:
         if self.replicas is not None:
             self.replicas.wait_ready(self.config.startup_timeout)
             # Stopped before this engine's own teardown (atexit runs the newest first).
-            atexit.register(self.close)
+            atexit.register(self._close_at_exit)
         logger.info(
             "engine ready: %s, max_model_len=%d, %d KV blocks%s",
             name,
@@ -190,14 +190,20 @@ class LLM:
         """Stop the other data-parallel replicas and tensor-parallel ranks now rather than at
         exit (their GPUs are freed), and leave their group (another `LLM` may then start its
         own in this process); this LLM takes no more calls then. Without them, nothing to do."""
+        self._close(at_exit=False)
+
+    def _close_at_exit(self) -> None:
+        self._close(at_exit=True)  # a group's teardown that hangs then exits the process
+
+    def _close(self, at_exit: bool) -> None:
         runner = getattr(self, "runner", None)  # None: closed as its start failed
         if self.replicas is not None:
             self.replicas.stop()
-            atexit.unregister(self.close)
+            atexit.unregister(self._close_at_exit)
             if runner is not None and runner.tp.replicas is not None and runner.tp.size == 1:
                 leave_world()  # the replicas' group (with more ranks: end_group's)
         if runner is not None:
-            end_group(runner)  # the other tensor-parallel ranks, then the group
+            end_group(runner, at_exit)  # the other tensor-parallel ranks, then the group
 
     def stats(self) -> StatsSnapshot:
         """The engine's gauges and counters (with data_parallel_size > 1: replica 0's)."""

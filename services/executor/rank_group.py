@@ -92,26 +92,32 @@ def start_runner(config: Config) -> ModelRunner:
     relay = PlanRelay(f"ipc://{directory}/plans")
     ranks = OtherRanks([_spawn_rank(config_path, rank, directory) for rank in range(1, size)])
     atexit.register(ranks.stop)
-    relay.wait_for(size - 1, config.startup_timeout)
-    config_path.unlink()  # every rank read it before subscribing; it may hold the API key
-    logger.info("started executor ranks 1..%d; joining the tensor-parallel group", size - 1)
-    runner = ModelRunner(
-        config, join_world(config, 0, directory, resolve_device(config.device)), relay
-    )
+    try:
+        relay.wait_for(size - 1, config.startup_timeout)
+        config_path.unlink()  # every rank read it before subscribing; it may hold the API key
+        logger.info("started executor ranks 1..%d; joining the tensor-parallel group", size - 1)
+        runner = ModelRunner(
+            config, join_world(config, 0, directory, resolve_device(config.device)), relay
+        )
+    except BaseException:  # the ranks and the group end with the start (another may follow)
+        ranks.stop()
+        leave_world()
+        raise
     held = weakref.ref(runner)
     atexit.register(_leave_group, held, ranks, _leave_world)  # runs before ranks.stop
-    _group_exits[runner] = functools.partial(_leave_group, held, ranks, _leave_world_now)
+    _group_exits[runner] = functools.partial(_leave_group, held, ranks)
     return runner
 
 
-def end_group(runner: ModelRunner) -> None:
-    """End rank 0's other ranks, then its own part of their group, now rather than at exit
-    (an `LLM` closed: another may then start a group of its own in this process). Nothing to
-    do for a runner without other ranks, or once done."""
+def end_group(runner: ModelRunner, at_exit: bool = False) -> None:
+    """End rank 0's other ranks, then its own part of their group, before exit would (an
+    `LLM` closed: another may then start a group of its own in this process), or `at_exit`
+    (an `LLM` closing there: a teardown that hangs then exits the process). Nothing to do for
+    a runner without other ranks, or once done."""
     leave = _group_exits.pop(runner, None)
     if leave is not None:
         atexit.unregister(_leave_group)  # registered once a process: one group at a time
-        leave()
+        leave(_leave_world if at_exit else _leave_world_now)
 
 
 def check_group(config: Config) -> None:
@@ -193,6 +199,7 @@ def _leave_world_now() -> None:
     """End this process's part of the group before exit (`end_group`); if that hangs, say so
     to the caller, whose process goes on (the group's teardown is left behind)."""
     if not leave_world():
+        atexit.register(_leave_world)  # its teardown left behind: exit must not wait for it
         raise RuntimeError(f"the tensor-parallel group did not end in {TEARDOWN_S} s")
 
 

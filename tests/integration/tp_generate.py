@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 
 from kvflow import LLM, LoRARequest, SamplingParams
 from shared.protocol import SchedulerOutput
@@ -126,14 +127,17 @@ def job_llm(fields: dict[str, Any]) -> LLM:
 
 
 def main() -> None:
+    threads = torch.get_num_threads()  # a group of N ranks takes an Nth: each job its own
     for path, out in job_files():
         fields = json.loads(path.read_text())
+        torch.set_num_threads(threads)
         try:
             llm = job_llm(fields)  # a start that fails closes what it started
             try:
                 run(fields, out, llm)
             finally:
                 llm.close()  # its ranks and their group end: the next job starts its own
+                del llm  # its weights and KV cache go before the next job's load
         except Exception:  # read by the job's caller (job_results); the next job runs
             out.with_name("error.txt").write_text(traceback.format_exc())
 
