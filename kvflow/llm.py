@@ -61,6 +61,7 @@ class LLM:
         # With data_parallel_size N, this is replica 0, and replicas 1..N-1 load in processes
         # of their own meanwhile; one of those is an LLM given its data_parallel_rank.
         self.replicas: OtherReplicas | None = None
+        self.closed = False  # close(): no more calls
         if self.config.data_parallel_size > 1 and self.config.data_parallel_rank is None:
             if experts_across_replicas(self.config) and self.config.data_parallel_group is None:
                 # Where the replicas' executors meet (services/executor/parallel/world.py)
@@ -196,6 +197,7 @@ class LLM:
         self._close(at_exit=True)  # a group's teardown that hangs then exits the process
 
     def _close(self, at_exit: bool) -> None:
+        self.closed = True
         runner = getattr(self, "runner", None)  # None: closed as its start failed
         if self.replicas is not None:
             self.replicas.stop()
@@ -224,6 +226,8 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
         show_progress: bool,
     ) -> list[GenerationResult]:
+        if self.closed:
+            raise RuntimeError("this LLM was closed (its replicas and ranks stopped): no calls")
         params = sampling_params or SamplingParams()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else params
         if len(per_prompt) != len(prompts):

@@ -10,6 +10,7 @@ import pytest
 from kvflow import LLM, SamplingParams
 from shared.config import OFFLINE_DEFAULTS
 from shared.protocol import ParameterError
+from tests.integration.tiny_models import TINY_ENGINE
 
 PROMPTS = [[5, 9, 11, 40], [7] * 20, list(range(3, 40))]
 
@@ -158,3 +159,13 @@ def test_sharded_checkpoint_and_half_precision(tiny_llama_dir: Path, tmp_path: P
         tokens = sample(half, PROMPTS, temperature=0)
         # Rounding may change late tokens, but the first ones have clear margins.
         assert [t[:2] for t in tokens] == [t[:2] for t in reference]
+
+
+def test_a_closed_llm_takes_no_more_calls(tiny_llama_dir: Path) -> None:
+    """close() stops what an LLM started (replicas, ranks): a call after it is refused by
+    name, rather than failing somewhere in a stopped group."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=128, **TINY_ENGINE)
+    assert sample(llm, PROMPTS[:1], temperature=0)
+    llm.close()
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        sample(llm, PROMPTS[:1], temperature=0)
