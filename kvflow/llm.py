@@ -197,6 +197,8 @@ class LLM:
         self._close(at_exit=True)  # a group's teardown that hangs then exits the process
 
     def _close(self, at_exit: bool) -> None:
+        if self.closed:  # once: a group left again might be a later LLM's
+            return
         self.closed = True
         runner = getattr(self, "runner", None)  # None: closed as its start failed
         if self.replicas is not None:
