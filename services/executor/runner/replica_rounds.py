@@ -125,13 +125,14 @@ def _run_padding(runner: RoundsTarget, padded: int) -> None:
     """Padding rows alone (they read block 0 and write no KV), whose output is dropped: this
     replica's experts serve the other replicas' rows in the step's exchanges. The round's
     graph if there is one, else one row, eagerly."""
-    shape = runner.graphs.shape_at(padded, 0) if runner.graphs is not None else None
+    graphs = runner.graphs
+    shape = graphs.shape_at(padded, 0) if graphs is not None else None
     pad = shape or PaddedShape(num_tokens=1, num_reqs=1, max_query_len=1)
     runner.buffers.write([], [], [], [], pad)
     for row in range(pad.num_reqs):
         runner.row_owner[row] = None  # the padding rows overwrote their block-table rows
     runner.buffers.copy_to_device()
-    if runner.graphs is not None and shape is not None:
-        runner.graphs.replay(shape)
+    if graphs is not None and shape is not None:
+        graphs.replay(shape)
     else:
         runner.forward(runner.buffers.view(max_seq_len=1, max_query_len=1))
