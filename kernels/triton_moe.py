@@ -37,9 +37,13 @@ from kernels.triton_moe_tiles import GemmTiles, GroupedTiles, grouped_tiles
 from kernels.triton_stages import launch_fitting
 
 
-def uses_gemv(num_pairs: int, num_experts: int) -> bool:
-    """Few pairs against the experts (at most a quarter): most experts chosen hold one pair."""
-    return num_pairs * 4 <= num_experts
+def uses_gemv(num_pairs: int, num_experts: int, fp8: bool = False) -> bool:
+    """Few pairs against the experts (at most a quarter; an eighth with FP8 experts): most
+    experts chosen hold one pair. FP8 GEMVs read half the bytes of bf16's for the same work
+    on their inputs, and at Qwen3-30B-A3B's shape the grouped GEMMs caught up with them at 2
+    tokens and passed them at 4 (55.5 against 54.1-58.7 us and 75.6 against 85.2, the best
+    GEMV tiles; H100, 2026-12-07, sweeps/moe_gemv_sweep.py --fp8)."""
+    return num_pairs * (8 if fp8 else 4) <= num_experts
 
 
 @triton.jit
@@ -289,7 +293,7 @@ def moe_experts(
     x = x.contiguous()
     extra = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, biases=biases,
                  swiglu=swiglu)  # fmt: skip
-    if uses_gemv(ids.numel(), down.shape[0]):
+    if uses_gemv(ids.numel(), down.shape[0], fp8=down_scale is not None):
         return moe_experts_gemv(x, gate_up, down, weights, ids, **extra)
     return moe_experts_grouped(x, gate_up, down, weights, ids, **extra)
 

@@ -151,7 +151,7 @@ def test_the_chosen_rows_sum_leaves_the_others_unread() -> None:
     ("tokens", "experts", "groups", "gpt_oss"),
     [
         (2, 64, 0, False),  # the GEMVs; token 0's choices all another rank's
-        (1, 16, 1, True),  # FP8 GEMVs, a scale a row, gpt-oss's biases (each pair's once)
+        (1, 32, 1, True),  # FP8 GEMVs, a scale a row, gpt-oss's biases (each pair's once)
         (2, 64, 2, False),  # FP8 GEMVs, a scale a row and group
         (9, 6, 0, True),  # the grouped GEMMs
         (9, 6, 1, False),
@@ -197,7 +197,7 @@ def test_another_ranks_pairs_add_nothing(
         extra["biases"] = ExpertBiases(*(nan_expert_0(b) for b in extra["biases"]))
     out = moe_experts(x, gate_up, down, weights, ids, *scales, **extra)
     assert_kernel_close(out, expected, fp8=scales[0] is not None)
-    assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
+    assert uses_gemv(tokens * top_k, experts, fp8=groups > 0) == (experts >= 16)
 
 
 @pytest.mark.parametrize(
@@ -360,7 +360,14 @@ def test_fp8_experts_match_the_reference(tokens: int, experts: int, groups: int)
     out = moe_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
     expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
     assert_kernel_close(out, expected, fp8=True)
-    assert uses_gemv(tokens * top_k, experts) == (experts >= 16)
+    assert uses_gemv(tokens * top_k, experts, fp8=True) == (experts >= 16)
+
+
+def test_fp8_experts_take_the_gemvs_for_half_as_many_pairs() -> None:
+    """Qwen3-30B-A3B's 128 experts, top 8: bf16 experts take the GEMVs up to 4 tokens, FP8
+    experts up to 2, where the grouped GEMMs were as fast or faster past that."""
+    assert [uses_gemv(8 * tokens, 128) for tokens in (1, 2, 4, 5)] == [True, True, True, False]
+    assert [uses_gemv(8 * tokens, 128, fp8=True) for tokens in (1, 2, 3)] == [True, True, False]
 
 
 @pytest.mark.parametrize("scale_load", [64, 8192], ids=["a-few-columns-a-load", "whole-rows"])
