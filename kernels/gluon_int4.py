@@ -32,10 +32,12 @@ tests cover; this kernel is tested against `kernels.int4.int4_linear_reference` 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 
-from kernels import gluon_wgmma as wgmma
 from kernels import triton_split_k as split_k
 from kernels.gluon_hopper import (
     TensorDescriptor,
@@ -45,11 +47,11 @@ from kernels.gluon_hopper import (
     gluon,
     mbarrier,
     runs_on,
+    threads_barrier,
     tma_load,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from kernels.gluon_wgmma import WgmmaTiles
 from kernels.int4 import PACK
 from kernels.int4_pairs import BF16_SCALED_PAIRS_ASM, FP16_SCALED_PAIRS_ASM
 
@@ -65,6 +67,26 @@ ENABLED = True
 MAX_ROWS = 512
 BLOCK_K = 64  # a step: 128 bytes of bf16 a row, the widest swizzle; 8 words of a weight row
 DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaTiles:
+    block_m: int  # rows of x a program: 64, 128 or 256 (the MMA's N)
+    block_n: int  # weight rows a program: 16 a warp
+    num_warps: int  # 4 or 8: one or two warpgroups along the weight's rows
+    stages: int  # the shared ring's steps
+    split_k: int  # programs along K per output tile
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (64, 128, 256) or self.block_n != 16 * self.num_warps:
+            raise ValueError(f"{self}: block_m 64/128/256 and block_n 16 a warp")
+        if self.num_warps not in (4, 8) or self.stages < 2 or self.split_k < 1:
+            raise ValueError(f"{self}: 4 or 8 warps, at least 2 stages and 1 split")
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def applies(
@@ -107,8 +129,25 @@ def _check_layout(
 
 
 def default_tiles(m: int, n: int, k: int, sm_count: int) -> WgmmaTiles:
-    """kernels.gluon_wgmma.default_tiles, by K steps of BLOCK_K (the int4 sweep's picks)."""
-    return wgmma.default_tiles(m, n, k, sm_count, BLOCK_K)
+    """The sweep's picks (`python -m sweeps.int4_sweep --model qwen3 --m 128 256 512
+    --gluon-only`, H100, 2026-12-06: each within 4 % of the best of 48 tiles at Qwen3-8B's four
+    layers): one warpgroup over 64 weight rows (twice the programs of two over 128), x's rows in
+    one MMA up to 256; two warpgroups over 128 rows only where x spans several row tiles and
+    64-row programs would pass a wave (x's tiles then read half as often). Three stages where
+    128-row programs pass a wave (less shared memory a program). K split in two while the programs
+    still fit one wave (at most 8 ways, each split a whole number of steps)."""
+    block_m = 128 if m <= 128 else 256
+    row_tiles = triton.cdiv(m, block_m)
+    block_n, num_warps = 64, 4
+    if row_tiles > 1 and triton.cdiv(n, block_n) * row_tiles > sm_count:
+        block_n, num_warps = 128, 8
+    tiles = triton.cdiv(n, block_n) * row_tiles
+    steps = k // BLOCK_K
+    split = 1
+    while split < 8 and tiles * split * 2 <= sm_count and steps % (split * 2) == 0:
+        split *= 2
+    stages = 3 if block_m == 128 and tiles > sm_count else 4
+    return WgmmaTiles(block_m, block_n, num_warps, stages, split_k=split)
 
 
 def gluon_int4_linear(
@@ -134,7 +173,7 @@ def gluon_int4_linear(
         return out
     if x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
         x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)  # TMA: 16 B
-    tiles = tiles or default_tiles(m, n, k, wgmma.sm_count(x.device.index or 0))
+    tiles = tiles or default_tiles(m, n, k, _sm_count(x.device.index or 0))
     if (k // BLOCK_K) % tiles.split_k:
         raise ValueError(f"{tiles}: split_k must divide K's {k // BLOCK_K} steps")
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
@@ -170,6 +209,12 @@ if gluon is not None:
         """[BLOCK_N, WORDS] packed words: a thread holds whole chunks (4 words) of one row."""
         across = words // 4
         return gl.BlockedLayout([1, 4], [32 // across, across], [num_warps, 1], [1, 0])
+
+    @constexpr_function
+    def _mma_layout(block_m: int, num_warps: int) -> gl.NVMMADistributedLayout:
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_m, 16]
+        )
 
     @gluon.jit
     def _dequantize(words, scale, minus_offset, dtype: gl.constexpr):
@@ -252,7 +297,7 @@ if gluon is not None:
         WORDS: gl.constexpr = w_desc.block_type.shape[1]
         dtype: gl.constexpr = x_desc.dtype
         word_layout: gl.constexpr = _word_layout(WORDS, num_warps)
-        mma_layout: gl.constexpr = wgmma.mma_layout(BLOCK_M, num_warps, 16)
+        mma_layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
 
         off_m = gl.program_id(0) * BLOCK_M
         off_n = gl.program_id(1) * BLOCK_N
@@ -310,6 +355,49 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(s))
-        wgmma.write_tile(acc, bias_ptr, out_ptr, partials_ptr, tickets_ptr, off_m, off_n, m, n,
-                         stride_out_row, bias_ptr, bias_ptr, HAS_BIAS, False, SPLIT_K,
-                         num_warps, 16)  # fmt: skip
+        _write_tile(acc, bias_ptr, out_ptr, partials_ptr, tickets_ptr, off_m, off_n, m, n,
+                    stride_out_row, HAS_BIAS, SPLIT_K, num_warps)  # fmt: skip
+
+    @gluon.jit
+    def _write_tile(acc, bias_ptr, out_ptr, partials_ptr, tickets_ptr, off_m, off_n, m, n,
+                    stride_out_row, HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr,
+                    num_warps: gl.constexpr):  # fmt: skip
+        """The tile into out; with SPLIT_K > 1 this split's partial sum, and the whole sum by
+        the last split of the tile to finish. Stored from the MMA's own layout: a
+        convert_layout through shared memory here made ptxas serialize the loop's MMAs
+        (warning C7515, Triton 3.6, sm_90a)."""
+        BLOCK_N: gl.constexpr = acc.shape[0]
+        BLOCK_M: gl.constexpr = acc.shape[1]
+        layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+        tile = acc
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+        mask = (cols < n)[:, None] & (rows < m)[None, :]
+        if SPLIT_K == 1:
+            _store_out(tile, bias_ptr, out_ptr, cols, rows, mask, n, stride_out_row, HAS_BIAS)
+        else:
+            split = gl.program_id(2)
+            gl.store(partials_ptr + (split * n + cols[:, None]) * m + rows[None, :], tile,
+                     mask=mask)  # fmt: skip
+            ticket_ptr = tickets_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+            threads_barrier()  # every thread's partial stored before the ticket is taken
+            last = gl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+            threads_barrier()
+            if last:
+                total = gl.zeros_like(tile)
+                # In split order (the same sum each time); a loop, not unrolled: the unrolled
+                # loads of 4-8 partial tiles spilled 0.7-1.9 KB a thread.
+                for other in range(SPLIT_K):
+                    part_ptrs = partials_ptr + (other * n + cols[:, None]) * m + rows[None, :]
+                    total += gl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                gl.store(ticket_ptr, 0)
+                _store_out(total, bias_ptr, out_ptr, cols, rows, mask, n, stride_out_row,
+                           HAS_BIAS)  # fmt: skip
+
+    @gluon.jit
+    def _store_out(tile, bias_ptr, out_ptr, cols, rows, mask, n, stride_out_row,
+                   HAS_BIAS: gl.constexpr):  # fmt: skip
+        if HAS_BIAS:
+            tile += gl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(gl.float32)[:, None]
+        out_ptrs = out_ptr + rows[None, :] * stride_out_row + cols[:, None]
+        gl.store(out_ptrs, tile.to(out_ptr.dtype.element_ty), mask=mask)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels import gluon_fp8
 from kernels.fp8 import Fp8Rows, fp8_group_linear_reference, fp8_linear_reference
 from kernels.gguf import gguf_linear_reference
 from kernels.int4 import int4_linear_reference
@@ -29,8 +28,8 @@ def fp8_linear(
 ) -> torch.Tensor:  # [M, N], x's float dtype
     """An FP8 W8A8 linear layer: on CUDA the activation quantized per token (or by its static
     scale) in Triton, unless its producer did; then up to FP8_SKINNY_MAX_ROWS rows the Triton
-    FP8 GEMV, past that on Hopper up to gluon_fp8.MAX_ROWS the Gluon warpgroup-MMA kernel,
-    else cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`); elsewhere the reference."""
+    FP8 GEMV, past that cuBLASLt's row-wise scaled FP8 GEMM (`torch._scaled_mm`); elsewhere
+    the reference."""
     if isinstance(x, Fp8Rows) and input_scale is not None:
         raise ValueError("x is quantized already: its producer chose the scales")
     module = triton_module("fp8", x.q if isinstance(x, Fp8Rows) else x)
@@ -45,8 +44,6 @@ def fp8_linear(
         return torch.empty((0, qweight.shape[0]), dtype=rows.dtype, device=rows.q.device)
     if m <= FP8_SKINNY_MAX_ROWS:  # decode: the weight streamed by the FP8 GEMV
         return module.fp8_skinny_linear(rows, qweight, weight_scale, bias)
-    if gluon_fp8.ENABLED and m <= gluon_fp8.MAX_ROWS and gluon_fp8.applies(rows, qweight):
-        return gluon_fp8.gluon_fp8_linear(rows, qweight, weight_scale, bias)
     if rows.dtype != torch.bfloat16:
         raise ValueError(
             f"cuBLASLt's row-wise scaled FP8 GEMM returns bfloat16 only, not {rows.dtype}: "

@@ -3,14 +3,12 @@
 For each projection of --model and each M in --m, times `fp8_skinny_linear` (the activation
 quantization and the FP8 GEMV, as `kernels.quantized_ops.fp8_linear` runs them up to 64 rows) with
 `fp8_default_tiles` and with every config of CANDIDATES, cuBLASLt's scaled
-GEMM and bf16 through `kernels.ops.linear`; reports microseconds per call and GB/s of FP8
-weights (timing and checks: sweeps/quantized_sweep.py). Past 64 rows, in place of the GEMV,
-the Gluon kernel on Hopper's warpgroup MMA (kernels/gluon_fp8.py) with its default tiles and
-GLUON_CANDIDATES'. With --quantized-rows the FP8 layers take rows quantized before the timing,
-as the engine's norms and SiLU hand them to qkv, gate_up and down.
+GEMM (what the engine runs past 64 rows) and bf16 through `kernels.ops.linear`; reports
+microseconds per call and GB/s of FP8 weights (timing and checks:
+sweeps/quantized_sweep.py). With --quantized-rows the FP8 layers take rows quantized
+before the timing, as the engine's norms and SiLU hand them to qkv, gate_up and down.
 
     python -m sweeps.fp8_sweep --out $OUT/fp8_sweep.json --m 1 4 16 [--quantized-rows]
-    python -m sweeps.fp8_sweep --out $OUT/fp8_gluon.json --m 128 256 512 --quantized-rows
 
 Needs a CUDA GPU and ~8 GB of its memory.
 """
@@ -21,16 +19,12 @@ import functools
 from typing import Any
 
 import torch
-import triton
 
-from kernels import gluon_fp8
 from kernels.fp8 import (
     Fp8Rows,
     fp8_linear_reference,
     quantize_fp8_rowwise_reference,
 )
-from kernels.gluon_wgmma import WgmmaTiles
-from kernels.quantized_ops import FP8_SKINNY_MAX_ROWS
 from kernels.triton_fp8 import (
     Fp8Tiles,
     fp8_default_tiles,
@@ -47,14 +41,6 @@ CANDIDATES = [
     (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 256, 4, 4), (64, 256, 4, 6),
     (64, 512, 4, 3), (64, 512, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
     (128, 256, 4, 4),
-]  # fmt: skip
-
-
-# The Gluon kernel past 64 rows: (block_m, num_warps, stages, split_k), block_n 16 a warp; an
-# x tile of M rounded up to a power of two (to 256) or half of it.
-GLUON_CANDIDATES = [
-    (bm, warps, stages, split)
-    for bm in (64, 128, 256) for warps in (4, 8) for stages in (3, 4) for split in (1, 2, 4, 8)
 ]  # fmt: skip
 
 
@@ -89,54 +75,16 @@ def sweep_shape(
     for m in ms:
         x = torch.randn(m, shape.k, device=DEVICE).to(torch.bfloat16)
         rows.append(quantized_sweep.bf16_row(shape, m, x, copies))
+        named = [("default", fp8_default_tiles(m, shape.n, shape.k))]
+        named += [(label(t), t) for t in candidates(m, shape.k)]
         rows_q = Fp8Rows(*quantize_fp8_rowwise(x), x.dtype) if quantized_rows else None
-        if m <= FP8_SKINNY_MAX_ROWS:
-            named = [("default", fp8_default_tiles(m, shape.n, shape.k))]
-            named += [(label(t), t) for t in candidates(m, shape.k)]
-            gemv = functools.partial(_fp8, rows_q=rows_q)
-            configs = [(name, functools.partial(gemv, tiles=t), t) for name, t in named]
-        else:
-            configs = gluon_configs(m, shape.n, shape.k, rows_q)
+        configs = [(name, functools.partial(_fp8, tiles=t, rows_q=rows_q), t) for name, t in named]
         cublaslt = functools.partial(_cublaslt, rows_q=rows_q)
         configs.append(("cublaslt", cublaslt, None))  # quantized_ops.fp8_linear past 64 rows
         expected = fp8_linear_reference(x, *layers[0])
         rows += quantized_sweep.time_configs(shape, x, layers, expected, configs, fp8_bytes)
         quantized_sweep.print_best(shape, m, rows)
     return rows
-
-
-def gluon_configs(m: int, n: int, k: int, rows_q: Fp8Rows | None) -> list[tuple[str, Any, Any]]:
-    """The Gluon kernel's configs at M rows of an [N, K] layer: its defaults and
-    GLUON_CANDIDATES' that fit M and K's steps; none off Hopper."""
-    probe = Fp8Rows(torch.empty(1, k, device=DEVICE).to(torch.float8_e4m3fn),
-                    torch.ones(1, 1, device=DEVICE), torch.bfloat16)  # fmt: skip
-    if not gluon_fp8.applies(probe, probe.q):
-        print(f"  M={m}: no Gluon kernel here (kernels/gluon_fp8.py: Hopper, Gluon)")
-        return []
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    top = max(64, triton.next_power_of_2(min(m, 256)))
-    tiles = [gluon_fp8.default_tiles(m, n, k, sms)] + [
-        WgmmaTiles(bm, 16 * warps, warps, stages, split)
-        for bm, warps, stages, split in GLUON_CANDIDATES
-        if top // 2 <= bm <= top and (k // gluon_fp8.BLOCK_K) % split == 0
-    ]
-    names = ["gluon default"] + [
-        f"gluon m{t.block_m} n{t.block_n} w{t.num_warps} s{t.stages} split{t.split_k}"
-        for t in tiles[1:]
-    ]
-    gluon = functools.partial(_gluon, rows_q=rows_q)
-    return [
-        (name, functools.partial(gluon, tiles=t), t) for name, t in zip(names, tiles, strict=True)
-    ]
-
-
-def _gluon(
-    x: torch.Tensor, layer: tuple[torch.Tensor, ...], tiles: WgmmaTiles, rows_q: Fp8Rows | None
-) -> torch.Tensor:
-    """The quantization kernel (unless rows_q), then the Gluon kernel."""
-    qweight, scale = layer
-    rows = rows_q if rows_q is not None else Fp8Rows(*quantize_fp8_rowwise(x), x.dtype)
-    return gluon_fp8.gluon_fp8_linear(rows, qweight, scale, tiles=tiles)
 
 
 def _cublaslt(

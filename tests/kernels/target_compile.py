@@ -49,8 +49,8 @@ from triton.runtime.jit import (
     serialize_specialization_data,
 )
 
-from kernels import gluon_fp8, gluon_hopper, gluon_int4, gluon_wgmma
-from kernels.fp8 import FP8, Fp8Rows
+from kernels import gluon_hopper, gluon_int4
+from kernels.fp8 import FP8
 from kernels.int4 import Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
 from kernels.triton_decode_attention import paged_decode_attention
@@ -86,13 +86,10 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
     # An FP8 cache is read as words, converted by inline PTX, from Hopper on, as on such a GPU.
     reads_words = triton_decode_attention.reads_e4m3_words_on
     triton_decode_attention.reads_e4m3_words_on = lambda tensor: capability >= 90
-    # The Gluon kernels run on Hopper alone (kernels/gluon_wgmma.py): an H100's 132 SMs.
-    gluon_modules = (gluon_int4, gluon_fp8)
-    gluon_runs_on = [module.runs_on for module in gluon_modules]
-    gluon_sm_count = gluon_wgmma.sm_count
-    for module in gluon_modules:
-        module.runs_on = lambda tensor: capability == 90 and gluon_hopper.available()
-    gluon_wgmma.sm_count = lambda index: 132
+    # The Gluon int4 kernel runs on Hopper alone (kernels/gluon_int4.py): an H100's 132 SMs.
+    gluon_runs_on, gluon_sm_count = gluon_int4.runs_on, gluon_int4._sm_count
+    gluon_int4.runs_on = lambda tensor: capability == 90 and gluon_hopper.available()
+    gluon_int4._sm_count = lambda index: 132
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kw: Any) -> None:
         if "INTERPRETED" in kw:  # the launchers' CPU-tensor path: compile the GPU one
@@ -113,9 +110,7 @@ def launches_on(capability: int) -> Iterator[list[dict[str, Any]]]:
         for name, module in pdl.items():
             module.launches_early = saved[name]
         triton_decode_attention.reads_e4m3_words_on = reads_words
-        for module, runs_on in zip(gluon_modules, gluon_runs_on, strict=True):
-            module.runs_on = runs_on
-        gluon_wgmma.sm_count = gluon_sm_count
+        gluon_int4.runs_on, gluon_int4._sm_count = gluon_runs_on, gluon_sm_count
 
 
 REPORT_REGISTERS = False  # main's --registers: run ptxas -v on each launch's code
@@ -261,23 +256,6 @@ def _gluon_int4_launches() -> None:
         gluon_int4.gluon_int4_linear(x, qweight, scales, None, 128, None, bias, tiles=tiles)
 
 
-def _gluon_fp8_launches() -> None:
-    """The Gluon FP8 kernel (warpgroup MMA) at the rows it takes, 8B shapes, with its default
-    tiles and the largest x tile, two warpgroups and split K, with a bias."""
-    for m, (name, (n, k)) in itertools.product((96, 256, 512), LLAMA_SHAPES.items()):
-        if name == "lm_head":
-            continue
-        rows = Fp8Rows(torch.empty(m, k, dtype=FP8), torch.empty(m, 1), torch.bfloat16)
-        gluon_fp8.gluon_fp8_linear(rows, torch.empty(n, k, dtype=FP8), torch.empty(n))
-    rows = Fp8Rows(torch.empty(256, 4096, dtype=FP8), torch.empty(256, 1), torch.bfloat16)
-    weight, scale, bias = torch.empty(4096, 4096, dtype=FP8), torch.empty(4096), torch.empty(4096)
-    for tiles in (
-        gluon_wgmma.WgmmaTiles(256, 128, 8, 4, 2),
-        gluon_wgmma.WgmmaTiles(64, 64, 4, 4, 1),
-    ):
-        gluon_fp8.gluon_fp8_linear(rows, weight, scale, bias.bfloat16(), tiles=tiles)
-
-
 def _attention_launches(kv_dtype: torch.dtype) -> None:
     """Decodes and prompts at each head size, over the whole context and in a sliding window
     (a variant of its own: the window's bounds and masks)."""
@@ -370,7 +348,6 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "fp8 gemv": (lambda: _skinny_launches([1, 16, 32, 64], fp8=True), (89, 90)),
     "int4 dot": (_int4_launches, (80, 86, 89, 90)),
     "int4 wgmma (Gluon)": (_gluon_int4_launches, (90,)),
-    "fp8 wgmma (Gluon)": (_gluon_fp8_launches, (90,)),
     "attention bf16 cache": (lambda: _attention_launches(torch.bfloat16), (80, 86, 89, 90)),
     "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),
     "moe bf16": (lambda: _moe_launches(fp8=False), (86, 90)),  # the least shared memory, H100

@@ -92,10 +92,7 @@ FP8 = (
 )
 MOE = {"_gate_up_kernel", "_down_kernel", "_pair_gate_up_kernel", "_token_down_kernel"}
 HOPPER = ({"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8", "moe mxfp4 gpt-oss"},)
-GLUON = (
-    {"int4 wgmma (Gluon)", "fp8 wgmma (Gluon)"},
-    {"_int4_wgmma_kernel", "_fp8_wgmma_kernel"},
-)  # Hopper's alone
+GLUON = ({"int4 wgmma (Gluon)"}, {"_int4_wgmma_kernel"})  # Hopper's alone
 INT4_MOE = (
     {"moe int4"},
     {"_int4_gate_up_kernel", "_int4_down_kernel", "_int4_pair_gate_up_kernel",
