@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 from kernels import triton_decode_attention
 from kernels.attention import paged_attention_reference
 from kernels.cache import to_cache_dtype
+from kernels.fp8 import quantize_fp8_rowwise_reference
 from kernels.rotary_cache import rotary_write_kv_reference
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_prefill_attention import paged_prefill_attention
@@ -147,6 +148,60 @@ def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(dtype: torch.dtype) -> No
     hopper = torch.cuda.get_device_capability() >= (9, 0)
     assert triton_decode_attention._reads_e4m3_words(query, key_cache, value_cache) == hopper
     expected = decode_tests.reference(query, key_cache, value_cache, tables, lens, 128**-0.5)
+    for num_splits in (1, 8, None):
+        out = paged_decode_attention(
+            query, key_cache, value_cache, tables, lens, 128**-0.5, num_splits=num_splits
+        )
+        torch.testing.assert_close(
+            out.float(), expected.float(), atol=2e-2, rtol=2e-2, msg=f"{num_splits=}"
+        )
+
+
+def rounded_query(query: torch.Tensor) -> torch.Tensor:
+    """The query as FP8_QUERY rounds it: each (token, head) row to e4m3 by its own scale."""
+    q, scale = quantize_fp8_rowwise_reference(query.float().reshape(-1, query.shape[-1]))
+    return (q.float() * scale).reshape(query.shape)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_scores_from_e4m3_mmas_are_the_reference_on_the_rounded_query(
+    monkeypatch: pytest.MonkeyPatch, num_splits: int
+) -> None:
+    # FP8_QUERY_MMAS: the query rounded per row, the keys unconverted in e4m3 x e4m3 dots
+    # (interpreted here: the path the flag takes on Hopper).
+    monkeypatch.setattr(triton_decode_attention, "FP8_QUERY_MMAS", True)
+    query, key_cache, value_cache, tables, lens = decode_tests.make_case(
+        decode_tests.SEQ_LENS, 8, 2, 64, torch.float32, seed=4
+    )
+    key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
+    query = (query * 3).to(DEVICE, torch.bfloat16)
+    assert triton_decode_attention._fp8_query_mmas(query, key_cache)
+    out = paged_decode_attention(
+        query, key_cache, value_cache, tables, lens, 0.125, num_splits=num_splits
+    )
+    rounded = rounded_query(query)
+    expected = decode_tests.reference(rounded, key_cache, value_cache, tables, lens, 0.125)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    unrounded = decode_tests.reference(query.float(), key_cache, value_cache, tables, lens, 0.125)
+    assert (out.float() - unrounded).abs().max() > (out.float() - expected).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_scores_from_e4m3_mmas_at_real_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(triton_decode_attention, "FP8_QUERY_MMAS", True)
+    generator = torch.Generator().manual_seed(9)
+    seq_lens = torch.randint(1, 4097, (48,), generator=generator)
+    seq_lens[:4] = torch.tensor([1, 4096, 4095, 129])
+    query, key_cache, value_cache, tables, lens = decode_tests.make_case(
+        seq_lens.tolist(), 32, 8, 128, torch.float32, seed=10
+    )
+    key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
+    query = query.to(torch.bfloat16)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert triton_decode_attention._fp8_query_mmas(query, key_cache) == hopper
+    rounded = rounded_query(query) if hopper else query.float()
+    expected = decode_tests.reference(rounded, key_cache, value_cache, tables, lens, 128**-0.5)
     for num_splits in (1, 8, None):
         out = paged_decode_attention(
             query, key_cache, value_cache, tables, lens, 128**-0.5, num_splits=num_splits
