@@ -260,11 +260,15 @@ def moe_experts(
     down_scale: torch.Tensor | None = None,
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
+    all_experts: int | None = None,  # with expert parallelism, every rank's (None: down's)
 ) -> torch.Tensor:
-    """A token's choices of expert -1 (another rank's, with expert parallelism) add nothing."""
+    """A token's choices of expert -1 (another rank's, with expert parallelism) add nothing.
+    The kernels pick GEMVs or grouped GEMMs by the pairs against all_experts."""
     module = triton_module("moe", x)
-    run = module.moe_experts if module is not None else moe_experts_reference
-    return run(x, gate_up, down, weights, ids, gate_up_scale, down_scale, biases, swiglu)
+    args = (x, gate_up, down, weights, ids, gate_up_scale, down_scale, biases, swiglu)
+    if module is None:
+        return moe_experts_reference(*args)
+    return module.moe_experts(*args, all_experts=all_experts)
 
 
 def moe_experts_int4(

@@ -220,7 +220,7 @@ def _decode_partition_kernel(
     # With FP8_QUERY each row is rounded to e4m3 by its own scale instead, and the scores come
     # from e4m3 x e4m3 MMAs with the tile's keys, as the cache holds them, the first operand
     # ([TILE, D] x [D, GROUP_PAD]: 64 rows an MMA, which a query's 16 rows cannot fill): the
-    # keys are not converted at all (kernels/triton_decode_attention.py: FP8_QUERY_MMAS).
+    # keys are not converted at all (FP8_QUERY_MMAS, below).
     q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
     if FP8_QUERY:
         q = q.to(tl.float32)
@@ -259,7 +259,10 @@ def _decode_partition_kernel(
                 k, v = k.to(q.dtype), v.to(q.dtype)
 
         if FP8_QUERY:
-            scores = tl.trans(tl.dot(k, tl.trans(q))) * q_scale[:, None]  # [G, T]
+            # Summed into float32 after each MMA's 32 products: Hopper's e4m3 MMAs keep fewer
+            # bits in between (a Gluon FP8 GEMM lost 3-6 % that way: docs/benchmarks.md).
+            scores = tl.dot(k, tl.trans(q), max_num_imprecise_acc=32)
+            scores = tl.trans(scores) * q_scale[:, None]  # [G, T]
         else:
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, T]
         if SOFTCAPPED:
@@ -788,11 +791,15 @@ FP8_QUERY_MMAS = False
 
 
 def _fp8_query_mmas(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the partition kernel takes FP8_QUERY: FP8_QUERY_MMAS, an e4m3 cache and a 16-bit
-    query, on a GPU with e4m3 MMAs (Hopper on; Triton's dots of e4m3 need 8.9) or interpreted."""
+    """Whether the partition kernel takes FP8_QUERY: FP8_QUERY_MMAS, an e4m3 cache, a 16-bit
+    query of 32-128 values a head (256 spilled registers, sm_90), on Hopper on or interpreted.
+    In a mixed batch only the decode kernel's rows round their query; the prefill kernel's
+    do not."""
     if not FP8_QUERY_MMAS or key_cache.dtype != torch.float8_e4m3fn:
         return False
     if query.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if not 32 <= query.shape[2] <= WORDS_MAX_HEAD_DIM:  # an e4m3 dot's K: 32 on; 256 spilled
         return False
     return not query.is_cuda or _hopper_or_later(query.device.index or 0)
 

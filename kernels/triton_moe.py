@@ -38,11 +38,11 @@ from kernels.triton_stages import launch_fitting
 
 
 def uses_gemv(num_pairs: int, num_experts: int, fp8: bool = False) -> bool:
-    """Few pairs against the experts (at most a quarter; an eighth with FP8 experts): most
-    experts chosen hold one pair. FP8 GEMVs read half the bytes of bf16's for the same work
-    on their inputs, and at Qwen3-30B-A3B's shape the grouped GEMMs caught up with them at 2
-    tokens and passed them at 4 (55.5 against 54.1-58.7 us and 75.6 against 85.2, the best
-    GEMV tiles; H100, 2026-12-07, sweeps/moe_gemv_sweep.py --fp8)."""
+    """Few pairs against the experts (at most a quarter; an eighth with FP8 experts of a scale
+    a row): most experts chosen hold one pair. FP8 GEMVs read half the bytes of bf16's for the
+    same work on their inputs, and at Qwen3-30B-A3B's shape the grouped GEMMs caught up with
+    them at 2 tokens and passed them at 4 (55.5 against 54.1-58.7 us and 75.6 against 85.2,
+    the best GEMV tiles; H100, 2026-12-07, sweeps/moe_gemv_sweep.py --fp8)."""
     return num_pairs * (8 if fp8 else 4) <= num_experts
 
 
@@ -286,14 +286,17 @@ def moe_experts(
     down_scale: torch.Tensor | None = None,  # [E, H, G'] float32
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
+    all_experts: int | None = None,  # with expert parallelism, every rank's (None: down's)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """The GEMVs for few pairs, else the grouped GEMMs. A choice of expert -1 (another rank's,
     with expert parallelism) adds nothing: the GEMVs skip it, and the grouped GEMMs leave it
-    out of every block and out of the sum."""
+    out of every block and out of the sum. The choice weighs every pair against every rank's
+    experts: about this rank's pairs against its own."""
     x = x.contiguous()
     extra = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, biases=biases,
                  swiglu=swiglu)  # fmt: skip
-    if uses_gemv(ids.numel(), down.shape[0], fp8=down_scale is not None):
+    row_scaled = gate_up_scale is not None and gate_up_scale.shape[-1] == 1  # as swept
+    if uses_gemv(ids.numel(), all_experts or down.shape[0], fp8=row_scaled):
         return moe_experts_gemv(x, gate_up, down, weights, ids, **extra)
     return moe_experts_grouped(x, gate_up, down, weights, ids, **extra)
 

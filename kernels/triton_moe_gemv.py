@@ -25,8 +25,8 @@ from kernels.triton_moe_tiles import DEFAULT_GEMV_TILES, FP8_GEMV_TILES, GemvTil
 # The most values a program loads at once to find its input rows' e4m3 scales: a few loads
 # in flight, not one a K step a row, before the weights' loop can start (an FP8 down GEMV
 # took 22.8 us at one token on an H100, its bf16 twin 14.7, reading twice the bytes).
-# Compiled for sm_90 at Qwen3-30B-A3B's shape, the down GEMV takes 64 registers a thread
-# with 4,096 (two loads of 8 rows), 102 with 8,192 (one), 56 with a load a row and K step.
+# Compiled for sm_90 at Qwen3-30B-A3B's shape (bf16's tiles), the down GEMV takes 64 registers a
+# thread with 4,096 (two loads of 8 rows), 102 with 8,192 (one), 56 with a load a row and K step.
 SCALE_LOAD = 4096
 
 
@@ -290,7 +290,8 @@ class WeightScales:
         self.strides = (
             (self.tensor.stride(0), self.tensor.stride(1)) if scale is not None else (0, 0)
         )
-        self.block_k = block_k
+        # No wider than the rows (experts split across tensor-parallel ranks have few columns)
+        self.block_k = min(block_k, max(16, triton.next_power_of_2(k)))
         if self.mode == 2:
             if self.group & (self.group - 1) or self.group < 16:
                 raise ValueError(f"FP8 experts' groups of {self.group} columns: not a power of two")

@@ -153,6 +153,10 @@ def test_a_restarted_prefill_rank_is_read_in_its_new_file(address: str, tmp_path
         assert same_blocks(source, [0, 1], target, [5, 6])
         assert imports._slabs[0][0] == shared
         exports.close()
+        # A restart takes seconds, by which time ZMQ has seen the old connection drop; here the
+        # next ask would come within microseconds and could go down the dropped connection
+        # (lost, then a 5 s timeout: seen once under load). The decode rank reconnects first.
+        imports._sockets.pop(0).close(linger=0)
 
 
 def test_a_decode_rank_that_cannot_map_the_slots_gets_the_bytes(

@@ -11,6 +11,7 @@ import transformers
 
 from kvflow import LLM, SamplingParams
 from services.executor.layers.linear import Linear
+from services.executor.layers.moe import SparseMoE
 from services.executor.runner.warm_up import (
     blocks_needed,
     eager_lengths,
@@ -19,7 +20,7 @@ from services.executor.runner.warm_up import (
     skip_reason,
     warm_up,
 )
-from tests.integration.tiny_models import FAMILIES, TINY
+from tests.integration.tiny_models import FAMILIES, MOE_FAMILIES, TINY
 
 PROMPTS = [[5, 9, 2, 7, 1, 3], [4, 4, 8, 2, 6, 1, 9, 3, 3, 7, 2, 5, 8, 1, 6, 2, 4, 9]]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -164,3 +165,31 @@ def test_warm_up_of_layer_groups_and_longrope_leaves_nothing_behind(
     warm_up(llm.runner)
     assert llm.runner.requests == {}
     assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, PARAMS)] == expected
+
+
+def test_warm_up_runs_the_first_experts_at_one_token_and_counts_no_load(tmp_path: Path) -> None:
+    """Without CUDA graphs the first mixture of experts also runs at one token (its GEMVs,
+    which the warm-up's 3-row decodes pass by with FP8 experts), on a padding row: the expert
+    load stays as the steps left it."""
+    config_cls, extra = MOE_FAMILIES["qwen3_moe dense first"]
+    torch.manual_seed(0)
+    config = config_cls(**{**TINY, **extra, "max_position_embeddings": 2048})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    llm = make_llm(tmp_path, num_gpu_blocks_override=256)
+    moes = [m for m in llm.runner.model.modules() if isinstance(m, SparseMoE)]
+    rows: list[tuple[int, int]] = []
+    hooks = [
+        moe.register_forward_hook(
+            lambda _module, args, _out, index=index: rows.append((index, args[0].shape[0]))
+        )
+        for index, moe in enumerate(moes)
+    ]
+    counts = torch.zeros(moes[0].moe.num_experts, dtype=torch.int64)
+    moes[0].counts_into(counts)
+    warm_up(llm.runner)
+    for hook in hooks:
+        hook.remove()
+    steps = [r for i, r in rows if i == 0]
+    assert steps.count(1) == 1 and 1 not in [r for i, r in rows if i > 0]
+    top_k = moes[0].moe.top_k  # each of the steps' tokens chose top_k experts, the padding none
+    assert counts.sum().item() == top_k * sum(r for r in steps if r != 1)

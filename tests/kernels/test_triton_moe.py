@@ -197,7 +197,7 @@ def test_another_ranks_pairs_add_nothing(
         extra["biases"] = ExpertBiases(*(nan_expert_0(b) for b in extra["biases"]))
     out = moe_experts(x, gate_up, down, weights, ids, *scales, **extra)
     assert_kernel_close(out, expected, fp8=scales[0] is not None)
-    assert uses_gemv(tokens * top_k, experts, fp8=groups > 0) == (experts >= 16)
+    assert uses_gemv(tokens * top_k, experts, fp8=groups == 1) == (experts >= 16)
 
 
 @pytest.mark.parametrize(
@@ -360,7 +360,28 @@ def test_fp8_experts_match_the_reference(tokens: int, experts: int, groups: int)
     out = moe_experts(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
     expected = moe_experts_reference(x, gate_up, down, weights, ids, gate_up_scale, down_scale)
     assert_kernel_close(out, expected, fp8=True)
-    assert uses_gemv(tokens * top_k, experts, fp8=True) == (experts >= 16)
+    assert uses_gemv(tokens * top_k, experts, fp8=groups == 1) == (experts >= 16)
+
+
+def test_expert_parallel_ranks_weigh_pairs_against_every_ranks_experts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank of four holds 32 of 128 experts: 2 tokens' 16 pairs are few against the 128
+    (the GEMVs), though not against its own 32; the result is the same either way."""
+    chosen: list[str] = []
+    for name in ("moe_experts_gemv", "moe_experts_grouped"):
+        kernel = getattr(triton_moe, name)
+        monkeypatch.setattr(triton_moe, name, lambda *a, name=name, kernel=kernel, **k: (
+            chosen.append(name), kernel(*a, **k))[1])  # fmt: skip
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 64, generator=generator).to(DEVICE)
+    gate_up = (torch.randn(32, 64, 64, generator=generator) / 8).to(DEVICE)
+    down = (torch.randn(32, 64, 32, generator=generator) / 8).to(DEVICE)
+    weights, ids = routed(2, 128, 8, seed=5)
+    local = torch.where(ids < 32, ids, -1)  # this rank's experts are the first 32
+    outs = [moe_experts(x, gate_up, down, weights, local, all_experts=n) for n in (128, None)]
+    assert chosen == ["moe_experts_gemv", "moe_experts_grouped"]
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)
 
 
 def test_fp8_experts_take_the_gemvs_for_half_as_many_pairs() -> None:

@@ -89,7 +89,7 @@ class FloatExperts:
     ) -> torch.Tensor:
         return ops.moe_experts(
             x, moe.experts_gate_up, moe.experts_down, weights, ids, None, None, moe.biases,
-            moe.swiglu,
+            moe.swiglu, moe.moe.num_experts,
         )  # fmt: skip
 
 

@@ -225,4 +225,5 @@ class Fp8Experts:
         return ops.moe_experts(
             x, moe.experts_gate_up, moe.experts_down, weights, ids,
             moe.experts_gate_up_scale, moe.experts_down_scale, moe.biases, moe.swiglu,
+            moe.moe.num_experts,
         )  # fmt: skip

@@ -31,6 +31,7 @@ from kernels import ops
 from kernels.attention import PREFILL_REQS_MIN_POW2
 from services.executor.layers.linear import Linear
 from services.executor.layers.mlp import GatedMLP
+from services.executor.layers.moe import SparseMoE
 from services.executor.models.decoder import DecoderForCausalLM
 from services.executor.runner.cuda_graphs import MIXED_GRAPH_MAX_TOKENS, StepGraphs
 from services.executor.runner.grammar import GrammarMatchers
@@ -240,6 +241,21 @@ def _compile_linear_variants(runner: WarmUpTarget) -> None:
             layer = module if isinstance(module, Linear) else module.gate_up_proj
             width = layer.in_features
             module(torch.zeros(rows, width, dtype=runner.dtype, device=runner.device))
+        if runner.graphs is None:
+            _compile_expert_gemvs(runner)
+
+
+def _compile_expert_gemvs(runner: WarmUpTarget) -> None:
+    """The first mixture of experts at one token: the decode steps here (3 rows) take the
+    grouped GEMMs where the expert GEMVs stop short of 3 tokens (FP8 experts: up to experts / 8
+    pairs, kernels/triton_moe.py `uses_gemv`), so an eager batch of 1 or 2 would compile the
+    GEMVs mid-serve. Its row is padding (slot -1): no expert load is counted. Not with experts
+    across replicas, whose layers gather every replica's rows (a collective)."""
+    moe = next((m for m in runner.model.modules() if isinstance(m, SparseMoE)), None)
+    if moe is None or moe.replicas is not None:
+        return
+    x = torch.zeros(1, moe.gate.in_features, dtype=runner.dtype, device=runner.device)
+    moe(x, torch.full((1,), -1, dtype=torch.int64, device=runner.device))
 
 
 def warm_up(runner: WarmUpTarget) -> None:
