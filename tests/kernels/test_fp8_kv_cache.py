@@ -133,10 +133,18 @@ def test_decode_reads_the_fp8_cache_as_the_reference() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "mmas"),
+    [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)],
+    ids=["bf16", "fp16", "bf16-e4m3-mmas"],
+)
+def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(
+    dtype: torch.dtype, mmas: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Llama-3.1-8B's heads, contexts of 1 to 4096 tokens (tails of a tile and of a block),
-    # every split count kind; on Hopper the cache is read as words (_e4m3_tile).
+    # every split count kind; on Hopper the cache is read as words (_e4m3_tile), or with
+    # FP8_QUERY_MMAS as bytes, the keys into e4m3 MMAs with the query rounded per row.
+    monkeypatch.setattr(triton_decode_attention, "FP8_QUERY_MMAS", mmas)
     generator = torch.Generator().manual_seed(7)
     seq_lens = torch.randint(1, 4097, (48,), generator=generator)
     seq_lens[:4] = torch.tensor([1, 4096, 4095, 129])
@@ -146,8 +154,12 @@ def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(dtype: torch.dtype) -> No
     key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
     query = query.to(dtype)
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    assert triton_decode_attention._reads_e4m3_words(query, key_cache, value_cache) == hopper
-    expected = decode_tests.reference(query, key_cache, value_cache, tables, lens, 128**-0.5)
+    words = triton_decode_attention._reads_e4m3_words(query, key_cache, value_cache)
+    assert words == hopper and triton_decode_attention._fp8_query_mmas(query, key_cache) == (
+        hopper and mmas
+    )
+    rounded = rounded_query(query) if hopper and mmas else query
+    expected = decode_tests.reference(rounded, key_cache, value_cache, tables, lens, 128**-0.5)
     for num_splits in (1, 8, None):
         out = paged_decode_attention(
             query, key_cache, value_cache, tables, lens, 128**-0.5, num_splits=num_splits
@@ -184,31 +196,6 @@ def test_scores_from_e4m3_mmas_are_the_reference_on_the_rounded_query(
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
     unrounded = decode_tests.reference(query.float(), key_cache, value_cache, tables, lens, 0.125)
     assert (out.float() - unrounded).abs().max() > (out.float() - expected).abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_scores_from_e4m3_mmas_at_real_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_decode_attention, "FP8_QUERY_MMAS", True)
-    generator = torch.Generator().manual_seed(9)
-    seq_lens = torch.randint(1, 4097, (48,), generator=generator)
-    seq_lens[:4] = torch.tensor([1, 4096, 4095, 129])
-    query, key_cache, value_cache, tables, lens = decode_tests.make_case(
-        seq_lens.tolist(), 32, 8, 128, torch.float32, seed=10
-    )
-    key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
-    query = query.to(torch.bfloat16)
-    hopper = torch.cuda.get_device_capability() >= (9, 0)
-    assert triton_decode_attention._fp8_query_mmas(query, key_cache) == hopper
-    rounded = rounded_query(query) if hopper else query.float()
-    expected = decode_tests.reference(rounded, key_cache, value_cache, tables, lens, 128**-0.5)
-    for num_splits in (1, 8, None):
-        out = paged_decode_attention(
-            query, key_cache, value_cache, tables, lens, 128**-0.5, num_splits=num_splits
-        )
-        torch.testing.assert_close(
-            out.float(), expected.float(), atol=2e-2, rtol=2e-2, msg=f"{num_splits=}"
-        )
 
 
 @pytest.mark.parametrize("batch", list(prefill_tests.BATCHES))
