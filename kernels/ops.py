@@ -279,11 +279,14 @@ def moe_experts_int4(
     ids: torch.Tensor,
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,
+    all_experts: int | None = None,  # with expert parallelism, every rank's (None: down's)
 ) -> torch.Tensor:
-    """int4 or MXFP4 experts (W4A16, kernels/moe.py); as moe_experts, choices of -1 add nothing."""
+    """int4 or MXFP4 experts (W4A16, kernels/moe.py); as moe_experts, choices of -1 add nothing
+    and the kernels are picked by the pairs against all_experts."""
     module = triton_module("moe_int4", x)
-    run = module.moe_experts_int4 if module is not None else moe_experts_int4_reference
-    return run(x, gate_up, down, weights, ids, biases, swiglu)
+    if module is None:
+        return moe_experts_int4_reference(x, gate_up, down, weights, ids, biases, swiglu)
+    return module.moe_experts_int4(x, gate_up, down, weights, ids, biases, swiglu, all_experts)
 
 
 def silu_and_mul_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> Fp8Rows:

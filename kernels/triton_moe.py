@@ -290,13 +290,15 @@ def moe_experts(
 ) -> torch.Tensor:  # [T, H], x's dtype
     """The GEMVs for few pairs, else the grouped GEMMs. A choice of expert -1 (another rank's,
     with expert parallelism) adds nothing: the GEMVs skip it, and the grouped GEMMs leave it
-    out of every block and out of the sum. The choice weighs every pair against every rank's
-    experts: about this rank's pairs against its own."""
+    out of every block and out of the sum. With expert parallelism the choice counts about
+    this rank's share of the pairs."""
     x = x.contiguous()
     extra = dict(gate_up_scale=gate_up_scale, down_scale=down_scale, biases=biases,
                  swiglu=swiglu)  # fmt: skip
     row_scaled = gate_up_scale is not None and gate_up_scale.shape[-1] == 1  # as swept
-    if uses_gemv(ids.numel(), all_experts or down.shape[0], fp8=row_scaled):
+    experts = down.shape[0]
+    own_pairs = ids.numel() * experts // (all_experts or experts)
+    if uses_gemv(own_pairs, experts, fp8=row_scaled):
         return moe_experts_gemv(x, gate_up, down, weights, ids, **extra)
     return moe_experts_grouped(x, gate_up, down, weights, ids, **extra)
 

@@ -251,14 +251,18 @@ def moe_experts_int4(
     ids: torch.Tensor,  # [T, k]
     biases: ExpertBiases | None = None,  # gpt-oss's
     swiglu: ClampedSwiglu | None = None,  # gpt-oss's activation (None: silu(gate) * up)
+    all_experts: int | None = None,  # with expert parallelism, every rank's (None: down's)
 ) -> torch.Tensor:  # [T, H], x's dtype
     """moe_experts_int4_reference: few pairs by GEMVs (kernels/triton_moe_int4_gemv.py), the
-    rest by the grouped GEMMs."""
+    rest by the grouped GEMMs. With expert parallelism the choice counts about this rank's
+    share of the pairs (the others' choices are -1 here, which the GEMVs skip)."""
     x = x.contiguous()
     hidden, inter = down.qweight.shape[1], gate_up.qweight.shape[1] // 2
     _check(x, gate_up, hidden)
     _check(x.new_empty(0, inter), down, inter)
-    if uses_int4_gemv(ids.numel(), down.qweight.shape[0], e2m1=down.e2m1):
+    experts = down.qweight.shape[0]
+    own_pairs = ids.numel() * experts // (all_experts or experts)
+    if uses_int4_gemv(own_pairs, experts, e2m1=down.e2m1):
         return moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
     return moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
 

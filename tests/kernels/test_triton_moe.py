@@ -379,6 +379,7 @@ def test_expert_parallel_ranks_weigh_pairs_against_every_ranks_experts(
     down = (torch.randn(32, 64, 32, generator=generator) / 8).to(DEVICE)
     weights, ids = routed(2, 128, 8, seed=5)
     local = torch.where(ids < 32, ids, -1)  # this rank's experts are the first 32
+    assert (local >= 0).any() and (local < 0).any()
     outs = [moe_experts(x, gate_up, down, weights, local, all_experts=n) for n in (128, None)]
     assert chosen == ["moe_experts_gemv", "moe_experts_grouped"]
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)

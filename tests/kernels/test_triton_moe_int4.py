@@ -124,6 +124,29 @@ def test_int4_experts_in_bf16_at_a_qwen3_moe_layers_shape(tokens: int) -> None:
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2 * scale)
 
 
+def test_expert_parallel_ranks_count_their_share_of_the_pairs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank of four holds 16 of 64 experts: one token's 4 pairs are about one of its own,
+    few against its 16 (the GEMVs), though 4 * 16 is not (the grouped GEMMs without
+    all_experts); the result is the same either way."""
+    chosen: list[str] = []
+    for name in ("moe_experts_int4_gemv", "moe_experts_int4_grouped"):
+        kernel = getattr(triton_moe_int4, name)
+        monkeypatch.setattr(triton_moe_int4, name, lambda *a, name=name, kernel=kernel, **k: (
+            chosen.append(name), kernel(*a, **k))[1])  # fmt: skip
+    generator = torch.Generator().manual_seed(6)
+    gate_up = int4_stack(16, 64, 128, 128, True, generator)
+    down = int4_stack(16, 128, 32, 32, True, generator)
+    x = torch.randn(1, 128, generator=generator).to(DEVICE)
+    weights, ids = routed(1, 64, 4, seed=6)
+    local = torch.where(ids < 16, ids, -1)  # this rank's experts are the first 16
+    assert (local >= 0).any() and (local < 0).any()
+    outs = [moe_experts_int4(x, gate_up, down, weights, local, all_experts=n) for n in (64, None)]
+    assert chosen == ["moe_experts_int4_gemv", "moe_experts_int4_grouped"]
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)
+
+
 def test_the_int4_reference_is_the_float_reference_on_the_dequantized_weights() -> None:
     """What W4A16 means here: each weight (q - z) * scale rounded to x's dtype first."""
     generator = torch.Generator().manual_seed(5)

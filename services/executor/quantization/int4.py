@@ -180,4 +180,6 @@ class Int4Experts:
     def apply(
         self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        return ops.moe_experts_int4(x, *self.stacks(moe), weights, ids)
+        return ops.moe_experts_int4(
+            x, *self.stacks(moe), weights, ids, all_experts=moe.moe.num_experts
+        )

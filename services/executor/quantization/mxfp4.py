@@ -103,7 +103,9 @@ class Mxfp4Experts:
     def apply(
         self, moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
-        return ops.moe_experts_int4(x, *self.stacks(moe), weights, ids, moe.biases, moe.swiglu)
+        return ops.moe_experts_int4(
+            x, *self.stacks(moe), weights, ids, moe.biases, moe.swiglu, moe.moe.num_experts
+        )
 
 
 def _load_fused_mxfp4(
