@@ -36,3 +36,25 @@ def nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
         return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
 
     monkeypatch.setattr(torch, "empty", filled)
+
+
+def first_experts(ids: torch.Tensor, count: int) -> torch.Tensor:
+    """ids as the rank holding the first `count` experts sees them (at least one choice its
+    own and one another rank's)."""
+    local = torch.where(ids < count, ids, -1)
+    assert (local >= 0).any() and (local < 0).any()
+    return local
+
+
+def record_calls(monkeypatch: pytest.MonkeyPatch, module: object, *names: str) -> list[str]:
+    """The names of `module`'s functions among `names` as they are called from now on."""
+    called: list[str] = []
+    for name in names:
+        function = getattr(module, name)
+
+        def recorded(*args: object, name: str = name, function=function, **kwargs: object):  # type: ignore[no-untyped-def]
+            called.append(name)
+            return function(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, recorded)
+    return called

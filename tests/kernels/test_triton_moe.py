@@ -37,7 +37,13 @@ from kernels.triton_moe_tiles import (
     GroupedTiles,
     grouped_tiles,
 )
-from tests.kernels.expert_parallel import another_ranks, nan_empty, nan_expert_0
+from tests.kernels.expert_parallel import (
+    another_ranks,
+    first_experts,
+    nan_empty,
+    nan_expert_0,
+    record_calls,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -368,18 +374,13 @@ def test_expert_parallel_ranks_weigh_pairs_against_every_ranks_experts(
 ) -> None:
     """A rank of four holds 32 of 128 experts: 2 tokens' 16 pairs are few against the 128
     (the GEMVs), though not against its own 32; the result is the same either way."""
-    chosen: list[str] = []
-    for name in ("moe_experts_gemv", "moe_experts_grouped"):
-        kernel = getattr(triton_moe, name)
-        monkeypatch.setattr(triton_moe, name, lambda *a, name=name, kernel=kernel, **k: (
-            chosen.append(name), kernel(*a, **k))[1])  # fmt: skip
+    chosen = record_calls(monkeypatch, triton_moe, "moe_experts_gemv", "moe_experts_grouped")
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(2, 64, generator=generator).to(DEVICE)
     gate_up = (torch.randn(32, 64, 64, generator=generator) / 8).to(DEVICE)
     down = (torch.randn(32, 64, 32, generator=generator) / 8).to(DEVICE)
     weights, ids = routed(2, 128, 8, seed=5)
-    local = torch.where(ids < 32, ids, -1)  # this rank's experts are the first 32
-    assert (local >= 0).any() and (local < 0).any()
+    local = first_experts(ids, 32)
     outs = [moe_experts(x, gate_up, down, weights, local, all_experts=n) for n in (128, None)]
     assert chosen == ["moe_experts_gemv", "moe_experts_grouped"]
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)

@@ -18,7 +18,13 @@ from kernels.moe import moe_experts_int4_reference, moe_experts_reference, moe_r
 from kernels.triton_moe_int4 import moe_experts_int4, moe_experts_int4_grouped
 from kernels.triton_moe_int4_gemv import Int4GemvTiles, moe_experts_int4_gemv, uses_int4_gemv
 from kernels.triton_moe_tiles import GemmTiles, GroupedTiles
-from tests.kernels.expert_parallel import another_ranks, nan_empty, nan_expert_0
+from tests.kernels.expert_parallel import (
+    another_ranks,
+    first_experts,
+    nan_empty,
+    nan_expert_0,
+    record_calls,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -130,20 +136,16 @@ def test_expert_parallel_ranks_count_their_share_of_the_pairs(
     """A rank of four holds 16 of 64 experts: one token's 4 pairs are about one of its own,
     few against its 16 (the GEMVs), though 4 * 16 is not (the grouped GEMMs without
     all_experts); the result is the same either way."""
-    chosen: list[str] = []
-    for name in ("moe_experts_int4_gemv", "moe_experts_int4_grouped"):
-        kernel = getattr(triton_moe_int4, name)
-        monkeypatch.setattr(triton_moe_int4, name, lambda *a, name=name, kernel=kernel, **k: (
-            chosen.append(name), kernel(*a, **k))[1])  # fmt: skip
+    names = ("moe_experts_int4_gemv", "moe_experts_int4_grouped")
+    chosen = record_calls(monkeypatch, triton_moe_int4, *names)
     generator = torch.Generator().manual_seed(6)
     gate_up = int4_stack(16, 64, 128, 128, True, generator)
     down = int4_stack(16, 128, 32, 32, True, generator)
     x = torch.randn(1, 128, generator=generator).to(DEVICE)
     weights, ids = routed(1, 64, 4, seed=6)
-    local = torch.where(ids < 16, ids, -1)  # this rank's experts are the first 16
-    assert (local >= 0).any() and (local < 0).any()
+    local = first_experts(ids, 16)
     outs = [moe_experts_int4(x, gate_up, down, weights, local, all_experts=n) for n in (64, None)]
-    assert chosen == ["moe_experts_int4_gemv", "moe_experts_int4_grouped"]
+    assert chosen == list(names)
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-3, atol=2e-3)
 
 
