@@ -59,6 +59,13 @@ def sum_chosen_reference(
     return torch.where(chosen, by_token, 0.0).sum(dim=1).to(rows.dtype)
 
 
+def own_pairs(num_pairs: int, experts: int, all_experts: int | None) -> int:
+    """About how many of `num_pairs` (every rank's tokens' choices) fall on this rank's
+    `experts` of `all_experts` (None: this rank holds them all): what the expert kernels weigh
+    in choosing GEMVs or grouped GEMMs, since other ranks' choices (-1) cost them nothing."""
+    return num_pairs * experts // (all_experts or experts)
+
+
 def aligned_size(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Slots for the pairs sorted by expert, each expert's group padded to block_m: the most
     any routing needs (every group one pair past a multiple), rounded up to block_m."""

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe import ClampedSwiglu, ExpertBiases
+from kernels.moe import ClampedSwiglu, ExpertBiases, own_pairs
 from kernels.triton_fp8 import quantize_fp8_groupwise, quantize_fp8_rowwise
 from kernels.triton_moe_align import align
 from kernels.triton_moe_gemv import WeightScales, epilogue, expert_activation, moe_experts_gemv
@@ -297,8 +297,8 @@ def moe_experts(
                  swiglu=swiglu)  # fmt: skip
     row_scaled = gate_up_scale is not None and gate_up_scale.shape[-1] == 1  # as swept
     experts = down.shape[0]
-    own_pairs = ids.numel() * experts // (all_experts or experts)
-    if uses_gemv(own_pairs, experts, fp8=row_scaled):
+    pairs = own_pairs(ids.numel(), experts, all_experts)
+    if uses_gemv(pairs, experts, fp8=row_scaled):
         return moe_experts_gemv(x, gate_up, down, weights, ids, **extra)
     return moe_experts_grouped(x, gate_up, down, weights, ids, **extra)
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.int4 import CHUNK, PACK, Int4Stack
-from kernels.moe import ClampedSwiglu, ExpertBiases
+from kernels.moe import ClampedSwiglu, ExpertBiases, own_pairs
 from kernels.triton_e2m1 import e2m1_pairs, e2m1_value
 from kernels.triton_int4 import q_minus_z_pairs
 from kernels.triton_moe import block_pairs, block_tile, exact_dot, sum_chosen
@@ -261,8 +261,8 @@ def moe_experts_int4(
     _check(x, gate_up, hidden)
     _check(x.new_empty(0, inter), down, inter)
     experts = down.qweight.shape[0]
-    own_pairs = ids.numel() * experts // (all_experts or experts)
-    if uses_int4_gemv(own_pairs, experts, e2m1=down.e2m1):
+    pairs = own_pairs(ids.numel(), experts, all_experts)
+    if uses_int4_gemv(pairs, experts, e2m1=down.e2m1):
         return moe_experts_int4_gemv(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
     return moe_experts_int4_grouped(x, gate_up, down, weights, ids, biases=biases, swiglu=swiglu)
 

@@ -40,20 +40,11 @@ Result = tuple[list[int], list[list[int]]]  # tokens, and the top logprobs' ids 
 JOB_KV_CACHE_BYTES = 64 << 20
 
 
-def generate(
-    tmp_path: Path,
-    world: int,
-    model: str | None,
-    prompts: list[list[int]],
-    max_tokens: int,
-    top: int = 0,
-    loras: list[tuple[str, int, str] | None] | None = None,
-    **config: object,
-) -> list[Result]:
+def generate(tmp_path: Path, *job: Any, **config: object) -> list[Result]:
     """Each prompt's greedy tokens (and top ids) from `kvflow.LLM` on `world` ranks, run in a
     process of its own, under its LoRA adapter in `loras` (name, id, folder; None: the base
-    model); CPU and float32 unless `config` says otherwise."""
-    run_jobs({tmp_path: make_job(world, model, prompts, max_tokens, top, loras, **config)})
+    model); CPU and float32 unless `config` says otherwise. `job`: `make_job`'s arguments."""
+    run_jobs({tmp_path: make_job(*job, **config)})
     return job_results(tmp_path)
 
 
