@@ -46,7 +46,6 @@ import triton.language as tl
 
 from kernels import triton_split_k as split_k
 from kernels.invariance import INVARIANT_MAX_ROWS, batch_invariant
-from kernels.triton_e4m3 import scale_for, to_e4m3
 from kernels.triton_pdl import launches_early, wait_for_previous_kernel
 from kernels.triton_stages import launch_fitting
 
@@ -165,7 +164,6 @@ def _decode_partition_kernel(
     HAS_QUERY_LOC: tl.constexpr,  # a mixed batch: requests of 1..QUERIES tokens, at their rows
     FP16_DOTS: tl.constexpr,  # an FP8 cache and a bf16 query: both dots in fp16 (see below)
     E4M3_WORDS: tl.constexpr,  # the caches (and their strides) as 32-bit words: _e4m3_tile
-    FP8_QUERY: tl.constexpr,  # an FP8 cache's scores from e4m3 MMAs, keys first (see below)
     PDL: tl.constexpr,  # launched early (kernels.triton_pdl)
     WINDOWED: tl.constexpr,  # a sliding window: the splits share only the window's positions
     HAS_SINKS: tl.constexpr,  # a sink logit a head (gpt-oss), added where the output is written
@@ -217,16 +215,7 @@ def _decode_partition_kernel(
     # An FP8 cache is read in fp16 when the query is bf16: e4m3 -> fp16 is one conversion per
     # pair of values on Hopper (-> bf16 goes through float32), and a bf16 query is exact in
     # fp16 (8 mantissa bits into 11; its values are far inside fp16's range).
-    # With FP8_QUERY each row is rounded to e4m3 by its own scale instead, and the scores come
-    # from e4m3 x e4m3 MMAs with the tile's keys, as the cache holds them, the first operand
-    # ([TILE, D] x [D, GROUP_PAD]: 64 rows an MMA, which a query's 16 rows cannot fill): the
-    # keys are not converted at all (FP8_QUERY_MMAS, below).
-    q_scale = tl.full([GROUP_PAD], 1.0, tl.float32)
-    if FP8_QUERY:
-        q = q.to(tl.float32)
-        q_scale = scale_for(tl.max(tl.abs(q), axis=1))
-        q = to_e4m3(q / q_scale[:, None]).to(key_cache_ptr.dtype.element_ty)
-    elif FP16_DOTS:
+    if FP16_DOTS:
         q = q.to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -253,18 +242,9 @@ def _decode_partition_kernel(
             kv_offsets = slot_offsets[:, None] + dims[None, :]  # [T, D]
             k = tl.load(key_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)
             v = tl.load(value_cache_ptr + kv_offsets, mask=pos_valid[:, None], other=0.0)
-            if FP8_QUERY:  # the keys stay e4m3; the values go to fp16 for p @ v
-                v = v.to(tl.float16)
-            else:
-                k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)
 
-        if FP8_QUERY:
-            # Summed into float32 after each MMA's 32 products: Hopper's e4m3 MMAs keep fewer
-            # bits in between (a Gluon FP8 GEMM lost 3-6 % that way: docs/benchmarks.md).
-            scores = tl.dot(k, tl.trans(q), max_num_imprecise_acc=32)
-            scores = tl.trans(scores) * q_scale[:, None]  # [G, T]
-        else:
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, T]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [G, T]
         if SOFTCAPPED:
             scores = soft_cap(scores, cap_scale)
         scores *= qk_scale
@@ -601,12 +581,9 @@ def _launch_partitions(
     has_query_loc = query_start_loc is not None
     query_loc = query_start_loc.to(torch.int32).contiguous() if has_query_loc else seq_lens
     partials = _partials(out, num_reqs, num_kv_heads, num_splits, max_queries)
-    fp8_query = _fp8_query_mmas(query, key_cache)
-    words = not fp8_query and _reads_e4m3_words(query, key_cache, value_cache)
+    words = _reads_e4m3_words(query, key_cache, value_cache)
     padded_queries = INVARIANT_MAX_ROWS if splits[3] > 0 else max_queries
-    constants = _partition_constants(
-        query, key_cache, tiles, has_query_loc, (words, fp8_query), max_queries
-    )
+    constants = _partition_constants(query, key_cache, tiles, has_query_loc, words, max_queries)
     # Invariant: one row shape whatever the queries, so each row's sums take one order.
     constants.update(_query_pads(constants["GROUP"], padded_queries))
     constants.update(
@@ -682,7 +659,7 @@ def _partition_constants(
     key_cache: torch.Tensor,  # [num_blocks, block_size, KV, D], as given (not as words)
     tiles: DecodeTiles,
     has_query_loc: bool,
-    fp8_reads: tuple[bool, bool],  # _reads_e4m3_words, _fp8_query_mmas
+    words: bool,  # _reads_e4m3_words
     max_queries: int,
 ) -> dict:
     """The partition kernel's compile-time constants and launch options."""
@@ -702,8 +679,7 @@ def _partition_constants(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_QUERY_LOC=has_query_loc,
         FP16_DOTS=fp8_cache and query.dtype == torch.bfloat16,
-        E4M3_WORDS=fp8_reads[0],
-        FP8_QUERY=fp8_reads[1],
+        E4M3_WORDS=words,
         PDL=early,
         num_warps=tiles.num_warps,
         launch_pdl=early,
@@ -780,28 +756,6 @@ def reads_e4m3_words_on(tensor: torch.Tensor) -> bool:
 
 
 WORDS_MAX_HEAD_DIM = 128  # the head sizes measured with words (larger ones read bytes)
-
-# Whether an e4m3 cache's scores come from e4m3 MMAs, the query rounded to e4m3 by each row's
-# scale (FP8_QUERY in the kernel): the keys then reach the tensor cores unconverted, which the
-# fp16 dots of a 16-row query cannot do (Triton upcasts e4m3 operands there), and only the
-# values are converted. Off until timed on a GPU: the query's rounding costs precision (3
-# mantissa bits a value, as vLLM's FP8 attention on Hopper rounds it), which only speed would
-# justify (docs/benchmarks.md, attention kernels).
-FP8_QUERY_MMAS = False
-
-
-def _fp8_query_mmas(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether the partition kernel takes FP8_QUERY: FP8_QUERY_MMAS, an e4m3 cache, a 16-bit
-    query of 32-128 values a head (256 spilled registers, sm_90), on Hopper on or interpreted.
-    In a mixed batch only the decode kernel's rows round their query; the prefill kernel's
-    do not."""
-    if not FP8_QUERY_MMAS or key_cache.dtype != torch.float8_e4m3fn:
-        return False
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if not 32 <= query.shape[2] <= WORDS_MAX_HEAD_DIM:  # an e4m3 dot's K: 32 on; 256 spilled
-        return False
-    return not query.is_cuda or _hopper_or_later(query.device.index or 0)
 
 
 def _reads_e4m3_words(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):

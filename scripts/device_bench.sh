@@ -52,15 +52,6 @@ for part in $PARTS; do
     attention-sweep)  # decode attention launch configs, bf16 and FP8 caches (issue 13)
         run attention-sweep python3 -m sweeps.attention_sweep \
             --out "$OUT/attention_sweep.json" ;;
-    attention-fp8-mmas)  # an FP8 cache's scores from e4m3 MMAs (FP8_QUERY_MMAS) against the
-        # word reads, at offline's contexts and a long one; then its GPU tests
-        for mmas in "" --fp8-query-mmas; do
-            run "attention-fp8${mmas}" python3 -m sweeps.attention_sweep --kv-dtypes fp8 \
-                --cases 256x512 256x768 256x4096 64x32768 $mmas \
-                --out "$OUT/attention_fp8${mmas:+_mmas}.json"
-        done
-        run attention-fp8-tests python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider \
-            tests/kernels/test_fp8_kv_cache.py ;;
     prefill-attention)  # prefill attention tiles against PyTorch's FlashAttention-2 and cuDNN
         run prefill-attention python3 -m sweeps.prefill_attention_sweep \
             --out "$OUT/prefill_attention_sweep.json" ;;

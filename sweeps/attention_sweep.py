@@ -13,7 +13,6 @@ tiles, at their picked split count and at each count given (how `pick_num_splits
 
     python -m sweeps.attention_sweep --out $OUT/attention_sweep.json
     python -m sweeps.attention_sweep --split-counts 1 2 3 4 8 --cases 64x32768 32x4096
-    python -m sweeps.attention_sweep --kv-dtypes fp8 --fp8-query-mmas   # FP8_QUERY_MMAS on
 
 Needs a CUDA GPU and ~10 GB of its memory; about 2-3 minutes on an H100.
 """
@@ -35,7 +34,6 @@ import torch
 import triton
 
 from benchmarks.kernel_bench import copy_bandwidth_gbs, decode_case, median_ms
-from kernels import triton_decode_attention
 from kernels.triton_decode_attention import (
     DecodeTiles,
     default_decode_tiles,
@@ -182,10 +180,6 @@ def _compile(job: tuple[str, Config]) -> None:
         torch.cuda.synchronize()
 
 
-def _set_fp8_query_mmas(on: bool) -> None:
-    triton_decode_attention.FP8_QUERY_MMAS = on
-
-
 def precompile(jobs: list[tuple[str, Config]], processes: int) -> None:
     """Compiles every (kv dtype, config) in `processes` processes at once."""
     jobs = list(dict.fromkeys(jobs))
@@ -193,11 +187,7 @@ def precompile(jobs: list[tuple[str, Config]], processes: int) -> None:
         return
     started = time.perf_counter()
     try:
-        flag = (triton_decode_attention.FP8_QUERY_MMAS,)  # a spawned process starts without it
-        pool = multiprocessing.get_context("spawn").Pool(
-            min(processes, len(jobs)), initializer=_set_fp8_query_mmas, initargs=flag
-        )
-        with pool:
+        with multiprocessing.get_context("spawn").Pool(min(processes, len(jobs))) as pool:
             pool.map(_compile, jobs, chunksize=1)
     except Exception as error:  # compiles then happen in the sweep, only slower
         print(f"[compile] parallel compile failed ({error}); compiling serially", flush=True)
@@ -239,11 +229,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--jobs", type=int, default=12, help="compile processes; 0: in the sweep")
     parser.add_argument(
-        "--fp8-query-mmas",
-        action="store_true",
-        help="an FP8 cache's scores from e4m3 MMAs (triton_decode_attention.FP8_QUERY_MMAS)",
-    )
-    parser.add_argument(
         "--split-counts",
         nargs="+",
         type=int,
@@ -266,7 +251,6 @@ def parse_case(text: str) -> tuple[int, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _set_fp8_query_mmas(args.fp8_query_mmas)
     if not torch.cuda.is_available():
         raise SystemExit("attention_sweep.py times kernels on a CUDA GPU, and none is visible")
     started = time.perf_counter()
@@ -311,7 +295,6 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_gb_per_s": round(copy_gbs, 1),
-        "fp8_query_mmas": args.fp8_query_mmas,
         "shape": {
             "num_heads": NUM_HEADS,
             "num_kv_heads": NUM_KV_HEADS,

@@ -53,7 +53,7 @@ from kernels import gluon_hopper, gluon_int4
 from kernels.fp8 import FP8
 from kernels.int4 import Int4Stack
 from kernels.moe import ClampedSwiglu, ExpertBiases
-from kernels.triton_decode_attention import DecodeTiles, paged_decode_attention
+from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_fp8 import fp8_skinny_linear
 from kernels.triton_int4 import int4_linear
 from kernels.triton_linear import skinny_linear
@@ -274,26 +274,6 @@ def _attention_launches(kv_dtype: torch.dtype) -> None:
                 )
 
 
-def _fp8_query_attention_launches() -> None:
-    """Decodes of an FP8 cache with its scores from e4m3 MMAs (FP8_QUERY_MMAS, off by default),
-    at 64- and 128-dim heads, in one split and in several, at the tiles a sweep would try."""
-    from kernels import triton_decode_attention
-
-    saved = triton_decode_attention.FP8_QUERY_MMAS
-    triton_decode_attention.FP8_QUERY_MMAS = True
-    try:
-        for head_dim, tile in itertools.product((64, 128), (64, 128)):
-            cache = torch.empty(64, 16, 8, head_dim, dtype=torch.float8_e4m3fn)
-            tables = torch.zeros(4, 16, dtype=torch.int32)
-            seq_lens = torch.full((4,), 256, dtype=torch.int32)
-            query = torch.empty(4, 32, head_dim, dtype=torch.bfloat16)
-            for splits in (1, 4):
-                paged_decode_attention(query, cache, cache, tables, seq_lens, 0.1,
-                                       num_splits=splits, tiles=DecodeTiles(tile))  # fmt: skip
-    finally:
-        triton_decode_attention.FP8_QUERY_MMAS = saved
-
-
 def _moe_launches(fp8: bool, gpt_oss: bool = False) -> None:
     """Qwen3-30B-A3B's experts at one token (the GEMVs) and at each grouped tile set's most
     pairs (the last at 16,384 tokens), bf16 or FP8 (a scale per row); with gpt-oss's biases
@@ -370,7 +350,6 @@ CHECKS: dict[str, tuple[Callable[[], None], tuple[int, ...]]] = {
     "int4 wgmma (Gluon)": (_gluon_int4_launches, (90,)),
     "attention bf16 cache": (lambda: _attention_launches(torch.bfloat16), (80, 86, 89, 90)),
     "attention fp8 cache": (lambda: _attention_launches(torch.float8_e4m3fn), (89, 90)),
-    "attention fp8 cache, e4m3 MMAs": (_fp8_query_attention_launches, (90,)),
     "moe bf16": (lambda: _moe_launches(fp8=False), (86, 90)),  # the least shared memory, H100
     "moe fp8": (lambda: _moe_launches(fp8=True), (89, 90)),
     "moe int4": (_moe_int4_launches, (80, 86, 90)),

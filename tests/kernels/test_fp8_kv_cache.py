@@ -12,7 +12,6 @@ pytest.importorskip("triton")
 from kernels import triton_decode_attention
 from kernels.attention import paged_attention_reference
 from kernels.cache import to_cache_dtype
-from kernels.fp8 import quantize_fp8_rowwise_reference
 from kernels.rotary_cache import rotary_write_kv_reference
 from kernels.triton_decode_attention import paged_decode_attention
 from kernels.triton_prefill_attention import paged_prefill_attention
@@ -133,18 +132,10 @@ def test_decode_reads_the_fp8_cache_as_the_reference() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(
-    ("dtype", "mmas"),
-    [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)],
-    ids=["bf16", "fp16", "bf16-e4m3-mmas"],
-)
-def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(
-    dtype: torch.dtype, mmas: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(dtype: torch.dtype) -> None:
     # Llama-3.1-8B's heads, contexts of 1 to 4096 tokens (tails of a tile and of a block),
-    # every split count kind; on Hopper the cache is read as words (_e4m3_tile), or with
-    # FP8_QUERY_MMAS as bytes, the keys into e4m3 MMAs with the query rounded per row.
-    monkeypatch.setattr(triton_decode_attention, "FP8_QUERY_MMAS", mmas)
+    # every split count kind; on Hopper the cache is read as words (_e4m3_tile).
     generator = torch.Generator().manual_seed(7)
     seq_lens = torch.randint(1, 4097, (48,), generator=generator)
     seq_lens[:4] = torch.tensor([1, 4096, 4095, 129])
@@ -154,12 +145,8 @@ def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(
     key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
     query = query.to(dtype)
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    words = triton_decode_attention._reads_e4m3_words(query, key_cache, value_cache)
-    assert words == hopper and triton_decode_attention._fp8_query_mmas(query, key_cache) == (
-        hopper and mmas
-    )
-    rounded = rounded_query(query) if hopper and mmas else query
-    expected = decode_tests.reference(rounded, key_cache, value_cache, tables, lens, 128**-0.5)
+    assert triton_decode_attention._reads_e4m3_words(query, key_cache, value_cache) == hopper
+    expected = decode_tests.reference(query, key_cache, value_cache, tables, lens, 128**-0.5)
     for num_splits in (1, 8, None):
         out = paged_decode_attention(
             query, key_cache, value_cache, tables, lens, 128**-0.5, num_splits=num_splits
@@ -167,35 +154,6 @@ def test_gpu_decode_reads_the_fp8_cache_at_real_shapes(
         torch.testing.assert_close(
             out.float(), expected.float(), atol=2e-2, rtol=2e-2, msg=f"{num_splits=}"
         )
-
-
-def rounded_query(query: torch.Tensor) -> torch.Tensor:
-    """The query as FP8_QUERY rounds it: each (token, head) row to e4m3 by its own scale."""
-    q, scale = quantize_fp8_rowwise_reference(query.float().reshape(-1, query.shape[-1]))
-    return (q.float() * scale).reshape(query.shape)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_scores_from_e4m3_mmas_are_the_reference_on_the_rounded_query(
-    monkeypatch: pytest.MonkeyPatch, num_splits: int
-) -> None:
-    # FP8_QUERY_MMAS: the query rounded per row, the keys unconverted in e4m3 x e4m3 dots
-    # (interpreted here: the path the flag takes on Hopper).
-    monkeypatch.setattr(triton_decode_attention, "FP8_QUERY_MMAS", True)
-    query, key_cache, value_cache, tables, lens = decode_tests.make_case(
-        decode_tests.SEQ_LENS, 8, 2, 64, torch.float32, seed=4
-    )
-    key_cache, value_cache = key_cache.to(FP8), value_cache.to(FP8)
-    query = (query * 3).to(DEVICE, torch.bfloat16)
-    assert triton_decode_attention._fp8_query_mmas(query, key_cache)
-    out = paged_decode_attention(
-        query, key_cache, value_cache, tables, lens, 0.125, num_splits=num_splits
-    )
-    rounded = rounded_query(query)
-    expected = decode_tests.reference(rounded, key_cache, value_cache, tables, lens, 0.125)
-    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
-    unrounded = decode_tests.reference(query.float(), key_cache, value_cache, tables, lens, 0.125)
-    assert (out.float() - unrounded).abs().max() > (out.float() - expected).abs().max()
 
 
 @pytest.mark.parametrize("batch", list(prefill_tests.BATCHES))

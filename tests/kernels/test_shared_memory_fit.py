@@ -91,15 +91,7 @@ FP8 = (
     {"_skinny_linear_kernel", "_fp8_gemv_kernel", "_int4_dot_kernel", *ATTENTION},
 )
 MOE = {"_gate_up_kernel", "_down_kernel", "_pair_gate_up_kernel", "_token_down_kernel"}
-HOPPER = (
-    {
-        "skinny bf16, 17-64 rows (Hopper)",
-        "moe bf16",
-        "moe fp8",
-        "moe mxfp4 gpt-oss",
-        "attention fp8 cache, e4m3 MMAs",
-    },
-)
+HOPPER = ({"skinny bf16, 17-64 rows (Hopper)", "moe bf16", "moe fp8", "moe mxfp4 gpt-oss"},)
 GLUON = ({"int4 wgmma (Gluon)"}, {"_int4_wgmma_kernel"})  # Hopper's alone
 INT4_MOE = (
     {"moe int4"},
